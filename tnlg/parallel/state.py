@@ -1,0 +1,167 @@
+"""Parallel layout: which ranks form tensor-parallel (TP) and data-parallel (DP) groups.
+
+Layout (Megatron's): TP ranks are contiguous, so ranks ``0..tp-1`` form the
+first TP group, ``tp..2tp-1`` the second, and so on; the DP group of a rank is
+every rank with the same TP rank (``tp_rank, tp_rank + tp, ...``). With TP
+inside a node and DP across nodes, TP traffic (two all-reduces per layer per
+pass) stays on the fast links.
+
+There are no module globals: a :class:`ParallelState` object is passed to
+every layer that communicates. A *virtual* state (no processes, no groups)
+lets a model shard be built on the meta device for planning; building works,
+communicating raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelState", "init_parallel", "destroy_parallel"]
+
+
+@dataclass
+class ParallelState:
+    """Ranks, sizes and process groups of one process in a (TP x DP) layout.
+
+    ``tp_group``/``dp_group`` are ``None`` for a virtual state or where the
+    group has a single member (collectives over one rank are skipped).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    device: torch.device = torch.device("cpu")
+    virtual: bool = False
+
+    @property
+    def rank(self) -> int:
+        """Global rank in the TP-contiguous layout."""
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group."""
+        return self.dp_rank * self.tp_size
+
+    @property
+    def is_first(self) -> bool:
+        """True on the one rank that should print or write shared files."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelState":
+        """One process, no parallelism (TP = DP = 1)."""
+        return cls(device=torch.device(device))
+
+    @classmethod
+    def for_virtual_rank(cls, tp_size: int, tp_rank: int = 0, dp_size: int = 1,
+                         dp_rank: int = 0) -> "ParallelState":
+        """A state for a rank that does not exist: build shards on meta to plan memory.
+
+        >>> with torch.device("meta"):
+        ...     shard = GPT(GPTConfig.preset("tnlg-17b"), ParallelState.for_virtual_rank(4, 2))
+        """
+        _check_rank("tp_size", tp_size, "tp_rank", tp_rank)
+        _check_rank("dp_size", dp_size, "dp_rank", dp_rank)
+        return cls(tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
+                   device=torch.device("meta"), virtual=True)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+                f"dp {self.dp_rank}/{self.dp_size}, device {self.device}")
+
+
+def _check_rank(size_name: str, size: int, rank_name: str, rank: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{size_name} must be a positive integer, got {size!r}.")
+    if not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"{rank_name} must be in [0, {size - 1}] for {size_name}={size}, got {rank!r}.")
+
+
+def _device_for_backend(backend: str) -> torch.device:
+    """NCCL -> the CUDA device of LOCAL_RANK; anything else -> CPU. Nothing hard-coded."""
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _check_layout(world_size: int, tensor_parallel_size: int) -> None:
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
+    if world_size % tensor_parallel_size != 0:
+        valid = [t for t in range(1, world_size + 1) if world_size % t == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}: "
+            f"every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
+            f"{world_size} processes: {valid}.")
+
+
+def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
+                  timeout: timedelta = timedelta(minutes=10),
+                  init_method: Optional[str] = None) -> ParallelState:
+    """Create the TP and DP groups and return this process's :class:`ParallelState`.
+
+    Works in three situations:
+
+    * a default process group already exists (tests, notebooks): it is used as is;
+    * under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment): the default
+      group is initialised from the environment (or ``init_method``);
+    * a plain single process with no launcher: world of one, no process group.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. The
+    ``timeout`` bounds every collective, so a hung peer fails instead of stalling.
+    Every rank must call this (``new_group`` is collective).
+    """
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        backend = dist.get_backend()
+    elif "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 or init_method:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        _check_layout(world, tensor_parallel_size)
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        _check_layout(1, tensor_parallel_size)
+        device = _device_for_backend(backend) if backend else torch.device("cpu")
+        return ParallelState(device=device)
+
+    _check_layout(world, tensor_parallel_size)
+    tp = tensor_parallel_size
+    dp = world // tp
+    tp_group = dp_group = None
+    # new_group is collective: every rank creates every group, in the same order.
+    for d in range(dp):
+        ranks = list(range(d * tp, (d + 1) * tp))
+        g = dist.new_group(ranks, timeout=timeout) if tp > 1 else None
+        if rank in ranks:
+            tp_group = g
+    for t in range(tp):
+        ranks = list(range(t, world, tp))
+        g = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
+        if rank in ranks:
+            dp_group = g
+    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp, dp_size=dp,
+                         tp_group=tp_group, dp_group=dp_group,
+                         device=_device_for_backend(backend))
+
+
+def destroy_parallel() -> None:
+    """Tear down the default process group (and with it the TP/DP groups), if any."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

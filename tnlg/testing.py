@@ -1,0 +1,81 @@
+"""Run a function on N local gloo processes: the harness of tests and benchmarks.
+
+``run_distributed(fn, world_size, tp, *args)`` spawns ``world_size`` processes,
+each with one intra-op thread (two ranks on two cores), a ``file://``
+rendezvous in a fresh temporary directory (no port races) and a process-group
+timeout (a hang fails fast). Each calls ``fn(ps, *args)`` with its
+:class:`~tnlg.parallel.state.ParallelState` and the return values come back
+as a list indexed by global rank. A worker's exception is re-raised here with
+the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .parallel.state import init_parallel
+
+__all__ = ["run_distributed"]
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _worker(rank: int, fn: Callable, world_size: int, tp: int, tmp: str, timeout_s: float,
+            threads: int, args: tuple) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TNLG_QUIET", "1")
+    result_path = os.path.join(tmp, f"result_{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
+                                rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        ps = init_parallel(tensor_parallel_size=tp, timeout=timedelta(seconds=timeout_s))
+        out = fn(ps, *args)
+        with open(result_path, "wb") as f:
+            pickle.dump(("ok", out), f)
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        with open(result_path, "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, tp: int = 1, *args: Any,
+                    timeout_s: float = 60.0, threads: int = 1) -> list[Any]:
+    """Run ``fn(ps, *args)`` on ``world_size`` gloo processes with TP size ``tp``.
+
+    ``fn`` must be importable (a module-level function). Returns the per-rank
+    results in rank order; raises :class:`WorkerError` carrying the first failing
+    worker's traceback.
+    """
+    with tempfile.TemporaryDirectory(prefix="tnlg_dist_") as tmp:
+        try:
+            mp.start_processes(_worker, args=(fn, world_size, tp, tmp, timeout_s, threads, args),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except Exception as exc:  # collect the worker's own traceback
+            for rank in range(world_size):
+                path = os.path.join(tmp, f"result_{rank}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        status, payload = pickle.load(f)
+                    if status == "error":
+                        raise WorkerError(f"rank {rank} failed:\n{payload}") from exc
+            raise
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f)[1])
+        return results
