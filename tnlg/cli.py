@@ -17,6 +17,10 @@ from .errors import UserError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tnlg.demo", "tensor-parallel demo: per-rank shards checked against one process"),
+    "plan": ("tnlg.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
+    "train-tokenizer": ("tnlg.data.cli", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
+    "preprocess": ("tnlg.data.cli", "tokenize .jsonl/.txt into Megatron .bin/.idx files"),
+    "data": ("tnlg.data.cli", "built-in corpus (prepare) and .bin/.idx checks (info)"),
 }
 
 
@@ -27,7 +31,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        if only is None or name == only:
+        if name == only:  # only the chosen command's module is imported
             importlib.import_module(module).add_arguments(p)
     return parser
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .state import ParallelState
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
-           "all_gather_flat", "reduce_scatter_flat", "all_reduce"]
+           "all_gather_flat", "reduce_scatter_flat", "all_reduce", "all_gather_uneven"]
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -65,16 +65,26 @@ def _split_sizes(ps: ParallelState, width: int, sizes: Optional[Sequence[int]]) 
     return list(sizes)
 
 
+def all_gather_uneven(x: torch.Tensor, sizes: Sequence[int], dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, where rank ``i`` holds ``sizes[i]`` entries.
+
+    Collectives need equal sizes (gloo and NCCL), so shards are zero-padded to the
+    largest size, gathered, and trimmed.
+    """
+    x = x.movedim(dim, 0)
+    width = max(sizes)
+    if x.shape[0] < width:
+        x = torch.cat([x, x.new_zeros(width - x.shape[0], *x.shape[1:])])
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
+
+
 def _gather_last_dim(x: torch.Tensor, ps: ParallelState, sizes: Optional[Sequence[int]]) -> torch.Tensor:
     if ps.tp_size == 1:
         return x
-    x = x.contiguous()
-    if sizes is None or len(set(sizes)) == 1:
-        parts = [torch.empty_like(x) for _ in range(ps.tp_size)]
-    else:
-        parts = [x.new_empty(*x.shape[:-1], s) for s in sizes]
-    dist.all_gather(parts, x, group=ps.tp_group)
-    return torch.cat(parts, dim=-1)
+    return all_gather_uneven(x, _split_sizes(ps, x.shape[-1] * ps.tp_size, sizes), -1, ps.tp_group)
 
 
 def _slice_last_dim(x: torch.Tensor, ps: ParallelState, sizes: Optional[Sequence[int]]) -> torch.Tensor:

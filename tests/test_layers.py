@@ -1,0 +1,124 @@
+"""Each TP layer and the vocab-parallel cross-entropy against plain torch.nn on the same full weights."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tnlg.config import padded_vocab_size, partition_sizes
+from tnlg.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                           vocab_parallel_cross_entropy)
+from tnlg.parallel.layers import shard_of
+from tnlg.testing import run_distributed
+
+from .conftest import LAYOUTS
+
+ATOL = 1e-5
+
+
+def _close(a, b, what):
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert torch.allclose(a, b, atol=ATOL, rtol=1e-5), f"{what}: max abs err {err}"
+
+
+def _slice_last(t, sizes, rank):
+    start = sum(sizes[:rank])
+    return t[..., start:start + sizes[rank]]
+
+
+def _layers_body(ps):
+    tp, r = ps.tp_size, ps.tp_rank
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=gen)
+    out = 10                                       # uneven at tp=4: [3, 3, 2, 2]
+    sizes = partition_sizes(out, tp)
+    W, b = torch.randn(out, 8, generator=gen), torch.randn(out, generator=gen)
+    gy = torch.randn(2, 5, out, generator=gen)
+    ref = nn.Linear(8, out)
+    with torch.no_grad():
+        ref.weight.copy_(W), ref.bias.copy_(b)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * gy).sum().backward()
+
+    # column parallel, both output modes
+    for gather in (True, False):
+        col = ColumnParallelLinear(8, out, ps, gather_output=gather, partition_sizes=sizes)
+        with torch.no_grad():
+            col.weight.copy_(shard_of(W, col.weight, r)), col.bias.copy_(shard_of(b, col.bias, r))
+        xi = x.clone().requires_grad_()
+        y = col(xi)
+        g = gy if gather else _slice_last(gy, sizes, r)
+        _close(y, yr if gather else _slice_last(yr, sizes, r), f"column out gather={gather}")
+        (y * g).sum().backward()
+        _close(xi.grad, xr.grad, f"column input grad gather={gather}")
+        _close(col.weight.grad, shard_of(ref.weight.grad, col.weight, r), "column weight grad")
+        _close(col.bias.grad, shard_of(ref.bias.grad, col.bias, r), "column bias grad")
+
+    # row parallel (in=10 split unevenly, out=8), both input modes
+    W2, b2 = torch.randn(8, out, generator=gen), torch.randn(8, generator=gen)
+    x2 = torch.randn(2, 5, out, generator=gen)
+    g2 = torch.randn(2, 5, 8, generator=gen)
+    ref2 = nn.Linear(out, 8)
+    with torch.no_grad():
+        ref2.weight.copy_(W2), ref2.bias.copy_(b2)
+    x2r = x2.clone().requires_grad_()
+    y2r = ref2(x2r)
+    (y2r * g2).sum().backward()
+    for parallel_in in (True, False):
+        row = RowParallelLinear(out, 8, ps, input_is_parallel=parallel_in, partition_sizes=sizes)
+        with torch.no_grad():
+            row.weight.copy_(shard_of(W2, row.weight, r)), row.bias.copy_(b2)
+        xi = (_slice_last(x2, sizes, r) if parallel_in else x2).clone().requires_grad_()
+        y = row(xi)
+        _close(y, y2r, f"row out input_is_parallel={parallel_in}")
+        (y * g2).sum().backward()
+        _close(xi.grad, _slice_last(x2r.grad, sizes, r) if parallel_in else x2r.grad, "row input grad")
+        _close(row.weight.grad, shard_of(ref2.weight.grad, row.weight, r), "row weight grad")
+        _close(row.bias.grad, ref2.bias.grad, "row bias grad (replicated)")
+
+    # vocab-parallel embedding, vocab 13 that tp does not divide
+    V, H = 13, 8
+    E = torch.randn(V, H, generator=gen)
+    ids = torch.randint(0, V, (3, 7), generator=gen)
+    ge = torch.randn(3, 7, H, generator=gen)
+    emb = VocabParallelEmbedding(V, H, ps, padded_vocab_size(V, tp, divisible_by=1))
+    with torch.no_grad():
+        emb.weight.copy_(shard_of(E, emb.weight, r))
+    ref_e = nn.Embedding(V, H)
+    with torch.no_grad():
+        ref_e.weight.copy_(E)
+    ye, yer = emb(ids), ref_e(ids)
+    _close(ye, yer, "embedding out")
+    (ye * ge).sum().backward()
+    (yer * ge).sum().backward()
+    _close(emb.weight.grad, shard_of(ref_e.weight.grad, emb.weight, r), "embedding weight grad")
+
+    # vocab-parallel cross-entropy: padded columns hold garbage that must not matter
+    Vp = padded_vocab_size(V, tp, divisible_by=2)
+    logits_full = torch.randn(3, 7, V, generator=gen) * 3
+    labels = torch.randint(0, V, (3, 7), generator=gen)
+    labels[0, :] = V - 1                           # targets on the last rank's shard
+    gl = torch.rand(3, 7, generator=gen)
+    padded = torch.cat([logits_full, 50 + torch.randn(3, 7, Vp - V, generator=gen)], dim=-1)
+    shard = padded.chunk(tp, dim=-1)[r].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, labels, ps, V)
+    lr = logits_full.clone().requires_grad_()
+    loss_ref = F.cross_entropy(lr.reshape(-1, V), labels.reshape(-1), reduction="none").view(3, 7)
+    _close(loss, loss_ref, "cross-entropy loss")
+    (loss * gl).sum().backward()
+    (loss_ref * gl).sum().backward()
+    grad_ref = torch.cat([lr.grad, torch.zeros(3, 7, Vp - V)], dim=-1).chunk(tp, dim=-1)[r]
+    _close(shard.grad, grad_ref, "cross-entropy logit grad (padded columns get zero)")
+    return True
+
+
+@pytest.mark.parametrize("world,tp", LAYOUTS)
+def test_layers_match_torch_nn(world, tp):
+    assert all(run_distributed(_layers_body, world, tp))
+
+
+def test_cross_entropy_rejects_out_of_vocab_target():
+    from tnlg.parallel import ParallelState
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        vocab_parallel_cross_entropy(torch.randn(2, 16), torch.tensor([3, 16]), ParallelState.single(), 16)

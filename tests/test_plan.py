@@ -1,0 +1,241 @@
+"""``tnlg plan``: ZeRO Table 1, meta-device counts, the T-NLG layouts, uneven heads, errors.
+
+The CLI runs in-process (``tnlg.cli.main``) with ``capsys``; nothing here allocates
+model memory (shards are built on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tnlg.cli import main
+from tnlg.config import PRESETS, GPTConfig
+from tnlg.errors import UserError
+from tnlg.model import parameter_counts
+from tnlg.plan.counts import rank_counts_formula, replicated_per_rank
+from tnlg.plan.flops import flops_per_iteration, rank_flops_imbalance, reference_flops
+from tnlg.plan.memory import activation_bytes, model_state_bytes
+from tnlg.plan.units import parse_bytes, parse_count
+
+
+def plan_json(capsys, *argv) -> dict:
+    """Run ``tnlg plan ... --json`` in-process; stdout must be exactly one JSON object."""
+    capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    obj = json.loads(out)  # fails on anything besides one JSON document
+    assert isinstance(obj, dict)
+    return obj
+
+
+def plan_error(capsys, *argv) -> str:
+    capsys.readouterr()
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+# --- ZeRO paper, Table 1 ---------------------------------------------------------------------
+# Nd -> {model: (stage 1, stage 2, stage 3)} as printed in the paper (GB = 1e9 bytes).
+TABLE1 = {
+    1: {"7.5e9": ("120", "120", "120"), "1.28e+11": ("2048", "2048", "2048"), "1e12": ("16000", "16000", "16000")},
+    4: {"7.5e9": ("52.5", "41.3", "30"), "1.28e+11": ("896", "704", "512"), "1e12": ("7000", "5500", "4000")},
+    16: {"7.5e9": ("35.6", "21.6", "7.5"), "1.28e+11": ("608", "368", "128"), "1e12": ("4750", "2875", "1000")},
+    64: {"7.5e9": ("31.4", "16.6", "1.88"), "1.28e+11": ("536", "284", "32"), "1e12": ("4187", "2218", "250")},
+    256: {"7.5e9": ("30.4", "15.4", "0.47"), "1.28e+11": ("518", "263", "8"), "1e12": ("4046", "2054", "62.5")},
+    1024: {"7.5e9": ("30.1", "15.1", "0.12"), "1.28e+11": ("513", "257", "2"), "1e12": ("4011", "2013", "15.6")},
+}
+CELLS = [(params, nd, stage, cells[stage - 1])
+         for nd, row in TABLE1.items() for params, cells in row.items() for stage in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("params,nd,stage,printed", CELLS)
+def test_zero_table1_cell(capsys, params, nd, stage, printed):
+    plan = plan_json(capsys, "--params", params, "--zero-stage", str(stage), "--data-parallel-size", str(nd),
+                     "--precision", "fp16")
+    ours = plan["memory"]["model_states"] / 1e9
+    paper = float(printed)
+    if abs(ours - paper) <= 0.005 * paper:
+        return
+    # One cell cannot be within 0.5%: 16 * 7.5e9 / 1024 = 0.1172 GB, which the paper prints
+    # with two decimals as 0.12. It must then round to the printed digits.
+    assert (params, nd, stage) == ("7.5e9", 1024, 3), (params, nd, stage, ours, paper)
+    decimals = len(printed.split(".")[1])
+    assert round(ours, decimals) == paper
+
+
+def test_zero_stage0_and_fp32(capsys):
+    plan = plan_json(capsys, "--params", "7500000000", "--zero-stage", "0", "--data-parallel-size", "64")
+    assert plan["memory"]["model_states"] == 16 * 7_500_000_000
+    s1 = model_state_bytes(10**9, 8, 1, "fp32")
+    assert (s1["params"], s1["grads"], s1["optimizer"]) == (4 * 10**9, 4 * 10**9, 10**9)
+    assert model_state_bytes(10**9, 8, 0, "bf16")["total"] == 16 * 10**9
+
+
+# --- parameter counts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_meta_counts_equal_formula(name):
+    config = GPTConfig.preset(name)
+    for tp in (1, 4):
+        meta = parameter_counts(config, tp)
+        assert meta["total"] == config.num_parameters_formula()
+        assert meta["per_rank"] == rank_counts_formula(config, tp)
+
+
+@pytest.mark.parametrize("name,tp", [("tiny", 3), ("gpt2-medium", 3), ("gpt2-xl", 4), ("tnlg-17b", 8)])
+def test_per_rank_counts_sum_to_total(name, tp):
+    config = GPTConfig.preset(name)
+    meta = parameter_counts(config, tp)
+    ranks, rep = meta["per_rank"], replicated_per_rank(config)
+    assert all(r["replicated"] == rep for r in ranks)
+    # unpadded: every real parameter once, replicated ones tp times
+    assert sum(r["params_unpadded"] for r in ranks) == config.num_parameters_formula() + rep * (tp - 1)
+    # with padding: the padded vocabulary rows are real memory on the last ranks
+    padding = (config.padded_vocab_size(tp) - config.vocab_size) * config.hidden_size
+    assert meta["total_padded"] == config.num_parameters_formula() + padding
+    assert sum(r["params"] for r in ranks) == meta["total_padded"] + rep * (tp - 1)
+
+
+def test_tnlg_17b_formula_matches_reference():
+    # REFERENCE.md: 17,177,045,760 with V = 50304 and the final LayerNorm; the unpadded
+    # model (V = 50257) has 47 * 4256 fewer.
+    config = GPTConfig.preset("tnlg-17b")
+    assert config.num_parameters_formula(vocab_size=50304) == 17_177_045_760
+    assert config.num_parameters_formula() == 17_177_045_760 - 47 * 4256
+
+
+# --- the T-NLG claims ------------------------------------------------------------------------
+TNLG = ["--preset", "tnlg-17b", "--gpu-memory", "32GB", "--global-batch-size", "512", "--world-size", "256"]
+
+
+def test_tnlg_17b_tp4_needs_zero(capsys):
+    plain = plan_json(capsys, *TNLG, "--tensor-model-parallel-size", "4", "--zero-stage", "0")
+    assert plain["model"]["seq_length"] == 1024
+    assert plain["layout"]["dp"] == 64 and not plain["memory"]["model_states_fit"]
+    assert plain["memory"]["model_states"] > 64e9  # 16 Psi, Psi = 4.3B
+    zero1 = plan_json(capsys, *TNLG, "--tensor-model-parallel-size", "4", "--zero-stage", "1")
+    assert zero1["memory"]["model_states_fit"] and zero1["memory"]["model_states"] < 19e9
+    needed = zero1["tp_needed"]
+    # plain DP: 10 is the smallest TP (uneven heads), 14 the smallest even split,
+    # 16 the smallest dividing 256 GPUs -- Megatron's TP, which it cannot run for 28 heads.
+    assert (needed["plain_dp_any"], needed["plain_dp_even"], needed["plain_dp_world"]) == (10, 14, 16)
+    assert needed["this_stage_world"] == 4
+    capsys.readouterr()
+    main(["plan", *TNLG, "--tensor-model-parallel-size", "4", "--zero-stage", "0"])
+    text = capsys.readouterr().out
+    assert "do NOT fit" in text and "TP 16 (dividing 256 GPUs)" in text
+
+
+def test_tnlg_17b_tp16_uneven(capsys):
+    plan = plan_json(capsys, "--preset", "tnlg-17b", "--tensor-model-parallel-size", "16")
+    p = plan["parameters"]
+    assert p["source"].startswith("meta-device")
+    assert p["heads_per_rank"] == [2] * 12 + [1] * 4 and p["uneven"]
+    assert p["largest_rank"]["rank"] == 0 and p["largest_rank"]["heads"] == 2
+    assert p["smallest_rank"]["heads"] == 1
+    assert p["largest_rank"]["params"] > p["smallest_rank"]["params"]
+    assert 0 < p["imbalance_percent"] < 10
+    assert plan["layout"]["megatron_can_run"] is False
+    assert plan["memory"]["psi"] == p["largest_rank"]["params"]
+    assert plan["compute"]["rank_imbalance_factor"] > 1
+    capsys.readouterr()
+    assert main(["plan", "--preset", "tnlg-17b", "--tensor-model-parallel-size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "largest rank 0" in text and "smallest rank 12" in text and "2 heads x 12 ranks, 1 head x 4 ranks" in text
+
+
+def test_search_tnlg_17b(capsys):
+    res = plan_json(capsys, "--preset", "tnlg-17b", "--search", "--world-size", "256", "--gpu-memory", "32GB")
+    rows = res["layouts"]
+    assert rows and [r["tp"] for r in rows] == sorted(r["tp"] for r in rows)
+    assert {r["tp"] for r in rows} <= {1, 2, 4, 8, 16}
+    assert all(r["total"] <= 32e9 and r["dp"] * r["tp"] == 256 for r in rows)
+    assert not any(r["tp"] == 4 and r["zero_stage"] == 0 for r in rows)
+    assert any(r["tp"] == 4 and r["zero_stage"] == 1 for r in rows)
+    assert all(r["uneven"] == (28 % r["tp"] != 0) for r in rows)
+    assert all(512 % (r["dp"] * r["micro_batch"]) == 0 for r in rows)
+
+
+def test_search_candidates_include_uneven(capsys):
+    res = plan_json(capsys, "--preset", "gpt2-xl", "--search", "--world-size", "6", "--global-batch-size", "12",
+                    "--gpu-memory", "80GB")
+    assert {r["tp"] for r in res["layouts"]} == {1, 2, 3, 6}  # 25 heads: 2, 3, 6 are uneven
+    assert {r["tp"] for r in res["layouts"] if r["uneven"]} == {2, 3, 6}
+
+
+# --- formulas ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("recompute", [False, True])
+def test_flops_match_reference(recompute):
+    for name in ("gpt2-small", "megatron-8.3b", "tnlg-17b"):
+        c = GPTConfig.preset(name)
+        ours = flops_per_iteration(c, 512, recompute, 50304)
+        ref = reference_flops(512, c.seq_length, c.num_layers, c.hidden_size, 50304, recompute)
+        assert ours == pytest.approx(ref, rel=1e-12)
+    assert rank_flops_imbalance(GPTConfig.preset("tnlg-17b"), 4) == 1.0
+
+
+def test_activation_formula():
+    c = GPTConfig.preset("megatron-8.3b")  # 24 heads
+    s, h, a, l = c.seq_length, c.hidden_size, c.num_attention_heads, c.num_layers
+    one = activation_bytes(c, 1, 2, False)
+    assert one["per_layer"] == round(s * 2 * h * (34 + 5 * a * s / h))
+    t4 = activation_bytes(c, 4, 2, False)
+    assert t4["per_layer"] == round(s * 2 * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))
+    rc = activation_bytes(c, 4, 2, True)
+    assert rc["layers"] == 2 * s * 2 * h * l and rc["recompute_working"] == t4["per_layer"]
+    # uneven: 28 heads at TP 8 -> the largest rank holds 4 heads (not 3.5)
+    t = GPTConfig.preset("tnlg-17b")
+    u = activation_bytes(t, 8, 1, False)
+    sh = t.seq_length * t.hidden_size
+    assert u["per_layer"] == round(sh * (10 + 8 * 4 / 28 + 16 / 8 + 5 * 4 * t.seq_length / t.hidden_size))
+
+
+def test_help_states_formulas(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "Korthikanti" in out and "34 + 5*a*s/h" in out and "96*B*s*l*h^2" in out and "K = 12" in out
+
+
+# --- parsing and errors ------------------------------------------------------------------------
+def test_parse_sizes():
+    assert parse_bytes("32GB") == 32 * 10**9
+    assert parse_bytes("32GiB") == 32 * 2**30
+    assert parse_bytes("80G") == 80 * 10**9
+    assert parse_bytes("34359738368") == 34359738368
+    assert parse_bytes("1.5TB") == 1_500_000_000_000
+    for bad in ("abc", "32XB", "-5GB", "0", "", "GB"):
+        with pytest.raises(UserError, match="--gpu-memory"):
+            parse_bytes(bad)
+    assert parse_count("7.5e9") == 7_500_000_000
+    assert parse_count("1.28e+11") == 128_000_000_000
+    assert parse_count("1000000") == 1_000_000
+    for bad in ("7.5x", "1.5", "-3", "0", "nan", "inf"):
+        with pytest.raises(UserError, match="--params"):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--preset", "tnlg-17b", "--tensor-model-parallel-size", "29"], "is 28"),
+    (["--preset", "tnlg-17b", "--tensor-model-parallel-size", "3", "--world-size", "256"], "[1, 2, 4, 8, 16]"),
+    (["--preset", "tnlg-17b", "--zero-stage", "4"], "valid stages: 0"),
+    (["--params", "1e9", "--zero-stage", "-1"], "valid stages: 0"),
+    (["--params", "1e9", "--gpu-memory", "32XB"], "'32XB'"),
+    (["--params", "7.5x"], "'7.5x'"),
+    (["--params", "1e9", "--preset", "tiny"], "--params"),
+    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--world-size", "256"], "DP = 64"),
+    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--global-batch-size", "12"], "multiple of"),
+    (["--preset", "no-such-model"], "valid presets"),
+    (["--preset", "tiny", "--precision", "fp8"], "fp16, bf16, fp32"),
+    (["--preset", "tiny", "--mfu", "1.5"], "--mfu"),
+    (["--params", "1e9", "--search", "--world-size", "8"], "model shape"),
+    (["--preset", "tiny", "--search"], "--world-size"),
+    ([], "give a model"),
+])
+def test_errors(capsys, argv, needle):
+    assert needle in plan_error(capsys, *argv)

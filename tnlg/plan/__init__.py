@@ -1,0 +1,12 @@
+"""``tnlg plan``: memory, FLOPs and layout planner (ZeRO paper accounting, Korthikanti
+activations, Narayanan FLOPs), with per-rank parameter counts from meta-device builds.
+
+Modules: :mod:`.units` (parsing sizes), :mod:`.counts` (parameters per TP rank),
+:mod:`.memory` (model states, activations), :mod:`.flops` (FLOPs, communication, time),
+:mod:`.planner` (one layout), :mod:`.search` (all layouts that fit), :mod:`.report`
+(tables), :mod:`.command` (the CLI).
+"""
+
+from .command import add_arguments, run
+
+__all__ = ["add_arguments", "run"]

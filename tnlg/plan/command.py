@@ -1,0 +1,212 @@
+"""``tnlg plan``: flags, validation and output (table or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import PRESETS, GPTConfig
+from ..errors import UserError
+from .flops import FLOPS_FORMULA
+from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
+from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
+from .report import format_plan, format_search
+from .search import search_layouts
+from .units import parse_bytes, parse_count
+
+__all__ = ["add_arguments", "run"]
+
+TNLG_TOKENS = 300_000 * 512 * 1024  # T-NLG recipe: 300k steps x batch 512 x seq 1024
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size")
+
+EPILOG = f"""\
+How the numbers are computed (all stated again in the output):
+  parameters   per tensor-parallel rank, by building each rank's shard on the meta
+               device (no memory used), with the closed-form count beside it; heads
+               that TP does not divide are split as evenly as possible (e.g. 28 heads
+               at TP 16: 2 heads on 12 ranks, 1 on 4); the largest rank sets memory.
+  model states {MODEL_STATE_FORMULA}.
+               Per GPU: ZeRO 0: 16 Psi, 1: 4 Psi + 12 Psi/Nd, 2: 2 Psi + 14 Psi/Nd, 3: 16 Psi/Nd.
+  activations  {ACTIVATION_FORMULA}.
+  FLOPs        {FLOPS_FORMULA[False]};
+               with --recompute-activations {FLOPS_FORMULA[True]}.
+               --params N: 6N (8N with recomputation) FLOPs per token.
+  time         FLOPs / (GPUs x --gpu-tflops x --mfu), --mfu being the achieved fraction of
+               peak on the executed FLOPs, x the slowest TP rank's share, + TP and DP
+               communication at the given bandwidths (ring all-reduce, no overlap).
+Memory is in GB = 1e9 bytes in the table (as in the ZeRO paper) and in bytes in --json.
+
+Examples:
+  tnlg plan --params 7.5e9 --zero-stage 1 --data-parallel-size 64
+  tnlg plan --preset tnlg-17b --tensor-model-parallel-size 4 --world-size 256 --zero-stage 1 \\
+      --global-batch-size 512 --recompute-activations --gpu-memory 32GB
+  tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16
+  tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``tnlg plan`` (Megatron's names, with short aliases)."""
+    parser.description = ("Plan a training layout before renting GPUs: parameters per tensor-parallel rank, "
+                          "memory per GPU (ZeRO stages, activations), FLOPs, time per iteration and days, or "
+                          "--search for every layout that fits.")
+    parser.epilog = EPILOG
+    m = parser.add_argument_group("model (a preset, shape flags, or --params)")
+    m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields")
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--seq-length", type=int, help="sequence length (default: the preset's, else 1024)")
+    m.add_argument("--vocab-size", type=int, help="vocabulary before padding (default: the preset's, else 50257)")
+    m.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size)")
+    m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
+                                    "1000000): model states and 6N FLOPs per token only")
+    lay = parser.add_argument_group("layout")
+    lay.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
+                     help="tensor-parallel size (default 1); any size up to the head count")
+    lay.add_argument("--data-parallel-size", "--dp", dest="dp", type=int,
+                     help="data-parallel size (default: world size / TP, or 1)")
+    lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use)")
+    lay.add_argument("--zero-stage", type=int, default=0,
+                     help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default 0)")
+    lay.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per step (default 1)")
+    lay.add_argument("--global-batch-size", type=int,
+                     help="sequences per iteration (default micro batch x DP; with --search 512, T-NLG's)")
+    lay.add_argument("--recompute-activations", action="store_true",
+                     help="full activation recomputation: keep only each layer's input")
+    lay.add_argument("--precision", default="fp16", help=f"{', '.join(PRECISIONS)} (default fp16: mixed "
+                                                         f"precision, K = 12)")
+    hw = parser.add_argument_group("hardware and budget")
+    hw.add_argument("--gpu-memory", default="32GB", help="memory per GPU: 32GB, 32GiB, 80G or bytes "
+                                                         "(default 32GB, a V100-32GB)")
+    hw.add_argument("--gpu-tflops", type=float, default=125.0,
+                    help="peak TFLOP/s per GPU at this precision (default 125, V100 fp16 tensor cores)")
+    hw.add_argument("--mfu", type=float, default=0.4,
+                    help="fraction of peak achieved on the executed FLOPs (default 0.4)")
+    hw.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    hw.add_argument("--intra-node-bandwidth", type=float, default=150.0,
+                    help="GB/s per GPU inside a node (default 150, NVLink)")
+    hw.add_argument("--inter-node-bandwidth", type=float, default=12.5,
+                    help="GB/s per GPU across nodes (default 12.5, 100 Gb/s InfiniBand per GPU)")
+    hw.add_argument("--train-tokens", default=str(TNLG_TOKENS),
+                    help=f"token budget for the days estimate (default {TNLG_TOKENS:.4g} = T-NLG's 300k steps x "
+                         f"512 x 1024)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--search", action="store_true",
+                     help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
+                          "GPUs, smallest TP first, with predicted throughput")
+    out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
+    out.add_argument("--formula-counts", action="store_true",
+                     help="count per-rank parameters by formula instead of meta-device builds (faster)")
+
+
+def _model(args) -> Model:
+    shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if args.params is not None:
+        if args.preset or shape_given:
+            raise UserError("--params describes an abstract model; it cannot be combined with --preset or "
+                            f"shape flags (got {', '.join('--' + f.replace('_', '-') for f in shape_given) or '--preset'}).")
+        return Model(name=f"{parse_count(args.params):.3g} parameters", params=parse_count(args.params),
+                     seq_length=args.seq_length or 1024)
+    fields = {f: getattr(args, f) for f in SHAPE_FLAGS + ("seq_length",) if getattr(args, f) is not None}
+    try:
+        if args.preset:
+            return Model(name=args.preset, config=GPTConfig.preset(args.preset, **fields))
+        missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if f not in fields]
+        if missing:
+            raise UserError("give a model: --preset NAME (" + ", ".join(PRESETS) + "), or the shape flags "
+                            "--num-layers, --hidden-size and --num-attention-heads (missing: "
+                            + ", ".join("--" + f.replace("_", "-") for f in missing) + "), or --params N.")
+        fields.setdefault("seq_length", 1024)
+        fields.setdefault("vocab_size", 50257)
+        return Model(name="custom", config=GPTConfig(**fields))
+    except UserError:
+        raise
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def _hardware(args) -> Hardware:
+    if not args.gpu_tflops > 0:
+        raise UserError(f"--gpu-tflops must be positive, got {args.gpu_tflops}.")
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu is a fraction of peak in (0, 1], got {args.mfu}.")
+    for flag in ("gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"):
+        if not getattr(args, flag) > 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+    return Hardware(gpu_memory=parse_bytes(args.gpu_memory), gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+                    gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_bandwidth,
+                    inter_node_gbps=args.inter_node_bandwidth)
+
+
+def _layout(args, model: Model) -> Layout:
+    check_zero_and_precision(args.zero_stage, args.precision)
+    tp = args.tp
+    if tp < 1:
+        raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {tp}.")
+    if not model.abstract:
+        try:
+            model.config.check_tensor_parallel(tp)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    dp = args.dp
+    if args.world_size is not None:
+        world = args.world_size
+        if world < 1 or world % tp:
+            limit = model.config.max_tensor_parallel_size() if not model.abstract else world
+            valid = [t for t in range(1, min(world, limit) + 1) if world > 0 and world % t == 0]
+            raise UserError(f"--world-size {world} is not divisible by --tensor-model-parallel-size {tp}: every "
+                            f"tensor-parallel group must be complete. Valid tensor-parallel sizes for {world} "
+                            f"GPUs: {valid}.")
+        if dp is not None and dp * tp != world:
+            raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} = {dp * tp} is not "
+                            f"--world-size {world}; give one of the two or make them agree (DP = {world // tp}).")
+        dp = world // tp
+    dp = 1 if dp is None else dp
+    if dp < 1:
+        raise UserError(f"--data-parallel-size must be a positive integer, got {dp}.")
+    return Layout(tp=tp, dp=dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
+                  global_batch=args.global_batch_size, recompute=args.recompute_activations,
+                  precision=args.precision)
+
+
+def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:
+    world = layout.world_size
+    return {
+        "plain_dp_any": smallest_tp(model, layout, hw, zero_stage=0),
+        "plain_dp_even": smallest_tp(model, layout, hw, zero_stage=0, even_only=True),
+        "plain_dp_world": smallest_tp(model, layout, hw, zero_stage=0, divides=world),
+        "this_stage_world": smallest_tp(model, layout, hw, zero_stage=layout.zero_stage, divides=world),
+        "this_layout_with_activations": smallest_tp(model, layout, hw, zero_stage=layout.zero_stage,
+                                                    with_activations=True, divides=world),
+        "note": "smallest TP whose largest rank fits one GPU; per-rank formula; 'world' keeps TPs dividing "
+                "the GPU count with DP = GPUs / TP",
+    }
+
+
+def run(args) -> int:
+    """Plan one layout (or search all layouts) and print a table or one JSON object."""
+    model = _model(args)
+    hw = _hardware(args)
+    train_tokens = parse_count(args.train_tokens, "--train-tokens")
+    if args.search:
+        if args.world_size is None:
+            raise UserError("--search needs --world-size, the number of GPUs to lay the model out on.")
+        check_zero_and_precision(0, args.precision)
+        batch = args.global_batch_size or 512
+        if batch < 1:
+            raise UserError(f"--global-batch-size must be a positive integer, got {batch}.")
+        result = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)
+        text = format_search(result)
+    else:
+        layout = _layout(args, model)
+        result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts)
+        if not model.abstract:
+            result["tp_needed"] = _tp_needed(model, layout, hw)
+        text = format_plan(result)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    else:
+        print(text)
+    return 0

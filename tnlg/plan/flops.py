@@ -1,0 +1,83 @@
+"""FLOPs per iteration, the slowest TP rank, communication volume and time per iteration.
+
+FLOPs (Narayanan et al. 2021, eq. 3, counting the full ``s^2`` attention as that
+paper does, with ``V`` the padded vocabulary that is really multiplied). A forward
+pass over ``B`` sequences costs per layer ``8Bsh^2`` (QKV, projection) ``+ 4Bshf``
+(MLP) ``+ 4Bs^2h`` (scores, weighted sum), and ``2BshV`` for the logits. Training is
+forward + backward (2x forward); full recomputation adds one forward of the layers:
+
+    no recomputation:   72 B s l h^2 (1 + s/(6h) + V/(12 l h))   (f = 4h)
+    full recomputation: 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+
+For an abstract model (``--params N``) the rule of thumb 6N (8N with recomputation)
+FLOPs per token is used.
+
+Time: the executed FLOPs over ``gpus * gpu_tflops * mfu`` (``mfu`` is the fraction of
+peak achieved on the executed FLOPs), times the slowest rank's share of the TP work
+(uneven heads) over the mean share, plus communication, which is assumed not to
+overlap with compute (pessimistic): Megatron TP all-reduces of ``[b, s, h]`` (two per
+layer forward, two backward, two more in a recomputed forward; one each way for the
+vocab-parallel embedding and output layer), ring all-reduce moving ``2 (t-1)/t`` of the
+data per GPU; DP gradient traffic ``2 Psi`` (ZeRO stages 0-2) or ``3 Psi`` (stage 3) in
+16-bit, times ``(Nd-1)/Nd``. A group that spans nodes runs at the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+from ..config import GPTConfig
+
+__all__ = ["flops_per_iteration", "reference_flops", "rank_flops_imbalance", "iteration_time",
+           "FLOPS_FORMULA"]
+
+FLOPS_FORMULA = {
+    False: "72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (Narayanan et al. 2021; no recomputation; "
+           "full s^2 attention; V = padded vocabulary)",
+    True: "96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) (Narayanan et al. 2021, eq. 3; full recomputation; "
+          "full s^2 attention; V = padded vocabulary)",
+}
+ABSTRACT_FLOPS_FORMULA = {False: "6*N FLOPs per token (no recomputation)",
+                          True: "8*N FLOPs per token (full recomputation)"}
+
+
+def flops_per_iteration(config: GPTConfig, global_batch: int, recompute: bool, vocab: int) -> float:
+    """Executed FLOPs of one training iteration over ``global_batch`` sequences (any ffn width)."""
+    B, s, l, h, f = global_batch, config.seq_length, config.num_layers, config.hidden_size, config.ffn_hidden_size
+    layer_fwd = 8 * B * s * h * h + 4 * B * s * h * f + 4 * B * s * s * h
+    logits_fwd = 2 * B * s * h * vocab
+    return float((4 if recompute else 3) * l * layer_fwd + 3 * logits_fwd)
+
+
+def reference_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool) -> float:
+    """REFERENCE.md's closed forms (f = 4h), used to check :func:`flops_per_iteration`."""
+    if recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def rank_flops_imbalance(config: GPTConfig, tp: int) -> float:
+    """Largest TP rank's share of the layer FLOPs over the mean share (1.0 when heads split evenly)."""
+    s, h, a = config.seq_length, config.hidden_size, config.num_attention_heads
+    heads, ffn = config.heads_per_rank(tp), config.ffn_per_rank(tp)
+    # per token and layer: attention (8h^2 + 4sh) scales with heads, MLP 4hf with columns
+    work = [(8 * h * h + 4 * s * h) * hr / a + 4 * h * fr for hr, fr in zip(heads, ffn)]
+    return max(work) * tp / sum(work)
+
+
+def iteration_time(*, flops: float, gpus: int, gpu_tflops: float, mfu: float, imbalance: float,
+                   tp: int, dp: int, zero_stage: int, psi: int, tokens_per_dp_rank: int,
+                   hidden: int, layers: int, recompute: bool, act_bytes: int, grad_bytes: int,
+                   gpus_per_node: int, intra_gbps: float, inter_gbps: float) -> dict:
+    """Seconds per iteration: compute (with the uneven-rank factor), TP and DP communication.
+
+    ``tokens_per_dp_rank`` is ``global_batch * seq / dp``; bandwidths are per GPU in GB/s.
+    """
+    compute = flops / (gpus * gpu_tflops * 1e12 * mfu) * imbalance
+    tp_bw = (intra_gbps if tp <= gpus_per_node else inter_gbps) * 1e9
+    dp_bw = (intra_gbps if tp * dp <= gpus_per_node else inter_gbps) * 1e9
+    n_allreduce = layers * (6 if recompute else 4) + 2
+    tp_bytes = (tokens_per_dp_rank * hidden * act_bytes * n_allreduce * 2 * (tp - 1) / tp) if tp > 1 else 0.0
+    dp_bytes = ((3 if zero_stage == 3 else 2) * psi * grad_bytes * (dp - 1) / dp) if dp > 1 else 0.0
+    tp_time, dp_time = tp_bytes / tp_bw, dp_bytes / dp_bw
+    return {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_s": dp_time,
+            "tp_comm_bytes": round(tp_bytes), "dp_comm_bytes": round(dp_bytes),
+            "total_s": compute + tp_time + dp_time}

@@ -1,0 +1,96 @@
+"""Per-device memory: model states (ZeRO paper accounting) and activations (Korthikanti et al.).
+
+Model states (Rajbhandari et al., ZeRO, SC20, sections 3.1 and 5). Mixed-precision
+Adam keeps ``2 Psi`` bytes of 16-bit parameters, ``2 Psi`` of 16-bit gradients and
+``K Psi`` of optimizer states (fp32 master weights, momentum, variance: K = 12),
+16 Psi in all, for a model-parallel shard of ``Psi`` parameters. ZeRO partitions
+over the ``Nd`` data-parallel ranks: stage 1 the optimizer states, stage 2 also
+the gradients, stage 3 also the parameters:
+
+    stage 0: 16 Psi   stage 1: 4 Psi + 12 Psi / Nd   stage 2: 2 Psi + 14 Psi / Nd   stage 3: 16 Psi / Nd
+
+fp32 training keeps 4 + 4 bytes of parameters and gradients and K = 8 (momentum,
+variance), again 16 Psi. Buffers (communication buckets, fragmentation, the CUDA
+context) are not counted; the headroom is what is left for them.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4): per transformer layer and micro batch ``b``, with
+16-bit activations and dropout masks of one byte,
+
+    no TP:  s b h (34 + 5 a s / h)        TP = t:  s b h (10 + 24/t + 5 a s / (h t))
+
+bytes (no sequence parallelism), where ``10 s b h`` is replicated (LayerNorm inputs,
+the inputs of QKV and fc, two dropout masks) and ``24/t`` is split: ``8`` in attention
+(Q, K, V, the projection input) and ``16`` in the MLP (fc output, GeLU output). With
+heads split unevenly the largest rank holds ``a_r`` of ``a`` heads and ``f_r`` of ``f``
+MLP columns, so its share is ``8 a_r/a + 16 f_r/f`` and ``5 a_r s / h``. With full
+recomputation only each layer's input is kept, ``2 s b h`` per layer, plus the
+activations of the one layer being recomputed during its backward. Outside the layers
+(section 4.3): the embedding dropout mask ``s b h``, the final LayerNorm input
+``2 s b h`` and the fp32 logits of the vocabulary shard for the cross-entropy,
+``4 s b V_p / t``. fp32 training doubles everything (masks counted at 2 bytes too).
+"""
+
+from __future__ import annotations
+
+from ..config import GPTConfig
+from ..errors import UserError
+
+__all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes",
+           "ACTIVATION_FORMULA", "MODEL_STATE_FORMULA"]
+
+# precision -> (bytes per parameter, bytes per gradient, K optimizer bytes per parameter)
+PRECISIONS: dict[str, tuple[int, int, int]] = {"fp16": (2, 2, 12), "bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+
+MODEL_STATE_FORMULA = ("ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam, 2 + 2 + K bytes per "
+                       "parameter with K = 12 (fp32: 4 + 4 + 8); stage 1 partitions the optimizer "
+                       "states, stage 2 also gradients, stage 3 also parameters over the DP group")
+ACTIVATION_FORMULA = ("Korthikanti et al. 2022: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes "
+                      "(= s*b*h*(34 + 5*a*s/h) at t = 1; uneven heads: the largest rank's "
+                      "8*a_r/a + 16*f_r/f and 5*a_r*s/h); full recomputation: 2*s*b*h per layer "
+                      "+ one layer being recomputed; plus s*b*h*3 + 4*s*b*V_p/t outside the layers")
+
+
+def check_zero_and_precision(zero_stage: int, precision: str) -> None:
+    """Raise :class:`UserError` for a ZeRO stage outside 0-3 or an unknown precision."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero-stage {zero_stage!r} is not a ZeRO stage; valid stages: 0 (plain data "
+                        f"parallelism), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).")
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} is not supported; valid: {', '.join(PRECISIONS)}.")
+
+
+def model_state_bytes(psi: int, dp: int, zero_stage: int, precision: str = "fp16") -> dict:
+    """Bytes of parameters, gradients and optimizer states per device for a shard of ``psi`` parameters."""
+    check_zero_and_precision(zero_stage, precision)
+    p_bytes, g_bytes, k = PRECISIONS[precision]
+    params = p_bytes * psi / (dp if zero_stage >= 3 else 1)
+    grads = g_bytes * psi / (dp if zero_stage >= 2 else 1)
+    optim = k * psi / (dp if zero_stage >= 1 else 1)
+    return {"params": round(params), "grads": round(grads), "optimizer": round(optim),
+            "total": round(params + grads + optim), "k": k}
+
+
+def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: bool,
+                     precision: str = "fp16") -> dict:
+    """Activation bytes of the largest TP rank for one micro batch (see the module docstring).
+
+    Returns ``layers`` (all transformer layers), ``recompute_working`` (the layer being
+    recomputed, 0 without recomputation), ``outside`` (embedding mask, final LayerNorm,
+    fp32 logits) and ``total``; ``per_layer`` is one layer without recomputation.
+    """
+    s, b, h, a, l = config.seq_length, micro_batch, config.hidden_size, config.num_attention_heads, config.num_layers
+    heads_r = max(config.heads_per_rank(tp))
+    ffn_r = max(config.ffn_per_rank(tp))
+    f = config.ffn_hidden_size
+    scale = 2 if precision == "fp32" else 1
+    sbh = s * b * h
+    per_layer = sbh * (10 + 8 * heads_r / a + 16 * ffn_r / f + 5 * heads_r * s / h) * scale
+    if recompute:
+        layers = 2 * sbh * l * scale
+        working = per_layer
+    else:
+        layers, working = per_layer * l, 0.0
+    outside = 3 * sbh * scale + 4 * s * b * config.padded_vocab_size(tp) / tp
+    return {"per_layer": round(per_layer), "layers": round(layers), "recompute_working": round(working),
+            "outside": round(outside), "total": round(layers + working + outside)}

@@ -1,0 +1,151 @@
+"""Readable tables for a plan and a search (GB = 1e9 bytes, as in the ZeRO paper)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .units import GB, format_count
+
+__all__ = ["format_plan", "format_search"]
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:,.2f}"
+
+
+def _model_line(m: dict) -> str:
+    if m["kind"] == "abstract":
+        return f"{m['name']}: abstract model of {m['params']:,} parameters (seq {m['seq_length']})"
+    return (f"{m['name']}: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, vocab {m['vocab_size']}")
+
+
+def _heads_split(heads: list[int]) -> str:
+    counts = Counter(heads)
+    return ", ".join(f"{h} head{'s' if h > 1 else ''} x {n} rank{'s' if n > 1 else ''}"
+                     for h, n in sorted(counts.items(), reverse=True))
+
+
+def _parameters(p: dict, tp: int) -> list[str]:
+    lines = [f"Parameters ({p['source']})",
+             f"  total                {p['total']:>16,}   formula {p['total_formula']:,}"]
+    if p["padded_vocab_size"] is not None:
+        lines.append(f"  with padding         {p['total_padded']:>16,}   (vocab padded to {p['padded_vocab_size']})")
+        lines.append(f"  replicated per rank  {p['replicated_per_rank']:>16,}   (LayerNorms, row-parallel biases, "
+                     f"position embedding)")
+    if tp > 1 and p["heads_per_rank"] is not None:
+        lines.append(f"  heads per rank       {_heads_split(p['heads_per_rank'])}"
+                     + ("  (uneven: Megatron cannot run this TP)" if p["uneven"] else ""))
+        formula = p["formula_per_rank"]
+        ranks = range(tp) if tp <= 8 else sorted({p["largest_rank"]["rank"], p["smallest_rank"]["rank"]})
+        lines.append(f"  {'rank':>6} {'heads':>6} {'params':>16} {'formula':>16}")
+        for r in ranks:
+            lines.append(f"  {r:>6} {p['heads_per_rank'][r]:>6} {p['per_rank'][r]['params']:>16,} "
+                         f"{formula[r]['params']:>16,}")
+        if tp > 8:
+            lines.append(f"  ({tp - len(ranks)} other ranks not shown; --json lists all)")
+    lg, sm = p["largest_rank"], p["smallest_rank"]
+    if lg["params"] == sm["params"]:
+        lines.append(f"  per rank             {lg['params']:>16,}   ({format_count(lg['params'])}; all {tp} ranks equal)")
+        return lines
+    lines.append(f"  largest rank {lg['rank']}: {lg['params']:,} ({format_count(lg['params'])}, sets the memory "
+                 f"bound); smallest rank {sm['rank']}: {sm['params']:,}; imbalance {p['imbalance_percent']:.1f}% "
+                 f"(largest / mean - 1)")
+    return lines
+
+
+def _memory(m: dict, lay: dict) -> list[str]:
+    stage = lay["zero_stage"]
+    split = lambda on: f"/ {lay['dp']} DP ranks" if on and lay["dp"] > 1 else ""
+    row = lambda label, value, note="": f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
+    lines = [f"Memory per GPU, largest rank (GB = 1e9 bytes)",
+             f"  model states: {m['model_states_formula']}",
+             row(f"parameters ({lay['precision']})", m["params"], split(stage >= 3)),
+             row("gradients", m["grads"], split(stage >= 2)),
+             row(f"optimizer states (K={m['k']})", m["optimizer"], split(stage >= 1)),
+             row("model states", m["model_states"],
+                 f"{'fit' if m['model_states_fit'] else 'do NOT fit'} alone in {_gb(m['gpu_memory'])} GB")]
+    if m["activations_no_recompute"] is not None:
+        rc, no = m["activations_recompute"], m["activations_no_recompute"]
+        on = lay["recompute"]
+        lines += [row("activations", m["activations"],
+                      f"micro batch {lay['micro_batch']}, recomputation {'on' if on else 'off'} "
+                      f"({_gb((no if on else rc)['total'])} GB with it {'off' if on else 'on'})"),
+                  f"    activations: {m['activations_formula']}"]
+    else:
+        lines.append(f"  {'activations':<26}{'n/a':>10}  ({m['activations_note']})")
+    verdict = (f"fits, {_gb(m['headroom'])} GB to spare" if m["fits"]
+               else f"does NOT fit: {_gb(-m['headroom'])} GB over")
+    lines.append(row("total", m["total"], f"of {_gb(m['gpu_memory'])} GB: {verdict}"))
+    return lines
+
+
+def _compute(c: dict, lay: dict) -> list[str]:
+    t = c["time"]
+    lines = [f"Compute",
+             f"  FLOPs: {c['formula']}",
+             f"  FLOPs per iteration  {c['flops_per_iteration']:.3e}  ({c['tokens_per_iteration']:,} tokens)",
+             f"  time per iteration   {c['time_per_iteration_s']:.3f} s at {c['gpu_tflops']:g} TFLOP/s x "
+             f"{c['mfu_assumed']:.2f} per GPU: compute {t['compute_s']:.3f} s"
+             + (f" (slowest rank x{c['rank_imbalance_factor']:.3f})" if c["rank_imbalance_factor"] > 1 else "")
+             + f" + TP comm {t['tp_comm_s']:.3f} s + DP comm {t['dp_comm_s']:.3f} s (no overlap assumed)",
+             f"  throughput           {c['tokens_per_s']:,.0f} tokens/s; {c['model_tflops_per_gpu']:.1f} model "
+             f"TFLOP/s per GPU (MFU {100 * c['model_flops_utilization']:.1f}%)"]
+    if c["train_days"] is not None:
+        lines.append(f"  training             {c['train_days']:.1f} days for {c['train_tokens']:.3g} tokens "
+                     f"on {lay['world_size']} GPUs")
+    return lines
+
+
+def _tp_needed(n: dict, lay: dict) -> list[str]:
+    fmt = lambda tp: "none up to the head count" if tp is None else f"TP {tp}"
+    world = lay["world_size"]
+    return ["Tensor parallelism needed (largest rank, per-rank formula)",
+            f"  model states, plain DP (ZeRO 0):  {fmt(n['plain_dp_any'])} (any split); "
+            f"{fmt(n['plain_dp_even'])} (heads split evenly, as Megatron needs); "
+            f"{fmt(n['plain_dp_world'])} (dividing {world} GPUs)",
+            f"  model states, ZeRO {lay['zero_stage']} on {world} GPUs:  {fmt(n['this_stage_world'])}",
+            f"  + activations of this layout:      {fmt(n['this_layout_with_activations'])} (dividing {world} GPUs)"]
+
+
+def format_plan(plan: dict) -> str:
+    """The table for one layout."""
+    lay = plan["layout"]
+    head = [f"tnlg plan: {_model_line(plan['model'])}",
+            f"layout: TP {lay['tp']} x DP {lay['dp']} = {lay['world_size']} GPUs, ZeRO stage {lay['zero_stage']}, "
+            f"micro batch {lay['micro_batch']}, global batch {lay['global_batch']} "
+            f"(accumulation steps: {lay['grad_accumulation_steps']}), recomputation "
+            f"{'on' if lay['recompute'] else 'off'}, {lay['precision']}", ""]
+    body = _parameters(plan["parameters"], lay["tp"]) + [""] + _memory(plan["memory"], lay) + [""]
+    body += _compute(plan["compute"], lay)
+    if plan.get("tp_needed"):
+        body += [""] + _tp_needed(plan["tp_needed"], lay)
+    return "\n".join(head + body)
+
+
+def format_search(result: dict) -> str:
+    """The table of layouts that fit, smallest TP first."""
+    hw = result["hardware"]
+    lines = [f"tnlg plan --search: {_model_line(result['model'])}",
+             f"{result['gpus']} GPUs x {_gb(hw['gpu_memory'])} GB, global batch {result['global_batch']}, "
+             f"{result['precision']}, {hw['gpu_tflops']:g} TFLOP/s x {hw['mfu']:.2f} per GPU; micro batch: the "
+             f"largest that fits (smaller ones fit too); GB = 1e9 bytes", ""]
+    if not result["layouts"]:
+        lines.append("No layout fits.")
+    else:
+        lines.append(f"{'tp':>3} {'dp':>5} {'zero':>4} {'recomp':>6} {'mb':>4} {'accum':>5} {'states GB':>9} "
+                     f"{'acts GB':>8} {'total GB':>8} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>7} {'days':>6}  note")
+        for r in result["layouts"]:
+            note = f"uneven ({r['imbalance_percent']:.1f}% imbalance; not in Megatron)" if r["uneven"] else ""
+            days = f"{r['train_days']:.1f}" if r["train_days"] is not None else "-"
+            lines.append(f"{r['tp']:>3} {r['dp']:>5} {r['zero_stage']:>4} {'on' if r['recompute'] else 'off':>6} "
+                         f"{r['micro_batch']:>4} {r['grad_accumulation_steps']:>5} {_gb(r['model_states']):>9} "
+                         f"{_gb(r['activations']):>8} {_gb(r['total']):>8} {r['time_per_iteration_s']:>7.2f} "
+                         f"{r['tokens_per_s']:>9,.0f} {r['model_tflops_per_gpu']:>7.1f} {days:>6}  {note}")
+        b = result["fastest"]
+        lines += ["", f"smallest TP that fits: {result['smallest_tp']}; fastest predicted: TP {b['tp']} x DP {b['dp']}, "
+                      f"ZeRO {b['zero_stage']}, recomputation {'on' if b['recompute'] else 'off'}, micro batch "
+                      f"{b['micro_batch']} ({b['tokens_per_s']:,.0f} tokens/s)"]
+    for s in result["skipped"]:
+        lines.append(f"skipped TP {s['tp']} x DP {s['dp']}: {s['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""``--search``: every (tp, dp, ZeRO stage, recomputation, micro batch) that fits, smallest TP first.
+
+TP candidates are 1 .. the largest valid TP (the head count, or the MLP width if
+smaller) that divide the GPU count, including TPs that split the heads unevenly
+(marked ``uneven``; Megatron rejects them). DP is ``gpus / tp`` and must divide the
+global batch. For each (tp, stage, recomputation) the largest micro batch that
+divides the per-rank batch and fits is reported (memory grows with the micro
+batch, so every smaller one fits too). Rows are ordered by TP, then by predicted
+throughput. Per-rank counts come from the formula, which the tests check against
+meta-device builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import UserError
+from .counts import parameter_report
+from .planner import Hardware, Layout, Model, plan_layout
+
+__all__ = ["search_layouts"]
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, precision: str = "fp16",
+                   train_tokens: int | None = None) -> dict:
+    """The layouts of ``model`` on ``gpus`` GPUs of ``hw`` that fit, as a JSON-ready dict."""
+    if model.abstract:
+        raise UserError("--search needs a model shape (--preset or --num-layers/--hidden-size/"
+                        "--num-attention-heads): with --params alone the heads, and so the valid "
+                        "tensor-parallel sizes and the activation memory, are unknown.")
+    if gpus < 1:
+        raise UserError(f"--world-size must be a positive number of GPUs, got {gpus}.")
+    c = model.config
+    rows, skipped = [], []
+    for tp in range(1, min(c.max_tensor_parallel_size(), gpus) + 1):
+        if gpus % tp:
+            continue
+        dp = gpus // tp
+        if global_batch % dp:
+            skipped.append({"tp": tp, "dp": dp, "reason": f"DP {dp} does not divide the global batch {global_batch}"})
+            continue
+        params = parameter_report(c, tp, use_meta=False)
+        local = global_batch // dp
+        base = Layout(tp=tp, dp=dp, global_batch=global_batch, precision=precision)
+        found = False
+        for stage in range(4):
+            for recompute in (False, True):
+                for mb in _divisors_desc(local):
+                    layout = replace(base, zero_stage=stage, recompute=recompute, micro_batch=mb)
+                    plan = plan_layout(model, layout, hw, train_tokens, params=params)
+                    if plan["memory"]["fits"]:
+                        rows.append(_row(plan, params))
+                        found = True
+                        break
+        if not found:
+            skipped.append({"tp": tp, "dp": dp, "reason": "no ZeRO stage, recomputation or micro batch fits"})
+    rows.sort(key=lambda r: (r["tp"], -r["tokens_per_s"]))
+    best = max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
+    return {"model": model.describe(), "gpus": gpus, "global_batch": global_batch, "precision": precision,
+            "hardware": vars(hw).copy(), "layouts": rows, "skipped": skipped,
+            "fastest": best, "smallest_tp": rows[0]["tp"] if rows else None}
+
+
+def _row(plan: dict, params: dict) -> dict:
+    lay, mem, comp = plan["layout"], plan["memory"], plan["compute"]
+    return {"tp": lay["tp"], "dp": lay["dp"], "zero_stage": lay["zero_stage"], "recompute": lay["recompute"],
+            "micro_batch": lay["micro_batch"], "grad_accumulation_steps": lay["grad_accumulation_steps"],
+            "uneven": params["uneven"], "megatron_can_run": lay["megatron_can_run"],
+            "imbalance_percent": params["imbalance_percent"],
+            "largest_rank_params": params["largest_rank"]["params"],
+            "model_states": mem["model_states"], "activations": mem["activations"], "total": mem["total"],
+            "headroom": mem["headroom"], "time_per_iteration_s": comp["time_per_iteration_s"],
+            "tokens_per_s": comp["tokens_per_s"], "model_tflops_per_gpu": comp["model_tflops_per_gpu"],
+            "train_days": comp["train_days"]}
