@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import UserError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "pretrain": ("tnlg.train", "pretrain a GPT: TP x DP with ZeRO (no arguments: the built-in small job)"),
     "demo": ("tnlg.demo", "tensor-parallel demo: per-rank shards checked against one process"),
     "plan": ("tnlg.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
     "train-tokenizer": ("tnlg.data.cli", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except UserError as err:
-        print(f"tnlg {args.command}: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under a launcher, one rank speaks for all
+            print(f"tnlg {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

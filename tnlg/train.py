@@ -1,0 +1,335 @@
+"""``tnlg pretrain``: the training loop (TP x DP with ZeRO), logging, evaluation, checkpoints.
+
+Per iteration (global batch = micro batch x DP x accumulation steps):
+
+1. ``engine.zero_grad()``; for each of the ``k`` micro batches of this rank
+   (Megatron's sampler: the global sample order does not depend on DP), forward
+   under autocast and ``engine.backward(loss)``; only the last micro step
+   communicates gradients (bucketed, overlapped with backward).
+2. The iteration's loss is averaged over micro batches and over DP (one tiny
+   all-reduce); a NaN/inf loss stops the run before the optimizer step, so no
+   checkpoint is ever written from the bad state.
+3. ``engine.step(lr)``: global-norm clipping across TP and DP, AdamW on the
+   owned ZeRO slice, parameters all-gathered.
+
+The learning rate follows Megatron's schedule on the count of optimizer steps
+taken. Rank 0 prints a line every ``--log-interval`` and writes one JSON
+object per iteration (and per validation) to the metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+from .launch import launcher_world_size, local_threads, maybe_launch
+from .train_args import add_arguments, model_config, resolve
+
+__all__ = ["add_arguments", "run", "train", "iteration_flops"]
+
+DEFAULT_NPROC = 4
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def iteration_flops(cfg, global_batch: int, recompute: bool, padded_vocab: int) -> float:
+    """Model FLOPs per iteration (Narayanan et al. 2021 eq. 3; without recomputation
+    ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, with it ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``)."""
+    b, s, l, h, v = global_batch, cfg.seq_length, cfg.num_layers, cfg.hidden_size, padded_vocab
+    if recompute:
+        return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def measure_peak_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, reps: int = 8) -> float:
+    """Dense matmul rate of this rank (its threads, the training dtype): the MFU denominator."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(reps + 2):
+        t = time.perf_counter()
+        (a @ b).sum().item()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return 2.0 * n ** 3 / times[len(times) // 2] / 1e12
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------- CLI
+
+def run(args) -> int:
+    """Entry of ``tnlg pretrain``: validate everything, prepare data, launch or train here."""
+    argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "pretrain" else []
+    world = launcher_world_size()
+    nproc = None
+    if world is None:
+        nproc = getattr(args, "nproc_per_node", None) or DEFAULT_NPROC
+        world = nproc
+    o = resolve(args, world_size=world)
+    if o.fp16 and not torch.cuda.is_available():
+        raise UserError("--fp16 needs a GPU: fp16 matrix multiplies are unusably slow on CPUs. Use --bf16 "
+                        "(bf16 autocast, fp32 master weights) or fp32 (the default) on this machine.")
+    if o.save is None and o.load is None and o.data_path is None and o.preset is None:
+        o.save = os.path.join("runs", "pretrain")  # the built-in job keeps its checkpoint and plot here
+    if o.data_path is None:  # the built-in corpus, prepared once here before any worker starts
+        from .data.corpus import default_dataset
+        prefix, tok = default_dataset()
+        o.data_path, o.tokenizer_model = [prefix], o.tokenizer_model or tok
+        argv = [*argv, "--data-path", prefix, "--tokenizer-model", o.tokenizer_model]
+        if "--save" not in argv and o.save:
+            argv += ["--save", o.save]
+    if nproc is not None:
+        status = maybe_launch("pretrain", argv, nproc, max_restarts=o.max_restarts or 0)
+        if status is not None:
+            return status
+    train(o)
+    return 0
+
+
+# --------------------------------------------------------------------------- training
+
+def _log(ps, *msg) -> None:
+    if ps.rank == 0:
+        print(*msg, flush=True)
+
+
+def _batches(dataset, sampler_iter, device):
+    from .data.sampler import collate
+    idx = next(sampler_iter)
+    batch = collate([dataset[i] for i in idx])
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _forward(model, batch, autocast: Optional[torch.dtype], device):
+    with torch.autocast(device_type=device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask"),
+                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"))
+
+
+@torch.no_grad()
+def evaluate(model, dataset, o, ps, autocast) -> Optional[float]:
+    """Mean loss over the first ``--eval-iters`` global batches of ``dataset`` (same batches every time)."""
+    from .data.sampler import MegatronPretrainingSampler
+    if dataset is None or o.eval_iters == 0:
+        return None
+    total = min(len(dataset), o.eval_iters * o.global_batch_size)
+    if total < o.micro_batch_size * ps.dp_size:
+        return None
+    sampler = iter(MegatronPretrainingSampler(total, 0, o.micro_batch_size, ps.dp_rank, ps.dp_size))
+    was_training = model.training
+    model.eval()
+    losses = []
+    for _ in range(total // (o.micro_batch_size * ps.dp_size)):
+        losses.append(_forward(model, _batches(dataset, sampler, ps.device), autocast, ps.device).float())
+    model.train(was_training)
+    loss = torch.stack(losses).mean().reshape(1)
+    if ps.dp_group is not None:
+        dist.all_reduce(loss, group=ps.dp_group)
+        loss /= ps.dp_size
+    return loss.item()
+
+
+def train(o: SimpleNamespace) -> dict:
+    """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process; returns a summary."""
+    from .data.gpt_dataset import build_train_valid_test_datasets
+    from .data.sampler import MegatronPretrainingSampler
+    from .data.tokenizer import load_tokenizer
+    from .model import GPT
+    from .optim import DynamicLossScaler, LRSchedule, build_engine
+    from .parallel.random import seed_everything
+    from .parallel.state import init_parallel
+
+    torch.set_num_threads(local_threads())
+    ps = init_parallel(o.tensor_model_parallel_size, timeout=timedelta(minutes=o.distributed_timeout_minutes))
+    if o.global_batch_size % (o.micro_batch_size * ps.dp_size):
+        raise UserError(f"--global-batch-size {o.global_batch_size} is not divisible by --micro-batch-size "
+                        f"{o.micro_batch_size} x data-parallel size {ps.dp_size}.")
+    accum = o.global_batch_size // (o.micro_batch_size * ps.dp_size)
+    seed_everything(o.seed)
+    tokenizer = load_tokenizer(o.tokenizer_model)
+    cfg = model_config(o, tokenizer.vocab_size)
+    model = GPT(cfg, ps)
+    scaler = DynamicLossScaler() if o.fp16 else None
+    engine = build_engine(model, ps, o.zero_stage, lr=o.lr, weight_decay=o.weight_decay,
+                          betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, clip_grad=o.clip_grad,
+                          grad_accum_steps=accum, bucket_size_mb=o.bucket_size_mb, loss_scaler=scaler)
+    model = engine.model
+    schedule = LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
+                          decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)
+    autocast = torch.bfloat16 if o.bf16 else (torch.float16 if o.fp16 else None)
+
+    evals = (o.train_iters // o.eval_interval + 1) * o.eval_iters * o.global_batch_size if o.eval_interval else 0
+    barrier = (lambda: dist.barrier()) if dist.is_initialized() else None
+    train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(
+        o.data_path, o.split, cfg.seq_length, (o.train_iters * o.global_batch_size, evals,
+                                               o.eval_iters * o.global_batch_size),
+        o.seed, cache_dir=o.data_cache_path, eod_id=tokenizer.eod_id, eod_mask_loss=o.eod_mask_loss,
+        reset_position_ids=o.reset_position_ids, reset_attention_mask=o.reset_attention_mask,
+        vocab_size=tokenizer.vocab_size, barrier=barrier)
+    if train_ds is None:
+        raise UserError(f"--split {o.split!r} leaves no documents for training.")
+    if valid_ds is None:
+        _log(ps, "note: the validation split is empty; validation is skipped.")
+
+    iteration, consumed = 0, 0
+    ckpt = None
+    if o.save or o.load:
+        from . import checkpoint as ckpt
+    if o.load:
+        state = ckpt.load(o.load, model=model, engine=engine, ps=ps, config=cfg, options=o,
+                          tokenizer=tokenizer)
+        if state is not None:
+            iteration, consumed = state["iteration"], state["consumed_samples"]
+            _log(ps, f"resumed from {o.load} at iteration {iteration} ({consumed} samples consumed)")
+
+    metrics_path = o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None)
+    metrics = None
+    if ps.rank == 0 and metrics_path:
+        os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
+        metrics = open(metrics_path, "a" if iteration > 0 else "w")
+
+    def record(d: dict) -> None:
+        if metrics is not None:
+            metrics.write(json.dumps(d) + "\n")
+            metrics.flush()
+
+    peak = o.peak_tflops or measure_peak_tflops(autocast or torch.float32, ps.device)
+    flops = iteration_flops(cfg, o.global_batch_size, o.recompute_activations, model_padded_vocab(engine))
+    tokens_per_iter = o.global_batch_size * cfg.seq_length
+    _log(ps, f"tnlg pretrain: {sum(p.numel() for p in engine.model.parameters()):,} parameters on this rank "
+             f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {accum} accumulation step(s), "
+             f"{'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
+             f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {peak:.3f} TFLOP/s per rank")
+
+    summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[])
+    if valid_ds is not None and o.eval_interval and iteration == 0:
+        v = evaluate(model, valid_ds, o, ps, autocast)
+        summary["first_valid_loss"] = v
+        _log(ps, f"validation before training: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
+        record(dict(split="valid", iteration=0, loss=v, ppl=math.exp(min(20, v))))
+
+    sampler = iter(MegatronPretrainingSampler(len(train_ds), consumed, o.micro_batch_size, ps.dp_rank,
+                                              ps.dp_size))
+    model.train()
+    window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
+    while iteration < o.train_iters:
+        t0 = time.perf_counter()
+        lr = schedule.lr(engine.num_steps)
+        engine.zero_grad()
+        micro_losses = []
+        for _ in range(accum):
+            loss = _forward(model, _batches(train_ds, sampler, ps.device), autocast, ps.device)
+            engine.backward(loss)
+            micro_losses.append(loss.detach().float())
+        loss = torch.stack(micro_losses).mean().reshape(1)
+        if ps.dp_group is not None:
+            dist.all_reduce(loss, group=ps.dp_group)
+            loss /= ps.dp_size
+        loss = loss.item()
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration + 1}; stopping before "
+                                   f"the optimizer step (no checkpoint is written from this state). Lower --lr, "
+                                   f"raise --lr-warmup-iters, or check the data.")
+        info = engine.step(lr)
+        iteration += 1
+        consumed += o.global_batch_size
+        dt = time.perf_counter() - t0
+        tflops = flops / dt / ps.world_size / 1e12
+        rec = dict(iteration=iteration, consumed_samples=consumed, loss=loss, lr=lr, grad_norm=info["grad_norm"],
+                   skipped=info["skipped"], ms_per_iter=dt * 1e3, tokens_per_s=tokens_per_iter / dt,
+                   tflops=tflops, mfu=tflops / peak, peak_memory_bytes=peak_memory_bytes(ps.device))
+        if info.get("loss_scale") is not None:
+            rec["loss_scale"] = info["loss_scale"]
+        record(rec)
+        summary["losses"].append(loss)
+        window_loss, window_n = window_loss + loss, window_n + 1
+        if iteration % o.log_interval == 0 or iteration == o.train_iters:
+            span = time.perf_counter() - window_t
+            _log(ps, f"iter {iteration:6d}/{o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
+                     f"loss {window_loss / window_n:.4f} | grad norm {info['grad_norm']:.3f} | "
+                     f"{span / window_n * 1e3:7.1f} ms/iter | {tokens_per_iter * window_n / span:8.0f} tok/s | "
+                     f"{flops * window_n / span / ps.world_size / 1e12:.3f} TFLOP/s/rank | "
+                     f"MFU {flops * window_n / span / ps.world_size / 1e12 / peak:.1%} | "
+                     f"mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
+                     + (" | skipped (overflow)" if info["skipped"] else ""))
+            window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
+        last = iteration == o.train_iters
+        if valid_ds is not None and o.eval_interval and (iteration % o.eval_interval == 0 or last):
+            v = evaluate(model, valid_ds, o, ps, autocast)
+            summary["last_valid_loss"] = v
+            _log(ps, f"validation at iteration {iteration}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
+            record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
+        if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last):
+            ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, model=model, engine=engine, ps=ps,
+                      config=cfg, options=o, tokenizer=tokenizer, keep_last=o.keep_last)
+            _log(ps, f"saved checkpoint at iteration {iteration} to {o.save}")
+
+    if metrics is not None:
+        metrics.close()
+        if o.plot:
+            _plot(metrics_path)
+    _sample(model, tokenizer, o, ps)
+    return summary
+
+
+def model_padded_vocab(engine) -> int:
+    return engine.model.config.padded_vocab_size(engine.ps.tp_size)
+
+
+def _plot(metrics_path: str) -> None:
+    """Loss curve (training and validation) next to the metrics file."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    train, valid = [], []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            (valid if r.get("split") == "valid" else train).append((r["iteration"], r["loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = os.path.splitext(metrics_path)[0] + "_loss.png"
+    tmp = out + ".tmp.png"
+    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, out)
+    print(f"loss curve: {out}", flush=True)
+
+
+def _sample(model, tokenizer, o, ps) -> None:
+    if not o.sample_prompt or not o.sample_tokens:
+        return
+    try:
+        from .generate import generate
+    except ImportError:
+        return
+    model.eval()
+    text = generate(model, tokenizer, [o.sample_prompt], max_new_tokens=o.sample_tokens, greedy=False,
+                    temperature=0.8, top_k=40, seed=o.seed)[0]
+    _log(ps, f"sample:\n{o.sample_prompt}{text}")

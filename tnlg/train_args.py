@@ -1,0 +1,251 @@
+"""``tnlg pretrain`` options: Megatron flag names, presets with their published recipes, config files.
+
+Precedence, lowest first: built-in defaults < ``--preset`` (model shape and
+recipe) < ``--config FILE`` (TOML or YAML; keys are flag names with ``_`` or
+``-``) < flags given on the command line. Everything is validated here, in the
+launching process, before any worker starts or anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from types import SimpleNamespace
+
+from .config import PRESETS, GPTConfig
+from .errors import UserError
+
+__all__ = ["add_arguments", "resolve", "DEFAULTS", "RECIPES"]
+
+# The main job on a built-in default: a small GPT on the built-in corpus, TP=2 x DP=2, ZeRO-1.
+DEFAULTS = dict(
+    preset=None, config=None,
+    num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, ffn_hidden_size=None,
+    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+    micro_batch_size=8, global_batch_size=16, train_iters=300,
+    lr=2e-3, min_lr=2e-4, lr_warmup_iters=30, lr_decay_iters=None, lr_decay_style="cosine",
+    weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+    tensor_model_parallel_size=2, zero_stage=1, zero_impl="tnlg", nproc_per_node=None, max_restarts=0,
+    data_path=None, split="969,30,1", tokenizer_model=None, data_cache_path=None,
+    eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
+    seed=1234, bf16=False, fp16=False, recompute_activations=False,
+    log_interval=10, eval_interval=100, eval_iters=4,
+    save=None, save_interval=None, load=None, keep_last=None, metrics_file=None, plot=True,
+    peak_tflops=None, sample_prompt="ROMEO:", sample_tokens=48, distributed_timeout_minutes=10,
+    bucket_size_mb=25.0,
+)
+
+# Published recipes (REFERENCE.md): T-NLG as reported; Megatron 8.3B's.
+RECIPES = {
+    "tnlg-17b": dict(global_batch_size=512, micro_batch_size=1, train_iters=300_000, lr=1.5e-4, min_lr=1e-5,
+                     lr_warmup_iters=3200, lr_decay_iters=500_000, lr_decay_style="cosine", weight_decay=0.01,
+                     clip_grad=1.0, fp16=True, tensor_model_parallel_size=4, zero_stage=1,
+                     hidden_dropout=0.1, attention_dropout=0.1),
+    "megatron-8.3b": dict(global_batch_size=512, micro_batch_size=1, train_iters=300_000, lr=1.5e-4,
+                          min_lr=1e-5, lr_warmup_iters=3000, lr_decay_style="cosine", weight_decay=0.01,
+                          clip_grad=1.0, fp16=True, tensor_model_parallel_size=8, zero_stage=0,
+                          hidden_dropout=0.1, attention_dropout=0.1),
+}
+
+_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+               "hidden_dropout", "attention_dropout", "init_method_std")
+
+
+def _flag(p, *names, **kw):
+    p.add_argument(*names, default=argparse.SUPPRESS, **kw)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Pretrain a GPT with tensor parallelism (TP) inside groups of processes and ZeRO data parallelism "
+        "(DP) across them. With no arguments: a small GPT on the built-in Shakespeare+Milton corpus, "
+        "TP=2 x DP=2, ZeRO stage 1, 4 local gloo processes, a few minutes on 2 CPU cores.\n\n"
+        "Logged every --log-interval iterations: loss, lr, grad norm, ms/iter, tokens/s, TFLOP/s per rank "
+        "and MFU. Model FLOPs per iteration (Narayanan et al. 2021): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), "
+        "or 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with --recompute-activations; MFU = model FLOP/s per rank "
+        "/ peak FLOP/s per rank, the peak measured once at start (a dense matmul in the training dtype on "
+        "this rank's threads) unless --peak-tflops is given.")
+    g = p.add_argument_group("model")
+    _flag(g, "--preset", choices=list(PRESETS), help="model shape (and, for tnlg-17b / megatron-8.3b, the "
+          "published training recipe); flags override it")
+    _flag(g, "--config", metavar="FILE", help="TOML or YAML file of options (flag names); flags override it")
+    for name, typ in (("num-layers", int), ("hidden-size", int), ("num-attention-heads", int),
+                      ("seq-length", int), ("ffn-hidden-size", int), ("hidden-dropout", float),
+                      ("attention-dropout", float), ("init-method-std", float)):
+        _flag(g, f"--{name}", type=typ)
+    g = p.add_argument_group("batch and schedule")
+    _flag(g, "--micro-batch-size", type=int, help="samples per rank per micro step")
+    _flag(g, "--global-batch-size", type=int, help="samples per iteration = micro x DP x accumulation steps")
+    _flag(g, "--train-iters", type=int)
+    _flag(g, "--lr", type=float, help="peak learning rate")
+    _flag(g, "--min-lr", type=float)
+    _flag(g, "--lr-warmup-iters", type=int, help="linear warmup from 0 over this many iterations")
+    _flag(g, "--lr-decay-iters", type=int, help="decay ends here (default --train-iters); min-lr after")
+    _flag(g, "--lr-decay-style", choices=["cosine", "linear", "constant"])
+    _flag(g, "--weight-decay", type=float, help="AdamW decay on matrices (2-D parameters) only")
+    _flag(g, "--clip-grad", type=float, help="clip by the global norm across TP and DP (0: off)")
+    _flag(g, "--adam-beta1", type=float)
+    _flag(g, "--adam-beta2", type=float)
+    _flag(g, "--adam-eps", type=float)
+    g = p.add_argument_group("parallelism")
+    _flag(g, "--tensor-model-parallel-size", "--tp", type=int, help="TP size (any size up to the head count)")
+    _flag(g, "--zero-stage", type=int, choices=[0, 1, 2, 3], help="0: all-reduce; 1 (default): optimizer "
+          "states partitioned; 2: + gradients; 3: + parameters (2/3 via FSDP2)")
+    _flag(g, "--zero-impl", choices=["tnlg"], help="ZeRO implementation (tnlg's own for 0/1, FSDP2 for 2/3)")
+    _flag(g, "--nproc-per-node", type=int, help="launch this many local processes (torch's elastic "
+          "launcher) unless already under torchrun; default 4 for the built-in job")
+    _flag(g, "--max-restarts", type=int, help="with --nproc-per-node: restart the group this many times "
+          "after a failure (resuming from --save)")
+    _flag(g, "--distributed-timeout-minutes", type=float, help="a hung collective fails after this long")
+    g = p.add_argument_group("data")
+    _flag(g, "--data-path", nargs="+", help="PREFIX, or weights and prefixes: 0.7 A 0.3 B (default: the "
+          "built-in corpus)")
+    _flag(g, "--split", help="train,valid,test weights by documents, e.g. 949,50,1")
+    _flag(g, "--tokenizer-model", help="SentencePiece .model or a GPT-2 BPE folder")
+    _flag(g, "--data-cache-path", help="where index arrays are cached when the data folder is read-only")
+    for name in ("eod-mask-loss", "reset-position-ids", "reset-attention-mask"):
+        _flag(g, f"--{name}", action="store_true")
+    g = p.add_argument_group("precision and memory")
+    _flag(g, "--bf16", action="store_true", help="bf16 autocast; fp32 master weights and optimizer states")
+    _flag(g, "--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (GPUs only)")
+    _flag(g, "--recompute-activations", action="store_true", help="activation checkpointing per block")
+    _flag(g, "--seed", type=int)
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    _flag(g, "--log-interval", type=int)
+    _flag(g, "--eval-interval", type=int, help="validation every N iterations (and before the first; 0: off)")
+    _flag(g, "--eval-iters", type=int, help="global batches per validation")
+    _flag(g, "--metrics-file", help="JSON Lines metrics (default SAVE/metrics.jsonl)")
+    _flag(g, "--no-plot", dest="plot", action="store_false", help="no loss-curve PNG at the end")
+    _flag(g, "--peak-tflops", type=float, help="per-rank peak for MFU (default: measured at start)")
+    _flag(g, "--save", help="checkpoint directory (default for the built-in job: runs/pretrain)")
+    _flag(g, "--save-interval", type=int)
+    _flag(g, "--load", help="resume from this checkpoint directory")
+    _flag(g, "--keep-last", type=int, help="keep only the last K checkpoints")
+    _flag(g, "--sample-prompt", help="prompt of the sample printed at the end ('' for none)")
+    _flag(g, "--sample-tokens", type=int)
+
+
+def _read_config_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"--config {path!r} does not exist.")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            data = tomllib.loads(raw.decode())
+        else:
+            import yaml
+            data = yaml.safe_load(raw) or {}
+    except Exception as exc:  # noqa: BLE001 - any parse error is a user error
+        raise UserError(f"--config {path!r} could not be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path!r} must hold a mapping of option names to values.")
+    out = {}
+    for key, value in data.items():
+        k = str(key).replace("-", "_")
+        if k not in DEFAULTS or k in ("config",):
+            valid = ", ".join(sorted(k2 for k2 in DEFAULTS if k2 != "config"))
+            raise UserError(f"--config {path!r}: unknown key {key!r}. Valid keys: {valid}.")
+        out[k] = value
+    return out
+
+
+def resolve(args: argparse.Namespace, world_size: int | None = None) -> SimpleNamespace:
+    """Merge defaults, preset, config file and flags; validate; return the run's options.
+
+    ``world_size`` is the number of processes when known (under torchrun, or from
+    ``--nproc-per-node``); layout checks that need it run then.
+    """
+    given = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    opts = dict(DEFAULTS)
+    preset = given.get("preset")
+    if preset is None and given.get("config"):
+        preset = _read_config_file(given["config"]).get("preset")
+    if preset:
+        shape = PRESETS[preset]
+        opts.update({k: v for k, v in shape.items() if k in _MODEL_KEYS})
+        opts["seq_length"] = shape["seq_length"]
+        opts.update(RECIPES.get(preset, {}))
+        opts["preset"] = preset
+    if given.get("config"):
+        opts.update(_read_config_file(given["config"]))
+    opts.update(given)
+    o = SimpleNamespace(**opts)
+    _validate(o, world_size)
+    return o
+
+
+def _validate(o: SimpleNamespace, world_size: int | None) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters", "tensor_model_parallel_size", "log_interval"):
+        v = getattr(o, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}.")
+    for name in ("eval_interval", "eval_iters", "lr_warmup_iters"):
+        v = getattr(o, name)
+        if not isinstance(v, int) or v < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}.")
+    if o.lr_decay_style not in ("cosine", "linear", "constant"):
+        raise UserError(f"--lr-decay-style must be cosine, linear or constant, got {o.lr_decay_style!r}.")
+    if o.lr_decay_iters is not None and (not isinstance(o.lr_decay_iters, int) or o.lr_decay_iters < 1):
+        raise UserError(f"--lr-decay-iters must be a positive integer, got {o.lr_decay_iters!r}.")
+    if not (isinstance(o.lr, (int, float)) and o.lr > 0):
+        raise UserError(f"--lr must be a positive number, got {o.lr!r}.")
+    if not (isinstance(o.min_lr, (int, float)) and 0 <= o.min_lr <= o.lr):
+        raise UserError(f"--min-lr must be between 0 and --lr ({o.lr}), got {o.min_lr!r}.")
+    from .optim.schedule import LRSchedule
+    LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
+               decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)  # raises UserError
+    if o.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {o.zero_stage!r}.")
+    if o.bf16 and o.fp16:
+        raise UserError("--bf16 and --fp16 are exclusive: pick one.")
+    if o.save_interval is not None and (not isinstance(o.save_interval, int) or o.save_interval < 1):
+        raise UserError(f"--save-interval must be a positive integer, got {o.save_interval!r}.")
+    if o.keep_last is not None and (not isinstance(o.keep_last, int) or o.keep_last < 1):
+        raise UserError(f"--keep-last must be a positive integer, got {o.keep_last!r}.")
+    if o.nproc_per_node is not None and (not isinstance(o.nproc_per_node, int) or o.nproc_per_node < 1):
+        raise UserError(f"--nproc-per-node must be a positive integer, got {o.nproc_per_node!r}.")
+    try:
+        model_config(o, vocab_size=1).check_tensor_parallel(o.tensor_model_parallel_size)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if world_size is not None:
+        tp = o.tensor_model_parallel_size
+        if world_size % tp:
+            valid = [t for t in range(1, world_size + 1) if world_size % t == 0]
+            raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
+                            f"valid sizes for {world_size} processes: {valid}.")
+        dp = world_size // tp
+        if o.global_batch_size % (o.micro_batch_size * dp):
+            raise UserError(
+                f"--global-batch-size {o.global_batch_size} is not divisible by --micro-batch-size "
+                f"{o.micro_batch_size} x data-parallel size {dp} (= {o.micro_batch_size * dp}); the global "
+                f"batch is micro batch x DP x accumulation steps. Try --global-batch-size "
+                f"{max(1, o.global_batch_size // (o.micro_batch_size * dp)) * o.micro_batch_size * dp}.")
+    if o.data_path is not None:
+        from .data.gpt_dataset import parse_data_path
+        from .data.indexed import IndexedDataset
+        prefixes, _ = parse_data_path(o.data_path)
+        for prefix in prefixes:
+            IndexedDataset(prefix)  # refuses missing / corrupt files with a clear error
+        if o.tokenizer_model is None:
+            raise UserError("--data-path needs --tokenizer-model (the tokenizer the data was preprocessed with).")
+    if o.tokenizer_model is not None and not os.path.exists(o.tokenizer_model):
+        raise UserError(f"--tokenizer-model {o.tokenizer_model!r} does not exist.")
+    if o.load is not None and not os.path.isdir(o.load):
+        raise UserError(f"--load {o.load!r} is not a directory.")
+
+
+def model_config(o: SimpleNamespace, vocab_size: int) -> GPTConfig:
+    """The :class:`GPTConfig` these options describe."""
+    try:
+        return GPTConfig(num_layers=o.num_layers, hidden_size=o.hidden_size,
+                         num_attention_heads=o.num_attention_heads, seq_length=o.seq_length,
+                         vocab_size=vocab_size, ffn_hidden_size=o.ffn_hidden_size,
+                         hidden_dropout=o.hidden_dropout, attention_dropout=o.attention_dropout,
+                         init_method_std=o.init_method_std, recompute_activations=bool(o.recompute_activations),
+                         seed=o.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
