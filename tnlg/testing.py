@@ -34,7 +34,7 @@ class WorkerError(RuntimeError):
 def _worker(rank: int, fn: Callable, world_size: int, tp: int, tmp: str, timeout_s: float,
             threads: int, args: tuple) -> None:
     torch.set_num_threads(threads)
-    os.environ.setdefault("TNLG_QUIET", "1")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # code that sizes thread pools per local rank sees it
     result_path = os.path.join(tmp, f"result_{rank}.pkl")
     try:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",

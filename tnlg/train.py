@@ -148,8 +148,13 @@ def evaluate(model, dataset, o, ps, autocast) -> Optional[float]:
     return loss.item()
 
 
-def train(o: SimpleNamespace) -> dict:
-    """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process; returns a summary."""
+def train(o: SimpleNamespace, return_params: bool = False) -> dict:
+    """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process.
+
+    Returns a summary: per-iteration ``losses`` and ``grad_norms``, the first and
+    last validation loss, and with ``return_params`` the full (TP=1, unpadded)
+    parameters after training (collective: gathers over DP for ZeRO-3 and over TP).
+    """
     from .data.gpt_dataset import build_train_valid_test_datasets
     from .data.sampler import MegatronPretrainingSampler
     from .data.tokenizer import load_tokenizer
@@ -220,7 +225,7 @@ def train(o: SimpleNamespace) -> dict:
              f"{'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
              f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {peak:.3f} TFLOP/s per rank")
 
-    summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[])
+    summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
     if valid_ds is not None and o.eval_interval and iteration == 0:
         v = evaluate(model, valid_ds, o, ps, autocast)
         summary["first_valid_loss"] = v
@@ -261,6 +266,7 @@ def train(o: SimpleNamespace) -> dict:
             rec["loss_scale"] = info["loss_scale"]
         record(rec)
         summary["losses"].append(loss)
+        summary["grad_norms"].append(info["grad_norm"])
         window_loss, window_n = window_loss + loss, window_n + 1
         if iteration % o.log_interval == 0 or iteration == o.train_iters:
             span = time.perf_counter() - window_t
@@ -288,7 +294,19 @@ def train(o: SimpleNamespace) -> dict:
         if o.plot:
             _plot(metrics_path)
     _sample(model, tokenizer, o, ps)
+    if return_params:
+        summary["params"] = _full_params(engine, cfg, ps)
     return summary
+
+
+def _full_params(engine, cfg, ps) -> dict:
+    """Full TP=1 tensors of every parameter, whatever the ZeRO stage (collective over DP and TP)."""
+    from .model import GPT
+    from .parallel.state import ParallelState
+    from .shards import gather_full
+    with torch.device("meta"):  # the partition metadata of this rank's shard, without memory
+        meta = dict(GPT(cfg, ParallelState(tp_rank=ps.tp_rank, tp_size=ps.tp_size, virtual=True)).named_parameters())
+    return {n: gather_full(t.detach().cpu(), meta[n], ps) for n, t in engine.model_state_by_param().items()}
 
 
 def model_padded_vocab(engine) -> int:

@@ -1,0 +1,78 @@
+"""Layout invariance of the whole training loop: every (tp, dp, zero) gives one process's trajectory."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from tnlg.testing import run_distributed
+from tnlg.train_args import resolve
+
+STEPS = 5
+
+
+def _options(world, **over):
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=4,
+                 global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                 log_interval=100, eval_interval=0, data_path=[prefix], tokenizer_model=tok,
+                 sample_prompt="", plot=False, weight_decay=0.1, clip_grad=0.5, peak_tflops=1.0)
+    flags.update(over)
+    return resolve(argparse.Namespace(**flags), world_size=world)
+
+
+def _train_body(ps, o):
+    from tnlg.train import train
+    out = train(o, return_params=True)
+    return dict(losses=out["losses"], grad_norms=out["grad_norms"], params=out["params"] if ps.rank == 0 else None)
+
+
+def _run(world, tp, zero, **over):
+    micro = over.pop("micro_batch_size", 8 // (world // tp))
+    o = _options(world, tensor_model_parallel_size=tp, zero_stage=zero, micro_batch_size=micro, **over)
+    return run_distributed(_train_body, world, tp, o, timeout_s=120)[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, plain AdamW path (TP=1, DP=1, ZeRO 0), whole global batch in one micro batch."""
+    return _run(1, 1, 0)
+
+
+def _assert_same(ref, got, what, rel=1e-5):
+    assert len(got["losses"]) == STEPS
+    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert math.isclose(a, b, rel_tol=rel), f"{what}: loss at step {i + 1}: {b} vs reference {a}"
+    for i, (a, b) in enumerate(zip(ref["grad_norms"], got["grad_norms"])):
+        assert math.isclose(a, b, rel_tol=rel), f"{what}: grad norm at step {i + 1}: {b} vs reference {a}"
+    for name, t in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], t, atol=1e-5, rtol=1e-4, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("world,tp,zero", [(2, 2, 0), (2, 1, 1), (4, 2, 1), (4, 2, 2), (2, 1, 3)])
+def test_layout_invariance(reference, world, tp, zero):
+    _assert_same(reference, _run(world, tp, zero), f"(tp={tp}, dp={world // tp}, zero={zero})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,zero", [(4, 4, 0), (4, 1, 1)])
+def test_layout_invariance_wide(reference, world, tp, zero):
+    _assert_same(reference, _run(world, tp, zero), f"(tp={tp}, dp={world // tp}, zero={zero})")
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(reference):
+    # DP=2, micro batch 2 -> 2 accumulation steps per global batch of 8
+    _assert_same(reference, _run(2, 1, 1, micro_batch_size=2), "accumulation 2 x micro 2 x DP 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,zero", [(3, 3, 0), (6, 3, 1), (8, 8, 0)])
+def test_28_heads_training_invariance(world, tp, zero):
+    """Issue 8: T-NLG's 28 heads at TP 3 and 8 train exactly like TP 1."""
+    over = dict(num_layers=1, hidden_size=56, num_attention_heads=28, global_batch_size=6)
+    dp = world // tp
+    ref = _run(1, 1, 0, micro_batch_size=6, **over)
+    got = _run(world, tp, zero, micro_batch_size=6 // dp, **over)
+    _assert_same(ref, got, f"28 heads (tp={tp}, dp={dp}, zero={zero})")
