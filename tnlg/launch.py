@@ -72,7 +72,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     try:
         elastic_launch(config, sys.executable)(*child_args)
     except ChildFailedError as err:
-        rank, first = min(err.failures.items())
+        rank, first = err.get_first_failure()  # the root cause, not the peers it took down
         print(f"tnlg {command}: worker rank {rank} failed with exit code {first.exitcode}; "
               f"its output is above.", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1

@@ -41,20 +41,22 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """Gather equal-sized 1-D shards of every rank into ``output`` (rank order)."""
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """Gather equal-sized 1-D shards of every rank into ``output`` (rank order).
+
+    Returns the work handle when ``async_op``."""
     if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single(output, shard, group=group)
-    else:
-        dist.all_gather_into_tensor(output, shard, group=group)
+        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group) -> None:
-    """Sum ``full`` over ranks and keep this rank's equal-sized slice in ``output``."""
+def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
+    """Sum ``full`` over ranks and keep this rank's equal-sized slice in ``output``.
+
+    Returns the work handle when ``async_op``."""
     if hasattr(dist, "reduce_scatter_single"):
-        dist.reduce_scatter_single(output, full, group=group)
-    else:
-        dist.reduce_scatter_tensor(output, full, group=group)
+        return dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
 
 
 def _split_sizes(ps: ParallelState, width: int, sizes: Optional[Sequence[int]]) -> list[int]:
