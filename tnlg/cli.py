@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("tnlg.data.cli", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
     "preprocess": ("tnlg.data.cli", "tokenize .jsonl/.txt into Megatron .bin/.idx files"),
     "data": ("tnlg.data.cli", "built-in corpus (prepare) and .bin/.idx checks (info)"),
+    "convert": ("tnlg.convert", "convert Hugging Face GPT-2 <-> tnlg checkpoints; reshard a checkpoint offline"),
+    "checkpoint": ("tnlg.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
+    "eval": ("tnlg.eval.cli", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss"),
+    "generate": ("tnlg.generate", "tensor-parallel text generation with a KV cache (greedy, top-k, top-p)"),
 }
 
 

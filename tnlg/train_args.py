@@ -232,8 +232,9 @@ def _validate(o: SimpleNamespace, world_size: int | None) -> None:
             IndexedDataset(prefix)  # refuses missing / corrupt files with a clear error
         if o.tokenizer_model is None:
             raise UserError("--data-path needs --tokenizer-model (the tokenizer the data was preprocessed with).")
-    if o.tokenizer_model is not None and not os.path.exists(o.tokenizer_model):
-        raise UserError(f"--tokenizer-model {o.tokenizer_model!r} does not exist.")
+    if o.tokenizer_model is not None:
+        from .data.tokenizer import load_tokenizer
+        load_tokenizer(o.tokenizer_model)  # refuses a missing or unreadable tokenizer with a clear error
     if o.load is not None and not os.path.isdir(o.load):
         raise UserError(f"--load {o.load!r} is not a directory.")
 

@@ -1,0 +1,31 @@
+"""Tokenized corpora: tokenizers, Megatron's .bin/.idx format, preprocessing, the GPT dataset.
+
+Modules: :mod:`~tnlg.data.tokenizer` (SentencePiece, GPT-2 BPE, training),
+:mod:`~tnlg.data.indexed` (``IndexedDataset``/``IndexedDatasetBuilder``),
+:mod:`~tnlg.data.preprocess` (text -> .bin/.idx), :mod:`~tnlg.data.gpt_dataset`
+(samples, splits, blending, cached indices), :mod:`~tnlg.data.sampler`
+(data-parallel micro batches), :mod:`~tnlg.data.corpus` (the built-in corpus).
+The names below are imported on first use, so ``import tnlg.data`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer", "train_sentencepiece": "tokenizer",
+    "IndexedDataset": "indexed", "IndexedDatasetBuilder": "indexed",
+    "GPTDataset": "gpt_dataset", "BlendedDataset": "gpt_dataset",
+    "build_train_valid_test_datasets": "gpt_dataset",
+    "MegatronPretrainingSampler": "sampler", "collate": "sampler",
+    "default_dataset": "corpus",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'tnlg.data' has no attribute {name!r}")

@@ -1,0 +1,354 @@
+"""Megatron's memory-mapped indexed dataset: ``PREFIX.bin`` (tokens) + ``PREFIX.idx`` (index).
+
+Layout (little-endian; Megatron-LM ``megatron/core/datasets/indexed_dataset.py``,
+see ``REFERENCE.md``)::
+
+    .idx  b"MMIDIDX\\x00\\x00" | version <Q = 1 | dtype code <B | sequence count <Q |
+          document count <Q (documents + 1) | int32 lengths[S] | int64 byte pointers[S] |
+          int64 document_indices[D] | optional int8 modes[S] (multimodal)
+    .bin  the tokens of every sequence back to back, no header
+
+A *document* is ``document_indices[i] .. document_indices[i+1]`` sequences; text
+preprocessing writes one sequence per document. :class:`IndexedDatasetBuilder`
+writes files byte-identical to Megatron's builder, under temporary names that
+are renamed only by :meth:`IndexedDatasetBuilder.finalize`. :class:`IndexedDataset`
+checks everything it can from the two file sizes before training starts and then
+reads tokens zero-copy from a memory map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import UserError
+
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPES", "best_dtype", "dtype_code",
+           "data_file_path", "index_file_path"]
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+
+# Megatron's DType enum codes.
+DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+                           6: np.float64, 7: np.float32, 8: np.uint16}
+
+
+def dtype_code(dtype) -> int:
+    """Megatron's code for a numpy dtype (``uint16`` -> 8, ``int32`` -> 4, ...)."""
+    dt = np.dtype(dtype)
+    for code, t in DTYPES.items():
+        if np.dtype(t) == dt:
+            return code
+    raise UserError(f"dtype {dt} has no Megatron code; valid: "
+                    f"{sorted(np.dtype(t).name for t in DTYPES.values())}.")
+
+
+def best_dtype(vocab_size: Optional[int]):
+    """Token dtype Megatron picks for a vocabulary: uint16 below 65500 tokens, else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def data_file_path(prefix: Union[str, Path]) -> str:
+    return f"{prefix}.bin"
+
+
+def index_file_path(prefix: Union[str, Path]) -> str:
+    return f"{prefix}.idx"
+
+
+def _strip_suffix(prefix: Union[str, Path]) -> str:
+    p = os.fspath(prefix)
+    if p.endswith(".bin") or p.endswith(".idx"):
+        p = p[:-4]
+    return p
+
+
+class IndexedDataset:
+    """Read-only view of a ``.bin``/``.idx`` pair.
+
+    ``len(ds)`` sequences; ``ds[i]`` / ``ds.get(i, offset, length)`` return numpy
+    views into the memory-mapped ``.bin``; ``sequence_lengths``, ``sequence_pointers``
+    (byte offsets) and ``document_indices`` are exactly what Megatron's reader
+    returns. ``document(d)`` gives the tokens of document ``d``. Corrupt files raise
+    :class:`~tnlg.errors.UserError` when opened: missing partner file, wrong magic,
+    unknown version or dtype code, counts that do not match the ``.idx`` size,
+    inconsistent document indices, a ``.bin`` shorter than the pointers need.
+    """
+
+    def __init__(self, path_prefix: Union[str, Path]):
+        self.path_prefix = _strip_suffix(path_prefix)
+        self._open()
+
+    # pickling (DataLoader workers) reopens the maps by path
+    def __getstate__(self):
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state):
+        self.path_prefix = state["path_prefix"]
+        self._open()
+
+    def _open(self) -> None:
+        prefix = self.path_prefix
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        have_idx, have_bin = os.path.isfile(idx_path), os.path.isfile(bin_path)
+        if not have_idx and not have_bin:
+            raise UserError(f"no indexed dataset at {prefix!r}: neither {idx_path!r} nor {bin_path!r} "
+                            "exists. Pass the prefix without .bin/.idx, e.g. "
+                            "'data/my-corpus_text_document' (see `tnlg preprocess`).")
+        if not have_idx or not have_bin:
+            present, missing = (bin_path, idx_path) if have_bin else (idx_path, bin_path)
+            raise UserError(f"indexed dataset {prefix!r} is incomplete: {present!r} exists but its partner "
+                            f"{missing!r} is missing. Both files are needed; copy it next to the other or "
+                            "rerun preprocessing.")
+        with open(idx_path, "rb") as f:
+            idx = f.read()
+        self._parse_index(idx, idx_path)
+        bin_size = os.path.getsize(bin_path)
+        itemsize = self.dtype.itemsize
+        if len(self.sequence_lengths):
+            ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * itemsize
+            need = int(ends.max())
+            if need > bin_size:
+                bad = int(np.argmax(ends > bin_size))
+                raise UserError(f"{bin_path!r} is {bin_size} bytes but its index needs {need}: sequence {bad} "
+                                f"(pointer {int(self.sequence_pointers[bad])}, "
+                                f"{int(self.sequence_lengths[bad])} tokens of {self.dtype.name}) runs past the "
+                                "end. The .bin is truncated or belongs to another .idx; rerun preprocessing.")
+            if (self.sequence_pointers % itemsize).any():
+                raise UserError(f"{idx_path!r} has byte pointers that are not multiples of the token size "
+                                f"{itemsize} ({self.dtype.name}); the index is corrupt.")
+        self.bin_size = bin_size
+        if bin_size == 0:
+            self._mmap = None
+            self._tokens = np.empty(0, dtype=self.dtype)
+        else:
+            with open(bin_path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            usable = bin_size - bin_size % itemsize
+            self._tokens = np.frombuffer(self._mmap, dtype=self.dtype, count=usable // itemsize)
+        self._offsets = (self.sequence_pointers // itemsize).astype(np.int64)
+
+    def _parse_index(self, idx: bytes, idx_path: str) -> None:
+        if len(idx) < HEADER_SIZE:
+            raise UserError(f"{idx_path!r} is {len(idx)} bytes, shorter than the {HEADER_SIZE}-byte header "
+                            "of a Megatron index; the file is truncated or not an index.")
+        if idx[:9] != MAGIC:
+            raise UserError(f"{idx_path!r} does not start with Megatron's index magic {MAGIC!r} (found "
+                            f"{idx[:9]!r}); it is not an mmap indexed-dataset index (the old 'lazy'/'cached' "
+                            "formats are not supported).")
+        (version,) = struct.unpack_from("<Q", idx, 9)
+        if version != VERSION:
+            raise UserError(f"{idx_path!r} has index version {version}; only version {VERSION} exists.")
+        (code,) = struct.unpack_from("<B", idx, 17)
+        if code not in DTYPES:
+            raise UserError(f"{idx_path!r} has dtype code {code}; valid codes are "
+                            + ", ".join(f"{c} ({np.dtype(t).name})" for c, t in DTYPES.items()) + ".")
+        seq_count, doc_count = struct.unpack_from("<QQ", idx, 18)
+        base = HEADER_SIZE + seq_count * (4 + 8) + doc_count * 8
+        if len(idx) not in (base, base + seq_count):
+            raise UserError(f"{idx_path!r} claims {seq_count} sequences and {doc_count} document indices, "
+                            f"which need {base} bytes ({base + seq_count} with modes), but the file is "
+                            f"{len(idx)} bytes; the index is truncated or corrupt.")
+        if doc_count < 1:
+            raise UserError(f"{idx_path!r} has no document indices (count 0); a valid index has at least "
+                            "the leading 0.")
+        self.dtype = np.dtype(DTYPES[code])
+        self.dtype_code = code
+        off = HEADER_SIZE
+        self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=seq_count, offset=off)
+        off += 4 * seq_count
+        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=seq_count, offset=off)
+        off += 8 * seq_count
+        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=doc_count, offset=off)
+        off += 8 * doc_count
+        self.sequence_modes = (np.frombuffer(idx, dtype=np.int8, count=seq_count, offset=off)
+                               if len(idx) > base else None)
+        if (self.sequence_lengths < 0).any():
+            raise UserError(f"{idx_path!r} has negative sequence lengths; the index is corrupt.")
+        d = self.document_indices
+        if d[0] != 0 or d[-1] > seq_count or (np.diff(d) < 0).any():
+            raise UserError(f"{idx_path!r} has document indices that do not run from 0 up to at most the "
+                            f"sequence count {seq_count} without decreasing (first {int(d[0])}, last "
+                            f"{int(d[-1])}); the index is corrupt.")
+
+    # ------------------------------------------------------------------ reading
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Sequence lengths (Megatron's name)."""
+        return self.sequence_lengths
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        if not isinstance(idx, (int, np.integer)):
+            raise TypeError(f"IndexedDataset indices must be integers, got {type(idx).__name__}")
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError(f"sequence {idx} out of range for {n} sequences")
+        start = self._offsets[idx]
+        return self._tokens[start:start + self.sequence_lengths[idx]]
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens ``offset .. offset + length`` of sequence ``idx`` (to its end when ``length`` is None)."""
+        seq_len = int(self.sequence_lengths[idx])
+        if length is None:
+            length = seq_len - offset
+        if offset < 0 or length < 0 or offset + length > seq_len:
+            raise IndexError(f"tokens {offset}..{offset + length} out of range for sequence {idx} "
+                             f"of {seq_len} tokens")
+        start = int(self._offsets[idx]) + offset
+        return self._tokens[start:start + length]
+
+    def document(self, doc: int) -> np.ndarray:
+        """All tokens of document ``doc`` (its sequences concatenated)."""
+        a, b = int(self.document_indices[doc]), int(self.document_indices[doc + 1])
+        if a == b:
+            return self._tokens[:0]
+        start = int(self._offsets[a])
+        end = int(self._offsets[b - 1]) + int(self.sequence_lengths[b - 1])
+        if end - start == int(self.sequence_lengths[a:b].sum()):  # contiguous (always, for our files)
+            return self._tokens[start:end]
+        return np.concatenate([self[i] for i in range(a, b)])
+
+    @staticmethod
+    def exists(path_prefix: Union[str, Path]) -> bool:
+        p = _strip_suffix(path_prefix)
+        return os.path.isfile(index_file_path(p)) and os.path.isfile(data_file_path(p))
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.path_prefix!r}, dtype={self.dtype.name}, sequences={len(self)}, "
+                f"documents={self.num_documents})")
+
+
+class IndexedDatasetBuilder:
+    """Write a ``.bin``/``.idx`` pair byte-identical to Megatron's ``IndexedDatasetBuilder``.
+
+    Same calls: ``add_item(tokens)`` appends one sequence, ``end_document()`` closes
+    a document, ``add_document(tokens, lengths)`` does both for a document of several
+    sequences; ``finalize(idx_path)``. Tokens go to ``<bin>.tmp-<pid>`` and the
+    index to ``<idx>.tmp-<pid>``; ``finalize`` renames the ``.bin`` and then the
+    ``.idx``, so a reader never sees a new index without its data. Use as a
+    context manager (or call :meth:`abort`) to remove the temporary files on error.
+    """
+
+    def __init__(self, bin_path: Union[str, Path], dtype=np.int32):
+        self.dtype = np.dtype(dtype)
+        dtype_code(self.dtype)  # validate early
+        self.bin_path = os.fspath(bin_path)
+        self._tmp_bin = f"{self.bin_path}.tmp-{os.getpid()}"
+        self._tmp_idx: Optional[str] = None
+        self._file = open(self._tmp_bin, "wb")
+        self._lengths: list[np.ndarray] = []
+        self._doc_idx: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+        self._num_seqs = 0
+        if np.issubdtype(self.dtype, np.integer):
+            info = np.iinfo(self.dtype)
+            self._range = (int(info.min), int(info.max))
+        else:
+            self._range = None
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _as_array(self, tokens) -> np.ndarray:
+        if hasattr(tokens, "numpy"):  # torch tensor, as Megatron's builder accepts
+            tokens = tokens.detach().cpu().numpy()
+        arr = np.asarray(tokens)
+        if arr.dtype != self.dtype:
+            if self._range is not None and arr.size and np.issubdtype(arr.dtype, np.number):
+                lo, hi = arr.min(), arr.max()
+                if lo < self._range[0] or hi > self._range[1]:
+                    raise UserError(f"token ids {int(lo)}..{int(hi)} do not fit {self.dtype.name}; use int32 "
+                                    "(the vocabulary has 65500 tokens or more).")
+            arr = arr.astype(self.dtype)
+        return arr.reshape(-1)
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence."""
+        arr = self._as_array(tokens)
+        self._file.write(arr.tobytes(order="C"))
+        self._lengths.append(np.array([arr.size], dtype=np.int32))
+        self._num_seqs += 1
+
+    def end_document(self) -> None:
+        """Close the current document (its sequences are those added since the last call)."""
+        self._doc_idx.append(np.array([self._num_seqs], dtype=np.int64))
+
+    def add_document(self, tokens, lengths: Sequence[int]) -> None:
+        """Append one document whose ``tokens`` form sequences of ``lengths``."""
+        arr = self._as_array(tokens)
+        lengths = np.asarray(lengths, dtype=np.int32).reshape(-1)
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"sequence lengths sum to {int(lengths.sum())} but the document has {arr.size} tokens")
+        self._file.write(arr.tobytes(order="C"))
+        self._lengths.append(lengths)
+        self._num_seqs += len(lengths)
+        self.end_document()
+
+    def add_documents(self, tokens, doc_lengths: Sequence[int]) -> None:
+        """Append many one-sequence documents at once: ``tokens`` concatenated, ``doc_lengths`` each."""
+        arr = self._as_array(tokens)
+        lengths = np.asarray(doc_lengths, dtype=np.int32).reshape(-1)
+        if int(lengths.sum(dtype=np.int64)) != arr.size:
+            raise ValueError(f"document lengths sum to {int(lengths.sum())} but {arr.size} tokens were given")
+        self._file.write(arr.tobytes(order="C"))
+        self._lengths.append(lengths)
+        self._doc_idx.append(np.arange(self._num_seqs + 1, self._num_seqs + len(lengths) + 1, dtype=np.int64))
+        self._num_seqs += len(lengths)
+
+    def finalize(self, idx_path: Union[str, Path]) -> None:
+        """Write the index and move both files to their final names (``.bin`` first)."""
+        idx_path = os.fspath(idx_path)
+        self._file.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
+        doc_idx = np.concatenate(self._doc_idx)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        self._tmp_idx = f"{idx_path}.tmp-{os.getpid()}"
+        with open(self._tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", dtype_code(self.dtype)))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(doc_idx)))
+            f.write(lengths.astype(np.int32).tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(doc_idx.astype(np.int64).tobytes(order="C"))
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(self._tmp_idx, idx_path)
+        self._tmp_idx = None
+
+    def abort(self) -> None:
+        """Close and delete the temporary files; the final names are untouched."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        for p in (self._tmp_bin, self._tmp_idx):
+            if p and os.path.exists(p):
+                os.remove(p)

@@ -1,0 +1,346 @@
+"""Tokenizers behind one small interface: ``encode``, ``decode``, ``vocab_size``, ``eod_id``.
+
+Two kinds, both local files only (nothing is ever downloaded):
+
+* :class:`SentencePieceTokenizer` - a SentencePiece ``.model`` file. The end-of-document
+  token is the model's ``eos`` piece (id 2 with SentencePiece's defaults), as in
+  Megatron's ``SentencePieceTokenizer``.
+* :class:`GPT2BPETokenizer` - GPT-2's byte-level BPE (the vocabulary of GPT-2, Megatron
+  and T-NLG) from local ``vocab.json`` + ``merges.txt``, through the optional
+  ``tokenizers`` library (``pip install 'tnlg[gpt2bpe]'``). The end-of-document token
+  is ``<|endoftext|>``.
+
+:func:`load_tokenizer` accepts a path or the :meth:`Tokenizer.describe` dict that a
+checkpoint stores, so a run can reload exactly the tokenizer it trained with.
+:func:`train_sentencepiece` trains a BPE model whose defaults round-trip text
+exactly: identity normalisation, no whitespace collapsing, byte fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+
+from ..errors import UserError
+
+__all__ = [
+    "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "load_tokenizer",
+    "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path",
+]
+
+# SentencePiece trainer options that make decode(encode(text)) == text for any text:
+# no NFKC folding, no collapsing of runs of spaces, unknown characters as UTF-8 bytes.
+ROUND_TRIP_TRAINER_OPTIONS: dict[str, Any] = {
+    "model_type": "bpe",
+    "normalization_rule_name": "identity",
+    "remove_extra_whitespaces": False,
+    "byte_fallback": True,
+}
+
+
+def _sha256(path: Union[str, Path]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def builtin_tokenizer_path() -> str:
+    """Path of the SentencePiece model shipped with the built-in corpus."""
+    from .corpus import TOKENIZER_MODEL
+    return str(TOKENIZER_MODEL)
+
+
+class Tokenizer:
+    """Interface every tokenizer provides.
+
+    ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` (ids are in
+    ``[0, vocab_size)``), ``eod_id`` (appended after each document by preprocessing),
+    and ``describe()`` -> a JSON-able dict that :func:`load_tokenizer` turns back into
+    the same tokenizer (``spec`` is the same dict).
+    """
+
+    kind = "abstract"
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode several texts (one Python call; subclasses may batch)."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod_id(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def spec(self) -> dict:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model file (any model type). ``eod_id`` is the ``eos`` id."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_path: Union[str, Path]):
+        import sentencepiece as spm
+
+        path = Path(model_path)
+        if not path.is_file():
+            raise UserError(f"SentencePiece model {str(path)!r} does not exist or is not a file; "
+                            "pass the .model file written by `tnlg train-tokenizer` or spm_train.")
+        self.path = str(path.resolve())
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (OSError, RuntimeError) as err:
+            raise UserError(f"{self.path!r} is not a SentencePiece model ({err}).") from None
+        eos = self.sp.eos_id()
+        if eos < 0:
+            raise UserError(f"SentencePiece model {self.path!r} has no end-of-sentence piece "
+                            "(trained with eos_id=-1); preprocessing and the GPT dataset need one "
+                            "as the end-of-document token. Retrain with the default eos_id=2.")
+        self._eod = int(eos)
+        self._vocab = int(self.sp.get_piece_size())
+        self._sha = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    def describe(self) -> dict:
+        if self._sha is None:
+            self._sha = _sha256(self.path)
+        spec = {"kind": self.kind, "path": self.path, "sha256": self._sha,
+                "vocab_size": self._vocab, "eod_id": self._eod}
+        if self.path == str(Path(builtin_tokenizer_path()).resolve()):
+            spec["builtin"] = True  # reloads from the installed package wherever it lives
+        return spec
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise UserError("the GPT-2 BPE tokenizer needs the optional `tokenizers` package, which is "
+                        "not installed: `pip install 'tnlg[gpt2bpe]'` (or `pip install tokenizers`). "
+                        "SentencePiece .model files work without it.") from None
+    return tokenizers
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2 byte-level BPE from local ``vocab.json`` and ``merges.txt``.
+
+    Exactly GPT-2's scheme (its pre-tokenisation regex, byte-to-unicode table, no
+    prefix space), so ``decode(encode(t)) == t`` for every string. ``<|endoftext|>``
+    is the end-of-document id (50256 in GPT-2's vocabulary); as in GPT-2 and
+    Megatron, that text inside a document is encoded as ordinary characters.
+    """
+
+    kind = "gpt2bpe"
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: Union[str, Path], merges_file: Union[str, Path]):
+        tokenizers = _import_tokenizers()
+        from tokenizers import decoders, models, pre_tokenizers
+
+        for name, p in (("vocab_file", vocab_file), ("merges_file", merges_file)):
+            if not Path(p).is_file():
+                raise UserError(f"GPT-2 BPE {name} {str(p)!r} does not exist; pass local copies of "
+                                "GPT-2's vocab.json and merges.txt (they are never downloaded).")
+        self.vocab_file = str(Path(vocab_file).resolve())
+        self.merges_file = str(Path(merges_file).resolve())
+        try:
+            with open(self.vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+            model = models.BPE.from_file(self.vocab_file, self.merges_file)
+        except Exception as err:  # noqa: BLE001 - malformed user files
+            raise UserError(f"could not read GPT-2 BPE files {self.vocab_file!r} / {self.merges_file!r}: "
+                            f"{err}") from None
+        if self.EOD_TOKEN not in vocab:
+            raise UserError(f"vocab file {self.vocab_file!r} has no {self.EOD_TOKEN!r} entry, the GPT-2 "
+                            "end-of-document token; use GPT-2's vocab.json.")
+        tok = tokenizers.Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        self.tok = tok
+        self._vocab = len(vocab)
+        self._eod = int(vocab[self.EOD_TOKEN])
+        self._sha = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    def describe(self) -> dict:
+        if self._sha is None:
+            self._sha = [_sha256(self.vocab_file), _sha256(self.merges_file)]
+        return {"kind": self.kind, "vocab_file": self.vocab_file, "merges_file": self.merges_file,
+                "sha256": self._sha, "vocab_size": self._vocab, "eod_id": self._eod}
+
+
+_SPEC_HELP = ("a SentencePiece .model file, a directory holding vocab.json + merges.txt (GPT-2 BPE) "
+              "or one .model file, the word 'builtin' (the model shipped with the built-in corpus), "
+              "or a dict from Tokenizer.describe()")
+
+
+def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
+                   check_sha256: bool = True) -> Tokenizer:
+    """Load a tokenizer from a path or a :meth:`Tokenizer.describe` dict.
+
+    Accepts: a ``.model`` file; a directory with ``vocab.json`` + ``merges.txt`` (or a
+    single ``.model``); a ``vocab.json`` path with ``merges.txt`` beside it; ``"builtin"``;
+    a spec dict (``{"kind": "sentencepiece", "path": ...}`` or ``{"kind": "gpt2bpe",
+    "vocab_file": ..., "merges_file": ...}``). With a spec that records ``sha256``
+    and ``check_sha256``, files whose contents changed are refused.
+    """
+    if isinstance(path_or_spec, Tokenizer):
+        return path_or_spec
+    if isinstance(path_or_spec, Mapping):
+        return _from_spec(dict(path_or_spec), check_sha256)
+    if not isinstance(path_or_spec, (str, os.PathLike)):
+        raise UserError(f"cannot load a tokenizer from {path_or_spec!r}; pass {_SPEC_HELP}.")
+    text = os.fspath(path_or_spec)
+    if text == "builtin":
+        return SentencePieceTokenizer(builtin_tokenizer_path())
+    p = Path(text).expanduser()
+    if p.is_dir():
+        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            return GPT2BPETokenizer(p / "vocab.json", p / "merges.txt")
+        models = sorted(p.glob("*.model"))
+        if len(models) == 1:
+            return SentencePieceTokenizer(models[0])
+        raise UserError(f"tokenizer directory {text!r} holds neither vocab.json + merges.txt nor exactly "
+                        f"one .model file (found {[m.name for m in models]}); pass {_SPEC_HELP}.")
+    if p.name.endswith(".json") and p.is_file():
+        merges = p.with_name("merges.txt")
+        return GPT2BPETokenizer(p, merges)
+    if not p.exists():
+        raise UserError(f"tokenizer {text!r} does not exist; pass {_SPEC_HELP}.")
+    return SentencePieceTokenizer(p)
+
+
+def _from_spec(spec: dict, check_sha256: bool) -> Tokenizer:
+    kind = spec.get("kind")
+    if kind == "sentencepiece":
+        path = spec["path"]
+        if spec.get("builtin") and not Path(path).is_file():
+            path = builtin_tokenizer_path()
+        tok: Tokenizer = SentencePieceTokenizer(path)
+    elif kind == "gpt2bpe":
+        tok = GPT2BPETokenizer(spec["vocab_file"], spec["merges_file"])
+    else:
+        raise UserError(f"unknown tokenizer kind {kind!r} in spec {spec!r}; valid kinds are "
+                        "'sentencepiece' and 'gpt2bpe'.")
+    want = spec.get("sha256")
+    if check_sha256 and want is not None:
+        have = tok.describe()["sha256"]
+        if have != want:
+            raise UserError(f"tokenizer files of spec {spec!r} changed since the spec was recorded "
+                            f"(sha256 {have} != {want}); the token ids would not match the "
+                            "checkpoint. Restore the original files or pass check_sha256=False.")
+    return tok
+
+
+# --------------------------------------------------------------------------- training
+
+def _iter_training_lines(inputs: Sequence[Union[str, Path]], json_keys: Sequence[str]) -> Iterator[str]:
+    """Lines of every document: SentencePiece trains on sentences, and newlines are
+    never inside a piece (they encode through byte fallback)."""
+    from .preprocess import iter_documents
+    for _, _, text in iter_documents(inputs, json_keys):
+        for line in text.split("\n"):
+            if line:
+                yield line
+
+
+def train_sentencepiece(inputs: Sequence[Union[str, Path]], vocab_size: int, output_prefix: Union[str, Path],
+                        json_keys: Sequence[str] = ("text",), num_threads: int = 1,
+                        **options: Any) -> str:
+    """Train a SentencePiece model on ``inputs`` and write ``output_prefix + ".model"``/``".vocab"``.
+
+    Inputs are read like :mod:`tnlg.data.preprocess` reads them (``.txt`` = one
+    document, ``.jsonl`` = one document per line under ``json_keys``). Defaults are
+    :data:`ROUND_TRIP_TRAINER_OPTIONS` (BPE, identity normalisation, spaces kept,
+    byte fallback); ``options`` override or add SentencePiece trainer options.
+    Both files are written under temporary names and renamed at the end.
+    Returns the ``.model`` path.
+    """
+    import sentencepiece as spm
+    from .preprocess import check_inputs
+
+    if not isinstance(vocab_size, int) or vocab_size < 260:
+        raise UserError(f"--vocab-size must be an integer >= 260 (256 byte-fallback pieces + specials), "
+                        f"got {vocab_size!r}.")
+    check_inputs(inputs, json_keys)
+    out = Path(output_prefix)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    trainer = dict(ROUND_TRIP_TRAINER_OPTIONS)
+    trainer.update(vocab_size=vocab_size, num_threads=num_threads)
+    trainer.update(options)
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=_iter_training_lines(inputs, json_keys),
+                                       model_writer=buf, **trainer)
+    except RuntimeError as err:
+        raise UserError(f"SentencePiece training failed: {err}. A vocabulary larger than the text "
+                        "supports is the usual cause; try a smaller --vocab-size.") from None
+    model_bytes = buf.getvalue()
+    sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+    vocab_lines = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n" for i in range(sp.get_piece_size()))
+    model_path = str(out) + ".model"
+    _atomic_write(model_path, model_bytes)
+    _atomic_write(str(out) + ".vocab", vocab_lines.encode("utf-8"))
+    return model_path
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
