@@ -69,6 +69,8 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
                           max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
     child_args = ["-m", "tnlg", command, *_strip(argv, ("--nproc-per-node", "--max-restarts"))]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # a restarted group must not reuse the dead group's shared rendezvous store (pytorch/pytorch#135712)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(config, sys.executable)(*child_args)
     except ChildFailedError as err:

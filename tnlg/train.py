@@ -89,7 +89,8 @@ def run(args) -> int:
         raise UserError("--fp16 needs a GPU: fp16 matrix multiplies are unusably slow on CPUs. Use --bf16 "
                         "(bf16 autocast, fp32 master weights) or fp32 (the default) on this machine.")
     if o.save is None and o.load is None and o.data_path is None and o.preset is None:
-        o.save = os.path.join("runs", "pretrain")  # the built-in job keeps its checkpoint and plot here
+        # the built-in job: a fresh folder per run (an existing --save is resumed from automatically)
+        o.save = os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
     if o.data_path is None:  # the built-in corpus, prepared once here before any worker starts
         from .data.corpus import default_dataset
         prefix, tok = default_dataset()
@@ -195,16 +196,22 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     if valid_ds is None:
         _log(ps, "note: the validation split is empty; validation is skipped.")
 
+    # measured before loading: it draws random numbers, and a resumed run continues the restored RNG streams
+    peak = o.peak_tflops or measure_peak_tflops(autocast or torch.float32, ps.device)
     iteration, consumed = 0, 0
-    ckpt = None
+    ckpt = stop = None
     if o.save or o.load:
         from . import checkpoint as ckpt
-    if o.load:
-        state = ckpt.load(o.load, model=model, engine=engine, ps=ps, config=cfg, options=o,
-                          tokenizer=tokenizer)
+    # --load, else resume automatically from --save when it holds a checkpoint (elastic restarts rely on it)
+    load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
+    if load_dir and (o.load or ckpt.has_checkpoint(o.save)):
+        state = ckpt.load(load_dir, model=model, engine=engine, ps=ps, config=cfg, options=o,
+                          tokenizer=tokenizer, origin=origin)
         if state is not None:
             iteration, consumed = state["iteration"], state["consumed_samples"]
-            _log(ps, f"resumed from {o.load} at iteration {iteration} ({consumed} samples consumed)")
+            _log(ps, f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
+    if o.save:
+        stop = ckpt.StopOnSignal()  # SIGTERM: save at the end of the iteration, then exit
 
     metrics_path = o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None)
     metrics = None
@@ -217,7 +224,6 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
             metrics.write(json.dumps(d) + "\n")
             metrics.flush()
 
-    peak = o.peak_tflops or measure_peak_tflops(autocast or torch.float32, ps.device)
     flops = iteration_flops(cfg, o.global_batch_size, o.recompute_activations, model_padded_vocab(engine))
     tokens_per_iter = o.global_batch_size * cfg.seq_length
     _log(ps, f"tnlg pretrain: {sum(p.numel() for p in engine.model.parameters()):,} parameters on this rank "
@@ -284,16 +290,24 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
             summary["last_valid_loss"] = v
             _log(ps, f"validation at iteration {iteration}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
             record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
-        if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last):
+        stopping = stop is not None and stop.requested(ps, iteration)  # collective: every rank agrees
+        if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last or stopping):
             ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, model=model, engine=engine, ps=ps,
                       config=cfg, options=o, tokenizer=tokenizer, keep_last=o.keep_last)
             _log(ps, f"saved checkpoint at iteration {iteration} to {o.save}")
+        if stopping:
+            _log(ps, f"SIGTERM received: stopping after iteration {iteration} (checkpoint saved).")
+            summary["stopped_by_signal"] = True
+            break
+    if stop is not None:
+        stop.close()
 
     if metrics is not None:
         metrics.close()
         if o.plot:
             _plot(metrics_path)
-    _sample(model, tokenizer, o, ps)
+    if not summary.get("stopped_by_signal"):
+        _sample(model, tokenizer, o, ps)
     if return_params:
         summary["params"] = _full_params(engine, cfg, ps)
     return summary

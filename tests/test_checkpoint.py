@@ -1,0 +1,469 @@
+"""Checkpoints: commit protocol, bad input, uneven resharding, HF interop, exact resume, layout changes.
+
+Distributed parts run as few spawns as possible (each spawn does several
+training runs in-process): ``world4`` (TP=2 x DP=2: exact resume, save at (2,2)
+then continue at (2,2), (4,1), (1,4)), ``killed`` (a rank SIGKILLed during a
+save) and ``world2`` (exact resume at (1,2,ZeRO-3), resume after the kill, HF
+round trip at TP=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from tnlg import checkpoint as ck
+from tnlg.config import GPTConfig
+from tnlg.errors import UserError
+from tnlg.testing import run_distributed
+from tnlg.train_args import resolve
+
+STEPS = 6
+
+
+def _options(world, **over):
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                 global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                 lr_decay_iters=STEPS, log_interval=100, eval_interval=0, eval_iters=2, data_path=[prefix],
+                 tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=1.0,
+                 hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=1)
+    load = over.pop("load", None)
+    flags.update(over)
+    o = resolve(argparse.Namespace(**flags), world_size=world)
+    o.load = load  # set after resolve: the directory is created by an earlier run of the same spawn
+    return o
+
+
+# --------------------------------------------------------------------------- spawned bodies
+
+def _valid_loss(ps_world, o, path, tp):
+    """Validation loss of checkpoint ``path`` rebuilt at TP ``tp`` (collective over the world)."""
+    import torch.distributed as dist
+
+    from tnlg.data.gpt_dataset import build_train_valid_test_datasets
+    from tnlg.parallel.state import init_parallel
+    from tnlg.train import evaluate
+    ps = init_parallel(tp) if tp != ps_world.tp_size else ps_world
+    model, tok = ck.load_for_inference(path, ps)
+    barrier = dist.barrier if dist.is_initialized() else None
+    _, valid, _ = build_train_valid_test_datasets(
+        o.data_path, o.split, o.seq_length, (o.global_batch_size, o.eval_iters * o.global_batch_size, 0), o.seed,
+        eod_id=tok.eod_id, vocab_size=tok.vocab_size, barrier=barrier)
+    return evaluate(model, valid, o, ps, None)
+
+
+def _hf_logits(ps_world, path, tp, out_dir, tokens):
+    from tnlg.model import gather_logits
+    from tnlg.parallel.state import init_parallel
+    ps = init_parallel(tp)
+    model, _ = ck.load_for_inference(path, ps)
+    model.to_hf(out_dir)  # collective over TP; the first rank writes
+    with torch.no_grad():
+        return gather_logits(model(tokens), ps, model.config.vocab_size)
+
+
+def _tasks(ps, tasks):
+    from tnlg.train import train
+    out = []
+    for kind, *args in tasks:
+        if kind == "train":
+            s = train(args[0])
+            out.append(dict(losses=s["losses"], last_valid_loss=s["last_valid_loss"]))
+        elif kind == "valid":
+            out.append(_valid_loss(ps, *args))
+        elif kind == "hf":
+            out.append(_hf_logits(ps, *args))
+    return out
+
+
+def _spawn(world, tasks):
+    return run_distributed(_tasks, world, 1, tasks, timeout_s=180)[0]
+
+
+# --------------------------------------------------------------------------- fixtures (spawns)
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def world4(dirs):
+    """TP=2 x DP=2 ZeRO-1 on 4 processes."""
+    w, base = 4, dict(tensor_model_parallel_size=2, zero_stage=1)
+    a, rs = str(dirs / "w4_resume"), str(dirs / "w4_reshard")
+    nodrop = dict(hidden_dropout=0.0, attention_dropout=0.0, eval_interval=3)
+    tasks = [
+        ("train", _options(w, **base)),                                            # 0 uninterrupted
+        ("train", _options(w, **base, train_iters=3, save=a)),                     # 1 first leg
+        ("train", _options(w, **base, load=a, save=a)),                            # 2 resumed leg
+        ("train", _options(w, **base, **nodrop, train_iters=3, save=rs)),          # 3 save at (2,2)
+        ("train", _options(w, **base, **nodrop, load=rs)),                         # 4 continue at (2,2)
+        ("train", _options(w, **nodrop, tensor_model_parallel_size=4, load=rs)),   # 5 continue at (4,1)
+        ("train", _options(w, **nodrop, tensor_model_parallel_size=1, zero_stage=3, load=rs)),  # 6 (1,4) ZeRO-3
+    ]
+    o = _options(w, **base, **nodrop)
+    tasks += [("valid", o, rs, tp) for tp in (2, 4, 1)]                          # 7, 8, 9
+    return dict(results=_spawn(w, tasks), resume=a, reshard=rs, options=o)
+
+
+@pytest.fixture(scope="module")
+def killed(dirs):
+    """(1, 2, ZeRO-3): rank 1 SIGKILLs itself after writing its files of iteration 6, before the commit."""
+    d = str(dirs / "killed")
+    o = _options(2, tensor_model_parallel_size=1, zero_stage=3, save=d, save_interval=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TNLG_TEST_KILL_DURING_SAVE", "6")
+        with pytest.raises(Exception):
+            _spawn(2, [("train", o)])
+    return dict(path=d, iterations=ck.list_iterations(d), latest=ck.read_latest(d),
+                leftovers=sorted(n for n in os.listdir(d) if ".tmp" in n))
+
+
+@pytest.fixture(scope="module")
+def hf_model(dirs):
+    transformers = pytest.importorskip("transformers")
+    from tnlg.data.corpus import default_dataset
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=4096,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    path = str(dirs / "hf_in")
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, path, default_dataset()[1]
+
+
+@pytest.fixture(scope="module")
+def world2(dirs, killed, hf_model):
+    """(1, 2, ZeRO-3) on 2 processes: exact resume, resume after the kill, and the HF model at TP=2."""
+    from tnlg.cli import main
+    w, base = 2, dict(tensor_model_parallel_size=1, zero_stage=3)
+    a = str(dirs / "w2_resume")
+    _, hf_dir, tok = hf_model
+    ck_tp2 = str(dirs / "hf_ckpt_tp2")
+    assert main(["convert", "--from", "hf", hf_dir, "--to", ck_tp2, "--tokenizer-model", tok,
+                 "--tensor-model-parallel-size", "2"]) == 0
+    tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    tasks = [
+        ("train", _options(w, **base)),                                            # 0 uninterrupted
+        ("train", _options(w, **base, train_iters=3, save=a)),                     # 1 first leg
+        ("train", _options(w, **base, load=a, save=a)),                            # 2 resumed leg
+        ("train", _options(w, **base, save=killed["path"], save_interval=3)),      # 3 restart (auto-resume)
+        ("hf", ck_tp2, 2, str(dirs / "hf_out"), tokens),                           # 4 HF at TP=2
+    ]
+    return dict(results=_spawn(w, tasks), tokens=tokens, hf_out=str(dirs / "hf_out"), ck_tp2=ck_tp2)
+
+
+# --------------------------------------------------------------------------- exact resume
+
+def test_resume_is_exact_tp2_dp2_zero1(world4):
+    full, first, second = world4["results"][:3]
+    assert len(first["losses"]) == 3 and len(second["losses"]) == 3
+    assert first["losses"] + second["losses"] == full["losses"]  # bit for bit, dropout on
+
+
+def test_resume_is_exact_tp1_dp2_zero3(world2):
+    full, first, second = world2["results"][:3]
+    assert first["losses"] + second["losses"] == full["losses"]
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes(killed, world2):
+    assert killed["iterations"] == [3] and killed["latest"] == 3  # iteration 6 was never committed
+    assert killed["leftovers"] == ["iter_0000006.tmp"]
+    # the restart resumed from --save automatically, saved 6 and removed the debris
+    assert ck.list_iterations(killed["path"]) == [3, 6] and ck.read_latest(killed["path"]) == 6
+    assert not any(".tmp" in n for n in os.listdir(killed["path"]))
+    full, restarted = world2["results"][0], world2["results"][3]
+    assert restarted["losses"] == full["losses"][3:]  # resumed at 3, continued exactly
+
+
+def test_sigkill_leaves_latest_at_previous(tmp_path):
+    """The state a kill during save leaves (a .tmp directory, latest unchanged) loads the previous one."""
+    cfg, model, engine, ps = _tiny()
+    ck.save(str(tmp_path), iteration=3, consumed_samples=24, model=model, engine=engine, ps=ps, config=cfg)
+    shutil.copytree(tmp_path / "iter_0000003", tmp_path / "iter_0000006.tmp")
+    os.remove(tmp_path / "iter_0000006.tmp" / "meta.json")
+    assert ck.resolve(str(tmp_path)).endswith("iter_0000003")
+    cfg2, model2, engine2, _ = _tiny(steps=0)
+    assert ck.load(str(tmp_path), model=model2, engine=engine2, ps=ps, config=cfg2)["iteration"] == 3
+
+
+# --------------------------------------------------------------------------- layout changes
+
+def _close(a, b, rel=1e-5):
+    return all(math.isclose(x, y, rel_tol=rel) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_reshard_same_validation_loss(world4):
+    r = world4["results"]
+    v22, v41, v14 = r[7], r[8], r[9]
+    assert math.isclose(v41, v22, rel_tol=1e-5) and math.isclose(v14, v22, rel_tol=1e-5), (v22, v41, v14)
+    # (1, 1): one process, here
+    from tnlg.parallel.state import ParallelState
+    v11 = _valid_loss(ParallelState.single(), world4["options"], world4["reshard"], 1)
+    assert math.isclose(v11, v22, rel_tol=1e-5), (v22, v11)
+
+
+def test_reshard_continue_training_matches(world4):
+    r = world4["results"]
+    ref = r[4]
+    assert len(ref["losses"]) == 3
+    for got, what in ((r[5], "(4,1)"), (r[6], "(1,4)")):
+        assert _close(got["losses"], ref["losses"]), (what, got["losses"], ref["losses"])
+        assert math.isclose(got["last_valid_loss"], ref["last_valid_loss"], rel_tol=1e-5)
+    from tnlg.train import train
+    o = _options(1, tensor_model_parallel_size=1, hidden_dropout=0.0, attention_dropout=0.0, eval_interval=3,
+                 load=world4["reshard"])
+    got = train(o)
+    assert _close(got["losses"], ref["losses"]), ("(1,1)", got["losses"], ref["losses"])
+
+
+# --------------------------------------------------------------------------- HF interop
+
+def test_hf_round_trip_bit_identical_and_logits(world2, hf_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from tnlg.cli import main
+    hf, hf_dir, _ = hf_model
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    back = load_file(os.path.join(world2["hf_out"], "model.safetensors"))  # HF -> tnlg TP=2 (2 procs) -> HF
+    assert set(back) == set(original)
+    for k in original:
+        assert torch.equal(back[k], original[k]), k
+    assert main(["convert", "--from", world2["ck_tp2"], "--to", "hf", str(tmp_path / "hf2")]) == 0  # offline
+    offline = load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert all(torch.equal(offline[k], original[k]) for k in original)
+    with torch.no_grad():
+        ref = hf(world2["tokens"]).logits
+    torch.testing.assert_close(world2["results"][4], ref, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- single process: protocol
+
+def _tiny(steps=2, heads=4, hidden=32, layers=2, vocab=100):
+    from tnlg.model import GPT
+    from tnlg.optim import build_engine
+    from tnlg.parallel.state import ParallelState
+    ps = ParallelState.single()
+    cfg = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=8, vocab_size=vocab,
+                    hidden_dropout=0.1, attention_dropout=0.1)
+    model = GPT(cfg, ps)
+    engine = build_engine(model, ps, 1, lr=1e-2)
+    x = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.zero_grad()
+        engine.backward(engine.model(x, labels=x))
+        engine.step()
+    return cfg, model, engine, ps
+
+
+def _snapshot(root):
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.stat(p)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_save_layout_same_iteration_twice_and_keep_last(tmp_path):
+    cfg, model, engine, ps = _tiny()
+    root = str(tmp_path / "c")
+    d = ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
+    assert sorted(os.listdir(d)) == ["meta.json", "model_tp00.safetensors", "optim_tp00.safetensors",
+                                     "rng_dp000_tp00.pt"]
+    assert open(os.path.join(root, ck.LATEST)).read().strip() == "2"
+    before = _snapshot(root)
+    ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)  # harmless
+    after = _snapshot(root)
+    assert {k: v for k, v in after.items() if k != ck.LATEST} == {k: v for k, v in before.items() if k != ck.LATEST}
+    os.makedirs(os.path.join(root, "iter_0000009.tmp"))  # debris of a crashed save
+    for it in (3, 4, 5):
+        ck.save(root, iteration=it, consumed_samples=8 * it, model=model, engine=engine, ps=ps, config=cfg,
+                keep_last=2)
+    assert ck.list_iterations(root) == [4, 5] and ck.read_latest(root) == 5
+    assert not os.path.exists(os.path.join(root, "iter_0000009.tmp"))
+
+
+def test_load_restores_weights_optimizer_and_rng_exactly(tmp_path):
+    cfg, model, engine, ps = _tiny()
+    ck.save(str(tmp_path), iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
+    expect_rand = torch.rand(4)  # the stream after the save
+    torch.manual_seed(123)
+    cfg2, model2, engine2, _ = _tiny(steps=0)
+    state = ck.load(str(tmp_path), model=model2, engine=engine2, ps=ps, config=cfg2)
+    assert state["iteration"] == 2 and state["consumed_samples"] == 16 and engine2.num_steps == 2
+    assert torch.equal(torch.rand(4), expect_rand)
+    x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(5))
+    after_load = torch.get_rng_state()
+    for e in (engine, engine2):  # one more step each from the same stream (dropout on): identical
+        torch.set_rng_state(after_load)
+        e.zero_grad()
+        e.backward(e.model(x, labels=x))
+        e.step()
+    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_uneven_reshard_28_heads(tmp_path):
+    """Issue 8: shards of a 28-head model re-slice exactly between TP 1, 8, 3, 4 (weights and Adam moments)."""
+    from tnlg.checkpoint.reshard import full_targets, slice_full, targets_for
+    from tnlg.convert import reshard_checkpoint
+    cfg, model, engine, ps = _tiny(heads=28, hidden=56, layers=1)
+    src = str(tmp_path / "tp1")
+    ck.save(src, iteration=2, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = engine.optimizer_state_by_param()
+    tp8 = reshard_checkpoint(src, str(tmp_path / "tp8"), 8)
+    meta8 = ck.read_meta(tp8)
+    assert meta8["params"]["transformer.h.0.attn.c_attn.weight"]["sizes"] == [3 * 2 * n for n in
+                                                                               [4, 4, 4, 4, 3, 3, 3, 3]]
+    for tp in (3, 4, 8):
+        for r in range(tp):
+            params, states = ck.read_states(tp8, meta8, cfg, tp, r)
+            for n, t in targets_for(cfg, tp, r).items():
+                assert torch.equal(params[n], slice_full(full[n][:cfg.vocab_size] if "wte" in n else full[n], t)), n
+                want = slice_full(moments[n]["exp_avg_sq"][:cfg.vocab_size] if "wte" in n
+                                  else moments[n]["exp_avg_sq"], t)
+                assert torch.equal(states[n]["exp_avg_sq"], want), n
+    # back to full tensors (what `convert --to hf` reads)
+    from tnlg.checkpoint import files as F
+    from tnlg.checkpoint.reshard import ShardReader
+    reader = ShardReader(tp8, meta8, F.model_file)
+    for n, t in full_targets(meta8).items():
+        assert torch.equal(reader.tensor(n, n, t), full[n][:cfg.vocab_size] if "wte" in n else full[n])
+
+
+def test_checkpoint_info_cli(tmp_path, capsys):
+    from tnlg.cli import main
+    cfg, model, engine, ps = _tiny()
+    ck.save(str(tmp_path), iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
+    assert main(["checkpoint", "info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration    2 (16 samples consumed)" in out and "TP=1 x DP=1" in out and "num_layers=2" in out
+    assert main(["checkpoint", "info", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration"] == 2
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def trained(dirs):
+    """A checkpoint written by the real training loop (one process), with its options recorded."""
+    from tnlg.train import train
+    root = str(dirs / "trained")
+    train(_options(1, train_iters=2, save=root))
+    return root
+
+
+def _expect_error(o, root, match):
+    from tnlg.train import train
+    before = _snapshot(root)
+    with pytest.raises(UserError, match=match):
+        train(o)
+    assert _snapshot(root) == before, "nothing may be written or overwritten"
+
+
+def test_config_conflict_is_clear_error(trained, tmp_path):
+    root = str(tmp_path / "c")
+    shutil.copytree(trained, root)
+    _expect_error(_options(1, seed=7, split="90,9,1", load=root, save=root), root,
+                  re.escape("--split '969,30,1' in the checkpoint vs '90,9,1' now; --seed 1234 in the checkpoint vs 7"))
+    _expect_error(_options(1, num_layers=3, load=root, save=root), root,
+                  "num_layers 2 in the checkpoint vs 3 now.*different architecture")
+    # auto-resume from --save: the same check, naming --save
+    _expect_error(_options(1, hidden_size=64, save=root), root,
+                  "found in --save.*hidden_size 32 in the checkpoint vs 64")
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("missing_shard", "missing 'optim_tp00.safetensors'"),
+    ("truncated_shard", "truncated"),
+    ("latest_nowhere", "points at iteration 99"),
+    ("latest_garbage", "not an iteration number"),
+    ("no_meta", "has no meta.json"),
+])
+def test_damaged_checkpoint_is_clear_error(trained, tmp_path, damage, match):
+    root = str(tmp_path / "c")
+    shutil.copytree(trained, root)
+    it = os.path.join(root, "iter_0000002")
+    if damage == "missing_shard":
+        os.remove(os.path.join(it, "optim_tp00.safetensors"))
+    elif damage == "truncated_shard":
+        path = os.path.join(it, "model_tp00.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    elif damage == "latest_nowhere":
+        with open(os.path.join(root, ck.LATEST), "w") as f:
+            f.write("99\n")
+    elif damage == "latest_garbage":
+        with open(os.path.join(root, ck.LATEST), "w") as f:
+            f.write("<html>\n")
+    elif damage == "no_meta":
+        os.remove(os.path.join(it, "meta.json"))
+    _expect_error(_options(1, load=root, save=root), root, match)
+
+
+def test_inference_load_errors(tmp_path):
+    with pytest.raises(UserError, match="holds no checkpoint"):
+        ck.load_for_inference(str(tmp_path))
+    cfg, model, engine, ps = _tiny()
+    ck.save(str(tmp_path), iteration=1, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
+    from tnlg.parallel.state import ParallelState
+    with pytest.raises(UserError, match="largest valid tensor-parallel size for attention is 4"):
+        ck.load_for_inference(str(tmp_path), ParallelState.for_virtual_rank(5, 0))
+    m, tok = ck.load_for_inference(os.path.join(str(tmp_path), "iter_0000001"))
+    assert tok is None and not m.training
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
+
+
+# --------------------------------------------------------------------------- issue 8: 28 heads, TP 8 -> 4, 3
+
+@pytest.mark.slow
+def test_28_heads_saved_at_tp8_loads_at_tp4_and_tp3(tmp_path):
+    heads = dict(num_layers=1, hidden_size=56, num_attention_heads=28, hidden_dropout=0.0, attention_dropout=0.0)
+    root = str(tmp_path / "tp8")
+    o8 = _options(8, tensor_model_parallel_size=8, train_iters=2, save=root, **heads)
+    v8, v4 = _spawn(8, [("train", o8), ("valid", o8, root, 8), ("valid", o8, root, 4)])[1:]
+    meta = ck.read_meta(ck.resolve(root))
+    assert meta["layout"]["tp"] == 8
+    assert meta["params"]["transformer.h.0.attn.c_proj.weight"]["sizes"] == [2 * n for n in [4] * 4 + [3] * 4]
+    (v3,) = _spawn(3, [("valid", _options(3, tensor_model_parallel_size=3, **heads), root, 3)])
+    from tnlg.parallel.state import ParallelState
+    v1 = _valid_loss(ParallelState.single(), _options(1, **heads), root, 1)
+    for v, what in ((v4, "TP=4"), (v3, "TP=3"), (v1, "TP=1")):
+        assert math.isclose(v, v8, rel_tol=1e-5), (what, v, v8)
+
+
+def test_convert_cli_errors(tmp_path, capsys):
+    from tnlg.cli import main
+    cfg, model, engine, ps = _tiny()
+    ck.save(str(tmp_path / "c"), iteration=1, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
+    os.makedirs(tmp_path / "full")
+    (tmp_path / "full" / "x").write_text("keep me")
+    for argv, match in (
+            (["convert", "--from", "hf", "a", "--to", "hf", "b"], "converts nothing"),
+            (["convert", "--from", "x", "y", "--to", str(tmp_path / "n")], "takes 'hf DIR'"),
+            (["convert", "--from", str(tmp_path / "c"), "--to", str(tmp_path / "full")], "not empty"),
+            (["convert", "--from", str(tmp_path / "c"), "--to", str(tmp_path / "n"), "--tp", "5"],
+             "largest valid tensor-parallel size for attention is 4"),
+            (["convert", "--from", str(tmp_path / "empty"), "--to", str(tmp_path / "n")], "not a directory"),
+            (["checkpoint", "info", str(tmp_path / "full")], "holds no tnlg checkpoint")):
+        assert main(argv) == 2, argv
+        assert re.search(match, capsys.readouterr().err), (argv, match)
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+    assert not (tmp_path / "n").exists() or not os.listdir(tmp_path / "n")
+    # resharding to the same TP is a plain copy that loads identically
+    assert main(["convert", "--from", str(tmp_path / "c"), "--to", str(tmp_path / "same")]) == 0
+    m, _ = ck.load_for_inference(str(tmp_path / "same"))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))

@@ -1,0 +1,115 @@
+"""What a checkpoint records about the run, and the checks that a resumed run is the same job.
+
+Must match the checkpoint (else a :class:`UserError` naming every difference):
+
+* the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
+  ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
+  ``layernorm_epsilon``, and the dropout rates;
+* the data: the ``--data-path`` datasets (same files: same resolved path, or
+  the same ``.bin``/``.idx`` sizes when the files were moved) and weights,
+  ``--split``, ``--seed``, ``--eod-mask-loss``, ``--reset-position-ids``,
+  ``--reset-attention-mask``, and the tokenizer (same file contents, by SHA-256).
+
+Free to change: the run length (``--train-iters``), the layout (TP, DP,
+process count, ZeRO stage, micro batch), intervals, logging, precision flags,
+and optimizer hyper-parameters (the LR schedule is a function of the restored
+step count and the current ``--lr*`` flags).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Optional
+
+from ..config import GPTConfig
+from ..errors import UserError
+
+__all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
+
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout")
+DATA_OPTIONS = ("split", "seed", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def options_record(o: Optional[SimpleNamespace]) -> dict:
+    """The run's options as JSON-able values (what ``tnlg checkpoint info`` shows)."""
+    if o is None:
+        return {}
+    out = {}
+    for k, v in sorted(vars(o).items()):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+            out[k] = list(v)
+    return out
+
+
+def data_record(o: Optional[SimpleNamespace]) -> Optional[dict]:
+    """The datasets of ``--data-path``: resolved prefixes, byte sizes of their files, weights."""
+    if o is None or not getattr(o, "data_path", None):
+        return None
+    from ..data.gpt_dataset import parse_data_path
+    prefixes, weights = parse_data_path(o.data_path)
+    files = []
+    for p in prefixes:
+        rec = dict(prefix=os.path.realpath(p))
+        for ext in ("idx", "bin"):
+            path = f"{p}.{ext}"
+            rec[f"{ext}_bytes"] = os.path.getsize(path) if os.path.isfile(path) else None
+        files.append(rec)
+    return dict(files=files, weights=weights)
+
+
+def _same_data(a: dict, b: dict) -> bool:
+    if a.get("weights") != b.get("weights") or len(a["files"]) != len(b["files"]):
+        return False
+    for x, y in zip(a["files"], b["files"]):
+        moved_copy = x["idx_bytes"] is not None and (x["idx_bytes"], x["bin_bytes"]) == (y["idx_bytes"],
+                                                                                         y["bin_bytes"])
+        if x["prefix"] != y["prefix"] and not moved_copy:
+            return False
+    return True
+
+
+def check_compatible(meta: dict, where: str, config: GPTConfig, options: Optional[SimpleNamespace],
+                     tokenizer, origin: str = "--load") -> None:
+    """Raise one :class:`UserError` listing every model- or data-defining difference between the
+    checkpoint (``meta``) and this run (``config``, ``options``, ``tokenizer``)."""
+    saved_cfg = meta["config"]
+    have = config.to_dict()
+    diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
+             for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
+    arch = bool(diffs)
+    saved_opts = meta.get("options") or {}
+    if options is not None:
+        for k in DATA_OPTIONS:
+            if k in saved_opts and hasattr(options, k) and saved_opts[k] != getattr(options, k):
+                diffs.append(f"{_flag(k)} {saved_opts[k]!r} in the checkpoint vs {getattr(options, k)!r} now")
+        saved_data, now_data = meta.get("data"), data_record(options)
+        if saved_data and now_data and not _same_data(saved_data, now_data):
+            diffs.append(f"--data-path {[f['prefix'] for f in saved_data['files']]} (weights "
+                         f"{saved_data.get('weights')}) in the checkpoint vs "
+                         f"{[f['prefix'] for f in now_data['files']]} (weights {now_data.get('weights')}) now")
+    saved_tok = meta.get("tokenizer")
+    if saved_tok and tokenizer is not None:
+        now_tok = tokenizer.describe()
+        if saved_tok.get("sha256") != now_tok.get("sha256") or saved_tok.get("kind") != now_tok.get("kind"):
+            where_tok = saved_tok.get("path") or saved_tok.get("vocab_file")
+            diffs.append(f"the tokenizer ({saved_tok.get('kind')} {where_tok!r} in the checkpoint vs "
+                         f"{now_tok.get('kind')} {now_tok.get('path') or now_tok.get('vocab_file')!r} now, "
+                         f"different file contents)")
+    if not diffs:
+        return
+    hint = (" (found in --save and resumed automatically: use another --save directory to start a new run)"
+            if origin == "--save" else "")
+    raise UserError(
+        f"checkpoint {where!r}{hint} does not match this run: " + "; ".join(diffs) + ". "
+        + ("It was saved from a different architecture. " if arch else "")
+        + "Flags that define the model or the data must be the same when resuming; flags about the run's "
+          "length and layout (--train-iters, --tensor-model-parallel-size, process count, intervals) may change. "
+          "Nothing was loaded or overwritten.")

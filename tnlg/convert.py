@@ -1,0 +1,292 @@
+"""``tnlg convert`` (Hugging Face <-> tnlg checkpoints, offline resharding) and ``tnlg checkpoint info``.
+
+* ``tnlg convert --from hf DIR --to CKPT [--tokenizer-model M] [--tensor-model-parallel-size N]``:
+  a ``GPT2LMHeadModel`` folder (``save_pretrained``) -> a tnlg checkpoint at
+  iteration 0 with no optimizer state (training from it starts a fresh
+  optimizer); ``M`` is recorded as the checkpoint's tokenizer.
+* ``tnlg convert --from CKPT --to hf DIR``: GPT-2 format (``config.json`` +
+  ``model.safetensors``), loadable with ``GPT2LMHeadModel.from_pretrained``.
+* ``tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N``:
+  rewrite the shards for TP size N (weights and optimizer state; RNG of DP rank 0).
+  Not needed to change layout (``--load`` re-slices at any TP), but it makes
+  the files match the new layout.
+* ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
+
+All of it runs in one process, reading only the slices it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from .config import GPTConfig
+from .errors import UserError
+
+__all__ = ["add_arguments", "run", "hf_to_checkpoint", "checkpoint_to_hf", "reshard_checkpoint", "info"]
+
+
+# --------------------------------------------------------------------------- arguments
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tnlg convert`` or ``tnlg checkpoint`` (told apart by ``parser.prog``)."""
+    if parser.prog.split()[-1] == "checkpoint":
+        parser.description = "Inspect tnlg checkpoints."
+        sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+        p = sub.add_parser("info", help="iteration, layout, config, tokenizer and file sizes of a checkpoint",
+                           description="Print what a checkpoint holds. CKPT is a checkpoint root (its "
+                                       "latest iteration) or one iter_* directory.")
+        p.add_argument("path", metavar="CKPT")
+        p.add_argument("--json", action="store_true", help="print meta.json plus file sizes as JSON")
+        return
+    parser.description = (
+        "Convert between Hugging Face GPT-2 folders and tnlg checkpoints, or reshard a checkpoint offline.\n\n"
+        "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
+        "  tnlg convert --from CKPT --to hf HF_DIR\n"
+        "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n\n"
+        "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
+        "destination must not exist or be empty: nothing is overwritten.")
+    parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
+                        help="'hf DIR' (a GPT2LMHeadModel save_pretrained folder) or a tnlg checkpoint")
+    parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
+                        help="'hf DIR' (GPT-2 format, safetensors) or a new tnlg checkpoint directory")
+    parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint "
+                        "(SentencePiece .model, or a folder with GPT-2 vocab.json + merges.txt)")
+    parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
+                        help="TP size of the written tnlg checkpoint (default: the source's; 1 from hf)")
+
+
+def _endpoint(values: list[str], flag: str) -> tuple[str, str]:
+    if len(values) == 2 and values[0] == "hf":
+        return "hf", values[1]
+    if len(values) == 1 and values[0] != "hf":
+        return "ckpt", values[0]
+    raise UserError(f"{flag} takes 'hf DIR' (a Hugging Face folder) or one tnlg checkpoint directory, got "
+                    f"{' '.join(values)!r}.")
+
+
+def _fresh_destination(path: str) -> None:
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UserError(f"destination {path!r} already exists and is not empty; choose a new directory "
+                        f"(nothing is overwritten).")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "checkpoint":
+        if getattr(args, "checkpoint_command", None) != "info":
+            raise UserError("tnlg checkpoint needs an action: tnlg checkpoint info CKPT.")
+        return info(args.path, as_json=args.json)
+    src_kind, src = _endpoint(args.src, "--from")
+    dst_kind, dst = _endpoint(args.dst, "--to")
+    if args.tp is not None and args.tp < 1:
+        raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {args.tp}.")
+    if src_kind == "hf" and dst_kind == "hf":
+        raise UserError("--from hf --to hf converts nothing; one side must be a tnlg checkpoint.")
+    if args.tokenizer_model and src_kind != "hf":
+        raise UserError("--tokenizer-model is for --from hf; a tnlg checkpoint already records its tokenizer.")
+    if dst_kind == "hf" and args.tp is not None:
+        raise UserError("--tensor-model-parallel-size applies to a tnlg destination, not to --to hf.")
+    _fresh_destination(dst)
+    if src_kind == "hf":
+        out = hf_to_checkpoint(src, dst, tokenizer_model=args.tokenizer_model, tp_size=args.tp or 1)
+    elif dst_kind == "hf":
+        out = checkpoint_to_hf(src, dst)
+    else:
+        out = reshard_checkpoint(src, dst, args.tp)
+    print(f"wrote {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- writing offline
+
+def _write_offline(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r) ->
+    (params, states or None)`` and commit it like :func:`tnlg.checkpoint.save`."""
+    from .checkpoint import files as F
+    from .checkpoint.reshard import names_for_rank, param_records, write_shard_file
+    from .checkpoint.saving import commit
+    root = os.path.abspath(dst)
+    iteration = int(meta["iteration"])
+    final = os.path.join(root, F.iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    records = param_records(cfg, tp_size)
+    manifest = {}
+    for r in range(tp_size):
+        params, states = shard_of_rank(r, names_for_rank(records, r))
+        tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
+        manifest[F.model_file(r)] = write_shard_file(os.path.join(tmp, F.model_file(r)), params, tag)
+        if states is not None:
+            flat = {f"{n}.{k}": s[k] for n, s in states.items() for k in ("exp_avg", "exp_avg_sq")}
+            manifest[F.optim_file(r)] = write_shard_file(os.path.join(tmp, F.optim_file(r)), flat, tag)
+        if rng_of_rank is not None:
+            path = os.path.join(tmp, F.rng_file(0, r))
+            torch.save(rng_of_rank(r), path)
+            manifest[F.rng_file(0, r)] = os.path.getsize(path)
+    meta = dict(meta, params=records, files=manifest,
+                layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
+                rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
+    commit(root, tmp, final, iteration, meta, None)
+    return final
+
+
+def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
+    """A ``GPT2LMHeadModel`` folder -> a tnlg checkpoint (iteration 0, weights only) at TP ``tp_size``."""
+    from .checkpoint.files import FORMAT
+    from .checkpoint.reshard import slice_full, targets_for
+    from .data.tokenizer import load_tokenizer
+    from .hf import _load_hf_model, config_from_hf, hf_to_tnlg_state_dict
+    hf = _load_hf_model(hf_dir)
+    cfg = config_from_hf(hf.config)
+    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
+    tok = None
+    if tokenizer_model:
+        tok = load_tokenizer(tokenizer_model)
+        if tok.vocab_size > cfg.vocab_size:
+            raise UserError(f"--tokenizer-model {tokenizer_model!r} has {tok.vocab_size} tokens but the model's "
+                            f"vocabulary has {cfg.vocab_size}; it is not this model's tokenizer.")
+    dtype = next(iter(full.values())).dtype
+    meta = dict(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
+                tokenizer=None if tok is None else tok.describe(),
+                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
+                schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__)
+
+    def shard(r, names):
+        targets = targets_for(cfg, tp_size, r)
+        return {n: slice_full(full[n], targets[n]) for n in names}, None
+
+    return _write_offline(dst, meta, cfg, tp_size, shard)
+
+
+def _source(path: str) -> tuple[str, dict, GPTConfig]:
+    from .checkpoint import files as F
+    iter_dir = F.resolve(path, "--from")
+    if iter_dir is None:
+        raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
+    meta = F.read_meta(iter_dir)
+    F.check_files(iter_dir, meta)
+    return iter_dir, meta, GPTConfig.from_dict(meta["config"])
+
+
+def checkpoint_to_hf(path: str, hf_dir: str) -> str:
+    """A tnlg checkpoint -> a Hugging Face GPT-2 folder (safetensors), written atomically."""
+    from transformers import GPT2LMHeadModel
+
+    from .checkpoint.reshard import ShardReader, full_targets
+    from .checkpoint import files as F
+    from .hf import hf_config_from, tnlg_to_hf_state_dict
+    iter_dir, meta, cfg = _source(path)
+    reader = ShardReader(iter_dir, meta, F.model_file)
+    full = {n: reader.tensor(n, n, t) for n, t in full_targets(meta).items()}
+    hf = GPT2LMHeadModel(hf_config_from(cfg))
+    missing, unexpected = hf.load_state_dict(tnlg_to_hf_state_dict(full, cfg), strict=False)
+    missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing or unexpected:
+        raise UserError(f"checkpoint {iter_dir!r} does not map onto GPT-2: missing {missing[:4]}, "
+                        f"unexpected {unexpected[:4]}.")
+    tok = meta.get("tokenizer") or {}
+    if isinstance(tok.get("eod_id"), int) and 0 <= tok["eod_id"] < cfg.vocab_size:
+        hf.config.bos_token_id = hf.config.eos_token_id = tok["eod_id"]  # GPT-2 uses <|endoftext|> for both
+    out = os.path.abspath(hf_dir)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    hf.save_pretrained(tmp, safe_serialization=True)
+    if tok.get("kind") == "gpt2bpe":  # GPT-2's own tokenizer files ride along
+        for key, name in (("vocab_file", "vocab.json"), ("merges_file", "merges.txt")):
+            if os.path.isfile(tok[key]):
+                shutil.copyfile(tok[key], os.path.join(tmp, name))
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked before)
+    os.replace(tmp, out)
+    return out
+
+
+def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
+    """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
+    from .checkpoint import files as F
+    from .checkpoint.loading import read_states
+    iter_dir, meta, cfg = _source(path)
+    src_tp = int(meta["layout"]["tp"])
+    tp_size = tp_size or src_tp
+    try:
+        cfg.check_tensor_parallel(tp_size)
+    except ValueError as exc:
+        raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
+
+    def shard(r, names):
+        return read_states(iter_dir, meta, cfg, tp_size, r, names=names)
+
+    rng_of_rank = None
+    if meta.get("rng"):
+        base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0)), weights_only=True)
+
+        def rng_of_rank(r):
+            if tp_size == src_tp:  # same TP: every TP rank keeps its dropout stream
+                return torch.load(os.path.join(iter_dir, F.rng_file(0, r)), weights_only=True)
+            return dict(base, tp=None, tp_device=None)  # reseeded on load
+
+    meta = dict(meta, converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
+    return _write_offline(dst, meta, cfg, tp_size, shard, rng_of_rank)
+
+
+# --------------------------------------------------------------------------- info
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def info(path: str, as_json: bool = False, out=None) -> int:
+    """Print a checkpoint's iteration, layout, config, tokenizer and file sizes."""
+    from .checkpoint import files as F
+    out = out or sys.stdout
+    iter_dir = F.resolve(path, "checkpoint")
+    if iter_dir is None:
+        raise UserError(f"{path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
+    meta = F.read_meta(iter_dir)
+    root = os.path.dirname(iter_dir)
+    iterations = F.list_iterations(root)
+    sizes = {name: os.path.getsize(os.path.join(iter_dir, name)) if os.path.isfile(os.path.join(iter_dir, name))
+             else None for name in meta["files"]}
+    if as_json:
+        print(json.dumps(dict(meta, path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1), file=out)
+        return 0
+    cfg, lay, opt = meta["config"], meta.get("layout", {}), meta.get("optimizer", {})
+    n_params = sum(int(torch.Size(r["shape"]).numel()) for r in meta["params"].values())
+    by_kind: dict[str, int] = {}
+    for name, size in meta["files"].items():
+        by_kind[name.split("_")[0]] = by_kind.get(name.split("_")[0], 0) + size
+    bad = [n for n, s in sizes.items() if s != meta["files"][n]]
+    lines = [
+        f"checkpoint   {iter_dir}",
+        f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
+        f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)",
+        f"layout       TP={lay.get('tp')} x DP={lay.get('dp')} ({lay.get('world')} processes), parameters "
+        f"{lay.get('param_dtype')}" + (f"; converted from {meta['converted_from']}" if meta.get("converted_from")
+                                       else ""),
+        f"model        {n_params:,} parameters: " + ", ".join(
+            f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                      "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
+        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, saved at ZeRO stage {opt.get('zero_stage')}"
+                           + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
+                           if opt.get("present") else "none (weights only)"),
+        f"tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
+                            f"{meta['tokenizer'].get('path') or meta['tokenizer'].get('vocab_file')} "
+                            f"(vocab {meta['tokenizer'].get('vocab_size')})" if meta.get("tokenizer") else "none"),
+    ]
+    if meta.get("data"):
+        lines.append(f"data         {[f['prefix'] for f in meta['data']['files']]}, split "
+                     f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")
+    if meta.get("schedule"):
+        s = meta["schedule"]
+        lines.append(f"lr schedule  {s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, "
+                     f"decay until step {s['decay_iters']}")
+    lines.append(f"files        {len(meta['files'])}, {_mib(sum(meta['files'].values()))}: "
+                 + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
+    if bad:
+        lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
+    print("\n".join(lines), file=out)
+    return 1 if bad else 0
