@@ -1,0 +1,55 @@
+"""The README's main job, end to end through the real command line (slow: minutes)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _valid_losses(save_dir):
+    with open(os.path.join(save_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return [r["loss"] for r in recs if r.get("split") == "valid"], [r for r in recs if "split" not in r]
+
+
+def _run(cmd, timeout):
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, time.time() - t
+
+
+def test_default_job(tmp_path):
+    """`tnlg pretrain` with defaults: TP=2 x DP=2, ZeRO-1, 4 processes; loss falls >= 1.5 nats in < 10 min."""
+    save = tmp_path / "run"
+    proc, seconds = _run([sys.executable, "-m", "tnlg", "pretrain", "--save", str(save)], timeout=600)
+    valid, train = _valid_losses(save)
+    assert valid[0] - valid[-1] >= 1.5, f"validation loss {valid[0]:.3f} -> {valid[-1]:.3f}"
+    assert {"iteration", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu"} <= set(train[-1])
+    assert (save / "metrics_loss.png").exists() and (save / "latest_checkpointed_iteration.txt").exists()
+    assert "TP=2 x DP=2, ZeRO stage 1" in proc.stdout and "sample:" in proc.stdout
+    print(f"default job: {seconds:.0f} s, validation loss {valid[0]:.3f} -> {valid[-1]:.3f}")
+
+
+def test_single_process(tmp_path):
+    save = tmp_path / "run"
+    _run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
+          "--train-iters", "60", "--eval-interval", "30", "--save", str(save)], timeout=300)
+    valid, _ = _valid_losses(save)
+    assert valid[0] - valid[-1] >= 1.5
+
+
+def test_under_torchrun(tmp_path):
+    save = tmp_path / "run"
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "tnlg", "pretrain", "--train-iters", "60", "--eval-interval", "30",
+                           "--save", str(save)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    valid, _ = _valid_losses(save)
+    assert valid[0] - valid[-1] >= 1.5
