@@ -103,14 +103,19 @@ class ParallelAttention(nn.Module):
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
         kv_len = k.shape[2]
-        if attention_mask is None and kv_len != s:  # causal with an offset (decoding with a cache)
+        if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
         if attention_mask is not None and attention_mask.dim() == 3:
             attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
         dropout = self.dropout if self.training else 0.0
-        with self.tp_random.fork():  # heads differ per rank: dropout must too
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
-                                               is_causal=attention_mask is None)
+        # one new token after a cache sees every cached key: neither a mask nor causality applies
+        causal = attention_mask is None and kv_len == s
+        if dropout == 0.0:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
+        else:
+            with self.tp_random.fork():  # heads differ per rank: dropout must too
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
+                                                   is_causal=causal)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -172,7 +177,8 @@ class GPT(nn.Module):
     ``model(tokens, labels=labels)`` returns the mean loss (fp32) through the
     vocab-parallel cross-entropy. ``labels`` are aligned with ``tokens``
     (``tokens = sample[:-1]``, ``labels = sample[1:]``); the model does not shift.
-    ``loss_mask`` (same shape, 0/1) excludes targets from the mean.
+    ``loss_mask`` (same shape, 0/1) excludes targets from the mean. ``last_only``
+    computes the logits of the last position only (generation).
     """
 
     def __init__(self, config: GPTConfig, ps: Optional[ParallelState] = None, device=None):
@@ -222,7 +228,10 @@ class GPT(nn.Module):
     # ------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None):
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
+                last_only: bool = False):
+        if last_only and labels is not None:
+            raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
         b, s = tokens.shape
         offset = kv_cache.length if kv_cache is not None else 0
         if offset + s > self.config.seq_length:
@@ -235,6 +244,8 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.length += s
         x = self.transformer.ln_f(x)
+        if last_only:  # generation needs only the next token's logits
+            x = x[:, -1:]
         # parallel LM head tied to the embedding: f, then a local matmul -> this rank's vocab shard
         logits = F.linear(copy_to_tp(x, self.ps), self.transformer.wte.weight)
         if labels is None:

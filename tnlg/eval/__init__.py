@@ -1,0 +1,16 @@
+"""Zero-shot evaluation as Megatron defines it: WikiText perplexity, LAMBADA accuracy, dataset loss.
+
+Modules: :mod:`.wikitext` (overlapping-window perplexity, the WikiText detokeniser),
+:mod:`.lambada` (strict / non-strict last-word accuracy), :mod:`.loss` (loss over a
+``.bin/.idx`` dataset), :mod:`.logits` (argmax, top-k and sampling on
+vocabulary-parallel logits, shared with :mod:`tnlg.generate`), :mod:`.loading`
+(checkpoints, tokenizers, processes) and :mod:`.cli` (``tnlg eval``).
+"""
+
+from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts, split_last_word
+from .loss import build_eval_dataset, dataset_loss
+from .wikitext import count_original_tokens, eval_windows, read_wikitext, wikitext_detokenizer, wikitext_perplexity
+
+__all__ = ["wikitext_perplexity", "wikitext_detokenizer", "read_wikitext", "count_original_tokens", "eval_windows",
+           "lambada_accuracy", "lambada_examples", "read_lambada_texts", "split_last_word",
+           "dataset_loss", "build_eval_dataset"]

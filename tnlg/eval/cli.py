@@ -1,0 +1,173 @@
+"""``tnlg eval``: WikiText perplexity, LAMBADA accuracy, or dataset loss of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..errors import UserError
+
+TASKS = ("wikitext", "lambada", "loss")
+
+EPILOG = """\
+tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
+  wikitext  perplexity of a raw text file with overlapping windows of seq_length tokens
+            starting every --overlapping-eval tokens (each target scored once); prints
+            val_loss, ppl = exp(min(20, val_loss)) and the word-level adjusted ppl that
+            uses T_orig = len(raw.strip().split(" ")), counted before --detokenize.
+  lambada   last-word accuracy on JSON Lines {"text": ...} (LAMBADA's test file format),
+            teacher forcing: correct when the argmax at every target position is right.
+            Non-strict: the target is the text's last token. --strict: the target is the
+            last word, tokenized as " " + word after the context text[:rfind(word)].strip()
+            (Megatron, GPT-2 BPE). With a SentencePiece tokenizer, which adds a dummy
+            prefix (" " + word would encode with an extra '▁' piece), --strict takes the
+            target as the tokens covering the last word in the tokenization of the
+            whole text, and the context as the tokens before them.
+  loss      token-mean loss over the samples of a PREFIX.bin/.idx dataset, built like
+            pretraining builds them (--split, --eval-split, --seed).
+
+examples:
+  tnlg eval --task wikitext --checkpoint gpt2/ --input wiki.test.raw --detokenize wikitext
+  tnlg eval --task lambada --strict --checkpoint gpt2/ --input lambada_test.jsonl --json
+  torchrun --nproc-per-node 4 -m tnlg eval --task wikitext --tp 4 --checkpoint runs/ckpt --input f.txt
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .loading import add_common_arguments
+
+    p.epilog = EPILOG
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
+    p.add_argument("--input", "--valid-data", dest="input", required=True, metavar="FILE",
+                   help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx)")
+    add_common_arguments(p)
+    p.add_argument("--seq-length", type=int, default=None, metavar="S",
+                   help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
+                        "sample (loss); default the model's seq_length")
+    g = p.add_argument_group("wikitext")
+    g.add_argument("--overlapping-eval", type=int, default=32, metavar="STRIDE",
+                   help="a new window every STRIDE tokens (default 32; = seq length: no overlap)")
+    g.add_argument("--detokenize", choices=("none", "wikitext"), default="none",
+                   help="apply Megatron's WikiText detokenizer before tokenizing (default none; Megatron "
+                        "applies it when the file name contains 'wiki')")
+    g = p.add_argument_group("lambada")
+    g.add_argument("--strict", action="store_true",
+                   help="strict last-word targets (whole last word, possibly several tokens; see below)")
+    g = p.add_argument_group("loss")
+    g.add_argument("--split", default="0,100,0",
+                   help="document split train,valid,test as in pretraining (default 0,100,0: all documents "
+                        "in 'valid')")
+    g.add_argument("--eval-split", choices=("train", "valid", "test"), default="valid",
+                   help="which split to evaluate (default valid)")
+    g.add_argument("--seed", type=int, default=1234, help="dataset shuffling seed (default 1234, as pretraining)")
+    g.add_argument("--eval-samples", type=int, default=0, metavar="N",
+                   help="samples to evaluate (default 0: one pass over the split)")
+    g.add_argument("--data-cache-path", default=None, help="where dataset index files are cached")
+    g.add_argument("--eod-mask-loss", action="store_true", help="do not score end-of-document targets")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each document")
+    g.add_argument("--reset-attention-mask", action="store_true", help="attention stops at document boundaries")
+
+
+def _precheck(args) -> None:
+    """Everything that can be checked before a process starts or a model loads."""
+    from .lambada import read_lambada_texts
+    from .loading import precheck_checkpoint
+    from .wikitext import check_text_file
+
+    for name in ("micro_batch_size", "overlapping_eval"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.seq_length is not None and args.seq_length < 1:
+        raise UserError(f"--seq-length must be >= 1, got {args.seq_length}.")
+    if args.task == "wikitext":
+        check_text_file(args.input)
+    elif args.task == "lambada":
+        read_lambada_texts(args.input)
+    else:
+        from ..data.indexed import IndexedDataset
+        if not IndexedDataset.exists(args.input):
+            raise UserError(f"dataset {args.input!r} not found: --task loss needs the prefix of a PREFIX.bin + "
+                            "PREFIX.idx pair written by `tnlg preprocess`.")
+    needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
+        args.reset_attention_mask
+    precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer)
+
+
+def evaluate(args, ps) -> dict:
+    """Run the task of ``args`` on this rank; every rank returns the same figures."""
+    from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
+    from .loading import check_tokenizer_fits, load_model, resolve_tokenizer
+    from .loss import build_eval_dataset, dataset_loss
+    from .wikitext import read_wikitext, wikitext_perplexity
+
+    start = time.time()
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    tokenizer = None
+    if args.task != "loss" or args.tokenizer_model or spec is not None or args.eod_mask_loss or \
+            args.reset_position_ids or args.reset_attention_mask:  # the loss task needs it for eod only
+        tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
+        check_tokenizer_fits(tokenizer, model)
+    seq = args.seq_length or model.config.seq_length
+    if seq > model.config.seq_length:
+        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
+    progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
+    common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
+    if args.task == "wikitext":
+        tokens, n_orig = read_wikitext(args.input, tokenizer, args.detokenize)
+        out = wikitext_perplexity(model, tokens, n_orig, stride=args.overlapping_eval, seq_length=seq,
+                                  pad_id=tokenizer.eod_id, **common)
+        out["detokenize"] = args.detokenize
+    elif args.task == "lambada":
+        examples, truncated = lambada_examples(read_lambada_texts(args.input), tokenizer, args.strict, seq,
+                                               path=args.input)
+        out = lambada_accuracy(model, examples, pad_id=tokenizer.eod_id, strict=args.strict, **common)
+        out["truncated_contexts"] = truncated
+    else:
+        ds = build_eval_dataset(args.input, seq, split=args.split, eval_split=args.eval_split, seed=args.seed,
+                                num_samples=args.eval_samples,
+                                eod_id=None if tokenizer is None else tokenizer.eod_id,
+                                vocab_size=model.config.vocab_size, cache_dir=args.data_cache_path,
+                                eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                                reset_attention_mask=args.reset_attention_mask)
+        out = dataset_loss(model, ds, **common)
+        out.update(split=args.split, eval_split=args.eval_split, seq_length=seq)
+    return {"task": args.task, **out, "checkpoint": args.checkpoint, "input": args.input,
+            "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
+            "seconds": round(time.time() - start, 3)}
+
+
+_LABELS = {
+    "wikitext": ["val_loss", "ppl", "adjusted_ppl", "total_loss", "num_tokenized_tokens", "num_original_tokens",
+                 "token_ratio", "seq_length", "stride", "windows", "detokenize"],
+    "lambada": ["accuracy", "correct", "num_examples", "strict", "truncated_contexts"],
+    "loss": ["loss", "ppl", "num_tokens", "num_samples", "eval_split", "split", "seq_length"],
+}
+
+
+def run(args) -> int:
+    from ..parallel.state import destroy_parallel
+    from .loading import launch_or_init, print_table
+
+    _precheck(args)
+    status, ps = launch_or_init("eval", add_arguments, args)
+    if status is not None:
+        return status
+    try:
+        result = evaluate(args, ps)
+    except UserError:
+        if ps.rank != 0:  # every rank fails alike; one message is enough
+            return 2
+        raise
+    finally:
+        destroy_parallel()
+    if ps.rank == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            rows = [(k, result[k]) for k in _LABELS[args.task] if k in result]
+            rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x "
+                                              f"{result['data_parallel_size']}"), ("seconds", result["seconds"])]
+            print_table(f"tnlg eval --task {args.task}: {args.input}", rows)
+    return 0

@@ -1,0 +1,144 @@
+"""LAMBADA-style last-word accuracy (Megatron's ``tasks/zeroshot_gpt``, teacher forcing).
+
+Each example's target is its last word; it counts as correct only when the argmax
+at every target position equals the target token (REFERENCE.md).
+
+* non-strict: tokenize the whole text; the target is its last token, the context
+  every token before it;
+* strict (Megatron, GPT-2 BPE): context = tokens of ``text[:text.rfind(word)].strip()``,
+  target = tokens of ``" " + word``, where ``word = text.split()[-1]`` (possibly several
+  tokens);
+* strict with a SentencePiece tokenizer: such models add a dummy prefix, so
+  ``" " + word`` would encode with an extra ``▁`` piece that never occurs in running
+  text. The target is instead the shortest tail of the whole text's tokenization
+  whose decoding contains the last word (the tokens covering it), and the context
+  is everything before that.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import UserError
+from ..parallel.mappings import all_reduce
+from .logits import vocab_parallel_argmax
+
+__all__ = ["read_lambada_texts", "lambada_examples", "split_last_word", "lambada_accuracy"]
+
+
+def read_lambada_texts(path: str) -> list[str]:
+    """The ``"text"`` of every non-blank line of a JSON Lines file (the public LAMBADA format)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise UserError(f"input file {path!r} does not exist; pass a JSON Lines file with one "
+                        '{"text": ...} object per line (the LAMBADA test file format).') from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read input file {path!r} as UTF-8 text: {err}.") from None
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"line {number} of {path!r} is not valid JSON ({err.msg}); each line must be an "
+                            'object like {"text": "..."}.') from None
+        text = obj.get("text") if isinstance(obj, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f'line {number} of {path!r} has no text: each line needs a non-empty "text" '
+                            f"string, got {line[:80]!r}.")
+        texts.append(text)
+    if not texts:
+        raise UserError(f'input file {path!r} is empty: it holds no {{"text": ...}} lines to evaluate.')
+    return texts
+
+
+def _uses_dummy_prefix(tokenizer) -> bool:
+    return getattr(tokenizer, "kind", None) == "sentencepiece"
+
+
+def split_last_word(tokenizer, text: str, strict: bool) -> tuple[list[int], list[int]]:
+    """``(context tokens, target tokens)`` of one example (see the module docstring)."""
+    if not strict:
+        tokens = list(tokenizer.encode(text))
+        return tokens[:-1], tokens[-1:]
+    word = text.split()[-1]
+    if _uses_dummy_prefix(tokenizer):
+        tokens = list(tokenizer.encode(text))
+        for j in range(len(tokens) - 1, -1, -1):
+            if word in tokenizer.decode(tokens[j:]):
+                return tokens[:j], tokens[j:]
+        return [], tokens
+    start = text.rfind(word)
+    return list(tokenizer.encode(text[:start].strip())), list(tokenizer.encode(" " + word))
+
+
+def lambada_examples(texts: Sequence[str], tokenizer, strict: bool, seq_length: int,
+                     path: str = "input") -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Tokenized ``(context, target)`` pairs and how many contexts were cut on the left to fit
+    ``seq_length + 1`` tokens (the model sees ``seq_length`` inputs)."""
+    examples, truncated = [], 0
+    for number, text in enumerate(texts, 1):
+        context, target = split_last_word(tokenizer, text, strict)
+        if not context or not target:
+            raise UserError(f"example {number} of {path!r} ({text[:60]!r}) has no context before its last "
+                            "word (it tokenizes to a single piece); every LAMBADA example needs a passage "
+                            "and a final word.")
+        if len(target) > seq_length:
+            raise UserError(f"example {number} of {path!r}: its last word is {len(target)} tokens, more than "
+                            f"seq_length={seq_length}.")
+        excess = len(context) + len(target) - (seq_length + 1)
+        if excess > 0:
+            context = context[excess:]
+            truncated += 1
+        examples.append((context, target))
+    return examples, truncated
+
+
+@torch.no_grad()
+def lambada_accuracy(model, examples: Sequence[tuple[Sequence[int], Sequence[int]]], micro_batch_size: int = 8,
+                     pad_id: int = 0, progress: bool = False, strict: Optional[bool] = None) -> dict:
+    """Accuracy of ``(context, target)`` examples: correct when the argmax at every target
+    position equals the target token.
+
+    Examples are spread over DP ranks (``i % dp_size``) and right-padded per batch.
+    Collectives: the model's TP all-reduces, one ``[b, s]`` all-gather over TP for the
+    vocab-parallel argmax, and one all-reduce of the correct count over DP.
+    """
+    ps = model.ps
+    device = model.transformer.wte.weight.device
+    vocab = model.config.vocab_size
+    mine = list(examples)[ps.dp_rank::ps.dp_size]
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        batches = range(0, len(mine), micro_batch_size)
+        if progress:
+            from tqdm import tqdm
+            batches = tqdm(batches, desc="lambada", unit="batch")
+        for i in batches:
+            chunk = mine[i:i + micro_batch_size]
+            width = max(len(c) + len(t) for c, t in chunk)
+            rows = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            scored = torch.zeros(len(chunk), width - 1, dtype=torch.bool)
+            for r, (c, t) in enumerate(chunk):
+                rows[r, :len(c) + len(t)] = torch.tensor(list(c) + list(t))
+                scored[r, len(c) - 1:len(c) + len(t) - 1] = True  # positions predicting the target
+            rows, scored = rows.to(device), scored.to(device)
+            pred = vocab_parallel_argmax(model(rows[:, :-1]), ps, vocab)
+            ok = (pred == rows[:, 1:]) | ~scored
+            correct += ok.all(dim=1).sum()
+    finally:
+        model.train(was_training)
+    all_reduce(correct, ps.dp_group)
+    n = len(examples)
+    out = {"num_examples": n, "correct": int(correct), "accuracy": float(correct) / n}
+    if strict is not None:
+        out["strict"] = strict
+    return out

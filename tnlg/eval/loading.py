@@ -1,0 +1,191 @@
+"""What ``tnlg eval`` and ``tnlg generate`` share: checkpoints, tokenizers, processes.
+
+* :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
+  with :meth:`tnlg.GPT.from_hf`) or a tnlg checkpoint (through
+  ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout.
+* :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
+* :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
+  relaunch the same command on N local processes (:func:`tnlg.launch.maybe_launch`);
+  else run in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import UserError
+from ..parallel.state import ParallelState
+
+__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
+           "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init", "rebuild_argv",
+           "print_table"]
+
+_NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
+                 "given. Pass --tokenizer-model with a SentencePiece .model file, a folder holding GPT-2's "
+                 "vocab.json + merges.txt, or 'builtin'.")
+
+
+def is_hf_folder(path: str) -> bool:
+    """A folder written by ``save_pretrained`` (it holds ``config.json``)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def hf_tokenizer_spec(path: str) -> Optional[str]:
+    """The folder itself when it holds GPT-2's ``vocab.json`` + ``merges.txt``, else ``None``."""
+    has = all(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt"))
+    return path if has else None
+
+
+def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True):
+    """Checks that need no model, run before any process starts: the checkpoint exists and
+    (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
+    tokenizer, or ``None``."""
+    from ..data.tokenizer import load_tokenizer
+
+    if not os.path.exists(checkpoint):
+        raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2 folder "
+                        "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
+    if tokenizer_model:
+        return load_tokenizer(tokenizer_model)
+    if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:
+        raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=" (a Hugging Face folder needs vocab.json "
+                                                                   "+ merges.txt beside config.json)"))
+    return None
+
+
+def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
+    """The model's ``seq_length`` read from the checkpoint's metadata (no weights), or ``None``."""
+    import json
+
+    try:
+        if is_hf_folder(checkpoint):
+            with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+                return int(json.load(f)["n_positions"])
+        from ..checkpoint import read_meta, resolve
+        return int(read_meta(resolve(checkpoint, "checkpoint"))["config"]["seq_length"])
+    except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
+        return None
+
+
+def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
+    """``(model, tokenizer or its spec, or None)``: the checkpoint's model sharded for ``ps``, in
+    eval mode, and the tokenizer it names (``tokenizer_model`` replaces a tnlg checkpoint's
+    recorded one, which then need not exist any more). No collectives (every rank reads its
+    own shard).
+    """
+    if is_hf_folder(checkpoint):
+        from ..model import GPT
+        model, spec = GPT.from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
+    else:
+        try:
+            from ..checkpoint import load_for_inference
+        except ModuleNotFoundError as err:
+            if err.name not in ("tnlg.checkpoint",):
+                raise
+            raise UserError(f"{checkpoint!r} is not a Hugging Face folder (no config.json), and this install "
+                            "cannot read tnlg checkpoints (module tnlg.checkpoint is missing). Pass a folder "
+                            "written by save_pretrained, or update tnlg.") from None
+        model, spec = load_for_inference(checkpoint, ps, tokenizer_override=tokenizer_model)
+    model.eval()
+    return model, spec
+
+
+def resolve_tokenizer(tokenizer_model, spec, checkpoint: str):
+    """``--tokenizer-model`` (a path or an already loaded tokenizer) wins; else the checkpoint's spec."""
+    from ..data.tokenizer import load_tokenizer
+
+    if tokenizer_model is not None:
+        return load_tokenizer(tokenizer_model)
+    if spec is None:
+        why = " (a Hugging Face folder needs vocab.json + merges.txt)" if is_hf_folder(checkpoint) else ""
+        raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=why))
+    return load_tokenizer(spec)
+
+
+def check_tokenizer_fits(tokenizer, model) -> None:
+    """Every token id of the tokenizer must be a row of the model's embedding."""
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model.config.vocab_size}: it was trained with another tokenizer. Pass the "
+                        "model's own tokenizer with --tokenizer-model.")
+
+
+# --------------------------------------------------------------------------- processes
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
+                   help="a Hugging Face GPT-2 folder (config.json + weights; vocab.json + merges.txt give the "
+                        "tokenizer) or a tnlg checkpoint folder; resharded to the TP size asked for")
+    p.add_argument("--tokenizer-model", metavar="M",
+                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
+                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (default 1); must divide the number of processes")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="local processes to launch (default: the TP size); the extra factor is data "
+                        "parallelism. Not needed under torchrun, which sets the world")
+    p.add_argument("--micro-batch-size", type=int, default=8, metavar="B",
+                   help="sequences per forward pass (default 8)")
+    p.add_argument("--json", action="store_true",
+                   help="print exactly one JSON object on stdout (from rank 0) instead of a table")
+
+
+def rebuild_argv(add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace) -> list[str]:
+    """Command-line arguments that parse back to ``args`` (to relaunch the same command)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._StoreFalseAction):
+            argv += [] if value else [flag]
+        elif isinstance(action, argparse._AppendAction):  # "--flag=value": values may start with "-"
+            argv += [f"{flag}={v}" for v in value or []]
+        elif value is not None and value != action.default:
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Optional[ParallelState]]:
+    """``(exit status, None)`` after launching ``--nproc-per-node`` local processes, or
+    ``(None, ps)`` to run here: under torchrun/elastic (joining its process group) or as
+    the only process (CUDA when available)."""
+    from ..launch import launcher_world_size, local_threads, maybe_launch
+    from ..parallel.state import init_parallel
+
+    if args.tp < 1:
+        raise UserError(f"--tensor-model-parallel-size must be >= 1, got {args.tp}.")
+    world = launcher_world_size()
+    if world is None:
+        nproc = args.nproc_per_node or args.tp
+        if nproc < 1 or nproc % args.tp:
+            raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
+                            f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
+        status = maybe_launch(command, rebuild_argv(add_arguments, args), nproc)
+        if status is not None:
+            return status, None
+        return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
+    if world % args.tp:
+        raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
+                        "torchrun started.")
+    torch.set_num_threads(local_threads())
+    return None, init_parallel(tensor_parallel_size=args.tp)
+
+
+def print_table(title: str, rows: list[tuple[str, object]]) -> None:
+    """Two aligned columns on stdout."""
+    width = max(len(k) for k, _ in rows)
+    print(title)
+    for k, v in rows:
+        if isinstance(v, float):
+            v = f"{v:.6g}" if abs(v) < 1e6 else f"{v:.6e}"
+        print(f"  {k:<{width}}  {v}")

@@ -1,0 +1,171 @@
+"""WikiText-style perplexity with overlapping windows (Megatron's ``tasks/zeroshot_gpt``).
+
+Definitions (REFERENCE.md, "Evaluation definitions"):
+
+* ``T_orig = len(raw.strip().split(" "))`` on the raw file, before any detokenisation;
+  ``T_tok`` = number of tokens of the (optionally detokenised) text.
+* Windows of ``seq`` input tokens start every ``stride`` tokens. The first window
+  scores all its targets; every later window only its last ``stride`` positions
+  (fewer in the final, right-padded window), so each of the ``T_tok - 1`` targets
+  is scored exactly once.
+* ``val_loss = sum / (T_tok - 1)``, ``ppl = exp(min(20, val_loss))``, adjusted
+  (word-level) ``ppl = exp(min(20, val_loss * (T_tok - 1) / (T_orig - 1)))``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import UserError
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.mappings import all_reduce
+
+__all__ = ["wikitext_detokenizer", "count_original_tokens", "read_wikitext", "eval_windows",
+           "wikitext_perplexity", "perplexity_figures", "DETOKENIZERS"]
+
+
+def wikitext_detokenizer(string: str) -> str:
+    """Megatron's WikiText detokeniser (``tasks/zeroshot_gpt/detokenizer.py``), rule for rule."""
+    # contractions
+    string = string.replace("s '", "s'")
+    string = re.sub(r"/' [0-9]/", r"/'[0-9]/", string)
+    # number separators
+    string = string.replace(" @-@ ", "-")
+    string = string.replace(" @,@ ", ",")
+    string = string.replace(" @.@ ", ".")
+    # punctuation
+    string = string.replace(" : ", ": ")
+    string = string.replace(" ; ", "; ")
+    string = string.replace(" . ", ". ")
+    string = string.replace(" ! ", "! ")
+    string = string.replace(" ? ", "? ")
+    string = string.replace(" , ", ", ")
+    # double brackets
+    string = re.sub(r"\(\s*([^\)]*?)\s*\)", r"(\1)", string)
+    string = re.sub(r"\[\s*([^\]]*?)\s*\]", r"[\1]", string)
+    string = re.sub(r"{\s*([^}]*?)\s*}", r"{\1}", string)
+    string = re.sub(r"\"\s*([^\"]*?)\s*\"", r'"\1"', string)
+    string = re.sub(r"'\s*([^']*?)\s*'", r"'\1'", string)
+    # miscellaneous
+    string = string.replace("= = = =", "====")
+    string = string.replace("= = =", "===")
+    string = string.replace("= =", "==")
+    string = string.replace(" " + chr(176) + " ", chr(176))
+    string = string.replace(" \n", "\n")
+    string = string.replace("\n ", "\n")
+    string = string.replace(" N ", " 1 ")
+    string = string.replace(" 's", "'s")
+    return string
+
+
+DETOKENIZERS = {"none": lambda s: s, "wikitext": wikitext_detokenizer}
+
+
+def count_original_tokens(raw: str) -> int:
+    """``T_orig``: words of the raw text split on single spaces only (Megatron's count;
+    WikiText puts spaces around line breaks, so a newline does not separate)."""
+    return len(raw.strip().split(" "))
+
+
+def read_wikitext(path: str, tokenizer, detokenize: str = "none") -> tuple[list[int], int]:
+    """Tokens of a raw text file (after the chosen detokeniser) and its ``T_orig``."""
+    if detokenize not in DETOKENIZERS:
+        raise UserError(f"--detokenize {detokenize!r} is not known; valid: {sorted(DETOKENIZERS)}.")
+    raw = check_text_file(path)
+    tokens = list(tokenizer.encode(DETOKENIZERS[detokenize](raw)))
+    if len(tokens) < 2:
+        raise UserError(f"input file {path!r} has {len(tokens)} token(s) after tokenization; perplexity "
+                        "needs at least 2 (one target).")
+    return tokens, count_original_tokens(raw)
+
+
+def check_text_file(path: str) -> str:
+    """The file's text; a clear error when it is missing, unreadable or holds only whitespace."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"input file {path!r} does not exist; pass a raw text file (e.g. wiki.test.raw "
+                        "of WikiText-103).") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read input file {path!r} as UTF-8 text: {err}.") from None
+    if not raw.strip():
+        raise UserError(f"input file {path!r} is empty (or only whitespace); nothing to evaluate.")
+    return raw
+
+
+def eval_windows(num_tokens: int, seq_length: int, stride: int) -> list[tuple[int, int]]:
+    """``(start, first_scored)`` of every window: inputs ``tokens[start:start + seq]``,
+    targets ``tokens[start + 1:start + seq + 1]``; positions ``>= first_scored`` are scored
+    (0 for the first window, ``seq - stride`` after). Windows scoring nothing are left out."""
+    if not 1 <= stride <= seq_length:
+        raise UserError(f"--overlapping-eval (stride) must be in [1, seq_length={seq_length}], got {stride}: "
+                        "a larger stride would skip targets.")
+    targets = num_tokens - 1
+    count = 1 + max(0, math.ceil((targets - seq_length) / stride))
+    return [(k * stride, 0 if k == 0 else seq_length - stride) for k in range(count)]
+
+
+def perplexity_figures(total_loss: float, num_tokenized: int, num_original: int) -> dict:
+    """``val_loss``, ``ppl`` and the word-level adjusted ``ppl`` from the summed loss."""
+    val_loss = total_loss / (num_tokenized - 1)
+    out = {"total_loss": total_loss, "num_tokenized_tokens": num_tokenized, "num_original_tokens": num_original,
+           "num_targets": num_tokenized - 1, "val_loss": val_loss, "ppl": math.exp(min(20.0, val_loss))}
+    if num_original > 1:
+        ratio = (num_tokenized - 1) / (num_original - 1)
+        out.update(token_ratio=ratio, adjusted_ppl=math.exp(min(20.0, val_loss * ratio)))
+    else:  # one word: the word-level figure is undefined
+        out.update(token_ratio=None, adjusted_ppl=None)
+    return out
+
+
+@torch.no_grad()
+def wikitext_perplexity(model, tokens: Sequence[int], num_original_tokens: int, stride: int = 32,
+                        micro_batch_size: int = 8, seq_length: Optional[int] = None, pad_id: int = 0,
+                        progress: bool = False) -> dict:
+    """Overlapping-window perplexity of ``tokens`` (see the module docstring).
+
+    Windows are spread over data-parallel ranks (``window % dp_size``); within a TP
+    group every rank runs the same windows. Collectives: per forward the model's TP
+    all-reduces and the vocab-parallel cross-entropy's three ``[b, seq]`` all-reduces;
+    at the end one float64 all-reduce of the loss sum over DP. Every rank returns the
+    same dict.
+    """
+    ps = model.ps
+    seq = seq_length or model.config.seq_length
+    if seq > model.config.seq_length:
+        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
+    n = len(tokens)
+    if n < 2:
+        raise UserError(f"perplexity needs at least 2 tokens, got {n}.")
+    windows = eval_windows(n, seq, stride)
+    mine = windows[ps.dp_rank::ps.dp_size]
+    device = model.transformer.wte.weight.device
+    data = torch.tensor(list(tokens) + [pad_id] * (seq + 1), dtype=torch.long)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        batches = range(0, len(mine), micro_batch_size)
+        if progress:
+            from tqdm import tqdm
+            batches = tqdm(batches, desc="wikitext", unit="batch")
+        for i in batches:
+            chunk = mine[i:i + micro_batch_size]
+            rows = torch.stack([data[s:s + seq + 1] for s, _ in chunk])
+            pos = torch.arange(seq)
+            scored = torch.stack([(pos >= first) & (s + 1 + pos <= n - 1) for s, first in chunk])
+            rows, scored = rows.to(device), scored.to(device)
+            logits = model(rows[:, :-1])
+            losses = vocab_parallel_cross_entropy(logits, rows[:, 1:], ps, model.config.vocab_size)
+            total += (losses.double() * scored).sum()
+    finally:
+        model.train(was_training)
+    all_reduce(total, ps.dp_group)
+    out = perplexity_figures(float(total), n, num_original_tokens)
+    out.update(seq_length=seq, stride=stride, windows=len(windows))
+    return out

@@ -1,0 +1,347 @@
+"""Tensor-parallel text generation with a KV cache: greedy, temperature, top-k, top-p.
+
+Python API::
+
+    texts = tnlg.generate(model, tokenizer, ["Once upon a time"], max_new_tokens=32, top_k=40, seed=1)
+    ids = tnlg.generate_ids(model, [[464, 2068]], max_new_tokens=8, greedy=True)
+
+Batches of prompts of different lengths are **left-padded**: an attention mask keeps
+every row from seeing its padding and per-row position ids start at 0 at the row's
+first real token, so each row continues exactly as it would alone (up to float
+rounding). With the KV cache (default) the prefix is run once and every new token
+costs one single-position forward; without it the whole sequence is recomputed
+each step.
+
+Tensor parallelism: the logits stay vocabulary shards. Greedy and top-k take each
+rank's local top candidates and all-gather only those (:mod:`tnlg.eval.logits`);
+sampling without top-k all-gathers the last position's ``[b, V]`` logits. The draw
+uses one CPU generator per prompt, seeded with ``seed + prompt index``, applied
+after the distribution is formed, so a seed gives the same tokens at every TP size
+and whatever else is in the batch; the chosen ids are then broadcast from TP rank 0
+so every TP rank feeds the same token. Collectives per new token: the model's TP
+all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+from .eval.logits import (full_vocab_candidates, make_generators, sample_from_candidates, vocab_parallel_argmax,
+                          vocab_parallel_topk)
+from .model import KVCache
+
+__all__ = ["generate", "generate_ids"]
+
+
+def _check_sampling(max_new_tokens, greedy, temperature, top_k, top_p) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+    if not greedy and not temperature > 0:
+        raise UserError(f"temperature must be > 0 when sampling, got {temperature!r} (use greedy=True / "
+                        "--greedy for argmax decoding).")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise UserError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {top_k!r}.")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p!r}.")
+
+
+def _check_prompts(prompts, seq_length: int, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise UserError("prompts must be a non-empty list of token-id lists.")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise UserError(f"prompt {i} has no tokens; give at least one (the text API starts an empty prompt "
+                            "from the end-of-document token).")
+        if len(p) > seq_length:
+            raise UserError(f"prompt {i} is {len(p)} tokens long, longer than the model's seq_length="
+                            f"{seq_length}; shorten it to at most {seq_length} tokens.")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size}).")
+        out.append(p)
+    return out
+
+
+@torch.no_grad()
+def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, greedy: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 eod_id: Optional[int] = None, stop_at_eod: bool = True, use_cache: bool = True,
+                 pad_id: Optional[int] = None, vocab_size: Optional[int] = None, batch_size: Optional[int] = None,
+                 seed_offset: int = 0) -> list[list[int]]:
+    """New token ids for each prompt (a list of token ids), in prompt order.
+
+    ``greedy`` (or ``temperature == 0``) takes the argmax; otherwise sample from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` best (0 = all) and
+    to the nucleus of mass ``top_p``. Prompt ``i`` draws from a CPU generator seeded
+    with ``seed + seed_offset + i`` (``seed=None``: random). A row stops after
+    ``eod_id`` when ``stop_at_eod`` (the returned ids end with it). Generation stops
+    where prompt + new tokens would exceed the model's ``seq_length`` (the longest
+    prompt of a batch decides; a warning says so). ``vocab_size`` limits the ids that
+    can be chosen (default the model's). Every TP rank of a group must call this with
+    the same arguments; all get the same result.
+    """
+    cfg = model.config
+    vocab = min(vocab_size or cfg.vocab_size, cfg.vocab_size)
+    greedy = greedy or temperature == 0
+    _check_sampling(max_new_tokens, greedy, temperature, top_k, top_p)
+    prompts = _check_prompts(prompts, cfg.seq_length, cfg.vocab_size)
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {batch_size!r}.")
+    step = batch_size or len(prompts)
+    if seed is None:  # a random seed (it may differ across TP ranks: the broadcast keeps their tokens equal)
+        seed = int(torch.randint(0, 2**62, ()).item())
+    out: list[list[int]] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for b0 in range(0, len(prompts), step):
+            chunk = prompts[b0:b0 + step]
+            gens = make_generators([seed + seed_offset + b0 + i for i in range(len(chunk))])
+            out += _generate_batch(model, chunk, max_new_tokens, greedy, temperature, top_k, top_p, gens,
+                                   eod_id if stop_at_eod else None,
+                                   pad_id if pad_id is not None else (eod_id if eod_id is not None else 0),
+                                   use_cache, vocab)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _choose(logits: torch.Tensor, ps, vocab: int, greedy: bool, temperature: float, top_k: int, top_p: float,
+            gens) -> torch.Tensor:
+    """The next id per row from last-position vocab shards ``[b, V/tp]``, identical on all TP ranks."""
+    logits = logits.float()
+    if greedy:
+        nxt = vocab_parallel_argmax(logits, ps, vocab)
+    else:
+        if top_k > 0:
+            values, ids = vocab_parallel_topk(logits, ps, vocab, top_k)
+        else:
+            values, ids = full_vocab_candidates(logits, ps, vocab)
+        nxt = sample_from_candidates(values, ids, temperature, top_p, gens)
+    if ps.tp_size > 1:  # the candidates are identical already; this makes the choice so by construction
+        nxt = nxt.contiguous()
+        dist.broadcast(nxt, src=ps.tp_src_rank, group=ps.tp_group)
+    return nxt
+
+
+def _generate_batch(model, prompts: list[list[int]], max_new: int, greedy: bool, temperature: float, top_k: int,
+                    top_p: float, gens, stop_id: Optional[int], pad_id: int, use_cache: bool,
+                    vocab: int) -> list[list[int]]:
+    ps, cfg = model.ps, model.config
+    device = model.transformer.wte.weight.device
+    b = len(prompts)
+    lengths = [len(p) for p in prompts]
+    longest = max(lengths)
+    if longest + max_new > cfg.seq_length:
+        room = cfg.seq_length - longest
+        warnings.warn(f"prompt of {longest} tokens + {max_new} new tokens exceeds seq_length={cfg.seq_length}; "
+                      f"generating {room} new tokens.", stacklevel=3)
+        max_new = room
+    total = longest + max_new
+    tokens = torch.full((b, total), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p):longest] = torch.tensor(p)
+    tokens = tokens.to(device)
+    pads = torch.tensor([longest - n for n in lengths], device=device)
+    padded = bool((pads > 0).any())
+    if padded:  # left padding: rows never attend to their pads; positions start at each row's first token
+        ar = torch.arange(total, device=device)
+        positions = (ar[None, :] - pads[:, None]).clamp(min=0)
+        allowed = torch.ones(total, total, dtype=torch.bool, device=device).tril()[None] & \
+            (ar[None, None, :] >= pads[:, None, None])
+        allowed |= torch.eye(total, dtype=torch.bool, device=device)[None]  # pad queries: themselves (no NaN)
+    cache = KVCache(model, b, total) if use_cache and max_new > 0 else None
+    # Bookkeeping stays on the device: no host sync per token (on a GPU the next step's kernels are
+    # queued while this one runs); "all rows done?" is read every `check_every` tokens.
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    produced = torch.zeros(b, dtype=torch.long, device=device)
+    check_every = 1 if device.type == "cpu" else 16
+    cur = longest
+    for step in range(max_new):
+        start = cur - 1 if (cache is not None and step > 0) else 0
+        kwargs = {}
+        if padded:
+            kwargs = dict(position_ids=positions[:, start:cur], attention_mask=allowed[:, start:cur, :cur])
+        logits = model(tokens[:, start:cur], kv_cache=cache, last_only=True, **kwargs)[:, -1]
+        nxt = _choose(logits, ps, vocab, greedy, temperature, top_k, top_p, gens)
+        tokens[:, cur] = nxt
+        cur += 1
+        produced += ~done
+        if stop_id is not None:
+            done |= nxt == stop_id
+            if (step + 1) % check_every == 0 and bool(done.all()):
+                break
+    counts = produced.tolist()
+    rows = tokens[:, longest:cur].tolist()
+    return [row[:n] for row, n in zip(rows, counts)]
+
+
+def generate(model, tokenizer, prompts: Union[str, Sequence[str]], max_new_tokens: int = 32, *,
+             greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: Optional[int] = None, stop_at_eod: bool = True, use_cache: bool = True,
+             batch_size: Optional[int] = None, seed_offset: int = 0) -> list[str]:
+    """Continuations (text after each prompt, without the end-of-document token) of ``prompts``.
+
+    ``tokenizer`` is any object with ``encode``, ``decode``, ``vocab_size`` and
+    ``eod_id``; an empty prompt starts from the end-of-document token. Only ids the
+    tokenizer knows are ever chosen. See :func:`generate_ids` for the options.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    ids = [list(tokenizer.encode(p)) or [tokenizer.eod_id] for p in prompts]
+    out = generate_ids(model, ids, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k,
+                       top_p=top_p, seed=seed, eod_id=tokenizer.eod_id, stop_at_eod=stop_at_eod,
+                       use_cache=use_cache, vocab_size=tokenizer.vocab_size, batch_size=batch_size,
+                       seed_offset=seed_offset)
+    texts = []
+    for new in out:
+        if stop_at_eod and new and new[-1] == tokenizer.eod_id:
+            new = new[:-1]
+        texts.append(tokenizer.decode(new))
+    return texts
+
+
+# --------------------------------------------------------------------------- CLI
+
+EPILOG = """\
+Prompts are left-padded into batches (--micro-batch-size) with an attention mask and
+per-row positions, so each continuation is what the prompt gives alone. Output: the
+prompt followed by its continuation, one block per prompt; --json prints one object
+{"results": [{"prompt", "text", "tokens"}, ...], ...}. A seed gives the same text at
+every tensor-parallel size.
+
+examples:
+  tnlg generate --checkpoint gpt2/ --prompt "The Turing-NLG model" --greedy --max-new-tokens 40
+  tnlg generate --checkpoint runs/ckpt --prompts-file prompts.txt --top-k 40 --temperature 0.8 --seed 7
+  torchrun --nproc-per-node 2 -m tnlg generate --tp 2 --checkpoint gpt2/ --prompt "Hello" --top-p 0.9
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .eval.loading import add_common_arguments
+
+    p.epilog = EPILOG
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", metavar="F", help="a text file with one prompt per line")
+    add_common_arguments(p)
+    p.add_argument("--max-new-tokens", "--out-seq-length", dest="max_new_tokens", type=int, default=64,
+                   help="tokens to generate per prompt (default 64; fewer where seq_length ends)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (no sampling)")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed (default 1234)")
+    p.add_argument("--no-stop-at-eod", dest="stop_at_eod", action="store_false",
+                   help="keep generating after the end-of-document token")
+    p.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
+                   help="recompute the whole sequence for every new token (slow; for checking)")
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return list(args.prompt)
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line for line in f.read().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise UserError(f"prompts file {args.prompts_file!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read prompts file {args.prompts_file!r} as UTF-8 text: {err}.") from None
+    if not prompts:
+        raise UserError(f"prompts file {args.prompts_file!r} is empty; put one prompt per line.")
+    return prompts
+
+
+def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
+    from .eval.loading import check_tokenizer_fits, load_model, resolve_tokenizer
+
+    start = time.time()
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
+    check_tokenizer_fits(tokenizer, model)
+    # data parallelism: each TP group takes a contiguous share of the prompts
+    share = -(-len(prompts) // ps.dp_size)
+    first = ps.dp_rank * share
+    mine = prompts[first:first + share]
+    ids = [list(tokenizer.encode(p)) or [tokenizer.eod_id] for p in mine]
+    t0 = time.time()
+    new = generate_ids(model, ids, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod_id=tokenizer.eod_id,
+                       stop_at_eod=args.stop_at_eod, use_cache=args.use_cache, vocab_size=tokenizer.vocab_size,
+                       batch_size=args.micro_batch_size, seed_offset=first) if mine else []
+    seconds = time.time() - t0
+    results = []
+    for p, n in zip(mine, new):
+        body = n[:-1] if args.stop_at_eod and n and n[-1] == tokenizer.eod_id else n
+        results.append({"prompt": p, "text": tokenizer.decode(body), "tokens": n})
+    if ps.dp_size > 1:
+        gathered = [None] * ps.world_size
+        dist.all_gather_object(gathered, results)
+        results = [r for rank in range(0, ps.world_size, ps.tp_size) for r in gathered[rank]]
+    n_tokens = sum(len(r["tokens"]) for r in results)
+    return {"results": results, "new_tokens": n_tokens, "generate_seconds": round(seconds, 3),
+            "tokens_per_second": round(n_tokens / seconds, 2) if seconds > 0 else None,
+            "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
+            "seconds": round(time.time() - start, 3)}
+
+
+def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
+    """Refuse prompts longer than ``seq_length`` before any process starts, where the checkpoint's
+    metadata and tokenizer can be read without the model (the workers check again regardless)."""
+    from .data.tokenizer import load_tokenizer
+    from .eval.loading import checkpoint_seq_length, hf_tokenizer_spec, is_hf_folder
+
+    seq = checkpoint_seq_length(checkpoint)
+    if tokenizer is None and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint):
+        tokenizer = load_tokenizer(checkpoint)
+    if seq is None or tokenizer is None:
+        return
+    ids = [list(tokenizer.encode(p)) or [tokenizer.eod_id] for p in prompts]
+    _check_prompts(ids, seq, tokenizer.vocab_size)
+
+
+def run(args) -> int:
+    from .eval.loading import launch_or_init, precheck_checkpoint
+    from .parallel.state import destroy_parallel
+
+    _check_sampling(args.max_new_tokens, args.greedy or args.temperature == 0, args.temperature, args.top_k,
+                    args.top_p)
+    if args.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
+    prompts = _read_prompts(args)
+    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model)
+    _precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
+    status, ps = launch_or_init("generate", add_arguments, args)
+    if status is not None:
+        return status
+    try:
+        result = _generate_here(args, ps, prompts)
+    except UserError:
+        if ps.rank != 0:
+            return 2
+        raise
+    finally:
+        destroy_parallel()
+    if ps.rank == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            for r in result["results"]:
+                print(f"{r['prompt']}{r['text']}")
+                print("-" * 40)
+            print(f"{result['new_tokens']} new tokens in {result['generate_seconds']} s "
+                  f"({result['tokens_per_second']} tokens/s) at TP={result['tensor_model_parallel_size']}",
+                  file=sys.stderr)
+    return 0
