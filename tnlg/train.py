@@ -175,9 +175,13 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     cfg = model_config(o, tokenizer.vocab_size)
     model = GPT(cfg, ps)
     scaler = DynamicLossScaler() if o.fp16 else None
-    engine = build_engine(model, ps, o.zero_stage, lr=o.lr, weight_decay=o.weight_decay,
-                          betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, clip_grad=o.clip_grad,
-                          grad_accum_steps=accum, bucket_size_mb=o.bucket_size_mb, loss_scaler=scaler)
+    build, extra = build_engine, {}
+    if o.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups
+        from .optim.deepspeed_engine import build_deepspeed_engine as build
+        extra = dict(micro_batch_size=o.micro_batch_size)
+    engine = build(model, ps, o.zero_stage, lr=o.lr, weight_decay=o.weight_decay,
+                   betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, clip_grad=o.clip_grad,
+                   grad_accum_steps=accum, bucket_size_mb=o.bucket_size_mb, loss_scaler=scaler, **extra)
     model = engine.model
     schedule = LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                           decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)
@@ -226,7 +230,8 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
 
     flops = iteration_flops(cfg, o.global_batch_size, o.recompute_activations, model_padded_vocab(engine))
     tokens_per_iter = o.global_batch_size * cfg.seq_length
-    _log(ps, f"tnlg pretrain: {sum(p.numel() for p in engine.model.parameters()):,} parameters on this rank "
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters())  # (DeepSpeed ZeRO-3)
+    _log(ps, f"tnlg pretrain: {n_params:,} parameters on this rank "
              f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {accum} accumulation step(s), "
              f"{'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
              f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {peak:.3f} TFLOP/s per rank")
@@ -242,65 +247,67 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
                                               ps.dp_size))
     model.train()
     window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
-    while iteration < o.train_iters:
-        t0 = time.perf_counter()
-        lr = schedule.lr(engine.num_steps)
-        engine.zero_grad()
-        micro_losses = []
-        for _ in range(accum):
-            loss = _forward(model, _batches(train_ds, sampler, ps.device), autocast, ps.device)
-            engine.backward(loss)
-            micro_losses.append(loss.detach().float())
-        loss = torch.stack(micro_losses).mean().reshape(1)
-        if ps.dp_group is not None:
-            dist.all_reduce(loss, group=ps.dp_group)
-            loss /= ps.dp_size
-        loss = loss.item()
-        if not math.isfinite(loss):
-            raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration + 1}; stopping before "
-                                   f"the optimizer step (no checkpoint is written from this state). Lower --lr, "
-                                   f"raise --lr-warmup-iters, or check the data.")
-        info = engine.step(lr)
-        iteration += 1
-        consumed += o.global_batch_size
-        dt = time.perf_counter() - t0
-        tflops = flops / dt / ps.world_size / 1e12
-        rec = dict(iteration=iteration, consumed_samples=consumed, loss=loss, lr=lr, grad_norm=info["grad_norm"],
-                   skipped=info["skipped"], ms_per_iter=dt * 1e3, tokens_per_s=tokens_per_iter / dt,
-                   tflops=tflops, mfu=tflops / peak, peak_memory_bytes=peak_memory_bytes(ps.device))
-        if info.get("loss_scale") is not None:
-            rec["loss_scale"] = info["loss_scale"]
-        record(rec)
-        summary["losses"].append(loss)
-        summary["grad_norms"].append(info["grad_norm"])
-        window_loss, window_n = window_loss + loss, window_n + 1
-        if iteration % o.log_interval == 0 or iteration == o.train_iters:
-            span = time.perf_counter() - window_t
-            _log(ps, f"iter {iteration:6d}/{o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
-                     f"loss {window_loss / window_n:.4f} | grad norm {info['grad_norm']:.3f} | "
-                     f"{span / window_n * 1e3:7.1f} ms/iter | {tokens_per_iter * window_n / span:8.0f} tok/s | "
-                     f"{flops * window_n / span / ps.world_size / 1e12:.3f} TFLOP/s/rank | "
-                     f"MFU {flops * window_n / span / ps.world_size / 1e12 / peak:.1%} | "
-                     f"mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
-                     + (" | skipped (overflow)" if info["skipped"] else ""))
-            window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
-        last = iteration == o.train_iters
-        if valid_ds is not None and o.eval_interval and (iteration % o.eval_interval == 0 or last):
-            v = evaluate(model, valid_ds, o, ps, autocast)
-            summary["last_valid_loss"] = v
-            _log(ps, f"validation at iteration {iteration}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
-            record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
-        stopping = stop is not None and stop.requested(ps, iteration)  # collective: every rank agrees
-        if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last or stopping):
-            ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, model=model, engine=engine, ps=ps,
-                      config=cfg, options=o, tokenizer=tokenizer, keep_last=o.keep_last)
-            _log(ps, f"saved checkpoint at iteration {iteration} to {o.save}")
-        if stopping:
-            _log(ps, f"SIGTERM received: stopping after iteration {iteration} (checkpoint saved).")
-            summary["stopped_by_signal"] = True
-            break
-    if stop is not None:
-        stop.close()
+    try:
+        while iteration < o.train_iters:
+            t0 = time.perf_counter()
+            lr = schedule.lr(engine.num_steps)
+            engine.zero_grad()
+            micro_losses = []
+            for _ in range(accum):
+                loss = _forward(model, _batches(train_ds, sampler, ps.device), autocast, ps.device)
+                engine.backward(loss)
+                micro_losses.append(loss.detach().float())
+            loss = torch.stack(micro_losses).mean().reshape(1)
+            if ps.dp_group is not None:
+                dist.all_reduce(loss, group=ps.dp_group)
+                loss /= ps.dp_size
+            loss = loss.item()
+            if not math.isfinite(loss):
+                raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration + 1}; stopping before "
+                                       f"the optimizer step (no checkpoint is written from this state). Lower --lr, "
+                                       f"raise --lr-warmup-iters, or check the data.")
+            info = engine.step(lr)
+            iteration += 1
+            consumed += o.global_batch_size
+            dt = time.perf_counter() - t0
+            tflops = flops / dt / ps.world_size / 1e12
+            rec = dict(iteration=iteration, consumed_samples=consumed, loss=loss, lr=lr, grad_norm=info["grad_norm"],
+                       skipped=info["skipped"], ms_per_iter=dt * 1e3, tokens_per_s=tokens_per_iter / dt,
+                       tflops=tflops, mfu=tflops / peak, peak_memory_bytes=peak_memory_bytes(ps.device))
+            if info.get("loss_scale") is not None:
+                rec["loss_scale"] = info["loss_scale"]
+            record(rec)
+            summary["losses"].append(loss)
+            summary["grad_norms"].append(info["grad_norm"])
+            window_loss, window_n = window_loss + loss, window_n + 1
+            if iteration % o.log_interval == 0 or iteration == o.train_iters:
+                span = time.perf_counter() - window_t
+                _log(ps, f"iter {iteration:6d}/{o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
+                         f"loss {window_loss / window_n:.4f} | grad norm {info['grad_norm']:.3f} | "
+                         f"{span / window_n * 1e3:7.1f} ms/iter | {tokens_per_iter * window_n / span:8.0f} tok/s | "
+                         f"{flops * window_n / span / ps.world_size / 1e12:.3f} TFLOP/s/rank | "
+                         f"MFU {flops * window_n / span / ps.world_size / 1e12 / peak:.1%} | "
+                         f"mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
+                         + (" | skipped (overflow)" if info["skipped"] else ""))
+                window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
+            last = iteration == o.train_iters
+            if valid_ds is not None and o.eval_interval and (iteration % o.eval_interval == 0 or last):
+                v = evaluate(model, valid_ds, o, ps, autocast)
+                summary["last_valid_loss"] = v
+                _log(ps, f"validation at iteration {iteration}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
+                record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
+            stopping = stop is not None and stop.requested(ps, iteration)  # collective: every rank agrees
+            if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last or stopping):
+                ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, model=model, engine=engine, ps=ps,
+                          config=cfg, options=o, tokenizer=tokenizer, keep_last=o.keep_last)
+                _log(ps, f"saved checkpoint at iteration {iteration} to {o.save}")
+            if stopping:
+                _log(ps, f"SIGTERM received: stopping after iteration {iteration} (checkpoint saved).")
+                summary["stopped_by_signal"] = True
+                break
+    finally:  # the handler must not outlive the loop, also on an exception
+        if stop is not None:
+            stop.close()
 
     if metrics is not None:
         metrics.close()

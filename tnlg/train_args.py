@@ -91,7 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(g, "--tensor-model-parallel-size", "--tp", type=int, help="TP size (any size up to the head count)")
     _flag(g, "--zero-stage", type=int, choices=[0, 1, 2, 3], help="0: all-reduce; 1 (default): optimizer "
           "states partitioned; 2: + gradients; 3: + parameters (2/3 via FSDP2)")
-    _flag(g, "--zero-impl", choices=["tnlg"], help="ZeRO implementation (tnlg's own for 0/1, FSDP2 for 2/3)")
+    _flag(g, "--zero-impl", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (default: our own "
+          "for 0/1, FSDP2 for 2/3) or deepspeed (DeepSpeed's ZeRO 1-3 over our DP group; optional extra: "
+          "pip install -e \".[deepspeed]\")")
     _flag(g, "--nproc-per-node", type=int, help="launch this many local processes (torch's elastic "
           "launcher) unless already under torchrun; default 4 for the built-in job")
     _flag(g, "--max-restarts", type=int, help="with --nproc-per-node: restart the group this many times "
@@ -199,6 +201,11 @@ def _validate(o: SimpleNamespace, world_size: int | None) -> None:
                decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)  # raises UserError
     if o.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {o.zero_stage!r}.")
+    if o.zero_impl not in ("tnlg", "deepspeed"):
+        raise UserError(f"--zero-impl must be tnlg or deepspeed, got {o.zero_impl!r}.")
+    if o.zero_impl == "deepspeed":
+        from .optim.deepspeed_engine import check_deepspeed_options
+        check_deepspeed_options(o.zero_stage, fp16=o.fp16)  # installed, stage 1-3, no --fp16
     if o.bf16 and o.fp16:
         raise UserError("--bf16 and --fp16 are exclusive: pick one.")
     if o.save_interval is not None and (not isinstance(o.save_interval, int) or o.save_interval < 1):

@@ -224,7 +224,9 @@ def _tasks(infos: Sequence[InputFile], chunk_bytes: int) -> Iterator[tuple]:
 
 
 def _start_method() -> str:
-    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    """A clean worker process, never a fork of the caller: forking a process that runs threads (torch,
+    tqdm) or has its own signal handlers can deadlock or leave workers that ignore terminate()."""
+    return "spawn"  # (not forkserver either: a forked caller would share its parent's fork server)
 
 
 def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Path],

@@ -97,6 +97,9 @@ class ColumnParallelLinear(nn.Module):
                                   0, self.partition_sizes, out_features) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size > 1 and torch.is_autocast_enabled(x.device.type):
+            # cast before f: its backward all-reduce then moves autocast-dtype (bf16) gradients, half the bytes
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         y = F.linear(copy_to_tp(x, self.ps), self.weight, self.bias)
         return gather_from_tp(y, self.ps, self.partition_sizes) if self.gather_output else y
 

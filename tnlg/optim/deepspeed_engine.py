@@ -1,0 +1,532 @@
+"""The optional DeepSpeed engine (``--zero-impl deepspeed``): DeepSpeed's ZeRO 1-3 over our DP group.
+
+The training loop drives it through the same protocol as :class:`tnlg.optim.engine.Engine`
+(``model``, ``backward``, ``step(lr)``, ``zero_grad``, the state exchange and
+``memory_report``), so everything downstream (logging, checkpoints, resharding)
+is unchanged. DeepSpeed is told about our layout the way Megatron-DeepSpeed did:
+
+* an ``mpu`` object (:class:`TnlgMPU`) hands it our tensor-parallel group as
+  the "model parallel" group and our data-parallel group as the DP group, so
+  ZeRO partitions only over DP (each TP rank's shard is partitioned over the
+  DP replicas of that shard) and broadcasts/averages only there;
+* every parameter gets ``model_parallel = tensor_model_parallel = tp_sharded``,
+  the attributes DeepSpeed's gradient norm reads: TP-split gradients are
+  summed over the TP group, replicated ones (LayerNorm, position embedding,
+  row-parallel biases) are counted on TP rank 0 only, i.e. once, as
+  :mod:`tnlg.optim.clip` does;
+* groups of one rank are real process groups (DeepSpeed would treat ``None``
+  as the world group and count a norm ``world`` times).
+
+Optimizer: ``torch.optim.AdamW`` (single-tensor path: the arithmetic of our own
+engine) on DeepSpeed's flat fp32 partitions, two parameter groups (weight decay
+on matrices only). Clipping: DeepSpeed's, ``min(1, clip / (norm + 1e-6))``, the
+same rule as ours. Gradient accumulation: DeepSpeed divides each micro loss by
+``grad_accum_steps``; we mark the accumulation boundary before every backward
+(``set_gradient_accumulation_boundary``) and call DeepSpeed's ``step`` once per
+iteration. Stage 1 communicates only at the boundary; DeepSpeed's stage 2 and 3
+reduce-scatter gradients on every micro step (its design, not ours).
+
+Collectives (DeepSpeed's, all over the DP group except the norm): stage 1:
+gradient reduction at the boundary backward, all-gather of the updated
+parameters in ``step``; stage 2: reduce-scatter of gradient buckets during
+every backward, all-gather in ``step``; stage 3: parameter all-gathers around
+every module's forward and backward plus gradient reduce-scatters; the norm:
+an all-reduce over DP and one over TP.
+
+Differences from our engine, stated rather than hidden: DeepSpeed keeps an fp32
+master copy of the owned partition even for fp32 parameters (Adam states
+``12 Psi / dp`` bytes instead of ``8 Psi / dp``); in fp32 it does not check
+gradients for inf/NaN (the step is applied; the loop stops on a NaN loss before
+that); ``--fp16`` (our autocast + dynamic loss scaler) is not supported with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import UserError
+from ..parallel.state import ParallelState
+from .clip import clip_coefficient
+from .engine import STATE_FORMAT
+from .zero import MiB, _check_states, _tp_flag, default_decay
+
+__all__ = ["build_deepspeed_engine", "DeepSpeedZeroEngine", "DeepSpeedModel", "TnlgMPU",
+           "check_deepspeed_options", "deepspeed_available", "INSTALL_HINT"]
+
+INSTALL_HINT = 'pip install -e ".[deepspeed]"'
+
+
+def deepspeed_available() -> bool:
+    """True when the ``deepspeed`` package can be imported (without importing it)."""
+    import importlib.util
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def check_deepspeed_options(zero_stage: int, fp16: bool = False) -> None:
+    """Raise :class:`UserError` unless DeepSpeed is installed and can run this (stage 1-3, no ``--fp16``)."""
+    if not deepspeed_available():
+        raise UserError(f"--zero-impl deepspeed needs the DeepSpeed package, which is not installed. Install "
+                        f"the optional extra with `{INSTALL_HINT}` (or `pip install deepspeed`), or use "
+                        f"--zero-impl tnlg (the default).")
+    if zero_stage not in (1, 2, 3):
+        raise UserError(f"--zero-impl deepspeed runs ZeRO stages 1, 2 and 3, got --zero-stage "
+                        f"{zero_stage!r}; for stage 0 use --zero-impl tnlg.")
+    if fp16:
+        raise UserError("--fp16 (autocast with our dynamic loss scaler) is not supported with --zero-impl "
+                        "deepspeed; use --bf16 or fp32, or --zero-impl tnlg.")
+
+
+class TnlgMPU:
+    """Megatron's ``mpu`` interface over a :class:`ParallelState`, for ``deepspeed.initialize(mpu=...)``.
+
+    ``tp_group``/``dp_group`` must be real process groups (a group of one rank
+    included); no pipeline parallelism (size 1).
+    """
+
+    def __init__(self, ps: ParallelState, tp_group, dp_group):
+        self.ps, self.tp_group, self.dp_group = ps, tp_group, dp_group
+
+    # tensor ("model") parallel: Megatron's old and new names
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ps.tp_size
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ps.tp_rank
+
+    def get_model_parallel_src_rank(self) -> int:
+        return self.ps.tp_src_rank
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_src_rank = get_model_parallel_src_rank
+
+    # data parallel
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ps.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ps.dp_rank
+
+    # no pipeline parallelism
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
+def _real_groups(ps: ParallelState):
+    """(tp_group, dp_group) as process groups, creating one-rank groups where ``ps`` has ``None``.
+
+    Collective over the world when a size is 1 (``new_group`` runs on every rank
+    for every rank's singleton, in the same order). A single process without a
+    process group gets a world of one (gloo, in-memory store) first.
+    """
+    if not dist.is_initialized():
+        if ps.world_size != 1:
+            raise RuntimeError("the DeepSpeed engine needs torch.distributed initialised for "
+                               f"{ps.world_size} processes (init_parallel does it).")
+        dist.init_process_group("gloo" if ps.device.type == "cpu" else "nccl", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    tp_group, dp_group = ps.tp_group, ps.dp_group
+    if tp_group is None or dp_group is None:
+        rank, singleton = dist.get_rank(), None
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            if r == rank:
+                singleton = g
+        tp_group = tp_group or singleton
+        dp_group = dp_group or singleton
+    return tp_group, dp_group
+
+
+def _import_deepspeed(ps: ParallelState):
+    """Import DeepSpeed with the accelerator matching ``ps.device`` (CPU: ``DS_ACCELERATOR=cpu``)."""
+    check_deepspeed_options(1)
+    if ps.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed asserts LOCAL_RANK is set (torchrun sets it; our test harness does not)
+    os.environ.setdefault("LOCAL_RANK", str(ps.device.index or 0) if ps.device.type == "cuda"
+                          else str(dist.get_rank() if dist.is_initialized() else 0))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    want = "cpu" if ps.device.type == "cpu" else "cuda"
+    if get_accelerator().device_name() != want:
+        raise UserError(f"DeepSpeed selected the {get_accelerator().device_name()!r} accelerator but this run "
+                        f"is on {ps.device}; set DS_ACCELERATOR={want} before starting.")
+    if want == "cpu":
+        # The CPU backend JIT-compiles a shared-memory all-reduce (C++, ~30 s the first time on a machine)
+        # that only DeepSpeed *inference* uses; training collectives go through torch.distributed (gloo).
+        import importlib
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch is torch itself
+        if hasattr(ds_torch_comm, "build_shm_op"):
+            ds_torch_comm.build_shm_op = lambda: None
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines would bury our log
+    # DeepSpeed calls collectives torch has renamed; the warning (once per call) is not the user's to act on
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                            r"(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    return deepspeed
+
+
+class DeepSpeedModel(nn.Module):
+    """Our GPT as the training loop sees it, called through DeepSpeed's engine.
+
+    DeepSpeed's ``forward`` arms the backward hooks its ZeRO optimizer needs, so
+    calls go through it; everything else is the GPT's own: attributes
+    (``config``, ``ps``, ``tp_random``; DeepSpeed's engine has a ``config`` of
+    its own, hence this wrapper), parameters under the same names, and
+    ``train``/``eval``.
+    """
+
+    def __init__(self, ds_engine):
+        super().__init__()
+        self.__dict__["_ds"] = ds_engine  # not a registered submodule: parameter names keep no prefix
+        self.training = ds_engine.module.training
+
+    @property
+    def module(self) -> nn.Module:
+        return self._ds.module
+
+    def forward(self, *args, **kwargs):
+        return self._ds(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_ds"].module, name)
+
+    def train(self, mode: bool = True) -> "DeepSpeedModel":
+        self._ds.train(mode)
+        self.training = mode
+        return self
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.module.buffers(recurse)
+
+    def named_modules(self, *args, **kwargs):
+        return self.module.named_modules(*args, **kwargs)
+
+    def modules(self):
+        return self.module.modules()
+
+    def children(self):
+        return self.module.children()
+
+    def named_children(self):
+        return self.module.named_children()
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+
+class DeepSpeedZeroEngine:
+    """DeepSpeed's ZeRO behind :class:`tnlg.optim.engine.Engine`'s protocol (see the module docstring).
+
+    ``model`` is a :class:`DeepSpeedModel` (call it; it behaves as our GPT),
+    ``module`` our GPT itself, ``ds`` DeepSpeed's engine.
+    """
+
+    impl = "deepspeed"
+
+    def __init__(self, ds_engine, module: nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState,
+                 zero_stage: int, lr: float, clip_grad: float, grad_accum_steps: int, betas, eps: float,
+                 weight_decay: float):
+        self.ds = ds_engine
+        self.module = module
+        self._model = DeepSpeedModel(ds_engine)
+        self.optimizer = optimizer  # the torch AdamW over DeepSpeed's flat fp32 partitions
+        self.ps = ps
+        self.zero_stage = zero_stage
+        self.lr = lr
+        self.clip_grad = clip_grad
+        self.grad_accum_steps = grad_accum_steps
+        self.loss_scaler = None
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        self.backend = self  # the checkpoint reads beta1/beta2/eps/weight_decay from engine.backend
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for n, p in module.named_parameters() if p.requires_grad]
+        self.num_steps = 0
+        self._micro = 0
+        self._needs_zero = False
+        self._prime_optimizer_states()
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self.names)
+
+    @property
+    def is_last_micro_step(self) -> bool:
+        return self._micro == self.grad_accum_steps - 1
+
+    # ----------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro batch's mean loss; DeepSpeed divides it by ``grad_accum_steps``.
+
+        Stage 1 reduces gradients over DP only on the ``grad_accum_steps``-th call;
+        stages 2/3 reduce-scatter on every call (DeepSpeed's design).
+        """
+        if self._needs_zero:
+            raise RuntimeError("engine.backward() after engine.step() without engine.zero_grad(): the "
+                               "previous step's gradients would be added to this one's.")
+        if self._micro >= self.grad_accum_steps:
+            raise RuntimeError(f"engine.backward() called {self._micro + 1} times before step(), but "
+                               f"grad_accum_steps={self.grad_accum_steps}.")
+        self.ds.set_gradient_accumulation_boundary(self.is_last_micro_step)
+        self.ds.backward(loss)
+        self._micro += 1
+
+    def step(self, lr: Optional[float] = None) -> dict:
+        """DeepSpeed's step: gradient norm (all-reduce over DP, then TP), clipping, AdamW on the owned
+        partition, all-gather of the parameters. Returns ``grad_norm`` (before clipping), ``skipped``,
+        ``clip_coeff``, ``lr`` and ``loss_scale`` (``None``)."""
+        if self._micro != self.grad_accum_steps:
+            raise RuntimeError(f"engine.step() after {self._micro} backward call(s); expected "
+                               f"grad_accum_steps={self.grad_accum_steps}.")
+        lr = self.lr if lr is None else float(lr)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        skipped_before = self.ds.skipped_steps
+        self.ds.step()
+        skipped = self.ds.skipped_steps != skipped_before
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        if norm < 0:  # DeepSpeed masks an inf/NaN norm as -1
+            norm = float("nan")
+        if not skipped:
+            self.num_steps += 1
+        self._micro = 0
+        self._needs_zero = True
+        return dict(grad_norm=norm, skipped=skipped, clip_coeff=clip_coefficient(norm, self.clip_grad), lr=lr,
+                    loss_scale=None)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed zeroes its gradient partitions in ``step``; this drops any ``.grad`` left on the GPT."""
+        self.ds.zero_grad()
+        self._micro = 0
+        self._needs_zero = False
+
+    def close(self) -> None:
+        """Release DeepSpeed's hooks and buffers (``DeepSpeedEngine.destroy``); unusable afterwards."""
+        self.ds.destroy()
+
+    # ----------------------------------------------------------------- state
+    def _prime_optimizer_states(self) -> None:
+        """Create AdamW's states (zeros, step 0) now, as its first step would: so that states can be
+        read and loaded before any step, and DeepSpeed links each parameter to its state fragment."""
+        from torch.optim.optimizer import _get_scalar_dtype
+        for flat in self._flat_partitions():
+            st = self.optimizer.state[flat]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                st["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        link = getattr(self.ds.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # stages 1/2: map every parameter onto its fragment of the flat states
+            link()
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """DeepSpeed's fp32 master partitions owned by this rank: the tensors AdamW steps (stage 3
+        attaches them to the optimizer's groups only during ``step``)."""
+        zo = self.ds.optimizer
+        flats = getattr(zo, "fp32_partitioned_groups_flat", None) if self.zero_stage == 3 else \
+            getattr(zo, "single_partition_of_fp32_groups", None)
+        if flats is None:
+            raise RuntimeError(f"DeepSpeed {type(zo).__name__} does not expose its fp32 partitions where "
+                               f"this engine expects them (DeepSpeed version not supported).")
+        return list(flats)
+
+    def _full_shape(self, p: torch.Tensor) -> torch.Size:
+        return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+    @torch.no_grad()
+    def optimizer_state_by_param(self) -> dict[str, dict]:
+        """``{name: {"exp_avg", "exp_avg_sq", "step"}}`` shaped like this rank's TP shard; collective over DP
+        (DeepSpeed assembles each parameter's fragments with an all-reduce/all-gather)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+        out = {}
+        for n, p in zip(self.names, self.params):
+            shape = self._full_shape(p)
+            out[n] = {k: safe_get_full_optimizer_state(p, k).float().reshape(shape).clone()
+                      for k in ("exp_avg", "exp_avg_sq")}
+            out[n]["step"] = self.num_steps
+        return out
+
+    @torch.no_grad()
+    def load_optimizer_state_by_param(self, states: dict) -> None:
+        """Keep this rank's fragments of full per-parameter states (no communication)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+        no_step = [n for n, d in states.items() if not isinstance(d, dict) or "step" not in d]
+        if no_step:
+            raise UserError(f"optimizer state of parameter {no_step[0]!r} has no 'step' count (Adam's bias "
+                            f"correction needs it); pass the dict that optimizer_state_by_param() returned.")
+        steps = {int(d["step"]) for d in states.values()} if states else {0}
+        if len(steps) > 1:
+            raise UserError(f"optimizer state has different step counts per parameter ({sorted(steps)[:4]}); "
+                            f"this engine keeps one step count for all parameters.")
+        _check_states(states, {n: torch.empty(self._full_shape(p), device="meta")
+                               for n, p in zip(self.names, self.params)})
+        for n, p in zip(self.names, self.params):
+            for k in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, states[n][k].detach().to(self.ps.device, torch.float32), k)
+        step = steps.pop()
+        for st in self.optimizer.state.values():
+            st["step"].fill_(float(step))
+        self.num_steps = step
+
+    def state_dict(self) -> dict:
+        """Layout-independent optimizer state, the format of :meth:`tnlg.optim.engine.Engine.state_dict`."""
+        return dict(format=STATE_FORMAT, num_steps=self.num_steps, zero_stage=self.zero_stage,
+                    betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
+                    params=self.optimizer_state_by_param(), loss_scaler=None)
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("format") != STATE_FORMAT:
+            raise UserError(f"optimizer state has format {sd.get('format')!r}, expected {STATE_FORMAT!r}.")
+        self.load_optimizer_state_by_param(sd["params"])
+        self.num_steps = int(sd["num_steps"])
+
+    @torch.no_grad()
+    def model_state_by_param(self) -> dict[str, torch.Tensor]:
+        """This TP rank's parameters, full over DP (stage 3: all-gathered, collective over DP)."""
+        if self.zero_stage == 3:
+            from deepspeed.utils import safe_get_full_fp32_param
+            return {n: safe_get_full_fp32_param(p).to(p.dtype).reshape(self._full_shape(p)).clone()
+                    for n, p in zip(self.names, self.params)}
+        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+
+    @torch.no_grad()
+    def load_model_state_by_param(self, tensors: dict) -> None:
+        """Copy parameters (this TP shard's shapes) into the module and DeepSpeed's fp32 master partitions;
+        no communication."""
+        from deepspeed.utils import safe_set_full_fp32_param
+        for n, p in zip(self.names, self.params):
+            shape = self._full_shape(p)
+            if n not in tensors or tuple(tensors[n].shape) != tuple(shape):
+                raise UserError(f"parameter {n!r}: expected a tensor of shape {tuple(shape)}, got "
+                                f"{'nothing' if n not in tensors else tuple(tensors[n].shape)}.")
+            value = tensors[n].detach().to(self.ps.device, torch.float32)
+            safe_set_full_fp32_param(p, value)
+            if hasattr(p, "ds_tensor"):  # stage 3: this rank's partition of the working copy
+                part = p.ds_tensor.data.view(-1)
+                start = part.numel() * self.ps.dp_rank
+                k = max(0, min(part.numel(), value.numel() - start))
+                part[:k].copy_(value.reshape(-1)[start:start + k])
+            else:
+                p.data.copy_(value.to(p.dtype))
+
+    def memory_report(self) -> dict:
+        """Per-rank bytes. ``optim_bytes``: AdamW's states plus DeepSpeed's fp32 master partition (measured);
+        ``param_bytes``: the module's parameters (stage 3: the local partitions); ``grad_bytes``: full
+        gradients for stage 1, the fp32-sized partition for stages 2/3 (DeepSpeed's buffers)."""
+        flats = self._flat_partitions()
+        master = sum(f.numel() * f.element_size() for f in flats)
+        states = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                     for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        if self.zero_stage == 3:
+            param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.params)
+        else:
+            param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        numel = sum(math.prod(self._full_shape(p)) for p in self.params)
+        elem = self.params[0].element_size()
+        grad_bytes = numel * elem if self.zero_stage == 1 else sum(f.numel() for f in flats) * elem
+        return dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=states + master,
+                    adam_state_bytes=states, master_bytes=master, numel=numel,
+                    owned_numel=sum(f.numel() for f in flats))
+
+
+def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: float = 1e-4,
+                           weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
+                           clip_grad: float = 1.0,
+                           grad_accum_steps: int = 1, bucket_size_mb: float = 25.0, loss_scaler=None,
+                           decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
+                           micro_batch_size: int = 1, ds_config: Optional[dict] = None) -> DeepSpeedZeroEngine:
+    """Wrap ``model`` (this rank's TP shard, on ``ps.device``) in DeepSpeed's ZeRO ``zero_stage`` (1-3).
+
+    Same arguments as :func:`tnlg.optim.engine.build_engine` (``bucket_size_mb``
+    sizes DeepSpeed's reduce and all-gather buckets); ``micro_batch_size`` only
+    feeds DeepSpeed's batch bookkeeping; ``ds_config`` entries override the
+    generated DeepSpeed config. Every rank of the world must call this (process
+    groups are created, parameters broadcast over DP).
+    """
+    check_deepspeed_options(zero_stage, fp16=loss_scaler is not None)
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise UserError(f"gradient accumulation steps must be a positive integer, got {grad_accum_steps!r} "
+                        f"(global batch / (micro batch x data-parallel size)).")
+    for name, value in (("--lr", lr), ("--weight-decay", weight_decay), ("--adam-eps", eps)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise UserError(f"{name} must be a finite number >= 0, got {value!r}.")
+    if not eps > 0:
+        raise UserError(f"--adam-eps must be > 0, got {eps!r}.")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise UserError(f"Adam betas must be two numbers in [0, 1), got {betas!r}.")
+    if not (isinstance(clip_grad, (int, float)) and math.isfinite(clip_grad)):
+        raise UserError(f"--clip-grad must be a finite number (0 disables clipping), got {clip_grad!r}.")
+    if not bucket_size_mb > 0:
+        raise UserError(f"the gradient bucket size must be > 0 MiB, got {bucket_size_mb!r}.")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise UserError("the model has no trainable parameters: nothing to optimise.")
+
+    deepspeed = _import_deepspeed(ps)
+    tp_group, dp_group = _real_groups(ps)
+    for n, p in named:
+        flag = _tp_flag(n, p, ps)
+        p.model_parallel = flag           # what DeepSpeed's norm reads (is_model_parallel_parameter)
+        p.tensor_model_parallel = flag
+    decay = [p for n, p in named if decay_fn(n, p)]
+    no_decay = [p for n, p in named if not decay_fn(n, p)]
+    groups = [dict(params=g, weight_decay=wd) for g, wd in ((decay, float(weight_decay)), (no_decay, 0.0)) if g]
+    optimizer = torch.optim.AdamW(groups, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
+                                  foreach=False)
+    bucket = max(1, int(bucket_size_mb * MiB) // next(iter(named))[1].element_size())
+    config = {
+        "train_micro_batch_size_per_gpu": int(micro_batch_size),
+        "gradient_accumulation_steps": int(grad_accum_steps),
+        "gradient_clipping": float(clip_grad) if clip_grad > 0 else 0.0,
+        "zero_optimization": {"stage": int(zero_stage), "reduce_bucket_size": bucket,
+                              "allgather_bucket_size": bucket},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2 ** 62,
+        "wall_clock_breakdown": False,
+    }
+    for k, v in (ds_config or {}).items():
+        if isinstance(v, dict) and isinstance(config.get(k), dict):
+            config[k] = {**config[k], **v}
+        else:
+            config[k] = v
+    ds_engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                         mpu=TnlgMPU(ps, tp_group, dp_group),
+                                                         dist_init_required=False)
+    return DeepSpeedZeroEngine(ds_engine, model, optimizer, ps, zero_stage, float(lr), float(clip_grad),
+                               grad_accum_steps, betas, eps, weight_decay)
