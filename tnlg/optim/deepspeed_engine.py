@@ -55,7 +55,7 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .clip import clip_coefficient
-from .engine import STATE_FORMAT
+from .engine import STATE_FORMAT, check_optimizer_args
 from .zero import MiB, _check_states, _tp_flag, default_decay
 
 __all__ = ["build_deepspeed_engine", "DeepSpeedZeroEngine", "DeepSpeedModel", "TnlgMPU",
@@ -480,20 +480,7 @@ def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int 
     groups are created, parameters broadcast over DP).
     """
     check_deepspeed_options(zero_stage, fp16=loss_scaler is not None)
-    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-        raise UserError(f"gradient accumulation steps must be a positive integer, got {grad_accum_steps!r} "
-                        f"(global batch / (micro batch x data-parallel size)).")
-    for name, value in (("--lr", lr), ("--weight-decay", weight_decay), ("--adam-eps", eps)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise UserError(f"{name} must be a finite number >= 0, got {value!r}.")
-    if not eps > 0:
-        raise UserError(f"--adam-eps must be > 0, got {eps!r}.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise UserError(f"Adam betas must be two numbers in [0, 1), got {betas!r}.")
-    if not (isinstance(clip_grad, (int, float)) and math.isfinite(clip_grad)):
-        raise UserError(f"--clip-grad must be a finite number (0 disables clipping), got {clip_grad!r}.")
-    if not bucket_size_mb > 0:
-        raise UserError(f"the gradient bucket size must be > 0 MiB, got {bucket_size_mb!r}.")
+    check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise UserError("the model has no trainable parameters: nothing to optimise.")

@@ -41,7 +41,7 @@ from .clip import clip_coefficient, global_norm, squared_sums
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
-__all__ = ["Engine", "build_engine", "STATE_FORMAT"]
+__all__ = ["Engine", "build_engine", "check_optimizer_args", "STATE_FORMAT"]
 
 STATE_FORMAT = "tnlg.optim/1"
 
@@ -221,6 +221,19 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     """
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
+    kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn)
+    if zero_stage >= 2 and ps.dp_size > 1:
+        from .fsdp import FSDPZero
+        backend = FSDPZero(model, ps, zero_stage, **kw)
+    else:
+        stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
+        backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives, **kw)
+    return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler)
+
+
+def check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb) -> None:
+    """The optimizer settings every engine accepts; a clear :class:`UserError` for a bad one."""
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise UserError(f"gradient accumulation steps must be a positive integer, got {grad_accum_steps!r} "
                         f"(global batch / (micro batch x data-parallel size)).")
@@ -235,11 +248,3 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
         raise UserError(f"--clip-grad must be a finite number (0 disables clipping), got {clip_grad!r}.")
     if not bucket_size_mb > 0:
         raise UserError(f"the gradient bucket size must be > 0 MiB, got {bucket_size_mb!r}.")
-    kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn)
-    if zero_stage >= 2 and ps.dp_size > 1:
-        from .fsdp import FSDPZero
-        backend = FSDPZero(model, ps, zero_stage, **kw)
-    else:
-        stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
-        backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives, **kw)
-    return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler)
