@@ -44,10 +44,10 @@ class CharTokenizer:
     eod_id = len(chars)
 
 
-def _hf_model(vocab=VOCAB, seq=SEQ, seed=0):
+def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, n_embd=32, n_head=4):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
                                   bos_token_id=EOD, eos_token_id=EOD, pad_token_id=0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
@@ -140,6 +140,24 @@ def test_tp2_tp4_match_transformers_and_tp1(ref):
         for tp, res in rank_result.items():
             _check_greedy(res, ref)
             assert res["sampled"] == ref["tp1"]["sampled"], f"sampling differs at TP={tp}"
+
+
+@pytest.mark.slow
+def test_uneven_heads_match_transformers():
+    """Issue 8: 6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
+    from tnlg.hf import hf_to_tnlg_state_dict
+
+    hf = _hf_model(n_embd=36, n_head=6, seed=5)
+    cfg = GPTConfig(num_layers=2, hidden_size=36, num_attention_heads=6, seq_length=SEQ, vocab_size=VOCAB)
+    alone, batch = _hf_greedy(hf, PROMPTS)
+    ref = dict(alone=alone, batch=batch)
+    weights = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
+    tp1 = _gen_body(GPT(cfg).ps, cfg, weights)[1]
+    _check_greedy(tp1, ref)
+    for rank_result in run_distributed(_gen_body, 4, 4, cfg, weights):
+        for tp, res in rank_result.items():
+            _check_greedy(res, ref)
+            assert res["sampled"] == tp1["sampled"], f"sampling differs at TP={tp}"
 
 
 def test_text_api_and_stop_at_eod():
