@@ -55,7 +55,7 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .clip import clip_coefficient
-from .engine import STATE_FORMAT, check_optimizer_args
+from .engine import STATE_FORMAT, check_optimizer_args, common_step
 from .zero import MiB, _check_states, _tp_flag, default_decay
 
 __all__ = ["build_deepspeed_engine", "DeepSpeedZeroEngine", "DeepSpeedModel", "TnlgMPU",
@@ -386,20 +386,12 @@ class DeepSpeedZeroEngine:
     def load_optimizer_state_by_param(self, states: dict) -> None:
         """Keep this rank's fragments of full per-parameter states (no communication)."""
         from deepspeed.utils import safe_set_full_optimizer_state
-        no_step = [n for n, d in states.items() if not isinstance(d, dict) or "step" not in d]
-        if no_step:
-            raise UserError(f"optimizer state of parameter {no_step[0]!r} has no 'step' count (Adam's bias "
-                            f"correction needs it); pass the dict that optimizer_state_by_param() returned.")
-        steps = {int(d["step"]) for d in states.values()} if states else {0}
-        if len(steps) > 1:
-            raise UserError(f"optimizer state has different step counts per parameter ({sorted(steps)[:4]}); "
-                            f"this engine keeps one step count for all parameters.")
+        step = common_step(states)
         _check_states(states, {n: torch.empty(self._full_shape(p), device="meta")
                                for n, p in zip(self.names, self.params)})
         for n, p in zip(self.names, self.params):
             for k in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, states[n][k].detach().to(self.ps.device, torch.float32), k)
-        step = steps.pop()
         for st in self.optimizer.state.values():
             st["step"].fill_(float(step))
         self.num_steps = step

@@ -41,7 +41,7 @@ from .clip import clip_coefficient, global_norm, squared_sums
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
-__all__ = ["Engine", "build_engine", "check_optimizer_args", "STATE_FORMAT"]
+__all__ = ["Engine", "build_engine", "check_optimizer_args", "common_step", "STATE_FORMAT"]
 
 STATE_FORMAT = "tnlg.optim/1"
 
@@ -161,16 +161,9 @@ class Engine:
         No communication. Load the model's parameters first (the fp32 master, if
         any, is refreshed from them). All parameters must carry the same ``step``.
         """
-        no_step = [n for n, d in states.items() if not isinstance(d, dict) or "step" not in d]
-        if no_step:
-            raise UserError(f"optimizer state of parameter {no_step[0]!r} has no 'step' count (Adam's bias "
-                            f"correction needs it); pass the dict that optimizer_state_by_param() returned.")
-        steps = {int(d["step"]) for d in states.values()} if states else {0}
-        if len(steps) > 1:
-            raise UserError(f"optimizer state has different step counts per parameter ({sorted(steps)[:4]}); "
-                            f"this engine keeps one step count for all parameters.")
+        step = common_step(states)
         self.backend.load_optimizer_state_by_param(states)
-        self.num_steps = steps.pop()
+        self.num_steps = step
 
     def state_dict(self) -> dict:
         """Layout-independent optimizer state (collective over DP): per-parameter states, step count,
@@ -248,3 +241,16 @@ def check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_ste
         raise UserError(f"--clip-grad must be a finite number (0 disables clipping), got {clip_grad!r}.")
     if not bucket_size_mb > 0:
         raise UserError(f"the gradient bucket size must be > 0 MiB, got {bucket_size_mb!r}.")
+
+
+def common_step(states: dict) -> int:
+    """The one Adam step count all per-parameter states carry; a clear :class:`UserError` otherwise."""
+    no_step = [n for n, d in states.items() if not isinstance(d, dict) or "step" not in d]
+    if no_step:
+        raise UserError(f"optimizer state of parameter {no_step[0]!r} has no 'step' count (Adam's bias "
+                        f"correction needs it); pass the dict that optimizer_state_by_param() returned.")
+    steps = {int(d["step"]) for d in states.values()} if states else {0}
+    if len(steps) > 1:
+        raise UserError(f"optimizer state has different step counts per parameter ({sorted(steps)[:4]}); "
+                        f"this engine keeps one step count for all parameters.")
+    return steps.pop()
