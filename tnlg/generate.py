@@ -25,7 +25,6 @@ all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -313,8 +312,15 @@ def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> 
 
 
 def run(args) -> int:
-    from .eval.loading import launch_or_init, precheck_checkpoint
-    from .parallel.state import destroy_parallel
+    from .eval.loading import precheck_checkpoint, run_command
+
+    def show(result: dict) -> None:
+        for r in result["results"]:
+            print(f"{r['prompt']}{r['text']}")
+            print("-" * 40)
+        print(f"{result['new_tokens']} new tokens in {result['generate_seconds']} s "
+              f"({result['tokens_per_second']} tokens/s) at TP={result['tensor_model_parallel_size']}",
+              file=sys.stderr)
 
     _check_sampling(args.max_new_tokens, args.greedy or args.temperature == 0, args.temperature, args.top_k,
                     args.top_p)
@@ -323,25 +329,4 @@ def run(args) -> int:
     prompts = _read_prompts(args)
     tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model)
     _precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
-    status, ps = launch_or_init("generate", add_arguments, args)
-    if status is not None:
-        return status
-    try:
-        result = _generate_here(args, ps, prompts)
-    except UserError:
-        if ps.rank != 0:
-            return 2
-        raise
-    finally:
-        destroy_parallel()
-    if ps.rank == 0:
-        if args.json:
-            print(json.dumps(result), flush=True)
-        else:
-            for r in result["results"]:
-                print(f"{r['prompt']}{r['text']}")
-                print("-" * 40)
-            print(f"{result['new_tokens']} new tokens in {result['generate_seconds']} s "
-                  f"({result['tokens_per_second']} tokens/s) at TP={result['tensor_model_parallel_size']}",
-                  file=sys.stderr)
-    return 0
+    return run_command("generate", add_arguments, args, lambda ps: _generate_here(args, ps, prompts), show)

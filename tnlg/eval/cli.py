@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -147,27 +146,13 @@ _LABELS = {
 
 
 def run(args) -> int:
-    from ..parallel.state import destroy_parallel
-    from .loading import launch_or_init, print_table
+    from .loading import print_table, run_command
+
+    def show(result: dict) -> None:
+        rows = [(k, result[k]) for k in _LABELS[args.task] if k in result]
+        rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x "
+                                          f"{result['data_parallel_size']}"), ("seconds", result["seconds"])]
+        print_table(f"tnlg eval --task {args.task}: {args.input}", rows)
 
     _precheck(args)
-    status, ps = launch_or_init("eval", add_arguments, args)
-    if status is not None:
-        return status
-    try:
-        result = evaluate(args, ps)
-    except UserError:
-        if ps.rank != 0:  # every rank fails alike; one message is enough
-            return 2
-        raise
-    finally:
-        destroy_parallel()
-    if ps.rank == 0:
-        if args.json:
-            print(json.dumps(result), flush=True)
-        else:
-            rows = [(k, result[k]) for k in _LABELS[args.task] if k in result]
-            rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x "
-                                              f"{result['data_parallel_size']}"), ("seconds", result["seconds"])]
-            print_table(f"tnlg eval --task {args.task}: {args.input}", rows)
-    return 0
+    return run_command("eval", add_arguments, args, lambda ps: evaluate(args, ps), show)

@@ -181,6 +181,34 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
     return None, init_parallel(tensor_parallel_size=args.tp)
 
 
+def run_command(command: str, add_arguments, args, work: Callable[[ParallelState], dict],
+                show: Callable[[dict], None]) -> int:
+    """Launch or join the ranks, run ``work(ps)`` on every rank, then on rank 0 print the result:
+    exactly one JSON object with ``--json``, else ``show(result)``. A :class:`UserError` is
+    raised on rank 0 only (every rank fails alike; one message is enough)."""
+    import json
+
+    from ..parallel.state import destroy_parallel
+
+    status, ps = launch_or_init(command, add_arguments, args)
+    if status is not None:
+        return status
+    try:
+        result = work(ps)
+    except UserError:
+        if ps.rank != 0:
+            return 2
+        raise
+    finally:
+        destroy_parallel()
+    if ps.rank == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            show(result)
+    return 0
+
+
 def print_table(title: str, rows: list[tuple[str, object]]) -> None:
     """Two aligned columns on stdout."""
     width = max(len(k) for k, _ in rows)
