@@ -273,7 +273,7 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         "optimizer    " + (f"AdamW state, step {opt['num_steps']}, saved at ZeRO stage {opt.get('zero_stage')}"
                            + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
                            if opt.get("present") else "none (weights only)"),
-        f"tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
+        "tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
                             f"{meta['tokenizer'].get('path') or meta['tokenizer'].get('vocab_file')} "
                             f"(vocab {meta['tokenizer'].get('vocab_size')})" if meta.get("tokenizer") else "none"),
     ]

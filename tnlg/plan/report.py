@@ -58,7 +58,7 @@ def _memory(m: dict, lay: dict) -> list[str]:
     stage = lay["zero_stage"]
     split = lambda on: f"/ {lay['dp']} DP ranks" if on and lay["dp"] > 1 else ""
     row = lambda label, value, note="": f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
-    lines = [f"Memory per GPU, largest rank (GB = 1e9 bytes)",
+    lines = ["Memory per GPU, largest rank (GB = 1e9 bytes)",
              f"  model states: {m['model_states_formula']}",
              row(f"parameters ({lay['precision']})", m["params"], split(stage >= 3)),
              row("gradients", m["grads"], split(stage >= 2)),
@@ -82,7 +82,7 @@ def _memory(m: dict, lay: dict) -> list[str]:
 
 def _compute(c: dict, lay: dict) -> list[str]:
     t = c["time"]
-    lines = [f"Compute",
+    lines = ["Compute",
              f"  FLOPs: {c['formula']}",
              f"  FLOPs per iteration  {c['flops_per_iteration']:.3e}  ({c['tokens_per_iteration']:,} tokens)",
              f"  time per iteration   {c['time_per_iteration_s']:.3f} s at {c['gpu_tflops']:g} TFLOP/s x "
