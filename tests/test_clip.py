@@ -85,3 +85,53 @@ def test_single_process_matches_torch_clip_grad_norm():
     assert n1 == pytest.approx(n2, rel=1e-6)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts every call that reads a tensor's values on the host (a device synchronisation on a GPU)."""
+
+    READS = {"item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in list(args[1:]) + list(kwargs.values()))
+        if name in self.READS or to_cpu:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_norm_reads_the_host_once_per_step_issue_12_item_10():
+    """issue 12 item 10: squared_sums stays on the device (no per-piece .cpu()/.item()), global_norm
+    reads one number, and the result equals the old per-piece fp64 computation, for mixed dtypes."""
+    g = torch.Generator().manual_seed(0)
+    pieces = [(torch.randn(int(torch.randint(1, 300, (), generator=g)), generator=g) * (1 + i % 7), i % 3 == 0)
+              for i in range(200)]
+    pieces += [(torch.randn(64, generator=g).to(dt), s) for dt in (torch.bfloat16, torch.float16, torch.float64)
+               for s in (True, False)]
+    pieces.append((torch.empty(0), True))
+    ref_sh = sum(float(t.double().pow(2).sum()) for t, s in pieces if s)
+    ref_rep = sum(float(t.double().pow(2).sum()) for t, s in pieces if not s)
+
+    with _HostReads() as mode:
+        sh, rep = squared_sums(iter(pieces))
+    assert mode.calls == [], mode.calls
+    assert isinstance(sh, torch.Tensor) and sh.dtype == torch.float64 and sh.dim() == 0
+    with _HostReads() as mode:
+        norm = global_norm(sh, rep, ParallelState.single(), over_dp=False)
+    assert mode.calls == ["item"], mode.calls
+    assert float(sh) == pytest.approx(ref_sh, rel=1e-6) and float(rep) == pytest.approx(ref_rep, rel=1e-6)
+    assert norm == pytest.approx(math.sqrt(ref_sh + ref_rep), rel=1e-6)
+
+    # tensors on the meta device cannot be read at all: any host read would raise here
+    meta = [(torch.empty(10, device="meta"), True), (torch.empty(3, device="meta", dtype=torch.bfloat16), False)]
+    sh, rep = squared_sums(meta)
+    assert sh.device.type == "meta" and rep.device.type == "meta"
+    # no pieces at all: zeros, and global_norm still accepts plain floats
+    sh, rep = squared_sums([])
+    assert global_norm(sh, rep, ParallelState.single(), over_dp=False) == 0.0
+    assert global_norm(3.0, 4.0 ** 2 - 7.0, ParallelState.single(), over_dp=False) == pytest.approx(math.sqrt(12.0))

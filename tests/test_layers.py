@@ -1,5 +1,7 @@
 """Each TP layer and the vocab-parallel cross-entropy against plain torch.nn on the same full weights."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -122,3 +124,19 @@ def test_cross_entropy_rejects_out_of_vocab_target():
     from tnlg.parallel import ParallelState
     with pytest.raises(ValueError, match="outside the vocabulary"):
         vocab_parallel_cross_entropy(torch.randn(2, 16), torch.tensor([3, 16]), ParallelState.single(), 16)
+
+
+def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
+    """issue 12 item 10: the target range check is no per-step host sync on an accelerator. Tensors on the
+    meta device stand in for device tensors: reading one on the host raises, so this runs only if the
+    forward pass never syncs. On CPU the check stays one pass with a clear error."""
+    from tnlg.parallel import ParallelState
+    ps = ParallelState.single()
+    logits = torch.empty(2, 5, 16, device="meta", requires_grad=True)
+    target = torch.empty(2, 5, dtype=torch.int64, device="meta")
+    loss = vocab_parallel_cross_entropy(logits, target, ps, 16)
+    assert loss.shape == (2, 5) and loss.device.type == "meta"
+    with pytest.raises(ValueError, match=r"target id -100 is outside the vocabulary \[0, 16\)"):
+        vocab_parallel_cross_entropy(torch.randn(3, 16), torch.tensor([3, -100, 15]), ps, 16)
+    good = vocab_parallel_cross_entropy(torch.zeros(2, 16), torch.tensor([0, 15]), ps, 16)
+    torch.testing.assert_close(good, torch.full((2,), math.log(16.0)))

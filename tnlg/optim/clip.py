@@ -11,7 +11,11 @@ The norm must equal the one a single process computes on the full model:
    different slice); the replicated sum is *not* (every TP rank holds the same
    values, so adding them would count them ``tp`` times, fairscale's bug).
 
-``norm = sqrt(sharded + replicated)``, accumulated in fp64. Clipping multiplies
+``norm = sqrt(sharded + replicated)``. Precision: each piece's sum of squares is
+accumulated in its own precision promoted to at least fp32 (``torch._foreach_norm``,
+a few fused kernels on a GPU), the pieces are added in fp64, and the all-reduces
+run in fp64. Everything stays on the device until :func:`global_norm` reads the one
+result (one host synchronisation per step, not one per parameter). Clipping multiplies
 every gradient by ``min(1, max_norm / (norm + 1e-6))`` (Megatron, and
 ``torch.nn.utils.clip_grad_norm_``).
 """
@@ -19,7 +23,7 @@ every gradient by ``min(1, max_norm / (norm + 1e-6))`` (Megatron, and
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,36 +33,77 @@ from ..parallel.state import ParallelState
 __all__ = ["squared_sums", "global_norm", "clip_coefficient", "clip_grad_norm_"]
 
 
-def squared_sums(pieces: Iterable[tuple[torch.Tensor, bool]]) -> tuple[float, float]:
-    """Local ``(sum of squares of tp_sharded pieces, of replicated pieces)`` in fp64.
+def squared_sums(pieces: Iterable[tuple[torch.Tensor, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local ``(sum of squares of tp_sharded pieces, of replicated pieces)`` as 0-dim fp64 tensors.
 
-    ``pieces`` yields ``(tensor, tp_sharded)``; each tensor is summed once.
+    ``pieces`` yields ``(tensor, tp_sharded)``; each tensor is summed once. Nothing is
+    read back to the host: the sums stay on the pieces' device (pass them to
+    :func:`global_norm`). Each piece is reduced in at least fp32 (fp64 pieces in fp64),
+    the per-piece results are added in fp64.
     """
-    sums = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
+    groups: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    device = None
     for t, sharded in pieces:
         if t.numel():
-            flat = t.detach().reshape(-1)
-            sq = torch.dot(flat, flat) if flat.dtype == torch.float32 else flat.double().pow(2).sum()
-            sums[0 if sharded else 1] += sq.double().cpu()
-    return float(sums[0]), float(sums[1])
+            groups[0 if sharded else 1].append(t.detach().reshape(-1))
+            device = device or t.device
+    return _sum_of_squares(groups[0], device), _sum_of_squares(groups[1], device)
 
 
-def global_norm(sharded_sq: float, replicated_sq: float, ps: ParallelState, over_dp: bool,
-                device: Optional[torch.device] = None) -> float:
-    """The full-model L2 norm from this rank's squared sums.
+def _acc_dtype(device: Optional[torch.device]) -> torch.dtype:
+    return torch.float32 if device is not None and device.type == "mps" else torch.float64  # MPS has no fp64
+
+
+def _sum_of_squares(flats: list[torch.Tensor], device: Optional[torch.device]) -> torch.Tensor:
+    """``sum_i ||flats[i]||^2``: one ``_foreach_norm`` per (device, dtype), per-piece norms squared and
+    added in fp64. No host synchronisation."""
+    acc = _acc_dtype(device)
+    if not flats:
+        return torch.zeros((), dtype=acc, device=device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for f in flats:
+        by_kind.setdefault((f.device, f.dtype), []).append(f)
+    total = None
+    for (dev, dtype), ts in by_kind.items():
+        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch._foreach_norm(ts, 2, dtype=norm_dtype)
+        part = torch.stack(norms).to(_acc_dtype(dev)).square().sum()
+        if dev != device:  # pieces on several devices (unusual): add them up on the first one
+            part = part.to(device=device, dtype=acc)
+        total = part if total is None else total + part
+    return total
+
+
+def _as_device_scalar(x: Union[float, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``x`` as a 0-dim tensor on ``device``; a Python float is filled in place (no host-to-device copy)."""
+    dtype = _acc_dtype(device)
+    if isinstance(x, torch.Tensor):
+        if x.device.type == device.type and (device.index is None or x.device.index == device.index):
+            return x.to(dtype).reshape(())
+        if x.device.type != "cpu":
+            return x.to(device=device, dtype=dtype).reshape(())
+        x = float(x)  # a CPU tensor: reading it is not a device synchronisation
+    return torch.full((), float(x), dtype=dtype, device=device)
+
+
+def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
+                ps: ParallelState, over_dp: bool, device: Optional[torch.device] = None) -> float:
+    """The full-model L2 norm from this rank's squared sums (floats or 0-dim tensors, e.g. from
+    :func:`squared_sums`).
 
     Collectives: an all-reduce of 2 fp64 numbers over DP when ``over_dp``
     (gradients partitioned over DP), then of 1 over TP. Every rank gets the same value.
+    The only host synchronisation is reading the result at the end.
     """
-    device = device or ps.device
-    sums = torch.tensor([sharded_sq, replicated_sq], dtype=torch.float64, device=device)
+    device = torch.device(device or ps.device)
+    sums = torch.stack([_as_device_scalar(sharded_sq, device), _as_device_scalar(replicated_sq, device)])
     if over_dp and ps.dp_size > 1:
         dist.all_reduce(sums, group=ps.dp_group)
     if ps.tp_size > 1:
         sharded = sums[:1].clone()
         dist.all_reduce(sharded, group=ps.tp_group)
         sums[0] = sharded[0]
-    total = float(sums.sum())
+    total = sums.sum().item()  # the one device -> host read per step
     return math.sqrt(total) if total >= 0 else float("nan")
 
 

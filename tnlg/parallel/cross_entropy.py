@@ -63,16 +63,42 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _check_targets(target: torch.Tensor, vocab_size: int) -> None:
+    """Refuse target ids outside ``[0, vocab_size)`` without a per-step device synchronisation.
+
+    In host memory (CPU) the check is one ``aminmax`` pass and a clear ``ValueError``.
+    On an accelerator, reading the result back would stall the device every step, so
+    the check is queued on the device instead (``torch._assert_async``): a bad id stops
+    the run at the next synchronisation rather than silently giving a wrong loss. The
+    clear, early error there comes from where batches are built: the GPT dataset
+    refuses a corpus with token ids outside the vocabulary (``vocab_size=``), and
+    tokenizers and ``generate`` produce or check ids in range.
+    """
+    if target.numel() == 0:
+        return
+    if target.device.type == "cpu" and not torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(target)
+        lo, hi = int(lo), int(hi)  # host memory: no device synchronisation
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}); labels must be "
+                             "token ids of the model's vocabulary (was the data tokenized with another "
+                             "tokenizer, or an ignore index such as -100 passed? mask such positions with "
+                             "the loss mask instead).")
+        return
+    torch._assert_async(((target >= 0) & (target < vocab_size)).all(),
+                        f"a target id is outside the vocabulary [0, {vocab_size})")
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ps: ParallelState,
                                  vocab_size: int) -> torch.Tensor:
     """Per-token loss ``[*]`` from this rank's logit shard ``[*, V_pad / tp]`` and targets ``[*]``.
 
     ``vocab_size`` is the real vocabulary (columns beyond it are padding). Targets
     may live on any rank's shard. Three ``[*]``-sized all-reduces in forward,
-    none in backward. The returned loss is fp32.
+    none in backward, and no host synchronisation (see :func:`_check_targets` for
+    how out-of-range targets are refused). The returned loss is fp32.
     """
-    if target.min() < 0 or target.max() >= vocab_size:
-        bad = target[(target < 0) | (target >= vocab_size)][0].item()
-        raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}).")
+    _check_targets(target, vocab_size)
     vocab_start = ps.tp_rank * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, ps, vocab_start, vocab_size)
