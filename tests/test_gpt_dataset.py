@@ -128,8 +128,8 @@ def test_read_only_data_folder_falls_back_to_cache_dir(tmp_path, monkeypatch):
                cache_dir=tmp_path / "explicit")
     assert len(list((tmp_path / "explicit").glob("*-meta.json"))) == 1
     monkeypatch.setattr(gd, "_writable_dir", lambda p: False)
-    with pytest.raises(UserError, match="--data-cache-path"):
-        GPTDataset(IndexedDataset(prefix), "train", 0, 60, seq_length=8, num_samples=11, seed=1)
+    with pytest.raises(UserError, match="--data-cache-path"):  # new settings (seq 9), nowhere to build
+        GPTDataset(IndexedDataset(prefix), "train", 0, 60, seq_length=9, num_samples=10, seed=1)
 
 
 def test_splits_and_arguments(tmp_path):
@@ -293,3 +293,48 @@ def test_ranks_build_once_and_agree(tmp_path, monkeypatch):
         assert len(metas) == 2 and not list(Path(cache).glob("*.tmp-*"))
         assert json.loads(metas[0].read_text())["seq_length"] == 8
     assert results[(str(tmp_path / "a"), 0)] == results[(str(tmp_path / "b"), 0)]
+
+
+def test_resumed_run_keeps_the_sample_order_at_any_length_issue_12_item_5(tmp_path):
+    """issue 12 item 5: a run that changes --train-iters / --global-batch-size on resume (so the dataset is
+    built for another number of samples, and of epochs) continues with the same order: every shorter
+    build is a prefix of every longer one, growing 1 -> 2 -> 3 epochs and shrinking 3 -> 1."""
+    rng = np.random.RandomState(1)
+    sizes = rng.randint(1, 40, size=50)
+    docs = np.arange(5, 45)
+    tokens_per_epoch = int(sizes[docs].sum())
+    per_epoch = (tokens_per_epoch - 1) // 16
+    builds = [build_index_arrays(sizes, docs, 16, n, seed=1234) for n in (per_epoch // 2, per_epoch + 5,
+                                                                          2 * per_epoch + 7)]
+    assert [len(d) // len(docs) for d, _, _ in builds] == [1, 2, 3]
+    for (d1, s1, sh1), (d2, s2, sh2) in [(builds[0], builds[1]), (builds[1], builds[2]), (builds[0], builds[2])]:
+        np.testing.assert_array_equal(d1, d2[:len(d1)])
+        np.testing.assert_array_equal(s1, s2[:len(s1)])
+        np.testing.assert_array_equal(sh1, sh2[:len(sh1)])
+    doc_idx, _, shuffle_idx = builds[2]
+    bounds = gd.epoch_sample_bounds(tokens_per_epoch, 16, 3)
+    for e in range(3):  # each epoch: every document once, and a shuffle of its own samples only
+        assert sorted(doc_idx[e * len(docs):(e + 1) * len(docs)].tolist()) == docs.tolist()
+        assert sorted(shuffle_idx[bounds[e]:bounds[e + 1]].tolist()) == list(range(bounds[e], bounds[e + 1]))
+    assert doc_idx[:len(docs)].tolist() != doc_idx[len(docs):2 * len(docs)].tolist()
+
+    # the same through the dataset (the issue's seed 1234, 1 epoch vs 2): samples agree token for token
+    prefix, _ = make_corpus(tmp_path / "data")
+    kw = dict(seq_length=8, seed=1234, cache_dir=tmp_path / "cache")
+    one = GPTDataset(IndexedDataset(prefix), "train", 0, 60, num_samples=50, **kw)
+    ds = {n: GPTDataset(IndexedDataset(prefix), "train", 0, 60, num_samples=n, **kw)
+          for n in (50, len(one) + 1, 2 * len(one) + 1)}
+    assert [d.num_epochs for d in ds.values()] == [1, 2, 3]
+    small, mid, big = ds.values()
+    for shorter, longer in ((small, mid), (mid, big), (small, big)):  # grow, and read backwards: shrink
+        for i in range(len(shorter)):
+            assert torch.equal(shorter[i]["tokens"], longer[i]["tokens"]), (len(shorter), len(longer), i)
+    # the cache is keyed by what decides the arrays: the number of epochs, not of samples
+    GPTDataset(IndexedDataset(prefix), "train", 0, 60, num_samples=51, **kw)
+    assert len(list((tmp_path / "cache").glob("*-meta.json"))) == 3
+
+    # a blend of two corpora keeps its order too when the number of samples changes
+    pb, _ = make_corpus(tmp_path / "data", "b", base=1001, seed=1)
+    blends = [build_train_valid_test_datasets(["0.6", prefix, "0.4", pb], "100,0,0", 8, (n, 0, 0), seed=1234,
+                                              cache_dir=tmp_path / "cache")[0] for n in (100, 700)]
+    assert all(torch.equal(blends[0][i]["tokens"], blends[1][i]["tokens"]) for i in range(100))

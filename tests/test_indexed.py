@@ -189,3 +189,86 @@ def test_cli_info(capsys):
     assert "uint16 (code 8), 5 sequences, 5 documents, 250728 tokens" in out and "ALL'S WELL" in out
     assert main(["data", "info", "/nonexistent/prefix"]) == 2
     assert "no indexed dataset" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- memory at corpus scale
+
+def _write_synthetic(prefix, n):
+    """An index of ``n`` one-token documents (uint16), written directly; the .bin is a sparse file."""
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, n, n + 1))
+        np.ones(n, dtype=np.int32).tofile(f)
+        (np.arange(n, dtype=np.int64) * 2).tofile(f)
+        np.arange(n + 1, dtype=np.int64).tofile(f)
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(2 * n)
+
+
+def _anonymous_bytes():
+    """Private anonymous memory of this process (heap; not the page cache of mapped files)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Anonymous line")
+
+
+def test_index_is_memory_mapped_not_read_issue_12_item_9(tmp_path, copy):
+    """issue 12 item 9: opening a dataset maps the .idx instead of reading it (no per-rank copy of a
+    GB-sized index), the GPT dataset's per-document views add nothing either, and the cache key does
+    not hash the whole index."""
+    import ctypes
+    import gc
+    import mmap
+
+    from tnlg.data import gpt_dataset as gd
+
+    ds = IndexedDataset(copy())
+    for arr in (ds.sequence_lengths, ds.sequence_pointers, ds.document_indices):
+        assert not arr.flags.owndata and not arr.flags.writeable
+        assert isinstance(arr.base, memoryview) and isinstance(arr.base.obj, mmap.mmap)
+    assert ds.one_sequence_per_document is False and ds.contiguous is True  # the fixture has a 3-sequence doc
+
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        pytest.skip("needs Linux /proc/self/smaps_rollup to measure private memory")
+    n = 2_000_000
+    prefix = str(tmp_path / "big")
+    _write_synthetic(prefix, n)
+    idx_bytes = os.path.getsize(f"{prefix}.idx")  # 40 MB
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        trim = lambda _: None  # noqa: E731
+    gc.collect()
+    trim(0)
+    before = _anonymous_bytes()
+    big = IndexedDataset(prefix)
+    units = gd._units_of(big)
+    key = big.fingerprint()
+    gc.collect()
+    trim(0)
+    grown = _anonymous_bytes() - before
+    assert grown < 0.1 * idx_bytes, f"opening a {idx_bytes / 2**20:.0f} MiB index took {grown / 2**20:.1f} MiB"
+    assert big.one_sequence_per_document and units.are_documents and len(units) == n
+    assert big.document(n - 1).size == 1 and int(big.sequence_pointers[n - 1]) == 2 * (n - 1)
+    # the fingerprint changes with the contents (and their modification time), not with reopening
+    assert IndexedDataset(prefix).fingerprint() == key
+    _write_synthetic(prefix, n - 1)
+    assert IndexedDataset(prefix).fingerprint() != key
+
+
+def test_gpt_dataset_pickles_without_its_arrays_issue_12_item_9(tmp_path):
+    """issue 12 item 9 (neighbour): a GPT dataset sent to a DataLoader worker reopens its maps by path
+    instead of pickling O(documents) arrays."""
+    import pickle
+
+    from tnlg.data.gpt_dataset import GPTDataset
+
+    prefix = str(tmp_path / "big")
+    _write_synthetic(prefix, 200_000)
+    ds = GPTDataset(IndexedDataset(prefix), "train", 0, 200_000, seq_length=64, num_samples=100, seed=1)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000, len(blob)
+    again = pickle.loads(blob)
+    assert len(again) == len(ds) and all(again[i]["tokens"].tolist() == ds[i]["tokens"].tolist()
+                                         for i in range(0, len(ds), 97))

@@ -1,24 +1,33 @@
 """Megatron's GPT dataset: fixed-length samples over shuffled documents, splits, blending, cached indices.
 
 A sample is ``seq_length + 1`` consecutive tokens of one long stream: the split's
-documents in a seeded order that is reshuffled every epoch (each epoch visits every
+documents in a seeded order that is redrawn every epoch (each epoch visits every
 document once), with samples crossing document boundaries; neighbouring samples
 share one token (``tokens = sample[:-1]``, ``labels = sample[1:]``). The order of
-samples is then shuffled again with a seeded permutation. As in Megatron
-(``megatron/core/datasets/gpt_dataset.py``), three arrays describe this:
+samples is then shuffled again. As in Megatron (``megatron/core/datasets/gpt_dataset.py``),
+three arrays describe this:
 
 * ``doc_idx``: the document order of all epochs (document ids);
 * ``sample_idx`` ``[N + 1, 2]``: ``(position in doc_idx, offset)`` where sample ``i``
   starts; sample ``i`` ends (inclusive) where sample ``i + 1`` starts;
-* ``shuffle_idx`` ``[N]``: dataset index -> sample. When the last epoch is needed for
-  less than 80% of its samples, the earlier epochs' samples are shuffled among
-  themselves and put first (Megatron's ``separate_last_epoch``).
+* ``shuffle_idx`` ``[N]``: dataset index -> sample.
+
+Unlike Megatron, every epoch is drawn on its own, from generators seeded by
+``(seed, epoch)``: epoch ``e``'s document order, and the shuffle of the samples that
+end in epoch ``e`` among themselves. Building for more epochs therefore appends to the
+arrays and never changes what is already there, so a run resumed with another
+``--train-iters`` or ``--global-batch-size`` (another number of samples) continues
+with the very samples an uninterrupted run would have read (docs/data.md).
 
 Enough epochs are built to cover ``num_samples`` (one epoch when it is 0/None).
-The arrays are saved as ``.npy`` keyed by a hash of the ``.idx`` contents and every
-setting, in ``<data dir>/index-cache/`` - or, when that folder is not writable (a
-read-only corpus), in ``cache_dir`` / ``$TNLG_CACHE/index-cache`` - by one process
-under a file lock; other ranks wait (``barrier``) and load them with ``mmap``.
+The arrays are saved as ``.npy`` keyed by a hash of what decides them - a cheap
+fingerprint of the data files (:meth:`IndexedDataset.fingerprint`), the documents,
+``seq_length``, ``seed`` and the number of epochs - in ``<data dir>/index-cache/`` - or,
+when that folder is not writable (a read-only corpus), in ``cache_dir`` /
+``$TNLG_CACHE/index-cache`` - by one process under a file lock; other ranks wait
+(``barrier``) and load them with ``mmap``. The corpus itself is memory-mapped too;
+with one sequence per document (what preprocessing writes) no per-document array is
+copied into a rank's memory.
 
 Splits (``"949,50,1"``) are by whole documents, with Megatron's rounding; an empty
 part gives ``None``. ``data_path=["0.7", "A", "0.3", "B"]`` blends datasets by weight:
@@ -33,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -44,10 +54,11 @@ from .corpus import default_cache_dir, file_lock
 from .indexed import IndexedDataset
 
 __all__ = ["GPTDataset", "BlendedDataset", "build_train_valid_test_datasets", "parse_split", "split_bounds",
-           "parse_data_path", "build_index_arrays", "blending_indices", "INDEX_VERSION"]
+           "parse_data_path", "build_index_arrays", "num_epochs", "epoch_sample_bounds", "blending_indices",
+           "INDEX_VERSION"]
 
 log = logging.getLogger(__name__)
-INDEX_VERSION = 1  # bump when the index arrays change for the same inputs
+INDEX_VERSION = 2  # bump when the index arrays change for the same inputs
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -113,32 +124,54 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Op
 
 # ------------------------------------------------------------------------------ index arrays
 
-def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Epochs needed for ``num_samples`` samples of ``seq_length`` (+1) tokens: the smallest ``E`` with
+    ``(E * tokens_per_epoch - 1) // seq_length >= num_samples``; 1 when ``num_samples`` is 0."""
+    if tokens_per_epoch < 2:
+        raise UserError(f"the documents of this split hold {tokens_per_epoch} token(s); a sample needs at least 2.")
     if num_samples <= 0:
         return 1
-    # smallest E with (E * T - 1) // seq >= num_samples
     epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
     while (epochs * tokens_per_epoch - 1) // seq_length < num_samples:
         epochs += 1
     return epochs
 
 
+def _epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    """The generator of one epoch: stream 0 orders its documents, stream 1 shuffles its samples. Seeded by
+    ``(seed, epoch, stream)`` alone, so an epoch comes out the same however many epochs are built."""
+    return np.random.default_rng([seed, epoch, stream])
+
+
+def epoch_sample_bounds(tokens_per_epoch: int, seq_length: int, epochs: int) -> np.ndarray:
+    """``[E + 1]`` sample boundaries: epoch ``e`` owns samples ``bounds[e] .. bounds[e + 1]``, those that
+    end (last token) in it; ``bounds[e] = (e * tokens_per_epoch - 1) // seq_length`` (0 for ``e = 0``)."""
+    e = np.arange(epochs + 1, dtype=np.int64)
+    return np.maximum(0, (e * tokens_per_epoch - 1) // seq_length)
+
+
 def build_index_arrays(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
                        seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(doc_idx, sample_idx, shuffle_idx)`` for documents ``documents`` of lengths ``sizes[documents]``.
 
-    Same layout and meaning as Megatron's arrays (see the module docstring);
-    computed with numpy (``searchsorted`` over the stream positions ``i * seq_length``)
-    instead of Megatron's C++ loop, which gives the same ``sample_idx`` for the same ``doc_idx``.
+    Same layout and meaning as Megatron's arrays (see the module docstring), but
+    every epoch is drawn on its own (:func:`_epoch_rng`): epoch ``e``'s document
+    order is a permutation seeded by ``(seed, e, 0)``, and the samples that end in
+    epoch ``e`` (:func:`epoch_sample_bounds`) are shuffled among themselves by
+    ``(seed, e, 1)``. So the arrays for ``E`` epochs are a prefix of those for more
+    epochs: asking for more or fewer samples (a resumed run with another
+    ``--train-iters`` or ``--global-batch-size``) keeps the order of every sample
+    both runs have. ``sample_idx`` is computed with numpy (``searchsorted`` over the
+    stream positions ``i * seq_length``) and equals Megatron's C++ loop for the same ``doc_idx``.
     """
     documents = np.asarray(documents, dtype=np.int64)
+    if int(seed) < 0:
+        raise UserError(f"--seed must be a non-negative integer for the data order, got {seed}.")
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
-    if tokens_per_epoch < 2:
-        raise UserError(f"the documents of this split hold {tokens_per_epoch} token(s); a sample needs at least 2.")
-    epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
-    rng = np.random.RandomState(seed)
+    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
     doc_dtype = np.int32 if len(sizes) < 2 ** 31 else np.int64
-    doc_idx = np.concatenate([rng.permutation(documents) for _ in range(epochs)]).astype(doc_dtype)
+    doc_idx = np.concatenate([_epoch_rng(seed, e, 0).permutation(documents) for e in range(epochs)]
+                             ).astype(doc_dtype)
 
     total_samples = (epochs * tokens_per_epoch - 1) // seq_length
     cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
@@ -148,37 +181,14 @@ def build_index_arrays(sizes: np.ndarray, documents: np.ndarray, seq_length: int
     idx_dtype = np.int32 if len(doc_idx) < 2 ** 31 else np.int64
     sample_idx = np.stack([pos, starts - cum[pos]], axis=1).astype(idx_dtype)
 
-    separate_last = False
-    if epochs > 1 and num_samples > 0:
-        before_last = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
-        per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate_last = (num_samples - before_last) < int(0.80 * per_epoch)
+    bounds = epoch_sample_bounds(tokens_per_epoch, seq_length, epochs)
+    assert bounds[-1] == total_samples
     shuffle_dtype = np.uint32 if total_samples < 2 ** 32 - 1 else np.int64
-    if separate_last:
-        first = np.arange(before_last, dtype=shuffle_dtype)
-        last = np.arange(before_last, total_samples, dtype=shuffle_dtype)
-        rng.shuffle(first)
-        rng.shuffle(last)
-        shuffle_idx = np.concatenate([first, last])
-    else:
-        shuffle_idx = np.arange(total_samples, dtype=shuffle_dtype)
-        rng.shuffle(shuffle_idx)
+    shuffle_idx = np.empty(total_samples, dtype=shuffle_dtype)
+    for e in range(epochs):
+        a, b = int(bounds[e]), int(bounds[e + 1])
+        shuffle_idx[a:b] = _epoch_rng(seed, e, 1).permutation(b - a) + a
     return doc_idx, sample_idx, shuffle_idx
-
-
-_IDX_HASH_CACHE: dict[tuple, str] = {}
-
-
-def _idx_sha256(path: str) -> str:
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    if key not in _IDX_HASH_CACHE:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _IDX_HASH_CACHE[key] = h.hexdigest()
-    return _IDX_HASH_CACHE[key]
 
 
 def _writable_dir(path: Path) -> bool:
@@ -197,23 +207,53 @@ def _cache_dirs(prefix: str, cache_dir: Optional[Union[str, Path]]) -> list[Path
 
 
 class _Units:
-    """Where each sampling unit (a document; a sequence for non-contiguous files) lies in ``.bin``."""
+    """Where each sampling unit (a document; a sequence for non-contiguous files) lies in ``.bin``.
+
+    ``ptr[u]`` (byte offset) and ``size[u]`` (tokens) of unit ``u``; ``doc_to_unit(d)``.
+    In the usual case - one sequence per document, as preprocessing writes - these
+    are the memory-mapped ``.idx`` arrays themselves: nothing is copied or computed
+    per document, whatever the corpus size. Documents of several sequences lying back
+    to back get computed arrays (one int64 pair per document); otherwise the units are
+    the sequences. Built once per :class:`IndexedDataset` (:func:`_units_of`).
+    """
 
     def __init__(self, ds: IndexedDataset):
-        lengths = ds.sequence_lengths.astype(np.int64)
-        cum = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cum[1:])
-        offsets = ds.sequence_pointers // ds.dtype.itemsize
-        self.contiguous = bool(np.array_equal(offsets, cum[:-1]))
-        if self.contiguous:
+        self.itemsize = ds.dtype.itemsize
+        self._doc_to_unit: Optional[np.ndarray] = None
+        if ds.one_sequence_per_document:
+            self.ptr, self.size = ds.sequence_pointers, ds.sequence_lengths
+            self.are_documents = True
+        elif ds.contiguous:
+            lengths = ds.sequence_lengths.astype(np.int64)
+            cum = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=cum[1:])
             d = ds.document_indices
-            self.start = cum[d[:-1]]
-            self.size = cum[d[1:]] - self.start
-            self.doc_to_unit = np.arange(len(d), dtype=np.int64)
+            start = cum[d[:-1]]
+            self.size = cum[d[1:]] - start
+            self.ptr = start * self.itemsize
+            self.are_documents = True
         else:
-            self.start = offsets.astype(np.int64)
-            self.size = lengths
-            self.doc_to_unit = ds.document_indices.astype(np.int64)
+            self.ptr, self.size = ds.sequence_pointers, ds.sequence_lengths
+            self._doc_to_unit = ds.document_indices
+            self.are_documents = False
+
+    def doc_to_unit(self, doc: int) -> int:
+        if self._doc_to_unit is None:
+            return int(doc)
+        return int(self._doc_to_unit[doc])
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+
+_UNITS: "weakref.WeakKeyDictionary[IndexedDataset, _Units]" = weakref.WeakKeyDictionary()
+
+
+def _units_of(ds: IndexedDataset) -> _Units:
+    """The :class:`_Units` of ``ds``, shared by its train/valid/test datasets."""
+    if ds not in _UNITS:
+        _UNITS[ds] = _Units(ds)
+    return _UNITS[ds]
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -248,21 +288,39 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_attention_mask = reset_attention_mask
         self.vocab_size = vocab_size
         self._cache_dir = cache_dir
-        self.units = _Units(indexed)
-        self.unit_begin = int(self.units.doc_to_unit[self.doc_begin])
-        self.unit_end = int(self.units.doc_to_unit[self.doc_end])
+        self.units = _units_of(indexed)
+        self.unit_begin = self.units.doc_to_unit(self.doc_begin)
+        self.unit_end = self.units.doc_to_unit(self.doc_end)
         if self.unit_end <= self.unit_begin:
             raise UserError(f"{self.name} split of {indexed.path_prefix!r} has no documents.")
+        tokens = int(self.units.size[self.unit_begin:self.unit_end].sum(dtype=np.int64))
+        self.num_epochs = num_epochs(tokens, seq_length, self.num_samples)
         self._load_or_build(build)
+
+    # pickling (DataLoader workers started with spawn): reopen the maps, do not copy the arrays
+    _MAPPED = ("units", "doc_idx", "sample_idx", "shuffle_idx", "_doc_idx", "_sample_idx", "_shuffle_idx")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._MAPPED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.units = _units_of(self.indexed)
+        if not self._try_load({k: Path(v) for k, v in self.cache_paths.items()}):
+            raise RuntimeError(f"the index files {sorted(self.cache_paths.values())} changed or vanished while "
+                               "the dataset was being sent to a worker process")
 
     # ---------------------------------------------------------------- cache
     def description(self) -> dict:
         prefix = self.indexed.path_prefix
+        # everything the arrays depend on: the data (a cheap fingerprint, not a hash of a GBs-large .idx),
+        # the documents, seq_length, seed and the number of epochs (not num_samples: runs asking for
+        # different numbers of samples within the same epochs share one set of arrays)
         return {"class": "GPTDataset", "index_version": INDEX_VERSION, "dataset": os.path.basename(prefix),
-                "idx_sha256": _idx_sha256(prefix + ".idx"), "bin_size": self.indexed.bin_size,
+                "fingerprint": self.indexed.fingerprint(), "bin_size": self.indexed.bin_size,
                 "split": self.name, "documents": [self.doc_begin, self.doc_end],
                 "units": [self.unit_begin, self.unit_end], "seq_length": self.seq_length,
-                "num_samples": self.num_samples, "seed": self.seed}
+                "num_epochs": self.num_epochs, "seed": self.seed}
 
     def _paths(self, folder: Path) -> dict[str, Path]:
         stem = f"{self.description()['dataset']}-{self.name}-{self._key}"
@@ -294,8 +352,8 @@ class GPTDataset(torch.utils.data.Dataset):
                 tmp = paths[k].with_name(paths[k].name + f".tmp-{os.getpid()}.npy")
                 np.save(tmp, arr, allow_pickle=False)
                 os.replace(tmp, paths[k])
-            meta = dict(desc, num_epochs=int(len(doc_idx) // max(1, self.unit_end - self.unit_begin)),
-                        total_samples=int(len(shuffle_idx)), max_token=max_token, min_token=min_token)
+            assert len(doc_idx) == self.num_epochs * (self.unit_end - self.unit_begin)
+            meta = dict(desc, total_samples=int(len(shuffle_idx)), max_token=max_token, min_token=min_token)
             tmp = paths["meta"].with_name(paths["meta"].name + f".tmp-{os.getpid()}")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, paths["meta"])  # written last: the marker that the arrays are complete
@@ -328,38 +386,65 @@ class GPTDataset(torch.utils.data.Dataset):
         return True
 
     # ---------------------------------------------------------------- vocab check
+    def _unit_tokens(self, u: int) -> np.ndarray:
+        a = int(self.units.ptr[u]) // self.units.itemsize
+        return self.indexed._tokens[a:a + int(self.units.size[u])]
+
+    def _span(self) -> tuple[int, int]:
+        """Token range ``[a, b)`` of this split's units (contiguous files only)."""
+        units, last = self.units, self.unit_end - 1
+        return (int(units.ptr[self.unit_begin]) // units.itemsize,
+                int(units.ptr[last]) // units.itemsize + int(units.size[last]))
+
     def _token_range(self) -> tuple[Optional[int], Optional[int]]:
-        units, tokens = self.units, self.indexed._tokens
+        tokens = self.indexed._tokens
         if tokens.size == 0:
             return None, None
-        if units.contiguous:
-            a = int(units.start[self.unit_begin])
-            b = int(units.start[self.unit_end - 1] + units.size[self.unit_end - 1])
-            span = tokens[a:b]
+        if self.indexed.contiguous:
+            a, b = self._span()
+            span = tokens[a:b]  # a view of the map: max/min stream through it without a copy
             return (int(span.max()), int(span.min())) if span.size else (None, None)
         mx, mn = None, None
         for u in range(self.unit_begin, self.unit_end):
-            s = tokens[units.start[u]:units.start[u] + units.size[u]]
-            if s.size:
-                mx = int(s.max()) if mx is None else max(mx, int(s.max()))
-                mn = int(s.min()) if mn is None else min(mn, int(s.min()))
+            t = self._unit_tokens(u)
+            if t.size:
+                mx = int(t.max()) if mx is None else max(mx, int(t.max()))
+                mn = int(t.min()) if mn is None else min(mn, int(t.min()))
         return mx, mn
+
+    def _first_out_of_vocab(self) -> tuple[int, int]:
+        """``(unit, token id)`` of the first token outside ``[0, vocab_size)`` in this split."""
+        v, tokens, units = self.vocab_size, self.indexed._tokens, self.units
+        if self.indexed.contiguous:
+            a, b = self._span()
+            step = 1 << 24
+            for c in range(a, b, step):
+                chunk = tokens[c:min(b, c + step)]
+                hits = np.flatnonzero((chunk >= v) | (chunk < 0))
+                if hits.size:
+                    pos = c + int(hits[0])
+                    u = self.unit_begin + int(np.searchsorted(units.ptr[self.unit_begin:self.unit_end],
+                                                              pos * units.itemsize, side="right")) - 1
+                    return u, int(chunk[hits[0]])
+        else:
+            for u in range(self.unit_begin, self.unit_end):
+                t = self._unit_tokens(u)
+                hits = np.flatnonzero((t >= v) | (t < 0))
+                if hits.size:
+                    return u, int(t[hits[0]])
+        raise AssertionError("the cached token range disagrees with the data")
 
     def _check_vocab(self) -> None:
         if self.vocab_size is None or self.meta.get("max_token") is None:
             return
         if self.meta["max_token"] < self.vocab_size and self.meta["min_token"] >= 0:
             return
-        units, tokens = self.units, self.indexed._tokens
-        for u in range(self.unit_begin, self.unit_end):
-            s = tokens[units.start[u]:units.start[u] + units.size[u]]
-            if s.size and (int(s.max()) >= self.vocab_size or int(s.min()) < 0):
-                bad = int(s.max()) if int(s.max()) >= self.vocab_size else int(s.min())
-                where = (f"document {u}" if units.contiguous else f"sequence {u}")
-                raise UserError(f"{where} of {self.indexed.path_prefix!r} holds token id {bad}, outside the "
-                                f"vocabulary of {self.vocab_size} tokens (valid ids 0..{self.vocab_size - 1}). "
-                                "Was the corpus preprocessed with another tokenizer? Preprocess it with the "
-                                "tokenizer you train with, or pass that tokenizer.")
+        u, bad = self._first_out_of_vocab()
+        where = f"document {u}" if self.units.are_documents else f"sequence {u}"
+        raise UserError(f"{where} of {self.indexed.path_prefix!r} holds token id {bad}, outside the "
+                        f"vocabulary of {self.vocab_size} tokens (valid ids 0..{self.vocab_size - 1}). "
+                        "Was the corpus preprocessed with another tokenizer? Preprocess it with the "
+                        "tokenizer you train with, or pass that tokenizer.")
 
     # ---------------------------------------------------------------- samples
     def __len__(self) -> int:
@@ -370,17 +455,20 @@ class GPTDataset(torch.utils.data.Dataset):
         j = int(self._shuffle_idx[idx])
         d0, o0 = self._sample_idx[j]
         d1, o1 = self._sample_idx[j + 1]
-        start, size, tokens = self.units.start, self.units.size, self.indexed._tokens
+        ptr, size, isz, tokens = self.units.ptr, self.units.size, self.units.itemsize, self.indexed._tokens
         if d0 == d1:
-            s = start[self._doc_idx[d0]] + o0
+            s = ptr[self._doc_idx[d0]] // isz + o0
             return tokens[s:s + (o1 - o0 + 1)]
         u = self._doc_idx[d0]
-        parts = [tokens[start[u] + o0:start[u] + size[u]]]
+        start = ptr[u] // isz
+        parts = [tokens[start + o0:start + size[u]]]
         for k in range(d0 + 1, d1):
             u = self._doc_idx[k]
-            parts.append(tokens[start[u]:start[u] + size[u]])
+            start = ptr[u] // isz
+            parts.append(tokens[start:start + size[u]])
         u = self._doc_idx[d1]
-        parts.append(tokens[start[u]:start[u] + o1 + 1])
+        start = ptr[u] // isz
+        parts.append(tokens[start:start + o1 + 1])
         return np.concatenate(parts)
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:

@@ -12,12 +12,16 @@ A *document* is ``document_indices[i] .. document_indices[i+1]`` sequences; text
 preprocessing writes one sequence per document. :class:`IndexedDatasetBuilder`
 writes files byte-identical to Megatron's builder, under temporary names that
 are renamed only by :meth:`IndexedDatasetBuilder.finalize`. :class:`IndexedDataset`
-checks everything it can from the two file sizes before training starts and then
-reads tokens zero-copy from a memory map.
+memory-maps both files (as Megatron does: an index of hundreds of millions of
+documents is GBs, and every rank would otherwise hold its own copy), checks the
+header against the file sizes and the arrays in one chunked pass before training
+starts, and then reads tokens zero-copy.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import mmap
 import os
 import struct
@@ -34,6 +38,7 @@ __all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPES", "best_dtype", "d
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+CHUNK = 1 << 20  # entries per step when scanning the mapped index (bounded temporaries)
 
 # Megatron's DType enum codes.
 DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
@@ -65,6 +70,12 @@ def index_file_path(prefix: Union[str, Path]) -> str:
     return f"{prefix}.idx"
 
 
+def _decreases(d: np.ndarray) -> bool:
+    """Whether ``d[i + 1] < d[i]`` anywhere, scanned ``CHUNK`` entries at a time."""
+    n = len(d) - 1
+    return any(bool((d[a + 1:min(a + CHUNK, n) + 1] < d[a:min(a + CHUNK, n)]).any()) for a in range(0, n, CHUNK))
+
+
 def _strip_suffix(prefix: Union[str, Path]) -> str:
     p = os.fspath(prefix)
     if p.endswith(".bin") or p.endswith(".idx"):
@@ -73,30 +84,35 @@ def _strip_suffix(prefix: Union[str, Path]) -> str:
 
 
 class IndexedDataset:
-    """Read-only view of a ``.bin``/``.idx`` pair.
+    """Read-only view of a ``.bin``/``.idx`` pair; both files are memory-mapped, neither is read.
 
     ``len(ds)`` sequences; ``ds[i]`` / ``ds.get(i, offset, length)`` return numpy
     views into the memory-mapped ``.bin``; ``sequence_lengths``, ``sequence_pointers``
     (byte offsets) and ``document_indices`` are exactly what Megatron's reader
-    returns. ``document(d)`` gives the tokens of document ``d``. Corrupt files raise
+    returns, as read-only views into the memory-mapped ``.idx`` (as Megatron's
+    reader: no per-rank copy, the page cache is shared by every process of a node).
+    ``document(d)`` gives the tokens of document ``d``. Corrupt files raise
     :class:`~tnlg.errors.UserError` when opened: missing partner file, wrong magic,
-    unknown version or dtype code, counts that do not match the ``.idx`` size,
-    inconsistent document indices, a ``.bin`` shorter than the pointers need.
+    unknown version or dtype code, counts that do not match the ``.idx`` size (from
+    the header and the file size alone), and - by one streaming pass over the mapped
+    arrays in fixed-size chunks, so at most a few MB of temporaries - negative
+    lengths, inconsistent document indices, pointers that are not multiples of the
+    token size, a ``.bin`` shorter than the pointers need.
     """
 
     def __init__(self, path_prefix: Union[str, Path]):
         self.path_prefix = _strip_suffix(path_prefix)
         self._open()
 
-    # pickling (DataLoader workers) reopens the maps by path
+    # pickling (DataLoader workers) reopens the maps by path; the parent checked the contents already
     def __getstate__(self):
         return {"path_prefix": self.path_prefix}
 
     def __setstate__(self, state):
         self.path_prefix = state["path_prefix"]
-        self._open()
+        self._open(check_contents=False)
 
-    def _open(self) -> None:
+    def _open(self, check_contents: bool = True) -> None:
         prefix = self.path_prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         have_idx, have_bin = os.path.isfile(idx_path), os.path.isfile(bin_path)
@@ -110,23 +126,25 @@ class IndexedDataset:
                             f"{missing!r} is missing. Both files are needed; copy it next to the other or "
                             "rerun preprocessing.")
         with open(idx_path, "rb") as f:
-            idx = f.read()
-        self._parse_index(idx, idx_path)
-        bin_size = os.path.getsize(bin_path)
+            idx_size = os.fstat(f.fileno()).st_size
+            header = f.read(HEADER_SIZE)
+            seq_count, doc_count, has_modes = self._parse_header(header, idx_size, idx_path)
+            self._idx_mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.idx_size = idx_size
+        off = HEADER_SIZE
+        buf = self._idx_mmap
+        self.sequence_lengths = np.frombuffer(buf, dtype=np.int32, count=seq_count, offset=off)
+        off += 4 * seq_count
+        self.sequence_pointers = np.frombuffer(buf, dtype=np.int64, count=seq_count, offset=off)
+        off += 8 * seq_count
+        self.document_indices = np.frombuffer(buf, dtype=np.int64, count=doc_count, offset=off)
+        off += 8 * doc_count
+        self.sequence_modes = (np.frombuffer(buf, dtype=np.int8, count=seq_count, offset=off)
+                               if has_modes else None)
+        self.bin_size = bin_size = os.path.getsize(bin_path)
+        if check_contents:
+            self._check_contents(idx_path, bin_path)
         itemsize = self.dtype.itemsize
-        if len(self.sequence_lengths):
-            ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * itemsize
-            need = int(ends.max())
-            if need > bin_size:
-                bad = int(np.argmax(ends > bin_size))
-                raise UserError(f"{bin_path!r} is {bin_size} bytes but its index needs {need}: sequence {bad} "
-                                f"(pointer {int(self.sequence_pointers[bad])}, "
-                                f"{int(self.sequence_lengths[bad])} tokens of {self.dtype.name}) runs past the "
-                                "end. The .bin is truncated or belongs to another .idx; rerun preprocessing.")
-            if (self.sequence_pointers % itemsize).any():
-                raise UserError(f"{idx_path!r} has byte pointers that are not multiples of the token size "
-                                f"{itemsize} ({self.dtype.name}); the index is corrupt.")
-        self.bin_size = bin_size
         if bin_size == 0:
             self._mmap = None
             self._tokens = np.empty(0, dtype=self.dtype)
@@ -135,11 +153,11 @@ class IndexedDataset:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             usable = bin_size - bin_size % itemsize
             self._tokens = np.frombuffer(self._mmap, dtype=self.dtype, count=usable // itemsize)
-        self._offsets = (self.sequence_pointers // itemsize).astype(np.int64)
 
-    def _parse_index(self, idx: bytes, idx_path: str) -> None:
-        if len(idx) < HEADER_SIZE:
-            raise UserError(f"{idx_path!r} is {len(idx)} bytes, shorter than the {HEADER_SIZE}-byte header "
+    def _parse_header(self, idx: bytes, idx_size: int, idx_path: str) -> tuple[int, int, bool]:
+        """Check the 34-byte header against the file size; set ``dtype``; return the counts."""
+        if idx_size < HEADER_SIZE:
+            raise UserError(f"{idx_path!r} is {idx_size} bytes, shorter than the {HEADER_SIZE}-byte header "
                             "of a Megatron index; the file is truncated or not an index.")
         if idx[:9] != MAGIC:
             raise UserError(f"{idx_path!r} does not start with Megatron's index magic {MAGIC!r} (found "
@@ -154,31 +172,84 @@ class IndexedDataset:
                             + ", ".join(f"{c} ({np.dtype(t).name})" for c, t in DTYPES.items()) + ".")
         seq_count, doc_count = struct.unpack_from("<QQ", idx, 18)
         base = HEADER_SIZE + seq_count * (4 + 8) + doc_count * 8
-        if len(idx) not in (base, base + seq_count):
+        if idx_size not in (base, base + seq_count):
             raise UserError(f"{idx_path!r} claims {seq_count} sequences and {doc_count} document indices, "
                             f"which need {base} bytes ({base + seq_count} with modes), but the file is "
-                            f"{len(idx)} bytes; the index is truncated or corrupt.")
+                            f"{idx_size} bytes; the index is truncated or corrupt.")
         if doc_count < 1:
             raise UserError(f"{idx_path!r} has no document indices (count 0); a valid index has at least "
                             "the leading 0.")
         self.dtype = np.dtype(DTYPES[code])
         self.dtype_code = code
-        off = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=seq_count, offset=off)
-        off += 4 * seq_count
-        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=seq_count, offset=off)
-        off += 8 * seq_count
-        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=doc_count, offset=off)
-        off += 8 * doc_count
-        self.sequence_modes = (np.frombuffer(idx, dtype=np.int8, count=seq_count, offset=off)
-                               if len(idx) > base else None)
-        if (self.sequence_lengths < 0).any():
-            raise UserError(f"{idx_path!r} has negative sequence lengths; the index is corrupt.")
-        d = self.document_indices
-        if d[0] != 0 or d[-1] > seq_count or (np.diff(d) < 0).any():
+        return seq_count, doc_count, idx_size > base
+
+    def _check_contents(self, idx_path: str, bin_path: str) -> None:
+        """One pass over the mapped arrays, ``CHUNK`` entries at a time (bounded temporaries)."""
+        lengths, pointers, d = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        seq_count, itemsize = len(lengths), self.dtype.itemsize
+        for a in range(0, seq_count, CHUNK):
+            if lengths[a:a + CHUNK].min() < 0:
+                raise UserError(f"{idx_path!r} has negative sequence lengths; the index is corrupt.")
+        if d[0] != 0 or d[-1] > seq_count or _decreases(d):
             raise UserError(f"{idx_path!r} has document indices that do not run from 0 up to at most the "
                             f"sequence count {seq_count} without decreasing (first {int(d[0])}, last "
                             f"{int(d[-1])}); the index is corrupt.")
+        need, bad = 0, -1
+        for a in range(0, seq_count, CHUNK):
+            ends = pointers[a:a + CHUNK] + lengths[a:a + CHUNK].astype(np.int64) * itemsize
+            i = int(ends.argmax())
+            if bad < 0 and int(ends[i]) > self.bin_size:
+                bad = a + int(np.argmax(ends > self.bin_size))
+            need = max(need, int(ends[i]))
+        if bad >= 0:
+            raise UserError(f"{bin_path!r} is {self.bin_size} bytes but its index needs {need}: sequence {bad} "
+                            f"(pointer {int(pointers[bad])}, {int(lengths[bad])} tokens of {self.dtype.name}) "
+                            "runs past the end. The .bin is truncated or belongs to another .idx; rerun "
+                            "preprocessing.")
+        if itemsize > 1 and any((pointers[a:a + CHUNK] % itemsize).any() for a in range(0, seq_count, CHUNK)):
+            raise UserError(f"{idx_path!r} has byte pointers that are not multiples of the token size "
+                            f"{itemsize} ({self.dtype.name}); the index is corrupt.")
+
+    # ------------------------------------------------------------------ layout facts (computed once, cheaply)
+    @functools.cached_property
+    def one_sequence_per_document(self) -> bool:
+        """Every document is exactly one sequence (``document_indices == 0, 1, ..., S``): what text
+        preprocessing writes, and the case where sequence ``i`` *is* document ``i``."""
+        d, n = self.document_indices, len(self)
+        if len(d) != n + 1:
+            return False
+        return all(np.array_equal(d[a:a + CHUNK], np.arange(a, min(a + CHUNK, len(d)), dtype=np.int64))
+                   for a in range(0, len(d), CHUNK))
+
+    @functools.cached_property
+    def contiguous(self) -> bool:
+        """The sequences lie back to back in ``.bin`` in index order (pointer ``i + 1`` = pointer ``i`` +
+        length ``i``), as every builder writes them; then a range of sequences is one slice of tokens."""
+        lengths, pointers, itemsize = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
+        expected = 0
+        for a in range(0, len(lengths), CHUNK):
+            sizes = lengths[a:a + CHUNK].astype(np.int64) * itemsize
+            starts = np.cumsum(sizes) - sizes + expected
+            if not np.array_equal(starts, pointers[a:a + CHUNK]):
+                return False
+            expected = int(starts[-1] + sizes[-1])
+        return True
+
+    def fingerprint(self) -> str:
+        """A cheap identity of the two files, for cache keys: their sizes and modification times, the
+        header, and a sample of blocks (first, last and 62 evenly spaced 4 KiB blocks of each file).
+        Reads at most ~0.5 MB, whatever the corpus size (hashing the whole ``.idx`` would read GBs)."""
+        h = hashlib.sha256()
+        for path, buf, size in ((index_file_path(self.path_prefix), self._idx_mmap, self.idx_size),
+                                (data_file_path(self.path_prefix), self._mmap, self.bin_size)):
+            st = os.stat(path)
+            h.update(f"{size} {st.st_mtime_ns}".encode())
+            if buf is None or size == 0:
+                continue
+            block = 4096
+            for start in sorted({min(max(0, size - block), int(i * (size - block) / 63)) for i in range(64)}):
+                h.update(buf[start:start + block])
+        return h.hexdigest()
 
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:
@@ -205,7 +276,7 @@ class IndexedDataset:
             idx += n
         if not 0 <= idx < n:
             raise IndexError(f"sequence {idx} out of range for {n} sequences")
-        start = self._offsets[idx]
+        start = int(self.sequence_pointers[idx]) // self.dtype.itemsize
         return self._tokens[start:start + self.sequence_lengths[idx]]
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
@@ -216,7 +287,7 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > seq_len:
             raise IndexError(f"tokens {offset}..{offset + length} out of range for sequence {idx} "
                              f"of {seq_len} tokens")
-        start = int(self._offsets[idx]) + offset
+        start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
         return self._tokens[start:start + length]
 
     def document(self, doc: int) -> np.ndarray:
@@ -224,8 +295,9 @@ class IndexedDataset:
         a, b = int(self.document_indices[doc]), int(self.document_indices[doc + 1])
         if a == b:
             return self._tokens[:0]
-        start = int(self._offsets[a])
-        end = int(self._offsets[b - 1]) + int(self.sequence_lengths[b - 1])
+        itemsize = self.dtype.itemsize
+        start = int(self.sequence_pointers[a]) // itemsize
+        end = int(self.sequence_pointers[b - 1]) // itemsize + int(self.sequence_lengths[b - 1])
         if end - start == int(self.sequence_lengths[a:b].sum()):  # contiguous (always, for our files)
             return self._tokens[start:end]
         return np.concatenate([self[i] for i in range(a, b)])
