@@ -10,13 +10,26 @@ split into ~20 KB JSON-Lines documents, repeated ``--repeat`` times):
   training items: tokens, labels, loss mask), warm page cache.
 
 Targets (issue 3): 2 workers >= 1.5x one worker; 1 worker >= 80% of raw encoding;
->= 50,000 samples/s of 1025 tokens. Each rate is the best of ``--trials`` runs,
+>= 50,000 samples/s of 1025 tokens.
+
+``--mode index`` (issue 12 item 9) measures instead what opening a corpus-scale index
+costs each rank: a synthetic ``.idx`` of ``--index-docs`` documents (50M by default,
+1 GB; the ``.bin`` is a sparse file) is opened in fresh processes, from a cold page
+cache (``posix_fadvise(DONTNEED)``) and warm, by the memory-mapping reader and by an
+emulation of the previous reader (``f.read()`` of the whole ``.idx``, its per-sequence
+int64 arrays, a sha256 of the whole file for the cache key, and the GPT dataset's
+per-document arrays). Also measured: building the GPT-dataset index once (rank 0) and
+loading it on another rank. Memory is read from ``/proc/self/smaps_rollup``: ``Anonymous``
+is private to the rank (heap; what N ranks of a node pay N times); the rest of the
+resident increase is page cache of the mapped files, shared by every rank of the node
+and reclaimable. Each rate is the best of ``--trials`` runs,
 interleaved, so that a briefly busy machine does not decide the result; the load
 average is recorded. Tokens per CPU-second (this process plus its pool workers) are
 reported beside the wall-clock rates: they show the work per token independently of
 other jobs on the machine. Prints a table and writes JSON (``--out``).
 
     python scripts/bench_data.py [--repeat 2] [--trials 3] [--out runs/bench_data.json]
+    python scripts/bench_data.py --mode index [--index-docs 50000000] [--out runs/bench_data_index.json]
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ import datetime
 import json
 import os
 import platform
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,8 +79,28 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--reads", type=int, default=100000, help="random sample reads per trial")
-    ap.add_argument("--out", default="runs/bench_data.json")
+    ap.add_argument("--out", default=None, help="JSON output (default runs/bench_data.json, "
+                    "runs/bench_data_index.json with --mode index)")
+    ap.add_argument("--mode", choices=("pipeline", "index"), default="pipeline",
+                    help="pipeline: preprocessing and sample reads (default); index: per-rank cost of "
+                    "opening a corpus-scale index")
+    ap.add_argument("--index-docs", type=int, default=50_000_000, help="documents of the synthetic index")
+    ap.add_argument("--workdir", default=None, help="where the synthetic index goes (default: a temp folder)")
+    ap.add_argument("--_probe", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args._probe:
+        print(json.dumps(_probe(*args._probe)))
+        return 0
+    if args.mode == "index":
+        results = index_benchmark(args)
+        print_index_table(results)
+        out = args.out or "runs/bench_data_index.json"
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {out}")
+        return 0
+    args.out = args.out or "runs/bench_data.json"
 
     docs = [d for _, text in corpus_documents() for d in split_documents(text, args.doc_chars)] * args.repeat
     tok = load_tokenizer(TOKENIZER_MODEL)
@@ -157,6 +192,176 @@ def main() -> int:
         json.dump(results, f, indent=1)
     print(f"wrote {args.out}")
     return 0
+
+
+# ------------------------------------------------------------------------------ --mode index
+
+def write_synthetic_index(prefix: str, n_docs: int, mean_tokens: int = 16, seed: int = 0) -> dict:
+    """A Megatron ``.idx`` of ``n_docs`` one-sequence uint16 documents of 1..2*mean-1 tokens, written in
+    chunks; the ``.bin`` is a sparse file of the right size (its contents are never needed to open it)."""
+    from tnlg.data.indexed import MAGIC
+    rng = np.random.default_rng(seed)
+    chunk = 1 << 22
+    lengths_path = prefix + ".lengths.tmp"
+    total = 0
+    with open(prefix + ".idx", "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", 1, 8, n_docs, n_docs + 1))
+        with open(lengths_path, "wb") as lf:
+            for a in range(0, n_docs, chunk):
+                lengths = rng.integers(1, 2 * mean_tokens, size=min(chunk, n_docs - a), dtype=np.int32)
+                lengths.tofile(f)
+                lengths.tofile(lf)
+        lengths = np.memmap(lengths_path, dtype=np.int32, mode="r")
+        for a in range(0, n_docs, chunk):  # byte pointers: exclusive cumulative sum of 2 * length
+            part = lengths[a:a + chunk].astype(np.int64) * 2
+            (np.cumsum(part) - part + total).tofile(f)
+            total += int(part.sum())
+        del lengths
+        for a in range(0, n_docs + 1, chunk):
+            np.arange(a, min(a + chunk, n_docs + 1), dtype=np.int64).tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.remove(lengths_path)
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(total)
+    return {"documents": n_docs, "idx_bytes": os.path.getsize(prefix + ".idx"), "bin_bytes": total,
+            "tokens": total // 2}
+
+
+def _drop_page_cache(prefix: str) -> None:
+    """Evict the two files from the page cache (just these files; nothing else on the machine)."""
+    for ext in (".idx", ".bin"):
+        fd = os.open(prefix + ext, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _smaps() -> dict:
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _legacy_open(prefix: str) -> list:
+    """What the previous reader did per rank (before issue 12 item 9), kept to compare against: read the
+    whole .idx, build int64 arrays per sequence, sha256 the whole .idx (cache key), and the GPT dataset's
+    per-document arrays (``_Units``). Returns the objects that stayed alive."""
+    import hashlib
+    with open(prefix + ".idx", "rb") as f:
+        idx = f.read()
+    s, d = struct.unpack_from("<QQ", idx, 18)
+    lengths = np.frombuffer(idx, np.int32, s, 34)
+    pointers = np.frombuffer(idx, np.int64, s, 34 + 4 * s)
+    doc = np.frombuffer(idx, np.int64, d, 34 + 12 * s)
+    assert not (lengths < 0).any() and not (np.diff(doc) < 0).any()
+    ends = pointers + lengths.astype(np.int64) * 2
+    assert int(ends.max()) <= os.path.getsize(prefix + ".bin") and not (pointers % 2).any()
+    offsets = (pointers // 2).astype(np.int64)
+    h = hashlib.sha256()
+    with open(prefix + ".idx", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    lengths64 = lengths.astype(np.int64)
+    cum = np.zeros(len(lengths64) + 1, dtype=np.int64)
+    np.cumsum(lengths64, out=cum[1:])
+    unit_offsets = pointers // 2
+    assert np.array_equal(unit_offsets, cum[:-1])
+    start = cum[doc[:-1]]
+    size = cum[doc[1:]] - start
+    return [idx, offsets, h.hexdigest(), lengths64, cum, unit_offsets, start, size, np.arange(len(doc))]
+
+
+def _probe(kind: str, prefix: str, cache: str) -> dict:
+    """Run in a fresh process: the cost of one way of opening, as seen by one rank."""
+    import ctypes
+    import gc
+    import resource
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        trim = lambda _: None  # noqa: E731
+    from tnlg.data import gpt_dataset as gd
+    from tnlg.data.indexed import IndexedDataset
+    gc.collect()
+    trim(0)
+    before = _smaps()
+    t0 = time.perf_counter()
+    if kind == "mapped":
+        ds = IndexedDataset(prefix)
+        keep = [ds, gd._units_of(ds), ds.fingerprint()]
+    elif kind == "legacy":
+        keep = _legacy_open(prefix)
+    elif kind in ("gpt_build", "gpt_load"):
+        train, _, _ = gd.build_train_valid_test_datasets([prefix], "100,0,0", 1024, (500_000, 0, 0), seed=1234,
+                                                        cache_dir=cache)
+        rng = np.random.RandomState(0)
+        for i in rng.randint(0, len(train), 1000).tolist():
+            train[i]
+        keep = [train]
+    else:
+        raise ValueError(kind)
+    seconds = time.perf_counter() - t0
+    gc.collect()
+    trim(0)
+    after = _smaps()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del keep
+    grow = {k: after.get(k, 0) - before.get(k, 0) for k in ("Rss", "Pss", "Anonymous", "Private_Dirty",
+                                                            "Private_Clean", "Shared_Clean")}
+    return {"kind": kind, "seconds": seconds, "increase_bytes": grow, "peak_rss_increase_bytes": peak - before["Rss"]}
+
+
+def index_benchmark(args) -> dict:
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        raise SystemExit("--mode index needs Linux (/proc/self/smaps_rollup)")
+    results: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "mode": "index",
+                     "python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
+                     "load_average_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        prefix = os.path.join(tmp, "synthetic_text_document")
+        t = time.perf_counter()
+        results["corpus"] = write_synthetic_index(prefix, args.index_docs)
+        results["corpus"]["write_seconds"] = time.perf_counter() - t
+        cache = os.path.join(tmp, "index-cache")
+        runs = []
+        plan = [("mapped", True), ("legacy", True), ("mapped", False), ("legacy", False),
+                ("gpt_build", True), ("gpt_load", True), ("gpt_load", False)]
+        for kind, cold in plan:
+            if cold:
+                _drop_page_cache(prefix)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_probe", kind, prefix, cache],
+                                 check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            r["page_cache"] = "cold" if cold else "warm"
+            runs.append(r)
+            print(f"  {kind:9s} {r['page_cache']}: {r['seconds']:.2f} s, private "
+                  f"{r['increase_bytes']['Anonymous'] / 2**20:,.1f} MiB", flush=True)
+        results["runs"] = runs
+    results["load_average_after"] = os.getloadavg()
+    return results
+
+
+def print_index_table(results: dict) -> None:
+    c = results["corpus"]
+    print(f"index benchmark {results['date']}: {c['documents']:,} documents, .idx {c['idx_bytes'] / 2**30:.2f} GiB, "
+          f".bin {c['bin_bytes'] / 2**30:.2f} GiB (sparse), {results['cpus']} CPUs, load average "
+          f"{results['load_average_before'][0]:.2f} before / {results['load_average_after'][0]:.2f} after")
+    names = {"mapped": "open, memory-mapped (now)", "legacy": "open, read + hash (before)",
+             "gpt_build": "GPT index build, rank 0, once", "gpt_load": "GPT dataset load, other ranks"}
+    print("| what | page cache | time | private (Anonymous) | resident increase (RSS) | peak RSS increase |\n"
+          "|---|---|---|---|---|---|")
+    mib = 2 ** 20
+    for r in results["runs"]:
+        g = r["increase_bytes"]
+        print(f"| {names[r['kind']]} | {r['page_cache']} | {r['seconds']:.2f} s | {g['Anonymous'] / mib:,.1f} MiB | "
+              f"{g['Rss'] / mib:,.1f} MiB | {r['peak_rss_increase_bytes'] / mib:,.1f} MiB |")
 
 
 if __name__ == "__main__":
