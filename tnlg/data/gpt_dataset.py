@@ -323,7 +323,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 "num_epochs": self.num_epochs, "seed": self.seed}
 
     def _paths(self, folder: Path) -> dict[str, Path]:
-        stem = f"{self.description()['dataset']}-{self.name}-{self._key}"
+        stem = f"{os.path.basename(self.indexed.path_prefix)}-{self.name}-{self._key}"
         return {k: folder / f"{stem}-{k}.npy" for k in ("doc_idx", "sample_idx", "shuffle_idx")} | {
             "meta": folder / f"{stem}-meta.json", "lock": folder / f"{stem}.lock"}
 
@@ -366,7 +366,8 @@ class GPTDataset(torch.utils.data.Dataset):
             meta = json.loads(paths["meta"].read_text())
         except (OSError, ValueError):
             return False
-        if {k: meta.get(k) for k in self.description()} != self.description():
+        desc = self.description()
+        if {k: meta.get(k) for k in desc} != desc:
             return False
         try:
             self.doc_idx = np.load(paths["doc_idx"], mmap_mode="r", allow_pickle=False)
