@@ -4,8 +4,10 @@
   a ``GPT2LMHeadModel`` folder (``save_pretrained``) -> a tnlg checkpoint at
   iteration 0 with no optimizer state (training from it starts a fresh
   optimizer); ``M`` is recorded as the checkpoint's tokenizer.
-* ``tnlg convert --from CKPT --to hf DIR``: GPT-2 format (``config.json`` +
-  ``model.safetensors``), loadable with ``GPT2LMHeadModel.from_pretrained``.
+* ``tnlg convert --from CKPT --to hf DIR [--tokenizer-model M | --no-tokenizer]``: GPT-2
+  format (``config.json`` + ``model.safetensors``), loadable with
+  ``GPT2LMHeadModel.from_pretrained``, plus the checkpoint's tokenizer (or ``M``) in the
+  form ``AutoTokenizer.from_pretrained`` loads (docs/hf.md).
 * ``tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N``:
   rewrite the shards for TP size N (weights and optimizer state; RNG of DP rank 0).
   Not needed to change layout (``--load`` re-slices at any TP), but it makes
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Convert between Hugging Face GPT-2 folders and tnlg checkpoints, or reshard a checkpoint offline.\n\n"
         "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
-        "  tnlg convert --from CKPT --to hf HF_DIR\n"
+        "  tnlg convert --from CKPT --to hf HF_DIR [--tokenizer-model M | --no-tokenizer]\n"
         "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
@@ -55,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'hf DIR' (a GPT2LMHeadModel save_pretrained folder) or a tnlg checkpoint")
     parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
                         help="'hf DIR' (GPT-2 format, safetensors) or a new tnlg checkpoint directory")
-    parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint "
-                        "(SentencePiece .model, or a folder with GPT-2 vocab.json + merges.txt)")
+    parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
+                        "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "
+                        "(SentencePiece .model, a folder with GPT-2 vocab.json + merges.txt, or 'builtin')")
+    parser.add_argument("--no-tokenizer", action="store_true", help="with --to hf: write the weights and config "
+                        "only, without the checkpoint's tokenizer")
     parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
                         help="TP size of the written tnlg checkpoint (default: the source's; 1 from hf)")
 
@@ -87,15 +91,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {args.tp}.")
     if src_kind == "hf" and dst_kind == "hf":
         raise UserError("--from hf --to hf converts nothing; one side must be a tnlg checkpoint.")
-    if args.tokenizer_model and src_kind != "hf":
-        raise UserError("--tokenizer-model is for --from hf; a tnlg checkpoint already records its tokenizer.")
+    if args.tokenizer_model and src_kind != "hf" and dst_kind != "hf":
+        raise UserError("--tokenizer-model is for --from hf or --to hf; a tnlg checkpoint already records its "
+                        "tokenizer, and resharding keeps it.")
+    if getattr(args, "no_tokenizer", False) and (dst_kind != "hf" or args.tokenizer_model):
+        raise UserError("--no-tokenizer is for --to hf, without --tokenizer-model: it writes the weights and config "
+                        "only.")
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg destination, not to --to hf.")
     _fresh_destination(dst)
     if src_kind == "hf":
         out = hf_to_checkpoint(src, dst, tokenizer_model=args.tokenizer_model, tp_size=args.tp or 1)
     elif dst_kind == "hf":
-        out = checkpoint_to_hf(src, dst)
+        out = checkpoint_to_hf(src, dst, tokenizer_model=args.tokenizer_model,
+                               with_tokenizer=not getattr(args, "no_tokenizer", False))
+        if not getattr(args, "no_tokenizer", False) and not os.path.isfile(os.path.join(out, "tokenizer.json")):
+            print(f"note: the checkpoint records no tokenizer, so {out!r} holds none and AutoTokenizer cannot load "
+                  "it; pass --tokenizer-model to add one.", file=sys.stderr)
     else:
         out = reshard_checkpoint(src, dst, args.tp)
     print(f"wrote {out}")
@@ -173,36 +185,39 @@ def _source(path: str) -> tuple[str, dict, GPTConfig]:
     return iter_dir, meta, GPTConfig.from_dict(meta["config"])
 
 
-def checkpoint_to_hf(path: str, hf_dir: str) -> str:
-    """A tnlg checkpoint -> a Hugging Face GPT-2 folder (safetensors), written atomically."""
-    from transformers import GPT2LMHeadModel
-
+def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:
+    """A tnlg checkpoint -> a new Hugging Face GPT-2 folder (safetensors), written atomically
+    (:func:`tnlg.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
+    else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
+    end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
     from .checkpoint.reshard import ShardReader, full_targets
     from .checkpoint import files as F
-    from .hf import hf_config_from, tnlg_to_hf_state_dict
+    from .hf import build_hf_model, hf_tokenizer_files, write_hf_folder
     iter_dir, meta, cfg = _source(path)
+    tok = _export_tokenizer(meta, cfg, tokenizer_model) if with_tokenizer else None
+    files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
     reader = ShardReader(iter_dir, meta, F.model_file)
     full = {n: reader.tensor(n, n, t) for n, t in full_targets(meta).items()}
-    hf = GPT2LMHeadModel(hf_config_from(cfg))
-    missing, unexpected = hf.load_state_dict(tnlg_to_hf_state_dict(full, cfg), strict=False)
-    missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))]
-    if missing or unexpected:
-        raise UserError(f"checkpoint {iter_dir!r} does not map onto GPT-2: missing {missing[:4]}, "
-                        f"unexpected {unexpected[:4]}.")
-    tok = meta.get("tokenizer") or {}
-    if isinstance(tok.get("eod_id"), int) and 0 <= tok["eod_id"] < cfg.vocab_size:
-        hf.config.bos_token_id = hf.config.eos_token_id = tok["eod_id"]  # GPT-2 uses <|endoftext|> for both
-    out = os.path.abspath(hf_dir)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    hf.save_pretrained(tmp, safe_serialization=True)
-    if tok.get("kind") == "gpt2bpe":  # GPT-2's own tokenizer files ride along
-        for key, name in (("vocab_file", "vocab.json"), ("merges_file", "merges.txt")):
-            if os.path.isfile(tok[key]):
-                shutil.copyfile(tok[key], os.path.join(tmp, name))
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty (checked before)
-    os.replace(tmp, out)
-    return out
+    hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}")
+    return write_hf_folder(hf, hf_dir, files)
+
+
+def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
+    """The tokenizer an exported folder carries: ``tokenizer_model``, else the checkpoint's, else ``None``."""
+    from .data.tokenizer import load_tokenizer
+    spec = tokenizer_model or meta.get("tokenizer")
+    if not spec:
+        return None
+    try:
+        tok = load_tokenizer(spec)
+    except UserError as err:
+        flag = "--tokenizer-model" if tokenizer_model else "the checkpoint's tokenizer"
+        raise UserError(f"{flag}: {err} The Hugging Face folder carries the tokenizer: pass --tokenizer-model with "
+                        "its files, or --no-tokenizer to write the weights alone.") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"tokenizer {tok!r} has {tok.vocab_size} tokens but the model's vocabulary has "
+                        f"{cfg.vocab_size}; it is not this model's tokenizer.")
+    return tok
 
 
 def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:

@@ -12,6 +12,8 @@ Two kinds, both local files only (nothing is ever downloaded):
 
 :func:`load_tokenizer` accepts a path or the :meth:`Tokenizer.describe` dict that a
 checkpoint stores, so a run can reload exactly the tokenizer it trained with.
+:func:`read_sentencepiece_model` reads what a ``.model`` file holds (pieces, scores, types,
+normaliser settings) without protobuf, for the Hugging Face export (:mod:`tnlg.hf`).
 :func:`train_sentencepiece` trains a BPE model whose defaults round-trip text
 exactly: identity normalisation, no whitespace collapsing, byte fallback.
 """
@@ -22,6 +24,8 @@ import hashlib
 import io
 import json
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
@@ -30,6 +34,7 @@ from ..errors import UserError
 __all__ = [
     "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "load_tokenizer",
     "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path",
+    "SentencePieceModel", "read_sentencepiece_model",
 ]
 
 # SentencePiece trainer options that make decode(encode(text)) == text for any text:
@@ -138,6 +143,10 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def eod_id(self) -> int:
         return self._eod
+
+    def model(self) -> "SentencePieceModel":
+        """The pieces and settings of the loaded model (see :func:`read_sentencepiece_model`)."""
+        return read_sentencepiece_model(self.sp.serialized_model_proto())
 
     def describe(self) -> dict:
         if self._sha is None:
@@ -284,6 +293,97 @@ def _from_spec(spec: dict, check_sha256: bool) -> Tokenizer:
                             f"(sha256 {have} != {want}); the token ids would not match the "
                             "checkpoint. Restore the original files or pass check_sha256=False.")
     return tok
+
+
+# --------------------------------------------------------------------------- model file
+
+@dataclass(frozen=True)
+class SentencePieceModel:
+    """What a SentencePiece ``.model`` file (a serialized ``sentencepiece.ModelProto``) says
+    about encoding: every piece with its score and type, and the normaliser settings.
+
+    Piece types (``sentencepiece_model.proto``): 1 normal, 2 unknown, 3 control (``<s>``,
+    ``</s>``: never produced from text), 4 user-defined (always cut out of the text whole),
+    5 unused, 6 byte (``<0x41>``: byte fallback).
+    """
+
+    NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+    pieces: tuple[tuple[str, float, int], ...]  # (piece, score, type), indexed by id
+    model_type: str  # "unigram", "bpe", "word" or "char"
+    byte_fallback: bool
+    unk_surface: str  # what decoding an unknown piece prints
+    precompiled_charsmap: bytes  # the normalisation rule, compiled (empty for "identity")
+    add_dummy_prefix: bool
+    remove_extra_whitespaces: bool
+    escape_whitespaces: bool
+    treat_whitespace_as_suffix: bool
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _proto_fields(buf: bytes) -> Iterator[tuple[int, Any]]:
+    """``(field number, value)`` of a serialized protobuf message: ints for varints, bytes
+    for length-delimited fields and for fixed 32/64-bit ones (protobuf wire format)."""
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            value, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            value, i = buf[i:i + n], i + n
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if i > len(buf):
+            raise ValueError("truncated protobuf message")
+        yield number, value
+
+
+def read_sentencepiece_model(model: Union[str, Path, bytes]) -> SentencePieceModel:
+    """Read a SentencePiece model file (or its bytes) without the protobuf package.
+
+    Field numbers and defaults are those of ``sentencepiece_model.proto``: ``ModelProto``
+    pieces = 1 (piece 1, score 2, type 3), trainer_spec = 2 (model_type 3, byte_fallback
+    35, treat_whitespace_as_suffix 24, unk_surface 44), normalizer_spec = 3
+    (precompiled_charsmap 2, add_dummy_prefix 3, remove_extra_whitespaces 4,
+    escape_whitespaces 5).
+    """
+    data = model if isinstance(model, bytes) else Path(model).read_bytes()
+    pieces, trainer, norm = [], {}, {}
+    try:
+        for number, value in _proto_fields(data):
+            if number == 1:
+                p = dict(_proto_fields(value))
+                score = struct.unpack("<f", p[2])[0] if 2 in p else 0.0
+                pieces.append((p.get(1, b"").decode("utf-8"), score, int(p.get(3, SentencePieceModel.NORMAL))))
+            elif number == 2:
+                trainer.update(_proto_fields(value))
+            elif number == 3:
+                norm.update(_proto_fields(value))
+    except (ValueError, IndexError, UnicodeDecodeError, struct.error) as err:
+        where = "the model bytes" if isinstance(model, bytes) else repr(str(model))
+        raise UserError(f"{where} is not a readable SentencePiece model ({err}).") from None
+    return SentencePieceModel(
+        pieces=tuple(pieces),
+        model_type={1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(trainer.get(3, 1), str(trainer.get(3))),
+        byte_fallback=bool(trainer.get(35, 0)), unk_surface=trainer.get(44, " \u2047 ".encode()).decode("utf-8"),
+        precompiled_charsmap=bytes(norm.get(2, b"")), add_dummy_prefix=bool(norm.get(3, 1)),
+        remove_extra_whitespaces=bool(norm.get(4, 1)), escape_whitespaces=bool(norm.get(5, 1)),
+        treat_whitespace_as_suffix=bool(trainer.get(24, 0)))
 
 
 # --------------------------------------------------------------------------- training
