@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tnlg import checkpoint as ck
+from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.testing import run_distributed
@@ -163,6 +164,63 @@ def world2(dirs, killed, hf_model):
     return dict(results=_spawn(w, tasks), tokens=tokens, hf_out=str(dirs / "hf_out"), ck_tp2=ck_tp2)
 
 
+@pytest.fixture(scope="module")
+def world2_bf16(dirs):
+    """Issue 11: 16-bit ZeRO mixed precision on 2 processes (TP 1 x DP 2): exact resume at ZeRO-1
+    (also with fp32 gradient accumulation over 2 micro batches) and ZeRO-3, and crossing precisions."""
+    w = 2
+    a, b, c, d, e = (str(dirs / f"bf16_{k}") for k in "abcde")
+    z1 = dict(bf16=True, zero_stage=1)
+    z3 = dict(bf16=True, zero_stage=3)
+    acc = dict(bf16=True, zero_stage=1, accumulate_allreduce_grads_in_fp32=True, micro_batch_size=2)
+    tasks = [
+        ("train", _options(w, **z1)),                                  # 0 uninterrupted
+        ("train", _options(w, **z1, train_iters=3, save=a)),           # 1 first leg
+        ("train", _options(w, **z1, load=a, save=a)),                  # 2 resumed leg
+        ("train", _options(w, **z3)),                                  # 3 ZeRO-3 uninterrupted
+        ("train", _options(w, **z3, train_iters=3, save=b)),           # 4
+        ("train", _options(w, **z3, load=b, save=b)),                  # 5
+        ("train", _options(w, **acc)),                                 # 6 fp32 grads, 2 micro batches
+        ("train", _options(w, **acc, train_iters=3, save=c)),          # 7
+        ("train", _options(w, **acc, load=c, save=c)),                 # 8
+        ("train", _options(w, zero_stage=1, load=os.path.join(b, "iter_0000003"), save=d)),  # 9 bf16 -> fp32
+        ("train", _options(w, zero_stage=1, train_iters=3, save=e)),   # 10 fp32 first leg
+        ("train", _options(w, **z3, load=e, save=e)),                  # 11 fp32 -> bf16 ZeRO-3
+    ]
+    return dict(results=_spawn(w, tasks), paths=(a, b, c, d, e))
+
+
+def test_bf16_resume_is_exact(world2_bf16):
+    """The fp32 master and moments are in the checkpoint, so 16-bit runs resume bit for bit."""
+    r = world2_bf16["results"]
+    for full, first, second, what in ((0, 1, 2, "ZeRO-1"), (3, 4, 5, "ZeRO-3"), (6, 7, 8, "fp32 accumulation")):
+        assert r[first]["losses"] + r[second]["losses"] == r[full]["losses"], what
+    meta = ck.read_meta(ck.resolve(world2_bf16["paths"][0]))
+    assert meta["layout"]["param_dtype"] == "bfloat16"
+    assert all("master" in f["kinds"] for f in meta["optim_files"].values())
+    # ZeRO-1: each DP rank wrote its own slice; together they cover every parameter exactly once
+    assert sorted(meta["optim_files"]) == ["optim_tp00_dp000.safetensors", "optim_tp00_dp001.safetensors"]
+    covered = {}
+    for f in meta["optim_files"].values():
+        for name, (lo, length) in f["pieces"].items():
+            covered.setdefault(name, []).append((lo, lo + length))
+    for name, rec in meta["params"].items():
+        spans = sorted(covered[name])
+        assert spans[0][0] == 0 and spans[-1][1] == math.prod(rec["shape"]), name
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), name
+
+
+def test_precision_can_change_on_resume(world2_bf16):
+    """A bf16 checkpoint resumes in fp32 from its exact fp32 master, and an fp32 one in bf16."""
+    r = world2_bf16["results"]
+    bf16_continued, fp32_from_bf16 = r[5]["losses"], r[9]["losses"]
+    assert len(fp32_from_bf16) == 3
+    assert max(abs(x - y) for x, y in zip(bf16_continued, fp32_from_bf16)) < 0.05
+    fp32_first, bf16_from_fp32 = r[10]["losses"], r[11]["losses"]
+    assert len(bf16_from_fp32) == 3 and all(math.isfinite(x) for x in bf16_from_fp32)
+    assert abs(bf16_from_fp32[0] - fp32_first[-1]) < 0.5
+
+
 # --------------------------------------------------------------------------- exact resume
 
 def test_resume_is_exact_tp2_dp2_zero1(world4):
@@ -280,19 +338,56 @@ def test_save_layout_same_iteration_twice_and_keep_last(tmp_path):
     cfg, model, engine, ps = _tiny()
     root = str(tmp_path / "c")
     d = ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
-    assert sorted(os.listdir(d)) == ["meta.json", "model_tp00.safetensors", "optim_tp00.safetensors",
+    assert sorted(os.listdir(d)) == ["meta.json", "model_tp00.safetensors", "optim_tp00_dp000.safetensors",
                                      "rng_dp000_tp00.pt"]
     assert open(os.path.join(root, ck.LATEST)).read().strip() == "2"
-    before = _snapshot(root)
-    ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)  # harmless
-    after = _snapshot(root)
-    assert {k: v for k, v in after.items() if k != ck.LATEST} == {k: v for k, v in before.items() if k != ck.LATEST}
-    os.makedirs(os.path.join(root, "iter_0000009.tmp"))  # debris of a crashed save
+    os.makedirs(os.path.join(root, "iter_0000009.tmp"))  # a user's folder that looks like debris
+    F.make_save_dir(os.path.join(root, "iter_0000008.tmp"))  # debris of a crashed save (has the marker)
     for it in (3, 4, 5):
         ck.save(root, iteration=it, consumed_samples=8 * it, model=model, engine=engine, ps=ps, config=cfg,
                 keep_last=2)
     assert ck.list_iterations(root) == [4, 5] and ck.read_latest(root) == 5
-    assert not os.path.exists(os.path.join(root, "iter_0000009.tmp"))
+    assert not os.path.exists(os.path.join(root, "iter_0000008.tmp"))
+    assert os.path.isdir(os.path.join(root, "iter_0000009.tmp")), "issue 12 item 3: a user's folder was deleted"
+
+
+def test_saving_an_iteration_again_replaces_the_older_save(tmp_path, capsys):
+    """Issue 12 item 1: a run rolled back to an earlier checkpoint that reaches an iteration again
+    replaces the older save of that iteration (atomically, with a log line), never discards the new one."""
+    cfg, model, engine, ps = _tiny()
+    root = str(tmp_path / "c")
+    ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
+    old = ck.read_meta(os.path.join(root, ck.iter_dir_name(2)))
+    with torch.no_grad():  # the "diverged" run: other weights
+        for p in engine.backend.params:
+            p.add_(1.0)
+    capsys.readouterr()
+    ck.save(root, iteration=2, consumed_samples=99, model=model, engine=engine, ps=ps, config=cfg)
+    assert "replaced an older save of iteration 2" in capsys.readouterr().out
+    new = ck.read_meta(os.path.join(root, ck.iter_dir_name(2)))
+    assert new["consumed_samples"] == 99 and new["sha256"] != old["sha256"]
+    assert ck.read_latest(root) == 2 and ck.list_iterations(root) == [2]
+    assert sorted(os.listdir(root)) == sorted([ck.LATEST, ck.iter_dir_name(2)])
+
+
+def test_missing_pointer_resumes_from_newest_complete_iteration(tmp_path):
+    """Issue 12 item 4: a crash between the rename of a new iteration and the write of ``latest``
+    (here: no pointer at all, and a pointer naming a damaged directory) resumes from the newest
+    complete iteration and says so."""
+    cfg, model, engine, ps = _tiny()
+    root = str(tmp_path / "c")
+    for it in (2, 4):
+        ck.save(root, iteration=it, consumed_samples=8 * it, model=model, engine=engine, ps=ps, config=cfg)
+    os.remove(os.path.join(root, ck.LATEST))
+    notes = []
+    assert ck.resolve(root, "--load", notes) == os.path.join(root, ck.iter_dir_name(4))
+    assert "newest complete iteration, 4" in notes[0]
+    F.write_latest(root, 6)  # names a directory that never got committed
+    with open(os.path.join(root, ck.iter_dir_name(4), "model_tp00.safetensors"), "ab") as f:
+        f.write(b"x")  # and the newest one is damaged
+    notes = []
+    assert ck.resolve(root, "--load", notes) == os.path.join(root, ck.iter_dir_name(2))
+    assert "iteration 6" in notes[0]
 
 
 def test_load_restores_weights_optimizer_and_rng_exactly(tmp_path):
@@ -387,9 +482,10 @@ def test_config_conflict_is_clear_error(trained, tmp_path):
 
 
 @pytest.mark.parametrize("damage,match", [
-    ("missing_shard", "missing 'optim_tp00.safetensors'"),
+    ("missing_shard", "missing 'optim_tp00_dp000.safetensors'"),
     ("truncated_shard", "truncated"),
-    ("latest_nowhere", "points at iteration 99"),
+    ("bit_flip", "does not match the SHA-256"),
+    ("latest_nowhere_nothing_complete", "none of the iteration directories"),
     ("latest_garbage", "not an iteration number"),
     ("no_meta", "has no meta.json"),
 ])
@@ -398,14 +494,22 @@ def test_damaged_checkpoint_is_clear_error(trained, tmp_path, damage, match):
     shutil.copytree(trained, root)
     it = os.path.join(root, "iter_0000002")
     if damage == "missing_shard":
-        os.remove(os.path.join(it, "optim_tp00.safetensors"))
+        os.remove(os.path.join(it, "optim_tp00_dp000.safetensors"))
+    elif damage == "bit_flip":  # same size: only the checksum can tell
+        path = os.path.join(it, "optim_tp00_dp000.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 5)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
     elif damage == "truncated_shard":
         path = os.path.join(it, "model_tp00.safetensors")
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - 100)
-    elif damage == "latest_nowhere":
+    elif damage == "latest_nowhere_nothing_complete":
         with open(os.path.join(root, ck.LATEST), "w") as f:
             f.write("99\n")
+        os.remove(os.path.join(it, "model_tp00.safetensors"))
     elif damage == "latest_garbage":
         with open(os.path.join(root, ck.LATEST), "w") as f:
             f.write("<html>\n")

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from tnlg.cli import main
 
@@ -80,9 +81,13 @@ def test_config_file_and_flag_precedence(tmp_path):
     cfg.write_text('num-layers = 3\nlr = 0.01\npreset = "gpt2-small"\n')
     o = resolve(argparse.Namespace(config=str(cfg), lr=0.02), world_size=4)
     assert (o.num_layers, o.lr, o.hidden_size) == (3, 0.02, 768)   # preset < file < flags
-    o = resolve(argparse.Namespace(preset="tnlg-17b"), world_size=256)
+    o = resolve(argparse.Namespace(preset="tnlg-17b", fp16=False, bf16=True), world_size=256)
     assert (o.lr, o.lr_warmup_iters, o.lr_decay_iters, o.global_batch_size, o.num_attention_heads) == \
         (1.5e-4, 3200, 500_000, 512, 28)
+    from tnlg.errors import UserError
+    if not torch.cuda.is_available():  # the recipe's fp16 is refused before any work on a CPU
+        with pytest.raises(UserError, match="--fp16 needs a GPU"):
+            resolve(argparse.Namespace(preset="tnlg-17b"), world_size=256)
 
 
 def test_tp_above_heads(capsys):
@@ -95,3 +100,41 @@ def test_help_states_mfu_formula(capsys):
         main(["pretrain", "--help"])
     out = capsys.readouterr().out
     assert "MFU" in out and "72 B s l h^2" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--accumulate-allreduce-grads-in-fp32"], "needs --bf16 or --fp16"),
+    (["--bf16", "--accumulate-allreduce-grads-in-fp32", "--zero-stage", "2"], "stages 0 and 1"),
+])
+def test_precision_flag_errors(capsys, tmp_path, argv, needle):
+    """Issue 11 bad input: refused before any process starts, nothing created."""
+    err = _err(capsys, ["--nproc-per-node", "4", *argv, "--save", str(tmp_path / "s")])
+    assert needle in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_device_cuda_without_gpu_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 11: --device cuda without a GPU is one clear paragraph before any process starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _err(capsys, ["--nproc-per-node", "1", "--device", "cuda", "--save", str(tmp_path / "s")])
+    assert "--device cuda" in err and "no CUDA GPU" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_one_process_uses_the_gpu_when_present(monkeypatch):
+    """Issue 11: one process (no launcher, or torchrun with one process) picks CUDA when it is present
+    (availability faked); --device cpu overrides; without a GPU it stays on the CPU."""
+    from tnlg.parallel.state import init_parallel, pick_device
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: set_to.append(i))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device(None).type == "cuda" and pick_device("cpu").type == "cpu"
+    assert init_parallel(1).device == torch.device("cuda", 0) and set_to == [0]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert init_parallel(1).device == torch.device("cuda", 0)
+    assert init_parallel(1, device="cpu").device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert init_parallel(1).device == torch.device("cpu")

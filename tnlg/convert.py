@@ -117,34 +117,10 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- writing offline
 
 def _write_offline(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
-    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r) ->
-    (params, states or None)`` and commit it like :func:`tnlg.checkpoint.save`."""
-    from .checkpoint import files as F
-    from .checkpoint.reshard import names_for_rank, param_records, write_shard_file
-    from .checkpoint.saving import commit
-    root = os.path.abspath(dst)
-    iteration = int(meta["iteration"])
-    final = os.path.join(root, F.iter_dir_name(iteration))
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    records = param_records(cfg, tp_size)
-    manifest = {}
-    for r in range(tp_size):
-        params, states = shard_of_rank(r, names_for_rank(records, r))
-        tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
-        manifest[F.model_file(r)] = write_shard_file(os.path.join(tmp, F.model_file(r)), params, tag)
-        if states is not None:
-            flat = {f"{n}.{k}": s[k] for n, s in states.items() for k in ("exp_avg", "exp_avg_sq")}
-            manifest[F.optim_file(r)] = write_shard_file(os.path.join(tmp, F.optim_file(r)), flat, tag)
-        if rng_of_rank is not None:
-            path = os.path.join(tmp, F.rng_file(0, r))
-            torch.save(rng_of_rank(r), path)
-            manifest[F.rng_file(0, r)] = os.path.getsize(path)
-    meta = dict(meta, params=records, files=manifest,
-                layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
-                rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
-    commit(root, tmp, final, iteration, meta, None)
-    return final
+    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
+    :func:`tnlg.checkpoint.saving.write_offline`."""
+    from .checkpoint.saving import write_offline
+    return write_offline(dst, dict(meta, config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
 
 
 def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:

@@ -217,13 +217,19 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         return torch.empty(shape).normal_(0.0, std, generator=gen)
 
+    def initial_shard(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """This TP rank's initial value of parameter ``name`` (fp32, CPU): the matching slice of the
+        seeded full weight. The data-parallel engine uses it to materialise a meta-device model
+        straight into its buffers, one parameter at a time."""
+        return shard_of(self._init_full(name, param), param, self.ps.tp_rank)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """TP-invariant init: each shard is the matching slice of the seeded full weight."""
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
-            p.copy_(shard_of(self._init_full(name, p), p, self.ps.tp_rank))
+            p.copy_(self.initial_shard(name, p))
 
     # ------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,

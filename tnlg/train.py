@@ -84,10 +84,7 @@ def run(args) -> int:
     if world is None:
         nproc = getattr(args, "nproc_per_node", None) or DEFAULT_NPROC
         world = nproc
-    o = resolve(args, world_size=world)
-    if o.fp16 and not torch.cuda.is_available():
-        raise UserError("--fp16 needs a GPU: fp16 matrix multiplies are unusably slow on CPUs. Use --bf16 "
-                        "(bf16 autocast, fp32 master weights) or fp32 (the default) on this machine.")
+    o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     if o.save is None and o.load is None and o.data_path is None and o.preset is None:
         # the built-in job: a fresh folder per run (an existing --save is resumed from automatically)
         o.save = os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
@@ -165,7 +162,8 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     from .parallel.state import init_parallel
 
     torch.set_num_threads(local_threads())
-    ps = init_parallel(o.tensor_model_parallel_size, timeout=timedelta(minutes=o.distributed_timeout_minutes))
+    ps = init_parallel(o.tensor_model_parallel_size, timeout=timedelta(minutes=o.distributed_timeout_minutes),
+                       device=o.device)
     if o.global_batch_size % (o.micro_batch_size * ps.dp_size):
         raise UserError(f"--global-batch-size {o.global_batch_size} is not divisible by --micro-batch-size "
                         f"{o.micro_batch_size} x data-parallel size {ps.dp_size}.")
@@ -173,19 +171,22 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     seed_everything(o.seed)
     tokenizer = load_tokenizer(o.tokenizer_model)
     cfg = model_config(o, tokenizer.vocab_size)
-    model = GPT(cfg, ps)
+    autocast = torch.bfloat16 if o.bf16 else (torch.float16 if o.fp16 else None)
     scaler = DynamicLossScaler() if o.fp16 else None
-    build, extra = build_engine, {}
-    if o.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups
+    if o.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups (fp32 params)
         from .optim.deepspeed_engine import build_deepspeed_engine as build
-        extra = dict(micro_batch_size=o.micro_batch_size)
+        model, extra = GPT(cfg, ps), dict(micro_batch_size=o.micro_batch_size)
+    else:
+        # built on the meta device and materialised by the engine straight into its (16-bit, for
+        # --bf16/--fp16) flat buffers: no transient copy of the model at start-up
+        build, model = build_engine, GPT(cfg, ps, device="meta")
+        extra = dict(param_dtype=autocast, accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32)
     engine = build(model, ps, o.zero_stage, lr=o.lr, weight_decay=o.weight_decay,
                    betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, clip_grad=o.clip_grad,
                    grad_accum_steps=accum, bucket_size_mb=o.bucket_size_mb, loss_scaler=scaler, **extra)
     model = engine.model
     schedule = LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                           decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)
-    autocast = torch.bfloat16 if o.bf16 else (torch.float16 if o.fp16 else None)
 
     evals = (o.train_iters // o.eval_interval + 1) * o.eval_iters * o.global_batch_size if o.eval_interval else 0
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else None

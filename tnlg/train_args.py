@@ -28,7 +28,8 @@ DEFAULTS = dict(
     tensor_model_parallel_size=2, zero_stage=1, zero_impl="tnlg", nproc_per_node=None, max_restarts=0,
     data_path=None, split="969,30,1", tokenizer_model=None, data_cache_path=None,
     eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
-    seed=1234, bf16=False, fp16=False, recompute_activations=False,
+    seed=1234, bf16=False, fp16=False, accumulate_allreduce_grads_in_fp32=False, device=None,
+    recompute_activations=False,
     log_interval=10, eval_interval=100, eval_iters=4,
     save=None, save_interval=None, load=None, keep_last=None, metrics_file=None, plot=True,
     peak_tflops=None, sample_prompt="ROMEO:", sample_tokens=48, distributed_timeout_minutes=10,
@@ -108,8 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("eod-mask-loss", "reset-position-ids", "reset-attention-mask"):
         _flag(g, f"--{name}", action="store_true")
     g = p.add_argument_group("precision and memory")
-    _flag(g, "--bf16", action="store_true", help="bf16 autocast; fp32 master weights and optimizer states")
-    _flag(g, "--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (GPUs only)")
+    _flag(g, "--bf16", action="store_true", help="ZeRO mixed precision: bf16 parameters and gradients "
+          "(2 + 2 bytes per parameter), fp32 master weights and Adam moments for the owned 1/dp slice")
+    _flag(g, "--fp16", action="store_true", help="as --bf16 in fp16, with dynamic loss scaling (GPUs only)")
+    _flag(g, "--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16/--fp16: keep an "
+          "fp32 gradient buffer (accumulation over micro batches and the DP reduction in fp32; 2 + 4 bytes "
+          "per parameter); ZeRO stages 0 and 1")
+    _flag(g, "--device", choices=["cpu", "cuda"], help="where to train (default: cuda when a GPU is present, "
+          "else cpu); one process per GPU")
     _flag(g, "--recompute-activations", action="store_true", help="activation checkpointing per block")
     _flag(g, "--seed", type=int)
     g = p.add_argument_group("logging, evaluation, checkpoints")
@@ -208,6 +215,18 @@ def _validate(o: SimpleNamespace, world_size: int | None) -> None:
         check_deepspeed_options(o.zero_stage, fp16=o.fp16)  # installed, stage 1-3, no --fp16
     if o.bf16 and o.fp16:
         raise UserError("--bf16 and --fp16 are exclusive: pick one.")
+    from .parallel.state import pick_device
+    device = pick_device(o.device)  # --device cuda without a GPU is refused here
+    if o.fp16 and device.type != "cuda":
+        raise UserError("--fp16 needs a GPU: fp16 matrix multiplies are unusably slow on CPUs. Use --bf16 "
+                        "(bf16 parameters, fp32 master weights) or fp32 (the default) on this machine.")
+    if o.accumulate_allreduce_grads_in_fp32 and not (o.bf16 or o.fp16):
+        raise UserError("--accumulate-allreduce-grads-in-fp32 needs --bf16 or --fp16: in fp32 training the "
+                        "gradients are fp32 already.")
+    if o.accumulate_allreduce_grads_in_fp32 and o.zero_stage >= 2:
+        raise UserError(f"--accumulate-allreduce-grads-in-fp32 is implemented for ZeRO stages 0 and 1, not for "
+                        f"--zero-stage {o.zero_stage} (FSDP2 keeps gradients in the parameters' 16-bit dtype). "
+                        f"Drop the flag or use --zero-stage 1.")
     if o.save_interval is not None and (not isinstance(o.save_interval, int) or o.save_interval < 1):
         raise UserError(f"--save-interval must be a positive integer, got {o.save_interval!r}.")
     if o.keep_last is not None and (not isinstance(o.keep_last, int) or o.keep_last < 1):

@@ -5,11 +5,16 @@ Layout of a checkpoint root (Megatron's naming)::
     ROOT/latest_checkpointed_iteration.txt   "300" (written last, atomically)
     ROOT/iter_0000300/meta.json              what, how split, manifest of every file (written by rank 0)
     ROOT/iter_0000300/model_tp00.safetensors this TP rank's weight shards (replicated ones in tp00 only)
-    ROOT/iter_0000300/optim_tp00.safetensors Adam moments, same split as the weights
+    ROOT/iter_0000300/optim_tp00_dp000.safetensors  the Adam moments (and fp32 master weights) this
+                                             (TP, DP) rank owns: flat pieces of its TP shards
     ROOT/iter_0000300/rng_dp000_tp00.pt      each rank's RNG states (tensors and numbers only)
 
-An iteration directory is first written as ``iter_0000300.tmp`` and renamed when
-every rank has finished, so a directory named ``iter_*`` is always complete.
+An iteration directory is first written as ``iter_0000300.tmp`` (with a
+``.tnlg-save`` marker file inside, so only a save's own debris is ever removed) and
+renamed when every rank has finished, so a directory named ``iter_*`` is always
+complete. ``meta.json`` records every file's size and SHA-256; loading checks both.
+Format 1 (one ``optim_tpXX.safetensors`` per TP rank with whole per-parameter
+moments, written by tnlg 0.1) still loads.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from ..errors import UserError
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
-           "check_files", "atomic_write_text", "fsync_dir", "remove_tree"]
+           "check_files", "verify_checksums", "complete_iterations", "atomic_write_text", "fsync_dir",
+           "remove_tree", "make_save_dir", "is_ours", "exchange", "MARKER", "READABLE_FORMATS"]
 
-FORMAT = "tnlg.checkpoint/1"
+FORMAT = "tnlg.checkpoint/2"
+READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+MARKER = ".tnlg-save"  # inside every directory a save creates; only such directories are ever removed
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -40,8 +48,11 @@ def model_file(tp_rank: int) -> str:
     return f"model_tp{tp_rank:02d}.safetensors"
 
 
-def optim_file(tp_rank: int) -> str:
-    return f"optim_tp{tp_rank:02d}.safetensors"
+def optim_file(tp_rank: int, dp_rank: Optional[int] = None) -> str:
+    """Format 2: ``optim_tpXX_dpYYY`` (what that rank owns); ``dp_rank=None``: format 1's per-TP file."""
+    if dp_rank is None:
+        return f"optim_tp{tp_rank:02d}.safetensors"
+    return f"optim_tp{tp_rank:02d}_dp{dp_rank:03d}.safetensors"
 
 
 def rng_file(dp_rank: int, tp_rank: int) -> str:
@@ -83,7 +94,7 @@ def list_iterations(root: str) -> list[int]:
         return []
     out = []
     for name in os.listdir(root):
-        m = _ITER_RE.match(name)
+        m = ITER_RE.match(name)
         if m and os.path.isdir(os.path.join(root, name)):
             out.append(int(m.group(1)))
     return sorted(out)
@@ -119,13 +130,14 @@ def has_checkpoint(root: Optional[str]) -> bool:
             or bool(list_iterations(root)))
 
 
-def resolve(path: str, what: str = "--load") -> Optional[str]:
+def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Optional[str]:
     """The iteration directory ``path`` designates: ``path`` itself when it holds ``meta.json``,
     else the one its ``latest`` pointer names. ``None`` for a root with no checkpoint at all
     (no pointer and no ``iter_*`` directory): the caller starts from scratch.
 
-    Raises :class:`UserError` for a missing path, a pointer naming a missing directory,
-    or committed iterations without a pointer.
+    Without a usable pointer (missing, or naming an incomplete directory) the newest complete
+    iteration (manifest sizes checked) is chosen and a line saying so is appended to ``notes``.
+    Raises :class:`UserError` for a missing path or when no iteration is complete.
     """
     if not os.path.isdir(path):
         raise UserError(f"{what} {path!r} is not a directory.")
@@ -133,19 +145,27 @@ def resolve(path: str, what: str = "--load") -> Optional[str]:
         return path
     latest = read_latest(path)
     iters = list_iterations(path)
-    if latest is None:
-        if not iters:
-            return None
-        raise UserError(f"{what} {path!r} has checkpoint directories (iterations {iters}) but no {LATEST}; "
-                        f"it is not clear which to load. Point {what} at one of them, e.g. "
-                        f"{os.path.join(path, iter_dir_name(iters[-1]))!r}.")
-    d = os.path.join(path, iter_dir_name(latest))
-    if not os.path.isfile(os.path.join(d, META)):
-        raise UserError(f"{os.path.join(path, LATEST)!r} points at iteration {latest}, but {d!r} "
-                        f"{'has no ' + META if os.path.isdir(d) else 'does not exist'}. Committed iterations "
-                        f"there: {iters or 'none'}. Point {what} at one of those iter_* directories, or "
-                        f"fix the pointer file.")
-    return d
+    if latest is None and not iters:
+        return None
+    d = None if latest is None else os.path.join(path, iter_dir_name(latest))
+    if d is not None and os.path.isfile(os.path.join(d, META)):
+        return d
+    # No usable pointer: a save crashed between committing its directory and writing the pointer
+    # (or the pointer names a directory that is gone). Resume from the newest complete iteration.
+    complete = complete_iterations(path)
+    if not complete:
+        why = (f"is missing" if latest is None else
+               f"points at iteration {latest}, but {d!r} " +
+               (f"has no {META}" if os.path.isdir(d) else "does not exist"))
+        raise UserError(f"{what} {path!r}: {LATEST} {why}, and none of the iteration directories there "
+                        f"({iters or 'none'}) is complete (all manifest files present at their sizes). "
+                        f"Point {what} at an intact checkpoint.")
+    chosen = os.path.join(path, iter_dir_name(complete[-1]))
+    if notes is not None:
+        notes.append(f"note: {os.path.join(path, LATEST)!r} "
+                     f"{'is missing' if latest is None else f'names iteration {latest}, which is not complete'}; "
+                     f"resuming from the newest complete iteration, {complete[-1]} ({chosen}).")
+    return chosen
 
 
 def read_meta(iter_dir: str) -> dict:
@@ -158,9 +178,9 @@ def read_meta(iter_dir: str) -> dict:
         raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path!r} is corrupt ({exc}); the checkpoint cannot be used.") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
-                        f"this tnlg reads {FORMAT!r}.")
+                        f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
     return meta
 
 
@@ -179,3 +199,55 @@ def check_files(iter_dir: str, meta: dict, kinds: tuple[str, ...] = ("model", "o
             raise UserError(f"checkpoint file {path!r} has {have} bytes but {size} were written "
                             f"({'truncated' if have < size else 'changed'}); it was copied incompletely or "
                             f"damaged. Nothing was loaded.")
+
+
+def verify_checksums(iter_dir: str, meta: dict, names) -> None:
+    """The SHA-256 of each named file equals the manifest's (format 2; format 1 has none), else a
+    :class:`UserError` naming the file. Reads each file once in chunks (constant memory)."""
+    from .stream import file_sha256
+    sums = meta.get("sha256") or {}
+    for name in sorted(set(names)):
+        if name in sums and file_sha256(os.path.join(iter_dir, name)) != sums[name]:
+            raise UserError(f"checkpoint file {os.path.join(iter_dir, name)!r} does not match the SHA-256 "
+                            f"recorded when it was written (a bit flip or a partial copy with the right size); "
+                            f"it cannot be trusted. Nothing was loaded. Use another iteration or copy the "
+                            f"file again.")
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Committed iterations whose ``meta.json`` parses and whose files all have their manifest
+    sizes, ascending (cheap: no checksums)."""
+    out = []
+    for it in list_iterations(root):
+        d = os.path.join(root, iter_dir_name(it))
+        try:
+            check_files(d, read_meta(d), ("model", "optim", "rng"))
+        except UserError:
+            continue
+        out.append(it)
+    return out
+
+
+def make_save_dir(path: str) -> None:
+    """Create a directory for a save in progress, with the marker that makes it ours."""
+    os.makedirs(path)
+    with open(os.path.join(path, MARKER), "w") as f:
+        f.write("written by a tnlg checkpoint save; removed when the save completes or is superseded\n")
+
+
+def is_ours(path: str) -> bool:
+    """True for a directory a tnlg save created (it holds the marker)."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two directory entries (Linux ``renameat2(RENAME_EXCHANGE)``); ``False``
+    where the system cannot (the caller falls back to two renames)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

@@ -22,7 +22,7 @@ from ..errors import UserError
 from ..parallel.state import ParallelState
 from . import files as F
 from .compat import check_compatible
-from .reshard import ShardReader, check_same_params, targets_for
+from .reshard import OptimReader, ShardReader, check_same_params, targets_for
 from .rng import restore
 
 __all__ = ["load", "load_for_inference", "read_states"]
@@ -47,19 +47,53 @@ def _agree(error: Optional[BaseException], ps: ParallelState) -> None:
 
 def read_states(iter_dir: str, meta: dict, config: GPTConfig, tp_size: int, tp_rank: int,
                 names=None, optimizer: bool = True) -> tuple[dict, Optional[dict]]:
-    """This TP rank's parameters (and Adam moments, if stored and wanted), re-sliced from the
-    stored shards. No communication."""
+    """This TP rank's parameters (and optimizer states, if stored and wanted: ``exp_avg``,
+    ``exp_avg_sq``, ``master`` when stored, ``step``), whole TP shards re-sliced from the stored
+    ones. No communication. Holds every tensor at once: for offline tools (``tnlg convert``);
+    training loads stream (:func:`load`)."""
     targets = targets_for(config, tp_size, tp_rank)
     names = list(targets) if names is None else list(names)
     model = ShardReader(iter_dir, meta, F.model_file)
     params = {n: model.tensor(n, n, targets[n]) for n in names}
     states = None
     if optimizer and meta["optimizer"].get("present"):
-        opt = ShardReader(iter_dir, meta, F.optim_file)
+        opt = OptimReader(iter_dir, meta)
         step = int(meta["optimizer"]["num_steps"])
-        states = {n: dict(exp_avg=opt.tensor(f"{n}.exp_avg", n, targets[n]),
-                          exp_avg_sq=opt.tensor(f"{n}.exp_avg_sq", n, targets[n]), step=step) for n in names}
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if opt.has_master else ())
+        states = {n: dict({k: opt.tensor(f"{n}.{k}", n, targets[n]) for k in kinds}, step=step) for n in names}
     return params, states
+
+
+def _files_to_read(meta: dict, targets: dict, pieces: Optional[list], optimizer: bool) -> set:
+    """The checkpoint files this rank reads (their checksums are verified before loading)."""
+    src_tp = int(meta["layout"]["tp"])
+    model_ranks = {0}
+    for name, t in targets.items():
+        src = meta["params"][name]
+        if src["sharded"]:
+            start = sum(t["sizes"][:t["tp_rank"]])
+            stop, a = start + t["local"][t["dim"]], 0
+            for r, size in enumerate(src["sizes"]):
+                if a < stop and start < a + size:
+                    model_ranks.add(r)
+                a += size
+    out = {F.model_file(r) for r in model_ranks if r < src_tp}
+    if optimizer and meta["optimizer"].get("present"):
+        if not meta.get("optim_files"):  # format 1
+            out |= {F.optim_file(r) for r in model_ranks}
+        else:
+            wanted = {(pc["name"], pc["lo"], pc["lo"] + pc["length"]) for pc in pieces} if pieces is not None else None
+            for fname, f in meta["optim_files"].items():
+                if int(f["tp_rank"]) not in model_ranks:
+                    continue
+                if wanted is None:  # another TP size: whole source shards are assembled
+                    out.add(fname)
+                    continue
+                for name, (lo, length) in f["pieces"].items():
+                    if any(n == name and lo < hi and a < lo + length for n, a, hi in wanted):
+                        out.add(fname)
+                        break
+    return out
 
 
 def _rng_plan(meta: dict, ps: ParallelState) -> tuple[Optional[str], Optional[str]]:
@@ -84,9 +118,9 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     Collective: one all-reduce to agree on success; ZeRO-3 loading scatters nothing
     (each rank keeps its part of the full tensors it read).
     """
-    error, plan = None, None
+    error, plan, notes = None, None, []
     try:
-        iter_dir = F.resolve(load_dir, origin)
+        iter_dir = F.resolve(load_dir, origin, notes)
         if iter_dir is None:
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         else:
@@ -100,11 +134,15 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
             F.check_files(iter_dir, {"files": {k: v for k, v in meta["files"].items()
                                                if k in (shared_rng, tp_rng)}}, ("rng",))
             check_compatible(meta, iter_dir, config, options, tokenizer, origin)
-            check_same_params(meta, targets_for(config, ps.tp_size, ps.tp_rank), iter_dir)
-            params, states = read_states(iter_dir, meta, config, ps.tp_size, ps.tp_rank, engine.param_names)
+            targets = targets_for(config, ps.tp_size, ps.tp_rank)
+            check_same_params(meta, targets, iter_dir)
+            pieces = engine.owned_pieces() if hasattr(engine, "owned_pieces") else None
+            same_tp = int(meta["layout"]["tp"]) == ps.tp_size
+            needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
+            F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))
             rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
                           for name in {shared_rng, tp_rng} - {None}}
-            plan = (iter_dir, meta, params, states, rng_states, shared_rng, tp_rng)
+            plan = (iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng)
     except UserError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - a damaged file must not leave other ranks waiting
@@ -112,11 +150,19 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     _agree(error, ps)
     if plan is None:
         return None
+    for note in notes:
+        _log(ps, note)
 
-    iter_dir, meta, params, states, rng_states, shared_rng, tp_rng = plan
-    engine.load_model_state_by_param(params)
-    if states is not None:
-        engine.load_optimizer_state_by_param(states)
+    iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng = plan
+    if pieces is None:  # an engine without the piece API (DeepSpeed): whole per-parameter states
+        params, states = read_states(iter_dir, meta, config, ps.tp_size, ps.tp_rank, engine.param_names)
+        engine.load_model_state_by_param(params)
+        if states is not None:
+            engine.load_optimizer_state_by_param(states)
+    else:
+        _stream_into(engine, iter_dir, meta, targets, pieces)
+    if meta["optimizer"].get("present"):
+        engine.num_steps = int(meta["optimizer"]["num_steps"])
         if engine.loss_scaler is not None and meta["optimizer"].get("loss_scaler"):
             engine.loss_scaler.load_state_dict(meta["optimizer"]["loss_scaler"])
     else:
@@ -135,6 +181,46 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
                      f"the TP size changed ({meta['rng']['tp']} -> {ps.tp_size}); dropout masks after the resume "
                      f"differ from an uninterrupted run at the old layout.")
     return dict(iteration=int(meta["iteration"]), consumed_samples=int(meta["consumed_samples"]), path=iter_dir)
+
+
+@torch.no_grad()
+def _stream_into(engine, iter_dir: str, meta: dict, targets: dict, pieces: list) -> None:
+    """Load weights one parameter at a time and optimizer states one owned piece at a time, straight
+    into the engine's buffers: no more than one parameter's TP shard of extra memory.
+
+    Master weights: from the checkpoint's fp32 master where it has one (16-bit runs), else from
+    its weights (fp32 runs: exact); a 16-bit model's owned slices are then set from the master,
+    and an fp32 model's from the stored master (then all-gathered: stage 1)."""
+    reader = ShardReader(iter_dir, meta, F.model_file)
+    opt = OptimReader(iter_dir, meta) if meta["optimizer"].get("present") else None
+    stored_master = opt is not None and opt.has_master
+    by_name: dict[str, list] = {}
+    for pc in pieces:
+        by_name.setdefault(pc["name"], []).append(pc)
+    for name in engine.param_names:
+        value = reader.tensor(name, name, targets[name])
+        engine.load_param(name, value)
+        if not stored_master:
+            flat = value.reshape(-1)
+            for pc in by_name.get(name, []):
+                if pc["master"] is not None:
+                    pc["master"].copy_(flat[pc["lo"]:pc["lo"] + pc["length"]])
+        del value
+    if opt is None:
+        return
+    for pc in pieces:
+        if pc["length"] == 0:
+            continue
+        t = targets[pc["name"]]
+        for k in ("exp_avg", "exp_avg_sq"):
+            pc[k].copy_(opt.piece(pc["name"], k, t, pc["lo"], pc["length"]))
+        if stored_master:
+            m = opt.piece(pc["name"], "master", t, pc["lo"], pc["length"])
+            if pc["master"] is not None:
+                pc["master"].copy_(m)
+            pc["param"].copy_(m)
+    if stored_master and not engine.has_master:
+        engine.gather_params()  # fp32 parameters took the exact stored master on their owned slices
 
 
 def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
@@ -159,12 +245,14 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
         cfg.check_tensor_parallel(ps.tp_size)
     except ValueError as exc:
         raise UserError(f"checkpoint {iter_dir!r} cannot run at this tensor-parallel size: {exc}") from None
-    check_same_params(meta, targets_for(cfg, ps.tp_size, ps.tp_rank), iter_dir)
-    params, _ = read_states(iter_dir, meta, cfg, ps.tp_size, ps.tp_rank, optimizer=False)
+    targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
+    check_same_params(meta, targets, iter_dir)
+    F.verify_checksums(iter_dir, meta, _files_to_read(meta, targets, None, False))
     model = GPT(cfg, ps)
-    with torch.no_grad():
+    reader = ShardReader(iter_dir, meta, F.model_file)
+    with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():
-            p.copy_(params[name].to(p.dtype))
+            p.copy_(reader.tensor(name, name, targets[name]).to(p.dtype))
     model.eval()
     if tokenizer_override is not None:
         tokenizer = load_tokenizer(tokenizer_override)

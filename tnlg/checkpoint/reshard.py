@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Optional
 
 import torch
 
@@ -25,7 +24,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 
 __all__ = ["partition_info", "targets_for", "full_targets", "param_records", "names_for_rank",
-           "check_same_params", "slice_full", "ShardReader", "write_shard_file"]
+           "check_same_params", "slice_full", "ShardReader", "OptimReader"]
 
 
 @lru_cache(maxsize=64)
@@ -61,18 +60,6 @@ def param_records(config: GPTConfig, tp_size: int) -> dict[str, dict]:
     """The ``params`` section of ``meta.json`` for a checkpoint written at TP size ``tp_size``."""
     return {name: {k: v for k, v in rec.items() if k != "local"}
             for name, rec in partition_info(config, tp_size, 0).items()}
-
-
-def write_shard_file(path: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> int:
-    """Write tensors as safetensors (temporary name, fsync, rename); returns the file size."""
-    from safetensors.torch import save_file
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, tmp,
-              metadata={k: str(v) for k, v in (metadata or {}).items()})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return os.path.getsize(path)
 
 
 class ShardReader:
@@ -194,3 +181,108 @@ def slice_full(full: torch.Tensor, target: dict) -> torch.Tensor:
     if hi > start:
         out.narrow(dim, 0, hi - start).copy_(full.narrow(dim, start, hi - start))
     return out
+
+
+class OptimReader(ShardReader):
+    """Reads optimizer states (``exp_avg``, ``exp_avg_sq``, ``master``) for any target layout.
+
+    Format 2 stores, per (TP, DP) rank, flat pieces ``[lo, lo + length)`` of each flattened
+    TP shard (``meta["optim_files"]`` lists them); format 1 stored each TP shard whole. For a
+    target piece of a TP shard laid out as stored (same TP size, or a replicated parameter),
+    :meth:`piece` reads only the overlapping stored pieces (lazy slices). After a change of
+    TP size it assembles the source TP shards it overlaps (one parameter's shard at a time)
+    and re-slices them as :class:`ShardReader` does for weights.
+    """
+
+    def __init__(self, iter_dir: str, meta: dict):
+        super().__init__(iter_dir, meta, None)
+        self.index: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
+        self.kinds = {"exp_avg", "exp_avg_sq"}
+        if meta.get("optim_files"):
+            kinds = [set(f["kinds"]) for f in meta["optim_files"].values()]
+            self.kinds = set.intersection(*kinds) if kinds else self.kinds
+            for fname, f in meta["optim_files"].items():
+                for name, (lo, length) in f["pieces"].items():
+                    self.index.setdefault((int(f["tp_rank"]), name), []).append((fname, int(lo), int(length)))
+        else:  # format 1: whole TP shards in optim_tpXX.safetensors
+            for name, rec in meta["params"].items():
+                ranks = range(self.src_tp) if rec["sharded"] else [0]
+                for r in ranks:
+                    self.index[(r, name)] = [(f"optim_tp{r:02d}.safetensors", 0, -1)]
+        self._files: dict[str, object] = {}
+
+    @property
+    def has_master(self) -> bool:
+        return "master" in self.kinds
+
+    def _open_name(self, fname: str):
+        if fname not in self._files:
+            from safetensors import safe_open
+            path = os.path.join(self.iter_dir, fname)
+            try:
+                self._files[fname] = safe_open(path, framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001
+                raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or truncated. "
+                                f"Nothing was loaded.") from None
+        return self._files[fname]
+
+    def _src_numel(self, tp_rank: int, name: str) -> int:
+        rec = self.meta["params"][name]
+        shape = list(rec["shape"])
+        if rec["sharded"]:
+            shape[rec["dim"]] = rec["sizes"][tp_rank]
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    def _flat(self, tp_rank: int, name: str, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened stored TP shard ``tp_rank`` of ``name``."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        covered = 0
+        for fname, plo, plen in self.index.get((tp_rank, name), []):
+            f = self._open_name(fname)
+            key = f"{name}.{kind}"
+            try:
+                if plen < 0:  # format 1: the whole shard, shaped
+                    t = f.get_tensor(key).reshape(-1)
+                    plen = t.numel()
+                    piece = lambda a, b, t=t: t[a:b]  # noqa: E731
+                else:
+                    sl = f.get_slice(key)
+                    piece = lambda a, b, sl=sl: sl[a:b]  # noqa: E731
+                a, b = max(lo, plo), min(hi, plo + plen)
+                if a < b:
+                    out[a - lo:b - lo].copy_(piece(a - plo, b - plo))
+                    covered += b - a
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise UserError(f"checkpoint file {os.path.join(self.iter_dir, fname)!r} has no readable tensor "
+                                f"{key!r} ({exc}); it is damaged or from another model.") from None
+        if covered != hi - lo:
+            raise UserError(f"checkpoint {self.iter_dir!r} holds {covered} of the {hi - lo} optimizer-state "
+                            f"elements [{lo}, {hi}) of {name!r} (TP rank {tp_rank}): a file is missing from its "
+                            f"manifest, or the checkpoint is from another model.")
+        return out
+
+    # ShardReader's hooks, for re-slicing whole source shards after a TP change
+    def _whole(self, tp_rank: int, key: str) -> torch.Tensor:
+        name, kind = key.rsplit(".", 1)
+        rec = self.meta["params"][name]
+        shape = list(rec["shape"])
+        if rec["sharded"]:
+            shape[rec["dim"]] = rec["sizes"][tp_rank]
+        return self._flat(tp_rank, name, kind, 0, self._src_numel(tp_rank, name)).view(shape)
+
+    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int) -> torch.Tensor:
+        return self._whole(tp_rank, key).narrow(dim, lo, hi - lo)
+
+    def piece(self, name: str, kind: str, target: dict, lo: int, length: int) -> torch.Tensor:
+        """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind``."""
+        src = self.meta["params"][name]
+        same = not src["sharded"] or (list(src["sizes"]) == list(target.get("sizes", [])) and
+                                     src["dim"] == target["dim"])
+        if same:
+            return self._flat(int(target["tp_rank"]) if src["sharded"] else 0, name, kind, lo, lo + length)
+        return self.tensor(f"{name}.{kind}", name, target).reshape(-1)[lo:lo + length].clone()

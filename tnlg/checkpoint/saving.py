@@ -1,18 +1,27 @@
-"""``save``: every rank writes its part into ``iter_N.tmp``; rank 0 commits it by renaming.
+"""``save``: every rank streams its part into ``iter_N.tmp``; rank 0 commits it by renaming.
+
+What each rank writes (nothing is gathered; extra memory is one tensor's host copy):
+
+* the ranks of DP rank 0 write their TP shard of the weights (``model_tpXX``), one
+  parameter at a time; with ZeRO-3 every DP rank takes part in each parameter's
+  all-gather (FSDP's ``full_tensor``), one parameter at a time;
+* every rank that owns optimizer state writes exactly what it owns
+  (``optim_tpXX_dpYYY``): the Adam moments and, for 16-bit training, the fp32 master
+  weights, as flat pieces of its TP shards (ZeRO-1: its slice of every bucket; FSDP: its
+  shards; stage 0: DP rank 0 writes everything). Replicated parameters come from TP rank 0;
+* every rank writes its RNG states.
 
 Order of events (a crash at any point leaves the previous checkpoint intact and
 ``latest`` pointing at it):
 
-1. collectives to get the states: ``engine.model_state_by_param()`` (ZeRO-3:
-   all-gather over DP) and ``engine.optimizer_state_by_param()`` (ZeRO >= 1:
-   all-gather over DP); rank 0 removes stale ``*.tmp`` directories and creates
-   ``iter_N.tmp``; barrier;
-2. the ranks of DP rank 0 write their TP shard of weights and Adam moments;
-   every rank writes its RNG states; ``all_gather_object`` of the file sizes;
-3. rank 0 writes ``meta.json`` (the manifest), renames ``iter_N.tmp`` to
-   ``iter_N`` (an existing complete ``iter_N`` is kept: saving an iteration twice
-   is harmless), then replaces ``latest_checkpointed_iteration.txt`` atomically
-   and prunes to ``--keep-last``; barrier.
+1. rank 0 removes the debris of earlier crashed saves (directories holding the
+   ``.tnlg-save`` marker, nothing else) and creates ``iter_N.tmp`` with the marker; barrier;
+2. every rank streams its files and computes their SHA-256; ``all_gather_object`` of
+   (size, checksum, pieces) per file;
+3. rank 0 writes ``meta.json`` (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an
+   existing ``iter_N``, from a run that was rolled back, is swapped out atomically and
+   removed, and the log says so), replaces ``latest_checkpointed_iteration.txt``
+   atomically and prunes to ``--keep-last``; barrier.
 """
 
 from __future__ import annotations
@@ -29,10 +38,11 @@ from ..config import GPTConfig
 from ..parallel.state import ParallelState
 from . import files as F
 from .compat import data_record, options_record
-from .reshard import names_for_rank, param_records, write_shard_file
+from .reshard import names_for_rank, param_records
 from .rng import capture
+from .stream import StreamWriter
 
-__all__ = ["save", "write_checkpoint", "commit", "KILL_DURING_SAVE_ENV"]
+__all__ = ["save", "write_offline", "commit", "KILL_DURING_SAVE_ENV"]
 
 # Test-only fault injection: "ITERATION" or "ITERATION:RANK" makes that rank SIGKILL itself after
 # writing its files of that iteration, before the directory is committed (default rank: the last).
@@ -65,104 +75,243 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
          config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None) -> str:
     """Write a checkpoint of iteration ``iteration`` under ``save_dir``; returns its directory.
 
-    Collective over all ranks (see the module docstring for the collectives and
-    the commit protocol). ``keep_last`` keeps only the newest K iterations.
+    Collective over all ranks (see the module docstring for what each rank writes and the
+    commit protocol). ``keep_last`` keeps only the newest K iterations.
     """
-    params = engine.model_state_by_param()
-    states = engine.optimizer_state_by_param()
-    optimizer = dict(present=True, num_steps=int(engine.num_steps), zero_stage=int(engine.zero_stage),
-                     loss_scaler=None if engine.loss_scaler is None else engine.loss_scaler.state_dict(),
-                     betas=[float(engine.backend.beta1), float(engine.backend.beta2)],
-                     eps=float(engine.backend.eps), weight_decay=float(engine.backend.weight_decay))
-    return write_checkpoint(save_dir, iteration=iteration, consumed_samples=consumed_samples, params=params,
-                            states=states, optimizer=optimizer, tp_random=model.tp_random, ps=ps, config=config,
-                            options=options, tokenizer=tokenizer, keep_last=keep_last)
-
-
-def write_checkpoint(save_dir: str, *, iteration: int, consumed_samples: int, params: dict,
-                     states: Optional[dict], optimizer: Optional[dict], tp_random, ps: ParallelState,
-                     config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None,
-                     rng: bool = True, tokenizer_spec: Optional[dict] = None) -> str:
-    """The writing half of :func:`save`, from tensors this rank already holds (its TP shard, full
-    over DP). ``states=None`` writes no optimizer state (a converted model). Collective."""
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
     records = param_records(config, ps.tp_size)
-    if set(params) != set(records):
-        raise RuntimeError(f"engine parameters {sorted(set(params) ^ set(records))[:4]} do not match the model's "
-                           f"partition records; cannot save.")
+    if set(engine.param_names) != set(records):
+        raise RuntimeError(f"engine parameters {sorted(set(engine.param_names) ^ set(records))[:4]} do not match "
+                           f"the model's partition records; cannot save.")
+    _prepare(root, tmp, ps)
+    names = names_for_rank(records, ps.tp_rank)
+    tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
+    written: dict[str, dict] = {}
+    written.update(_write_model(tmp, engine, names, ps, tag))
+    written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
+    written.update(_write_rng(tmp, model.tp_random, ps))
+    _maybe_kill(iteration, ps.rank, ps.world_size)
+    optimizer = dict(present=True, **_hyperparameters(engine))
+    _finish(root, tmp, final, iteration, written, ps, dict(
+        consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
+        data=data_record(options), tokenizer=tokenizer.describe() if tokenizer else None,
+        layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size, param_dtype=_dtype_name(engine)),
+        params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
+        schedule=_schedule(options, optimizer)), keep_last)
+    return final
+
+
+def _prepare(root: str, tmp: str, ps: ParallelState) -> None:
+    """Rank 0: remove only our own debris, create ``tmp`` with the marker; barrier."""
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a save that crashed
-            if name.startswith("iter_") and ".tmp" in name:
-                F.remove_tree(os.path.join(root, name))
-        os.makedirs(tmp)
+        for name in os.listdir(root):  # leftovers of a save that crashed (recognised by the marker)
+            path = os.path.join(root, name)
+            if name.startswith("iter_") and not F.ITER_RE.match(name) and os.path.isdir(path) and F.is_ours(path):
+                F.remove_tree(path)
+        F.make_save_dir(tmp)
     _barrier()
 
-    written: dict[str, int] = {}
-    tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
-    if ps.dp_rank == 0:
-        names = names_for_rank(records, ps.tp_rank)
-        written[F.model_file(ps.tp_rank)] = write_shard_file(
-            os.path.join(tmp, F.model_file(ps.tp_rank)), {n: params[n] for n in names}, tag)
-        if states is not None:
-            flat = {}
-            for n in names:
-                flat[f"{n}.exp_avg"] = states[n]["exp_avg"]
-                flat[f"{n}.exp_avg_sq"] = states[n]["exp_avg_sq"]
-            written[F.optim_file(ps.tp_rank)] = write_shard_file(os.path.join(tmp, F.optim_file(ps.tp_rank)),
-                                                                 flat, tag)
-    if rng:
-        path = os.path.join(tmp, F.rng_file(ps.dp_rank, ps.tp_rank))
-        with open(path + ".part", "wb") as f:
-            torch.save(capture(tp_random), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".part", path)
-        written[F.rng_file(ps.dp_rank, ps.tp_rank)] = os.path.getsize(path)
-    _maybe_kill(iteration, ps.rank, ps.world_size)
 
+def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict) -> dict:
+    """DP rank 0 of each TP rank streams its TP shard of the weights (stage 3: every DP rank joins
+    each parameter's all-gather). Returns ``{file: record}`` for the files this rank wrote."""
+    writes = ps.dp_rank == 0
+    stream = None
+    out = {}
+    for name, tensor in _param_stream(engine, names):
+        if writes:
+            if stream is None:
+                specs = [(n, tuple(t_shape), t_dtype) for n, t_shape, t_dtype in _param_specs(engine, names)]
+                stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), specs, tag)
+            stream.write(name, tensor)
+    if writes:
+        if stream is None:
+            stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), [], tag)
+        size, sha = stream.close()
+        out[F.model_file(ps.tp_rank)] = dict(size=size, sha256=sha)
+    return out
+
+
+def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict) -> dict:
+    """Every rank owning optimizer state streams exactly what it owns, as flat pieces."""
+    pieces, sharded = _owned_pieces(engine)
+    if not sharded and ps.dp_rank != 0:
+        return {}
+    pieces = [pc for pc in pieces if pc["name"] in names and pc["length"] > 0]
+    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
+    specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
+    fname = F.optim_file(ps.tp_rank, ps.dp_rank)
+    stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
+    for pc in pieces:
+        for k in kinds:
+            stream.write(f"{pc['name']}.{k}", pc[k])
+    size, sha = stream.close()
+    return {fname: dict(size=size, sha256=sha, tp_rank=ps.tp_rank, dp_rank=ps.dp_rank, kinds=list(kinds),
+                        pieces={pc["name"]: [int(pc["lo"]), int(pc["length"])] for pc in pieces})}
+
+
+def _write_rng(tmp: str, tp_random, ps: ParallelState) -> dict:
+    from .stream import file_sha256
+    name = F.rng_file(ps.dp_rank, ps.tp_rank)
+    path = os.path.join(tmp, name)
+    with open(path + ".part", "wb") as f:
+        torch.save(capture(tp_random), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+    return {name: dict(size=os.path.getsize(path), sha256=file_sha256(path))}
+
+
+def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
+            keep_last: Optional[int]) -> None:
+    """Share what every rank wrote; rank 0 writes the manifest and commits; barrier."""
     if _distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
     else:
         gathered = [written]
     if ps.rank == 0:
-        manifest = {k: v for d in gathered for k, v in d.items()}
-        tok = tokenizer_spec if tokenizer_spec is not None else (tokenizer.describe() if tokenizer else None)
-        meta = dict(format=F.FORMAT, iteration=int(iteration), consumed_samples=int(consumed_samples),
-                    config=config.to_dict(), options=options_record(options), data=data_record(options),
-                    tokenizer=tok,
-                    layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
-                                param_dtype=str(next(iter(params.values())).dtype).replace("torch.", "")),
-                    params=records, files=manifest,
-                    optimizer=optimizer if states is not None else dict(present=False),
-                    rng=dict(tp=ps.tp_size, dp=ps.dp_size) if rng else None,
-                    schedule=_schedule(options, optimizer),
+        files = {k: v for d in gathered for k, v in d.items()}
+        meta = dict(format=F.FORMAT, iteration=int(iteration), **meta,
+                    files={k: v["size"] for k, v in files.items()},
+                    sha256={k: v["sha256"] for k, v in files.items()},
+                    optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
+                                 for k, v in files.items() if "pieces" in v},
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
         commit(root, tmp, final, iteration, meta, keep_last)
     _barrier()
+
+
+def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r, names) ->
+    (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
+    (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``)."""
+    root = os.path.abspath(root)
+    iteration = int(meta["iteration"])
+    final = os.path.join(root, F.iter_dir_name(iteration))
+    tmp = os.path.join(root, _tmp_name(iteration))
+    os.makedirs(root, exist_ok=True)
+    F.make_save_dir(tmp)
+    records = param_records(GPTConfig.from_dict(meta["config"]), tp_size)
+    files: dict[str, dict] = {}
+    for r in range(tp_size):
+        names = names_for_rank(records, r)
+        params, states = shard_of_rank(r, names)
+        tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
+        stream = StreamWriter(os.path.join(tmp, F.model_file(r)),
+                              [(n, tuple(params[n].shape), params[n].dtype) for n in names], tag)
+        for n in names:
+            stream.write(n, params[n])
+        size, sha = stream.close()
+        files[F.model_file(r)] = dict(size=size, sha256=sha)
+        if states is not None:
+            kinds = ("exp_avg", "exp_avg_sq") + (("master",) if all("master" in states[n] for n in names) else ())
+            fname = F.optim_file(r, 0)
+            stream = StreamWriter(os.path.join(tmp, fname), [(f"{n}.{k}", (states[n][k].numel(),), torch.float32)
+                                                             for n in names for k in kinds], tag)
+            for n in names:
+                for k in kinds:
+                    stream.write(f"{n}.{k}", states[n][k].float().reshape(-1))
+            size, sha = stream.close()
+            files[fname] = dict(size=size, sha256=sha, tp_rank=r, dp_rank=0, kinds=list(kinds),
+                                pieces={n: [0, int(states[n]["exp_avg"].numel())] for n in names})
+        if rng_of_rank is not None:
+            from .stream import file_sha256
+            path = os.path.join(tmp, F.rng_file(0, r))
+            torch.save(rng_of_rank(r), path)
+            files[F.rng_file(0, r)] = dict(size=os.path.getsize(path), sha256=file_sha256(path))
+    meta = dict(meta, format=F.FORMAT, params=records, files={k: v["size"] for k, v in files.items()},
+                sha256={k: v["sha256"] for k, v in files.items()},
+                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
+                             for k, v in files.items() if "pieces" in v},
+                layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
+                rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
+    commit(root, tmp, final, iteration, meta, None)
     return final
 
 
 def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_last: Optional[int]) -> None:
-    """Rank 0's part: manifest, rename, ``latest``, pruning (see the module docstring)."""
+    """Rank 0's part: manifest, rename (replacing an older save of this iteration atomically),
+    ``latest``, pruning (see the module docstring)."""
     import json
     F.atomic_write_text(os.path.join(tmp, F.META), json.dumps(meta, indent=1))
     F.fsync_dir(tmp)
-    if os.path.isfile(os.path.join(final, F.META)):
-        F.remove_tree(tmp)  # this iteration is already saved (interval and end of run coincide)
+    if os.path.exists(final):
+        # An older save of this iteration: a run rolled back to an earlier checkpoint reached it
+        # again. The new one replaces it: swap atomically, then remove the old (now at ``tmp``).
+        if not F.exchange(tmp, final):
+            old = final + ".replaced.tmp"
+            os.rename(final, old)  # brief window; a resume then falls back to the newest complete iteration
+            os.rename(tmp, final)
+            tmp = old
+        F.fsync_dir(root)
+        F.remove_tree(tmp)
+        _drop_marker(final)
+        print(f"note: replaced an older save of iteration {iteration} in {root} (this run reached that iteration "
+              f"again, e.g. after rolling back).", flush=True)
     else:
-        if os.path.exists(final):  # an incomplete directory of that name (not written by tnlg)
-            F.remove_tree(final)
         os.rename(tmp, final)
         F.fsync_dir(root)
+        _drop_marker(final)
     F.write_latest(root, iteration)
     if keep_last:
         for it in F.list_iterations(root)[:-keep_last]:
             if it != iteration:
                 F.remove_tree(os.path.join(root, F.iter_dir_name(it)))
+
+
+def _drop_marker(final: str) -> None:
+    """A committed directory is complete: it no longer needs the in-progress marker."""
+    try:
+        os.remove(os.path.join(final, F.MARKER))
+    except FileNotFoundError:
+        pass
+
+
+# --------------------------------------------------------------------------- engine adapters
+
+def _owned_pieces(engine) -> tuple[list[dict], bool]:
+    """(pieces, sharded over DP) of any engine; the DeepSpeed engine, which has no piece API,
+    hands over full per-parameter states (its states are assembled: not streamed)."""
+    if hasattr(engine, "owned_pieces"):
+        return engine.owned_pieces(), engine.pieces_sharded_over_dp
+    states = engine.optimizer_state_by_param()
+    return [dict(name=n, lo=0, length=st["exp_avg"].numel(), exp_avg=st["exp_avg"].reshape(-1),
+                 exp_avg_sq=st["exp_avg_sq"].reshape(-1), master=None) for n, st in states.items()], False
+
+
+def _param_stream(engine, names):
+    if hasattr(engine, "param_tensors"):
+        return engine.param_tensors(names)
+    full = engine.model_state_by_param()
+    return ((n, full[n]) for n in engine.param_names if n in set(names))
+
+
+def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
+    """Names, shapes (this TP shard, full over DP) and dtypes, in the order of :func:`_param_stream`."""
+    shapes = dict(_shapes(engine))
+    return [(n, shapes[n][0], shapes[n][1]) for n in engine.param_names if n in set(names)]
+
+
+def _shapes(engine):
+    for n, p in zip(engine.param_names, engine.backend.params):
+        shape = getattr(p, "ds_shape", p.shape)
+        yield n, (tuple(shape), p.dtype)
+
+
+def _dtype_name(engine) -> str:
+    return str(next(iter(engine.backend.params)).dtype).replace("torch.", "")
+
+
+def _hyperparameters(engine) -> dict:
+    if hasattr(engine, "hyperparameters"):
+        return engine.hyperparameters()
+    return dict(num_steps=int(engine.num_steps), zero_stage=int(engine.zero_stage), loss_scaler=None,
+                betas=[float(engine.beta1), float(engine.beta2)], eps=float(engine.eps),
+                weight_decay=float(engine.weight_decay))
 
 
 def _schedule(options, optimizer: Optional[dict]) -> Optional[dict]:

@@ -55,8 +55,8 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .clip import clip_coefficient
-from .engine import STATE_FORMAT, check_optimizer_args, common_step
-from .zero import MiB, _check_states, _tp_flag, default_decay
+from .engine import STATE_FORMAT, check_optimizer_args, check_states, common_step
+from .zero import MiB, _tp_flag, default_decay
 
 __all__ = ["build_deepspeed_engine", "DeepSpeedZeroEngine", "DeepSpeedModel", "TnlgMPU",
            "check_deepspeed_options", "deepspeed_available", "INSTALL_HINT"]
@@ -387,8 +387,7 @@ class DeepSpeedZeroEngine:
         """Keep this rank's fragments of full per-parameter states (no communication)."""
         from deepspeed.utils import safe_set_full_optimizer_state
         step = common_step(states)
-        _check_states(states, {n: torch.empty(self._full_shape(p), device="meta")
-                               for n, p in zip(self.names, self.params)})
+        check_states(states, {n: tuple(self._full_shape(p)) for n, p in zip(self.names, self.params)})
         for n, p in zip(self.names, self.params):
             for k in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, states[n][k].detach().to(self.ps.device, torch.float32), k)

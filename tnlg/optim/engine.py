@@ -33,6 +33,7 @@ import math
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import UserError
@@ -41,7 +42,7 @@ from .clip import clip_coefficient, global_norm, squared_sums
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
-__all__ = ["Engine", "build_engine", "check_optimizer_args", "common_step", "STATE_FORMAT"]
+__all__ = ["Engine", "build_engine", "check_optimizer_args", "check_states", "common_step", "STATE_FORMAT"]
 
 STATE_FORMAT = "tnlg.optim/1"
 
@@ -142,36 +143,84 @@ class Engine:
         self._needs_zero = False
 
     # ----------------------------------------------------------------- state
+    # Checkpoints stream from and into what each rank owns (``owned_pieces``); the by-parameter
+    # dicts below are a convenience for tests and small models (they hold every state at once).
+    @property
+    def pieces_sharded_over_dp(self) -> bool:
+        return self.backend.pieces_sharded_over_dp
+
+    @property
+    def has_master(self) -> bool:
+        """True when parameters are 16-bit and the optimizer steps an fp32 master."""
+        return self.backend.dtype != torch.float32
+
+    def owned_pieces(self) -> list[dict]:
+        """This rank's part of every parameter's states, as views (see ``FlatZero.owned_pieces``)."""
+        return self.backend.owned_pieces()
+
+    def param_tensors(self, names):
+        """``(name, tensor)`` of this TP shard, full over DP, one at a time (stage 3: collective)."""
+        return self.backend.param_tensors(names)
+
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Copy a full (over DP) value of this TP shard of ``name`` into the model; no communication."""
+        self.backend.load_param(name, value)
+
+    def gather_params(self) -> None:
+        """Bring every rank's parameters up to date from the owned slices (stage 1: all-gather)."""
+        self.backend.gather_params()
+
+    def refresh_master(self) -> None:
+        """fp32 master of the owned slices <- the (16-bit) parameters."""
+        self.backend.refresh_master()
+
+    @torch.no_grad()
     def optimizer_state_by_param(self) -> dict[str, dict]:
         """``{name: {"exp_avg", "exp_avg_sq" (fp32, shaped like this rank's TP shard), "step"}}``.
 
-        Independent of DP size and ZeRO stage. Collective over DP (stage >= 1
-        all-gathers); every DP rank must call it and every one gets the result.
-        Merging TP shards (``tnlg.shards.gather_full`` on each tensor) is the
-        checkpoint's job: the states have the parameter's shape and split.
+        Independent of DP size and ZeRO stage. Collective over DP when states are partitioned
+        (one all-reduce per parameter of the zero-filled full tensor); every DP rank gets the
+        result. Holds every state at once: for tests and small models; checkpoints stream.
         """
-        out = self.backend.optimizer_state_by_param()
-        for d in out.values():
-            d["step"] = self.num_steps
+        shapes = {n: tuple(t.shape) for n, t in self.param_tensors(self.param_names)}
+        out = {n: dict(exp_avg=torch.zeros(shapes[n], device=self.ps.device),
+                       exp_avg_sq=torch.zeros(shapes[n], device=self.ps.device), step=self.num_steps)
+               for n in self.param_names}
+        for pc in self.owned_pieces():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[pc["name"]][k].view(-1)[pc["lo"]:pc["lo"] + pc["length"]].copy_(pc[k])
+        if self.pieces_sharded_over_dp and self.ps.dp_group is not None:
+            for n in self.param_names:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    dist.all_reduce(out[n][k], group=self.ps.dp_group)
         return out
 
+    @torch.no_grad()
     def load_optimizer_state_by_param(self, states: dict) -> None:
         """Inverse of :meth:`optimizer_state_by_param` at any DP size / stage: keeps this rank's part.
 
-        No communication. Load the model's parameters first (the fp32 master, if
-        any, is refreshed from them). All parameters must carry the same ``step``.
+        No communication. Load the model's parameters first (the fp32 master, if any, is
+        refreshed from them). All parameters must carry the same ``step``.
         """
         step = common_step(states)
-        self.backend.load_optimizer_state_by_param(states)
+        check_states(states, {n: tuple(t.shape) for n, t in self.param_tensors(self.param_names)})
+        for pc in self.owned_pieces():
+            for k in ("exp_avg", "exp_avg_sq"):
+                src = states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]]
+                pc[k].copy_(src)
+        self.refresh_master()
         self.num_steps = step
 
     def state_dict(self) -> dict:
         """Layout-independent optimizer state (collective over DP): per-parameter states, step count,
-        loss-scaler state and the hyper-parameters, for ``torch.save``/DCP."""
+        loss-scaler state and the hyper-parameters, for ``torch.save``."""
+        return dict(format=STATE_FORMAT, params=self.optimizer_state_by_param(), **self.hyperparameters())
+
+    def hyperparameters(self) -> dict:
+        """What a checkpoint records next to the states: step count, stage, Adam's settings, loss scaler."""
         b = self.backend
-        return dict(format=STATE_FORMAT, num_steps=self.num_steps, zero_stage=self.zero_stage,
-                    betas=(b.beta1, b.beta2), eps=b.eps, weight_decay=b.weight_decay,
-                    params=self.optimizer_state_by_param(),
+        return dict(num_steps=int(self.num_steps), zero_stage=int(self.zero_stage),
+                    betas=[float(b.beta1), float(b.beta2)], eps=float(b.eps), weight_decay=float(b.weight_decay),
                     loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     def load_state_dict(self, sd: dict) -> None:
@@ -183,13 +232,19 @@ class Engine:
         if self.loss_scaler is not None and sd.get("loss_scaler"):
             self.loss_scaler.load_state_dict(sd["loss_scaler"])
 
+    @torch.no_grad()
     def model_state_by_param(self) -> dict[str, torch.Tensor]:
         """This TP rank's parameters, full over DP (stage 3 all-gathers: collective over DP)."""
-        return self.backend.model_state_by_param()
+        return {n: t.clone() for n, t in self.param_tensors(self.param_names)}
 
+    @torch.no_grad()
     def load_model_state_by_param(self, tensors: dict) -> None:
         """Copy parameters (this TP shard's shapes) into the model, whatever the stage; no communication."""
-        self.backend.load_model_state_by_param(tensors)
+        for n in self.param_names:
+            if n not in tensors:
+                raise UserError(f"parameter {n!r}: no tensor given; expected one for every parameter.")
+            self.load_param(n, tensors[n])
+        self.refresh_master()
 
     def memory_report(self) -> dict:
         """Per-rank bytes: ``param_bytes``, ``grad_bytes``, ``optim_bytes`` (+ element counts)."""
@@ -201,7 +256,9 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
                  grad_accum_steps: int = 1, bucket_size_mb: float = 25.0,
                  loss_scaler: Optional[DynamicLossScaler] = None,
                  decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
-                 collectives: str = "auto") -> Engine:
+                 collectives: str = "auto", param_dtype: Optional[torch.dtype] = None,
+                 accumulate_grads_in_fp32: bool = False,
+                 init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> Engine:
     """Wrap ``model`` (this rank's TP shard, already on ``ps.device``) for data-parallel training.
 
     ``zero_stage`` 0: all-reduce, full AdamW everywhere; 1: optimizer states
@@ -209,19 +266,43 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     (2 and 3 via FSDP2). ``clip_grad <= 0`` disables clipping. ``bucket_size_mb``
     sizes the gradient buckets of stages 0/1. ``decay_fn(name, param)`` picks the
     parameters that get weight decay (default: ``ndim >= 2``). ``collectives``
-    (stages 0/1): ``auto``, ``native`` or ``p2p``, see :mod:`tnlg.optim.zero`. Every rank of the
-    world must call this (collectives are set up).
+    (stages 0/1): ``auto``, ``native`` or ``p2p``, see :mod:`tnlg.optim.zero`.
+
+    Precision (ZeRO's mixed precision): ``param_dtype`` (bf16/fp16) makes parameters and
+    gradients 16-bit (2 + 2 bytes per parameter) with an fp32 master and Adam moments for the
+    owned slice (12 bytes per owned parameter); ``accumulate_grads_in_fp32`` keeps an fp32
+    gradient buffer instead (2 + 4 + 12/dp at stage 1; stages 0/1 only). ``None`` keeps the
+    model's dtype.
+
+    The model may be built on the meta device: each parameter is then materialised straight into
+    the engine's buffers from ``init_fn(name, param)`` (default: the model's ``initial_shard``),
+    so setup holds at most the final model states plus one parameter's initial value. Every rank
+    of the world must call this (collectives are set up).
     """
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
     check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
-    kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn)
-    if zero_stage >= 2 and ps.dp_size > 1:
+    if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise UserError(f"param_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {param_dtype!r}.")
+    low_precision = param_dtype in (torch.bfloat16, torch.float16)
+    if accumulate_grads_in_fp32 and not low_precision:
+        raise UserError("--accumulate-allreduce-grads-in-fp32 needs --bf16 or --fp16: in fp32 training the "
+                        "gradients are fp32 already.")
+    fsdp = zero_stage >= 2 and ps.dp_size > 1
+    if accumulate_grads_in_fp32 and fsdp:
+        raise UserError(f"--accumulate-allreduce-grads-in-fp32 is implemented for ZeRO stages 0 and 1 (our flat "
+                        f"buffers), not for stage {zero_stage} (FSDP2 reduces and keeps gradients in the "
+                        f"parameters' 16-bit dtype). Drop the flag or use --zero-stage 1.")
+    init_fn = init_fn or getattr(model, "initial_shard", None)
+    kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn, param_dtype=param_dtype,
+              init_fn=init_fn)
+    if fsdp:
         from .fsdp import FSDPZero
         backend = FSDPZero(model, ps, zero_stage, **kw)
     else:
         stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
-        backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives, **kw)
+        backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives,
+                           grad_dtype=torch.float32 if accumulate_grads_in_fp32 else None, **kw)
     return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler)
 
 
@@ -254,3 +335,19 @@ def common_step(states: dict) -> int:
         raise UserError(f"optimizer state has different step counts per parameter ({sorted(steps)[:4]}); "
                         f"this engine keeps one step count for all parameters.")
     return steps.pop()
+
+
+def check_states(states: dict, shapes: dict) -> None:
+    """Every parameter in ``shapes`` (name -> this rank's TP-shard shape) has ``exp_avg`` and
+    ``exp_avg_sq`` of that shape in ``states``; a clear :class:`UserError` otherwise."""
+    missing = sorted(set(shapes) - set(states))
+    if missing:
+        raise UserError(f"optimizer state has no entry for {len(missing)} parameter(s), e.g. {missing[:3]}; "
+                        f"it was saved for a different model.")
+    for name, shape in shapes.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = states[name].get(k) if isinstance(states[name], dict) else None
+            if t is None or tuple(t.shape) != tuple(shape):
+                raise UserError(f"optimizer state {k!r} of parameter {name!r} has shape "
+                                f"{None if t is None else tuple(t.shape)}, expected {tuple(shape)} "
+                                f"(this rank's tensor-parallel shard).")

@@ -33,14 +33,14 @@ parameters are copied onto FSDP's sharded parameters, which FSDP creates anew.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..errors import UserError
 from ..parallel.state import ParallelState
-from .zero import _check_states, _tp_flag, adamw_update_, default_decay
+from .zero import _tp_flag, adamw_update_, default_decay
 
 __all__ = ["FSDPZero", "fsdp_units"]
 
@@ -63,7 +63,9 @@ class FSDPZero:
     grads_sharded_over_dp = True
 
     def __init__(self, model: nn.Module, ps: ParallelState, stage: int, *, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay):
+                 weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
+                 param_dtype: Optional[torch.dtype] = None,
+                 init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
@@ -80,12 +82,25 @@ class FSDPZero:
         flags = {n: _tp_flag(n, p, ps) for n, p in before}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
         self.full_numel = {n: p.numel() for n, p in before}
-        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=ps.device.type)
+        on_meta = any(p.device.type == "meta" for _, p in before)
+        if param_dtype is not None:
+            model.to(param_dtype)  # 16-bit sharded parameters and gradients; fp32 master below
+        mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
+        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
         reshard = stage == 3
         for unit in fsdp_units(model):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard)
         self.model = model
+        self.materialized = ps.device.type != "meta"
+        if on_meta and self.materialized:
+            # materialise only this rank's shards, one parameter's initial value at a time
+            if init_fn is None:
+                raise UserError("the model is on the meta device and no init_fn was given to materialise it.")
+            model.to_empty(device=ps.device)
+            with torch.no_grad():
+                for (n, orig), (_, p) in zip(before, model.named_parameters()):
+                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
@@ -95,6 +110,7 @@ class FSDPZero:
                 setattr(p, k, v)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.dtype = self.params[0].dtype
         self.tp_sharded = [flags[n] for n in self.names]
         self.decay = [decay[n] for n in self.names]
         self.exp_avg = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
@@ -144,50 +160,54 @@ class FSDPZero:
         for p in self.params:
             p.grad = None
 
-    # ----------------------------------------------------------------- state exchange
-    def _full(self, local: torch.Tensor, p) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-        d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                               stride=p.stride())
-        return d.full_tensor()
+    # ----------------------------------------------------------------- state exchange (checkpoints)
+    pieces_sharded_over_dp = True
 
     def _local_of(self, full: torch.Tensor, p) -> torch.Tensor:
+        """This rank's FSDP shard of a (TP-shard) tensor; local slicing, no communication."""
         from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        return distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements,
+                                 src_data_rank=None).to_local()
+
+    def owned_pieces(self) -> list[dict]:
+        """This rank's FSDP shards as pieces of the flattened TP shard (``Shard(0)`` of a contiguous
+        tensor is one flat range): ``name``, ``lo``, ``length`` and 1-D views of ``param``,
+        ``exp_avg``, ``exp_avg_sq``, ``master`` (see :meth:`tnlg.optim.zero.FlatZero.owned_pieces`)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        out = []
+        for n, p, m, v, mst in zip(self.names, self.params, self.exp_avg, self.exp_avg_sq, self.master):
+            local = p.to_local()
+            if local.numel() == 0:
+                continue
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            row = p.numel() // p.shape[0]
+            out.append(dict(name=n, lo=int(offset[0]) * row, length=local.numel(), param=local.view(-1),
+                            exp_avg=m.view(-1), exp_avg_sq=v.view(-1),
+                            master=None if mst is None else mst.view(-1)))
+        return out
+
+    def param_tensors(self, names):
+        """``(name, full tensor)`` of the named parameters, one at a time: an all-gather over DP per
+        parameter (collective: every DP rank must iterate with the same names)."""
+        wanted = set(names)
+        for n, p in zip(self.names, self.params):
+            if n in wanted:
+                yield n, p.full_tensor()
 
     @torch.no_grad()
-    def optimizer_state_by_param(self) -> dict:
-        """Full (over DP) fp32 states per parameter; all-gathers over DP (collective)."""
-        return {n: dict(exp_avg=self._full(m, p).clone(), exp_avg_sq=self._full(v, p).clone())
-                for n, p, m, v in zip(self.names, self.params, self.exp_avg, self.exp_avg_sq)}
-
-    @torch.no_grad()
-    def load_optimizer_state_by_param(self, states: dict) -> None:
-        _check_states(states, dict(zip(self.names, self.params)))
-        for n, p, m, v in zip(self.names, self.params, self.exp_avg, self.exp_avg_sq):
-            m.copy_(self._local_of(states[n]["exp_avg"].float(), p))
-            v.copy_(self._local_of(states[n]["exp_avg_sq"].float(), p))
-        self.refresh_master()
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Keep this rank's shard of a full (over DP) value; no communication."""
+        p = self.params[self.names.index(name)]
+        if tuple(value.shape) != tuple(p.shape):
+            raise UserError(f"parameter {name!r}: expected a tensor of shape {tuple(p.shape)}, got "
+                            f"{tuple(value.shape)}.")
+        p.to_local().copy_(self._local_of(value.to(p.dtype), p))
 
     @torch.no_grad()
     def refresh_master(self) -> None:
         for p, mst in zip(self.params, self.master):
             if mst is not None:
                 mst.copy_(p.to_local())
-
-    @torch.no_grad()
-    def model_state_by_param(self) -> dict:
-        """Full (over DP) parameters of this TP shard; all-gathers over DP (collective)."""
-        return {n: p.full_tensor().clone() for n, p in zip(self.names, self.params)}
-
-    @torch.no_grad()
-    def load_model_state_by_param(self, tensors: dict) -> None:
-        for n, p in zip(self.names, self.params):
-            if n not in tensors or tuple(tensors[n].shape) != tuple(p.shape):
-                raise UserError(f"parameter {n!r}: expected a tensor of shape {tuple(p.shape)}, got "
-                                f"{'nothing' if n not in tensors else tuple(tensors[n].shape)}.")
-            p.to_local().copy_(self._local_of(tensors[n].to(p.dtype), p))
-        self.refresh_master()
 
     def memory_report(self) -> dict:
         """Bytes this rank holds across a step. Parameters: the local shards, plus (stage 2) the
@@ -196,8 +216,11 @@ class FSDPZero:
         shard = sum(p.to_local().numel() * p.element_size() for p in self.params)
         full = sum(p.numel() * p.element_size() for p in self.params)
         grads = sum(p.to_local().numel() * p.element_size() for p in self.params)
-        optim = sum(m.numel() * 8 for m in self.exp_avg) + sum(0 if m is None else m.numel() * 4
-                                                                for m in self.master)
-        return dict(param_bytes=shard + (full if self.stage == 2 else 0), grad_bytes=grads, optim_bytes=optim,
+        adam = sum(m.numel() * 8 for m in self.exp_avg)
+        master = sum(0 if m is None else m.numel() * 4 for m in self.master)
+        return dict(param_bytes=shard + (full if self.stage == 2 else 0), grad_bytes=grads,
+                    optim_bytes=adam + master, adam_bytes=adam, master_bytes=master,
                     param_shard_bytes=shard, numel=sum(p.numel() for p in self.params),
-                    owned_numel=sum(p.to_local().numel() for p in self.params))
+                    owned_numel=sum(p.to_local().numel() for p in self.params),
+                    param_dtype=str(self.dtype).replace("torch.", ""),
+                    grad_dtype=str(self.dtype).replace("torch.", ""))

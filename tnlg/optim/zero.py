@@ -261,53 +261,72 @@ class FlatZero:
 
     def __init__(self, model: nn.Module, ps: ParallelState, stage: int, *, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay: float = 0.0, bucket_size_mb: float = 25.0,
-                 decay_fn: Callable[[str, torch.Tensor], bool] = default_decay, collectives: str = "auto"):
+                 decay_fn: Callable[[str, torch.Tensor], bool] = default_decay, collectives: str = "auto",
+                 param_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None,
+                 init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
         if stage not in (0, 1):
             raise ValueError(f"FlatZero implements ZeRO stages 0 and 1, got {stage}.")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise UserError("the model has no trainable parameters: nothing to optimise.")
         dtypes = {p.dtype for _, p in named}
-        devices = {p.device for _, p in named}
-        if len(dtypes) > 1 or len(devices) > 1:
+        devices = {p.device for _, p in named if p.device.type != "meta"}
+        if (len(dtypes) > 1 and param_dtype is None) or len(devices) > 1:
             raise UserError(f"ZeRO flat buffers need every trainable parameter on one device with one dtype; "
                             f"found dtypes {sorted(map(str, dtypes))} on devices {sorted(map(str, devices))}.")
-        dtype, device = dtypes.pop(), devices.pop()
+        dtype = param_dtype or dtypes.pop()
+        device = ps.device if ps.virtual or not devices else devices.pop()
         if not dtype.is_floating_point:
             raise UserError(f"parameters must be floating point, got {dtype}.")
+        grad_dtype = grad_dtype or dtype
         self.model, self.ps, self.stage = model, ps, stage
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device
         self.group = ps.dp_group
         self.dp = ps.dp_size
         self.shards = self.dp if stage == 1 else 1
         self.rank_in_shards = ps.dp_rank if stage == 1 else 0
         self.grads_sharded_over_dp = self.shards > 1
-        self.collectives = _pick_collectives(collectives, self.group, self.dp)
+        self.collectives = "native" if ps.virtual else _pick_collectives(collectives, self.group, self.dp)
         self.dp_global_ranks = ([dist.get_global_rank(self.group, k) for k in range(self.dp)]
-                                if self.group is not None else [0])
+                                if self.group is not None else list(range(self.dp)))
 
         order = list(reversed(named))  # backward order: the last layers produce gradients first
         self.names = [n for n, _ in order]
-        self.params = [p for _, p in order]
+        self._index = {n: i for i, n in enumerate(self.names)}
         self.tp_sharded = [_tp_flag(n, p, ps) for n, p in order]
         self.decay = [bool(decay_fn(n, p)) for n, p in order]
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=grad_dtype).element_size()
         self.bucket_numel = max(1, int(bucket_size_mb * MiB) // elem)
-        self.layout = plan_flat_layout([p.numel() for p in self.params], self.shards, self.bucket_numel)
+        self.layout = plan_flat_layout([p.numel() for _, p in order], self.shards, self.bucket_numel)
 
         L = self.layout
-        self.param_buffer = torch.zeros(L.total_numel, dtype=dtype, device=device)
-        self.grad_buffer = torch.zeros(L.total_numel, dtype=dtype, device=device)
-        self.param_views, self.grad_views = [], []
+        # Parameters are materialised straight into the flat buffer, one at a time (a meta-device
+        # model costs nothing until here), so setup never holds more than the final model states
+        # plus one parameter's initial value.
+        self.param_buffer = torch.empty(L.total_numel, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(L.total_numel, dtype=grad_dtype, device=device)
+        # fp32 gradient accumulation for 16-bit parameters: autograd's 16-bit .grad is folded into
+        # this buffer (``main_grad``, as Megatron) by the post-accumulate hook and then dropped.
+        self.separate_grads = grad_dtype != dtype
+        self.params, self.param_views, self.grad_views = [], [], []
         with torch.no_grad():
-            for p, off in zip(self.params, L.param_offsets):
-                pv = self.param_buffer[off:off + p.numel()].view_as(p)
-                pv.copy_(p)
-                p.data = pv
-                gv = self.grad_buffer[off:off + p.numel()].view_as(p)
-                p.grad = gv
+            _zero_padding(self.param_buffer, L)
+            for (name, p), off in zip(order, L.param_offsets):
+                pv = self.param_buffer[off:off + p.numel()].view(p.shape)
+                if p.device.type != "meta":
+                    pv.copy_(p)
+                elif device.type != "meta":
+                    if init_fn is None:
+                        raise UserError(f"parameter {name!r} is on the meta device and no init_fn was given "
+                                        f"to materialise it; build the model on a real device or pass init_fn.")
+                    pv.copy_(init_fn(name, p))
+                new = _install(model, p, pv)
+                gv = self.grad_buffer[off:off + p.numel()].view(p.shape)
+                if not self.separate_grads:
+                    new.grad = gv
+                self.params.append(new)
                 self.param_views.append(pv)
                 self.grad_views.append(gv)
 
@@ -316,6 +335,7 @@ class FlatZero:
         self.exp_avg_sq = torch.zeros(L.owned_numel, dtype=torch.float32, device=device)
         self.master = None if dtype == torch.float32 else torch.zeros(L.owned_numel, dtype=torch.float32,
                                                                       device=device)
+        self.materialized = device.type != "meta"
         self.segments = L.segments(self.rank_in_shards)
         by_bucket: dict[int, list[Segment]] = {}
         for s in self.segments:
@@ -333,7 +353,8 @@ class FlatZero:
                 decay_runs=[(a, z) for a, z, f in _runs(segs, self.decay, lo) if f],
                 tp_runs=_runs(segs, self.tp_sharded, lo)))
             owned_base += n
-        self.refresh_master()
+        if self.materialized:
+            self.refresh_master()
 
         # gradient readiness -> bucket launch (only on a micro step that synchronises)
         self.param_bucket = [0] * len(self.params)
@@ -358,7 +379,12 @@ class FlatZero:
         def hook(param: torch.Tensor) -> None:
             view = self.grad_views[i]
             g = param.grad
-            if g is None or g.data_ptr() != view.data_ptr():
+            if self.separate_grads:  # 16-bit .grad -> fp32 main gradient, then drop the 16-bit one
+                if g is not None:
+                    with torch.no_grad():
+                        view.add_(g)
+                    param.grad = None
+            elif g is None or g.data_ptr() != view.data_ptr():
                 # .grad was replaced (set_to_none, or out-of-place accumulation): fold it back in.
                 with torch.no_grad():
                     if g is None:
@@ -427,7 +453,7 @@ class FlatZero:
             if v.master is None:
                 adamw_update_(v.param, v.grad, v.exp_avg, v.exp_avg_sq, step, lr, self.beta1, self.beta2,
                               self.eps, v.decay_runs, self.weight_decay)
-            else:
+            else:  # 16-bit parameters: step the fp32 master (one bucket's gradient upcast at a time)
                 adamw_update_(v.master, v.grad.float(), v.exp_avg, v.exp_avg_sq, step, lr, self.beta1,
                               self.beta2, self.eps, v.decay_runs, self.weight_decay)
                 v.param.copy_(v.master)
@@ -452,81 +478,95 @@ class FlatZero:
         self.comm_counts["param_gathers"] += len(self.shards_views)
 
     @torch.no_grad()
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+        for p, gv in zip(self.params, self.grad_views):
+            if self.separate_grads:
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != gv.data_ptr():
+                p.grad = gv
+
+    # ----------------------------------------------------------------- state exchange (checkpoints)
+    @property
+    def pieces_sharded_over_dp(self) -> bool:
+        """True when every DP rank owns a different part of the states (stage 1)."""
+        return self.shards > 1
+
+    def owned_pieces(self) -> list[dict]:
+        """What this rank owns, one entry per parameter piece: ``name``, ``lo``/``length`` (the range
+        of the flattened TP shard), and 1-D views of the ``param``, ``exp_avg``, ``exp_avg_sq`` and
+        fp32 ``master`` (``None`` for fp32 parameters). Views, not copies: a checkpoint writes
+        from them and loads into them. No communication."""
+        out = []
+        for s in self.segments:
+            o = slice(s.owned_lo, s.owned_lo + s.length)
+            out.append(dict(name=self.names[s.param], lo=s.param_lo, length=s.length,
+                            param=self.param_buffer[s.flat_lo:s.flat_lo + s.length],
+                            exp_avg=self.exp_avg[o], exp_avg_sq=self.exp_avg_sq[o],
+                            master=None if self.master is None else self.master[o]))
+        return out
+
+    def param_tensors(self, names):
+        """``(name, tensor)`` for the named parameters (this TP shard, full over DP); no communication."""
+        wanted = set(names)
+        for n, p in zip(self.names, self.params):
+            if n in wanted:
+                yield n, p.detach()
+
+    @torch.no_grad()
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Copy a full (over DP) value of this TP shard of parameter ``name``; no communication."""
+        p = self.params[self._index[name]]
+        if tuple(value.shape) != tuple(p.shape):
+            raise UserError(f"parameter {name!r}: expected a tensor of shape {tuple(p.shape)}, got "
+                            f"{tuple(value.shape)}.")
+        p.copy_(value)
+
+    @torch.no_grad()
     def refresh_master(self) -> None:
-        """Copy the owned parameter slices into the fp32 master (after parameters are loaded)."""
+        """Copy the owned parameter slices into the fp32 master."""
         if self.master is not None:
             for v in self.shards_views:
                 v.master.copy_(v.param)
 
-    @torch.no_grad()
-    def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
-        for p, gv in zip(self.params, self.grad_views):
-            if p.grad is None or p.grad.data_ptr() != gv.data_ptr():
-                p.grad = gv
-
-    # ----------------------------------------------------------------- state exchange
-    def _gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
-        """The full flat buffer of a per-rank owned buffer (all-gather per bucket over DP)."""
-        if self.shards == 1:
-            return owned
-        full = torch.empty(self.layout.total_numel, dtype=owned.dtype, device=owned.device)
-        for v in self.shards_views:
-            b = v.bucket
-            all_gather_flat(full[b.start:b.start + b.padded_numel], owned[v.owned_lo:v.owned_lo + b.shard_numel],
-                            self.group)
-        return full
-
-    @torch.no_grad()
-    def optimizer_state_by_param(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{name: {"exp_avg", "exp_avg_sq"}}``, fp32, shaped like this rank's TP shard of the
-        parameter. Collective over DP for stage 1 (all-gather); every DP rank gets it."""
-        full_m = self._gather_owned(self.exp_avg)
-        full_v = self._gather_owned(self.exp_avg_sq)
-        out = {}
-        for name, p, off in zip(self.names, self.params, self.layout.param_offsets):
-            n = p.numel()
-            out[name] = dict(exp_avg=full_m[off:off + n].view(p.shape).clone(),
-                             exp_avg_sq=full_v[off:off + n].view(p.shape).clone())
-        return out
-
-    @torch.no_grad()
-    def load_optimizer_state_by_param(self, states: dict) -> None:
-        """Copy this rank's owned slices out of full per-parameter states (no communication)."""
-        _check_states(states, dict(zip(self.names, self.params)))
-        flat = {name: {k: states[name][k].detach().reshape(-1).to(self.device, torch.float32)
-                       for k in ("exp_avg", "exp_avg_sq")} for name in self.names}
-        for s in self.segments:
-            st = flat[self.names[s.param]]
-            self.exp_avg[s.owned_lo:s.owned_lo + s.length].copy_(st["exp_avg"][s.param_lo:s.param_lo + s.length])
-            self.exp_avg_sq[s.owned_lo:s.owned_lo + s.length].copy_(
-                st["exp_avg_sq"][s.param_lo:s.param_lo + s.length])
-        self.refresh_master()
-
-    @torch.no_grad()
-    def model_state_by_param(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter (this TP shard, full over DP); no communication."""
-        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
-
-    @torch.no_grad()
-    def load_model_state_by_param(self, tensors: dict) -> None:
-        for n, p in zip(self.names, self.params):
-            if n not in tensors or tuple(tensors[n].shape) != tuple(p.shape):
-                raise UserError(f"parameter {n!r}: expected a tensor of shape {tuple(p.shape)}, got "
-                                f"{'nothing' if n not in tensors else tuple(tensors[n].shape)}.")
-            p.copy_(tensors[n])
-        self.refresh_master()
-
     def memory_report(self) -> dict:
-        """Bytes this rank holds: full parameter and gradient buffers, owned Adam states (+ master)."""
-        optim = self.exp_avg.numel() * 4 * 2 + (0 if self.master is None else self.master.numel() * 4)
+        """Bytes this rank holds: full parameter and gradient buffers, owned Adam states (+ fp32 master).
+
+        Read off the allocated buffers (also on the meta device, where nothing is allocated)."""
+        adam = self.exp_avg.numel() * 4 * 2
+        master = 0 if self.master is None else self.master.numel() * 4
         return dict(param_bytes=self.param_buffer.numel() * self.param_buffer.element_size(),
                     grad_bytes=self.grad_buffer.numel() * self.grad_buffer.element_size(),
-                    optim_bytes=optim, numel=sum(p.numel() for p in self.params),
-                    owned_numel=self.layout.owned_numel, buckets=len(self.layout.buckets))
+                    optim_bytes=adam + master, adam_bytes=adam, master_bytes=master,
+                    numel=sum(p.numel() for p in self.params), owned_numel=self.layout.owned_numel,
+                    buckets=len(self.layout.buckets), param_dtype=str(self.dtype).replace("torch.", ""),
+                    grad_dtype=str(self.grad_dtype).replace("torch.", ""))
 
 
 # --------------------------------------------------------------------------- helpers
+def _zero_padding(buffer: torch.Tensor, layout: FlatLayout) -> None:
+    """Zero the padding at the end of every bucket (parameters overwrite the rest)."""
+    for b in layout.buckets:
+        if b.padded_numel > b.numel:
+            buffer[b.start + b.numel:b.start + b.padded_numel].zero_()
+
+
+def _install(model: nn.Module, old: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
+    """Replace parameter ``old`` wherever ``model`` registers it by a parameter whose storage is
+    ``value`` (a view of a flat buffer); the attributes tnlg sets on parameters (``tp_sharded``,
+    ``partition_*``) are carried over. Works for meta-device parameters, whose ``.data`` cannot be
+    swapped for a real tensor."""
+    new = nn.Parameter(value, requires_grad=old.requires_grad)
+    for k, v in vars(old).items():
+        if not k.startswith("_"):
+            setattr(new, k, v)
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is old:
+                m._parameters[k] = new
+    return new
+
+
 def _tp_flag(name: str, p: torch.Tensor, ps: ParallelState) -> bool:
     flag = getattr(p, "tp_sharded", None)
     if flag is None:
@@ -537,20 +577,6 @@ def _tp_flag(name: str, p: torch.Tensor, ps: ParallelState) -> bool:
                 f"norm counts it correctly. Mark it with tnlg.parallel.layers.mark_sharded/mark_replicated.")
         return False
     return bool(flag)
-
-
-def _check_states(states: dict, params: dict) -> None:
-    missing = sorted(set(params) - set(states))
-    if missing:
-        raise UserError(f"optimizer state has no entry for {len(missing)} parameter(s), e.g. {missing[:3]}; "
-                        f"it was saved for a different model.")
-    for name, p in params.items():
-        for k in ("exp_avg", "exp_avg_sq"):
-            t = states[name].get(k) if isinstance(states[name], dict) else None
-            if t is None or tuple(t.shape) != tuple(p.shape):
-                raise UserError(f"optimizer state {k!r} of parameter {name!r} has shape "
-                                f"{None if t is None else tuple(t.shape)}, expected {tuple(p.shape)} "
-                                f"(this rank's tensor-parallel shard).")
 
 
 def _pick_collectives(choice: str, group, dp: int) -> str:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelState", "init_parallel", "destroy_parallel"]
+__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device"]
 
 
 @dataclass
@@ -91,6 +91,22 @@ def _check_rank(size_name: str, size: int, rank_name: str, rank: int) -> None:
         raise ValueError(f"{rank_name} must be in [0, {size - 1}] for {size_name}={size}, got {rank!r}.")
 
 
+def pick_device(choice: Optional[str] = None) -> torch.device:
+    """The device type to train on: ``cuda`` when a GPU is present, else ``cpu``; ``choice``
+    (``"cpu"``/``"cuda"``, e.g. ``--device``) overrides. ``cuda`` without a GPU is a clear error."""
+    from ..errors import UserError
+    if choice in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice not in ("cpu", "cuda"):
+        raise UserError(f"--device {choice!r} is not supported; valid: cpu, cuda (default: cuda when a GPU is "
+                        f"present, else cpu).")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible to this process (torch.cuda.is_available() is "
+                        "False; check CUDA_VISIBLE_DEVICES and that the CUDA build of torch is installed). "
+                        "Use --device cpu, or leave --device out to pick what is present.")
+    return torch.device(choice)
+
+
 def _device_for_backend(backend: str) -> torch.device:
     """NCCL -> the CUDA device of LOCAL_RANK; anything else -> CPU. Nothing hard-coded."""
     if backend == "nccl":
@@ -113,7 +129,7 @@ def _check_layout(world_size: int, tensor_parallel_size: int) -> None:
 
 def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
                   timeout: timedelta = timedelta(minutes=10),
-                  init_method: Optional[str] = None) -> ParallelState:
+                  init_method: Optional[str] = None, device: Optional[str] = None) -> ParallelState:
     """Create the TP and DP groups and return this process's :class:`ParallelState`.
 
     Works in three situations:
@@ -123,8 +139,10 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
       group is initialised from the environment (or ``init_method``);
     * a plain single process with no launcher: world of one, no process group.
 
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. The
-    ``timeout`` bounds every collective, so a hung peer fails instead of stalling.
+    ``device`` (``"cpu"``/``"cuda"``, default: CUDA when available, see :func:`pick_device`)
+    picks the backend when none is given: NCCL for CUDA, gloo for CPU; one process (no
+    launcher, or ``torchrun`` with one process) trains on ``cuda:LOCAL_RANK`` when the device
+    is CUDA. The ``timeout`` bounds every collective, so a hung peer fails instead of stalling.
     Every rank must call this (``new_group`` is collective).
     """
     if dist.is_available() and dist.is_initialized():
@@ -133,13 +151,13 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
     elif "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 or init_method:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _check_layout(world, tensor_parallel_size)
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
         _check_layout(1, tensor_parallel_size)
-        device = _device_for_backend(backend) if backend else torch.device("cpu")
-        return ParallelState(device=device)
+        backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
+        return ParallelState(device=_device_for_backend(backend))
 
     _check_layout(world, tensor_parallel_size)
     tp = tensor_parallel_size

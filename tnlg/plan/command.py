@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="full activation recomputation: keep only each layer's input")
     lay.add_argument("--precision", default="fp16", help=f"{', '.join(PRECISIONS)} (default fp16: mixed "
                                                          f"precision, K = 12)")
+    lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
+                     help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
     hw = parser.add_argument_group("hardware and budget")
     hw.add_argument("--gpu-memory", default="32GB", help="memory per GPU: 32GB, 32GiB, 80G or bytes "
                                                          "(default 32GB, a V100-32GB)")
@@ -166,9 +168,12 @@ def _layout(args, model: Model) -> Layout:
     dp = 1 if dp is None else dp
     if dp < 1:
         raise UserError(f"--data-parallel-size must be a positive integer, got {dp}.")
+    if args.grads_fp32 and (args.precision == "fp32" or args.zero_stage >= 2):
+        raise UserError("--accumulate-allreduce-grads-in-fp32 applies to --precision fp16/bf16 at ZeRO stages 0 "
+                        "and 1 (as in tnlg pretrain).")
     return Layout(tp=tp, dp=dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
                   global_batch=args.global_batch_size, recompute=args.recompute_activations,
-                  precision=args.precision)
+                  precision=args.precision, grads_fp32=args.grads_fp32)
 
 
 def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:

@@ -10,7 +10,11 @@ the gradients, stage 3 also the parameters:
     stage 0: 16 Psi   stage 1: 4 Psi + 12 Psi / Nd   stage 2: 2 Psi + 14 Psi / Nd   stage 3: 16 Psi / Nd
 
 fp32 training keeps 4 + 4 bytes of parameters and gradients and K = 8 (momentum,
-variance), again 16 Psi. Buffers (communication buckets, fragmentation, the CUDA
+variance), again 16 Psi. Two accountings of tnlg's engine go beyond the paper:
+``--accumulate-allreduce-grads-in-fp32`` keeps 4-byte gradients (2 + 4 + 12/Nd at
+stage 1), and ZeRO-2 through FSDP2 keeps the 16-bit DP shard of the parameters
+beside the unsharded copy it holds from a unit's forward to its backward
+(``+ 2 Psi / Nd``; ``engine=True``). Buffers (communication buckets, fragmentation, the CUDA
 context) are not counted; the headroom is what is left for them.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -33,10 +37,13 @@ activations of the one layer being recomputed during its backward. Outside the l
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Optional
+
 from ..config import GPTConfig
 from ..errors import UserError
 
-__all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes",
+__all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes", "fsdp_shard_numel",
            "ACTIVATION_FORMULA", "MODEL_STATE_FORMULA"]
 
 # precision -> (bytes per parameter, bytes per gradient, K optimizer bytes per parameter)
@@ -60,15 +67,52 @@ def check_zero_and_precision(zero_stage: int, precision: str) -> None:
         raise UserError(f"--precision {precision!r} is not supported; valid: {', '.join(PRECISIONS)}.")
 
 
-def model_state_bytes(psi: int, dp: int, zero_stage: int, precision: str = "fp16") -> dict:
-    """Bytes of parameters, gradients and optimizer states per device for a shard of ``psi`` parameters."""
+def model_state_bytes(psi: int, dp: int, zero_stage: int, precision: str = "fp16", *,
+                      grads_fp32: bool = False, engine: bool = False, shard_psi: Optional[int] = None) -> dict:
+    """Bytes of parameters, gradients and optimizer states per device for a shard of ``psi`` parameters.
+
+    ``grads_fp32``: 4-byte gradients with 16-bit parameters (fp32 accumulation). ``engine``:
+    tnlg's engine rather than the paper's abstract one (stage 2 adds FSDP2's parameter shard).
+    ``shard_psi``: the elements this rank holds when stages 2/3 shard every parameter along
+    dim 0 (FSDP2 gives rank 0 ``ceil(rows / dp)`` rows of each, a little over ``psi / dp``);
+    default ``psi / dp``.
+    """
     check_zero_and_precision(zero_stage, precision)
     p_bytes, g_bytes, k = PRECISIONS[precision]
-    params = p_bytes * psi / (dp if zero_stage >= 3 else 1)
-    grads = g_bytes * psi / (dp if zero_stage >= 2 else 1)
-    optim = k * psi / (dp if zero_stage >= 1 else 1)
+    if grads_fp32:
+        g_bytes = 4
+    shard = shard_psi if shard_psi is not None and zero_stage >= 2 else psi / dp
+    params = p_bytes * (shard if zero_stage >= 3 else psi)
+    if engine and zero_stage == 2 and dp > 1:
+        params += p_bytes * shard
+    grads = g_bytes * (shard if zero_stage >= 2 else psi)
+    optim = k * (shard if zero_stage >= 2 else psi / dp if zero_stage == 1 else psi)
     return {"params": round(params), "grads": round(grads), "optimizer": round(optim),
             "total": round(params + grads + optim), "k": k}
+
+
+def fsdp_shard_numel(config: GPTConfig, tp: int, dp: int) -> int:
+    """Elements of TP rank 0's shard that DP rank 0 holds when every parameter is split along dim 0
+    over ``dp`` ranks as FSDP2 does (``ceil(rows / dp)`` rows each); built on the meta device."""
+    import json
+    return _fsdp_shard_numel(json.dumps(config.to_dict(), sort_keys=True), tp, dp)
+
+
+@lru_cache(maxsize=64)
+def _fsdp_shard_numel(config_json: str, tp: int, dp: int) -> int:
+    import json
+
+    import torch
+
+    from ..model import GPT
+    from ..parallel.state import ParallelState
+    with torch.device("meta"):
+        shard = GPT(GPTConfig.from_dict(json.loads(config_json)), ParallelState.for_virtual_rank(tp, 0))
+    total = 0
+    for p in shard.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        total += -(-rows // dp) * (p.numel() // max(rows, 1))
+    return total
 
 
 def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: bool,

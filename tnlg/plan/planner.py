@@ -15,7 +15,7 @@ from .counts import abstract_parameter_report, parameter_report, rank_counts_for
 from .flops import (ABSTRACT_FLOPS_FORMULA, FLOPS_FORMULA, flops_per_iteration, iteration_time,
                     rank_flops_imbalance)
 from .memory import (ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, activation_bytes,
-                     check_zero_and_precision, model_state_bytes)
+                     check_zero_and_precision, fsdp_shard_numel, model_state_bytes)
 
 __all__ = ["Model", "Layout", "Hardware", "plan_layout", "smallest_tp", "check_layout"]
 
@@ -61,6 +61,7 @@ class Layout:
     global_batch: Optional[int] = None
     recompute: bool = False
     precision: str = "fp16"
+    grads_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
 
     @property
     def world_size(self) -> int:
@@ -111,7 +112,11 @@ def _params(model: Model, tp: int, use_meta: bool) -> dict:
 
 
 def _memory(model: Model, layout: Layout, psi: int, hw: Hardware) -> dict:
-    states = model_state_bytes(psi, layout.dp, layout.zero_stage, layout.precision)
+    # a shaped model is planned for tnlg's engine; the abstract one is the ZeRO paper's (Table 1)
+    shard_psi = (fsdp_shard_numel(model.config, layout.tp, layout.dp)
+                 if not model.abstract and layout.zero_stage >= 2 and layout.dp > 1 else None)
+    states = model_state_bytes(psi, layout.dp, layout.zero_stage, layout.precision, grads_fp32=layout.grads_fp32,
+                               engine=not model.abstract, shard_psi=shard_psi)
     out = {"model_states_formula": MODEL_STATE_FORMULA, "psi": psi, "params": states["params"],
            "grads": states["grads"], "optimizer": states["optimizer"], "k": states["k"],
            "model_states": states["total"], "gpu_memory": hw.gpu_memory,
@@ -201,7 +206,8 @@ def smallest_tp(model: Model, layout: Layout, hw: Hardware, *, zero_stage: int =
             continue
         dp = divides // tp if divides is not None else layout.dp
         psi = max(r["params"] for r in rank_counts_formula(c, tp))
-        need = model_state_bytes(psi, dp, zero_stage, layout.precision)["total"]
+        need = model_state_bytes(psi, dp, zero_stage, layout.precision, grads_fp32=layout.grads_fp32,
+                                 engine=True)["total"]
         if with_activations:
             need += activation_bytes(c, tp, layout.micro_batch, layout.recompute, layout.precision)["total"]
         if need <= hw.gpu_memory:

@@ -1,0 +1,279 @@
+"""One prepared GPU check (issue 11): run once on a lent GPU, prints a table and writes JSON.
+
+(a) a bf16 training step of a GPT-2-XL-shaped model (1.5B) at TP 1 through the ZeRO engine
+    (16-bit parameters and gradients, fp32 master and Adam): tokens/s, MFU against a matmul
+    measured in the same run and against the dense bf16 peak of an H100/H200-class GPU
+    (989 TFLOP/s), peak memory against the planner's prediction;
+(b) the extra peak memory and the time of a checkpoint save and of a load of that model;
+(c) fp16 with dynamic loss scaling for 20 steps (a smaller model): loss and loss scale;
+(d) a tnlg-17b slice: as many of its 78 layers as the planner says fit on this GPU at TP 1
+    builds (on meta, materialised into the engine's buffers), steps and saves.
+
+``--tiny`` runs the same sections end to end on the CPU with small shapes (tests use it).
+Usage::
+
+    python scripts/gpu_check.py --out gpu_check.json            # on a GPU, about 5 minutes
+    python scripts/gpu_check.py --tiny --out /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tnlg import checkpoint as ck  # noqa: E402
+from tnlg.config import GPTConfig  # noqa: E402
+from tnlg.model import GPT  # noqa: E402
+from tnlg.optim import DynamicLossScaler, build_engine  # noqa: E402
+from tnlg.parallel.state import ParallelState, pick_device  # noqa: E402
+from tnlg.plan.flops import flops_per_iteration  # noqa: E402
+from tnlg.plan.planner import Hardware, Layout, Model, plan_layout  # noqa: E402
+
+H100_BF16_DENSE_TFLOPS = 989.0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mem(device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _current(device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def measured_matmul_tflops(device, dtype, n: int, reps: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        for _ in range(2):
+            a @ b
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n ** 3 / best / 1e12
+
+
+def build(cfg, ps, dtype, zero_stage=0, scaler=None):
+    model = GPT(cfg, ps, device="meta")
+    return build_engine(model, ps, zero_stage, lr=1e-4, weight_decay=0.01, param_dtype=dtype, loss_scaler=scaler)
+
+
+def train_steps(engine, cfg, ps, micro, steps, dtype):
+    gen = torch.Generator().manual_seed(0)
+    losses, times = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), generator=gen).to(ps.device)
+        _sync(ps.device)
+        t = time.perf_counter()
+        engine.zero_grad()
+        with torch.autocast(device_type=ps.device.type, dtype=dtype):
+            loss = engine.model(tokens[:, :-1], labels=tokens[:, 1:])
+        engine.backward(loss)
+        info = engine.step()
+        _sync(ps.device)
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+        info["loss"] = losses[-1]
+    return losses, times, info
+
+
+def planned_bytes(cfg, micro, precision, recompute=False, use_meta=True) -> int:
+    plan = plan_layout(Model("check", cfg), Layout(tp=1, dp=1, zero_stage=0, micro_batch=micro,
+                                                   recompute=recompute, precision=precision), Hardware(),
+                       use_meta=use_meta)
+    return int(plan["memory"]["total"])
+
+
+def section_a_b(args, ps, out, workdir):
+    cfg = (GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+           if args.tiny else GPTConfig.preset("gpt2-xl"))
+    micro = 2 if args.tiny else args.micro_batch
+    _reset_peak(ps.device)
+    engine = build(cfg, ps, torch.bfloat16)
+    states = _current(ps.device)
+    losses, times, _ = train_steps(engine, cfg, ps, micro, args.steps, torch.bfloat16)
+    step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    flops = flops_per_iteration(cfg, micro, False, cfg.padded_vocab_size(1))
+    peak_mm = measured_matmul_tflops(ps.device, torch.bfloat16, 256 if args.tiny else 8192, 3 if args.tiny else 20)
+    achieved = flops / step_s / 1e12
+    peak_mem = _mem(ps.device)
+    planned = planned_bytes(cfg, micro, "bf16")
+    out["a_bf16_step"] = dict(
+        model=dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                   seq=cfg.seq_length, params=cfg.num_parameters_formula()),
+        micro_batch=micro, step_s=step_s, tokens_per_s=micro * cfg.seq_length / step_s,
+        model_tflops=achieved, matmul_tflops_measured=peak_mm, mfu_vs_measured=achieved / peak_mm,
+        mfu_vs_989=achieved / H100_BF16_DENSE_TFLOPS, peak_memory_bytes=peak_mem, model_state_bytes=states,
+        planned_bytes=planned, peak_over_planned=peak_mem / planned, losses=losses)
+    # (b) save and load: extra peak memory and time
+    path = os.path.join(workdir, "ckpt_a")
+    _reset_peak(ps.device)
+    before = _current(ps.device)
+    t = time.perf_counter()
+    ck.save(path, iteration=1, consumed_samples=micro, model=engine.model, engine=engine, ps=ps, config=cfg)
+    save_s = time.perf_counter() - t
+    save_extra = _mem(ps.device) - before
+    _reset_peak(ps.device)
+    t = time.perf_counter()
+    ck.load(path, model=engine.model, engine=engine, ps=ps, config=cfg)
+    load_s = time.perf_counter() - t
+    load_extra = _mem(ps.device) - before
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+    out["b_checkpoint"] = dict(save_s=save_s, load_s=load_s, save_extra_peak_bytes=save_extra,
+                               load_extra_peak_bytes=load_extra, bytes_on_disk=size,
+                               extra_over_states=max(save_extra, load_extra) / max(states, 1))
+    shutil.rmtree(path, ignore_errors=True)
+    del engine
+    if ps.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def section_c(args, ps, out):
+    cfg = (GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+           if args.tiny else GPTConfig.preset("gpt2-medium"))
+    engine = build(cfg, ps, torch.float16, scaler=DynamicLossScaler())
+    scales = []
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(20):
+        tokens = torch.randint(0, cfg.vocab_size, (2 if args.tiny else 8, cfg.seq_length + 1), generator=gen)
+        tokens = tokens.to(ps.device)
+        engine.zero_grad()
+        with torch.autocast(device_type=ps.device.type, dtype=torch.float16):
+            loss = engine.model(tokens[:, :-1], labels=tokens[:, 1:])
+        engine.backward(loss)
+        info = engine.step()
+        losses.append(loss.item())
+        scales.append(info["loss_scale"])
+    out["c_fp16_loss_scaling"] = dict(steps=20, first_loss=losses[0], last_loss=losses[-1],
+                                      all_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+                                      loss_scales=scales, skipped=sum(1 for a, b in zip(scales, scales[1:]) if b < a))
+    del engine
+    if ps.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def section_d(args, ps, out, workdir):
+    full = GPTConfig.preset("tnlg-17b")
+    if args.tiny:
+        full = dataclasses.replace(full, num_layers=78, hidden_size=56, num_attention_heads=28, seq_length=16,
+                                   vocab_size=512)
+    budget = (torch.cuda.get_device_properties(ps.device).total_memory * 0.85 if ps.device.type == "cuda"
+              else 2**28)
+    layers = 1
+    for n in range(1, full.num_layers + 1):
+        if planned_bytes(dataclasses.replace(full, num_layers=n), 1, "bf16", recompute=True, use_meta=False) > budget:
+            break
+        layers = n
+    cfg = dataclasses.replace(full, num_layers=layers, recompute_activations=True)
+    _reset_peak(ps.device)
+    t = time.perf_counter()
+    engine = build(cfg, ps, torch.bfloat16)
+    build_s = time.perf_counter() - t
+    losses, times, _ = train_steps(engine, cfg, ps, 1, 2, torch.bfloat16)
+    path = os.path.join(workdir, "ckpt_d")
+    t = time.perf_counter()
+    ck.save(path, iteration=1, consumed_samples=1, model=engine.model, engine=engine, ps=ps, config=cfg)
+    save_s = time.perf_counter() - t
+    out["d_tnlg17b_slice"] = dict(layers=layers, of_layers=full.num_layers, params=cfg.num_parameters_formula(),
+                                  build_s=build_s, step_s=times[-1], save_s=save_s, losses=losses,
+                                  peak_memory_bytes=_mem(ps.device),
+                                  planned_bytes=planned_bytes(cfg, 1, "bf16", recompute=True))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (end-to-end smoke run)")
+    p.add_argument("--out", default="gpu_check.json", help="JSON output path")
+    p.add_argument("--steps", type=int, default=4, help="training steps in (a) (the first is warm-up)")
+    p.add_argument("--micro-batch", type=int, default=4, help="micro batch of (a)")
+    p.add_argument("--workdir", help="where checkpoints go (default: a temporary folder)")
+    args = p.parse_args(argv)
+    device = torch.device("cpu") if args.tiny else pick_device("cuda")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    ps = dataclasses.replace(ParallelState.single(), device=device)
+    out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, python=platform.python_version(),
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               tiny=args.tiny)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="tnlg_gpu_check_")
+    t0 = time.perf_counter()
+    for name, fn in (("a+b", lambda: section_a_b(args, ps, out, workdir)), ("c", lambda: section_c(args, ps, out)),
+                     ("d", lambda: section_d(args, ps, out, workdir))):
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - report and go on: one run, every section
+            out[f"error_{name}"] = f"{type(exc).__name__}: {exc}"
+        print(f"section {name}: {time.perf_counter() - t:.1f} s", flush=True)
+    out["total_s"] = time.perf_counter() - t0
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, args.out)
+    _table(out)
+    return 1 if any(k.startswith("error_") for k in out) else 0
+
+
+def _table(out: dict) -> None:
+    gb = 1e9
+    print(f"\ngpu_check on {out['device']} (torch {out['torch']}, {out['date']}{', --tiny' if out['tiny'] else ''})")
+    a, b = out.get("a_bf16_step"), out.get("b_checkpoint")
+    if a:
+        print(f"(a) bf16 step, {a['model']['params'] / 1e9:.2f}B params, micro {a['micro_batch']} x "
+              f"{a['model']['seq']}: {a['tokens_per_s']:.0f} tok/s, {a['model_tflops']:.1f} model TFLOP/s, "
+              f"MFU {a['mfu_vs_measured']:.1%} of the measured {a['matmul_tflops_measured']:.0f} TFLOP/s matmul, "
+              f"{a['mfu_vs_989']:.1%} of 989; peak {a['peak_memory_bytes'] / gb:.2f} GB vs planned "
+              f"{a['planned_bytes'] / gb:.2f} GB ({a['peak_over_planned']:.2f}x)")
+    if b:
+        print(f"(b) save {b['save_s']:.1f} s (+{b['save_extra_peak_bytes'] / gb:.3f} GB peak), load {b['load_s']:.1f} s "
+              f"(+{b['load_extra_peak_bytes'] / gb:.3f} GB peak); {b['bytes_on_disk'] / gb:.2f} GB on disk")
+    c = out.get("c_fp16_loss_scaling")
+    if c:
+        print(f"(c) fp16 + loss scaling, 20 steps: loss {c['first_loss']:.3f} -> {c['last_loss']:.3f}, finite "
+              f"{c['all_finite']}, scale {c['loss_scales'][0]:g} -> {c['loss_scales'][-1]:g}, {c['skipped']} "
+              f"scale drops")
+    d = out.get("d_tnlg17b_slice")
+    if d:
+        print(f"(d) tnlg-17b slice: {d['layers']}/{d['of_layers']} layers ({d['params'] / 1e9:.2f}B) built in "
+              f"{d['build_s']:.1f} s, step {d['step_s']:.2f} s, save {d['save_s']:.1f} s; peak "
+              f"{d['peak_memory_bytes'] / gb:.1f} GB vs planned {d['planned_bytes'] / gb:.1f} GB")
+    for k, v in out.items():
+        if k.startswith("error_"):
+            print(f"{k}: {v}")
+    print(f"total {out['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Issue 11: the prepared GPU check runs end to end on the CPU with ``--tiny`` (every section)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_tiny_runs_every_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--tiny", "--out", str(out),
+                        "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for key in ("a_bf16_step", "b_checkpoint", "c_fp16_loss_scaling", "d_tnlg17b_slice"):
+        assert key in res, key
+    assert res["a_bf16_step"]["tokens_per_s"] > 0 and res["c_fp16_loss_scaling"]["all_finite"]
+    assert res["d_tnlg17b_slice"]["layers"] >= 1
+    assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout
