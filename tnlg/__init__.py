@@ -1,14 +1,62 @@
-"""tnlg: Megatron-style tensor parallelism composed with ZeRO data parallelism, for GPT pretraining."""
+"""tnlg: Megatron-style tensor parallelism composed with ZeRO data parallelism, for GPT pretraining.
 
-from .config import GPTConfig, partition_sizes
-from .model import GPT, KVCache, gather_logits, parameter_counts
-from .generate import generate, generate_ids
-from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                       destroy_parallel, init_parallel, vocab_parallel_cross_entropy)
+The public names below are imported on first use (PEP 562), so ``import tnlg``
+and ``tnlg --help`` do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "GPTConfig": "config", "partition_sizes": "config",
+    "GPT": "model", "KVCache": "model", "gather_logits": "model", "parameter_counts": "model",
+    "generate": "generate", "generate_ids": "generate",
+    "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
+    "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel", "init_parallel": "parallel",
+    "vocab_parallel_cross_entropy": "parallel",
+}
 
 __all__ = ["GPTConfig", "GPT", "KVCache", "ParallelState", "init_parallel", "destroy_parallel",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "gather_logits", "parameter_counts", "partition_sizes",
            "generate", "generate_ids"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tnlg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # importing the submodule ``tnlg.generate`` binds it on the package; keep the function of that
+        # name there instead, as the eager ``from .generate import generate`` did
+        if name == "generate" and isinstance(value, types.ModuleType):
+            value = value.generate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from .config import GPTConfig, partition_sizes
+    from .generate import generate, generate_ids
+    from .model import GPT, KVCache, gather_logits, parameter_counts
+    from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
+                           destroy_parallel, init_parallel, vocab_parallel_cross_entropy)

@@ -1,9 +1,16 @@
 """The ``tnlg`` command: one entry point, one subcommand per job.
 
 Subcommands live in their own modules and are imported only when used, so
-``tnlg --help`` is fast. Each module provides ``add_arguments(parser)`` and
-``run(args) -> int``; user mistakes raise :class:`tnlg.errors.UserError`,
-printed as one paragraph on stderr with exit status 2 (no traceback).
+``tnlg --help`` (and ``tnlg pretrain --help``, whose options live in the
+torch-free :mod:`tnlg.train_args`) answer without importing torch. Each module
+provides ``add_arguments(parser)`` and ``run(args) -> int``; user mistakes raise
+:class:`tnlg.errors.UserError`, printed as one paragraph on stderr with exit
+status 2 (no traceback). Bare ``tnlg`` prints this help; ``tnlg pretrain``
+runs the built-in job.
+
+Flags must be spelled out: abbreviations (``--train-iter`` for
+``--train-iters``) are refused on every parser, and an unknown flag is reported
+with the usage of the subcommand it was given to.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ import sys
 
 from .errors import UserError
 
-# name -> (module, one-line help)
+# name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "pretrain": ("tnlg.train", "pretrain a GPT: TP x DP with ZeRO (no arguments: the built-in small job)"),
+    "pretrain": ("tnlg.train", "pretrain a GPT: TP x DP with ZeRO (no other arguments: the built-in small job)"),
     "demo": ("tnlg.demo", "tensor-parallel demo: per-rank shards checked against one process"),
     "plan": ("tnlg.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
     "train-tokenizer": ("tnlg.data.cli", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
@@ -28,28 +35,54 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tnlg.eval.cli", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss"),
     "generate": ("tnlg.generate", "tensor-parallel text generation with a KV cache (greedy, top-k, top-p)"),
 }
+# where a command's add_arguments lives when not in its run() module (kept free of torch for a fast --help)
+ARGUMENTS: dict[str, str] = {"pretrain": "tnlg.train_args"}
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tnlg", description="Megatron-style tensor parallelism + ZeRO for GPT pretraining.")
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without abbreviations. Subparsers (also nested ones that a
+    command adds itself) are of this class too: ``add_subparsers`` uses the parent's class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def build_parser(only: str | None = None) -> Parser:
+    parser = Parser(prog="tnlg", description="Megatron-style tensor parallelism + ZeRO for GPT pretraining.",
+                    epilog="Run `tnlg COMMAND --help` for a command's options; `tnlg pretrain` alone runs the "
+                           "built-in small job.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == only:  # only the chosen command's module is imported
-            importlib.import_module(module).add_arguments(p)
+            importlib.import_module(ARGUMENTS.get(name, module)).add_arguments(p)
     return parser
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser that parsed the last chosen (sub)command, to report an error with its usage."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = next((a.choices[getattr(args, a.dest)] for a in actions
+                       if getattr(args, a.dest, None) in a.choices), None)
+        if chosen is None:
+            return parser
+        parser = chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["pretrain"] if "pretrain" in COMMANDS else ["demo"]
-    name = argv[0] if argv[0] in COMMANDS else None
-    args = build_parser(only=name).parse_args(argv)
-    if args.command is None:
+    if not argv:  # bare `tnlg`: what is there, not a 300-iteration job
         build_parser().print_help()
+        return 0
+    name = argv[0] if argv[0] in COMMANDS else None
+    parser = build_parser(only=name)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser, with its usage (exits 2)
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:
+        parser.print_help()
         return 2
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
