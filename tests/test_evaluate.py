@@ -261,6 +261,40 @@ def test_eval_tp2_and_dp2_match_transformers(setup):
 
 # ----------------------------------------------------------------------------- dataset loss
 
+def test_eval_samples_evaluates_exactly_n(setup, tmp_path, capsys):
+    """issue 15 item 6: ``--eval-samples N`` built N samples' worth of whole passes and evaluated all
+    of them (1 and 64 both gave every sample); it now evaluates exactly the first N of the seeded order."""
+    from tnlg.data.indexed import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(1)
+    prefix = str(tmp_path / "toy_text_document")
+    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
+        for _ in range(10):
+            doc = rng.integers(0, VOCAB - 1, int(rng.integers(5, 30)))
+            b.add_document(doc, [len(doc)])
+        b.finalize(prefix + ".idx")
+    hf_dir = tmp_path / "hf"
+    setup["hf"].save_pretrained(hf_dir)
+    one_pass = len(build_eval_dataset(prefix, SEQ, vocab_size=VOCAB, cache_dir=tmp_path / "cache"))
+    model = GPT(setup["cfg"])
+    load_full_state_dict(model, setup["weights"], model.ps)
+    base = ["eval", "--task", "loss", "--checkpoint", str(hf_dir), "--input", prefix, "--json",
+            "--data-cache-path", str(tmp_path / "cache")]
+    for n in (1, 3, one_pass + 2):  # fewer than a pass, and into the second pass
+        capsys.readouterr()
+        assert main(base + ["--eval-samples", str(n)]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["num_samples"] == n
+        ds = build_eval_dataset(prefix, SEQ, num_samples=n, vocab_size=VOCAB, cache_dir=tmp_path / "cache")
+        want = dataset_loss(model, ds, micro_batch_size=2, max_samples=n)
+        items = [ds[i] for i in range(n)]
+        assert res["num_tokens"] == want["num_tokens"] == sum(int(it["loss_mask"].sum()) for it in items)
+        _close(res["loss"], want["loss"])
+    capsys.readouterr()
+    assert main(base + ["--eval-samples", "-1"]) == 2
+    assert "--eval-samples must be >= 0" in capsys.readouterr().err
+
+
 def test_dataset_loss_matches_transformers(setup, tmp_path, capsys):
     from tnlg.data.indexed import IndexedDatasetBuilder
 

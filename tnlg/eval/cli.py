@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which split to evaluate (default valid)")
     g.add_argument("--seed", type=int, default=1234, help="dataset shuffling seed (default 1234, as pretraining)")
     g.add_argument("--eval-samples", type=int, default=0, metavar="N",
-                   help="samples to evaluate (default 0: one pass over the split)")
+                   help="evaluate exactly N samples, the first N of the split's seeded order (default 0: one "
+                        "pass over the split; an N beyond one pass continues into the next shuffled pass)")
     g.add_argument("--data-cache-path", default=None, help="where dataset index files are cached")
     g.add_argument("--eod-mask-loss", action="store_true", help="do not score end-of-document targets")
     g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each document")
@@ -78,6 +79,8 @@ def _precheck(args) -> None:
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.eval_samples < 0:
+        raise UserError(f"--eval-samples must be >= 0 (0: one pass over the split), got {args.eval_samples}.")
     if args.seq_length is not None and args.seq_length < 1:
         raise UserError(f"--seq-length must be >= 1, got {args.seq_length}.")
     if args.task == "wikitext":
@@ -130,7 +133,8 @@ def evaluate(args, ps) -> dict:
                                 vocab_size=model.config.vocab_size, cache_dir=args.data_cache_path,
                                 eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
                                 reset_attention_mask=args.reset_attention_mask)
-        out = dataset_loss(model, ds, **common)
+        # the dataset holds whole passes (at least N samples); the first N of them are evaluated
+        out = dataset_loss(model, ds, max_samples=args.eval_samples or None, **common)
         out.update(split=args.split, eval_split=args.eval_split, seq_length=seq)
     return {"task": args.task, **out, "checkpoint": args.checkpoint, "input": args.input,
             "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
