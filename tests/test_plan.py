@@ -127,7 +127,37 @@ def test_tnlg_17b_tp4_needs_zero(capsys):
     capsys.readouterr()
     main(["plan", *TNLG, "--tensor-model-parallel-size", "4", "--zero-stage", "0"])
     text = capsys.readouterr().out
-    assert "do NOT fit" in text and "TP 16 (dividing 256 GPUs)" in text
+    assert "do NOT fit" in text
+    # issue 15 item 7: the "which TP is needed" lines read as sentences
+    assert ("  Without ZeRO (plain data parallelism), the model states alone: they fit from TP 10 (heads split "
+            "unevenly), from TP 14 with the 28 heads split evenly (as Megatron requires), and from TP 16 among the "
+            "sizes that divide 256 GPUs.\n") in text
+    assert "dividing" not in text and "none up to" not in text
+
+
+def test_preset_brings_its_recipe_layout(capsys):
+    """issue 15 item 7: ``--preset tnlg-17b`` planned TP 1 x DP 1, ZeRO 0, batch 1 ("3899.0 days"); it plans
+    T-NLG's published recipe (TP 4 x DP 64 = 256 GPUs, ZeRO 1, global batch 512, fp16), flags override."""
+    plan = plan_json(capsys, "--preset", "tnlg-17b")
+    lay = plan["layout"]
+    assert (lay["tp"], lay["dp"], lay["zero_stage"], lay["micro_batch"], lay["global_batch"], lay["precision"]) == \
+        (4, 64, 1, 1, 512, "fp16")
+    assert "tnlg-17b recipe" in lay["source"] and plan["memory"]["fits"]
+    assert 5 < plan["compute"]["train_days"] < 60  # not 3899 days on one GPU
+    # flags override the recipe field by field; the recipe's 256 GPUs stay unless DP or the world is given
+    assert plan_json(capsys, "--preset", "tnlg-17b", "--tp", "16")["layout"]["dp"] == 16
+    assert plan_json(capsys, "--preset", "tnlg-17b", "--zero-stage", "0")["layout"]["zero_stage"] == 0
+    lay = plan_json(capsys, "--preset", "tnlg-17b", "--dp", "8")["layout"]
+    assert (lay["tp"], lay["dp"], lay["world_size"]) == (4, 8, 32)
+    assert plan_json(capsys, "--preset", "tnlg-17b", "--world-size", "1024")["layout"]["dp"] == 256
+    lay = plan_json(capsys, "--preset", "megatron-8.3b")["layout"]
+    assert (lay["tp"], lay["dp"], lay["zero_stage"], lay["global_batch"]) == (8, 64, 0, 512)
+    lay = plan_json(capsys, "--preset", "gpt2-xl")["layout"]  # no published recipe: the plain defaults
+    assert (lay["tp"], lay["dp"], lay["zero_stage"], lay["global_batch"]) == (1, 1, 0, 1) and "source" not in lay
+    res = plan_json(capsys, "--preset", "tnlg-17b", "--search")  # the recipe's GPUs and batch
+    assert res["gpus"] == 256 and res["global_batch"] == 512 and "recipe" in res["source"]
+    err = plan_error(capsys, "--preset", "tnlg-17b", "--tp", "3")
+    assert "256 GPUs of the tnlg-17b recipe" in err and "[1, 2, 4, 8, 16]" in err
 
 
 def test_tnlg_17b_tp16_uneven(capsys):

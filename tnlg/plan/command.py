@@ -8,6 +8,7 @@ import sys
 
 from ..config import PRESETS, GPTConfig
 from ..errors import UserError
+from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
 from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
 from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
@@ -18,6 +19,11 @@ from .units import parse_bytes, parse_count
 __all__ = ["add_arguments", "run"]
 
 TNLG_TOKENS = 300_000 * 512 * 1024  # T-NLG recipe: 300k steps x batch 512 x seq 1024
+# GPUs each published recipe (tnlg.train_args.RECIPES) ran on: T-NLG (Microsoft, 2020) on 256 V100-32GB,
+# TP 4 x DP 64; Megatron-LM's 8.3B (Shoeybi et al. 2019) on 512 V100-32GB, TP 8 x DP 64.
+RECIPE_GPUS = {"tnlg-17b": 256, "megatron-8.3b": 512}
+# layout fields a recipe brings, and their defaults without one
+LAYOUT_DEFAULTS = dict(tp=1, zero_stage=0, micro_batch_size=1, precision="fp16")
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size")
 
 EPILOG = f"""\
@@ -39,9 +45,9 @@ Memory is in GB = 1e9 bytes in the table (as in the ZeRO paper) and in bytes in 
 
 Examples:
   tnlg plan --params 7.5e9 --zero-stage 1 --data-parallel-size 64
-  tnlg plan --preset tnlg-17b --tensor-model-parallel-size 4 --world-size 256 --zero-stage 1 \\
-      --global-batch-size 512 --recompute-activations --gpu-memory 32GB
-  tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16
+  tnlg plan --preset tnlg-17b                 # T-NLG's recipe: TP 4 x DP 64 = 256 GPUs, ZeRO 1, batch 512
+  tnlg plan --preset tnlg-17b --zero-stage 0 --recompute-activations --gpu-memory 32GB
+  tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16       # on the recipe's 256 GPUs: DP 16
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
 """
 
@@ -53,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "--search for every layout that fits.")
     parser.epilog = EPILOG
     m = parser.add_argument_group("model (a preset, shape flags, or --params)")
-    m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields")
+    m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields. "
+                                    f"{' and '.join(RECIPES)} also bring their published layout and batch "
+                                    f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
+                                    f"512, fp16); layout flags override those")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--num-attention-heads", type=int)
@@ -63,20 +72,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
                                     "1000000): model states and 6N FLOPs per token only")
     lay = parser.add_argument_group("layout")
-    lay.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
-                     help="tensor-parallel size (default 1); any size up to the head count")
+    lay.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
+                     help="tensor-parallel size (default: the preset's recipe, else 1); any size up to the head "
+                          "count")
     lay.add_argument("--data-parallel-size", "--dp", dest="dp", type=int,
                      help="data-parallel size (default: world size / TP, or 1)")
-    lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use)")
-    lay.add_argument("--zero-stage", type=int, default=0,
-                     help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default 0)")
-    lay.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per step (default 1)")
+    lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use; "
+                                                    "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
+                                                    "--data-parallel-size is given)")
+    lay.add_argument("--zero-stage", type=int,
+                     help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
+                          "preset's recipe, else 0)")
+    lay.add_argument("--micro-batch-size", type=int,
+                     help="sequences per GPU per step (default: the preset's recipe, else 1)")
     lay.add_argument("--global-batch-size", type=int,
-                     help="sequences per iteration (default micro batch x DP; with --search 512, T-NLG's)")
+                     help="sequences per iteration (default: the preset's recipe, else micro batch x DP; with "
+                          "--search 512, T-NLG's)")
     lay.add_argument("--recompute-activations", action="store_true",
                      help="full activation recomputation: keep only each layer's input")
-    lay.add_argument("--precision", default="fp16", help=f"{', '.join(PRECISIONS)} (default fp16: mixed "
-                                                         f"precision, K = 12)")
+    lay.add_argument("--precision", help=f"{', '.join(PRECISIONS)} (default fp16: mixed precision, K = 12; "
+                                         f"or the preset's recipe)")
     lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
                      help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
     hw = parser.add_argument_group("hardware and budget")
@@ -142,6 +157,38 @@ def _hardware(args) -> Hardware:
                     inter_node_gbps=args.inter_node_bandwidth)
 
 
+def _apply_recipe(args) -> dict | None:
+    """Fill the layout flags not given from the preset's published recipe (``RECIPES``); the rest
+    from :data:`LAYOUT_DEFAULTS`. Returns what the recipe supplied (``None`` without a recipe)."""
+    recipe = RECIPES.get(args.preset) if args.preset and args.params is None else None
+    taken: dict = {}
+    if recipe is not None:
+        precision = "fp16" if recipe.get("fp16") else "bf16" if recipe.get("bf16") else "fp32"
+        offer = dict(tp=recipe["tensor_model_parallel_size"], zero_stage=recipe["zero_stage"],
+                     micro_batch_size=recipe["micro_batch_size"], global_batch_size=recipe["global_batch_size"],
+                     precision=precision)
+        if args.dp is None:  # a DP given without a world size sets the GPU count itself
+            offer["world_size"] = RECIPE_GPUS[args.preset]
+        for key, value in offer.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+                taken[key] = value
+    for key, value in LAYOUT_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.recipe_layout = taken if recipe is not None else None
+    return args.recipe_layout
+
+
+def _recipe_note(preset: str, taken: dict) -> str:
+    """Which layout fields the preset's recipe supplied, in words."""
+    words = dict(tp="TP {}", zero_stage="ZeRO stage {}", micro_batch_size="micro batch {}",
+                 global_batch_size="global batch {}", precision="{}", world_size="on {} GPUs")
+    if not taken:
+        return f"flags override every layout field of the {preset} recipe"
+    return f"from the {preset} recipe: {', '.join(words[k].format(v) for k, v in taken.items())}; flags override"
+
+
 def _layout(args, model: Model) -> Layout:
     check_zero_and_precision(args.zero_stage, args.precision)
     tp = args.tp
@@ -155,6 +202,12 @@ def _layout(args, model: Model) -> Layout:
     dp = args.dp
     if args.world_size is not None:
         world = args.world_size
+        if "world_size" in (args.recipe_layout or {}) and world % tp:
+            valid = [t for t in range(1, min(world, model.config.max_tensor_parallel_size()) + 1) if world % t == 0]
+            raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} GPUs of the {args.preset} "
+                            f"recipe: every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
+                            f"{world} GPUs: {valid}; or give --world-size or --data-parallel-size for another "
+                            f"GPU count.")
         if world < 1 or world % tp:
             limit = model.config.max_tensor_parallel_size() if not model.abstract else world
             valid = [t for t in range(1, min(world, limit) + 1) if world > 0 and world % t == 0]
@@ -193,6 +246,7 @@ def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:
 def run(args) -> int:
     """Plan one layout (or search all layouts) and print a table or one JSON object."""
     model = _model(args)
+    taken = _apply_recipe(args)
     hw = _hardware(args)
     train_tokens = parse_count(args.train_tokens, "--train-tokens")
     if args.search:
@@ -203,10 +257,15 @@ def run(args) -> int:
         if batch < 1:
             raise UserError(f"--global-batch-size must be a positive integer, got {batch}.")
         result = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)
+        if taken is not None:
+            result["source"] = _recipe_note(args.preset, {k: v for k, v in taken.items()
+                                                          if k in ("world_size", "global_batch_size", "precision")})
         text = format_search(result)
     else:
         layout = _layout(args, model)
         result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts)
+        if taken is not None:
+            result["layout"]["source"] = _recipe_note(args.preset, taken)
         if not model.abstract:
             result["tp_needed"] = _tp_needed(model, layout, hw)
         text = format_plan(result)

@@ -93,33 +93,67 @@ def _compute(c: dict, lay: dict) -> list[str]:
              f"TFLOP/s per GPU (MFU {100 * c['model_flops_utilization']:.1f}%)"]
     if c["train_days"] is not None:
         lines.append(f"  training             {c['train_days']:.1f} days for {c['train_tokens']:.3g} tokens "
-                     f"on {lay['world_size']} GPUs")
+                     f"on {_gpus(lay['world_size'])}")
     return lines
 
 
-def _tp_needed(n: dict, lay: dict) -> list[str]:
-    fmt = lambda tp: "none up to the head count" if tp is None else f"TP {tp}"
-    world = lay["world_size"]
-    return ["Tensor parallelism needed (largest rank, per-rank formula)",
-            f"  model states, plain DP (ZeRO 0):  {fmt(n['plain_dp_any'])} (any split); "
-            f"{fmt(n['plain_dp_even'])} (heads split evenly, as Megatron needs); "
-            f"{fmt(n['plain_dp_world'])} (dividing {world} GPUs)",
-            f"  model states, ZeRO {lay['zero_stage']} on {world} GPUs:  {fmt(n['this_stage_world'])}",
-            f"  + activations of this layout:      {fmt(n['this_layout_with_activations'])} (dividing {world} GPUs)"]
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'s' if n != 1 else ''}"
+
+
+def _tp_needed(n: dict, lay: dict, heads: int, gpu_memory: int) -> list[str]:
+    """The smallest TPs that fit, as sentences (``None`` in ``n``: no TP up to the head count is enough)."""
+    world, stage = lay["world_size"], lay["zero_stage"]
+    any_, even, on_world = n["plain_dp_any"], n["plain_dp_even"], n["plain_dp_world"]
+    dividing = f"that divides {_gpus(world)}"
+    if any_ is None:
+        plain = f"they fit at no TP up to the head count ({heads})."
+    else:
+        clauses = [f"from TP {any_}" + (" (heads split unevenly)" if heads % any_ else "")]
+        if even != any_:
+            clauses.append(f"from TP {even} with the {heads} heads split evenly (as Megatron requires)" if even
+                           else f"at no TP with the {heads} heads split evenly (as Megatron requires)")
+        if on_world is None:
+            clauses.append(f"at no TP {dividing}" if world > 1 else "not on 1 GPU")
+        elif on_world not in (any_, even):
+            clauses.append(f"from TP {on_world} among the sizes that divide {_gpus(world)}")
+        joined = clauses[0] if len(clauses) == 1 else ", ".join(clauses[:-1]) + ("," if len(clauses) > 2 else "") \
+            + (" but " if on_world is None else " and ") + clauses[-1]
+        plain = f"they fit {joined}."
+    lines = [f"Tensor parallelism needed: the smallest TP at which the largest rank fits one {_gb(gpu_memory)} GB "
+             f"GPU (per-rank formula)",
+             f"  Without ZeRO (plain data parallelism), the model states alone: {plain}"]
+
+    def verdict(t) -> str:
+        if world == 1:
+            return "they fit on 1 GPU." if t is not None else "they do not fit on 1 GPU."
+        return f"TP {t} is the smallest TP {dividing} and fits." if t is not None else f"no TP {dividing} fits."
+
+    if stage > 0:
+        dp = f" (DP = {world} / TP)" if world > 1 else ""
+        lines.append(f"  With ZeRO stage {stage} on {_gpus(world)}{dp}, the model states: "
+                     + verdict(n["this_stage_world"]))
+    lines.append(f"  With this layout's activations as well (micro batch {lay['micro_batch']}, recomputation "
+                 f"{'on' if lay['recompute'] else 'off'}): " + verdict(n["this_layout_with_activations"]))
+    return lines
 
 
 def format_plan(plan: dict) -> str:
     """The table for one layout."""
     lay = plan["layout"]
     head = [f"tnlg plan: {_model_line(plan['model'])}",
-            f"layout: TP {lay['tp']} x DP {lay['dp']} = {lay['world_size']} GPUs, ZeRO stage {lay['zero_stage']}, "
+            f"layout: TP {lay['tp']} x DP {lay['dp']} = {_gpus(lay['world_size'])}, ZeRO stage {lay['zero_stage']}, "
             f"micro batch {lay['micro_batch']}, global batch {lay['global_batch']} "
             f"(accumulation steps: {lay['grad_accumulation_steps']}), recomputation "
-            f"{'on' if lay['recompute'] else 'off'}, {lay['precision']}", ""]
+            f"{'on' if lay['recompute'] else 'off'}, {lay['precision']}"]
+    if lay.get("source"):
+        head.append(f"        ({lay['source']})")
+    head.append("")
     body = _parameters(plan["parameters"], lay["tp"]) + [""] + _memory(plan["memory"], lay) + [""]
     body += _compute(plan["compute"], lay)
     if plan.get("tp_needed"):
-        body += [""] + _tp_needed(plan["tp_needed"], lay)
+        body += [""] + _tp_needed(plan["tp_needed"], lay, plan["model"]["num_attention_heads"],
+                                  plan["memory"]["gpu_memory"])
     return "\n".join(head + body)
 
 
@@ -129,7 +163,10 @@ def format_search(result: dict) -> str:
     lines = [f"tnlg plan --search: {_model_line(result['model'])}",
              f"{result['gpus']} GPUs x {_gb(hw['gpu_memory'])} GB, global batch {result['global_batch']}, "
              f"{result['precision']}, {hw['gpu_tflops']:g} TFLOP/s x {hw['mfu']:.2f} per GPU; micro batch: the "
-             f"largest that fits (smaller ones fit too); GB = 1e9 bytes", ""]
+             f"largest that fits (smaller ones fit too); GB = 1e9 bytes"]
+    if result.get("source"):
+        lines.append(f"({result['source']})")
+    lines.append("")
     if not result["layouts"]:
         lines.append("No layout fits.")
     else:
