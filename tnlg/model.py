@@ -269,10 +269,11 @@ class GPT(nn.Module):
         from .hf import from_hf
         return from_hf(model_or_dir, ps, **overrides)
 
-    def to_hf(self, out_dir: Optional[str] = None):
-        """Gather the shards into a ``GPT2LMHeadModel`` (collective over TP); save it if ``out_dir``."""
+    def to_hf(self, out_dir: Optional[str] = None, tokenizer=None):
+        """Gather the shards into a ``GPT2LMHeadModel`` (collective over TP); save it (and ``tokenizer``,
+        in a form ``AutoTokenizer`` loads) if ``out_dir``, which must be new or empty."""
         from .hf import to_hf
-        return to_hf(self, out_dir)
+        return to_hf(self, out_dir, tokenizer)
 
 
 def gather_logits(logits: torch.Tensor, ps: ParallelState, vocab_size: int) -> torch.Tensor:

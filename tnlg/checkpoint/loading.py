@@ -156,6 +156,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng = plan
     if pieces is None:  # an engine without the piece API (DeepSpeed): whole per-parameter states
         params, states = read_states(iter_dir, meta, config, ps.tp_size, ps.tp_rank, engine.param_names)
+        if states is not None and all("master" in st for st in states.values()):
+            params = {n: states[n]["master"] for n in params}  # a 16-bit run's exact fp32 weights
         engine.load_model_state_by_param(params)
         if states is not None:
             engine.load_optimizer_state_by_param(states)

@@ -4,8 +4,8 @@ Every split parameter is stored as the shard its TP rank held (with the
 vocabulary padding of that TP size); ``meta.json`` records, per parameter, the
 split dimension, every rank's size along it and the real (unpadded) size. To
 load at another TP size, a rank computes the range of the full tensor its new
-shard covers and copies the overlapping parts of the old shards (read lazily
-with ``safetensors.safe_open(...).get_slice``: only the overlap is read); rows
+shard covers and copies the overlapping parts of the old shards (read with
+positioned reads of the overlapping rows only, :class:`~tnlg.checkpoint.stream.SafetensorsReader`); rows
 past the real size (new vocabulary padding) are zero. Replicated parameters
 (LayerNorms, position embedding, row-parallel biases) are stored once, in the
 TP-rank-0 file. Uneven splits (28 heads over 8 ranks) need nothing special:
@@ -22,6 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from .stream import SafetensorsReader
 
 __all__ = ["partition_info", "targets_for", "full_targets", "param_records", "names_for_rank",
            "check_same_params", "slice_full", "ShardReader", "OptimReader"]
@@ -77,10 +78,9 @@ class ShardReader:
 
     def _file(self, tp_rank: int):
         if tp_rank not in self._open:
-            from safetensors import safe_open
             path = os.path.join(self.iter_dir, self.file_of(tp_rank))
             try:
-                self._open[tp_rank] = safe_open(path, framework="pt", device="cpu")
+                self._open[tp_rank] = SafetensorsReader(path)
             except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
                 raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or "
                                 f"truncated. Nothing was loaded.") from None
@@ -217,10 +217,9 @@ class OptimReader(ShardReader):
 
     def _open_name(self, fname: str):
         if fname not in self._files:
-            from safetensors import safe_open
             path = os.path.join(self.iter_dir, fname)
             try:
-                self._files[fname] = safe_open(path, framework="pt", device="cpu")
+                self._files[fname] = SafetensorsReader(path)
             except Exception as exc:  # noqa: BLE001
                 raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or truncated. "
                                 f"Nothing was loaded.") from None
