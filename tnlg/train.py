@@ -46,26 +46,52 @@ class TrainingDiverged(RuntimeError):
 
 
 def iteration_flops(cfg, global_batch: int, recompute: bool, padded_vocab: int) -> float:
-    """Model FLOPs per iteration (Narayanan et al. 2021 eq. 3; without recomputation
-    ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, with it ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``)."""
-    b, s, l, h, v = global_batch, cfg.seq_length, cfg.num_layers, cfg.hidden_size, padded_vocab
-    if recompute:
-        return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    """FLOPs of one iteration, the planner's formula (:func:`tnlg.plan.flops.flops_per_iteration`: Narayanan
+    et al. 2021 eq. 3 generalised to any ``--ffn-hidden-size``). ``recompute=False`` gives the model FLOPs
+    (the MFU numerator); ``recompute=True`` adds the recomputed forward, the executed FLOPs of HFU."""
+    from .plan.flops import flops_per_iteration
+    return flops_per_iteration(cfg, global_batch, recompute, padded_vocab)
 
 
-def measure_peak_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, reps: int = 8) -> float:
-    """Dense matmul rate of this rank (its threads, the training dtype): the MFU denominator."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for i in range(reps + 2):
+def measure_peak_tflops(dtype: torch.dtype, device: torch.device, n: Optional[int] = None, trials: int = 5,
+                        min_seconds: float = 0.15) -> float:
+    """Dense ``n x n`` matmul rate of one rank (its threads, the training dtype): the MFU denominator.
+
+    One short matmul timed at start made MFU swing from 15% to 62% between identical runs: it caught
+    the other ranks of the machine busy or idle by chance. Here, when a process group exists, every
+    rank times the same number of matmuls at the same moment (a barrier before each trial), so the
+    ranks share the cores as they do in training, and a trial ends when the slowest rank is done; a
+    trial lasts at least ``min_seconds``, and the fastest of ``trials`` counts (the same on every rank).
+    Operands come from a private generator: the global RNG streams are not touched. Collective.
+    """
+    n = n or (8192 if device.type == "cuda" else 1024)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    group = dist.is_available() and dist.is_initialized()
+
+    def timed(reps: int) -> float:
+        sync()
         t = time.perf_counter()
-        (a @ b).sum().item()
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return 2.0 * n ** 3 / times[len(times) // 2] / 1e12
+        for _ in range(reps):
+            torch.mm(a, b)
+        sync()
+        return time.perf_counter() - t
+
+    timed(1)  # warm-up (library initialisation)
+    reps = torch.tensor([max(1, math.ceil(min_seconds / max(timed(1), 1e-6)))], dtype=torch.float64, device=device)
+    if group:
+        dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # the same work on every rank
+    best = math.inf
+    for _ in range(trials):
+        if group:
+            dist.barrier()
+        dt = torch.tensor([timed(int(reps.item()))], dtype=torch.float64, device=device)
+        if group:  # the trial ends when the last rank is done: no rank counts the others' idle time
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        best = min(best, dt.item() / int(reps.item()))
+    return 2.0 * n ** 3 / best / 1e12
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -229,13 +255,16 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
             metrics.write(json.dumps(d) + "\n")
             metrics.flush()
 
-    flops = iteration_flops(cfg, o.global_batch_size, o.recompute_activations, model_padded_vocab(engine))
+    # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + the recomputed forward), any ffn width
+    flops = iteration_flops(cfg, o.global_batch_size, False, model_padded_vocab(engine))
+    hw_flops = iteration_flops(cfg, o.global_batch_size, o.recompute_activations, model_padded_vocab(engine))
     tokens_per_iter = o.global_batch_size * cfg.seq_length
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters())  # (DeepSpeed ZeRO-3)
     _log(ps, f"tnlg pretrain: {n_params:,} parameters on this rank "
              f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {accum} accumulation step(s), "
              f"{'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
-             f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {peak:.3f} TFLOP/s per rank")
+             f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {peak:.3f} TFLOP/s per rank "
+             f"({'--peak-tflops' if o.peak_tflops else 'measured: dense matmuls on every rank at once, best of 5'})")
 
     summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
     if valid_ds is not None and o.eval_interval and iteration == 0:
@@ -274,7 +303,8 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
             tflops = flops / dt / ps.world_size / 1e12
             rec = dict(iteration=iteration, consumed_samples=consumed, loss=loss, lr=lr, grad_norm=info["grad_norm"],
                        skipped=info["skipped"], ms_per_iter=dt * 1e3, tokens_per_s=tokens_per_iter / dt,
-                       tflops=tflops, mfu=tflops / peak, peak_memory_bytes=peak_memory_bytes(ps.device))
+                       tflops=tflops, mfu=tflops / peak, hfu=hw_flops / dt / ps.world_size / 1e12 / peak,
+                       peak_tflops=peak, peak_memory_bytes=peak_memory_bytes(ps.device))
             if info.get("loss_scale") is not None:
                 rec["loss_scale"] = info["loss_scale"]
             record(rec)
@@ -286,8 +316,11 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
                 _log(ps, f"iter {iteration:6d}/{o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
                          f"loss {window_loss / window_n:.4f} | grad norm {info['grad_norm']:.3f} | "
                          f"{span / window_n * 1e3:7.1f} ms/iter | {tokens_per_iter * window_n / span:8.0f} tok/s | "
-                         f"{flops * window_n / span / ps.world_size / 1e12:.3f} TFLOP/s/rank | "
-                         f"MFU {flops * window_n / span / ps.world_size / 1e12 / peak:.1%} | "
+                         f"{flops * window_n / span / ps.world_size / 1e12:.3f} model TFLOP/s/rank | "
+                         f"MFU {flops * window_n / span / ps.world_size / 1e12 / peak:.1%}"
+                         + (f" HFU {hw_flops * window_n / span / ps.world_size / 1e12 / peak:.1%}"
+                            if o.recompute_activations else "")
+                         + f" of {peak:.3f} | "
                          f"mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
                          + (" | skipped (overflow)" if info["skipped"] else ""))
                 window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
