@@ -22,9 +22,10 @@ One iteration with ``grad_accum_steps = k``::
 Stages: 0 and 1 are :class:`tnlg.optim.zero.FlatZero` (our flat buffers);
 2 and 3 are :class:`tnlg.optim.fsdp.FSDPZero` (FSDP2). With one DP rank there
 is nothing to shard: every stage then runs the flat stage-0 path (same
-numbers, no communication). Precision: parameters stay in the dtype they are
-built with (fp32 for ``--bf16``/``--fp16`` autocast); for bf16/fp16 parameters
-the optimizer keeps an fp32 master copy of the slice it owns.
+numbers, no communication). Precision: ``param_dtype`` bf16/fp16 is ZeRO's
+mixed precision (16-bit parameters and gradients, fp32 master weights and Adam
+moments of the owned slice; see :func:`build_engine`); without it parameters
+keep the dtype they are built with.
 """
 
 from __future__ import annotations

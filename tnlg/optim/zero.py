@@ -35,10 +35,16 @@ Communication (DP group only; the model's TP collectives use the TP group)
   ran 3-10x slower than those here (``collectives="native"`` forces them;
   NCCL always uses them).
 
-Memory per rank with ``Psi`` parameters in the TP shard (fp32 params):
-stage 0 ``4 Psi`` params + ``4 Psi`` grads + ``8 Psi`` Adam states; stage 1 the
-same but Adam states ``8 Psi / dp`` (+ an fp32 master of the owned slice,
-``4 Psi / dp``, when the parameters are bf16/fp16).
+Memory per rank with ``Psi`` parameters in the TP shard: fp32 parameters,
+stage 0 ``4 Psi`` params + ``4 Psi`` grads + ``8 Psi`` Adam states, stage 1 the
+same but Adam states ``8 Psi / dp``. ZeRO's mixed precision (``param_dtype``
+bf16/fp16): 16-bit parameter and gradient buffers (``2 Psi + 2 Psi``) and an
+fp32 master of the owned slice next to its Adam moments (``12 Psi / dp`` at
+stage 1, ``12 Psi`` at stage 0); ``grad_dtype=float32`` keeps an fp32
+gradient buffer (``4 Psi``) that autograd's 16-bit ``.grad`` is added into by
+the post-accumulate hook (Megatron's ``main_grad``). The parameters are
+materialised straight into the flat buffer (from ``init_fn`` for a meta-device
+model), one at a time: setup never holds a second copy of the model.
 
 Optimizer: AdamW with decoupled weight decay, the same arithmetic as
 ``torch.optim.AdamW`` (single-tensor path), applied to contiguous owned
