@@ -39,7 +39,7 @@ def test_tp_not_dividing_world(capsys, tmp_path):
 def test_missing_data_path(capsys, tmp_path, corpus):
     err = _err(capsys, ["--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
                         "--data-path", str(tmp_path / "nope"), "--tokenizer-model", corpus[1],
-                        "--save", str(tmp_path / "s")])
+                        "--train-iters", "2", "--save", str(tmp_path / "s")])
     assert "nope" in err
     assert not (tmp_path / "s").exists()
 
@@ -51,7 +51,8 @@ def test_corrupt_data(capsys, tmp_path, corpus):
     with open(corpus[0] + ".bin", "rb") as f:
         (tmp_path / "bad_text_document.bin").write_bytes(f.read())
     err = _err(capsys, ["--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
-                        "--data-path", str(prefix), "--tokenizer-model", corpus[1], "--save", str(tmp_path / "s")])
+                        "--data-path", str(prefix), "--tokenizer-model", corpus[1], "--train-iters", "2",
+                        "--save", str(tmp_path / "s")])
     assert "magic" in err.lower()
     assert not (tmp_path / "s").exists()
 
@@ -78,7 +79,7 @@ def test_config_file_and_flag_precedence(tmp_path):
 
     from tnlg.train_args import resolve
     cfg = tmp_path / "run.toml"
-    cfg.write_text('num-layers = 3\nlr = 0.01\npreset = "gpt2-small"\n')
+    cfg.write_text('num-layers = 3\nlr = 0.01\npreset = "gpt2-small"\ntrain-iters = 10\n')
     o = resolve(argparse.Namespace(config=str(cfg), lr=0.02), world_size=4)
     assert (o.num_layers, o.lr, o.hidden_size) == (3, 0.02, 768)   # preset < file < flags
     o = resolve(argparse.Namespace(preset="tnlg-17b", fp16=False, bf16=True), world_size=256)

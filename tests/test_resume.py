@@ -145,7 +145,7 @@ def test_sigterm_saves_then_exits(tmp_path):
         os.kill(pid, signal.SIGTERM)
     assert proc.wait(timeout=300) == 0, proc.log[-3000:] if hasattr(proc, "log") else ""
     reader.join(timeout=10)
-    assert "SIGTERM received: stopping after iteration" in proc.log, proc.log[-3000:]
+    assert "interrupted (SIGTERM) at iteration" in proc.log and "(saved now)" in proc.log, proc.log[-3000:]
     stopped = ck.read_latest(str(save))
     assert stopped is not None and 3 <= stopped < 400
     assert _losses(metrics) == _reference(_argv(tmp_path, tp=2, iters=stopped, lr_decay_iters=400), 2)

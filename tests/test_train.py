@@ -18,7 +18,8 @@ def _options(world, **over):
     flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=4,
                  global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
                  log_interval=100, eval_interval=0, data_path=[prefix], tokenizer_model=tok,
-                 sample_prompt="", plot=False, weight_decay=0.1, clip_grad=0.5, peak_tflops=1.0)
+                 sample_prompt="", plot=False, weight_decay=0.1, clip_grad=0.5, peak_tflops=1.0,
+                 hidden_dropout=0.0, attention_dropout=0.0)  # a run on --data-path defaults to Megatron's 0.1
     flags.update(over)
     return resolve(argparse.Namespace(**flags), world_size=world)
 

@@ -7,17 +7,29 @@ N = 1) it returns ``None`` and the caller runs in-process; otherwise it runs
 ``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous on
 loopback; ``max_restarts`` restarts the whole group after a failure, as
 ``torchrun --max-restarts`` does) and returns the exit status.
+
+The workers get exactly the arguments the caller hands over (rebuilt from the
+parsed options with :func:`argv_of`, never read again from ``sys.argv``: a
+command called from Python with a list runs the settings it validated).
+
+A SIGINT (Ctrl-C) or SIGTERM to the launching process is forwarded once to each
+worker (each runs in its own session, so a terminal's Ctrl-C reaches only the
+launcher), which stops at the end of its iteration and reports on rank 0; the
+launcher then returns ``128 + signal`` without a traceback.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import signal
 import socket
 import sys
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
-__all__ = ["under_launcher", "maybe_launch", "local_threads"]
+__all__ = ["under_launcher", "maybe_launch", "local_threads", "argv_of"]
 
 
 def under_launcher() -> bool:
@@ -41,36 +53,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given flags and their values (``--flag V`` or ``--flag=V``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
+def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace,
+            drop: tuple[str, ...] = ()) -> list[str]:
+    """Command-line arguments that parse back to ``args`` under a parser built by ``add_arguments``.
+
+    An option is written when ``args`` holds it and it differs from the parser's default (with
+    ``argparse.SUPPRESS`` defaults, as ``tnlg pretrain`` uses: exactly the options that were
+    given). ``drop`` names destinations to leave out.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    argv: list[str] = []
+    done = set()
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in ("help",) or dest in drop or dest in done:
             continue
-        if a in flags:
-            skip = True
+        if not hasattr(args, dest):
             continue
-        if any(a.startswith(f + "=") for f in flags):
+        value = getattr(args, dest)
+        if action.default is not argparse.SUPPRESS and value == action.default:
             continue
-        out.append(a)
-    return out
+        done.add(dest)
+        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value != isinstance(action, argparse._StoreFalseAction):
+                argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            argv += [f"{flag}={v}" for v in value or []]
+        elif isinstance(value, (list, tuple)):  # nargs="+"
+            argv += [flag, *map(str, value)]
+        elif value is not None:
+            text = str(value)
+            argv += [f"{flag}={text}"] if text.startswith("-") or not text else [flag, text]
+    return argv
 
 
 def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 0) -> Optional[int]:
     """Run ``tnlg <command> argv`` on ``nproc`` local processes, or return ``None`` to run here."""
     if under_launcher() or nproc == 1:
         return None
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                           max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
-    child_args = ["-m", "tnlg", command, *_strip(argv, ("--nproc-per-node", "--max-restarts"))]
+    child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # a restarted group must not reuse the dead group's shared rendezvous store (pytorch/pytorch#135712)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # the elastic agent replaces these handlers (a signal -> SignalException -> forwarded to the workers)
+    # and does not put them back; restore them on the way out
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    quiet = _QuietSignalLines()
+    loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(quiet)
     try:
         elastic_launch(config, sys.executable)(*child_args)
     except ChildFailedError as err:
@@ -78,4 +118,30 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         print(f"tnlg {command}: worker rank {rank} failed with exit code {first.exitcode}; "
               f"its output is above.", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as err:
+        # the workers got the signal once, finished their iteration and rank 0 said where things stand
+        return 128 + int(err.sigval)
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+        if _in_main_thread():
+            for s, h in handlers.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
     return 0
+
+
+# torch's elastic agent logs each forwarded signal as a warning ("Received 2 death signal, shutting down
+# workers", "Sending process N closing signal SIGINT"); the workers' own message says what happened
+_ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                    "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietSignalLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not ("death signal" in msg or "closing signal" in msg)
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

@@ -19,11 +19,15 @@ object per iteration (and per validation) to the metrics file.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import resource
+import shlex
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -33,12 +37,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import UserError
-from .launch import launcher_world_size, local_threads, maybe_launch
-from .train_args import add_arguments, model_config, resolve
+from .launch import argv_of, launcher_world_size, local_threads, maybe_launch, under_launcher
+from .train_args import DEFAULT_NPROC, add_arguments, model_config, resolve
 
 __all__ = ["add_arguments", "run", "train", "iteration_flops"]
-
-DEFAULT_NPROC = 4
 
 
 class TrainingDiverged(RuntimeError):
@@ -103,30 +105,141 @@ def peak_memory_bytes(device: torch.device) -> int:
 # --------------------------------------------------------------------------- CLI
 
 def run(args) -> int:
-    """Entry of ``tnlg pretrain``: validate everything, prepare data, launch or train here."""
-    argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "pretrain" else []
+    """Entry of ``tnlg pretrain``: validate everything, prepare data, launch or train here.
+
+    The workers get exactly the options in ``args`` (rebuilt from the parsed namespace, never read
+    from ``sys.argv``), plus ``--save`` when this process chose the built-in job's folder.
+    """
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # during start-up, before training installs its handlers
+        if _rank0():
+            print("tnlg pretrain: interrupted during start-up, before the first iteration.", file=sys.stderr)
+        return 130
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _run(args) -> int:
     world = launcher_world_size()
     nproc = None
     if world is None:
         nproc = getattr(args, "nproc_per_node", None) or DEFAULT_NPROC
         world = nproc
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
-    if o.save is None and o.load is None and o.data_path is None and o.preset is None:
-        # the built-in job: a fresh folder per run (an existing --save is resumed from automatically)
-        o.save = os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
-    if o.data_path is None:  # the built-in corpus, prepared once here before any worker starts
+    note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
+    if o.data_path is None:  # the built-in corpus: prepared here once, found by the workers
         from .data.corpus import default_dataset
         prefix, tok = default_dataset()
         o.data_path, o.tokenizer_model = [prefix], o.tokenizer_model or tok
-        argv = [*argv, "--data-path", prefix, "--tokenizer-model", o.tokenizer_model]
-        if "--save" not in argv and o.save:
-            argv += ["--save", o.save]
-    if nproc is not None:
-        status = maybe_launch("pretrain", argv, nproc, max_restarts=o.max_restarts or 0)
-        if status is not None:
-            return status
-    train(o)
-    return 0
+    if nproc is not None and nproc > 1 and not under_launcher():
+        argv = argv_of(add_arguments, args)
+        if not hasattr(args, "save") and o.save is not None and o.load is None:
+            argv += ["--save", o.save]  # the folder chosen here: every worker, and a restarted group, uses it
+            print(note, flush=True)  # the workers see a --save and say nothing of it
+        if not hasattr(args, "nproc_per_node"):
+            argv += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
+        return maybe_launch("pretrain", argv, nproc, max_restarts=o.max_restarts or 0)
+    if note and _rank0():
+        print(note, flush=True)
+    summary = train(o)
+    stopped = summary.get("interrupted")
+    if _rank0():
+        if stopped:
+            print(_interrupted_message(stopped, o, args), file=sys.stderr, flush=True)
+        elif o.save is None:
+            print("tnlg pretrain: finished; no checkpoint was saved (no --save)"
+                  + (f"; metrics are in {o.metrics_file}." if o.metrics_file else ", and no metrics or loss plot.")
+                  + " Pass --save DIR to keep a run.", flush=True)
+    # a worker that stopped as asked exits 0 (a launcher would count anything else as a failure and restart
+    # the group); a lone process exits as shells expect of a signalled command
+    return 128 + int(signal.Signals[stopped["signal"]]) if stopped and not under_launcher() else 0
+
+
+def _checkpoint_root(path: str) -> str:
+    """The root of a ``--load`` path: its parent for an ``iter_*`` directory, else the path itself."""
+    from .checkpoint.files import META
+    path = os.path.normpath(path)
+    return os.path.dirname(path) or "." if os.path.isfile(os.path.join(path, META)) else path
+
+
+def _choose_save(o: SimpleNamespace, args) -> Optional[str]:
+    """Where a run without ``--save`` saves (sets ``o.save``), and the note that says so; ``None`` with
+    ``--save``. Never lose work silently: the built-in job gets a fresh folder, a resumed run saves back
+    into the root it loaded from, any other run saves nothing and says so now and at the end."""
+    if o.save is not None:
+        return None
+    if o.load is not None:
+        root = _checkpoint_root(o.load)
+        if not os.access(root, os.W_OK):
+            raise UserError(f"--load {o.load!r} without --save would save back into {root!r}, which is not "
+                            f"writable. Pass --save DIR for this run's checkpoints.")
+        o.save = root
+        return (f"note: no --save: checkpoints, metrics.jsonl and the loss plot go back into {root}, the "
+                f"checkpoint root --load reads from (--save DIR writes elsewhere).")
+    if o.builtin_job:
+        o.save = _builtin_folder()
+        return (f"note: the built-in job saves its checkpoints, metrics.jsonl and loss plot in {o.save} "
+                f"(--save DIR chooses the folder).")
+    return ("note: no --save: this run writes no checkpoint"
+            + ("" if o.metrics_file else ", no metrics and no loss plot")
+            + "; its training is lost when it ends. Pass --save DIR to keep it.")
+
+
+def _builtin_folder() -> str:
+    """A new folder for the built-in job: one name for every process of the run."""
+    if under_launcher():  # each process would read its own clock: use the launcher's run id
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not run_id or run_id == "none":
+            raise UserError("the built-in job under this launcher needs --save DIR: the launcher sets no run id "
+                            "(TORCHELASTIC_RUN_ID), so the processes cannot agree on a new folder.")
+        return os.path.join("runs", f"pretrain-{run_id}")
+    return os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
+
+
+def _last_checkpoint(save: Optional[str]) -> Optional[int]:
+    """The iteration a resume from ``save`` would load (``None``: no checkpoint)."""
+    from .checkpoint.files import complete_iterations, read_latest
+    if not save or not os.path.isdir(save):
+        return None
+    try:
+        latest = read_latest(save)
+    except UserError:
+        latest = None
+    done = complete_iterations(save)
+    return latest if latest in done else (done[-1] if done else None)
+
+
+def resume_command(args, o: SimpleNamespace) -> str:
+    """The command that continues this run: its options, with ``--save`` as chosen, and without a
+    ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
+    ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
+    if o.save is not None and o.load is None and not hasattr(args, "save"):
+        ns.save = o.save  # the built-in job's folder
+    if o.load is not None and _last_checkpoint(o.save) is not None:
+        if hasattr(args, "save"):
+            del ns.load  # resumes from --save by itself
+        else:
+            ns.load = o.save  # the root, not the iteration it started from
+    argv = argv_of(add_arguments, ns)
+    return "tnlg pretrain" + (" " + shlex.join(argv) if argv else "")
+
+
+def _interrupted_message(info: dict, o: SimpleNamespace, args) -> str:
+    """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
+    how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
+    head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"
+    if o.save is None:
+        return (f"{head}. This run saved nothing (no --save); to keep checkpoints, start it again with "
+                f"--save DIR.")
+    last = _last_checkpoint(o.save)
+    where = (f"the last checkpoint is iteration {last} in {o.save}" + (" (saved now)" if info["saved"] else "")
+             if last is not None else f"there is no checkpoint in {o.save} yet, so a resume starts over")
+    torchrun = under_launcher() and not hasattr(args, "nproc_per_node")
+    return (f"{head}; {where}. Resume with: {resume_command(args, o)}"
+            + (" (under torchrun: the same torchrun command with these arguments)" if torchrun else ""))
 
 
 # --------------------------------------------------------------------------- training
@@ -172,13 +285,106 @@ def evaluate(model, dataset, o, ps, autocast) -> Optional[float]:
     return loss.item()
 
 
+def _validation_plan(valid_ds, o, ps) -> bool:
+    """Whether this run validates; when it cannot, say why once (rank 0). ``--eval-interval 0`` is off
+    by request, silently."""
+    if not o.eval_interval:
+        return False
+    if o.eval_iters == 0:
+        _log(ps, "note: --eval-iters 0: this run does no validation.")
+        return False
+    if valid_ds is None:
+        _log(ps, "note: the validation split is empty; validation is skipped.")
+        return False
+    need = o.micro_batch_size * ps.dp_size
+    if min(len(valid_ds), o.eval_iters * o.global_batch_size) < need:
+        _log(ps, f"note: the validation split holds {len(valid_ds)} samples, fewer than one micro batch per "
+                 f"data-parallel rank ({need}); validation is skipped.")
+        return False
+    return True
+
+
+def _validate(model, valid_ds, o, ps, autocast, iteration: int, record) -> Optional[float]:
+    """Validate, print and record one validation loss (the one place a validation loss is formatted)."""
+    v = evaluate(model, valid_ds, o, ps, autocast)
+    if v is None:
+        return None
+    when = "before training" if iteration == 0 else f"at iteration {iteration}"
+    _log(ps, f"validation {when}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
+    record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
+    return v
+
+
+def _open_metrics(path: str, resumed_at: int):
+    """The metrics file, opened for appending. A run from scratch starts it afresh; a resumed run first
+    drops the records past the iteration it resumed from (an interrupted run's last iterations are
+    trained again), so every iteration appears once and in order. The old file is replaced atomically."""
+    if resumed_at <= 0 or not os.path.exists(path):
+        return open(path, "w")
+    tmp = f"{path}.tmp{os.getpid()}"
+    dropped = 0
+    with open(path) as src, open(tmp, "w") as dst:
+        for line in src:
+            try:
+                keep = int(json.loads(line)["iteration"]) <= resumed_at
+            except (ValueError, KeyError, TypeError):  # a torn last line of a killed run
+                keep = False
+            if keep:
+                dst.write(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    os.replace(tmp, path)
+    if dropped:
+        print(f"{path}: dropped {dropped} record(s) past iteration {resumed_at}, the iteration this run "
+              f"resumes from (they are trained again).", flush=True)
+    return open(path, "a")
+
+
 def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process.
 
     Returns a summary: per-iteration ``losses`` and ``grad_norms``, the first and
     last validation loss, and with ``return_params`` the full (TP=1, unpadded)
     parameters after training (collective: gathers over DP for ZeRO-3 and over TP).
+
+    SIGINT and SIGTERM only set a flag while it runs (main thread): at the end of the
+    iteration every rank agrees to stop, after saving that iteration for SIGTERM with
+    ``--save``; a second signal stops at once. Either way the summary's ``interrupted``
+    says ``signal``, ``iteration`` and ``saved``.
     """
+    from .checkpoint.signals import StopOnSignal
+    restore = _second_sigterm_interrupts()
+    stop = StopOnSignal((signal.SIGTERM, signal.SIGINT))
+    try:
+        return _train(o, stop, return_params)
+    finally:
+        stop.close()
+        restore()
+
+
+def _second_sigterm_interrupts():
+    """While training, a SIGTERM that StopOnSignal passes on (the second one) raises KeyboardInterrupt as
+    a second Ctrl-C does, so both end in the same short message. Returns the function that restores."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _agreed_signal(stop, ps) -> int:
+    """The signal that stops every rank (collective; SIGTERM wins over SIGINT: it asks for a save)."""
+    n = torch.tensor([float(stop.received or 0)], device=ps.device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
+
+
+def _train(o: SimpleNamespace, stop, return_params: bool) -> dict:
     from .data.gpt_dataset import build_train_valid_test_datasets
     from .data.sampler import MegatronPretrainingSampler
     from .data.tokenizer import load_tokenizer
@@ -190,6 +396,8 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
     torch.set_num_threads(local_threads())
     ps = init_parallel(o.tensor_model_parallel_size, timeout=timedelta(minutes=o.distributed_timeout_minutes),
                        device=o.device)
+    if o.global_batch_size is None:  # Megatron's default, when resolve did not know the layout
+        o.global_batch_size = o.micro_batch_size * ps.dp_size
     if o.global_batch_size % (o.micro_batch_size * ps.dp_size):
         raise UserError(f"--global-batch-size {o.global_batch_size} is not divisible by --micro-batch-size "
                         f"{o.micro_batch_size} x data-parallel size {ps.dp_size}.")
@@ -224,13 +432,12 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
         vocab_size=tokenizer.vocab_size, barrier=barrier)
     if train_ds is None:
         raise UserError(f"--split {o.split!r} leaves no documents for training.")
-    if valid_ds is None:
-        _log(ps, "note: the validation split is empty; validation is skipped.")
+    validating = _validation_plan(valid_ds, o, ps)  # says once why not
 
     # measured before loading: it draws random numbers, and a resumed run continues the restored RNG streams
     peak = o.peak_tflops or measure_peak_tflops(autocast or torch.float32, ps.device)
     iteration, consumed = 0, 0
-    ckpt = stop = None
+    ckpt = None
     if o.save or o.load:
         from . import checkpoint as ckpt
     # --load, else resume automatically from --save when it holds a checkpoint (elastic restarts rely on it)
@@ -241,14 +448,12 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
         if state is not None:
             iteration, consumed = state["iteration"], state["consumed_samples"]
             _log(ps, f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
-    if o.save:
-        stop = ckpt.StopOnSignal()  # SIGTERM: save at the end of the iteration, then exit
 
     metrics_path = o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None)
     metrics = None
     if ps.rank == 0 and metrics_path:
         os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-        metrics = open(metrics_path, "a" if iteration > 0 else "w")
+        metrics = _open_metrics(metrics_path, iteration)
 
     def record(d: dict) -> None:
         if metrics is not None:
@@ -267,11 +472,8 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
              f"({'--peak-tflops' if o.peak_tflops else 'measured: dense matmuls on every rank at once, best of 5'})")
 
     summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
-    if valid_ds is not None and o.eval_interval and iteration == 0:
-        v = evaluate(model, valid_ds, o, ps, autocast)
-        summary["first_valid_loss"] = v
-        _log(ps, f"validation before training: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
-        record(dict(split="valid", iteration=0, loss=v, ppl=math.exp(min(20, v))))
+    if validating and iteration == 0:
+        summary["first_valid_loss"] = _validate(model, valid_ds, o, ps, autocast, 0, record)
 
     sampler = iter(MegatronPretrainingSampler(len(train_ds), consumed, o.micro_batch_size, ps.dp_rank,
                                               ps.dp_size))
@@ -325,23 +527,24 @@ def train(o: SimpleNamespace, return_params: bool = False) -> dict:
                          + (" | skipped (overflow)" if info["skipped"] else ""))
                 window_t, window_loss, window_n = time.perf_counter(), 0.0, 0
             last = iteration == o.train_iters
-            if valid_ds is not None and o.eval_interval and (iteration % o.eval_interval == 0 or last):
-                v = evaluate(model, valid_ds, o, ps, autocast)
-                summary["last_valid_loss"] = v
-                _log(ps, f"validation at iteration {iteration}: loss {v:.4f} | ppl {math.exp(min(20, v)):.2f}")
-                record(dict(split="valid", iteration=iteration, loss=v, ppl=math.exp(min(20, v))))
-            stopping = stop is not None and stop.requested(ps, iteration)  # collective: every rank agrees
-            if o.save and ((o.save_interval and iteration % o.save_interval == 0) or last or stopping):
+            if validating and (iteration % o.eval_interval == 0 or last):
+                summary["last_valid_loss"] = _validate(model, valid_ds, o, ps, autocast, iteration, record)
+            # collective: every rank agrees to stop at the same iteration, and on the signal
+            signum = _agreed_signal(stop, ps) if stop.requested(ps, iteration) and not last else 0
+            saving = (o.save_interval and iteration % o.save_interval == 0) or last or signum == signal.SIGTERM
+            if o.save and saving:
                 ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, model=model, engine=engine, ps=ps,
                           config=cfg, options=o, tokenizer=tokenizer, keep_last=o.keep_last)
                 _log(ps, f"saved checkpoint at iteration {iteration} to {o.save}")
-            if stopping:
-                _log(ps, f"SIGTERM received: stopping after iteration {iteration} (checkpoint saved).")
+            if signum:
+                summary["interrupted"] = dict(signal=signal.Signals(signum).name, iteration=iteration,
+                                              saved=bool(o.save and saving), forced=False)
                 summary["stopped_by_signal"] = True
                 break
-    finally:  # the handler must not outlive the loop, also on an exception
-        if stop is not None:
-            stop.close()
+    except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
+        summary["interrupted"] = dict(signal=signal.Signals(stop.received or signal.SIGINT).name,
+                                      iteration=iteration, saved=False, forced=True)
+        summary["stopped_by_signal"] = True
 
     if metrics is not None:
         metrics.close()
@@ -368,16 +571,27 @@ def model_padded_vocab(engine) -> int:
     return engine.model.config.padded_vocab_size(engine.ps.tp_size)
 
 
+def _curves(metrics_path: str) -> tuple[list, list]:
+    """``(iteration, loss)`` points of training and validation, in iteration order, one per iteration
+    (a repeated iteration keeps its last record): no line of the plot runs backwards."""
+    points: dict = {"train": {}, "valid": {}}
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:  # a torn last line of a killed run
+                continue
+            if r.get("loss") is not None:
+                points["valid" if r.get("split") == "valid" else "train"][r["iteration"]] = r["loss"]
+    return sorted(points["train"].items()), sorted(points["valid"].items())
+
+
 def _plot(metrics_path: str) -> None:
     """Loss curve (training and validation) next to the metrics file."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    train, valid = [], []
-    with open(metrics_path) as f:
-        for line in f:
-            r = json.loads(line)
-            (valid if r.get("split") == "valid" else train).append((r["iteration"], r["loss"]))
+    train, valid = _curves(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train", lw=1)

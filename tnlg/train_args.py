@@ -1,9 +1,11 @@
 """``tnlg pretrain`` options: Megatron flag names, presets with their published recipes, config files.
 
-Precedence, lowest first: built-in defaults < ``--preset`` (model shape and
-recipe) < ``--config FILE`` (TOML or YAML; keys are flag names with ``_`` or
-``-``) < flags given on the command line. Everything is validated here, in the
-launching process, before any worker starts or anything is written.
+Precedence, lowest first: defaults (:data:`DEFAULTS`, Megatron-LM's; the
+built-in job's tuned :data:`BUILTIN_JOB` values when neither ``--data-path`` nor
+``--preset`` is given) < ``--preset`` (model shape and recipe) < ``--config
+FILE`` (TOML or YAML; keys are flag names with ``_`` or ``-``) < flags given on
+the command line. Everything is validated here, in the launching process,
+before any worker starts or anything is written.
 """
 
 from __future__ import annotations
@@ -15,26 +17,56 @@ from types import SimpleNamespace
 from .config import PRESETS, GPTConfig
 from .errors import UserError
 
-__all__ = ["add_arguments", "resolve", "DEFAULTS", "RECIPES"]
+__all__ = ["add_arguments", "resolve", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
 
-# The main job on a built-in default: a small GPT on the built-in corpus, TP=2 x DP=2, ZeRO-1.
+# Every run's defaults: Megatron-LM's where Megatron has one (no warmup, decay over --train-iters, linear
+# decay to --min-lr 0, Adam beta2 0.999, dropout 0.1, TP 1, global batch = micro batch x DP, a log line
+# every 100 iterations, 100 validation batches every 1000). Megatron requires the model shape, the micro
+# batch and --lr; here they default to a small GPT, 8 and 6e-4 (GPT-3 Small's peak). --train-iters has no
+# default outside the built-in job (Megatron requires it too).
 DEFAULTS = dict(
     preset=None, config=None,
     num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, ffn_hidden_size=None,
-    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-    micro_batch_size=8, global_batch_size=16, train_iters=300,
-    lr=2e-3, min_lr=2e-4, lr_warmup_iters=30, lr_decay_iters=None, lr_decay_style="cosine",
-    weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-    tensor_model_parallel_size=2, zero_stage=1, zero_impl="tnlg", nproc_per_node=None, max_restarts=0,
+    hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
+    micro_batch_size=8, global_batch_size=None, train_iters=None,
+    lr=6e-4, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=None, lr_decay_style="linear",
+    weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+    tensor_model_parallel_size=1, zero_stage=1, zero_impl="tnlg", nproc_per_node=None, max_restarts=0,
     data_path=None, split="969,30,1", tokenizer_model=None, data_cache_path=None,
     eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
     seed=1234, bf16=False, fp16=False, accumulate_allreduce_grads_in_fp32=False, device=None,
     recompute_activations=False,
-    log_interval=10, eval_interval=100, eval_iters=4,
+    log_interval=100, eval_interval=1000, eval_iters=100,
     save=None, save_interval=None, load=None, keep_last=None, metrics_file=None, plot=True,
-    peak_tflops=None, sample_prompt="ROMEO:", sample_tokens=48, distributed_timeout_minutes=10,
+    peak_tflops=None, sample_prompt="", sample_tokens=48, distributed_timeout_minutes=10,
     bucket_size_mb=25.0,
 )
+
+# The built-in job (no --data-path and no --preset): a small GPT on the built-in corpus, TP=2 x DP=2,
+# ZeRO-1, tuned to learn in a few minutes on 2 CPU cores. These values apply to it only; where the user
+# sets what they depend on, they follow (see _builtin_scaled): --lr-warmup-iters is a tenth of the
+# schedule (30 of 300), --min-lr a tenth of --lr, TP 1 on an odd number of processes.
+BUILTIN_JOB = dict(
+    hidden_dropout=0.0, attention_dropout=0.0, global_batch_size=16, train_iters=300, lr=2e-3,
+    lr_decay_style="cosine", adam_beta2=0.95, tensor_model_parallel_size=2, log_interval=10,
+    eval_interval=100, eval_iters=4, save_interval=100, sample_prompt="ROMEO:",
+)
+
+DEFAULT_NPROC = 4  # local processes when not under torchrun and --nproc-per-node is not given
+
+# what --help says of defaults that are not a plain value: (every run, the built-in job)
+_DEFAULT_WORDS = {
+    "train_iters": ("none: required", None),
+    "global_batch_size": ("micro batch x DP", None),
+    "lr_decay_iters": ("--train-iters", None),
+    "lr_warmup_iters": (None, "a tenth of the schedule, 30"),
+    "min_lr": (None, "--lr / 10"),
+    "tensor_model_parallel_size": (None, "2; 1 on an odd number of processes"),
+    "ffn_hidden_size": ("4 x hidden size", None),
+    "nproc_per_node": (str(DEFAULT_NPROC), None),
+    "sample_prompt": ("none", None),
+    "save_interval": ("only at the end", None),
+}
 
 # Published recipes (REFERENCE.md): T-NLG as reported; Megatron 8.3B's.
 RECIPES = {
@@ -52,15 +84,45 @@ _MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "hidden_dropout", "attention_dropout", "init_method_std")
 
 
+def _shown(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+
 def _flag(p, *names, **kw):
+    """An option whose default lives in :data:`DEFAULTS` (absent from the namespace unless given);
+    its help ends with the default of every run and, where it differs, the built-in job's."""
+    dest = kw.get("dest") or names[0].lstrip("-").replace("-", "_")
+    if kw.get("action") not in ("store_true", "store_false") and dest in DEFAULTS:
+        every, builtin = _DEFAULT_WORDS.get(dest, (None, None))
+        if every is None and DEFAULTS[dest] is not None:
+            every = _shown(DEFAULTS[dest])
+        if builtin is None and dest in BUILTIN_JOB:
+            builtin = _shown(BUILTIN_JOB[dest])
+        parts = ([f"default {every}"] if every else []) + ([f"built-in job {builtin}"] if builtin else [])
+        if parts:
+            kw["help"] = (kw.get("help", "") + f" ({'; '.join(parts)})").strip()
     p.add_argument(*names, default=argparse.SUPPRESS, **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Pretrain a GPT with tensor parallelism (TP) inside groups of processes and ZeRO data parallelism "
-        "(DP) across them. With no arguments: a small GPT on the built-in Shakespeare+Milton corpus, "
-        "TP=2 x DP=2, ZeRO stage 1, 4 local gloo processes, a few minutes on 2 CPU cores.\n\n"
+        "(DP) across them. Without --data-path and --preset: the built-in job, a small GPT on the built-in "
+        "Shakespeare+Milton corpus, TP=2 x DP=2, ZeRO stage 1, 4 local gloo processes, a few minutes on 2 "
+        "CPU cores.\n\n"
+        "Defaults: the values marked 'built-in job' below are tuned for that job and apply to it only; any "
+        "other run (--data-path or --preset) gets Megatron-LM's defaults where it says nothing: no warmup, "
+        "decay over --train-iters (which it must give), linear decay to --min-lr 0, Adam beta2 0.999, "
+        "dropout 0.1, TP 1, global batch = micro batch x DP, validation of 100 batches every 1000 "
+        "iterations. A recipe (--preset tnlg-17b, megatron-8.3b) brings its own values.\n\n"
+        "Saving: with --save DIR, checkpoints, metrics.jsonl and the loss plot go to DIR, and a run whose DIR "
+        "holds a checkpoint resumes from it. Without --save, the built-in job saves to a new "
+        "runs/pretrain-DATE-TIME; a run with --load saves back into the checkpoint root it loaded from; any "
+        "other run saves nothing, and says so when it starts and when it ends.\n\n"
+        "Stopping: Ctrl-C (SIGINT) stops at the end of the current iteration; SIGTERM (a scheduler's "
+        "preemption) does too, after saving a checkpoint of that iteration. Rank 0 then prints the "
+        "iteration, the last checkpoint and the command that resumes the run; a second signal stops at "
+        "once.\n\n"
         "Logged every --log-interval iterations: loss, lr, grad norm, ms/iter, tokens/s, TFLOP/s per rank "
         "and MFU. Model FLOPs per iteration (Narayanan et al. 2021): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), "
         "or 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with --recompute-activations; MFU = model FLOP/s per rank "
@@ -81,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(g, "--lr", type=float, help="peak learning rate")
     _flag(g, "--min-lr", type=float)
     _flag(g, "--lr-warmup-iters", type=int, help="linear warmup from 0 over this many iterations")
-    _flag(g, "--lr-decay-iters", type=int, help="decay ends here (default --train-iters); min-lr after")
+    _flag(g, "--lr-decay-iters", type=int, help="decay ends here; --min-lr after")
     _flag(g, "--lr-decay-style", choices=["cosine", "linear", "constant"])
     _flag(g, "--weight-decay", type=float, help="AdamW decay on matrices (2-D parameters) only")
     _flag(g, "--clip-grad", type=float, help="clip by the global norm across TP and DP (0: off)")
@@ -90,13 +152,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(g, "--adam-eps", type=float)
     g = p.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", "--tp", type=int, help="TP size (any size up to the head count)")
-    _flag(g, "--zero-stage", type=int, choices=[0, 1, 2, 3], help="0: all-reduce; 1 (default): optimizer "
+    _flag(g, "--zero-stage", type=int, choices=[0, 1, 2, 3], help="0: all-reduce; 1: optimizer "
           "states partitioned; 2: + gradients; 3: + parameters (2/3 via FSDP2)")
-    _flag(g, "--zero-impl", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (default: our own "
+    _flag(g, "--zero-impl", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (our own "
           "for 0/1, FSDP2 for 2/3) or deepspeed (DeepSpeed's ZeRO 1-3 over our DP group; optional extra: "
           "pip install -e \".[deepspeed]\")")
     _flag(g, "--nproc-per-node", type=int, help="launch this many local processes (torch's elastic "
-          "launcher) unless already under torchrun; default 4 for the built-in job")
+          "launcher) unless already under torchrun")
     _flag(g, "--max-restarts", type=int, help="with --nproc-per-node: restart the group this many times "
           "after a failure (resuming from --save)")
     _flag(g, "--distributed-timeout-minutes", type=float, help="a hung collective fails after this long")
@@ -122,13 +184,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging, evaluation, checkpoints")
     _flag(g, "--log-interval", type=int)
     _flag(g, "--eval-interval", type=int, help="validation every N iterations (and before the first; 0: off)")
-    _flag(g, "--eval-iters", type=int, help="global batches per validation")
+    _flag(g, "--eval-iters", type=int, help="global batches per validation (0: no validation)")
     _flag(g, "--metrics-file", help="JSON Lines metrics (default SAVE/metrics.jsonl)")
     _flag(g, "--no-plot", dest="plot", action="store_false", help="no loss-curve PNG at the end")
     _flag(g, "--peak-tflops", type=float, help="per-rank peak for MFU (default: measured at start)")
-    _flag(g, "--save", help="checkpoint directory (default for the built-in job: runs/pretrain)")
-    _flag(g, "--save-interval", type=int)
-    _flag(g, "--load", help="resume from this checkpoint directory")
+    _flag(g, "--save", help="checkpoint directory, also for metrics.jsonl and the loss plot; resumed from "
+          "when it holds a checkpoint. Without it: the built-in job saves to a new runs/pretrain-DATE-TIME, "
+          "a run with --load saves back into the root it loaded from, any other run saves nothing (and says "
+          "so at start and at the end)")
+    _flag(g, "--save-interval", type=int, help="save every N iterations (always at the end and on SIGTERM)")
+    _flag(g, "--load", help="resume from this checkpoint (a root: its latest iteration; or an iter_* "
+          "directory); without --save, later checkpoints go into the same root")
     _flag(g, "--keep-last", type=int, help="keep only the last K checkpoints")
     _flag(g, "--sample-prompt", help="prompt of the sample printed at the end ('' for none)")
     _flag(g, "--sample-tokens", type=int)
@@ -164,31 +230,78 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> SimpleNa
     """Merge defaults, preset, config file and flags; validate; return the run's options.
 
     ``world_size`` is the number of processes when known (under torchrun, or from
-    ``--nproc-per-node``); layout checks that need it run then.
+    ``--nproc-per-node``); layout checks and the defaults that follow the layout
+    (global batch = micro batch x DP) need it. ``o.builtin_job`` says whether the
+    built-in job's defaults applied (neither ``--data-path`` nor ``--preset``).
     """
     given = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    from_file = _read_config_file(given["config"]) if given.get("config") else {}
+    said = {**from_file, **given}  # what the user set, in a file or on the command line
+    preset = said.get("preset")
+    builtin = preset is None and said.get("data_path") is None
     opts = dict(DEFAULTS)
-    preset = given.get("preset")
-    if preset is None and given.get("config"):
-        preset = _read_config_file(given["config"]).get("preset")
+    if builtin:
+        opts.update(BUILTIN_JOB)
     if preset:
         shape = PRESETS[preset]
         opts.update({k: v for k, v in shape.items() if k in _MODEL_KEYS})
         opts["seq_length"] = shape["seq_length"]
         opts.update(RECIPES.get(preset, {}))
-        opts["preset"] = preset
-    if given.get("config"):
-        opts.update(_read_config_file(given["config"]))
-    opts.update(given)
+        said_or_recipe = set(said) | set(RECIPES.get(preset, {}))
+    else:
+        said_or_recipe = set(said)
+    opts.update(said)
+    opts["preset"] = preset
+    if builtin:
+        _builtin_scaled(opts, said, world_size)
+    _batch_defaults(opts, said_or_recipe, world_size)
     o = SimpleNamespace(**opts)
+    o.builtin_job = builtin
     _validate(o, world_size)
     return o
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _builtin_scaled(opts: dict, said: dict, world_size: int | None) -> None:
+    """The built-in job's defaults that depend on other options follow them when the user sets those:
+    warmup a tenth of the schedule, --min-lr a tenth of --lr, TP 1 on an odd number of processes."""
+    iters, decay = opts["train_iters"], opts["lr_decay_iters"]
+    if "lr_warmup_iters" not in said and _is_int(iters) and iters > 0:
+        opts["lr_warmup_iters"] = min(iters, decay if _is_int(decay) and decay > 0 else iters) // 10
+    if "min_lr" not in said and isinstance(opts["lr"], (int, float)) and not isinstance(opts["lr"], bool):
+        opts["min_lr"] = opts["lr"] / 10
+    if "tensor_model_parallel_size" not in said and world_size is not None and world_size % 2:
+        opts["tensor_model_parallel_size"] = 1
+
+
+def _batch_defaults(opts: dict, said: set, world_size: int | None) -> None:
+    """Megatron's global batch default (micro batch x DP); and when only the global batch is set, the
+    largest micro batch up to the default that divides it over DP (never an error about a flag the user
+    did not give)."""
+    tp, micro, gbs = opts["tensor_model_parallel_size"], opts["micro_batch_size"], opts["global_batch_size"]
+    if world_size is None or not (_is_int(tp) and tp > 0 and world_size % tp == 0 and _is_int(micro) and micro > 0):
+        return
+    dp = world_size // tp
+    if gbs is None:
+        opts["global_batch_size"] = micro * dp
+    elif "micro_batch_size" not in said and _is_int(gbs) and gbs > 0 and gbs % (micro * dp) and gbs % dp == 0:
+        per_rank = gbs // dp
+        opts["micro_batch_size"] = max(m for m in range(1, micro + 1) if per_rank % m == 0)
+
+
 def _validate(o: SimpleNamespace, world_size: int | None) -> None:
+    if o.train_iters is None:
+        raise UserError("--train-iters is required for a run on your own data (--data-path) or a --preset "
+                        "without a recipe, as in Megatron-LM: the built-in job's 300 iterations suit only the "
+                        "built-in job. The learning-rate schedule (decay over --train-iters) follows it.")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size", "log_interval"):
         v = getattr(o, name)
+        if v is None and name == "global_batch_size":  # micro batch x DP, once DP is known
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}.")
     for name in ("eval_interval", "eval_iters", "lr_warmup_iters"):
