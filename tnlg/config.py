@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["GPTConfig", "partition_sizes", "padded_vocab_size", "PRESETS"]
+__all__ = ["GPTConfig", "partition_sizes", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
+
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
 
 def partition_sizes(n: int, tp: int) -> list[int]:
@@ -43,6 +45,13 @@ class GPTConfig:
     number of learned positions. ``init_method_std`` initialises every matrix;
     the two residual output projections use ``std / sqrt(2 * num_layers)``
     (GPT-2 / Megatron scaled init).
+
+    How the model runs, not what it is (a checkpoint may be resumed with other values):
+    ``sequence_parallel`` splits the activations between the tensor-parallel regions along
+    the sequence over the TP group (Korthikanti et al. 2022; no effect at TP 1);
+    ``recompute_granularity`` is ``None`` (keep all activations), ``"selective"`` (recompute
+    the attention core in backward) or ``"full"`` (recompute every block from its input).
+    ``recompute_activations=True`` is the older spelling of ``"full"``.
     """
 
     num_layers: int = 2
@@ -58,6 +67,8 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     recompute_activations: bool = False
     seed: int = 1234
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -80,6 +91,22 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {value!r}.")
         if self.init_method_std <= 0:
             raise ValueError(f"GPTConfig.init_method_std must be positive, got {self.init_method_std!r}.")
+        for name in ("sequence_parallel", "recompute_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"GPTConfig.recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} "
+                             f"(None: no recomputation), got {self.recompute_granularity!r}.")
+        if self.recompute_activations and self.recompute_granularity == "selective":
+            raise ValueError("GPTConfig.recompute_activations=True means full recomputation (every block), which "
+                             "contradicts recompute_granularity='selective' (the attention core only); set one "
+                             "of them.")
+
+    @property
+    def effective_recompute_granularity(self) -> Optional[str]:
+        """``"full"``, ``"selective"`` or ``None``: ``recompute_granularity``, else ``"full"`` when
+        ``recompute_activations`` is set."""
+        return self.recompute_granularity or ("full" if self.recompute_activations else None)
 
     @property
     def head_dim(self) -> int:

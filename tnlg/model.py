@@ -16,6 +16,29 @@ multiple of ``128 * tp`` (as Megatron) and the padded logits are masked.
 Initialisation is TP-invariant: every parameter is drawn in full from a CPU
 generator seeded by ``(config.seed, parameter name)`` and then sliced, so a
 shard is exactly the matching slice of the TP=1 weight.
+
+Sequence parallelism (``config.sequence_parallel``, Korthikanti et al. 2022; docs/sequence_parallel.md):
+between the TP regions the activations are this rank's positions of the sequence,
+sequence-first ``[s_r, b, h]`` (Megatron's layout, so the collectives need no transposed
+copies; :func:`tnlg.parallel.mappings.sequence_sizes`, uneven when TP does not divide
+``s``), so LayerNorm, dropout and the residual adds run on ``1/t`` of the tokens. Without
+it the activations are batch-first ``[b, s, h]``.
+Per block and pass the two all-reduces become two all-gathers (before QKV and fc) and two
+reduce-scatters (after the output projections) in forward, and the reverse in backward,
+plus one more all-gather per column layer in backward (only the shard of its input is
+stored). The embedding reduce-scatters instead of all-reducing, the LM head all-gathers
+``ln_f``'s output. Replicated parameters applied to a sequence shard must end with the
+gradient over the whole sequence on every TP rank: a block's LayerNorm weights and biases
+and row-parallel biases enter through one coalesced ``f`` (one small all-reduce of their
+six gradients together in backward; ``ln_f`` has its own), and the position embedding is
+added inside the embedding's reduce-scatter, whose backward all-gather already gives it
+the whole gradient. Incremental
+decoding (``kv_cache``), ``last_only`` and sequences shorter than TP run without it, and
+``model.sequence_parallel = False`` turns it off (the results are the same either way).
+
+Recomputation (``config.recompute_granularity``): ``"full"`` checkpoints every block
+(only its input is kept; the block runs again in backward), ``"selective"`` only the
+attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5).
 """
 
 from __future__ import annotations
@@ -31,26 +54,61 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
 from .parallel.cross_entropy import vocab_parallel_cross_entropy
-from .parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_shape,
-                              mark_replicated, shard_of)
-from .parallel.mappings import copy_to_tp, gather_from_tp
+from .parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_linear, full_shape, mark_replicated, shard_of)
+from .parallel.mappings import (copy_to_tp, copy_to_tp_coalesced, gather_from_tp, reduce_scatter_to_sequence_parallel,
+                                sequence_sizes)
 from .parallel.random import TPRandom
 from .parallel.state import ParallelState
 
 __all__ = ["GPT", "KVCache", "gather_logits", "parameter_counts"]
 
 
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 (also under bf16 autocast); replicated over TP."""
+class _LayerNorm16(torch.autograd.Function):
+    """LayerNorm of a 16-bit input computed in fp32, keeping the input for backward in its own
+    dtype (2 bytes per element, Korthikanti et al.'s count) instead of an fp32 copy (4)."""
 
-    def __init__(self, dim: int, eps: float, device=None):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        shape = (x.shape[-1],)
+        out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight.float(), bias.float(), eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad.float(), x.float(), (x.shape[-1],), mean, rstd, weight.float(), bias.float(),
+            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]])
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
+                None if gb is None else gb.to(bias.dtype), None)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 (also under bf16 autocast, and for 16-bit inputs, whose
+    16-bit copy is what backward keeps); replicated over TP.
+
+    ``sequence_parallel=True`` (``x`` is this rank's sequence shard): the weight and bias go
+    through ``f`` (one coalesced all-reduce of their gradients in backward), unless the caller
+    passes them already through ``f`` as ``synced=(weight, bias)``."""
+
+    def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None):
         super().__init__(dim, eps=eps, device=device)
+        self.ps = ps
         mark_replicated(self.weight)
         mark_replicated(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False, synced=None) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if synced is not None:
+            w, b = synced
+        elif sequence_parallel and self.ps is not None:
+            w, b = copy_to_tp_coalesced((w, b), self.ps)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+            if x.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
+                return _LayerNorm16.apply(x, w, b, self.eps)
+            return F.layer_norm(x.float(), self.normalized_shape, w.float(), b.float(), self.eps)
 
 
 class KVCache:
@@ -77,6 +135,10 @@ class ParallelAttention(nn.Module):
 
     Forward: ``f`` before QKV (identity), ``g`` after the output projection
     (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``).
+    Sequence-parallel (``sp`` = every rank's positions): forward all-gather of the input
+    along the sequence and reduce-scatter of the output; backward all-gather of the output
+    gradient, all-gather of the input again and reduce-scatter of the input gradient. With ``recompute_granularity ==
+    "selective"`` the attention core (softmax, dropout, ``A V``) runs again in backward.
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None):
@@ -86,16 +148,27 @@ class ParallelAttention(nn.Module):
         self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], hd, layer_idx
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
+        self.recompute_core = cfg.effective_recompute_granularity == "selective"
+        sp = cfg.sequence_parallel
         self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps,
-                                           partition_sizes=[3 * hd * n for n in heads], device=device)
+                                           partition_sizes=[3 * hd * n for n in heads], sequence_parallel=sp,
+                                           device=device)
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ps, input_is_parallel=True,
-                                        partition_sizes=[hd * n for n in heads], device=device)
+                                        partition_sizes=[hd * n for n in heads], sequence_parallel=sp,
+                                        device=device)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.c_attn(x).view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # [b, heads, s, hd]
+                kv_cache: Optional[KVCache] = None, sp: Optional[tuple[int, ...]] = None,
+                synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv = self.c_attn(x, sequence_parallel=sp is not None, sequence_sizes=sp)
+        if sp is None:  # [b, s, 3 h_r]
+            b, s = qkv.shape[:2]
+            qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # [b, heads, s, hd]
+        else:  # sequence-parallel: [s (all positions), b, 3 h_r]
+            s, b = qkv.shape[:2]
+            qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, hd]
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[self.layer_idx][:, :, start:start + s] = k
@@ -110,63 +183,101 @@ class ParallelAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         # one new token after a cache sees every cached key: neither a mask nor causality applies
         causal = attention_mask is None and kv_len == s
-        if dropout == 0.0:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
+            # (this module replays the dropout stream itself, so checkpoint need not stash RNG states)
+            state = self.tp_random.state.clone() if dropout else None
+            y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, use_reentrant=False,
+                           preserve_rng_state=False)
         else:
-            with self.tp_random.fork():  # heads differ per rank: dropout must too
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
-                                                   is_causal=causal)
-        return self.c_proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+            y = self._core(q, k, v, attention_mask, causal, dropout)
+        if sp is None:
+            return self.c_proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim),
+                               sequence_parallel=False)
+        return self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim),
+                           sequence_parallel=True, sequence_sizes=sp, synced_bias=synced_bias)
+
+    def _core(self, q, k, v, attention_mask, causal: bool, dropout: float, tp_rng_state=None):
+        """``softmax(q k^T / sqrt(d) + mask) v`` with attention dropout; ``tp_rng_state`` replays a
+        recomputation's dropout masks."""
+        if dropout == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
+        with self.tp_random.replay(tp_rng_state), self.tp_random.fork():  # heads differ per rank: masks too
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
+                                                  is_causal=causal)
 
 
 class ParallelMLP(nn.Module):
     """``h -> ffn -> h`` with GELU (tanh form): column-parallel then row-parallel.
 
     Forward: ``f`` (identity) then ``g`` (all-reduce of ``[b, s, h]``); backward: one all-reduce.
+    Sequence-parallel (``sp``): all-gather before ``c_fc``, reduce-scatter after ``c_proj``
+    (backward: all-gather, all-gather again, reduce-scatter).
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None):
         super().__init__()
         sizes = cfg.ffn_per_rank(ps.tp_size)
+        sp = cfg.sequence_parallel
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps, partition_sizes=sizes,
-                                         device=device)
+                                         sequence_parallel=sp, device=device)
         self.c_proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps, partition_sizes=sizes,
-                                        device=device)
+                                        sequence_parallel=sp, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
+                synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        on = sp is not None
+        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate="tanh")
+        return self.c_proj(h, sequence_parallel=on, sequence_sizes=sp, synced_bias=synced_bias)
+
+
+def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_split: bool) -> torch.Tensor:
+    """Dropout on the residual stream: the shared default generator when every TP rank holds the
+    same tokens; this rank's generator (:meth:`TPRandom.fork`) when it holds its own positions."""
+    if not sequence_split or not drop.training or drop.p == 0.0:
+        return drop(x)
+    with tp_random.fork():
+        return drop(x)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; optional activation checkpointing (recompute in backward)."""
+    """Pre-LayerNorm transformer block; optional activation checkpointing (recompute in backward).
+
+    ``sp``: every TP rank's positions when ``x`` is this rank's sequence shard ``[s_r, b, h]``
+    (sequence parallelism), else ``None`` (``x`` is ``[b, s, h]``)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device)
+        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps)
         self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device)
-        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device)
+        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps)
         self.mlp = ParallelMLP(cfg, ps, device=device)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp_random = tp_random
-        self.recompute = cfg.recompute_activations
+        self.recompute = cfg.effective_recompute_granularity == "full"
 
-    def _forward(self, x, attention_mask, kv_cache, tp_rng_state=None):
-        live = self.tp_random.state
-        replaying = tp_rng_state is not None and not torch.equal(live, tp_rng_state)
-        if replaying:  # recomputation in backward: replay the forward's attention-dropout stream
-            self.tp_random.state = tp_rng_state.clone()
-        try:
-            x = x + self.dropout(self.attn(self.ln_1(x), attention_mask, kv_cache))
-            return x + self.dropout(self.mlp(self.ln_2(x)))
-        finally:  # (try/finally: checkpoint may stop a recomputation early by raising)
-            if replaying:
-                self.tp_random.state = live
+    def _forward(self, x, attention_mask, kv_cache, sp=None, tp_rng_state=None):
+        on = sp is not None
+        ln1 = ln2 = attn_bias = mlp_bias = None
+        if on:  # the replicated parameters meet this rank's positions only: one f for all of them
+            ln1, ln2 = (self.ln_1.weight, self.ln_1.bias), (self.ln_2.weight, self.ln_2.bias)
+            params = [*ln1, *ln2, self.attn.c_proj.bias, self.mlp.c_proj.bias]
+            synced = copy_to_tp_coalesced([p for p in params if p is not None], self.attn.c_proj.ps)
+            ln1, ln2, rest = synced[:2], synced[2:4], list(synced[4:])
+            attn_bias = rest.pop(0) if self.attn.c_proj.bias is not None else None
+            mlp_bias = rest.pop(0) if self.mlp.c_proj.bias is not None else None
+        # a recomputation in backward replays the forward's TP-rank dropout streams
+        with self.tp_random.replay(tp_rng_state):
+            h = self.attn(self.ln_1(x, on, ln1), attention_mask, kv_cache, sp, attn_bias)
+            x = x + _dropout(self.dropout, h, self.tp_random, on)
+            h = self.mlp(self.ln_2(x, on, ln2), sp, mlp_bias)
+            return x + _dropout(self.dropout, h, self.tp_random, on)
 
-    def forward(self, x, attention_mask=None, kv_cache=None):
+    def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None):
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask, kv_cache, self.tp_random.state.clone(),
+            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.state.clone(),
                               use_reentrant=False)
-        return self._forward(x, attention_mask, kv_cache)
+        return self._forward(x, attention_mask, kv_cache, sp)
 
 
 class GPT(nn.Module):
@@ -179,6 +290,10 @@ class GPT(nn.Module):
     (``tokens = sample[:-1]``, ``labels = sample[1:]``); the model does not shift.
     ``loss_mask`` (same shape, 0/1) excludes targets from the mean. ``last_only``
     computes the logits of the last position only (generation).
+
+    ``config.sequence_parallel`` (with TP > 1) splits the activations between the TP regions
+    along the sequence (module docstring); the attribute ``sequence_parallel`` turns it off or
+    on for later calls without changing any parameter.
     """
 
     def __init__(self, config: GPTConfig, ps: Optional[ParallelState] = None, device=None):
@@ -190,6 +305,7 @@ class GPT(nn.Module):
         self.heads_per_rank = config.heads_per_rank(ps.tp_size)
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
+        self.sequence_parallel = config.sequence_parallel
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size,
                                        device=device),
@@ -197,7 +313,7 @@ class GPT(nn.Module):
             drop=nn.Dropout(config.hidden_dropout),
             h=nn.ModuleList(Block(config, ps, i, self.tp_random, device=device)
                             for i in range(config.num_layers)),
-            ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device),
+            ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps),
         ))
         mark_replicated(self.transformer.wpe.weight)
         self.reset_parameters()
@@ -244,16 +360,31 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {offset + s} tokens is longer than seq_length={self.config.seq_length}.")
         if position_ids is None:
             position_ids = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)
-        x = self.transformer.drop(self.transformer.wte(tokens) + self.transformer.wpe(position_ids))
-        for block in self.transformer.h:
-            x = block(x, attention_mask, kv_cache)
+        sp = self.sequence_split(s, kv_cache is not None or last_only)
+        t = self.transformer
+        if sp is None:
+            x = t.drop(t.wte(tokens) + t.wpe(position_ids))
+        else:  # sequence-first; reduce-scatter the partial word embeddings, each rank adds its positions'
+            x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
+                                                    replicated=t.wpe(position_ids).transpose(0, 1))
+            x = _dropout(t.drop, x, self.tp_random, True)
+        for block in t.h:
+            x = block(x, attention_mask, kv_cache, sp)
         if kv_cache is not None:
             kv_cache.length += s
-        x = self.transformer.ln_f(x)
+        x = t.ln_f(x, sp is not None)
         if last_only:  # generation needs only the next token's logits
             x = x[:, -1:]
-        # parallel LM head tied to the embedding: f, then a local matmul -> this rank's vocab shard
-        logits = F.linear(copy_to_tp(x, self.ps), self.transformer.wte.weight)
+        # parallel LM head tied to the embedding: f (or, sequence-parallel, an all-gather of the
+        # sequence), then a local matmul -> this rank's vocab shard
+        if sp is None:
+            logits = F.linear(copy_to_tp(x, self.ps), t.wte.weight)
+        else:  # [s, b, V_r]: the loss is computed sequence-first, the logits returned batch-first
+            logits = column_parallel_linear(x, t.wte.weight, None, self.ps, sp)
+            if labels is None:
+                return logits.transpose(0, 1)
+            labels = labels.t()
+            loss_mask = None if loss_mask is None else loss_mask.t()
         if labels is None:
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.config.vocab_size)
@@ -261,6 +392,15 @@ class GPT(nn.Module):
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+    def sequence_split(self, seq_len: int, incremental: bool = False) -> Optional[tuple[int, ...]]:
+        """Every TP rank's positions of a ``seq_len`` sequence when this call runs sequence-parallel,
+        else ``None``: off without TP, when turned off, for incremental decoding, and for sequences
+        shorter than TP (a rank would hold no position)."""
+        tp = self.ps.tp_size
+        if not self.sequence_parallel or tp == 1 or incremental or seq_len < tp:
+            return None
+        return sequence_sizes(seq_len, tp)
 
     # -------------------------------------------------------------- interop
     @classmethod

@@ -35,7 +35,7 @@ DEFAULTS = dict(
     data_path=None, split="969,30,1", tokenizer_model=None, data_cache_path=None,
     eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
     seed=1234, bf16=False, fp16=False, accumulate_allreduce_grads_in_fp32=False, device=None,
-    recompute_activations=False,
+    recompute_activations=False, recompute_granularity=None, sequence_parallel=False,
     log_interval=100, eval_interval=1000, eval_iters=100,
     save=None, save_interval=None, load=None, keep_last=None, metrics_file=None, plot=True,
     peak_tflops=None, sample_prompt="", sample_tokens=48, distributed_timeout_minutes=10,
@@ -152,6 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(g, "--adam-eps", type=float)
     g = p.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", "--tp", type=int, help="TP size (any size up to the head count)")
+    _flag(g, "--sequence-parallel", action="store_true", help="with TP > 1: split the activations between "
+          "the TP regions along the sequence (LayerNorm, dropout, residual on 1/TP of the tokens; "
+          "all-gather/reduce-scatter instead of all-reduce; any sequence length)")
     _flag(g, "--zero-stage", type=int, choices=[0, 1, 2, 3], help="0: all-reduce; 1: optimizer "
           "states partitioned; 2: + gradients; 3: + parameters (2/3 via FSDP2)")
     _flag(g, "--zero-impl", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (our own "
@@ -179,7 +182,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
           "per parameter); ZeRO stages 0 and 1")
     _flag(g, "--device", choices=["cpu", "cuda"], help="where to train (default: cuda when a GPU is present, "
           "else cpu); one process per GPU")
-    _flag(g, "--recompute-activations", action="store_true", help="activation checkpointing per block")
+    _flag(g, "--recompute-activations", action="store_true", help="activation checkpointing per block; "
+          "the same as --recompute-granularity full (Megatron-LM maps it to selective)")
+    _flag(g, "--recompute-granularity", choices=["full", "selective"], help="recompute activations in "
+          "backward instead of keeping them: full = every transformer block from its input (2 s b h bytes "
+          "per layer kept, one more forward); selective = the attention core only (softmax and dropout, the "
+          "5 a s^2 b term; a few %% more FLOPs); default: keep everything")
     _flag(g, "--seed", type=int)
     g = p.add_argument_group("logging, evaluation, checkpoints")
     _flag(g, "--log-interval", type=int)
@@ -257,8 +265,21 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> SimpleNa
     _batch_defaults(opts, said_or_recipe, world_size)
     o = SimpleNamespace(**opts)
     o.builtin_job = builtin
+    _recompute_options(o)
     _validate(o, world_size)
     return o
+
+
+def _recompute_options(o: SimpleNamespace) -> None:
+    """``--recompute-activations`` is ``--recompute-granularity full``; afterwards both say the same."""
+    if o.recompute_granularity not in (None, "full", "selective"):
+        raise UserError(f"--recompute-granularity must be full or selective, got {o.recompute_granularity!r}.")
+    if o.recompute_activations and o.recompute_granularity == "selective":
+        raise UserError("--recompute-activations (full recomputation of every block) contradicts "
+                        "--recompute-granularity selective (the attention core only); give one of them.")
+    if o.recompute_activations:
+        o.recompute_granularity = "full"
+    o.recompute_activations = o.recompute_granularity == "full"
 
 
 def _is_int(v) -> bool:
@@ -386,6 +407,7 @@ def model_config(o: SimpleNamespace, vocab_size: int) -> GPTConfig:
                          vocab_size=vocab_size, ffn_hidden_size=o.ffn_hidden_size,
                          hidden_dropout=o.hidden_dropout, attention_dropout=o.attention_dropout,
                          init_method_std=o.init_method_std, recompute_activations=bool(o.recompute_activations),
-                         seed=o.seed)
+                         recompute_granularity=o.recompute_granularity,
+                         sequence_parallel=bool(o.sequence_parallel), seed=o.seed)
     except ValueError as exc:
         raise UserError(str(exc)) from None

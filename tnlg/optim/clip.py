@@ -11,7 +11,12 @@ The norm must equal the one a single process computes on the full model:
    different slice); the replicated sum is *not* (every TP rank holds the same
    values, so adding them would count them ``tp`` times, fairscale's bug).
 
-``norm = sqrt(sharded + replicated)``. Precision: each piece's sum of squares is
+``norm = sqrt(sharded + replicated)``. With sequence parallelism the replicated
+parameters used on a sequence shard (LayerNorms, row-parallel biases, the position
+embedding) would get only this rank's share of their gradient; the model sums them
+over TP inside backward (:mod:`tnlg.model`: a coalesced ``f`` per block, the
+embedding's all-gather), so here too they hold the same full gradient on every TP
+rank and are counted once. Precision: each piece's sum of squares is
 accumulated in its own precision promoted to at least fp32 (``torch._foreach_norm``,
 a few fused kernels on a GPU), the pieces are added in fp64, and the all-reduces
 run in fp64. Everything stays on the device until :func:`global_norm` reads the one

@@ -11,6 +11,14 @@ definition (:func:`shard_of`, :func:`full_shape`):
 
 Splits may be uneven (attention heads that TP does not divide): the sizes come
 from :func:`tnlg.config.partition_sizes`.
+
+Sequence parallelism (``sequence_parallel=True``, Korthikanti et al. 2022): the
+column-parallel input and the row-parallel output are split along the sequence over
+TP instead of replicated. Sequence-parallel tensors are sequence-first, ``[s, b, h]``
+(Megatron's layout, :mod:`tnlg.parallel.mappings`); ``forward`` takes
+``sequence_sizes`` (every rank's positions; default: an even split) and
+``sequence_parallel=`` to override the layer's setting for one call (the model turns
+it off for incremental decoding).
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from .mappings import (copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence_parallel,
+                       scatter_to_tp, sequence_all_gather, sequence_reduce_scatter)
 from .state import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "mark_replicated", "mark_sharded", "shard_of", "full_shape"]
+           "mark_replicated", "mark_sharded", "shard_of", "full_shape", "column_parallel_linear"]
 
 
 def mark_replicated(param: nn.Parameter) -> nn.Parameter:
@@ -70,21 +79,89 @@ def _even_sizes(n: int, tp: int, what: str) -> list[int]:
     return [n // tp] * tp
 
 
+def _even_sequence(x: torch.Tensor, tp: int) -> tuple[int, ...]:
+    return (x.shape[0],) * tp
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """``all_gather_seq(x) @ W^T + b`` keeping only the sequence shard ``x`` for backward (Korthikanti
+    et al. 2022, section 4.2.2: the gathered input is not stored; backward gathers it again).
+
+    Forward: one all-gather of ``x`` along the sequence. Backward: the all-gather again (launched
+    first, overlapping the input-gradient matmul) and a reduce-scatter of the input gradient along
+    the sequence (overlapping the weight-gradient matmul). Runs in the dtype of its inputs (the
+    caller casts for autocast)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ps, sizes):
+        ctx.ps, ctx.sizes, ctx.has_bias = ps, sizes, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(sequence_all_gather(x, ps, sizes), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ps, sizes = ctx.ps, ctx.sizes
+        gathering = sequence_all_gather(x, ps, sizes, async_op=True)
+        grad_full = grad.matmul(weight)                                     # [s, b, in]
+        total = gathering.wait()
+        scattering = sequence_reduce_scatter(grad_full, ps, sizes, async_op=True, inplace=True)
+        del grad_full
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return scattering.wait(), grad_w, grad_b, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           ps: ParallelState, sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``X W_i^T + b_i`` for this rank's rows ``W_i`` of a column-parallel weight.
+
+    ``sequence_sizes is None``: ``x`` is the full input, replicated over TP; forward ``f``
+    (identity), backward all-reduce of the input gradient. Otherwise ``x`` is this rank's sequence
+    shard (``sequence_sizes[r]`` positions, sequence-first ``[s_r, b, in]``; the output is
+    ``[s, b, out_r]``): forward all-gather along the sequence,
+    backward all-gather again + reduce-scatter of the input gradient (only the shard is stored).
+    Under autocast the input is cast first, so the collectives move the autocast dtype."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if ps.tp_size > 1 and autocast:
+        # cast before f: its backward all-reduce then moves autocast-dtype (bf16) gradients, half the bytes
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    if sequence_sizes is None or ps.tp_size == 1:
+        return F.linear(copy_to_tp(x, ps), weight, bias)
+    if autocast:  # run the fused function in the autocast dtype, as autocast would run F.linear
+        dt = torch.get_autocast_dtype(x.device.type)
+        weight = weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return _LinearWithSequenceGather.apply(x, weight, bias, ps, tuple(sequence_sizes))
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP: ``Y_i = X A_i^T + b_i``.
 
     Forward: ``f`` (identity) on the input, local matmul; with ``gather_output``
     an all-gather of the outputs along the last dim. Backward: all-reduce of the
     input gradient over TP (from ``f``); the gather's backward is a local slice.
+
+    With ``sequence_parallel``: the input is this rank's sequence shard ``[s_r, b, in]``
+    (sequence-first) and the output covers the full sequence ``[s, b, out_r]``. Forward: all-gather of
+    the input along the sequence (instead of ``f``). Backward: the all-gather again
+    (only the shard is stored) and a reduce-scatter of the input gradient along the
+    sequence (instead of the all-reduce).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  gather_output: bool = False, partition_sizes: Optional[Sequence[int]] = None,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True returns the full output on every rank, "
+                             "which a sequence-parallel layer does not; gather the logits explicitly instead.")
         self.ps = ps
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.partition_sizes = tuple(partition_sizes or _even_sizes(out_features, ps.tp_size, "out_features"))
         if sum(self.partition_sizes) != out_features or len(self.partition_sizes) != ps.tp_size:
             raise ValueError(f"partition_sizes {self.partition_sizes} must have {ps.tp_size} entries "
@@ -96,16 +173,22 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_sharded(nn.Parameter(torch.zeros(self.output_size_per_partition, **kw)),
                                   0, self.partition_sizes, out_features) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ps.tp_size > 1 and torch.is_autocast_enabled(x.device.type):
-            # cast before f: its backward all-reduce then moves autocast-dtype (bf16) gradients, half the bytes
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        y = F.linear(copy_to_tp(x, self.ps), self.weight, self.bias)
+    def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
+                sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``sequence_parallel``: override the layer's setting for this call; ``sequence_sizes``: every
+        rank's positions when sequence-parallel (default: ``x``'s length on every rank)."""
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if sp and self.ps.tp_size > 1:
+            sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
+            if self.gather_output:
+                raise ValueError("ColumnParallelLinear: gather_output=True cannot be sequence-parallel.")
+            return column_parallel_linear(x, self.weight, self.bias, self.ps, sizes)
+        y = column_parallel_linear(x, self.weight, self.bias, self.ps)
         return gather_from_tp(y, self.ps, self.partition_sizes) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (this rank {self.output_size_per_partition}), "
-                f"gather_output={self.gather_output}")
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -114,15 +197,26 @@ class RowParallelLinear(nn.Module):
     Forward: (scatter of the input along the last dim unless ``input_is_parallel``),
     local matmul, ``g`` = all-reduce over TP, then the replicated bias. Backward:
     identity through ``g``; all-gather of the input gradient if it was scattered.
+
+    With ``sequence_parallel``: the input is sequence-first ``[s, b, in_r]`` and the output this
+    rank's sequence shard ``[s_r, b, out]``.
+    Forward: reduce-scatter of the partial sums along the sequence (instead of ``g``),
+    then the bias on the shard. Backward: all-gather of the output gradient along the
+    sequence, and an all-reduce over TP of the bias's gradient (each rank summed only its
+    own positions; ``f`` applied to the bias, or coalesced by the caller).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  input_is_parallel: bool = True, partition_sizes: Optional[Sequence[int]] = None,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
+                             "of a sequence-parallel row layer is the output of a column-parallel one).")
         self.ps = ps
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.partition_sizes = tuple(partition_sizes or _even_sizes(in_features, ps.tp_size, "in_features"))
         if sum(self.partition_sizes) != in_features or len(self.partition_sizes) != ps.tp_size:
             raise ValueError(f"partition_sizes {self.partition_sizes} must have {ps.tp_size} entries "
@@ -133,15 +227,28 @@ class RowParallelLinear(nn.Module):
                                    1, self.partition_sizes, in_features)
         self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features, **kw))) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
+                sequence_sizes: Optional[Sequence[int]] = None,
+                synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sequence_parallel``: override the layer's setting for this call; ``sequence_sizes``: every
+        rank's positions of the output when sequence-parallel (default: an even split of ``x``'s length);
+        ``synced_bias``: sequence-parallel only, ``self.bias`` already passed through ``f``."""
+        sp = (self.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.ps.tp_size > 1
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.ps, self.partition_sizes)
-        y = reduce_from_tp(F.linear(x, self.weight), self.ps)
-        return y if self.bias is None else y + self.bias
+        if not sp:
+            y = reduce_from_tp(F.linear(x, self.weight), self.ps)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.ps, sequence_sizes, inplace=True)
+        if self.bias is None:
+            return y
+        # the bias meets this rank's positions only: f sums its gradient over TP (``synced_bias``: the
+        # caller already passed it through f, e.g. one coalesced f for a whole block)
+        return y + (copy_to_tp(self.bias, self.ps) if synced_bias is None else synced_bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (this rank {self.input_size_per_partition}), out={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}")
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -168,13 +275,17 @@ class VocabParallelEmbedding(nn.Module):
             nn.Parameter(torch.empty(self.per_partition, embedding_dim, device=device, dtype=dtype)),
             0, [self.per_partition] * ps.tp_size, num_embeddings)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def local_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial embeddings (zeros for ids outside its rows); their sum over TP is the
+        embedding. No communication (the sequence-parallel model reduce-scatters them)."""
         if self.ps.tp_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.ps)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(self.local_lookup(ids), self.ps)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.num_embeddings} (padded {self.padded_size}; this rank rows "

@@ -2,9 +2,17 @@
 
 Outside sharded regions (hidden dropout on the replicated residual stream) all
 TP ranks must drop the same elements: they use the default generator, seeded
-identically on every TP rank. Inside sharded regions (attention-probability
-dropout on this rank's heads) ranks must differ: :class:`TPRandom` keeps a
-separate generator state per TP rank and :meth:`TPRandom.fork` swaps it in.
+identically on every TP rank. Inside sharded regions ranks must differ:
+:class:`TPRandom` keeps a separate generator state per TP rank and
+:meth:`TPRandom.fork` swaps it in. The sharded regions are the attention
+probabilities of this rank's heads and, with sequence parallelism, everything
+between the TP regions (embedding and hidden dropout on this rank's positions of
+the sequence): each rank drops different elements of different tokens, as one
+process would over the whole sequence.
+
+Recomputation (activation checkpointing) must draw the same masks again:
+:meth:`TPRandom.replay` runs a recomputation from the state captured at the
+original forward.
 
 Works for any device type (CPU, CUDA, ...): states are read and written
 through the device's own RNG API.
@@ -13,6 +21,7 @@ through the device's own RNG API.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -56,6 +65,21 @@ class TPRandom:
         finally:
             self.state = _get_state(self.device)
             _set_state(self.device, saved)
+
+    @contextlib.contextmanager
+    def replay(self, state: Optional[torch.Tensor]):
+        """Run the block from ``state`` (captured before the original forward) when it differs from the
+        live state, i.e. when the block is a recomputation in backward; the live state is restored after.
+        ``None`` or the live state itself: a first forward, nothing changes."""
+        live = self.state
+        replaying = state is not None and not torch.equal(live, state)
+        if replaying:
+            self.state = state.clone()
+        try:
+            yield
+        finally:  # (a checkpoint may stop a recomputation early by raising)
+            if replaying:
+                self.state = live
 
     def state_dict(self) -> dict:
         return {"state": self.state.clone()}

@@ -25,25 +25,52 @@ Transformer Models", section 4): per transformer layer and micro batch ``b``, wi
 
 bytes (no sequence parallelism), where ``10 s b h`` is replicated (LayerNorm inputs,
 the inputs of QKV and fc, two dropout masks) and ``24/t`` is split: ``8`` in attention
-(Q, K, V, the projection input) and ``16`` in the MLP (fc output, GeLU output). With
-heads split unevenly the largest rank holds ``a_r`` of ``a`` heads and ``f_r`` of ``f``
-MLP columns, so its share is ``8 a_r/a + 16 f_r/f`` and ``5 a_r s / h``. With full
-recomputation only each layer's input is kept, ``2 s b h`` per layer, plus the
-activations of the one layer being recomputed during its backward. Outside the layers
-(section 4.3): the embedding dropout mask ``s b h``, the final LayerNorm input
-``2 s b h`` and the fp32 logits of the vocabulary shard for the cross-entropy,
-``4 s b V_p / t``. fp32 training doubles everything (masks counted at 2 bytes too).
+(Q, K, V, the projection input) and ``16`` in the MLP (fc output, GeLU output);
+``5 a s / (h t)`` is the attention core (softmax output 2, dropout mask 1, dropout
+output 2 bytes per score, ``a s^2 b / t`` scores). With heads split unevenly the
+largest rank holds ``a_r`` of ``a`` heads and ``f_r`` of ``f`` MLP columns, so its
+share is ``8 a_r/a + 16 f_r/f`` and ``5 a_r s / h``.
+
+Sequence parallelism (section 4.2.2) splits the replicated ``10 s b h`` over the
+sequence: rank ``r`` keeps ``10 s_r b h`` for its ``s_r`` positions (the column layers
+store only the shard of their input and all-gather it again in backward), so with
+``t | s``
+
+    TP + SP:  s b h / t (34 + 5 a s / h)
+
+and with an uneven split the largest rank's ``s_r = ceil(s / t)`` replaces ``s / t``.
+
+Recomputation (section 5): ``selective`` keeps everything but the attention core
+(drops the ``5 a s / h`` term: ``s b h (10 + 24/t)``, with SP ``34 s b h / t``) and
+recomputes one layer's core during that layer's backward; ``full`` keeps only each
+layer's input, ``2 s b h`` per layer (with SP ``2 s_r b h``), plus the activations of
+the one layer being recomputed during its backward.
+
+Dropout masks are counted only where the config has dropout (``hidden_dropout > 0``:
+the ``2 s b h`` of the two hidden masks and the embedding's ``s b h``;
+``attention_dropout > 0``: the attention core's mask and dropout output, else only the
+softmax output, ``2 a s / h``). The paper's core is PyTorch's math attention kernel
+(``attention="math"``). A fused kernel (flash or memory-efficient attention, what
+``F.scaled_dot_product_attention`` runs on GPUs, and on CPUs without attention dropout)
+keeps no ``a s^2`` tensor but its output, ``2 s b h a_r / a``, and the fp32 log-sum-exp,
+``4 a_r s b`` (``attention="fused"``); selective recomputation then keeps neither.
+
+Outside the layers (section 4.3): the embedding dropout mask ``s b h``, the final
+LayerNorm input ``2 s b h`` (both ``s_r`` with SP) and the fp32 logits of the
+vocabulary shard for the cross-entropy, ``4 s b V_p / t``. fp32 training doubles
+everything (masks counted at 2 bytes too).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 from ..config import GPTConfig
 from ..errors import UserError
 
 __all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes", "fsdp_shard_numel",
+           "recompute_granularity",
            "ACTIVATION_FORMULA", "MODEL_STATE_FORMULA"]
 
 # precision -> (bytes per parameter, bytes per gradient, K optimizer bytes per parameter)
@@ -54,8 +81,11 @@ MODEL_STATE_FORMULA = ("ZeRO paper (Rajbhandari et al. 2020): mixed-precision Ad
                        "states, stage 2 also gradients, stage 3 also parameters over the DP group")
 ACTIVATION_FORMULA = ("Korthikanti et al. 2022: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes "
                       "(= s*b*h*(34 + 5*a*s/h) at t = 1; uneven heads: the largest rank's "
-                      "8*a_r/a + 16*f_r/f and 5*a_r*s/h); full recomputation: 2*s*b*h per layer "
-                      "+ one layer being recomputed; plus s*b*h*3 + 4*s*b*V_p/t outside the layers")
+                      "8*a_r/a + 16*f_r/f and 5*a_r*s/h); sequence parallelism: 10*s_r*b*h for the "
+                      "replicated part, s*b*h/t*(34 + 5*a*s/h) when t divides s; selective "
+                      "recomputation drops 5*a*s/h; full recomputation: 2*s*b*h per layer "
+                      "(2*s_r*b*h with SP) + one layer being recomputed; plus s*b*h*3 (s_r with SP) "
+                      "+ 4*s*b*V_p/t outside the layers")
 
 
 def check_zero_and_precision(zero_stage: int, precision: str) -> None:
@@ -115,26 +145,60 @@ def _fsdp_shard_numel(config_json: str, tp: int, dp: int) -> int:
     return total
 
 
-def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: bool,
-                     precision: str = "fp16") -> dict:
+def recompute_granularity(recompute: Union[bool, str, None]) -> Optional[str]:
+    """``True`` -> ``"full"`` (the older boolean), ``False``/``None`` -> ``None``; ``"full"`` and
+    ``"selective"`` as given; anything else is a :class:`UserError`."""
+    if recompute is True:
+        return "full"
+    if recompute is False or recompute is None:
+        return None
+    if recompute in ("full", "selective"):
+        return recompute
+    raise UserError(f"recompute granularity {recompute!r} is not one of full, selective (or none).")
+
+
+def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Union[bool, str, None],
+                     precision: str = "fp16", *, sequence_parallel: bool = False, attention: str = "math") -> dict:
     """Activation bytes of the largest TP rank for one micro batch (see the module docstring).
 
-    Returns ``layers`` (all transformer layers), ``recompute_working`` (the layer being
-    recomputed, 0 without recomputation), ``outside`` (embedding mask, final LayerNorm,
-    fp32 logits) and ``total``; ``per_layer`` is one layer without recomputation.
+    ``recompute``: ``False``/``None`` (keep everything), ``"selective"``, ``"full"`` or ``True``
+    (= ``"full"``). ``sequence_parallel``: activations between the TP regions split over the
+    sequence (ignored at ``tp == 1`` and when the sequence is shorter than ``tp``, as the model).
+    ``attention``: ``"math"`` (the paper's materialised softmax) or ``"fused"`` (flash-style kernel).
+
+    Returns ``layers`` (all transformer layers, what they keep for backward),
+    ``recompute_working`` (what one layer's recomputation holds during its backward: the whole
+    layer for full, the attention core for selective, 0 without recomputation), ``outside``
+    (embedding mask, final LayerNorm, fp32 logits) and ``total``; ``per_layer`` is one layer
+    without recomputation, ``attention_core`` its ``5 a_r s^2 b`` part; ``seq_per_rank`` the
+    positions the largest rank holds between the TP regions.
     """
+    granularity = recompute_granularity(recompute)
     s, b, h, a, l = config.seq_length, micro_batch, config.hidden_size, config.num_attention_heads, config.num_layers
     heads_r = max(config.heads_per_rank(tp))
     ffn_r = max(config.ffn_per_rank(tp))
     f = config.ffn_hidden_size
     scale = 2 if precision == "fp32" else 1
-    sbh = s * b * h
-    per_layer = sbh * (10 + 8 * heads_r / a + 16 * ffn_r / f + 5 * heads_r * s / h) * scale
-    if recompute:
-        layers = 2 * sbh * l * scale
-        working = per_layer
+    if attention not in ("math", "fused"):
+        raise UserError(f"attention kernel {attention!r} is not one of math, fused.")
+    s_r = -(-s // tp) if sequence_parallel and 1 < tp <= s else s  # largest rank: ceil(s / t) positions
+    hidden_masks = config.hidden_dropout > 0
+    # LayerNorm / QKV / fc inputs (8), two dropout masks (2)
+    replicated = (8 + (2 if hidden_masks else 0)) * s_r * b * h * scale
+    split = s * b * h * (8 * heads_r / a + 16 * ffn_r / f) * scale  # Q, K, V, proj input; fc and GeLU outputs
+    if attention == "math":  # softmax output (2), dropout mask (1) and dropout output (2) per score
+        core = (5 if config.attention_dropout > 0 else 2) * heads_r * s * s * b * scale
+    else:  # the kernel's output and its fp32 log-sum-exp
+        core = (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
+    per_layer = replicated + split + core
+    if granularity == "full":
+        layers, working = 2 * s_r * b * h * l * scale, per_layer
+    elif granularity == "selective":
+        layers, working = (replicated + split) * l, core
     else:
         layers, working = per_layer * l, 0.0
-    outside = 3 * sbh * scale + 4 * s * b * config.padded_vocab_size(tp) / tp
-    return {"per_layer": round(per_layer), "layers": round(layers), "recompute_working": round(working),
-            "outside": round(outside), "total": round(layers + working + outside)}
+    outside = (3 if hidden_masks else 2) * s_r * b * h * scale + 4 * s * b * config.padded_vocab_size(tp) / tp
+    return {"per_layer": round(per_layer), "attention_core": round(core), "layers": round(layers),
+            "recompute_working": round(working), "outside": round(outside),
+            "total": round(layers + working + outside), "seq_per_rank": s_r, "granularity": granularity,
+            "sequence_parallel": s_r != s, "attention": attention}
