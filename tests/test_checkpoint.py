@@ -23,8 +23,12 @@ from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
+from tnlg.hardware import bf16_skip_reason, fast_bf16_cpu
 from tnlg.testing import run_distributed
 from tnlg.train_args import resolve
+
+# bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
+needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
 
 STEPS = 6
 
@@ -190,6 +194,7 @@ def world2_bf16(dirs):
     return dict(results=_spawn(w, tasks), paths=(a, b, c, d, e))
 
 
+@needs_fast_bf16
 def test_bf16_resume_is_exact(world2_bf16):
     """The fp32 master and moments are in the checkpoint, so 16-bit runs resume bit for bit."""
     r = world2_bf16["results"]
@@ -210,6 +215,7 @@ def test_bf16_resume_is_exact(world2_bf16):
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), name
 
 
+@needs_fast_bf16
 def test_precision_can_change_on_resume(world2_bf16):
     """A bf16 checkpoint resumes in fp32 from its exact fp32 master, and an fp32 one in bf16."""
     r = world2_bf16["results"]

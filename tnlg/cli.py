@@ -71,6 +71,39 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser = chosen
 
 
+def _preflight(args) -> None:
+    """Checks of ``tnlg pretrain`` made here, before anything is launched or loaded.
+
+    ``--bf16`` where bf16 matmuls are far slower than fp32 is refused with the measured figures
+    (:mod:`tnlg.hardware`), after the options themselves are validated; on CUDA, torch's NCCL flight
+    recorder is switched on (:mod:`tnlg.hang`) and rank 0 says where a timeout dumps it.
+    """
+    if getattr(args, "bf16", False) or getattr(args, "config", None):  # a config file may set bf16
+        from .parallel.state import pick_device
+        from .train_args import resolve
+        o = resolve(args)  # the options' own errors first, as `run` would report them
+        if o.bf16:
+            from .hardware import check_bf16
+            check_bf16(pick_device(o.device).type)
+    if getattr(args, "device", None) != "cpu":
+        import torch
+        if torch.cuda.is_available():
+            from .hang import enable_flight_recorder
+            prefix = enable_flight_recorder(os.path.join(getattr(args, "save", None) or "runs", "comm_trace"))
+            if os.environ.get("RANK", "0") == "0":
+                print(f"NCCL flight recorder on: a collective timeout dumps each rank's recent collectives to "
+                      f"{prefix}<rank> (read with: python -m torch.distributed.flight_recorder.fr_trace)", flush=True)
+
+
+def _resume_command(args):
+    """``resume(options)`` for :func:`tnlg.hang.report`: the training module's resume command, if it has one."""
+    def resume(options):
+        from . import train
+        make = getattr(train, "resume_command", None)
+        return make(args, options) if make is not None else None
+    return resume
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # bare `tnlg`: what is there, not a 300-iteration job
@@ -85,11 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command == "pretrain":
+            _preflight(args)
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except UserError as err:
         if os.environ.get("RANK", "0") == "0":  # under a launcher, one rank speaks for all
             print(f"tnlg {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a hung collective: one message naming it, no traceback per rank
+        if args.command != "pretrain":
+            raise
+        from .hang import report
+        status = report(err, args.command, resume=_resume_command(args))
+        if status is None:
+            raise
+        return status
 
 
 if __name__ == "__main__":
