@@ -429,6 +429,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     a = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "batch", "threads", "warmup",
                                        "rounds", "iters", "peak_n", "peak_reps", "seed")}
+    skipped = skip_slow_bf16(args)  # AVX2-only CPUs: bf16 rows would run for hours; name them and go on
+    if not args.dtypes:
+        return 0
     waited = 0.0
     if args.wait_idle:
         waited, share = wait_idle(args.wait_idle)
@@ -452,11 +455,25 @@ def main(argv=None) -> int:
         peak_matmul_flops_per_s={k: 2.0 * args.peak_n ** 3 / statistics.median(v) for k, v in peaks.items()},
         peak_matmul_n=args.peak_n,
         waited_for_idle_s=waited, loadavg_before=load_before, loadavg_after=os.getloadavg(), total_wall_s=time.time() - t_start,
-        rows=rows, summary=summary(rows))
+        rows=rows, summary=summary(rows), skipped=skipped)
     print(format_table(report))
     _write_json(args.json_out, report)
     print(f"wrote {args.json_out}")
     return 0
+
+
+def skip_slow_bf16(args) -> list[dict]:
+    """Drop the bf16 rows where bf16 matmuls are far slower than fp32 (``tnlg.hardware``: a few-ms probe;
+    ``TNLG_ALLOW_SLOW_BF16=1`` keeps them), printing which rows are skipped and why."""
+    from tnlg.hardware import ALLOW_ENV, bf16_skip_reason, fast_bf16_cpu
+    if "bf16" not in args.dtypes or fast_bf16_cpu() or os.environ.get(ALLOW_ENV) == "1":
+        return []
+    reason = bf16_skip_reason()
+    rows = [f"{impl}/bf16" for impl in args.impls]
+    args.dtypes = [d for d in args.dtypes if d != "bf16"]
+    print(f"skipped {len(rows)} row(s): {', '.join(rows)}: {reason} (set {ALLOW_ENV}=1 to run them anyway)"
+          + ("" if args.dtypes else "; nothing left to run"), flush=True)
+    return [dict(row=r, reason=reason) for r in rows]
 
 
 def wait_idle(max_wait: float, threshold: float = 0.10, window: float = 5.0) -> tuple[float, float]:
@@ -513,6 +530,8 @@ def format_table(report) -> str:
                      f"{100 * r['mfu']:.1f}% | {diff} | {other} |")
     for k, v in report["summary"].items():
         lines.append(f"{k}: {v['ratio']:.3f} (target >= {v['target']}) {'met' if v['met'] else 'MISSED'}")
+    if report.get("skipped"):
+        lines.append(f"skipped: {', '.join(s['row'] for s in report['skipped'])} ({report['skipped'][0]['reason']})")
     lines.append(f"load average before/after: {report['loadavg_before'][0]:.2f} / "
                  f"{report['loadavg_after'][0]:.2f}; total {report['total_wall_s']:.0f} s")
     return "\n".join(lines)
