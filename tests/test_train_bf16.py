@@ -3,7 +3,7 @@ at the 8 layouts of the invariance test follows the fp32 loss curve within 0.05 
 
 import pytest
 
-from .test_train import _run
+from .test_train import _run, needs_fast_bf16
 
 LAYOUTS = [(1, 1, 0), (2, 2, 0), (4, 4, 0), (2, 1, 1), (4, 2, 1), (4, 1, 1), (4, 2, 2), (2, 1, 3)]  # (world, tp, zero)
 OVER = dict(train_iters=20, lr_warmup_iters=2, hidden_dropout=0.0, attention_dropout=0.0)
@@ -14,6 +14,7 @@ def fp32_curve():
     return _run(1, 1, 0, micro_batch_size=8, **OVER)["losses"]
 
 
+@needs_fast_bf16
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,zero", LAYOUTS)
 def test_bf16_layouts_track_fp32(fp32_curve, world, tp, zero):
@@ -23,6 +24,7 @@ def test_bf16_layouts_track_fp32(fp32_curve, world, tp, zero):
     assert got[-1] < got[0] - 0.3  # and it trains
 
 
+@needs_fast_bf16
 @pytest.mark.parametrize("world,tp,zero", [(4, 2, 1)])
 def test_bf16_fp32_grad_accumulation_tracks_fp32(fp32_curve, world, tp, zero):
     """--accumulate-allreduce-grads-in-fp32 with 2 accumulation micro steps."""
