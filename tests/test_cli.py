@@ -56,3 +56,18 @@ def test_unknown_or_abbreviated_flag_shows_the_subcommand_usage(capsys, argv, us
     err = capsys.readouterr().err
     assert err.startswith(usage), err
     assert f"unrecognized arguments: {bad}" in err
+
+
+def test_tests_keep_caches_in_temporary_folders():
+    """issue 15 item 9: the suite left ~100 index-cache files in ~/.cache/tnlg (built-in corpus runs write
+    their index caches next to the corpus). tests/conftest.py points TNLG_CACHE at a session folder."""
+    import os
+    from pathlib import Path
+
+    from tnlg.data.corpus import default_cache_dir, default_dataset
+
+    home_cache = Path.home() / ".cache" / "tnlg"
+    assert os.environ.get("TNLG_CACHE") and default_cache_dir() != home_cache
+    prefix, _tokenizer = default_dataset()  # (the tokenizer model ships with the package)
+    assert Path(prefix).is_relative_to(default_cache_dir())
+    assert not Path(prefix).is_relative_to(home_cache)
