@@ -60,11 +60,21 @@ class Engine:
         self.clip_grad = clip_grad
         self.grad_accum_steps = grad_accum_steps
         self.loss_scaler = loss_scaler
-        self.num_steps = 0          # successful optimizer steps (Adam's step count)
+        self._num_steps = 0         # successful optimizer steps (Adam's step count)
         self._micro = 0
         self._needs_zero = False
 
     # ----------------------------------------------------------------- properties
+    @property
+    def num_steps(self) -> int:
+        """Successful optimizer steps: Adam's step count and the LR schedule's position."""
+        return self._num_steps
+
+    @num_steps.setter
+    def num_steps(self, step: int) -> None:
+        self._num_steps = int(step)
+        self.backend.set_step(self._num_steps)
+
     @property
     def model(self) -> nn.Module:
         """The module to call (FSDP-sharded in place for stages 2/3; same parameter names)."""
@@ -130,8 +140,8 @@ class Engine:
             factor = coeff / scale
             if factor != 1.0:
                 b.scale_grads_(factor)
-            self.num_steps += 1
-            b.adam_step(lr, self.num_steps)
+            self._num_steps += 1
+            b.adam_step(lr)
         self._micro = 0
         self._needs_zero = True
         return dict(grad_norm=norm, skipped=found_inf, clip_coeff=coeff, lr=lr,

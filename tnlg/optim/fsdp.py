@@ -40,7 +40,8 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..parallel.state import ParallelState
-from .zero import _tp_flag, adamw_update_, default_decay
+from .sharded_adamw import Run, ShardedAdamW
+from .zero import _tp_flag, default_decay
 
 __all__ = ["FSDPZero", "fsdp_units"]
 
@@ -116,6 +117,20 @@ class FSDPZero:
         self.exp_avg = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.master = [None if p.dtype == torch.float32 else p.to_local().detach().float() for p in self.params]
+        # torch.optim.AdamW on the local shards, in groups of about 2^23 elements (one group's
+        # 16-bit gradients are upcast at a time); gradients are attached at each step
+        self.runs, groups, size = [], [[]], 0
+        for p, m, v, mst, d in zip(self.params, self.exp_avg, self.exp_avg_sq, self.master, self.decay):
+            local = p.to_local()
+            run = Run(target=(local if mst is None else mst).view(-1), grad=None, exp_avg=m.view(-1),
+                      exp_avg_sq=v.view(-1), decay=d, param=None if mst is None else local.view(-1))
+            self.runs.append(run)
+            if size >= 2 ** 23:
+                groups.append([])
+                size = 0
+            groups[-1].append(run)
+            size += local.numel()
+        self.optimizer = ShardedAdamW(groups, betas=betas, eps=eps, weight_decay=weight_decay)
 
     # ----------------------------------------------------------------- gradient sync
     def set_sync(self, is_last: bool) -> None:
@@ -140,17 +155,17 @@ class FSDPZero:
                 g.mul_(factor)
 
     @torch.no_grad()
-    def adam_step(self, lr: float, step: int) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue  # unused parameter: no gradient this step (torch.optim also skips it)
-            local, grad = p.to_local(), p.grad.to_local()
-            runs = [(0, local.numel())] if self.decay[i] else []
-            target = local if self.master[i] is None else self.master[i]
-            adamw_update_(target, grad.float() if self.master[i] is not None else grad, self.exp_avg[i],
-                          self.exp_avg_sq[i], step, lr, self.beta1, self.beta2, self.eps, runs, self.weight_decay)
-            if self.master[i] is not None:
-                local.copy_(target)
+    def adam_step(self, lr: float) -> None:
+        """AdamW on the local shards (unused parameters, without a gradient, are skipped as
+        ``torch.optim`` skips them)."""
+        for p, run in zip(self.params, self.runs):
+            run.grad = None if p.grad is None else p.grad.to_local().view(-1)
+        self.optimizer.step(lr)
+        for run in self.runs:
+            run.grad = None
+
+    def set_step(self, step: int) -> None:
+        self.optimizer.set_step(step)
 
     def gather_params(self) -> None:
         """Nothing: FSDP all-gathers parameters in the next forward."""

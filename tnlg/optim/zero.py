@@ -46,17 +46,17 @@ the post-accumulate hook (Megatron's ``main_grad``). The parameters are
 materialised straight into the flat buffer (from ``init_fn`` for a meta-device
 model), one at a time: setup never holds a second copy of the model.
 
-Optimizer: AdamW with decoupled weight decay, the same arithmetic as
-``torch.optim.AdamW`` (single-tensor path), applied to contiguous owned
-slices. Weight decay applies to parameters with ``ndim >= 2`` (all matrices,
+Optimizer: ``torch.optim.AdamW`` itself (:mod:`tnlg.optim.sharded_adamw`) on
+views of the contiguous owned runs, one bucket at a time, its moments views of
+the flat ``exp_avg``/``exp_avg_sq`` buffers. The shape-only layout lives in
+:mod:`tnlg.optim.layout`. Weight decay applies to parameters with ``ndim >= 2`` (all matrices,
 including the word and position embeddings, as Megatron); biases and LayerNorm
 parameters get none.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -66,164 +66,16 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.mappings import all_gather_flat, reduce_scatter_flat
 from ..parallel.state import ParallelState
+from .layout import MiB, Bucket, FlatLayout, Segment, partition_report, plan_flat_layout
+from .sharded_adamw import Run, ShardedAdamW
 
 __all__ = ["Bucket", "Segment", "FlatLayout", "plan_flat_layout", "partition_report", "FlatZero",
-           "adamw_update_", "default_decay", "MiB"]
-
-MiB = 2 ** 20
+           "default_decay", "MiB"]
 
 
 def default_decay(name: str, param: torch.Tensor) -> bool:
     """Weight decay on matrices only (``ndim >= 2``, embeddings included, as Megatron)."""
     return param.dim() >= 2
-
-
-# --------------------------------------------------------------------------- planning (shapes only)
-@dataclass(frozen=True)
-class Bucket:
-    """Whole parameters ``params`` (positions in layout order) at ``offsets`` of the flat buffer."""
-
-    index: int
-    start: int
-    numel: int
-    padded_numel: int
-    params: tuple[int, ...]
-    offsets: tuple[int, ...]
-    shards: int
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.shards
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """Absolute ``[lo, hi)`` of the slice rank ``rank`` owns."""
-        lo = self.start + rank * self.shard_numel
-        return lo, lo + self.shard_numel
-
-
-@dataclass(frozen=True)
-class Segment:
-    """The part of one parameter that lies in one rank's owned slice of one bucket."""
-
-    param: int      # position in layout order
-    bucket: int
-    flat_lo: int    # absolute offset in the flat buffer
-    length: int
-    param_lo: int   # offset inside the flattened parameter
-    owned_lo: int   # offset inside the rank's compact owned buffer (Adam states)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """A flat-buffer partition of parameters of sizes ``numels`` over ``shards`` ranks."""
-
-    numels: tuple[int, ...]
-    shards: int
-    buckets: tuple[Bucket, ...]
-    total_numel: int            # with padding
-    owned_numel: int            # per rank (the same on every rank)
-    param_offsets: tuple[int, ...] = field(repr=False, default=())
-
-    def segments(self, rank: int) -> list[Segment]:
-        """Owned pieces of parameters for ``rank``, in flat-buffer order."""
-        out, owned_base = [], 0
-        for b in self.buckets:
-            lo, hi = b.shard_range(rank)
-            for i, off in zip(b.params, b.offsets):
-                s, e = max(lo, off), min(hi, off + self.numels[i])
-                if s < e:
-                    out.append(Segment(i, b.index, s, e - s, s - off, owned_base + s - lo))
-            owned_base += b.shard_numel
-        return out
-
-    def owned_unpadded(self, rank: int) -> int:
-        """Real (non-padding) elements rank ``rank`` owns; summed over ranks this is ``sum(numels)``."""
-        return sum(s.length for s in self.segments(rank))
-
-
-def plan_flat_layout(numels: Sequence[int], shards: int, bucket_numel: int) -> FlatLayout:
-    """Bucket whole parameters (sizes in layout order) and pad each bucket to a multiple of ``shards``.
-
-    A bucket closes as soon as it holds at least ``bucket_numel`` elements (a
-    larger parameter gets a bucket of its own). Pure arithmetic: no tensors.
-    """
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}.")
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}.")
-    buckets, offsets = [], []
-    start = 0
-    cur_params: list[int] = []
-    cur_offsets: list[int] = []
-    cur = 0
-
-    def close():
-        nonlocal start, cur, cur_params, cur_offsets
-        padded = -(-cur // shards) * shards
-        buckets.append(Bucket(len(buckets), start, cur, padded, tuple(cur_params), tuple(cur_offsets), shards))
-        start += padded
-        cur, cur_params, cur_offsets = 0, [], []
-
-    for i, n in enumerate(numels):
-        if n < 1:
-            raise ValueError(f"parameter {i} has {n} elements; empty parameters cannot be laid out.")
-        cur_params.append(i)
-        cur_offsets.append(start + cur)
-        offsets.append(start + cur)
-        cur += n
-        if cur >= bucket_numel:
-            close()
-    if cur_params:
-        close()
-    owned = sum(b.shard_numel for b in buckets)
-    return FlatLayout(tuple(numels), shards, tuple(buckets), start, owned, tuple(offsets))
-
-
-def partition_report(numels: Sequence[int], dp: int, bucket_size_mb: float = 25.0,
-                     bytes_per_elem: int = 4, state_bytes_per_elem: int = 8) -> dict:
-    """Per-rank optimizer-state elements/bytes of our flat partition vs whole-tensor partitioning.
-
-    ``numels`` in layout (backward) order. Returns ``ideal`` (total / dp),
-    ``flat`` (every rank's owned elements), ``flat_max_over_ideal``, and the
-    same for a greedy largest-first assignment of whole tensors
-    (``ZeroRedundancyOptimizer``-style), plus ``total`` and ``flat_unpadded_sum``
-    (which equals ``total``).
-    """
-    layout = plan_flat_layout(numels, dp, max(1, int(bucket_size_mb * MiB) // bytes_per_elem))
-    total = sum(numels)
-    ideal = total / dp
-    flat = [layout.owned_numel] * dp
-    loads = [0] * dp
-    for n in sorted(numels, reverse=True):
-        loads[loads.index(min(loads))] += n
-    return dict(dp=dp, total=total, ideal=ideal, flat=flat,
-                flat_unpadded_sum=sum(layout.owned_unpadded(r) for r in range(dp)),
-                flat_max_over_ideal=max(flat) / ideal, whole_tensor=loads,
-                whole_tensor_max_over_ideal=max(loads) / ideal,
-                flat_state_bytes=[n * state_bytes_per_elem for n in flat],
-                buckets=len(layout.buckets))
-
-
-# --------------------------------------------------------------------------- AdamW arithmetic
-@torch.no_grad()
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  step: int, lr: float, beta1: float, beta2: float, eps: float,
-                  decay_runs: Sequence[tuple[int, int]] = (), weight_decay: float = 0.0) -> None:
-    """One AdamW update of a 1-D (or any-shape) slice, in place; ``torch.optim.AdamW``'s arithmetic.
-
-    ``decay_runs``: ``[lo, hi)`` ranges of the flattened slice that get decoupled
-    weight decay (``p *= 1 - lr * wd``) before the Adam update.
-    """
-    if weight_decay and lr:
-        flat = param.view(-1)
-        for lo, hi in decay_runs:
-            flat[lo:hi].mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 def _runs(segments: Sequence[Segment], flags: Sequence[bool], base: int) -> list[tuple[int, int, bool]]:
@@ -249,7 +101,7 @@ class _BucketShard:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     master: Optional[torch.Tensor]
-    decay_runs: list[tuple[int, int]]
+    decay_runs: list[tuple[int, int, bool]]
     tp_runs: list[tuple[int, int, bool]]
 
 
@@ -356,9 +208,14 @@ class FlatZero:
                 bucket=b, owned_lo=owned_base, param=self.param_buffer[lo:hi], grad=self.grad_buffer[lo:hi],
                 exp_avg=self.exp_avg[owned_base:owned_base + n], exp_avg_sq=self.exp_avg_sq[owned_base:owned_base + n],
                 master=None if self.master is None else self.master[owned_base:owned_base + n],
-                decay_runs=[(a, z) for a, z, f in _runs(segs, self.decay, lo) if f],
-                tp_runs=_runs(segs, self.tp_sharded, lo)))
+                decay_runs=_runs(segs, self.decay, lo), tp_runs=_runs(segs, self.tp_sharded, lo)))
             owned_base += n
+        # torch.optim.AdamW on the owned runs, one bucket at a time (the fp32 master for 16-bit params)
+        self.optimizer = ShardedAdamW(
+            [[Run(target=(v.param if v.master is None else v.master)[a:z], grad=v.grad[a:z],
+                  exp_avg=v.exp_avg[a:z], exp_avg_sq=v.exp_avg_sq[a:z], decay=f,
+                  param=None if v.master is None else v.param[a:z]) for a, z, f in v.decay_runs]
+             for v in self.shards_views], betas=betas, eps=eps, weight_decay=weight_decay)
         if self.materialized:
             self.refresh_master()
 
@@ -453,17 +310,16 @@ class FlatZero:
             v.grad.mul_(factor)
 
     @torch.no_grad()
-    def adam_step(self, lr: float, step: int) -> None:
-        """AdamW on the owned slice of every bucket, then (stage 1) all-gather the parameters."""
-        for v in self.shards_views:
-            if v.master is None:
-                adamw_update_(v.param, v.grad, v.exp_avg, v.exp_avg_sq, step, lr, self.beta1, self.beta2,
-                              self.eps, v.decay_runs, self.weight_decay)
-            else:  # 16-bit parameters: step the fp32 master (one bucket's gradient upcast at a time)
-                adamw_update_(v.master, v.grad.float(), v.exp_avg, v.exp_avg_sq, step, lr, self.beta1,
-                              self.beta2, self.eps, v.decay_runs, self.weight_decay)
-                v.param.copy_(v.master)
+    def adam_step(self, lr: float) -> None:
+        """AdamW (``torch.optim.AdamW``) on the owned slice of every bucket, then (stage 1) all-gather
+        the parameters. 16-bit parameters: the fp32 master is stepped, one bucket's gradient upcast
+        at a time, and the rounded result written back."""
+        self.optimizer.step(lr)
         self.gather_params()
+
+    def set_step(self, step: int) -> None:
+        """Adam's step count (after loading a checkpoint)."""
+        self.optimizer.set_step(step)
 
     def gather_params(self) -> None:
         """Stage 1: all-gather every bucket's owned parameter slices (in place, async then wait)."""

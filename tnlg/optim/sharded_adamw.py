@@ -1,0 +1,89 @@
+"""``torch.optim.AdamW`` on the slices of parameters this rank owns (ZeRO's partitioned optimizer).
+
+A ZeRO engine owns flat pieces of its parameters (a slice of every bucket at stage 1, FSDP
+shards at stages 2/3, everything at stage 0). :class:`ShardedAdamW` runs PyTorch's own
+AdamW on those pieces instead of re-implementing the update:
+
+* each contiguous *run* of an owned slice with one weight-decay setting becomes an
+  ``nn.Parameter`` that is a **view** of the engine's storage (the fp32 master for 16-bit
+  training, else the parameter buffer itself), so the update writes straight into it;
+* the Adam moments are views of the engine's flat ``exp_avg``/``exp_avg_sq`` buffers, placed
+  into the optimizer's state before the first step (torch initialises only empty state), so
+  checkpoints and the planner see one flat buffer per moment;
+* the optimizer is stepped one *group* at a time (a bucket of the flat layout, or a chunk of
+  FSDP shards of about a bucket's size): for 16-bit training only that group's gradient is
+  upcast to fp32 at once, so the step never holds more than one bucket of extra memory;
+* weight decay goes to matrices only (the engine's ``decay_fn``); AdamW's decoupled decay
+  ``p *= 1 - lr * wd`` then the Adam update, as ``torch.optim.AdamW``. On CUDA the fused
+  kernel is used, elsewhere torch's default (single-tensor on CPU).
+
+No communication. Every parameter view keeps its own step tensor (torch's layout);
+:meth:`set_step` sets them all (after loading a checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Run", "ShardedAdamW"]
+
+
+@dataclass
+class Run:
+    """One contiguous owned range with one weight-decay setting: views of the same length."""
+
+    target: torch.Tensor          # what AdamW updates: the fp32 master, or the parameter itself
+    grad: torch.Tensor            # its gradient (16-bit for a master: upcast at the step)
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: bool
+    param: Optional[torch.Tensor] = None   # the 16-bit parameter a master is copied back into
+
+
+class ShardedAdamW:
+    """AdamW over groups of :class:`Run` (see the module docstring)."""
+
+    def __init__(self, groups: Sequence[Sequence[Run]], *, betas, eps: float, weight_decay: float):
+        self.groups = [list(g) for g in groups if g]
+        self.optimizers: list[torch.optim.AdamW] = []
+        self.params: list[list[nn.Parameter]] = []
+        for runs in self.groups:
+            decay, no_decay, params = [], [], []
+            for r in runs:
+                p = nn.Parameter(r.target, requires_grad=False)  # a view: updates write through
+                params.append(p)
+                (decay if r.decay else no_decay).append(p)
+            device = runs[0].target.device
+            kw = dict(fused=True) if device.type == "cuda" else {}
+            opt = torch.optim.AdamW([dict(params=decay, weight_decay=float(weight_decay)),
+                                     dict(params=no_decay, weight_decay=0.0)], lr=0.0,
+                                    betas=(float(betas[0]), float(betas[1])), eps=float(eps), **kw)
+            for p, r in zip(params, runs):
+                step = torch.zeros((), dtype=torch.float32, device=device if kw else "cpu")
+                opt.state[p] = dict(step=step, exp_avg=r.exp_avg, exp_avg_sq=r.exp_avg_sq)
+            self.optimizers.append(opt)
+            self.params.append(params)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One AdamW update of every owned run; a master's result is copied into its 16-bit parameter."""
+        for runs, params, opt in zip(self.groups, self.params, self.optimizers):
+            for p, r in zip(params, runs):  # no gradient (an unused parameter): AdamW skips it
+                p.grad = None if r.grad is None else r.grad if r.grad.dtype == p.dtype else r.grad.to(p.dtype)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            for p, r in zip(params, runs):
+                if r.param is not None and p.grad is not None:
+                    r.param.copy_(r.target)
+                p.grad = None
+
+    def set_step(self, step: int) -> None:
+        """Adam's step count (bias correction) of every run, e.g. after loading a checkpoint."""
+        for opt in self.optimizers:
+            for st in opt.state.values():
+                st["step"].fill_(float(step))
