@@ -31,3 +31,25 @@ def test_bf16_fp32_grad_accumulation_tracks_fp32(fp32_curve, world, tp, zero):
     got = _run(world, tp, zero, bf16=True, accumulate_allreduce_grads_in_fp32=True, micro_batch_size=2,
                **OVER)["losses"]
     assert max(abs(a - b) for a, b in zip(fp32_curve, got)) < 0.05
+
+
+def test_bf16_parameters_run_without_autocast():
+    """The sample printed after a --bf16 run (and any inference on the trained model) runs outside
+    autocast on 16-bit parameters: every layer must compute in its parameters' dtype."""
+    import torch
+
+    from tnlg.config import GPTConfig
+    from tnlg.generate import generate_ids
+    from tnlg.model import GPT
+    from tnlg.optim import build_engine
+    from tnlg.parallel.state import ParallelState
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
+    ps = ParallelState.single()
+    engine = build_engine(GPT(cfg, ps, device="meta"), ps, 0, param_dtype=torch.bfloat16)
+    model = engine.model.eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+    assert logits.shape[-1] >= 64 and torch.isfinite(logits.float()).all()
+    out = generate_ids(model, ids.tolist(), 4, greedy=True)
+    assert len(out) == 2

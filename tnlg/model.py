@@ -105,10 +105,23 @@ class LayerNorm(nn.LayerNorm):
             w, b = synced
         elif sequence_parallel and self.ps is not None:
             w, b = copy_to_tp_coalesced((w, b), self.ps)
+        # under autocast the fp32 output feeds autocast's casts; without it (inference on a model
+        # trained with 16-bit parameters) the output takes the parameters' dtype, as the next
+        # layer's weights have it
+        out_dtype = None if _autocast_on(x.device.type) or w.dtype == torch.float32 else w.dtype
         with torch.autocast(device_type=x.device.type, enabled=False):
             if x.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
-                return _LayerNorm16.apply(x, w, b, self.eps)
-            return F.layer_norm(x.float(), self.normalized_shape, w.float(), b.float(), self.eps)
+                y = _LayerNorm16.apply(x, w, b, self.eps)
+            else:
+                y = F.layer_norm(x.float(), self.normalized_shape, w.float(), b.float(), self.eps)
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
 class KVCache:
