@@ -1,6 +1,6 @@
 """Zero-shot evaluation against an independent implementation on `transformers` logits.
 
-The reference code here follows REFERENCE.md ("Evaluation definitions") but is
+The reference code here follows the definitions in docs/eval.md (Megatron's zero-shot tasks) but is
 written differently from tnlg.eval: WikiText maps every target to the window that
 scores it (instead of masking windows), LAMBADA runs one example at a time, and
 the losses come from GPT2LMHeadModel with the same random weights.

@@ -101,7 +101,7 @@ def test_per_rank_counts_sum_to_total(name, tp):
 
 
 def test_tnlg_17b_formula_matches_reference():
-    # REFERENCE.md: 17,177,045,760 with V = 50304 and the final LayerNorm; the unpadded
+    # Narayanan et al. 2021, eq. 2 (docs/plan.md): 17,177,045,760 with V = 50304 and the final LayerNorm; the unpadded
     # model (V = 50257) has 47 * 4256 fewer.
     config = GPTConfig.preset("tnlg-17b")
     assert config.num_parameters_formula(vocab_size=50304) == 17_177_045_760

@@ -1,7 +1,7 @@
 """Megatron's memory-mapped indexed dataset: ``PREFIX.bin`` (tokens) + ``PREFIX.idx`` (index).
 
 Layout (little-endian; Megatron-LM ``megatron/core/datasets/indexed_dataset.py``,
-see ``REFERENCE.md``)::
+described in ``docs/data.md``)::
 
     .idx  b"MMIDIDX\\x00\\x00" | version <Q = 1 | dtype code <B | sequence count <Q |
           document count <Q (documents + 1) | int32 lengths[S] | int64 byte pointers[S] |

@@ -1,7 +1,7 @@
 """LAMBADA-style last-word accuracy (Megatron's ``tasks/zeroshot_gpt``, teacher forcing).
 
 Each example's target is its last word; it counts as correct only when the argmax
-at every target position equals the target token (REFERENCE.md).
+at every target position equals the target token (Megatron's definition; docs/eval.md).
 
 * non-strict: tokenize the whole text; the target is its last token, the context
   every token before it;

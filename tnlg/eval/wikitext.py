@@ -1,6 +1,6 @@
 """WikiText-style perplexity with overlapping windows (Megatron's ``tasks/zeroshot_gpt``).
 
-Definitions (REFERENCE.md, "Evaluation definitions"):
+Definitions (Megatron-LM ``tasks/zeroshot_gpt``; docs/eval.md):
 
 * ``T_orig = len(raw.strip().split(" "))`` on the raw file, before any detokenisation;
   ``T_tok`` = number of tokens of the (optionally detokenised) text.

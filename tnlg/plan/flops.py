@@ -48,7 +48,7 @@ def flops_per_iteration(config: GPTConfig, global_batch: int, recompute: bool, v
 
 
 def reference_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool) -> float:
-    """REFERENCE.md's closed forms (f = 4h), used to check :func:`flops_per_iteration`."""
+    """Narayanan et al. 2021's closed forms (eq. 3, f = 4h; docs/plan.md), used to check :func:`flops_per_iteration`."""
     if recompute:
         return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
