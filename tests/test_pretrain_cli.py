@@ -139,3 +139,16 @@ def test_one_process_uses_the_gpu_when_present(monkeypatch):
     assert init_parallel(1, device="cpu").device == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert init_parallel(1).device == torch.device("cpu")
+
+
+def test_default_process_count_is_one_per_gpu(monkeypatch):
+    """Issue 11: without a launcher or --nproc-per-node, a machine with one GPU trains in one process on
+    it (not 4 processes on one device); on CPUs the default stays 4."""
+    from tnlg.train import default_nproc
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert default_nproc() == 1 and default_nproc("cpu") == 4
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert default_nproc() == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_nproc() == 4

@@ -122,11 +122,20 @@ def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def default_nproc(device: Optional[str] = None) -> int:
+    """Local processes when neither a launcher nor ``--nproc-per-node`` says: one per GPU when
+    training on GPUs (a machine with one GPU trains in one process, on it), else 4 CPU processes."""
+    from .parallel.state import pick_device
+    if pick_device(device).type == "cuda":
+        return max(1, torch.cuda.device_count())
+    return DEFAULT_NPROC
+
+
 def _run(args) -> int:
     world = launcher_world_size()
     nproc = None
     if world is None:
-        nproc = getattr(args, "nproc_per_node", None) or DEFAULT_NPROC
+        nproc = getattr(args, "nproc_per_node", None) or default_nproc(getattr(args, "device", None))
         world = nproc
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved

@@ -63,7 +63,7 @@ _DEFAULT_WORDS = {
     "min_lr": (None, "--lr / 10"),
     "tensor_model_parallel_size": (None, "2; 1 on an odd number of processes"),
     "ffn_hidden_size": ("4 x hidden size", None),
-    "nproc_per_node": (str(DEFAULT_NPROC), None),
+    "nproc_per_node": (f"one per GPU when GPUs are present, else {DEFAULT_NPROC}", None),
     "sample_prompt": ("none", None),
     "save_interval": ("only at the end", None),
 }
