@@ -73,14 +73,15 @@ def test_not_a_timeout_is_left_alone():
 
 def test_flight_recorder_env(tmp_path, monkeypatch):
     """On NCCL a timeout may abort the process before Python sees it: torch's flight recorder dumps instead."""
-    for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE",
-              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if torch.__version__ >= "2.7" else \
+        ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch 2.7 renamed them
+    for k in (*names, "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(k, raising=False)
     prefix = enable_flight_recorder(str(tmp_path / "comm_trace"))
     assert prefix == str(tmp_path / "comm_trace" / "rank_") and (tmp_path / "comm_trace").is_dir()
-    assert int(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
-    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/elsewhere/rank_")  # the user's own setting wins
+    assert int(os.environ[names[0]]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ[names[1]] == prefix
+    monkeypatch.setenv(names[1], "/elsewhere/rank_")  # the user's own setting wins
     assert enable_flight_recorder(str(tmp_path / "x")) == "/elsewhere/rank_"
 
 

@@ -136,13 +136,18 @@ def enable_flight_recorder(dump_dir: str) -> str:
     """Switch on torch's NCCL flight recorder (before the process group is created): on a collective
     timeout each rank dumps its recent collectives to ``<dump_dir>/rank_<N>``. Settings the user
     made are kept. Returns the dump path prefix."""
+    import torch
+
     os.makedirs(dump_dir, exist_ok=True)
     prefix = os.path.join(os.path.abspath(dump_dir), "rank_")
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "20000")  # entries per rank (torchtitan's default)
+    # torch 2.7 renamed the variables (the old buffer-size name then warns that it is deprecated)
+    new = torch.__version__ >= "2.7"
+    size, path = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new
+                  else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    os.environ.setdefault(size, "20000")  # entries per rank (torchtitan's default)
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)            # torch >= 2.6
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)    # older name
-    return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    os.environ.setdefault(path, prefix)
+    return os.environ[path]
 
 
 def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list]]:
