@@ -6,6 +6,8 @@ no embedding, no LM head), each timed in fp32 and under bf16 autocast:
 
 * ``tnlg-tp1``  tnlg blocks at TP=1, one process with ``--threads`` (2) intra-op threads;
 * ``tnlg-tp2``  tnlg blocks at TP=2, two gloo processes with 1 thread each;
+* ``tnlg-tp2-sp`` the same with sequence parallelism (each rank feeds and gets its half of the
+  sequence; docs/sequence_parallel.md);
 * ``hf-gpt2``   ``transformers`` ``GPT2Block`` (SDPA attention), one process, ``--threads``;
 * ``dtensor-tp2`` a plain-torch block stack (fused QKV laid out per head) split with
   ``torch.distributed.tensor.parallel.parallelize_module`` (Colwise/RowwiseParallel), 2 x 1 thread.
@@ -60,7 +62,7 @@ from tnlg.model import GPT  # noqa: E402
 from tnlg.parallel.state import ParallelState  # noqa: E402
 from tnlg.testing import run_distributed  # noqa: E402
 
-IMPLS = ("tnlg-tp1", "tnlg-tp2", "hf-gpt2", "dtensor-tp2")
+IMPLS = ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2")
 DTYPES = ("fp32", "bf16")
 CHECK_TOKENS = 8  # output / input-grad rows compared across implementations (fp32 only)
 
@@ -256,6 +258,36 @@ def tnlg_stack(cfg: GPTConfig, ps: ParallelState) -> nn.ModuleList:
     return GPT(cfg, ps).train().transformer.h
 
 
+class SequenceParallelRunner(Runner):
+    """tnlg blocks with sequence parallelism (``tnlg-tp2-sp``): each rank feeds its positions of the
+    input, sequence-first ``[s / 2, b, h]`` as the model's embedding gives them, and gets its
+    positions of the output (the checks compare rank 0's first tokens). Per block, forward: 2
+    all-gathers + 2 reduce-scatters of [s, b, h]; backward: 4 all-gathers, 2 reduce-scatters and one
+    small all-reduce (the gradients of the block's LayerNorm weights and biases and projection biases)."""
+
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, x: torch.Tensor, gy: torch.Tensor):
+        import dataclasses
+
+        from tnlg.parallel.mappings import sequence_sizes
+        self.sp = sequence_sizes(x.shape[1], ps.tp_size)
+        start = sum(self.sp[:ps.tp_rank])
+        shard = x.detach()[:, start:start + self.sp[ps.tp_rank]].clone().requires_grad_(True)
+        super().__init__(tnlg_stack(dataclasses.replace(cfg, sequence_parallel=True), ps), shard,
+                         gy[:, start:start + self.sp[ps.tp_rank]].contiguous())
+
+    def step(self, dtype_name: str) -> torch.Tensor:
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16"):
+            y = self.x.transpose(0, 1).contiguous()  # (the leaf stays batch-first for the checks)
+            for block in self.stack:
+                y = block(y, sp=self.sp)
+            y = y.transpose(0, 1)
+        y.backward(self.gy.to(y.dtype))
+        return y
+
+
 def dtensor_stack(cfg: GPTConfig, tp_size: int) -> nn.Sequential:
     """Plain blocks split with ``parallelize_module``: Colwise c_attn / c_fc, Rowwise c_proj."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -291,6 +323,8 @@ def bench_worker(ps: ParallelState, a: dict, impls: list, dtypes: list) -> dict:
     for impl in impls:
         if impl == "tnlg-tp2":
             runners[impl] = Runner(tnlg_stack(cfg, ps), x, gy)
+        elif impl == "tnlg-tp2-sp":
+            runners[impl] = SequenceParallelRunner(cfg, ps, x, gy)
         elif impl == "dtensor-tp2":
             runners[impl] = Runner(dtensor_stack(cfg, ps.tp_size), x, gy)
         elif rank0 and impl == "tnlg-tp1":
@@ -503,6 +537,8 @@ def summary(rows) -> dict:
     out = {}
     for d in DTYPES:
         for name, num, den, target in (("tp2_over_tp1", "tnlg-tp2", "tnlg-tp1", 0.95),
+                                       ("tp2sp_over_tp1", "tnlg-tp2-sp", "tnlg-tp1", 0.97 if d == "fp32" else 0.95),
+                                       ("tp2sp_over_tp2", "tnlg-tp2-sp", "tnlg-tp2", 1.0),
                                        ("tp2_over_dtensor", "tnlg-tp2", "dtensor-tp2", 1.0),
                                        ("tp1_over_hf", "tnlg-tp1", "hf-gpt2", 1.0)):
             if (num, d) in by and (den, d) in by:

@@ -346,7 +346,8 @@ def test_activation_formulas():
     sp_sel = activation_bytes(c, t, b, "selective", sequence_parallel=True)
     assert sp_sel["layers"] == round(34 * sbh / t * l)
     full_sp = activation_bytes(c, t, b, "full", sequence_parallel=True)
-    assert full_sp["layers"] == round(2 * sbh / t * l) and full_sp["recompute_working"] == sp["per_layer"]
+    assert full_sp["layers"] == round(2 * sbh / t * l)
+    assert full_sp["recompute_working"] == sp["per_layer"] + 4 * sbh  # + the re-gathered input and its gradient
     assert activation_bytes(c, t, b, True) == activation_bytes(c, t, b, "full")
     assert activation_bytes(c, 1, b, None, sequence_parallel=True) == activation_bytes(c, 1, b, None)
     # uneven sequence split: the largest rank holds ceil(s / t) positions
@@ -386,3 +387,39 @@ def test_measured_activations_match_planner():
         assert abs(kept / (pred["layers"] + pred["outside"]) - 1) < 0.15, (sp, kept, pred)
         assert kept <= peak
     assert rows[True][0] < 0.9 * rows[False][0], "sequence parallelism did not reduce the kept activations"
+
+
+def _masks_body(ps, cfg, tokens, pos, mask, loss_mask):
+    out = {}
+    for sp in (False, True):
+        model = GPT(dataclasses.replace(cfg, sequence_parallel=sp), ps)
+        loss = model(tokens, labels=tokens, position_ids=pos, attention_mask=mask, loss_mask=loss_mask)
+        loss.backward()
+        grads = {n: gather_full(p.grad, p, ps).clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = model(tokens, labels=tokens, position_ids=pos, attention_mask=mask, loss_mask=loss_mask)
+        bf16.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        out[sp] = (loss.detach(), grads, bf16.detach(), finite)
+    return out
+
+
+def test_sequence_parallel_position_ids_masks_bf16():
+    """Documents packed into a sample (per-sample position ids, a 3-D attention mask), a loss mask,
+    an uneven split (11 positions over 2 ranks) and bf16 autocast, with and without SP."""
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=100)
+    b, s = 2, 11
+    tokens = torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])
+    mask = torch.ones(b, s, s, dtype=torch.bool).tril()
+    mask[0, 4:, :4] = False
+    mask[1, 6:, :6] = False
+    loss_mask = torch.ones(b, s)
+    loss_mask[0, 3] = 0
+    for res in run_distributed(_masks_body, 2, 2, cfg, tokens, pos, mask, loss_mask):
+        (l0, g0, b0, _), (l1, g1, b1, finite) = res[False], res[True]
+        _close(l1, l0, "loss with packed documents")
+        for n in g0:
+            _close(g1[n], g0[n], f"grad of {n} with packed documents")
+        assert finite and abs(b1.item() - l1.item()) < 0.05 and abs(b1.item() - b0.item()) < 0.02

@@ -44,7 +44,11 @@ Recomputation (section 5): ``selective`` keeps everything but the attention core
 (drops the ``5 a s / h`` term: ``s b h (10 + 24/t)``, with SP ``34 s b h / t``) and
 recomputes one layer's core during that layer's backward; ``full`` keeps only each
 layer's input, ``2 s b h`` per layer (with SP ``2 s_r b h``), plus the activations of
-the one layer being recomputed during its backward.
+the one layer being recomputed during its backward; with SP that layer's backward also
+holds a column layer's re-gathered full-sequence input and its full-sequence input
+gradient before the reduce-scatter, ``4 s b h`` (the peak of full recomputation is that
+layer's backward, so it shows; without recomputation it falls where earlier layers'
+activations are already freed).
 
 Dropout masks are counted only where the config has dropout (``hidden_dropout > 0``:
 the ``2 s b h`` of the two hidden masks and the embedding's ``s b h``;
@@ -191,8 +195,8 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     else:  # the kernel's output and its fp32 log-sum-exp
         core = (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
     per_layer = replicated + split + core
-    if granularity == "full":
-        layers, working = 2 * s_r * b * h * l * scale, per_layer
+    if granularity == "full":  # (+ SP: the gathered input of a column layer and its gradient, full length)
+        layers, working = 2 * s_r * b * h * l * scale, per_layer + (4 * s * b * h * scale if s_r != s else 0)
     elif granularity == "selective":
         layers, working = (replicated + split) * l, core
     else:
