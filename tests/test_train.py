@@ -117,13 +117,15 @@ def _sp_train_body(ps, o):
                 replicated=replicated, tp_rank=ps.tp_rank, dp_rank=ps.dp_rank)
 
 
-@pytest.mark.parametrize("world,tp,zero,recompute", [(4, 2, 1, "selective"), (4, 4, 0, "full"), (4, 2, 3, None)])
-def test_sequence_parallel_training_invariance(reference, world, tp, zero, recompute):
+@pytest.mark.parametrize("world,tp,zero,recompute,micro", [
+    (4, 2, 1, "selective", 4), (2, 2, 0, None, 4),
+    pytest.param(4, 4, 0, "full", 8, marks=pytest.mark.slow), pytest.param(4, 2, 3, None, 4, marks=pytest.mark.slow)])
+def test_sequence_parallel_training_invariance(reference, world, tp, zero, recompute, micro):
     """(TP, DP, ZeRO) = (2, 2, 1) and (4, 1, 0) with --sequence-parallel (and a recomputation granularity)
-    follow one process's trajectory, as does ZeRO-3 (FSDP2); replicated parameters end bit-identical on
-    every TP rank."""
+    follow one process's trajectory, as do ZeRO-3 (FSDP2) and 2 accumulation steps at TP 2; replicated
+    parameters end bit-identical on every TP rank."""
     dp = world // tp
-    o = _options(world, tensor_model_parallel_size=tp, zero_stage=zero, micro_batch_size=8 // dp,
+    o = _options(world, tensor_model_parallel_size=tp, zero_stage=zero, micro_batch_size=micro,
                  sequence_parallel=True, recompute_granularity=recompute, hidden_dropout=0.0,
                  attention_dropout=0.0)
     results = run_distributed(_sp_train_body, world, tp, o, timeout_s=180)
@@ -132,3 +134,24 @@ def test_sequence_parallel_training_invariance(reference, world, tp, zero, recom
         peer = next(r for r in results if r["dp_rank"] == res["dp_rank"] and r["tp_rank"] == 0)
         for name, t in res["replicated"].items():
             assert torch.equal(t, peer["replicated"][name]), f"{name} differs across TP ranks after training"
+
+
+def _losses_body(ps, o):
+    from tnlg.train import train
+    return train(o)["losses"]
+
+
+def test_resume_turning_sequence_parallelism_on(tmp_path):
+    """A checkpoint saved without --sequence-parallel resumes with it (and with selective recomputation):
+    the resumed iterations equal an uninterrupted run's."""
+    common = dict(tensor_model_parallel_size=2, zero_stage=1, micro_batch_size=4, lr_decay_iters=4,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    full = run_distributed(_losses_body, 2, 2, _options(2, train_iters=4, **common), timeout_s=120)[0]
+    save = str(tmp_path / "ckpt")
+    first = run_distributed(_losses_body, 2, 2, _options(2, train_iters=2, save=save, **common), timeout_s=120)[0]
+    resumed = run_distributed(_losses_body, 2, 2, _options(2, train_iters=4, load=save, save=save,
+                                                           sequence_parallel=True, recompute_granularity="selective",
+                                                           **common), timeout_s=120)[0]
+    assert len(first) == 2 and len(resumed) == 2
+    for i, (a, b) in enumerate(zip(full, first + resumed)):
+        assert math.isclose(a, b, rel_tol=1e-5), f"loss at iteration {i + 1}: {b} vs uninterrupted {a}"
