@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -150,9 +151,6 @@ def section_a_b(args, ps, out, workdir):
                                load_extra_peak_bytes=load_extra, bytes_on_disk=size,
                                extra_over_states=max(save_extra, load_extra) / max(states, 1))
     shutil.rmtree(path, ignore_errors=True)
-    del engine
-    if ps.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def section_c(args, ps, out):
@@ -175,9 +173,6 @@ def section_c(args, ps, out):
     out["c_fp16_loss_scaling"] = dict(steps=20, first_loss=losses[0], last_loss=losses[-1],
                                       all_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
                                       loss_scales=scales, skipped=sum(1 for a, b in zip(scales, scales[1:]) if b < a))
-    del engine
-    if ps.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def section_d(args, ps, out, workdir):
@@ -188,7 +183,7 @@ def section_d(args, ps, out, workdir):
     budget = (torch.cuda.get_device_properties(ps.device).total_memory * 0.85 if ps.device.type == "cuda"
               else 2**28)
     layers = 1
-    for n in range(1, full.num_layers + 1):
+    for n in range(1, min(full.num_layers, args.d_max_layers or full.num_layers) + 1):
         if planned_bytes(dataclasses.replace(full, num_layers=n), 1, "bf16", recompute=True, use_meta=False) > budget:
             break
         layers = n
@@ -216,6 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="training steps in (a) (the first is warm-up)")
     p.add_argument("--micro-batch", type=int, default=4, help="micro batch of (a)")
     p.add_argument("--workdir", help="where checkpoints go (default: a temporary folder)")
+    p.add_argument("--d-max-layers", type=int, default=0,
+                   help="cap the tnlg-17b slice of (d) at this many layers (0: as many as fit; a cap keeps its "
+                        "save within the disk and the time of a short GPU lease)")
     args = p.parse_args(argv)
     device = torch.device("cpu") if args.tiny else pick_device("cuda")
     if device.type == "cuda":
@@ -235,15 +233,23 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - report and go on: one run, every section
             out[f"error_{name}"] = f"{type(exc).__name__}: {exc}"
         print(f"section {name}: {time.perf_counter() - t:.1f} s", flush=True)
+        gc.collect()  # the section's engine (its parameter hooks form reference cycles) before the next one
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _write(args.out, out)  # after every section: a run cut short keeps what it measured
     out["total_s"] = time.perf_counter() - t0
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, args.out)
+    _write(args.out, out)
     _table(out)
     return 1 if any(k.startswith("error_") for k in out) else 0
+
+
+def _write(path: str, out: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _table(out: dict) -> None:
