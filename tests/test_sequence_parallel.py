@@ -129,10 +129,14 @@ def _layers_body(ps):
     return True
 
 
+def _collectives_and_layers_body(ps):
+    _collectives_body(ps)
+    return _layers_body(ps)
+
+
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)])
 def test_sequence_collectives_and_layers(world, tp):
-    run_distributed(_collectives_body, world, tp)
-    run_distributed(_layers_body, world, tp)
+    assert all(run_distributed(_collectives_and_layers_body, world, tp))
 
 
 def test_layer_arguments():
