@@ -34,7 +34,6 @@ is how one GPU measures TP > 1 (``--device cuda``, also reporting ``torch.cuda.m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
