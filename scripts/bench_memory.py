@@ -69,7 +69,7 @@ def _engine_steps(ps, args, bf16):
     from tnlg.model import GPT
     from tnlg.optim import build_engine
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                    seq_length=args.seq, vocab_size=4096, hidden_dropout=0.1, attention_dropout=0.1)
+                    seq_length=args.seq, vocab_size=4096, hidden_dropout=0.0, attention_dropout=0.0)
     engine = build_engine(GPT(cfg, ps, device="meta"), ps, 1, param_dtype=torch.bfloat16 if bf16 else None)
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.iters):
@@ -90,7 +90,8 @@ def _options(args, world, **over):
                  seq_length=args.seq, micro_batch_size=args.micro, global_batch_size=args.micro * world,
                  train_iters=args.iters, lr=1e-4, min_lr=1e-5, lr_warmup_iters=1, log_interval=1000,
                  eval_interval=0, data_path=[prefix], tokenizer_model=tok, sample_prompt="", plot=False,
-                 peak_tflops=1.0, tensor_model_parallel_size=1, zero_stage=1)
+                 peak_tflops=1.0, tensor_model_parallel_size=1, zero_stage=1,
+                 hidden_dropout=0.0, attention_dropout=0.0)  # as the planner's count (CPU dropout keeps float masks)
     load = over.pop("load", None)
     flags.update(over)
     o = argparse.Namespace(**flags)
@@ -130,6 +131,9 @@ def bench_training(args) -> dict:
         ("fp32 engine mmap", _engine_steps, (args, False), mmap),
         ("bf16 engine mmap", _engine_steps, (args, True), mmap),
     ]
+    if args.only:
+        keep = {n.strip() for n in args.only.split(",")}
+        runs = [r for r in runs if r[0] in keep or r[0].startswith("baseline")]
     out = {}
     try:
         for name, fn, fargs, env in runs:
@@ -150,10 +154,15 @@ def bench_training(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = max(out["baseline"]["peak_rss_per_rank"])
-    base_mmap = max(out["baseline mmap"]["peak_rss_per_rank"])
+    base_mmap = max(out.get("baseline mmap", out["baseline"])["peak_rss_per_rank"])
     for name in out:
         out[name]["above_baseline"] = max(out[name]["peak_rss_per_rank"]) - (base_mmap if "mmap" in name else base)
     plans = {p: _planned(args, p, world) for p in ("fp32", "bf16")}
+    if args.only:  # a partial run: each measured run against the planner only
+        ratios = {f"{n} / planned": (r["above_baseline"] / plans[n.split()[0]]["total"], (0.9, 1.1), "in")
+                  for n, r in out.items() if not n.startswith("baseline")}
+        return dict(runs=out, planned=plans, ratios={k: v[0] for k, v in ratios.items()},
+                    targets={k: v[1] for k, v in ratios.items()}, baseline=base, _ratio_rows=ratios)
     fp32, bf16 = out["fp32"]["above_baseline"], out["bf16"]["above_baseline"]
     ratios = {
         "bf16 / fp32": (bf16 / fp32, 0.75, "<="),
@@ -236,6 +245,8 @@ def main(argv=None) -> int:
                    help="layers of the hidden-2048 model of --big (10: 0.6B parameters, 7.3 GB per rank in fp32 "
                         "ZeRO-1 at DP 2, what a 24 GiB machine holds twice; 19: 1.06B)")
     p.add_argument("--json", default="bench_memory.json")
+    p.add_argument("--only", help="comma-separated run names to measure (the baselines always run); "
+                                  "ratios then cover those runs only")
     args = p.parse_args(argv)
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     info = dict(torch=torch.__version__, cpu=platform.processor() or platform.machine(),
