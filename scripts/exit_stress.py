@@ -6,7 +6,8 @@ exit code -6``. The cause: the workers left their gloo process groups alive at
 interpreter exit, and gloo's worker threads then tore down objects holding Python
 references while the interpreter was being finalised (pytorch/pytorch#190489, the
 abandoned fix #179291). ``tnlg.cli`` now destroys the process groups when the
-command returns. This script shows the rate: every run is the same short job (the
+command returns, and a launched worker then leaves with ``os._exit`` (see
+docs/training_log.md for the runs). This script shows the rate: every run is the same short job (the
 built-in model and corpus, 4 local processes, TP 2 x DP 2, ZeRO 1, a few
 iterations, a checkpoint), run one after another.
 
@@ -33,7 +34,8 @@ SIGNS = ("terminate called", "exit code -6", "SIGABRT", "Traceback")
 
 
 def run_once(python: str, repo: str, save: str, extra: list[str], timeout: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # PYTHONFAULTHANDLER: an abort prints every Python thread's stack (where the process was when it died)
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONFAULTHANDLER="1")
     t = time.perf_counter()
     try:
         proc = subprocess.run([python, "-m", "tnlg", "pretrain", *JOB, "--save", save, *extra], cwd=repo, env=env,
@@ -43,7 +45,7 @@ def run_once(python: str, repo: str, save: str, extra: list[str], timeout: float
         code = "timeout"
         out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
     return dict(exit=code, seconds=round(time.perf_counter() - t, 1), signs=[s for s in SIGNS if s in out],
-                tail=out.strip().splitlines()[-6:] if code != 0 else [])
+                tail=out.strip().splitlines()[-40:] if code != 0 else [])
 
 
 def main(argv=None) -> int:

@@ -124,7 +124,8 @@ def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
     out = "".join(lines)
     assert stopped is not None and proc.returncode != 0
     assert "Traceback" not in out and "pair closure" not in out, out
-    msgs = [ln for ln in lines if "a collective timed out" in ln]
+    # rank 0 either times out itself or sees a peer that timed out first close its connection
+    msgs = [ln for ln in lines if "tnlg pretrain: a collective " in ln]
     assert len(msgs) == 1, out
     assert "Ranks that did not arrive: 3 " in msgs[0] and "The last checkpoint is iteration" in msgs[0]
     assert f"--save {save}" in msgs[0] and "after iteration" in msgs[0]

@@ -150,14 +150,16 @@ def enable_flight_recorder(dump_dir: str) -> str:
     return os.environ[path]
 
 
-def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list]]:
-    """``(speak, ranks that did not arrive)``, asked of the rendezvous store (``None``: unknown).
+def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list], Optional[Callable]]:
+    """``(speak, ranks that did not arrive, farewell)``, asked of the rendezvous store (``None``: unknown).
 
     Every rank that saw the timeout posts ``alive``. Rank 0 waits up to ``wait_s`` for the others,
     names the ones that never posted and posts ``told``; it speaks. Another rank waits for ``told``
     so that it exits only after rank 0's message (before it, the launcher would tear the group
     down); when ``told`` never comes (rank 0 is the one that hung: the store lives in its process,
-    or it hangs outside a collective), rank 1 speaks instead. Only non-blocking ``check`` calls with
+    or it hangs outside a collective), rank 1 speaks instead. A rank that read ``told`` posts ``bye``;
+    rank 0's ``farewell()``, called after its message, waits for those (up to 3 s) before its process,
+    which holds the store, exits. Only non-blocking ``check`` calls with
     a short timeout are used, from a daemon thread: a ``wait`` or ``check`` on a stopped store server
     never returns.
     """
@@ -176,11 +178,19 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
         missing = [r for r in range(world) if not store.check([keys[r]])]
         if rank == 0:
             store.set(f"{tag}/told", "1")
-            return True, missing
+            byes = [f"{tag}/bye/{r}" for r in range(1, world) if r not in missing]
+
+            def farewell(timeout: float = 3.0) -> None:
+                end = time.monotonic() + timeout
+                while byes and time.monotonic() < end and not store.check(byes):
+                    time.sleep(0.05)
+            return True, missing, farewell
         told = store.check([f"{tag}/told"])
-        return (not told and rank == 1), missing
+        if told:
+            store.set(f"{tag}/bye/{rank}", "1")
+        return (not told and rank == 1), missing, None
     except Exception:  # noqa: BLE001 - the store lives in rank 0's process, which may be the hung one
-        return rank == 1, None
+        return rank == 1, None, None
 
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
@@ -202,7 +212,8 @@ def message(hang: Hang, command: str, resume: Optional[str], timeout_min: Option
         after = f" after {timeout_min:g} min" if timeout_min >= 1 else f" after {timeout_min * 60:g} s"
     what = hang.collective or "a collective"
     text = (f"tnlg {command}: a collective timed out{after}: {what}" if hang.timed_out
-            else f"tnlg {command}: a collective failed (a peer went away): {what}")
+            else f"tnlg {command}: a collective failed, a peer having closed its connection (it timed out "
+                 f"first, or died): {what}")
     if hang.group:
         text += f" over {hang.group}"
     if hang.caller:
@@ -246,7 +257,7 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
 
     hang = describe(exc)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    speak = rank == 0
+    speak, farewell = rank == 0, None
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         # in a daemon thread: a store call to a stopped server can block in recv() for ever
@@ -255,7 +266,7 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
                                   name="tnlg-hang-arrivals")
         asking.start()
         asking.join(wait_s + 8)
-        speak, hang.missing = result[0] if result else (rank == 1, None)
+        speak, hang.missing, farewell = result[0] if result else (rank == 1, None, None)
     timeout_min = getattr(hang.options, "distributed_timeout_minutes", None)
     if speak:
         cmd = None
@@ -268,4 +279,8 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
         if rank != 0:
             text = f"(from rank {rank}: rank 0 did not report) " + text
         print(text, file=sys.stderr, flush=True)
+    if farewell is not None:
+        bye = threading.Thread(target=farewell, daemon=True, name="tnlg-hang-farewell")
+        bye.start()
+        bye.join(5)
     return 1
