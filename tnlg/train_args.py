@@ -123,11 +123,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "preemption) does too, after saving a checkpoint of that iteration. Rank 0 then prints the "
         "iteration, the last checkpoint and the command that resumes the run; a second signal stops at "
         "once.\n\n"
-        "Logged every --log-interval iterations: loss, lr, grad norm, ms/iter, tokens/s, TFLOP/s per rank "
-        "and MFU. Model FLOPs per iteration (Narayanan et al. 2021): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), "
-        "or 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with --recompute-activations; MFU = model FLOP/s per rank "
-        "/ peak FLOP/s per rank, the peak measured once at start (a dense matmul in the training dtype on "
-        "this rank's threads) unless --peak-tflops is given.")
+        "Logged every --log-interval iterations: loss, lr, grad norm, ms/iter, tokens/s, model TFLOP/s per "
+        "rank (the primary figure), MFU and, with recomputation, HFU. Model FLOPs per iteration (Narayanan et "
+        "al. 2021, eq. 3, any --ffn-hidden-size): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for ffn = 4h; MFU = "
+        "model FLOP/s / peak, HFU = executed FLOP/s (recomputation included) / peak. The peak is measured at "
+        "start on every rank at once (dense matmuls in the training dtype, best of 5) and printed with the "
+        "MFU, unless --peak-tflops gives it. 72 B s l h^2 (1 + s/(6h) + V/(12 l h)); "
+        "96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation.")
     g = p.add_argument_group("model")
     _flag(g, "--preset", choices=list(PRESETS), help="model shape (and, for tnlg-17b / megatron-8.3b, the "
           "published training recipe); flags override it")
