@@ -139,6 +139,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
             pieces = engine.owned_pieces() if hasattr(engine, "owned_pieces") else None
             same_tp = int(meta["layout"]["tp"]) == ps.tp_size
             needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
+            if ps.dp_rank != 0:  # every DP rank of a TP rank reads the same weight files: DP rank 0
+                needed = {n for n in needed if not n.startswith("model")}  # checks them (_agree shares it)
             F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))
             rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
                           for name in {shared_rng, tp_rng} - {None}}

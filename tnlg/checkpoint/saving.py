@@ -40,7 +40,7 @@ from . import files as F
 from .compat import data_record, options_record
 from .reshard import names_for_rank, param_records
 from .rng import capture
-from .stream import StreamWriter
+from .stream import StreamWriter, file_sha256
 
 __all__ = ["save", "write_offline", "commit", "KILL_DURING_SAVE_ENV"]
 
@@ -91,7 +91,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     written: dict[str, dict] = {}
     written.update(_write_model(tmp, engine, names, ps, tag))
     written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
-    written.update(_write_rng(tmp, model.tp_random, ps))
+    written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
     _maybe_kill(iteration, ps.rank, ps.world_size)
     optimizer = dict(present=True, **_hyperparameters(engine))
     _finish(root, tmp, final, iteration, written, ps, dict(
@@ -124,8 +124,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     for name, tensor in _param_stream(engine, names):
         if writes:
             if stream is None:
-                specs = [(n, tuple(t_shape), t_dtype) for n, t_shape, t_dtype in _param_specs(engine, names)]
-                stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), specs, tag)
+                stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), _param_specs(engine, names), tag)
             stream.write(name, tensor)
     if writes:
         if stream is None:
@@ -141,28 +140,40 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
     if not sharded and ps.dp_rank != 0:
         return {}
     pieces = [pc for pc in pieces if pc["name"] in names and pc["length"] > 0]
+    return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
+
+
+def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict) -> dict:
+    """One ``optim_tpXX_dpYYY`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
+    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``."""
     kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
     specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
-    fname = F.optim_file(ps.tp_rank, ps.dp_rank)
+    fname = F.optim_file(tp_rank, dp_rank)
     stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
     for pc in pieces:
         for k in kinds:
-            stream.write(f"{pc['name']}.{k}", pc[k])
+            stream.write(f"{pc['name']}.{k}", pc[k].float())
     size, sha = stream.close()
-    return {fname: dict(size=size, sha256=sha, tp_rank=ps.tp_rank, dp_rank=ps.dp_rank, kinds=list(kinds),
+    return {fname: dict(size=size, sha256=sha, tp_rank=tp_rank, dp_rank=dp_rank, kinds=list(kinds),
                         pieces={pc["name"]: [int(pc["lo"]), int(pc["length"])] for pc in pieces})}
 
 
-def _write_rng(tmp: str, tp_random, ps: ParallelState) -> dict:
-    from .stream import file_sha256
-    name = F.rng_file(ps.dp_rank, ps.tp_rank)
+def _write_rng(tmp: str, name: str, state) -> dict:
+    """One RNG file (temporary name, fsync, rename); returns ``{file: record}``."""
     path = os.path.join(tmp, name)
     with open(path + ".part", "wb") as f:
-        torch.save(capture(tp_random), f)
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
     return {name: dict(size=os.path.getsize(path), sha256=file_sha256(path))}
+
+
+def _manifest(files: dict) -> dict:
+    """The ``meta.json`` entries describing what was written: sizes, checksums, optimizer pieces."""
+    return dict(files={k: v["size"] for k, v in files.items()}, sha256={k: v["sha256"] for k, v in files.items()},
+                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
+                             for k, v in files.items() if "pieces" in v})
 
 
 def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
@@ -175,11 +186,7 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: 
         gathered = [written]
     if ps.rank == 0:
         files = {k: v for d in gathered for k, v in d.items()}
-        meta = dict(format=F.FORMAT, iteration=int(iteration), **meta,
-                    files={k: v["size"] for k, v in files.items()},
-                    sha256={k: v["sha256"] for k, v in files.items()},
-                    optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
-                                 for k, v in files.items() if "pieces" in v},
+        meta = dict(format=F.FORMAT, iteration=int(iteration), **meta, **_manifest(files),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
         commit(root, tmp, final, iteration, meta, keep_last)
     _barrier()
@@ -208,25 +215,13 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
         size, sha = stream.close()
         files[F.model_file(r)] = dict(size=size, sha256=sha)
         if states is not None:
-            kinds = ("exp_avg", "exp_avg_sq") + (("master",) if all("master" in states[n] for n in names) else ())
-            fname = F.optim_file(r, 0)
-            stream = StreamWriter(os.path.join(tmp, fname), [(f"{n}.{k}", (states[n][k].numel(),), torch.float32)
-                                                             for n in names for k in kinds], tag)
-            for n in names:
-                for k in kinds:
-                    stream.write(f"{n}.{k}", states[n][k].float().reshape(-1))
-            size, sha = stream.close()
-            files[fname] = dict(size=size, sha256=sha, tp_rank=r, dp_rank=0, kinds=list(kinds),
-                                pieces={n: [0, int(states[n]["exp_avg"].numel())] for n in names})
+            kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if all(k in states[n] for n in names)]
+            pieces = [{"name": n, "lo": 0, "length": states[n]["exp_avg"].numel(), "master": None,
+                       **{k: states[n][k].reshape(-1) for k in kinds}} for n in names]
+            files.update(_write_pieces(tmp, pieces, r, 0, tag))
         if rng_of_rank is not None:
-            from .stream import file_sha256
-            path = os.path.join(tmp, F.rng_file(0, r))
-            torch.save(rng_of_rank(r), path)
-            files[F.rng_file(0, r)] = dict(size=os.path.getsize(path), sha256=file_sha256(path))
-    meta = dict(meta, format=F.FORMAT, params=records, files={k: v["size"] for k, v in files.items()},
-                sha256={k: v["sha256"] for k, v in files.items()},
-                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
-                             for k, v in files.items() if "pieces" in v},
+            files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
+    meta = dict(meta, format=F.FORMAT, params=records, **_manifest(files),
                 layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
                 rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
     commit(root, tmp, final, iteration, meta, None)
@@ -287,13 +282,14 @@ def _param_stream(engine, names):
     if hasattr(engine, "param_tensors"):
         return engine.param_tensors(names)
     full = engine.model_state_by_param()
-    return ((n, full[n]) for n in engine.param_names if n in set(names))
+    wanted = set(names)
+    return ((n, full[n]) for n in engine.param_names if n in wanted)
 
 
 def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
     """Names, shapes (this TP shard, full over DP) and dtypes, in the order of :func:`_param_stream`."""
-    shapes = dict(_shapes(engine))
-    return [(n, shapes[n][0], shapes[n][1]) for n in engine.param_names if n in set(names)]
+    shapes, wanted = dict(_shapes(engine)), set(names)
+    return [(n, shapes[n][0], shapes[n][1]) for n in engine.param_names if n in wanted]
 
 
 def _shapes(engine):

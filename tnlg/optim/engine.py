@@ -169,6 +169,10 @@ class Engine:
         """This rank's part of every parameter's states, as views (see ``FlatZero.owned_pieces``)."""
         return self.backend.owned_pieces()
 
+    def param_shapes(self) -> dict[str, tuple]:
+        """``{name: shape}`` of this TP shard's parameters (full over DP); no communication."""
+        return {n: tuple(p.shape) for n, p in zip(self.backend.names, self.backend.params)}
+
     def param_tensors(self, names):
         """``(name, tensor)`` of this TP shard, full over DP, one at a time (stage 3: collective)."""
         return self.backend.param_tensors(names)
@@ -193,7 +197,7 @@ class Engine:
         (one all-reduce per parameter of the zero-filled full tensor); every DP rank gets the
         result. Holds every state at once: for tests and small models; checkpoints stream.
         """
-        shapes = {n: tuple(t.shape) for n, t in self.param_tensors(self.param_names)}
+        shapes = self.param_shapes()
         out = {n: dict(exp_avg=torch.zeros(shapes[n], device=self.ps.device),
                        exp_avg_sq=torch.zeros(shapes[n], device=self.ps.device), step=self.num_steps)
                for n in self.param_names}
@@ -214,7 +218,7 @@ class Engine:
         refreshed from them). All parameters must carry the same ``step``.
         """
         step = common_step(states)
-        check_states(states, {n: tuple(t.shape) for n, t in self.param_tensors(self.param_names)})
+        check_states(states, self.param_shapes())
         for pc in self.owned_pieces():
             for k in ("exp_avg", "exp_avg_sq"):
                 src = states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]]

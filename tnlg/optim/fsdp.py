@@ -110,6 +110,7 @@ class FSDPZero:
             for k, v in attrs.get(n, {}).items():
                 setattr(p, k, v)
         self.names = [n for n, _ in named]
+        self._index = {n: i for i, n in enumerate(self.names)}
         self.params = [p for _, p in named]
         self.dtype = self.params[0].dtype
         self.tp_sharded = [flags[n] for n in self.names]
@@ -212,7 +213,7 @@ class FSDPZero:
     @torch.no_grad()
     def load_param(self, name: str, value: torch.Tensor) -> None:
         """Keep this rank's shard of a full (over DP) value; no communication."""
-        p = self.params[self.names.index(name)]
+        p = self.params[self._index[name]]
         if tuple(value.shape) != tuple(p.shape):
             raise UserError(f"parameter {name!r}: expected a tensor of shape {tuple(p.shape)}, got "
                             f"{tuple(value.shape)}.")
