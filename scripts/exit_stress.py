@@ -13,6 +13,12 @@ iterations, a checkpoint), run one after another.
 
     python scripts/exit_stress.py --runs 50                 # this checkout
     python scripts/exit_stress.py --runs 20 --repo /tmp/old  # another checkout, e.g. before the fix
+    python scripts/exit_stress.py --runs 50 --pytest "tests/test_checkpoint_formats.py::test_format1_checkpoint_loads"
+
+``--pytest NODEID`` runs that test instead of the job: the test harness (``tnlg.testing``) spawns
+its workers with torch.multiprocessing, which leave through ``sys.exit``; one CI run aborted there
+(``process 0 terminated with signal SIGABRT`` after the test's work was done) until the harness
+left through ``tnlg.process_exit.leave`` too.
 
 Prints one line per run and a summary; writes JSON (``--out``). Exit status 1 if any
 run failed.
@@ -30,15 +36,17 @@ import tempfile
 import time
 
 JOB = ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "0", "--no-plot", "--sample-tokens", "0"]
-SIGNS = ("terminate called", "exit code -6", "SIGABRT", "Traceback")
+SIGNS = ("terminate called", "exit code -6", "SIGABRT", "Traceback", "failed")
 
 
-def run_once(python: str, repo: str, save: str, extra: list[str], timeout: float) -> dict:
+def run_once(python: str, repo: str, save: str, extra: list[str], timeout: float, pytest: str | None = None) -> dict:
     # PYTHONFAULTHANDLER: an abort prints every Python thread's stack (where the process was when it died)
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONFAULTHANDLER="1")
     t = time.perf_counter()
     try:
-        proc = subprocess.run([python, "-m", "tnlg", "pretrain", *JOB, "--save", save, *extra], cwd=repo, env=env,
+        command = ([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", pytest, *extra] if pytest else
+                   [python, "-m", "tnlg", "pretrain", *JOB, "--save", save, *extra])
+        proc = subprocess.run(command, cwd=repo, env=env,
                               capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
@@ -57,7 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it counts as hung")
     ap.add_argument("--out", default="runs/exit_stress.json")
-    ap.add_argument("extra", nargs="*", help="more tnlg pretrain flags (after --)")
+    ap.add_argument("--pytest", metavar="NODEID", help="run this test instead of the tnlg pretrain job")
+    ap.add_argument("extra", nargs="*", help="more tnlg pretrain (or pytest) flags (after --)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
@@ -65,7 +74,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tnlg_exit_stress_") as tmp:
         for i in range(args.runs):
             r = run_once(args.python, os.path.abspath(args.repo), os.path.join(tmp, f"run{i}"), args.extra,
-                         args.timeout)
+                         args.timeout, args.pytest)
             results.append(r)
             bad = r["exit"] != 0
             print(f"run {i + 1:3d}/{args.runs}: exit {r['exit']} in {r['seconds']:.1f} s"
@@ -74,7 +83,7 @@ def main(argv=None) -> int:
     aborts = [r for r in results if "terminate called" in r["signs"] or "exit code -6" in r["signs"]]
     summary = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), repo=args.repo,
                    runs=len(results), nonzero_exits=len(failed), aborts_at_exit=len(aborts),
-                   job=["tnlg", "pretrain", *JOB, *args.extra], load_average_after=os.getloadavg(),
+                   job=(["pytest", args.pytest] if args.pytest else ["tnlg", "pretrain", *JOB]) + args.extra, load_average_after=os.getloadavg(),
                    median_seconds=sorted(r["seconds"] for r in results)[len(results) // 2], results=results)
     print(f"{len(failed)} of {len(results)} runs exited non-zero ({len(aborts)} aborted at exit: 'terminate "
           f"called' / exit code -6); median {summary['median_seconds']:.1f} s per run")

@@ -21,6 +21,7 @@ import os
 import sys
 
 from .errors import UserError
+from .process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -104,37 +105,15 @@ def _resume_command(args):
     return resume
 
 
-def _destroy_process_groups() -> None:
-    """Destroy this process's process groups while the interpreter is fully alive."""
-    if "torch.distributed" not in sys.modules:  # nothing to do, and nothing to import
-        return
-    import gc
-
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        gc.collect()  # anything that still held a group or a pending work object goes now
-
-
 def _finish(status: int) -> int:
     """End a command cleanly: its process groups destroyed; a launched worker then exits at once.
 
-    About one successful ``tnlg pretrain`` in 14-55 ended with ``terminate called without an active
-    exception`` (SIGABRT, "worker rank N failed with exit code -6") after its work was done: the C++
-    side of torch.distributed (gloo's threads, the rendezvous store) was torn down during interpreter
-    finalisation and static destruction, when its threads can no longer take the GIL
-    (pytorch/pytorch#190489). Destroying the groups first (the documented shutdown) still left a
-    crash in 50 runs here, so a worker of a launcher (``torchrun``, ``--nproc-per-node``), whose
-    files are closed and whose output is flushed here, then leaves with ``os._exit``: no
-    finalisation is left to race. ``scripts/exit_stress.py`` counts such exits.
+    A launched worker (``torchrun``, ``--nproc-per-node``) leaves through
+    :func:`tnlg.process_exit.leave`, which says why.
     """
-    _destroy_process_groups()
     if os.environ.get("TORCHELASTIC_RUN_ID") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        import logging
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        leave(status)
+    destroy_process_groups()
     return status
 
 
@@ -168,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if status is None:
             raise
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: its group cannot be torn down (a peer is gone)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+            leave(status, destroy=False)
         return status
 
 

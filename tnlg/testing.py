@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .parallel.state import init_parallel
+from .process_exit import leave
 
 __all__ = ["run_distributed"]
 
@@ -31,26 +32,33 @@ class WorkerError(RuntimeError):
     pass
 
 
+def _write_result(path: str, result: tuple) -> None:
+    """Write under a temporary name, then rename: a worker terminated mid-write leaves no torn file."""
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, tp: int, tmp: str, timeout_s: float,
             threads: int, args: tuple) -> None:
     torch.set_num_threads(threads)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # code that sizes thread pools per local rank sees it
     result_path = os.path.join(tmp, f"result_{rank}.pkl")
+    status = 1
     try:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         ps = init_parallel(tensor_parallel_size=tp, timeout=timedelta(seconds=timeout_s))
         out = fn(ps, *args)
-        with open(result_path, "wb") as f:
-            pickle.dump(("ok", out), f)
+        _write_result(result_path, ("ok", out))
+        status = 0
     except BaseException:  # noqa: BLE001 - report every failure to the parent
-        with open(result_path, "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _write_result(result_path, ("error", traceback.format_exc()))
+    # A spawned worker would otherwise leave through sys.exit and interpreter finalisation, where
+    # gloo's threads abort about one exit in 50 (SIGABRT after the work is done): see process_exit.
+    # After a failure the groups are left alone, since a peer may be gone and teardown could block.
+    leave(status, destroy=status == 0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, tp: int = 1, *args: Any,
@@ -65,14 +73,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, tp: int = 1, *args:
         try:
             mp.start_processes(_worker, args=(fn, world_size, tp, tmp, timeout_s, threads, args),
                                nprocs=world_size, join=True, start_method="spawn")
-        except Exception as exc:  # collect the worker's own traceback
+        except Exception as exc:  # collect the workers' own tracebacks
+            errors = []
             for rank in range(world_size):
                 path = os.path.join(tmp, f"result_{rank}.pkl")
                 if os.path.exists(path):
                     with open(path, "rb") as f:
                         status, payload = pickle.load(f)
                     if status == "error":
-                        raise WorkerError(f"rank {rank} failed:\n{payload}") from exc
+                        errors.append(f"rank {rank} failed:\n{payload}")
+            if errors:  # every failing rank: the first to fail may not be the lowest rank
+                raise WorkerError("\n".join(errors)) from exc
             raise
         results = []
         for rank in range(world_size):
