@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tnlg.config import padded_vocab_size, partition_sizes
 from tnlg.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                            vocab_parallel_cross_entropy)
-from tnlg.parallel.layers import shard_of
+from tnlg.parallel.sharding import shard_of
 from tnlg.testing import run_distributed
 
 from .conftest import LAYOUTS

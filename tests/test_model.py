@@ -8,8 +8,7 @@ import tnlg
 from tnlg.config import GPTConfig
 from tnlg.hf import hf_to_tnlg_state_dict
 from tnlg.model import GPT, gather_logits
-from tnlg.parallel.layers import shard_of
-from tnlg.shards import gather_full, load_full_state_dict
+from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
 from tnlg.testing import run_distributed
 
 from .conftest import LAYOUTS

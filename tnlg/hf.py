@@ -23,8 +23,8 @@ import torch
 
 from .config import GPTConfig
 from .errors import UserError
+from .parallel.sharding import full_state_dict, load_full_state_dict
 from .parallel.state import ParallelState
-from .shards import full_state_dict, load_full_state_dict
 
 __all__ = ["from_hf", "to_hf", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
            "build_hf_model", "write_hf_folder", "hf_tokenizer", "hf_tokenizer_files"]

@@ -54,11 +54,11 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
 from .parallel.cross_entropy import vocab_parallel_cross_entropy
-from .parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              column_parallel_linear, full_shape, mark_replicated, shard_of)
+from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from .parallel.mappings import (copy_to_tp, copy_to_tp_coalesced, gather_from_tp, reduce_scatter_to_sequence_parallel,
                                 sequence_sizes)
 from .parallel.random import TPRandom
+from .parallel.sharding import full_shape, mark_replicated, shard_of
 from .parallel.state import ParallelState
 
 __all__ = ["GPT", "KVCache", "gather_logits", "parameter_counts"]

@@ -31,7 +31,7 @@ __all__ = ["partition_info", "targets_for", "full_targets", "param_records", "na
 @lru_cache(maxsize=64)
 def _partition_info(config_json: str, tp_size: int, tp_rank: int) -> dict:
     from ..model import GPT
-    from ..parallel.layers import full_shape
+    from ..parallel.sharding import full_shape
     from ..parallel.state import ParallelState
     cfg = GPTConfig.from_dict(json.loads(config_json))
     with torch.device("meta"):  # shapes and split attributes only; nothing allocated

@@ -1,13 +1,8 @@
 """Tensor-parallel layers (Megatron paper, section 3): column, row and vocab parallel.
 
-Every split parameter carries four attributes that say how it maps to the full,
-unsplit tensor, so initialisation, checkpoints and resharding share one
-definition (:func:`shard_of`, :func:`full_shape`):
-
-* ``tp_sharded``: ``True`` when split over the TP group (``False`` = replicated);
-* ``partition_dim``: the split dimension;
-* ``partition_sizes``: every rank's size along it (may be uneven, or padded);
-* ``full_size``: the real (unpadded) size of that dimension.
+Every parameter is marked with how it maps to the full, unsplit tensor
+(:mod:`tnlg.parallel.sharding`), so initialisation, checkpoints and resharding share
+one definition.
 
 Splits may be uneven (attention heads that TP does not divide): the sizes come
 from :func:`tnlg.config.partition_sizes`.
@@ -31,46 +26,11 @@ import torch.nn.functional as F
 
 from .mappings import (copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence_parallel,
                        scatter_to_tp, sequence_all_gather, sequence_reduce_scatter)
+from .sharding import full_shape, mark_replicated, mark_sharded, shard_of
 from .state import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "mark_replicated", "mark_sharded", "shard_of", "full_shape", "column_parallel_linear"]
-
-
-def mark_replicated(param: nn.Parameter) -> nn.Parameter:
-    param.tp_sharded = False
-    return param
-
-
-def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size: int) -> nn.Parameter:
-    param.tp_sharded = True
-    param.partition_dim = dim
-    param.partition_sizes = tuple(sizes)
-    param.full_size = full_size
-    return param
-
-
-def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the full (unsplit, unpadded) tensor this parameter is a shard of."""
-    shape = list(param.shape)
-    if getattr(param, "tp_sharded", False):
-        shape[param.partition_dim] = param.full_size
-    return tuple(shape)
-
-
-def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """This rank's shard of a full tensor: slice along ``partition_dim``, zero-padding if needed."""
-    if not getattr(param, "tp_sharded", False):
-        return full
-    dim, sizes = param.partition_dim, param.partition_sizes
-    start = sum(sizes[:tp_rank])
-    stop = start + sizes[tp_rank]
-    padded_total = sum(sizes)
-    if full.shape[dim] < padded_total:  # padded rows (vocabulary): zeros beyond full_size
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded_total - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.narrow(dim, start, stop - start)
 
 
 def _even_sizes(n: int, tp: int, what: str) -> list[int]:

@@ -1,0 +1,133 @@
+"""Sharding metadata: how a tensor-parallel parameter maps to the full, unsplit tensor.
+
+Every parameter of a TP model carries the attributes named in :data:`TP_ATTRS`:
+
+* ``tp_sharded``: ``True`` when split over the TP group (``False`` = replicated);
+* ``partition_dim``: the split dimension;
+* ``partition_sizes``: every rank's size along it (may be uneven, or padded);
+* ``full_size``: the real (unpadded) size of that dimension.
+
+Layers set them (:func:`mark_sharded`, :func:`mark_replicated`); initialisation,
+checkpoints, resharding, the data-parallel engines and the planner read them through
+the helpers here, so there is one definition of a split.
+
+A *full state dict* maps every parameter name to the tensor TP=1 would hold, without
+vocabulary padding. It does not depend on the TP size, so it is the exchange format
+for Hugging Face conversion and checkpoint resharding (:func:`full_state_dict`,
+:func:`load_full_state_dict`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..errors import UserError
+from .mappings import all_gather_uneven
+from .state import ParallelState
+
+__all__ = ["TP_ATTRS", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes", "full_shape",
+           "shard_of", "gather_full", "full_state_dict", "load_full_state_dict"]
+
+TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size")
+"""The attributes that describe a parameter's split (the module docstring explains each)."""
+
+
+def mark_replicated(param: nn.Parameter) -> nn.Parameter:
+    """Mark ``param`` as replicated over the TP group (every rank holds the full tensor)."""
+    param.tp_sharded = False
+    return param
+
+
+def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size: int) -> nn.Parameter:
+    """Mark ``param`` as this rank's shard along ``dim``; ``sizes``: every rank's size along it
+    (their sum may exceed ``full_size`` by padding)."""
+    param.tp_sharded = True
+    param.partition_dim = dim
+    param.partition_sizes = tuple(sizes)
+    param.full_size = full_size
+    return param
+
+
+def is_tp_sharded(name: str, param: torch.Tensor, ps: ParallelState) -> bool:
+    """Whether ``param`` is split over TP. A parameter without the mark is an error when TP > 1
+    (the gradient norm and checkpoints would count it wrongly) and replicated at TP 1."""
+    flag = getattr(param, "tp_sharded", None)
+    if flag is None:
+        if ps.tp_size > 1:
+            raise UserError(
+                f"parameter {name!r} has no 'tp_sharded' attribute; with tensor parallelism every parameter "
+                f"must say whether it is split over TP ranks (True) or replicated (False), so the gradient "
+                f"norm counts it correctly. Mark it with tnlg.parallel.sharding.mark_sharded/mark_replicated.")
+        return False
+    return bool(flag)
+
+
+def copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Copy the sharding attributes ``src`` has onto ``dst`` (e.g. a parameter re-created by a wrapper)."""
+    for key in TP_ATTRS:
+        if hasattr(src, key):
+            setattr(dst, key, getattr(src, key))
+    return dst
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the full (unsplit, unpadded) tensor this parameter is a shard of."""
+    shape = list(param.shape)
+    if getattr(param, "tp_sharded", False):
+        shape[param.partition_dim] = param.full_size
+    return tuple(shape)
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """This rank's shard of a full tensor: slice along ``partition_dim``, zero-padding if needed.
+    No communication."""
+    if not getattr(param, "tp_sharded", False):
+        return full
+    dim, sizes = param.partition_dim, param.partition_sizes
+    start = sum(sizes[:tp_rank])
+    padded_total = sum(sizes)
+    if full.shape[dim] < padded_total:  # padded rows (vocabulary): zeros beyond full_size
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded_total - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.narrow(dim, start, sizes[tp_rank])
+
+
+def gather_full(shard: torch.Tensor, param: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The full tensor of a (possibly split) parameter: all-gather over TP along its
+    ``partition_dim`` (uneven sizes allowed), padding removed. Collective over TP."""
+    if not getattr(param, "tp_sharded", False):
+        return shard
+    if ps.tp_size > 1:
+        shard = all_gather_uneven(shard.detach(), param.partition_sizes, param.partition_dim, ps.tp_group)
+    return shard.narrow(param.partition_dim, 0, param.full_size)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, ps: ParallelState) -> dict[str, torch.Tensor]:
+    """Every parameter as its full TP=1 tensor (one all-gather over TP per split parameter; all
+    TP ranks get it)."""
+    return {name: gather_full(p.detach(), p, ps).clone() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], ps: ParallelState) -> None:
+    """Copy this rank's slice of every full tensor into the model (no communication).
+
+    Names and full shapes must match exactly; a mismatch is a ``ValueError`` naming it.
+    """
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(full)), sorted(set(full) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match the model: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{'...' if len(unexpected) > 5 else ''}.")
+    for name, p in params.items():
+        expected = full_shape(p)
+        if tuple(full[name].shape) != expected:
+            raise ValueError(f"parameter {name!r} has shape {tuple(full[name].shape)} in the state dict but "
+                             f"the model expects the full shape {expected}.")
+        p.copy_(shard_of(full[name].to(p.dtype), p, ps.tp_rank))
