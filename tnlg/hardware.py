@@ -19,6 +19,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .errors import UserError
+
 __all__ = ["MatmulProbe", "cpu_bf16", "fast_bf16_cpu", "bf16_skip_reason", "check_bf16", "SLOW_FACTOR"]
 
 SLOW_FACTOR = 4.0  # bf16 slower than fp32 by more than this: refuse (the fast paths are >= 0.5x fp32's rate)
@@ -107,8 +109,6 @@ def check_bf16(device_type: str = "cpu", flag: str = "--bf16") -> None:
     On a CPU: the probe above (``TNLG_ALLOW_SLOW_BF16=1`` turns the refusal into a warning). On a
     GPU: one without native bf16 (compute capability below 8.0, e.g. V100) is refused likewise.
     """
-    from .errors import UserError
-
     if device_type == "cuda":
         import torch
         major, minor = torch.cuda.get_device_capability()

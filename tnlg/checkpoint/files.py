@@ -26,6 +26,7 @@ import shutil
 from typing import Optional
 
 from ..errors import UserError
+from ..io import atomic_write, file_sha256, fsync_dir  # fsync_dir: re-exported for the save code
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
@@ -59,29 +60,9 @@ def rng_file(dp_rank: int, tp_rank: int) -> str:
     return f"rng_dp{dp_rank:03d}_tp{tp_rank:02d}.pt"
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename inside ``path`` durable (best effort: not every filesystem allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and ``os.replace``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    """Write ``text`` to ``path`` durably and atomically (:func:`tnlg.io.atomic_write`)."""
+    atomic_write(path, text)
 
 
 def remove_tree(path: str) -> None:
@@ -204,7 +185,6 @@ def check_files(iter_dir: str, meta: dict, kinds: tuple[str, ...] = ("model", "o
 def verify_checksums(iter_dir: str, meta: dict, names) -> None:
     """The SHA-256 of each named file equals the manifest's (format 2; format 1 has none), else a
     :class:`UserError` naming the file. Reads each file once in chunks (constant memory)."""
-    from .stream import file_sha256
     sums = meta.get("sha256") or {}
     for name in sorted(set(names)):
         if name in sums and file_sha256(os.path.join(iter_dir, name)) != sums[name]:

@@ -1,4 +1,4 @@
-"""Safetensors files written one tensor at a time, with their SHA-256, and the streamed checksum.
+"""Safetensors files written one tensor at a time (hashed as they are written), and read back piecewise.
 
 ``safetensors.torch.save_file`` needs every tensor in memory at once (and copies them to
 the host together): at T-NLG scale a rank's shard of weights or optimizer states is tens
@@ -25,6 +25,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..io import file_sha256, temporary_name
+
+# file_sha256 is tnlg.io's, re-exported here for the checkpoint code that imports it from this module
 __all__ = ["StreamWriter", "SafetensorsReader", "file_sha256", "SAFETENSORS_DTYPES"]
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -36,7 +39,7 @@ class StreamWriter:
     """Write ``specs`` = ``[(key, shape, dtype), ...]`` to ``path`` in that order.
 
     ``write(key, tensor)`` must be called once per spec, in order; ``close()`` fsyncs,
-    renames the temporary file to ``path`` and returns ``(size, sha256 hex)``. Extra memory:
+    renames the temporary file (:func:`tnlg.io.temporary_name`) to ``path`` and returns ``(size, sha256 hex)``. Extra memory:
     one tensor's host copy (none for a contiguous CPU tensor).
     """
 
@@ -55,7 +58,7 @@ class StreamWriter:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-        self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
+        self.path, self.tmp = path, temporary_name(path)
         self.specs, self.next = list(specs), 0
         self.sha = hashlib.sha256()
         self.f = open(self.tmp, "wb")
@@ -82,24 +85,13 @@ class StreamWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, self.path)
+        os.replace(self.tmp, self.path)  # the caller fsyncs the folder once, after all its files
         return os.path.getsize(self.path), self.sha.hexdigest()
 
     def abort(self) -> None:
         self.f.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
-
-
-def file_sha256(path: str, chunk: int = 8 * 2**20) -> str:
-    """SHA-256 of a file, read in chunks (constant memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
 
 
 _TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}

@@ -12,6 +12,10 @@ import json
 import sys
 
 from ..errors import UserError
+from .corpus import prepare
+from .indexed import IndexedDataset
+from .preprocess import preprocess
+from .tokenizer import load_tokenizer, train_sentencepiece
 
 __all__ = ["add_arguments", "run"]
 
@@ -100,7 +104,6 @@ def _parse_options(items: list[str]) -> dict:
 
 
 def _run_train_tokenizer(args) -> int:
-    from .tokenizer import load_tokenizer, train_sentencepiece
     options = _parse_options(args.option)
     options.setdefault("model_type", args.model_type)
     options.setdefault("minloglevel", 1)
@@ -132,7 +135,6 @@ def _add_preprocess(p: argparse.ArgumentParser) -> None:
 
 
 def _run_preprocess(args) -> int:
-    from .preprocess import preprocess
     if args.vocab_file or args.merge_file:
         if not (args.vocab_file and args.merge_file) or args.tokenizer_model:
             raise UserError("give either --tokenizer-model, or both --vocab-file and --merge-file (GPT-2 BPE).")
@@ -174,7 +176,6 @@ def _add_data(p: argparse.ArgumentParser) -> None:
 
 def _run_data(args) -> int:
     if args.data_command == "prepare":
-        from .corpus import prepare
         prefix, tok = prepare(cache_dir=args.cache_dir, workers=args.workers, force=args.force, progress=True)
         if args.json:
             print(json.dumps({"data_prefix": prefix, "tokenizer_model": tok}))
@@ -183,7 +184,6 @@ def _run_data(args) -> int:
                   f"train with:      --data-path {prefix} --tokenizer-model {tok}")
         return 0
     if args.data_command == "info":
-        from .indexed import IndexedDataset
         ds = IndexedDataset(args.prefix)
         lengths = ds.sequence_lengths
         print(f"{ds.path_prefix}: dtype {ds.dtype.name} (code {ds.dtype_code}), {len(ds)} sequences, "
@@ -191,7 +191,6 @@ def _run_data(args) -> int:
               f"{int(lengths.min()) if len(ds) else 0}/{float(lengths.mean()) if len(ds) else 0:.1f}/"
               f"{int(lengths.max()) if len(ds) else 0}")
         if args.tokenizer_model and ds.num_documents:
-            from .tokenizer import load_tokenizer
             tok = load_tokenizer(args.tokenizer_model)
             print(repr(tok.decode(ds.document(0)[:64].tolist())))
         return 0

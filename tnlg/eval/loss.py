@@ -12,10 +12,14 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from ..data.gpt_dataset import build_train_valid_test_datasets
+from ..data.indexed import IndexedDataset
 from ..errors import UserError
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.mappings import all_reduce
+from .batches import eval_mode, micro_batches
 
 __all__ = ["build_eval_dataset", "dataset_loss"]
 
@@ -32,11 +36,6 @@ def build_eval_dataset(prefix: str, seq_length: int, split: str = "0,100,0", eva
     Call on every rank; with a process group, rank 0 builds missing index files and
     the others wait at a barrier (the only collective).
     """
-    import torch.distributed as dist
-
-    from ..data.gpt_dataset import build_train_valid_test_datasets
-    from ..data.indexed import IndexedDataset
-
     if eval_split not in SPLITS:
         raise UserError(f"--eval-split {eval_split!r} is not one of {list(SPLITS)}.")
     if not IndexedDataset.exists(prefix):
@@ -72,15 +71,9 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
         raise UserError("the dataset has no samples to evaluate.")
     mine = list(range(ps.dp_rank, n, ps.dp_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        batches = range(0, len(mine), micro_batch_size)
-        if progress:
-            from tqdm import tqdm
-            batches = tqdm(batches, desc="loss", unit="batch")
-        for i in batches:
-            items = [dataset[j] for j in mine[i:i + micro_batch_size]]
+    with eval_mode(model):
+        for chunk in micro_batches(mine, micro_batch_size, progress, "loss"):
+            items = [dataset[j] for j in chunk]
             batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
             logits = model(batch["tokens"], position_ids=batch.get("position_ids"),
                            attention_mask=batch.get("attention_mask"))
@@ -88,8 +81,6 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
             mask = batch["loss_mask"].double()
             sums[0] += (losses.double() * mask).sum()
             sums[1] += mask.sum()
-    finally:
-        model.train(was_training)
     all_reduce(sums, ps.dp_group)
     tokens = int(sums[1])
     loss = float(sums[0]) / max(tokens, 1)

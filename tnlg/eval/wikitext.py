@@ -23,6 +23,7 @@ import torch
 from ..errors import UserError
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.mappings import all_reduce
+from .batches import eval_mode, micro_batches
 
 __all__ = ["wikitext_detokenizer", "count_original_tokens", "read_wikitext", "eval_windows",
            "wikitext_perplexity", "perplexity_figures", "DETOKENIZERS"]
@@ -147,15 +148,8 @@ def wikitext_perplexity(model, tokens: Sequence[int], num_original_tokens: int, 
     device = model.transformer.wte.weight.device
     data = torch.tensor(list(tokens) + [pad_id] * (seq + 1), dtype=torch.long)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        batches = range(0, len(mine), micro_batch_size)
-        if progress:
-            from tqdm import tqdm
-            batches = tqdm(batches, desc="wikitext", unit="batch")
-        for i in batches:
-            chunk = mine[i:i + micro_batch_size]
+    with eval_mode(model):
+        for chunk in micro_batches(mine, micro_batch_size, progress, "wikitext"):
             rows = torch.stack([data[s:s + seq + 1] for s, _ in chunk])
             pos = torch.arange(seq)
             scored = torch.stack([(pos >= first) & (s + 1 + pos <= n - 1) for s, first in chunk])
@@ -163,8 +157,6 @@ def wikitext_perplexity(model, tokens: Sequence[int], num_original_tokens: int, 
             logits = model(rows[:, :-1])
             losses = vocab_parallel_cross_entropy(logits, rows[:, 1:], ps, model.config.vocab_size)
             total += (losses.double() * scored).sum()
-    finally:
-        model.train(was_training)
     all_reduce(total, ps.dp_group)
     out = perplexity_figures(float(total), n, num_original_tokens)
     out.update(seq_length=seq, stride=stride, windows=len(windows))
