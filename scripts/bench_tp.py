@@ -16,7 +16,8 @@ Reports ms/iter (median over ``--rounds`` x ``--iters`` steps after ``--warmup``
 tokens/s, achieved FLOP/s and MFU. FLOPs per iteration (matmuls of the blocks, attention scores and
 A.V included, causal mask not discounted, forward + backward = 3 x forward):
 ``3 * l * (2 B s (4 h^2 + 2 h f) + 4 B s^2 h)``, which with ``f = 4h`` is
-REFERENCE.md's ``72 B s l h^2 (1 + s/(6h))`` without the vocabulary term.
+Narayanan et al. 2021 (eq. 3)'s ``72 B s l h^2 (1 + s/(6h))`` without the vocabulary term
+(docs/formulas.md).
 MFU divides by a dense matmul peak measured in the same run, at the same dtype
 and thread count (``--peak-n`` square matmul, median), right before each row's
 steps in every round: one process with ``--threads`` threads for the
@@ -484,7 +485,7 @@ def main(argv=None) -> int:
         applied="transformer blocks only (no embedding, LM head or final LayerNorm); dropout 0; train mode; "
                 "fp32 weights, bf16 rows under torch.autocast('cpu', torch.bfloat16)",
         flop_formula="3 * l * (2*B*s*(4h^2 + 2h*f) + 4*B*s^2*h) = 72 B s l h^2 (1 + s/(6h)) for f = 4h "
-                     "(REFERENCE.md without the vocabulary term; causal mask not discounted)",
+                     "(Narayanan et al. 2021, eq. 3, without the vocabulary term; causal mask not discounted)",
         flops_per_iter=flops_per_iter(a), warmup=args.warmup, rounds=args.rounds, iters_per_round=args.iters,
         peak_matmul_flops_per_s={k: 2.0 * args.peak_n ** 3 / statistics.median(v) for k, v in peaks.items()},
         peak_matmul_n=args.peak_n,
