@@ -140,3 +140,35 @@ def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
         vocab_parallel_cross_entropy(torch.randn(3, 16), torch.tensor([3, -100, 15]), ps, 16)
     good = vocab_parallel_cross_entropy(torch.zeros(2, 16), torch.tensor([0, 15]), ps, 16)
     torch.testing.assert_close(good, torch.full((2,), math.log(16.0)))
+
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_layers_initialise_themselves_tp_invariantly(tp):
+    """Issue 13 item 5: a layer used alone holds real values, each rank's shard is the matching slice of
+    the TP=1 layer's (zero-padded vocabulary rows), and ``describe`` says how the layer splits."""
+    from tnlg.parallel import ParallelState
+    from tnlg.parallel.initialization import init_normal
+    from tnlg.parallel.sharding import ShardSpec
+
+    sizes = partition_sizes(12, tp)
+    cases = [  # (class, positional args at TP size t, keyword args at t, describe's args at t)
+        (ColumnParallelLinear, lambda t: (8, 12), lambda t: dict(partition_sizes=partition_sizes(12, t),
+                                                                  init_method=init_normal(0.5)),
+         (8, 12, sizes)),
+        (RowParallelLinear, lambda t: (12, 8), lambda t: dict(partition_sizes=partition_sizes(12, t)),
+         (12, 8, sizes)),
+        (VocabParallelEmbedding, lambda t: (50, 16), lambda t: dict(padded_size=padded_vocab_size(50, t, 8)),
+         (50, 16, padded_vocab_size(50, tp, 8), tp)),
+    ]
+    for cls, args, kw, describe_args in cases:
+        ref = cls(*args(1), ParallelState.single(), seed=3, init_key="layer", **kw(1))
+        assert ref.weight.std() > 0.01 and torch.isfinite(ref.weight).all(), cls.__name__
+        for r in range(tp):
+            layer = cls(*args(tp), ParallelState.for_virtual_rank(tp, r), seed=3, init_key="layer", device="cpu",
+                        **kw(tp))
+            for name, p in layer.named_parameters():
+                full = getattr(ref, name)[:50] if cls is VocabParallelEmbedding else getattr(ref, name)
+                assert torch.equal(p, shard_of(full, p, r)), f"{cls.__name__}.{name} tp={tp} rank {r}"
+            described = {n: s for n, s in cls.describe(*describe_args).items() if s is not None}
+            assert {n: ShardSpec.of(p) for n, p in layer.named_parameters()} == described, cls.__name__

@@ -167,3 +167,16 @@ def test_recompute_gives_same_grads_with_dropout():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)
+
+
+@pytest.mark.parametrize("tp", [1, 3, 8])
+def test_describe_matches_the_built_model(tp):
+    """Issue 13 item 5: ``GPT.describe`` (what checkpoints reshard from) is exactly how the built layers split."""
+    from tnlg.parallel.sharding import ShardSpec
+    from tnlg.parallel.state import ParallelState
+    cfg = GPTConfig(num_layers=2, hidden_size=56, num_attention_heads=28, vocab_size=300, seq_length=16)
+    for r in range(tp):
+        with torch.device("meta"):
+            model = GPT(cfg, ParallelState.for_virtual_rank(tp, r))
+        assert {n: ShardSpec.of(p) for n, p in model.named_parameters()} == GPT.describe(cfg, tp)
+        assert list(GPT.describe(cfg, tp)) == [n for n, _ in model.named_parameters()]

@@ -13,9 +13,12 @@ at most one, :func:`tnlg.config.partition_sizes`), so 28 heads run at TP=8 or
 whole heads. The MLP width is split the same way; the vocabulary is padded to a
 multiple of ``128 * tp`` (as Megatron) and the padded logits are masked.
 
-Initialisation is TP-invariant: every parameter is drawn in full from a CPU
-generator seeded by ``(config.seed, parameter name)`` and then sliced, so a
-shard is exactly the matching slice of the TP=1 weight.
+Initialisation is TP-invariant: every layer draws its parameters in full from a CPU
+generator seeded by ``(config.seed, parameter name)`` and then slices them
+(:mod:`tnlg.parallel.initialization`), so a shard is exactly the matching slice of the
+TP=1 weight. Weights are ``N(0, init_method_std^2)``, the residual projections
+(``c_proj``) ``N(0, init_method_std^2 / (2 L))`` (GPT-2 / Megatron scaled init);
+biases zeros, LayerNorm weights ones.
 
 Sequence parallelism (``config.sequence_parallel``, Korthikanti et al. 2022; docs/sequence_parallel.md):
 between the TP regions the activations are this rank's positions of the sequence,
@@ -44,7 +47,6 @@ attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Optional
 
 import torch
@@ -58,7 +60,8 @@ from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParal
 from .parallel.mappings import (copy_to_tp, copy_to_tp_coalesced, gather_from_tp, reduce_scatter_to_sequence_parallel,
                                 sequence_sizes)
 from .parallel.random import TPRandom
-from .parallel.sharding import full_shape, mark_replicated, shard_of
+from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
+from .parallel.sharding import ShardSpec
 from .parallel.state import ParallelState
 
 __all__ = ["GPT", "KVCache", "gather_logits", "parameter_counts"]
@@ -85,19 +88,25 @@ class _LayerNorm16(torch.autograd.Function):
                 None if gb is None else gb.to(bias.dtype), None)
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(nn.LayerNorm, SelfInitializing):
     """LayerNorm computed in fp32 (also under bf16 autocast, and for 16-bit inputs, whose
-    16-bit copy is what backward keeps); replicated over TP.
+    16-bit copy is what backward keeps); replicated over TP. Weight ones, bias zeros.
 
     ``sequence_parallel=True`` (``x`` is this rank's sequence shard): the weight and bias go
     through ``f`` (one coalesced all-reduce of their gradients in backward), unless the caller
     passes them already through ``f`` as ``synced=(weight, bias)``."""
 
-    def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None):
+    def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None, init_key: str = ""):
         super().__init__(dim, eps=eps, device=device)
         self.ps = ps
-        mark_replicated(self.weight)
-        mark_replicated(self.bias)
+        for name, spec in self.describe(dim).items():
+            spec.mark(getattr(self, name))
+        self.set_init(dict(weight=init_ones, bias=init_zeros), 0, init_key)
+
+    @staticmethod
+    def describe(dim: int) -> dict[str, ShardSpec]:
+        """Weight and bias, replicated over TP."""
+        return dict(weight=ShardSpec((dim,)), bias=ShardSpec((dim,)))
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False, synced=None) -> torch.Tensor:
         w, b = self.weight, self.bias
@@ -154,21 +163,35 @@ class ParallelAttention(nn.Module):
     "selective"`` the attention core (softmax, dropout, ``A V``) runs again in backward.
     """
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
+                 init_key: str = ""):
         super().__init__()
         heads = cfg.heads_per_rank(ps.tp_size)
-        hd = cfg.head_dim
-        self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], hd, layer_idx
+        self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
-        sp = cfg.sequence_parallel
-        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps,
-                                           partition_sizes=[3 * hd * n for n in heads], sequence_parallel=sp,
-                                           device=device)
+        qkv_sizes, proj_sizes = self._sizes(cfg, ps.tp_size)
+        sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
+        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps, partition_sizes=qkv_sizes,
+                                           sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
+                                           init_key=_join(init_key, "c_attn"))
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ps, input_is_parallel=True,
-                                        partition_sizes=[hd * n for n in heads], sequence_parallel=sp,
-                                        device=device)
+                                        partition_sizes=proj_sizes, sequence_parallel=sp, device=device,
+                                        init_method=scaled_init, seed=cfg.seed, init_key=_join(init_key, "c_proj"))
+
+    @staticmethod
+    def _sizes(cfg: GPTConfig, tp_size: int) -> tuple[list[int], list[int]]:
+        """Every rank's rows of the fused QKV weight (whole heads) and columns of the output projection."""
+        heads = cfg.heads_per_rank(tp_size)
+        return [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
+
+    @classmethod
+    def describe(cls, cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
+        qkv_sizes, proj_sizes = cls._sizes(cfg, tp_size)
+        h = cfg.hidden_size
+        return {**_prefixed("c_attn", ColumnParallelLinear.describe(h, 3 * h, qkv_sizes)),
+                **_prefixed("c_proj", RowParallelLinear.describe(h, h, proj_sizes))}
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, sp: Optional[tuple[int, ...]] = None,
@@ -228,14 +251,22 @@ class ParallelMLP(nn.Module):
     (backward: all-gather, all-gather again, reduce-scatter).
     """
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None, init_key: str = ""):
         super().__init__()
         sizes = cfg.ffn_per_rank(ps.tp_size)
-        sp = cfg.sequence_parallel
+        sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps, partition_sizes=sizes,
-                                         sequence_parallel=sp, device=device)
+                                         sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
+                                         init_key=_join(init_key, "c_fc"))
         self.c_proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps, partition_sizes=sizes,
-                                        sequence_parallel=sp, device=device)
+                                        sequence_parallel=sp, device=device, init_method=scaled_init,
+                                        seed=cfg.seed, init_key=_join(init_key, "c_proj"))
+
+    @staticmethod
+    def describe(cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
+        sizes, h, ffn = cfg.ffn_per_rank(tp_size), cfg.hidden_size, cfg.ffn_hidden_size
+        return {**_prefixed("c_fc", ColumnParallelLinear.describe(h, ffn, sizes)),
+                **_prefixed("c_proj", RowParallelLinear.describe(ffn, h, sizes))}
 
     def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
                 synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -259,12 +290,14 @@ class Block(nn.Module):
     ``sp``: every TP rank's positions when ``x`` is this rank's sequence shard ``[s_r, b, h]``
     (sequence parallelism), else ``None`` (``x`` is ``[b, s, h]``)."""
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
+                 init_key: str = ""):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps)
-        self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device)
-        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps)
-        self.mlp = ParallelMLP(cfg, ps, device=device)
+        h, eps = cfg.hidden_size, cfg.layernorm_epsilon
+        self.ln_1 = LayerNorm(h, eps, device=device, ps=ps, init_key=_join(init_key, "ln_1"))
+        self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device, init_key=_join(init_key, "attn"))
+        self.ln_2 = LayerNorm(h, eps, device=device, ps=ps, init_key=_join(init_key, "ln_2"))
+        self.mlp = ParallelMLP(cfg, ps, device=device, init_key=_join(init_key, "mlp"))
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp_random = tp_random
         self.recompute = cfg.effective_recompute_granularity == "full"
@@ -291,6 +324,44 @@ class Block(nn.Module):
             return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.state.clone(),
                               use_reentrant=False)
         return self._forward(x, attention_mask, kv_cache, sp)
+
+    @staticmethod
+    def describe(cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
+        ln = LayerNorm.describe(cfg.hidden_size)
+        return {**_prefixed("ln_1", ln), **_prefixed("attn", ParallelAttention.describe(cfg, tp_size)),
+                **_prefixed("ln_2", ln), **_prefixed("mlp", ParallelMLP.describe(cfg, tp_size))}
+
+
+class PositionEmbedding(SelfInitializing, nn.Module):
+    """Learned position embeddings ``[seq_length, hidden]``, replicated over TP; no communication."""
+
+    def __init__(self, num_positions: int, dim: int, init_method: InitMethod, seed: int = 0, init_key: str = "",
+                 device=None):
+        super().__init__()
+        self.weight = self.describe(num_positions, dim)["weight"].parameter(0, device)
+        self.set_init(dict(weight=init_method), seed, init_key)
+
+    @staticmethod
+    def describe(num_positions: int, dim: int) -> dict[str, ShardSpec]:
+        return dict(weight=ShardSpec((num_positions, dim)))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)
+
+
+def _init_methods(cfg: GPTConfig) -> tuple[InitMethod, InitMethod]:
+    """Weights ``N(0, std^2)``; residual projections ``N(0, std^2 / (2 L))`` (GPT-2 / Megatron scaled init)."""
+    std = cfg.init_method_std
+    return init_normal(std), init_normal(std / math.sqrt(2.0 * cfg.num_layers))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _prefixed(prefix: str, specs: dict[str, Optional[ShardSpec]]) -> dict[str, ShardSpec]:
+    """``specs`` of a submodule named ``prefix`` (absent parameters dropped)."""
+    return {_join(prefix, n): s for n, s in specs.items() if s is not None}
 
 
 class GPT(nn.Module):
@@ -319,46 +390,47 @@ class GPT(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
         self.sequence_parallel = config.sequence_parallel
+        init, seed = init_normal(config.init_method_std), config.seed
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size,
-                                       device=device),
-            wpe=nn.Embedding(config.seq_length, config.hidden_size, device=device),
+                                       device=device, init_method=init, seed=seed, init_key="transformer.wte"),
+            wpe=PositionEmbedding(config.seq_length, config.hidden_size, init, seed, "transformer.wpe", device),
             drop=nn.Dropout(config.hidden_dropout),
-            h=nn.ModuleList(Block(config, ps, i, self.tp_random, device=device)
+            h=nn.ModuleList(Block(config, ps, i, self.tp_random, device=device, init_key=f"transformer.h.{i}")
                             for i in range(config.num_layers)),
-            ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps),
+            ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps,
+                           init_key="transformer.ln_f"),
         ))
-        mark_replicated(self.transformer.wpe.weight)
-        self.reset_parameters()
+
+    @staticmethod
+    def describe(config: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
+        """How every parameter splits over ``tp_size`` ranks, by name, without building the model
+        (checkpoints reshard from it)."""
+        h = config.hidden_size
+        out = {**_prefixed("transformer.wte", VocabParallelEmbedding.describe(
+                   config.vocab_size, h, config.padded_vocab_size(tp_size), tp_size)),
+               **_prefixed("transformer.wpe", PositionEmbedding.describe(config.seq_length, h))}
+        block = Block.describe(config, tp_size)
+        for i in range(config.num_layers):
+            out.update(_prefixed(f"transformer.h.{i}", block))
+        out.update(_prefixed("transformer.ln_f", LayerNorm.describe(h)))
+        return out
 
     # ------------------------------------------------------------------ init
-    def _init_full(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """The full (TP=1) value of a parameter, drawn from a generator seeded by its name."""
-        cfg = self.config
-        shape = full_shape(param)
-        if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
-            return torch.ones(shape)
-        if name.endswith(".bias"):
-            return torch.zeros(shape)
-        std = cfg.init_method_std
-        if name.endswith("c_proj.weight"):  # residual projections: GPT-2 / Megatron scaled init
-            std = std / math.sqrt(2.0 * cfg.num_layers)
-        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-    def initial_shard(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """This TP rank's initial value of parameter ``name`` (fp32, CPU): the matching slice of the
-        seeded full weight. The data-parallel engine uses it to materialise a meta-device model
-        straight into its buffers, one parameter at a time."""
-        return shard_of(self._init_full(name, param), param, self.ps.tp_rank)
+    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This TP rank's initial value of parameter ``name`` (fp32, CPU), from the layer that owns
+        it: the matching slice of the seeded full weight (``param``: the parameter as built, when
+        a wrapper has replaced it). The data-parallel engine uses it to
+        materialise a meta-device model straight into its buffers, one parameter at a time."""
+        owner, _, leaf = name.rpartition(".")
+        return self.get_submodule(owner).initial_shard(leaf, param)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """TP-invariant init: each shard is the matching slice of the seeded full weight."""
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
-                continue
-            p.copy_(self.initial_shard(name, p))
+        """TP-invariant init of every layer (each shard is the matching slice of the seeded full weight)."""
+        for m in self.modules():
+            if isinstance(m, SelfInitializing):
+                m.reset_parameters()
 
     # ------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,

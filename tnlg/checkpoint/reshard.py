@@ -22,6 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..model import GPT
 from .stream import SafetensorsReader
 
 __all__ = ["partition_info", "targets_for", "full_targets", "param_records", "names_for_rank",
@@ -30,26 +31,15 @@ __all__ = ["partition_info", "targets_for", "full_targets", "param_records", "na
 
 @lru_cache(maxsize=64)
 def _partition_info(config_json: str, tp_size: int, tp_rank: int) -> dict:
-    from ..model import GPT
-    from ..parallel.sharding import full_shape
-    from ..parallel.state import ParallelState
     cfg = GPTConfig.from_dict(json.loads(config_json))
-    with torch.device("meta"):  # shapes and split attributes only; nothing allocated
-        shard = GPT(cfg, ParallelState.for_virtual_rank(tp_size, tp_rank))
-    out = {}
-    for name, p in shard.named_parameters():
-        rec = dict(shape=list(full_shape(p)), local=list(p.shape), sharded=bool(getattr(p, "tp_sharded", False)))
-        if rec["sharded"]:
-            rec.update(dim=int(p.partition_dim), sizes=[int(s) for s in p.partition_sizes],
-                       full_size=int(p.full_size))
-        out[name] = rec
-    return out
+    return {name: spec.record(tp_rank) for name, spec in GPT.describe(cfg, tp_size).items()}
 
 
 def partition_info(config: GPTConfig, tp_size: int, tp_rank: int) -> dict[str, dict]:
     """Per parameter of the TP rank's shard: ``shape`` (full, unpadded), ``local`` (this shard),
     ``sharded``, and for split ones ``dim``, ``sizes`` (every rank's, padded) and ``full_size``.
-    Built from a meta-device model, so it is exactly what the layers do."""
+    From :meth:`tnlg.model.GPT.describe`, the layers' own description of their splits (no model
+    is built)."""
     try:
         config.check_tensor_parallel(tp_size)
     except ValueError as exc:

@@ -2,7 +2,14 @@
 
 Every parameter is marked with how it maps to the full, unsplit tensor
 (:mod:`tnlg.parallel.sharding`), so initialisation, checkpoints and resharding share
-one definition.
+one definition; ``describe(...)`` gives a layer's :class:`~tnlg.parallel.sharding.ShardSpec`
+per parameter without building it.
+
+Each layer initialises itself TP-invariantly (:mod:`tnlg.parallel.initialization`): the
+weight from ``init_method`` (default ``N(0, 0.02^2)``, GPT-2's), drawn in full from a
+generator seeded by ``(seed, init_key + ".weight")`` and sliced; biases are zeros. A model
+passes each layer's name as ``init_key``, so the layer used alone and inside the model
+agree.
 
 Splits may be uneven (attention heads that TP does not divide): the sizes come
 from :func:`tnlg.config.partition_sizes`.
@@ -26,17 +33,37 @@ import torch.nn.functional as F
 
 from .mappings import (copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence_parallel,
                        scatter_to_tp, sequence_all_gather, sequence_reduce_scatter)
-from .sharding import full_shape, mark_replicated, mark_sharded, shard_of
+from .initialization import InitMethod, SelfInitializing, init_normal, init_zeros
+from .sharding import ShardSpec, full_shape, mark_replicated, mark_sharded, shard_of
 from .state import ParallelState
 
+# mark_replicated, mark_sharded, shard_of, full_shape: re-exported from .sharding for older imports
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "mark_replicated", "mark_sharded", "shard_of", "full_shape", "column_parallel_linear"]
 
+DEFAULT_INIT = init_normal(0.02)
 
-def _even_sizes(n: int, tp: int, what: str) -> list[int]:
-    if n % tp:
-        raise ValueError(f"{what}={n} does not divide by tensor-parallel size {tp}; pass partition_sizes.")
-    return [n // tp] * tp
+
+def _split_sizes(n: int, sizes: Optional[Sequence[int]], tp: int, what: str) -> tuple[int, ...]:
+    """Every rank's share of ``n`` (``what`` names it): ``sizes`` checked, or an even split."""
+    if sizes is None:
+        if n % tp:
+            raise ValueError(f"{what}={n} does not divide by tensor-parallel size {tp}; pass partition_sizes.")
+        return (n // tp,) * tp
+    sizes = tuple(sizes)
+    if sum(sizes) != n or len(sizes) != tp:
+        raise ValueError(f"partition_sizes {sizes} must have {tp} entries summing to {what}={n}.")
+    return sizes
+
+
+def _build(module: nn.Module, specs: dict[str, Optional[ShardSpec]], ps: ParallelState, init_method: InitMethod,
+           seed: int, init_key: str, device, dtype) -> None:
+    """Create ``module``'s parameters from their specs (``None``: absent, e.g. no bias), marked, and
+    initialise them: ``init_method`` for the weight, zeros for the bias."""
+    for name, spec in specs.items():
+        setattr(module, name, None if spec is None else spec.parameter(ps.tp_rank, device, dtype))
+    inits = {"weight": init_method, "bias": init_zeros}
+    module.set_init({n: inits[n] for n, spec in specs.items() if spec is not None}, seed, init_key)
 
 
 def _even_sequence(x: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -97,7 +124,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         return _LinearWithSequenceGather.apply(x, weight, bias, ps, tuple(sequence_sizes))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(SelfInitializing, nn.Module):
     """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP: ``Y_i = X A_i^T + b_i``.
 
     Forward: ``f`` (identity) on the input, local matmul; with ``gather_output``
@@ -113,7 +140,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  gather_output: bool = False, partition_sizes: Optional[Sequence[int]] = None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT,
+                 seed: int = 0, init_key: str = ""):
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True returns the full output on every rank, "
@@ -122,16 +150,18 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.partition_sizes = tuple(partition_sizes or _even_sizes(out_features, ps.tp_size, "out_features"))
-        if sum(self.partition_sizes) != out_features or len(self.partition_sizes) != ps.tp_size:
-            raise ValueError(f"partition_sizes {self.partition_sizes} must have {ps.tp_size} entries "
-                             f"summing to out_features={out_features}.")
+        self.partition_sizes = _split_sizes(out_features, partition_sizes, ps.tp_size, "out_features")
         self.output_size_per_partition = self.partition_sizes[ps.tp_rank]
-        kw = dict(device=device, dtype=dtype)
-        self.weight = mark_sharded(nn.Parameter(torch.empty(self.output_size_per_partition, in_features, **kw)),
-                                   0, self.partition_sizes, out_features)
-        self.bias = (mark_sharded(nn.Parameter(torch.zeros(self.output_size_per_partition, **kw)),
-                                  0, self.partition_sizes, out_features) if bias else None)
+        _build(self, self.describe(in_features, out_features, self.partition_sizes, bias), ps, init_method, seed,
+               init_key, device, dtype)
+
+    @staticmethod
+    def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        """How the weight (rows: output features) and the bias split over ``len(partition_sizes)`` ranks."""
+        sizes = tuple(partition_sizes)
+        return dict(weight=ShardSpec((out_features, in_features), 0, sizes),
+                    bias=ShardSpec((out_features,), 0, sizes) if bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
                 sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -151,7 +181,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(SelfInitializing, nn.Module):
     """``Y = X A^T + b`` with ``A`` split by columns (input features): ``Y = sum_i X_i A_i^T + b``.
 
     Forward: (scatter of the input along the last dim unless ``input_is_parallel``),
@@ -168,7 +198,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  input_is_parallel: bool = True, partition_sizes: Optional[Sequence[int]] = None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT,
+                 seed: int = 0, init_key: str = ""):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
@@ -177,15 +208,18 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.partition_sizes = tuple(partition_sizes or _even_sizes(in_features, ps.tp_size, "in_features"))
-        if sum(self.partition_sizes) != in_features or len(self.partition_sizes) != ps.tp_size:
-            raise ValueError(f"partition_sizes {self.partition_sizes} must have {ps.tp_size} entries "
-                             f"summing to in_features={in_features}.")
+        self.partition_sizes = _split_sizes(in_features, partition_sizes, ps.tp_size, "in_features")
         self.input_size_per_partition = self.partition_sizes[ps.tp_rank]
-        kw = dict(device=device, dtype=dtype)
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.input_size_per_partition, **kw)),
-                                   1, self.partition_sizes, in_features)
-        self.bias = mark_replicated(nn.Parameter(torch.zeros(out_features, **kw))) if bias else None
+        _build(self, self.describe(in_features, out_features, self.partition_sizes, bias), ps, init_method, seed,
+               init_key, device, dtype)
+
+    @staticmethod
+    def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        """How the weight (columns: input features) splits over ``len(partition_sizes)`` ranks; the
+        bias is replicated."""
+        return dict(weight=ShardSpec((out_features, in_features), 1, tuple(partition_sizes)),
+                    bias=ShardSpec((out_features,)) if bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
                 sequence_sizes: Optional[Sequence[int]] = None,
@@ -211,7 +245,7 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SelfInitializing, nn.Module):
     """Embedding table split by vocabulary rows over TP; the vocabulary is padded to ``padded_size``.
 
     Forward: each rank looks up the ids in its row range (others give zeros), then
@@ -221,7 +255,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, padded_size: int,
-                 device=None, dtype=None):
+                 device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT, seed: int = 0, init_key: str = ""):
         super().__init__()
         if padded_size < num_embeddings or padded_size % ps.tp_size:
             raise ValueError(f"padded vocabulary {padded_size} must be >= {num_embeddings} and divisible "
@@ -231,9 +265,15 @@ class VocabParallelEmbedding(nn.Module):
         self.per_partition = padded_size // ps.tp_size
         self.vocab_start = ps.tp_rank * self.per_partition
         self.vocab_end = self.vocab_start + self.per_partition
-        self.weight = mark_sharded(
-            nn.Parameter(torch.empty(self.per_partition, embedding_dim, device=device, dtype=dtype)),
-            0, [self.per_partition] * ps.tp_size, num_embeddings)
+        _build(self, self.describe(num_embeddings, embedding_dim, padded_size, ps.tp_size), ps, init_method, seed,
+               init_key, device, dtype)
+
+    @staticmethod
+    def describe(num_embeddings: int, embedding_dim: int, padded_size: int,
+                 tp_size: int) -> dict[str, ShardSpec]:
+        """How the table splits: equal row blocks of the padded vocabulary (the rows past
+        ``num_embeddings`` are padding, zeros)."""
+        return dict(weight=ShardSpec((num_embeddings, embedding_dim), 0, (padded_size // tp_size,) * tp_size))
 
     def local_lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial embeddings (zeros for ids outside its rows); their sum over TP is the

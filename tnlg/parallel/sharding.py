@@ -19,7 +19,8 @@ for Hugging Face conversion and checkpoint resharding (:func:`full_state_dict`,
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -28,11 +29,61 @@ from ..errors import UserError
 from .mappings import all_gather_uneven
 from .state import ParallelState
 
-__all__ = ["TP_ATTRS", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes", "full_shape",
+__all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes", "full_shape",
            "shard_of", "gather_full", "full_state_dict", "load_full_state_dict"]
 
 TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size")
 """The attributes that describe a parameter's split (the module docstring explains each)."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over TP, for every TP rank at once.
+
+    ``shape``: the full (unsplit, unpadded) shape; ``dim``: the split dimension (``None``:
+    replicated); ``sizes``: every rank's size along ``dim`` (their sum may exceed
+    ``shape[dim]`` by padding, e.g. vocabulary rows).
+    """
+
+    shape: tuple[int, ...]
+    dim: Optional[int] = None
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    def local_shape(self, tp_rank: int) -> tuple[int, ...]:
+        """The shape of TP rank ``tp_rank``'s shard."""
+        shape = list(self.shape)
+        if self.sharded:
+            shape[self.dim] = self.sizes[tp_rank]
+        return tuple(shape)
+
+    def mark(self, param: nn.Parameter) -> nn.Parameter:
+        """Set ``param``'s sharding attributes (:data:`TP_ATTRS`) from this spec."""
+        if not self.sharded:
+            return mark_replicated(param)
+        return mark_sharded(param, self.dim, self.sizes, self.shape[self.dim])
+
+    def parameter(self, tp_rank: int, device=None, dtype=None) -> nn.Parameter:
+        """A new (uninitialised) parameter of TP rank ``tp_rank``'s shape, marked with this spec."""
+        return self.mark(nn.Parameter(torch.empty(self.local_shape(tp_rank), device=device, dtype=dtype)))
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> "ShardSpec":
+        """The spec a marked parameter carries."""
+        if not getattr(param, "tp_sharded", False):
+            return cls(tuple(param.shape))
+        return cls(full_shape(param), int(param.partition_dim), tuple(int(s) for s in param.partition_sizes))
+
+    def record(self, tp_rank: int) -> dict:
+        """The JSON record checkpoints keep (``shape``, ``local``, ``sharded``; for a split parameter
+        ``dim``, ``sizes`` and ``full_size``)."""
+        rec = dict(shape=list(self.shape), local=list(self.local_shape(tp_rank)), sharded=self.sharded)
+        if self.sharded:
+            rec.update(dim=self.dim, sizes=list(self.sizes), full_size=self.shape[self.dim])
+        return rec
 
 
 def mark_replicated(param: nn.Parameter) -> nn.Parameter:
