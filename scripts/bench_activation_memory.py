@@ -34,23 +34,16 @@ is how one GPU measures TP > 1 (``--device cuda``, also reporting ``torch.cuda.m
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import _bench
+import torch
 
-import torch  # noqa: E402
-
-from tnlg.config import GPTConfig  # noqa: E402
-from tnlg.errors import UserError  # noqa: E402
-from tnlg.model import GPT  # noqa: E402
-from tnlg.plan.measure import AllocationTracker  # noqa: E402
-from tnlg.plan.memory import activation_bytes  # noqa: E402
-from tnlg.testing import run_distributed  # noqa: E402
+from tnlg.config import GPTConfig
+from tnlg.errors import UserError
+from tnlg.model import GPT
+from tnlg.plan.measure import AllocationTracker
+from tnlg.plan.memory import activation_bytes
+from tnlg.testing import run_distributed
 
 GRANULARITIES = (None, "selective", "full")
 MiB = 2 ** 20
@@ -123,10 +116,7 @@ def _fake_measure(tp: int, a: dict, device: str) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", default="1,2,4", help="comma list of TP sizes (one process per rank)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    _bench.add_shape_arguments(p, layers=8, hidden=256, heads=8, seq=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--dropouts", default="0,0.1", help="comma list of dropout probabilities (hidden and "
@@ -202,20 +192,13 @@ def main(argv=None) -> int:
         else:
             rows += [r for r in run_distributed(measure, tp, tp, a, timeout_s=600)[0]]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
-    report = dict(torch=torch.__version__, python=platform.python_version(), device=args.device, gpu=gpu,
+    report = dict(_bench.machine_info(device=args.device, gpu=gpu),
                   fake_pg=bool(args.fake_pg or args.device == "cuda"), dims=a, rows=rows,
                   formula="tnlg.plan.memory.activation_bytes (Korthikanti et al. 2022)")
     print(format_table(report))
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-    with open(args.json_out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {args.json_out}")
+    _bench.write_json(args.json_out, report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    _bench.run(main)

@@ -51,14 +51,13 @@ import sys
 import tempfile
 import time
 
+import _bench
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tnlg.data.corpus import TOKENIZER_MODEL, corpus_documents, default_dataset  # noqa: E402
-from tnlg.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
-from tnlg.data.preprocess import preprocess  # noqa: E402
-from tnlg.data.tokenizer import load_tokenizer  # noqa: E402
+from tnlg.data.corpus import TOKENIZER_MODEL, corpus_documents, default_dataset
+from tnlg.data.gpt_dataset import build_train_valid_test_datasets
+from tnlg.data.preprocess import preprocess
+from tnlg.data.tokenizer import load_tokenizer
 
 
 def split_documents(text: str, size: int) -> list[str]:
@@ -104,11 +103,7 @@ def main() -> int:
     if args.mode == "index":
         results = index_benchmark(args)
         print_index_table(results)
-        out = args.out or "runs/bench_data_index.json"
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {out}")
+        _bench.write_json(args.out or "runs/bench_data_index.json", results, indent=1)
         return 0
     args.out = args.out or "runs/bench_data.json"
 
@@ -217,10 +212,7 @@ def main() -> int:
           f"|{'-' * (width + 2)}|---|---|---|")
     for a, b, cc, d in rows:
         print(f"| {a.ljust(width)} | {b} | {cc} | {d} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    _bench.write_json(args.out, results, indent=1)
     return 0
 
 

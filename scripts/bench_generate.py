@@ -27,21 +27,17 @@ writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
+import _bench
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tnlg.config import GPTConfig  # noqa: E402
-from tnlg.generate import generate_ids  # noqa: E402
-from tnlg.model import GPT  # noqa: E402
-from tnlg.parallel.state import ParallelState  # noqa: E402
+from tnlg.config import GPTConfig
+from tnlg.generate import generate_ids
+from tnlg.model import GPT
+from tnlg.parallel.state import ParallelState
 
 
 def _sync(device) -> None:
@@ -119,11 +115,8 @@ def _tp_body(ps, cfg, o):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
+    _bench.add_shape_arguments(p, layers=6, hidden=384, heads=6, seq=1024, seq_flag="--seq-length")
     p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefix", type=int, default=512, help="prefix length for the per-token cost")
@@ -161,12 +154,12 @@ def main() -> int:
     rows = {k: rows[k] for k in sorted(rows, key=lambda k: (k == "transformers", k))}
 
     params = sum(p.numel() for p in model.parameters())
-    meta = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, device=o.device,
-                cpu=platform.processor() or platform.machine(), threads=o.threads,
-                gpu=torch.cuda.get_device_name() if o.device.startswith("cuda") else None,
-                model=dict(layers=o.layers, hidden=o.hidden, heads=o.heads, vocab=o.vocab, params=params),
-                prompt_len=o.prompt_len, new_tokens=o.new_tokens, prefix=o.prefix, extra=o.extra,
-                repeats=o.repeats, load_average_start=load_start, load_average_end=os.getloadavg()[0])
+    meta = _bench.machine_info(device=o.device, threads=o.threads,
+                               gpu=torch.cuda.get_device_name() if o.device.startswith("cuda") else None,
+                               model=dict(layers=o.layers, hidden=o.hidden, heads=o.heads, vocab=o.vocab,
+                                          params=params),
+                               prompt_len=o.prompt_len, new_tokens=o.new_tokens, prefix=o.prefix, extra=o.extra,
+                               repeats=o.repeats, load_average_start=load_start, load_average_end=os.getloadavg()[0])
     print(f"\ngreedy generation, batch 1, {o.layers} layers x {o.hidden} hidden, vocab {o.vocab} "
           f"({params / 1e6:.1f}M params), {o.device}, {o.threads} threads, torch {torch.__version__}")
     print(f"{'':18s} {'tok/s cache':>12s} {'tok/s no cache':>15s} {'ms/token @' + str(o.prefix) + ' cache':>20s} "
@@ -187,12 +180,7 @@ def main() -> int:
     if "transformers" in rows and "tnlg TP=1" in rows:
         ratio = rows["tnlg TP=1"]["tokens_per_s_cache"] / rows["transformers"]["tokens_per_s_cache"]
         print(f"tnlg TP=1 / transformers (cache): {ratio:.2f}x")
-    os.makedirs(os.path.dirname(os.path.abspath(o.out)), exist_ok=True)
-    tmp = o.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
-    os.replace(tmp, o.out)
-    print(f"wrote {o.out}")
+    _bench.write_json(o.out, dict(meta=meta, results=rows), indent=1)
     return 0
 
 

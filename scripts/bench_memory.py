@@ -32,20 +32,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import shutil
 import sys
 import tempfile
 import time
 
+import _bench
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tnlg.testing import run_distributed  # noqa: E402
+from tnlg.testing import run_distributed
 
 
 def _rss() -> int:
@@ -234,10 +231,7 @@ def _save_load_body(ps, work, layers):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=18)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=128)
+    _bench.add_shape_arguments(p, layers=18, hidden=768, heads=12, seq=128)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--big", action="store_true", help="also time save/load of a ~1B model at TP 1 x DP 2")
@@ -248,10 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="comma-separated run names to measure (the baselines always run); "
                                   "ratios then cover those runs only")
     args = p.parse_args(argv)
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    info = dict(torch=torch.__version__, cpu=platform.processor() or platform.machine(),
-                avx512_bf16="avx512_bf16" in flags, amx="amx_bf16" in flags, date=time.strftime("%Y-%m-%d"),
-                args=vars(args))
+    info = _bench.machine_info(args=vars(args))
     print(f"bench_memory: TP 1 x DP 4, ZeRO-1, {args.layers} layers x hidden {args.hidden}, seq {args.seq}, "
           f"micro {args.micro}, {args.iters} iterations; torch {torch.__version__}", flush=True)
     res = bench_training(args)
@@ -274,11 +265,7 @@ def main(argv=None) -> int:
               f"{sl['checkpoint_bytes'] / 1e9:.2f} GB): save {sl['save_s']:.1f} s vs torch.save {sl['torch_save_s']:.1f} s "
               f"({sl['save_over_torch']:.2f}x); load {sl['load_s']:.1f} s vs torch.load {sl['torch_load_s']:.1f} s "
               f"({sl['load_over_torch']:.2f}x)")
-    tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, args.json)
-    print(f"wrote {args.json}")
+    _bench.write_json(args.json, out, indent=1)
     return 0
 
 

@@ -41,27 +41,21 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import _bench
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from tnlg.config import GPTConfig  # noqa: E402
-from tnlg.errors import UserError  # noqa: E402
-from tnlg.model import GPT  # noqa: E402
-from tnlg.parallel.state import ParallelState  # noqa: E402
-from tnlg.testing import run_distributed  # noqa: E402
+from tnlg.config import GPTConfig
+from tnlg.errors import UserError
+from tnlg.model import GPT
+from tnlg.parallel.state import ParallelState
+from tnlg.testing import run_distributed
 
 IMPLS = ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2")
 DTYPES = ("fp32", "bf16")
@@ -398,10 +392,7 @@ def merge_ranks(results: list) -> tuple[dict, dict, dict]:
 # ---------------------------------------------------------------------------- driver
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=512)
+    _bench.add_shape_arguments(p, layers=2, hidden=1024, heads=16, seq=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of the single-process rows")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per row (first round only)")
@@ -477,8 +468,8 @@ def main(argv=None) -> int:
     r0 = min(results, key=lambda r: r["rank"])
     rows = build_rows(a, args.impls, args.dtypes, times, cpu, peaks, r0["checks"], r0["other"])
     report = dict(
-        date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        torch=torch.__version__, transformers=_version("transformers"), python=platform.python_version(), cpu=_cpu_name(), cores=os.cpu_count(),
+        _bench.machine_info(date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                            transformers=_bench.package_version("transformers"), cores=os.cpu_count()),
         threads_single_process=args.threads, threads_per_rank_tp2=1,
         dims=dict(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden,
                   seq=args.seq, batch=args.batch),
@@ -492,8 +483,7 @@ def main(argv=None) -> int:
         waited_for_idle_s=waited, loadavg_before=load_before, loadavg_after=os.getloadavg(), total_wall_s=time.time() - t_start,
         rows=rows, summary=summary(rows), skipped=skipped)
     print(format_table(report))
-    _write_json(args.json_out, report)
-    print(f"wrote {args.json_out}")
+    _bench.write_json(args.json_out, report)
     return 0
 
 
@@ -574,36 +564,5 @@ def format_table(report) -> str:
     return "\n".join(lines)
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _write_json(path: str, report: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
-
-
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    _bench.run(main)

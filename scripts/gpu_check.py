@@ -1,4 +1,4 @@
-"""One prepared GPU check (issue 11): run once on a lent GPU, prints a table and writes JSON.
+"""One prepared GPU check (issues 11 and 15): run once on a lent GPU, prints a table and writes JSON.
 
 (a) a bf16 training step of a GPT-2-XL-shaped model (1.5B) at TP 1 through the ZeRO engine
     (16-bit parameters and gradients, fp32 master and Adam): tokens/s, MFU against a matmul
@@ -7,13 +7,28 @@
 (b) the extra peak memory and the time of a checkpoint save and of a load of that model;
 (c) fp16 with dynamic loss scaling for 20 steps (a smaller model): loss and loss scale;
 (d) a tnlg-17b slice: as many of its 78 layers as the planner says fit on this GPU at TP 1
-    builds (on meta, materialised into the engine's buffers), steps and saves.
+    builds (on meta, materialised into the engine's buffers), steps and saves;
+(e) the MFU denominator (the training log's measured matmul peak) in bf16 and fp32, five times
+    each: its spread; and ``tnlg.hardware.check_bf16("cuda")`` accepting a GPU with bf16 tensor cores;
+(f) the NCCL flight recorder switched on by ``tnlg.hang.enable_flight_recorder`` records collectives
+    (a one-rank NCCL group; the trace is read back with torch's dump function), and the peak measured
+    under a process group (the barrier path) on NCCL;
+(g) ``tnlg pretrain`` on the GPU, bf16 with recomputation, as a subprocess: its start line, the
+    flight-recorder note and the log line's model TFLOP/s, MFU and HFU (its output is printed).
 
-``--tiny`` runs the same sections end to end on the CPU with small shapes (tests use it).
+``--sections`` picks sections (default all: ``abcdefg``; ``a`` and ``b`` run together). ``--tiny``
+runs them end to end on the CPU with small shapes (tests use it); (f) and (g) need CUDA and are
+recorded as skipped without it.
 Usage::
 
-    python scripts/gpu_check.py --out gpu_check.json            # on a GPU, about 5 minutes
+    python scripts/gpu_check.py --out gpu_check.json            # on a GPU, about 6 minutes
+    python scripts/gpu_check.py --sections efg --out gpu_check.json
     python scripts/gpu_check.py --tiny --out /tmp/gpu_check.json
+
+Seen on one H200 (torch 2.11, 2026-11-30) for (e)-(g): peak bf16 751, 693, 691, 688, 685 TFLOP/s
+(1.10x spread, the first the highest), fp32 51.2-51.3 (1.001x); the flight recorder held 14
+entries; the pretrain log line read "0.504 model TFLOP/s/rank | MFU 0.1% HFU 0.1% of 750.170"
+(the built-in 1.3M-parameter model is far too small for a GPU).
 """
 
 from __future__ import annotations
@@ -21,25 +36,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
+import pickle
 import platform
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
+import _bench
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tnlg import checkpoint as ck  # noqa: E402
-from tnlg.config import GPTConfig  # noqa: E402
-from tnlg.model import GPT  # noqa: E402
-from tnlg.optim import DynamicLossScaler, build_engine  # noqa: E402
-from tnlg.parallel.state import ParallelState, pick_device  # noqa: E402
-from tnlg.plan.flops import flops_per_iteration  # noqa: E402
-from tnlg.plan.planner import Hardware, Layout, Model, plan_layout  # noqa: E402
+from tnlg import checkpoint as ck
+from tnlg.config import GPTConfig
+from tnlg.hardware import check_bf16
+from tnlg.model import GPT
+from tnlg.optim import DynamicLossScaler, build_engine
+from tnlg.parallel.state import ParallelState, pick_device
+from tnlg.plan.flops import flops_per_iteration
+from tnlg.plan.planner import Hardware, Layout, Model, plan_layout
 
 H100_BF16_DENSE_TFLOPS = 989.0
 
@@ -204,9 +221,86 @@ def section_d(args, ps, out, workdir):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _peak_tflops():
+    """The training log's peak measurement (its home moves with issue 13's loop restructuring)."""
+    try:
+        from tnlg.training.throughput import measure_peak_tflops
+    except ImportError:
+        from tnlg.train import measure_peak_tflops
+    return measure_peak_tflops
+
+
+def section_e(args, ps, out):
+    measure_peak_tflops = _peak_tflops()
+    # --tiny: a small matmul timed once (a CPU without bf16 kernels takes seconds per large bf16 matmul)
+    kwargs = dict(n=64, trials=1, min_seconds=0.01) if args.tiny else {}
+    res = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        vals, secs = [], []
+        for _ in range(2 if args.tiny else 5):
+            t = time.perf_counter()
+            vals.append(measure_peak_tflops(dtype, ps.device, **kwargs))
+            secs.append(time.perf_counter() - t)
+        res[name] = dict(tflops=vals, spread=max(vals) / min(vals), seconds=secs)
+        print(f"(e) peak {name}: {[round(v, 1) for v in vals]} TFLOP/s, spread {max(vals) / min(vals):.3f}x, "
+              f"{statistics.median(secs):.2f} s each", flush=True)
+    if ps.device.type == "cuda":
+        check_bf16("cuda")
+        res["check_bf16_cuda"] = "accepted"
+    out["e_peak"] = res
+
+
+TRACE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+             "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def section_f(args, ps, out, workdir):
+    import torch.distributed as dist
+
+    from tnlg.hang import enable_flight_recorder
+
+    prefix = enable_flight_recorder(os.path.join(workdir, "comm_trace"))
+    store = dist.FileStore(os.path.join(workdir, "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=ps.device)
+    try:
+        x = torch.ones(1024, device=ps.device)
+        for _ in range(3):
+            dist.all_reduce(x)
+        peak_pg = _peak_tflops()(torch.bfloat16, ps.device)
+        torch.cuda.synchronize()
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+            entries = [e.get("profiling_name") for e in pickle.loads(_dump_nccl_trace()).get("entries", [])]
+        except Exception as exc:  # noqa: BLE001 - a private torch function: report what happened
+            entries = f"dump failed: {exc!r}"
+    finally:
+        dist.destroy_process_group()
+    out["f_flight_recorder"] = dict(prefix=prefix, env={k: os.environ.get(k) for k in TRACE_ENV}, entries=entries,
+                                    peak_bf16_under_nccl_group=peak_pg)
+
+
+def section_g(args, ps, out, workdir):
+    env = dict(os.environ, TNLG_CACHE=os.path.join(workdir, "cache"), PYTHONUNBUFFERED="1")
+    for k in TRACE_ENV:  # what (f) set in this process: the subprocess starts clean
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
+           "--bf16", "--recompute-activations", "--train-iters", str(args.pretrain_iters), "--log-interval", "10",
+           "--eval-interval", "0", "--no-plot", "--sample-tokens", "0", "--save", os.path.join(workdir, "run")]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_bench.ROOT, timeout=400)
+    out["g_pretrain"] = dict(exit=p.returncode, seconds=time.perf_counter() - t, stdout=p.stdout[-4000:],
+                             stderr=p.stderr[-3000:])
+    print(f"(g) tnlg pretrain on the GPU: exit {p.returncode} in {time.perf_counter() - t:.0f} s\n"
+          f"{p.stdout[-2500:]}\n{p.stderr[-1500:]}", flush=True)
+    if p.returncode:
+        raise RuntimeError(f"tnlg pretrain exited with {p.returncode}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (end-to-end smoke run)")
+    p.add_argument("--sections", default="abcdefg", help="sections to run (default abcdefg; a and b run together)")
+    p.add_argument("--pretrain-iters", type=int, default=40, help="training iterations of (g)")
     p.add_argument("--out", default="gpu_check.json", help="JSON output path")
     p.add_argument("--steps", type=int, default=4, help="training steps in (a) (the first is warm-up)")
     p.add_argument("--micro-batch", type=int, default=4, help="micro batch of (a)")
@@ -222,11 +316,19 @@ def main(argv=None) -> int:
     ps = dataclasses.replace(ParallelState.single(), device=device)
     out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, python=platform.python_version(),
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
                tiny=args.tiny)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tnlg_gpu_check_")
     t0 = time.perf_counter()
-    for name, fn in (("a+b", lambda: section_a_b(args, ps, out, workdir)), ("c", lambda: section_c(args, ps, out)),
-                     ("d", lambda: section_d(args, ps, out, workdir))):
+    sections = (("a+b", "ab", lambda: section_a_b(args, ps, out, workdir)), ("c", "c", lambda: section_c(args, ps, out)),
+                ("d", "d", lambda: section_d(args, ps, out, workdir)), ("e", "e", lambda: section_e(args, ps, out)),
+                ("f", "f", lambda: section_f(args, ps, out, workdir)), ("g", "g", lambda: section_g(args, ps, out, workdir)))
+    for name, letters, fn in sections:
+        if not set(letters) & set(args.sections):
+            continue
+        if name in ("f", "g") and device.type != "cuda":
+            out[f"skipped_{name}"] = "needs CUDA (NCCL, a GPU pretraining run)"
+            continue
         t = time.perf_counter()
         try:
             fn()
@@ -246,10 +348,7 @@ def main(argv=None) -> int:
 
 
 def _write(path: str, out: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, path)
+    _bench.write_json(path, out, indent=1, quiet=True)
 
 
 def _table(out: dict) -> None:
@@ -275,8 +374,22 @@ def _table(out: dict) -> None:
         print(f"(d) tnlg-17b slice: {d['layers']}/{d['of_layers']} layers ({d['params'] / 1e9:.2f}B) built in "
               f"{d['build_s']:.1f} s, step {d['step_s']:.2f} s, save {d['save_s']:.1f} s; peak "
               f"{d['peak_memory_bytes'] / gb:.1f} GB vs planned {d['planned_bytes'] / gb:.1f} GB")
+    e = out.get("e_peak")
+    if e:
+        peaks = ", ".join(f"{k} median {statistics.median(e[k]['tflops']):.1f} TFLOP/s (spread {e[k]['spread']:.3f}x)"
+                          for k in ("bf16", "fp32"))
+        print(f"(e) measured peak: {peaks}; check_bf16('cuda'): {e.get('check_bf16_cuda', 'not run (CPU)')}")
+    f = out.get("f_flight_recorder")
+    if f:
+        entries = f["entries"]
+        print(f"(f) flight recorder at {f['prefix']}: "
+              f"{entries if isinstance(entries, str) else f'{len(entries)} entries, first {entries[:6]}'}; "
+              f"peak under a NCCL group {f['peak_bf16_under_nccl_group']:.1f} TFLOP/s")
+    g = out.get("g_pretrain")
+    if g:
+        print(f"(g) tnlg pretrain: exit {g['exit']} in {g['seconds']:.0f} s")
     for k, v in out.items():
-        if k.startswith("error_"):
+        if k.startswith(("error_", "skipped_")):
             print(f"{k}: {v}")
     print(f"total {out['total_s']:.0f} s")
 

@@ -1,4 +1,5 @@
-"""Issue 11: the prepared GPU check runs end to end on the CPU with ``--tiny`` (every section)."""
+"""Issues 11 and 15: the prepared GPU check runs end to end on the CPU with ``--tiny`` (every section;
+the NCCL flight recorder (f) and the GPU pretraining run (g) are recorded as skipped without CUDA)."""
 
 import json
 import os
@@ -15,8 +16,20 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
                         "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    for key in ("a_bf16_step", "b_checkpoint", "c_fp16_loss_scaling", "d_tnlg17b_slice"):
+    for key in ("a_bf16_step", "b_checkpoint", "c_fp16_loss_scaling", "d_tnlg17b_slice", "e_peak"):
         assert key in res, key
     assert res["a_bf16_step"]["tokens_per_s"] > 0 and res["c_fp16_loss_scaling"]["all_finite"]
     assert res["d_tnlg17b_slice"]["layers"] >= 1
-    assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout
+    assert all(v > 0 for dtype in ("bf16", "fp32") for v in res["e_peak"][dtype]["tflops"])
+    assert "skipped_f" in res and "skipped_g" in res  # no CUDA here
+    assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout and "(e) measured peak" in r.stdout
+
+
+def test_gpu_check_runs_chosen_sections_only(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--tiny", "--sections", "e",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert "e_peak" in res and not {"a_bf16_step", "c_fp16_loss_scaling", "d_tnlg17b_slice", "skipped_f"} & set(res)
