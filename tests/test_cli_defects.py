@@ -112,9 +112,13 @@ def test_validation_set_smaller_than_a_micro_batch_is_skipped_with_a_note(capsys
     rank made ``evaluate`` return None, which the log line then formatted. Decided once, said once."""
     from types import SimpleNamespace
 
-    from tnlg.train import _validation_plan
+    from tnlg.training.validation import validation_plan
     o = SimpleNamespace(eval_interval=1, eval_iters=1, micro_batch_size=1, global_batch_size=4)
     ps = SimpleNamespace(dp_size=4, rank=0)
+
+    def _validation_plan(dataset, o, ps):
+        return validation_plan(dataset, o, ps, print)
+
     assert _validation_plan([0, 1], o, ps) is False
     assert "fewer than one micro batch per data-parallel rank (4)" in capsys.readouterr().out
     assert _validation_plan(list(range(4)), o, ps) is True
@@ -230,7 +234,8 @@ def test_load_root_not_writable_is_refused_before_start(tmp_path, capsys):
 def test_resumed_metrics_hold_each_iteration_once(tmp_path, capsys):
     """issue 15 item 3: a run interrupted at iteration 7 with its last checkpoint at 4 is resumed from 4;
     the records of 5-7 (trained again) are dropped, so each iteration appears once and in order."""
-    from tnlg.train import _curves, _open_metrics
+    from tnlg.training.metrics import loss_curves as _curves
+    from tnlg.training.metrics import open_metrics as _open_metrics
     path = tmp_path / "metrics.jsonl"
     recs = [dict(split="valid", iteration=0, loss=9.0)] + [dict(iteration=i, loss=9.0 - i) for i in range(1, 8)]
     recs.insert(6, dict(split="valid", iteration=5, loss=4.5))

@@ -29,8 +29,8 @@ def _options(world, **over):
 
 
 def _train_body(ps, o):
-    from tnlg.train import train
-    out = train(o, return_params=True)
+    from tests.training import train_with_params
+    out = train_with_params(o)
     return dict(losses=out["losses"], grad_norms=out["grad_norms"], params=out["params"] if ps.rank == 0 else None)
 
 
@@ -100,8 +100,8 @@ def test_bf16_tracks_fp32_loss_curve():
 # --- sequence parallelism through the whole loop (issue 14) ------------------------------------------
 def _sp_train_body(ps, o):
     """The loop's summary, plus every rank's own copy of the replicated parameters."""
-    from tnlg.train import train
-    out = train(o, return_params=True)
+    from tests.training import train_with_params
+    out = train_with_params(o)
     replicated = None
     if ps.tp_size > 1:
         from tnlg.data.tokenizer import load_tokenizer

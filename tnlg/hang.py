@@ -7,7 +7,7 @@ runs out; gloo then raises ``RuntimeError: ... Timed out waiting ...`` (or
 of them. :func:`report` turns that into one paragraph from rank 0:
 
     tnlg pretrain: a collective timed out after 1 min: all_reduce over the data-parallel
-    group (ranks 0, 2), called from tnlg/train.py:512 (_train), after iteration 37 (the
+    group (ranks 0, 2), called from tnlg/training/step.py:60 (train_step), after iteration 37 (the
     last one completed). Ranks that did not arrive: 3 (stopped, hung or dead). The last
     checkpoint is iteration 35 in runs/gpt. Resume with: tnlg pretrain ...
 
@@ -49,6 +49,7 @@ _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
                 "all_gather_object", "broadcast_object_list", "send", "recv", "monitored_barrier"}
 _GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_LOOP = os.path.join(_PACKAGE, "training", "loop.py")  # the frame whose ``iteration`` and ``o`` are the run's
 ARRIVAL_WAIT_S = 5.0  # how long rank 0 waits for the other ranks to say they are alive
 
 
@@ -59,7 +60,7 @@ class Hang:
     error: str
     collective: Optional[str] = None     # e.g. "all_reduce"
     group: Optional[str] = None          # "data-parallel group (ranks 0, 2)"
-    caller: Optional[str] = None         # "tnlg/train.py:512 (_train)"
+    caller: Optional[str] = None         # "tnlg/training/step.py:60 (train_step)"
     iteration: Optional[int] = None      # the last iteration completed
     options: Any = None                  # the run's options (``o``) when found
     missing: Optional[list] = None       # ranks that did not arrive (None: unknown)
@@ -119,7 +120,7 @@ def describe(exc: BaseException) -> Hang:
         if path.startswith(_PACKAGE + os.sep):
             last_tnlg = (path, lineno, name)
             loc = f.f_locals
-            if os.path.basename(path) == "train.py" and isinstance(loc.get("iteration"), int):
+            if path == _LOOP and isinstance(loc.get("iteration"), int):
                 hang.iteration = loc["iteration"]
                 hang.options = loc.get("o", hang.options)
         elif path.endswith(os.path.join("distributed", "distributed_c10d.py")) and name in _COLLECTIVES \

@@ -1,7 +1,10 @@
-"""Launching local worker processes with torch's own elastic launcher (what ``torchrun`` runs).
+"""Launching local worker processes with torch's own elastic launcher (what ``torchrun`` runs), and
+joining the process group as one of them: the one place every command (``pretrain``, ``eval``,
+``generate``) launches and joins.
 
-A command that accepts ``--nproc-per-node N`` calls :func:`maybe_launch` in the
-launching process after validating its options. Under ``torchrun`` (or with
+A command that accepts ``--nproc-per-node N`` calls :func:`relaunch` (the options
+rebuilt with :func:`argv_of`, then :func:`maybe_launch`) in the launching process
+after validating its options; a worker calls :func:`join`. Under ``torchrun`` (or with
 N = 1) it returns ``None`` and the caller runs in-process; otherwise it runs
 ``python -m tnlg <command> <same args>`` in N processes through
 ``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous on
@@ -27,9 +30,14 @@ import signal
 import socket
 import sys
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-__all__ = ["under_launcher", "maybe_launch", "local_threads", "argv_of"]
+import torch
+
+from .parallel.state import ParallelState, init_parallel
+
+__all__ = ["under_launcher", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
+           "argv_of"]
 
 
 def under_launcher() -> bool:
@@ -87,6 +95,24 @@ def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argp
             text = str(value)
             argv += [f"{flag}={text}"] if text.startswith("-") or not text else [flag, text]
     return argv
+
+
+def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace,
+             nproc: int, *, extra: Sequence[str] = (), max_restarts: int = 0) -> Optional[int]:
+    """Run ``tnlg <command>`` with the options of ``args`` (parsed by a parser built by ``add_arguments``),
+    plus ``extra`` arguments, on ``nproc`` local processes and return their exit status; ``None`` to run
+    here (under a launcher already, or ``nproc`` 1)."""
+    if under_launcher() or nproc == 1:
+        return None
+    return maybe_launch(command, argv_of(add_arguments, args) + list(extra), nproc, max_restarts=max_restarts)
+
+
+def join(tensor_parallel_size: int, **kwargs) -> ParallelState:
+    """This process's :class:`tnlg.parallel.state.ParallelState`: the cores shared among the local ranks
+    (:func:`local_threads`), then :func:`tnlg.parallel.state.init_parallel` (the launcher's process group,
+    or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``)."""
+    torch.set_num_threads(local_threads())
+    return init_parallel(tensor_parallel_size, **kwargs)
 
 
 def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 0) -> Optional[int]:

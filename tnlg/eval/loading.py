@@ -5,7 +5,7 @@
   ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout.
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
-  relaunch the same command on N local processes (:func:`tnlg.launch.maybe_launch`);
+  relaunch the same command on N local processes (:func:`tnlg.launch.relaunch`);
   else run in this process.
 """
 
@@ -18,10 +18,11 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import UserError
+from ..launch import join, launcher_world_size, relaunch
 from ..parallel.state import ParallelState
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
-           "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init", "rebuild_argv",
+           "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init",
            "print_table"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
@@ -134,34 +135,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="print exactly one JSON object on stdout (from rank 0) instead of a table")
 
 
-def rebuild_argv(add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace) -> list[str]:
-    """Command-line arguments that parse back to ``args`` (to relaunch the same command)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    argv: list[str] = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = getattr(args, action.dest, action.default)
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv += [flag] if value else []
-        elif isinstance(action, argparse._StoreFalseAction):
-            argv += [] if value else [flag]
-        elif isinstance(action, argparse._AppendAction):  # "--flag=value": values may start with "-"
-            argv += [f"{flag}={v}" for v in value or []]
-        elif value is not None and value != action.default:
-            argv.append(f"{flag}={value}")
-    return argv
-
-
 def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Optional[ParallelState]]:
     """``(exit status, None)`` after launching ``--nproc-per-node`` local processes, or
     ``(None, ps)`` to run here: under torchrun/elastic (joining its process group) or as
     the only process (CUDA when available)."""
-    from ..launch import launcher_world_size, local_threads, maybe_launch
-    from ..parallel.state import init_parallel
-
     if args.tp < 1:
         raise UserError(f"--tensor-model-parallel-size must be >= 1, got {args.tp}.")
     world = launcher_world_size()
@@ -170,15 +147,14 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         if nproc < 1 or nproc % args.tp:
             raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
                             f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
-        status = maybe_launch(command, rebuild_argv(add_arguments, args), nproc)
+        status = relaunch(command, add_arguments, args, nproc)
         if status is not None:
             return status, None
         return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
     if world % args.tp:
         raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
                         "torchrun started.")
-    torch.set_num_threads(local_threads())
-    return None, init_parallel(tensor_parallel_size=args.tp)
+    return None, join(args.tp)
 
 
 def run_command(command: str, add_arguments, args, work: Callable[[ParallelState], dict],

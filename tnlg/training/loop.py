@@ -1,0 +1,138 @@
+"""The training loop of ``tnlg pretrain`` (TP x DP with ZeRO), as torchtitan's ``Trainer.train``.
+
+Per iteration (global batch = micro batch x DP x accumulation steps): the learning
+rate of Megatron's schedule at the optimizer steps taken, :func:`.step.train_step`,
+then each component does what falls due: :class:`.metrics.Metrics` records and logs,
+:class:`.validation.Validation` validates, :class:`.checkpointing.Checkpointer`
+saves and stops on a signal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ..data.sampler import MegatronPretrainingSampler
+from ..data.tokenizer import load_tokenizer
+from ..generate import generate
+from ..parallel.random import seed_everything
+from ..train_args import model_config
+from .checkpointing import Checkpointer, stop_on_signals
+from .metrics import Metrics
+from .setup import build_datasets, build_engine, build_schedule, init_run, precision
+from .step import next_batch, train_step
+from .throughput import iteration_flops, measure_peak_tflops
+from .validation import Validation
+
+__all__ = ["Trainer", "train"]
+
+
+def train(o) -> dict:
+    """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process; see :meth:`Trainer.train`."""
+    return Trainer(o).train()
+
+
+class Trainer:
+    """One run: :meth:`train` builds everything, then runs the loop. Afterwards ``engine`` (and its
+    ``model``), ``config`` and ``ps`` are the trained run's."""
+
+    def __init__(self, o):
+        self.o = o
+        self.engine = self.model = self.config = self.ps = None
+
+    def train(self) -> dict:
+        """Returns a summary: per-iteration ``losses`` and ``grad_norms``, the first and last validation loss,
+        and, when a signal stopped the run, ``interrupted`` (``signal``, ``iteration``, ``saved``, ``forced``).
+
+        SIGINT and SIGTERM only set a flag while it runs (see :mod:`.checkpointing`).
+        """
+        with stop_on_signals() as stop:
+            self._build(stop)
+            return self._loop()
+
+    def _build(self, stop) -> None:
+        o = self.o
+        self.ps, self.accum = ps, accum = init_run(o)
+        seed_everything(o.seed)
+        self.tokenizer = load_tokenizer(o.tokenizer_model)
+        self.config = cfg = model_config(o, self.tokenizer.vocab_size)
+        self.autocast = precision(o)
+        self.engine = build_engine(o, cfg, ps, accum)
+        self.model, self.schedule = self.engine.model, build_schedule(o)
+        self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
+        self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
+        # measured before loading: a resumed run continues the restored RNG streams untouched
+        self.peak = o.peak_tflops or measure_peak_tflops(self.autocast or torch.float32, ps.device)
+        self.checkpointer = Checkpointer(o, ps, model=self.model, engine=self.engine, config=cfg,
+                                         tokenizer=self.tokenizer, stop=stop, log=self._log)
+
+    def _loop(self) -> dict:
+        o, ps, model, engine = self.o, self.ps, self.model, self.engine
+        iteration, consumed = self.checkpointer.resume()
+        metrics = self._metrics(resumed_at=iteration)
+        summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
+        if self.validation.enabled and iteration == 0:
+            summary["first_valid_loss"] = metrics.validation(0, self.validation.loss())
+        sampler = iter(MegatronPretrainingSampler(len(self.train_ds), consumed, o.micro_batch_size, ps.dp_rank,
+                                                  ps.dp_size))
+        model.train()
+        try:
+            while iteration < o.train_iters:
+                t0 = time.perf_counter()
+                lr = self.schedule.lr(engine.num_steps)
+                batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
+                loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
+                                        iteration=iteration + 1)
+                iteration, consumed = iteration + 1, consumed + o.global_batch_size
+                metrics.iteration(iteration, consumed, loss, lr, info, time.perf_counter() - t0)
+                summary["losses"].append(loss)
+                summary["grad_norms"].append(info["grad_norm"])
+                last = iteration == o.train_iters
+                if self.validation.due(iteration, last):
+                    summary["last_valid_loss"] = metrics.validation(iteration, self.validation.loss())
+                stopped = self.checkpointer.after_step(iteration, consumed, last)  # collective
+                if stopped:
+                    summary["interrupted"] = stopped
+                    break
+        except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
+            summary["interrupted"] = self.checkpointer.forced_stop(iteration)
+        metrics.close()
+        if "interrupted" not in summary:
+            self._sample()
+        return summary
+
+    def _metrics(self, resumed_at: int) -> Metrics:
+        """The run's log and metrics file, announced by the run's header line."""
+        o, ps, cfg = self.o, self.ps, self.config
+        vocab = cfg.padded_vocab_size(ps.tp_size)
+        # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + the recomputed forward)
+        metrics = Metrics(o, ps, flops=iteration_flops(cfg, o.global_batch_size, False, vocab),
+                          hw_flops=iteration_flops(cfg, o.global_batch_size, o.recompute_activations, vocab),
+                          peak=self.peak, tokens_per_iter=o.global_batch_size * cfg.seq_length,
+                          path=o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None),
+                          resumed_at=resumed_at)
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # (DeepSpeed ZeRO-3)
+        self._log(f"tnlg pretrain: {n_params:,} parameters on this rank "
+                  f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
+                  f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
+                  f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
+                  f"({'--peak-tflops' if o.peak_tflops else 'measured: dense matmuls on every rank at once, best of 5'})")
+        return metrics
+
+    def _log(self, msg: str) -> None:
+        if self.ps.rank == 0:
+            print(msg, flush=True)
+
+    def _sample(self) -> Optional[str]:
+        """The sample printed at the end (``--sample-prompt``, ``--sample-tokens``; collective over TP)."""
+        o = self.o
+        if not o.sample_prompt or not o.sample_tokens:
+            return None
+        self.model.eval()
+        text = generate(self.model, self.tokenizer, [o.sample_prompt], max_new_tokens=o.sample_tokens, greedy=False,
+                        temperature=0.8, top_k=40, seed=o.seed)[0]
+        self._log(f"sample:\n{o.sample_prompt}{text}")
+        return text

@@ -1,0 +1,67 @@
+"""One training iteration: the micro batches of this rank, the loss averaged over them and over DP, the step.
+
+As picotron's ``train_step``: ``engine.zero_grad()``; for each of the ``k``
+micro batches (Megatron's sampler: the global sample order does not depend on
+DP) a forward under autocast and ``engine.backward(loss)`` (only the last micro
+step communicates gradients, bucketed and overlapped with backward); the loss is
+averaged over micro batches and over DP (one tiny all-reduce), and a NaN/inf
+loss stops the run before the optimizer step, so no checkpoint is ever written
+from the bad state; then ``engine.step(lr)`` (global-norm clipping across TP and
+DP, AdamW on the owned ZeRO slice, parameters all-gathered).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+from ..parallel.mappings import all_reduce
+
+__all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def next_batch(dataset, sampler, device: torch.device) -> dict:
+    """The next micro batch of this rank (``sampler`` yields its sample indices), on ``device``."""
+    from ..data.sampler import collate
+    batch = collate([dataset[i] for i in next(sampler)])
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def autocast_to(dtype: Optional[torch.dtype], device: torch.device):
+    """Autocast to ``dtype`` on ``device`` (``None``: fp32, autocast off)."""
+    return torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def forward_loss(model, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
+    """The model's mean loss over the batch's loss-mask tokens, under autocast to ``autocast`` (None: fp32)."""
+    with autocast_to(autocast, batch["tokens"].device):
+        return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask"),
+                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"))
+
+
+def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autocast: Optional[torch.dtype],
+               ps, iteration: int) -> tuple[float, dict]:
+    """Train one iteration (number ``iteration``) on ``micro_batches``; return ``(loss, engine.step's info)``.
+
+    Collectives: the model's TP all-reduces, the engine's gradient reduction over DP (last micro
+    batch), one all-reduce of the loss over DP, and the engine step's (norm, parameter all-gather).
+    """
+    engine.zero_grad()
+    losses = []
+    for batch in micro_batches:
+        loss = forward_loss(model, batch, autocast)
+        engine.backward(loss)
+        losses.append(loss.detach().float())
+    mean = all_reduce(torch.stack(losses).mean().reshape(1), ps.dp_group) / ps.dp_size
+    loss = mean.item()
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration}; stopping before "
+                               f"the optimizer step (no checkpoint is written from this state). Lower --lr, "
+                               f"raise --lr-warmup-iters, or check the data.")
+    return loss, engine.step(lr)

@@ -1,0 +1,73 @@
+"""Validation during training: which samples, how often, and the loss (the one definition ``tnlg eval`` uses).
+
+The validation loss is token-weighted over the loss-mask tokens of the first
+``--eval-iters`` global batches of the validation split (the same samples every
+time), as ``tnlg eval --task loss`` computes it (:func:`tnlg.eval.loss.dataset_loss`).
+Without ``--eod-mask-loss`` every batch holds the same number of tokens, so this
+is also the mean of the batch means.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .step import autocast_to
+
+__all__ = ["evaluate", "validation_samples", "Validation"]
+
+
+def validation_samples(dataset, o, ps) -> int:
+    """How many samples a validation reads: the first ``--eval-iters`` global batches, whole micro batches
+    on every DP rank (0: fewer than one micro batch per rank)."""
+    need = o.micro_batch_size * ps.dp_size
+    return min(len(dataset), o.eval_iters * o.global_batch_size) // need * need
+
+
+def evaluate(model, dataset, o, ps, autocast: Optional[torch.dtype]) -> Optional[float]:
+    """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
+    the model's TP collectives per batch (the same number of batches on every DP rank) and one
+    all-reduce of ``[loss sum, tokens]`` over DP."""
+    from ..eval.loss import dataset_loss
+    if dataset is None or o.eval_iters == 0:
+        return None
+    n = validation_samples(dataset, o, ps)
+    if n == 0:
+        return None
+    with autocast_to(autocast, ps.device):
+        return dataset_loss(model, dataset, micro_batch_size=o.micro_batch_size, max_samples=n)["loss"]
+
+
+class Validation:
+    """Validates every ``--eval-interval`` iterations, after the last one and (from scratch) before the
+    first; decides once whether the run can validate and says why not (rank 0)."""
+
+    def __init__(self, model, dataset, o, ps, autocast: Optional[torch.dtype], log: Callable[[str], None]):
+        self.model, self.dataset, self.o, self.ps, self.autocast = model, dataset, o, ps, autocast
+        self.enabled = validation_plan(dataset, o, ps, log)
+
+    def due(self, iteration: int, last: bool) -> bool:
+        return self.enabled and (iteration % self.o.eval_interval == 0 or last)
+
+    def loss(self) -> Optional[float]:
+        """The validation loss now (collective)."""
+        return evaluate(self.model, self.dataset, self.o, self.ps, self.autocast)
+
+
+def validation_plan(dataset, o, ps, log: Callable[[str], None]) -> bool:
+    """Whether this run validates; when it cannot, say why once. ``--eval-interval 0`` is off by request,
+    silently."""
+    if not o.eval_interval:
+        return False
+    if o.eval_iters == 0:
+        log("note: --eval-iters 0: this run does no validation.")
+        return False
+    if dataset is None:
+        log("note: the validation split is empty; validation is skipped.")
+        return False
+    if validation_samples(dataset, o, ps) == 0:
+        log(f"note: the validation split holds {len(dataset)} samples, fewer than one micro batch per "
+            f"data-parallel rank ({o.micro_batch_size * ps.dp_size}); validation is skipped.")
+        return False
+    return True
