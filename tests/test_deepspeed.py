@@ -93,6 +93,7 @@ def test_resume_from_our_engine_into_deepspeed(reference, tmp_path):
 def _memory_body(ps, stages):
     from tnlg.config import GPTConfig
     from tnlg.model import GPT
+    from tnlg.optim import DataParallelBackend
     from tnlg.optim.deepspeed_engine import build_deepspeed_engine
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=256)
     out = {}
@@ -109,6 +110,8 @@ def _memory_body(ps, stages):
         engine.load_optimizer_state_by_param(states)   # round trip keeps the states
         again = engine.optimizer_state_by_param()
         out[stage] = dict(memory=engine.memory_report(), info=info, names=engine.param_names,
+                          protocol=isinstance(engine.backend, DataParallelBackend),
+                          hyper=engine.hyperparameters(),
                           same=all(torch.equal(states[n][k], again[n][k])
                                    for n in states for k in ("exp_avg", "exp_avg_sq")),
                           shapes={n: tuple(t.shape) for n, t in params.items()},
@@ -130,6 +133,7 @@ def test_deepspeed_partitions_optimizer_state_over_dp_only():
             assert abs(m["master_bytes"] - 4 * psi / 2) <= 0.1 * 4 * psi / 2, (stage, m)
         assert sum(x["memory"]["owned_numel"] for x in r) >= psi
         assert r[0]["same"] and r[0]["steps"] == {1} and not r[0]["info"]["skipped"]
+        assert r[0]["protocol"] and r[0]["hyper"]["weight_decay"] == 0.1 and r[0]["hyper"]["num_steps"] == 1
         assert r[0]["info"]["grad_norm"] == pytest.approx(r[1]["info"]["grad_norm"], rel=1e-6)
         assert "transformer.wte.weight" in r[0]["names"]
         assert r[0]["shapes"]["transformer.wpe.weight"] == (16, 64)  # full shape, also at stage 3

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tnlg.config import GPTConfig, partition_sizes
 from tnlg.errors import UserError
-from tnlg.optim import build_engine, partition_report, plan_flat_layout
+from tnlg.optim import DataParallelBackend, build_engine, partition_report, plan_flat_layout
 from tnlg.parallel.layers import mark_replicated, mark_sharded
 from tnlg.parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from tnlg.parallel.state import ParallelState, init_parallel
@@ -179,7 +179,8 @@ def _train_layout(ps: ParallelState, kind: str, stage: int, accum: int, data, bu
     full = {n: gather_full(t, params[n], ps) for n, t in local.items()}
     replicated = {n: t for n, t in local.items() if not getattr(params[n], "tp_sharded", False)}
     out = dict(losses=losses, norms=norms, params=full, replicated=replicated, comm_ok=comm_ok,
-               memory=engine.memory_report(), impl=engine.impl)
+               memory=engine.memory_report(), impl=engine.impl,
+               protocol=isinstance(engine.backend, DataParallelBackend))
     if hasattr(engine.backend, "comm_counts"):
         out["comm"] = dict(engine.backend.comm_counts, buckets=len(engine.backend.layout.buckets))
     # layout-independent optimizer state round trip: save here, reload into a fresh engine of the same layout
@@ -227,6 +228,7 @@ def _check(results_per_rank, layouts, refs):
             rel = max(1e-5, 3 * ref["norm_floor"][s])
             assert _close(a, b, rel), f"{tag}: step {s + 1} grad norm {a} vs reference {b} (rel {rel:.1e})"
         assert r0["comm_ok"], f"{tag}: an accumulation micro step communicated"
+        assert r0["protocol"], f"{tag}: the backend does not implement DataParallelBackend"
         assert _close(r0["norms"][0], ref["norms"][0], 1e-6), f"{tag}: first-step grad norm (same params)"
         allowed = max(1e-6, 3 * ref["param_floor"])
         for n, t in ref["params"].items():
@@ -385,6 +387,8 @@ def test_protocol_errors_and_stage_fallback():
     tokens, labels = toy_data(1)[0]
     engine = build_engine(ToyTP(ps), ps, zero_stage=3, grad_accum_steps=2)
     assert engine.impl == "flat"  # one DP rank: nothing to shard
+    assert isinstance(engine.backend, DataParallelBackend)
+    assert engine.hyperparameters()["betas"] == [0.9, 0.95] and engine.param_dtype == torch.float32
     engine.backward(engine.model(tokens, labels))
     with pytest.raises(RuntimeError, match="grad_accum_steps"):
         engine.step()

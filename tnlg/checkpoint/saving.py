@@ -93,11 +93,12 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
     written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
     _maybe_kill(iteration, ps.rank, ps.world_size)
-    optimizer = dict(present=True, **_hyperparameters(engine))
+    optimizer = dict(present=True, **engine.hyperparameters())
     _finish(root, tmp, final, iteration, written, ps, dict(
         consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
         data=data_record(options), tokenizer=tokenizer.describe() if tokenizer else None,
-        layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size, param_dtype=_dtype_name(engine)),
+        layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
+                    param_dtype=str(engine.param_dtype).replace("torch.", "")),
         params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
         schedule=_schedule(options, optimizer)), keep_last)
     return final
@@ -121,7 +122,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     writes = ps.dp_rank == 0
     stream = None
     out = {}
-    for name, tensor in _param_stream(engine, names):
+    for name, tensor in engine.param_tensors(names):
         if writes:
             if stream is None:
                 stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), _param_specs(engine, names), tag)
@@ -269,45 +270,20 @@ def _drop_marker(final: str) -> None:
 # --------------------------------------------------------------------------- engine adapters
 
 def _owned_pieces(engine) -> tuple[list[dict], bool]:
-    """(pieces, sharded over DP) of any engine; the DeepSpeed engine, which has no piece API,
-    hands over full per-parameter states (its states are assembled: not streamed)."""
-    if hasattr(engine, "owned_pieces"):
-        return engine.owned_pieces(), engine.pieces_sharded_over_dp
+    """(pieces, sharded over DP) of any engine; a backend without views (DeepSpeed) hands over
+    full per-parameter states instead (its states are assembled: not streamed)."""
+    pieces = engine.owned_pieces()
+    if pieces is not None:
+        return pieces, engine.pieces_sharded_over_dp
     states = engine.optimizer_state_by_param()
     return [dict(name=n, lo=0, length=st["exp_avg"].numel(), exp_avg=st["exp_avg"].reshape(-1),
                  exp_avg_sq=st["exp_avg_sq"].reshape(-1), master=None) for n, st in states.items()], False
 
 
-def _param_stream(engine, names):
-    if hasattr(engine, "param_tensors"):
-        return engine.param_tensors(names)
-    full = engine.model_state_by_param()
-    wanted = set(names)
-    return ((n, full[n]) for n in engine.param_names if n in wanted)
-
-
 def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
-    """Names, shapes (this TP shard, full over DP) and dtypes, in the order of :func:`_param_stream`."""
-    shapes, wanted = dict(_shapes(engine)), set(names)
-    return [(n, shapes[n][0], shapes[n][1]) for n in engine.param_names if n in wanted]
-
-
-def _shapes(engine):
-    for n, p in zip(engine.param_names, engine.backend.params):
-        shape = getattr(p, "ds_shape", p.shape)
-        yield n, (tuple(shape), p.dtype)
-
-
-def _dtype_name(engine) -> str:
-    return str(next(iter(engine.backend.params)).dtype).replace("torch.", "")
-
-
-def _hyperparameters(engine) -> dict:
-    if hasattr(engine, "hyperparameters"):
-        return engine.hyperparameters()
-    return dict(num_steps=int(engine.num_steps), zero_stage=int(engine.zero_stage), loss_scaler=None,
-                betas=[float(engine.beta1), float(engine.beta2)], eps=float(engine.eps),
-                weight_decay=float(engine.weight_decay))
+    """Names, shapes (this TP shard, full over DP) and dtypes, in the order of ``engine.param_tensors``."""
+    shapes, wanted = engine.param_shapes(), set(names)
+    return [(n, shapes[n], engine.param_dtype) for n in engine.param_names if n in wanted]
 
 
 def _schedule(options, optimizer: Optional[dict]) -> Optional[dict]:

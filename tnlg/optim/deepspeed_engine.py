@@ -1,9 +1,9 @@
 """The optional DeepSpeed engine (``--zero-impl deepspeed``): DeepSpeed's ZeRO 1-3 over our DP group.
 
-The training loop drives it through the same protocol as :class:`tnlg.optim.engine.Engine`
-(``model``, ``backward``, ``step(lr)``, ``zero_grad``, the state exchange and
-``memory_report``), so everything downstream (logging, checkpoints, resharding)
-is unchanged. DeepSpeed is told about our layout the way Megatron-DeepSpeed did:
+:class:`DeepSpeedBackend` implements :class:`tnlg.optim.backend.DataParallelBackend`, and
+:func:`build_deepspeed_engine` returns our :class:`tnlg.optim.engine.Engine` driving it, so
+everything downstream (logging, checkpoints, resharding) is unchanged. DeepSpeed is told
+about our layout the way Megatron-DeepSpeed did:
 
 * an ``mpu`` object (:class:`TnlgMPU`) hands it our tensor-parallel group as
   the "model parallel" group and our data-parallel group as the DP group, so
@@ -53,12 +53,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import UserError
+from ..parallel.sharding import is_tp_sharded
 from ..parallel.state import ParallelState
+from .backend import StepResult
 from .clip import clip_coefficient
-from .engine import STATE_FORMAT, check_optimizer_args, check_states, common_step
-from .zero import MiB, _tp_flag, default_decay
+from .engine import Engine, check_optimizer_args
+from .sharded_backend import check_shape
+from .zero import MiB, default_decay
 
-__all__ = ["build_deepspeed_engine", "DeepSpeedZeroEngine", "DeepSpeedModel", "TnlgMPU",
+__all__ = ["build_deepspeed_engine", "DeepSpeedBackend", "DeepSpeedModel", "TnlgMPU",
            "check_deepspeed_options", "deepspeed_available", "INSTALL_HINT"]
 
 INSTALL_HINT = 'pip install -e ".[deepspeed]"'
@@ -88,46 +91,28 @@ class TnlgMPU:
     """Megatron's ``mpu`` interface over a :class:`ParallelState`, for ``deepspeed.initialize(mpu=...)``.
 
     ``tp_group``/``dp_group`` must be real process groups (a group of one rank
-    included); no pipeline parallelism (size 1).
+    included); no pipeline parallelism (size 1). The methods are listed in :data:`_MPU_METHODS`.
     """
 
     def __init__(self, ps: ParallelState, tp_group, dp_group):
         self.ps, self.tp_group, self.dp_group = ps, tp_group, dp_group
 
-    # tensor ("model") parallel: Megatron's old and new names
-    def get_model_parallel_group(self):
-        return self.tp_group
 
-    def get_model_parallel_world_size(self) -> int:
-        return self.ps.tp_size
-
-    def get_model_parallel_rank(self) -> int:
-        return self.ps.tp_rank
-
-    def get_model_parallel_src_rank(self) -> int:
-        return self.ps.tp_src_rank
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_src_rank = get_model_parallel_src_rank
-
-    # data parallel
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.ps.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.ps.dp_rank
-
-    # no pipeline parallelism
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return 0
+# Megatron's mpu method -> what it returns. Tensor parallelism under its old ("model parallel")
+# and new ("tensor model parallel") names; data parallelism; no pipeline parallelism.
+_MPU_METHODS = {}
+for _prefix in ("get_model_parallel", "get_tensor_model_parallel"):
+    _MPU_METHODS.update({f"{_prefix}_group": lambda m: m.tp_group,
+                         f"{_prefix}_world_size": lambda m: m.ps.tp_size,
+                         f"{_prefix}_rank": lambda m: m.ps.tp_rank,
+                         f"{_prefix}_src_rank": lambda m: m.ps.tp_src_rank})
+_MPU_METHODS.update(get_data_parallel_group=lambda m: m.dp_group,
+                    get_data_parallel_world_size=lambda m: m.ps.dp_size,
+                    get_data_parallel_rank=lambda m: m.ps.dp_rank,
+                    get_pipeline_model_parallel_world_size=lambda m: 1,
+                    get_pipeline_model_parallel_rank=lambda m: 0)
+for _name, _method in _MPU_METHODS.items():
+    setattr(TnlgMPU, _name, _method)
 
 
 def _real_groups(ps: ParallelState):
@@ -244,76 +229,51 @@ class DeepSpeedModel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
 
-class DeepSpeedZeroEngine:
-    """DeepSpeed's ZeRO behind :class:`tnlg.optim.engine.Engine`'s protocol (see the module docstring).
+class DeepSpeedBackend:
+    """DeepSpeed's ZeRO as a :class:`~tnlg.optim.backend.DataParallelBackend` (see the module docstring).
 
     ``model`` is a :class:`DeepSpeedModel` (call it; it behaves as our GPT),
-    ``module`` our GPT itself, ``ds`` DeepSpeed's engine.
+    ``module`` our GPT itself, ``ds`` DeepSpeed's engine. DeepSpeed clips and steps
+    itself, and its states are fragments of flat partitions: :meth:`owned_pieces` is
+    ``None`` and states are exchanged whole, per parameter.
     """
 
     impl = "deepspeed"
+    pieces_sharded_over_dp = False  # states are handed over assembled (collective), not as pieces
 
     def __init__(self, ds_engine, module: nn.Module, optimizer: torch.optim.Optimizer, ps: ParallelState,
-                 zero_stage: int, lr: float, clip_grad: float, grad_accum_steps: int, betas, eps: float,
-                 weight_decay: float):
+                 zero_stage: int):
         self.ds = ds_engine
         self.module = module
         self._model = DeepSpeedModel(ds_engine)
         self.optimizer = optimizer  # the torch AdamW over DeepSpeed's flat fp32 partitions
         self.ps = ps
         self.zero_stage = zero_stage
-        self.lr = lr
-        self.clip_grad = clip_grad
-        self.grad_accum_steps = grad_accum_steps
-        self.loss_scaler = None
-        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
-        self.eps, self.weight_decay = float(eps), float(weight_decay)
-        self.backend = self  # the checkpoint reads beta1/beta2/eps/weight_decay from engine.backend
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for n, p in module.named_parameters() if p.requires_grad]
-        self.num_steps = 0
-        self._micro = 0
-        self._needs_zero = False
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.dtype = self.params[0].dtype
         self._prime_optimizer_states()
 
-    # ----------------------------------------------------------------- properties
     @property
     def model(self) -> nn.Module:
         return self._model
 
-    @property
-    def param_names(self) -> list[str]:
-        return list(self.names)
-
-    @property
-    def is_last_micro_step(self) -> bool:
-        return self._micro == self.grad_accum_steps - 1
-
     # ----------------------------------------------------------------- training
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro batch's mean loss; DeepSpeed divides it by ``grad_accum_steps``.
+    def backward(self, loss: torch.Tensor, factor: float, is_last: bool) -> None:
+        """Backward of one micro batch's mean loss. DeepSpeed divides it by ``grad_accum_steps`` itself,
+        which is ``factor`` (no loss scaler runs with DeepSpeed: ``--fp16`` is refused).
 
-        Stage 1 reduces gradients over DP only on the ``grad_accum_steps``-th call;
-        stages 2/3 reduce-scatter on every call (DeepSpeed's design).
+        Stage 1 reduces gradients over DP only when ``is_last``; stages 2/3 reduce-scatter on
+        every call (DeepSpeed's design).
         """
-        if self._needs_zero:
-            raise RuntimeError("engine.backward() after engine.step() without engine.zero_grad(): the "
-                               "previous step's gradients would be added to this one's.")
-        if self._micro >= self.grad_accum_steps:
-            raise RuntimeError(f"engine.backward() called {self._micro + 1} times before step(), but "
-                               f"grad_accum_steps={self.grad_accum_steps}.")
-        self.ds.set_gradient_accumulation_boundary(self.is_last_micro_step)
+        self.ds.set_gradient_accumulation_boundary(is_last)
         self.ds.backward(loss)
-        self._micro += 1
 
-    def step(self, lr: Optional[float] = None) -> dict:
-        """DeepSpeed's step: gradient norm (all-reduce over DP, then TP), clipping, AdamW on the owned
-        partition, all-gather of the parameters. Returns ``grad_norm`` (before clipping), ``skipped``,
-        ``clip_coeff``, ``lr`` and ``loss_scale`` (``None``)."""
-        if self._micro != self.grad_accum_steps:
-            raise RuntimeError(f"engine.step() after {self._micro} backward call(s); expected "
-                               f"grad_accum_steps={self.grad_accum_steps}.")
-        lr = self.lr if lr is None else float(lr)
+    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
+        """DeepSpeed's step: gradient norm (all-reduce over DP, then TP), clipping by its own
+        ``gradient_clipping`` (``clip_grad``, the same rule), AdamW on the owned partition,
+        all-gather of the parameters."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         skipped_before = self.ds.skipped_steps
@@ -323,18 +283,15 @@ class DeepSpeedZeroEngine:
         norm = float(norm) if norm is not None else float("nan")
         if norm < 0:  # DeepSpeed masks an inf/NaN norm as -1
             norm = float("nan")
-        if not skipped:
-            self.num_steps += 1
-        self._micro = 0
-        self._needs_zero = True
-        return dict(grad_norm=norm, skipped=skipped, clip_coeff=clip_coefficient(norm, self.clip_grad), lr=lr,
-                    loss_scale=None)
+        return StepResult(norm, skipped, clip_coefficient(norm, clip_grad))
 
     def zero_grad(self) -> None:
         """DeepSpeed zeroes its gradient partitions in ``step``; this drops any ``.grad`` left on the GPT."""
         self.ds.zero_grad()
-        self._micro = 0
-        self._needs_zero = False
+
+    def set_step(self, step: int) -> None:
+        for st in self.optimizer.state.values():
+            st["step"].fill_(float(step))
 
     def close(self) -> None:
         """Release DeepSpeed's hooks and buffers (``DeepSpeedEngine.destroy``); unusable afterwards."""
@@ -366,75 +323,67 @@ class DeepSpeedZeroEngine:
                                f"this engine expects them (DeepSpeed version not supported).")
         return list(flats)
 
-    def _full_shape(self, p: torch.Tensor) -> torch.Size:
-        return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+    def param_shapes(self) -> dict[str, tuple]:
+        """Full shapes (stage 3 keeps them in ``ds_shape``: its parameters are empty placeholders)."""
+        return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in zip(self.names, self.params)}
+
+    def owned_pieces(self) -> None:
+        """No views: DeepSpeed's states are fragments of its flat partitions (exchanged whole instead)."""
+        return None
 
     @torch.no_grad()
     def optimizer_state_by_param(self) -> dict[str, dict]:
-        """``{name: {"exp_avg", "exp_avg_sq", "step"}}`` shaped like this rank's TP shard; collective over DP
+        """``{name: {"exp_avg", "exp_avg_sq"}}`` shaped like this rank's TP shard; collective over DP
         (DeepSpeed assembles each parameter's fragments with an all-reduce/all-gather)."""
         from deepspeed.utils import safe_get_full_optimizer_state
-        out = {}
-        for n, p in zip(self.names, self.params):
-            shape = self._full_shape(p)
-            out[n] = {k: safe_get_full_optimizer_state(p, k).float().reshape(shape).clone()
-                      for k in ("exp_avg", "exp_avg_sq")}
-            out[n]["step"] = self.num_steps
-        return out
+        shapes = self.param_shapes()
+        return {n: {k: safe_get_full_optimizer_state(p, k).float().reshape(shapes[n]).clone()
+                    for k in ("exp_avg", "exp_avg_sq")} for n, p in zip(self.names, self.params)}
 
     @torch.no_grad()
     def load_optimizer_state_by_param(self, states: dict) -> None:
         """Keep this rank's fragments of full per-parameter states (no communication)."""
         from deepspeed.utils import safe_set_full_optimizer_state
-        step = common_step(states)
-        check_states(states, {n: tuple(self._full_shape(p)) for n, p in zip(self.names, self.params)})
         for n, p in zip(self.names, self.params):
             for k in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, states[n][k].detach().to(self.ps.device, torch.float32), k)
-        for st in self.optimizer.state.values():
-            st["step"].fill_(float(step))
-        self.num_steps = step
-
-    def state_dict(self) -> dict:
-        """Layout-independent optimizer state, the format of :meth:`tnlg.optim.engine.Engine.state_dict`."""
-        return dict(format=STATE_FORMAT, num_steps=self.num_steps, zero_stage=self.zero_stage,
-                    betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
-                    params=self.optimizer_state_by_param(), loss_scaler=None)
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("format") != STATE_FORMAT:
-            raise UserError(f"optimizer state has format {sd.get('format')!r}, expected {STATE_FORMAT!r}.")
-        self.load_optimizer_state_by_param(sd["params"])
-        self.num_steps = int(sd["num_steps"])
 
     @torch.no_grad()
-    def model_state_by_param(self) -> dict[str, torch.Tensor]:
-        """This TP rank's parameters, full over DP (stage 3: all-gathered, collective over DP)."""
-        if self.zero_stage == 3:
-            from deepspeed.utils import safe_get_full_fp32_param
-            return {n: safe_get_full_fp32_param(p).to(p.dtype).reshape(self._full_shape(p)).clone()
-                    for n, p in zip(self.names, self.params)}
-        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
-
-    @torch.no_grad()
-    def load_model_state_by_param(self, tensors: dict) -> None:
-        """Copy parameters (this TP shard's shapes) into the module and DeepSpeed's fp32 master partitions;
-        no communication."""
-        from deepspeed.utils import safe_set_full_fp32_param
+    def param_tensors(self, names):
+        """``(name, tensor)`` of this TP shard, full over DP, one at a time (stage 3: gathered from
+        DeepSpeed's fp32 partitions, collective over DP)."""
+        wanted, shapes = set(names), self.param_shapes()
         for n, p in zip(self.names, self.params):
-            shape = self._full_shape(p)
-            if n not in tensors or tuple(tensors[n].shape) != tuple(shape):
-                raise UserError(f"parameter {n!r}: expected a tensor of shape {tuple(shape)}, got "
-                                f"{'nothing' if n not in tensors else tuple(tensors[n].shape)}.")
-            value = tensors[n].detach().to(self.ps.device, torch.float32)
-            safe_set_full_fp32_param(p, value)
-            if hasattr(p, "ds_tensor"):  # stage 3: this rank's partition of the working copy
-                part = p.ds_tensor.data.view(-1)
-                start = part.numel() * self.ps.dp_rank
-                k = max(0, min(part.numel(), value.numel() - start))
-                part[:k].copy_(value.reshape(-1)[start:start + k])
+            if n not in wanted:
+                continue
+            if self.zero_stage == 3:
+                from deepspeed.utils import safe_get_full_fp32_param
+                yield n, safe_get_full_fp32_param(p).to(p.dtype).reshape(shapes[n])
             else:
-                p.data.copy_(value.to(p.dtype))
+                yield n, p.detach()
+
+    @torch.no_grad()
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Copy a parameter (this TP shard's shape) into the module and DeepSpeed's fp32 master
+        partition; no communication."""
+        from deepspeed.utils import safe_set_full_fp32_param
+        p = self.params[self._index[name]]
+        check_shape(name, value, self.param_shapes()[name])
+        value = value.detach().to(self.ps.device, torch.float32)
+        safe_set_full_fp32_param(p, value)
+        if hasattr(p, "ds_tensor"):  # stage 3: this rank's partition of the working copy
+            part = p.ds_tensor.data.view(-1)
+            start = part.numel() * self.ps.dp_rank
+            k = max(0, min(part.numel(), value.numel() - start))
+            part[:k].copy_(value.reshape(-1)[start:start + k])
+        else:
+            p.data.copy_(value.to(p.dtype))
+
+    def gather_params(self) -> None:
+        """Nothing: DeepSpeed's step all-gathers the parameters itself."""
+
+    def refresh_master(self) -> None:
+        """Nothing: :meth:`load_param` sets DeepSpeed's fp32 master with the parameter."""
 
     def memory_report(self) -> dict:
         """Per-rank bytes. ``optim_bytes``: AdamW's states plus DeepSpeed's fp32 master partition (measured);
@@ -448,7 +397,7 @@ class DeepSpeedZeroEngine:
             param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.params)
         else:
             param_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        numel = sum(math.prod(self._full_shape(p)) for p in self.params)
+        numel = sum(math.prod(s) for s in self.param_shapes().values())
         elem = self.params[0].element_size()
         grad_bytes = numel * elem if self.zero_stage == 1 else sum(f.numel() for f in flats) * elem
         return dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=states + master,
@@ -461,7 +410,7 @@ def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int 
                            clip_grad: float = 1.0,
                            grad_accum_steps: int = 1, bucket_size_mb: float = 25.0, loss_scaler=None,
                            decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
-                           micro_batch_size: int = 1, ds_config: Optional[dict] = None) -> DeepSpeedZeroEngine:
+                           micro_batch_size: int = 1, ds_config: Optional[dict] = None) -> Engine:
     """Wrap ``model`` (this rank's TP shard, on ``ps.device``) in DeepSpeed's ZeRO ``zero_stage`` (1-3).
 
     Same arguments as :func:`tnlg.optim.engine.build_engine` (``bucket_size_mb``
@@ -479,7 +428,7 @@ def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int 
     deepspeed = _import_deepspeed(ps)
     tp_group, dp_group = _real_groups(ps)
     for n, p in named:
-        flag = _tp_flag(n, p, ps)
+        flag = is_tp_sharded(n, p, ps)
         p.model_parallel = flag           # what DeepSpeed's norm reads (is_model_parallel_parameter)
         p.tensor_model_parallel = flag
     decay = [p for n, p in named if decay_fn(n, p)]
@@ -506,5 +455,6 @@ def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int 
     ds_engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                          mpu=TnlgMPU(ps, tp_group, dp_group),
                                                          dist_init_required=False)
-    return DeepSpeedZeroEngine(ds_engine, model, optimizer, ps, zero_stage, float(lr), float(clip_grad),
-                               grad_accum_steps, betas, eps, weight_decay)
+    backend = DeepSpeedBackend(ds_engine, model, optimizer, ps, zero_stage)
+    return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, None,
+                  betas=betas, eps=eps, weight_decay=weight_decay)

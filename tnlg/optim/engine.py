@@ -19,8 +19,13 @@ One iteration with ``grad_accum_steps = k``::
   ``min(1, clip_grad / (norm + 1e-6))``, runs AdamW and brings the parameters
   up to date (stage 1: all-gather). The next ``backward`` requires ``zero_grad()``.
 
-Stages: 0 and 1 are :class:`tnlg.optim.zero.FlatZero` (our flat buffers);
-2 and 3 are :class:`tnlg.optim.fsdp.FSDPZero` (FSDP2). With one DP rank there
+The engine owns the iteration's call protocol and the hyper-parameters a checkpoint
+records (step count, stage, AdamW's settings, loss scaler); a *backend*
+(:class:`tnlg.optim.backend.DataParallelBackend`) owns the parameters, gradients and
+optimizer states and their DP communication. Stages 0 and 1 are
+:class:`tnlg.optim.zero.FlatZero` (our flat buffers); 2 and 3 are
+:class:`tnlg.optim.fsdp.FSDPZero` (FSDP2); ``--zero-impl deepspeed`` is
+:class:`tnlg.optim.deepspeed_engine.DeepSpeedBackend`. With one DP rank there
 is nothing to shard: every stage then runs the flat stage-0 path (same
 numbers, no communication). Precision: ``param_dtype`` bf16/fp16 is ZeRO's
 mixed precision (16-bit parameters and gradients, fp32 master weights and Adam
@@ -34,12 +39,11 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import UserError
 from ..parallel.state import ParallelState
-from .clip import clip_coefficient, global_norm, squared_sums
+from .backend import DataParallelBackend
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
@@ -49,10 +53,15 @@ STATE_FORMAT = "tnlg.optim/1"
 
 
 class Engine:
-    """Wraps a ZeRO backend; see the module docstring for the call protocol."""
+    """Drives a :class:`~tnlg.optim.backend.DataParallelBackend`; see the module docstring for the protocol.
 
-    def __init__(self, backend, ps: ParallelState, zero_stage: int, lr: float, clip_grad: float,
-                 grad_accum_steps: int, loss_scaler: Optional[DynamicLossScaler]):
+    ``betas``, ``eps`` and ``weight_decay`` are AdamW's settings the backend was built with;
+    the engine keeps them for :meth:`hyperparameters` (what a checkpoint records).
+    """
+
+    def __init__(self, backend: DataParallelBackend, ps: ParallelState, zero_stage: int, lr: float,
+                 clip_grad: float, grad_accum_steps: int, loss_scaler: Optional[DynamicLossScaler], *,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
         self.backend = backend
         self.ps = ps
         self.zero_stage = zero_stage
@@ -60,6 +69,8 @@ class Engine:
         self.clip_grad = clip_grad
         self.grad_accum_steps = grad_accum_steps
         self.loss_scaler = loss_scaler
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
         self._num_steps = 0         # successful optimizer steps (Adam's step count)
         self._micro = 0
         self._needs_zero = False
@@ -77,7 +88,7 @@ class Engine:
 
     @property
     def model(self) -> nn.Module:
-        """The module to call (FSDP-sharded in place for stages 2/3; same parameter names)."""
+        """The module to call (FSDP-sharded in place for stages 2/3, wrapped for DeepSpeed; same names)."""
         return self.backend.model
 
     @property
@@ -87,6 +98,11 @@ class Engine:
     @property
     def param_names(self) -> list[str]:
         return list(self.backend.names)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (what the checkpoint's weight files hold)."""
+        return self.backend.dtype
 
     @property
     def is_last_micro_step(self) -> bool:
@@ -106,11 +122,10 @@ class Engine:
         if self._micro >= self.grad_accum_steps:
             raise RuntimeError(f"engine.backward() called {self._micro + 1} times before step(), but "
                                f"grad_accum_steps={self.grad_accum_steps}.")
-        self.backend.set_sync(self.is_last_micro_step)
         factor = 1.0 / self.grad_accum_steps
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.scale
-        (loss if factor == 1.0 else loss * factor).backward()
+        self.backend.backward(loss, factor, self.is_last_micro_step)
         self._micro += 1
 
     def step(self, lr: Optional[float] = None) -> dict:
@@ -124,27 +139,15 @@ class Engine:
             raise RuntimeError(f"engine.step() after {self._micro} backward call(s); expected "
                                f"grad_accum_steps={self.grad_accum_steps}.")
         lr = self.lr if lr is None else float(lr)
-        b = self.backend
-        b.finish_grad_sync()
-        sh, rep = squared_sums(b.grad_pieces())
-        norm = global_norm(sh, rep, self.ps, over_dp=b.grads_sharded_over_dp)
-        scale = 1.0
+        scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+        res = self.backend.step(lr, self.clip_grad, scale)
         if self.loss_scaler is not None:
-            scale = self.loss_scaler.scale
-            norm = norm / scale
-        found_inf = not math.isfinite(norm)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-        coeff = clip_coefficient(norm, self.clip_grad)
-        if not found_inf:
-            factor = coeff / scale
-            if factor != 1.0:
-                b.scale_grads_(factor)
+            self.loss_scaler.update(res.skipped)
+        if not res.skipped:
             self._num_steps += 1
-            b.adam_step(lr)
         self._micro = 0
         self._needs_zero = True
-        return dict(grad_norm=norm, skipped=found_inf, clip_coeff=coeff, lr=lr,
+        return dict(grad_norm=res.grad_norm, skipped=res.skipped, clip_coeff=res.clip_coeff, lr=lr,
                     loss_scale=None if self.loss_scaler is None else scale)
 
     def zero_grad(self) -> None:
@@ -152,6 +155,10 @@ class Engine:
         self.backend.zero_grad()
         self._micro = 0
         self._needs_zero = False
+
+    def close(self) -> None:
+        """Release what the backend holds beyond the object's life (DeepSpeed's hooks); unusable afterwards."""
+        self.backend.close()
 
     # ----------------------------------------------------------------- state
     # Checkpoints stream from and into what each rank owns (``owned_pieces``); the by-parameter
@@ -165,13 +172,14 @@ class Engine:
         """True when parameters are 16-bit and the optimizer steps an fp32 master."""
         return self.backend.dtype != torch.float32
 
-    def owned_pieces(self) -> list[dict]:
-        """This rank's part of every parameter's states, as views (see ``FlatZero.owned_pieces``)."""
+    def owned_pieces(self) -> Optional[list[dict]]:
+        """This rank's part of every parameter's states, as views (see ``FlatZero.owned_pieces``);
+        ``None`` for a backend without views (DeepSpeed: use :meth:`optimizer_state_by_param`)."""
         return self.backend.owned_pieces()
 
     def param_shapes(self) -> dict[str, tuple]:
         """``{name: shape}`` of this TP shard's parameters (full over DP); no communication."""
-        return {n: tuple(p.shape) for n, p in zip(self.backend.names, self.backend.params)}
+        return self.backend.param_shapes()
 
     def param_tensors(self, names):
         """``(name, tensor)`` of this TP shard, full over DP, one at a time (stage 3: collective)."""
@@ -197,17 +205,9 @@ class Engine:
         (one all-reduce per parameter of the zero-filled full tensor); every DP rank gets the
         result. Holds every state at once: for tests and small models; checkpoints stream.
         """
-        shapes = self.param_shapes()
-        out = {n: dict(exp_avg=torch.zeros(shapes[n], device=self.ps.device),
-                       exp_avg_sq=torch.zeros(shapes[n], device=self.ps.device), step=self.num_steps)
-               for n in self.param_names}
-        for pc in self.owned_pieces():
-            for k in ("exp_avg", "exp_avg_sq"):
-                out[pc["name"]][k].view(-1)[pc["lo"]:pc["lo"] + pc["length"]].copy_(pc[k])
-        if self.pieces_sharded_over_dp and self.ps.dp_group is not None:
-            for n in self.param_names:
-                for k in ("exp_avg", "exp_avg_sq"):
-                    dist.all_reduce(out[n][k], group=self.ps.dp_group)
+        out = self.backend.optimizer_state_by_param()
+        for st in out.values():
+            st["step"] = self.num_steps
         return out
 
     @torch.no_grad()
@@ -219,10 +219,7 @@ class Engine:
         """
         step = common_step(states)
         check_states(states, self.param_shapes())
-        for pc in self.owned_pieces():
-            for k in ("exp_avg", "exp_avg_sq"):
-                src = states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]]
-                pc[k].copy_(src)
+        self.backend.load_optimizer_state_by_param(states)
         self.refresh_master()
         self.num_steps = step
 
@@ -233,9 +230,8 @@ class Engine:
 
     def hyperparameters(self) -> dict:
         """What a checkpoint records next to the states: step count, stage, Adam's settings, loss scaler."""
-        b = self.backend
-        return dict(num_steps=int(self.num_steps), zero_stage=int(self.zero_stage),
-                    betas=[float(b.beta1), float(b.beta2)], eps=float(b.eps), weight_decay=float(b.weight_decay),
+        return dict(num_steps=int(self.num_steps), zero_stage=int(self.zero_stage), betas=list(self.betas),
+                    eps=self.eps, weight_decay=self.weight_decay,
                     loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     def load_state_dict(self, sd: dict) -> None:
@@ -318,7 +314,8 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
         stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
         backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives,
                            grad_dtype=torch.float32 if accumulate_grads_in_fp32 else None, **kw)
-    return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler)
+    return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler,
+                  betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb) -> None:

@@ -39,13 +39,13 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from ..parallel.sharding import copy_tp_attributes, is_tp_sharded
 from ..parallel.state import ParallelState
 from .sharded_adamw import Run, ShardedAdamW
-from .zero import _tp_flag, default_decay
+from .sharded_backend import ShardedBackend
+from .zero import default_decay
 
 __all__ = ["FSDPZero", "fsdp_units"]
-
-_TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size")
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -57,11 +57,12 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-class FSDPZero:
+class FSDPZero(ShardedBackend):
     """Stage 2 or 3: FSDP2 sharding of parameters/gradients over DP, AdamW on the local shards."""
 
     impl = "fsdp"
     grads_sharded_over_dp = True
+    pieces_sharded_over_dp = True
 
     def __init__(self, model: nn.Module, ps: ParallelState, stage: int, *, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
@@ -75,12 +76,9 @@ class FSDPZero:
         if ps.dp_size < 2 or ps.dp_group is None:
             raise ValueError("FSDP sharding needs a data-parallel group of at least 2 ranks.")
         self.ps, self.stage = ps, stage
-        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
-        self.eps, self.weight_decay = float(eps), float(weight_decay)
 
         before = [(n, p) for n, p in model.named_parameters()]
-        attrs = {n: {k: getattr(p, k) for k in _TP_ATTRS if hasattr(p, k)} for n, p in before}
-        flags = {n: _tp_flag(n, p, ps) for n, p in before}
+        flags = {n: is_tp_sharded(n, p, ps) for n, p in before}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
         self.full_numel = {n: p.numel() for n, p in before}
         on_meta = any(p.device.type == "meta" for _, p in before)
@@ -106,9 +104,10 @@ class FSDPZero:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise UserError("the model has no trainable parameters: nothing to optimise.")
-        for n, p in model.named_parameters():
-            for k, v in attrs.get(n, {}).items():
-                setattr(p, k, v)
+        originals = dict(before)
+        for n, p in model.named_parameters():  # FSDP's sharded parameters are new objects
+            if n in originals:
+                copy_tp_attributes(originals[n], p)
         self.names = [n for n, _ in named]
         self._index = {n: i for i, n in enumerate(self.names)}
         self.params = [p for _, p in named]
@@ -135,6 +134,7 @@ class FSDPZero:
 
     # ----------------------------------------------------------------- gradient sync
     def set_sync(self, is_last: bool) -> None:
+        """Reduce-scatter gradients only in the last micro step's backward."""
         self.model.set_requires_gradient_sync(is_last)
 
     def finish_grad_sync(self) -> None:
@@ -177,8 +177,6 @@ class FSDPZero:
             p.grad = None
 
     # ----------------------------------------------------------------- state exchange (checkpoints)
-    pieces_sharded_over_dp = True
-
     def _local_of(self, full: torch.Tensor, p) -> torch.Tensor:
         """This rank's FSDP shard of a (TP-shard) tensor; local slicing, no communication."""
         from torch.distributed.tensor import distribute_tensor
@@ -205,18 +203,13 @@ class FSDPZero:
     def param_tensors(self, names):
         """``(name, full tensor)`` of the named parameters, one at a time: an all-gather over DP per
         parameter (collective: every DP rank must iterate with the same names)."""
-        wanted = set(names)
-        for n, p in zip(self.names, self.params):
-            if n in wanted:
-                yield n, p.full_tensor()
+        for n, p in self._selected(names):
+            yield n, p.full_tensor()
 
     @torch.no_grad()
     def load_param(self, name: str, value: torch.Tensor) -> None:
         """Keep this rank's shard of a full (over DP) value; no communication."""
-        p = self.params[self._index[name]]
-        if tuple(value.shape) != tuple(p.shape):
-            raise UserError(f"parameter {name!r}: expected a tensor of shape {tuple(p.shape)}, got "
-                            f"{tuple(value.shape)}.")
+        p = self._checked(name, value)
         p.to_local().copy_(self._local_of(value.to(p.dtype), p))
 
     @torch.no_grad()

@@ -1,0 +1,107 @@
+"""What our two backends (:class:`~tnlg.optim.zero.FlatZero`, :class:`~tnlg.optim.fsdp.FSDPZero`) share.
+
+Both hold gradients that this rank can read (full at stage 0, the owned slices or FSDP
+shards at stages 1-3) and step ``torch.optim.AdamW`` on the pieces they own
+(:mod:`tnlg.optim.sharded_adamw`), so the step and the by-parameter state exchange are
+written once here, on top of a few primitives each backend provides:
+
+* ``finish_grad_sync()`` — wait for the gradient reduction of the last micro step;
+* ``grad_pieces()`` — ``(gradient tensor, tp_sharded)`` for what this rank holds;
+* ``grads_sharded_over_dp`` — True when DP ranks hold disjoint gradient pieces;
+* ``scale_grads_(factor)``, ``adam_step(lr)`` and ``owned_pieces()``.
+
+Collectives of :meth:`ShardedBackend.step`: the backend's wait for the gradient reduction;
+the gradient norm (:mod:`tnlg.optim.clip`: an fp64 all-reduce over DP of both sums where
+gradients are sharded, one over TP of the sharded sum); then whatever ``adam_step`` runs
+(flat stage 1: all-gather of the parameters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from ..parallel.state import ParallelState
+from .backend import StepResult
+from .clip import clip_coefficient, global_norm, squared_sums
+
+__all__ = ["ShardedBackend", "check_shape"]
+
+
+class ShardedBackend:
+    """The step and the state exchange of a backend built on owned pieces (see the module docstring)."""
+
+    ps: ParallelState
+    names: list[str]
+    params: list[torch.Tensor]
+    _index: dict[str, int]
+
+    def backward(self, loss: torch.Tensor, factor: float, is_last: bool) -> None:
+        """Backward of ``loss * factor``; the backend's gradient reduction runs only when ``is_last``."""
+        self.set_sync(is_last)
+        (loss if factor == 1.0 else loss * factor).backward()
+
+    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
+        """Wait for the reduction, norm (unscaled by ``loss_scale``), then clip and AdamW unless inf/NaN."""
+        self.finish_grad_sync()
+        sh, rep = squared_sums(self.grad_pieces())
+        norm = global_norm(sh, rep, self.ps, over_dp=self.grads_sharded_over_dp)
+        if loss_scale != 1.0:
+            norm = norm / loss_scale
+        skipped = not math.isfinite(norm)
+        coeff = clip_coefficient(norm, clip_grad)
+        if not skipped:
+            factor = coeff / loss_scale
+            if factor != 1.0:
+                self.scale_grads_(factor)
+            self.adam_step(lr)
+        return StepResult(norm, skipped, coeff)
+
+    def param_shapes(self) -> dict[str, tuple]:
+        return {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
+
+    def _selected(self, names):
+        """``(name, parameter)`` of the named parameters, in the backend's order."""
+        wanted = set(names)
+        return ((n, p) for n, p in zip(self.names, self.params) if n in wanted)
+
+    def _checked(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name``, after checking that ``value`` has its shape."""
+        p = self.params[self._index[name]]
+        check_shape(name, value, p.shape)
+        return p
+
+    @torch.no_grad()
+    def optimizer_state_by_param(self) -> dict[str, dict]:
+        """Full per-parameter Adam moments from the owned pieces: zero-filled tensors, this rank's
+        pieces copied in, then (states partitioned over DP) one all-reduce per parameter and moment."""
+        out = {n: dict(exp_avg=torch.zeros(s, device=self.ps.device), exp_avg_sq=torch.zeros(s, device=self.ps.device))
+               for n, s in self.param_shapes().items()}
+        for pc in self.owned_pieces():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[pc["name"]][k].view(-1)[pc["lo"]:pc["lo"] + pc["length"]].copy_(pc[k])
+        if self.pieces_sharded_over_dp and self.ps.dp_group is not None:
+            for n in self.names:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    dist.all_reduce(out[n][k], group=self.ps.dp_group)
+        return out
+
+    @torch.no_grad()
+    def load_optimizer_state_by_param(self, states: dict) -> None:
+        """Copy this rank's pieces out of full per-parameter moments; no communication."""
+        for pc in self.owned_pieces():
+            for k in ("exp_avg", "exp_avg_sq"):
+                pc[k].copy_(states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]])
+
+    def close(self) -> None:
+        """Nothing to release: buffers and hooks go with the object."""
+
+
+def check_shape(name: str, value: torch.Tensor, shape) -> None:
+    """A clear :class:`UserError` unless ``value`` has this TP shard's ``shape``."""
+    if tuple(value.shape) != tuple(shape):
+        raise UserError(f"parameter {name!r}: expected a tensor of shape {tuple(shape)}, got "
+                        f"{tuple(value.shape)}.")
