@@ -106,9 +106,10 @@ def _measure(ps, cfg_dict, groups, steps, warmup, micro_batch, bucket_mb):
             m = engine.memory_report()
             whole = impl == "tnlg" and stage < 2  # our stages 0 and 1 hold every parameter of the TP shard
             psi = sum(p.numel() for p in engine.model.parameters()) if whole else m["numel"]
+            key = (impl, stage)
             out.append(dict(stage=stage, impl=engine.impl, psi=psi, memory=m, formula=formulas(psi, ps.dp_size, stage),
-                            step_s=statistics.median(times[(impl, stage)]), fwd_bwd_s=statistics.median(fb[(impl, stage)]),
-                            step_times=times[(impl, stage)], loss=float(loss[(impl, stage)].detach())))
+                            step_s=statistics.median(times[key]), fwd_bwd_s=statistics.median(fb[key]),
+                            step_times=times[key], loss=float(loss[key].detach())))
         del engines
     return out
 

@@ -320,9 +320,12 @@ def main(argv=None) -> int:
                tiny=args.tiny)
     workdir = args.workdir or tempfile.mkdtemp(prefix="tnlg_gpu_check_")
     t0 = time.perf_counter()
-    sections = (("a+b", "ab", lambda: section_a_b(args, ps, out, workdir)), ("c", "c", lambda: section_c(args, ps, out)),
-                ("d", "d", lambda: section_d(args, ps, out, workdir)), ("e", "e", lambda: section_e(args, ps, out)),
-                ("f", "f", lambda: section_f(args, ps, out, workdir)), ("g", "g", lambda: section_g(args, ps, out, workdir)))
+    sections = (("a+b", "ab", lambda: section_a_b(args, ps, out, workdir)),
+                ("c", "c", lambda: section_c(args, ps, out)),
+                ("d", "d", lambda: section_d(args, ps, out, workdir)),
+                ("e", "e", lambda: section_e(args, ps, out)),
+                ("f", "f", lambda: section_f(args, ps, out, workdir)),
+                ("g", "g", lambda: section_g(args, ps, out, workdir)))
     for name, letters, fn in sections:
         if not set(letters) & set(args.sections):
             continue

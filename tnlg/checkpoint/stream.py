@@ -39,7 +39,8 @@ class StreamWriter:
     """Write ``specs`` = ``[(key, shape, dtype), ...]`` to ``path`` in that order.
 
     ``write(key, tensor)`` must be called once per spec, in order; ``close()`` fsyncs,
-    renames the temporary file (:func:`tnlg.io.temporary_name`) to ``path`` and returns ``(size, sha256 hex)``. Extra memory:
+    renames the temporary file (:func:`tnlg.io.temporary_name`) to ``path`` and returns
+    ``(size, sha256 hex)``. Extra memory:
     one tensor's host copy (none for a contiguous CPU tensor).
     """
 

@@ -38,6 +38,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 # check_inputs, iter_documents and InputFile live in .inputs (tokenizer training reads inputs too)
 __all__ = ["preprocess", "check_inputs", "iter_documents", "output_prefix_for", "InputFile"]
 
+
 def output_prefix_for(output_prefix: Union[str, Path], key: str = "text") -> str:
     """Megatron's output naming: ``PREFIX_<key>_document``."""
     return f"{os.fspath(output_prefix)}_{key}_document"
