@@ -57,6 +57,7 @@ from tnlg.optim import DynamicLossScaler, build_engine
 from tnlg.parallel.state import ParallelState, pick_device
 from tnlg.plan.flops import flops_per_iteration
 from tnlg.plan.planner import Hardware, Layout, Model, plan_layout
+from tnlg.training.throughput import measure_peak_tflops
 
 H100_BF16_DENSE_TFLOPS = 989.0
 
@@ -221,17 +222,7 @@ def section_d(args, ps, out, workdir):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _peak_tflops():
-    """The training log's peak measurement (its home moves with issue 13's loop restructuring)."""
-    try:
-        from tnlg.training.throughput import measure_peak_tflops
-    except ImportError:
-        from tnlg.train import measure_peak_tflops
-    return measure_peak_tflops
-
-
 def section_e(args, ps, out):
-    measure_peak_tflops = _peak_tflops()
     # --tiny: a small matmul timed once (a CPU without bf16 kernels takes seconds per large bf16 matmul)
     kwargs = dict(n=64, trials=1, min_seconds=0.01) if args.tiny else {}
     res = {}
@@ -266,7 +257,7 @@ def section_f(args, ps, out, workdir):
         x = torch.ones(1024, device=ps.device)
         for _ in range(3):
             dist.all_reduce(x)
-        peak_pg = _peak_tflops()(torch.bfloat16, ps.device)
+        peak_pg = measure_peak_tflops(torch.bfloat16, ps.device)
         torch.cuda.synchronize()
         try:
             from torch._C._distributed_c10d import _dump_nccl_trace
