@@ -42,6 +42,8 @@ that); ``--fp16`` (our autocast + dynamic loss scaler) is not supported with it.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -69,7 +71,6 @@ INSTALL_HINT = 'pip install -e ".[deepspeed]"'
 
 def deepspeed_available() -> bool:
     """True when the ``deepspeed`` package can be imported (without importing it)."""
-    import importlib.util
     return importlib.util.find_spec("deepspeed") is not None
 
 
@@ -157,7 +158,6 @@ def _import_deepspeed(ps: ParallelState):
     if want == "cpu":
         # The CPU backend JIT-compiles a shared-memory all-reduce (C++, ~30 s the first time on a machine)
         # that only DeepSpeed *inference* uses; training collectives go through torch.distributed (gloo).
-        import importlib
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch is torch itself
         if hasattr(ds_torch_comm, "build_shm_op"):
             ds_torch_comm.build_shm_op = lambda: None

@@ -44,6 +44,7 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import DataParallelBackend
+from .fsdp import FSDPZero
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
@@ -308,7 +309,6 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn, param_dtype=param_dtype,
               init_fn=init_fn)
     if fsdp:
-        from .fsdp import FSDPZero
         backend = FSDPZero(model, ps, zero_stage, **kw)
     else:
         stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
