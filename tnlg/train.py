@@ -13,13 +13,13 @@ import shlex
 import signal
 import sys
 import time
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from .errors import UserError
 from .launch import argv_of, launcher_world_size, relaunch, under_launcher
+from .options import Options
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
 from .training import Trainer, train
 from .training.step import TrainingDiverged
@@ -102,7 +102,7 @@ def _checkpoint_root(path: str) -> str:
     return os.path.dirname(path) or "." if os.path.isfile(os.path.join(path, META)) else path
 
 
-def _choose_save(o: SimpleNamespace, args) -> Optional[str]:
+def _choose_save(o: Options, args) -> Optional[str]:
     """Where a run without ``--save`` saves (sets ``o.save``), and the note that says so; ``None`` with
     ``--save``. Never lose work silently: the built-in job gets a fresh folder, a resumed run saves back
     into the root it loaded from, any other run saves nothing and says so now and at the end."""
@@ -149,7 +149,7 @@ def _last_checkpoint(save: Optional[str]) -> Optional[int]:
     return latest if latest in done else (done[-1] if done else None)
 
 
-def resume_command(args, o: SimpleNamespace) -> str:
+def resume_command(args, o: Options) -> str:
     """The command that continues this run: its options, with ``--save`` as chosen, and without a
     ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
@@ -164,7 +164,7 @@ def resume_command(args, o: SimpleNamespace) -> str:
     return "tnlg pretrain" + (" " + shlex.join(argv) if argv else "")
 
 
-def _interrupted_message(info: dict, o: SimpleNamespace, args) -> str:
+def _interrupted_message(info: dict, o: Options, args) -> str:
     """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
     head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"

@@ -19,29 +19,28 @@ step count and the current ``--lr*`` flags).
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options import COMPONENTS
+from ..options.fields import flag_of, option_fields
 
 __all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
 
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
                "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout")
-DATA_OPTIONS = ("split", "seed", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+# the options marked must_match (tnlg.options.DataOptions): they define the samples
+DATA_OPTIONS = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def options_record(o: Optional[SimpleNamespace]) -> dict:
-    """The run's options as JSON-able values (what ``tnlg checkpoint info`` shows)."""
+def options_record(o) -> dict:
+    """The run's options (:class:`tnlg.options.Options`, or any namespace) as JSON-able values (what
+    ``tnlg checkpoint info`` shows)."""
     if o is None:
         return {}
     out = {}
-    for k, v in sorted(vars(o).items()):
+    for k, v in sorted((o.flat() if hasattr(o, "flat") else vars(o)).items()):
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
         elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
@@ -49,7 +48,7 @@ def options_record(o: Optional[SimpleNamespace]) -> dict:
     return out
 
 
-def data_record(o: Optional[SimpleNamespace]) -> Optional[dict]:
+def data_record(o) -> Optional[dict]:
     """The datasets of ``--data-path``: resolved prefixes, byte sizes of their files, weights."""
     if o is None or not getattr(o, "data_path", None):
         return None
@@ -76,7 +75,7 @@ def _same_data(a: dict, b: dict) -> bool:
     return True
 
 
-def check_compatible(meta: dict, where: str, config: GPTConfig, options: Optional[SimpleNamespace],
+def check_compatible(meta: dict, where: str, config: GPTConfig, options,
                      tokenizer, origin: str = "--load") -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
     checkpoint (``meta``) and this run (``config``, ``options``, ``tokenizer``)."""
@@ -89,7 +88,7 @@ def check_compatible(meta: dict, where: str, config: GPTConfig, options: Optiona
     if options is not None:
         for k in DATA_OPTIONS:
             if k in saved_opts and hasattr(options, k) and saved_opts[k] != getattr(options, k):
-                diffs.append(f"{_flag(k)} {saved_opts[k]!r} in the checkpoint vs {getattr(options, k)!r} now")
+                diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {getattr(options, k)!r} now")
         saved_data, now_data = meta.get("data"), data_record(options)
         if saved_data and now_data and not _same_data(saved_data, now_data):
             diffs.append(f"--data-path {[f['prefix'] for f in saved_data['files']]} (weights "

@@ -18,8 +18,8 @@ import torch
 from ..data.sampler import MegatronPretrainingSampler
 from ..data.tokenizer import load_tokenizer
 from ..generate import generate
+from ..options import model_config
 from ..parallel.random import seed_everything
-from ..train_args import model_config
 from .checkpointing import Checkpointer, stop_on_signals
 from .metrics import Metrics
 from .setup import build_datasets, build_engine, build_schedule, init_run, precision
@@ -28,6 +28,8 @@ from .throughput import iteration_flops, measure_peak_tflops
 from .validation import Validation
 
 __all__ = ["Trainer", "train"]
+
+_MEASURED = "measured: dense matmuls on every rank at once, best of 5"
 
 
 def train(o) -> dict:
@@ -119,7 +121,7 @@ class Trainer:
                   f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
                   f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
                   f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
-                  f"({'--peak-tflops' if o.peak_tflops else 'measured: dense matmuls on every rank at once, best of 5'})")
+                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED})")
         return metrics
 
     def _log(self, msg: str) -> None:

@@ -1,0 +1,225 @@
+"""The options of ``tnlg pretrain``, one dataclass per component; each validates itself in
+``__post_init__`` (a :class:`tnlg.errors.UserError` naming the flag), as :class:`tnlg.config.GPTConfig`
+does. Defaults are Megatron-LM's where Megatron has one (:mod:`tnlg.train_args` adds the built-in
+job's and the published recipes)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import UserError
+from .checks import nonnegative_int, optional_positive_int, positive_int
+from .fields import option
+
+__all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
+           "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
+
+DEFAULT_NPROC = 4  # local processes when not under torchrun and --nproc-per-node is not given
+
+
+@dataclass
+class ModelOptions:
+    """The model's shape (with ``--preset``: the preset's)."""
+    num_layers: int = option(4)
+    hidden_size: int = option(128)
+    num_attention_heads: int = option(4)
+    seq_length: int = option(128)
+    ffn_hidden_size: Optional[int] = option(None, every="4 x hidden size")
+    hidden_dropout: float = option(0.1)
+    attention_dropout: float = option(0.1)
+    init_method_std: float = option(0.02)
+
+    def __post_init__(self):
+        positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+@dataclass
+class ScheduleOptions:
+    """Batch, run length, learning-rate schedule and AdamW."""
+    micro_batch_size: int = option(8, help="samples per rank per micro step")
+    global_batch_size: Optional[int] = option(
+        None, help="samples per iteration = micro x DP x accumulation steps", every="micro batch x DP")
+    train_iters: Optional[int] = option(None, every="none: required")
+    lr: float = option(6e-4, help="peak learning rate")
+    min_lr: float = option(0.0)
+    lr_warmup_iters: int = option(0, help="linear warmup from 0 over this many iterations")
+    lr_decay_iters: Optional[int] = option(None, help="decay ends here; --min-lr after", every="--train-iters")
+    lr_decay_style: str = option("linear", choices=["cosine", "linear", "constant"])
+    weight_decay: float = option(0.01, help="AdamW decay on matrices (2-D parameters) only")
+    clip_grad: float = option(1.0, help="clip by the global norm across TP and DP (0: off)")
+    adam_beta1: float = option(0.9)
+    adam_beta2: float = option(0.999)
+    adam_eps: float = option(1e-8)
+
+    def __post_init__(self):
+        if self.train_iters is None:
+            raise UserError("--train-iters is required for a run on your own data (--data-path) or a --preset "
+                            "without a recipe, as in Megatron-LM: the built-in job's 300 iterations suit only the "
+                            "built-in job. The learning-rate schedule (decay over --train-iters) follows it.")
+        positive_int(self, "micro_batch_size")
+        optional_positive_int(self, "global_batch_size")
+        positive_int(self, "train_iters")
+        nonnegative_int(self, "lr_warmup_iters")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise UserError(f"--lr-decay-style must be cosine, linear or constant, got {self.lr_decay_style!r}.")
+        optional_positive_int(self, "lr_decay_iters")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise UserError(f"--lr must be a positive number, got {self.lr!r}.")
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
+            raise UserError(f"--min-lr must be between 0 and --lr ({self.lr}), got {self.min_lr!r}.")
+        from ..optim.schedule import LRSchedule  # (torch: not imported for --help)
+        LRSchedule(max_lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
+                   decay_iters=self.lr_decay_iters or self.train_iters, decay_style=self.lr_decay_style)
+
+
+@dataclass
+class ParallelOptions:
+    """The layout: TP inside groups, ZeRO data parallelism across them, and the local processes."""
+    tensor_model_parallel_size: int = option(1, flags=("--tensor-model-parallel-size", "--tp"),
+                                             help="TP size (any size up to the head count)")
+    sequence_parallel: bool = option(False, help="with TP > 1: split the activations between the TP regions "
+                                     "along the sequence (LayerNorm, dropout, residual on 1/TP of the tokens; "
+                                     "all-gather/reduce-scatter instead of all-reduce; any sequence length)")
+    zero_stage: int = option(1, choices=[0, 1, 2, 3], help="0: all-reduce; 1: optimizer states partitioned; "
+                             "2: + gradients; 3: + parameters (2/3 via FSDP2)")
+    zero_impl: str = option("tnlg", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (our own "
+                            "for 0/1, FSDP2 for 2/3) or deepspeed (DeepSpeed's ZeRO 1-3 over our DP group; "
+                            "optional extra: pip install -e \".[deepspeed]\")")
+    nproc_per_node: Optional[int] = option(None, help="launch this many local processes (torch's elastic "
+                                           "launcher) unless already under torchrun",
+                                           every=f"one per GPU when GPUs are present, else {DEFAULT_NPROC}")
+    max_restarts: int = option(0, help="with --nproc-per-node: restart the group this many times after a "
+                               "failure (resuming from --save)")
+    distributed_timeout_minutes: float = option(10, help="a hung collective fails after this long")
+    bucket_size_mb: float = option(25.0, cli=False)  # gradient bucket size (config file only)
+
+    def __post_init__(self):
+        positive_int(self, "tensor_model_parallel_size")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        if self.zero_impl not in ("tnlg", "deepspeed"):
+            raise UserError(f"--zero-impl must be tnlg or deepspeed, got {self.zero_impl!r}.")
+        optional_positive_int(self, "nproc_per_node")
+
+
+@dataclass
+class DataOptions:
+    """The corpus and how samples are cut from it (all of it must match when resuming)."""
+    data_path: Optional[list[str]] = option(None, help="PREFIX, or weights and prefixes: 0.7 A 0.3 B (default: "
+                                            "the built-in corpus)")
+    split: str = option("969,30,1", help="train,valid,test weights by documents, e.g. 949,50,1", must_match=True)
+    seed: int = option(1234, help="seed of the sample order, the initial weights and dropout", must_match=True)
+    tokenizer_model: Optional[str] = option(None, help="SentencePiece .model or a GPT-2 BPE folder")
+    data_cache_path: Optional[str] = option(None, help="where index arrays are cached when the data folder is "
+                                            "read-only")
+    eod_mask_loss: bool = option(False, must_match=True)
+    reset_position_ids: bool = option(False, must_match=True)
+    reset_attention_mask: bool = option(False, must_match=True)
+
+    def check_files(self) -> None:
+        """The datasets and the tokenizer can be read (reads their headers; imports the data modules)."""
+        if self.data_path is not None:
+            from ..data.gpt_dataset import parse_data_path
+            from ..data.indexed import IndexedDataset
+            prefixes, _ = parse_data_path(self.data_path)
+            for prefix in prefixes:
+                IndexedDataset(prefix)  # refuses missing / corrupt files with a clear error
+            if self.tokenizer_model is None:
+                raise UserError("--data-path needs --tokenizer-model (the tokenizer the data was preprocessed "
+                                "with).")
+        if self.tokenizer_model is not None:
+            from ..data.tokenizer import load_tokenizer
+            load_tokenizer(self.tokenizer_model)  # refuses a missing or unreadable tokenizer with a clear error
+
+
+@dataclass
+class PrecisionOptions:
+    """Mixed precision, the device, activation recomputation."""
+    bf16: bool = option(False, help="ZeRO mixed precision: bf16 parameters and gradients (2 + 2 bytes per "
+                        "parameter), fp32 master weights and Adam moments for the owned 1/dp slice")
+    fp16: bool = option(False, help="as --bf16 in fp16, with dynamic loss scaling (GPUs only)")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False, help="with --bf16/--fp16: keep an fp32 gradient buffer (accumulation over micro batches and the "
+        "DP reduction in fp32; 2 + 4 bytes per parameter); ZeRO stages 0 and 1")
+    device: Optional[str] = option(None, choices=["cpu", "cuda"], help="where to train (default: cuda when a "
+                                   "GPU is present, else cpu); one process per GPU")
+    recompute_activations: bool = option(False, help="activation checkpointing per block; the same as "
+                                         "--recompute-granularity full (Megatron-LM maps it to selective)")
+    recompute_granularity: Optional[str] = option(
+        None, choices=["full", "selective"], help="recompute activations in backward instead of keeping them: "
+        "full = every transformer block from its input (2 s b h bytes per layer kept, one more forward); "
+        "selective = the attention core only (softmax and dropout, the 5 a s^2 b term; a few %% more FLOPs); "
+        "default: keep everything")
+
+    def __post_init__(self):
+        # --recompute-activations is --recompute-granularity full; afterwards both say the same
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise UserError(f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}.")
+        if self.recompute_activations and self.recompute_granularity == "selective":
+            raise UserError("--recompute-activations (full recomputation of every block) contradicts "
+                            "--recompute-granularity selective (the attention core only); give one of them.")
+        if self.recompute_activations:
+            self.recompute_granularity = "full"
+        self.recompute_activations = self.recompute_granularity == "full"
+
+    def check_device(self) -> None:
+        """The precision flags fit each other and the device (``--device cuda`` needs a GPU: imports torch)."""
+        if self.bf16 and self.fp16:
+            raise UserError("--bf16 and --fp16 are exclusive: pick one.")
+        from ..parallel.state import pick_device
+        device = pick_device(self.device)  # --device cuda without a GPU is refused here
+        if self.fp16 and device.type != "cuda":
+            raise UserError("--fp16 needs a GPU: fp16 matrix multiplies are unusably slow on CPUs. Use --bf16 "
+                            "(bf16 parameters, fp32 master weights) or fp32 (the default) on this machine.")
+        if self.accumulate_allreduce_grads_in_fp32 and not (self.bf16 or self.fp16):
+            raise UserError("--accumulate-allreduce-grads-in-fp32 needs --bf16 or --fp16: in fp32 training the "
+                            "gradients are fp32 already.")
+
+
+@dataclass
+class LoggingOptions:
+    """The log, validation, metrics and the sample at the end."""
+    log_interval: int = option(100)
+    eval_interval: int = option(1000, help="validation every N iterations (and before the first; 0: off)")
+    eval_iters: int = option(100, help="global batches per validation (0: no validation)")
+    metrics_file: Optional[str] = option(None, help="JSON Lines metrics (default SAVE/metrics.jsonl)")
+    plot: bool = option(True, negative="--no-plot", help="no loss-curve PNG at the end")
+    peak_tflops: Optional[float] = option(None, help="per-rank peak for MFU (default: measured at start)")
+    sample_prompt: str = option("", help="prompt of the sample printed at the end ('' for none)", every="none")
+    sample_tokens: int = option(48)
+
+    def __post_init__(self):
+        positive_int(self, "log_interval")
+        nonnegative_int(self, "eval_interval", "eval_iters")
+
+
+@dataclass
+class CheckpointOptions:
+    """Where checkpoints go, how often, and where a run resumes from."""
+    save: Optional[str] = option(
+        None, help="checkpoint directory, also for metrics.jsonl and the loss plot; resumed from when it holds a "
+        "checkpoint. Without it: the built-in job saves to a new folder under runs/ (pretrain-DATE-TIME; under "
+        "torchrun pretrain-RUN_ID), a run with --load saves back into the root it loaded from, any other run "
+        "saves nothing (and says so at start and at the end)")
+    save_interval: Optional[int] = option(None, help="save every N iterations (always at the end and on "
+                                          "SIGTERM)", every="only at the end")
+    load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
+                                 "iter_* directory); without --save, later checkpoints go into the same root")
+    keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
+
+    def __post_init__(self):
+        optional_positive_int(self, "save_interval", "keep_last")
+
+    def check_load(self) -> None:
+        if self.load is not None and not os.path.isdir(self.load):
+            raise UserError(f"--load {self.load!r} is not a directory.")
+
+
+# (attribute of the composed options, class, --help group), in --help order
+COMPONENTS = (("model", ModelOptions, "model"), ("schedule", ScheduleOptions, "batch and schedule"),
+              ("parallel", ParallelOptions, "parallelism"), ("data", DataOptions, "data"),
+              ("precision", PrecisionOptions, "precision and memory"),
+              ("logging", LoggingOptions, "logging, evaluation, checkpoints"),
+              ("checkpoint", CheckpointOptions, "logging, evaluation, checkpoints"))

@@ -1,0 +1,89 @@
+"""Options written once: a dataclass field per option, with its flag, help and checks in the field's
+metadata; the argument parser, the config-file keys and the resume checks are read from the fields.
+
+Torch-free: ``tnlg pretrain --help`` builds its parser from these fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Iterator, Optional
+
+__all__ = ["option", "flag_of", "option_fields", "add_options", "shown"]
+
+
+def option(default: Any, *, help: str = "", flags: tuple = (), choices: Optional[list] = None,
+           metavar: Optional[str] = None, negative: Optional[str] = None, every: Optional[str] = None,
+           cli: bool = True, must_match: bool = False):
+    """A field of an options dataclass.
+
+    ``flags``: the command-line spellings (default ``--name-with-dashes``); ``negative``: the flag that
+    sets a boolean that defaults to True to False (``--no-plot``); ``every``: what ``--help`` says of a
+    default that is not a plain value; ``cli=False``: settable in a config file only; ``must_match``:
+    a resumed run must give the same value as the checkpoint (it defines the data).
+    """
+    meta = dict(help=help, flags=flags, choices=choices, metavar=metavar, negative=negative, every=every, cli=cli,
+                must_match=must_match)
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(name: str) -> str:
+    """``--name-with-dashes`` of a field ``name_with_underscores``."""
+    return "--" + name.replace("_", "-")
+
+
+def option_fields(cls) -> Iterator[dataclasses.Field]:
+    """The option fields of an options dataclass, in order."""
+    return (f for f in dataclasses.fields(cls) if f.init)
+
+
+def shown(v) -> str:
+    """A default as ``--help`` writes it."""
+    return f"{v:g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+
+def _value_type(cls, f: dataclasses.Field):
+    """The scalar type of a field (``Optional[int]`` -> int) and whether it takes a list."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) is typing.Union:  # Optional[X] -> X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+def add_options(group, cls, builtin: dict) -> None:
+    """Add the flags of options dataclass ``cls`` to ``group``. Defaults are ``argparse.SUPPRESS``: a
+    namespace holds exactly what was given. Each help ends with the default of every run and, where it
+    differs, the built-in job's (``builtin``: what ``--help`` says of the built-in job's values)."""
+    for f in option_fields(cls):
+        m = f.metadata
+        if not m.get("cli", True):
+            continue
+        typ, many = _value_type(cls, f)
+        kw: dict = dict(default=argparse.SUPPRESS, dest=f.name)
+        if typ is bool:
+            kw["action"] = "store_false" if m["negative"] else "store_true"
+            flags = (m["negative"],) if m["negative"] else (m["flags"] or (flag_of(f.name),))
+            kw["help"] = m["help"] or None
+            group.add_argument(*flags, **kw)
+            continue
+        if many:
+            kw["nargs"] = "+"
+        elif typ in (int, float):
+            kw["type"] = typ
+        for k in ("choices", "metavar"):
+            if m.get(k) is not None:
+                kw[k] = m[k]
+        every, words = m["every"], builtin.get(f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if every is None and default is not None:
+            every = shown(default)
+        parts = ([f"default {every}"] if every else []) + ([f"built-in job {words}"] if words else [])
+        text = m["help"] + (f" ({'; '.join(parts)})" if parts else "")
+        kw["help"] = text.strip() or None
+        group.add_argument(*(m["flags"] or (flag_of(f.name),)), **kw)
