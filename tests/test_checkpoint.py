@@ -67,11 +67,12 @@ def _valid_loss(ps_world, o, path, tp):
 
 
 def _hf_logits(ps_world, path, tp, out_dir, tokens):
-    from tnlg.model import gather_logits
+    from tnlg.hf import to_hf
     from tnlg.parallel.state import init_parallel
+    from tnlg.parallel.vocab import gather_logits
     ps = init_parallel(tp)
     model, _ = ck.load_for_inference(path, ps)
-    model.to_hf(out_dir)  # collective over TP; the first rank writes
+    to_hf(model, out_dir)  # collective over TP; the first rank writes
     with torch.no_grad():
         return gather_logits(model(tokens), ps, model.config.vocab_size)
 

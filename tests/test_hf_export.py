@@ -268,7 +268,8 @@ def _tiny_model(vocab=4096):
 
 
 def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
-    """Issue 12 item 2: GPT.to_hf(folder) used to shutil.rmtree an existing folder, files it never wrote included."""
+    """Issue 12 item 2: to_hf(model, folder) used to shutil.rmtree an existing folder, files it never wrote included."""
+    from tnlg.hf import to_hf
     model = _tiny_model()
     out = tmp_path / "mine"
     out.mkdir()
@@ -276,22 +277,22 @@ def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
     (out / "sub").mkdir()
     (out / "sub" / "data.bin").write_bytes(b"\x00\x01")
     with pytest.raises(UserError, match=r"'.*mine' already exists and is not empty"):
-        model.to_hf(str(out))
+        to_hf(model, str(out))
     assert (out / "notes.txt").read_text() == "keep me" and (out / "sub" / "data.bin").read_bytes() == b"\x00\x01"
     assert sorted(os.listdir(out)) == ["notes.txt", "sub"]
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(UserError, match="not empty"):
-        model.to_hf(str(tmp_path / "a_file"))
+        to_hf(model, str(tmp_path / "a_file"))
     assert (tmp_path / "a_file").read_text() == "x"
     # an empty folder, or a new one (parents created), is fine; nothing is left beside it
     (tmp_path / "empty").mkdir()
-    model.to_hf(str(tmp_path / "empty"))
-    model.to_hf(str(tmp_path / "new" / "deeper"))
+    to_hf(model, str(tmp_path / "empty"))
+    to_hf(model, str(tmp_path / "new" / "deeper"))
     for d in (tmp_path / "empty", tmp_path / "new" / "deeper"):
         assert sorted(os.listdir(d)) == ["config.json", "generation_config.json", "model.safetensors"]
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     with pytest.raises(UserError, match="not empty"):  # the second export to the same folder is refused too
-        model.to_hf(str(tmp_path / "empty"))
+        to_hf(model, str(tmp_path / "empty"))
 
 
 def test_to_hf_failed_write_removes_only_its_temporary_folder(tmp_path, monkeypatch):

@@ -6,9 +6,10 @@ import torch.nn.functional as F
 
 import tnlg
 from tnlg.config import GPTConfig
-from tnlg.hf import hf_to_tnlg_state_dict
-from tnlg.model import GPT, gather_logits
+from tnlg.hf import hf_to_tnlg_state_dict, to_hf
+from tnlg.model import GPT
 from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
+from tnlg.parallel.vocab import gather_logits
 from tnlg.testing import run_distributed
 
 from .conftest import LAYOUTS
@@ -92,7 +93,7 @@ def test_hf_roundtrip_bit_identical():
     cfg, weights, *_ = _hf_reference()
     model = GPT(cfg)
     load_full_state_dict(model, weights, model.ps)
-    hf = model.to_hf()
+    hf = to_hf(model)
     back = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
     for n, t in weights.items():
         assert torch.equal(back[n], t), n

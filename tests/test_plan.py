@@ -13,8 +13,7 @@ import pytest
 from tnlg.cli import main
 from tnlg.config import PRESETS, GPTConfig
 from tnlg.errors import UserError
-from tnlg.model import parameter_counts
-from tnlg.plan.counts import rank_counts_formula, replicated_per_rank
+from tnlg.plan.counts import parameter_counts, rank_counts_formula, replicated_per_rank
 from tnlg.plan.flops import flops_per_iteration, rank_flops_imbalance, reference_flops
 from tnlg.plan.memory import activation_bytes, model_state_bytes
 from tnlg.plan.units import parse_bytes, parse_count
@@ -163,7 +162,7 @@ def test_preset_brings_its_recipe_layout(capsys):
 def test_tnlg_17b_tp16_uneven(capsys):
     plan = plan_json(capsys, "--preset", "tnlg-17b", "--tensor-model-parallel-size", "16")
     p = plan["parameters"]
-    assert p["source"].startswith("meta-device")
+    assert p["source"].startswith("layer description")
     assert p["heads_per_rank"] == [2] * 12 + [1] * 4 and p["uneven"]
     assert p["largest_rank"]["rank"] == 0 and p["largest_rank"]["heads"] == 2
     assert p["smallest_rank"]["heads"] == 1

@@ -15,13 +15,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tnlg.config import GPTConfig, partition_sizes
-from tnlg.model import GPT, KVCache, gather_logits
+from tnlg.model import GPT, KVCache
 from tnlg.parallel import ColumnParallelLinear, RowParallelLinear
 from tnlg.parallel.mappings import (copy_to_tp_coalesced, gather_from_sequence_parallel,
                                    reduce_scatter_to_sequence_parallel, scatter_to_sequence_parallel,
                                    sequence_all_gather, sequence_reduce_scatter, sequence_sizes)
 from tnlg.plan.memory import activation_bytes
 from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
+from tnlg.parallel.vocab import gather_logits
 from tnlg.testing import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # public name -> submodule that defines it
 _EXPORTS = {
     "GPTConfig": "config", "partition_sizes": "config",
-    "GPT": "model", "KVCache": "model", "gather_logits": "model", "parameter_counts": "model",
+    "GPT": "model", "KVCache": "model", "gather_logits": "parallel", "parameter_counts": "plan.counts",
     "generate": "generate", "generate_ids": "generate",
     "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
     "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel", "init_parallel": "parallel",
@@ -57,6 +57,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import GPTConfig, partition_sizes
     from .generate import generate, generate_ids
-    from .model import GPT, KVCache, gather_logits, parameter_counts
+    from .model import GPT, KVCache
     from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                           destroy_parallel, init_parallel, vocab_parallel_cross_entropy)
+                           destroy_parallel, gather_logits, init_parallel, vocab_parallel_cross_entropy)
+    from .plan.counts import parameter_counts

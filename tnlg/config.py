@@ -144,11 +144,40 @@ class GPTConfig:
     def num_parameters_formula(self, vocab_size: Optional[int] = None, final_layernorm: bool = True) -> int:
         """Narayanan et al. 2021 eq. 2, generalised to any ffn width:
         ``l (4h^2 + 2 h f + 9h + f) + (V + s) h`` (+ 2h for the final LayerNorm).
-        With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``."""
-        l, h, f, s = self.num_layers, self.hidden_size, self.ffn_hidden_size, self.seq_length
-        v = self.vocab_size if vocab_size is None else vocab_size
-        total = l * (4 * h * h + 2 * h * f + 9 * h + f) + (v + s) * h
-        return total + (2 * h if final_layernorm else 0)
+        With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``. (The TP=1 case of
+        :meth:`parameters_per_rank`.)"""
+        total = self.parameters_per_rank(1, vocab_size)[0]["params_unpadded"]
+        return total - (0 if final_layernorm else 2 * self.hidden_size)
+
+    def replicated_parameters(self) -> int:
+        """Parameters every TP rank holds in full: ``l (2h + h + 2h + h) + s h + 2h`` (both LayerNorms
+        and the two row-parallel biases of every layer, the position embedding, the final LayerNorm)."""
+        l, h, s = self.num_layers, self.hidden_size, self.seq_length
+        return l * 6 * h + s * h + 2 * h
+
+    def parameters_per_rank(self, tp: int, vocab_size: Optional[int] = None) -> list[dict]:
+        """Closed-form parameter count of each TP rank's shard (the one parameter-count formula).
+
+        Each entry: ``params`` (including padded vocabulary rows), ``params_unpadded``
+        and ``replicated`` (:meth:`replicated_parameters`). Split over TP: QKV (weight + bias,
+        whole heads per rank), the attention output weight, MLP fc (weight + bias) and proj
+        weight, and the word embedding (vocabulary padded to a multiple of
+        ``make_vocab_size_divisible_by * tp``, split evenly). Summed over ranks,
+        ``params_unpadded`` is :meth:`num_parameters_formula` plus ``replicated * (tp - 1)``.
+        """
+        l, h, d = self.num_layers, self.hidden_size, self.head_dim
+        vocab = self.vocab_size if vocab_size is None else vocab_size
+        shard_rows = padded_vocab_size(vocab, tp, self.make_vocab_size_divisible_by) // tp
+        replicated = self.replicated_parameters()
+        out = []
+        for r, (heads, ffn) in enumerate(zip(self.heads_per_rank(tp), self.ffn_per_rank(tp))):
+            width = heads * d
+            sharded = l * (3 * width * h + 3 * width + width * h + h * ffn + ffn + ffn * h)
+            real_rows = min(max(vocab - r * shard_rows, 0), shard_rows)
+            out.append({"params": sharded + shard_rows * h + replicated,
+                        "params_unpadded": sharded + real_rows * h + replicated,
+                        "replicated": replicated})
+        return out
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Optional
 
 import torch
 
 from .config import GPTConfig
 from .errors import UserError
+from .io import fsync_dir, temporary_name
+from .model import GPT
 from .parallel.sharding import full_state_dict, load_full_state_dict
 from .parallel.state import ParallelState
 
@@ -108,8 +111,8 @@ def _load_hf_model(model_or_dir):
 
 
 def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
-    """A TP-sharded :class:`tnlg.GPT` with the weights of a GPT-2 model or folder."""
-    from .model import GPT
+    """A TP-sharded :class:`tnlg.GPT` with the weights of a GPT-2 model or folder (``overrides``: other
+    :class:`~tnlg.config.GPTConfig` fields). Each rank keeps its slice; no communication."""
     ps = ps or ParallelState.single()
     hf = _load_hf_model(model_or_dir)
     cfg = config_from_hf(hf.config, **overrides)
@@ -176,7 +179,7 @@ def write_hf_folder(hf, out_dir: str, tokenizer=None) -> str:
     if tokenizer is not None and not isinstance(tokenizer, dict):
         files = hf_tokenizer_files(tokenizer, hf.config.n_positions)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = temporary_name(out)
     try:
         os.mkdir(tmp)
     except FileExistsError:  # not created by this call, so not ours to reuse or remove
@@ -196,9 +199,9 @@ def write_hf_folder(hf, out_dir: str, tokenizer=None) -> str:
             else:
                 raise _not_empty(out) from None
     except BaseException:
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)  # the temporary folder created above, nothing else
         raise
+    fsync_dir(os.path.dirname(out))
     return out
 
 

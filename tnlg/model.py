@@ -55,16 +55,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
-from .parallel.cross_entropy import vocab_parallel_cross_entropy
-from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
-from .parallel.mappings import (copy_to_tp, copy_to_tp_coalesced, gather_from_tp, reduce_scatter_to_sequence_parallel,
-                                sequence_sizes)
-from .parallel.random import TPRandom
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
+from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_to_sequence_parallel, sequence_sizes
+from .parallel.random import TPRandom
 from .parallel.sharding import ShardSpec
 from .parallel.state import ParallelState
+from .parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 
-__all__ = ["GPT", "KVCache", "gather_logits", "parameter_counts"]
+__all__ = ["GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
 
 
 class _LayerNorm16(torch.autograd.Function):
@@ -487,56 +486,14 @@ class GPT(nn.Module):
             return None
         return sequence_sizes(seq_len, tp)
 
-    # -------------------------------------------------------------- interop
+    # ------------------------------------------------ deprecated: use tnlg.hf.from_hf / tnlg.hf.to_hf
     @classmethod
     def from_hf(cls, model_or_dir, ps: Optional[ParallelState] = None, **overrides) -> "GPT":
-        """Load a `transformers` GPT-2 (a ``GPT2LMHeadModel`` or a ``save_pretrained`` folder)."""
+        """Deprecated alias of :func:`tnlg.hf.from_hf` (kept until its last callers move)."""
         from .hf import from_hf
         return from_hf(model_or_dir, ps, **overrides)
 
     def to_hf(self, out_dir: Optional[str] = None, tokenizer=None):
-        """Gather the shards into a ``GPT2LMHeadModel`` (collective over TP); save it (and ``tokenizer``,
-        in a form ``AutoTokenizer`` loads) if ``out_dir``, which must be new or empty."""
+        """Deprecated alias of :func:`tnlg.hf.to_hf` (kept until its last callers move)."""
         from .hf import to_hf
         return to_hf(self, out_dir, tokenizer)
-
-
-def gather_logits(logits: torch.Tensor, ps: ParallelState, vocab_size: int) -> torch.Tensor:
-    """Full logits ``[*, vocab_size]`` from vocab shards (all-gather over TP; padding removed)."""
-    return gather_from_tp(logits, ps)[..., :vocab_size]
-
-
-def parameter_counts(config: GPTConfig, tp_size: int = 1) -> dict:
-    """Parameter counts per TP rank, from shards built on the meta device (nothing allocated).
-
-    Returns ``total`` (unpadded: equals :meth:`GPTConfig.num_parameters_formula`),
-    ``total_padded`` (with the padded embedding rows), ``replicated`` (parameters
-    every TP rank holds a copy of) and ``per_rank``: for each TP rank ``params``
-    (with padding), ``params_unpadded`` and ``replicated``. Per-rank counts sum to
-    ``total_padded + replicated * (tp - 1)``.
-    """
-    per_rank = []
-    for r in range(tp_size):
-        with torch.device("meta"):
-            shard = GPT(config, ParallelState.for_virtual_rank(tp_size, r))
-        n = n_unpadded = n_rep = 0
-        for p in shard.parameters():
-            n += p.numel()
-            if getattr(p, "tp_sharded", False):
-                n_unpadded += p.numel() // p.shape[p.partition_dim] * _unpadded_rows(p, r)
-            else:
-                n_unpadded += p.numel()
-                n_rep += p.numel()
-        per_rank.append(dict(params=n, params_unpadded=n_unpadded, replicated=n_rep))
-        del shard
-    replicated = per_rank[0]["replicated"]
-    return dict(total=sum(r["params_unpadded"] for r in per_rank) - replicated * (tp_size - 1),
-                total_padded=sum(r["params"] for r in per_rank) - replicated * (tp_size - 1),
-                replicated=replicated, per_rank=per_rank, tp_size=tp_size,
-                padded_vocab_size=config.padded_vocab_size(tp_size))
-
-
-def _unpadded_rows(p: torch.Tensor, rank: int) -> int:
-    """Entries along ``partition_dim`` of this rank's shard that are real (not vocabulary padding)."""
-    start = sum(p.partition_sizes[:rank])
-    return max(0, min(p.full_size, start + p.partition_sizes[rank]) - start)

@@ -46,7 +46,7 @@ DEFAULT_INIT = init_normal(0.02)
 
 def _split_sizes(n: int, sizes: Optional[Sequence[int]], tp: int, what: str) -> tuple[int, ...]:
     """Every rank's share of ``n`` (``what`` names it): ``sizes`` checked, or an even split."""
-    if sizes is None:
+    if not sizes:  # None or empty: an even split
         if n % tp:
             raise ValueError(f"{what}={n} does not divide by tensor-parallel size {tp}; pass partition_sizes.")
         return (n // tp,) * tp
@@ -124,7 +124,32 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         return _LinearWithSequenceGather.apply(x, weight, bias, ps, tuple(sequence_sizes))
 
 
-class ColumnParallelLinear(SelfInitializing, nn.Module):
+class _ParallelLinear(SelfInitializing, nn.Module):
+    """What column and row layers share: the features, every rank's share of the split one
+    (``split_dim`` of the weight: 0 = output features, 1 = input features) and the parameters,
+    built from ``describe`` and initialised."""
+
+    split_dim: int
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool,
+                 partition_sizes: Optional[Sequence[int]], sequence_parallel: bool, device, dtype,
+                 init_method: InitMethod, seed: int, init_key: str):
+        super().__init__()
+        self.ps = ps
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        split, what = (out_features, "out_features") if self.split_dim == 0 else (in_features, "in_features")
+        self.partition_sizes = _split_sizes(split, partition_sizes, ps.tp_size, what)
+        _build(self, self.describe(in_features, out_features, self.partition_sizes, bias), ps, init_method, seed,
+               init_key, device, dtype)
+
+    @staticmethod
+    def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP: ``Y_i = X A_i^T + b_i``.
 
     Forward: ``f`` (identity) on the input, local matmul; with ``gather_output``
@@ -138,22 +163,19 @@ class ColumnParallelLinear(SelfInitializing, nn.Module):
     sequence (instead of the all-reduce).
     """
 
+    split_dim = 0
+
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  gather_output: bool = False, partition_sizes: Optional[Sequence[int]] = None,
                  sequence_parallel: bool = False, device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT,
                  seed: int = 0, init_key: str = ""):
-        super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True returns the full output on every rank, "
                              "which a sequence-parallel layer does not; gather the logits explicitly instead.")
-        self.ps = ps
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, ps, bias, partition_sizes, sequence_parallel, device, dtype,
+                         init_method, seed, init_key)
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
-        self.partition_sizes = _split_sizes(out_features, partition_sizes, ps.tp_size, "out_features")
         self.output_size_per_partition = self.partition_sizes[ps.tp_rank]
-        _build(self, self.describe(in_features, out_features, self.partition_sizes, bias), ps, init_method, seed,
-               init_key, device, dtype)
 
     @staticmethod
     def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
@@ -181,7 +203,7 @@ class ColumnParallelLinear(SelfInitializing, nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(SelfInitializing, nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A`` split by columns (input features): ``Y = sum_i X_i A_i^T + b``.
 
     Forward: (scatter of the input along the last dim unless ``input_is_parallel``),
@@ -196,22 +218,19 @@ class RowParallelLinear(SelfInitializing, nn.Module):
     own positions; ``f`` applied to the bias, or coalesced by the caller).
     """
 
+    split_dim = 1
+
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True,
                  input_is_parallel: bool = True, partition_sizes: Optional[Sequence[int]] = None,
                  sequence_parallel: bool = False, device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT,
                  seed: int = 0, init_key: str = ""):
-        super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
                              "of a sequence-parallel row layer is the output of a column-parallel one).")
-        self.ps = ps
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, ps, bias, partition_sizes, sequence_parallel, device, dtype,
+                         init_method, seed, init_key)
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
-        self.partition_sizes = _split_sizes(in_features, partition_sizes, ps.tp_size, "in_features")
         self.input_size_per_partition = self.partition_sizes[ps.tp_rank]
-        _build(self, self.describe(in_features, out_features, self.partition_sizes, bias), ps, init_method, seed,
-               init_key, device, dtype)
 
     @staticmethod
     def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],

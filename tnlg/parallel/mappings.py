@@ -151,26 +151,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class _SplitLastDim(torch.autograd.Function):
+    """Between the full last dim and this rank's slice of it (``sizes`` when uneven).
+
+    ``gather=False`` (``scatter_to_tp``): forward keeps this rank's slice, backward all-gathers
+    the gradient. ``gather=True`` (``gather_from_tp``): forward all-gathers, backward keeps the
+    slice of the gradient."""
+
     @staticmethod
-    def forward(ctx, x, ps, sizes):
-        ctx.ps, ctx.sizes = ps, sizes
-        return _slice_last_dim(x, ps, sizes)
+    def forward(ctx, x, ps, sizes, gather):
+        ctx.ps, ctx.sizes, ctx.gather = ps, sizes, gather
+        return (_gather_last_dim if gather else _slice_last_dim)(x, ps, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.ps, ctx.sizes), None, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps, sizes):
-        ctx.ps, ctx.sizes = ps, sizes
-        return _gather_last_dim(x, ps, sizes)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice_last_dim(grad, ctx.ps, ctx.sizes), None, None
+        return (_slice_last_dim if ctx.gather else _gather_last_dim)(grad, ctx.ps, ctx.sizes), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
@@ -185,12 +180,12 @@ def reduce_from_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 def scatter_to_tp(x: torch.Tensor, ps: ParallelState, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim (no forward communication); all-gather in backward."""
-    return x if ps.tp_size == 1 else _ScatterToTP.apply(x, ps, None if sizes is None else tuple(sizes))
+    return x if ps.tp_size == 1 else _SplitLastDim.apply(x, ps, None if sizes is None else tuple(sizes), False)
 
 
 def gather_from_tp(x: torch.Tensor, ps: ParallelState, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """All-gather slices of the last dim in forward (``sizes`` when uneven); slice in backward."""
-    return x if ps.tp_size == 1 else _GatherFromTP.apply(x, ps, None if sizes is None else tuple(sizes))
+    return x if ps.tp_size == 1 else _SplitLastDim.apply(x, ps, None if sizes is None else tuple(sizes), True)
 
 
 # --------------------------------------------------------------------------- sequence parallelism

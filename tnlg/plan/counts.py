@@ -1,10 +1,11 @@
-"""Parameter counts: total and per tensor-parallel rank, by meta-device build and by formula.
+"""Parameter counts: total and per tensor-parallel rank, from the layers and by formula.
 
-The shard of every virtual TP rank is built on the meta device (no memory is
-allocated) with :func:`tnlg.model.parameter_counts`; the closed-form count of
-each rank, :func:`rank_counts_formula`, is printed beside it and the two are
-checked against each other in the tests. What is split and what is replicated
-(Megatron's layout, GPT-2 shapes, tied embeddings):
+:func:`parameter_counts` counts every virtual TP rank's shard from the layers' own
+description of their splits (:meth:`tnlg.model.GPT.describe`: exactly what the built
+model holds, nothing allocated); the closed-form count of each rank,
+:meth:`tnlg.config.GPTConfig.parameters_per_rank` (the one formula; :func:`rank_counts_formula`
+here), is printed beside it and the two are checked against each other in the tests.
+What is split and what is replicated (Megatron's layout, GPT-2 shapes, tied embeddings):
 
 * split: attention QKV (weight + bias, per-rank heads from
   :func:`tnlg.config.partition_sizes`), attention output weight, MLP fc
@@ -16,65 +17,71 @@ checked against each other in the tests. What is split and what is replicated
 
 from __future__ import annotations
 
-from typing import Optional
+import math
 
 from ..config import GPTConfig
 
-__all__ = ["rank_counts_formula", "replicated_per_rank", "parameter_report", "abstract_parameter_report"]
+__all__ = ["parameter_counts", "rank_counts_formula", "replicated_per_rank", "parameter_report",
+           "abstract_parameter_report"]
 
 
 def replicated_per_rank(config: GPTConfig) -> int:
-    """Parameters every TP rank holds in full: ``l (2h + h + 2h + h) + s h + 2h``."""
-    l, h, s = config.num_layers, config.hidden_size, config.seq_length
-    return l * 6 * h + s * h + 2 * h
+    """Parameters every TP rank holds in full (:meth:`GPTConfig.replicated_parameters`)."""
+    return config.replicated_parameters()
 
 
 def rank_counts_formula(config: GPTConfig, tp: int) -> list[dict]:
-    """Closed-form count of each TP rank's shard, in the layout of ``tnlg.model.parameter_counts``.
+    """Closed-form count of each TP rank's shard (:meth:`GPTConfig.parameters_per_rank`), in the
+    layout of :func:`parameter_counts`'s ``per_rank``."""
+    return config.parameters_per_rank(tp)
 
-    Each entry: ``params`` (including padded vocabulary rows), ``params_unpadded``
-    and ``replicated``. Summed over ranks, ``params_unpadded`` equals
-    :meth:`GPTConfig.num_parameters_formula` plus ``replicated * (tp - 1)``.
+
+def parameter_counts(config: GPTConfig, tp_size: int = 1) -> dict:
+    """Parameter counts per TP rank, from the layers' description of every rank's shard.
+
+    Returns ``total`` (unpadded: equals :meth:`GPTConfig.num_parameters_formula`),
+    ``total_padded`` (with the padded embedding rows), ``replicated`` (parameters
+    every TP rank holds a copy of) and ``per_rank``: for each TP rank ``params``
+    (with padding), ``params_unpadded`` and ``replicated``. Per-rank counts sum to
+    ``total_padded + replicated * (tp - 1)``.
     """
-    l, h, d = config.num_layers, config.hidden_size, config.head_dim
-    vocab, vocab_padded = config.vocab_size, config.padded_vocab_size(tp)
-    shard_rows = vocab_padded // tp
-    replicated = replicated_per_rank(config)
-    out = []
-    for r, (heads, ffn) in enumerate(zip(config.heads_per_rank(tp), config.ffn_per_rank(tp))):
-        width = heads * d
-        per_layer = 3 * width * h + 3 * width + width * h + h * ffn + ffn + ffn * h
-        real_rows = min(max(vocab - r * shard_rows, 0), shard_rows)
-        sharded = l * per_layer
-        out.append({"params": sharded + shard_rows * h + replicated,
-                    "params_unpadded": sharded + real_rows * h + replicated,
-                    "replicated": replicated})
-    return out
-
-
-def _meta_counts(config: GPTConfig, tp: int) -> Optional[dict]:
-    """Counts from meta-device builds of every rank's shard, or ``None`` while the model is unavailable."""
-    try:
-        from ..model import parameter_counts
-    except ImportError:
-        return None
-    return parameter_counts(config, tp)
+    from ..model import GPT  # deferred: imports torch, which ``tnlg plan`` does not need otherwise
+    specs = GPT.describe(config, tp_size).values()
+    per_rank = []
+    for r in range(tp_size):
+        n = n_unpadded = n_rep = 0
+        for spec in specs:
+            numel = math.prod(spec.local_shape(r))
+            n += numel
+            if spec.sharded:
+                start, rows = sum(spec.sizes[:r]), spec.sizes[r]
+                real = max(0, min(spec.shape[spec.dim], start + rows) - start)  # not vocabulary padding
+                n_unpadded += numel // rows * real if rows else 0
+            else:
+                n_unpadded += numel
+                n_rep += numel
+        per_rank.append(dict(params=n, params_unpadded=n_unpadded, replicated=n_rep))
+    replicated = per_rank[0]["replicated"]
+    return dict(total=sum(r["params_unpadded"] for r in per_rank) - replicated * (tp_size - 1),
+                total_padded=sum(r["params"] for r in per_rank) - replicated * (tp_size - 1),
+                replicated=replicated, per_rank=per_rank, tp_size=tp_size,
+                padded_vocab_size=config.padded_vocab_size(tp_size))
 
 
 def parameter_report(config: GPTConfig, tp: int, use_meta: bool = True) -> dict:
     """Total and per-rank parameters of ``config`` at tensor-parallel size ``tp``.
 
-    ``per_rank`` comes from meta-device builds when ``use_meta`` (and the model
-    module is importable), else from the formula; ``formula_per_rank`` is always
+    ``per_rank`` comes from the layers' description (:func:`parameter_counts`) when
+    ``use_meta``, else from the formula; ``formula_per_rank`` is always
     the formula. ``largest``/``smallest`` are ranks by ``params`` (padding included:
     padded rows are allocated); ``imbalance_percent`` = largest / mean - 1, the time
     the other ranks wait for the largest one.
     """
     config.check_tensor_parallel(tp)
     formula_ranks = rank_counts_formula(config, tp)
-    meta = _meta_counts(config, tp) if use_meta else None
+    meta = parameter_counts(config, tp) if use_meta else None
     if meta is not None:
-        per_rank, source = [dict(r) for r in meta["per_rank"]], "meta-device build of each rank's shard"
+        per_rank, source = [dict(r) for r in meta["per_rank"]], "layer description of each rank's shard"
         total, total_padded = int(meta["total"]), int(meta["total_padded"])
     else:
         per_rank, source = formula_ranks, "per-rank formula (model not built)"
