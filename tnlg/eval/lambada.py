@@ -24,8 +24,8 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
+from ..parallel.vocab import vocab_parallel_argmax
 from .batches import eval_mode, micro_batches
-from .logits import vocab_parallel_argmax
 
 __all__ = ["read_lambada_texts", "lambada_examples", "split_last_word", "lambada_accuracy"]
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.indexed import IndexedDataset
 from ..errors import UserError
-from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.mappings import all_reduce
+from ..parallel.vocab import vocab_parallel_cross_entropy
 from .batches import eval_mode, micro_batches
 
 __all__ = ["build_eval_dataset", "dataset_loss"]

@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import UserError
-from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.mappings import all_reduce
+from ..parallel.vocab import vocab_parallel_cross_entropy
 from .batches import eval_mode, micro_batches
 
 __all__ = ["wikitext_detokenizer", "count_original_tokens", "read_wikitext", "eval_windows",
