@@ -26,8 +26,16 @@ import sys
 
 import torch
 
+from .checkpoint import files as F
+from .checkpoint.files import FORMAT
+from .checkpoint.loading import read_states
+from .checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
+from .checkpoint.saving import write_offline
 from .config import GPTConfig
+from .data.tokenizer import load_tokenizer
 from .errors import UserError
+from .hf import (_load_hf_model, build_hf_model, config_from_hf, hf_to_tnlg_state_dict, hf_tokenizer_files,
+                 write_hf_folder)
 
 __all__ = ["add_arguments", "run", "hf_to_checkpoint", "checkpoint_to_hf", "reshard_checkpoint", "info"]
 
@@ -119,16 +127,11 @@ def run(args: argparse.Namespace) -> int:
 def _write_offline(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
     :func:`tnlg.checkpoint.saving.write_offline`."""
-    from .checkpoint.saving import write_offline
     return write_offline(dst, dict(meta, config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
 
 
 def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
     """A ``GPT2LMHeadModel`` folder -> a tnlg checkpoint (iteration 0, weights only) at TP ``tp_size``."""
-    from .checkpoint.files import FORMAT
-    from .checkpoint.reshard import slice_full, targets_for
-    from .data.tokenizer import load_tokenizer
-    from .hf import _load_hf_model, config_from_hf, hf_to_tnlg_state_dict
     hf = _load_hf_model(hf_dir)
     cfg = config_from_hf(hf.config)
     full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
@@ -152,7 +155,6 @@ def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int =
 
 
 def _source(path: str) -> tuple[str, dict, GPTConfig]:
-    from .checkpoint import files as F
     iter_dir = F.resolve(path, "--from")
     if iter_dir is None:
         raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
@@ -166,9 +168,6 @@ def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenize
     (:func:`tnlg.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
     else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
     end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
-    from .checkpoint.reshard import ShardReader, full_targets
-    from .checkpoint import files as F
-    from .hf import build_hf_model, hf_tokenizer_files, write_hf_folder
     iter_dir, meta, cfg = _source(path)
     tok = _export_tokenizer(meta, cfg, tokenizer_model) if with_tokenizer else None
     files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
@@ -180,7 +179,6 @@ def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenize
 
 def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
     """The tokenizer an exported folder carries: ``tokenizer_model``, else the checkpoint's, else ``None``."""
-    from .data.tokenizer import load_tokenizer
     spec = tokenizer_model or meta.get("tokenizer")
     if not spec:
         return None
@@ -198,8 +196,6 @@ def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
 
 def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
     """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
-    from .checkpoint import files as F
-    from .checkpoint.loading import read_states
     iter_dir, meta, cfg = _source(path)
     src_tp = int(meta["layout"]["tp"])
     tp_size = tp_size or src_tp
@@ -232,7 +228,6 @@ def _mib(n: int) -> str:
 
 def info(path: str, as_json: bool = False, out=None) -> int:
     """Print a checkpoint's iteration, layout, config, tokenizer and file sizes."""
-    from .checkpoint import files as F
     out = out or sys.stdout
     iter_dir = F.resolve(path, "checkpoint")
     if iter_dir is None:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .config import GPTConfig
+from .data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
 from .errors import UserError
 from .io import fsync_dir, temporary_name
 from .model import GPT
@@ -140,7 +141,6 @@ def to_hf(model, out_dir: Optional[str] = None, tokenizer=None):
     and is not empty is refused with a :class:`UserError` (after the gather, on the first rank)."""
     tok = None
     if tokenizer is not None:
-        from .data.tokenizer import load_tokenizer
         tok = load_tokenizer(tokenizer)
         _check_fits(tok, model.config)
     full = full_state_dict(model, model.ps)
@@ -225,7 +225,6 @@ def hf_tokenizer(tok):
     ``</s>`` or ``<|endoftext|>`` is ordinary characters. Checked on fixed probe texts and
     the whole vocabulary before it is returned.
     """
-    from .data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
     if isinstance(tok, GPT2BPETokenizer):
         backend = _gpt2_bpe(tok)
     elif isinstance(tok, SentencePieceTokenizer):
@@ -340,7 +339,6 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
     end-of-document token as ``bos_token`` and ``eos_token``) and the source files
     (``tokenizer.model``, or ``vocab.json`` + ``merges.txt``), so tnlg and SentencePiece
     can load the folder too."""
-    from .data.tokenizer import GPT2BPETokenizer, load_tokenizer
     tok = load_tokenizer(tok)
     backend = hf_tokenizer(tok)
     eod = backend.id_to_token(tok.eod_id)

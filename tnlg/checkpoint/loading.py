@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
+from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
+from ..model import GPT
 from ..parallel.state import ParallelState
 from . import files as F
 from .compat import check_compatible
@@ -236,8 +238,6 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
     given, else the one recorded in the checkpoint (its files must be unchanged),
     else ``None``. No communication: every rank reads its own slices.
     """
-    from ..data.tokenizer import load_tokenizer
-    from ..model import GPT
     ps = ps or ParallelState.single()
     iter_dir = F.resolve(path, "checkpoint")
     if iter_dir is None:

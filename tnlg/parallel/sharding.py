@@ -29,8 +29,8 @@ from ..errors import UserError
 from .mappings import all_gather_uneven
 from .state import ParallelState
 
-__all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes", "full_shape",
-           "shard_of", "gather_full", "full_state_dict", "load_full_state_dict"]
+__all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes",
+           "full_shape", "shard_of", "gather_full", "full_state_dict", "load_full_state_dict"]
 
 TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size")
 """The attributes that describe a parameter's split (the module docstring explains each)."""
