@@ -181,3 +181,23 @@ def test_describe_matches_the_built_model(tp):
             model = GPT(cfg, ParallelState.for_virtual_rank(tp, r))
         assert {n: ShardSpec.of(p) for n, p in model.named_parameters()} == GPT.describe(cfg, tp)
         assert list(GPT.describe(cfg, tp)) == [n for n, _ in model.named_parameters()]
+
+
+def test_initial_shard_and_reset_come_from_the_layers():
+    """Issue 13 item 5: ``GPT.initial_shard`` (meta-device materialisation) asks the layer owning the parameter,
+    and ``reset_parameters`` restores exactly the weights a fresh model is built with."""
+    from tnlg.parallel.state import ParallelState
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16)
+    ps = ParallelState.for_virtual_rank(2, 1)
+    built = GPT(cfg, ps, device="cpu")
+    with torch.device("meta"):
+        meta = GPT(cfg, ps)
+    for name, p in meta.named_parameters():
+        assert torch.equal(meta.initial_shard(name, p), dict(built.named_parameters())[name]), name
+    changed = GPT(cfg, ps, device="cpu")
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(1.0)
+    changed.reset_parameters()
+    for (name, a), b in zip(changed.named_parameters(), built.parameters()):
+        assert torch.equal(a, b), name

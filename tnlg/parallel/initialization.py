@@ -91,6 +91,8 @@ class SelfInitializing:
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Write every parameter of this module (not its children) from :meth:`initial_shard`; those on
+        the meta device are left for a data-parallel engine to materialise. No communication."""
         for name, p in nn.Module.named_parameters(self, recurse=False):
             if p.device.type != "meta":
                 p.copy_(self.initial_shard(name))
