@@ -227,9 +227,9 @@ class RowParallelLinear(_ParallelLinear):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
                              "of a sequence-parallel row layer is the output of a column-parallel one).")
+        self.input_is_parallel = input_is_parallel
         super().__init__(in_features, out_features, ps, bias, partition_sizes, sequence_parallel, device, dtype,
                          init_method, seed, init_key)
-        self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = self.partition_sizes[ps.tp_rank]
 
     @staticmethod
