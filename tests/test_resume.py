@@ -83,10 +83,12 @@ def _free_port():
 def test_elastic_restart_after_sigkill_resumes_exactly(tmp_path):
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     argv = _argv(tmp_path, tp=1, iters=10, save=save, save_interval=4, metrics_file=metrics)
-    # rank 1 SIGKILLs itself at the end of iteration 6 of the first attempt (checkpoint at 4).
+    # rank 1 SIGKILLs itself at the end of iteration 6 of the first attempt (checkpoint at 4), by
+    # tests/fault_injection/sitecustomize.py.
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's default shared rendezvous store, a restarted
     # group can read the dead group's gloo addresses (pytorch/pytorch#135712) and fail to connect.
     env = _env(TNLG_TEST_KILL_AT_ITERATION="6:1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fault_injection") + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2",
                            "--max-restarts", "1", *argv], env=env,
                           cwd=str(tmp_path), capture_output=True, text=True, timeout=600)

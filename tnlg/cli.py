@@ -21,6 +21,7 @@ import os
 import sys
 
 from .errors import UserError
+from .launch import under_launcher
 from .process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
@@ -111,7 +112,7 @@ def _finish(status: int) -> int:
     A launched worker (``torchrun``, ``--nproc-per-node``) leaves through
     :func:`tnlg.process_exit.leave`, which says why.
     """
-    if os.environ.get("TORCHELASTIC_RUN_ID") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if under_launcher():
         leave(status)
     destroy_process_groups()
     return status

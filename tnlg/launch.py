@@ -30,11 +30,10 @@ import signal
 import socket
 import sys
 import uuid
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import torch
-
-from .parallel.state import ParallelState, init_parallel
+if TYPE_CHECKING:
+    from .parallel.state import ParallelState
 
 __all__ = ["under_launcher", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
            "argv_of"]
@@ -102,15 +101,16 @@ def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], No
     """Run ``tnlg <command>`` with the options of ``args`` (parsed by a parser built by ``add_arguments``),
     plus ``extra`` arguments, on ``nproc`` local processes and return their exit status; ``None`` to run
     here (under a launcher already, or ``nproc`` 1)."""
-    if under_launcher() or nproc == 1:
-        return None
     return maybe_launch(command, argv_of(add_arguments, args) + list(extra), nproc, max_restarts=max_restarts)
 
 
-def join(tensor_parallel_size: int, **kwargs) -> ParallelState:
+def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     """This process's :class:`tnlg.parallel.state.ParallelState`: the cores shared among the local ranks
     (:func:`local_threads`), then :func:`tnlg.parallel.state.init_parallel` (the launcher's process group,
     or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``)."""
+    import torch  # (torch-free at import: the command line's --help path imports this module)
+
+    from .parallel.state import init_parallel
     torch.set_num_threads(local_threads())
     return init_parallel(tensor_parallel_size, **kwargs)
 

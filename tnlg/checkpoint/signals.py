@@ -6,15 +6,10 @@ the end of each iteration all ranks agree with one tiny all-reduce (MAX over
 the world), so they save the same iteration together even when the signal
 reaches them at different moments. A second SIGTERM while the first is pending
 restores the default action and re-raises it (the process dies).
-
-Also here, for the fault-tolerance tests only: ``TNLG_TEST_KILL_AT_ITERATION=N[:RANK]``
-makes that rank (default: the last) SIGKILL itself at the end of iteration N
-in the first attempt of an elastic run (``TORCHELASTIC_RESTART_COUNT`` 0 or unset).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from typing import Optional
@@ -22,18 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["StopOnSignal", "KILL_AT_ITERATION_ENV"]
-
-KILL_AT_ITERATION_ENV = "TNLG_TEST_KILL_AT_ITERATION"
-
-
-def _maybe_kill(iteration: int, rank: int, world: int) -> None:
-    spec = os.environ.get(KILL_AT_ITERATION_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    it, _, who = spec.partition(":")
-    if int(it) == iteration and rank == (int(who) if who else world - 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+__all__ = ["StopOnSignal"]
 
 
 class StopOnSignal:
@@ -54,10 +38,9 @@ class StopOnSignal:
             return
         self.received = signum
 
-    def requested(self, ps, iteration: int) -> bool:
+    def requested(self, ps) -> bool:
         """Collective over the world (MAX all-reduce of one number on ``ps.device``): True on every
         rank if any rank got the signal."""
-        _maybe_kill(iteration, ps.rank, ps.world_size)
         flag = torch.tensor([0.0 if self.received is None else 1.0], device=ps.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

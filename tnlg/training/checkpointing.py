@@ -77,7 +77,7 @@ class Checkpointer:
         signal stops it here, else ``None``. Collective: the signal check (when any rank has one) and
         the save."""
         o = self.o
-        signum = self._agreed_signal() if self.stop.requested(self.ps, iteration) and not last else 0
+        signum = self._agreed_signal() if self.stop.requested(self.ps) and not last else 0
         saving = bool(o.save) and bool((o.save_interval and iteration % o.save_interval == 0) or last
                                        or signum == signal.SIGTERM)
         if saving:

@@ -16,17 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import GPTConfig
-from ..plan.flops import flops_per_iteration
+# FLOPs of one iteration: the planner's formula, its one home. recompute=False gives the model FLOPs
+# (the MFU numerator); recompute=True adds the recomputed forward, the executed FLOPs of HFU.
+from ..plan.flops import flops_per_iteration as iteration_flops
 
 __all__ = ["iteration_flops", "measure_peak_tflops", "peak_memory_bytes"]
-
-
-def iteration_flops(cfg: GPTConfig, global_batch: int, recompute: bool, padded_vocab: int) -> float:
-    """FLOPs of one iteration, the planner's formula (:func:`tnlg.plan.flops.flops_per_iteration`).
-    ``recompute=False`` gives the model FLOPs (the MFU numerator); ``recompute=True`` adds the
-    recomputed forward, the executed FLOPs of HFU."""
-    return flops_per_iteration(cfg, global_batch, recompute, padded_vocab)
 
 
 def measure_peak_tflops(dtype: torch.dtype, device: torch.device, n: Optional[int] = None, trials: int = 5,
