@@ -7,6 +7,12 @@ import argparse
 
 import torch
 
+from .config import GPTConfig
+from .errors import UserError
+from .model import GPT, gather_logits
+from .shards import gather_full
+from .testing import run_distributed
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=2, help="local processes to launch (default 2)")
@@ -15,9 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_body(ps, cfg):
-    from .model import GPT, gather_logits
-    from .shards import gather_full
-
     model = GPT(cfg, ps)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     lines = [f"[{ps.describe()}]"]
@@ -31,12 +34,6 @@ def _demo_body(ps, cfg):
 
 
 def run(args) -> int:
-    from .config import GPTConfig
-    from .errors import UserError
-    from .model import GPT
-    from .shards import gather_full
-    from .testing import run_distributed
-
     if args.nproc_per_node < 1 or args.tp < 1 or args.nproc_per_node % args.tp:
         raise UserError(f"--tensor-model-parallel-size {args.tp} must be a positive divisor of "
                         f"--nproc-per-node {args.nproc_per_node}.")

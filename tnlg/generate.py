@@ -33,7 +33,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .data.tokenizer import load_tokenizer
 from .errors import UserError
+from .eval.loading import (add_common_arguments, check_tokenizer_fits, checkpoint_seq_length, hf_tokenizer_spec,
+                           is_hf_folder, load_model, precheck_checkpoint, resolve_tokenizer, run_command)
 from .eval.logits import (full_vocab_candidates, make_generators, sample_from_candidates, vocab_parallel_argmax,
                           vocab_parallel_topk)
 from .model import KVCache
@@ -228,8 +231,6 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .eval.loading import add_common_arguments
-
     p.epilog = EPILOG
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for several)")
@@ -264,8 +265,6 @@ def _read_prompts(args) -> list[str]:
 
 
 def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
-    from .eval.loading import check_tokenizer_fits, load_model, resolve_tokenizer
-
     start = time.time()
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
@@ -299,9 +298,6 @@ def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
 def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
     """Refuse prompts longer than ``seq_length`` before any process starts, where the checkpoint's
     metadata and tokenizer can be read without the model (the workers check again regardless)."""
-    from .data.tokenizer import load_tokenizer
-    from .eval.loading import checkpoint_seq_length, hf_tokenizer_spec, is_hf_folder
-
     seq = checkpoint_seq_length(checkpoint)
     if tokenizer is None and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint):
         tokenizer = load_tokenizer(checkpoint)
@@ -312,8 +308,6 @@ def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> 
 
 
 def run(args) -> int:
-    from .eval.loading import precheck_checkpoint, run_command
-
     def show(result: dict) -> None:
         for r in result["results"]:
             print(f"{r['prompt']}{r['text']}")

@@ -17,9 +17,12 @@ from typing import Optional
 
 import torch
 
+from .checkpoint.files import META, complete_iterations, read_latest
+from .data.corpus import default_dataset
 from .errors import UserError
 from .launch import argv_of, launcher_world_size, relaunch, under_launcher
 from .options import Options
+from .parallel.state import pick_device
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
 from .training import Trainer, train
 from .training.step import TrainingDiverged
@@ -53,7 +56,6 @@ def _rank0() -> bool:
 def default_nproc(device: Optional[str] = None) -> int:
     """Local processes when neither a launcher nor ``--nproc-per-node`` says: one per GPU when
     training on GPUs (a machine with one GPU trains in one process, on it), else 4 CPU processes."""
-    from .parallel.state import pick_device
     if pick_device(device).type == "cuda":
         return max(1, torch.cuda.device_count())
     return DEFAULT_NPROC
@@ -68,7 +70,6 @@ def _run(args) -> int:
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
     if o.data_path is None:  # the built-in corpus: prepared here once, found by the workers
-        from .data.corpus import default_dataset
         prefix, tok = default_dataset()
         o.data_path, o.tokenizer_model = [prefix], o.tokenizer_model or tok
     if nproc is not None and nproc > 1 and not under_launcher():
@@ -97,7 +98,6 @@ def _run(args) -> int:
 
 def _checkpoint_root(path: str) -> str:
     """The root of a ``--load`` path: its parent for an ``iter_*`` directory, else the path itself."""
-    from .checkpoint.files import META
     path = os.path.normpath(path)
     return os.path.dirname(path) or "." if os.path.isfile(os.path.join(path, META)) else path
 
@@ -138,7 +138,6 @@ def _builtin_folder() -> str:
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
     """The iteration a resume from ``save`` would load (``None``: no checkpoint)."""
-    from .checkpoint.files import complete_iterations, read_latest
     if not save or not os.path.isdir(save):
         return None
     try:

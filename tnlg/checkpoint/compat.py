@@ -22,6 +22,7 @@ import os
 from typing import Optional
 
 from ..config import GPTConfig
+from ..data.gpt_dataset import parse_data_path
 from ..errors import UserError
 from ..options import COMPONENTS
 from ..options.fields import flag_of, option_fields
@@ -52,7 +53,6 @@ def data_record(o) -> Optional[dict]:
     """The datasets of ``--data-path``: resolved prefixes, byte sizes of their files, weights."""
     if o is None or not getattr(o, "data_path", None):
         return None
-    from ..data.gpt_dataset import parse_data_path
     prefixes, weights = parse_data_path(o.data_path)
     files = []
     for p in prefixes:

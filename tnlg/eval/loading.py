@@ -12,14 +12,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Callable, Optional
 
 import torch
 
+from ..checkpoint import load_for_inference, read_meta, resolve
+from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..launch import join, launcher_world_size, relaunch
-from ..parallel.state import ParallelState
+from ..model import GPT
+from ..parallel.state import ParallelState, destroy_parallel
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
            "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init",
@@ -45,8 +49,6 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
     """Checks that need no model, run before any process starts: the checkpoint exists and
     (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
     tokenizer, or ``None``."""
-    from ..data.tokenizer import load_tokenizer
-
     if not os.path.exists(checkpoint):
         raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
@@ -60,13 +62,10 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
     """The model's ``seq_length`` read from the checkpoint's metadata (no weights), or ``None``."""
-    import json
-
     try:
         if is_hf_folder(checkpoint):
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
                 return int(json.load(f)["n_positions"])
-        from ..checkpoint import read_meta, resolve
         return int(read_meta(resolve(checkpoint, "checkpoint"))["config"]["seq_length"])
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None
@@ -79,17 +78,8 @@ def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
     own shard).
     """
     if is_hf_folder(checkpoint):
-        from ..model import GPT
         model, spec = GPT.from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
     else:
-        try:
-            from ..checkpoint import load_for_inference
-        except ModuleNotFoundError as err:
-            if err.name not in ("tnlg.checkpoint",):
-                raise
-            raise UserError(f"{checkpoint!r} is not a Hugging Face folder (no config.json), and this install "
-                            "cannot read tnlg checkpoints (module tnlg.checkpoint is missing). Pass a folder "
-                            "written by save_pretrained, or update tnlg.") from None
         model, spec = load_for_inference(checkpoint, ps, tokenizer_override=tokenizer_model)
     model.eval()
     return model, spec
@@ -97,8 +87,6 @@ def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
 
 def resolve_tokenizer(tokenizer_model, spec, checkpoint: str):
     """``--tokenizer-model`` (a path or an already loaded tokenizer) wins; else the checkpoint's spec."""
-    from ..data.tokenizer import load_tokenizer
-
     if tokenizer_model is not None:
         return load_tokenizer(tokenizer_model)
     if spec is None:
@@ -162,10 +150,6 @@ def run_command(command: str, add_arguments, args, work: Callable[[ParallelState
     """Launch or join the ranks, run ``work(ps)`` on every rank, then on rank 0 print the result:
     exactly one JSON object with ``--json``, else ``show(result)``. A :class:`UserError` is
     raised on rank 0 only (every rank fails alike; one message is enough)."""
-    import json
-
-    from ..parallel.state import destroy_parallel
-
     status, ps = launch_or_init(command, add_arguments, args)
     if status is not None:
         return status

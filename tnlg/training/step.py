@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..data.sampler import collate
 from ..parallel.mappings import all_reduce
 
 __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
@@ -28,7 +29,6 @@ class TrainingDiverged(RuntimeError):
 
 def next_batch(dataset, sampler, device: torch.device) -> dict:
     """The next micro batch of this rank (``sampler`` yields its sample indices), on ``device``."""
-    from ..data.sampler import collate
     batch = collate([dataset[i] for i in next(sampler)])
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 

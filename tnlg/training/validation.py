@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..eval.loss import dataset_loss
 from .step import autocast_to
 
 __all__ = ["evaluate", "validation_samples", "Validation"]
@@ -29,7 +30,6 @@ def evaluate(model, dataset, o, ps, autocast: Optional[torch.dtype]) -> Optional
     """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
     the model's TP collectives per batch (the same number of batches on every DP rank) and one
     all-reduce of ``[loss sum, tokens]`` over DP."""
-    from ..eval.loss import dataset_loss
     if dataset is None or o.eval_iters == 0:
         return None
     n = validation_samples(dataset, o, ps)
