@@ -6,7 +6,8 @@ import hashlib
 import pytest
 import torch
 
-from tnlg.checkpoint.stream import SafetensorsReader, StreamWriter, file_sha256
+from tnlg.checkpoint.stream import SafetensorsReader, StreamWriter
+from tnlg.io import file_sha256
 
 
 def _tensors():
