@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from tnlg.config import GPTConfig, partition_sizes
 from tnlg.errors import UserError
 from tnlg.optim import DataParallelBackend, build_engine, partition_report, plan_flat_layout
-from tnlg.parallel.layers import mark_replicated, mark_sharded
 from tnlg.parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from tnlg.parallel.sharding import gather_full, mark_replicated, mark_sharded
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.shards import gather_full
 from tnlg.testing import run_distributed
 
 try:

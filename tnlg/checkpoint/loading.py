@@ -138,7 +138,7 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
             check_compatible(meta, iter_dir, config, options, tokenizer, origin)
             targets = targets_for(config, ps.tp_size, ps.tp_rank)
             check_same_params(meta, targets, iter_dir)
-            pieces = engine.owned_pieces() if hasattr(engine, "owned_pieces") else None
+            pieces = engine.owned_pieces()
             same_tp = int(meta["layout"]["tp"]) == ps.tp_size
             needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
             if ps.dp_rank != 0:  # every DP rank of a TP rank reads the same weight files: DP rank 0
