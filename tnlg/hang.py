@@ -195,15 +195,11 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
 
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
-    if not save or not os.path.isdir(save):
-        return None
+    from .training.checkpointing import last_checkpoint  # (torch: hang.py itself imports none)
     try:
-        from .checkpoint.files import complete_iterations, read_latest
-        done = complete_iterations(save)
-        latest = read_latest(save)
+        return last_checkpoint(save)
     except Exception:  # noqa: BLE001 - a damaged folder: say nothing rather than fail again
         return None
-    return latest if latest in done else (done[-1] if done else None)
 
 
 def message(hang: Hang, command: str, resume: Optional[str], timeout_min: Optional[float]) -> str:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .checkpoint.files import META, complete_iterations, read_latest
+from .checkpoint.files import META
 from .data.corpus import default_dataset
 from .errors import UserError
 from .launch import argv_of, launcher_world_size, relaunch, under_launcher
@@ -25,6 +25,7 @@ from .options import Options
 from .parallel.state import pick_device
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
 from .training import Trainer, train
+from .training.checkpointing import last_checkpoint
 from .training.step import TrainingDiverged
 from .training.throughput import iteration_flops, measure_peak_tflops
 from .training.validation import evaluate
@@ -136,25 +137,13 @@ def _builtin_folder() -> str:
     return os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
 
 
-def _last_checkpoint(save: Optional[str]) -> Optional[int]:
-    """The iteration a resume from ``save`` would load (``None``: no checkpoint)."""
-    if not save or not os.path.isdir(save):
-        return None
-    try:
-        latest = read_latest(save)
-    except UserError:
-        latest = None
-    done = complete_iterations(save)
-    return latest if latest in done else (done[-1] if done else None)
-
-
 def resume_command(args, o: Options) -> str:
     """The command that continues this run: its options, with ``--save`` as chosen, and without a
     ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
     if o.save is not None and o.load is None and not hasattr(args, "save"):
         ns.save = o.save  # the built-in job's folder
-    if o.load is not None and _last_checkpoint(o.save) is not None:
+    if o.load is not None and last_checkpoint(o.save) is not None:
         if hasattr(args, "save"):
             del ns.load  # resumes from --save by itself
         else:
@@ -170,7 +159,7 @@ def _interrupted_message(info: dict, o: Options, args) -> str:
     if o.save is None:
         return (f"{head}. This run saved nothing (no --save); to keep checkpoints, start it again with "
                 f"--save DIR.")
-    last = _last_checkpoint(o.save)
+    last = last_checkpoint(o.save)
     where = (f"the last checkpoint is iteration {last} in {o.save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {o.save} yet, so a resume starts over")
     torchrun = under_launcher() and not hasattr(args, "nproc_per_node")

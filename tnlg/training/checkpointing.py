@@ -10,6 +10,7 @@ SIGTERM wins: it asks for a save), after saving that iteration for SIGTERM with
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from typing import Callable, Iterator, Optional
@@ -18,9 +19,23 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
+from ..checkpoint.files import complete_iterations
 from ..checkpoint.signals import StopOnSignal
+from ..errors import UserError
 
-__all__ = ["Checkpointer", "stop_on_signals"]
+__all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint"]
+
+
+def last_checkpoint(save: Optional[str]) -> Optional[int]:
+    """The iteration a resume from ``save`` would load (``None``: no checkpoint there)."""
+    if not save or not os.path.isdir(save):
+        return None
+    try:
+        latest = ckpt.read_latest(save)
+    except UserError:
+        latest = None
+    done = complete_iterations(save)
+    return latest if latest in done else (done[-1] if done else None)
 
 
 @contextlib.contextmanager
