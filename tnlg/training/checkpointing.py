@@ -22,6 +22,8 @@ from .. import checkpoint as ckpt
 from ..checkpoint.files import complete_iterations
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError
+from ..options import Options
+from ..parallel.state import ParallelState
 
 __all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint"]
 
@@ -68,7 +70,7 @@ def _second_sigterm_interrupts() -> Callable[[], None]:
 class Checkpointer:
     """Owns ``--load``, ``--save``, ``--save-interval``, ``--keep-last`` and the stop flag of one run."""
 
-    def __init__(self, o, ps, *, model, engine, config, tokenizer, stop: StopOnSignal,
+    def __init__(self, o: Options, ps: ParallelState, *, model, engine, config, tokenizer, stop: StopOnSignal,
                  log: Callable[[str], None]):
         self.o, self.ps, self.stop, self.log = o, ps, stop, log
         self._state = dict(model=model, engine=engine, ps=ps, config=config, options=o, tokenizer=tokenizer)

@@ -18,7 +18,7 @@ import torch
 from ..data.sampler import MegatronPretrainingSampler
 from ..data.tokenizer import load_tokenizer
 from ..generate import generate
-from ..options import model_config
+from ..options import Options, model_config
 from ..parallel.random import seed_everything
 from .checkpointing import Checkpointer, stop_on_signals
 from .metrics import Metrics
@@ -32,7 +32,7 @@ __all__ = ["Trainer", "train"]
 _MEASURED = "measured: dense matmuls on every rank at once, best of 5"
 
 
-def train(o) -> dict:
+def train(o: Options) -> dict:
     """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process; see :meth:`Trainer.train`."""
     return Trainer(o).train()
 
@@ -41,7 +41,7 @@ class Trainer:
     """One run: :meth:`train` builds everything, then runs the loop. Afterwards ``engine`` (and its
     ``model``), ``config`` and ``ps`` are the trained run's."""
 
-    def __init__(self, o):
+    def __init__(self, o: Options):
         self.o = o
         self.engine = self.model = self.config = self.ps = None
 

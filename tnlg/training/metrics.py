@@ -16,6 +16,8 @@ import time
 from typing import IO, Optional
 
 from ..io import atomic_output
+from ..options import Options
+from ..parallel.state import ParallelState
 from .throughput import peak_memory_bytes
 
 __all__ = ["Metrics", "open_metrics", "loss_curves", "plot_loss"]
@@ -28,8 +30,8 @@ class Metrics:
     peak TFLOP/s; ``path`` the metrics file (``None``: none), trimmed to ``resumed_at``.
     """
 
-    def __init__(self, o, ps, *, flops: float, hw_flops: float, peak: float, tokens_per_iter: int,
-                 path: Optional[str], resumed_at: int):
+    def __init__(self, o: Options, ps: ParallelState, *, flops: float, hw_flops: float, peak: float,
+                 tokens_per_iter: int, path: Optional[str], resumed_at: int):
         self.o, self.ps, self.path = o, ps, path
         self.flops, self.hw_flops, self.peak, self.tokens_per_iter = flops, hw_flops, peak, tokens_per_iter
         self.file: Optional[IO] = None

@@ -16,12 +16,13 @@ from ..launch import join
 from ..model import GPT
 from ..optim import DynamicLossScaler, LRSchedule
 from ..optim import build_engine as build_tnlg_engine
+from ..options import Options
 from ..parallel.state import ParallelState
 
 __all__ = ["init_run", "precision", "build_engine", "build_schedule", "build_datasets"]
 
 
-def init_run(o) -> tuple[ParallelState, int]:
+def init_run(o: Options) -> tuple[ParallelState, int]:
     """Join the process groups (threads: this machine's cores shared among its ranks) and settle the global
     batch; return ``(ps, accumulation steps)``."""
     ps = join(o.tensor_model_parallel_size, timeout=timedelta(minutes=o.distributed_timeout_minutes), device=o.device)
@@ -33,12 +34,12 @@ def init_run(o) -> tuple[ParallelState, int]:
     return ps, o.global_batch_size // (o.micro_batch_size * ps.dp_size)
 
 
-def precision(o) -> Optional[torch.dtype]:
+def precision(o: Options) -> Optional[torch.dtype]:
     """The autocast dtype of ``--bf16`` / ``--fp16`` (``None``: fp32)."""
     return torch.bfloat16 if o.bf16 else (torch.float16 if o.fp16 else None)
 
 
-def build_engine(o, cfg: GPTConfig, ps: ParallelState, accum: int):
+def build_engine(o: Options, cfg: GPTConfig, ps: ParallelState, accum: int):
     """The model inside its data-parallel engine (ours: FlatZero or FSDP2; or DeepSpeed's)."""
     autocast = precision(o)
     scaler = DynamicLossScaler() if o.fp16 else None
@@ -55,13 +56,13 @@ def build_engine(o, cfg: GPTConfig, ps: ParallelState, accum: int):
                  loss_scaler=scaler, **extra)
 
 
-def build_schedule(o):
+def build_schedule(o: Options) -> LRSchedule:
     """Megatron's learning-rate schedule over the count of optimizer steps taken."""
     return LRSchedule(max_lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                       decay_iters=o.lr_decay_iters or o.train_iters, decay_style=o.lr_decay_style)
 
 
-def build_datasets(o, cfg: GPTConfig, tokenizer) -> tuple:
+def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:
     """``(train, valid)``: Megatron's blended datasets of ``--data-path`` (rank 0 builds missing index
     files; the others wait at a barrier)."""
     gbs = o.global_batch_size

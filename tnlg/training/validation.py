@@ -14,19 +14,21 @@ from typing import Callable, Optional
 import torch
 
 from ..eval.loss import dataset_loss
+from ..options import Options
+from ..parallel.state import ParallelState
 from .step import autocast_to
 
 __all__ = ["evaluate", "validation_samples", "Validation"]
 
 
-def validation_samples(dataset, o, ps) -> int:
+def validation_samples(dataset, o: Options, ps: ParallelState) -> int:
     """How many samples a validation reads: the first ``--eval-iters`` global batches, whole micro batches
     on every DP rank (0: fewer than one micro batch per rank)."""
     need = o.micro_batch_size * ps.dp_size
     return min(len(dataset), o.eval_iters * o.global_batch_size) // need * need
 
 
-def evaluate(model, dataset, o, ps, autocast: Optional[torch.dtype]) -> Optional[float]:
+def evaluate(model, dataset, o: Options, ps: ParallelState, autocast: Optional[torch.dtype]) -> Optional[float]:
     """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
     the model's TP collectives per batch (the same number of batches on every DP rank) and one
     all-reduce of ``[loss sum, tokens]`` over DP."""
@@ -43,7 +45,8 @@ class Validation:
     """Validates every ``--eval-interval`` iterations, after the last one and (from scratch) before the
     first; decides once whether the run can validate and says why not (rank 0)."""
 
-    def __init__(self, model, dataset, o, ps, autocast: Optional[torch.dtype], log: Callable[[str], None]):
+    def __init__(self, model, dataset, o: Options, ps: ParallelState, autocast: Optional[torch.dtype],
+                 log: Callable[[str], None]):
         self.model, self.dataset, self.o, self.ps, self.autocast = model, dataset, o, ps, autocast
         self.enabled = validation_plan(dataset, o, ps, log)
 
@@ -55,7 +58,7 @@ class Validation:
         return evaluate(self.model, self.dataset, self.o, self.ps, self.autocast)
 
 
-def validation_plan(dataset, o, ps, log: Callable[[str], None]) -> bool:
+def validation_plan(dataset, o: Options, ps: ParallelState, log: Callable[[str], None]) -> bool:
     """Whether this run validates; when it cannot, say why once. ``--eval-interval 0`` is off by request,
     silently."""
     if not o.eval_interval:
