@@ -6,7 +6,13 @@ import argparse
 import sys
 import time
 
+from ..data.indexed import IndexedDataset
 from ..errors import UserError
+from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
+from .loading import (add_common_arguments, check_tokenizer_fits, load_model, precheck_checkpoint, print_table,
+                      resolve_tokenizer, run_command)
+from .loss import build_eval_dataset, dataset_loss
+from .wikitext import check_text_file, read_wikitext, wikitext_perplexity
 
 TASKS = ("wikitext", "lambada", "loss")
 
@@ -35,8 +41,6 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .loading import add_common_arguments
-
     p.epilog = EPILOG
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
     p.add_argument("--input", "--valid-data", dest="input", required=True, metavar="FILE",
@@ -72,10 +76,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _precheck(args) -> None:
     """Everything that can be checked before a process starts or a model loads."""
-    from .lambada import read_lambada_texts
-    from .loading import precheck_checkpoint
-    from .wikitext import check_text_file
-
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -88,7 +88,6 @@ def _precheck(args) -> None:
     elif args.task == "lambada":
         read_lambada_texts(args.input)
     else:
-        from ..data.indexed import IndexedDataset
         if not IndexedDataset.exists(args.input):
             raise UserError(f"dataset {args.input!r} not found: --task loss needs the prefix of a PREFIX.bin + "
                             "PREFIX.idx pair written by `tnlg preprocess`.")
@@ -99,11 +98,6 @@ def _precheck(args) -> None:
 
 def evaluate(args, ps) -> dict:
     """Run the task of ``args`` on this rank; every rank returns the same figures."""
-    from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
-    from .loading import check_tokenizer_fits, load_model, resolve_tokenizer
-    from .loss import build_eval_dataset, dataset_loss
-    from .wikitext import read_wikitext, wikitext_perplexity
-
     start = time.time()
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
     tokenizer = None
@@ -150,8 +144,6 @@ _LABELS = {
 
 
 def run(args) -> int:
-    from .loading import print_table, run_command
-
     def show(result: dict) -> None:
         rows = [(k, result[k]) for k in _LABELS[args.task] if k in result]
         rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x "
