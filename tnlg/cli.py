@@ -98,11 +98,10 @@ def _preflight(args) -> None:
 
 
 def _resume_command(args):
-    """``resume(options)`` for :func:`tnlg.hang.report`: the training module's resume command, if it has one."""
+    """``resume(options)`` for :func:`tnlg.hang.report`: the command that resumes the run."""
     def resume(options):
-        from . import train
-        make = getattr(train, "resume_command", None)
-        return make(args, options) if make is not None else None
+        from .train import resume_command  # (torch: not imported for --help)
+        return resume_command(args, options)
     return resume
 
 
