@@ -261,18 +261,24 @@ def test_eval_tp2_and_dp2_match_transformers(setup):
 
 # ----------------------------------------------------------------------------- dataset loss
 
+def _toy_dataset(tmp_path, docs: int, longest: int, seed: int) -> str:
+    """A ``.bin``/``.idx`` dataset of ``docs`` random documents of 5 to ``longest`` tokens; its prefix."""
+    from tnlg.data.indexed import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    prefix = str(tmp_path / "toy_text_document")
+    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
+        for _ in range(docs):
+            doc = rng.integers(0, VOCAB - 1, int(rng.integers(5, longest)))
+            b.add_document(doc, [len(doc)])
+        b.finalize(prefix + ".idx")
+    return prefix
+
+
 def test_eval_samples_evaluates_exactly_n(setup, tmp_path, capsys):
     """issue 15 item 6: ``--eval-samples N`` built N samples' worth of whole passes and evaluated all
     of them (1 and 64 both gave every sample); it now evaluates exactly the first N of the seeded order."""
-    from tnlg.data.indexed import IndexedDatasetBuilder
-
-    rng = np.random.default_rng(1)
-    prefix = str(tmp_path / "toy_text_document")
-    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
-        for _ in range(10):
-            doc = rng.integers(0, VOCAB - 1, int(rng.integers(5, 30)))
-            b.add_document(doc, [len(doc)])
-        b.finalize(prefix + ".idx")
+    prefix = _toy_dataset(tmp_path, docs=10, longest=30, seed=1)
     hf_dir = tmp_path / "hf"
     setup["hf"].save_pretrained(hf_dir)
     one_pass = len(build_eval_dataset(prefix, SEQ, vocab_size=VOCAB, cache_dir=tmp_path / "cache"))
@@ -296,15 +302,7 @@ def test_eval_samples_evaluates_exactly_n(setup, tmp_path, capsys):
 
 
 def test_dataset_loss_matches_transformers(setup, tmp_path, capsys):
-    from tnlg.data.indexed import IndexedDatasetBuilder
-
-    rng = np.random.default_rng(0)
-    prefix = str(tmp_path / "toy_text_document")
-    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
-        for _ in range(12):
-            doc = rng.integers(0, VOCAB - 1, int(rng.integers(5, 40)))
-            b.add_document(doc, [len(doc)])
-        b.finalize(prefix + ".idx")
+    prefix = _toy_dataset(tmp_path, docs=12, longest=40, seed=0)
     model = GPT(setup["cfg"])
     load_full_state_dict(model, setup["weights"], model.ps)
     ds = build_eval_dataset(prefix, SEQ, eod_id=VOCAB - 1, vocab_size=VOCAB)
