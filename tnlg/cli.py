@@ -21,7 +21,7 @@ import os
 import sys
 
 from .errors import UserError
-from .launch import under_launcher
+from .launch import is_rank0, under_launcher
 from .process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
@@ -92,7 +92,7 @@ def _preflight(args) -> None:
         if torch.cuda.is_available():
             from .hang import enable_flight_recorder
             prefix = enable_flight_recorder(os.path.join(getattr(args, "save", None) or "runs", "comm_trace"))
-            if os.environ.get("RANK", "0") == "0":
+            if is_rank0():
                 print(f"NCCL flight recorder on: a collective timeout dumps each rank's recent collectives to "
                       f"{prefix}<rank> (read with: python -m torch.distributed.flight_recorder.fr_trace)", flush=True)
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         status = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
         return _finish(status)
     except UserError as err:
-        if os.environ.get("RANK", "0") == "0":  # under a launcher, one rank speaks for all
+        if is_rank0():  # under a launcher, one rank speaks for all
             print(f"tnlg {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # a hung collective: one message naming it, no traceback per rank

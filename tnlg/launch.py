@@ -35,13 +35,18 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 if TYPE_CHECKING:
     from .parallel.state import ParallelState
 
-__all__ = ["under_launcher", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
+__all__ = ["under_launcher", "is_rank0", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
            "argv_of"]
 
 
 def under_launcher() -> bool:
     """True inside a process started by torchrun / elastic_launch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def is_rank0() -> bool:
+    """True in the process that speaks for all: global rank 0 of a launcher's group, or the only process."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def launcher_world_size() -> Optional[int]:

@@ -20,7 +20,7 @@ import torch
 from .checkpoint.files import META
 from .data.corpus import default_dataset
 from .errors import UserError
-from .launch import argv_of, launcher_world_size, relaunch, under_launcher
+from .launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
 from .options import Options
 from .parallel.state import pick_device
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
@@ -45,13 +45,9 @@ def run(args) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:  # during start-up, before training installs its handlers
-        if _rank0():
+        if is_rank0():
             print("tnlg pretrain: interrupted during start-up, before the first iteration.", file=sys.stderr)
         return 130
-
-
-def _rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 def default_nproc(device: Optional[str] = None) -> int:
@@ -81,11 +77,11 @@ def _run(args) -> int:
         if not hasattr(args, "nproc_per_node"):
             extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
         return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.max_restarts or 0)
-    if note and _rank0():
+    if note and is_rank0():
         print(note, flush=True)
     summary = train(o)
     stopped = summary.get("interrupted")
-    if _rank0():
+    if is_rank0():
         if stopped:
             print(_interrupted_message(stopped, o, args), file=sys.stderr, flush=True)
         elif o.save is None:
