@@ -128,7 +128,10 @@ def killed(dirs):
     d = str(dirs / "killed")
     o = _options(2, tensor_model_parallel_size=1, zero_stage=3, save=d, save_interval=3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TNLG_TEST_KILL_DURING_SAVE", "6")
+        mp.setenv("TNLG_TEST_KILL_DURING_SAVE", "6")  # tests/fault_injection/sitecustomize.py, in each worker
+        mp.setenv("PYTHONPATH", os.pathsep.join([os.path.join(os.path.dirname(__file__), "fault_injection"),
+                                                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                 os.environ.get("PYTHONPATH", "")]))
         with pytest.raises(Exception):
             _spawn(2, [("train", o)])
     return dict(path=d, iterations=ck.list_iterations(d), latest=ck.read_latest(d),

@@ -5,6 +5,9 @@ start-up.
 ``TNLG_TEST_KILL_AT_ITERATION=N[:RANK]`` makes that worker (default: the last rank) SIGKILL itself at
 the end of iteration N, before that iteration's checkpoint, in the first attempt of an elastic run
 (``TORCHELASTIC_RESTART_COUNT`` 0 or unset).
+
+``TNLG_TEST_KILL_DURING_SAVE=N[:RANK]`` makes that rank (default: the last) SIGKILL itself after it
+wrote its files of iteration N's checkpoint, before they are shared and committed.
 """
 
 import os
@@ -24,3 +27,18 @@ if _SPEC and "RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT
         return _after_step(self, iteration, consumed, last)
 
     Checkpointer.after_step = _killing_after_step
+
+_SAVE_SPEC = os.environ.get("TNLG_TEST_KILL_DURING_SAVE")
+
+if _SAVE_SPEC:
+    from tnlg.checkpoint import saving
+
+    _save_iteration, _, _save_who = _SAVE_SPEC.partition(":")
+    _finish = saving._finish
+
+    def _killing_finish(root, tmp, final, iteration, written, ps, meta, keep_last):
+        if iteration == int(_save_iteration) and ps.rank == (int(_save_who) if _save_who else ps.world_size - 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _finish(root, tmp, final, iteration, written, ps, meta, keep_last)
+
+    saving._finish = _killing_finish

@@ -27,7 +27,6 @@ Order of events (a crash at any point leaves the previous checkpoint intact and
 from __future__ import annotations
 
 import os
-import signal
 import time
 from typing import Optional
 
@@ -42,12 +41,7 @@ from .reshard import names_for_rank, param_records
 from .rng import capture
 from .stream import StreamWriter, file_sha256
 
-__all__ = ["save", "write_offline", "commit", "KILL_DURING_SAVE_ENV"]
-
-# Test-only fault injection: "ITERATION" or "ITERATION:RANK" makes that rank SIGKILL itself after
-# writing its files of that iteration, before the directory is committed (default rank: the last).
-KILL_DURING_SAVE_ENV = "TNLG_TEST_KILL_DURING_SAVE"
-
+__all__ = ["save", "write_offline", "commit"]
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -56,15 +50,6 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-def _maybe_kill(iteration: int, rank: int, world: int) -> None:
-    spec = os.environ.get(KILL_DURING_SAVE_ENV)
-    if not spec:
-        return
-    it, _, who = spec.partition(":")
-    if int(it) == iteration and rank == (int(who) if who else world - 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tmp_name(iteration: int) -> str:
@@ -92,7 +77,6 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     written.update(_write_model(tmp, engine, names, ps, tag))
     written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
     written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
-    _maybe_kill(iteration, ps.rank, ps.world_size)
     optimizer = dict(present=True, **engine.hyperparameters())
     _finish(root, tmp, final, iteration, written, ps, dict(
         consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
