@@ -65,13 +65,7 @@ class WordTokenizer:
     eod_id = len(WORDS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is faster
 
 
 def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, std=0.1):

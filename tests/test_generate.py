@@ -20,13 +20,7 @@ NEW = 12
 SAMPLING = [dict(top_k=10, temperature=0.8), dict(top_p=0.9), dict(top_k=20, top_p=0.8, temperature=1.3)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is faster
 
 
 class CharTokenizer:

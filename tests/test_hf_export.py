@@ -32,12 +32,7 @@ ALPHABET = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789     
             "éàüßñçÉ中文日本語한국어שלוםمرحبا🎭👩‍🇫🇷\u00a0\u200b\u3000▁ﬁ①½\u0301")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is faster
 
 
 @pytest.fixture(scope="module")
