@@ -21,7 +21,7 @@ from tnlg.errors import UserError
 from tnlg.eval import (build_eval_dataset, count_original_tokens, dataset_loss, lambada_accuracy, lambada_examples,
                        read_lambada_texts, read_wikitext, split_last_word, wikitext_detokenizer, wikitext_perplexity)
 from tnlg.model import GPT
-from tnlg.shards import load_full_state_dict
+from tnlg.parallel.sharding import load_full_state_dict
 from tnlg.testing import run_distributed
 
 SEQ, STRIDE, VOCAB = 32, 8, 128

@@ -10,7 +10,7 @@ def full_params(trainer) -> dict:
     stage (collective over DP and TP)."""
     from tnlg.model import GPT
     from tnlg.parallel.state import ParallelState
-    from tnlg.shards import gather_full
+    from tnlg.parallel.sharding import gather_full
     ps = trainer.ps
     with torch.device("meta"):  # the partition metadata of this rank's shard, without memory
         shard = GPT(trainer.config, ParallelState(tp_rank=ps.tp_rank, tp_size=ps.tp_size, virtual=True))

@@ -10,7 +10,7 @@ import torch
 from .config import GPTConfig
 from .errors import UserError
 from .model import GPT, gather_logits
-from .shards import gather_full
+from .parallel.sharding import gather_full
 from .testing import run_distributed
 
 

@@ -13,7 +13,7 @@ costs one single-position forward; without it the whole sequence is recomputed
 each step.
 
 Tensor parallelism: the logits stay vocabulary shards. Greedy and top-k take each
-rank's local top candidates and all-gather only those (:mod:`tnlg.eval.logits`);
+rank's local top candidates and all-gather only those (:mod:`tnlg.parallel.vocab`);
 sampling without top-k all-gathers the last position's ``[b, V]`` logits. The draw
 uses one CPU generator per prompt, seeded with ``seed + prompt index``, applied
 after the distribution is formed, so a seed gives the same tokens at every TP size
@@ -37,9 +37,9 @@ from .data.tokenizer import load_tokenizer
 from .errors import UserError
 from .eval.loading import (add_common_arguments, check_tokenizer_fits, checkpoint_seq_length, hf_tokenizer_spec,
                            is_hf_folder, load_model, precheck_checkpoint, resolve_tokenizer, run_command)
-from .eval.logits import (full_vocab_candidates, make_generators, sample_from_candidates, vocab_parallel_argmax,
-                          vocab_parallel_topk)
+from .eval.sampling import make_generators, sample_from_candidates
 from .model import KVCache
+from .parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
 
 __all__ = ["generate", "generate_ids"]
 

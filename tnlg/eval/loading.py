@@ -1,7 +1,7 @@
 """What ``tnlg eval`` and ``tnlg generate`` share: checkpoints, tokenizers, processes.
 
 * :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
-  with :meth:`tnlg.GPT.from_hf`) or a tnlg checkpoint (through
+  with :func:`tnlg.hf.from_hf`) or a tnlg checkpoint (through
   ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout.
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
@@ -21,6 +21,7 @@ import torch
 from ..checkpoint import load_for_inference, read_meta, resolve
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
+from ..hf import from_hf
 from ..launch import join, launcher_world_size, relaunch
 from ..model import GPT
 from ..parallel.state import ParallelState, destroy_parallel
@@ -78,7 +79,7 @@ def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
     own shard).
     """
     if is_hf_folder(checkpoint):
-        model, spec = GPT.from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
+        model, spec = from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
     else:
         model, spec = load_for_inference(checkpoint, ps, tokenizer_override=tokenizer_model)
     model.eval()

@@ -3,8 +3,7 @@
 The candidates (global top-``k``, or the whole vocabulary) come from
 :mod:`tnlg.parallel.vocab`, in one canonical order - value descending, ties by smaller
 id - so a seeded draw (:func:`sample_from_candidates`, inverse CDF with one uniform
-number per row from a CPU generator) picks the same token at every TP size. The
-vocabulary-parallel operations are re-exported here for older imports.
+number per row from a CPU generator) picks the same token at every TP size.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..parallel.vocab import canonical_order, full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
-
-__all__ = ["vocab_parallel_topk", "vocab_parallel_argmax", "full_vocab_candidates", "sample_from_candidates",
-           "canonical_order", "make_generators"]
+__all__ = ["sample_from_candidates", "make_generators"]
 
 
 def sample_from_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float,
