@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
+
 __all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device"]
 
 
@@ -94,7 +96,6 @@ def _check_rank(size_name: str, size: int, rank_name: str, rank: int) -> None:
 def pick_device(choice: Optional[str] = None) -> torch.device:
     """The device type to train on: ``cuda`` when a GPU is present, else ``cpu``; ``choice``
     (``"cpu"``/``"cuda"``, e.g. ``--device``) overrides. ``cuda`` without a GPU is a clear error."""
-    from ..errors import UserError
     if choice in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice not in ("cpu", "cuda"):
