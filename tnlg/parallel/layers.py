@@ -34,12 +34,10 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence_parallel,
                        scatter_to_tp, sequence_all_gather, sequence_reduce_scatter)
 from .initialization import InitMethod, SelfInitializing, init_normal, init_zeros
-from .sharding import ShardSpec, full_shape, mark_replicated, mark_sharded, shard_of
+from .sharding import ShardSpec
 from .state import ParallelState
 
-# mark_replicated, mark_sharded, shard_of, full_shape: re-exported from .sharding for older imports
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "mark_replicated", "mark_sharded", "shard_of", "full_shape", "column_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear"]
 
 DEFAULT_INIT = init_normal(0.02)
 
