@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .io import atomic_write
 from .parallel.state import init_parallel
 from .process_exit import leave
 
@@ -33,10 +34,8 @@ class WorkerError(RuntimeError):
 
 
 def _write_result(path: str, result: tuple) -> None:
-    """Write under a temporary name, then rename: a worker terminated mid-write leaves no torn file."""
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(result, f)
-    os.replace(path + ".tmp", path)
+    """Atomically (not durably): a worker terminated mid-write leaves no torn file."""
+    atomic_write(path, pickle.dumps(result), durable=False)
 
 
 def _worker(rank: int, fn: Callable, world_size: int, tp: int, tmp: str, timeout_s: float,

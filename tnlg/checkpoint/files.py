@@ -26,11 +26,11 @@ import shutil
 from typing import Optional
 
 from ..errors import UserError
-from ..io import atomic_write, file_sha256, fsync_dir  # fsync_dir: re-exported for the save code
+from ..io import atomic_write, file_sha256
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
-           "check_files", "verify_checksums", "complete_iterations", "atomic_write_text", "fsync_dir",
+           "check_files", "verify_checksums", "complete_iterations",
            "remove_tree", "make_save_dir", "is_ours", "exchange", "MARKER", "READABLE_FORMATS"]
 
 FORMAT = "tnlg.checkpoint/2"
@@ -58,11 +58,6 @@ def optim_file(tp_rank: int, dp_rank: Optional[int] = None) -> str:
 
 def rng_file(dp_rank: int, tp_rank: int) -> str:
     return f"rng_dp{dp_rank:03d}_tp{tp_rank:02d}.pt"
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` durably and atomically (:func:`tnlg.io.atomic_write`)."""
-    atomic_write(path, text)
 
 
 def remove_tree(path: str) -> None:
@@ -99,7 +94,7 @@ def read_latest(root: str) -> Optional[int]:
 
 
 def write_latest(root: str, iteration: int) -> None:
-    atomic_write_text(os.path.join(root, LATEST), f"{iteration}\n")
+    atomic_write(os.path.join(root, LATEST), f"{iteration}\n")
 
 
 def has_checkpoint(root: Optional[str]) -> bool:

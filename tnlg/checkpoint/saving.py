@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
+from ..io import atomic_output, atomic_write, file_sha256, fsync_dir
 from ..parallel.state import ParallelState
 from . import files as F
 from .compat import data_record, options_record
 from .reshard import names_for_rank, param_records
 from .rng import capture
-from .stream import StreamWriter, file_sha256
+from .stream import StreamWriter
 
 __all__ = ["save", "write_offline", "commit"]
 
@@ -144,13 +145,10 @@ def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict)
 
 
 def _write_rng(tmp: str, name: str, state) -> dict:
-    """One RNG file (temporary name, fsync, rename); returns ``{file: record}``."""
+    """One RNG file, written atomically and durably; returns ``{file: record}``."""
     path = os.path.join(tmp, name)
-    with open(path + ".part", "wb") as f:
+    with atomic_output(path, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
     return {name: dict(size=os.path.getsize(path), sha256=file_sha256(path))}
 
 
@@ -217,8 +215,8 @@ def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_las
     """Rank 0's part: manifest, rename (replacing an older save of this iteration atomically),
     ``latest``, pruning (see the module docstring)."""
     import json
-    F.atomic_write_text(os.path.join(tmp, F.META), json.dumps(meta, indent=1))
-    F.fsync_dir(tmp)
+    atomic_write(os.path.join(tmp, F.META), json.dumps(meta, indent=1))
+    fsync_dir(tmp)
     if os.path.exists(final):
         # An older save of this iteration: a run rolled back to an earlier checkpoint reached it
         # again. The new one replaces it: swap atomically, then remove the old (now at ``tmp``).
@@ -227,14 +225,14 @@ def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_las
             os.rename(final, old)  # brief window; a resume then falls back to the newest complete iteration
             os.rename(tmp, final)
             tmp = old
-        F.fsync_dir(root)
+        fsync_dir(root)
         F.remove_tree(tmp)
         _drop_marker(final)
         print(f"note: replaced an older save of iteration {iteration} in {root} (this run reached that iteration "
               f"again, e.g. after rolling back).", flush=True)
     else:
         os.rename(tmp, final)
-        F.fsync_dir(root)
+        fsync_dir(root)
         _drop_marker(final)
     F.write_latest(root, iteration)
     if keep_last:

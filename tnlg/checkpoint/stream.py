@@ -25,10 +25,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..io import file_sha256, temporary_name
+from ..io import temporary_name
 
-# file_sha256 is tnlg.io's, re-exported here for the checkpoint code that imports it from this module
-__all__ = ["StreamWriter", "SafetensorsReader", "file_sha256", "SAFETENSORS_DTYPES"]
+__all__ = ["StreamWriter", "SafetensorsReader", "SAFETENSORS_DTYPES"]
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
