@@ -26,6 +26,17 @@ def test_iteration_flops_honour_ffn_hidden_size():
         assert iteration_flops(three, 8, recompute, 128) < iteration_flops(four, 8, recompute, 128)
 
 
+def test_hfu_counts_selective_recomputation():
+    """Under --recompute-granularity selective the executed FLOPs (HFU) include one more forward of the
+    attention core, 2 matmuls of 2*B*s^2*h each per layer (Korthikanti et al. 2022); MFU's do not."""
+    B, s, l, h, V = 8, 32, 2, 64, 128
+    cfg = GPTConfig(num_layers=l, hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=100)
+    model = reference_flops(B, s, l, h, V, False)
+    assert iteration_flops(cfg, B, None, V) == pytest.approx(model)
+    assert iteration_flops(cfg, B, "selective", V) == pytest.approx(model + l * 2 * (2 * B * s * s * h))
+    assert iteration_flops(cfg, B, "full", V) == pytest.approx(reference_flops(B, s, l, h, V, True))
+
+
 def _peak_body(ps):
     state = torch.get_rng_state()
     peak = measure_peak_tflops(torch.float32, ps.device, n=256, trials=3, min_seconds=0.02)

@@ -4,10 +4,13 @@ FLOPs (Narayanan et al. 2021, eq. 3, counting the full ``s^2`` attention as that
 paper does, with ``V`` the padded vocabulary that is really multiplied). A forward
 pass over ``B`` sequences costs per layer ``8Bsh^2`` (QKV, projection) ``+ 4Bshf``
 (MLP) ``+ 4Bs^2h`` (scores, weighted sum), and ``2BshV`` for the logits. Training is
-forward + backward (2x forward); full recomputation adds one forward of the layers:
+forward + backward (2x forward); full recomputation adds one forward of the layers,
+selective recomputation (Korthikanti et al. 2022) one forward of the attention core
+(``4Bs^2h`` per layer: scores and weighted sum):
 
-    no recomputation:   72 B s l h^2 (1 + s/(6h) + V/(12 l h))   (f = 4h)
-    full recomputation: 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+    no recomputation:        72 B s l h^2 (1 + s/(6h) + V/(12 l h))   (f = 4h)
+    full recomputation:      96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+    selective recomputation: the first, plus 4 B s^2 l h
 
 For an abstract model (``--params N``) the rule of thumb 6N (8N with recomputation)
 FLOPs per token is used.
@@ -24,7 +27,10 @@ data per GPU; DP gradient traffic ``2 Psi`` (ZeRO stages 0-2) or ``3 Psi`` (stag
 
 from __future__ import annotations
 
+from typing import Union
+
 from ..config import GPTConfig
+from .memory import recompute_granularity
 
 __all__ = ["flops_per_iteration", "reference_flops", "rank_flops_imbalance", "iteration_time",
            "FLOPS_FORMULA"]
@@ -39,12 +45,18 @@ ABSTRACT_FLOPS_FORMULA = {False: "6*N FLOPs per token (no recomputation)",
                           True: "8*N FLOPs per token (full recomputation)"}
 
 
-def flops_per_iteration(config: GPTConfig, global_batch: int, recompute: bool, vocab: int) -> float:
-    """Executed FLOPs of one training iteration over ``global_batch`` sequences (any ffn width)."""
+def flops_per_iteration(config: GPTConfig, global_batch: int, recompute: Union[bool, str, None],
+                        vocab: int) -> float:
+    """Executed FLOPs of one training iteration over ``global_batch`` sequences (any ffn width).
+
+    ``recompute``: ``False``/``None`` (model FLOPs, what MFU counts), ``True``/``"full"`` (one more
+    forward of every layer) or ``"selective"`` (one more forward of the attention core)."""
     B, s, l, h, f = global_batch, config.seq_length, config.num_layers, config.hidden_size, config.ffn_hidden_size
-    layer_fwd = 8 * B * s * h * h + 4 * B * s * h * f + 4 * B * s * s * h
+    core_fwd = 4 * B * s * s * h
+    layer_fwd = 8 * B * s * h * h + 4 * B * s * h * f + core_fwd
     logits_fwd = 2 * B * s * h * vocab
-    return float((4 if recompute else 3) * l * layer_fwd + 3 * logits_fwd)
+    extra = {None: 0, "full": layer_fwd, "selective": core_fwd}[recompute_granularity(recompute)]
+    return float(l * (3 * layer_fwd + extra) + 3 * logits_fwd)
 
 
 def reference_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool) -> float:

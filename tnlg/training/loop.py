@@ -110,9 +110,9 @@ class Trainer:
         """The run's log and metrics file, announced by the run's header line."""
         o, ps, cfg = self.o, self.ps, self.config
         vocab = cfg.padded_vocab_size(ps.tp_size)
-        # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + the recomputed forward)
+        # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + what is recomputed)
         metrics = Metrics(o, ps, flops=iteration_flops(cfg, o.global_batch_size, False, vocab),
-                          hw_flops=iteration_flops(cfg, o.global_batch_size, o.recompute_activations, vocab),
+                          hw_flops=iteration_flops(cfg, o.global_batch_size, o.recompute_granularity, vocab),
                           peak=self.peak, tokens_per_iter=o.global_batch_size * cfg.seq_length,
                           path=o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None),
                           resumed_at=resumed_at)

@@ -75,7 +75,7 @@ class Metrics:
                  f"loss {summed / n:.4f} | grad norm {info['grad_norm']:.3f} | "
                  f"{span / n * 1e3:7.1f} ms/iter | {self.tokens_per_iter * n / span:8.0f} tok/s | "
                  f"{self._tflops(self.flops * n, span):.3f} model TFLOP/s/rank | MFU {mfu:.1%}"
-                 + (f" HFU {hfu:.1%}" if self.o.recompute_activations else "")
+                 + (f" HFU {hfu:.1%}" if self.hw_flops != self.flops else "")
                  + f" of {self.peak:.3f} | mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
                  + (" | skipped (overflow)" if info["skipped"] else ""))
         self._window = (time.perf_counter(), 0.0, 0)
