@@ -41,7 +41,7 @@ import torch
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.model import GPT
-from tnlg.plan.measure import AllocationTracker
+from tnlg.plan.measure import tracked_step
 from tnlg.plan.memory import activation_bytes
 from tnlg.testing import run_distributed
 
@@ -80,12 +80,7 @@ def measure(ps, a: dict) -> list[dict]:
                 model(tokens, labels=tokens).backward()
                 torch.cuda.synchronize()
                 allocator_peak = torch.cuda.max_memory_allocated() - base
-            tracker = AllocationTracker()
-            with tracker:
-                loss = model(tokens, labels=tokens)
-                tracker.mark("after_forward")
-                loss.backward()
-                del loss
+            tracker = tracked_step(model, tokens, tokens)
         # what SDPA runs: fused kernels on GPUs; on CPUs the math kernel when there is attention dropout
         kernel = "math" if dropout > 0 and not cuda else "fused"
         pred = activation_bytes(cfg, ps.tp_size, a["batch"], g, "fp32" if dtype == torch.float32 else "bf16",

@@ -363,7 +363,7 @@ def test_activation_formulas():
 
 
 def _measure_body(ps, cfg, batch):
-    from tnlg.plan.measure import AllocationTracker
+    from tnlg.plan.measure import tracked_step
     rows = {}
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     for sp in (False, True):
@@ -371,12 +371,7 @@ def _measure_body(ps, cfg, batch):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         model(tokens, labels=tokens).backward()
-        tracker = AllocationTracker()
-        with tracker:
-            loss = model(tokens, labels=tokens)
-            tracker.mark("after_forward")
-            loss.backward()
-            del loss
+        tracker = tracked_step(model, tokens, tokens)
         rows[sp] = (tracker.marks["after_forward"], tracker.peak)
     return rows
 

@@ -15,6 +15,8 @@ gradients, the input) are not counted, nor are views and in-place results of the
         loss.backward()
     tracker.peak, tracker.marks["after_forward"]
 
+which :func:`tracked_step` does for a model called as ``model(tokens, labels=labels)``.
+
 Slow (a Python call per operator): for measurements, not for timed runs.
 """
 
@@ -25,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocationTracker"]
+__all__ = ["AllocationTracker", "tracked_step"]
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -67,3 +69,19 @@ class AllocationTracker(TorchDispatchMode):
             self.current += st.nbytes()
         self.peak = max(self.peak, self.current)
         return out
+
+
+def tracked_step(model, tokens: torch.Tensor, labels: torch.Tensor) -> AllocationTracker:
+    """One forward and backward of ``model(tokens, labels=labels)`` under a fresh tracker, with the
+    bytes alive after the forward (what is kept for backward) marked ``"after_forward"``.
+
+    Run a warm-up step first, and give parameters their gradients beforehand, so that lazy
+    initialisations and gradient buffers are not counted as activations.
+    """
+    tracker = AllocationTracker()
+    with tracker:
+        loss = model(tokens, labels=labels)
+        tracker.mark("after_forward")
+        loss.backward()
+        del loss
+    return tracker
