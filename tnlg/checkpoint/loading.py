@@ -15,13 +15,12 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..model import GPT
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, max_over_world
 from . import files as F
 from .compat import check_compatible
 from .reshard import OptimReader, ShardReader, check_same_params, targets_for
@@ -37,12 +36,9 @@ def _log(ps: ParallelState, msg: str) -> None:
 
 def _agree(error: Optional[BaseException], ps: ParallelState) -> None:
     """Raise on every rank if any rank failed (MAX all-reduce of a flag over the world)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([1.0 if error is not None else 0.0], device=ps.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:
-            raise UserError("loading the checkpoint failed on another rank (its error is printed by that rank); "
-                            "nothing was loaded.")
+    if max_over_world(1.0 if error is not None else 0.0, ps.device) and error is None:
+        raise UserError("loading the checkpoint failed on another rank (its error is printed by that rank); "
+                        "nothing was loaded.")
     if error is not None:
         raise error
 

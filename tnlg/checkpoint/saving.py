@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..io import atomic_output, atomic_write, file_sha256, fsync_dir
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, is_distributed
 from . import files as F
 from .compat import data_record, options_record
 from .reshard import names_for_rank, param_records
@@ -44,12 +44,8 @@ from .stream import StreamWriter
 
 __all__ = ["save", "write_offline", "commit"]
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
@@ -162,7 +158,7 @@ def _manifest(files: dict) -> dict:
 def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
             keep_last: Optional[int]) -> None:
     """Share what every rank wrote; rank 0 writes the manifest and commits; barrier."""
-    if _distributed():
+    if is_distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
     else:

@@ -14,8 +14,7 @@ import signal
 import threading
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+from ..parallel.state import max_over_world
 
 __all__ = ["StopOnSignal"]
 
@@ -41,10 +40,7 @@ class StopOnSignal:
     def requested(self, ps) -> bool:
         """Collective over the world (MAX all-reduce of one number on ``ps.device``): True on every
         rank if any rank got the signal."""
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=ps.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return max_over_world(0.0 if self.received is None else 1.0, ps.device) > 0
 
     def close(self) -> None:
         for s, handler in self._previous.items():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import UserError
 
-__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device"]
+__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world"]
 
 
 @dataclass
@@ -178,6 +178,20 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
     return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp, dp_size=dp,
                          tp_group=tp_group, dp_group=dp_group,
                          device=_device_for_backend(backend))
+
+
+def is_distributed() -> bool:
+    """Whether this process is one of several in an initialised default process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def max_over_world(value: float, device: torch.device) -> float:
+    """The largest ``value`` of all processes (one MAX all-reduce of a number on ``device`` over the
+    world; no communication in a single process): how ranks agree on a failure or a signal."""
+    t = torch.tensor([float(value)], device=device)
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def destroy_parallel() -> None:

@@ -15,15 +15,12 @@ import signal
 import threading
 from typing import Callable, Iterator, Optional
 
-import torch
-import torch.distributed as dist
-
 from .. import checkpoint as ckpt
 from ..checkpoint.files import complete_iterations
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError
 from ..options import Options
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, max_over_world
 
 __all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint"]
 
@@ -111,7 +108,4 @@ class Checkpointer:
 
     def _agreed_signal(self) -> int:
         """The signal that stops every rank (MAX all-reduce over the world: SIGTERM wins over SIGINT)."""
-        n = torch.tensor([float(self.stop.received or 0)], device=self.ps.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n.item())
+        return int(max_over_world(self.stop.received or 0, self.ps.device))
