@@ -22,7 +22,7 @@ from tnlg.errors import UserError
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-FIXTURE_MODEL = "/work/shared/fixtures/megatron_indexed/shakespeare_spm_bpe2000.model"
+FIXTURE_MODEL = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_indexed") + "/shakespeare_spm_bpe2000.model"
 TRICKY = ["", " ", "  ", "   ", "\n", "\n\n", "plain words", " leading space", "  two leading", "trailing ",
           "\n\nnewlines first\n", "tabs\tand  runs   of spaces ", "windows\r\nline\r\nends",
           "accents é à ü ß, CJK 中文 日本語, RTL שלום مرحبا", "emoji 🎭 👩‍👩‍👧 🇫🇷 🤖", "digits 0123456789 3.14159 1,000,000",

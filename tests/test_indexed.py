@@ -14,7 +14,7 @@ from tnlg.cli import main
 from tnlg.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from tnlg.errors import UserError
 
-FIXTURES = "/work/shared/fixtures/megatron_indexed"
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_indexed")
 NAMES = ["tiny_uint16_text_document", "tiny_int32_text_document", "shakespeare_spm_text_document"]
 
 

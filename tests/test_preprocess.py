@@ -15,7 +15,7 @@ from tnlg.data.preprocess import preprocess
 from tnlg.data.tokenizer import Tokenizer, load_tokenizer
 from tnlg.errors import UserError
 
-FIXTURES = "/work/shared/fixtures/megatron_indexed"
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_indexed")
 
 DOCS = ["First document.\nWith two lines.\n", "  leading spaces, trailing spaces  ", "\n\n\nnewlines first",
         "tabs\tand\r\nwindows line ends\r\n", "accents é à ü, emoji 🎭, CJK 中文 ", "x", "a" * 5000,

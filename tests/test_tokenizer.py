@@ -1,6 +1,7 @@
 """Tokenizers: SentencePiece (fixture + built-in model), training defaults, GPT-2 BPE from local files."""
 
 import json
+import os
 import shutil
 import sys
 
@@ -12,7 +13,7 @@ from tnlg.data.tokenizer import (GPT2BPETokenizer, SentencePieceTokenizer, load_
                                  train_sentencepiece)
 from tnlg.errors import UserError
 
-FIXTURES = "/work/shared/fixtures/megatron_indexed"
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_indexed")
 FIXTURE_MODEL = f"{FIXTURES}/shakespeare_spm_bpe2000.model"
 
 TRICKY = ["plain words", " leading space", "  two leading", "\n\nnewlines first\n", "tabs\tand  runs   of spaces ",
@@ -122,7 +123,7 @@ def gpt2_files(tmp_path):
     d = tmp_path / "gpt2"
     d.mkdir()
     (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (d / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    (d / "merges.txt").write_text("#version: 0.2\n" .join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     return d
 
 
