@@ -21,6 +21,7 @@ import os
 import sys
 
 from .errors import UserError
+from .failures import arm, is_agreed, report, stopped_by_peer
 from .launch import is_rank0, under_launcher
 from .process_exit import destroy_process_groups, leave
 
@@ -130,26 +131,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    arm(args.command)
     try:
         if args.command == "pretrain":
             _preflight(args)
         status = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
         return _finish(status)
-    except UserError as err:
-        if is_rank0():  # under a launcher, one rank speaks for all
-            print(f"tnlg {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:  # a hung collective: one message naming it, no traceback per rank
-        if args.command != "pretrain":
+    except UserError as err:  # whichever rank raised it: printed once (tnlg.failures)
+        return _failed(report(args.command, str(err), 2, is_agreed(err)))
+    except RuntimeError as err:
+        if getattr(err, "tnlg_status", None) is not None:  # a stop every rank agreed on (a diverged loss)
+            return _failed(report(args.command, str(err), err.tnlg_status, is_agreed(err)))
+        peer = stopped_by_peer()  # this rank's collective failed because another rank failed and said so
+        if peer is not None:
+            return _failed(peer)
+        if args.command != "pretrain":  # a hung collective: one message naming it, no traceback per rank
             raise
-        from .hang import report
-        status = report(err, args.command, resume=_resume_command(args))
+        from .hang import report as report_hang
+        status = report_hang(err, args.command, resume=_resume_command(args))
         if status is None:
             raise
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: its group cannot be torn down (a peer is gone)
             leave(status, destroy=False)
         return status
 
+
+def _failed(status: int) -> int:
+    """Leave after a reported failure: a worker of several at once (a peer may sit in a collective, so its
+    groups are not torn down), else return ``status``."""
+    if under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        leave(status, destroy=False)
+    return status
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,10 +27,14 @@ import argparse
 import logging
 import os
 import signal
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from .failures import STATUS_FILE_ENV
 
 if TYPE_CHECKING:
     from .parallel.state import ParallelState
@@ -115,9 +119,12 @@ def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``)."""
     import torch  # (torch-free at import: the command line's --help path imports this module)
 
+    from .failures import watch
     from .parallel.state import init_parallel
     torch.set_num_threads(local_threads())
-    return init_parallel(tensor_parallel_size, **kwargs)
+    ps = init_parallel(tensor_parallel_size, **kwargs)
+    watch()  # another rank's failure stops this one at once (tnlg.failures)
+    return ps
 
 
 def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 0) -> Optional[int]:
@@ -138,13 +145,19 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     # the elastic agent replaces these handlers (a signal -> SignalException -> forwarded to the workers)
     # and does not put them back; restore them on the way out
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    quiet = _QuietSignalLines()
+    status_dir = tempfile.mkdtemp(prefix="tnlg-launch-")  # where a worker leaves the status of a failure it reported
+    status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
+    quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
     for lg in loggers:
         lg.addFilter(quiet)
     try:
         elastic_launch(config, sys.executable)(*child_args)
+        return _reported_status(status_file) or 0
     except ChildFailedError as err:
+        reported = _reported_status(status_file)  # a worker said why (before its group existed)
+        if reported is not None:
+            return reported
         rank, first = err.get_first_failure()  # the root cause, not the peers it took down
         print(f"tnlg {command}: worker rank {rank} failed with exit code {first.exitcode}; "
               f"its output is above.", file=sys.stderr)
@@ -153,12 +166,22 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         # the workers got the signal once, finished their iteration and rank 0 said where things stand
         return 128 + int(err.sigval)
     finally:
+        os.environ.pop(STATUS_FILE_ENV, None)
+        shutil.rmtree(status_dir, ignore_errors=True)
         for lg in loggers:
             lg.removeFilter(quiet)
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
-    return 0
+
+
+def _reported_status(status_file: str) -> Optional[int]:
+    """The exit status a worker left after reporting a failure itself (see tnlg.failures), else ``None``."""
+    try:
+        with open(status_file) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 # torch's elastic agent logs each forwarded signal as a warning ("Received 2 death signal, shutting down
@@ -167,10 +190,20 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api",
                     "torch.distributed.elastic.multiprocessing.api")
 
 
-class _QuietSignalLines(logging.Filter):
+class _QuietLines(logging.Filter):
+    """Drops the agent's lines about forwarded signals, and its "failed (exitcode: N)" lines once a worker
+    reported the failure itself (its message is the last word)."""
+
+    def __init__(self, status_file: str):
+        super().__init__()
+        self.status_file = status_file
+
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        return not ("death signal" in msg or "closing signal" in msg)
+        if "death signal" in msg or "closing signal" in msg:
+            return False
+        return not (("failed (exitcode" in msg or "failed" in msg.lower() and "worker" in msg.lower())
+                    and os.path.exists(self.status_file))
 
 
 def _in_main_thread() -> bool:

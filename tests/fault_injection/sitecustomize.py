@@ -42,3 +42,21 @@ if _SAVE_SPEC:
         return _finish(root, tmp, final, iteration, written, ps, meta, keep_last)
 
     saving._finish = _killing_finish
+
+# ``TNLG_TEST_USER_ERROR=RANK`` makes that rank (only) fail with a user error right after the run's
+# parallel state exists (the other ranks go on into their first collectives).
+_ERROR_SPEC = os.environ.get("TNLG_TEST_USER_ERROR")
+
+if _ERROR_SPEC and "RANK" in os.environ:
+    from tnlg.errors import UserError
+    from tnlg.training import loop as _loop
+
+    _init_run = _loop.init_run
+
+    def _failing_init_run(o):
+        ps, accum = _init_run(o)
+        if ps.rank == int(_ERROR_SPEC):
+            raise UserError(f"injected: the data of rank {ps.rank} cannot be read.")
+        return ps, accum
+
+    _loop.init_run = _failing_init_run

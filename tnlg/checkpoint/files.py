@@ -30,7 +30,7 @@ from ..io import atomic_write, file_sha256
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
-           "check_files", "verify_checksums", "complete_iterations",
+           "check_files", "verify_checksums", "meta_digest", "complete_iterations",
            "remove_tree", "make_save_dir", "is_ours", "exchange", "MARKER", "READABLE_FORMATS"]
 
 FORMAT = "tnlg.checkpoint/2"
@@ -158,6 +158,14 @@ def read_meta(iter_dir: str) -> dict:
         raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
                         f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
     return meta
+
+
+def meta_digest(iter_dir: str) -> str:
+    """The SHA-256 of an iteration directory's ``meta.json`` (how ranks check they see the same manifest)."""
+    path = os.path.join(iter_dir, META)
+    if not os.path.isfile(path):
+        raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.")
+    return file_sha256(path)
 
 
 def check_files(iter_dir: str, meta: dict, kinds: tuple[str, ...] = ("model", "optim", "rng")) -> None:

@@ -3,10 +3,12 @@
 ``load`` validates everything before it changes anything: the pointer, the
 manifest (every file present at its recorded size), the architecture and the
 data/tokenizer flags (:mod:`tnlg.checkpoint.compat`), the parameter names and
-shapes; then it reads this rank's tensors (re-sliced for this TP size) and only
-then copies them into the model and optimizer. A failure on any rank is shared
-with all ranks (one tiny all-reduce), so every rank raises the same clear error
-instead of some waiting for the others.
+shapes, the SHA-256 of every file this rank reads; then it reads this rank's tensors
+(re-sliced for this TP size) and only then copies them into the model and optimizer.
+Rank 0 alone chooses the iteration and every rank checks it sees the same manifest.
+A failure on any rank is gathered to all ranks (one ``all_gather_object`` of the
+messages), so every rank raises the same clear error, naming the failing ranks and
+their files, instead of some waiting for the others.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import torch
 
 from ..config import GPTConfig
 from ..data.tokenizer import load_tokenizer
-from ..errors import UserError
+from ..errors import UserError, agreed
 from ..model import GPT
-from ..parallel.state import ParallelState, max_over_world
+from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
 from .reshard import OptimReader, ShardReader, check_same_params, targets_for
@@ -32,15 +34,6 @@ __all__ = ["load", "load_for_inference", "read_states"]
 def _log(ps: ParallelState, msg: str) -> None:
     if ps.rank == 0:
         print(msg, flush=True)
-
-
-def _agree(error: Optional[BaseException], ps: ParallelState) -> None:
-    """Raise on every rank if any rank failed (MAX all-reduce of a flag over the world)."""
-    if max_over_world(1.0 if error is not None else 0.0, ps.device) and error is None:
-        raise UserError("loading the checkpoint failed on another rank (its error is printed by that rank); "
-                        "nothing was loaded.")
-    if error is not None:
-        raise error
 
 
 def read_states(iter_dir: str, meta: dict, config: GPTConfig, tp_size: int, tp_rank: int,
@@ -105,51 +98,100 @@ def _rng_plan(meta: dict, ps: ParallelState) -> tuple[Optional[str], Optional[st
     return F.rng_file(0, 0), (F.rng_file(0, ps.tp_rank) if rng["tp"] == ps.tp_size else None)
 
 
+def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
+                      missing_ok: bool) -> tuple[Optional[str], list]:
+    """The iteration directory every rank loads (``None``: none, start from scratch) and rank 0's notes.
+
+    Rank 0 alone resolves ``load_dir`` (its ``latest`` pointer, or the newest complete iteration) and
+    broadcasts the directory with the SHA-256 of its ``meta.json``; every rank then checks that it
+    sees that directory with the same manifest (a stale cache of a shared filesystem shows another
+    one), so no two ranks ever load different iterations, and none skips the collectives of a load.
+    Collective: one broadcast, one all_gather_object (the check's outcome)."""
+    error, choice, notes = None, None, []
+    if ps.rank == 0:
+        try:
+            if not (missing_ok and not os.path.isdir(load_dir)):
+                choice = F.resolve(load_dir, origin, notes)
+                choice = None if choice is None else (choice, F.meta_digest(choice))
+        except UserError as exc:
+            error = exc
+        except OSError as exc:
+            error = UserError(f"{origin} {load_dir!r} cannot be read: {exc}")
+    error_text, choice, notes = from_rank0((None if error is None else str(error), choice, notes))
+    if error_text is not None:
+        raise agreed(UserError(error_text))
+    if choice is None:
+        if ps.rank == 0 and os.path.isdir(load_dir):
+            print(f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.", flush=True)
+        return None, notes
+    iter_dir, digest = choice
+    mine = None
+    if ps.rank != 0:
+        try:
+            seen = F.meta_digest(iter_dir)
+        except (UserError, OSError):
+            seen = None
+        if seen != digest:
+            mine = UserError(
+                f"rank {ps.rank} {'does not see' if seen is None else 'sees a different'} {F.META} in {iter_dir!r}, "
+                f"the checkpoint rank 0 chose to load; the ranks do not see the same files (a shared filesystem "
+                f"with stale caches, or node-local folders that differ). Nothing was loaded. Make the folder "
+                f"identical on every node, or point --load at one iter_* directory every node sees.")
+    agree_on_failure(mine, "finding the checkpoint")
+    return iter_dir, notes
+
+
+def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> tuple:
+    """Everything checked before anything is changed: the manifest, every file at its size and checksum
+    (each rank the files it reads), the architecture and flags, the parameters; the RNG states read.
+    No communication."""
+    meta = F.read_meta(iter_dir)
+    shared_rng, tp_rng = _rng_plan(meta, ps)
+    kinds = ("model",) + (("optim",) if meta["optimizer"].get("present") else ())
+    F.check_files(iter_dir, meta, kinds)
+    for name in {shared_rng, tp_rng} - {None}:
+        if name not in meta["files"]:
+            raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
+    F.check_files(iter_dir, {"files": {k: v for k, v in meta["files"].items()
+                                       if k in (shared_rng, tp_rng)}}, ("rng",))
+    check_compatible(meta, iter_dir, config, options, tokenizer, origin)
+    targets = targets_for(config, ps.tp_size, ps.tp_rank)
+    check_same_params(meta, targets, iter_dir)
+    pieces = engine.owned_pieces()
+    same_tp = int(meta["layout"]["tp"]) == ps.tp_size
+    needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
+    F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))  # every file this rank reads
+    rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
+                  for name in {shared_rng, tp_rng} - {None}}
+    return iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng
+
+
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
-         origin: str = "--load") -> Optional[dict]:
+         origin: str = "--load", missing_ok: bool = False) -> Optional[dict]:
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
     Returns ``dict(iteration, consumed_samples, path)``, or ``None`` when the root
     holds no checkpoint yet. Loads the weights re-sliced for this TP size, the
     optimizer state re-partitioned for this DP size and ZeRO stage, the step count
     and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
-    Collective: one all-reduce to agree on success; ZeRO-3 loading scatters nothing
-    (each rank keeps its part of the full tensors it read).
+    ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
+
+    Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
+    (:func:`_agreed_iteration`); one all_gather_object of each rank's outcome (any rank's error is
+    raised on every rank, naming the rank and the file); ZeRO-3 loading scatters nothing (each rank
+    keeps its part of the full tensors it read).
     """
-    error, plan, notes = None, None, []
+    error, plan = None, None
+    iter_dir, notes = _agreed_iteration(load_dir, origin, ps, missing_ok)
+    if iter_dir is None:
+        return None
     try:
-        iter_dir = F.resolve(load_dir, origin, notes)
-        if iter_dir is None:
-            _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
-        else:
-            meta = F.read_meta(iter_dir)
-            shared_rng, tp_rng = _rng_plan(meta, ps)
-            kinds = ("model",) + (("optim",) if meta["optimizer"].get("present") else ())
-            F.check_files(iter_dir, meta, kinds)
-            for name in {shared_rng, tp_rng} - {None}:
-                if name not in meta["files"]:
-                    raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
-            F.check_files(iter_dir, {"files": {k: v for k, v in meta["files"].items()
-                                               if k in (shared_rng, tp_rng)}}, ("rng",))
-            check_compatible(meta, iter_dir, config, options, tokenizer, origin)
-            targets = targets_for(config, ps.tp_size, ps.tp_rank)
-            check_same_params(meta, targets, iter_dir)
-            pieces = engine.owned_pieces()
-            same_tp = int(meta["layout"]["tp"]) == ps.tp_size
-            needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
-            if ps.dp_rank != 0:  # every DP rank of a TP rank reads the same weight files: DP rank 0
-                needed = {n for n in needed if not n.startswith("model")}  # checks them (_agree shares it)
-            F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))
-            rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
-                          for name in {shared_rng, tp_rng} - {None}}
-            plan = (iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng)
+        plan = _plan(iter_dir, engine, ps, config, options, tokenizer, origin)
     except UserError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - a damaged file must not leave other ranks waiting
-        error = UserError(f"checkpoint {load_dir!r} cannot be read: {type(exc).__name__}: {exc}")
-    _agree(error, ps)
-    if plan is None:
-        return None
+        error = UserError(f"checkpoint {iter_dir!r} cannot be read: {type(exc).__name__}: {exc}")
+    agree_on_failure(error, f"loading checkpoint {iter_dir!r}")  # every rank raises the same (rank 0 prints)
     for note in notes:
         _log(ps, note)
 

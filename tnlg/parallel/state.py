@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
+from ..errors import UserError, agreed
 
-__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world"]
+__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
+           "agree_on_failure", "from_rank0"]
 
 
 @dataclass
@@ -192,6 +193,43 @@ def max_over_world(value: float, device: torch.device) -> float:
     if is_distributed():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (one ``broadcast_object_list`` over the world; none in one process):
+    how the ranks act on one decision instead of each making its own."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree_on_failure(error: Optional[BaseException], what: str) -> None:
+    """Raise the same :class:`UserError` on every rank when ``error`` is set on any (``None``: this rank
+    succeeded); one ``all_gather_object`` of each rank's message over the world (none in a single process).
+
+    The message names the failing ranks and what each said (one line per distinct message), so the
+    user sees which rank's file was bad whichever rank prints it; it is marked agreed (rank 0 prints
+    it, once). ``what`` is what failed ("loading the checkpoint")."""
+    text = None if error is None else str(error)
+    if is_distributed():
+        texts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, text)
+    else:
+        texts = [text]
+    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
+    if not failed:
+        return
+    if len(texts) == 1:
+        raise agreed(error if isinstance(error, UserError) else UserError(text))
+    by_text: dict[str, list[int]] = {}
+    for r, t in failed:
+        by_text.setdefault(t, []).append(r)
+    if len(by_text) == 1 and len(failed) == len(texts):  # the same on every rank: the message says it all
+        raise agreed(UserError(failed[0][1]))
+    lines = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {t}" for t, rs in by_text.items()]
+    raise agreed(UserError(f"{what} failed on {len(failed)} of {len(texts)} ranks; " + " ".join(lines)))
 
 
 def destroy_parallel() -> None:

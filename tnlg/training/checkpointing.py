@@ -74,12 +74,15 @@ class Checkpointer:
 
     def resume(self) -> tuple[int, int]:
         """``(iteration, consumed samples)`` of the checkpoint loaded into the model and engine: ``--load``,
-        else ``--save`` when it holds one (elastic restarts rely on it); ``(0, 0)`` from scratch."""
+        else ``--save`` when it holds one (elastic restarts rely on it); ``(0, 0)`` from scratch.
+
+        Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
+        folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         o = self.o
         load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
-        if not load_dir or not (o.load or ckpt.has_checkpoint(o.save)):
+        if not load_dir:
             return 0, 0
-        state = ckpt.load(load_dir, origin=origin, **self._state)
+        state = ckpt.load(load_dir, origin=origin, missing_ok=not o.load, **self._state)
         if state is None:
             return 0, 0
         iteration, consumed = state["iteration"], state["consumed_samples"]

@@ -1,0 +1,253 @@
+"""One error path for every rank: a rank's error reaches the user once, and the other ranks stop at once.
+
+A rank that fails with a user error (bad options or data, a damaged checkpoint, a failed save) or a
+diverged loss must not leave the other ranks waiting in their next collective for the whole
+process-group timeout, and its message must reach the user whichever rank raised it. Two cases:
+
+* **agreed** errors, raised on every rank after an agreement collective (a checkpoint that cannot
+  be loaded, a save that failed on some rank, a NaN loss, which the DP all-reduce of the loss gives
+  every rank): rank 0 prints the message once; the others exit without a word;
+* **one rank's** error (only that rank knows): it posts the message on the failure board, a few keys
+  in the rendezvous store (``<tag>/first``, ``<tag>/text``, ``<tag>/status``) that outlives any
+  collective; every rank runs a watcher thread (:func:`watch`, started when a command joins its
+  process group) that looks at the board every half second. Rank 0 prints
+  ``tnlg pretrain: error on rank R of N: <message>`` (the board "gathers" it to the rank the user
+  reads) and posts ``told``; every rank, blocked in a collective or not, then leaves at once (its
+  groups are not torn down: a peer may sit in a collective). If rank 0 does not answer within 3 s
+  (its process, which holds the store under the elastic launcher, is gone), the failing rank prints
+  the message itself.
+
+Before a process group exists there is no board: the error is printed by rank 0 of a launcher's
+group (every rank of ``torchrun`` validates the same arguments) and by every rank started by hand
+or by another launcher (``RANK=1 WORLD_SIZE=2 tnlg ...``), with its rank named.
+
+Exit status: under tnlg's own launcher (``--nproc-per-node``), which sets ``TNLG_LAUNCH_STATUS`` to a
+file it reads afterwards, every worker of a failure it has reported exits 0 and the status goes
+into that file (2 for a user error, 1 for a divergence): the elastic agent then neither restarts
+the group under ``--max-restarts`` (a bad option or a diverging run fails the same way again) nor
+prints its own "failed (exitcode: 2)" lines after our message. Elsewhere (``torchrun``) every
+rank exits with the status.
+
+This module imports torch only when a process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+__all__ = ["STATUS_FILE_ENV", "arm", "watch", "report", "peer_failure", "stopped_by_peer", "final_status",
+           "is_agreed"]
+
+STATUS_FILE_ENV = "TNLG_LAUNCH_STATUS"  # set by tnlg.launch for its workers: where a reported failure's status goes
+POLL_S = 0.5         # how often the watcher looks at the board
+ANSWER_WAIT_S = 3.0  # how long a rank waits for rank 0 to print (and rank 0 for the others to read it)
+
+_handling = threading.Event()  # this process is reporting its own error: its watcher stays quiet
+_watching: dict = {}
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether ``exc`` is raised on every rank alike (:func:`tnlg.errors.agreed`)."""
+    return bool(getattr(exc, "agreed", False))
+
+
+def _group() -> Optional[tuple[int, int]]:
+    """``(rank, world)`` of this process's default group when it is one of several, else ``None``."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _tag() -> str:
+    return f"tnlg/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+    return _get_default_store()
+
+
+def _bounded(fn: Callable, timeout: float, default=None):
+    """``fn()`` in a daemon thread, given up after ``timeout`` s: a store call to a stopped store server
+    may never return."""
+    out: list = []
+
+    def call():
+        try:
+            out.append(fn())
+        except Exception:  # noqa: BLE001 - the store's host is gone: the caller falls back
+            pass
+    t = threading.Thread(target=call, daemon=True, name="tnlg-failure-store")
+    t.start()
+    t.join(timeout)
+    return out[0] if out else default
+
+
+def _wait_for(store, keys: list, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if store.check(keys):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _record(status: int) -> bool:
+    """Leave ``status`` in tnlg's launcher's status file; ``False`` when not under it."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return False
+    try:
+        from .io import atomic_write
+        atomic_write(path, f"{status}\n", durable=False)
+    except OSError:
+        return False
+    return True
+
+
+def final_status(status: int) -> int:
+    """The exit status of a worker whose failure was reported: 0 under tnlg's launcher (``status`` goes to
+    its status file), else ``status``."""
+    return 0 if _record(status) else status
+
+
+def _leave(status: int) -> None:
+    from .process_exit import leave
+    leave(final_status(status), destroy=False)
+
+
+def peer_failure() -> Optional[int]:
+    """The rank that posted a failure on the board (``None``: none did, or no board)."""
+    if _group() is None:
+        return None
+    first = _bounded(lambda: _store().get(f"{_tag()}/first") if _store().check([f"{_tag()}/first"]) else None, 2.0)
+    return int(first) if first else None
+
+
+def _speak_for(command: str, rank: int, world: int, store, tag: str) -> None:
+    """Rank 0: print the posted failure of another rank, say so on the board."""
+    first = int(store.get(f"{tag}/first"))
+    _wait_for(store, [f"{tag}/text"], 1.0)
+    text = store.get(f"{tag}/text").decode() if store.check([f"{tag}/text"]) else "(its message was not posted)"
+    print(f"tnlg {command}: error on rank {first} of {world}: {text}", file=sys.stderr, flush=True)
+    store.set(f"{tag}/told", "1")
+
+
+def arm(command: str) -> None:
+    """Name the command whose failures this process reports (``tnlg <command>: ...``)."""
+    _watching["command"] = command
+
+
+def watch() -> None:
+    """Start this process's watcher of the failure board (once; only in a group of several processes)."""
+    group = _group()
+    if group is None or _watching.get("thread") is not None:
+        return
+    rank, world = group
+    store, tag, command = _store(), _tag(), _watching.get("command", "run")
+
+    def run():
+        while True:
+            time.sleep(POLL_S)
+            try:
+                if _handling.is_set() or not store.check([f"{tag}/first"]):
+                    continue
+                if int(store.get(f"{tag}/first")) == rank:
+                    continue
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0's process): the collectives fail too
+                return
+            _handling.set()
+            status = 2
+            try:
+                if rank == 0:
+                    _speak_for(command, rank, world, store, tag)
+                else:
+                    _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S)
+                status = int(store.get(f"{tag}/status")) if store.check([f"{tag}/status"]) else 2
+                if rank == 0:
+                    time.sleep(POLL_S + 0.5)  # the store may live here: let the others read ``told``
+            except Exception:  # noqa: BLE001 - leave all the same: the failing rank's message is out
+                pass
+            _leave(status)
+    t = threading.Thread(target=run, daemon=True, name="tnlg-failure-watch")
+    _watching["thread"] = t
+    t.start()
+
+
+def stopped_by_peer() -> Optional[int]:
+    """When another rank posted a failure (this rank's collective then fails too): wait until rank 0 said
+    so and return this process's exit status; ``None`` when no rank did."""
+    if peer_failure() is None:
+        return None
+    _handling.set()
+    store, tag = _store(), _tag()
+    _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+    status = _bounded(lambda: int(store.get(f"{tag}/status")), 2.0, 2)
+    return final_status(status)
+
+
+def report(command: str, text: str, status: int, agreed: bool) -> int:
+    """Print a failure of this process once for the whole job; return the exit status for this process.
+
+    ``text`` is the message without the ``tnlg <command>: error:`` prefix. See the module docstring
+    for who prints it.
+    """
+    _handling.set()
+    group = _group()
+    if group is None:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        launched_same_args = "TORCHELASTIC_RUN_ID" in os.environ  # rank 0 validated the same arguments
+        if rank == 0 or world == 1:
+            print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
+        elif not launched_same_args:
+            print(f"tnlg {command}: error on rank {rank} of {world}: {text}", file=sys.stderr, flush=True)
+        else:
+            return status
+        _record(status)  # the launcher's own failure lines would only repeat it; the exit stays non-zero:
+        return status    # without a group, the launcher must stop the ranks that wait for this one
+    rank, world = group
+    store, tag = _store(), _tag()
+    if agreed:
+        if rank == 0:
+            print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
+            _bounded(lambda: store.set(f"{tag}/agreed", "1"), 2.0)
+            _bounded(lambda: _wait_for(store, [f"{tag}/agreed-{r}" for r in range(1, world)], ANSWER_WAIT_S),
+                     ANSWER_WAIT_S + 1)
+        else:  # rank 0 says it; leave after it did (a launcher would stop rank 0 when this rank exits)
+            _bounded(lambda: _wait_for(store, [f"{tag}/agreed"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+            _bounded(lambda: store.set(f"{tag}/agreed-{rank}", "1"), 2.0)
+        return final_status(status)
+
+    def post():
+        won = store.compare_set(f"{tag}/first", "", str(rank)).decode() == str(rank)
+        if won:
+            store.set(f"{tag}/text", text)
+            store.set(f"{tag}/status", str(status))
+        return won
+    won = _bounded(post, 2.0)
+    if won and rank == 0:
+        print(f"tnlg {command}: error on rank 0 of {world}: {text}", file=sys.stderr, flush=True)
+        _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)
+        time.sleep(POLL_S + 0.5)  # the store lives here under the elastic launcher: let the others read it
+    elif won:
+        told = _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+        if not told:  # rank 0 did not answer: say it here
+            print(f"tnlg {command}: error on rank {rank} of {world} (rank 0 did not answer): {text}",
+                  file=sys.stderr, flush=True)
+    else:  # another rank failed first (or the store is gone): this rank's own error is new information
+        first = _bounded(lambda: store.get(f"{tag}/first").decode(), 2.0)
+        _bounded(lambda: _wait_for(store, [f"{tag}/text"], 1.0), 2.0)
+        same = _bounded(lambda: store.get(f"{tag}/text").decode() == text, 2.0)
+        if not same:
+            print(f"tnlg {command}: error on rank {rank} of {world}"
+                  f"{'' if first is None else f' (rank {first} failed first)'}: {text}", file=sys.stderr, flush=True)
+        _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+    return final_status(status)
