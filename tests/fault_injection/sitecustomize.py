@@ -60,3 +60,22 @@ if _ERROR_SPEC and "RANK" in os.environ:
         return ps, accum
 
     _loop.init_run = _failing_init_run
+
+# ``TNLG_TEST_NAN_AT=N:RANK`` puts a NaN into that rank's shard of the word embeddings before iteration N,
+# as a bad update on one rank would: the TP all-reduces and the DP all-reduce of the loss carry it to every rank.
+_NAN_SPEC = os.environ.get("TNLG_TEST_NAN_AT")
+
+if _NAN_SPEC and "RANK" in os.environ:
+    import torch
+    from tnlg.training import loop as _nan_loop
+
+    _nan_iteration, _, _nan_rank = _NAN_SPEC.partition(":")
+    _train_step = _nan_loop.train_step
+
+    def _nan_train_step(model, *args, iteration, ps, **kwargs):
+        if (iteration, ps.rank) == (int(_nan_iteration), int(_nan_rank or 0)):
+            with torch.no_grad():
+                model.transformer.wte.weight.view(-1)[0] = float("nan")
+        return _train_step(model, *args, iteration=iteration, ps=ps, **kwargs)
+
+    _nan_loop.train_step = _nan_train_step

@@ -20,10 +20,10 @@ from ..data.tokenizer import load_tokenizer
 from ..generate import generate
 from ..options import Options, model_config
 from ..parallel.random import seed_everything
-from .checkpointing import Checkpointer, stop_on_signals
+from .checkpointing import Checkpointer, last_checkpoint, stop_on_signals
 from .metrics import Metrics
 from .setup import build_datasets, build_engine, build_schedule, init_run, precision
-from .step import next_batch, train_step
+from .step import TrainingDiverged, next_batch, train_step
 from .throughput import iteration_flops, measure_peak_tflops
 from .validation import Validation
 
@@ -99,12 +99,24 @@ class Trainer:
                 if stopped:
                     summary["interrupted"] = stopped
                     break
+        except TrainingDiverged as exc:  # the DP-reduced loss: every rank stops here alike; rank 0 says it once
+            raise self._diverged(exc) from None
         except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
             summary["interrupted"] = self.checkpointer.forced_stop(iteration)
         metrics.close()
         if "interrupted" not in summary:
             self._sample()
         return summary
+
+    def _diverged(self, exc: TrainingDiverged) -> TrainingDiverged:
+        """The divergence as every rank reports it: the last checkpoint named, marked agreed (rank 0 prints
+        it, no traceback) with exit status 1; tnlg's launcher does not restart it (it would diverge again)."""
+        last = last_checkpoint(self.o.save)
+        where = (f" The last checkpoint is iteration {last} in {self.o.save}." if last is not None
+                 else " No checkpoint was saved.")
+        out = TrainingDiverged(f"{exc}{where}")
+        out.agreed, out.tnlg_status = True, 1
+        return out
 
     def _metrics(self, resumed_at: int) -> Metrics:
         """The run's log and metrics file, announced by the run's header line."""
