@@ -36,10 +36,10 @@ if _SAVE_SPEC:
     _save_iteration, _, _save_who = _SAVE_SPEC.partition(":")
     _finish = saving._finish
 
-    def _killing_finish(root, tmp, final, iteration, written, ps, meta, keep_last):
+    def _killing_finish(root, tmp, final, iteration, written, ps, *args):
         if iteration == int(_save_iteration) and ps.rank == (int(_save_who) if _save_who else ps.world_size - 1):
             os.kill(os.getpid(), signal.SIGKILL)
-        return _finish(root, tmp, final, iteration, written, ps, meta, keep_last)
+        return _finish(root, tmp, final, iteration, written, ps, *args)
 
     saving._finish = _killing_finish
 
@@ -79,3 +79,22 @@ if _NAN_SPEC and "RANK" in os.environ:
         return _train_step(model, *args, iteration=iteration, ps=ps, **kwargs)
 
     _nan_loop.train_step = _nan_train_step
+
+# ``TNLG_TEST_ENOSPC_AT=N:RANK`` makes that rank's checkpoint writes of iteration N fail as a full disk
+# does (``OSError(ENOSPC)`` from the first tensor written), the other ranks' writes succeed.
+_ENOSPC_SPEC = os.environ.get("TNLG_TEST_ENOSPC_AT")
+
+if _ENOSPC_SPEC and "RANK" in os.environ:
+    import errno
+
+    from tnlg.checkpoint import stream as _stream
+
+    _full_iteration, _, _full_rank = _ENOSPC_SPEC.partition(":")
+    _stream_write = _stream.StreamWriter.write
+
+    def _full_write(self, key, tensor):
+        if f"iter_{int(_full_iteration):07d}.tmp" in self.path and os.environ["RANK"] == (_full_rank or "0"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.tmp)
+        return _stream_write(self, key, tensor)
+
+    _stream.StreamWriter.write = _full_write

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from typing import Optional
 
 from ..errors import UserError
@@ -31,7 +32,8 @@ from ..io import atomic_write, file_sha256
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
            "check_files", "verify_checksums", "meta_digest", "complete_iterations",
-           "remove_tree", "make_save_dir", "is_ours", "exchange", "MARKER", "READABLE_FORMATS"]
+           "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
+           "MARKER", "READABLE_FORMATS"]
 
 FORMAT = "tnlg.checkpoint/2"
 READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
@@ -60,8 +62,50 @@ def rng_file(dp_rank: int, tp_rank: int) -> str:
     return f"rng_dp{dp_rank:03d}_tp{tp_rank:02d}.pt"
 
 
+TRASH_PREFIX = ".tnlg-trash-"  # a directory of ours being removed (renamed first: a crash leaves known debris)
+NEW_PREFIX = ".tnlg-new-"      # a save directory being created (renamed to iter_N.tmp once it holds the marker)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def trash_name(root: str) -> str:
+    """A fresh name in ``root`` for a directory of ours on its way out."""
+    return os.path.join(root, f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
+
+
 def remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a directory tnlg wrote: renamed to a trash name first (atomic), then deleted, so a crash
+    at any point leaves either the directory as it was or debris the next save recognises."""
+    trash = trash_name(os.path.dirname(os.path.abspath(path)))
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    except OSError:  # (another filesystem's rules): delete in place
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_debris(root: str) -> list[str]:
+    """Remove what crashed saves left in ``root`` and return the names removed. Only tnlg's own debris:
+    directories with tnlg's temporary names (``.tnlg-new-*``, ``.tnlg-trash-*``), ``iter_*`` names that
+    are not committed iterations and hold the save marker, ``iter_*.replaced.tmp`` holding a tnlg
+    manifest (an older tnlg's replaced save). An unmarked ``iter_*.tmp`` is someone else's: kept (a save of
+    that iteration then stops with a clear error)."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if name.startswith((TRASH_PREFIX, NEW_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("iter_") and not ITER_RE.match(name) and is_ours(path):
+            remove_tree(path)
+        elif re.match(r"^iter_\d{7,}\.replaced\.tmp$", name) and is_tnlg_iteration(path):
+            remove_tree(path)
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def list_iterations(root: str) -> list[int]:
@@ -157,7 +201,22 @@ def read_meta(iter_dir: str) -> dict:
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
                         f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
+    _check_names(meta, path)
     return meta
+
+
+def _check_names(meta: dict, path: str) -> None:
+    """Every file a manifest names is a plain name inside its folder: no path separator, no ``..``, not
+    absolute (a manifest is data from disk; it must not make a load open files elsewhere)."""
+    for section in ("files", "sha256", "optim_files"):
+        entries = meta.get(section) or {}
+        if not isinstance(entries, dict):
+            raise UserError(f"{path!r} is corrupt: its {section!r} entry is not a mapping of file names.")
+        for name in entries:
+            if not (isinstance(name, str) and _NAME_RE.match(name) and ".." not in name):
+                raise UserError(f"{path!r} names the file {name!r} in {section!r}: a checkpoint's files are "
+                                f"plain names inside its own folder (no '/', no '..', not absolute); this "
+                                f"manifest was not written by tnlg or was tampered with. Nothing was loaded.")
 
 
 def meta_digest(iter_dir: str) -> str:
@@ -212,10 +271,26 @@ def complete_iterations(root: str) -> list[int]:
 
 
 def make_save_dir(path: str) -> None:
-    """Create a directory for a save in progress, with the marker that makes it ours."""
-    os.makedirs(path)
-    with open(os.path.join(path, MARKER), "w") as f:
+    """Create a directory for a save in progress, with the marker that makes it ours: made under a
+    temporary name of ours and renamed once the marker is in (no crash leaves it unmarked)."""
+    root = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path):
+        raise UserError(f"cannot save into {path!r}: it exists and was not written by a tnlg save (it holds "
+                        f"no {MARKER} marker), so it is left alone. Move it out of {root!r} and resume.")
+    staging = os.path.join(root, f"{NEW_PREFIX}{uuid.uuid4().hex[:12]}")
+    os.makedirs(staging)
+    with open(os.path.join(staging, MARKER), "w") as f:
         f.write("written by a tnlg checkpoint save; removed when the save completes or is superseded\n")
+    os.rename(staging, path)
+
+
+def is_tnlg_iteration(path: str) -> bool:
+    """True for an iteration directory whose manifest is tnlg's (``--keep-last`` removes no other)."""
+    try:
+        read_meta(path)
+    except (UserError, OSError):
+        return False
+    return True
 
 
 def is_ours(path: str) -> bool:

@@ -26,7 +26,9 @@ Order of events (a crash at any point leaves the previous checkpoint intact and
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import time
 from typing import Optional
 
@@ -35,7 +37,8 @@ import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..io import atomic_output, atomic_write, file_sha256, fsync_dir
-from ..parallel.state import ParallelState, is_distributed
+from ..errors import UserError, agreed
+from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from .compat import data_record, options_record
 from .reshard import names_for_rank, param_records
@@ -43,11 +46,6 @@ from .rng import capture
 from .stream import StreamWriter
 
 __all__ = ["save", "write_offline", "commit"]
-
-def _barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
 
 def _tmp_name(iteration: int) -> str:
     return F.iter_dir_name(iteration) + ".tmp"
@@ -67,13 +65,19 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     if set(engine.param_names) != set(records):
         raise RuntimeError(f"engine parameters {sorted(set(engine.param_names) ^ set(records))[:4]} do not match "
                            f"the model's partition records; cannot save.")
-    _prepare(root, tmp, ps)
+    _prepare(root, tmp, ps, iteration)
     names = names_for_rank(records, ps.tp_rank)
     tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
     written: dict[str, dict] = {}
-    written.update(_write_model(tmp, engine, names, ps, tag))
-    written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
-    written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
+    failure = _SaveFailure(root, iteration, ps)
+    written.update(_write_model(tmp, engine, names, ps, tag, failure))  # collective with ZeRO-3: never skipped
+    if failure.ok:
+        with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank))):
+            written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
+    if failure.ok:
+        with failure.guard(os.path.join(tmp, F.rng_file(ps.dp_rank, ps.tp_rank))):
+            written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
+    failure.agree(tmp)  # every rank raises the same error when any rank's write failed; tmp removed
     optimizer = dict(present=True, **engine.hyperparameters())
     _finish(root, tmp, final, iteration, written, ps, dict(
         consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
@@ -81,38 +85,104 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
                     param_dtype=str(engine.param_dtype).replace("torch.", "")),
         params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
-        schedule=_schedule(options, optimizer)), keep_last)
+        schedule=_schedule(options, optimizer)), keep_last, failure)
     return final
 
 
-def _prepare(root: str, tmp: str, ps: ParallelState) -> None:
-    """Rank 0: remove only our own debris, create ``tmp`` with the marker; barrier."""
+class _SaveFailure:
+    """The first I/O error of this rank's part of a save (disk full, EIO, permissions), as a message naming
+    the rank, the file and the free space; :meth:`agree` raises it on every rank (rank 0 prints it)."""
+
+    def __init__(self, root: str, iteration: int, ps: ParallelState):
+        self.root, self.iteration, self.ps = root, iteration, ps
+        self.error: Optional[UserError] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @contextlib.contextmanager
+    def guard(self, path: str):
+        """Turn an ``OSError`` of the body (writing ``path``) into the message (the first one is kept).
+        Callers skip their writes once one failed (:attr:`ok`)."""
+        try:
+            yield
+        except OSError as exc:
+            if self.error is None:
+                self.error = UserError(_io_message(exc, path, self.ps))
+        except UserError as exc:  # a folder in the way that is not ours
+            if self.error is None:
+                self.error = exc
+
+    def agree(self, tmp: Optional[str] = None) -> None:
+        """Collective: when any rank failed, every rank raises one error naming each failing rank; rank 0
+        first removes ``tmp`` (the save's own folder), so the previous checkpoint stays the latest."""
+        try:
+            agree_on_failure(self.error, f"saving the checkpoint of iteration {self.iteration}")
+        except UserError as exc:
+            if self.ps.rank == 0 and tmp is not None:
+                F.remove_tree(tmp)
+            latest = _quiet_latest(self.root)
+            raise agreed(UserError(
+                f"{exc} The checkpoint of iteration {self.iteration} was not written; "
+                + (f"the latest checkpoint in {self.root} is still iteration {latest}." if latest is not None
+                   else f"{self.root} holds no earlier checkpoint.")
+                + " Free space or fix the folder's permissions, then resume.")) from None
+
+
+def _io_message(exc: OSError, path: str, ps: ParallelState) -> str:
+    """``could not write FILE: <error> (errno E) (N MiB free of M MiB on that filesystem)``."""
+    try:
+        usage = shutil.disk_usage(os.path.dirname(path) if os.path.isdir(os.path.dirname(path)) else "/")
+        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
+    except OSError:
+        free = ""
+    what = exc.strerror or type(exc).__name__
+    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+
+
+def _quiet_latest(root: str) -> Optional[int]:
+    try:
+        return F.read_latest(root)
+    except (UserError, OSError):
+        return None
+
+
+def _prepare(root: str, tmp: str, ps: ParallelState, iteration: int) -> None:
+    """Rank 0: remove only our own debris, create ``tmp`` with the marker; every rank learns whether it
+    worked (instead of a barrier)."""
+    failure = _SaveFailure(root, iteration, ps)
     if ps.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a save that crashed (recognised by the marker)
-            path = os.path.join(root, name)
-            if name.startswith("iter_") and not F.ITER_RE.match(name) and os.path.isdir(path) and F.is_ours(path):
-                F.remove_tree(path)
-        F.make_save_dir(tmp)
-    _barrier()
+        with failure.guard(tmp):
+            os.makedirs(root, exist_ok=True)
+            F.remove_debris(root)
+            F.make_save_dir(tmp)
+    failure.agree(tmp if failure.error is None else None)
 
 
-def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict) -> dict:
+def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict, failure: _SaveFailure) -> dict:
     """DP rank 0 of each TP rank streams its TP shard of the weights (stage 3: every DP rank joins
-    each parameter's all-gather). Returns ``{file: record}`` for the files this rank wrote."""
+    each parameter's all-gather, also after a write failed). Returns ``{file: record}`` for the files
+    this rank wrote."""
+    path = os.path.join(tmp, F.model_file(ps.tp_rank))
     writes = ps.dp_rank == 0
     stream = None
     out = {}
     for name, tensor in engine.param_tensors(names):
-        if writes:
+        if writes and failure.ok:
+            with failure.guard(path):
+                if stream is None:
+                    stream = StreamWriter(path, _param_specs(engine, names), tag)
+                stream.write(name, tensor)
+    if writes and failure.ok:
+        with failure.guard(path):
             if stream is None:
-                stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), _param_specs(engine, names), tag)
-            stream.write(name, tensor)
-    if writes:
-        if stream is None:
-            stream = StreamWriter(os.path.join(tmp, F.model_file(ps.tp_rank)), [], tag)
-        size, sha = stream.close()
-        out[F.model_file(ps.tp_rank)] = dict(size=size, sha256=sha)
+                stream = StreamWriter(path, [], tag)
+            size, sha = stream.close()
+            out[F.model_file(ps.tp_rank)] = dict(size=size, sha256=sha)
+    if writes and not failure.ok and stream is not None:
+        with contextlib.suppress(OSError):
+            stream.abort()
     return out
 
 
@@ -156,8 +226,9 @@ def _manifest(files: dict) -> dict:
 
 
 def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
-            keep_last: Optional[int]) -> None:
-    """Share what every rank wrote; rank 0 writes the manifest and commits; barrier."""
+            keep_last: Optional[int], failure: _SaveFailure) -> None:
+    """Share what every rank wrote; rank 0 writes the manifest and commits; every rank learns whether the
+    commit worked (instead of a barrier)."""
     if is_distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
@@ -167,8 +238,9 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: 
         files = {k: v for d in gathered for k, v in d.items()}
         meta = dict(format=F.FORMAT, iteration=int(iteration), **meta, **_manifest(files),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
-        commit(root, tmp, final, iteration, meta, keep_last)
-    _barrier()
+        with failure.guard(os.path.join(tmp, F.META)):
+            commit(root, tmp, final, iteration, meta, keep_last)
+    failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
 
 
 def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
@@ -217,7 +289,7 @@ def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_las
         # An older save of this iteration: a run rolled back to an earlier checkpoint reached it
         # again. The new one replaces it: swap atomically, then remove the old (now at ``tmp``).
         if not F.exchange(tmp, final):
-            old = final + ".replaced.tmp"
+            old = F.trash_name(root)  # a name only tnlg gives: a crash before it is removed leaves known debris
             os.rename(final, old)  # brief window; a resume then falls back to the newest complete iteration
             os.rename(tmp, final)
             tmp = old
@@ -231,10 +303,11 @@ def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_las
         fsync_dir(root)
         _drop_marker(final)
     F.write_latest(root, iteration)
-    if keep_last:
+    if keep_last:  # only iterations whose manifest says tnlg wrote them (a Megatron iter_* has the same name)
         for it in F.list_iterations(root)[:-keep_last]:
-            if it != iteration:
-                F.remove_tree(os.path.join(root, F.iter_dir_name(it)))
+            path = os.path.join(root, F.iter_dir_name(it))
+            if it != iteration and F.is_tnlg_iteration(path):
+                F.remove_tree(path)
 
 
 def _drop_marker(final: str) -> None:
