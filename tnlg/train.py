@@ -25,7 +25,7 @@ from .options import Options
 from .parallel.state import pick_device
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
 from .training import Trainer, train
-from .training.checkpointing import last_checkpoint
+from .training.checkpointing import check_resume, last_checkpoint
 from .training.step import TrainingDiverged
 from .training.throughput import iteration_flops, measure_peak_tflops
 from .training.validation import evaluate
@@ -70,6 +70,7 @@ def _run(args) -> int:
         prefix, tok = default_dataset()
         o.data_path, o.tokenizer_model = [prefix], o.tokenizer_model or tok
     if nproc is not None and nproc > 1 and not under_launcher():
+        check_resume(o)  # a checkpoint that does not match: reported here, before any worker starts
         extra = []
         if not hasattr(args, "save") and o.save is not None and o.load is None:
             extra += ["--save", o.save]  # the folder chosen here: every worker, and a restarted group, uses it

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from typing import Optional
 
@@ -33,7 +34,7 @@ __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_fil
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
            "check_files", "verify_checksums", "meta_digest", "complete_iterations",
            "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
-           "MARKER", "READABLE_FORMATS"]
+           "lock_root", "LOCK", "MARKER", "READABLE_FORMATS"]
 
 FORMAT = "tnlg.checkpoint/2"
 READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
@@ -282,6 +283,33 @@ def make_save_dir(path: str) -> None:
     with open(os.path.join(staging, MARKER), "w") as f:
         f.write("written by a tnlg checkpoint save; removed when the save completes or is superseded\n")
     os.rename(staging, path)
+
+
+LOCK = ".tnlg-lock"  # in a save root: held (flock) by rank 0 of the one job that saves there
+
+
+def lock_root(root: str):
+    """Take the save root's lock for this process (creating ``root``); returns the open lock file, whose
+    lock lasts until it is closed or the process ends. A root another live job holds is a
+    :class:`UserError` naming that job (its pid, host and start time, as it wrote them)."""
+    import fcntl
+    import socket
+    os.makedirs(root, exist_ok=True)
+    f = open(os.path.join(root, LOCK), "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that did not say which"
+        f.close()
+        raise UserError(f"--save {root!r} is in use by another tnlg job ({holder}): two jobs saving into one "
+                        f"folder would remove each other's saves in progress and fight over {LATEST}. Stop that "
+                        f"job, or give this one another --save.") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
 
 
 def is_tnlg_iteration(path: str) -> bool:

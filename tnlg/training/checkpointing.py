@@ -16,13 +16,13 @@ import threading
 from typing import Callable, Iterator, Optional
 
 from .. import checkpoint as ckpt
-from ..checkpoint.files import complete_iterations
+from ..checkpoint.files import check_files, complete_iterations, lock_root
 from ..checkpoint.signals import StopOnSignal
-from ..errors import UserError
+from ..errors import UserError, agreed
 from ..options import Options
-from ..parallel.state import ParallelState, max_over_world
+from ..parallel.state import ParallelState, from_rank0, max_over_world
 
-__all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint"]
+__all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint", "check_resume"]
 
 
 def last_checkpoint(save: Optional[str]) -> Optional[int]:
@@ -35,6 +35,31 @@ def last_checkpoint(save: Optional[str]) -> Optional[int]:
         latest = None
     done = complete_iterations(save)
     return latest if latest in done else (done[-1] if done else None)
+
+
+def check_resume(o: Options) -> None:
+    """The resume checks, made in the launching process before any worker starts (a checkpoint that does
+    not match this run, e.g. another ``--hidden-size``, is reported like any bad option: at once, once,
+    and without a launcher's failure lines after it): the checkpoint a resume would load (``--load``,
+    else ``--save`` when it holds one) is found, its manifest read, its files checked at their sizes
+    and its architecture, data and tokenizer compared with this run's; and a ``--save`` root another
+    job holds is refused. The workers check again (a file may change in between)."""
+    from ..checkpoint.compat import check_compatible
+    from ..data.tokenizer import load_tokenizer
+    from ..options import model_config
+
+    if o.save and os.path.isdir(o.save):
+        lock_root(os.path.abspath(o.save)).close()
+    load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
+    if not load_dir or (not o.load and not os.path.isdir(load_dir)):
+        return
+    iter_dir = ckpt.resolve(load_dir, origin)
+    if iter_dir is None:
+        return
+    meta = ckpt.read_meta(iter_dir)
+    tokenizer = load_tokenizer(o.tokenizer_model)
+    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin)
+    check_files(iter_dir, meta, ("model", "optim", "rng"))
 
 
 @contextlib.contextmanager
@@ -71,6 +96,30 @@ class Checkpointer:
                  log: Callable[[str], None]):
         self.o, self.ps, self.stop, self.log = o, ps, stop, log
         self._state = dict(model=model, engine=engine, ps=ps, config=config, options=o, tokenizer=tokenizer)
+        self._lock = None
+
+    def claim_save_root(self) -> None:
+        """Rank 0 takes the ``--save`` root's lock for the run (a second job saving there is refused with a
+        clear error); every rank learns the outcome. Collective (one broadcast) when ``--save`` is set."""
+        if not self.o.save:
+            return
+        error = None
+        if self.ps.rank == 0:
+            try:
+                self._lock = lock_root(os.path.abspath(self.o.save))
+            except UserError as exc:
+                error = str(exc)
+            except OSError as exc:
+                error = f"--save {self.o.save!r} cannot be used: {exc}"
+        error = from_rank0(error)
+        if error is not None:
+            raise agreed(UserError(error))
+
+    def release(self) -> None:
+        """Let go of the save root's lock (the end of the run)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def resume(self) -> tuple[int, int]:
         """``(iteration, consumed samples)`` of the checkpoint loaded into the model and engine: ``--load``,
@@ -79,6 +128,7 @@ class Checkpointer:
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         o = self.o
+        self.claim_save_root()
         load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
         if not load_dir:
             return 0, 0

@@ -53,7 +53,10 @@ class Trainer:
         """
         with stop_on_signals() as stop:
             self._build(stop)
-            return self._loop()
+            try:
+                return self._loop()
+            finally:
+                self.checkpointer.release()
 
     def _build(self, stop) -> None:
         o = self.o
