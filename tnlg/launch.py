@@ -7,8 +7,8 @@ rebuilt with :func:`argv_of`, then :func:`maybe_launch`) in the launching proces
 after validating its options; a worker calls :func:`join`. Under ``torchrun`` (or with
 N = 1) it returns ``None`` and the caller runs in-process; otherwise it runs
 ``python -m tnlg <command> <same args>`` in N processes through
-``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous on
-loopback; ``max_restarts`` restarts the whole group after a failure, as
+``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous through a store
+this process serves on loopback only, see :func:`loopback_store`; ``max_restarts`` restarts the whole group after a failure, as
 ``torchrun --max-restarts`` does) and returns the exit status.
 
 The workers get exactly the arguments the caller hands over (rebuilt from the
@@ -35,6 +35,8 @@ import uuid
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from .failures import STATUS_FILE_ENV
+
+STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
 if TYPE_CHECKING:
     from .parallel.state import ParallelState
@@ -63,10 +65,25 @@ def local_threads() -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_store():
+    """``(store, "127.0.0.1:PORT")``: a c10d ``TCPStore`` served by this process on loopback only.
+
+    torch's ``TCPStore`` binds its server to every interface (``::``) whatever host it is given; it
+    is therefore handed a socket already bound to 127.0.0.1 and listening (``master_listen_fd``),
+    which also leaves no window between choosing a free port and using it. The launcher's elastic
+    agent rendezvous through it, and its workers make their process group from it (one key prefix
+    per restart: a restarted group never reads the dead group's addresses), so nothing listens
+    beyond loopback and the store outlives any worker."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
+                          wait_for_workers=False, timeout=timedelta(minutes=5))
+    return store, f"127.0.0.1:{port}"
 
 
 def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace,
@@ -131,22 +148,27 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     """Run ``tnlg <command> argv`` on ``nproc`` local processes, or return ``None`` to run here."""
     if under_launcher() or nproc == 1:
         return None
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                          max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
     child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # a restarted group must not reuse the dead group's shared rendezvous store (pytorch/pytorch#135712)
+    # the workers use this process's store (below), not one of their own on every interface
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # the elastic agent replaces these handlers (a signal -> SignalException -> forwarded to the workers)
     # and does not put them back; restore them on the way out
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    status_dir = tempfile.mkdtemp(prefix="tnlg-launch-")  # where a worker leaves the status of a failure it reported
+    # the agent's logs folder and the status a worker leaves after reporting a failure itself; removed after
+    status_dir = tempfile.mkdtemp(prefix="tnlg-launch-")
     status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
+    store, endpoint = loopback_store()
+    os.environ[STORE_ENV] = endpoint
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
+                          rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
+                          local_addr="127.0.0.1", logs_specs=DefaultLogsSpecs(log_dir=status_dir),
+                          max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
     quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
     for lg in loggers:
@@ -167,6 +189,8 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         return 128 + int(err.sigval)
     finally:
         os.environ.pop(STATUS_FILE_ENV, None)
+        os.environ.pop(STORE_ENV, None)
+        del store
         shutil.rmtree(status_dir, ignore_errors=True)
         for lg in loggers:
             lg.removeFilter(quiet)

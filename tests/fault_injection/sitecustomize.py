@@ -98,3 +98,27 @@ if _ENOSPC_SPEC and "RANK" in os.environ:
         return _stream_write(self, key, tensor)
 
     _stream.StreamWriter.write = _full_write
+
+# ``TNLG_TEST_STALE_VIEW=KIND:RANK:N`` gives that rank a stale view of the save root, as a shared
+# filesystem's attribute cache can right after another node wrote it: ``latest`` (the pointer reads N) or
+# ``hidden`` (iteration directories after N are not seen).
+_VIEW_SPEC = os.environ.get("TNLG_TEST_STALE_VIEW")
+
+if _VIEW_SPEC and "RANK" in os.environ:
+    import re as _re
+
+    from tnlg.checkpoint import files as _files
+
+    _kind, _view_rank, _view_iteration = _VIEW_SPEC.split(":")
+    if os.environ["RANK"] == _view_rank and _kind == "latest":
+        _files.read_latest = lambda root: int(_view_iteration)
+    elif os.environ["RANK"] == _view_rank and _kind == "hidden":
+        _meta_digest = _files.meta_digest
+
+        def _stale_meta_digest(iter_dir):
+            m = _re.search(r"iter_(\d+)$", iter_dir.rstrip("/"))
+            if m and int(m.group(1)) > int(_view_iteration):
+                raise FileNotFoundError(iter_dir)
+            return _meta_digest(iter_dir)
+
+        _files.meta_digest = _stale_meta_digest

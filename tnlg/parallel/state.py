@@ -138,7 +138,8 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
 
     * a default process group already exists (tests, notebooks): it is used as is;
     * under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment): the default
-      group is initialised from the environment (or ``init_method``);
+      group is initialised from the environment (or ``init_method``); under tnlg's own
+      launcher, from the loopback store it serves (``TNLG_STORE``, :func:`tnlg.launch.loopback_store`);
     * a plain single process with no launcher: world of one, no process group.
 
     ``device`` (``"cpu"``/``"cuda"``, default: CUDA when available, see :func:`pick_device`)
@@ -154,7 +155,12 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _check_layout(world, tensor_parallel_size)
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
+        store = None if init_method else _launcher_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
         _check_layout(1, tensor_parallel_size)
@@ -179,6 +185,17 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
     return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp, dp_size=dp,
                          tp_group=tp_group, dp_group=dp_group,
                          device=_device_for_backend(backend))
+
+
+def _launcher_store(timeout: timedelta):
+    """The store of tnlg's own launcher (``TNLG_STORE``, served on loopback by the launching process), under
+    a prefix of this attempt of the group; ``None`` elsewhere (torchrun: ``env://``)."""
+    endpoint = os.environ.get("TNLG_STORE")
+    if not endpoint:
+        return None
+    host, port = endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tnlg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def is_distributed() -> bool:

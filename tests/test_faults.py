@@ -1,0 +1,218 @@
+"""Faults injected into one rank of a real launcher run (``tnlg pretrain --nproc-per-node 2``: TP 1 x DP 2,
+gloo), each ending the whole job promptly with one message that names the failing rank.
+
+The faults come from outside the library: ``tests/fault_injection/sitecustomize.py`` is imported by every
+process the test starts (a user error on rank 1 only, a full disk while rank 1 writes, a stale view of
+the save root on rank 1, a SIGKILL of rank 1 mid-save, a NaN in rank 1's weights), or the files are
+damaged on disk (a bit flip in DP rank 1's optimizer shard), or a real 4 MiB tmpfs fills up (as root).
+
+For each: what the user sees, the exit status, the time to exit with the process-group timeout at
+10 minutes (under 60 s), that nothing outside the save root was written (the working directory and
+the temporary folder stay empty) and that the previous checkpoint still loads and resumes exactly:
+the resumed losses equal those of an uninterrupted run of the same options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tnlg import checkpoint as ck
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INJECT = os.path.join(ROOT, "tests", "fault_injection")
+PG_TIMEOUT_MIN = 10
+EXIT_WITHIN_S = 60
+
+
+def _argv(save, iters=4, **extra):
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    argv = ["--nproc-per-node", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
+            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-iters", "4",
+            "--data-path", prefix, "--tokenizer-model", tok, "--eval-interval", "0", "--log-interval", "1",
+            "--no-plot", "--sample-prompt", "", "--peak-tflops", "1", "--save", str(save), "--save-interval", "2",
+            "--distributed-timeout-minutes", str(PG_TIMEOUT_MIN)]
+    for k, v in extra.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+def _run(tmp_path, argv, **fault):
+    """``tnlg pretrain argv`` with the fault variables set; ``(exit status, output, seconds)``. It runs in an
+    empty working directory with its own temporary folder, both checked to stay empty."""
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir(exist_ok=True)
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([INJECT, ROOT, os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(tmp), **{k: str(v) for k, v in fault.items()})
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd), env=env,
+                          capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    # (torch itself makes an empty torchinductor_<user> cache folder when torch._dynamo is imported)
+    left = [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
+    assert os.listdir(cwd) == [] and left == [], f"files written outside the save root: {left}"
+    return proc.returncode, proc.stdout + proc.stderr, took
+
+
+def _losses(root):
+    out = {}
+    with open(os.path.join(root, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("split") != "valid":
+                out[r["iteration"]] = r["loss"]
+    return [out[i] for i in sorted(out)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of 4 iterations (checkpoints at 2 and 4): its losses, and a root holding only
+    its checkpoint of iteration 2 (the starting point every fault test copies)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    full = tmp / "full"
+    status, log, _ = _run(tmp, _argv(full))
+    assert status == 0, log[-3000:]
+    start = tmp / "start"
+    start.mkdir()
+    shutil.copytree(full / "iter_0000002", start / "iter_0000002")
+    (start / ck.LATEST).write_text("2\n")
+    with open(full / "metrics.jsonl") as f, open(start / "metrics.jsonl", "w") as g:
+        g.writelines(line for line in f if json.loads(line)["iteration"] <= 2)
+    return dict(losses=_losses(full), start=start)
+
+
+def _fresh_root(reference, tmp_path):
+    root = tmp_path / "save"
+    shutil.copytree(reference["start"], root)
+    return root
+
+
+def _resumes_exactly(reference, tmp_path, root):
+    """The previous checkpoint (iteration 2) is still the latest, loads, and the run continues exactly."""
+    assert ck.read_latest(str(root)) == 2
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_0000002"]  # no debris
+    status, log, _ = _run(tmp_path, _argv(root))
+    assert status == 0, log[-3000:]
+    assert "resumed from" in log and "at iteration 2" in log, log[-3000:]
+    assert _losses(root) == reference["losses"], log[-3000:]
+
+
+def _one_message(log, text):
+    """The failure is said once, with no traceback and none of the launcher's own failure lines."""
+    assert log.count(text) == 1, log[-3000:]
+    assert "Traceback" not in log and "failed (exitcode" not in log and "ChildFailedError" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_user_error_on_rank_1_only_is_printed_once_and_stops_rank_0(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=1)
+    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "error on rank 1 of 2: injected: the data of rank 1 cannot be read.")
+    _resumes_exactly(reference, tmp_path, root)
+
+
+@pytest.mark.slow
+def test_bit_flip_in_dp_rank_1_optimizer_shard_names_the_rank_and_file(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    shard = root / "iter_0000002" / "optim_tp00_dp001.safetensors"
+    good = shard.read_bytes()
+    damaged = bytearray(good)
+    damaged[-5] ^= 0x10  # a bit of the last tensor's data: the size stays, the SHA-256 does not
+    shard.write_bytes(bytes(damaged))
+    status, log, took = _run(tmp_path, _argv(root))
+    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "rank 1: checkpoint file")
+    assert "optim_tp00_dp001.safetensors' does not match the SHA-256" in log, log[-3000:]
+    shard.write_bytes(good)  # the copy restored: the same checkpoint resumes exactly
+    _resumes_exactly(reference, tmp_path, root)
+
+
+@pytest.mark.slow
+def test_rank_that_sees_an_older_latest_loads_rank_0s_choice(reference, tmp_path):
+    """Rank 1's ``latest`` reads 2 while the root holds 4: every rank loads iteration 4, which rank 0 chose."""
+    root = _fresh_root(reference, tmp_path)
+    status, log, _ = _run(tmp_path, _argv(root, iters=4))  # iterations 3 and 4: checkpoint 4 is the latest
+    assert status == 0, log[-3000:]
+    status, log, took = _run(tmp_path, _argv(root, iters=6, lr_decay_iters=4), TNLG_TEST_STALE_VIEW="latest:1:2")
+    assert status == 0 and took < EXIT_WITHIN_S * 2, (status, took, log[-3000:])
+    assert "resumed from" in log and "at iteration 4" in log, log[-3000:]
+    assert len(_losses(root)) == 6
+
+
+@pytest.mark.slow
+def test_rank_that_does_not_see_the_chosen_checkpoint_is_a_clear_error(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    status, log, _ = _run(tmp_path, _argv(root, iters=4))
+    assert status == 0, log[-3000:]
+    status, log, took = _run(tmp_path, _argv(root, iters=6), TNLG_TEST_STALE_VIEW="hidden:1:2")
+    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "rank 1 does not see meta.json in")
+    assert "iter_0000004" in log and ck.read_latest(str(root)) == 4
+
+
+@pytest.mark.slow
+def test_disk_full_on_rank_1_mid_save_keeps_the_previous_checkpoint(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_ENOSPC_AT="4:1")
+    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "rank 1: could not write")
+    assert "iter_0000004.tmp/model_tp00.safetensors" not in log  # rank 0's writes succeeded
+    assert "No space left on device" in log and "MiB free of" in log, log[-3000:]
+    assert "the latest checkpoint in" in log and "is still iteration 2" in log, log[-3000:]
+    _resumes_exactly(reference, tmp_path, root)
+
+
+@pytest.mark.slow
+def test_real_disk_full_on_a_small_tmpfs(reference, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        root = mnt / "save"
+        shutil.copytree(reference["start"], root)  # ~1.8 MiB: a second checkpoint does not fit
+        status, log, took = _run(tmp_path, _argv(root))
+        assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+        assert log.count("No space left on device") == 1 and "MiB free of 3.0 MiB" in log, log[-3000:]
+        assert "Traceback" not in log and "failed (exitcode" not in log, log[-3000:]
+        assert ck.read_latest(str(root)) == 2
+        moved = tmp_path / "moved"
+        shutil.copytree(root, moved)  # the previous checkpoint, where there is room, resumes exactly
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    _resumes_exactly(reference, tmp_path, moved)
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_save_stops_the_job_promptly(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_KILL_DURING_SAVE="4:1")
+    assert status != 0 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    assert "Traceback" not in log, log[-3000:]
+    assert "Ranks that did not arrive: 1" in log or "worker rank 1 failed" in log, log[-3000:]
+    # the killed save's folder is debris the next save removes; iteration 2 is still the latest
+    shutil.rmtree(root / "iter_0000004.tmp", ignore_errors=True)
+    _resumes_exactly(reference, tmp_path, root)
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_stops_every_rank_once_and_is_not_restarted(reference, tmp_path):
+    root = _fresh_root(reference, tmp_path)
+    status, log, took = _run(tmp_path, _argv(root, max_restarts=2), TNLG_TEST_NAN_AT="3:1")
+    assert status == 1 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "the training loss is nan at iteration 3")
+    assert "The last checkpoint is iteration 2" in log
+    assert log.count("resumed from") == 1, log[-3000:]  # not restarted into the same divergence
+    _resumes_exactly(reference, tmp_path, root)
