@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tnlg.hang import Hang, describe, enable_flight_recorder, is_collective_timeout, message
+from tnlg.hang import FR_DIR_ENV, Hang, describe, enable_flight_recorder, is_collective_timeout, make_dump_dir, message
 from tnlg.testing import run_distributed
 
 TIMEOUT_S = 3.0
@@ -47,7 +47,7 @@ def test_timeout_names_the_collective_group_caller_and_missing_rank():
     (status, text), _ = run_distributed(_hang_body, 2, 1, timeout_s=TIMEOUT_S)
     assert status == 1 and text.count("\n") == 1 and "Traceback" not in text, text
     assert "all_reduce over the data-parallel group (ranks 0, 1)" in text
-    assert "Ranks that did not arrive: 1 " in text
+    assert "Ranks that did not report within 1.5 s: 1 " in text
     assert "(The error was: " in text and ".cc:" not in text
 
 
@@ -75,10 +75,13 @@ def test_flight_recorder_env(tmp_path, monkeypatch):
     """On NCCL a timeout may abort the process before Python sees it: torch's flight recorder dumps instead."""
     names = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if torch.__version__ >= "2.7" else \
         ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch 2.7 renamed them
-    for k in (*names, "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+    for k in (*names, "TORCH_NCCL_DUMP_ON_TIMEOUT", FR_DIR_ENV):
         monkeypatch.delenv(k, raising=False)
     prefix = enable_flight_recorder(str(tmp_path / "comm_trace"))
-    assert prefix == str(tmp_path / "comm_trace" / "rank_") and (tmp_path / "comm_trace").is_dir()
+    assert prefix == str(tmp_path / "comm_trace" / "rank_")
+    assert not (tmp_path / "comm_trace").exists()  # nothing on disk before the options are validated
+    make_dump_dir()  # (what a worker does once it joined its group)
+    assert (tmp_path / "comm_trace").is_dir()
     assert int(os.environ[names[0]]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ[names[1]] == prefix
     monkeypatch.setenv(names[1], "/elsewhere/rank_")  # the user's own setting wins
@@ -127,5 +130,5 @@ def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
     # rank 0 either times out itself or sees a peer that timed out first close its connection
     msgs = [ln for ln in lines if "tnlg pretrain: a collective " in ln]
     assert len(msgs) == 1, out
-    assert "Ranks that did not arrive: 3 " in msgs[0] and "The last checkpoint is iteration" in msgs[0]
+    assert "Ranks that did not report within 5 s: 3 " in msgs[0] and "The last checkpoint is iteration" in msgs[0]
     assert f"--save {save}" in msgs[0] and "after iteration" in msgs[0]

@@ -8,7 +8,7 @@ of them. :func:`report` turns that into one paragraph from rank 0:
 
     tnlg pretrain: a collective timed out after 1 min: all_reduce over the data-parallel
     group (ranks 0, 2), called from tnlg/training/step.py:60 (train_step), after iteration 37 (the
-    last one completed). Ranks that did not arrive: 3 (stopped, hung or dead). The last
+    last one completed). Ranks that did not report within 5 s: 3 (stopped, hung or dead). The last
     checkpoint is iteration 35 in runs/gpt. Resume with: tnlg pretrain ...
 
 What timed out is read from the exception's traceback (the ``torch.distributed``
@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-__all__ = ["Hang", "is_collective_timeout", "is_collective_failure", "describe", "enable_flight_recorder", "report"]
+__all__ = ["Hang", "is_collective_timeout", "is_collective_failure", "describe", "enable_flight_recorder",
+           "make_dump_dir", "report"]
 
 # how gloo, NCCL and the c10d store say that a wait ran out
 _TIMEOUT_TEXT = ("timed out", "timeout caused pair closure", "watchdog caught collective operation timeout",
@@ -50,7 +51,8 @@ _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
 _GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LOOP = os.path.join(_PACKAGE, "training", "loop.py")  # the frame whose ``iteration`` and ``o`` are the run's
-ARRIVAL_WAIT_S = 5.0  # how long rank 0 waits for the other ranks to say they are alive
+ARRIVAL_WAIT_S = 5.0
+FR_DIR_ENV = "TNLG_FLIGHT_RECORDER_DIR"  # the flight recorder's folder, made by make_dump_dir  # how long rank 0 waits for the other ranks to say they are alive
 
 
 @dataclass
@@ -136,10 +138,10 @@ def describe(exc: BaseException) -> Hang:
 def enable_flight_recorder(dump_dir: str) -> str:
     """Switch on torch's NCCL flight recorder (before the process group is created): on a collective
     timeout each rank dumps its recent collectives to ``<dump_dir>/rank_<N>``. Settings the user
-    made are kept. Returns the dump path prefix."""
+    made are kept. Returns the dump path prefix. Nothing is created here: ``dump_dir`` is made by
+    :func:`make_dump_dir` when a worker joined its group (after every option was validated)."""
     import torch
 
-    os.makedirs(dump_dir, exist_ok=True)
     prefix = os.path.join(os.path.abspath(dump_dir), "rank_")
     # torch 2.7 renamed the variables (the old buffer-size name then warns that it is deprecated)
     new = torch.__version__ >= "2.7"
@@ -148,7 +150,16 @@ def enable_flight_recorder(dump_dir: str) -> str:
     os.environ.setdefault(size, "20000")  # entries per rank (torchtitan's default)
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault(path, prefix)
+    if os.environ[path] == prefix:  # ours: the folder is made once the run is validated (make_dump_dir)
+        os.environ[FR_DIR_ENV] = os.path.abspath(dump_dir)
     return os.environ[path]
+
+
+def make_dump_dir() -> None:
+    """Create the flight recorder's folder chosen by :func:`enable_flight_recorder` (a worker calls this once
+    its options are validated and it joined its group: a run refused at start creates nothing)."""
+    if os.environ.get(FR_DIR_ENV):
+        os.makedirs(os.environ[FR_DIR_ENV], exist_ok=True)
 
 
 def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list], Optional[Callable]]:
@@ -220,7 +231,8 @@ def message(hang: Hang, command: str, resume: Optional[str], timeout_min: Option
                  else ", before the first iteration completed")
     text += "."
     if hang.missing:
-        text += (f" Ranks that did not arrive: {', '.join(map(str, hang.missing))} (stopped, hung or dead; "
+        text += (f" Ranks that did not report within {hang.extra.get('wait_s', ARRIVAL_WAIT_S):g} s: "
+                 f"{', '.join(map(str, hang.missing))} (stopped, hung or dead; "
                  f"their output above may say why).")
     elif hang.missing is None:
         text += (" Which ranks did not arrive is unknown: the rendezvous store, which rank 0 holds, did not "
@@ -264,6 +276,7 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
         asking.start()
         asking.join(wait_s + 8)
         speak, hang.missing, farewell = result[0] if result else (rank == 1, None, None)
+        hang.extra["wait_s"] = wait_s
     timeout_min = getattr(hang.options, "distributed_timeout_minutes", None)
     if speak:
         cmd = None

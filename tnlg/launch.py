@@ -137,10 +137,12 @@ def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     import torch  # (torch-free at import: the command line's --help path imports this module)
 
     from .failures import watch
+    from .hang import make_dump_dir
     from .parallel.state import init_parallel
     torch.set_num_threads(local_threads())
     ps = init_parallel(tensor_parallel_size, **kwargs)
     watch()  # another rank's failure stops this one at once (tnlg.failures)
+    make_dump_dir()
     return ps
 
 
