@@ -51,8 +51,8 @@ _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
 _GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel"}
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LOOP = os.path.join(_PACKAGE, "training", "loop.py")  # the frame whose ``iteration`` and ``o`` are the run's
-ARRIVAL_WAIT_S = 5.0
-FR_DIR_ENV = "TNLG_FLIGHT_RECORDER_DIR"  # the flight recorder's folder, made by make_dump_dir  # how long rank 0 waits for the other ranks to say they are alive
+ARRIVAL_WAIT_S = 5.0  # how long rank 0 waits for the other ranks to say they are alive
+FR_DIR_ENV = "TNLG_FLIGHT_RECORDER_DIR"  # the flight recorder's folder, made by make_dump_dir
 
 
 @dataclass

@@ -8,8 +8,14 @@ after validating its options; a worker calls :func:`join`. Under ``torchrun`` (o
 N = 1) it returns ``None`` and the caller runs in-process; otherwise it runs
 ``python -m tnlg <command> <same args>`` in N processes through
 ``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous through a store
-this process serves on loopback only, see :func:`loopback_store`; ``max_restarts`` restarts the whole group after a failure, as
-``torchrun --max-restarts`` does) and returns the exit status.
+this process serves on loopback only, see :func:`loopback_store`; ``max_restarts``
+restarts the whole group after a failure, as ``torchrun --max-restarts`` does) and
+returns the exit status. Multi-node runs use ``torchrun`` itself, with its
+``--rdzv-endpoint``.
+
+A worker that reported a failure itself (:mod:`tnlg.failures`) leaves its exit status in
+a file this process reads: the group is then not restarted, and the agent's own
+"failed (exitcode: N)" lines, which would only repeat the message, are not printed.
 
 The workers get exactly the arguments the caller hands over (rebuilt from the
 parsed options with :func:`argv_of`, never read again from ``sys.argv``: a
