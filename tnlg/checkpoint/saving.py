@@ -14,14 +14,22 @@ What each rank writes (nothing is gathered; extra memory is one tensor's host co
 Order of events (a crash at any point leaves the previous checkpoint intact and
 ``latest`` pointing at it):
 
-1. rank 0 removes the debris of earlier crashed saves (directories holding the
-   ``.tnlg-save`` marker, nothing else) and creates ``iter_N.tmp`` with the marker; barrier;
-2. every rank streams its files and computes their SHA-256; ``all_gather_object`` of
-   (size, checksum, pieces) per file;
-3. rank 0 writes ``meta.json`` (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an
-   existing ``iter_N``, from a run that was rolled back, is swapped out atomically and
-   removed, and the log says so), replaces ``latest_checkpointed_iteration.txt``
-   atomically and prunes to ``--keep-last``; barrier.
+1. rank 0 removes the debris of earlier crashed saves (only tnlg's own, see
+   :func:`tnlg.checkpoint.files.remove_debris`) and creates ``iter_N.tmp`` with the marker;
+   every rank learns whether that worked;
+2. every rank streams its files and computes their SHA-256; an I/O error (disk full, EIO,
+   permissions) is kept, not raised, and the rank keeps joining the collectives of the
+   writes (ZeRO-3's all-gathers); the ranks then agree: any rank's error is raised on every
+   rank, naming the rank, the file and the free space, after rank 0 removed ``iter_N.tmp``;
+3. ``all_gather_object`` of (size, checksum, pieces) per file; rank 0 writes ``meta.json``
+   (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an existing ``iter_N``, from a run
+   that was rolled back, is swapped out atomically and removed, and the log says so),
+   replaces ``latest_checkpointed_iteration.txt`` atomically and prunes to ``--keep-last``
+   (only iterations with a tnlg manifest); every rank learns whether that worked.
+
+Each "every rank learns" is one small ``all_gather_object`` of the ranks' error messages
+(:func:`tnlg.parallel.state.agree_on_failure`), where a barrier stood before: a rank that
+failed never leaves the others waiting for the process-group timeout.
 """
 
 from __future__ import annotations
@@ -150,7 +158,7 @@ def _quiet_latest(root: str) -> Optional[int]:
 
 def _prepare(root: str, tmp: str, ps: ParallelState, iteration: int) -> None:
     """Rank 0: remove only our own debris, create ``tmp`` with the marker; every rank learns whether it
-    worked (instead of a barrier)."""
+    worked."""
     failure = _SaveFailure(root, iteration, ps)
     if ps.rank == 0:
         with failure.guard(tmp):
@@ -228,7 +236,7 @@ def _manifest(files: dict) -> dict:
 def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
             keep_last: Optional[int], failure: _SaveFailure) -> None:
     """Share what every rank wrote; rank 0 writes the manifest and commits; every rank learns whether the
-    commit worked (instead of a barrier)."""
+    commit worked."""
     if is_distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
