@@ -5,8 +5,9 @@ Subcommands live in their own modules and are imported only when used, so
 torch-free :mod:`tnlg.train_args`) answer without importing torch. Each module
 provides ``add_arguments(parser)`` and ``run(args) -> int``; user mistakes raise
 :class:`tnlg.errors.UserError`, printed as one paragraph on stderr with exit
-status 2 (no traceback). Bare ``tnlg`` prints this help; ``tnlg pretrain``
-runs the built-in job.
+status 2 (no traceback), once for the whole job whichever rank raised it, and a
+job of several processes stops at once (:mod:`tnlg.failures`). Bare ``tnlg``
+prints this help; ``tnlg pretrain`` runs the built-in job.
 
 Flags must be spelled out: abbreviations (``--train-iter`` for
 ``--train-iters``) are refused on every parser, and an unknown flag is reported
