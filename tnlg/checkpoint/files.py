@@ -288,14 +288,21 @@ def make_save_dir(path: str) -> None:
 LOCK = ".tnlg-lock"  # in a save root: held (flock) by rank 0 of the one job that saves there
 
 
-def lock_root(root: str):
+def lock_root(root: str, probe: bool = False):
     """Take the save root's lock for this process (creating ``root``); returns the open lock file, whose
     lock lasts until it is closed or the process ends. A root another live job holds is a
-    :class:`UserError` naming that job (its pid, host and start time, as it wrote them)."""
+    :class:`UserError` naming that job (its pid, host and start time, as it wrote them).
+
+    ``probe=True`` only checks that no job holds it, writing nothing (no folder, no file); returns
+    ``None``."""
     import fcntl
     import socket
-    os.makedirs(root, exist_ok=True)
-    f = open(os.path.join(root, LOCK), "a+")
+    path = os.path.join(root, LOCK)
+    if probe and not os.path.isfile(path):
+        return None  # nobody ever locked it
+    if not probe:
+        os.makedirs(root, exist_ok=True)
+    f = open(path, "r" if probe else "a+")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -305,6 +312,9 @@ def lock_root(root: str):
         raise UserError(f"--save {root!r} is in use by another tnlg job ({holder}): two jobs saving into one "
                         f"folder would remove each other's saves in progress and fight over {LATEST}. Stop that "
                         f"job, or give this one another --save.") from None
+    if probe:
+        f.close()
+        return None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

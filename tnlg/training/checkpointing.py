@@ -48,8 +48,8 @@ def check_resume(o: Options) -> None:
     from ..data.tokenizer import load_tokenizer
     from ..options import model_config
 
-    if o.save and os.path.isdir(o.save):
-        lock_root(os.path.abspath(o.save)).close()
+    if o.save:
+        lock_root(os.path.abspath(o.save), probe=True)
     load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
     if not load_dir or (not o.load and not os.path.isdir(load_dir)):
         return
@@ -100,7 +100,8 @@ class Checkpointer:
 
     def claim_save_root(self) -> None:
         """Rank 0 takes the ``--save`` root's lock for the run (a second job saving there is refused with a
-        clear error); every rank learns the outcome. Collective (one broadcast) when ``--save`` is set."""
+        clear error); every rank learns the outcome. Collective (one broadcast) when ``--save`` is set.
+        Called once the checkpoint (if any) is loaded: a run refused at start writes nothing."""
         if not self.o.save:
             return
         error = None
@@ -128,11 +129,9 @@ class Checkpointer:
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         o = self.o
-        self.claim_save_root()
         load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
-        if not load_dir:
-            return 0, 0
-        state = ckpt.load(load_dir, origin=origin, missing_ok=not o.load, **self._state)
+        state = ckpt.load(load_dir, origin=origin, missing_ok=not o.load, **self._state) if load_dir else None
+        self.claim_save_root()
         if state is None:
             return 0, 0
         iteration, consumed = state["iteration"], state["consumed_samples"]
