@@ -189,8 +189,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if reported is not None:
             return reported
         rank, first = err.get_first_failure()  # the root cause, not the peers it took down
-        print(f"tnlg {command}: worker rank {rank} failed with exit code {first.exitcode}; "
-              f"its output is above.", file=sys.stderr)
+        print(f"tnlg {command}: worker rank {rank} {_how_it_ended(first.exitcode)}.", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
     except SignalException as err:
         # the workers got the signal once, finished their iteration and rank 0 said where things stand
@@ -205,6 +204,18 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _how_it_ended(exitcode: int) -> str:
+    """``failed with exit code 1; its output is above`` or ``was killed by SIGKILL (exit code -9) ...``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return (f"was killed by {name} (exit code {exitcode}), from outside tnlg (the out-of-memory killer, a "
+                f"scheduler, a user); the other workers were stopped")
+    return f"failed with exit code {exitcode}; its output is above"
 
 
 def _reported_status(status_file: str) -> Optional[int]:
