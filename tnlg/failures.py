@@ -242,12 +242,18 @@ def report(command: str, text: str, status: int, agreed: bool) -> int:
         if not told:  # rank 0 did not answer: say it here
             print(f"tnlg {command}: error on rank {rank} of {world} (rank 0 did not answer): {text}",
                   file=sys.stderr, flush=True)
-    else:  # another rank failed first (or the store is gone): this rank's own error is new information
+    else:  # another rank failed first (or the store is gone)
         first = _bounded(lambda: store.get(f"{tag}/first").decode(), 2.0)
         _bounded(lambda: _wait_for(store, [f"{tag}/text"], 1.0), 2.0)
-        same = _bounded(lambda: store.get(f"{tag}/text").decode() == text, 2.0)
-        if not same:
+        first_text = _bounded(lambda: store.get(f"{tag}/text").decode(), 2.0)
+        if rank == 0 and first is not None:  # rank 0 speaks for the board (its watcher stands aside now)
+            print(f"tnlg {command}: error on rank {first} of {world}: {first_text}", file=sys.stderr, flush=True)
+        if first_text != text:  # this rank's own error is new information
             print(f"tnlg {command}: error on rank {rank} of {world}"
                   f"{'' if first is None else f' (rank {first} failed first)'}: {text}", file=sys.stderr, flush=True)
-        _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+        if rank == 0:
+            _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)
+            time.sleep(POLL_S + 0.5)  # the store may live here: let the others read ``told``
+        else:
+            _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
     return final_status(status)

@@ -43,8 +43,8 @@ if _SAVE_SPEC:
 
     saving._finish = _killing_finish
 
-# ``TNLG_TEST_USER_ERROR=RANK`` makes that rank (only) fail with a user error right after the run's
-# parallel state exists (the other ranks go on into their first collectives).
+# ``TNLG_TEST_USER_ERROR=RANK[,RANK...]`` makes those ranks (only) fail with a user error right after the
+# run's parallel state exists (the other ranks go on into their first collectives).
 _ERROR_SPEC = os.environ.get("TNLG_TEST_USER_ERROR")
 
 if _ERROR_SPEC and "RANK" in os.environ:
@@ -55,7 +55,7 @@ if _ERROR_SPEC and "RANK" in os.environ:
 
     def _failing_init_run(o):
         ps, accum = _init_run(o)
-        if ps.rank == int(_ERROR_SPEC):
+        if str(ps.rank) in _ERROR_SPEC.split(","):
             raise UserError(f"injected: the data of rank {ps.rank} cannot be read.")
         return ps, accum
 
