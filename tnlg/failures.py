@@ -193,6 +193,35 @@ def stopped_by_peer() -> Optional[int]:
     return final_status(status)
 
 
+def _report_without_group(command: str, text: str, status: int) -> int:
+    """Before a process group exists: rank 0 prints; a rank started by hand or by another launcher too."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched_same_args = "TORCHELASTIC_RUN_ID" in os.environ  # rank 0 validated the same arguments
+    if rank == 0 or world == 1:
+        print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
+    elif not launched_same_args:
+        print(f"tnlg {command}: error on rank {rank} of {world}: {text}", file=sys.stderr, flush=True)
+    else:
+        return status
+    _record(status)  # the launcher's own failure lines would only repeat it; the exit stays non-zero:
+    return status    # without a group, the launcher must stop the ranks that wait for this one
+
+
+def _report_agreed(command: str, text: str, status: int, rank: int, world: int, store, tag: str) -> int:
+    """An error every rank raises alike: rank 0 prints it; the others leave once it did (a launcher would
+    stop rank 0 as soon as another rank exits)."""
+    if rank == 0:
+        print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
+        _bounded(lambda: store.set(f"{tag}/agreed", "1"), 2.0)
+        _bounded(lambda: _wait_for(store, [f"{tag}/agreed-{r}" for r in range(1, world)], ANSWER_WAIT_S),
+                 ANSWER_WAIT_S + 1)
+    else:
+        _bounded(lambda: _wait_for(store, [f"{tag}/agreed"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+        _bounded(lambda: store.set(f"{tag}/agreed-{rank}", "1"), 2.0)
+    return final_status(status)
+
+
 def report(command: str, text: str, status: int, agreed: bool) -> int:
     """Print a failure of this process once for the whole job; return the exit status for this process.
 
@@ -202,29 +231,11 @@ def report(command: str, text: str, status: int, agreed: bool) -> int:
     _handling.set()
     group = _group()
     if group is None:
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        launched_same_args = "TORCHELASTIC_RUN_ID" in os.environ  # rank 0 validated the same arguments
-        if rank == 0 or world == 1:
-            print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
-        elif not launched_same_args:
-            print(f"tnlg {command}: error on rank {rank} of {world}: {text}", file=sys.stderr, flush=True)
-        else:
-            return status
-        _record(status)  # the launcher's own failure lines would only repeat it; the exit stays non-zero:
-        return status    # without a group, the launcher must stop the ranks that wait for this one
+        return _report_without_group(command, text, status)
     rank, world = group
     store, tag = _store(), _tag()
     if agreed:
-        if rank == 0:
-            print(f"tnlg {command}: error: {text}", file=sys.stderr, flush=True)
-            _bounded(lambda: store.set(f"{tag}/agreed", "1"), 2.0)
-            _bounded(lambda: _wait_for(store, [f"{tag}/agreed-{r}" for r in range(1, world)], ANSWER_WAIT_S),
-                     ANSWER_WAIT_S + 1)
-        else:  # rank 0 says it; leave after it did (a launcher would stop rank 0 when this rank exits)
-            _bounded(lambda: _wait_for(store, [f"{tag}/agreed"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
-            _bounded(lambda: store.set(f"{tag}/agreed-{rank}", "1"), 2.0)
-        return final_status(status)
+        return _report_agreed(command, text, status, rank, world, store, tag)
 
     def post():
         won = store.compare_set(f"{tag}/first", "", str(rank)).decode() == str(rank)
