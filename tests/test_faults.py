@@ -2,7 +2,7 @@
 gloo), each ending the whole job promptly with one message that names the failing rank.
 
 The faults come from outside the library: ``tests/fault_injection/sitecustomize.py`` is imported by every
-process the test starts (a user error on rank 1 only, a full disk while rank 1 writes, a stale view of
+process the test starts (a user error on one rank only, a full disk while one rank writes, a stale view of
 the save root on rank 1, a SIGKILL of rank 1 mid-save, a NaN in rank 1's weights), or the files are
 damaged on disk (a bit flip in DP rank 1's optimizer shard), or a real 4 MiB tmpfs fills up (as root).
 
@@ -113,11 +113,12 @@ def _one_message(log, text):
 
 
 @pytest.mark.slow
-def test_user_error_on_rank_1_only_is_printed_once_and_stops_rank_0(reference, tmp_path):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_user_error_on_one_rank_only_is_printed_once_and_stops_the_other(reference, tmp_path, rank):
     root = _fresh_root(reference, tmp_path)
-    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=1)
+    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=rank)
     assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
-    _one_message(log, "error on rank 1 of 2: injected: the data of rank 1 cannot be read.")
+    _one_message(log, f"error on rank {rank} of 2: injected: the data of rank {rank} cannot be read.")
     _resumes_exactly(reference, tmp_path, root)
 
 
@@ -161,12 +162,14 @@ def test_rank_that_does_not_see_the_chosen_checkpoint_is_a_clear_error(reference
 
 
 @pytest.mark.slow
-def test_disk_full_on_rank_1_mid_save_keeps_the_previous_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_disk_full_on_one_rank_mid_save_keeps_the_previous_checkpoint(reference, tmp_path, rank):
     root = _fresh_root(reference, tmp_path)
-    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_ENOSPC_AT="4:1")
+    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_ENOSPC_AT=f"4:{rank}")
     assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
-    _one_message(log, "rank 1: could not write")
-    assert "iter_0000004.tmp/model_tp00.safetensors" not in log  # rank 0's writes succeeded
+    _one_message(log, f"failed on 1 of 2 ranks; rank {rank}: could not write")
+    # the failing rank's first file (DP rank 0 writes the weights, DP rank 1 only its optimizer shard)
+    assert f"iter_0000004.tmp/{'model_tp00' if rank == 0 else 'optim_tp00_dp001'}.safetensors'" in log, log[-3000:]
     assert "No space left on device" in log and "MiB free of" in log, log[-3000:]
     assert "the latest checkpoint in" in log and "is still iteration 2" in log, log[-3000:]
     _resumes_exactly(reference, tmp_path, root)
