@@ -148,15 +148,19 @@ def arm(command: str) -> None:
 def watch() -> None:
     """Start this process's watcher of the failure board (once; only in a group of several processes)."""
     group = _group()
-    if group is None or _watching.get("thread") is not None:
+    if group is None:
         return
     rank, world = group
     store, tag, command = _store(), _tag(), _watching.get("command", "run")
+    if _watching.get("store") is store and _watching["thread"].is_alive():
+        return  # (a process that joins a new group later gets a watcher of that group's store)
 
     def run():
         while True:
             time.sleep(POLL_S)
             try:
+                if _watching.get("store") is not store:  # the process moved on to another group
+                    return
                 if _handling.is_set() or not store.check([f"{tag}/first"]):
                     continue
                 if int(store.get(f"{tag}/first")) == rank:
@@ -177,7 +181,7 @@ def watch() -> None:
                 pass
             _leave(status)
     t = threading.Thread(target=run, daemon=True, name="tnlg-failure-watch")
-    _watching["thread"] = t
+    _watching.update(thread=t, store=store)
     t.start()
 
 
