@@ -14,8 +14,13 @@ process-group timeout, and its message must reach the user whichever rank raised
   ``tnlg pretrain: error on rank R of N: <message>`` (the board "gathers" it to the rank the user
   reads) and posts ``told``; every rank, blocked in a collective or not, then leaves at once (its
   groups are not torn down: a peer may sit in a collective). If rank 0 does not answer within 3 s
-  (its process, which holds the store under the elastic launcher, is gone), the failing rank prints
-  the message itself.
+  (it is gone, or busy failing itself without a board to read), the failing rank prints the
+  message itself. When several ranks fail, rank 0 prints the first posted message and each other
+  one that differs. Under tnlg's launcher the store lives in the launching process, so the board
+  outlives every worker; under ``torchrun`` it lives in rank 0's agent or process.
+
+A rank that dies (SIGKILL, the out-of-memory killer) posts nothing: its peers' collectives fail
+(gloo: at once, the connection closes; NCCL: at the timeout) and the launcher stops the group.
 
 Before a process group exists there is no board: the error is printed by rank 0 of a launcher's
 group (every rank of ``torchrun`` validates the same arguments) and by every rank started by hand
@@ -131,7 +136,7 @@ def peer_failure() -> Optional[int]:
     return int(first) if first else None
 
 
-def _speak_for(command: str, rank: int, world: int, store, tag: str) -> None:
+def _speak_for(command: str, world: int, store, tag: str) -> None:
     """Rank 0: print the posted failure of another rank, say so on the board."""
     first = int(store.get(f"{tag}/first"))
     _wait_for(store, [f"{tag}/text"], 1.0)
@@ -171,7 +176,7 @@ def watch() -> None:
             status = 2
             try:
                 if rank == 0:
-                    _speak_for(command, rank, world, store, tag)
+                    _speak_for(command, world, store, tag)
                 else:
                     _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S)
                 status = int(store.get(f"{tag}/status")) if store.check([f"{tag}/status"]) else 2
