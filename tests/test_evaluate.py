@@ -316,6 +316,10 @@ def test_dataset_loss_matches_transformers(setup, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     _close(res["loss"], float(losses))
     assert res["num_samples"] == len(ds)
+    # naming the .bin (or .idx) file means the same dataset, reported by its prefix
+    assert main(["eval", "--task", "loss", "--checkpoint", str(hf_dir), "--input", prefix + ".bin", "--json"]) == 0
+    by_file = json.loads(capsys.readouterr().out)
+    assert (by_file["loss"], by_file["input"]) == (res["loss"], prefix)
     # a tokenizer with more ids than the model's embedding is refused
     text = tmp_path / "t.txt"
     text.write_text("some words here")

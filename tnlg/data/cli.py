@@ -147,7 +147,7 @@ def _run_preprocess(args) -> int:
     s = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                    append_eod=args.append_eod, workers=args.workers, progress=not args.quiet)
     for key, prefix in s["outputs"].items():
-        print(f"{key}: {prefix}.bin/.idx")
+        print(f"{key}: {prefix}.bin/.idx (train with --data-path {prefix})")
     note = f", {s['empty_documents_skipped']} empty documents skipped" if s["empty_documents_skipped"] else ""
     print(f"{s['documents']} documents, {s['tokens']} tokens ({s['dtype']}) in {s['seconds']:.1f} s "
           f"= {s['tokens_per_s'] / 1e3:,.0f}k tokens/s with {s['workers']} worker(s){note}")

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Sequence, Union
 import numpy as np
 
 from ..errors import UserError
-from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, index_file_path
+from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, dataset_prefix, index_file_path
 from .inputs import InputFile, check_inputs, iter_documents, parse_json_line, read_txt
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -129,6 +129,7 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
     if not isinstance(workers, int) or workers < 1:
         raise UserError(f"--workers must be a positive integer, got {workers!r}.")
     json_keys = list(json_keys)
+    output_prefix = dataset_prefix(output_prefix)  # "out/x.bin" names the prefix out/x, as everywhere
     tok = load_tokenizer(tokenizer)
     infos = check_inputs(inputs, json_keys)
     total_docs = sum(i.documents for i in infos)

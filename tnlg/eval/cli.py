@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from ..data.indexed import IndexedDataset
+from ..data.indexed import IndexedDataset, dataset_prefix
 from ..errors import UserError
 from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
 from .loading import (add_common_arguments, check_tokenizer_fits, load_model, precheck_checkpoint, print_table,
@@ -88,6 +88,7 @@ def _precheck(args) -> None:
     elif args.task == "lambada":
         read_lambada_texts(args.input)
     else:
+        args.input = dataset_prefix(args.input)  # X.bin, X.idx and X all mean the dataset X
         if not IndexedDataset.exists(args.input):
             raise UserError(f"dataset {args.input!r} not found: --task loss needs the prefix of a PREFIX.bin + "
                             "PREFIX.idx pair written by `tnlg preprocess`.")
