@@ -1,8 +1,10 @@
 """Raw text -> Megatron ``.bin``/``.idx`` (what Megatron's ``tools/preprocess_data.py`` does).
 
 Inputs: JSON Lines (``.jsonl``/``.json``/``.ndjson``: one document per line, text under
-``--json-keys``, default ``text``; blank lines are skipped) and plain ``.txt`` files
-(a whole file is one document, read as-is: no newline translation). Every input is
+``--json-keys``, default ``text``; blank lines are skipped), plain ``.txt`` files
+(a whole file is one document, read as-is: no newline translation), and Parquet files and
+``datasets.save_to_disk`` folders (one document per row, the text in the ``--json-keys``
+columns, streamed a row group at a time; the same documents give the same bytes as JSONL). Every input is
 checked first - missing file, an input with no documents, a malformed JSON line
 (named by file and line number), a missing or non-string key - before anything is
 written.
@@ -32,7 +34,8 @@ import numpy as np
 
 from ..errors import UserError
 from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, dataset_prefix, index_file_path
-from .inputs import InputFile, check_inputs, iter_documents, parse_json_line, read_txt
+from .inputs import TABLE_KINDS, InputFile, check_inputs, iter_documents, parse_json_line, read_txt
+from .tables import iter_table_rows
 from .tokenizer import Tokenizer, load_tokenizer
 
 # check_inputs, iter_documents and InputFile live in .inputs (tokenizer training reads inputs too)
@@ -65,6 +68,8 @@ def _encode_chunk(task: tuple) -> tuple[int, int, list[tuple[np.ndarray, np.ndar
     kind, path = task[0], task[1]
     if kind == "txt":
         per_key_texts = [[read_txt(path)]]
+    elif kind == "rows":  # a chunk of a table's rows, read by the caller (tnlg.data.tables)
+        per_key_texts = task[3]
     else:
         first_line, lines = task[2], task[3]
         rows = [parse_json_line(raw, path, first_line + i, keys) for i, raw in enumerate(lines) if raw.strip()]
@@ -88,10 +93,14 @@ def _encode_chunk(task: tuple) -> tuple[int, int, list[tuple[np.ndarray, np.ndar
     return n_docs, empty, out
 
 
-def _tasks(infos: Sequence[InputFile], chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(infos: Sequence[InputFile], keys: Sequence[str], chunk_bytes: int) -> Iterator[tuple]:
     for info in infos:
         if info.kind == "txt":
             yield ("txt", info.path)
+            continue
+        if info.kind in TABLE_KINDS:
+            for first, per_key in iter_table_rows(info.path, keys, chunk_bytes):
+                yield ("rows", info.path, first, per_key)
             continue
         with open(info.path, "rb") as f:
             lines: list[bytes] = []
@@ -150,11 +159,11 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
     try:
         if workers == 1:
             _setup(tok, json_keys, append_eod, dtype)
-            results: Iterator = map(_encode_chunk, _tasks(infos, chunk_bytes))
+            results: Iterator = map(_encode_chunk, _tasks(infos, json_keys, chunk_bytes))
         else:
             pool = mp.get_context(_start_method()).Pool(
                 workers, initializer=_init_worker, initargs=(tok.describe(), json_keys, append_eod, dtype))
-            results = _ordered(pool, _tasks(infos, chunk_bytes), window=4 * workers)
+            results = _ordered(pool, _tasks(infos, json_keys, chunk_bytes), window=4 * workers)
         for n_docs, n_empty, per_key in results:
             for builder, (toks, lengths) in zip(builders, per_key):
                 builder.add_documents(toks, lengths)
