@@ -153,7 +153,6 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
         from tqdm import tqdm
         bar = tqdm(total=total_docs, unit="doc", desc="preprocess", dynamic_ncols=True)
     start = time.perf_counter()
-    docs = empty = tokens = 0
     builders = [IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for p in prefixes]
     pool = None
     try:
@@ -164,16 +163,7 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
             pool = mp.get_context(_start_method()).Pool(
                 workers, initializer=_init_worker, initargs=(tok.describe(), json_keys, append_eod, dtype))
             results = _ordered(pool, _tasks(infos, json_keys, chunk_bytes), window=4 * workers)
-        for n_docs, n_empty, per_key in results:
-            for builder, (toks, lengths) in zip(builders, per_key):
-                builder.add_documents(toks, lengths)
-            docs += n_docs
-            empty += n_empty
-            tokens += sum(int(t.size) for t, _ in per_key)
-            if bar is not None:
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
-                bar.update(n_docs)
+        docs, empty, tokens = _append(builders, results, bar, start)
         for builder, p in zip(builders, prefixes):
             builder.finalize(index_file_path(p))
     except BaseException:
@@ -191,6 +181,22 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
     return {"outputs": dict(zip(json_keys, prefixes)), "documents": docs, "empty_documents_skipped": empty,
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "dtype": np.dtype(dtype).name, "workers": workers, "tokenizer": tok.describe()}
+
+
+def _append(builders: list, results: Iterator, bar, start: float) -> tuple[int, int, int]:
+    """Append every encoded chunk to the builders (one per key); ``(documents, empty ones, tokens)``."""
+    docs = empty = tokens = 0
+    for n_docs, n_empty, per_key in results:
+        for builder, (toks, lengths) in zip(builders, per_key):
+            builder.add_documents(toks, lengths)
+        docs += n_docs
+        empty += n_empty
+        tokens += sum(int(t.size) for t, _ in per_key)
+        if bar is not None:
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
+            bar.update(n_docs)
+    return docs, empty, tokens
 
 
 def _ordered(pool, tasks: Iterator[tuple], window: int) -> Iterator:
