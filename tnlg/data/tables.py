@@ -9,7 +9,8 @@ Lines inputs. Both are read as a stream: a Parquet file one row group at a time,
 group whatever the corpus size.
 
 :func:`check_table` validates a table before anything is written (the columns exist and hold
-strings, no row is null) from the schema and each chunk's null count, without decoding text;
+strings, no row is null) from the schema and each chunk's null count (one read of the text
+columns, as JSON Lines inputs are parsed once to check them, no Python strings made);
 :func:`iter_table_rows` yields the texts in row order, a chunk at a time. pyarrow is optional
 (``pip install 'tnlg[parquet]'``); without it a table input is one clear error.
 """
