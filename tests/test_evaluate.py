@@ -553,10 +553,10 @@ def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
     for f, s, total in zip(res["files"], streams, totals):
         assert f["num_targets"] == len(s) - 1
         _close(f["val_loss"], total / (len(s) - 1))
-    # the table names every file's perplexity
+    # the table names every file's perplexity; the files may follow the options without --input
     capsys.readouterr()
     assert main(["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                 "--input", *paths]) == 0
+                 *paths]) == 0
     out = capsys.readouterr().out
     assert all(p in out for p in paths) and "adjusted_ppl" not in out
     # bad input: a one-token file, several files for a one-file task
@@ -566,6 +566,7 @@ def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
                            "--input", paths[0], str(one)], "one.txt", "needs at least 2")
     _expect_error(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", *paths],
                   "--task wikitext evaluates one --input, got 3", "--task text takes several files")
+    _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder)], "--task text needs an input")
 
 
 def test_cli_wikitext_labels_adjusted_ppl_and_warns_off_wikitext(hf_folder, tmp_path, capsys):
@@ -584,5 +585,6 @@ def test_cli_wikitext_labels_adjusted_ppl_and_warns_off_wikitext(hf_folder, tmp_
     assert main(["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(plain)]) == 0
     out = capsys.readouterr().out
     words = len(plain.read_text().strip().split(" "))
-    assert f"adjusted_ppl (per word, {words - 1:,} = T_orig = len(raw.strip().split(\" \")) - 1)" in out
+    assert f"adjusted_ppl (per word: / {words - 1:,} = T_orig - 1)" in out
+    assert f'num_original_tokens (T_orig) {words} (T_orig = len(raw.strip().split(" ")))' in " ".join(out.split())
     assert "note: " in out and "does not look like WikiText" in out

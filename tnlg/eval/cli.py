@@ -42,7 +42,7 @@ tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
 examples:
   tnlg eval --task wikitext --checkpoint gpt2/ --input wiki.test.raw --detokenize wikitext
   tnlg eval --task lambada --strict --checkpoint gpt2/ --input lambada_test.jsonl --json
-  tnlg eval --task text --checkpoint runs/gpt --input notes.txt essay.txt
+  tnlg eval --task text --checkpoint runs/gpt notes.txt essay.txt
   torchrun --nproc-per-node 4 -m tnlg eval --task wikitext --tp 4 --checkpoint runs/ckpt --input f.txt
 """
 
@@ -50,9 +50,10 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
-    p.add_argument("--input", "--valid-data", dest="input", required=True, nargs="+", metavar="FILE",
+    p.add_argument("--input", "--valid-data", dest="input", nargs="+", metavar="FILE",
                    help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx); "
-                        "text: one or more text files")
+                        "text: one or more text files (the files may also follow the options, without --input)")
+    p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
     add_common_arguments(p)
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
@@ -84,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _precheck(args) -> None:
     """Everything that can be checked before a process starts or a model loads."""
+    args.input = list(args.input or []) + list(getattr(args, "files", None) or [])  # --input F, or F alone
+    args.files = []  # (the launched processes get them as --input)
+    if not args.input:
+        raise UserError(f"--task {args.task} needs an input: --input FILE (or the file names after the options; "
+                        "see tnlg eval --help).")
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -177,8 +183,10 @@ def _rows(result: dict) -> list[tuple[str, object]]:
     rows = []
     for k in _LABELS[result["task"]]:
         if k == "adjusted_ppl" and result.get(k) is not None:
-            rows.append((f"adjusted_ppl (per word, {result['num_original_tokens'] - 1:,} = {WORD_COUNT} - 1)",
+            rows.append((f"adjusted_ppl (per word: / {result['num_original_tokens'] - 1:,} = T_orig - 1)",
                          result[k]))
+        elif k == "num_original_tokens" and k in result:
+            rows.append(("num_original_tokens (T_orig)", f"{result[k]} ({WORD_COUNT})"))
         elif k in result:
             rows.append((k, result[k]))
     for f in result.get("files", []) if len(result.get("files", [])) > 1 else []:
