@@ -25,7 +25,7 @@ import torch
 from .config import GPTConfig
 from .data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
 from .errors import UserError
-from .io import fsync_dir, temporary_name
+from .io import fsync_dir, give_umask_mode, temporary_name
 from .model import GPT
 from .parallel.sharding import full_state_dict, load_full_state_dict
 from .parallel.state import ParallelState
@@ -190,6 +190,7 @@ def write_hf_folder(hf, out_dir: str, tokenizer=None) -> str:
         for name, data in (files or {}).items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
+        give_umask_mode(tmp)  # save_pretrained leaves model.safetensors at mkstemp's 0600
         try:
             os.replace(tmp, out)  # POSIX rename: replaces an empty folder, refuses a non-empty one
         except OSError:

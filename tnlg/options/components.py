@@ -118,6 +118,11 @@ class DataOptions:
     reset_position_ids: bool = option(False, must_match=True)
     reset_attention_mask: bool = option(False, must_match=True)
 
+    def __post_init__(self):
+        if self.data_path is not None:  # X.bin, X.idx and X all mean the dataset X: recorded as X
+            from ..data.gpt_dataset import normalize_data_path
+            self.data_path = normalize_data_path(self.data_path)
+
     def check_files(self) -> None:
         """The datasets and the tokenizer can be read (reads their headers; imports the data modules)."""
         if self.data_path is not None:

@@ -140,6 +140,8 @@ def loss_curves(metrics_path: str) -> tuple[list, list]:
 
 def plot_loss(metrics_path: str) -> None:
     """Loss curve (training and validation) next to the metrics file, written atomically."""
+    from ..data.paths import matplotlib_in_cache_dir
+    matplotlib_in_cache_dir()  # its font cache under tnlg's cache folder, not ~/.cache/matplotlib
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
