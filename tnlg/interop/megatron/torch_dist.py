@@ -155,7 +155,7 @@ class TorchDistWriter:
     def add_extra_states(self, layer: int) -> None:
         """The (empty) ``_extra_state`` objects megatron-core's linear layers of ``layer`` expect."""
         buf = io.BytesIO()
-        torch.save(None, buf)
+        torch.save([None], buf)  # megatron-core stores the list of its sharded objects' data
         for name in LOCAL_EXTRA_STATE:
             fqn = f"{CORE_LAYER_PREFIX}{name}._extra_state/shard_{layer}_{self.num_layers}"
             self.tensors[fqn] = self.M.BytesStorageMetadata()
