@@ -11,7 +11,8 @@ way, workers load a checkpoint into ``GPTModel`` (``load_state_dict`` per rank, 
 
 megatron-core runs on CPU here once, in these workers only, its CUDA-only calls are replaced:
 the global memory buffer allocates on the CPU, the CUDA RNG tracker's ``fork`` is a null context
-(dropout is 0), ``torch.cuda.synchronize``/``current_device`` do nothing / say ``"cpu"``; and the
+(dropout is 0), ``torch.cuda.synchronize``/``current_device`` do nothing / say ``"cpu"``,
+``Tensor.cuda`` (the tied embedding's sync between pipeline stages) stays on the CPU; and the
 causal mask is passed explicitly. ``dist_checkpointing.save`` leaves writer processes behind:
 they are terminated before the worker returns.
 """
@@ -40,6 +41,7 @@ def _patch_cuda_calls() -> None:
     tr.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied embedding's all-reduce between stages
 
 
 def padded(spec: dict) -> int:
