@@ -54,6 +54,9 @@ def iteration_dir(path: str) -> str:
     if name is None:
         raise UserError(f"{tracker!r} holds {text[:40]!r}, neither an iteration number nor 'release'.")
     d = os.path.join(path, name)
+    if os.path.isfile(os.path.join(d, "meta.json")):
+        raise UserError(f"--from megatron {path!r} is a tnlg checkpoint, not a Megatron-LM one (its {name} holds "
+                        "meta.json); give it as --from DIR without 'megatron'.")
     if not os.path.isdir(d) or not (is_torch_dist(d) or is_legacy(d)):
         raise UserError(f"{tracker!r} names {name}, but {d!r} is missing or holds no Megatron checkpoint.")
     return d
