@@ -2,7 +2,8 @@
 
 The Megatron checkpoints here are written by tnlg's exporter from a small tnlg model (megatron-core
 is not needed: these tests check the refusals, tests/test_megatron_checkpoint.py checks the numbers
-against megatron-core), then damaged or given args of architectures tnlg does not model.
+against megatron-core), then damaged or given args of architectures tnlg does not model; and
+one that is valid in an older file format (torch < 1.6, not a zip archive).
 """
 
 import os
@@ -166,3 +167,16 @@ def test_cli_errors_are_one_paragraph(megatron_ckpts, tmp_path):
         r = subprocess.run(base + argv, capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_rank_files_of_torch_before_1_6_are_read(megatron_ckpts, tmp_path):
+    """Older Megatron runs wrote non-zip pickles (no memory map): read whole, with the same results."""
+    from tnlg.checkpoint.loading import load_for_inference
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "src")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = src / "iter_0000003" / rank / "model_optim_rng.pt"
+        torch.save(torch.load(path, weights_only=False), path, _use_new_zipfile_serialization=False)
+    old = load_for_inference(megatron_to_checkpoint(str(src), str(tmp_path / "old")))[0]
+    new = load_for_inference(megatron_to_checkpoint(str(megatron_ckpts / "legacy"), str(tmp_path / "new")))[0]
+    for (name, a), (_, b) in zip(old.named_parameters(), new.named_parameters()):
+        assert torch.equal(a, b), name

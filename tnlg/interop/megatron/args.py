@@ -19,7 +19,7 @@ from typing import Optional
 from ...config import GPTConfig, padded_vocab_size
 from ...errors import UserError
 
-__all__ = ["MegatronLayout", "config_from_args", "args_for", "known_vocab_size"]
+__all__ = ["MegatronLayout", "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
 
 # (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
 # Megatron-LM's default, which is the supported value

@@ -154,7 +154,7 @@ def _check_tensors(source, cfg: GPTConfig) -> None:
 
 
 def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Optional[int] = None,
-                           tokenizer=None, check: bool = True) -> str:
+                           tokenizer=None) -> str:
     """Convert the Megatron checkpoint at ``path`` into a new tnlg checkpoint ``dst`` at TP ``tp_size``.
     ``vocab_size``: the tokenizer's real size (default: the saved args' tokenizer, else the padded
     size); ``tokenizer`` (a tnlg tokenizer) is recorded in the checkpoint."""
@@ -163,8 +163,7 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         cfg.check_tensor_parallel(tp_size)
     except ValueError as exc:
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
-    if check:
-        _check_tensors(source, cfg)
+    _check_tensors(source, cfg)
     dtype = source.dtype
     args = common["args"]
     meta = dict(format=FORMAT, iteration=int(common.get("iteration", 0) or 0),

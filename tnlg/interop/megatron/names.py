@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "tnlg_name", "qkv_to_current", "LOCAL_EXTRA_STATE"]
+__all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
+           "tnlg_name", "qkv_to_current"]
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class Role:
 
 
 def _ln(tnlg: str, local: str, te: str, legacy: str) -> tuple[Role, Role]:
-    return tuple(Role(f"{tnlg}.{p}", None, (f"{local}.{p}", f"{te}_{p}"), (f"{legacy}.{p}",))  # type: ignore
-                 for p in ("weight", "bias"))
+    weight, bias = (Role(f"{tnlg}.{p}", None, (f"{local}.{p}", f"{te}_{p}"), (f"{legacy}.{p}",))
+                    for p in ("weight", "bias"))
+    return weight, bias
 
 
 def _linear(tnlg: str, split: int, core: str, legacy: tuple[str, ...], bias_split: Optional[int]) -> tuple[Role, Role]:

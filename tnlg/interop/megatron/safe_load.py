@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import pickle
+import re
 
 import torch
 
@@ -28,8 +29,8 @@ from ...errors import UserError
 __all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk"]
 
 # modules whose objects may sit beside the weights in a Megatron file, rebuilt inert (never imported)
-_SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "transformer_engine.", "enum.",
-                    "datetime.", "apex.")
+_SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "_io.", "_codecs.",
+                    "transformer_engine.", "enum.", "datetime.", "apex.")
 
 
 class Skipped:
@@ -61,34 +62,52 @@ class Skipped:
         return cls._made[name]
 
 
+_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (\S+) was not")
+
+
+def _allow(allowed: dict, name: str, path: str, what: str) -> None:
+    """Admit global ``name``: ``argparse.Namespace`` as itself, a skippable one inert, else refuse."""
+    if name == "argparse.Namespace":
+        allowed[name] = argparse.Namespace
+    elif name.startswith(_SKIPPED_MODULES):
+        allowed[name] = (Skipped.standing_for(name), name)
+    else:
+        raise UserError(f"{what} {path!r} holds an object of {name}, which a Megatron checkpoint does not need and "
+                        "tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, without "
+                        "running code). Nothing was written.")
+
+
 def load_pt(path: str, what: str) -> dict:
     """``torch.load(path, weights_only=True, mmap=True)`` with ``argparse.Namespace`` allowed and the
     skippable Megatron objects inert (module docstring). Tensors stay memory-mapped: a caller touches
-    only what it reads. ``what`` names the file in errors."""
+    only what it reads. A file of torch < 1.6's format is loaded whole (no memory map; its globals
+    are learnt from the loader's refusals). ``what`` names the file in errors."""
+    allowed: dict = {}
     try:
-        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as exc:  # noqa: BLE001 - a damaged zip or a truncated file
-        raise UserError(f"{what} {path!r} cannot be read as a torch.save file ({type(exc).__name__}: {exc}); it is "
-                        "damaged, truncated or not a Megatron checkpoint file. Nothing was written.") from None
-    allowed: list = [argparse.Namespace]
-    refused = []
-    for name in wanted:
-        if name == "argparse.Namespace":
-            continue
-        if name.startswith(_SKIPPED_MODULES):
-            allowed.append((Skipped.standing_for(name), name))
-        else:
-            refused.append(name)
-    if refused:
-        raise UserError(f"{what} {path!r} holds objects of {refused[:4]}, which a Megatron checkpoint does not need "
-                        "and tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, "
-                        "without running code). Nothing was written.")
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {exc}); it is damaged or truncated. "
-                        "Nothing was written.") from None
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+            _allow(allowed, name, path, what)
+        zip_format = True
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - not a zip file: the old format, or damaged (torch.load says which)
+        zip_format = False
+    for _ in range(64):
+        try:
+            with torch.serialization.safe_globals(list(allowed.values())):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=zip_format)
+        except pickle.UnpicklingError as exc:
+            found = _UNSUPPORTED.search(str(exc))
+            if found is None or found.group(1) in allowed:
+                raise _damaged(path, what, exc) from None
+            _allow(allowed, found.group(1), path, what)
+        except Exception as exc:  # noqa: BLE001
+            raise _damaged(path, what, exc) from None
+    raise _damaged(path, what, RuntimeError("too many kinds of objects"))
+
+
+def _damaged(path: str, what: str, exc: BaseException) -> UserError:
+    return UserError(f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}); it is damaged, "
+                     "truncated or not a Megatron checkpoint file. Nothing was written.")
 
 
 # --------------------------------------------------------------------------- torch.distributed.checkpoint
