@@ -102,7 +102,8 @@ def test_import_keeps_the_iteration_and_consumed_samples(megatron_run):
         assert os.path.basename(path) == "iter_0000007"
 
 
-@pytest.mark.parametrize("fmt,tp", [("torch_dist", 2), ("legacy", 2), ("torch_dist", 1)])
+@pytest.mark.parametrize("fmt,tp", [("torch_dist", 2), ("legacy", 2), pytest.param("torch_dist", 1,
+                                                                                   marks=pytest.mark.slow)])
 def test_export_loads_into_megatron_with_the_same_logits(megatron_run, fmt, tp, tmp_path):
     spec, _, ref, converted = megatron_run
     dst = tmp_path / "megatron"
@@ -128,6 +129,7 @@ def pipeline_run(tmp_path_factory):
     return dict(spec, pp=2), root, ref, stages
 
 
+@pytest.mark.slow
 def test_import_of_a_pipeline_parallel_checkpoint(pipeline_run):
     spec, root, ref, _ = pipeline_run
     assert sorted(os.listdir(root / "legacy" / "iter_0000007")) == [
@@ -137,6 +139,7 @@ def test_import_of_a_pipeline_parallel_checkpoint(pipeline_run):
     _check_tnlg_logits(ckpts, ref, spec, tps=(1, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
     """Exported at TP 2 x PP 2 and loaded by each stage's GPTModel: every stage's state equals the
@@ -214,7 +217,8 @@ def _rewrite_legacy(src_root, dst_root, rewrite_model, version=3.0):
                 torch.save(state, path)
 
 
-@pytest.mark.parametrize("version,old_names", [(0, True), (1.0, False), (2.0, False)])
+@pytest.mark.parametrize("version,old_names", [(0, True), pytest.param(1.0, False, marks=pytest.mark.slow),
+                                               pytest.param(2.0, False, marks=pytest.mark.slow)])
 def test_pre_core_names_and_qkv_orders(tied_run, version, old_names, tmp_path):
     spec, root, ref, _ = tied_run
     heads = spec["heads"] // spec["tp"]
@@ -224,6 +228,7 @@ def test_pre_core_names_and_qkv_orders(tied_run, version, old_names, tmp_path):
     _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
 
 
+@pytest.mark.slow
 def test_transformer_engine_names(tied_run, tmp_path):
     """The TE spec's state dict: LayerNorms fused into the next linear layer, FP8 extra state as BytesIO."""
     import io
@@ -242,6 +247,7 @@ def test_transformer_engine_names(tied_run, tmp_path):
     _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
 
 
+@pytest.mark.slow
 def test_cli_both_ways_without_megatron_imported(tied_run, tmp_path):
     """``tnlg convert`` in a fresh process (megatron-core not imported, so its enums and paths in the
     saved args are read as inert records), and back."""
