@@ -139,3 +139,42 @@ def test_pretrain_flags_set_the_model():
     assert vars(parser.parse_args(["--openai-gelu"])) == {"openai_gelu": True}
     assert vars(parser.parse_args(["--untie-embeddings-and-output-weights"])) == {
         "untie_embeddings_and_output_weights": True}
+
+
+def _options(world, **over):
+    import argparse
+    from tnlg.data.corpus import default_dataset
+    from tnlg.train_args import resolve
+    prefix, tok = default_dataset()
+    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                 global_batch_size=4, train_iters=6, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=6,
+                 log_interval=100, eval_interval=0, eval_iters=1, data_path=[prefix], tokenizer_model=tok,
+                 sample_prompt="", plot=False, peak_tflops=1.0, hidden_dropout=0.0, attention_dropout=0.0,
+                 openai_gelu=False, untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2)
+    load = over.pop("load", None)
+    flags.update(over)
+    o = resolve(argparse.Namespace(**flags), world_size=world)
+    o.load = load
+    return o
+
+
+def _train_legs(ps, runs):
+    from tnlg.train import train
+    return [train(o)["losses"] for o in runs]
+
+
+def test_untied_exact_gelu_checkpoint_resumes_exactly_and_reshards(tmp_path):
+    """Saved at TP 2 (the untied head is a new parameter of the checkpoint), resumed at TP 2 and at
+    TP 1: the same losses as the uninterrupted run; resuming with the tied head is refused."""
+    save = str(tmp_path / "run")
+    runs = [_options(2), _options(2, train_iters=3, save=save), _options(2, load=save, save=str(tmp_path / "a")),
+            _options(2, tensor_model_parallel_size=1, load=save, save=str(tmp_path / "b"))]
+    whole, first, resumed, resharded = run_distributed(_train_legs, 2, 1, runs, timeout_s=180)[0]
+    from tnlg.checkpoint.files import read_meta, resolve
+    assert "lm_head.weight" in read_meta(resolve(save))["params"]
+    torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(whole), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.tensor(first + resharded), torch.tensor(whole), atol=1e-5, rtol=1e-5)
+    with pytest.raises(UserError, match="untie_embeddings_and_output_weights True in the checkpoint vs False"):
+        check_compatible(read_meta(resolve(save)), save, GPTConfig(**{
+            **GPTConfig.from_dict(read_meta(resolve(save))["config"]).to_dict(),
+            "untie_embeddings_and_output_weights": False}), None, None)
