@@ -59,10 +59,19 @@ def _refused(src, tmp_path, match):
     return str(info.value)
 
 
-def test_round_trip_of_the_fixture_is_valid(megatron_ckpts, tmp_path):
-    """(The inputs of the refusals below are valid before they are damaged.)"""
+def test_round_trip_of_the_fixture_is_valid(tnlg_ckpt, megatron_ckpts, tmp_path):
+    """The inputs of the refusals below are valid before they are damaged: exported and imported
+    again, the same weights, vocabulary (the exported args' vocab_size drops the padding rows of
+    TP 2) and iteration."""
+    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.checkpoint.files import read_meta
+    original = dict(load_for_inference(tnlg_ckpt)[0].named_parameters())
     for fmt in ("legacy", "torch_dist"):
-        assert os.path.isdir(megatron_to_checkpoint(str(megatron_ckpts / fmt), str(tmp_path / fmt)))
+        path = megatron_to_checkpoint(str(megatron_ckpts / fmt), str(tmp_path / fmt))
+        model = load_for_inference(path)[0]
+        assert model.config.vocab_size == 100 and read_meta(path)["iteration"] == 3
+        for name, p in model.named_parameters():
+            assert torch.equal(p, original[name]), name
 
 
 def test_not_a_megatron_checkpoint(tnlg_ckpt, tmp_path):

@@ -95,11 +95,15 @@ def check_supported(args, where: str) -> None:
 
 
 def known_vocab_size(args) -> Optional[int]:
-    """The tokenizer's real vocabulary size when the saved args determine it, else ``None``."""
-    size = _TOKENIZER_SIZES.get(_arg(args, "tokenizer_type"))
-    if size is None and _arg(args, "tokenizer_type") == "NullTokenizer" and _arg(args, "vocab_size"):
-        size = int(args.vocab_size) + 1  # Megatron's NullTokenizer adds its end-of-document id
-    return size
+    """The tokenizer's real vocabulary size when the saved args determine it (GPT-2 BPE: 50257;
+    ``NullTokenizer``: ``vocab_size`` + its end-of-document id; else ``vocab_size``, "the size of the
+    vocabulary before padding", when given), else ``None``."""
+    kind, size = _arg(args, "tokenizer_type"), _arg(args, "vocab_size")
+    if kind in _TOKENIZER_SIZES:
+        return _TOKENIZER_SIZES[kind]
+    if size:
+        return int(size) + (1 if kind == "NullTokenizer" else 0)
+    return None
 
 
 def layout_of(args, where: str, checkpoint: dict) -> MegatronLayout:
@@ -141,13 +145,24 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
         raise UserError(f"{where}: the saved args do not describe a valid model: {exc} Nothing was written.") from None
 
 
+def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
+    """Megatron's tokenizer arguments for a tnlg checkpoint's recorded tokenizer (``describe()``)."""
+    if not tokenizer:
+        return dict(tokenizer_type=None)
+    if tokenizer.get("kind") == "gpt2bpe":
+        return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=tokenizer.get("vocab_file"),
+                    merge_file=tokenizer.get("merges_file"))
+    return dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tokenizer.get("path"))
+
+
 def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
-             fmt: str = "torch_dist", params_dtype=None) -> argparse.Namespace:
+             fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None) -> argparse.Namespace:
     """The ``args`` a Megatron-LM run needs to rebuild ``cfg`` at TP ``tp`` x PP ``pp`` (what
-    ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares)."""
+    ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
+    checkpoint's recorded one, named in Megatron's tokenizer arguments."""
     import torch
     divisible = cfg.make_vocab_size_divisible_by
-    return argparse.Namespace(
+    return argparse.Namespace(**_tokenizer_args(tokenizer), **dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim, num_query_groups=cfg.num_attention_heads,
         group_query_attention=False, seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
@@ -163,4 +178,4 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
         num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=1, context_parallel_size=1,
         num_experts=None, iteration=iteration, consumed_train_samples=consumed_samples, consumed_valid_samples=0,
         ckpt_format=fmt, use_dist_ckpt=fmt == "torch_dist", params_dtype=params_dtype or torch.float32,
-        fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16, tokenizer_type=None)
+        fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16))

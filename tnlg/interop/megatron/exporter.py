@@ -129,7 +129,7 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
     dtype = getattr(torch, meta["layout"]["param_dtype"])
     iteration = int(meta["iteration"])
-    args = args_for(cfg, tp, pp, iteration, int(meta.get("consumed_samples", 0)), fmt, dtype)
+    args = args_for(cfg, tp, pp, iteration, int(meta.get("consumed_samples", 0)), fmt, dtype, meta.get("tokenizer"))
     common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
     full = _Full(iter_dir, meta, cfg, padded)
     root = os.path.abspath(dst)
