@@ -71,6 +71,18 @@ def test_model_options_match_transformers_at_tp(opts, tp):
             torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
 
 
+def test_untied_exact_gelu_sequence_parallel_matches_transformers():
+    """The untied head through the sequence-parallel path (all-gather of the sequence before it)."""
+    import dataclasses
+    cfg, weights, tokens, labels, ref_logits, ref_loss, ref_grads = _reference(openai_gelu=False, untie=True)
+    cfg = dataclasses.replace(cfg, sequence_parallel=True)
+    res = run_distributed(_body, 2, 2, cfg, weights, tokens, labels)[0]
+    torch.testing.assert_close(res["logits"], ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res["loss"], ref_loss, atol=1e-5, rtol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
 def test_exact_and_tanh_gelu_differ():
     """The choice reaches the MLP: same weights, different activation, different logits."""
     torch.manual_seed(0)
