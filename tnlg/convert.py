@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tp is not None and args.tp < 1:
         raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {args.tp}.")
     if src_kind != "ckpt" and dst_kind != "ckpt":
-        raise UserError(f"--from {src_kind} --to {dst_kind}: one side must be a tnlg checkpoint (convert through one).")
+        raise UserError(f"--from {src_kind} --to {dst_kind} converts nothing directly; one side must be a tnlg "
+                        "checkpoint (convert through one).")
     _check_megatron_flags(args, src_kind, dst_kind)
     if args.tokenizer_model and src_kind not in _FOREIGN and dst_kind != "hf":
         raise UserError("--tokenizer-model is for --from hf, --from megatron or --to hf; a tnlg checkpoint already "
