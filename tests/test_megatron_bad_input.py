@@ -189,3 +189,16 @@ def test_rank_files_of_torch_before_1_6_are_read(megatron_ckpts, tmp_path):
     new = load_for_inference(megatron_to_checkpoint(str(megatron_ckpts / "legacy"), str(tmp_path / "new")))[0]
     for (name, a), (_, b) in zip(old.named_parameters(), new.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_an_iteration_folder_or_a_release_checkpoint(megatron_ckpts, tmp_path):
+    """The source may be one iter_* folder, or a root whose tracker file says 'release'."""
+    from tnlg.checkpoint.files import read_meta
+    path = megatron_to_checkpoint(str(megatron_ckpts / "torch_dist" / "iter_0000003"), str(tmp_path / "one"))
+    assert read_meta(path)["iteration"] == 3
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "release")
+    os.rename(src / "iter_0000003", src / "release")
+    (src / "latest_checkpointed_iteration.txt").write_text("release")
+    assert read_meta(megatron_to_checkpoint(str(src), str(tmp_path / "two")))["iteration"] == 3
+    (src / "latest_checkpointed_iteration.txt").write_text("soon")
+    _refused(src, tmp_path, "neither an iteration number nor 'release'")
