@@ -29,13 +29,12 @@ from ...errors import UserError
 from ...io import fsync_dir, temporary_name
 from .args import args_for
 from .legacy import local_extra_state, write_rank_files
-from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, Role, tnlg_name
+from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
 from .torch_dist import TorchDistWriter
 
 __all__ = ["checkpoint_to_megatron", "check_megatron_layout", "FORMATS"]
 
 FORMATS = ("torch_dist", "legacy")
-_VOCAB = ("transformer.wte.weight", "lm_head.weight")
 
 
 def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
@@ -69,7 +68,7 @@ class _Full:
         if role.tnlg == "lm_head.weight" and not self.cfg.untie_embeddings_and_output_weights:
             name = "transformer.wte.weight"  # a tied head: the embedding
         t = self.reader.tensor(name, name, self.targets[name])
-        if role.tnlg in _VOCAB and self.padded > t.shape[0]:  # Megatron's padding rows: zeros
+        if role.tnlg in VOCAB_PARAMS and self.padded > t.shape[0]:  # Megatron's padding rows: zeros
             t = torch.cat([t, t.new_zeros(self.padded - t.shape[0], *t.shape[1:])])
         return t
 

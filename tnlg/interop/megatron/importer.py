@@ -28,7 +28,7 @@ from ...config import GPTConfig
 from ...errors import UserError
 from .args import config_from_args, layout_of
 from .legacy import LegacySource, first_file, is_legacy
-from .names import GLOBAL_ROLES, LAYER_ROLES, Role, tnlg_name
+from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
 from .safe_load import load_pt
 from .torch_dist import TorchDistSource, is_torch_dist
 
@@ -102,17 +102,7 @@ def _roles(cfg: GPTConfig, last_stage: int):
 
 def _to_tnlg(t: torch.Tensor, role: Role, cfg: GPTConfig) -> torch.Tensor:
     """Megatron's full tensor in tnlg's layout: the padded vocabulary rows dropped (QKV needs nothing)."""
-    if role.tnlg in ("transformer.wte.weight", "lm_head.weight"):
-        return t[:cfg.vocab_size]
-    return t
-
-
-def _expected_shape(role: Role, layer, cfg: GPTConfig, padded: int) -> tuple[int, ...]:
-    from ...model import GPT
-    shape = list(GPT.describe(cfg, 1)[tnlg_name(role, layer)].shape)
-    if role.tnlg in ("transformer.wte.weight", "lm_head.weight"):
-        shape[0] = padded
-    return tuple(shape)
+    return t[:cfg.vocab_size] if role.tnlg in VOCAB_PARAMS else t
 
 
 class _Tensors(Mapping):
@@ -138,7 +128,9 @@ class _Tensors(Mapping):
 def _check_tensors(source, cfg: GPTConfig) -> None:
     """Every tensor tnlg needs is present with its shape (from the index or the rank files' headers:
     no tensor is read), before anything is written."""
+    from ...model import GPT
     where = f"Megatron checkpoint {source.iter_dir!r}"
+    specs = GPT.describe(cfg, 1)
     for role, layer, stage in _roles(cfg, source.layout.pp - 1):
         shape = source.shape(role, layer, stage)
         if shape is None:
@@ -147,7 +139,9 @@ def _check_tensors(source, cfg: GPTConfig) -> None:
             raise UserError(f"{where} has no tensor for {what}; it does not match its args ({source.format} "
                             "format, names of megatron-core's local or Transformer Engine spec or of the legacy "
                             "model). Nothing was written.")
-        want = _expected_shape(role, layer, cfg, source.layout.padded_vocab_size)
+        want = specs[tnlg_name(role, layer)].shape
+        if role.tnlg in VOCAB_PARAMS:  # with Megatron's padding rows
+            want = (source.layout.padded_vocab_size, *want[1:])
         if shape != want:
             raise UserError(f"{where}: {tnlg_name(role, layer)} has shape {shape} but its args give {want}. Nothing "
                             "was written.")

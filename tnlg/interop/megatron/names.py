@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 __all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
-           "tnlg_name", "qkv_to_current"]
+           "VOCAB_PARAMS", "tnlg_name", "qkv_to_current"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ GLOBAL_ROLES: tuple[Role, ...] = (
          ("language_model.encoder.final_layernorm.bias", "language_model.transformer.final_layernorm.bias")),
     Role("lm_head.weight", 0, ("output_layer.weight",), ("language_model.output_layer.weight",)),
 )
+
+# the parameters with a row per vocabulary entry (Megatron pads them, tnlg stores the real rows)
+VOCAB_PARAMS = ("transformer.wte.weight", "lm_head.weight")
 
 # the linear layers whose ``_extra_state`` megatron-core's local spec keeps (None) in its state dict
 LOCAL_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
