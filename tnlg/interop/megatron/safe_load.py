@@ -11,8 +11,9 @@ Megatron-LM writes three kinds of pickles: the legacy per-rank ``model_optim_rng
   state) are rebuilt as an inert :class:`Skipped` record that keeps only the name: the named
   class is never imported or called. Any other global is refused, naming it.
 * ``.metadata`` goes through a ``pickle.Unpickler`` whose ``find_class`` returns only the
-  dataclasses of ``torch.distributed.checkpoint.metadata`` and a few torch value types (the
-  restricted-globals pattern of Python's ``pickle`` documentation).
+  dataclasses of the index (``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``,
+  the ``planner`` save plans it records) and a few torch value types (the restricted-globals
+  pattern of Python's ``pickle`` documentation).
 """
 
 from __future__ import annotations
