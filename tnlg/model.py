@@ -11,7 +11,10 @@ at most one, :func:`tnlg.config.partition_sizes`), so 28 heads run at TP=8 or
 16, which Megatron refuses. The fused QKV weight is laid out per head
 (rows ``[head][q, k, v][head_dim]``), so a contiguous row split gives each rank
 whole heads. The MLP width is split the same way; the vocabulary is padded to a
-multiple of ``128 * tp`` (as Megatron) and the padded logits are masked.
+multiple of ``128 * tp`` (as Megatron) and the padded logits are masked. The LM head is the
+word embedding (tied, GPT-2), or with ``config.untie_embeddings_and_output_weights`` its own
+weight ``lm_head.weight`` split the same way (Megatron's untied ``output_layer``); the MLP's
+GELU is the tanh form, or the exact one with ``config.openai_gelu=False`` (Megatron's default).
 
 Initialisation is TP-invariant: every layer draws its parameters in full from a CPU
 generator seeded by ``(config.seed, parameter name)`` and then slices them
@@ -243,7 +246,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """``h -> ffn -> h`` with GELU (tanh form): column-parallel then row-parallel.
+    """``h -> ffn -> h`` with GELU (tanh form, or exact with ``config.openai_gelu=False``):
+    column-parallel then row-parallel.
 
     Forward: ``f`` (identity) then ``g`` (all-reduce of ``[b, s, h]``); backward: one all-reduce.
     Sequence-parallel (``sp``): all-gather before ``c_fc``, reduce-scatter after ``c_proj``
@@ -254,6 +258,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         sizes = cfg.ffn_per_rank(ps.tp_size)
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps, partition_sizes=sizes,
                                          sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
                                          init_key=_join(init_key, "c_fc"))
@@ -270,7 +275,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
                 synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         on = sp is not None
-        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate="tanh")
+        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate=self.gelu_approximate)
         return self.c_proj(h, sequence_parallel=on, sequence_sizes=sp, synced_bias=synced_bias)
 
 
@@ -348,6 +353,22 @@ class PositionEmbedding(SelfInitializing, nn.Module):
         return F.embedding(position_ids, self.weight)
 
 
+class OutputLayer(SelfInitializing, nn.Module):
+    """The untied LM head (Megatron's ``output_layer``, ``--untie-embeddings-and-output-weights``):
+    a ``[V_pad / tp, h]`` weight split by vocabulary rows exactly as the word embedding (padded
+    rows zeros), no bias. The GPT applies it as it applies the tied embedding; no communication
+    of its own."""
+
+    def __init__(self, vocab_size: int, dim: int, ps: ParallelState, padded_size: int, init_method: InitMethod,
+                 seed: int = 0, init_key: str = "", device=None):
+        super().__init__()
+        self.ps = ps
+        self.weight = self.describe(vocab_size, dim, padded_size, ps.tp_size)["weight"].parameter(ps.tp_rank, device)
+        self.set_init(dict(weight=init_method), seed, init_key)
+
+    describe = staticmethod(VocabParallelEmbedding.describe)
+
+
 def _init_methods(cfg: GPTConfig) -> tuple[InitMethod, InitMethod]:
     """Weights ``N(0, std^2)``; residual projections ``N(0, std^2 / (2 L))`` (GPT-2 / Megatron scaled init)."""
     std = cfg.init_method_std
@@ -400,6 +421,15 @@ class GPT(nn.Module):
             ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps,
                            init_key="transformer.ln_f"),
         ))
+        if config.untie_embeddings_and_output_weights:
+            self.lm_head = OutputLayer(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size, init, seed,
+                                       "lm_head", device)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the LM head: the word embedding's, or the untied output layer's."""
+        head = self.lm_head if self.config.untie_embeddings_and_output_weights else self.transformer.wte
+        return head.weight
 
     @staticmethod
     def describe(config: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
@@ -413,6 +443,9 @@ class GPT(nn.Module):
         for i in range(config.num_layers):
             out.update(_prefixed(f"transformer.h.{i}", block))
         out.update(_prefixed("transformer.ln_f", LayerNorm.describe(h)))
+        if config.untie_embeddings_and_output_weights:
+            out.update(_prefixed("lm_head", OutputLayer.describe(
+                config.vocab_size, h, config.padded_vocab_size(tp_size), tp_size)))
         return out
 
     # ------------------------------------------------------------------ init
@@ -459,12 +492,12 @@ class GPT(nn.Module):
         x = t.ln_f(x, sp is not None)
         if last_only:  # generation needs only the next token's logits
             x = x[:, -1:]
-        # parallel LM head tied to the embedding: f (or, sequence-parallel, an all-gather of the
-        # sequence), then a local matmul -> this rank's vocab shard
+        # parallel LM head (tied to the embedding, or untied): f (or, sequence-parallel, an all-gather
+        # of the sequence), then a local matmul -> this rank's vocab shard
         if sp is None:
-            logits = F.linear(copy_to_tp(x, self.ps), t.wte.weight)
+            logits = F.linear(copy_to_tp(x, self.ps), self.output_weight)
         else:  # [s, b, V_r]: the loss is computed sequence-first, the logits returned batch-first
-            logits = column_parallel_linear(x, t.wte.weight, None, self.ps, sp)
+            logits = column_parallel_linear(x, self.output_weight, None, self.ps, sp)
             if labels is None:
                 return logits.transpose(0, 1)
             labels = labels.t()

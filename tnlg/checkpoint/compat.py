@@ -4,7 +4,7 @@ Must match the checkpoint (else a :class:`UserError` naming every difference):
 
 * the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
   ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
-  ``layernorm_epsilon``, and the dropout rates;
+  ``layernorm_epsilon``, the dropout rates, the GELU form and whether the output layer is untied;
 * the data: the ``--data-path`` datasets (same files: same resolved prefix, or
   the same ``.bin``/``.idx`` sizes when the files were moved; ``X.bin``, ``X.idx``
   and ``X`` are the same prefix, also in checkpoints saved before paths were
@@ -33,7 +33,11 @@ from ..options.fields import flag_of, option_fields
 __all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
 
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
-               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout")
+               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout", "openai_gelu",
+               "untie_embeddings_and_output_weights")
+# fields later checkpoints record; one without them has the default (tanh GELU, tied output layer)
+_LATER_FIELDS = {"openai_gelu": GPTConfig.openai_gelu,
+                 "untie_embeddings_and_output_weights": GPTConfig.untie_embeddings_and_output_weights}
 # the options marked must_match (tnlg.options.DataOptions): they define the samples
 DATA_OPTIONS = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
@@ -103,7 +107,7 @@ def check_compatible(meta: dict, where: str, config: GPTConfig, options,
                      tokenizer, origin: str = "--load") -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
     checkpoint (``meta``) and this run (``config``, ``options``, ``tokenizer``)."""
-    saved_cfg = meta["config"]
+    saved_cfg = {**_LATER_FIELDS, **meta["config"]}
     have = config.to_dict()
     diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
              for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]

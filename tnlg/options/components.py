@@ -30,6 +30,11 @@ class ModelOptions:
     hidden_dropout: float = option(0.1)
     attention_dropout: float = option(0.1)
     init_method_std: float = option(0.02)
+    openai_gelu: bool = option(True, flags=("--openai-gelu",), negative="--no-openai-gelu",
+                               help="GELU in tanh form (GPT-2's, tnlg's default); --no-openai-gelu: the exact "
+                               "erf form, Megatron-LM's default")
+    untie_embeddings_and_output_weights: bool = option(
+        False, help="an output layer of its own instead of the word embedding (V x h more parameters)")
 
     def __post_init__(self):
         positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length")

@@ -113,7 +113,9 @@ def model_config(o, vocab_size: int) -> GPTConfig:
                          num_attention_heads=o.num_attention_heads, seq_length=o.seq_length,
                          vocab_size=vocab_size, ffn_hidden_size=o.ffn_hidden_size,
                          hidden_dropout=o.hidden_dropout, attention_dropout=o.attention_dropout,
-                         init_method_std=o.init_method_std, recompute_activations=bool(o.recompute_activations),
+                         init_method_std=o.init_method_std, openai_gelu=bool(o.openai_gelu),
+                         untie_embeddings_and_output_weights=bool(o.untie_embeddings_and_output_weights),
+                         recompute_activations=bool(o.recompute_activations),
                          recompute_granularity=o.recompute_granularity,
                          sequence_parallel=bool(o.sequence_parallel), seed=o.seed)
     except ValueError as exc:
