@@ -153,8 +153,9 @@ def _interrupted_message(info: dict, o: Options, args) -> str:
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
     head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"
     if o.save is None:
-        return (f"{head}. This run saved nothing (no --save); to keep checkpoints, start it again with "
-                f"--save DIR.")
+        return (f"{head}. This run saved nothing: it has no save root (no --save, and neither the built-in job "
+                f"nor a --load root to save into), so iteration {info['iteration']} was not written. Start it again "
+                f"with --save DIR to keep checkpoints; Ctrl-C then saves into DIR before stopping.")
     last = last_checkpoint(o.save)
     where = (f"the last checkpoint is iteration {last} in {o.save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {o.save} yet, so a resume starts over")

@@ -204,7 +204,7 @@ class CheckpointOptions:
         "torchrun pretrain-RUN_ID), a run with --load saves back into the root it loaded from, any other run "
         "saves nothing (and says so at start and at the end)")
     save_interval: Optional[int] = option(None, help="save every N iterations (always at the end and on "
-                                          "SIGTERM)", every="only at the end")
+                                          "Ctrl-C or SIGTERM)", every="only at the end")
     load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
                                  "iter_* directory); without --save, later checkpoints go into the same root")
     keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
