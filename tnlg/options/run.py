@@ -91,6 +91,7 @@ class Options:
             self._check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()
+        self.logging.check_loggers()
 
     def _check_layout(self, world_size: int) -> None:
         tp, micro, gbs = self.tensor_model_parallel_size, self.micro_batch_size, self.global_batch_size
