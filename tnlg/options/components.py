@@ -257,6 +257,10 @@ class CheckpointOptions:
     load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
                                  "iter_* directory); without --save, later checkpoints go into the same root")
     keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
+    use_checkpoint_args: bool = option(False, help="take the model shape, data, tokenizer, layout (TP, ZeRO), "
+                                       "schedule, precision and intervals from the options the checkpoint "
+                                       "recorded (--load, else --save; not paths, process count or device); "
+                                       "flags given override them, and each override is printed")
 
     def __post_init__(self):
         optional_positive_int(self, "save_interval", "keep_last")

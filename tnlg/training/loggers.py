@@ -6,8 +6,8 @@ anything is written.
 
 Each backend gets the same scalars as the metrics file, named ``train/<key>`` and ``valid/<key>`` after
 the file's keys (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/loss_scale``,
-``train/ms_per_iter``, ``train/tokens_per_s``, ``train/tflops``, ``train/mfu``, ``train/hfu``, ``train/peak_memory_bytes``,
-``valid/loss``, ``valid/ppl``), with the iteration as the step: the training scalars every
+``train/ms_per_iter``, ``train/tokens_per_s``, ``train/tflops``, ``train/mfu``, ``train/hfu``,
+``train/peak_memory_bytes``, ``valid/loss``, ``valid/ppl``), with the iteration as the step: the training scalars every
 ``--tensorboard-log-interval`` iterations, the validation ones at every validation. No collectives.
 """
 
