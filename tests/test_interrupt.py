@@ -183,3 +183,17 @@ def test_ctrl_c_on_one_process_without_save(tmp_path):
     m = re.search(r"interrupted \(SIGINT\) at iteration (\d+) of 100000\. This run saved nothing: it has no "
                   r"save root \(no --save.*iteration (\d+) was not written\. Start it again with --save DIR", out)
     assert m and m.group(1) == m.group(2), out[-3000:]
+
+
+def test_sighup_to_one_process_saves_like_ctrl_c(tmp_path):
+    """SIGHUP (a closed terminal; torchrun forwards it too) to one process with --save: that iteration is
+    saved, the message says so, and the exit status is a SIGHUP-ed command's."""
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    save = tmp_path / "ckpt"
+    rc, out = _interrupted_run(["--nproc-per-node", "1", "--tensor-model-parallel-size", "1", "--train-iters",
+                                "100000", "--data-path", prefix, "--tokenizer-model", tok, "--save", str(save),
+                                "--no-plot", *TINY], tmp_path, signal.SIGHUP, lambda: True)
+    assert rc == 128 + signal.SIGHUP, out[-3000:]
+    n, m, folder, saved, _ = _message(out, signal.SIGHUP)
+    assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)

@@ -101,9 +101,12 @@ class Trainer:
                     break
         except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
             summary["interrupted"] = self.checkpointer.forced_stop(iteration)
-        metrics.close()
-        if "interrupted" not in summary:
-            self._sample()
+        try:
+            metrics.close()
+            if "interrupted" not in summary:
+                self._sample()
+        except KeyboardInterrupt:  # a second signal while the plot or the sample is made: skip the rest
+            summary.setdefault("interrupted", self.checkpointer.forced_stop(iteration))
         return summary
 
     def _metrics(self, resumed_at: int) -> Metrics:
