@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tnlg.cli import build_parser, main
 from tnlg.errors import UserError
 from tnlg.options.recorded import describe
+from tnlg.testing import run_tnlg
 from tnlg.train_args import resolve
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _resolved(argv, world=2):
@@ -113,12 +110,7 @@ def test_a_load_without_a_checkpoint_is_refused(tmp_path):
 
 
 def _pretrain(argv, cwd):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd), env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
-    return out
+    return run_tnlg(["pretrain", *argv], cwd)
 
 
 def _losses(path):

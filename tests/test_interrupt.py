@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tnlg import checkpoint as ck
+from tnlg.testing import checkout_env, run_tnlg
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +33,13 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 ITERS = 60
 
 
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def _interrupted_run(argv, cwd, sig, ready, env=None, second=None):
     """Start ``tnlg pretrain argv``; when ``ready()`` holds and 3 iterations are logged, send ``sig`` to
     its process group (what Ctrl-C in a terminal or a scheduler's SIGTERM does); with ``second``, send
     ``sig`` once more as soon as ``second()`` holds. Returns (rc, output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd), env=env or _env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd),
+                            env=env or checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -70,15 +68,6 @@ def _wait_for(condition, proc, lines, timeout=240):
     assert proc.poll() is None and condition(), "".join(lines)[-3000:]  # it must still be running
 
 
-def _run(argv, cwd):
-    proc = subprocess.run([sys.executable, "-m", "tnlg", *argv], cwd=str(cwd), env=_env(), capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
-    return out
-
-
 def _message(out, sig):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-4000:]
     found = [line for line in out.splitlines() if f"interrupted ({sig.name})" in line]
@@ -92,7 +81,7 @@ def _message(out, sig):
 def _resume(command, cwd):
     argv = shlex.split(command)
     assert argv[:2] == ["tnlg", "pretrain"], command
-    return _run(argv[1:], cwd)
+    return run_tnlg(argv[1:], cwd)
 
 
 def _train_losses(path):
@@ -124,7 +113,7 @@ def test_ctrl_c_saves_the_current_iteration_and_the_resume_continues_exactly(tmp
     assert f"at iteration {m} (" in out, out[-3000:]
     _check_metrics(tmp_path / folder / "metrics.jsonl")
     assert (tmp_path / folder / "metrics_loss.png").exists()
-    _run(["pretrain", "--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY, "--save", "reference",
+    run_tnlg(["pretrain", "--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY, "--save", "reference",
           "--no-plot"], tmp_path)
     assert _train_losses(tmp_path / folder / "metrics.jsonl") == _train_losses(tmp_path / "reference" /
                                                                                "metrics.jsonl")
@@ -137,7 +126,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_save(tmp_path):
     from tnlg.data.corpus import default_dataset
     prefix, tok = default_dataset()
     save, marker = tmp_path / "ckpt", tmp_path / "saving"
-    env = dict(_env(), TNLG_TEST_SLOW_SAVE=str(marker))
+    env = checkout_env(TNLG_TEST_SLOW_SAVE=str(marker))
     env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fault_injection") + os.pathsep + env["PYTHONPATH"]
     rc, out = _interrupted_run(["--nproc-per-node", "2", "--tp", "1", "--train-iters", str(ITERS), "--data-path",
                                 prefix, "--tokenizer-model", tok, "--save", str(save), "--no-plot", *TINY],

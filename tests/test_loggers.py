@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from tnlg.cli import main
+from tnlg.testing import checkout_env, run_tnlg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "3", "--eval-interval", "3",
         "--eval-iters", "1", "--peak-tflops", "1", "--no-plot"]
@@ -36,12 +36,7 @@ def _wandb_env(tmp_path):
 
 
 def _pretrain(argv, tmp_path):
-    env = dict(os.environ, **_wandb_env(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
-    return out
+    return run_tnlg(["pretrain", *argv], tmp_path, env=checkout_env(**_wandb_env(tmp_path)))
 
 
 def _jsonl_series(path):
