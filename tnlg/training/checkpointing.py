@@ -83,6 +83,13 @@ class Checkpointer:
             return None
         return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=saving, forced=False)
 
+    def before_training(self, iteration: int) -> Optional[dict]:
+        """How the run stopped when a signal came during start-up (nothing trained yet, so nothing to save),
+        else ``None``. Collective: the signal check."""
+        signum = self.stop.agreed(self.ps)
+        return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=False, forced=False) if signum \
+            else None
+
     def forced_stop(self, iteration: int) -> dict:
         """How the run stopped on a second signal (or a Ctrl-C outside the handler's reach): at once."""
         return dict(signal=signal.Signals(self.stop.received or signal.SIGINT).name, iteration=iteration,

@@ -82,7 +82,10 @@ class Trainer:
                                                   ps.dp_size))
         model.train()
         try:
-            while iteration < o.train_iters:
+            stopped = self.checkpointer.before_training(iteration)  # collective: a signal during start-up
+            if stopped:
+                summary["interrupted"] = stopped
+            while not stopped and iteration < o.train_iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(engine.num_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
