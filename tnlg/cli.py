@@ -18,13 +18,12 @@ never the whole usage block.
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import re
 import sys
 
-from .errors import UserError
+from .errors import UserError, closest
 from .launch import is_rank0, under_launcher
 from .process_exit import destroy_process_groups, leave
 
@@ -82,14 +81,9 @@ def _is_flag(word: str) -> bool:
 
 
 def _did_you_mean(words: dict[str, list[str]]) -> str:
-    """``"; did you mean X?"``: for each word, the valid names as close to it as the closest one (difflib's
-    ratio within 0.05 of the best, at least 0.6); several words name theirs (``X for Y``)."""
-    found = {}
-    for word, valid in words.items():
-        ratios = sorted(((difflib.SequenceMatcher(None, word, v).ratio(), v) for v in valid), reverse=True)
-        close = [v for r, v in ratios if r >= max(0.6, ratios[0][0] - 0.05)] if ratios else []
-        if close:
-            found[word] = " or ".join(close[:3])
+    """``"; did you mean X?"`` with the valid names closest to each word (:func:`tnlg.errors.closest`);
+    several words name theirs (``X for Y``)."""
+    found = {word: " or ".join(close) for word, valid in words.items() for close in [closest(word, valid)] if close}
     if not found:
         return ""
     if len(found) == 1:

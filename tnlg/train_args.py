@@ -15,7 +15,7 @@ import argparse
 import os
 
 from .config import PRESETS
-from .errors import UserError
+from .errors import UserError, closest
 from .options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Options, model_config, option_defaults
 from .options.checks import is_int
 from .options.fields import add_options, option_fields, shown
@@ -123,7 +123,10 @@ def _read_config_file(path: str) -> dict:
     for key, value in data.items():
         k = str(key).replace("-", "_")
         if k not in keys:
-            raise UserError(f"--config {path!r}: unknown key {key!r}. Valid keys: {', '.join(sorted(keys))}.")
+            near = closest(k, keys)
+            raise UserError(f"--config {path!r}: unknown key {key!r}"
+                            + (f"; did you mean {' or '.join(near)}?" if near else ".")
+                            + f" Valid keys: {', '.join(sorted(keys))}.")
         out[k] = value
     return out
 
