@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(only=name)
     Parser.argv = argv
     args, extra = parser.parse_known_args(argv)
-    if extra:  # reported by the subcommand's parser, with its usage (exits 2)
+    if extra:  # reported by the subcommand's parser, with the closest valid flags (exits 2)
         _innermost(parser, args).unrecognized(extra)
     if args.command is None:
         parser.print_help()
