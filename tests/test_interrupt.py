@@ -33,11 +33,11 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 ITERS = 60
 
 
-def _interrupted_run(argv, cwd, sig, ready, env=None, second=None):
-    """Start ``tnlg pretrain argv``; when ``ready()`` holds and 3 iterations are logged, send ``sig`` to
-    its process group (what Ctrl-C in a terminal or a scheduler's SIGTERM does); with ``second``, send
-    ``sig`` once more as soon as ``second()`` holds. Returns (rc, output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd),
+def _interrupted_run(argv, cwd, sig, ready, env=None, second=None, launcher=()):
+    """Start ``tnlg pretrain argv`` (under ``launcher``, e.g. torchrun's arguments); when ``ready()`` holds and
+    3 iterations are logged, send ``sig`` to its process group (what Ctrl-C in a terminal or a scheduler's
+    SIGTERM does); with ``second``, send ``sig`` once more as soon as ``second()`` holds. Returns (rc, output)."""
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd),
                             env=env or checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
@@ -68,7 +68,12 @@ def _wait_for(condition, proc, lines, timeout=240):
     assert proc.poll() is None and condition(), "".join(lines)[-3000:]  # it must still be running
 
 
-def _message(out, sig):
+def _message(out, sig, launcher_traceback=False):
+    """The one message rank 0 printed; no traceback anywhere (with ``launcher_traceback``: but torchrun's
+    own, which ends its process on a signal with the SignalException torch raises in it)."""
+    if launcher_traceback:
+        assert out.count("Traceback") == 1 and out.rstrip().endswith(f"got signal: {int(sig)}"), out[-4000:]
+        out = out[:out.index("Traceback")]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-4000:]
     found = [line for line in out.splitlines() if f"interrupted ({sig.name})" in line]
     assert len(found) == 1, out[-4000:]  # one message, from rank 0 only
@@ -138,6 +143,22 @@ def test_a_second_ctrl_c_stops_at_once_without_a_save(tmp_path):
     assert len(found) == 1, out[-4000:]
     assert f"there is no checkpoint in {save} yet" in found[0], found[0]
     assert ck.list_iterations(str(save)) == [] and ck.read_latest(str(save)) is None
+
+
+def test_ctrl_c_under_torchrun_saves_and_names_the_torchrun_command(tmp_path):
+    """torchrun (not our launcher) forwards the Ctrl-C to its 2 workers: they save the iteration, and rank 0
+    says to resume with the same torchrun command (torchrun itself then ends with its own traceback)."""
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    save = tmp_path / "ckpt"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    rc, out = _interrupted_run(["--tp", "1", "--train-iters", str(ITERS), "--data-path", prefix, "--tokenizer-model",
+                                tok, "--save", str(save), "--no-plot", *TINY], tmp_path, signal.SIGINT, lambda: True,
+                               launcher=torchrun)
+    n, m, folder, saved, command = _message(out, signal.SIGINT, launcher_traceback=True)
+    assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)
+    assert command.endswith("(under torchrun: the same torchrun command with these arguments)"), command
+    assert rc != 0  # torchrun's own exit status for a signal
 
 
 def test_sigterm_saves_reports_and_resumes(tmp_path):
