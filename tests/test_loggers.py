@@ -28,6 +28,11 @@ TRAIN_KEYS = ("loss", "lr", "grad_norm", "ms_per_iter", "tokens_per_s", "tflops"
               "peak_memory_bytes")
 
 
+# W&B's command next to this Python (a venv's bin/ need not be on PATH), else the one on PATH
+_WANDB_CLI = next((c for c in (os.path.join(os.path.dirname(sys.executable), "wandb"),) if os.path.exists(c)),
+                  shutil.which("wandb") or "wandb")
+
+
 def _wandb_env(tmp_path):
     """W&B offline, with every folder it would write under ``tmp_path`` (nothing in the home folder)."""
     return dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path / "wandb_dir"),
@@ -60,7 +65,7 @@ def _wandb_series(run_dirs):
     """``{tag: [(step, value)]}`` of offline W&B runs, read by W&B's own reader of its transaction log."""
     series: dict = {}
     for run_dir in run_dirs:
-        proc = subprocess.run([shutil.which("wandb") or "wandb", "leet", "inspect", "--json", str(run_dir)],
+        proc = subprocess.run([_WANDB_CLI, "leet", "inspect", "--json", str(run_dir)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         for line in proc.stdout.splitlines():
