@@ -82,7 +82,10 @@ class Trainer:
                                                   ps.dp_size))
         model.train()
         try:
-            while iteration < o.train_iters:
+            stopped = self.checkpointer.before_training(iteration)  # collective: a signal during start-up
+            if stopped:
+                summary["interrupted"] = stopped
+            while not stopped and iteration < o.train_iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(engine.num_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
@@ -101,9 +104,12 @@ class Trainer:
                     break
         except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
             summary["interrupted"] = self.checkpointer.forced_stop(iteration)
-        metrics.close()
-        if "interrupted" not in summary:
-            self._sample()
+        try:
+            metrics.close()
+            if "interrupted" not in summary:
+                self._sample()
+        except KeyboardInterrupt:  # a second signal while the plot or the sample is made: skip the rest
+            summary.setdefault("interrupted", self.checkpointer.forced_stop(iteration))
         return summary
 
     def _metrics(self, resumed_at: int) -> Metrics:
