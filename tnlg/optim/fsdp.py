@@ -176,6 +176,13 @@ class FSDPZero(ShardedBackend):
         for p in self.params:
             p.grad = None
 
+    def close(self) -> None:
+        """Drop the gradient shards; FSDP's hooks live on the (sharded) model and go with it, the
+        Adam states and master with the last reference to the backend. Unusable afterwards."""
+        self.zero_grad()
+        for run in self.runs:
+            run.grad = None
+
     # ----------------------------------------------------------------- state exchange (checkpoints)
     def _local_of(self, full: torch.Tensor, p) -> torch.Tensor:
         """This rank's FSDP shard of a (TP-shard) tensor; local slicing, no communication."""

@@ -97,7 +97,9 @@ class ShardedBackend:
                 pc[k].copy_(states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]])
 
     def close(self) -> None:
-        """Nothing to release: buffers and hooks go with the object."""
+        """Release what ties the backend to the model's parameters (hooks, ``.grad``); each backend
+        says what that is. Unusable afterwards."""
+        raise NotImplementedError
 
 
 def check_shape(name: str, value: torch.Tensor, shape) -> None:

@@ -262,6 +262,11 @@ class FlatZero(ShardedBackend):
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
+    def close(self) -> None:
+        """Remove the gradient hooks and ``.grad`` views (the model may outlive the engine); the
+        buffers are freed with the last reference to the engine. Unusable afterwards."""
+        self.grads.close()
+
     # ----------------------------------------------------------------- state exchange (checkpoints)
     def owned_pieces(self) -> list[dict]:
         """What this rank owns, one entry per parameter piece: ``name``, ``lo``/``length`` (the range
