@@ -8,11 +8,12 @@ written once here, on top of a few primitives each backend provides:
 * ``finish_grad_sync()`` — wait for the gradient reduction of the last micro step;
 * ``grad_pieces()`` — ``(gradient tensor, tp_sharded)`` for what this rank holds;
 * ``grads_sharded_over_dp`` — True when DP ranks hold disjoint gradient pieces;
-* ``scale_grads_(factor)``, ``adam_step(lr)`` and ``owned_pieces()``.
+* ``adam_step(lr, grad_factor)`` (AdamW on ``grad_factor * grad``: the clipping coefficient
+  over the loss scale, folded into the fused kernel) and ``owned_pieces()``.
 
 Collectives of :meth:`ShardedBackend.step`: the backend's wait for the gradient reduction;
 the gradient norm (:mod:`tnlg.optim.clip`: an fp64 all-reduce over DP of both sums where
-gradients are sharded, one over TP of the sharded sum); then whatever ``adam_step`` runs
+gradients are sharded, one over TP of the sharded sum; the one host read of the step); then whatever ``adam_step`` runs
 (flat stage 1: all-gather of the parameters).
 """
 
@@ -54,10 +55,7 @@ class ShardedBackend:
         skipped = not math.isfinite(norm)
         coeff = clip_coefficient(norm, clip_grad)
         if not skipped:
-            factor = coeff / loss_scale
-            if factor != 1.0:
-                self.scale_grads_(factor)
-            self.adam_step(lr)
+            self.adam_step(lr, coeff / loss_scale)
         return StepResult(norm, skipped, coeff)
 
     def param_shapes(self) -> dict[str, tuple]:
