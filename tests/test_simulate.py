@@ -30,7 +30,8 @@ def test_fake_run_counts_what_the_real_run_counts(precision, accum):
     tracker, _ = tracked_iteration(cfg, ParallelState.single(), zero_stage=1, precision=precision, micro_batch=2,
                                    accum=accum)
     real = {ph.name: ph.as_dict() for ph in tracker.phases}
-    sim = simulate(cfg, 1, 1, zero_stage=1, precision=precision, micro_batch=2, accum=accum, gpu="h100")
+    sim = simulate(cfg, 1, 1, zero_stage=1, precision=precision, micro_batch=2, accum=accum, gpu="h100",
+                   gpu_kernels=False)
     fake = {ph["name"]: ph for ph in sim["phases"]}
     assert list(real) == list(fake)
     for ph, fake_ops in zip(tracker.phases, sim["ops"]):
@@ -83,3 +84,43 @@ def test_simulation_refuses_bad_input_in_one_paragraph():
         simulate(cfg, 1, 2, zero_stage=2)
     with pytest.raises(UserError, match="tensor-parallel size 8 is larger than num_attention_heads=4"):
         simulate(cfg, 8, 1)
+
+
+def _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=()):
+    import argparse
+
+    from tnlg.plan.command import add_arguments, run
+    import contextlib, io, json
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--preset", name, "--tp", str(tp), "--dp", str(dp), "--zero-stage", "1", "--precision", precision,
+            "--micro-batch-size", str(micro), "--global-batch-size", str(micro * dp * accum), "--json", *extra]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(parser.parse_args(argv + (["--recompute-activations"] if recompute else [])))
+    return json.loads(out.getvalue())
+
+
+PLAN_CASES = [
+    pytest.param("gpt2-medium", 2, 4, "bf16", 2, 2, False, id="gpt2-medium-tp2-bf16"),
+    pytest.param("tnlg-17b", 4, 64, "fp16", 1, 8, False, id="tnlg-17b-tp4-dp64-fp16", marks=pytest.mark.slow),
+    pytest.param("tnlg-17b", 8, 32, "bf16", 1, 16, True, id="tnlg-17b-tp8-dp32-bf16-recompute",
+                 marks=pytest.mark.slow),
+    pytest.param("gpt2-xl", 1, 1, "bf16", 4, 8, False, id="gpt2-xl-tp1-bf16", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,tp,dp,precision,micro,accum,recompute", PLAN_CASES)
+def test_planner_peak_is_the_simulated_peak(name, tp, dp, precision, micro, accum, recompute):
+    """`tnlg plan`'s memory per rank (model states + activations, the GPU's attention kernel) is the
+    peak of the step that tnlg's code makes on fake tensors at full size, within 5%; `--simulate`
+    reports both."""
+    plan = _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=["--simulate", "--gpu", "h200"])
+    sim = plan["simulation"]
+    assert sim["layout"]["accum"] == accum and sim["layout"]["tp"] == tp
+    assert plan["memory"]["total"] == pytest.approx(sim["peak_bytes"], rel=0.05), (plan["memory"]["total"],
+                                                                                  sim["peak_bytes"])
+    # the model states the simulated engine allocates are the planner's, to the byte's rounding
+    states = sim["model_states"]
+    assert states["param_bytes"] + states["grad_bytes"] + states["optim_bytes"] == pytest.approx(
+        plan["memory"]["model_states"], rel=2e-3)

@@ -221,7 +221,7 @@ class ParallelAttention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
             # (this module replays the dropout stream itself, so checkpoint need not stash RNG states)
-            state = self.tp_random.state.clone() if dropout else None
+            state = self.tp_random.snapshot() if dropout else None
             y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, use_reentrant=False,
                            preserve_rng_state=False)
         else:
@@ -320,7 +320,7 @@ class Block(nn.Module):
 
     def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None):
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.state.clone(),
+            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.snapshot(),
                               use_reentrant=False)
         return self._forward(x, attention_mask, kv_cache, sp)
 

@@ -16,9 +16,14 @@ collective returns at once), watched by :class:`tnlg.plan.tracker.StepTracker`:
    ``optimizer`` (AdamW on the owned slice, the parameter all-gather), the pieces of
    :meth:`tnlg.optim.sharded_backend.ShardedBackend.step` called one after another.
 
-The model runs on the CPU code path (this torch has no CUDA): where a GPU takes a
-different path (fused attention kernels, which SDPA also picks on the CPU without
-attention dropout) the simulation shows the CPU's, and says so.
+The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
+that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
+inputs without a mask runs as CUDA's flash attention kernel does (its fake implementation:
+output and fp32 log-sum-exp kept for backward, dropout included, scores recomputed in
+backward), which is what SDPA picks on an A100/H100/H200 for these shapes, where the CPU
+would run its math kernel with fp32 scores when attention dropout is on; and dropout runs
+as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy, the optimizer)
+the CPU's kernels stand in for the GPU's; torch's fused AdamW exists on both.
 
 Time (:func:`predict_time`): per operator ``max(FLOPs / (peak x matmul efficiency),
 bytes / (bandwidth x memory efficiency), kernel floor)``, summed; collectives at the link
@@ -87,6 +92,53 @@ def _fake_world(tp: int, dp: int):
         dist.destroy_process_group()
 
 
+class _FlashAttention(torch.autograd.Function):
+    """SDPA as CUDA's flash attention kernel runs it (forward and backward operators)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale):
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.args = (cq, ck, mq, mk, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        cq, ck, mq, mk, dropout_p, is_causal, scale = ctx.args
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+@contextlib.contextmanager
+def _gpu_kernels():
+    """For the simulation's duration, two functions run the kernels a GPU runs (module docstring):
+    ``F.scaled_dot_product_attention`` as :class:`_FlashAttention` (16-bit, no mask, head dim <= 256)
+    and ``F.dropout`` as ``native_dropout`` (CUDA's fused dropout: a 1-byte mask; the CPU keeps a mask
+    in the input's dtype). Substitutions of the functions (not a ``TorchFunctionMode``), so that
+    recomputation in backward sees them too."""
+    import torch.nn.functional as F
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+
+    def flash_where_a_gpu_would(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is None and not kw and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            return _FlashAttention.apply(q, k, v, dropout_p, is_causal, scale)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    def fused_dropout(x, p=0.5, training=True, inplace=False):
+        if training and 0.0 < p < 1.0 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return dropout(x, p, training, inplace)
+
+    F.scaled_dot_product_attention, F.dropout = flash_where_a_gpu_would, fused_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+
+
 def _register_engine(tracker: StepTracker, engine) -> None:
     b = engine.backend
     tracker.register(b.param_buffer, "parameters")
@@ -97,14 +149,17 @@ def _register_engine(tracker: StepTracker, engine) -> None:
 
 def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
              micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
-             bucket_size_mb: float = 25.0, clip_grad: float = 1.0) -> dict:
-    """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction."""
+             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True) -> dict:
+    """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction.
+    ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum)
     layout = dict(tp=tp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
                   grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb)
     started = time.perf_counter()
-    with _fake_world(tp, dp) as ps, FakeTensorMode(), warnings.catch_warnings():
+    with _fake_world(tp, dp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
+            _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), \
+            warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = tracked_iteration(config, ps, zero_stage=zero_stage, precision=precision,
                                             micro_batch=micro_batch, accum=accum, grads_fp32=grads_fp32,
