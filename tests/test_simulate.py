@@ -124,3 +124,21 @@ def test_planner_peak_is_the_simulated_peak(name, tp, dp, precision, micro, accu
     states = sim["model_states"]
     assert states["param_bytes"] + states["grad_bytes"] + states["optim_bytes"] == pytest.approx(
         plan["memory"]["model_states"], rel=2e-3)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "gpt2-medium", "--simulate", "--gpu", "x100"], "--gpu 'x100' is not a GPU the simulation knows"),
+    (["--preset", "gpt2-medium", "--gpu", "h100"], "add --simulate"),
+    (["--preset", "tnlg-17b", "--world-size", "100", "--tp", "8", "--simulate"],
+     "--world-size 100 is not divisible by --tensor-model-parallel-size 8"),
+    (["--params", "1e9", "--simulate"], "--simulate runs one layout of a shaped model"),
+])
+def test_plan_simulate_bad_input_is_one_paragraph(argv, message):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "tnlg", "plan", *argv], capture_output=True, text=True, timeout=120,
+                       cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
