@@ -142,3 +142,28 @@ def test_plan_simulate_bad_input_is_one_paragraph(argv, message):
                        cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode != 0 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_reported_attention_kernel_is_the_one_sdpa_runs(dropout):
+    """The kernel named on the start line is the one F.scaled_dot_product_attention dispatches to here
+    (seen by the operators it runs)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tnlg.plan.gpus import attention_kernel
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    with Ops() as ops:
+        F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    ran_flash = any("flash_attention" in n for n in ops.names)
+    assert attention_kernel(torch.device("cpu"), torch.float32, 4, 8, 16, dropout) == ("flash" if ran_flash else "math")

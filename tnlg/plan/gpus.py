@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import UserError
 
-__all__ = ["GPU", "GPUS", "gpu"]
+__all__ = ["GPU", "GPUS", "gpu", "attention_kernel"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,23 @@ def gpu(name: str) -> GPU:
         raise UserError(f"--gpu {name!r} is not a GPU the simulation knows; valid: {', '.join(GPUS)} "
                         f"(dense 16-bit FLOP/s and memory bandwidth from the spec sheets, see tnlg.plan.gpus).")
     return GPUS[key]
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, seq: int,
+                     dropout: float) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks for the model's causal attention (no mask)
+    on ``device``: ``flash``, ``efficient``, ``cudnn`` or ``math`` on CUDA (asked of torch's own
+    checks, in its order of preference), ``flash`` or ``math`` on the CPU (whose flash kernel has no
+    dropout). The memory a step needs depends on it (:func:`tnlg.plan.memory.gpu_attention`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "flash" if dropout == 0.0 and device.type == "cpu" else "math"
+    q = torch.empty(1, heads, seq, head_dim, device=device, dtype=dtype)
+    params = torch.backends.cuda.SDPAParams(q, q, q, None, float(dropout), True, False)
+    b = torch.backends.cuda
+    for name, enabled, usable in (("flash", b.flash_sdp_enabled, b.can_use_flash_attention),
+                                  ("efficient", b.mem_efficient_sdp_enabled, b.can_use_efficient_attention),
+                                  ("cudnn", b.cudnn_sdp_enabled, b.can_use_cudnn_attention)):
+        if enabled() and usable(params):
+            return name
+    return "math"

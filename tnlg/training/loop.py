@@ -121,7 +121,8 @@ class Trainer:
                   f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
                   f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
                   f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
-                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED})")
+                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "
+                  f"{_attention_kernel(cfg, ps, self.autocast)}")
         return metrics
 
     def _log(self, msg: str) -> None:
@@ -138,3 +139,11 @@ class Trainer:
                         temperature=0.8, top_k=40, seed=o.seed)[0]
         self._log(f"sample:\n{o.sample_prompt}{text}")
         return text
+
+
+def _attention_kernel(cfg, ps, autocast) -> str:
+    """Which SDPA kernel the model's attention runs here (flash, efficient, cudnn or math)."""
+    from ..plan.gpus import attention_kernel
+    heads = cfg.num_attention_heads // ps.tp_size or 1
+    return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.hidden_size // cfg.num_attention_heads,
+                            cfg.seq_length, cfg.attention_dropout)
