@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -63,6 +64,8 @@ class Trainer:
         self.config = cfg = model_config(o, self.tokenizer.vocab_size)
         self.autocast = precision(o)
         self.engine = build_engine(o, cfg, ps, accum)
+        if o.compile:
+            self._compile()
         self.model, self.schedule = self.engine.model, build_schedule(o)
         self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
         self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
@@ -124,6 +127,16 @@ class Trainer:
                   f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "
                   f"{_attention_kernel(cfg, ps, self.autocast)}")
         return metrics
+
+    def _compile(self) -> None:
+        """--compile: the blocks compiled, or eager with a warning naming why."""
+        from .compile import compile_blocks
+        problem = compile_blocks(self.engine.model, self.ps.device)
+        if problem is not None:
+            warnings.warn(f"--compile: torch.compile does not work here ({problem}); training runs eager.",
+                          stacklevel=2)
+        else:
+            self._log("--compile: every transformer block is compiled (the first iterations compile)")
 
     def _log(self, msg: str) -> None:
         if self.ps.rank == 0:
