@@ -35,7 +35,8 @@ How the numbers are computed (all stated again in the output):
                at TP 16: 2 heads on 12 ranks, 1 on 4); the largest rank sets memory.
   model states {MODEL_STATE_FORMULA}.
                Per GPU: ZeRO 0: 16 Psi, 1: 4 Psi + 12 Psi/Nd, 2: 2 Psi + 14 Psi/Nd, 3: 16 Psi/Nd.
-  activations  {ACTIVATION_FORMULA}.
+  activations  {ACTIVATION_FORMULA}; the attention core as the GPU's kernel keeps it: flash
+               attention for fp16/bf16 (output and log-sum-exp), the math kernel for fp32.
   FLOPs        {FLOPS_FORMULA[False]};
                with --recompute-activations {FLOPS_FORMULA[True]}.
                --params N: 6N (8N with recomputation) FLOPs per token.
@@ -50,6 +51,7 @@ Examples:
   tnlg plan --preset tnlg-17b --zero-stage 0 --recompute-activations --gpu-memory 32GB
   tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16       # on the recipe's 256 GPUs: DP 16
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
+  tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
 """
 
 
