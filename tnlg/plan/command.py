@@ -119,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
     out.add_argument("--formula-counts", action="store_true",
                      help="count per-rank parameters by formula instead of meta-device builds (faster)")
+    _add_simulation_arguments(parser)
+
+
+def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulation (tnlg's own step on fake tensors, at full size)")
     sim.add_argument("--simulate", action="store_true",
                      help="also run one iteration of rank 0 of the layout (meta build, materialisation into the "

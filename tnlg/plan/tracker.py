@@ -12,8 +12,8 @@ tensors or on fake ones (``FakeTensorMode``: shapes without memory, which is how
   new ones are ``activations`` when created in a phase named ``forward*``, else ``temporaries``;
 * the largest new storage per dtype (``largest_new``: how wide temporaries get);
 * bytes read (its tensor inputs) and written (its outputs, or for an in-place operator the
-  arguments its schema marks written; nothing for views and for ``empty``), FLOPs (``torch.utils.flop_counter``'s formulas: matmuls, convolutions,
-  attention), and for collectives (``c10d`` operators) the payload bytes per process group.
+  arguments its schema marks written; nothing for views and for ``empty``), FLOPs
+  (``torch.utils.flop_counter``'s formulas: matmuls, convolutions, attention), and for collectives (``c10d`` operators) the payload bytes per process group.
 
 Phases (:meth:`StepTracker.phase`) give per phase the bytes live at the start and the peak,
 by kind. Peaks are exact: the live set is swept whenever an allocation could set a new
