@@ -13,6 +13,7 @@ are back at the baseline taken before the first engine.
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 import weakref
 
@@ -40,6 +41,17 @@ def _reachable_tensor_bytes() -> int:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
     return total
+
+
+def _settle(refs, seconds: float = 2.0) -> None:
+    """Collect garbage until the referenced tensors are gone or ``seconds`` pass: gloo's worker threads
+    drop their references to a finished collective's tensors shortly after ``wait()`` returns."""
+    deadline = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        if all(r() is None for r in refs) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _engine_buffers(engine) -> list[torch.Tensor]:
@@ -76,7 +88,7 @@ def _worker(ps):
     out = []
     for stage, dtype, fp32_grads in LAYOUTS:
         refs, kept = _train_once(ps, stage, dtype, fp32_grads, keep_model=False)
-        gc.collect()
+        _settle(refs)
         out.append(dict(stage=stage, alive=sum(r() is not None for r in refs), buffers=len(refs),
                         extra=_reachable_tensor_bytes() - baseline))
     # close() with the model kept (eval after training): the gradient views and hooks go, the parameters stay

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..parallel.state import ParallelState
 
-__all__ = ["squared_sums", "global_norm", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
+__all__ = ["squared_sums", "global_norm", "global_norm_and", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
 
 # What global_norm reports for fake tensors (no values): a large finite norm, so that a simulated
 # step takes the costliest path (clipping and the update both run).
@@ -121,6 +121,14 @@ def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[flo
     (gradients partitioned over DP), then of 1 over TP. Every rank gets the same value.
     The only host synchronisation is reading the result at the end.
     """
+    return global_norm_and(sharded_sq, replicated_sq, ps, over_dp, None, device)[0]
+
+
+def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
+                    ps: ParallelState, over_dp: bool, also: Optional[torch.Tensor],
+                    device: Optional[torch.device] = None) -> tuple[float, Optional[float]]:
+    """:func:`global_norm`, and the value of the 0-dim (or one-element) tensor ``also`` read in the
+    same host synchronisation (the step's loss: one device -> host read per iteration)."""
     device = torch.device(device or ps.device)
     sums = torch.stack([_as_device_scalar(sharded_sq, device), _as_device_scalar(replicated_sq, device)])
     if over_dp and ps.dp_size > 1:
@@ -131,9 +139,13 @@ def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[flo
         sums[0] = sharded[0]
     total = sums.sum()
     if is_fake(total):  # a fake-tensor simulation (tnlg.plan.simulate) has no values to read
-        return SIMULATED_NORM
-    total = total.item()  # the one device -> host read per step
-    return math.sqrt(total) if total >= 0 else float("nan")
+        return SIMULATED_NORM, None if also is None else 0.0
+    if also is None:
+        values = [total.item()]  # the one device -> host read per step
+    else:
+        values = torch.stack([total, also.detach().reshape(()).to(total)]).tolist()
+    norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
+    return norm, None if also is None else values[1]
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

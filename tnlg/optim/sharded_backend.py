@@ -20,6 +20,7 @@ gradients are sharded, one over TP of the sharded sum; the one host read of the 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import StepResult
-from .clip import clip_coefficient, global_norm, squared_sums
+from .clip import clip_coefficient, global_norm_and, squared_sums
 
 __all__ = ["ShardedBackend", "check_shape"]
 
@@ -45,18 +46,21 @@ class ShardedBackend:
         self.set_sync(is_last)
         (loss if factor == 1.0 else loss * factor).backward()
 
-    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
-        """Wait for the reduction, norm (unscaled by ``loss_scale``), then clip and AdamW unless inf/NaN."""
+    def step(self, lr: float, clip_grad: float, loss_scale: float,
+             loss: Optional[torch.Tensor] = None) -> StepResult:
+        """Wait for the reduction, norm (unscaled by ``loss_scale``; ``loss`` read with it, in the step's
+        one host synchronisation), then clip and AdamW unless the norm or the loss is inf/NaN."""
         self.finish_grad_sync()
         sh, rep = squared_sums(self.grad_pieces())
-        norm = global_norm(sh, rep, self.ps, over_dp=self.grads_sharded_over_dp)
+        norm, loss_value = global_norm_and(sh, rep, self.ps, self.grads_sharded_over_dp, loss)
         if loss_scale != 1.0:
             norm = norm / loss_scale
-        skipped = not math.isfinite(norm)
+        diverged = loss_value is not None and not math.isfinite(loss_value)
+        skipped = diverged or not math.isfinite(norm)
         coeff = clip_coefficient(norm, clip_grad)
         if not skipped:
             self.adam_step(lr, coeff / loss_scale)
-        return StepResult(norm, skipped, coeff)
+        return StepResult(norm, skipped, coeff, loss_value)
 
     def param_shapes(self) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
