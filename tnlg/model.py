@@ -69,23 +69,38 @@ from .parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 __all__ = ["GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
 
 
+def _layer_norm_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LayerNorm kernel takes the 16-bit tensors as they are (CUDA: statistics and the
+    weight gradient accumulate in fp32 inside the kernel, no fp32 copy in or out); elsewhere they are
+    upcast first (the CPU results the tests pin down)."""
+    return x.device.type == "cuda" and weight.dtype == x.dtype
+
+
 class _LayerNorm16(torch.autograd.Function):
     """LayerNorm of a 16-bit input computed in fp32, keeping the input for backward in its own
-    dtype (2 bytes per element, Korthikanti et al.'s count) instead of an fp32 copy (4)."""
+    dtype (2 bytes per element, Korthikanti et al.'s count) instead of an fp32 copy (4). On CUDA
+    with 16-bit weights the kernel reads and writes 16 bits and accumulates in fp32 itself: the
+    output is 16-bit (what the next matmul casts to anyway) and no fp32 copies are made."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         shape = (x.shape[-1],)
-        out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight.float(), bias.float(), eps)
+        if _layer_norm_in_kernel(x, weight):
+            out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        else:
+            out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight.float(), bias.float(), eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, mean, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        if _layer_norm_in_kernel(x, weight):
+            return (*torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, (x.shape[-1],), mean, rstd,
+                                                               weight, bias, mask), None)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            grad.float(), x.float(), (x.shape[-1],), mean, rstd, weight.float(), bias.float(),
-            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]])
+            grad.float(), x.float(), (x.shape[-1],), mean, rstd, weight.float(), bias.float(), mask)
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(bias.dtype), None)
 
@@ -224,7 +239,7 @@ class ParallelAttention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
             # (this module replays the dropout stream itself, so checkpoint need not stash RNG states)
-            state = self.tp_random.state.clone() if dropout else None
+            state = self.tp_random.snapshot() if dropout else None
             y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, use_reentrant=False,
                            preserve_rng_state=False)
         else:
@@ -325,7 +340,7 @@ class Block(nn.Module):
 
     def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None):
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.state.clone(),
+            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.snapshot(),
                               use_reentrant=False)
         return self._forward(x, attention_mask, kv_cache, sp)
 

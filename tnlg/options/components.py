@@ -162,6 +162,8 @@ class PrecisionOptions:
         "full = every transformer block from its input (2 s b h bytes per layer kept, one more forward); "
         "selective = the attention core only (softmax and dropout, the 5 a s^2 b term; a few %% more FLOPs); "
         "default: keep everything")
+    compile: bool = option(False, help="torch.compile every transformer block (dropout draws as in eager mode); "
+                           "if the compiler toolchain fails, training runs eager and a warning says why")
 
     def __post_init__(self):
         # --recompute-activations is --recompute-granularity full; afterwards both say the same

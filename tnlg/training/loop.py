@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -63,6 +64,8 @@ class Trainer:
         self.config = cfg = model_config(o, self.tokenizer.vocab_size)
         self.autocast = precision(o)
         self.engine = build_engine(o, cfg, ps, accum)
+        if o.compile:
+            self._compile()
         self.model, self.schedule = self.engine.model, build_schedule(o)
         self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
         self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
@@ -127,8 +130,19 @@ class Trainer:
                   f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
                   f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
                   f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
-                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED})")
+                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "
+                  f"{_attention_kernel(cfg, ps, self.autocast)}")
         return metrics
+
+    def _compile(self) -> None:
+        """--compile: the blocks compiled, or eager with a warning naming why."""
+        from .compile import compile_blocks
+        problem = compile_blocks(self.engine.model, self.ps.device)
+        if problem is not None:
+            warnings.warn(f"--compile: torch.compile does not work here ({problem}); training runs eager.",
+                          stacklevel=2)
+        else:
+            self._log("--compile: every transformer block is compiled (the first iterations compile)")
 
     def _log(self, msg: str) -> None:
         if self.ps.rank == 0:
@@ -144,3 +158,11 @@ class Trainer:
                         temperature=0.8, top_k=40, seed=o.seed)[0]
         self._log(f"sample:\n{o.sample_prompt}{text}")
         return text
+
+
+def _attention_kernel(cfg, ps, autocast) -> str:
+    """Which SDPA kernel the model's attention runs here (flash, efficient, cudnn or math)."""
+    from ..plan.gpus import attention_kernel
+    heads = cfg.num_attention_heads // ps.tp_size or 1
+    return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.hidden_size // cfg.num_attention_heads,
+                            cfg.seq_length, cfg.attention_dropout)
