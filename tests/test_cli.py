@@ -52,8 +52,8 @@ def test_package_names_still_resolve():
     (["plan", "--prese", "tiny"], "tnlg plan: error: unrecognized arguments: --prese tiny; did you mean --preset?"),
     (["data", "prepare", "--forc"], "tnlg data prepare: error: unrecognized argument: --forc; did you mean "
                                     "--force?"),                                               # nested subparser
-    (["eval", "--task", "loss", "--input", "x", "--checkpoint", "y", "--eval-sample", "3"],
-     "tnlg eval: error: unrecognized arguments: --eval-sample 3; did you mean --eval-samples?"),
+    (["eval", "--task", "loss", "--input", "x", "--checkpoint", "y", "--eval-sample=3"],
+     "tnlg eval: error: unrecognized argument: --eval-sample=3; did you mean --eval-samples?"),
     (["train-tokenizer", "--input", "a.txt", "--output-prefix", "tok", "--vocab-sise", "64"],
      "tnlg train-tokenizer: error: unrecognized argument: --vocab-sise; did you mean --vocab-size?"),
     # a flag too far from every valid one: no guess
@@ -62,7 +62,7 @@ def test_package_names_still_resolve():
     (["generate", "--checkpoin", "x"], "tnlg generate: error: unrecognized argument: --checkpoin; did you mean "
                                        "--checkpoint?"),
     (["convert", "--form", "hf", "--to", "tnlg"], "tnlg convert: error: unrecognized argument: --form; did you "
-                                                  "mean --from?"),
+                                                  "mean --format or --from?"),
     (["preprocess", "--workerz", "2"], "tnlg preprocess: error: unrecognized argument: --workerz; did you mean "
                                        "--workers?"),
     # a mistyped subcommand or choice: the closest valid ones
@@ -72,7 +72,7 @@ def test_package_names_still_resolve():
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "
                          "'info'); did you mean prepare?"),
     (["eval", "--task", "wikitxt"], "tnlg eval: error: argument --task: invalid choice: 'wikitxt' (choose from "
-                                    "'wikitext', 'lambada', 'loss'); did you mean wikitext?"),
+                                    "'wikitext', 'lambada', 'loss', 'text'); did you mean wikitext?"),
     # other parse errors: the same two lines, no usage block
     (["pretrain", "--hidden-size", "abc"], "tnlg pretrain: error: argument --hidden-size: invalid int value: "
                                            "'abc'"),
