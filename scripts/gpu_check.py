@@ -8,6 +8,9 @@
 (c) fp16 with dynamic loss scaling for 20 steps (a smaller model): loss and loss scale;
 (d) a tnlg-17b slice: as many of its 78 layers as the planner says fit on this GPU at TP 1
     builds (on meta, materialised into the engine's buffers), steps and saves;
+(a, c, d) each record the bytes allocated when they start (``baseline_bytes``) and report their peak
+    above it (``peak_memory_bytes``), and close their engine at the end (``left_after_close_bytes``:
+    what stayed allocated; 0 when engines are freed);
 (e) the MFU denominator (the training log's measured matmul peak) in bf16 and fp32, five times
     each: its spread; and ``tnlg.hardware.check_bf16("cuda")`` accepting a GPU with bf16 tensor cores;
 (f) the NCCL flight recorder switched on by ``tnlg.hang.enable_flight_recorder`` records collectives
@@ -83,6 +86,37 @@ def _current(device) -> int:
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
+class Section:
+    """One section's memory: the bytes allocated when it starts (``baseline``: what earlier sections left),
+    the peak above that (``peak()``: ``max_memory_allocated`` is reset to what is allocated, so the absolute
+    peak would count the baseline too), and the engines it built, closed at the end (``close()``) so that
+    the next section starts from what this one found."""
+
+    def __init__(self, device):
+        self.device, self.engines = device, []
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _reset_peak(device)
+        self.baseline = _current(device)
+
+    def engine(self, engine):
+        self.engines.append(engine)
+        return engine
+
+    def peak(self) -> int:
+        return _mem(self.device) - self.baseline
+
+    def close(self) -> dict:
+        for e in self.engines:
+            e.close()
+        self.engines.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return dict(baseline_bytes=self.baseline, left_after_close_bytes=_current(self.device) - self.baseline)
+
+
 def measured_matmul_tflops(device, dtype, n: int, reps: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -134,15 +168,15 @@ def section_a_b(args, ps, out, workdir):
     cfg = (GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
            if args.tiny else GPTConfig.preset("gpt2-xl"))
     micro = 2 if args.tiny else args.micro_batch
-    _reset_peak(ps.device)
-    engine = build(cfg, ps, torch.bfloat16)
-    states = _current(ps.device)
+    sec = Section(ps.device)
+    engine = sec.engine(build(cfg, ps, torch.bfloat16))
+    states = _current(ps.device) - sec.baseline
     losses, times, _ = train_steps(engine, cfg, ps, micro, args.steps, torch.bfloat16)
     step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     flops = flops_per_iteration(cfg, micro, False, cfg.padded_vocab_size(1))
     peak_mm = measured_matmul_tflops(ps.device, torch.bfloat16, 256 if args.tiny else 8192, 3 if args.tiny else 20)
     achieved = flops / step_s / 1e12
-    peak_mem = _mem(ps.device)
+    peak_mem = sec.peak()
     planned = planned_bytes(cfg, micro, "bf16")
     out["a_bf16_step"] = dict(
         model=dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
@@ -169,12 +203,15 @@ def section_a_b(args, ps, out, workdir):
                                load_extra_peak_bytes=load_extra, bytes_on_disk=size,
                                extra_over_states=max(save_extra, load_extra) / max(states, 1))
     shutil.rmtree(path, ignore_errors=True)
+    del engine
+    out["a_bf16_step"].update(sec.close())
 
 
 def section_c(args, ps, out):
     cfg = (GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
            if args.tiny else GPTConfig.preset("gpt2-medium"))
-    engine = build(cfg, ps, torch.float16, scaler=DynamicLossScaler())
+    sec = Section(ps.device)
+    engine = sec.engine(build(cfg, ps, torch.float16, scaler=DynamicLossScaler()))
     scales = []
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -190,7 +227,10 @@ def section_c(args, ps, out):
         scales.append(info["loss_scale"])
     out["c_fp16_loss_scaling"] = dict(steps=20, first_loss=losses[0], last_loss=losses[-1],
                                       all_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
-                                      loss_scales=scales, skipped=sum(1 for a, b in zip(scales, scales[1:]) if b < a))
+                                      loss_scales=scales, skipped=sum(1 for a, b in zip(scales, scales[1:]) if b < a),
+                                      peak_memory_bytes=sec.peak())
+    del engine
+    out["c_fp16_loss_scaling"].update(sec.close())
 
 
 def section_d(args, ps, out, workdir):
@@ -206,9 +246,9 @@ def section_d(args, ps, out, workdir):
             break
         layers = n
     cfg = dataclasses.replace(full, num_layers=layers, recompute_activations=True)
-    _reset_peak(ps.device)
+    sec = Section(ps.device)
     t = time.perf_counter()
-    engine = build(cfg, ps, torch.bfloat16)
+    engine = sec.engine(build(cfg, ps, torch.bfloat16))
     build_s = time.perf_counter() - t
     losses, times, _ = train_steps(engine, cfg, ps, 1, 2, torch.bfloat16)
     path = os.path.join(workdir, "ckpt_d")
@@ -217,9 +257,11 @@ def section_d(args, ps, out, workdir):
     save_s = time.perf_counter() - t
     out["d_tnlg17b_slice"] = dict(layers=layers, of_layers=full.num_layers, params=cfg.num_parameters_formula(),
                                   build_s=build_s, step_s=times[-1], save_s=save_s, losses=losses,
-                                  peak_memory_bytes=_mem(ps.device),
+                                  peak_memory_bytes=sec.peak(),
                                   planned_bytes=planned_bytes(cfg, 1, "bf16", recompute=True))
     shutil.rmtree(path, ignore_errors=True)
+    del engine
+    out["d_tnlg17b_slice"].update(sec.close())
 
 
 def section_e(args, ps, out):
@@ -353,7 +395,8 @@ def _table(out: dict) -> None:
         print(f"(a) bf16 step, {a['model']['params'] / 1e9:.2f}B params, micro {a['micro_batch']} x "
               f"{a['model']['seq']}: {a['tokens_per_s']:.0f} tok/s, {a['model_tflops']:.1f} model TFLOP/s, "
               f"MFU {a['mfu_vs_measured']:.1%} of the measured {a['matmul_tflops_measured']:.0f} TFLOP/s matmul, "
-              f"{a['mfu_vs_989']:.1%} of 989; peak {a['peak_memory_bytes'] / gb:.2f} GB vs planned "
+              f"{a['mfu_vs_989']:.1%} of 989; peak {a['peak_memory_bytes'] / gb:.2f} GB above a "
+              f"{a['baseline_bytes'] / gb:.2f} GB baseline vs planned "
               f"{a['planned_bytes'] / gb:.2f} GB ({a['peak_over_planned']:.2f}x)")
     if b:
         print(f"(b) save {b['save_s']:.1f} s (+{b['save_extra_peak_bytes'] / gb:.3f} GB peak), load {b['load_s']:.1f} s "
@@ -367,7 +410,8 @@ def _table(out: dict) -> None:
     if d:
         print(f"(d) tnlg-17b slice: {d['layers']}/{d['of_layers']} layers ({d['params'] / 1e9:.2f}B) built in "
               f"{d['build_s']:.1f} s, step {d['step_s']:.2f} s, save {d['save_s']:.1f} s; peak "
-              f"{d['peak_memory_bytes'] / gb:.1f} GB vs planned {d['planned_bytes'] / gb:.1f} GB")
+              f"{d['peak_memory_bytes'] / gb:.1f} GB above a {d['baseline_bytes'] / gb:.2f} GB baseline vs planned "
+              f"{d['planned_bytes'] / gb:.1f} GB; {d['left_after_close_bytes'] / gb:.2f} GB left after close")
     e = out.get("e_peak")
     if e:
         peaks = ", ".join(f"{k} median {statistics.median(e[k]['tflops']):.1f} TFLOP/s (spread {e[k]['spread']:.3f}x)"

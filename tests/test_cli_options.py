@@ -52,7 +52,7 @@ def test_config_file_keys_are_the_fields(tmp_path):
     o = resolve(argparse.Namespace(config=str(f)), world_size=4)
     assert o.bucket_size_mb == 5.0 and o.hidden_size == 64
     f.write_text("hidden = 64\n")
-    with pytest.raises(UserError, match="unknown key 'hidden'. Valid keys: .*hidden_size"):
+    with pytest.raises(UserError, match=r"unknown key 'hidden'; did you mean hidden_size\? Valid keys: .*ffn_hidden"):
         resolve(argparse.Namespace(config=str(f)), world_size=4)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tnlg.cli import main
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
+from tnlg.eval.text import text_perplexity
 from tnlg.eval import (build_eval_dataset, count_original_tokens, dataset_loss, lambada_accuracy, lambada_examples,
                        read_lambada_texts, read_wikitext, split_last_word, wikitext_detokenizer, wikitext_perplexity)
 from tnlg.model import GPT
@@ -177,8 +178,22 @@ def _eval_body(ps, cfg, weights, tokens, n_orig, pairs):
         load_full_state_dict(model, weights, layout)
         wt = wikitext_perplexity(model, tokens, n_orig, stride=STRIDE, micro_batch_size=3, pad_id=0)
         la = lambada_accuracy(model, pairs, micro_batch_size=4)
-        out.append((layout.tp_size, layout.dp_size, wt, la))
+        text = text_perplexity(model, _text_streams(tokens), ["a", "b", "c"], stride=STRIDE, micro_batch_size=3)
+        out.append((layout.tp_size, layout.dp_size, wt, la, text))
     return out
+
+
+def _text_streams(tokens):
+    """Three files: one window, several windows, a few tokens (windows of files interleave over DP ranks)."""
+    return [tokens[:SEQ], tokens, tokens[5:12]]
+
+
+def _check_text(hf, tokens, got):
+    totals = [ref_text_total(hf, s, SEQ, STRIDE) for s in _text_streams(tokens)]
+    targets = sum(len(s) - 1 for s in _text_streams(tokens))
+    _close(got["val_loss"], sum(totals) / targets)
+    for f, total in zip(got["files"], totals):
+        _close(f["total_loss"], total)
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +260,9 @@ def test_eval_tp2_and_dp2_match_transformers(setup):
                               setup["n_orig"], pairs)
     layouts = set()
     for per_rank in results:
-        for tp, dp, wt, la in per_rank:
+        for tp, dp, wt, la, text in per_rank:
             layouts.add((tp, dp))
+            _check_text(setup["hf"], setup["tokens"], text)
             for key in ("total_loss", "val_loss", "ppl", "adjusted_ppl"):
                 _close(wt[key], ref[key])
             assert la["correct"] == want and la["num_examples"] == len(pairs)
@@ -316,6 +332,10 @@ def test_dataset_loss_matches_transformers(setup, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     _close(res["loss"], float(losses))
     assert res["num_samples"] == len(ds)
+    # naming the .bin (or .idx) file means the same dataset, reported by its prefix
+    assert main(["eval", "--task", "loss", "--checkpoint", str(hf_dir), "--input", prefix + ".bin", "--json"]) == 0
+    by_file = json.loads(capsys.readouterr().out)
+    assert (by_file["loss"], by_file["input"]) == (res["loss"], prefix)
     # a tokenizer with more ids than the model's embedding is refused
     text = tmp_path / "t.txt"
     text.write_text("some words here")
@@ -493,3 +513,78 @@ def test_cli_eval_launches_processes(hf_folder, tmp_path, capfd):
     two = json.loads(out)
     assert two["tensor_model_parallel_size"] == 2
     _close(two["val_loss"], one["val_loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- text files
+
+@torch.no_grad()
+def ref_text_total(hf, tokens, seq, stride):
+    """Summed loss of a file's T - 1 targets by plain torch cross-entropy: one forward over the
+    whole file when it fits one window, else each target in the window that scores it."""
+    if len(tokens) <= seq + 1:
+        t = torch.tensor([tokens])
+        return float(F.cross_entropy(hf(t[:, :-1]).logits[0].double(), t[0, 1:], reduction="sum"))
+    return ref_wikitext(hf, tokens, 10, seq=seq, stride=stride)["total_loss"]
+
+
+def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
+    """--task text: token-weighted perplexity over files (each file its own stream), each file's own
+    figures, no word-level figure; against plain torch cross-entropy on transformers' logits."""
+    from tnlg.data.tokenizer import load_tokenizer
+    folder, hf = hf_folder
+    sp = load_tokenizer("builtin")
+    texts = ["To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 3,
+             "Of Man's first disobedience, and the fruit", "A short one."]
+    paths = []
+    for i, t in enumerate(texts):
+        paths.append(str(tmp_path / f"f{i}.txt"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
+            f.write(t)
+    streams = [sp.encode(t) for t in texts]
+    assert len(streams[0]) > 64 + 1 >= len(streams[1])  # one file needs several windows
+    res = _run_json(capsys, ["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
+                             "--input", *paths, "--overlapping-eval", "16", "--micro-batch-size", "3", "--json"])
+    totals = [ref_text_total(hf, s, 64, 16) for s in streams]
+    targets = sum(len(s) - 1 for s in streams)
+    _close(res["val_loss"], sum(totals) / targets)
+    _close(res["ppl"], math.exp(sum(totals) / targets))
+    assert res["num_targets"] == targets and res["num_files"] == 3 and "adjusted_ppl" not in res
+    assert [f["path"] for f in res["files"]] == paths and res["input"] == paths
+    for f, s, total in zip(res["files"], streams, totals):
+        assert f["num_targets"] == len(s) - 1
+        _close(f["val_loss"], total / (len(s) - 1))
+    # the table names every file's perplexity; the files may follow the options without --input
+    capsys.readouterr()
+    assert main(["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
+                 *paths]) == 0
+    out = capsys.readouterr().out
+    assert all(p in out for p in paths) and "adjusted_ppl" not in out
+    # bad input: a one-token file, several files for a one-file task
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
+                           "--input", paths[0], str(one)], "one.txt", "needs at least 2")
+    _expect_error(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", *paths],
+                  "--task wikitext evaluates one --input, got 3", "--task text takes several files")
+    _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder)], "--task text needs an input")
+
+
+def test_cli_wikitext_labels_adjusted_ppl_and_warns_off_wikitext(hf_folder, tmp_path, capsys):
+    folder, _ = hf_folder
+    wiki = tmp_path / "wiki.valid.raw"
+    wiki.write_text(_wikitext_raw(n_lines=3, seed=5))
+    plain = tmp_path / "plain.txt"
+    plain.write_text("The king said to his army\nthat the war was over.\nShe came back to the city.\n")
+    res = _run_json(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(wiki),
+                             "--json"])
+    assert res["caveat"] is None and res["adjusted_ppl_divides_by"] == 'T_orig = len(raw.strip().split(" ")) - 1'
+    res = _run_json(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(plain),
+                             "--json"])
+    assert "does not look like WikiText" in res["caveat"] and "--task text" in res["caveat"]
+    capsys.readouterr()
+    assert main(["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(plain)]) == 0
+    out = capsys.readouterr().out
+    words = len(plain.read_text().strip().split(" "))
+    assert f"adjusted_ppl (per word: / {words - 1:,} = T_orig - 1)" in out
+    assert f'num_original_tokens (T_orig) {words} (T_orig = len(raw.strip().split(" ")))' in " ".join(out.split())
+    assert "note: " in out and "does not look like WikiText" in out

@@ -1,6 +1,7 @@
 """Generation against `transformers` generate (greedy, same weights) and seeded sampling across TP sizes."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +33,8 @@ class CharTokenizer:
     def encode(self, text):
         return [self.chars.index(c) for c in text]
 
-    def decode(self, ids):
-        return "".join(self.chars[i] for i in ids)
+    def decode(self, ids):  # the end-of-document id decodes to nothing, as SentencePiece's eos does
+        return "".join(self.chars[i] for i in ids if i != self.eod_id)
 
     vocab_size = len(chars) + 1
     eod_id = len(chars)
@@ -225,11 +226,17 @@ def test_cli_generate(hf_folder, tmp_path, capsys):
         want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                            max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=sp.eod_id)
         assert r["tokens"] == _until_eod_id(want[0, len(ids):].tolist(), sp.eod_id)
-        assert r["text"] == sp.decode([t for t in r["tokens"] if t != sp.eod_id])
+        # the continuation is the rest of the whole sequence's decoding (the prompt's ids first)
+        assert r["prompt"] + r["text"] == sp.decode(ids + [t for t in r["tokens"] if t != sp.eod_id])
     # plain output: prompt + continuation
     assert main(["generate", "--checkpoint", str(folder), "--tokenizer-model", "builtin", "--prompt", prompts[0],
                  "--top-k", "5", "--max-new-tokens", "4"]) == 0
-    assert capsys.readouterr().out.startswith(prompts[0])
+    printed = capsys.readouterr().out
+    assert printed.startswith(prompts[0])
+    assert main(["generate", "--checkpoint", str(folder), "--tokenizer-model", "builtin", "--prompt", prompts[0],
+                 "--top-k", "5", "--max-new-tokens", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["results"][0]
+    assert printed.split("\n" + "-" * 40)[0] == prompts[0] + r["text"]
     # errors: a prompt longer than seq_length (64), no tokenizer anywhere, an empty prompts file
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(folder), "--tokenizer-model", "builtin", "--prompt",
@@ -284,3 +291,78 @@ def test_cli_generate_tnlg_checkpoint(hf_folder, tmp_path, capsys):
     assert checkpoint_seq_length(str(ckpt)) == checkpoint_seq_length(str(folder)) == 64
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "word " * 100]) == 2
     assert "longer than the model's seq_length=64" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- decoding the continuation
+
+SPM_MODEL = Path(__file__).parent / "fixtures" / "megatron_indexed" / "shakespeare_spm_bpe2000.model"
+# prompts ending mid-word, after a word, at a space, after two spaces and after a newline; one empty
+DECODE_PROMPTS = ["Return a new list o", "Return a new list of", "Return a new list of ", "To be,  ", "KING:\n", ""]
+
+
+def _gpt2_bpe_folder(folder):
+    """A small GPT-2-style byte-level BPE (vocab.json + merges.txt, <|endoftext|> last) trained with
+    `tokenizers` on Shakespeare-like text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    texts = ["Return a new list of the things that were, and are, and shall be. " * 3,
+             "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
+             "KING:\nWhat news? The café is open; naïve words, é à ü."]
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    t.model.save(str(folder))
+    vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    vocab["<|endoftext|>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
+def _own_decoders(tmp_path):
+    """(tnlg tokenizer, the tokenizer library's own decode): SentencePiece's processor and
+    transformers' GPT2TokenizerFast, which tnlg's code does not go through."""
+    import sentencepiece
+    transformers = pytest.importorskip("transformers")
+    from tnlg.data.tokenizer import load_tokenizer
+    spp = sentencepiece.SentencePieceProcessor(model_file=str(SPM_MODEL))
+    folder = _gpt2_bpe_folder(tmp_path / "gpt2")
+    fast = transformers.GPT2TokenizerFast.from_pretrained(str(folder))  # the folder's vocab.json + merges.txt
+    return [(load_tokenizer(SPM_MODEL), lambda ids: spp.decode(ids)),
+            (load_tokenizer(folder), lambda ids: fast.decode(ids, clean_up_tokenization_spaces=False))]
+
+
+def test_continuation_is_the_rest_of_the_whole_decoding(tmp_path):
+    """Splitting a text's tokens anywhere, prompt + continuation gives the text back (SentencePiece
+    drops the space marker of the first piece it decodes, so decoding the new ids alone loses the
+    space between prompt and continuation; a byte-level piece may end inside a character), and generated text satisfies
+    prompt + text == the tokenizer's own decoding of prompt ids + new ids."""
+    from tnlg.generate import continuation_text
+    text = "Return a new list of the  things,\nand the café."
+    for tok, own_decode in _own_decoders(tmp_path):
+        ids = tok.encode(text)
+        assert own_decode(ids) == text
+        for k in range(1, len(ids)):
+            head, cont = own_decode(ids[:k]), continuation_text(tok, ids[:k], ids[k:])
+            # a split inside a character's UTF-8 bytes decodes the prompt's part as U+FFFD: the
+            # continuation then starts with the whole character
+            assert head.rstrip("\ufffd") + cont == text, (tok, k)
+        model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=48,
+                              vocab_size=tok.vocab_size, init_method_std=0.5, seed=3))
+        texts = tnlg.generate(model, tok, DECODE_PROMPTS, max_new_tokens=8, top_k=50, seed=4, stop_at_eod=False)
+        ids = generate_ids(model, [tok.encode(p) or [tok.eod_id] for p in DECODE_PROMPTS], 8, top_k=50, seed=4)
+        for p, t, new in zip(DECODE_PROMPTS, texts, ids):
+            prompt_ids = tok.encode(p) or [tok.eod_id]
+            assert own_decode(prompt_ids) + t == own_decode(prompt_ids + new), (tok, p)
+            if p:
+                assert p + t == own_decode(prompt_ids + new), (tok, p)
+    # the case that broke: the first new SentencePiece piece starts with its space marker
+    sp = load_tokenizer_spm()
+    head = sp.encode("Return a new list of")
+    the = sp.sp.piece_to_id("\u2581the")
+    assert continuation_text(sp, head, [the]) == " the" != sp.decode([the])
+
+
+def load_tokenizer_spm():
+    from tnlg.data.tokenizer import load_tokenizer
+    return load_tokenizer(SPM_MODEL)

@@ -20,6 +20,8 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
         assert key in res, key
     assert res["a_bf16_step"]["tokens_per_s"] > 0 and res["c_fp16_loss_scaling"]["all_finite"]
     assert res["d_tnlg17b_slice"]["layers"] >= 1
+    for key in ("a_bf16_step", "c_fp16_loss_scaling", "d_tnlg17b_slice"):  # per section: baseline, engine closed
+        assert res[key]["left_after_close_bytes"] == 0 and "baseline_bytes" in res[key], key
     assert all(v > 0 for dtype in ("bf16", "fp32") for v in res["e_peak"][dtype]["tflops"])
     assert "skipped_f" in res and "skipped_g" in res  # no CUDA here
     assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout and "(e) measured peak" in r.stdout

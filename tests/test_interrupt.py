@@ -1,14 +1,14 @@
-"""Ctrl-C and SIGTERM on a real `tnlg pretrain` (issue 15 item 3), then the resume the message prints.
+"""Ctrl-C and SIGTERM on a real `tnlg pretrain`, then the resume the message prints.
 
-Each run is a `python -m tnlg pretrain` subprocess in its own session, signalled as a terminal or a
-scheduler does (the whole process group), once a checkpoint exists. Required: no traceback anywhere, one
-message from rank 0 naming the iteration, the last checkpoint and the command that resumes; that command
-works, and afterwards metrics.jsonl holds each iteration once, in order.
+Each run is a `python -m tnlg pretrain` subprocess (the launcher and 2 gloo workers) in its own session,
+signalled as a terminal or a scheduler does (the whole process group). Required: no traceback anywhere,
+one message from rank 0 naming the iteration, the checkpoint saved of it and the command that resumes;
+that command works and continues exactly, and afterwards metrics.jsonl holds each iteration once, in
+order. A second Ctrl-C stops at once, without a save.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tnlg import checkpoint as ck
+from tnlg.testing import checkout_env, run_tnlg
 
 pytestmark = pytest.mark.slow
 
@@ -32,27 +33,23 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 ITERS = 60
 
 
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _interrupted_run(argv, cwd, sig, ready):
-    """Start ``tnlg pretrain argv``; when ``ready()`` holds and 3 iterations are logged, send ``sig`` to
-    its process group (what Ctrl-C in a terminal or a scheduler's SIGTERM does). Returns (rc, output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd), env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _interrupted_run(argv, cwd, sig, ready, env=None, second=None, launcher=()):
+    """Start ``tnlg pretrain argv`` (under ``launcher``, e.g. torchrun's arguments); when ``ready()`` holds and
+    3 iterations are logged, send ``sig`` to its process group (what Ctrl-C in a terminal or a scheduler's
+    SIGTERM does); with ``second``, send ``sig`` once more as soon as ``second()`` holds. Returns (rc, output)."""
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "tnlg", "pretrain", *argv], cwd=str(cwd),
+                            env=env or checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    deadline = time.time() + 240
     try:
-        while time.time() < deadline and proc.poll() is None:
-            if ready() and sum(line.startswith("iter ") for line in list(lines)) >= 3:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "".join(lines)[-3000:]  # it must still be training
+        _wait_for(lambda: ready() and sum(line.startswith("iter ") for line in list(lines)) >= 3, proc, lines)
         sent = time.time()
         os.killpg(proc.pid, sig)
+        if second is not None:
+            _wait_for(second, proc, lines)
+            os.killpg(proc.pid, sig)
         rc = proc.wait(timeout=60)
         took = time.time() - sent
     finally:
@@ -64,7 +61,19 @@ def _interrupted_run(argv, cwd, sig, ready):
     return rc, out
 
 
-def _message(out, sig):
+def _wait_for(condition, proc, lines, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not condition():
+        time.sleep(0.02)
+    assert proc.poll() is None and condition(), "".join(lines)[-3000:]  # it must still be running
+
+
+def _message(out, sig, launcher_traceback=False):
+    """The one message rank 0 printed; no traceback anywhere (with ``launcher_traceback``: but torchrun's
+    own, which ends its process on a signal with the SignalException torch raises in it)."""
+    if launcher_traceback:
+        assert out.count("Traceback") == 1 and out.rstrip().endswith(f"got signal: {int(sig)}"), out[-4000:]
+        out = out[:out.index("Traceback")]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-4000:]
     found = [line for line in out.splitlines() if f"interrupted ({sig.name})" in line]
     assert len(found) == 1, out[-4000:]  # one message, from rank 0 only
@@ -77,12 +86,11 @@ def _message(out, sig):
 def _resume(command, cwd):
     argv = shlex.split(command)
     assert argv[:2] == ["tnlg", "pretrain"], command
-    proc = subprocess.run([sys.executable, "-m", "tnlg", *argv[1:]], cwd=str(cwd), env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
-    return out
+    return run_tnlg(argv[1:], cwd)
+
+
+def _train_losses(path):
+    return [r["loss"] for r in map(json.loads, open(path)) if r.get("split") != "valid"]
 
 
 def _check_metrics(path):
@@ -93,31 +101,70 @@ def _check_metrics(path):
     assert valid == sorted(set(valid)) and valid[0] == 0 and valid[-1] == ITERS, valid
 
 
-def test_ctrl_c_on_the_builtin_job_then_resume_with_the_printed_command(tmp_path):
-    """issue 15 item 3: Ctrl-C (SIGINT to the process group) on the built-in job under the launcher:
-    no tracebacks, one message, and its command resumes the job's own folder; metrics stay unique."""
-    def ready():
-        return any(ck.read_latest(d) for d in glob.glob(str(tmp_path / "runs" / "*")))
-
-    rc, out = _interrupted_run(["--nproc-per-node", "2", "--train-iters", str(ITERS), "--save-interval", "2",
-                                *TINY], tmp_path, signal.SIGINT, ready)
+def test_ctrl_c_saves_the_current_iteration_and_the_resume_continues_exactly(tmp_path):
+    """Ctrl-C (SIGINT to the process group) on the built-in job under the launcher, which saves nothing
+    on its own before iteration 100: the workers finish the iteration, save it, and rank 0 prints one
+    message; its command resumes the job's own folder, and the losses of the interrupted and resumed
+    run are those of a run that was never interrupted, bit for bit."""
+    rc, out = _interrupted_run(["--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY], tmp_path,
+                               signal.SIGINT, lambda: True)
     assert rc == 128 + signal.SIGINT, out[-3000:]
     n, m, folder, saved, command = _message(out, signal.SIGINT)
-    assert folder.startswith("runs/pretrain-") and m <= n < ITERS and saved == (m == n)  # every 2nd is saved
-    assert ck.read_latest(str(tmp_path / folder)) == m
+    assert folder.startswith("runs/pretrain-") and saved and m == n < ITERS, out[-3000:]
+    assert ck.list_iterations(str(tmp_path / folder)) == [n]  # the one checkpoint: Ctrl-C's
     assert f"--save {folder}" in command and "--nproc-per-node 2" in command
 
     out = _resume(command, tmp_path)
     assert f"at iteration {m} (" in out, out[-3000:]
-    if n > m:
-        assert f"past iteration {m}" in out  # the interrupted run's last records were dropped
     _check_metrics(tmp_path / folder / "metrics.jsonl")
     assert (tmp_path / folder / "metrics_loss.png").exists()
+    run_tnlg(["pretrain", "--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY, "--save", "reference",
+          "--no-plot"], tmp_path)
+    assert _train_losses(tmp_path / folder / "metrics.jsonl") == _train_losses(tmp_path / "reference" /
+                                                                               "metrics.jsonl")
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_save(tmp_path):
+    """The first Ctrl-C finds the workers training; the second one reaches them inside the save that the
+    first asked for (made slow by tests/fault_injection: 60 s): the run stops within seconds, rank 0 says
+    it stopped at once, and no checkpoint is written."""
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    save, marker = tmp_path / "ckpt", tmp_path / "saving"
+    env = checkout_env(TNLG_TEST_SLOW_SAVE=str(marker))
+    env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fault_injection") + os.pathsep + env["PYTHONPATH"]
+    rc, out = _interrupted_run(["--nproc-per-node", "2", "--tp", "1", "--train-iters", str(ITERS), "--data-path",
+                                prefix, "--tokenizer-model", tok, "--save", str(save), "--no-plot", *TINY],
+                               tmp_path, signal.SIGINT, lambda: True, env=env,
+                               second=lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)))
+    assert rc == 128 + signal.SIGINT, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    found = [line for line in out.splitlines() if "interrupted (SIGINT, stopped at once) at iteration" in line]
+    assert len(found) == 1, out[-4000:]
+    assert f"there is no checkpoint in {save} yet" in found[0], found[0]
+    assert ck.list_iterations(str(save)) == [] and ck.read_latest(str(save)) is None
+
+
+def test_ctrl_c_under_torchrun_saves_and_names_the_torchrun_command(tmp_path):
+    """torchrun (not our launcher) forwards the Ctrl-C to its 2 workers: they save the iteration, and rank 0
+    says to resume with the same torchrun command (torchrun itself then ends with its own traceback)."""
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    save = tmp_path / "ckpt"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    rc, out = _interrupted_run(["--tp", "1", "--train-iters", str(ITERS), "--data-path", prefix, "--tokenizer-model",
+                                tok, "--save", str(save), "--no-plot", *TINY], tmp_path, signal.SIGINT, lambda: True,
+                               launcher=torchrun)
+    n, m, folder, saved, command = _message(out, signal.SIGINT, launcher_traceback=True)
+    assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)
+    assert command.endswith("(under torchrun: the same torchrun command with these arguments)"), command
+    assert rc != 0  # torchrun's own exit status for a signal
 
 
 def test_sigterm_saves_reports_and_resumes(tmp_path):
-    """issue 15 item 3: SIGTERM to the process group (a scheduler's preemption) of a run on one's own data:
-    a checkpoint of the last iteration, the same single message, then an exact continuation."""
+    """SIGTERM to the process group (a scheduler's preemption) of a TP 2 run on one's own data that also
+    saves every 2nd iteration: a checkpoint of the last iteration, the same single message, then the
+    continuation."""
     from tnlg.data.corpus import default_dataset
     prefix, tok = default_dataset()
     save = tmp_path / "ckpt"
@@ -133,8 +180,8 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
 
 
 def test_ctrl_c_on_one_process_without_save(tmp_path):
-    """issue 15 item 3 with issue 15 item 1: one process (no launcher), no --save: the message says that
-    nothing was saved, and the exit status is a signalled command's."""
+    """One process (no launcher), no --save: the message says that nothing was saved and how to get a save
+    next time, and the exit status is a signalled command's."""
     from tnlg.data.corpus import default_dataset
     prefix, tok = default_dataset()
     metrics = tmp_path / "m.jsonl"
@@ -143,5 +190,20 @@ def test_ctrl_c_on_one_process_without_save(tmp_path):
                                 str(metrics), "--no-plot", *TINY], tmp_path, signal.SIGINT, metrics.exists)
     assert rc == 128 + signal.SIGINT, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    assert re.search(r"interrupted \(SIGINT\) at iteration \d+ of 100000\. This run saved nothing \(no --save\)",
-                     out), out[-3000:]
+    m = re.search(r"interrupted \(SIGINT\) at iteration (\d+) of 100000\. This run saved nothing: it has no "
+                  r"save root \(no --save.*iteration (\d+) was not written\. Start it again with --save DIR", out)
+    assert m and m.group(1) == m.group(2), out[-3000:]
+
+
+def test_sighup_to_one_process_saves_like_ctrl_c(tmp_path):
+    """SIGHUP (a closed terminal; torchrun forwards it too) to one process with --save: that iteration is
+    saved, the message says so, and the exit status is a SIGHUP-ed command's."""
+    from tnlg.data.corpus import default_dataset
+    prefix, tok = default_dataset()
+    save = tmp_path / "ckpt"
+    rc, out = _interrupted_run(["--nproc-per-node", "1", "--tensor-model-parallel-size", "1", "--train-iters",
+                                "100000", "--data-path", prefix, "--tokenizer-model", tok, "--save", str(save),
+                                "--no-plot", *TINY], tmp_path, signal.SIGHUP, lambda: True)
+    assert rc == 128 + signal.SIGHUP, out[-3000:]
+    n, m, folder, saved, _ = _message(out, signal.SIGHUP)
+    assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)

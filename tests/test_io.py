@@ -59,3 +59,33 @@ def test_file_lock_excludes_another_process(tmp_path):
     finally:
         p.join(60)
     assert p.exitcode == 0 and waited > 0.3
+
+
+@pytest.fixture(params=[0o022, 0o027])
+def umask(request):
+    before = os.umask(request.param)
+    yield request.param
+    os.umask(before)
+
+
+def test_written_files_get_the_umask_mode(tmp_path, umask):
+    """Atomic writes and the Hugging Face export give files the mode of any new file (0666 less the
+    umask): save_pretrained alone leaves model.safetensors at 0600, unreadable to the group."""
+    from tnlg.io import umask_file_mode
+    want = 0o666 & ~umask
+    assert umask_file_mode() == want
+    (tmp_path / "plain").write_text("x")  # what open() gives, the reference
+    assert os.stat(tmp_path / "plain").st_mode & 0o777 == want
+    stale = tmp_path / "a.bin"
+    with open(temporary_name(stale), "wb"):
+        pass
+    os.chmod(temporary_name(stale), 0o600)  # a leftover temporary file of the same name
+    atomic_write(stale, b"data")
+    assert os.stat(stale).st_mode & 0o777 == want
+    transformers = pytest.importorskip("transformers")
+    from tnlg.hf import write_hf_folder
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=8,
+                                                              vocab_size=4096))
+    out = write_hf_folder(hf, str(tmp_path / "hf"), "builtin")
+    modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {want}, modes

@@ -167,3 +167,66 @@ def test_gpt2_bpe_preprocess_round_trip(tmp_path, gpt2_files, workers):
     for d, text in enumerate(t for t in TRICKY if t):
         ids = ds.document(d).tolist()
         assert ids[-1] == tok.eod_id and tok.decode(ids[:-1]) == text
+
+
+# ----------------------------------------------------------------------------- training GPT-2 byte-level BPE
+
+def test_train_gpt2_bpe_is_read_alike_by_tnlg_preprocess_and_transformers(tmp_path, capsys):
+    """`--model-type gpt2-bpe` writes vocab.json + merges.txt; transformers' GPT2TokenizerFast (Rust) and
+    GPT2Tokenizer (its pure-Python GPT-2 BPE) give the ids tnlg encodes and `tnlg preprocess` writes."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    texts = [t[:20000] for _, t in list(corpus_documents())[:3]]
+    inputs = []
+    for i, t in enumerate(texts):
+        inputs.append(str(tmp_path / f"doc{i}.txt"))
+        with open(inputs[-1], "w", encoding="utf-8", newline="") as f:
+            f.write(t)
+    out = tmp_path / "tok"
+    capsys.readouterr()
+    assert main(["train-tokenizer", "--input", *inputs, "--vocab-size", "600", "--model-type", "gpt2-bpe",
+                 "--output-prefix", str(out)]) == 0
+    assert "vocab 600, eod id 599" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["merges.txt", "vocab.json"]
+    vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
+    assert len(vocab) == 600 and vocab["<|endoftext|>"] == 599 and sorted(vocab.values()) == list(range(600))
+    merges = (out / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert merges[0] == "#version: 0.2" and len(merges) - 1 == 600 - 256 - 1
+    tok = load_tokenizer(out)
+    assert isinstance(tok, GPT2BPETokenizer) and tok.eod_id == 599
+    fast = transformers.GPT2TokenizerFast.from_pretrained(str(out))
+    slow = transformers.GPT2Tokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
+    probes = [t for t in TRICKY if "<|endoftext|>" not in t] + [texts[0][:3000], "ROMEO:\nBut soft, what light"]
+    for text in probes:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert fast(text)["input_ids"] == ids == slow.encode(text), text[:40]
+    assert len(tok.encode(" the")) == 1  # merges were learned
+    # preprocess reads the folder; the .bin holds exactly transformers' ids
+    from tnlg.data.indexed import IndexedDataset
+    from tnlg.data.preprocess import preprocess
+    s = preprocess(inputs, tmp_path / "data" / "c", str(out), append_eod=True, progress=False)
+    ds = IndexedDataset(s["outputs"]["text"])
+    for d, t in enumerate(texts):
+        assert ds.document(d).tolist() == fast(t)["input_ids"] + [599]
+    # the same inputs train the same files again (the trainer does not depend on the run)
+    again = tmp_path / "again"
+    assert main(["train-tokenizer", "--input", *inputs, "--vocab-size", "600", "--model-type", "gpt2-bpe",
+                 "--output-prefix", str(again)]) == 0
+    assert all((again / f).read_bytes() == (out / f).read_bytes() for f in ("vocab.json", "merges.txt"))
+
+
+def test_train_gpt2_bpe_bad_input(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "d.txt").write_text("some text to learn from", encoding="utf-8")
+    (tmp_path / "file").write_text("x")
+    for argv, match in [(["--vocab-size", "257"], "must be an integer >= 258 for gpt2-bpe"),
+                        (["--vocab-size", "300", "--option", "character_coverage=1.0"],
+                         "SentencePiece trainer option; --model-type gpt2-bpe takes none"),
+                        (["--vocab-size", "300", "--output-prefix", str(tmp_path / "file")], "is a file")]:
+        args = ["train-tokenizer", "--input", str(tmp_path / "d.txt"), "--model-type", "gpt2-bpe"]
+        if "--output-prefix" not in argv:
+            args += ["--output-prefix", str(tmp_path / "out")]
+        assert main(args + argv) == 2
+        assert match in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

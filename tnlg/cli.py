@@ -10,8 +10,10 @@ job of several processes stops at once (:mod:`tnlg.failures`). Bare ``tnlg``
 prints this help; ``tnlg pretrain`` runs the built-in job.
 
 Flags must be spelled out: abbreviations (``--train-iter`` for
-``--train-iters``) are refused on every parser, and an unknown flag is reported
-with the usage of the subcommand it was given to.
+``--train-iters``) are refused on every parser. A parse error is one line naming
+the subcommand, with the closest valid flags (or subcommands) of a mistyped one
+(``did you mean --hidden-size?``), then one line pointing to its ``--help``:
+never the whole usage block.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
-from .errors import UserError
+from .errors import UserError, closest
 from .failures import arm, is_agreed, report, stopped_by_peer
 from .launch import is_rank0, under_launcher
 from .process_exit import destroy_process_groups, leave
@@ -44,12 +47,50 @@ ARGUMENTS: dict[str, str] = {"pretrain": "tnlg.train_args"}
 
 
 class Parser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` without abbreviations. Subparsers (also nested ones that a
-    command adds itself) are of this class too: ``add_subparsers`` uses the parent's class."""
+    """``argparse.ArgumentParser`` without abbreviations, whose errors are one line and a pointer to
+    ``--help``. Subparsers (also nested ones that a command adds itself) are of this class too:
+    ``add_subparsers`` uses the parent's class. ``argv``: the command line being parsed (set by
+    :func:`main`), where a parser that misses a required argument looks for a mistyped flag first."""
+
+    argv: list[str] = []
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        """Exit 2 with ``PROG: error: MESSAGE`` (the closest choices of an invalid one) and the hint. A
+        missing required argument is reported as the mistyped flag that probably meant it, if any."""
+        unknown = [x for x in self.argv if _is_flag(x) and x.split("=")[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required") and unknown:
+            return self.unrecognized(unknown)
+        m = re.match(r"argument (.*): invalid choice: '([^']*)'", message)
+        if m:
+            choices = next((a.choices for a in self._actions if a.choices
+                            and argparse._get_action_name(a) == m.group(1)), ())
+            message += _did_you_mean({m.group(2): [str(c) for c in choices]})
+        self.exit(2, f"{self.prog}: error: {message}\nRun `{self.prog} --help` for its options.\n")
+
+    def unrecognized(self, extra: list[str]):
+        """Report arguments no parser took, each mistyped flag with the closest of this parser's flags."""
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        self.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}"
+                   + _did_you_mean({x.split("=")[0]: flags for x in extra if _is_flag(x)}))
+
+
+def _is_flag(word: str) -> bool:
+    return re.match(r"--?[A-Za-z]", word) is not None
+
+
+def _did_you_mean(words: dict[str, list[str]]) -> str:
+    """``"; did you mean X?"`` with the valid names closest to each word (:func:`tnlg.errors.closest`);
+    several words name theirs (``X for Y``)."""
+    found = {word: " or ".join(close) for word, valid in words.items() for close in [closest(word, valid)] if close}
+    if not found:
+        return ""
+    if len(found) == 1:
+        return f"; did you mean {next(iter(found.values()))}?"
+    return "; did you mean " + ", ".join(f"{v} for {w}" for w, v in found.items()) + "?"
 
 
 def build_parser(only: str | None = None) -> Parser:
@@ -126,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = argv[0] if argv[0] in COMMANDS else None
     parser = build_parser(only=name)
+    Parser.argv = argv
     args, extra = parser.parse_known_args(argv)
-    if extra:  # reported by the subcommand's parser, with its usage (exits 2)
-        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # reported by the subcommand's parser, with the closest valid flags (exits 2)
+        _innermost(parser, args).unrecognized(extra)
     if args.command is None:
         parser.print_help()
         return 2

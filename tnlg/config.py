@@ -52,6 +52,12 @@ class GPTConfig:
     ``recompute_granularity`` is ``None`` (keep all activations), ``"selective"`` (recompute
     the attention core in backward) or ``"full"`` (recompute every block from its input).
     ``recompute_activations=True`` is the older spelling of ``"full"``.
+
+    Two choices of Megatron-LM's, under its argument names (the defaults are GPT-2's and every
+    earlier tnlg checkpoint's): ``openai_gelu`` is the GELU of the MLP in tanh form (True) or the
+    exact ``x * Phi(x)`` with the error function (False: Megatron-LM's default, where
+    ``--openai-gelu`` selects tanh); ``untie_embeddings_and_output_weights`` gives the LM head its
+    own vocab-parallel weight ``lm_head.weight`` instead of the word embedding.
     """
 
     num_layers: int = 2
@@ -69,6 +75,8 @@ class GPTConfig:
     seed: int = 1234
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
+    openai_gelu: bool = True
+    untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -91,7 +99,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {value!r}.")
         if self.init_method_std <= 0:
             raise ValueError(f"GPTConfig.init_method_std must be positive, got {self.init_method_std!r}.")
-        for name in ("sequence_parallel", "recompute_activations"):
+        for name in ("sequence_parallel", "recompute_activations", "openai_gelu",
+                     "untie_embeddings_and_output_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
@@ -143,7 +152,8 @@ class GPTConfig:
 
     def num_parameters_formula(self, vocab_size: Optional[int] = None, final_layernorm: bool = True) -> int:
         """Narayanan et al. 2021 eq. 2, generalised to any ffn width:
-        ``l (4h^2 + 2 h f + 9h + f) + (V + s) h`` (+ 2h for the final LayerNorm).
+        ``l (4h^2 + 2 h f + 9h + f) + (V + s) h`` (+ 2h for the final LayerNorm; + V h for an
+        untied output layer).
         With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``. (The TP=1 case of
         :meth:`parameters_per_rank`.)"""
         total = self.parameters_per_rank(1, vocab_size)[0]["params_unpadded"]
@@ -162,20 +172,22 @@ class GPTConfig:
         and ``replicated`` (:meth:`replicated_parameters`). Split over TP: QKV (weight + bias,
         whole heads per rank), the attention output weight, MLP fc (weight + bias) and proj
         weight, and the word embedding (vocabulary padded to a multiple of
-        ``make_vocab_size_divisible_by * tp``, split evenly). Summed over ranks,
+        ``make_vocab_size_divisible_by * tp``, split evenly; an untied output layer splits the same
+        way and doubles that term). Summed over ranks,
         ``params_unpadded`` is :meth:`num_parameters_formula` plus ``replicated * (tp - 1)``.
         """
         l, h, d = self.num_layers, self.hidden_size, self.head_dim
         vocab = self.vocab_size if vocab_size is None else vocab_size
         shard_rows = padded_vocab_size(vocab, tp, self.make_vocab_size_divisible_by) // tp
         replicated = self.replicated_parameters()
+        tables = 2 if self.untie_embeddings_and_output_weights else 1  # embedding (+ output layer)
         out = []
         for r, (heads, ffn) in enumerate(zip(self.heads_per_rank(tp), self.ffn_per_rank(tp))):
             width = heads * d
             sharded = l * (3 * width * h + 3 * width + width * h + h * ffn + ffn + ffn * h)
             real_rows = min(max(vocab - r * shard_rows, 0), shard_rows)
-            out.append({"params": sharded + shard_rows * h + replicated,
-                        "params_unpadded": sharded + real_rows * h + replicated,
+            out.append({"params": sharded + tables * shard_rows * h + replicated,
+                        "params_unpadded": sharded + tables * real_rows * h + replicated,
                         "replicated": replicated})
         return out
 

@@ -1,4 +1,4 @@
-"""``tnlg convert`` (Hugging Face <-> tnlg checkpoints, offline resharding) and ``tnlg checkpoint info``.
+"""``tnlg convert`` (Hugging Face / Megatron-LM <-> tnlg checkpoints, offline resharding) and ``tnlg checkpoint info``.
 
 * ``tnlg convert --from hf DIR --to CKPT [--tokenizer-model M] [--tensor-model-parallel-size N]``:
   a ``GPT2LMHeadModel`` folder (``save_pretrained``) -> a tnlg checkpoint at
@@ -12,6 +12,11 @@
   rewrite the shards for TP size N (weights and optimizer state; RNG of DP rank 0).
   Not needed to change layout (``--load`` re-slices at any TP), but it makes
   the files match the new layout.
+* ``tnlg convert --from megatron DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M]``: a
+  Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
+  iteration, without optimizer state (:mod:`tnlg.interop.megatron.importer`).
+* ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M]``: a
+  checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md).
 * ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
 
 All of it runs in one process, reading only the slices it needs.
@@ -57,29 +62,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Convert between Hugging Face GPT-2 folders and tnlg checkpoints, or reshard a checkpoint offline.\n\n"
         "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
         "  tnlg convert --from CKPT --to hf HF_DIR [--tokenizer-model M | --no-tokenizer]\n"
-        "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n\n"
+        "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n"
+        "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M]\n"
+        "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M]\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
     parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
-                        help="'hf DIR' (a GPT2LMHeadModel save_pretrained folder) or a tnlg checkpoint")
+                        help="'hf DIR' (a GPT2LMHeadModel save_pretrained folder), 'megatron DIR' (a Megatron-LM "
+                        "checkpoint root or iter_* folder, torch_dist or legacy) or a tnlg checkpoint")
     parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
-                        help="'hf DIR' (GPT-2 format, safetensors) or a new tnlg checkpoint directory")
+                        help="'hf DIR' (GPT-2 format, safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
+                        "root) or a new tnlg checkpoint directory")
     parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
                         "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "
                         "(SentencePiece .model, a folder with GPT-2 vocab.json + merges.txt, or 'builtin')")
     parser.add_argument("--no-tokenizer", action="store_true", help="with --to hf: write the weights and config "
                         "only, without the checkpoint's tokenizer")
     parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
-                        help="TP size of the written tnlg checkpoint (default: the source's; 1 from hf)")
+                        help="TP size of the written checkpoint (default: the source's; 1 from hf or megatron; "
+                        "with --to megatron: Megatron's TP, which sets its vocabulary padding)")
+    parser.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
+                        help="with --to megatron: pipeline stages of the written checkpoint (default 1)")
+    parser.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "legacy"],
+                        help="with --to megatron: Megatron's --ckpt-format torch_dist (default) or the legacy "
+                        "per-rank files (--ckpt-format torch)")
+    parser.add_argument("--vocab-size", type=int, help="with --from megatron: the tokenizer's real vocabulary size, "
+                        "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
+                        "else the padded size)")
+    parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
+                        "distributed optimizer's Adam state (not supported yet: training starts fresh moments)")
+
+
+_FOREIGN = ("hf", "megatron")
 
 
 def _endpoint(values: list[str], flag: str) -> tuple[str, str]:
-    if len(values) == 2 and values[0] == "hf":
-        return "hf", values[1]
-    if len(values) == 1 and values[0] != "hf":
+    if len(values) == 2 and values[0] in _FOREIGN:
+        return values[0], values[1]
+    if len(values) == 1 and values[0] not in _FOREIGN:
         return "ckpt", values[0]
-    raise UserError(f"{flag} takes 'hf DIR' (a Hugging Face folder) or one tnlg checkpoint directory, got "
-                    f"{' '.join(values)!r}.")
+    raise UserError(f"{flag} takes 'hf DIR' (a Hugging Face folder), 'megatron DIR' (a Megatron-LM checkpoint) or "
+                    f"one tnlg checkpoint directory, got {' '.join(values)!r}.")
 
 
 def _fresh_destination(path: str) -> None:
@@ -97,18 +120,22 @@ def run(args: argparse.Namespace) -> int:
     dst_kind, dst = _endpoint(args.dst, "--to")
     if args.tp is not None and args.tp < 1:
         raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {args.tp}.")
-    if src_kind == "hf" and dst_kind == "hf":
-        raise UserError("--from hf --to hf converts nothing; one side must be a tnlg checkpoint.")
-    if args.tokenizer_model and src_kind != "hf" and dst_kind != "hf":
-        raise UserError("--tokenizer-model is for --from hf or --to hf; a tnlg checkpoint already records its "
-                        "tokenizer, and resharding keeps it.")
+    if src_kind != "ckpt" and dst_kind != "ckpt":
+        raise UserError(f"--from {src_kind} --to {dst_kind} converts nothing directly; one side must be a tnlg "
+                        "checkpoint (convert through one).")
+    _check_megatron_flags(args, src_kind, dst_kind)
+    if args.tokenizer_model and src_kind not in _FOREIGN and dst_kind != "hf":
+        raise UserError("--tokenizer-model is for --from hf, --from megatron or --to hf; a tnlg checkpoint already "
+                        "records its tokenizer, and resharding keeps it.")
     if getattr(args, "no_tokenizer", False) and (dst_kind != "hf" or args.tokenizer_model):
         raise UserError("--no-tokenizer is for --to hf, without --tokenizer-model: it writes the weights and config "
                         "only.")
     if dst_kind == "hf" and args.tp is not None:
-        raise UserError("--tensor-model-parallel-size applies to a tnlg destination, not to --to hf.")
+        raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
     _fresh_destination(dst)
-    if src_kind == "hf":
+    if "megatron" in (src_kind, dst_kind):
+        out = _megatron(args, src_kind, src, dst)
+    elif src_kind == "hf":
         out = hf_to_checkpoint(src, dst, tokenizer_model=args.tokenizer_model, tp_size=args.tp or 1)
     elif dst_kind == "hf":
         out = checkpoint_to_hf(src, dst, tokenizer_model=args.tokenizer_model,
@@ -120,6 +147,36 @@ def run(args: argparse.Namespace) -> int:
         out = reshard_checkpoint(src, dst, args.tp)
     print(f"wrote {out}")
     return 0
+
+
+def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str) -> None:
+    """The Megatron-only flags, where they apply."""
+    given = lambda name: getattr(args, name, None) not in (None, False)  # noqa: E731
+    for name, flag, which, kind in (("pp", "--pipeline-model-parallel-size", "--to megatron", dst_kind),
+                                    ("ckpt_format", "--format", "--to megatron", dst_kind),
+                                    ("vocab_size", "--vocab-size", "--from megatron", src_kind),
+                                    ("with_optimizer", "--with-optimizer", "--from megatron", src_kind)):
+        if given(name) and kind != "megatron":
+            raise UserError(f"{flag} applies to {which} only.")
+    if given("with_optimizer"):
+        raise UserError("--with-optimizer: converting the Megatron distributed optimizer's Adam state is not "
+                        "supported yet. Without it the tnlg checkpoint holds the weights and the iteration count, "
+                        "and training from it starts fresh Adam moments.")
+    if given("vocab_size") and args.tokenizer_model:
+        raise UserError("--vocab-size and --tokenizer-model both give the vocabulary size; pass one.")
+    for name, flag in (("vocab_size", "--vocab-size"), ("pp", "--pipeline-model-parallel-size")):
+        if given(name) and args.__dict__[name] < 1:
+            raise UserError(f"{flag} must be a positive integer, got {args.__dict__[name]}.")
+
+
+def _megatron(args: argparse.Namespace, src_kind: str, src: str, dst: str) -> str:
+    from .interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
+    if src_kind == "megatron":
+        tok = load_tokenizer(args.tokenizer_model) if args.tokenizer_model else None
+        return megatron_to_checkpoint(src, dst, tp_size=args.tp or 1, vocab_size=getattr(args, "vocab_size", None),
+                                      tokenizer=tok)
+    return checkpoint_to_megatron(src, dst, fmt=getattr(args, "ckpt_format", None) or "torch_dist",
+                                  tp=args.tp or 1, pp=getattr(args, "pp", None) or 1)
 
 
 # --------------------------------------------------------------------------- writing offline

@@ -25,6 +25,7 @@ all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -41,7 +42,7 @@ from .eval.sampling import make_generators, sample_from_candidates
 from .model import KVCache
 from .parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
 
-__all__ = ["generate", "generate_ids"]
+__all__ = ["generate", "generate_ids", "continuation_text"]
 
 
 def _check_sampling(max_new_tokens, greedy, temperature, top_k, top_p) -> None:
@@ -193,7 +194,8 @@ def generate(model, tokenizer, prompts: Union[str, Sequence[str]], max_new_token
              greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: Optional[int] = None, stop_at_eod: bool = True, use_cache: bool = True,
              batch_size: Optional[int] = None, seed_offset: int = 0) -> list[str]:
-    """Continuations (text after each prompt, without the end-of-document token) of ``prompts``.
+    """Continuations (text after each prompt, without the end-of-document token) of ``prompts``:
+    ``decode(encode(prompt)) + text == decode(encode(prompt) + new ids)`` (:func:`continuation_text`).
 
     ``tokenizer`` is any object with ``encode``, ``decode``, ``vocab_size`` and
     ``eod_id``; an empty prompt starts from the end-of-document token. Only ids the
@@ -206,12 +208,26 @@ def generate(model, tokenizer, prompts: Union[str, Sequence[str]], max_new_token
                        top_p=top_p, seed=seed, eod_id=tokenizer.eod_id, stop_at_eod=stop_at_eod,
                        use_cache=use_cache, vocab_size=tokenizer.vocab_size, batch_size=batch_size,
                        seed_offset=seed_offset)
-    texts = []
-    for new in out:
-        if stop_at_eod and new and new[-1] == tokenizer.eod_id:
-            new = new[:-1]
-        texts.append(tokenizer.decode(new))
-    return texts
+    return [continuation_text(tokenizer, p, new, stop_at_eod) for p, new in zip(ids, out)]
+
+
+def continuation_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int], stop_at_eod: bool = True) -> str:
+    """The text that ``new_ids`` add after ``prompt_ids``: the suffix of ``decode(prompt + new)``
+    after ``decode(prompt)`` (without a final end-of-document token when ``stop_at_eod``).
+
+    Decoding the new ids alone is wrong for most tokenizers: SentencePiece drops the leading
+    space marker of the first piece it decodes (the prompt "list of" + new "▁the" would read
+    "list ofthe"), and a byte-level BPE may split a character's UTF-8 bytes across the boundary.
+    Decoding the whole sequence gives ``decode(prompt) + text == decode(prompt + new)``.
+    """
+    new_ids = list(new_ids)
+    if stop_at_eod and new_ids and new_ids[-1] == tokenizer.eod_id:
+        new_ids = new_ids[:-1]
+    head = tokenizer.decode(list(prompt_ids))
+    full = tokenizer.decode(list(prompt_ids) + new_ids)
+    # full starts with head for every tokenizer tnlg has; were the prompt's decoding to change with
+    # what follows, the text after the part both share is still the honest continuation
+    return full[len(os.path.commonprefix([head, full])):]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -280,10 +296,8 @@ def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
                        stop_at_eod=args.stop_at_eod, use_cache=args.use_cache, vocab_size=tokenizer.vocab_size,
                        batch_size=args.micro_batch_size, seed_offset=first) if mine else []
     seconds = time.time() - t0
-    results = []
-    for p, n in zip(mine, new):
-        body = n[:-1] if args.stop_at_eod and n and n[-1] == tokenizer.eod_id else n
-        results.append({"prompt": p, "text": tokenizer.decode(body), "tokens": n})
+    results = [{"prompt": p, "text": continuation_text(tokenizer, i, n, args.stop_at_eod), "tokens": n}
+               for p, i, n in zip(mine, ids, new)]
     if ps.dp_size > 1:
         gathered = [None] * ps.world_size
         dist.all_gather_object(gathered, results)

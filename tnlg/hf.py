@@ -25,7 +25,7 @@ import torch
 from .config import GPTConfig
 from .data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
 from .errors import UserError
-from .io import fsync_dir, temporary_name
+from .io import fsync_dir, give_umask_mode, temporary_name
 from .model import GPT
 from .parallel.sharding import full_state_dict, load_full_state_dict
 from .parallel.state import ParallelState
@@ -33,15 +33,18 @@ from .parallel.state import ParallelState
 __all__ = ["from_hf", "to_hf", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
            "build_hf_model", "write_hf_folder", "hf_tokenizer", "hf_tokenizer_files"]
 
+_TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
     act = getattr(hf_config, "activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UserError(f"GPT-2 activation {act!r} is not supported; tnlg uses GELU in tanh form "
-                        f"(activation_function 'gelu_new' or 'gelu_pytorch_tanh').")
-    fields = dict(num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+    if act not in _TANH_GELU + _EXACT_GELU:
+        raise UserError(f"GPT-2 activation {act!r} is not supported; tnlg has GELU in tanh form (activation_function "
+                        f"{' or '.join(map(repr, _TANH_GELU))}) or exact ({' or '.join(map(repr, _EXACT_GELU))}).")
+    fields = dict(openai_gelu=act in _TANH_GELU,
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
+                  num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
                   num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
                   vocab_size=hf_config.vocab_size, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
                   hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
@@ -60,8 +63,9 @@ def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
                       n_positions=cfg.seq_length, vocab_size=cfg.vocab_size, n_inner=cfg.ffn_hidden_size,
                       resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
                       attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
-                      initializer_range=cfg.init_method_std, activation_function="gelu_new",
-                      tie_word_embeddings=True)
+                      initializer_range=cfg.init_method_std,
+                      activation_function=_TANH_GELU[0] if cfg.openai_gelu else _EXACT_GELU[0],
+                      tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
 
 
 def _qkv_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -78,8 +82,11 @@ def _qkv_from_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
 def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in hf_sd.items():
+        if name == "lm_head.weight" and cfg.untie_embeddings_and_output_weights:
+            out[name] = t.detach().float().contiguous()
+            continue
         if not name.startswith("transformer.") or name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # lm_head is tied to wte; attn.bias is GPT-2's causal-mask buffer
+            continue  # a tied lm_head is wte; attn.bias is GPT-2's causal-mask buffer
         t = t.detach().float()
         if name.endswith(_CONV1D):
             t = t.t()
@@ -97,7 +104,8 @@ def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]
         if name.endswith(_CONV1D):
             t = t.t()
         out[name] = t.contiguous()
-    out["lm_head.weight"] = out["transformer.wte.weight"]
+    if not cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
@@ -190,6 +198,7 @@ def write_hf_folder(hf, out_dir: str, tokenizer=None) -> str:
         for name, data in (files or {}).items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
+        give_umask_mode(tmp)  # save_pretrained leaves model.safetensors at mkstemp's 0600
         try:
             os.replace(tmp, out)  # POSIX rename: replaces an empty folder, refuses a non-empty one
         except OSError:

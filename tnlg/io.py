@@ -3,7 +3,8 @@
 Every file tnlg writes (checkpoint manifests, metrics, plots, indexes, tokenizer exports, cached
 datasets) goes through :func:`atomic_output`: it is written under a temporary name in the same
 folder, flushed and fsynced, then renamed over the final name, and the folder is fsynced, so a
-reader (or a crash) sees either the old file or the complete new one, never a torn one. A failure
+reader (or a crash) sees either the old file or the complete new one, never a torn one. The file
+gets the mode the umask gives a new file (0644 under the usual umask 022), like any other. A failure
 inside the ``with`` body removes the temporary file and leaves the final name as it was.
 
 This module imports only the standard library.
@@ -17,7 +18,8 @@ import os
 from pathlib import Path
 from typing import IO, Iterator, Union
 
-__all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name"]
+__all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name",
+           "umask_file_mode", "give_umask_mode"]
 
 PathLike = Union[str, Path]
 
@@ -25,6 +27,28 @@ PathLike = Union[str, Path]
 def temporary_name(path: PathLike) -> str:
     """The temporary name :func:`atomic_output` writes ``path`` under (unique per process)."""
     return f"{os.fspath(path)}.tmp-{os.getpid()}"
+
+
+def umask_file_mode() -> int:
+    """The mode a new file gets from this process: ``0o666`` less the umask (``0o644`` under the usual
+    ``022``), read without changing it where ``/proc`` says it (Linux), else by setting it back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_umask_mode(folder: PathLike) -> None:
+    """Give every file directly in ``folder`` the umask's mode (:func:`umask_file_mode`): libraries that
+    write through ``tempfile.mkstemp`` and a rename (``transformers``' ``save_pretrained``) leave 0600,
+    which other users of a shared cluster cannot read."""
+    mode = umask_file_mode()
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, mode)
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -54,6 +78,8 @@ def atomic_output(path: PathLike, mode: str = "w", *, durable: bool = True) -> I
     tmp = temporary_name(path)
     try:
         with open(tmp, mode) as f:
+            # the umask's mode, whatever a leftover temporary file of the same name had
+            os.fchmod(f.fileno(), umask_file_mode())
             yield f
             f.flush()
             if durable:

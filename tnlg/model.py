@@ -11,7 +11,10 @@ at most one, :func:`tnlg.config.partition_sizes`), so 28 heads run at TP=8 or
 16, which Megatron refuses. The fused QKV weight is laid out per head
 (rows ``[head][q, k, v][head_dim]``), so a contiguous row split gives each rank
 whole heads. The MLP width is split the same way; the vocabulary is padded to a
-multiple of ``128 * tp`` (as Megatron) and the padded logits are masked.
+multiple of ``128 * tp`` (as Megatron) and the padded logits are masked. The LM head is the
+word embedding (tied, GPT-2), or with ``config.untie_embeddings_and_output_weights`` its own
+weight ``lm_head.weight`` split the same way (Megatron's untied ``output_layer``); the MLP's
+GELU is the tanh form, or the exact one with ``config.openai_gelu=False`` (Megatron's default).
 
 Initialisation is TP-invariant: every layer draws its parameters in full from a CPU
 generator seeded by ``(config.seed, parameter name)`` and then slices them
@@ -66,23 +69,38 @@ from .parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 __all__ = ["GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
 
 
+def _layer_norm_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LayerNorm kernel takes the 16-bit tensors as they are (CUDA: statistics and the
+    weight gradient accumulate in fp32 inside the kernel, no fp32 copy in or out); elsewhere they are
+    upcast first (the CPU results the tests pin down)."""
+    return x.device.type == "cuda" and weight.dtype == x.dtype
+
+
 class _LayerNorm16(torch.autograd.Function):
     """LayerNorm of a 16-bit input computed in fp32, keeping the input for backward in its own
-    dtype (2 bytes per element, Korthikanti et al.'s count) instead of an fp32 copy (4)."""
+    dtype (2 bytes per element, Korthikanti et al.'s count) instead of an fp32 copy (4). On CUDA
+    with 16-bit weights the kernel reads and writes 16 bits and accumulates in fp32 itself: the
+    output is 16-bit (what the next matmul casts to anyway) and no fp32 copies are made."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         shape = (x.shape[-1],)
-        out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight.float(), bias.float(), eps)
+        if _layer_norm_in_kernel(x, weight):
+            out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        else:
+            out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight.float(), bias.float(), eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, mean, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        if _layer_norm_in_kernel(x, weight):
+            return (*torch.ops.aten.native_layer_norm_backward(grad.to(x.dtype), x, (x.shape[-1],), mean, rstd,
+                                                               weight, bias, mask), None)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            grad.float(), x.float(), (x.shape[-1],), mean, rstd, weight.float(), bias.float(),
-            [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]])
+            grad.float(), x.float(), (x.shape[-1],), mean, rstd, weight.float(), bias.float(), mask)
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(bias.dtype), None)
 
@@ -221,7 +239,7 @@ class ParallelAttention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
             # (this module replays the dropout stream itself, so checkpoint need not stash RNG states)
-            state = self.tp_random.state.clone() if dropout else None
+            state = self.tp_random.snapshot() if dropout else None
             y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, use_reentrant=False,
                            preserve_rng_state=False)
         else:
@@ -243,7 +261,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """``h -> ffn -> h`` with GELU (tanh form): column-parallel then row-parallel.
+    """``h -> ffn -> h`` with GELU (tanh form, or exact with ``config.openai_gelu=False``):
+    column-parallel then row-parallel.
 
     Forward: ``f`` (identity) then ``g`` (all-reduce of ``[b, s, h]``); backward: one all-reduce.
     Sequence-parallel (``sp``): all-gather before ``c_fc``, reduce-scatter after ``c_proj``
@@ -254,6 +273,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         sizes = cfg.ffn_per_rank(ps.tp_size)
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps, partition_sizes=sizes,
                                          sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
                                          init_key=_join(init_key, "c_fc"))
@@ -270,7 +290,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
                 synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         on = sp is not None
-        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate="tanh")
+        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate=self.gelu_approximate)
         return self.c_proj(h, sequence_parallel=on, sequence_sizes=sp, synced_bias=synced_bias)
 
 
@@ -320,7 +340,7 @@ class Block(nn.Module):
 
     def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None):
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.state.clone(),
+            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.snapshot(),
                               use_reentrant=False)
         return self._forward(x, attention_mask, kv_cache, sp)
 
@@ -346,6 +366,22 @@ class PositionEmbedding(SelfInitializing, nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(position_ids, self.weight)
+
+
+class OutputLayer(SelfInitializing, nn.Module):
+    """The untied LM head (Megatron's ``output_layer``, ``--untie-embeddings-and-output-weights``):
+    a ``[V_pad / tp, h]`` weight split by vocabulary rows exactly as the word embedding (padded
+    rows zeros), no bias. The GPT applies it as it applies the tied embedding; no communication
+    of its own."""
+
+    def __init__(self, vocab_size: int, dim: int, ps: ParallelState, padded_size: int, init_method: InitMethod,
+                 seed: int = 0, init_key: str = "", device=None):
+        super().__init__()
+        self.ps = ps
+        self.weight = self.describe(vocab_size, dim, padded_size, ps.tp_size)["weight"].parameter(ps.tp_rank, device)
+        self.set_init(dict(weight=init_method), seed, init_key)
+
+    describe = staticmethod(VocabParallelEmbedding.describe)
 
 
 def _init_methods(cfg: GPTConfig) -> tuple[InitMethod, InitMethod]:
@@ -400,6 +436,15 @@ class GPT(nn.Module):
             ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps,
                            init_key="transformer.ln_f"),
         ))
+        if config.untie_embeddings_and_output_weights:
+            self.lm_head = OutputLayer(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size, init, seed,
+                                       "lm_head", device)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the LM head: the word embedding's, or the untied output layer's."""
+        head = self.lm_head if self.config.untie_embeddings_and_output_weights else self.transformer.wte
+        return head.weight
 
     @staticmethod
     def describe(config: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
@@ -413,6 +458,9 @@ class GPT(nn.Module):
         for i in range(config.num_layers):
             out.update(_prefixed(f"transformer.h.{i}", block))
         out.update(_prefixed("transformer.ln_f", LayerNorm.describe(h)))
+        if config.untie_embeddings_and_output_weights:
+            out.update(_prefixed("lm_head", OutputLayer.describe(
+                config.vocab_size, h, config.padded_vocab_size(tp_size), tp_size)))
         return out
 
     # ------------------------------------------------------------------ init
@@ -459,12 +507,12 @@ class GPT(nn.Module):
         x = t.ln_f(x, sp is not None)
         if last_only:  # generation needs only the next token's logits
             x = x[:, -1:]
-        # parallel LM head tied to the embedding: f (or, sequence-parallel, an all-gather of the
-        # sequence), then a local matmul -> this rank's vocab shard
+        # parallel LM head (tied to the embedding, or untied): f (or, sequence-parallel, an all-gather
+        # of the sequence), then a local matmul -> this rank's vocab shard
         if sp is None:
-            logits = F.linear(copy_to_tp(x, self.ps), t.wte.weight)
+            logits = F.linear(copy_to_tp(x, self.ps), self.output_weight)
         else:  # [s, b, V_r]: the loss is computed sequence-first, the logits returned batch-first
-            logits = column_parallel_linear(x, t.wte.weight, None, self.ps, sp)
+            logits = column_parallel_linear(x, self.output_weight, None, self.ps, sp)
             if labels is None:
                 return logits.transpose(0, 1)
             labels = labels.t()

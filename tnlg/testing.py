@@ -7,12 +7,17 @@ timeout (a hang fails fast). Each calls ``fn(ps, *args)`` with its
 :class:`~tnlg.parallel.state.ParallelState` and the return values come back
 as a list indexed by global rank. A worker's exception is re-raised here with
 the worker's traceback.
+
+``run_tnlg(argv, cwd)`` runs the ``tnlg`` command of this checkout in a subprocess, as a user would,
+and returns its output (it must succeed, without a traceback).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -26,11 +31,27 @@ from .io import atomic_write
 from .parallel.state import init_parallel
 from .process_exit import leave
 
-__all__ = ["run_distributed"]
+__all__ = ["run_distributed", "run_tnlg", "checkout_env"]
 
 
 class WorkerError(RuntimeError):
     pass
+
+
+def checkout_env(**extra: str) -> dict:
+    """This process's environment with this checkout first on ``PYTHONPATH`` (subprocesses import it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+
+
+def run_tnlg(argv: list, cwd, env: dict | None = None, timeout: float = 600) -> str:
+    """``python -m tnlg *argv`` in ``cwd`` (environment ``env``, default :func:`checkout_env`); its stdout
+    and stderr, asserting exit status 0 and no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "tnlg", *map(str, argv)], cwd=str(cwd), env=env or checkout_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
+    return out
 
 
 def _write_result(path: str, result: tuple) -> None:

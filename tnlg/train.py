@@ -22,6 +22,7 @@ from .data.corpus import default_dataset
 from .errors import UserError
 from .launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
 from .options import Options
+from .options.recorded import describe
 from .parallel.state import pick_device
 from .train_args import DEFAULT_NPROC, add_arguments, resolve
 from .training import Trainer, train
@@ -78,8 +79,9 @@ def _run(args) -> int:
         if not hasattr(args, "nproc_per_node"):
             extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
         return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.max_restarts or 0)
-    if note and is_rank0():
-        print(note, flush=True)
+    notes = ([note] if note else []) + describe(o.checkpoint_args)  # (a launching process said none of these)
+    if notes and is_rank0():
+        print("\n".join(notes), flush=True)
     summary = train(o)
     stopped = summary.get("interrupted")
     if is_rank0():
@@ -154,8 +156,9 @@ def _interrupted_message(info: dict, o: Options, args) -> str:
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
     head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"
     if o.save is None:
-        return (f"{head}. This run saved nothing (no --save); to keep checkpoints, start it again with "
-                f"--save DIR.")
+        return (f"{head}. This run saved nothing: it has no save root (no --save, and neither the built-in job "
+                f"nor a --load root to save into), so iteration {info['iteration']} was not written. Start it again "
+                f"with --save DIR to keep checkpoints; Ctrl-C then saves into DIR before stopping.")
     last = last_checkpoint(o.save)
     where = (f"the last checkpoint is iteration {last} in {o.save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {o.save} yet, so a resume starts over")

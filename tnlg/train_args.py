@@ -4,8 +4,9 @@ The options are typed dataclasses (:mod:`tnlg.options`); the parser, the config-
 :data:`DEFAULTS` are read from their fields. Precedence, lowest first: defaults (Megatron-LM's; the
 built-in job's tuned :data:`BUILTIN_JOB` values when neither ``--data-path`` nor ``--preset`` is given)
 < ``--preset`` (model shape and recipe) < ``--config FILE`` (TOML or YAML; keys are flag names with
-``_`` or ``-``) < flags given on the command line. Everything is validated here, in the launching
-process, before any worker starts or anything is written.
+``_`` or ``-``) < flags given on the command line; with ``--use-checkpoint-args`` the options the
+checkpoint recorded come between the preset and the config file (:mod:`tnlg.options.recorded`).
+Everything is validated here, in the launching process, before any worker starts or anything is written.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import argparse
 import os
 
 from .config import PRESETS
-from .errors import UserError
+from .errors import UserError, closest
 from .options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Options, model_config, option_defaults
 from .options.checks import is_int
 from .options.fields import add_options, option_fields, shown
+from .options.recorded import checkpoint_args
 
 __all__ = ["add_arguments", "resolve", "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
 
@@ -36,6 +38,9 @@ BUILTIN_JOB = dict(
     hidden_dropout=0.0, attention_dropout=0.0, global_batch_size=16, train_iters=300, lr=2e-3,
     lr_decay_style="cosine", adam_beta2=0.95, tensor_model_parallel_size=2, log_interval=10,
     eval_interval=100, eval_iters=4, save_interval=100, sample_prompt="ROMEO:",
+    # the corpus is 49 whole works: Megatron's 969,30,1 would validate on one play (Winter's Tale);
+    # 90,10,0 validates on the last five (44 works train, no test split)
+    split="90,10,0",
 )
 
 # what --help says of the built-in job's defaults that are not a plain value
@@ -76,10 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "runs/pretrain-DATE-TIME (under torchrun: runs/pretrain-RUN_ID, the launcher's run id); a run with "
         "--load saves back into the checkpoint root it loaded from; any other run saves nothing, and says so "
         "when it starts and when it ends.\n\n"
-        "Stopping: Ctrl-C (SIGINT) stops at the end of the current iteration; SIGTERM (a scheduler's "
-        "preemption) does too, after saving a checkpoint of that iteration. Rank 0 then prints the "
-        "iteration, the last checkpoint and the command that resumes the run; a second signal stops at "
-        "once.\n\n"
+        "Stopping: Ctrl-C (SIGINT), SIGTERM (a scheduler's preemption) and SIGHUP (also as forwarded by "
+        "torchrun) finish the current iteration, save a checkpoint of it (when the run has a save root) and "
+        "stop. Rank 0 then prints the iteration, the last checkpoint and the command that resumes the run; a "
+        "second Ctrl-C stops at once, without a save.\n\n"
         "Logged every --log-interval iterations: loss, lr, grad norm, ms/iter, tokens/s, model TFLOP/s per "
         "rank (the primary figure), MFU and, with recomputation, HFU. Model FLOPs per iteration (Narayanan et "
         "al. 2021, eq. 3, any --ffn-hidden-size): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for ffn = 4h; MFU = "
@@ -121,7 +126,10 @@ def _read_config_file(path: str) -> dict:
     for key, value in data.items():
         k = str(key).replace("-", "_")
         if k not in keys:
-            raise UserError(f"--config {path!r}: unknown key {key!r}. Valid keys: {', '.join(sorted(keys))}.")
+            near = closest(k, keys)
+            raise UserError(f"--config {path!r}: unknown key {key!r}"
+                            + (f"; did you mean {' or '.join(near)}?" if near else ".")
+                            + f" Valid keys: {', '.join(sorted(keys))}.")
         out[k] = value
     return out
 
@@ -137,8 +145,9 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
     given = {k: v for k, v in vars(args).items() if k not in ("command",)}
     from_file = _read_config_file(given["config"]) if given.get("config") else {}
     said = {**from_file, **given}  # what the user set, in a file or on the command line
+    recorded, info = checkpoint_args(said) if said.get("use_checkpoint_args") else ({}, None)
     preset = said.get("preset")
-    builtin = preset is None and said.get("data_path") is None
+    builtin = info["builtin_job"] if info else preset is None and said.get("data_path") is None
     opts = dict(DEFAULTS)
     if builtin:
         opts.update(BUILTIN_JOB)
@@ -147,14 +156,15 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
         opts.update({k: v for k, v in shape.items() if k in _MODEL_KEYS})
         opts["seq_length"] = shape["seq_length"]
         opts.update(RECIPES.get(preset, {}))
-        said_or_recipe = set(said) | set(RECIPES.get(preset, {}))
+        said_or_recipe = set(said) | set(recorded) | set(RECIPES.get(preset, {}))
     else:
-        said_or_recipe = set(said)
+        said_or_recipe = set(said) | set(recorded)
+    opts.update(recorded)
     opts.update(said)
     if builtin:
-        _builtin_scaled(opts, said, world_size)
+        _builtin_scaled(opts, {**recorded, **said}, world_size)
     _batch_defaults(opts, said_or_recipe, world_size)
-    o = Options.from_flat(opts, preset=preset, config=opts.get("config"), builtin_job=builtin)
+    o = Options.from_flat(opts, preset=preset, config=opts.get("config"), builtin_job=builtin, checkpoint_args=info)
     o.check(world_size)
     return o
 

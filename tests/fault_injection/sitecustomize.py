@@ -8,6 +8,9 @@ the end of iteration N, before that iteration's checkpoint, in the first attempt
 
 ``TNLG_TEST_KILL_DURING_SAVE=N[:RANK]`` makes that rank (default: the last) SIGKILL itself after it
 wrote its files of iteration N's checkpoint, before they are shared and committed.
+
+``TNLG_TEST_SLOW_SAVE=PATH`` makes every worker's checkpoint save first create ``PATH.<rank>`` and
+sleep 60 s (a slow filesystem: a signal meant for the save finds the worker inside it).
 """
 
 import os
@@ -122,3 +125,19 @@ if _VIEW_SPEC and "RANK" in os.environ:
             return _meta_digest(iter_dir)
 
         _files.meta_digest = _stale_meta_digest
+
+_SLOW_SAVE = os.environ.get("TNLG_TEST_SLOW_SAVE")
+
+if _SLOW_SAVE and "RANK" in os.environ:
+    import time
+
+    import tnlg.checkpoint
+
+    _save = tnlg.checkpoint.save
+
+    def _slow_save(*args, **kwargs):
+        open(f"{_SLOW_SAVE}.{os.environ['RANK']}", "w").close()
+        time.sleep(60)
+        return _save(*args, **kwargs)
+
+    tnlg.checkpoint.save = _slow_save

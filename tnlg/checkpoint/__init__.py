@@ -14,7 +14,7 @@
   scaler and RNG streams: a resumed run (fp32, or bf16 with its fp32 master) logs
   the same losses as an uninterrupted one.
 * :func:`load_for_inference` builds a :class:`tnlg.GPT` at any TP size from a checkpoint.
-* :class:`StopOnSignal`: SIGTERM -> save, then exit.
+* :class:`StopOnSignal`: Ctrl-C, SIGTERM, SIGHUP -> save, then exit.
 
 Nothing here executes code from a checkpoint: ``meta.json`` is JSON, tensors
 are safetensors, RNG files are read with ``torch.load(weights_only=True)``.

@@ -4,9 +4,11 @@ Must match the checkpoint (else a :class:`UserError` naming every difference):
 
 * the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
   ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
-  ``layernorm_epsilon``, and the dropout rates;
-* the data: the ``--data-path`` datasets (same files: same resolved path, or
-  the same ``.bin``/``.idx`` sizes when the files were moved) and weights,
+  ``layernorm_epsilon``, the dropout rates, the GELU form and whether the output layer is untied;
+* the data: the ``--data-path`` datasets (same files: same resolved prefix, or
+  the same ``.bin``/``.idx`` sizes when the files were moved; ``X.bin``, ``X.idx``
+  and ``X`` are the same prefix, also in checkpoints saved before paths were
+  normalised) and weights,
   ``--split``, ``--seed``, ``--eod-mask-loss``, ``--reset-position-ids``,
   ``--reset-attention-mask``, and the tokenizer (same file contents, by SHA-256).
 
@@ -23,6 +25,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..data.gpt_dataset import parse_data_path
+from ..data.indexed import dataset_prefix
 from ..errors import UserError
 from ..options import COMPONENTS
 from ..options.fields import flag_of, option_fields
@@ -30,7 +33,11 @@ from ..options.fields import flag_of, option_fields
 __all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
 
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
-               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout")
+               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout", "openai_gelu",
+               "untie_embeddings_and_output_weights")
+# fields later checkpoints record; one without them has the default (tanh GELU, tied output layer)
+_LATER_FIELDS = {"openai_gelu": GPTConfig.openai_gelu,
+                 "untie_embeddings_and_output_weights": GPTConfig.untie_embeddings_and_output_weights}
 # the options marked must_match (tnlg.options.DataOptions): they define the samples
 DATA_OPTIONS = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
@@ -64,22 +71,43 @@ def data_record(o) -> Optional[dict]:
     return dict(files=files, weights=weights)
 
 
-def _same_data(a: dict, b: dict) -> bool:
-    if a.get("weights") != b.get("weights") or len(a["files"]) != len(b["files"]):
-        return False
-    for x, y in zip(a["files"], b["files"]):
-        moved_copy = x["idx_bytes"] is not None and (x["idx_bytes"], x["bin_bytes"]) == (y["idx_bytes"],
-                                                                                         y["bin_bytes"])
+def _saved_files(record: dict) -> list[dict]:
+    """The checkpoint's datasets with each path read as its prefix: runs saved before paths were
+    normalised may record ``X.bin`` (and no sizes, looked up at ``X.bin.idx``)."""
+    return [dict(f, prefix=dataset_prefix(f["prefix"])) for f in record["files"]]
+
+
+def _sizes(f: dict) -> str:
+    if f.get("idx_bytes") is None:
+        return "no file sizes recorded"
+    return f".idx {f['idx_bytes']:,} + .bin {f['bin_bytes']:,} bytes"
+
+
+def _data_differences(saved: dict, now: dict) -> list[str]:
+    """Why the checkpoint's datasets are not this run's, one phrase each; none when they are the
+    same: the same weights and, dataset by dataset, the same resolved prefix, or the same
+    ``.idx``/``.bin`` sizes at a new path (the files were moved or copied)."""
+    old, new = _saved_files(saved), now["files"]
+    if len(old) != len(new):
+        return [f"--data-path names {len(old)} dataset(s) in the checkpoint ({', '.join(f['prefix'] for f in old)}) "
+                f"vs {len(new)} now ({', '.join(f['prefix'] for f in new)})"]
+    out = []
+    if saved.get("weights") != now.get("weights"):
+        out.append(f"--data-path weights {saved.get('weights')} in the checkpoint vs {now.get('weights')} now")
+    for x, y in zip(old, new):
+        moved_copy = x.get("idx_bytes") is not None and (x["idx_bytes"], x["bin_bytes"]) == (y["idx_bytes"],
+                                                                                             y["bin_bytes"])
         if x["prefix"] != y["prefix"] and not moved_copy:
-            return False
-    return True
+            out.append(f"--data-path {x['prefix']} in the checkpoint ({_sizes(x)}) vs {y['prefix']} now "
+                       f"({_sizes(y)}): another path whose files differ in size")
+    return out
 
 
 def check_compatible(meta: dict, where: str, config: GPTConfig, options,
                      tokenizer, origin: str = "--load") -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
     checkpoint (``meta``) and this run (``config``, ``options``, ``tokenizer``)."""
-    saved_cfg = meta["config"]
+    saved_cfg = {**_LATER_FIELDS, **meta["config"]}
     have = config.to_dict()
     diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
              for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
@@ -90,10 +118,8 @@ def check_compatible(meta: dict, where: str, config: GPTConfig, options,
             if k in saved_opts and hasattr(options, k) and saved_opts[k] != getattr(options, k):
                 diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {getattr(options, k)!r} now")
         saved_data, now_data = meta.get("data"), data_record(options)
-        if saved_data and now_data and not _same_data(saved_data, now_data):
-            diffs.append(f"--data-path {[f['prefix'] for f in saved_data['files']]} (weights "
-                         f"{saved_data.get('weights')}) in the checkpoint vs "
-                         f"{[f['prefix'] for f in now_data['files']]} (weights {now_data.get('weights')}) now")
+        if saved_data and now_data:
+            diffs += _data_differences(saved_data, now_data)
     saved_tok = meta.get("tokenizer")
     if saved_tok and tokenizer is not None:
         now_tok = tokenizer.describe()

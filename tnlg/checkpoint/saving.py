@@ -49,7 +49,7 @@ from ..errors import UserError, agreed
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from .compat import data_record, options_record
-from .reshard import names_for_rank, param_records
+from .reshard import names_for_rank, param_records, partition_info
 from .rng import capture
 from .stream import StreamWriter
 
@@ -254,21 +254,26 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: 
 def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r, names) ->
     (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
-    (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``)."""
+    (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``params`` is
+    any mapping whose values have ``meta["layout"]["param_dtype"]``; each is looked up once, when
+    written, so a mapping that computes its values holds one tensor at a time."""
     root = os.path.abspath(root)
     iteration = int(meta["iteration"])
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
     os.makedirs(root, exist_ok=True)
     F.make_save_dir(tmp)
-    records = param_records(GPTConfig.from_dict(meta["config"]), tp_size)
+    cfg = GPTConfig.from_dict(meta["config"])
+    records = param_records(cfg, tp_size)
+    dtype = getattr(torch, meta["layout"]["param_dtype"])
     files: dict[str, dict] = {}
     for r in range(tp_size):
         names = names_for_rank(records, r)
-        params, states = shard_of_rank(r, names)
+        params, states = shard_of_rank(r, names)  # params may compute each tensor when it is looked up
         tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
+        local = partition_info(cfg, tp_size, r)
         stream = StreamWriter(os.path.join(tmp, F.model_file(r)),
-                              [(n, tuple(params[n].shape), params[n].dtype) for n in names], tag)
+                              [(n, tuple(local[n]["local"]), dtype) for n in names], tag)
         for n in names:
             stream.write(n, params[n])
         size, sha = stream.close()

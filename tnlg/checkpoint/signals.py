@@ -1,11 +1,13 @@
-"""SIGTERM: finish the current iteration, save a checkpoint, exit.
+"""Ctrl-C, SIGTERM and SIGHUP: finish the current iteration, save a checkpoint, exit.
 
-A scheduler (Slurm before a time limit or preemption, Kubernetes, ``torchrun``
-on shutdown) sends SIGTERM to every process. The handler only sets a flag; at
-the end of each iteration all ranks agree with one tiny all-reduce (MAX over
-the world), so they save the same iteration together even when the signal
-reaches them at different moments. A second SIGTERM while the first is pending
-restores the default action and re-raises it (the process dies).
+A terminal's Ctrl-C (SIGINT), a scheduler (Slurm before a time limit or preemption,
+Kubernetes) and ``torchrun`` (which forwards the SIGINT, SIGTERM or SIGHUP it gets to
+every worker) all mean "stop, keeping the work". The handler only sets a flag; at the
+end of each iteration all ranks agree with one tiny all-reduce (MAX over the world), so
+they save the same iteration together even when the signal reaches them at different
+moments. A second signal while the first is pending raises :class:`KeyboardInterrupt`
+at once, wherever the process is (also in the middle of that save): the run stops
+without saving.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from typing import Optional
 
 from ..parallel.state import max_over_world
 
-__all__ = ["StopOnSignal"]
+__all__ = ["StopOnSignal", "STOP_SIGNALS"]
+
+# what a terminal, a scheduler and torchrun send to stop a run
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopOnSignal:
-    """Install a SIGTERM handler (main thread only); :meth:`requested` says, on every rank alike,
-    whether any rank received the signal. :meth:`close` restores the previous handler."""
+    """Install the handlers of ``signals`` (main thread only); :meth:`requested` says, on every rank
+    alike, whether any rank received one. :meth:`close` restores the previous handlers."""
 
-    def __init__(self, signals=(signal.SIGTERM,)):
+    def __init__(self, signals=STOP_SIGNALS):
         self.received: Optional[int] = None
         self._previous: dict = {}
         if threading.current_thread() is threading.main_thread():
@@ -31,16 +36,19 @@ class StopOnSignal:
                 self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:  # asked twice: stop waiting for the iteration to end
-            self.close()
-            signal.raise_signal(signum)
-            return
+        if self.received is not None:  # asked twice: stop now, without waiting for the iteration (or save)
+            raise KeyboardInterrupt
         self.received = signum
 
     def requested(self, ps) -> bool:
         """Collective over the world (MAX all-reduce of one number on ``ps.device``): True on every
         rank if any rank got the signal."""
-        return max_over_world(0.0 if self.received is None else 1.0, ps.device) > 0
+        return self.agreed(ps) > 0
+
+    def agreed(self, ps) -> int:
+        """Collective over the world (MAX all-reduce of one number on ``ps.device``): the largest signal
+        number any rank received (0: none), the same on every rank."""
+        return int(max_over_world(self.received or 0, ps.device))
 
     def close(self) -> None:
         for s, handler in self._previous.items():

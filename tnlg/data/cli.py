@@ -15,16 +15,19 @@ from ..errors import UserError
 from .corpus import prepare
 from .indexed import IndexedDataset
 from .preprocess import preprocess
+from .gpt2_bpe import train_gpt2_bpe
 from .tokenizer import load_tokenizer, train_sentencepiece
 
 __all__ = ["add_arguments", "run"]
 
 _TRAIN_TOKENIZER_HELP = """\
-Train a SentencePiece tokenizer on text files.
+Train a SentencePiece tokenizer, or a GPT-2-style byte-level BPE, on text files.
 
 Inputs are read like `tnlg preprocess` reads them (.txt: one document per file;
-.jsonl: one JSON object per line, text under --json-keys). The defaults give a
-model that round-trips text exactly, decode(encode(text)) == text:
+.jsonl: one JSON object per line, text under --json-keys; .parquet files and
+`datasets` save_to_disk folders: one document per row, text in the --json-keys
+columns). The SentencePiece defaults give a model that round-trips text exactly,
+decode(encode(text)) == text:
   --model-type bpe, normalization_rule_name=identity (no NFKC folding),
   remove_extra_whitespaces=False (runs of spaces are kept), byte_fallback=True
   (characters outside the vocabulary become UTF-8 byte pieces, never <unk>).
@@ -32,16 +35,28 @@ model that round-trips text exactly, decode(encode(text)) == text:
 Special ids: unk=0, bos=1, eos=2 (the end-of-document token), no pad.
 Writes PREFIX.model and PREFIX.vocab (temporary names, then renamed).
 
-example: tnlg train-tokenizer --input corpus/*.txt --vocab-size 4096 --output-prefix tok/bpe4096
+--model-type gpt2-bpe trains GPT-2's byte-level BPE with the `tokenizers` library
+(GPT-2's pre-tokenizer regex, 256 byte symbols, no prefix space, <|endoftext|> as
+the last id) and writes vocab.json + merges.txt into the folder --output-prefix,
+which `tnlg preprocess --tokenizer-model FOLDER` and Hugging Face's
+GPT2TokenizerFast.from_pretrained(FOLDER) both read.
+
+examples:
+  tnlg train-tokenizer --input corpus/*.txt --vocab-size 4096 --output-prefix tok/bpe4096
+  tnlg train-tokenizer --input data.parquet --json-keys content --model-type gpt2-bpe \\
+      --vocab-size 8192 --output-prefix tok/gpt2-8k
 """
 
 _PREPROCESS_HELP = """\
 Tokenize raw text into Megatron's mmap indexed format (.bin/.idx).
 
 Inputs: JSON Lines (.jsonl/.json/.ndjson, one document per line, text under
---json-keys, default 'text') and plain text (.txt, the whole file is one
-document, read byte-exact). All inputs are checked before anything is written:
-an input with no documents and a malformed JSON line (file:line) are errors.
+--json-keys, default 'text'), plain text (.txt, the whole file is one
+document, read byte-exact), Parquet (.parquet) and folders written by
+`datasets` save_to_disk (one document per row, the text in the --json-keys
+columns, read a row group at a time; needs pyarrow). All inputs are checked
+before anything is written: an input with no documents, a malformed JSON line
+(file:line), a table without the named column are errors.
 Output per key: PREFIX_<key>_document.bin/.idx, one sequence per document,
 uint16 tokens when the vocabulary has fewer than 65500 entries, else int32;
 byte-identical to Megatron's tools/preprocess_data.py for the same tokens.
@@ -78,13 +93,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _add_train_tokenizer(p: argparse.ArgumentParser) -> None:
     p.description = _TRAIN_TOKENIZER_HELP
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help=".txt or .jsonl files")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help=".txt, .jsonl or .parquet files, or datasets save_to_disk folders")
     p.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                   help="vocabulary size (>= 260; under 65500 keeps .bin files at uint16)")
-    p.add_argument("--output-prefix", required=True, metavar="P", help="writes P.model and P.vocab")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY", help="text keys of .jsonl inputs")
-    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"],
-                   help="SentencePiece model type (default: bpe)")
+                   help="vocabulary size (>= 260, gpt2-bpe >= 258; under 65500 keeps .bin files at uint16)")
+    p.add_argument("--output-prefix", required=True, metavar="P",
+                   help="writes P.model and P.vocab (gpt2-bpe: the folder P with vocab.json + merges.txt)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="text keys of .jsonl inputs, text columns of Parquet / datasets inputs")
+    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word", "gpt2-bpe"],
+                   help="SentencePiece model type (default: bpe), or gpt2-bpe: GPT-2's byte-level BPE")
     p.add_argument("--num-threads", type=int, default=1,
                    help="trainer threads (default 1: the result does not depend on the machine)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -104,6 +122,14 @@ def _parse_options(items: list[str]) -> dict:
 
 
 def _run_train_tokenizer(args) -> int:
+    if args.model_type == "gpt2-bpe":
+        if args.option:
+            raise UserError(f"--option {args.option[0]!r} is a SentencePiece trainer option; --model-type gpt2-bpe "
+                            "takes none (its settings are GPT-2's).")
+        folder = train_gpt2_bpe(args.input, args.vocab_size, args.output_prefix, json_keys=args.json_keys)
+        tok = load_tokenizer(folder)
+        print(f"wrote {folder}/vocab.json + merges.txt (vocab {tok.vocab_size}, eod id {tok.eod_id})")
+        return 0
     options = _parse_options(args.option)
     options.setdefault("model_type", args.model_type)
     options.setdefault("minloglevel", 1)
@@ -118,7 +144,8 @@ def _run_train_tokenizer(args) -> int:
 
 def _add_preprocess(p: argparse.ArgumentParser) -> None:
     p.description = _PREPROCESS_HELP
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help=".jsonl or .txt files")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help=".jsonl, .txt or .parquet files, or datasets save_to_disk folders")
     p.add_argument("--output-prefix", required=True, metavar="P",
                    help="output prefix; files are P_<key>_document.bin/.idx")
     p.add_argument("--tokenizer-model", metavar="M",
@@ -126,7 +153,8 @@ def _add_preprocess(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-file", metavar="F", help="GPT-2 BPE vocab.json (with --merge-file)")
     p.add_argument("--merge-file", metavar="F", help="GPT-2 BPE merges.txt (with --vocab-file)")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="keys to extract from each JSON line (default: text); one output per key")
+                   help="keys to extract from each JSON line, or the text columns of Parquet / datasets inputs "
+                        "(default: text); one output per key")
     p.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document (Megatron's --append-eod)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -147,7 +175,7 @@ def _run_preprocess(args) -> int:
     s = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                    append_eod=args.append_eod, workers=args.workers, progress=not args.quiet)
     for key, prefix in s["outputs"].items():
-        print(f"{key}: {prefix}.bin/.idx")
+        print(f"{key}: {prefix}.bin/.idx (train with --data-path {prefix})")
     note = f", {s['empty_documents_skipped']} empty documents skipped" if s["empty_documents_skipped"] else ""
     print(f"{s['documents']} documents, {s['tokens']} tokens ({s['dtype']}) in {s['seconds']:.1f} s "
           f"= {s['tokens_per_s'] / 1e3:,.0f}k tokens/s with {s['workers']} worker(s){note}")

@@ -52,11 +52,11 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..io import atomic_output, atomic_write, file_lock
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, dataset_prefix
 from .paths import default_cache_dir
 
 __all__ = ["GPTDataset", "BlendedDataset", "build_train_valid_test_datasets", "parse_split", "split_bounds",
-           "parse_data_path", "build_index_arrays", "num_epochs", "epoch_sample_bounds", "blending_indices",
+           "parse_data_path", "normalize_data_path", "build_index_arrays", "num_epochs", "epoch_sample_bounds", "blending_indices",
            "INDEX_VERSION"]
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Op
         raise UserError("--data-path is empty; pass a prefix such as 'data/corpus_text_document' "
                         "or weights and prefixes such as '0.7 A 0.3 B'.")
     if len(items) == 1:
-        return items, None
+        return [dataset_prefix(items[0])], None
     if len(items) % 2:
         raise UserError(f"--data-path {' '.join(items)!r} has {len(items)} entries; with several datasets give "
                         "weight/prefix pairs, e.g. '0.7 A 0.3 B'.")
@@ -119,9 +119,19 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Op
         if not weight > 0:
             raise UserError(f"--data-path: the weight of {p!r} is {w}; weights must be positive.")
         weights.append(weight)
-        prefixes.append(p)
+        prefixes.append(dataset_prefix(p))
     total = sum(weights)
     return prefixes, [w / total for w in weights]
+
+
+def normalize_data_path(data_path: Union[str, Sequence[str]]) -> list[str]:
+    """``--data-path`` as given, checked, with each dataset written as its prefix (``X.bin`` -> ``X``;
+    weights kept as given): what the options and the checkpoints record."""
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
+    prefixes, weights = parse_data_path(items)
+    if weights is None:
+        return prefixes
+    return [x for w, p in zip(items[0::2], prefixes) for x in (w, p)]
 
 
 # ------------------------------------------------------------------------------ index arrays

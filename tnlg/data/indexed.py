@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import UserError
 from ..io import atomic_output, temporary_name
 
-__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPES", "best_dtype", "dtype_code",
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "dataset_prefix", "DTYPES", "best_dtype", "dtype_code",
            "data_file_path", "index_file_path"]
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -77,11 +77,13 @@ def _decreases(d: np.ndarray) -> bool:
     return any(bool((d[a + 1:min(a + CHUNK, n) + 1] < d[a:min(a + CHUNK, n)]).any()) for a in range(0, n, CHUNK))
 
 
-def _strip_suffix(prefix: Union[str, Path]) -> str:
-    p = os.fspath(prefix)
-    if p.endswith(".bin") or p.endswith(".idx"):
-        p = p[:-4]
-    return p
+def dataset_prefix(path: Union[str, Path]) -> str:
+    """The prefix a dataset path means: ``X.bin``, ``X.idx`` and ``X`` are all the dataset ``X``
+    (its ``X.bin`` + ``X.idx``). Every data path that enters tnlg (``--data-path``, ``tnlg eval
+    --task loss --input``, ``tnlg data info``, ``tnlg preprocess --output-prefix``) goes through
+    this, so options, checkpoints and messages record the prefix alone."""
+    p = os.fspath(path)
+    return p[:-4] if p.endswith((".bin", ".idx")) else p
 
 
 class IndexedDataset:
@@ -102,7 +104,7 @@ class IndexedDataset:
     """
 
     def __init__(self, path_prefix: Union[str, Path]):
-        self.path_prefix = _strip_suffix(path_prefix)
+        self.path_prefix = dataset_prefix(path_prefix)
         self._open()
 
     # pickling (DataLoader workers) reopens the maps by path; the parent checked the contents already
@@ -305,7 +307,7 @@ class IndexedDataset:
 
     @staticmethod
     def exists(path_prefix: Union[str, Path]) -> bool:
-        p = _strip_suffix(path_prefix)
+        p = dataset_prefix(path_prefix)
         return os.path.isfile(index_file_path(p)) and os.path.isfile(data_file_path(p))
 
     def __repr__(self) -> str:

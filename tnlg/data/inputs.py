@@ -1,13 +1,16 @@
-"""Reading text inputs: ``.jsonl`` (one document per line) and ``.txt`` (one document per file).
+"""Reading text inputs: ``.jsonl`` (one document per line), ``.txt`` (one document per file),
+``.parquet`` and ``datasets`` folders (one document per row, :mod:`tnlg.data.tables`).
 
 Shared by tokenizer training (:func:`tnlg.data.tokenizer.train_sentencepiece`) and
 preprocessing (:mod:`tnlg.data.preprocess`), which both read inputs the same way:
 JSON Lines (``.jsonl``/``.json``/``.ndjson``: one object per line, text under
 ``json_keys``; blank lines are skipped) and plain ``.txt`` files (the whole file is one
-document, read as-is). :func:`check_inputs` validates every input before anything is
+document, read as-is); Parquet files and ``datasets.save_to_disk`` folders, the text in the
+columns named by ``json_keys``. :func:`check_inputs` validates every input before anything is
 written; :func:`iter_documents` yields the documents in order.
 
-This module imports only the standard library and :mod:`tnlg.errors`.
+This module imports only the standard library, :mod:`tnlg.errors` and :mod:`.tables` (which
+imports pyarrow when a table is read).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from pathlib import Path
 from typing import Iterator, Sequence, Union
 
 from ..errors import UserError
+from .tables import check_table, is_table_input, iter_table_rows, table_kind
 
 __all__ = ["InputFile", "check_inputs", "iter_documents", "parse_json_line", "read_txt", "input_kind",
-           "JSONL_SUFFIXES", "TXT_SUFFIXES"]
+           "JSONL_SUFFIXES", "TXT_SUFFIXES", "TABLE_KINDS"]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TXT_SUFFIXES = (".txt",)
+TABLE_KINDS = ("parquet", "arrow")  # columnar inputs (tnlg.data.tables): one document per row
 
 
 @dataclass
@@ -32,19 +37,23 @@ class InputFile:
     """One checked input: its path, its kind and how many documents it holds."""
 
     path: str
-    kind: str  # "jsonl" or "txt"
+    kind: str  # "jsonl", "txt", "parquet" or "arrow" (a datasets folder)
     documents: int
 
 
 def input_kind(path: str) -> str:
-    """``"jsonl"`` or ``"txt"`` by extension; any other extension is a :class:`UserError`."""
+    """``"jsonl"``, ``"txt"``, ``"parquet"`` by extension, or ``"arrow"`` for a ``datasets`` folder;
+    anything else is a :class:`UserError`."""
     low = path.lower()
     if low.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if low.endswith(TXT_SUFFIXES):
         return "txt"
+    if is_table_input(path):
+        return table_kind(path)
     raise UserError(f"input {path!r} has an unknown extension; use JSON Lines ({', '.join(JSONL_SUFFIXES)}: "
-                    "one JSON object per line) or plain text (.txt: the whole file is one document).")
+                    "one JSON object per line), plain text (.txt: the whole file is one document), Parquet "
+                    "(.parquet: one document per row) or a folder written by `datasets` save_to_disk.")
 
 
 def parse_json_line(raw: bytes, path: str, lineno: int, json_keys: Sequence[str]) -> list[str]:
@@ -91,8 +100,14 @@ def check_inputs(inputs: Sequence[Union[str, Path]], json_keys: Sequence[str] = 
     for p in inputs:
         path = os.fspath(p)
         kind = input_kind(path)
+        if kind == "arrow":  # a folder (input_kind checked it is a datasets one)
+            infos.append(InputFile(path, kind, check_table(path, json_keys)))
+            continue
         if not os.path.isfile(path):
             raise UserError(f"input {path!r} does not exist or is not a file.")
+        if kind == "parquet":
+            infos.append(InputFile(path, kind, check_table(path, json_keys)))
+            continue
         if kind == "txt":
             if len(json_keys) != 1:
                 raise UserError(f"text input {path!r} holds one document, but --json-keys names {len(json_keys)} "
@@ -134,8 +149,15 @@ def iter_documents(inputs: Sequence[Union[str, Path]], json_keys: Sequence[str] 
         inputs = [inputs]
     for p in inputs:
         path = os.fspath(p)
-        if input_kind(path) == "txt":
+        kind = input_kind(path)
+        if kind == "txt":
             yield path, 0, read_txt(path)
+            continue
+        if kind in TABLE_KINDS:
+            for first, columns in iter_table_rows(path, json_keys):
+                for i, texts in enumerate(zip(*columns)):
+                    for text in texts:
+                        yield path, first + i, text
             continue
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):

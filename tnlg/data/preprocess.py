@@ -1,8 +1,10 @@
 """Raw text -> Megatron ``.bin``/``.idx`` (what Megatron's ``tools/preprocess_data.py`` does).
 
 Inputs: JSON Lines (``.jsonl``/``.json``/``.ndjson``: one document per line, text under
-``--json-keys``, default ``text``; blank lines are skipped) and plain ``.txt`` files
-(a whole file is one document, read as-is: no newline translation). Every input is
+``--json-keys``, default ``text``; blank lines are skipped), plain ``.txt`` files
+(a whole file is one document, read as-is: no newline translation), and Parquet files and
+``datasets.save_to_disk`` folders (one document per row, the text in the ``--json-keys``
+columns, streamed a row group at a time; the same documents give the same bytes as JSONL). Every input is
 checked first - missing file, an input with no documents, a malformed JSON line
 (named by file and line number), a missing or non-string key - before anything is
 written.
@@ -31,8 +33,9 @@ from typing import Any, Iterator, Sequence, Union
 import numpy as np
 
 from ..errors import UserError
-from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, index_file_path
-from .inputs import InputFile, check_inputs, iter_documents, parse_json_line, read_txt
+from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, dataset_prefix, index_file_path
+from .inputs import TABLE_KINDS, InputFile, check_inputs, iter_documents, parse_json_line, read_txt
+from .tables import iter_table_rows
 from .tokenizer import Tokenizer, load_tokenizer
 
 # check_inputs, iter_documents and InputFile live in .inputs (tokenizer training reads inputs too)
@@ -65,6 +68,8 @@ def _encode_chunk(task: tuple) -> tuple[int, int, list[tuple[np.ndarray, np.ndar
     kind, path = task[0], task[1]
     if kind == "txt":
         per_key_texts = [[read_txt(path)]]
+    elif kind == "rows":  # a chunk of a table's rows, read by the caller (tnlg.data.tables)
+        per_key_texts = task[3]
     else:
         first_line, lines = task[2], task[3]
         rows = [parse_json_line(raw, path, first_line + i, keys) for i, raw in enumerate(lines) if raw.strip()]
@@ -88,10 +93,14 @@ def _encode_chunk(task: tuple) -> tuple[int, int, list[tuple[np.ndarray, np.ndar
     return n_docs, empty, out
 
 
-def _tasks(infos: Sequence[InputFile], chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(infos: Sequence[InputFile], keys: Sequence[str], chunk_bytes: int) -> Iterator[tuple]:
     for info in infos:
         if info.kind == "txt":
             yield ("txt", info.path)
+            continue
+        if info.kind in TABLE_KINDS:
+            for first, per_key in iter_table_rows(info.path, keys, chunk_bytes):
+                yield ("rows", info.path, first, per_key)
             continue
         with open(info.path, "rb") as f:
             lines: list[bytes] = []
@@ -129,6 +138,7 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
     if not isinstance(workers, int) or workers < 1:
         raise UserError(f"--workers must be a positive integer, got {workers!r}.")
     json_keys = list(json_keys)
+    output_prefix = dataset_prefix(output_prefix)  # "out/x.bin" names the prefix out/x, as everywhere
     tok = load_tokenizer(tokenizer)
     infos = check_inputs(inputs, json_keys)
     total_docs = sum(i.documents for i in infos)
@@ -143,27 +153,17 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
         from tqdm import tqdm
         bar = tqdm(total=total_docs, unit="doc", desc="preprocess", dynamic_ncols=True)
     start = time.perf_counter()
-    docs = empty = tokens = 0
     builders = [IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for p in prefixes]
     pool = None
     try:
         if workers == 1:
             _setup(tok, json_keys, append_eod, dtype)
-            results: Iterator = map(_encode_chunk, _tasks(infos, chunk_bytes))
+            results: Iterator = map(_encode_chunk, _tasks(infos, json_keys, chunk_bytes))
         else:
             pool = mp.get_context(_start_method()).Pool(
                 workers, initializer=_init_worker, initargs=(tok.describe(), json_keys, append_eod, dtype))
-            results = _ordered(pool, _tasks(infos, chunk_bytes), window=4 * workers)
-        for n_docs, n_empty, per_key in results:
-            for builder, (toks, lengths) in zip(builders, per_key):
-                builder.add_documents(toks, lengths)
-            docs += n_docs
-            empty += n_empty
-            tokens += sum(int(t.size) for t, _ in per_key)
-            if bar is not None:
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
-                bar.update(n_docs)
+            results = _ordered(pool, _tasks(infos, json_keys, chunk_bytes), window=4 * workers)
+        docs, empty, tokens = _append(builders, results, bar, start)
         for builder, p in zip(builders, prefixes):
             builder.finalize(index_file_path(p))
     except BaseException:
@@ -181,6 +181,22 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
     return {"outputs": dict(zip(json_keys, prefixes)), "documents": docs, "empty_documents_skipped": empty,
             "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
             "dtype": np.dtype(dtype).name, "workers": workers, "tokenizer": tok.describe()}
+
+
+def _append(builders: list, results: Iterator, bar, start: float) -> tuple[int, int, int]:
+    """Append every encoded chunk to the builders (one per key); ``(documents, empty ones, tokens)``."""
+    docs = empty = tokens = 0
+    for n_docs, n_empty, per_key in results:
+        for builder, (toks, lengths) in zip(builders, per_key):
+            builder.add_documents(toks, lengths)
+        docs += n_docs
+        empty += n_empty
+        tokens += sum(int(t.size) for t, _ in per_key)
+        if bar is not None:
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
+            bar.update(n_docs)
+    return docs, empty, tokens
 
 
 def _ordered(pool, tasks: Iterator[tuple], window: int) -> Iterator:

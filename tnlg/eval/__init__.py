@@ -1,6 +1,8 @@
-"""Zero-shot evaluation as Megatron defines it: WikiText perplexity, LAMBADA accuracy, dataset loss.
+"""Zero-shot evaluation as Megatron defines it: WikiText perplexity, LAMBADA accuracy, dataset loss;
+and the perplexity of any text files.
 
-Modules: :mod:`.wikitext` (overlapping-window perplexity, the WikiText detokeniser),
+Modules: :mod:`.windows` (overlapping-window scoring of token streams), :mod:`.wikitext`
+(WikiText perplexity, the WikiText detokeniser), :mod:`.text` (token-weighted perplexity of text files),
 :mod:`.lambada` (strict / non-strict last-word accuracy), :mod:`.loss` (loss over a
 ``.bin/.idx`` dataset), :mod:`.logits` (argmax, top-k and sampling on
 vocabulary-parallel logits, shared with :mod:`tnlg.generate`), :mod:`.loading`
@@ -9,8 +11,9 @@ vocabulary-parallel logits, shared with :mod:`tnlg.generate`), :mod:`.loading`
 
 from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts, split_last_word
 from .loss import build_eval_dataset, dataset_loss
+from .text import read_text_files, text_perplexity
 from .wikitext import count_original_tokens, eval_windows, read_wikitext, wikitext_detokenizer, wikitext_perplexity
 
 __all__ = ["wikitext_perplexity", "wikitext_detokenizer", "read_wikitext", "count_original_tokens", "eval_windows",
            "lambada_accuracy", "lambada_examples", "read_lambada_texts", "split_last_word",
-           "dataset_loss", "build_eval_dataset"]
+           "dataset_loss", "build_eval_dataset", "text_perplexity", "read_text_files"]

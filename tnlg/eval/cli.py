@@ -6,22 +6,28 @@ import argparse
 import sys
 import time
 
-from ..data.indexed import IndexedDataset
+from ..data.indexed import IndexedDataset, dataset_prefix
 from ..errors import UserError
 from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
 from .loading import (add_common_arguments, check_tokenizer_fits, load_model, precheck_checkpoint, print_table,
                       resolve_tokenizer, run_command)
 from .loss import build_eval_dataset, dataset_loss
-from .wikitext import check_text_file, read_wikitext, wikitext_perplexity
+from .text import read_text_files, text_perplexity
+from .wikitext import WORD_COUNT, check_text_file, read_wikitext, wikitext_caveat, wikitext_perplexity
 
-TASKS = ("wikitext", "lambada", "loss")
+TASKS = ("wikitext", "lambada", "loss", "text")
 
 EPILOG = """\
 tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
   wikitext  perplexity of a raw text file with overlapping windows of seq_length tokens
             starting every --overlapping-eval tokens (each target scored once); prints
             val_loss, ppl = exp(min(20, val_loss)) and the word-level adjusted ppl that
-            uses T_orig = len(raw.strip().split(" ")), counted before --detokenize.
+            uses T_orig = len(raw.strip().split(" ")), counted before --detokenize (a
+            word count only for WikiText's tokenisation: other files get a caveat).
+  text      token-weighted perplexity of any text files (--input F1 F2 ...), each
+            file scored with the same overlapping windows, its first token context
+            only: val_loss = summed loss / targets of all files, ppl = exp(val_loss);
+            each file's figures too. No word-level figure.
   lambada   last-word accuracy on JSON Lines {"text": ...} (LAMBADA's test file format),
             teacher forcing: correct when the argmax at every target position is right.
             Non-strict: the target is the text's last token. --strict: the target is the
@@ -36,6 +42,7 @@ tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
 examples:
   tnlg eval --task wikitext --checkpoint gpt2/ --input wiki.test.raw --detokenize wikitext
   tnlg eval --task lambada --strict --checkpoint gpt2/ --input lambada_test.jsonl --json
+  tnlg eval --task text --checkpoint runs/gpt notes.txt essay.txt
   torchrun --nproc-per-node 4 -m tnlg eval --task wikitext --tp 4 --checkpoint runs/ckpt --input f.txt
 """
 
@@ -43,13 +50,15 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
-    p.add_argument("--input", "--valid-data", dest="input", required=True, metavar="FILE",
-                   help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx)")
+    p.add_argument("--input", "--valid-data", dest="input", nargs="+", metavar="FILE",
+                   help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx); "
+                        "text: one or more text files (the files may also follow the options, without --input)")
+    p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
     add_common_arguments(p)
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
                         "sample (loss); default the model's seq_length")
-    g = p.add_argument_group("wikitext")
+    g = p.add_argument_group("wikitext and text")
     g.add_argument("--overlapping-eval", type=int, default=32, metavar="STRIDE",
                    help="a new window every STRIDE tokens (default 32; = seq length: no overlap)")
     g.add_argument("--detokenize", choices=("none", "wikitext"), default="none",
@@ -76,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _precheck(args) -> None:
     """Everything that can be checked before a process starts or a model loads."""
+    args.input = list(args.input or []) + list(getattr(args, "files", None) or [])  # --input F, or F alone
+    args.files = []  # (the launched processes get them as --input)
+    if not args.input:
+        raise UserError(f"--task {args.task} needs an input: --input FILE (or the file names after the options; "
+                        "see tnlg eval --help).")
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -83,14 +97,27 @@ def _precheck(args) -> None:
         raise UserError(f"--eval-samples must be >= 0 (0: one pass over the split), got {args.eval_samples}.")
     if args.seq_length is not None and args.seq_length < 1:
         raise UserError(f"--seq-length must be >= 1, got {args.seq_length}.")
+    if args.task == "text":
+        for path in args.input:
+            check_text_file(path)
+        return _precheck_checkpoint(args)
+    if len(args.input) != 1:
+        raise UserError(f"--task {args.task} evaluates one --input, got {len(args.input)}: {args.input}; "
+                        "--task text takes several files.")
+    path = args.input[0]
     if args.task == "wikitext":
-        check_text_file(args.input)
+        check_text_file(path)
     elif args.task == "lambada":
-        read_lambada_texts(args.input)
+        read_lambada_texts(path)
     else:
-        if not IndexedDataset.exists(args.input):
-            raise UserError(f"dataset {args.input!r} not found: --task loss needs the prefix of a PREFIX.bin + "
+        args.input = [dataset_prefix(path)]  # X.bin, X.idx and X all mean the dataset X
+        if not IndexedDataset.exists(args.input[0]):
+            raise UserError(f"dataset {args.input[0]!r} not found: --task loss needs the prefix of a PREFIX.bin + "
                             "PREFIX.idx pair written by `tnlg preprocess`.")
+    _precheck_checkpoint(args)
+
+
+def _precheck_checkpoint(args) -> None:
     needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
         args.reset_attention_mask
     precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer)
@@ -110,18 +137,22 @@ def evaluate(args, ps) -> dict:
         raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
-    if args.task == "wikitext":
-        tokens, n_orig = read_wikitext(args.input, tokenizer, args.detokenize)
+    path = args.input[0]
+    if args.task == "text":
+        out = text_perplexity(model, read_text_files(args.input, tokenizer), args.input,
+                              stride=args.overlapping_eval, seq_length=seq, pad_id=tokenizer.eod_id, **common)
+    elif args.task == "wikitext":
+        tokens, n_orig = read_wikitext(path, tokenizer, args.detokenize)
         out = wikitext_perplexity(model, tokens, n_orig, stride=args.overlapping_eval, seq_length=seq,
                                   pad_id=tokenizer.eod_id, **common)
-        out["detokenize"] = args.detokenize
+        out.update(detokenize=args.detokenize, adjusted_ppl_divides_by=f"{WORD_COUNT} - 1",
+                   caveat=wikitext_caveat(path, check_text_file(path)))
     elif args.task == "lambada":
-        examples, truncated = lambada_examples(read_lambada_texts(args.input), tokenizer, args.strict, seq,
-                                               path=args.input)
+        examples, truncated = lambada_examples(read_lambada_texts(path), tokenizer, args.strict, seq, path=path)
         out = lambada_accuracy(model, examples, pad_id=tokenizer.eod_id, strict=args.strict, **common)
         out["truncated_contexts"] = truncated
     else:
-        ds = build_eval_dataset(args.input, seq, split=args.split, eval_split=args.eval_split, seed=args.seed,
+        ds = build_eval_dataset(path, seq, split=args.split, eval_split=args.eval_split, seed=args.seed,
                                 num_samples=args.eval_samples,
                                 eod_id=None if tokenizer is None else tokenizer.eod_id,
                                 vocab_size=model.config.vocab_size, cache_dir=args.data_cache_path,
@@ -130,7 +161,8 @@ def evaluate(args, ps) -> dict:
         # the dataset holds whole passes (at least N samples); the first N of them are evaluated
         out = dataset_loss(model, ds, max_samples=args.eval_samples or None, **common)
         out.update(split=args.split, eval_split=args.eval_split, seq_length=seq)
-    return {"task": args.task, **out, "checkpoint": args.checkpoint, "input": args.input,
+    return {"task": args.task, **out, "checkpoint": args.checkpoint,
+            "input": args.input if args.task == "text" else path,
             "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
             "seconds": round(time.time() - start, 3)}
 
@@ -140,15 +172,36 @@ _LABELS = {
                  "token_ratio", "seq_length", "stride", "windows", "detokenize"],
     "lambada": ["accuracy", "correct", "num_examples", "strict", "truncated_contexts"],
     "loss": ["loss", "ppl", "num_tokens", "num_samples", "eval_split", "split", "seq_length"],
+    "text": ["val_loss", "ppl", "total_loss", "num_targets", "num_tokenized_tokens", "num_files", "seq_length",
+             "stride", "windows"],
 }
+
+
+def _rows(result: dict) -> list[tuple[str, object]]:
+    """The table's rows: the task's figures (the adjusted perplexity labelled with its divisor), each
+    file's perplexity for the text task, the layout and the time."""
+    rows = []
+    for k in _LABELS[result["task"]]:
+        if k == "adjusted_ppl" and result.get(k) is not None:
+            rows.append((f"adjusted_ppl (per word: / {result['num_original_tokens'] - 1:,} = T_orig - 1)",
+                         result[k]))
+        elif k == "num_original_tokens" and k in result:
+            rows.append(("num_original_tokens (T_orig)", f"{result[k]} ({WORD_COUNT})"))
+        elif k in result:
+            rows.append((k, result[k]))
+    for f in result.get("files", []) if len(result.get("files", [])) > 1 else []:
+        rows.append((f"  {f['path']}", f"ppl {f['ppl']:.6g} over {f['num_targets']:,} targets"))
+    rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x {result['data_parallel_size']}"),
+             ("seconds", result["seconds"])]
+    return rows
 
 
 def run(args) -> int:
     def show(result: dict) -> None:
-        rows = [(k, result[k]) for k in _LABELS[args.task] if k in result]
-        rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x "
-                                          f"{result['data_parallel_size']}"), ("seconds", result["seconds"])]
-        print_table(f"tnlg eval --task {args.task}: {args.input}", rows)
+        inputs = " ".join(args.input)
+        print_table(f"tnlg eval --task {args.task}: {inputs}", _rows(result))
+        if result.get("caveat"):
+            print(f"note: {result['caveat']}")
 
     _precheck(args)
     return run_command("eval", add_arguments, args, lambda ps: evaluate(args, ps), show)

@@ -18,15 +18,12 @@ import math
 import re
 from typing import Optional, Sequence
 
-import torch
-
 from ..errors import UserError
-from ..parallel.mappings import all_reduce
-from ..parallel.vocab import vocab_parallel_cross_entropy
-from .batches import eval_mode, micro_batches
+from .windows import eval_windows, window_loss_sums
 
 __all__ = ["wikitext_detokenizer", "count_original_tokens", "read_wikitext", "eval_windows",
-           "wikitext_perplexity", "perplexity_figures", "DETOKENIZERS"]
+           "wikitext_perplexity", "perplexity_figures", "looks_like_wikitext", "wikitext_caveat", "WORD_COUNT",
+           "DETOKENIZERS"]
 
 
 def wikitext_detokenizer(string: str) -> str:
@@ -72,6 +69,25 @@ def count_original_tokens(raw: str) -> int:
     return len(raw.strip().split(" "))
 
 
+WORD_COUNT = 'T_orig = len(raw.strip().split(" "))'  # what adjusted_ppl divides by (T_orig - 1 words)
+
+
+def looks_like_wikitext(raw: str) -> bool:
+    """Whether a raw file has WikiText's tokenisation: `` = Heading = `` lines and punctuation
+    set off by spaces (`` , `` / `` . ``). Only there does ``T_orig`` count words: in ordinary text
+    ``split(" ")`` joins the words around every newline, so the adjusted perplexity is meaningless."""
+    return bool(re.search(r"^ = [^=\n].* = $", raw, re.M)) and (" , " in raw or " . " in raw)
+
+
+def wikitext_caveat(path: str, raw: str) -> Optional[str]:
+    """The note printed (and put in the JSON) when ``path`` does not look like WikiText; else ``None``."""
+    if looks_like_wikitext(raw):
+        return None
+    return (f"{path!r} does not look like WikiText (no ' = Heading = ' lines with space-separated punctuation): "
+            f"adjusted_ppl divides the loss by {WORD_COUNT} - 1, a word count only for WikiText's tokenisation. "
+            "For the perplexity of any text use --task text.")
+
+
 def read_wikitext(path: str, tokenizer, detokenize: str = "none") -> tuple[list[int], int]:
     """Tokens of a raw text file (after the chosen detokeniser) and its ``T_orig``."""
     if detokenize not in DETOKENIZERS:
@@ -99,18 +115,6 @@ def check_text_file(path: str) -> str:
     return raw
 
 
-def eval_windows(num_tokens: int, seq_length: int, stride: int) -> list[tuple[int, int]]:
-    """``(start, first_scored)`` of every window: inputs ``tokens[start:start + seq]``,
-    targets ``tokens[start + 1:start + seq + 1]``; positions ``>= first_scored`` are scored
-    (0 for the first window, ``seq - stride`` after). Windows scoring nothing are left out."""
-    if not 1 <= stride <= seq_length:
-        raise UserError(f"--overlapping-eval (stride) must be in [1, seq_length={seq_length}], got {stride}: "
-                        "a larger stride would skip targets.")
-    targets = num_tokens - 1
-    count = 1 + max(0, math.ceil((targets - seq_length) / stride))
-    return [(k * stride, 0 if k == 0 else seq_length - stride) for k in range(count)]
-
-
 def perplexity_figures(total_loss: float, num_tokenized: int, num_original: int) -> dict:
     """``val_loss``, ``ppl`` and the word-level adjusted ``ppl`` from the summed loss."""
     val_loss = total_loss / (num_tokenized - 1)
@@ -124,40 +128,18 @@ def perplexity_figures(total_loss: float, num_tokenized: int, num_original: int)
     return out
 
 
-@torch.no_grad()
 def wikitext_perplexity(model, tokens: Sequence[int], num_original_tokens: int, stride: int = 32,
                         micro_batch_size: int = 8, seq_length: Optional[int] = None, pad_id: int = 0,
                         progress: bool = False) -> dict:
-    """Overlapping-window perplexity of ``tokens`` (see the module docstring).
-
-    Windows are spread over data-parallel ranks (``window % dp_size``); within a TP
-    group every rank runs the same windows. Collectives: per forward the model's TP
-    all-reduces and the vocab-parallel cross-entropy's three ``[b, seq]`` all-reduces;
-    at the end one float64 all-reduce of the loss sum over DP. Every rank returns the
-    same dict.
+    """Overlapping-window perplexity of ``tokens`` (see the module docstring and
+    :func:`tnlg.eval.windows.window_loss_sums` for the collectives). Every rank returns the same dict.
     """
-    ps = model.ps
     seq = seq_length or model.config.seq_length
-    if seq > model.config.seq_length:
-        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
     n = len(tokens)
     if n < 2:
         raise UserError(f"perplexity needs at least 2 tokens, got {n}.")
-    windows = eval_windows(n, seq, stride)
-    mine = windows[ps.dp_rank::ps.dp_size]
-    device = model.transformer.wte.weight.device
-    data = torch.tensor(list(tokens) + [pad_id] * (seq + 1), dtype=torch.long)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with eval_mode(model):
-        for chunk in micro_batches(mine, micro_batch_size, progress, "wikitext"):
-            rows = torch.stack([data[s:s + seq + 1] for s, _ in chunk])
-            pos = torch.arange(seq)
-            scored = torch.stack([(pos >= first) & (s + 1 + pos <= n - 1) for s, first in chunk])
-            rows, scored = rows.to(device), scored.to(device)
-            logits = model(rows[:, :-1])
-            losses = vocab_parallel_cross_entropy(logits, rows[:, 1:], ps, model.config.vocab_size)
-            total += (losses.double() * scored).sum()
-    all_reduce(total, ps.dp_group)
-    out = perplexity_figures(float(total), n, num_original_tokens)
-    out.update(seq_length=seq, stride=stride, windows=len(windows))
+    (total,), windows = window_loss_sums(model, [tokens], seq, stride, micro_batch_size, pad_id, progress,
+                                         "wikitext")
+    out = perplexity_figures(total, n, num_original_tokens)
+    out.update(seq_length=seq, stride=stride, windows=windows)
     return out

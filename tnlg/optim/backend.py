@@ -35,6 +35,7 @@ class StepResult(NamedTuple):
     grad_norm: float     # global gradient norm before clipping, unscaled
     skipped: bool        # inf/NaN gradients: no update was made
     clip_coeff: float    # min(1, clip_grad / (grad_norm + 1e-6))
+    loss: Optional[float] = None  # the loss handed to step(), read with the norm; not finite: no update
 
 
 @runtime_checkable
@@ -55,9 +56,11 @@ class DataParallelBackend(Protocol):
         """Backward of ``loss * factor`` (``factor`` = loss scale / accumulation steps); reduce
         gradients over DP only when ``is_last``."""
 
-    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
+    def step(self, lr: float, clip_grad: float, loss_scale: float,
+             loss: Optional[torch.Tensor] = None) -> StepResult:
         """Finish the gradient reduction, take the global norm, clip, run AdamW on what this rank
-        owns and bring the parameters up to date."""
+        owns and bring the parameters up to date. ``loss`` (a device scalar) is read in the same host
+        synchronisation as the norm; if it is not finite, no update is made."""
 
     def zero_grad(self) -> None:
         """Zero (or drop) the gradients before the next iteration."""

@@ -157,10 +157,14 @@ class DeepSpeedBackend:
         self.ds.set_gradient_accumulation_boundary(is_last)
         self.ds.backward(loss)
 
-    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
+    def step(self, lr: float, clip_grad: float, loss_scale: float,
+             loss: Optional[torch.Tensor] = None) -> StepResult:
         """DeepSpeed's step: gradient norm (all-reduce over DP, then TP), clipping by its own
         ``gradient_clipping`` (``clip_grad``, the same rule), AdamW on the owned partition,
         all-gather of the parameters."""
+        loss_value = None if loss is None else float(loss.item())  # (DeepSpeed reads its norm itself too)
+        if loss_value is not None and not math.isfinite(loss_value):
+            return StepResult(float("nan"), True, 1.0, loss_value)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         skipped_before = self.ds.skipped_steps
@@ -170,7 +174,7 @@ class DeepSpeedBackend:
         norm = float(norm) if norm is not None else float("nan")
         if norm < 0:  # DeepSpeed masks an inf/NaN norm as -1
             norm = float("nan")
-        return StepResult(norm, skipped, clip_coefficient(norm, clip_grad))
+        return StepResult(norm, skipped, clip_coefficient(norm, clip_grad), loss_value)
 
     def zero_grad(self) -> None:
         """DeepSpeed zeroes its gradient partitions in ``step``; this drops any ``.grad`` left on the GPT."""

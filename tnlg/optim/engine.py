@@ -129,9 +129,14 @@ class Engine:
         self.backend.backward(loss, factor, self.is_last_micro_step)
         self._micro += 1
 
-    def step(self, lr: Optional[float] = None) -> dict:
+    def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:
         """Finish the gradient reduction, clip, update; returns ``grad_norm`` (before clipping, unscaled),
         ``skipped`` (inf/NaN gradients: no update), ``clip_coeff``, ``loss_scale`` and ``lr``.
+
+        ``loss`` (a device scalar, the iteration's loss) is read in the same host synchronisation as
+        the norm and returned as ``info["loss"]``: the iteration's one device -> host read. If it is
+        inf/NaN no update is made, the loss scaler is left alone and the step is not counted (the
+        caller stops: :class:`tnlg.training.step.TrainingDiverged`).
 
         Collectives: waits for the bucket reductions; 2 tiny all-reduces (norm);
         stage 1 all-gathers the parameters.
@@ -141,15 +146,20 @@ class Engine:
                                f"grad_accum_steps={self.grad_accum_steps}.")
         lr = self.lr if lr is None else float(lr)
         scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-        res = self.backend.step(lr, self.clip_grad, scale)
-        if self.loss_scaler is not None:
+        res = self.backend.step(lr, self.clip_grad, scale) if loss is None else \
+            self.backend.step(lr, self.clip_grad, scale, loss)
+        diverged = res.loss is not None and not math.isfinite(res.loss)
+        if self.loss_scaler is not None and not diverged:
             self.loss_scaler.update(res.skipped)
         if not res.skipped:
             self._num_steps += 1
         self._micro = 0
         self._needs_zero = True
-        return dict(grad_norm=res.grad_norm, skipped=res.skipped, clip_coeff=res.clip_coeff, lr=lr,
+        info = dict(grad_norm=res.grad_norm, skipped=res.skipped, clip_coeff=res.clip_coeff, lr=lr,
                     loss_scale=None if self.loss_scaler is None else scale)
+        if loss is not None:
+            info["loss"] = res.loss
+        return info
 
     def zero_grad(self) -> None:
         """Zero the gradients (flat buffers are zeroed in place; FSDP grads set to None)."""

@@ -150,18 +150,12 @@ class FSDPZero(ShardedBackend):
                 yield g, f
 
     @torch.no_grad()
-    def scale_grads_(self, factor: float) -> None:
-        for g in self._local_grads():
-            if g is not None:
-                g.mul_(factor)
-
-    @torch.no_grad()
-    def adam_step(self, lr: float) -> None:
-        """AdamW on the local shards (unused parameters, without a gradient, are skipped as
-        ``torch.optim`` skips them)."""
+    def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:
+        """AdamW on ``grad_factor`` times the local shards' gradients (unused parameters, without a
+        gradient, are skipped as ``torch.optim`` skips them)."""
         for p, run in zip(self.params, self.runs):
             run.grad = None if p.grad is None else p.grad.to_local().view(-1)
-        self.optimizer.step(lr)
+        self.optimizer.step(lr, grad_factor)
         for run in self.runs:
             run.grad = None
 
@@ -175,6 +169,13 @@ class FSDPZero(ShardedBackend):
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def close(self) -> None:
+        """Drop the gradient shards; FSDP's hooks live on the (sharded) model and go with it, the
+        Adam states and master with the last reference to the backend. Unusable afterwards."""
+        self.zero_grad()
+        for run in self.runs:
+            run.grad = None
 
     # ----------------------------------------------------------------- state exchange (checkpoints)
     def _local_of(self, full: torch.Tensor, p) -> torch.Tensor:

@@ -20,10 +20,18 @@ Communication (DP group only; the model's TP collectives use the TP group):
 ``dtype`` wider than the parameters' (fp32 gradients for 16-bit parameters, Megatron's
 ``main_grad``): autograd's 16-bit ``.grad`` is added into the fp32 view by the hook and
 dropped, so accumulation and reduction are fp32.
+
+Lifetime: a parameter's hooks are held by autograd (C++), out of the garbage collector's
+sight, so a hook that captured the buffer would keep it (and the whole engine) alive for as
+long as the parameter lives, and a cycle through it could never be collected. The hooks hold
+only a weak reference to their :class:`GradBuffer`; :meth:`GradBuffer.close` removes them
+and drops the ``.grad`` views, after which the buffer's memory returns as soon as the
+engine is dropped.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -61,26 +69,35 @@ class GradBuffer:
         self._works: list = []
 
     def _make_hook(self, i: int):
+        owner = weakref.ref(self)  # not ``self``: autograd holds the hook (see the module docstring)
+
         def hook(param: torch.Tensor) -> None:
-            view = self.views[i]
-            g = param.grad
-            if self.separate:  # 16-bit .grad -> fp32 main gradient, then drop the 16-bit one
-                if g is not None:
-                    with torch.no_grad():
-                        view.add_(g)
-                    param.grad = None
-            elif g is None or g.data_ptr() != view.data_ptr():
-                # .grad was replaced (set_to_none, or out-of-place accumulation): fold it back in.
-                with torch.no_grad():
-                    if g is None:
-                        view.zero_()
-                    else:
-                        view.copy_(g)
-                param.grad = view
-            if self._sync:
-                self._pending[self.param_bucket[i]] -= 1
-                self._launch_ready(in_backward=True)
+            buf = owner()
+            if buf is not None:  # else the buffer is gone (closed or dropped): nothing to accumulate into
+                buf._accumulated(i, param)
         return hook
+
+    def _accumulated(self, i: int, param: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient is complete for this backward: fold it into its view, and
+        launch the buckets that became ready."""
+        view = self.views[i]
+        g = param.grad
+        if self.separate:  # 16-bit .grad -> fp32 main gradient, then drop the 16-bit one
+            if g is not None:
+                with torch.no_grad():
+                    view.add_(g)
+                param.grad = None
+        elif g is None or g.data_ptr() != view.data_ptr():
+            # .grad was replaced (set_to_none, or out-of-place accumulation): fold it back in.
+            with torch.no_grad():
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+            param.grad = view
+        if self._sync:
+            self._pending[self.param_bucket[i]] -= 1
+            self._launch_ready(in_backward=True)
 
     def _launch_ready(self, in_backward: bool) -> None:
         while self._next < len(self.layout.buckets) and self._pending[self._next] <= 0:
@@ -111,3 +128,13 @@ class GradBuffer:
                 p.grad = None
             elif p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 p.grad = v
+
+    def close(self) -> None:
+        """Remove the hooks and the ``.grad`` views into the buffer; unusable afterwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p, v in zip(self.params, self.views):
+            if p.grad is not None and p.grad.data_ptr() == v.data_ptr():
+                p.grad = None
+        self.views, self.params = [], []

@@ -14,8 +14,13 @@ AdamW on those pieces instead of re-implementing the update:
   FSDP shards of about a bucket's size): for 16-bit training only that group's gradient is
   upcast to fp32 at once, so the step never holds more than one bucket of extra memory;
 * weight decay goes to matrices only (the engine's ``decay_fn``); AdamW's decoupled decay
-  ``p *= 1 - lr * wd`` then the Adam update, as ``torch.optim.AdamW``. On CUDA the fused
-  kernel is used, elsewhere torch's default (single-tensor on CPU).
+  ``p *= 1 - lr * wd`` then the Adam update, as ``torch.optim.AdamW``;
+* torch's *fused* AdamW (one kernel per group reads gradient, master and moments once and
+  writes master and moments once; CUDA and CPU) wherever this torch has it, else its default
+  implementation. The gradient factor of the step (clipping coefficient / loss scale) is
+  folded into the fused kernel as its ``grad_scale`` (a device scalar filled in place: no
+  extra pass over the gradients, no host synchronisation); without the fused kernel the
+  gradient is multiplied in place.
 
 No communication. Every parameter view keeps its own step tensor (torch's layout);
 :meth:`set_step` sets them all (after loading a checkpoint).
@@ -58,24 +63,38 @@ class ShardedAdamW:
                 params.append(p)
                 (decay if r.decay else no_decay).append(p)
             device = runs[0].target.device
-            kw = dict(fused=True) if device.type == "cuda" else {}
-            opt = torch.optim.AdamW([dict(params=decay, weight_decay=float(weight_decay)),
-                                     dict(params=no_decay, weight_decay=0.0)], lr=0.0,
-                                    betas=(float(betas[0]), float(betas[1])), eps=float(eps), **kw)
+            groups_kw = [dict(params=decay, weight_decay=float(weight_decay)), dict(params=no_decay, weight_decay=0.0)]
+            opt_kw = dict(lr=0.0, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
+            try:
+                opt = torch.optim.AdamW(groups_kw, fused=True, **opt_kw)
+            except RuntimeError:  # no fused kernel for this device in this torch
+                opt = torch.optim.AdamW(groups_kw, **opt_kw)
+            fused = bool(opt.defaults.get("fused"))
             for p, r in zip(params, runs):
-                step = torch.zeros((), dtype=torch.float32, device=device if kw else "cpu")
+                step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
                 opt.state[p] = dict(step=step, exp_avg=r.exp_avg, exp_avg_sq=r.exp_avg_sq)
             self.optimizers.append(opt)
             self.params.append(params)
+        self.fused = bool(self.optimizers) and all(o.defaults.get("fused") for o in self.optimizers)
+        device = self.groups[0][0].target.device if self.groups else torch.device("cpu")
+        self._grad_scale = torch.ones((), dtype=torch.float32, device=device)  # 1 / grad_factor, fused path
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        """One AdamW update of every owned run; a master's result is copied into its 16-bit parameter."""
+    def step(self, lr: float, grad_factor: float = 1.0) -> None:
+        """One AdamW update of every owned run with gradient ``grad_factor * grad`` (the clipping
+        coefficient over the loss scale); a master's result is copied into its 16-bit parameter.
+        Without the fused kernel an fp32 gradient is multiplied by ``grad_factor`` in place."""
+        scale = None
+        if grad_factor != 1.0 and self.fused:
+            scale = self._grad_scale.fill_(1.0 / grad_factor)  # the kernel divides by it
         for runs, params, opt in zip(self.groups, self.params, self.optimizers):
             for p, r in zip(params, runs):  # no gradient (an unused parameter): AdamW skips it
                 p.grad = None if r.grad is None else r.grad if r.grad.dtype == p.dtype else r.grad.to(p.dtype)
+                if p.grad is not None and grad_factor != 1.0 and not self.fused:
+                    p.grad.mul_(grad_factor)
             for g in opt.param_groups:
                 g["lr"] = lr
+            opt.grad_scale = scale
             opt.step()
             for p, r in zip(params, runs):
                 if r.param is not None and p.grad is not None:

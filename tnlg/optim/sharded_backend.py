@@ -8,17 +8,19 @@ written once here, on top of a few primitives each backend provides:
 * ``finish_grad_sync()`` — wait for the gradient reduction of the last micro step;
 * ``grad_pieces()`` — ``(gradient tensor, tp_sharded)`` for what this rank holds;
 * ``grads_sharded_over_dp`` — True when DP ranks hold disjoint gradient pieces;
-* ``scale_grads_(factor)``, ``adam_step(lr)`` and ``owned_pieces()``.
+* ``adam_step(lr, grad_factor)`` (AdamW on ``grad_factor * grad``: the clipping coefficient
+  over the loss scale, folded into the fused kernel) and ``owned_pieces()``.
 
 Collectives of :meth:`ShardedBackend.step`: the backend's wait for the gradient reduction;
 the gradient norm (:mod:`tnlg.optim.clip`: an fp64 all-reduce over DP of both sums where
-gradients are sharded, one over TP of the sharded sum); then whatever ``adam_step`` runs
+gradients are sharded, one over TP of the sharded sum; the one host read of the step); then whatever ``adam_step`` runs
 (flat stage 1: all-gather of the parameters).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import StepResult
-from .clip import clip_coefficient, global_norm, squared_sums
+from .clip import clip_coefficient, global_norm_and, squared_sums
 
 __all__ = ["ShardedBackend", "check_shape"]
 
@@ -44,21 +46,21 @@ class ShardedBackend:
         self.set_sync(is_last)
         (loss if factor == 1.0 else loss * factor).backward()
 
-    def step(self, lr: float, clip_grad: float, loss_scale: float) -> StepResult:
-        """Wait for the reduction, norm (unscaled by ``loss_scale``), then clip and AdamW unless inf/NaN."""
+    def step(self, lr: float, clip_grad: float, loss_scale: float,
+             loss: Optional[torch.Tensor] = None) -> StepResult:
+        """Wait for the reduction, norm (unscaled by ``loss_scale``; ``loss`` read with it, in the step's
+        one host synchronisation), then clip and AdamW unless the norm or the loss is inf/NaN."""
         self.finish_grad_sync()
         sh, rep = squared_sums(self.grad_pieces())
-        norm = global_norm(sh, rep, self.ps, over_dp=self.grads_sharded_over_dp)
+        norm, loss_value = global_norm_and(sh, rep, self.ps, self.grads_sharded_over_dp, loss)
         if loss_scale != 1.0:
             norm = norm / loss_scale
-        skipped = not math.isfinite(norm)
+        diverged = loss_value is not None and not math.isfinite(loss_value)
+        skipped = diverged or not math.isfinite(norm)
         coeff = clip_coefficient(norm, clip_grad)
         if not skipped:
-            factor = coeff / loss_scale
-            if factor != 1.0:
-                self.scale_grads_(factor)
-            self.adam_step(lr)
-        return StepResult(norm, skipped, coeff)
+            self.adam_step(lr, coeff / loss_scale)
+        return StepResult(norm, skipped, coeff, loss_value)
 
     def param_shapes(self) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
@@ -97,7 +99,9 @@ class ShardedBackend:
                 pc[k].copy_(states[pc["name"]][k].detach().reshape(-1)[pc["lo"]:pc["lo"] + pc["length"]])
 
     def close(self) -> None:
-        """Nothing to release: buffers and hooks go with the object."""
+        """Release what ties the backend to the model's parameters (hooks, ``.grad``); each backend
+        says what that is. Unusable afterwards."""
+        raise NotImplementedError
 
 
 def check_shape(name: str, value: torch.Tensor, shape) -> None:

@@ -237,16 +237,11 @@ class FlatZero(ShardedBackend):
                 yield v.grad[lo:hi], f
 
     @torch.no_grad()
-    def scale_grads_(self, factor: float) -> None:
-        for v in self.shards_views:
-            v.grad.mul_(factor)
-
-    @torch.no_grad()
-    def adam_step(self, lr: float) -> None:
-        """AdamW (``torch.optim.AdamW``) on the owned slice of every bucket, then (stage 1) all-gather
-        the parameters. 16-bit parameters: the fp32 master is stepped, one bucket's gradient upcast
-        at a time, and the rounded result written back."""
-        self.optimizer.step(lr)
+    def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:
+        """AdamW (``torch.optim.AdamW``) on ``grad_factor`` times the owned slice's gradient of every
+        bucket, then (stage 1) all-gather the parameters. 16-bit parameters: the fp32 master is
+        stepped, one bucket's gradient upcast at a time, and the rounded result written back."""
+        self.optimizer.step(lr, grad_factor)
         self.gather_params()
 
     def set_step(self, step: int) -> None:
@@ -261,6 +256,11 @@ class FlatZero(ShardedBackend):
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
+
+    def close(self) -> None:
+        """Remove the gradient hooks and ``.grad`` views (the model may outlive the engine); the
+        buffers are freed with the last reference to the engine. Unusable afterwards."""
+        self.grads.close()
 
     # ----------------------------------------------------------------- state exchange (checkpoints)
     def owned_pieces(self) -> list[dict]:

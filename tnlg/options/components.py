@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
-from .fields import option
+from .fields import flag_of, option
 
 __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
            "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
@@ -30,6 +30,11 @@ class ModelOptions:
     hidden_dropout: float = option(0.1)
     attention_dropout: float = option(0.1)
     init_method_std: float = option(0.02)
+    openai_gelu: bool = option(True, flags=("--openai-gelu",), negative="--no-openai-gelu",
+                               help="GELU in tanh form (GPT-2's, tnlg's default); --no-openai-gelu: the exact "
+                               "erf form, Megatron-LM's default")
+    untie_embeddings_and_output_weights: bool = option(
+        False, help="an output layer of its own instead of the word embedding (V x h more parameters)")
 
     def __post_init__(self):
         positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -118,6 +123,11 @@ class DataOptions:
     reset_position_ids: bool = option(False, must_match=True)
     reset_attention_mask: bool = option(False, must_match=True)
 
+    def __post_init__(self):
+        if self.data_path is not None:  # X.bin, X.idx and X all mean the dataset X: recorded as X
+            from ..data.gpt_dataset import normalize_data_path
+            self.data_path = normalize_data_path(self.data_path)
+
     def check_files(self) -> None:
         """The datasets and the tokenizer can be read (reads their headers; imports the data modules)."""
         if self.data_path is not None:
@@ -152,6 +162,8 @@ class PrecisionOptions:
         "full = every transformer block from its input (2 s b h bytes per layer kept, one more forward); "
         "selective = the attention core only (softmax and dropout, the 5 a s^2 b term; a few %% more FLOPs); "
         "default: keep everything")
+    compile: bool = option(False, help="torch.compile every transformer block (dropout draws as in eager mode); "
+                           "if the compiler toolchain fails, training runs eager and a warning says why")
 
     def __post_init__(self):
         # --recompute-activations is --recompute-granularity full; afterwards both say the same
@@ -189,10 +201,59 @@ class LoggingOptions:
     peak_tflops: Optional[float] = option(None, help="per-rank peak for MFU (default: measured at start)")
     sample_prompt: str = option("", help="prompt of the sample printed at the end ('' for none)", every="none")
     sample_tokens: int = option(48)
+    tensorboard_dir: Optional[str] = option(None, help="write TensorBoard event files here (rank 0): the scalars "
+                                            "of metrics.jsonl; needs the tensorboard package")
+    tensorboard_log_interval: int = option(1, help="training scalars to TensorBoard and W&B every N iterations")
+    wandb_project: Optional[str] = option(None, help="log the same scalars to this Weights & Biases project "
+                                          "(rank 0; needs the wandb package; WANDB_MODE=offline: no account)")
+    wandb_exp_name: Optional[str] = option(None, help="the W&B run's name", every="the --save folder's name")
+    wandb_save_dir: Optional[str] = option(None, help="where W&B writes its local files",
+                                           every="SAVE/wandb, else ./wandb")
 
     def __post_init__(self):
-        positive_int(self, "log_interval")
+        positive_int(self, "log_interval", "tensorboard_log_interval")
         nonnegative_int(self, "eval_interval", "eval_iters")
+
+    def check_loggers(self) -> None:
+        """The logging backends asked for can run: their package is installed and their folders can be
+        created. Writes nothing and imports neither package."""
+        if self.tensorboard_dir is not None:
+            _check_installed("tensorboard", f"--tensorboard-dir {self.tensorboard_dir!r}")
+            _check_folder("--tensorboard-dir", self.tensorboard_dir)
+        if self.wandb_project is None:
+            given = [flag_of(n) for n in ("wandb_exp_name", "wandb_save_dir") if getattr(self, n) is not None]
+            if given:
+                raise UserError(f"{' and '.join(given)} configure{'s' if len(given) == 1 else ''} the Weights & "
+                                f"Biases run that --wandb-project "
+                                f"starts; without --wandb-project nothing goes to W&B. Add --wandb-project NAME or "
+                                f"drop {' and '.join(given)}.")
+            return
+        _check_installed("wandb", f"--wandb-project {self.wandb_project!r}", " To log without an account, set "
+                         "WANDB_MODE=offline (the run is then written under --wandb-save-dir only).")
+        if self.wandb_save_dir is not None:
+            _check_folder("--wandb-save-dir", self.wandb_save_dir)
+
+
+def _check_installed(package: str, what: str, more: str = "") -> None:
+    import importlib.util
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{what} needs the {package} package, which is not installed: pip install {package} (or "
+                        f"pip install -e \".[loggers]\"), or drop the flag.{more}")
+
+
+def _check_folder(flag: str, path: str) -> None:
+    """``path`` is a folder, or can be made one: its nearest existing ancestor is a writable folder."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path!r} is a file, not a folder; it must be a folder (existing, or one to be "
+                        f"created). Give another path, or move the file away.")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path!r} cannot be created: {existing!r} is a file, not a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path!r} cannot be created: {existing!r} is not writable. Give a writable "
+                        f"folder.")
 
 
 @dataclass
@@ -204,10 +265,14 @@ class CheckpointOptions:
         "torchrun pretrain-RUN_ID), a run with --load saves back into the root it loaded from, any other run "
         "saves nothing (and says so at start and at the end)")
     save_interval: Optional[int] = option(None, help="save every N iterations (always at the end and on "
-                                          "SIGTERM)", every="only at the end")
+                                          "Ctrl-C or SIGTERM)", every="only at the end")
     load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
                                  "iter_* directory); without --save, later checkpoints go into the same root")
     keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
+    use_checkpoint_args: bool = option(False, help="take the model shape, data, tokenizer, layout (TP, ZeRO), "
+                                       "schedule, precision and intervals from the options the checkpoint "
+                                       "recorded (--load, else --save; not paths, process count or device); "
+                                       "flags given override them, and each override is printed")
 
     def __post_init__(self):
         optional_positive_int(self, "save_interval", "keep_last")

@@ -20,7 +20,7 @@ def option(default: Any, *, help: str = "", flags: tuple = (), choices: Optional
     """A field of an options dataclass.
 
     ``flags``: the command-line spellings (default ``--name-with-dashes``); ``negative``: the flag that
-    sets a boolean that defaults to True to False (``--no-plot``); ``every``: what ``--help`` says of a
+    sets a boolean that defaults to True to False (``--no-plot``; with ``flags`` too, they set it True); ``every``: what ``--help`` says of a
     default that is not a plain value; ``cli=False``: settable in a config file only; ``must_match``:
     a resumed run must give the same value as the checkpoint (it defines the data).
     """
@@ -71,6 +71,9 @@ def add_options(group, cls, builtin: dict) -> None:
             flags = (m["negative"],) if m["negative"] else (m["flags"] or (flag_of(f.name),))
             kw["help"] = m["help"] or None
             group.add_argument(*flags, **kw)
+            if m["negative"] and m["flags"]:  # the positive spelling too (it sets the default, as Megatron's)
+                group.add_argument(*m["flags"], action="store_true", default=argparse.SUPPRESS, dest=f.name,
+                                   help=argparse.SUPPRESS)
             continue
         if many:
             kw["nargs"] = "+"

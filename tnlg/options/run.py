@@ -30,9 +30,10 @@ def option_defaults() -> dict:
 
 @dataclass
 class Options:
-    """One run's options: a component each, plus ``preset``, ``config`` and ``builtin_job`` (whether the
-    built-in job's defaults applied). Every option also reads and writes as a flat attribute
-    (``o.lr`` is ``o.schedule.lr``): code that takes the whole run's options needs no map of components."""
+    """One run's options: a component each, plus ``preset``, ``config``, ``builtin_job`` (whether the
+    built-in job's defaults applied) and ``checkpoint_args`` (what ``--use-checkpoint-args`` took). Every
+    option also reads and writes as a flat attribute (``o.lr`` is ``o.schedule.lr``): code that takes the
+    whole run's options needs no map of components."""
     model: ModelOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
@@ -43,6 +44,7 @@ class Options:
     preset: Optional[str] = None
     config: Optional[str] = None
     builtin_job: bool = False
+    checkpoint_args: Optional[dict] = None  # with --use-checkpoint-args: what was taken (options.recorded)
 
     @classmethod
     def from_flat(cls, values: dict, **extra) -> "Options":
@@ -91,6 +93,7 @@ class Options:
             self._check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()
+        self.logging.check_loggers()
 
     def _check_layout(self, world_size: int) -> None:
         tp, micro, gbs = self.tensor_model_parallel_size, self.micro_batch_size, self.global_batch_size
@@ -113,7 +116,9 @@ def model_config(o, vocab_size: int) -> GPTConfig:
                          num_attention_heads=o.num_attention_heads, seq_length=o.seq_length,
                          vocab_size=vocab_size, ffn_hidden_size=o.ffn_hidden_size,
                          hidden_dropout=o.hidden_dropout, attention_dropout=o.attention_dropout,
-                         init_method_std=o.init_method_std, recompute_activations=bool(o.recompute_activations),
+                         init_method_std=o.init_method_std, openai_gelu=bool(o.openai_gelu),
+                         untie_embeddings_and_output_weights=bool(o.untie_embeddings_and_output_weights),
+                         recompute_activations=bool(o.recompute_activations),
                          recompute_granularity=o.recompute_granularity,
                          sequence_parallel=bool(o.sequence_parallel), seed=o.seed)
     except ValueError as exc:

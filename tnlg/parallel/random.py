@@ -11,8 +11,12 @@ the sequence): each rank drops different elements of different tokens, as one
 process would over the whole sequence.
 
 Recomputation (activation checkpointing) must draw the same masks again:
-:meth:`TPRandom.replay` runs a recomputation from the state captured at the
-original forward.
+:meth:`TPRandom.snapshot` captures the state before the original forward and
+:meth:`TPRandom.replay` runs a recomputation from it. Whether a block is a
+recomputation is decided by a Python version counter (bumped whenever the state
+changes), never by comparing tensor values: no host read, and nothing that fake
+tensors (:mod:`tnlg.plan.simulate`) or a compiler's tracing cannot follow. States are
+never modified in place (each draw replaces the tensor), so a snapshot needs no copy.
 
 Works for any device type (CPU, CUDA, ...): states are read and written
 through the device's own RNG API.
@@ -48,7 +52,22 @@ class TPRandom:
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device):
         self.device = torch.device(device)
+        self._version = 0
         self.seed(seed, tp_rank)
+
+    @property
+    def state(self) -> torch.Tensor:
+        """This rank's generator state (a tensor that is replaced, never modified in place)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: torch.Tensor) -> None:
+        self._state = value
+        self._version += 1
+
+    def snapshot(self) -> tuple[int, torch.Tensor]:
+        """The live state and its version: what :meth:`replay` needs to recompute a block later."""
+        return self._version, self._state
 
     def seed(self, seed: int, tp_rank: int) -> None:
         dev = "cpu" if self.device.type == "meta" else self.device
@@ -67,19 +86,20 @@ class TPRandom:
             _set_state(self.device, saved)
 
     @contextlib.contextmanager
-    def replay(self, state: Optional[torch.Tensor]):
-        """Run the block from ``state`` (captured before the original forward) when it differs from the
-        live state, i.e. when the block is a recomputation in backward; the live state is restored after.
-        ``None`` or the live state itself: a first forward, nothing changes."""
-        live = self.state
-        replaying = state is not None and not torch.equal(live, state)
+    def replay(self, snapshot: Optional[tuple[int, torch.Tensor]]):
+        """Run the block from ``snapshot`` (:meth:`snapshot` before the original forward) when the state
+        has moved on since, i.e. when the block is a recomputation in backward; the live state (and its
+        version) is restored after. ``None`` or a snapshot of the live state: a first forward, nothing
+        changes."""
+        live = (self._version, self._state)
+        replaying = snapshot is not None and snapshot[0] != self._version
         if replaying:
-            self.state = state.clone()
+            self._state = snapshot[1]
         try:
             yield
         finally:  # (a checkpoint may stop a recomputation early by raising)
             if replaying:
-                self.state = live
+                self._version, self._state = live
 
     def state_dict(self) -> dict:
         return {"state": self.state.clone()}

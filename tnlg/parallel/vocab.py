@@ -16,7 +16,9 @@ the max logit. Three all-reduces over TP, each of a ``[batch, seq]`` tensor:
 3. SUM of the per-rank ``sum exp``.
 
 Its backward is local: ``softmax - onehot(y)`` on this rank's shard, no communication.
-Computed in fp32.
+Computed in fp32: one fp32 ``[*, V / tp]`` tensor (the shifted logits, then in place their
+exponentials and the softmax kept for backward, whose buffer the gradient reuses), with no
+fp32 copy of 16-bit logits and no clone for the padding mask.
 
 Greedy choice and top-k need no full logits either: each rank takes its local top
 ``k`` (value, global id) pairs and one all-gather of ``[tp, *, k]`` candidates gives
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .mappings import all_reduce, gather_from_tp
 from .state import ParallelState
@@ -52,12 +55,21 @@ def mask_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> tor
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ps, vocab_start, vocab_size):
-        logits = mask_padding(logits.float(), vocab_start, vocab_size)
+        # The max skips the padded columns (a view, no copy); ``shifted`` is the one fp32 [*, V/tp]
+        # tensor made here (the subtraction promotes 16-bit logits), and the padding is masked in it in
+        # place, so the 16-bit logits are never copied to fp32 nor cloned for the mask.
+        pad_from = max(0, vocab_size - vocab_start)
+        real = logits if pad_from >= logits.shape[-1] else logits[..., :pad_from]
         vocab_end = vocab_start + logits.shape[-1]
 
-        logits_max = logits.max(dim=-1).values
+        if real.shape[-1]:
+            logits_max = real.max(dim=-1).values.float()
+        else:  # a shard of padding only: it takes no part
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         all_reduce(logits_max, ps.tp_group, op=dist.ReduceOp.MAX)                  # 1
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = logits - logits_max.unsqueeze(-1)  # fp32: type promotion, casting on the fly on a GPU
+        if pad_from < logits.shape[-1]:
+            shifted[..., pad_from:] = float("-inf")
 
         outside = (target < vocab_start) | (target >= vocab_end)
         local_target = (target - vocab_start).masked_fill(outside, 0)
@@ -94,7 +106,7 @@ def _check_targets(target: torch.Tensor, vocab_size: int) -> None:
     refuses a corpus with token ids outside the vocabulary (``vocab_size=``), and
     tokenizers and ``generate`` produce or check ids in range.
     """
-    if target.numel() == 0:
+    if target.numel() == 0 or is_fake(target):  # a fake-tensor simulation has no ids to check
         return
     if target.device.type == "cpu" and not torch.compiler.is_compiling():
         lo, hi = torch.aminmax(target)

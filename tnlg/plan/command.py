@@ -12,7 +12,8 @@ from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
 from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
 from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
-from .report import format_plan, format_search
+from .report import format_plan, format_search, format_simulation
+from .gpus import GPUS, gpu as lookup_gpu
 from .search import search_layouts
 from .units import parse_bytes, parse_count
 
@@ -34,7 +35,8 @@ How the numbers are computed (all stated again in the output):
                at TP 16: 2 heads on 12 ranks, 1 on 4); the largest rank sets memory.
   model states {MODEL_STATE_FORMULA}.
                Per GPU: ZeRO 0: 16 Psi, 1: 4 Psi + 12 Psi/Nd, 2: 2 Psi + 14 Psi/Nd, 3: 16 Psi/Nd.
-  activations  {ACTIVATION_FORMULA}.
+  activations  {ACTIVATION_FORMULA}; the attention core as the GPU's kernel keeps it: flash
+               attention for fp16/bf16 (output and log-sum-exp), the math kernel for fp32.
   FLOPs        {FLOPS_FORMULA[False]};
                with --recompute-activations {FLOPS_FORMULA[True]}.
                --params N: 6N (8N with recomputation) FLOPs per token.
@@ -49,6 +51,7 @@ Examples:
   tnlg plan --preset tnlg-17b --zero-stage 0 --recompute-activations --gpu-memory 32GB
   tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16       # on the recipe's 256 GPUs: DP 16
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
+  tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
 """
 
 
@@ -116,6 +119,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
     out.add_argument("--formula-counts", action="store_true",
                      help="count per-rank parameters by formula instead of meta-device builds (faster)")
+    _add_simulation_arguments(parser)
+
+
+def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("simulation (tnlg's own step on fake tensors, at full size)")
+    sim.add_argument("--simulate", action="store_true",
+                     help="also run one iteration of rank 0 of the layout (meta build, materialisation into the "
+                          "engine, forward and backward of the micro batches, gradient reduction, norm, AdamW) "
+                          "on fake tensors with a fake process group: per phase the bytes live and at the peak by "
+                          "kind, FLOPs, bytes read and written, collective bytes per group, and the predicted step "
+                          "time and MFU on --gpu (ZeRO stages 0 and 1; about a minute at 17B)")
+    sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
 def _model(args) -> Model:
@@ -243,9 +258,36 @@ def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:
     }
 
 
+def _check_simulate_flags(args, model: Model) -> None:
+    """--simulate and --gpu: a clear :class:`UserError` before any work."""
+    if args.gpu is not None:
+        if not args.simulate:
+            raise UserError(f"--gpu {args.gpu} names the GPU of --simulate's time prediction; add --simulate "
+                            f"(the planner's own time uses --gpu-tflops and --mfu).")
+        lookup_gpu(args.gpu)
+    if args.simulate and (args.search or model.abstract):
+        raise UserError("--simulate runs one layout of a shaped model: give --preset or the shape flags (not "
+                        "--params), and no --search.")
+
+
+def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
+    """:func:`tnlg.plan.simulate.simulate` for this layout (rank 0), without the per-operator lists."""
+    from dataclasses import replace
+
+    from .simulate import simulate
+    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+                     recompute_activations=False)
+    accum = layout.batch // (layout.micro_batch * layout.dp)
+    sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
+                   micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name)
+    sim.pop("ops")
+    return sim
+
+
 def run(args) -> int:
     """Plan one layout (or search all layouts) and print a table or one JSON object."""
     model = _model(args)
+    _check_simulate_flags(args, model)
     taken = _apply_recipe(args)
     hw = _hardware(args)
     train_tokens = parse_count(args.train_tokens, "--train-tokens")
@@ -269,6 +311,9 @@ def run(args) -> int:
         if not model.abstract:
             result["tp_needed"] = _tp_needed(model, layout, hw)
         text = format_plan(result)
+        if args.simulate:
+            result["simulation"] = _simulation(model, layout, args.gpu or "h100")
+            text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:

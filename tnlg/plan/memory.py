@@ -59,6 +59,10 @@ softmax output, ``2 a s / h``). The paper's core is PyTorch's math attention ker
 keeps no ``a s^2`` tensor but its output, ``2 s b h a_r / a``, and the fp32 log-sum-exp,
 ``4 a_r s b`` (``attention="fused"``); selective recomputation then keeps neither.
 
+``tnlg plan`` counts the kernel the GPU runs (:func:`gpu_attention`): fused for fp16/bf16,
+math for fp32; the step's peak so planned agrees with :mod:`tnlg.plan.simulate` within 3% at
+tnlg-17b (TP 4 x DP 64 fp16, TP 8 x DP 32 bf16 with full recomputation) and GPT-2-XL (TP 1 bf16).
+
 Outside the layers (section 4.3): the embedding dropout mask ``s b h``, the final
 LayerNorm input ``2 s b h`` (both ``s_r`` with SP) and the fp32 logits of the
 vocabulary shard for the cross-entropy, ``4 s b V_p / t``. fp32 training doubles
@@ -74,7 +78,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 
 __all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes", "fsdp_shard_numel",
-           "recompute_granularity",
+           "recompute_granularity", "gpu_attention",
            "ACTIVATION_FORMULA", "MODEL_STATE_FORMULA"]
 
 # precision -> (bytes per parameter, bytes per gradient, K optimizer bytes per parameter)
@@ -147,6 +151,14 @@ def _fsdp_shard_numel(config_json: str, tp: int, dp: int) -> int:
         rows = p.shape[0] if p.dim() else 1
         total += -(-rows // dp) * (p.numel() // max(rows, 1))
     return total
+
+
+def gpu_attention(precision: str) -> str:
+    """The attention kernel the model's ``F.scaled_dot_product_attention`` runs on a GPU at ``precision``:
+    ``"fused"`` (flash attention, dropout included) for fp16/bf16 without a mask, which is what tnlg
+    pretrains with; ``"math"`` for fp32, as the planner counts it. :mod:`tnlg.plan.simulate` runs the
+    same kernels, and ``tnlg plan`` plans with this one."""
+    return "math" if precision == "fp32" else "fused"
 
 
 def recompute_granularity(recompute: Union[bool, str, None]) -> Optional[str]:

@@ -15,7 +15,7 @@ from .counts import abstract_parameter_report, parameter_report, rank_counts_for
 from .flops import (ABSTRACT_FLOPS_FORMULA, FLOPS_FORMULA, flops_per_iteration, iteration_time,
                     rank_flops_imbalance)
 from .memory import (ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, activation_bytes,
-                     check_zero_and_precision, fsdp_shard_numel, model_state_bytes)
+                     check_zero_and_precision, fsdp_shard_numel, gpu_attention, model_state_bytes)
 
 __all__ = ["Model", "Layout", "Hardware", "plan_layout", "smallest_tp", "check_layout"]
 
@@ -125,8 +125,9 @@ def _memory(model: Model, layout: Layout, psi: int, hw: Hardware) -> dict:
         out.update(activations_formula=None, activations_no_recompute=None, activations_recompute=None,
                    activations=0, activations_note="abstract model: no shape, activations not counted")
     else:
-        no_rc = activation_bytes(model.config, layout.tp, layout.micro_batch, False, layout.precision)
-        rc = activation_bytes(model.config, layout.tp, layout.micro_batch, True, layout.precision)
+        kernel = gpu_attention(layout.precision)
+        no_rc = activation_bytes(model.config, layout.tp, layout.micro_batch, False, layout.precision, attention=kernel)
+        rc = activation_bytes(model.config, layout.tp, layout.micro_batch, True, layout.precision, attention=kernel)
         out.update(activations_formula=ACTIVATION_FORMULA, activations_no_recompute=no_rc,
                    activations_recompute=rc, activations=(rc if layout.recompute else no_rc)["total"])
     out["total"] = out["model_states"] + out["activations"]
@@ -209,7 +210,8 @@ def smallest_tp(model: Model, layout: Layout, hw: Hardware, *, zero_stage: int =
         need = model_state_bytes(psi, dp, zero_stage, layout.precision, grads_fp32=layout.grads_fp32,
                                  engine=True)["total"]
         if with_activations:
-            need += activation_bytes(c, tp, layout.micro_batch, layout.recompute, layout.precision)["total"]
+            need += activation_bytes(c, tp, layout.micro_batch, layout.recompute, layout.precision,
+                                     attention=gpu_attention(layout.precision))["total"]
         if need <= hw.gpu_memory:
             return tp
     return None

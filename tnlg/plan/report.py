@@ -186,3 +186,29 @@ def format_search(result: dict) -> str:
     for s in result["skipped"]:
         lines.append(f"skipped TP {s['tp']} x DP {s['dp']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def format_simulation(sim: dict, planned_total: float) -> str:
+    """The simulation's table: per phase bytes live at the start and at the peak (by kind), traffic,
+    FLOPs, collectives and predicted time; then the step's peak beside the planner's total."""
+    lay = sim["layout"]
+    lines = [f"Simulation of rank 0 ({sim['simulated_in_s']:.0f} s on fake tensors; GB = 1e9 bytes; "
+             f"accumulation micro steps counted x{lay['accum'] - 1})" if lay["accum"] > 1 else
+             f"Simulation of rank 0 ({sim['simulated_in_s']:.0f} s on fake tensors; GB = 1e9 bytes)",
+             f"  {'phase':<24}{'start GB':>9}{'peak GB':>9}{'acts':>7}{'temps':>7}{'TFLOP':>8}{'read GB':>9}"
+             f"{'write GB':>9}  {'comm GB (group)':<22}{'ms':>8}"]
+    for p in sim["phases"]:
+        k = p["peak_by_kind"]
+        comm = ", ".join(f"{v / 1e9:.2f} ({g})" for g, v in p["comm_bytes"].items() if v) or "-"
+        lines.append(f"  {p['name']:<24}{_gb(p['live_start_bytes']):>9}{_gb(p['peak_bytes']):>9}"
+                     f"{_gb(k.get('activations', 0)):>7}{_gb(k.get('temporaries', 0)):>7}{p['flops'] / 1e12:>8.1f}"
+                     f"{p['read_bytes'] / 1e9:>9.1f}{p['written_bytes'] / 1e9:>9.1f}  {comm:<22}"
+                     f"{p['total_s'] * 1e3:>8.1f}")
+    diff = (planned_total - sim["peak_bytes"]) / sim["peak_bytes"]
+    lines += [f"  peak per rank          {_gb(sim['peak_bytes'])} GB in {sim['peak_phase']} (planner: "
+              f"{_gb(planned_total)} GB, {diff:+.1%})",
+              f"  predicted on {sim['gpu']}: {sim['step_time_s']:.3f} s per iteration, MFU "
+              f"{sim['mfu']:.1%} of the 16-bit spec ({sim['tokens_per_rank'] / sim['step_time_s']:,.0f} tokens/s "
+              f"per rank)"]
+    lines += [f"  note: {n}" for n in sim["notes"]]
+    return "\n".join(lines)

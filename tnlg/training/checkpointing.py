@@ -1,10 +1,11 @@
 """Checkpoints during training: resuming at start, saving every ``--save-interval`` iterations and at the
 end, and stopping on a signal.
 
-SIGINT and SIGTERM only set a flag while training runs (main thread): at the end of
-the iteration every rank agrees to stop (one MAX all-reduce of the signal number;
-SIGTERM wins: it asks for a save), after saving that iteration for SIGTERM with
-``--save``; a second signal stops at once (KeyboardInterrupt).
+SIGINT (Ctrl-C), SIGTERM and SIGHUP only set a flag while training runs (main thread,
+:class:`tnlg.checkpoint.signals.StopOnSignal`): at the end of the iteration every rank
+agrees to stop (one MAX all-reduce of the signal number), saves that iteration when the
+run has a save root, and stops; a second signal stops at once (KeyboardInterrupt), without
+a save.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from typing import Callable, Iterator, Optional
 
 from .. import checkpoint as ckpt
@@ -20,7 +20,7 @@ from ..checkpoint.files import check_files, complete_iterations, lock_root
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
 from ..options import Options
-from ..parallel.state import ParallelState, from_rank0, max_over_world
+from ..parallel.state import ParallelState, from_rank0
 
 __all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint", "check_resume"]
 
@@ -64,29 +64,13 @@ def check_resume(o: Options) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopOnSignal]:
-    """SIGINT and SIGTERM set a flag for the body; a second SIGTERM raises KeyboardInterrupt as a second
-    Ctrl-C does, so both end in the same short message. The previous handlers are restored."""
-    restore = _second_sigterm_interrupts()
-    stop = StopOnSignal((signal.SIGTERM, signal.SIGINT))
+    """SIGINT, SIGTERM and SIGHUP set a flag for the body (a second one raises KeyboardInterrupt); the
+    previous handlers are restored."""
+    stop = StopOnSignal()
     try:
         yield stop
     finally:
         stop.close()
-        restore()
-
-
-def _second_sigterm_interrupts() -> Callable[[], None]:
-    """While training, a SIGTERM that StopOnSignal passes on (the second one) raises KeyboardInterrupt.
-    Returns the function that restores the previous handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class Checkpointer:
@@ -139,13 +123,11 @@ class Checkpointer:
         return iteration, consumed
 
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
-        """Save when due (the interval, the last iteration, SIGTERM); return how the run stopped when a
-        signal stops it here, else ``None``. Collective: the signal check (when any rank has one) and
-        the save."""
+        """Save when due (the interval, the last iteration, a stop signal); return how the run stopped when
+        a signal stops it here, else ``None``. Collective: the signal check and the save."""
         o = self.o
-        signum = self._agreed_signal() if self.stop.requested(self.ps) and not last else 0
-        saving = bool(o.save) and bool((o.save_interval and iteration % o.save_interval == 0) or last
-                                       or signum == signal.SIGTERM)
+        signum = 0 if last else self.stop.agreed(self.ps)
+        saving = bool(o.save) and bool((o.save_interval and iteration % o.save_interval == 0) or last or signum)
         if saving:
             ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, keep_last=o.keep_last, **self._state)
             self.log(f"saved checkpoint at iteration {iteration} to {o.save}")
@@ -153,11 +135,14 @@ class Checkpointer:
             return None
         return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=saving, forced=False)
 
+    def before_training(self, iteration: int) -> Optional[dict]:
+        """How the run stopped when a signal came during start-up (nothing trained yet, so nothing to save),
+        else ``None``. Collective: the signal check."""
+        signum = self.stop.agreed(self.ps)
+        return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=False, forced=False) if signum \
+            else None
+
     def forced_stop(self, iteration: int) -> dict:
         """How the run stopped on a second signal (or a Ctrl-C outside the handler's reach): at once."""
         return dict(signal=signal.Signals(self.stop.received or signal.SIGINT).name, iteration=iteration,
                     saved=False, forced=True)
-
-    def _agreed_signal(self) -> int:
-        """The signal that stops every rank (MAX all-reduce over the world: SIGTERM wins over SIGINT)."""
-        return int(max_over_world(self.stop.received or 0, self.ps.device))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -66,6 +67,8 @@ class Trainer:
         self.config = cfg = model_config(o, self.tokenizer.vocab_size)
         self.autocast = precision(o)
         self.engine = build_engine(o, cfg, ps, accum)
+        if o.compile:
+            self._compile()
         self.model, self.schedule = self.engine.model, build_schedule(o)
         self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
         self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
@@ -85,7 +88,10 @@ class Trainer:
                                                   ps.dp_size))
         model.train()
         try:
-            while iteration < o.train_iters:
+            stopped = self.checkpointer.before_training(iteration)  # collective: a signal during start-up
+            if stopped:
+                summary["interrupted"] = stopped
+            while not stopped and iteration < o.train_iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(engine.num_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
@@ -106,9 +112,12 @@ class Trainer:
             raise self._diverged(exc) from None
         except KeyboardInterrupt:  # a second signal (or a Ctrl-C outside the handler's reach): stop at once
             summary["interrupted"] = self.checkpointer.forced_stop(iteration)
-        metrics.close()
-        if "interrupted" not in summary:
-            self._sample()
+        try:
+            metrics.close()
+            if "interrupted" not in summary:
+                self._sample()
+        except KeyboardInterrupt:  # a second signal while the plot or the sample is made: skip the rest
+            summary.setdefault("interrupted", self.checkpointer.forced_stop(iteration))
         return summary
 
     def _diverged(self, exc: TrainingDiverged) -> TrainingDiverged:
@@ -136,8 +145,19 @@ class Trainer:
                   f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
                   f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
                   f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
-                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED})")
+                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "
+                  f"{_attention_kernel(cfg, ps, self.autocast)}")
         return metrics
+
+    def _compile(self) -> None:
+        """--compile: the blocks compiled, or eager with a warning naming why."""
+        from .compile import compile_blocks
+        problem = compile_blocks(self.engine.model, self.ps.device)
+        if problem is not None:
+            warnings.warn(f"--compile: torch.compile does not work here ({problem}); training runs eager.",
+                          stacklevel=2)
+        else:
+            self._log("--compile: every transformer block is compiled (the first iterations compile)")
 
     def _log(self, msg: str) -> None:
         if self.ps.rank == 0:
@@ -153,3 +173,11 @@ class Trainer:
                         temperature=0.8, top_k=40, seed=o.seed)[0]
         self._log(f"sample:\n{o.sample_prompt}{text}")
         return text
+
+
+def _attention_kernel(cfg, ps, autocast) -> str:
+    """Which SDPA kernel the model's attention runs here (flash, efficient, cudnn or math)."""
+    from ..plan.gpus import attention_kernel
+    heads = cfg.num_attention_heads // ps.tp_size or 1
+    return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.hidden_size // cfg.num_attention_heads,
+                            cfg.seq_length, cfg.attention_dropout)

@@ -1,10 +1,13 @@
-"""What rank 0 reports: a log line every ``--log-interval`` iterations, one JSON object per iteration
-and per validation in the metrics file, and the loss curve next to it at the end.
+"""What rank 0 reports: a log line every ``--log-interval`` iterations (and at the run's first), one JSON
+object per iteration and per validation in the metrics file, the same scalars to TensorBoard and W&B
+when asked (:mod:`.loggers`), and the loss curve next to the metrics file at the end.
 
 Per iteration the record holds the loss, learning rate, gradient norm, time, tokens/s,
 model TFLOP/s per rank, MFU (model FLOPs / peak) and HFU (executed FLOPs, the
-recomputed forward included / peak), and this rank's peak memory. The log line
-averages the loss and the rates over the iterations since the last line.
+recomputed forward included / peak), and this rank's peak memory; the first record of a
+resumed run also says where it resumed (``resumed_from``). The log line averages the loss
+and the rates over the iterations since the last line, and ends with the time since the
+run started and the time left at that pace.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ from typing import IO, Optional
 from ..io import atomic_output
 from ..options import Options
 from ..parallel.state import ParallelState
+from .loggers import TRAIN_SCALARS, VALID_SCALARS, build_loggers, run_name
 from .throughput import peak_memory_bytes
 
-__all__ = ["Metrics", "open_metrics", "loss_curves", "plot_loss"]
+__all__ = ["Metrics", "open_metrics", "loss_curves", "read_curves", "plot_loss"]
 
 
 class Metrics:
     """The log lines and the metrics file of one run (rank 0 writes; every rank may call).
 
     ``flops`` and ``hw_flops`` are one iteration's model and executed FLOPs, ``peak`` the per-rank
-    peak TFLOP/s; ``path`` the metrics file (``None``: none), trimmed to ``resumed_at``.
+    peak TFLOP/s; ``path`` the metrics file (``None``: none), trimmed to ``resumed_at``. Rank 0 also
+    opens the TensorBoard / W&B backends the options ask for.
     """
 
     def __init__(self, o: Options, ps: ParallelState, *, flops: float, hw_flops: float, peak: float,
@@ -35,26 +40,34 @@ class Metrics:
         self.o, self.ps, self.path = o, ps, path
         self.flops, self.hw_flops, self.peak, self.tokens_per_iter = flops, hw_flops, peak, tokens_per_iter
         self.file: Optional[IO] = None
+        self.resumed_at = resumed_at
         if ps.rank == 0 and path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open_metrics(path, resumed_at)
-        self._window = (time.perf_counter(), 0.0, 0)  # start, summed loss, iterations
+        self.loggers = build_loggers(o, resumed_at) if ps.rank == 0 else []
+        self.started = time.perf_counter()
+        self._window = (self.started, 0.0, 0)  # start, summed loss, iterations
 
     def log(self, *msg) -> None:
         if self.ps.rank == 0:
             print(*msg, flush=True)
 
-    def record(self, rec: dict) -> None:
+    def record(self, rec: dict, split: str, scalars: tuple = ()) -> None:
+        """One record to the metrics file; its ``scalars`` to each backend as ``split/key``."""
         if self.file is not None:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        values = {f"{split}/{k}": rec[k] for k in scalars if rec.get(k) is not None}
+        for logger in self.loggers if values else ():
+            logger.log(values, step=rec["iteration"])
 
     def _tflops(self, flops: float, seconds: float) -> float:
         """Per-rank TFLOP/s of ``flops`` done in ``seconds``."""
         return flops / seconds / self.ps.world_size / 1e12
 
     def iteration(self, iteration: int, consumed: int, loss: float, lr: float, info: dict, seconds: float) -> None:
-        """Record one iteration; print the log line when it is due (every ``--log-interval``, and the last)."""
+        """Record one iteration; print the log line when it is due (every ``--log-interval``, the run's first
+        and its last)."""
         tflops = self._tflops(self.flops, seconds)
         rec = dict(iteration=iteration, consumed_samples=consumed, loss=loss, lr=lr, grad_norm=info["grad_norm"],
                    skipped=info["skipped"], ms_per_iter=seconds * 1e3, tokens_per_s=self.tokens_per_iter / seconds,
@@ -62,13 +75,17 @@ class Metrics:
                    peak_tflops=self.peak, peak_memory_bytes=peak_memory_bytes(self.ps.device))
         if info.get("loss_scale") is not None:
             rec["loss_scale"] = info["loss_scale"]
-        self.record(rec)
+        first = iteration == self.resumed_at + 1
+        if first and self.resumed_at > 0:
+            rec["resumed_from"] = self.resumed_at
+        self.record(rec, "train", TRAIN_SCALARS if iteration % self.o.tensorboard_log_interval == 0 else ())
         start, summed, n = self._window
         summed, n = summed + loss, n + 1
         self._window = (start, summed, n)
-        if iteration % self.o.log_interval and iteration != self.o.train_iters:
+        if iteration % self.o.log_interval and iteration != self.o.train_iters and not first:
             return
-        span = time.perf_counter() - start
+        now = time.perf_counter()
+        span = now - start
         mfu = self._tflops(self.flops * n, span) / self.peak
         hfu = self._tflops(self.hw_flops * n, span) / self.peak
         self.log(f"iter {iteration:6d}/{self.o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
@@ -76,7 +93,8 @@ class Metrics:
                  f"{span / n * 1e3:7.1f} ms/iter | {self.tokens_per_iter * n / span:8.0f} tok/s | "
                  f"{self._tflops(self.flops * n, span):.3f} model TFLOP/s/rank | MFU {mfu:.1%}"
                  + (f" HFU {hfu:.1%}" if self.hw_flops != self.flops else "")
-                 + f" of {self.peak:.3f} | mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
+                 + f" of {self.peak:.3f} | mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB | elapsed "
+                 + f"{_clock(now - self.started)} | ETA {_clock(span / n * (self.o.train_iters - iteration))}"
                  + (" | skipped (overflow)" if info["skipped"] else ""))
         self._window = (time.perf_counter(), 0.0, 0)
 
@@ -87,17 +105,27 @@ class Metrics:
         ppl = math.exp(min(20, loss))
         when = "before training" if iteration == 0 else f"at iteration {iteration}"
         self.log(f"validation {when}: loss {loss:.4f} | ppl {ppl:.2f}")
-        self.record(dict(split="valid", iteration=iteration, loss=loss, ppl=ppl))
+        self.record(dict(split="valid", iteration=iteration, loss=loss, ppl=ppl), "valid", VALID_SCALARS)
         return loss
 
     def close(self) -> None:
-        """Close the metrics file and draw the loss curve next to it (``--no-plot``: no curve)."""
+        """Close the backends and the metrics file, and draw the loss curve next to it (``--no-plot``: no
+        curve)."""
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
         if self.file is None:
             return
         self.file.close()
         self.file = None
         if self.o.plot:
-            plot_loss(self.path)
+            plot_loss(self.path, title=run_name(self.o))
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS`` (days as hours)."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def open_metrics(path: str, resumed_at: int) -> IO:
@@ -126,7 +154,17 @@ def open_metrics(path: str, resumed_at: int) -> IO:
 def loss_curves(metrics_path: str) -> tuple[list, list]:
     """``(iteration, loss)`` points of training and validation, in iteration order, one per iteration
     (a repeated iteration keeps its last record): no line of the plot runs backwards."""
-    points: dict = {"train": {}, "valid": {}}
+    curves = read_curves(metrics_path)
+    return curves["train"], curves["valid"]
+
+
+def read_curves(metrics_path: str) -> dict:
+    """What the plot draws, from a metrics file: ``(iteration, value)`` points of the training loss
+    (``train``), the validation loss (``valid``) and the learning rate (``lr``), each in iteration order
+    with one point per iteration (a repeated iteration keeps its last record), and the iterations that
+    runs resumed from (``resumed``)."""
+    points: dict = {"train": {}, "valid": {}, "lr": {}}
+    resumed = set()
     with open(metrics_path) as f:
         for line in f:
             try:
@@ -135,23 +173,39 @@ def loss_curves(metrics_path: str) -> tuple[list, list]:
                 continue
             if r.get("loss") is not None:
                 points["valid" if r.get("split") == "valid" else "train"][r["iteration"]] = r["loss"]
-    return sorted(points["train"].items()), sorted(points["valid"].items())
+            if r.get("lr") is not None:
+                points["lr"][r["iteration"]] = r["lr"]
+            if r.get("resumed_from"):
+                resumed.add(r["resumed_from"])
+    return {**{k: sorted(v.items()) for k, v in points.items()}, "resumed": sorted(resumed)}
 
 
-def plot_loss(metrics_path: str) -> None:
-    """Loss curve (training and validation) next to the metrics file, written atomically."""
+def plot_loss(metrics_path: str, title: Optional[str] = None) -> None:
+    """The loss curves (training and validation) above the learning rate, with a dashed line where a run
+    resumed, titled ``title`` (default: the name of the metrics file's folder, the run's), next to the
+    metrics file (``X.jsonl`` -> ``X_loss.png``), written atomically."""
+    from ..data.paths import matplotlib_in_cache_dir
+    matplotlib_in_cache_dir()  # its font cache under tnlg's cache folder, not ~/.cache/matplotlib
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    train, valid = loss_curves(metrics_path)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", lw=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation")
-    ax.set_xlabel("iteration")
+    curves = read_curves(metrics_path)
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 1))
+    if curves["train"]:
+        ax.plot(*zip(*curves["train"]), label="train", lw=1)
+    if curves["valid"]:
+        ax.plot(*zip(*curves["valid"]), "o-", label="validation")
+    if curves["lr"]:
+        ax_lr.plot(*zip(*curves["lr"]), color="tab:green", lw=1)
+    for i, it in enumerate(curves["resumed"]):
+        for a in (ax, ax_lr):
+            a.axvline(it, color="grey", ls="--", lw=0.8, label="resumed" if a is ax and i == 0 else None)
+    ax.set_title(title or os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
     ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
+    ax_lr.set_xlabel("iteration")
+    ax_lr.set_ylabel("learning rate")
+    for a in (ax, ax_lr):
+        a.grid(alpha=0.3)
     ax.legend()
     out = os.path.splitext(metrics_path)[0] + "_loss.png"
     with atomic_output(out, "wb") as f:

@@ -4,10 +4,11 @@ As picotron's ``train_step``: ``engine.zero_grad()``; for each of the ``k``
 micro batches (Megatron's sampler: the global sample order does not depend on
 DP) a forward under autocast and ``engine.backward(loss)`` (only the last micro
 step communicates gradients, bucketed and overlapped with backward); the loss is
-averaged over micro batches and over DP (one tiny all-reduce), and a NaN/inf
-loss stops the run before the optimizer step, so no checkpoint is ever written
-from the bad state; then ``engine.step(lr)`` (global-norm clipping across TP and
-DP, AdamW on the owned ZeRO slice, parameters all-gathered).
+averaged over micro batches and over DP (one tiny all-reduce, not read yet); then
+``engine.step(lr, loss=...)`` (global-norm clipping across TP and DP, AdamW on the
+owned ZeRO slice, parameters all-gathered) reads the loss with the gradient norm in
+the iteration's one host synchronisation and makes no update if the loss is NaN/inf:
+the run then stops, so no checkpoint is ever written from the bad state.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
         engine.backward(loss)
         losses.append(loss.detach().float())
     mean = all_reduce(torch.stack(losses).mean().reshape(1), ps.dp_group) / ps.dp_size
-    loss = mean.item()
+    info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
+    loss = info.pop("loss")
     if not math.isfinite(loss):
-        raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration}; stopping before "
-                               f"the optimizer step (no checkpoint is written from this state). Lower --lr, "
+        raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration}; stopping without "
+                               f"an optimizer update (no checkpoint is written from this state). Lower --lr, "
                                f"raise --lr-warmup-iters, or check the data.")
-    return loss, engine.step(lr)
+    return loss, info

@@ -1,0 +1,222 @@
+"""megatron-core itself as the reference for Megatron checkpoint conversion (used by test_megatron_*).
+
+Spawned gloo workers build megatron-core's ``GPTModel`` (local layer spec, ``use_cpu_initialization``)
+at TP x PP with random weights, compute its logits with Megatron's forward, and save it with
+Megatron's own code: ``dist_checkpointing.save`` of ``{"model": model.sharded_state_dict(), "args",
+"checkpoint_version", "iteration"}`` (``torch_dist``) and ``torch.save`` of the same entries with
+``model.state_dict_for_save_checkpoint()`` per rank into ``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``
+(legacy), as Megatron-LM's ``generate_state_dict`` and ``get_checkpoint_name`` lay them out. The other
+way, workers load a checkpoint into ``GPTModel`` (``load_state_dict`` per rank, or
+``dist_checkpointing.load`` with the model's ``sharded_state_dict``) and return its logits.
+
+megatron-core runs on CPU here once, in these workers only, its CUDA-only calls are replaced:
+the global memory buffer allocates on the CPU, the CUDA RNG tracker's ``fork`` is a null context
+(dropout is 0), ``torch.cuda.synchronize``/``current_device`` do nothing / say ``"cpu"``,
+``Tensor.cuda`` (the tied embedding's sync between pipeline stages) stays on the CPU; and the
+causal mask is passed explicitly. ``dist_checkpointing.save`` leaves writer processes behind:
+they are terminated before the worker returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import pathlib
+import zlib
+
+import torch
+import torch.distributed as dist
+
+
+def _patch_cuda_calls() -> None:
+    import megatron.core.utils as mu
+    from megatron.core.tensor_parallel import random as tr
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+    mu.GlobalMemoryBuffer.get_tensor = get_tensor
+    tr.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied embedding's all-reduce between stages
+
+
+def padded(spec: dict) -> int:
+    """Megatron's padded vocabulary at the spec's TP: a multiple of ``divisible * tp``."""
+    m = spec["divisible"] * spec["tp"]
+    return -(-spec["vocab"] // m) * m
+
+
+def megatron_args(spec: dict) -> argparse.Namespace:
+    """The saved args of a Megatron-LM run of this shape (the fields ``pretrain_gpt.py`` records
+    that describe the model), with some of the objects real args hold (an enum, a path)."""
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
+        num_attention_heads=spec["heads"], kv_channels=spec["hidden"] // spec["heads"], num_query_groups=None,
+        group_query_attention=False, seq_length=spec["seq"], max_position_embeddings=spec["seq"],
+        position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False, add_bias_linear=True,
+        layernorm_epsilon=1e-5, openai_gelu=spec["openai_gelu"],
+        untie_embeddings_and_output_weights=spec["untie"], tokenizer_type="NullTokenizer", vocab_size=spec["vocab"] - 1,
+        make_vocab_size_divisible_by=spec["divisible"], padded_vocab_size=padded(spec),
+        tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], num_experts=None,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, seed=1234, consumed_train_samples=56,
+        iteration=7, attention_backend=AttnBackend.auto, data_cache_path=pathlib.PosixPath("/nowhere"),
+        params_dtype=torch.float32, ckpt_format="torch_dist")
+
+
+def _config(spec: dict):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import openai_gelu
+    kw = dict(activation_func=openai_gelu) if spec["openai_gelu"] else {}
+    return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
+                             num_attention_heads=spec["heads"], use_cpu_initialization=True, hidden_dropout=0.0,
+                             attention_dropout=0.0, layernorm_epsilon=1e-5, pipeline_dtype=torch.float32,
+                             tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], **kw)
+
+
+def build_model(spec: dict, pre: bool = True, post: bool = True):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    torch.manual_seed(1234)
+    return GPTModel(_config(spec), get_gpt_layer_local_spec(), vocab_size=padded(spec),
+                    max_sequence_length=spec["seq"], pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=not spec["untie"])
+
+
+@torch.no_grad()
+def _perturb(model, tp_rank: int) -> None:
+    """Non-trivial LayerNorms and biases (and an untied head unlike the embedding): deterministic
+    noise, the same on every TP rank for replicated parameters."""
+    for name, p in model.named_parameters():
+        sharded = getattr(p, "tensor_model_parallel", False)
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * tp_rank if sharded else 0))
+        p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def logits_of(model, spec: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """Megatron's forward, vocabulary shards all-gathered over TP, padding rows dropped."""
+    from megatron.core import parallel_state
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)  # True = masked
+    model.eval()
+    with torch.no_grad():
+        local = model(tokens, positions, mask)
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)[..., :spec["vocab"]]
+
+
+def _common(spec: dict) -> dict:
+    return dict(args=megatron_args(spec), checkpoint_version=3.0, iteration=7)
+
+
+def _leave() -> None:
+    for child in multiprocessing.active_children():  # dist_checkpointing's writer processes
+        child.terminate()
+        child.join()
+
+
+def save_both_formats(model, spec: dict, root: str) -> None:
+    """Megatron's own writers: ``root/torch_dist`` and ``root/legacy`` checkpoint roots."""
+    from megatron.core import dist_checkpointing, parallel_state
+    t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    name = "mp_rank_%02d" % t if spec["pp"] == 1 else "mp_rank_%02d_%03d" % (t, p)
+    legacy = os.path.join(root, "legacy", "iter_0000007", name, "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(legacy), exist_ok=True)
+    torch.save(dict(_common(spec), model=model.state_dict_for_save_checkpoint(),
+                    rng_state=[dict(torch_rng_state=torch.get_rng_state())]), legacy)
+    dist_dir = os.path.join(root, "torch_dist", "iter_0000007")
+    if dist.get_rank() == 0:
+        os.makedirs(dist_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(dict(_common(spec), model=model.sharded_state_dict()), dist_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for fmt in ("legacy", "torch_dist"):
+            with open(os.path.join(root, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("7")
+    _leave()
+
+
+def _init(spec: dict) -> None:
+    _patch_cuda_calls()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec["tp"],
+                                             pipeline_model_parallel_size=spec["pp"])
+
+
+def _stage(spec: dict):
+    from megatron.core import parallel_state
+    return parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def save_reference(ps, spec: dict, root: str, tokens: torch.Tensor):
+    """Worker (world = TP, PP 1): build, perturb, run, save both formats and each rank's state dict
+    (for the pipeline-parallel saves); returns Megatron's logits."""
+    _init(dict(spec, pp=1))
+    model = build_model(dict(spec, pp=1))
+    _perturb(model, _stage(dict(spec, pp=1))[1])
+    logits = logits_of(model, spec, tokens)
+    save_both_formats(model, dict(spec, pp=1), root)
+    torch.save(model.state_dict(), os.path.join(root, f"state_tp{_stage(spec)[1]}.pt"))
+    return logits
+
+
+def save_pipeline(ps, spec: dict, root: str, flat_root: str):
+    """Worker (world = TP x PP): each stage's ``GPTModel`` takes its layers from the TP rank's PP-1
+    state dict (renumbered within the stage, as Megatron numbers them) and is saved in both formats."""
+    _init(spec)
+    p, t = _stage(spec)
+    pp, per = spec["pp"], spec["layers"] // spec["pp"]
+    model = build_model(spec, pre=p == 0, post=p == pp - 1)
+    flat = torch.load(os.path.join(flat_root, f"state_tp{t}.pt"), weights_only=True)
+    want = model.state_dict()
+    for key in want:
+        src = key
+        if key.startswith("decoder.layers."):
+            j, rest = key[len("decoder.layers."):].split(".", 1)
+            src = f"decoder.layers.{p * per + int(j)}.{rest}"
+        elif key == "output_layer.weight" and not spec["untie"]:
+            src = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+        want[key] = flat[src]
+    model.load_state_dict(want, strict=True)
+    save_both_formats(model, spec, root)
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def load_and_run(ps, spec: dict, root: str, fmt: str, tokens: torch.Tensor):
+    """Worker (world = TP x PP): load a checkpoint root written by tnlg into ``GPTModel`` with
+    Megatron's loaders; returns the logits (PP 1) or every stage's state dict (PP > 1)."""
+    _init(spec)
+    from megatron.core import dist_checkpointing
+    p, t = _stage(spec)
+    pp = spec["pp"]
+    model = build_model(spec, pre=p == 0, post=p == pp - 1)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        it_dir = os.path.join(root, "iter_%07d" % int(f.read()))
+    if fmt == "legacy":
+        name = "mp_rank_%02d" % t if pp == 1 else "mp_rank_%02d_%03d" % (t, p)
+        state = torch.load(os.path.join(it_dir, name, "model_optim_rng.pt"), weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        common = state
+    else:
+        loaded = dist_checkpointing.load(dict(model=model.sharded_state_dict()), it_dir)
+        model.load_state_dict(loaded["model"], strict=True)
+        common = dist_checkpointing.load_common_state_dict(it_dir)
+    _leave()
+    args = vars(common["args"])
+    out = dict(args={k: args[k] for k in ("padded_vocab_size", "num_layers", "tensor_model_parallel_size",
+                                          "openai_gelu", "untie_embeddings_and_output_weights")},
+               iteration=common["iteration"])
+    if pp == 1:
+        out["logits"] = logits_of(model, spec, tokens)
+    else:
+        out["state"] = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        out["stage"], out["tp_rank"] = p, t
+    return out

@@ -1,0 +1,264 @@
+"""Megatron-LM checkpoints in and out, against megatron-core itself (tests/megatron_reference.py).
+
+megatron-core's GPTModel (local spec) at TP 2 (and TP 2 x PP 2) with random weights is saved by
+Megatron's own code in both formats; the converted tnlg checkpoint must give Megatron's logits
+(fp32, 1e-5) at tnlg TP 1, 2 and 4; a tnlg checkpoint exported to Megatron must load into GPTModel
+(``load_state_dict`` per rank, ``dist_checkpointing.load``) and give the same logits. Also: exact and
+tanh GELU, tied and untied output layers, a vocabulary Megatron pads, pre-core (legacy) names with
+every ``checkpoint_version`` QKV order, Transformer Engine names, and bad input.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install --no-deps "
+                    "megatron-core==0.16.1): the Megatron checkpoint tests need it as their reference")
+
+from tnlg.checkpoint.loading import load_for_inference  # noqa: E402
+from tnlg.errors import UserError  # noqa: E402
+from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402
+from tnlg.parallel.vocab import gather_logits  # noqa: E402
+from tnlg.testing import run_distributed  # noqa: E402
+
+from . import megatron_reference as R  # noqa: E402
+
+BASE = dict(layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=100, divisible=8, tp=2, pp=1)
+EXACT_TIED = dict(BASE, openai_gelu=False, untie=False)    # Megatron's defaults; vocabulary 100 padded to 112
+TANH_UNTIED = dict(BASE, openai_gelu=True, untie=True)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _tokens(spec):
+    return torch.randint(0, spec["vocab"], (2, spec["seq"]), generator=torch.Generator().manual_seed(0))
+
+
+def _reference(root, spec):
+    """Megatron's logits, its checkpoints written by its own code under ``root`` (both formats)."""
+    return run_distributed(R.save_reference, spec["tp"], 1, spec, str(root), _tokens(spec), timeout_s=180)[0]
+
+
+def _tnlg_logits(ps, ckpts, tokens):
+    """Each checkpoint loaded at this TP size: its logits over the real vocabulary."""
+    out = []
+    for path in ckpts:
+        model, _ = load_for_inference(path, ps)
+        with torch.no_grad():
+            out.append(gather_logits(model(tokens), ps, model.config.vocab_size))
+    return out
+
+
+def _check_tnlg_logits(ckpts, ref, spec, tps=(1, 2, 4)):
+    for tp in tps:
+        for logits in run_distributed(_tnlg_logits, tp, tp, ckpts, _tokens(spec))[0]:
+            torch.testing.assert_close(logits, ref, **TOL)
+
+
+_RUNS: dict = {}
+
+
+def _run(spec, factory):
+    """Megatron's reference run of ``spec`` and its checkpoints converted to tnlg (once per module)."""
+    key = tuple(sorted(spec.items()))
+    if key not in _RUNS:
+        root = factory.mktemp("megatron")
+        ref = _reference(root, spec)
+        converted = {fmt: megatron_to_checkpoint(str(root / fmt), str(root / f"tnlg_{fmt}"))
+                     for fmt in ("legacy", "torch_dist")}
+        _RUNS[key] = spec, root, ref, converted
+    return _RUNS[key]
+
+
+@pytest.fixture(scope="module", params=[EXACT_TIED, TANH_UNTIED], ids=["exact-gelu-tied", "tanh-gelu-untied"])
+def megatron_run(request, tmp_path_factory):
+    return _run(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory):
+    """Megatron's defaults (exact GELU, tied output layer), for the checks of other namings."""
+    return _run(EXACT_TIED, tmp_path_factory)
+
+
+def test_import_gives_megatrons_logits_at_tnlg_tp_1_2_4(megatron_run):
+    spec, root, ref, converted = megatron_run
+    _check_tnlg_logits([converted["legacy"], converted["torch_dist"]], ref, spec)
+    model, _ = load_for_inference(converted["torch_dist"])
+    cfg = model.config
+    assert (cfg.vocab_size, cfg.openai_gelu, cfg.untie_embeddings_and_output_weights) == (
+        spec["vocab"], spec["openai_gelu"], spec["untie"])  # the padding rows of Megatron's TP 2 are gone
+
+
+def test_import_keeps_the_iteration_and_consumed_samples(megatron_run):
+    from tnlg.checkpoint.files import read_meta
+    _, _, _, converted = megatron_run
+    for path in converted.values():
+        meta = read_meta(path)
+        assert (meta["iteration"], meta["consumed_samples"], meta["optimizer"]["present"]) == (7, 56, False)
+        assert os.path.basename(path) == "iter_0000007"
+
+
+@pytest.mark.parametrize("fmt,tp", [("torch_dist", 2), ("legacy", 2), pytest.param("torch_dist", 1,
+                                                                                   marks=pytest.mark.slow)])
+def test_export_loads_into_megatron_with_the_same_logits(megatron_run, fmt, tp, tmp_path):
+    spec, _, ref, converted = megatron_run
+    dst = tmp_path / "megatron"
+    checkpoint_to_megatron(converted["torch_dist"], str(dst), fmt=fmt, tp=tp)
+    out = run_distributed(R.load_and_run, tp, 1, dict(spec, tp=tp), str(dst), fmt, _tokens(spec), timeout_s=180)
+    torch.testing.assert_close(out[0]["logits"], ref, **TOL)
+    assert out[0]["args"]["padded_vocab_size"] == R.padded(dict(spec, tp=tp))
+    assert out[0]["iteration"] == 7
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    """TP 2 x PP 2, 4 layers: megatron-core's pipeline does not run on CPU here, so each stage's
+    GPTModel takes its layers from the PP 1 model (whose forward is the reference) and is saved
+    by Megatron's code as its stage of a PP 2 checkpoint."""
+    spec = dict(EXACT_TIED, layers=4)
+    flat = tmp_path_factory.mktemp("megatron_pp1")
+    ref = _reference(flat, spec)
+    root = tmp_path_factory.mktemp("megatron_pp2")
+    stages = run_distributed(R.save_pipeline, 4, 1, dict(spec, pp=2), str(root), str(flat), timeout_s=180)
+    return dict(spec, pp=2), root, ref, stages
+
+
+@pytest.mark.slow
+def test_import_of_a_pipeline_parallel_checkpoint(pipeline_run):
+    spec, root, ref, _ = pipeline_run
+    assert sorted(os.listdir(root / "legacy" / "iter_0000007")) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    ckpts = [megatron_to_checkpoint(str(root / fmt), str(root / f"tnlg_{fmt}"), tp_size=2)
+             for fmt in ("legacy", "torch_dist")]
+    _check_tnlg_logits(ckpts, ref, spec, tps=(1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
+    """Exported at TP 2 x PP 2 and loaded by each stage's GPTModel: every stage's state equals the
+    one Megatron built from the same weights, except the vocabulary's padding rows, which are zeros
+    (tnlg keeps no padding rows; Megatron's hold random values no token ever uses)."""
+    spec, root, _, stages = pipeline_run
+    tnlg_ckpt = megatron_to_checkpoint(str(root / "torch_dist"), str(tmp_path / "tnlg"))
+    checkpoint_to_megatron(tnlg_ckpt, str(tmp_path / "out"), fmt=fmt, tp=2, pp=2)
+    loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / "out"), fmt, _tokens(spec), timeout_s=180)
+    for rank, res in enumerate(loaded):
+        assert set(res["state"]) == set(stages[rank])
+        for key, value in stages[rank].items():
+            got = res["state"][key]
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                real = max(0, min(value.shape[0], spec["vocab"] - res["tp_rank"] * value.shape[0]))
+                assert not got[real:].any(), key
+                got, value = got[:real], value[:real]
+            torch.testing.assert_close(got, value, atol=0, rtol=0, msg=key)
+
+
+# --------------------------------------------------------------------------- other namings
+
+def _transpose_to_version(t, version, heads):
+    """A core-layout ``[np, 3, hn]`` QKV shard in the order of an older checkpoint_version: the
+    inverse of Megatron-LM's ``fix_query_key_value_ordering`` (``_transpose_first_dim``)."""
+    rest = t.shape[1:]
+    if version == 0:  # stored [3, np, hn]
+        return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+    if version == 1.0:  # stored [np, hn, 3]
+        return t.reshape(heads, 3, -1, *rest).transpose(1, 2).reshape(t.shape)
+    return t
+
+
+_LEGACY_LAYER = {"input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
+                 "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
+                 "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h"}
+
+
+def _to_pre_core(model, version, heads_per_rank, old_names):
+    """A megatron-core state dict renamed to the legacy model's nested layout
+    (``language_model.{embedding, encoder}``; ``transformer``/``attention.`` when ``old_names``)."""
+    encoder = {}
+    lm = {"embedding": {"word_embeddings": {}, "position_embeddings": {}}, "transformer" if old_names else "encoder":
+          encoder}
+    for key, value in model.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key.startswith("embedding."):
+            _, table, leaf = key.split(".")
+            lm["embedding"][table][leaf] = value
+        elif key.startswith("decoder.final_layernorm."):
+            encoder["final_layernorm." + key.rsplit(".", 1)[1]] = value
+        elif key == "output_layer.weight":
+            lm["output_layer"] = {"weight": value}
+        else:
+            j, rest = key[len("decoder.layers."):].split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            name = _LEGACY_LAYER[module]
+            if old_names:
+                name = name.replace("self_attention.", "attention.")
+            if module == "self_attention.linear_qkv":
+                value = _transpose_to_version(value, version, heads_per_rank)
+            encoder[f"layers.{j}.{name}.{leaf}"] = value
+    return {"language_model": lm}
+
+
+def _rewrite_legacy(src_root, dst_root, rewrite_model, version=3.0):
+    shutil.copytree(src_root, dst_root)
+    for dirpath, _, names in os.walk(dst_root):
+        for n in names:
+            if n == "model_optim_rng.pt":
+                path = os.path.join(dirpath, n)
+                state = torch.load(path, weights_only=False)
+                state["model"], state["checkpoint_version"] = rewrite_model(state["model"]), version
+                torch.save(state, path)
+
+
+@pytest.mark.parametrize("version,old_names", [(0, True), pytest.param(1.0, False, marks=pytest.mark.slow),
+                                               pytest.param(2.0, False, marks=pytest.mark.slow)])
+def test_pre_core_names_and_qkv_orders(tied_run, version, old_names, tmp_path):
+    spec, root, ref, _ = tied_run
+    heads = spec["heads"] // spec["tp"]
+    _rewrite_legacy(root / "legacy", tmp_path / "pre_core", lambda m: _to_pre_core(m, version, heads, old_names),
+                    version)
+    ckpt = megatron_to_checkpoint(str(tmp_path / "pre_core"), str(tmp_path / "tnlg"))
+    _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
+
+
+@pytest.mark.slow
+def test_transformer_engine_names(tied_run, tmp_path):
+    """The TE spec's state dict: LayerNorms fused into the next linear layer, FP8 extra state as BytesIO."""
+    import io
+    spec, root, ref, _ = tied_run
+
+    def to_te(model):
+        out = {}
+        for key, value in model.items():
+            key = key.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_").replace(
+                "pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+            out[key] = io.BytesIO(b"fp8 state") if key.endswith("_extra_state") else value
+        return out
+
+    _rewrite_legacy(root / "legacy", tmp_path / "te", to_te)
+    ckpt = megatron_to_checkpoint(str(tmp_path / "te"), str(tmp_path / "tnlg"))
+    _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
+
+
+@pytest.mark.slow
+def test_cli_both_ways_without_megatron_imported(tied_run, tmp_path):
+    """``tnlg convert`` in a fresh process (megatron-core not imported, so its enums and paths in the
+    saved args are read as inert records), and back."""
+    spec, root, ref, _ = tied_run
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = [sys.executable, "-m", "tnlg", "convert"]
+    r = subprocess.run(run + ["--from", "megatron", str(root / "torch_dist"), "--to", str(tmp_path / "t"), "--tp", "2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(run + ["--from", str(tmp_path / "t"), "--to", "megatron", str(tmp_path / "m"), "--format",
+                              "legacy", "--tp", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = run_distributed(R.load_and_run, 2, 1, spec, str(tmp_path / "m"), "legacy", _tokens(spec), timeout_s=180)
+    torch.testing.assert_close(out[0]["logits"], ref, **TOL)

@@ -1,0 +1,169 @@
+"""The fake-tensor simulation counts what a real run allocates and moves, and refuses bad input clearly.
+
+The check of the simulation is a real run: the same iteration of tnlg's code (meta build,
+materialisation into the engine, forward, backward, norm, AdamW) on real CPU tensors under
+the same tracker gives, phase by phase, the same live bytes, peaks, bytes read and written
+and FLOPs as the run on fake tensors. FLOPs are also checked against the closed form of
+a GPT iteration (Narayanan et al. eq. 3: forward + 2x backward of every matmul).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tnlg.config import GPTConfig
+from tnlg.errors import UserError
+from tnlg.parallel.state import ParallelState
+from tnlg.plan.flops import flops_per_iteration
+from tnlg.plan.simulate import simulate, tracked_iteration
+
+CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
+# what only real tensors do: the host reads of the target-id check and of the gradient norm
+HOST_READS = {"aminmax", "_local_scalar_dense"}
+
+
+@pytest.mark.parametrize("precision,accum", [("fp32", 1), ("bf16", 2)])
+def test_fake_run_counts_what_the_real_run_counts(precision, accum):
+    cfg = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    tracker, _ = tracked_iteration(cfg, ParallelState.single(), zero_stage=1, precision=precision, micro_batch=2,
+                                   accum=accum)
+    real = {ph.name: ph.as_dict() for ph in tracker.phases}
+    sim = simulate(cfg, 1, 1, zero_stage=1, precision=precision, micro_batch=2, accum=accum, gpu="h100",
+                   gpu_kernels=False)
+    fake = {ph["name"]: ph for ph in sim["phases"]}
+    assert list(real) == list(fake)
+    for ph, fake_ops in zip(tracker.phases, sim["ops"]):
+        name = ph.name
+        for f in ("live_start", "peak_bytes", "peak_by_kind"):
+            assert real[name][f] == fake[name][f], (name, f, real[name][f], fake[name][f])
+        real_ops = [(o.name, o.flops, o.bytes) for o in ph.ops if o.name not in HOST_READS]
+        assert real_ops == [(o.name, o.flops, o.bytes) for o in fake_ops], name
+    # the tracker's FLOPs are the matmuls of one forward and backward (3x the forward's), plus the
+    # scores Q K^T that the flash attention kernel recomputes in its backward (2 B s^2 h per layer)
+    s, b, h, layers = cfg.seq_length, 2 * accum, cfg.hidden_size, cfg.num_layers
+    fwd_bwd = sum(real[n]["flops"] for n in real if n.startswith(("forward", "backward")))
+    model = flops_per_iteration(cfg, b, None, cfg.padded_vocab_size(1))
+    assert fwd_bwd == model + layers * 2 * b * s * s * h
+    # and the live model states after setup are what the engine reports it holds
+    states = real["forward"]["live_start"]
+    assert states["parameters"] > 0 and states["adam"] == 2 * 4 * sum(
+        p.numel() for p in tracker_params(cfg)), states
+
+
+def tracker_params(cfg):
+    from tnlg.model import GPT
+    return list(GPT(cfg, ParallelState.single(), device="meta").parameters())
+
+
+def test_bf16_step_makes_no_temporary_wider_than_fp32():
+    """The gradient norm reads 16-bit gradients in place (fp32 accumulation): no fp64 copy of any piece,
+    and no fp32 temporary larger than one bucket, in the norm or the optimizer."""
+    cfg = GPTConfig(**CFG)
+    bucket_mb = 0.05
+    tracker, memory = tracked_iteration(cfg, ParallelState.single(), zero_stage=1, precision="bf16", micro_batch=2,
+                                        accum=1, bucket_size_mb=bucket_mb)
+    assert memory["buckets"] > 2  # several buckets, so a whole-buffer temporary would show
+    assert tracker.largest_new.get(torch.float64, 0) <= 2, tracker.largest_new  # two scalars at most
+    step = [ph for ph in tracker.phases if ph.name in ("norm", "optimizer")]
+    # a bucket closes at the first parameter that reaches its size: at most that plus one parameter
+    largest_bucket = bucket_mb * 2 ** 20 / 2 + max(p.numel() for p in tracker_params(cfg))
+    bucket_bytes = 4 * largest_bucket  # one bucket of bf16 gradients, upcast to fp32
+    assert all(ph.peak - sum(ph.live_start.values()) <= bucket_bytes for ph in step), \
+        [(ph.name, ph.peak - sum(ph.live_start.values())) for ph in step]
+
+
+def test_simulation_refuses_bad_input_in_one_paragraph():
+    cfg = GPTConfig(**CFG)
+    with pytest.raises(UserError, match=r"--gpu 'x100'.*valid: h200, h100, a100, v100"):
+        simulate(cfg, 1, 1, gpu="x100")
+    with pytest.raises(UserError, match="--data-parallel-size must be a positive integer"):
+        simulate(cfg, 1, 0)
+    with pytest.raises(UserError, match="stage 2"):
+        simulate(cfg, 1, 2, zero_stage=2)
+    with pytest.raises(UserError, match="tensor-parallel size 8 is larger than num_attention_heads=4"):
+        simulate(cfg, 8, 1)
+
+
+def _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=()):
+    import argparse
+
+    from tnlg.plan.command import add_arguments, run
+    import contextlib, io, json
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--preset", name, "--tp", str(tp), "--dp", str(dp), "--zero-stage", "1", "--precision", precision,
+            "--micro-batch-size", str(micro), "--global-batch-size", str(micro * dp * accum), "--json", *extra]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(parser.parse_args(argv + (["--recompute-activations"] if recompute else [])))
+    return json.loads(out.getvalue())
+
+
+PLAN_CASES = [
+    pytest.param("gpt2-medium", 2, 4, "bf16", 2, 2, False, id="gpt2-medium-tp2-bf16"),
+    pytest.param("tnlg-17b", 4, 64, "fp16", 1, 8, False, id="tnlg-17b-tp4-dp64-fp16", marks=pytest.mark.slow),
+    pytest.param("tnlg-17b", 8, 32, "bf16", 1, 16, True, id="tnlg-17b-tp8-dp32-bf16-recompute",
+                 marks=pytest.mark.slow),
+    pytest.param("gpt2-xl", 1, 1, "bf16", 4, 8, False, id="gpt2-xl-tp1-bf16", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,tp,dp,precision,micro,accum,recompute", PLAN_CASES)
+def test_planner_peak_is_the_simulated_peak(name, tp, dp, precision, micro, accum, recompute):
+    """`tnlg plan`'s memory per rank (model states + activations, the GPU's attention kernel) is the
+    peak of the step that tnlg's code makes on fake tensors at full size, within 5%; `--simulate`
+    reports both."""
+    plan = _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=["--simulate", "--gpu", "h200"])
+    sim = plan["simulation"]
+    assert sim["layout"]["accum"] == accum and sim["layout"]["tp"] == tp
+    assert plan["memory"]["total"] == pytest.approx(sim["peak_bytes"], rel=0.05), (plan["memory"]["total"],
+                                                                                  sim["peak_bytes"])
+    # the model states the simulated engine allocates are the planner's, to the byte's rounding
+    states = sim["model_states"]
+    assert states["param_bytes"] + states["grad_bytes"] + states["optim_bytes"] == pytest.approx(
+        plan["memory"]["model_states"], rel=2e-3)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "gpt2-medium", "--simulate", "--gpu", "x100"], "--gpu 'x100' is not a GPU the simulation knows"),
+    (["--preset", "gpt2-medium", "--gpu", "h100"], "add --simulate"),
+    (["--preset", "tnlg-17b", "--world-size", "100", "--tp", "8", "--simulate"],
+     "--world-size 100 is not divisible by --tensor-model-parallel-size 8"),
+    (["--params", "1e9", "--simulate"], "--simulate runs one layout of a shaped model"),
+])
+def test_plan_simulate_bad_input_is_one_paragraph(argv, message):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "tnlg", "plan", *argv], capture_output=True, text=True, timeout=120,
+                       cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_reported_attention_kernel_is_the_one_sdpa_runs(dropout):
+    """The kernel named on the start line is the one F.scaled_dot_product_attention dispatches to here
+    (seen by the operators it runs)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tnlg.plan.gpus import attention_kernel
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    with Ops() as ops:
+        F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    ran_flash = any("flash_attention" in n for n in ops.names)
+    assert attention_kernel(torch.device("cpu"), torch.float32, 4, 8, 16, dropout) == ("flash" if ran_flash else "math")

@@ -1,0 +1,147 @@
+"""Columnar inputs through pyarrow: Parquet files and folders written by ``datasets.save_to_disk``.
+
+How most public pretraining corpora ship: a ``.parquet`` file (one document per row, the text
+in a string column), or a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``: a
+``state.json`` naming Arrow IPC stream files ``data-0000i-of-0000n.arrow``, read here with
+pyarrow alone, no ``datasets`` needed). The text columns are the ``--json-keys`` of JSON
+Lines inputs. Both are read as a stream: a Parquet file one row group at a time, a
+``datasets`` folder one memory-mapped record batch at a time, so memory stays at one row
+group whatever the corpus size.
+
+:func:`check_table` validates a table before anything is written (the columns exist and hold
+strings, no row is null) from the schema and each chunk's null count (one read of the text
+columns, as JSON Lines inputs are parsed once to check them, no Python strings made);
+:func:`iter_table_rows` yields the texts in row order, a chunk at a time. pyarrow is optional
+(``pip install 'tnlg[parquet]'``); without it a table input is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator, Sequence
+
+from ..errors import UserError
+
+__all__ = ["PARQUET_SUFFIXES", "is_table_input", "table_kind", "check_table", "iter_table_rows"]
+
+PARQUET_SUFFIXES = (".parquet",)
+
+
+def _pyarrow():
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise UserError("Parquet files and `datasets` folders are read with the optional `pyarrow` package, "
+                        "which is not installed: `pip install 'tnlg[parquet]'` (or `pip install pyarrow`). "
+                        "JSON Lines and .txt inputs work without it.") from None
+    return pyarrow
+
+
+def is_table_input(path: str) -> bool:
+    """A Parquet file (by extension) or a folder (a ``datasets.save_to_disk`` folder)."""
+    return path.lower().endswith(PARQUET_SUFFIXES) or os.path.isdir(path)
+
+
+def table_kind(path: str) -> str:
+    """``"parquet"`` or ``"arrow"`` (a ``datasets`` folder); a folder that is not one is a :class:`UserError`."""
+    if not os.path.isdir(path):
+        return "parquet"
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
+            splits = json.load(f).get("splits", [])
+        raise UserError(f"input {path!r} is a `datasets` DatasetDict (splits {splits}); pass one split's folder, "
+                        f"e.g. {os.path.join(path, splits[0] if splits else 'train')!r}.")
+    if not os.path.isfile(os.path.join(path, "state.json")):
+        raise UserError(f"input {path!r} is a folder but not one written by `datasets` `save_to_disk` (it has no "
+                        "state.json); pass .jsonl, .txt or .parquet files, or such a folder.")
+    return "arrow"
+
+
+def _arrow_files(path: str) -> list[str]:
+    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+        files = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    missing = [p for p in files if not os.path.isfile(p)]
+    if missing or not files:
+        raise UserError(f"`datasets` folder {path!r} is incomplete: its state.json names "
+                        f"{[os.path.basename(p) for p in files]}, missing {[os.path.basename(p) for p in missing]}.")
+    return files
+
+
+def _batches(path: str, kind: str, columns: Sequence[str]) -> Iterator:
+    """Record batches of ``columns`` in row order: a Parquet row group, or an Arrow stream's batch."""
+    pa = _pyarrow()
+    if kind == "parquet":
+        pf = pa.parquet.ParquetFile(path)
+        for i in range(pf.num_row_groups):
+            yield from pf.read_row_group(i, columns=list(columns)).to_batches()
+        return
+    for name in _arrow_files(path):
+        with pa.memory_map(name) as source:
+            for batch in pa.ipc.open_stream(source):
+                yield batch.select(list(columns))
+
+
+def _schema(path: str, kind: str):
+    pa = _pyarrow()
+    try:
+        if kind == "parquet":
+            return pa.parquet.read_schema(path)
+        with pa.memory_map(_arrow_files(path)[0]) as source:
+            return pa.ipc.open_stream(source).schema
+    except (pa.ArrowInvalid, OSError) as err:
+        what = "a Parquet file" if kind == "parquet" else "an Arrow stream"
+        raise UserError(f"input {path!r} is not {what} pyarrow can read ({err}).") from None
+
+
+def check_table(path: str, columns: Sequence[str]) -> int:
+    """The number of documents (rows) of a table input whose ``columns`` exist, hold strings and no
+    nulls; else one :class:`UserError` naming the input, the column and what it has."""
+    pa = _pyarrow()
+    kind = table_kind(path)
+    schema = _schema(path, kind)
+    what = "Parquet file" if kind == "parquet" else "`datasets` folder"
+    def is_text(name: str) -> bool:
+        t = schema.field(name).type
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+    text_columns = [n for n in schema.names if is_text(n)]
+    for col in columns:
+        if col not in schema.names:
+            hint = f" (its text columns: {text_columns})" if text_columns else " (none of them holds text)"
+            raise UserError(f"{what} {path!r} has no column {col!r}; its columns are {schema.names}{hint}. Name "
+                            "the text column with --json-keys. Nothing was written.")
+        t = schema.field(col).type
+        if not is_text(col):
+            raise UserError(f"column {col!r} of {what} {path!r} holds {t}, not text; name a string column with "
+                            f"--json-keys (its columns: {schema.names}). Nothing was written.")
+    rows = 0
+    for batch in _batches(path, kind, columns):
+        for col in columns:
+            nulls = batch.column(col).null_count
+            if nulls:
+                first = rows + batch.column(col).is_null().to_pylist().index(True)
+                raise UserError(f"{what} {path!r}: row {first} has no value (null) in column {col!r} ({nulls} null "
+                                "rows in that chunk); every document needs a string. Nothing was written.")
+        rows += batch.num_rows
+    if rows == 0:
+        raise UserError(f"input {path!r} has no documents: the table has no rows. Remove it from --input.")
+    return rows
+
+
+def iter_table_rows(path: str, columns: Sequence[str], chunk_bytes: int = 1 << 20
+                    ) -> Iterator[tuple[int, list[list[str]]]]:
+    """``(first row, texts per column)`` chunks of about ``chunk_bytes`` of text, in row order
+    (read a row group / record batch at a time). Does not validate; see :func:`check_table`."""
+    kind = table_kind(path)
+    first = 0
+    for batch in _batches(path, kind, columns):
+        n = batch.num_rows
+        size = sum(batch.column(c).nbytes for c in columns)
+        step = max(1, int(n * chunk_bytes / max(size, 1)))
+        for a in range(0, n, step):
+            part = batch.slice(a, step)
+            yield first + a, [part.column(c).to_pylist() for c in columns]
+        first += n

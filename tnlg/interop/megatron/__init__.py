@@ -1,0 +1,15 @@
+"""Megatron-LM GPT checkpoints in and out (docs/megatron.md).
+
+* :func:`megatron_to_checkpoint`: a Megatron-LM checkpoint (``torch_dist`` or legacy per-rank files,
+  any TP x PP, megatron-core or legacy names) -> a tnlg checkpoint (:mod:`.importer`);
+* :func:`checkpoint_to_megatron`: a tnlg checkpoint -> a Megatron-LM checkpoint root (:mod:`.exporter`).
+
+Modules: :mod:`.safe_load` (unpickling without running code), :mod:`.args` (saved args <->
+:class:`~tnlg.config.GPTConfig`), :mod:`.names` (names and QKV layouts), :mod:`.legacy` and
+:mod:`.torch_dist` (the two formats). No collectives: all of it runs in one process.
+"""
+
+from .exporter import checkpoint_to_megatron
+from .importer import megatron_to_checkpoint
+
+__all__ = ["megatron_to_checkpoint", "checkpoint_to_megatron"]

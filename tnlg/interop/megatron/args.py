@@ -1,0 +1,181 @@
+"""Megatron-LM's saved ``args`` <-> :class:`tnlg.config.GPTConfig`.
+
+A Megatron checkpoint carries the ``argparse.Namespace`` of the run that wrote it (``args``);
+the architecture comes from there (argument names of ``megatron/training/arguments.py``):
+``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``,
+``max_position_embeddings`` (the learned positions: tnlg's ``seq_length``), ``padded_vocab_size``
+and ``make_vocab_size_divisible_by``, ``layernorm_epsilon``, ``openai_gelu`` and
+``untie_embeddings_and_output_weights``. Arguments that describe an architecture tnlg does not
+model (rotary positions, SwiGLU, RMSNorm, grouped-query attention, experts, ...) are refused,
+one clear error naming the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from ...config import GPTConfig, padded_vocab_size
+from ...errors import UserError
+
+__all__ = ["MegatronLayout", "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
+
+# (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
+# Megatron-LM's default, which is the supported value
+_MUST_BE = (
+    ("position_embedding_type", "learned_absolute", "rotary or other position embeddings"),
+    ("use_rotary_position_embeddings", False, "rotary position embeddings"),
+    ("swiglu", False, "a SwiGLU MLP"),
+    ("squared_relu", False, "a squared-ReLU MLP"),
+    ("normalization", "LayerNorm", "another normalisation than LayerNorm"),
+    ("apply_layernorm_1p", False, "LayerNorm weights stored as weight - 1 (layernorm 1p)"),
+    ("group_query_attention", False, "grouped-query attention"),
+    ("multi_latent_attention", False, "multi-latent attention"),
+    ("num_experts", None, "a mixture of experts"),
+    ("add_bias_linear", True, "linear layers without biases"),
+    ("qk_layernorm", False, "LayerNorms on queries and keys"),
+    ("apply_residual_connection_post_layernorm", False, "the residual taken after the LayerNorm"),
+    ("add_position_embedding", True, "no position embedding"),
+    ("num_layers_per_virtual_pipeline_stage", None, "an interleaved (virtual) pipeline schedule's layout"),
+    ("virtual_pipeline_model_parallel_size", None, "an interleaved (virtual) pipeline schedule's layout"),
+    ("decoder_first_pipeline_num_layers", None, "an uneven pipeline split"),
+    ("decoder_last_pipeline_num_layers", None, "an uneven pipeline split"),
+    ("account_for_embedding_in_pipeline_split", False, "an uneven pipeline split"),
+    ("account_for_loss_in_pipeline_split", False, "an uneven pipeline split"),
+    ("context_parallel_size", 1, "context parallelism"),
+    ("expert_model_parallel_size", 1, "expert parallelism"),
+    ("mtp_num_layers", None, "multi-token prediction layers"),
+)
+
+# tokenizers whose size Megatron computes from a fixed vocabulary
+_TOKENIZER_SIZES = {"GPT2BPETokenizer": 50257}
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """How a Megatron checkpoint splits the model: TP and PP sizes and the padded vocabulary rows."""
+    tp: int
+    pp: int
+    padded_vocab_size: int
+    iteration: int
+    checkpoint_version: float
+
+
+def _arg(args, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def _required(args, name: str, where: str):
+    value = getattr(args, name, None)
+    if value is None:
+        raise UserError(f"{where}: the saved args have no {name!r}, which tnlg needs to rebuild the model; the "
+                        "checkpoint was not written by Megatron-LM's pretrain_gpt.py, or its args were stripped. "
+                        "Nothing was written.")
+    return value
+
+
+def check_supported(args, where: str) -> None:
+    """One :class:`UserError` naming the first argument that selects an architecture tnlg does not model."""
+    for name, supported, what in _MUST_BE:
+        value = _arg(args, name)  # None: not set (an older Megatron), so its default
+        if value is not None and value != supported and not (supported is None and value == 0):
+            raise UserError(f"{where}: the checkpoint's args set {name}={value!r}, {what}, which tnlg does not model "
+                            f"(it supports {name}={supported!r}: a GPT-2-style model with learned positions, "
+                            "LayerNorm, GELU and biases). Nothing was written.")
+    kv = _arg(args, "kv_channels")
+    heads, hidden = _required(args, "num_attention_heads", where), _required(args, "hidden_size", where)
+    if kv is not None and kv * heads != hidden:
+        raise UserError(f"{where}: the checkpoint's args set kv_channels={kv} with {heads} heads, so the attention "
+                        f"width {kv * heads} differs from hidden_size={hidden}; tnlg needs kv_channels = hidden_size / "
+                        "num_attention_heads. Nothing was written.")
+    if _arg(args, "num_query_groups") not in (None, heads) and _arg(args, "group_query_attention", False):
+        raise UserError(f"{where}: num_query_groups={args.num_query_groups}: grouped-query attention is not "
+                        "modelled by tnlg. Nothing was written.")
+
+
+def known_vocab_size(args) -> Optional[int]:
+    """The tokenizer's real vocabulary size when the saved args determine it (GPT-2 BPE: 50257;
+    ``NullTokenizer``: ``vocab_size`` + its end-of-document id; else ``vocab_size``, "the size of the
+    vocabulary before padding", when given), else ``None``."""
+    kind, size = _arg(args, "tokenizer_type"), _arg(args, "vocab_size")
+    if kind in _TOKENIZER_SIZES:
+        return _TOKENIZER_SIZES[kind]
+    if size:
+        return int(size) + (1 if kind == "NullTokenizer" else 0)
+    return None
+
+
+def layout_of(args, where: str, checkpoint: dict) -> MegatronLayout:
+    """The TP/PP layout and padded vocabulary the checkpoint was written with."""
+    tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(_arg(args, "pipeline_model_parallel_size", 1) or 1)
+    padded = _required(args, "padded_vocab_size", where)
+    version = float(checkpoint.get("checkpoint_version", 0) or 0)
+    return MegatronLayout(tp, pp, int(padded), int(checkpoint.get("iteration", 0) or 0), version)
+
+
+def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTConfig:
+    """The :class:`GPTConfig` of a Megatron run's ``args``; ``vocab_size``: the tokenizer's real size
+    (default: :func:`known_vocab_size`, else the padded size, whose extra rows then stay logits)."""
+    if not isinstance(args, argparse.Namespace):
+        raise UserError(f"{where}: the checkpoint's 'args' is a {type(args).__name__}, not Megatron-LM's "
+                        "argparse.Namespace. Nothing was written.")
+    check_supported(args, where)
+    hidden = int(_required(args, "hidden_size", where))
+    padded = int(_required(args, "padded_vocab_size", where))
+    vocab = vocab_size or known_vocab_size(args) or padded
+    if vocab > padded:
+        raise UserError(f"{where}: the tokenizer has {vocab} tokens but the checkpoint's embedding only "
+                        f"{padded} rows (padded_vocab_size); it is not this model's tokenizer. Nothing was written.")
+    try:
+        return GPTConfig(
+            num_layers=int(_required(args, "num_layers", where)), hidden_size=hidden,
+            num_attention_heads=int(_required(args, "num_attention_heads", where)),
+            seq_length=int(_arg(args, "max_position_embeddings") or _required(args, "seq_length", where)),
+            vocab_size=int(vocab), ffn_hidden_size=int(_arg(args, "ffn_hidden_size") or 4 * hidden),
+            hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
+            attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
+            init_method_std=float(_arg(args, "init_method_std", 0.02)),
+            layernorm_epsilon=float(_arg(args, "layernorm_epsilon", 1e-5)),
+            make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
+            seed=int(_arg(args, "seed", 1234)), openai_gelu=bool(_arg(args, "openai_gelu", False)),
+            untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)))
+    except ValueError as exc:
+        raise UserError(f"{where}: the saved args do not describe a valid model: {exc} Nothing was written.") from None
+
+
+def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
+    """Megatron's tokenizer arguments for a tnlg checkpoint's recorded tokenizer (``describe()``)."""
+    if not tokenizer:
+        return dict(tokenizer_type=None)
+    if tokenizer.get("kind") == "gpt2bpe":
+        return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=tokenizer.get("vocab_file"),
+                    merge_file=tokenizer.get("merges_file"))
+    return dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tokenizer.get("path"))
+
+
+def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
+             fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None) -> argparse.Namespace:
+    """The ``args`` a Megatron-LM run needs to rebuild ``cfg`` at TP ``tp`` x PP ``pp`` (what
+    ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
+    checkpoint's recorded one, named in Megatron's tokenizer arguments."""
+    import torch
+    divisible = cfg.make_vocab_size_divisible_by
+    return argparse.Namespace(**_tokenizer_args(tokenizer), **dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim, num_query_groups=cfg.num_attention_heads,
+        group_query_attention=False, seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        position_embedding_type="learned_absolute", add_position_embedding=True, use_rotary_position_embeddings=False,
+        add_bias_linear=True, add_qkv_bias=True, swiglu=False, normalization="LayerNorm", apply_layernorm_1p=False,
+        layernorm_epsilon=cfg.layernorm_epsilon, openai_gelu=cfg.openai_gelu, squared_relu=False,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
+        padded_vocab_size=padded_vocab_size(cfg.vocab_size, tp, divisible),
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std, seed=cfg.seed,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=1, context_parallel_size=1,
+        num_experts=None, iteration=iteration, consumed_train_samples=consumed_samples, consumed_valid_samples=0,
+        ckpt_format=fmt, use_dist_ckpt=fmt == "torch_dist", params_dtype=params_dtype or torch.float32,
+        fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16))

@@ -1,0 +1,156 @@
+"""A tnlg checkpoint -> a Megatron-LM checkpoint (``tnlg convert --from CKPT --to megatron DIR``).
+
+Writes ``DIR/latest_checkpointed_iteration.txt`` and ``DIR/iter_NNNNNNN/`` in Megatron's
+``torch_dist`` format (default) or its legacy per-rank format at TP ``tp`` x PP ``pp``, with the
+``args`` Megatron-LM needs to rebuild the model (:func:`.args.args_for`; ``--use-checkpoint-args``
+reads them) and no optimizer or RNG state (load with ``--no-load-optim --no-load-rng``, or
+``--finetune``). Names are megatron-core's: the local spec's in legacy files, the ``torch_dist``
+keys (valid for the local and Transformer Engine specs) in ``torch_dist``. The vocabulary is
+padded as Megatron pads it at ``tp`` (a multiple of ``make_vocab_size_divisible_by * tp``), the
+padded rows zeros.
+
+Everything is written under ``DIR.tmp-<pid>`` beside ``DIR`` and renamed into place: a failure
+leaves nothing at ``DIR``. Memory: ``torch_dist`` holds one tensor at a time; a legacy file is one
+``torch.save`` of one rank's state dict (its 1/(tp pp) of the weights), built and dropped per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from ...checkpoint import files as F
+from ...checkpoint.reshard import ShardReader, full_targets
+from ...config import GPTConfig, padded_vocab_size
+from ...errors import UserError
+from ...io import fsync_dir, temporary_name
+from .args import args_for
+from .legacy import local_extra_state, write_rank_files
+from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
+from .torch_dist import TorchDistWriter
+
+__all__ = ["checkpoint_to_megatron", "check_megatron_layout", "FORMATS"]
+
+FORMATS = ("torch_dist", "legacy")
+
+
+def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
+    """Megatron's own constraints on TP x PP (it splits heads, the MLP and layers evenly)."""
+    for flag, size in (("--tp", tp), ("--pp", pp)):
+        if not isinstance(size, int) or size < 1:
+            raise UserError(f"{flag} must be a positive integer, got {size!r}.")
+    if cfg.num_attention_heads % tp:
+        valid = [t for t in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % t == 0]
+        raise UserError(f"--tp {tp}: Megatron-LM needs num_attention_heads ({cfg.num_attention_heads}) to be a "
+                        f"multiple of tensor_model_parallel_size ({tp}); valid TP sizes for this model: {valid}. "
+                        "Nothing was written.")
+    if cfg.ffn_hidden_size % tp:
+        raise UserError(f"--tp {tp}: Megatron-LM splits ffn_hidden_size ({cfg.ffn_hidden_size}) evenly over TP; {tp} "
+                        "does not divide it. Nothing was written.")
+    if cfg.num_layers % pp:
+        valid = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
+        raise UserError(f"--pp {pp}: {cfg.num_layers} layers do not split evenly into {pp} pipeline stages; valid "
+                        f"sizes: {valid}. Nothing was written.")
+
+
+class _Full:
+    """The tnlg checkpoint's full tensors in Megatron's layout, one at a time."""
+
+    def __init__(self, iter_dir: str, meta: dict, cfg: GPTConfig, padded: int):
+        self.reader, self.targets = ShardReader(iter_dir, meta, F.model_file), full_targets(meta)
+        self.cfg, self.padded = cfg, padded
+
+    def __call__(self, role: Role, layer: Optional[int]) -> torch.Tensor:
+        name = tnlg_name(role, layer)
+        if role.tnlg == "lm_head.weight" and not self.cfg.untie_embeddings_and_output_weights:
+            name = "transformer.wte.weight"  # a tied head: the embedding
+        t = self.reader.tensor(name, name, self.targets[name])
+        if role.tnlg in VOCAB_PARAMS and self.padded > t.shape[0]:  # Megatron's padding rows: zeros
+            t = torch.cat([t, t.new_zeros(self.padded - t.shape[0], *t.shape[1:])])
+        return t
+
+
+def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -> dict:
+    """One legacy rank's ``model``: the local spec's state dict of TP rank ``t``'s shard of stage ``p``."""
+    per_stage = cfg.num_layers // pp
+
+    def shard(x: torch.Tensor, role: Role) -> torch.Tensor:
+        return x if role.split is None else x.chunk(tp, dim=role.split)[t].clone()
+
+    out: dict = {}
+    if p == 0:
+        for role in GLOBAL_ROLES[:2]:
+            out[role.core[0]] = shard(full(role, None), role)
+    for j in range(per_stage):
+        for role in LAYER_ROLES:
+            out[f"{CORE_LAYER_PREFIX}{j}.{role.core[0]}"] = shard(full(role, p * per_stage + j), role)
+    out.update(local_extra_state(range(per_stage)))
+    if p == pp - 1:
+        for role in GLOBAL_ROLES[2:4]:
+            out[role.core[0]] = shard(full(role, None), role)
+        if cfg.untie_embeddings_and_output_weights or pp > 1:  # a tied head's copy on the last stage
+            out[GLOBAL_ROLES[4].core[0]] = shard(full(GLOBAL_ROLES[4], None), GLOBAL_ROLES[4])
+        out["output_layer._extra_state"] = None
+    return out
+
+
+def _write_torch_dist(iter_dir: str, full: _Full, cfg: GPTConfig, common: dict) -> None:
+    writer = TorchDistWriter(iter_dir, cfg.num_layers)
+    for role in GLOBAL_ROLES[:2]:
+        writer.add(role, None, full(role, None))
+    for i in range(cfg.num_layers):
+        for role in LAYER_ROLES:
+            writer.add(role, i, full(role, i))
+        writer.add_extra_states(i)
+    for role in GLOBAL_ROLES[2:4]:
+        writer.add(role, None, full(role, None))
+    if cfg.untie_embeddings_and_output_weights:
+        writer.add(GLOBAL_ROLES[4], None, full(GLOBAL_ROLES[4], None))
+    writer.close(common)
+
+
+def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1) -> str:
+    """Write the tnlg checkpoint at ``path`` as a new Megatron-LM checkpoint root ``dst`` (module
+    docstring); returns its iteration folder."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: Megatron checkpoints are written as {' or '.join(FORMATS)}.")
+    iter_dir = F.resolve(path, "--from")
+    if iter_dir is None:
+        raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
+    meta = F.read_meta(iter_dir)
+    F.check_files(iter_dir, meta, ("model",))
+    F.verify_checksums(iter_dir, meta, {n for n in meta["files"] if n.startswith("model")})
+    cfg = GPTConfig.from_dict(meta["config"])
+    check_megatron_layout(cfg, tp, pp)
+    padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
+    dtype = getattr(torch, meta["layout"]["param_dtype"])
+    iteration = int(meta["iteration"])
+    args = args_for(cfg, tp, pp, iteration, int(meta.get("consumed_samples", 0)), fmt, dtype, meta.get("tokenizer"))
+    common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
+    full = _Full(iter_dir, meta, cfg, padded)
+    root = os.path.abspath(dst)
+    if os.path.lexists(root) and (not os.path.isdir(root) or os.listdir(root)):
+        raise UserError(f"destination {dst!r} already exists and is not empty; choose a new directory (nothing is "
+                        "overwritten).")
+    tmp = temporary_name(root)
+    name = f"iter_{iteration:07d}"
+    try:
+        os.makedirs(os.path.join(tmp, name))
+        if fmt == "torch_dist":
+            _write_torch_dist(os.path.join(tmp, name), full, cfg, common)
+        else:
+            write_rank_files(os.path.join(tmp, name), common, tp, pp,
+                             lambda t, p: _rank_state(full, cfg, t, tp, p, pp))
+        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+        if os.path.isdir(root):
+            os.rmdir(root)  # empty (checked above)
+        os.replace(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # only the temporary folder this call created
+        raise
+    fsync_dir(os.path.dirname(root))
+    return os.path.join(root, name)

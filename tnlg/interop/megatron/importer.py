@@ -1,0 +1,175 @@
+"""A Megatron-LM GPT checkpoint -> a tnlg checkpoint (``tnlg convert --from megatron DIR --to CKPT``).
+
+The source is a checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``; ``release``
+too) or one iteration folder, in ``torch_dist`` (:mod:`.torch_dist`) or legacy per-rank
+(:mod:`.legacy`) format, at any TP x PP. The architecture comes from the saved args
+(:mod:`.args`); everything is validated (args, every rank file, every tensor's presence and
+shape) before the destination is created. Then each tnlg TP rank's file is streamed one tensor
+at a time: a tensor is assembled from the Megatron shards or chunks that hold it, its padded
+vocabulary rows dropped (tnlg pads for its own TP size), sliced for the rank and written. At most
+one full tensor is held beyond what is written.
+
+The tnlg checkpoint holds the weights and the iteration and consumed samples of the Megatron run,
+without optimizer state: training from it starts fresh Adam moments.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+
+from ...checkpoint.files import FORMAT
+from ...checkpoint.reshard import slice_full, targets_for
+from ...checkpoint.saving import write_offline
+from ...config import GPTConfig
+from ...errors import UserError
+from .args import config_from_args, layout_of
+from .legacy import LegacySource, first_file, is_legacy
+from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
+from .safe_load import load_pt
+from .torch_dist import TorchDistSource, is_torch_dist
+
+__all__ = ["megatron_to_checkpoint", "open_megatron", "iteration_dir"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(path: str) -> str:
+    """The iteration folder ``path`` designates: itself, or the one its tracker file names."""
+    if not os.path.isdir(path):
+        raise UserError(f"--from megatron {path!r} is not a directory.")
+    if is_torch_dist(path) or is_legacy(path):
+        return path
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isfile(tracker):
+        raise UserError(f"--from megatron {path!r} is not a Megatron-LM checkpoint: it has no {TRACKER} and is not "
+                        "an iteration folder (metadata.json of a torch_dist checkpoint, or mp_rank_* folders of a "
+                        "legacy one). Give the checkpoint root (--save of the Megatron run) or one iter_* folder.")
+    with open(tracker) as f:
+        text = f.read().strip()
+    name = "release" if text == "release" else (f"iter_{int(text):07d}" if text.isdigit() else None)
+    if name is None:
+        raise UserError(f"{tracker!r} holds {text[:40]!r}, neither an iteration number nor 'release'.")
+    d = os.path.join(path, name)
+    if os.path.isfile(os.path.join(d, "meta.json")):
+        raise UserError(f"--from megatron {path!r} is a tnlg checkpoint, not a Megatron-LM one (its {name} holds "
+                        "meta.json); give it as --from DIR without 'megatron'.")
+    if not os.path.isdir(d) or not (is_torch_dist(d) or is_legacy(d)):
+        raise UserError(f"{tracker!r} names {name}, but {d!r} is missing or holds no Megatron checkpoint.")
+    return d
+
+
+def open_megatron(path: str, vocab_size: Optional[int] = None):
+    """``(source, config, common)``: the tensors, the tnlg config and the non-tensor entries
+    (``args``, ``iteration``, ...) of the Megatron checkpoint at ``path``."""
+    iter_dir = iteration_dir(path)
+    where = f"Megatron checkpoint {iter_dir!r}"
+    if is_torch_dist(iter_dir):
+        common_path = os.path.join(iter_dir, "common.pt")
+        if not os.path.isfile(common_path):
+            raise UserError(f"{where} has no common.pt (the saved args); it is incomplete. Nothing was written.")
+        common = load_pt(common_path, "Megatron common state")
+    else:
+        common = load_pt(first_file(iter_dir), "Megatron checkpoint file")
+    if not isinstance(common, dict) or "args" not in common:
+        raise UserError(f"{where} has no saved 'args', so its architecture is unknown; tnlg reads checkpoints written "
+                        "by Megatron-LM's training loop (which saves its args). Nothing was written.")
+    cfg = config_from_args(common["args"], where, vocab_size)
+    layout = layout_of(common["args"], where, common)
+    if is_torch_dist(iter_dir):
+        source = TorchDistSource(iter_dir, layout)
+    else:
+        source = LegacySource(iter_dir, common, layout, cfg.num_layers, cfg.num_attention_heads)
+    return source, cfg, common
+
+
+def _roles(cfg: GPTConfig, last_stage: int):
+    """``(role, layer, pipeline stage)`` of every tnlg parameter, in tnlg's order (a layer's stage
+    follows from its index: ``None``)."""
+    for role in GLOBAL_ROLES[:2]:
+        yield role, None, 0
+    for i in range(cfg.num_layers):
+        for role in LAYER_ROLES:
+            yield role, i, None
+    for role in GLOBAL_ROLES[2:4]:
+        yield role, None, last_stage
+    if cfg.untie_embeddings_and_output_weights:
+        yield GLOBAL_ROLES[4], None, last_stage
+
+
+def _to_tnlg(t: torch.Tensor, role: Role, cfg: GPTConfig) -> torch.Tensor:
+    """Megatron's full tensor in tnlg's layout: the padded vocabulary rows dropped (QKV needs nothing)."""
+    return t[:cfg.vocab_size] if role.tnlg in VOCAB_PARAMS else t
+
+
+class _Tensors(Mapping):
+    """tnlg name -> this rank's shard, computed when looked up (one tensor at a time)."""
+
+    def __init__(self, source, cfg: GPTConfig, tp: int, rank: int, dtype: torch.dtype):
+        self.source, self.cfg, self.dtype = source, cfg, dtype
+        self.targets = targets_for(cfg, tp, rank)
+        self.where = {tnlg_name(r, layer): (r, layer, stage) for r, layer, stage in _roles(cfg, source.layout.pp - 1)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        role, layer, stage = self.where[name]
+        full = _to_tnlg(self.source.tensor(role, layer, stage), role, self.cfg)
+        return slice_full(full.to(self.dtype), self.targets[name])
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def _check_tensors(source, cfg: GPTConfig) -> None:
+    """Every tensor tnlg needs is present with its shape (from the index or the rank files' headers:
+    no tensor is read), before anything is written."""
+    from ...model import GPT
+    where = f"Megatron checkpoint {source.iter_dir!r}"
+    specs = GPT.describe(cfg, 1)
+    for role, layer, stage in _roles(cfg, source.layout.pp - 1):
+        shape = source.shape(role, layer, stage)
+        if shape is None:
+            what = "the untied output layer (output_layer.weight)" if role.tnlg == "lm_head.weight" else (
+                f"{role.tnlg}" + ("" if layer is None else f" of layer {layer}"))
+            raise UserError(f"{where} has no tensor for {what}; it does not match its args ({source.format} "
+                            "format, names of megatron-core's local or Transformer Engine spec or of the legacy "
+                            "model). Nothing was written.")
+        want = specs[tnlg_name(role, layer)].shape
+        if role.tnlg in VOCAB_PARAMS:  # with Megatron's padding rows
+            want = (source.layout.padded_vocab_size, *want[1:])
+        if shape != want:
+            raise UserError(f"{where}: {tnlg_name(role, layer)} has shape {shape} but its args give {want}. Nothing "
+                            "was written.")
+
+
+def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Optional[int] = None,
+                           tokenizer=None) -> str:
+    """Convert the Megatron checkpoint at ``path`` into a new tnlg checkpoint ``dst`` at TP ``tp_size``.
+    ``vocab_size``: the tokenizer's real size (default: the saved args' tokenizer, else the padded
+    size); ``tokenizer`` (a tnlg tokenizer) is recorded in the checkpoint."""
+    source, cfg, common = open_megatron(path, vocab_size or (tokenizer.vocab_size if tokenizer else None))
+    try:
+        cfg.check_tensor_parallel(tp_size)
+    except ValueError as exc:
+        raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
+    _check_tensors(source, cfg)
+    dtype = source.dtype
+    args = common["args"]
+    meta = dict(format=FORMAT, iteration=int(common.get("iteration", 0) or 0),
+                consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), config=cfg.to_dict(),
+                options={}, data=None, tokenizer=tokenizer.describe() if tokenizer else None,
+                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
+                schedule=None, torch=torch.__version__,
+                converted_from=dict(megatron=os.path.abspath(source.iter_dir), format=source.format,
+                                    tp=source.layout.tp, pp=source.layout.pp,
+                                    checkpoint_version=source.layout.checkpoint_version))
+
+    def shard(r, names):
+        return _Tensors(source, cfg, tp_size, r, dtype), None
+
+    return write_offline(dst, meta, tp_size, shard)

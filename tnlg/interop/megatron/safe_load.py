@@ -1,0 +1,170 @@
+"""Reading Megatron's pickled files without running code from them.
+
+Megatron-LM writes three kinds of pickles: the legacy per-rank ``model_optim_rng.pt`` and the
+``common.pt`` of a ``torch_dist`` checkpoint (``torch.save``), and the ``.metadata`` index of
+``torch.distributed.checkpoint`` (plain ``pickle``). None is unpickled freely here:
+
+* ``.pt`` files go through ``torch.load(weights_only=True)``. The one class whose contents are
+  needed is ``argparse.Namespace`` (the saved ``args``), allowed as itself. Objects Megatron stores
+  beside the weights that a conversion never reads (its enums and config dataclasses in ``args``,
+  the NumPy / ``random`` RNG states, ``pathlib`` paths, Transformer Engine's ``BytesIO`` extra
+  state) are rebuilt as an inert :class:`Skipped` record that keeps only the name: the named
+  class is never imported or called. Any other global is refused, naming it.
+* ``.metadata`` goes through a ``pickle.Unpickler`` whose ``find_class`` returns only the
+  dataclasses of the index (``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``,
+  the ``planner`` save plans it records) and a few torch value types (the restricted-globals
+  pattern of Python's ``pickle`` documentation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import re
+
+import torch
+
+from ...errors import UserError
+
+__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk"]
+
+# modules whose objects may sit beside the weights in a Megatron file, rebuilt inert (never imported)
+_SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "_io.", "_codecs.",
+                    "transformer_engine.", "enum.", "datetime.", "apex.")
+
+
+class Skipped:
+    """Base of the inert records (module docstring): constructing one, its ``__new__`` and its
+    ``__setstate__`` keep nothing; ``skipped_name`` is the global it stands for."""
+
+    skipped_name = ""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<skipped {self.skipped_name}>"
+
+    _made: dict = {}
+
+    @classmethod
+    def standing_for(cls, name: str) -> type:
+        """The inert class that stands for the global ``name`` (one per name: ``torch.serialization``
+        maps each allowed name to a class)."""
+        if name not in cls._made:
+            cls._made[name] = type(name.rpartition(".")[2], (cls,), {"skipped_name": name})
+        return cls._made[name]
+
+
+_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (\S+) was not")
+
+
+def _allow(allowed: dict, name: str, path: str, what: str) -> None:
+    """Admit global ``name``: ``argparse.Namespace`` as itself, a skippable one inert, else refuse."""
+    if name == "argparse.Namespace":
+        allowed[name] = argparse.Namespace
+    elif name.startswith(_SKIPPED_MODULES):
+        allowed[name] = (Skipped.standing_for(name), name)
+    else:
+        raise UserError(f"{what} {path!r} holds an object of {name}, which a Megatron checkpoint does not need and "
+                        "tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, without "
+                        "running code). Nothing was written.")
+
+
+def load_pt(path: str, what: str) -> dict:
+    """``torch.load(path, weights_only=True, mmap=True)`` with ``argparse.Namespace`` allowed and the
+    skippable Megatron objects inert (module docstring). Tensors stay memory-mapped: a caller touches
+    only what it reads. A file of torch < 1.6's format is loaded whole (no memory map; its globals
+    are learnt from the loader's refusals). ``what`` names the file in errors."""
+    allowed: dict = {}
+    try:
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+            _allow(allowed, name, path, what)
+        zip_format = True
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - not a zip file: the old format, or damaged (torch.load says which)
+        zip_format = False
+    for _ in range(64):
+        try:
+            with torch.serialization.safe_globals(list(allowed.values())):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=zip_format)
+        except pickle.UnpicklingError as exc:
+            found = _UNSUPPORTED.search(str(exc))
+            if found is None or found.group(1) in allowed:
+                raise _damaged(path, what, exc) from None
+            _allow(allowed, found.group(1), path, what)
+        except Exception as exc:  # noqa: BLE001
+            raise _damaged(path, what, exc) from None
+    raise _damaged(path, what, RuntimeError("too many kinds of objects"))
+
+
+def _damaged(path: str, what: str, exc: BaseException) -> UserError:
+    return UserError(f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}); it is damaged, "
+                     "truncated or not a Megatron checkpoint file. Nothing was written.")
+
+
+# --------------------------------------------------------------------------- torch.distributed.checkpoint
+
+def _dcp_classes() -> dict[tuple[str, str], object]:
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+    out: dict[tuple[str, str], object] = {}
+    for module, names in ((metadata, ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                                      "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+                          (filesystem, ("_StorageInfo",)),
+                          (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"))):
+        for n in names:
+            if hasattr(module, n):
+                out[(module.__name__, n)] = getattr(module, n)
+    out[("torch", "Size")] = torch.Size
+    out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    out[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+                 "strided", "contiguous_format", "preserve_format", "channels_last"):
+        out[("torch", name)] = getattr(torch, name)
+    return out
+
+
+class _DCPUnpickler(pickle.Unpickler):
+    classes: dict = {}
+
+    def find_class(self, module: str, name: str):
+        key = (module, name)
+        if key in self.classes:
+            return self.classes[key]
+        raise pickle.UnpicklingError(f"global {module}.{name} is not part of a torch.distributed.checkpoint index")
+
+
+def load_dcp_metadata(path: str):
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` pickled in ``path`` (restricted globals)."""
+    _DCPUnpickler.classes = _dcp_classes()
+    try:
+        with open(path, "rb") as f:
+            return _DCPUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"torch_dist index {path!r} cannot be read ({exc}); it is damaged or truncated, or not a "
+                        "torch.distributed.checkpoint index. Nothing was written.") from None
+
+
+def load_chunk(path: str, offset: int, length: int, what: str) -> torch.Tensor:
+    """One tensor chunk of a ``.distcp`` file: ``length`` bytes at ``offset``, a ``torch.save`` stream."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise EOFError(f"{len(data)} of {length} bytes at offset {offset}")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{what}: file {path!r} named by the torch_dist index is missing. Nothing was written.") \
+            from None
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"{what}: {path!r} cannot be read ({type(exc).__name__}: {exc}); it is damaged or truncated. "
+                        "Nothing was written.") from None

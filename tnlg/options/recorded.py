@@ -1,0 +1,69 @@
+"""``--use-checkpoint-args`` (Megatron-LM's flag): the options a checkpoint recorded, taken for this run.
+
+Every checkpoint records its run's options (``meta.json``, ``"options"``). With the flag, a run takes
+from the checkpoint that ``--load`` names (else the one ``--save`` holds) what the run is: the model
+shape, the data and tokenizer, the layout (TP, sequence parallelism, ZeRO), the schedule (batch, run
+length, learning rate, AdamW), the precision and the intervals of logging, validation and saving
+(:data:`TAKEN`). Not taken (:data:`THIS_LAUNCH`): where this launch reads and writes, and how it runs
+on this machine. Precedence: defaults < preset < the checkpoint < config file < flags; each value given
+that differs from the recorded one is reported as an override.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..errors import UserError
+from .components import COMPONENTS
+from .fields import flag_of, option_fields
+
+__all__ = ["TAKEN", "THIS_LAUNCH", "checkpoint_args", "describe"]
+
+# where this launch reads and writes, and how it runs on this machine, whatever the checkpoint's did
+THIS_LAUNCH = ("save", "load", "use_checkpoint_args", "metrics_file", "plot", "data_cache_path", "tensorboard_dir",
+               "wandb_project", "wandb_exp_name", "wandb_save_dir", "nproc_per_node", "max_restarts",
+               "distributed_timeout_minutes", "device", "peak_tflops")
+TAKEN = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.name not in THIS_LAUNCH)
+# options that say one thing together: a value given for one of them replaces the record's for all
+_TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"))
+
+
+def checkpoint_args(said: dict) -> tuple[dict, dict]:
+    """``(values, info)`` for the options ``said`` (from a config file and the command line):
+    ``values`` the recorded options to apply, ``info`` the checkpoint's iteration directory (``path``),
+    whether it was the built-in job (``builtin_job``: then its corpus is found again, not taken from the
+    record), the names taken and the ``overrides`` (flag, recorded value, value given)."""
+    from ..checkpoint.files import read_meta, resolve  # (torch: not imported for --help)
+    where = said.get("load") or said.get("save")
+    origin = "--load" if said.get("load") else "--save"
+    iter_dir = resolve(where, origin) if where and (said.get("load") or os.path.isdir(where)) else None
+    if iter_dir is None:
+        held = (f"{origin} {where!r} holds no checkpoint" if where else "neither --load nor --save is given")
+        raise UserError(f"--use-checkpoint-args takes the model, data, tokenizer, layout and schedule from a "
+                        f"checkpoint, but {held}. Give --load DIR (a checkpoint root or an iter_* folder), or a "
+                        f"--save DIR that holds a checkpoint; or drop --use-checkpoint-args and give the options.")
+    recorded = read_meta(iter_dir).get("options") or {}
+    builtin = bool(recorded.get("builtin_job")) and said.get("data_path") is None and said.get("preset") is None
+    skip = {n for group in _TOGETHER if any(n in said for n in group) for n in group}
+    if builtin:
+        skip |= {"data_path", "tokenizer_model"}
+    values = {n: recorded[n] for n in TAKEN if n in recorded and n not in skip}
+    overrides = [(flag_of(n), values[n], said[n]) for n in values if n in said and said[n] != values[n]]
+    return values, dict(path=iter_dir, builtin_job=builtin, taken=sorted(values), overrides=overrides)
+
+
+def describe(info: Optional[dict]) -> list[str]:
+    """The lines a run with ``--use-checkpoint-args`` prints: what it took, and each override."""
+    if not info:
+        return []
+    lines = [f"note: --use-checkpoint-args: {len(info['taken'])} options (model, data, tokenizer, layout, schedule, "
+             f"precision, intervals) from {info['path']}"]
+    lines += [f"note: {flag} {_typed(given)} given, overriding the checkpoint's {flag} {_typed(value)}"
+              for flag, value, given in info["overrides"]]
+    return lines
+
+
+def _typed(value) -> str:
+    """A value as it is typed on the command line."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

@@ -1,0 +1,253 @@
+"""Simulate one rank's training step at full size on fake tensors: memory, traffic, FLOPs, time.
+
+:func:`simulate` runs tnlg's own code for rank 0 of a ``TP x DP`` layout, in this process,
+under ``FakeTensorMode`` (tensors with shapes and dtypes but no memory, nothing computed)
+and a *fake* process group (``torch.testing._internal.distributed.fake_pg``: every
+collective returns at once), watched by :class:`tnlg.plan.tracker.StepTracker`:
+
+1. ``setup``: the GPT built on the meta device and materialised into the engine
+   (:func:`tnlg.optim.build_engine`, as ``tnlg pretrain`` does: ZeRO stage, 16-bit
+   parameters, fp32 gradients if asked);
+2. ``forward`` and ``backward`` of the micro batches, under autocast
+   (:func:`tnlg.training.step.forward_loss`, ``engine.backward``); with gradient
+   accumulation, one accumulation micro step (no communication) is simulated and counted
+   ``k - 1`` times, then the last one (bucketed reduction launched during backward);
+3. ``grad sync`` (waiting for the reductions), ``norm`` (:mod:`tnlg.optim.clip`) and
+   ``optimizer`` (AdamW on the owned slice, the parameter all-gather), the pieces of
+   :meth:`tnlg.optim.sharded_backend.ShardedBackend.step` called one after another.
+
+The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
+that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
+inputs without a mask runs as CUDA's flash attention kernel does (its fake implementation:
+output and fp32 log-sum-exp kept for backward, dropout included, scores recomputed in
+backward), which is what SDPA picks on an A100/H100/H200 for these shapes, where the CPU
+would run its math kernel with fp32 scores when attention dropout is on; and dropout runs
+as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy, the optimizer)
+the CPU's kernels stand in for the GPU's; torch's fused AdamW exists on both.
+
+Time (:func:`predict_time`): per operator ``max(FLOPs / (peak x matmul efficiency),
+bytes / (bandwidth x memory efficiency), kernel floor)``, summed; collectives at the link
+bandwidth of their group (ring: ``2 (n-1)/n`` of the payload for an all-reduce,
+``(n-1)/n`` for reduce-scatter and all-gather; TP inside a node over NVLink, DP across
+nodes when TP x DP exceeds a node), without overlap. MFU = model FLOPs (Narayanan et al.
+eq. 3, :mod:`tnlg.plan.flops`) / (step time x peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..config import GPTConfig
+from ..errors import UserError
+from .gpus import GPU, gpu as lookup_gpu
+from .tracker import StepTracker
+
+__all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+_RING = {"allreduce": lambda n: 2 * (n - 1) / n, "reducescatter": lambda n: (n - 1) / n,
+         "allgather": lambda n: (n - 1) / n}
+
+
+def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision: str, gpu_name: str,
+                 micro_batch: int, accum: int) -> GPU:
+    """A clear :class:`UserError` for a layout the simulation cannot run; the :class:`GPU` otherwise."""
+    g = lookup_gpu(gpu_name)
+    for name, v in (("--tensor-model-parallel-size", tp), ("--data-parallel-size", dp),
+                    ("--micro-batch-size", micro_batch), ("gradient accumulation steps", accum)):
+        if not isinstance(v, int) or v < 1:
+            raise UserError(f"--simulate: {name} must be a positive integer, got {v!r}.")
+    try:
+        config.check_tensor_parallel(tp)
+    except ValueError as err:
+        raise UserError(f"--simulate: {err}") from None
+    if precision not in _DTYPES:
+        raise UserError(f"--simulate: --precision {precision!r} is not one of {', '.join(_DTYPES)}.")
+    if zero_stage not in (0, 1):
+        raise UserError(f"--simulate runs ZeRO stages 0 and 1 (tnlg's flat buffers); stage {zero_stage} "
+                        f"(FSDP2) is not simulated yet. Plan it without --simulate, or simulate --zero-stage 1.")
+    return g
+
+
+@contextlib.contextmanager
+def _fake_world(tp: int, dp: int):
+    """Rank 0 of a ``tp x dp`` world whose collectives do nothing: its :class:`ParallelState`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..parallel.state import init_parallel
+    if dist.is_initialized():
+        raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
+                        "this process already has one.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
+    try:
+        yield init_parallel(tensor_parallel_size=tp)
+    finally:
+        dist.destroy_process_group()
+
+
+class _FlashAttention(torch.autograd.Function):
+    """SDPA as CUDA's flash attention kernel runs it (forward and backward operators)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale):
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.args = (cq, ck, mq, mk, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        cq, ck, mq, mk, dropout_p, is_causal, scale = ctx.args
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+@contextlib.contextmanager
+def _gpu_kernels():
+    """For the simulation's duration, two functions run the kernels a GPU runs (module docstring):
+    ``F.scaled_dot_product_attention`` as :class:`_FlashAttention` (16-bit, no mask, head dim <= 256)
+    and ``F.dropout`` as ``native_dropout`` (CUDA's fused dropout: a 1-byte mask; the CPU keeps a mask
+    in the input's dtype). Substitutions of the functions (not a ``TorchFunctionMode``), so that
+    recomputation in backward sees them too."""
+    import torch.nn.functional as F
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+
+    def flash_where_a_gpu_would(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is None and not kw and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            return _FlashAttention.apply(q, k, v, dropout_p, is_causal, scale)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    def fused_dropout(x, p=0.5, training=True, inplace=False):
+        if training and 0.0 < p < 1.0 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return dropout(x, p, training, inplace)
+
+    F.scaled_dot_product_attention, F.dropout = flash_where_a_gpu_would, fused_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+
+
+def _register_engine(tracker: StepTracker, engine) -> None:
+    b = engine.backend
+    tracker.register(b.param_buffer, "parameters")
+    tracker.register(b.grad_buffer, "gradients")
+    tracker.register(b.master, "master")
+    tracker.register([b.exp_avg, b.exp_avg_sq], "adam")
+
+
+def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
+             micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
+             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True) -> dict:
+    """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction.
+    ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum)
+    layout = dict(tp=tp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
+                  grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb)
+    started = time.perf_counter()
+    with _fake_world(tp, dp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
+            _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        tracker, memory = tracked_iteration(config, ps, zero_stage=zero_stage, precision=precision,
+                                            micro_batch=micro_batch, accum=accum, grads_fp32=grads_fp32,
+                                            bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
+    return _report(config, tracker, g, layout, memory, time.perf_counter() - started)
+
+
+def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str, micro_batch: int, accum: int,
+                      grads_fp32: bool = False, bucket_size_mb: float = 25.0,
+                      clip_grad: float = 1.0) -> tuple[StepTracker, dict]:
+    """One iteration of tnlg's code on ``ps`` under a :class:`StepTracker`, phase by phase (module
+    docstring); real or fake tensors alike. Returns the tracker and the engine's memory report."""
+    from ..model import GPT
+    from ..optim import build_engine
+    from ..optim.clip import clip_coefficient, global_norm, squared_sums
+    from ..training.step import forward_loss
+    dtype, micro_steps = _DTYPES[precision], min(accum, 2)
+    tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp"})
+    with tracker:
+        with tracker.phase("setup"):
+            engine = build_engine(GPT(config, ps, device="meta"), ps, zero_stage, grad_accum_steps=micro_steps,
+                                  param_dtype=dtype, accumulate_grads_in_fp32=grads_fp32,
+                                  bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
+        _register_engine(tracker, engine)
+        engine.zero_grad()
+        for i in range(micro_steps):
+            tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+            batch = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(tokens.shape, device=ps.device))
+            tag = " (accumulation)" if i < micro_steps - 1 else ""
+            with tracker.phase("forward" + tag):
+                loss = forward_loss(engine.model, batch, dtype)
+            with tracker.phase("backward" + tag):
+                engine.backward(loss)
+                del loss, batch, tokens
+        b = engine.backend
+        with tracker.phase("grad sync"):
+            b.finish_grad_sync()
+        with tracker.phase("norm"):
+            sh, rep = squared_sums(b.grad_pieces())
+            norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
+        with tracker.phase("optimizer"):
+            b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        memory = engine.memory_report()
+        engine.close()
+    return tracker, memory
+
+
+def _comm_time(op, group_size: int, gbps: float) -> float:
+    kind = next((k for k in _RING if k in op.name.replace("_", "")), "allreduce")
+    return op.comm_bytes * _RING.get(kind, _RING["allreduce"])(max(group_size, 2)) / (gbps * 1e9)
+
+
+def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8) -> dict:
+    """Seconds per phase on GPU ``g`` (module docstring): compute, memory-bound, communication."""
+    flops_s, bytes_s = g.flops_16bit * g.matmul_efficiency, g.memory_bps * g.memory_efficiency
+    dp_gbps = g.nvlink_gbps if tp * dp <= gpus_per_node else g.network_gbps
+    out = {}
+    for ph in phases:
+        compute = comm = 0.0
+        for op in ph.ops:
+            if op.comm_bytes:
+                size, gbps = (tp, g.nvlink_gbps) if op.group == "tp" else (dp, dp_gbps)
+                comm += _comm_time(op, size, gbps)
+            else:
+                compute += max(op.flops / flops_s, op.bytes / bytes_s, g.kernel_floor_s)
+        out[ph.name] = dict(compute_s=compute, comm_s=comm, total_s=compute + comm)
+    return out
+
+
+def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memory: dict, wall: float) -> dict:
+    from .flops import flops_per_iteration
+    times = predict_time(tracker.phases, g, layout["tp"], layout["dp"])
+    accum = layout["accum"]
+    step = sum(t["total_s"] * (accum - 1 if name.endswith("(accumulation)") else 1)
+               for name, t in times.items() if name != "setup")
+    tokens = layout["micro_batch"] * accum * config.seq_length
+    model_flops = flops_per_iteration(config, layout["micro_batch"] * accum, None,
+                                      config.padded_vocab_size(layout["tp"])) / layout["tp"]
+    phases = []
+    for ph in tracker.phases:
+        d = ph.as_dict()
+        d.update(times[ph.name])
+        phases.append(d)
+    peak = max(p["peak_bytes"] for p in phases if p["name"] != "setup")
+    return dict(layout=layout, gpu=g.name, phases=phases, peak_bytes=peak, ops=[ph.ops for ph in tracker.phases],
+                peak_phase=max((p for p in phases if p["name"] != "setup"), key=lambda p: p["peak_bytes"])["name"],
+                model_states=memory, step_time_s=step, tokens_per_rank=tokens,
+                model_flops_per_rank=model_flops, mfu=model_flops / (step * g.flops_16bit) if step else None,
+                simulated_in_s=round(wall, 2),
+                notes=["rank 0 of the layout under FakeTensorMode on the CPU code path, with CUDA's flash attention "
+                       "and fused dropout; LayerNorm, cross-entropy and optimizer run the CPU's operators",
+                       "time: per op max(FLOPs at 78% of the 16-bit spec, bytes at 85% of HBM, 4 us) + "
+                       "collectives at link bandwidth, no overlap"])

@@ -1,0 +1,52 @@
+"""``--compile``: ``torch.compile`` of every transformer block, or eager with a warning saying why.
+
+Each element of the model's ``nn.ModuleList`` of blocks is compiled in place
+(``nn.Module.compile``): the blocks are identical, so one compiled graph serves them all
+(recompiled only for a new shape), and the model code stays plain. The collectives inside a
+block (the TP all-reduces of ``g``, the sequence-parallel gathers) are traced as they are.
+
+Dropout: Inductor's own random numbers differ from eager's, and hidden dropout on the
+replicated residual stream must draw the same mask on every TP rank, so
+``torch._inductor.config.fallback_random`` is set: dropout inside compiled code draws from
+the same generators, in the same order, as eager code, and a compiled run gives eager's
+losses. The TP-rank generator swap of :class:`tnlg.parallel.random.TPRandom` (attention
+dropout, and with sequence parallelism the hidden dropout) reads and writes the device's
+RNG state, which Dynamo does not trace: the graph breaks around it (correct, slower).
+
+The toolchain is tried first on a one-line function; if compiling or running it fails (no C
+compiler, an unsupported backend), the blocks stay eager and the returned reason is warned.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["compile_blocks", "compiler_problem"]
+
+
+def compiler_problem(device: torch.device) -> Optional[str]:
+    """Why ``torch.compile`` cannot run here (the first line of the error), or ``None`` if it can."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
+        return None
+    except Exception as err:  # noqa: BLE001 - any failure of the toolchain means: stay eager
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"{type(err).__name__}: {first}"
+
+
+def compile_blocks(model: nn.Module, device: torch.device) -> Optional[str]:
+    """Compile every block of ``model`` in place; returns why not (and leaves it eager) if the
+    compiler toolchain fails."""
+    problem = compiler_problem(device)
+    if problem is not None:
+        return problem
+    import torch._inductor.config as inductor_config
+    inductor_config.fallback_random = True  # dropout draws as eager does (module docstring)
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            for block in m:
+                block.compile()
+    return None
