@@ -286,6 +286,23 @@ def test_search_no_layout_fits_says_why(capsys):
     assert all(r["total"] > 1e9 and r["reason"] for r in res["not_fitting"])
 
 
+def test_readme_search_block_is_the_commands_output(capsys):
+    """The README's T-NLG block is lines of what the command it names prints, verbatim, in order."""
+    import os
+    import re
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme[readme.index("## Planning T-NLG"):]
+    command = re.search(r"`tnlg plan (--preset tnlg-17b --search [^`]*)`", section).group(1).split()
+    block = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n"))]
+    capsys.readouterr()
+    assert main(["plan", *command]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = [line for line in block.splitlines() if line]
+    assert len(shown) >= 10 and any("does NOT fit" in line for line in shown)
+    positions = [printed.index(line) for line in shown]  # ValueError: a line the command does not print
+    assert positions == sorted(positions)
+
+
 # --- formulas ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("recompute", [False, True])
 def test_flops_match_reference(recompute):

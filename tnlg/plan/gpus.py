@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UserError
 
 __all__ = ["GPU", "GPUS", "gpu", "attention_kernel"]

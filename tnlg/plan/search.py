@@ -6,8 +6,10 @@ smaller) that divide the GPU count, including TPs that split the heads unevenly
 global batch. For each (tp, stage, recomputation) the largest micro batch that
 divides the per-rank batch and fits is reported (memory grows with the micro
 batch, so every smaller one fits too). Rows are ordered by TP, then by predicted
-throughput. Per-rank counts come from the formula, which the tests check against
-meta-device builds.
+throughput. A ZeRO stage that fits at no micro batch of a TP is reported under
+``not_fitting`` at its smallest footprint (micro batch 1, recomputation on) with the
+reason, so every (TP, stage) is accounted for. Per-rank counts come from the formula,
+which the tests check against meta-device builds.
 """
 
 from __future__ import annotations
