@@ -272,18 +272,29 @@ def test_search_table_tnlg_17b_states_heads_and_every_stage(capsys):
 
 
 def test_search_no_layout_fits_says_why(capsys):
-    table = search_table(capsys, "--preset", "gpt2-xl", "--world-size", "2", "--global-batch-size", "4",
-                         "--gpu-memory", "1GB")
-    assert sorted((tp, stage) for tp, stage, _ in table) == [(1, s) for s in range(4)] + [(2, s) for s in range(4)]
-    assert all("does NOT fit" in rows[0][-1] for rows in table.values())
+    """With no layout fitting, every (TP, ZeRO stage) still has its row and reason: the model states alone
+    over the GPU, or how far over the GPU the smallest footprint still is."""
+    argv = ["--preset", "gpt2-xl", "--world-size", "8", "--global-batch-size", "8", "--gpu-memory", "3.3GB"]
+    table = search_table(capsys, *argv)
+    assert sorted((tp, stage) for tp, stage, _ in table) == [(tp, s) for tp in (1, 2, 4, 8) for s in range(4)]
+    reasons = set()
+    for (tp, _, recomp), [cols] in table.items():
+        assert cols[2] == heads_split(25, tp) and (recomp, cols[5]) == ("on", "1")
+        states, total = float(cols[7]), float(cols[9])
+        if states > 3.3:
+            assert f"does NOT fit: model states alone {cols[7]} GB > 3.30 GB" in cols[-1]
+            reasons.add("states")
+        else:
+            over = float(cols[-1].split("does NOT fit: ")[1].split(" GB over 3.30 GB even at micro batch 1")[0])
+            assert abs(over - (total - 3.3)) <= 0.011
+            reasons.add("over")
+    assert reasons == {"states", "over"}
     capsys.readouterr()
-    main(["plan", "--search", "--preset", "gpt2-xl", "--world-size", "2", "--global-batch-size", "4",
-          "--gpu-memory", "1GB"])
+    main(["plan", "--search", *argv])
     assert "No layout fits." in capsys.readouterr().out
-    res = plan_json(capsys, "--search", "--preset", "gpt2-xl", "--world-size", "2", "--global-batch-size", "4",
-                    "--gpu-memory", "1GB")
-    assert res["layouts"] == [] and len(res["not_fitting"]) == 8
-    assert all(r["total"] > 1e9 and r["reason"] for r in res["not_fitting"])
+    res = plan_json(capsys, "--search", *argv)
+    assert res["layouts"] == [] and len(res["not_fitting"]) == 16
+    assert all(r["total"] > 3.3e9 and r["reason"] for r in res["not_fitting"])
 
 
 def test_readme_search_block_is_the_commands_output(capsys):
