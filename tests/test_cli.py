@@ -21,7 +21,7 @@ def test_bare_tnlg_prints_help_and_runs_nothing(capsys, monkeypatch):
     assert out.startswith("usage: tnlg") and "pretrain" in out and "tnlg pretrain" in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["pretrain", "--help"], []])
+@pytest.mark.parametrize("argv", [["--help"], ["pretrain", "--help"], ["plan", "--help"], []])
 def test_help_does_not_import_torch(argv):
     """issue 15 item 9: ``tnlg --help`` took 2.8 s because ``import tnlg`` imported torch."""
     code = ("import sys\nfrom tnlg.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"

@@ -196,6 +196,124 @@ def test_search_candidates_include_uneven(capsys):
     assert {r["tp"] for r in res["layouts"] if r["uneven"]} == {2, 3, 6}
 
 
+# --- the search table as printed -----------------------------------------------------------------
+def search_table(capsys, *argv) -> dict:
+    """Run ``tnlg plan --search`` and parse its table: {(tp, zero, recomp): [columns, ...]}."""
+    capsys.readouterr()
+    assert main(["plan", "--search", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["tp", "dp", "heads"])
+    table = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        cols = line.split(None, 13)
+        table.setdefault((int(cols[0]), int(cols[3]), cols[4]), []).append(cols)
+    return table
+
+
+def tnlg_largest_rank_params(tp: int) -> int:
+    """tnlg-17b's largest TP rank by hand: 28 heads of 152, ffn 17024 split evenly, vocabulary padded to a
+    multiple of 128 * tp and split evenly; LayerNorms, row-parallel biases, positions and the final LayerNorm
+    replicated (Megatron's layout, tied embeddings)."""
+    h, layers, head_dim, ffn, seq = 4256, 78, 152, 17024, 1024
+    heads = -(-28 // tp)  # the largest rank's heads
+    padded = -(-50257 // (128 * tp)) * 128 * tp
+    qkv = 3 * heads * head_dim * (h + 1)
+    attn_out = heads * head_dim * h + h
+    mlp = (ffn // tp) * (h + 1) + (ffn // tp) * h + h
+    per_layer = qkv + attn_out + mlp + 2 * 2 * h
+    return layers * per_layer + padded // tp * h + seq * h + 2 * h
+
+
+def heads_split(heads: int, tp: int) -> str:
+    """28 heads at TP 8: 4 on 4 ranks and 3 on 4 -> ``4x4,3x4``."""
+    q, r = divmod(heads, tp)
+    return f"{q + 1}x{r},{q}x{tp - r}" if r else f"{q}x{tp}"
+
+
+def test_search_table_tnlg_17b_states_heads_and_every_stage(capsys):
+    """Every (TP, ZeRO stage) on 256 GPUs has a row: the fitting ones with their time, the others at their
+    smallest footprint with the reason; heads and model states as computed by hand."""
+    table = search_table(capsys, "--preset", "tnlg-17b", "--world-size", "256", "--gpu-memory", "32GB",
+                         "--global-batch-size", "512")
+    gb = lambda n: f"{n / 1e9:,.2f}"
+    for tp in (1, 2, 4, 8, 16):
+        dp, psi = 256 // tp, tnlg_largest_rank_params(tp)
+        for stage in range(4):
+            rows = table.get((tp, stage, "off"), []) + table.get((tp, stage, "on"), [])
+            assert rows, (tp, stage)
+            for cols in rows:
+                assert (int(cols[1]), cols[2]) == (dp, heads_split(28, tp))
+                assert int(cols[5]) * int(cols[6]) * dp == 512  # micro batch x accumulation x DP
+                states, acts, total = (float(c.replace(",", "")) for c in cols[7:10])
+                # fp16 with fp32 master weights: 2 + 2 + 12 bytes per parameter, the 12 split over DP at
+                # ZeRO 1; at 2 the gradients too (and a 16-bit shard beside the full copy), at 3 everything.
+                # At 2 and 3 every tensor is split by rows, ceil(rows / DP) on the first ranks: at most
+                # ceil(4256 / 256) / (4256 / 256) - 1 = 2.3% more (4256 the fewest rows above 1024)
+                if stage == 0:
+                    assert cols[7] == gb(16 * psi)
+                elif stage == 1:
+                    assert cols[7] == gb((2 + 2) * psi + 12 * psi / dp)
+                else:
+                    ideal = ((2 + (14 + 2) / dp) * psi if stage == 2 else 16 * psi / dp) / 1e9
+                    assert round(ideal, 2) <= states <= ideal * 1.025 + 0.005
+                assert abs(states + acts - total) <= 0.011
+                fits = "does NOT fit" not in cols[-1]
+                assert fits == (total <= 32.0), cols
+                if not fits:  # shown at its smallest footprint, with the reason
+                    assert (cols[4], cols[5], cols[10]) == ("on", "1", "-")
+                    if states > 32:
+                        assert f"model states alone {cols[7]} GB > 32.00 GB" in cols[-1]
+    # T-NLG's point: at TP 4 plain DP does not fit, ZeRO 1 does; Megatron's TP 16 fits without ZeRO
+    assert "does NOT fit" in table[(4, 0, "on")][0][-1] and (4, 0, "off") not in table
+    assert "does NOT fit" not in table[(4, 1, "on")][0][-1]
+    assert "does NOT fit" not in table[(16, 0, "off")][0][-1]
+
+
+def test_search_no_layout_fits_says_why(capsys):
+    """With no layout fitting, every (TP, ZeRO stage) still has its row and reason: the model states alone
+    over the GPU, or how far over the GPU the smallest footprint still is."""
+    argv = ["--preset", "gpt2-xl", "--world-size", "8", "--global-batch-size", "8", "--gpu-memory", "3.3GB"]
+    table = search_table(capsys, *argv)
+    assert sorted((tp, stage) for tp, stage, _ in table) == [(tp, s) for tp in (1, 2, 4, 8) for s in range(4)]
+    reasons = set()
+    for (tp, _, recomp), [cols] in table.items():
+        assert cols[2] == heads_split(25, tp) and (recomp, cols[5]) == ("on", "1")
+        states, total = float(cols[7]), float(cols[9])
+        if states > 3.3:
+            assert f"does NOT fit: model states alone {cols[7]} GB > 3.30 GB" in cols[-1]
+            reasons.add("states")
+        else:
+            over = float(cols[-1].split("does NOT fit: ")[1].split(" GB over 3.30 GB even at micro batch 1")[0])
+            assert abs(over - (total - 3.3)) <= 0.011
+            reasons.add("over")
+    assert reasons == {"states", "over"}
+    capsys.readouterr()
+    main(["plan", "--search", *argv])
+    assert "No layout fits." in capsys.readouterr().out
+    res = plan_json(capsys, "--search", *argv)
+    assert res["layouts"] == [] and len(res["not_fitting"]) == 16
+    assert all(r["total"] > 3.3e9 and r["reason"] for r in res["not_fitting"])
+
+
+def test_readme_search_block_is_the_commands_output(capsys):
+    """The README's T-NLG block is lines of what the command it names prints, verbatim, in order."""
+    import os
+    import re
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme[readme.index("## Planning T-NLG"):]
+    command = re.search(r"`tnlg plan (--preset tnlg-17b --search [^`]*)`", section).group(1).split()
+    block = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n"))]
+    capsys.readouterr()
+    assert main(["plan", *command]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = [line for line in block.splitlines() if line]
+    assert len(shown) >= 10 and any("does NOT fit" in line for line in shown)
+    positions = [printed.index(line) for line in shown]  # ValueError: a line the command does not print
+    assert positions == sorted(positions)
+
+
 # --- formulas ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("recompute", [False, True])
 def test_flops_match_reference(recompute):

@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--search", action="store_true",
                      help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
-                          "GPUs, smallest TP first, with predicted throughput")
+                          "GPUs, smallest TP first, with heads per rank and predicted throughput; a ZeRO stage "
+                          "that fits at no micro batch is listed with the reason")
     out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
     out.add_argument("--formula-counts", action="store_true",
                      help="count per-rank parameters by formula instead of meta-device builds (faster)")

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UserError
 
 __all__ = ["GPU", "GPUS", "gpu", "attention_kernel"]
@@ -59,6 +57,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, heads: int, head_
     on ``device``: ``flash``, ``efficient``, ``cudnn`` or ``math`` on CUDA (asked of torch's own
     checks, in its order of preference), ``flash`` or ``math`` on the CPU (whose flash kernel has no
     dropout). The memory a step needs depends on it (:func:`tnlg.plan.memory.gpu_attention`)."""
+    import torch  # here, not at the top: ``tnlg plan`` without --simulate (and its --help) needs no torch
     device = torch.device(device)
     if device.type != "cuda":
         return "flash" if dropout == 0.0 and device.type == "cpu" else "math"

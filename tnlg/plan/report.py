@@ -157,28 +157,54 @@ def format_plan(plan: dict) -> str:
     return "\n".join(head + body)
 
 
+def _heads_compact(heads: list[int]) -> str:
+    """``[4, 4, 4, 4, 3, 3, 3, 3]`` -> ``4x4,3x4`` (heads per rank x ranks)."""
+    return ",".join(f"{h}x{n}" for h, n in sorted(Counter(heads).items(), reverse=True))
+
+
+SEARCH_HEADER = (f"{'tp':>3} {'dp':>5} {'heads':>8} {'zero':>4} {'recomp':>6} {'mb':>4} {'accum':>5} "
+                 f"{'states GB':>9} {'acts GB':>8} {'total GB':>8} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>7} "
+                 f"{'days':>6}  note")
+
+
+def _search_row(r: dict) -> str:
+    """One row of the search table; a row with a ``reason`` does not fit and has no time."""
+    uneven = f"uneven ({r['imbalance_percent']:.1f}% imbalance; not in Megatron)" if r["uneven"] else ""
+    if "reason" in r:
+        timing, note = f"{'-':>7} {'-':>9} {'-':>7} {'-':>6}", "; ".join(filter(None, [
+            f"does NOT fit: {r['reason']}", uneven]))
+    else:
+        days = f"{r['train_days']:.1f}" if r["train_days"] is not None else "-"
+        timing = (f"{r['time_per_iteration_s']:>7.2f} {r['tokens_per_s']:>9,.0f} {r['model_tflops_per_gpu']:>7.1f} "
+                  f"{days:>6}")
+        note = uneven
+    heads = _heads_compact(r["heads_per_rank"]) if r.get("heads_per_rank") else "-"
+    return (f"{r['tp']:>3} {r['dp']:>5} {heads:>8} {r['zero_stage']:>4} {'on' if r['recompute'] else 'off':>6} "
+            f"{r['micro_batch']:>4} {r['grad_accumulation_steps']:>5} {_gb(r['model_states']):>9} "
+            f"{_gb(r['activations']):>8} {_gb(r['total']):>8} {timing}  {note}").rstrip()
+
+
 def format_search(result: dict) -> str:
-    """The table of layouts that fit, smallest TP first."""
+    """The table of layouts, smallest TP first: per TP the ones that fit, fastest first, then per
+    ZeRO stage that fits at no micro batch its smallest footprint and why it does not fit."""
     hw = result["hardware"]
     lines = [f"tnlg plan --search: {_model_line(result['model'])}",
              f"{result['gpus']} GPUs x {_gb(hw['gpu_memory'])} GB, global batch {result['global_batch']}, "
              f"{result['precision']}, {hw['gpu_tflops']:g} TFLOP/s x {hw['mfu']:.2f} per GPU; micro batch: the "
-             f"largest that fits (smaller ones fit too); GB = 1e9 bytes"]
+             f"largest that fits (smaller ones fit too); GB = 1e9 bytes",
+             "heads: attention heads per rank x ranks; a ZeRO stage that fits at no micro batch is shown at its "
+             "smallest (micro batch 1, recomputation on) with the reason"]
     if result.get("source"):
         lines.append(f"({result['source']})")
     lines.append("")
+    unfit = result.get("not_fitting", [])
+    if result["layouts"] or unfit:
+        lines.append(SEARCH_HEADER)
+        for tp in sorted({r["tp"] for r in result["layouts"] + unfit}):
+            lines += [_search_row(r) for r in result["layouts"] + unfit if r["tp"] == tp]
     if not result["layouts"]:
-        lines.append("No layout fits.")
+        lines += ["", "No layout fits."]
     else:
-        lines.append(f"{'tp':>3} {'dp':>5} {'zero':>4} {'recomp':>6} {'mb':>4} {'accum':>5} {'states GB':>9} "
-                     f"{'acts GB':>8} {'total GB':>8} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>7} {'days':>6}  note")
-        for r in result["layouts"]:
-            note = f"uneven ({r['imbalance_percent']:.1f}% imbalance; not in Megatron)" if r["uneven"] else ""
-            days = f"{r['train_days']:.1f}" if r["train_days"] is not None else "-"
-            lines.append(f"{r['tp']:>3} {r['dp']:>5} {r['zero_stage']:>4} {'on' if r['recompute'] else 'off':>6} "
-                         f"{r['micro_batch']:>4} {r['grad_accumulation_steps']:>5} {_gb(r['model_states']):>9} "
-                         f"{_gb(r['activations']):>8} {_gb(r['total']):>8} {r['time_per_iteration_s']:>7.2f} "
-                         f"{r['tokens_per_s']:>9,.0f} {r['model_tflops_per_gpu']:>7.1f} {days:>6}  {note}")
         b = result["fastest"]
         lines += ["", f"smallest TP that fits: {result['smallest_tp']}; fastest predicted: TP {b['tp']} x DP {b['dp']}, "
                       f"ZeRO {b['zero_stage']}, recomputation {'on' if b['recompute'] else 'off'}, micro batch "

@@ -6,8 +6,10 @@ smaller) that divide the GPU count, including TPs that split the heads unevenly
 global batch. For each (tp, stage, recomputation) the largest micro batch that
 divides the per-rank batch and fits is reported (memory grows with the micro
 batch, so every smaller one fits too). Rows are ordered by TP, then by predicted
-throughput. Per-rank counts come from the formula, which the tests check against
-meta-device builds.
+throughput. A ZeRO stage that fits at no micro batch of a TP is reported under
+``not_fitting`` at its smallest footprint (micro batch 1, recomputation on) with the
+reason, so every (TP, stage) is accounted for. Per-rank counts come from the formula,
+which the tests check against meta-device builds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import replace
 from ..errors import UserError
 from .counts import parameter_report
 from .planner import Hardware, Layout, Model, plan_layout
+from .units import GB
 
 __all__ = ["search_layouts"]
 
@@ -35,7 +38,7 @@ def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, pre
     if gpus < 1:
         raise UserError(f"--world-size must be a positive number of GPUs, got {gpus}.")
     c = model.config
-    rows, skipped = [], []
+    rows, not_fitting, skipped = [], [], []
     for tp in range(1, min(c.max_tensor_parallel_size(), gpus) + 1):
         if gpus % tp:
             continue
@@ -43,33 +46,53 @@ def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, pre
         if global_batch % dp:
             skipped.append({"tp": tp, "dp": dp, "reason": f"DP {dp} does not divide the global batch {global_batch}"})
             continue
-        params = parameter_report(c, tp, use_meta=False)
-        local = global_batch // dp
         base = Layout(tp=tp, dp=dp, global_batch=global_batch, precision=precision)
-        found = False
-        for stage in range(4):
-            for recompute in (False, True):
-                for mb in _divisors_desc(local):
-                    layout = replace(base, zero_stage=stage, recompute=recompute, micro_batch=mb)
-                    plan = plan_layout(model, layout, hw, train_tokens, params=params)
-                    if plan["memory"]["fits"]:
-                        rows.append(_row(plan, params))
-                        found = True
-                        break
-        if not found:
+        fit, unfit = _search_tp(model, base, hw, train_tokens, parameter_report(c, tp, use_meta=False))
+        rows += fit
+        not_fitting += unfit
+        if not fit:
             skipped.append({"tp": tp, "dp": dp, "reason": "no ZeRO stage, recomputation or micro batch fits"})
     rows.sort(key=lambda r: (r["tp"], -r["tokens_per_s"]))
     best = max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
     return {"model": model.describe(), "gpus": gpus, "global_batch": global_batch, "precision": precision,
-            "hardware": vars(hw).copy(), "layouts": rows, "skipped": skipped,
+            "hardware": vars(hw).copy(), "layouts": rows, "not_fitting": not_fitting, "skipped": skipped,
             "fastest": best, "smallest_tp": rows[0]["tp"] if rows else None}
+
+
+def _search_tp(model: Model, base: Layout, hw: Hardware, train_tokens: int | None,
+               params: dict) -> tuple[list[dict], list[dict]]:
+    """At one (tp, dp): per ZeRO stage and recomputation the largest micro batch that fits; and
+    per ZeRO stage where nothing fits, its smallest footprint (micro batch 1, recomputation on)
+    with the reason."""
+    fit, unfit = [], []
+    local = base.global_batch // base.dp
+    for stage in range(4):
+        found = False
+        for recompute in (False, True):
+            for mb in _divisors_desc(local):
+                layout = replace(base, zero_stage=stage, recompute=recompute, micro_batch=mb)
+                plan = plan_layout(model, layout, hw, train_tokens, params=params)
+                if plan["memory"]["fits"]:
+                    fit.append(_row(plan, params))
+                    found = True
+                    break
+        if not found:  # ``plan`` is the last one tried: micro batch 1 with recomputation, the smallest
+            unfit.append(dict(_row(plan, params), reason=_why_not(plan["memory"])))
+    return fit, unfit
+
+
+def _why_not(mem: dict) -> str:
+    gpu = f"{mem['gpu_memory'] / GB:,.2f} GB"
+    if not mem["model_states_fit"]:
+        return f"model states alone {mem['model_states'] / GB:,.2f} GB > {gpu}"
+    return f"{-mem['headroom'] / GB:,.2f} GB over {gpu} even at micro batch 1 with recomputation"
 
 
 def _row(plan: dict, params: dict) -> dict:
     lay, mem, comp = plan["layout"], plan["memory"], plan["compute"]
     return {"tp": lay["tp"], "dp": lay["dp"], "zero_stage": lay["zero_stage"], "recompute": lay["recompute"],
             "micro_batch": lay["micro_batch"], "grad_accumulation_steps": lay["grad_accumulation_steps"],
-            "uneven": params["uneven"], "megatron_can_run": lay["megatron_can_run"],
+            "uneven": params["uneven"], "heads_per_rank": params["heads_per_rank"], "megatron_can_run": lay["megatron_can_run"],
             "imbalance_percent": params["imbalance_percent"],
             "largest_rank_params": params["largest_rank"]["params"],
             "model_states": mem["model_states"], "activations": mem["activations"], "total": mem["total"],
