@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..hf import from_hf
 from ..launch import join, launcher_world_size, relaunch
 from ..model import GPT
-from ..parallel.state import ParallelState, destroy_parallel
+from ..parallel.state import ParallelState, destroy_parallel, is_distributed
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
            "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init",
@@ -75,8 +75,9 @@ def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
 def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
     """``(model, tokenizer or its spec, or None)``: the checkpoint's model sharded for ``ps``, in
     eval mode, and the tokenizer it names (``tokenizer_model`` replaces a tnlg checkpoint's
-    recorded one, which then need not exist any more). No collectives (every rank reads its
-    own shard).
+    recorded one, which then need not exist any more). A Hugging Face folder: no collectives
+    (every rank reads its own shard); a tnlg checkpoint: the ranks agree on the iteration and on
+    the outcome of the checks (:func:`tnlg.checkpoint.load_for_inference`).
     """
     if is_hf_folder(checkpoint):
         model, spec = from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
@@ -149,19 +150,20 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
 def run_command(command: str, add_arguments, args, work: Callable[[ParallelState], dict],
                 show: Callable[[dict], None]) -> int:
     """Launch or join the ranks, run ``work(ps)`` on every rank, then on rank 0 print the result:
-    exactly one JSON object with ``--json``, else ``show(result)``. A :class:`UserError` is
-    raised on rank 0 only (every rank fails alike; one message is enough)."""
+    exactly one JSON object with ``--json``, else ``show(result)``. An error is raised on the rank
+    that has it; :mod:`tnlg.failures` (through :func:`tnlg.cli.main`) reports it once for the job and
+    stops the other ranks: one every rank raised alike (a checkpoint that cannot be loaded) is
+    printed by rank 0, one rank's own error names that rank."""
     status, ps = launch_or_init(command, add_arguments, args)
     if status is not None:
         return status
     try:
         result = work(ps)
-    except UserError:
-        if ps.rank != 0:
-            return 2
+    except BaseException:
+        if not is_distributed():  # with several ranks, a peer may sit in a collective: the groups stay
+            destroy_parallel()
         raise
-    finally:
-        destroy_parallel()
+    destroy_parallel()
     if ps.rank == 0:
         if args.json:
             print(json.dumps(result), flush=True)
