@@ -22,7 +22,7 @@ from ..checkpoint import load_for_inference, read_meta, resolve
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..hf import from_hf
-from ..launch import join, launcher_world_size, relaunch
+from ..launch import check_nodes, join, launcher_world_size, relaunch
 from ..model import GPT
 from ..parallel.state import ParallelState, destroy_parallel, is_distributed
 
@@ -119,6 +119,12 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="local processes to launch (default: the TP size); the extra factor is data "
                         "parallelism. Not needed under torchrun, which sets the world")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="nodes of the job, each running this command with --nproc-per-node (default 1); needs "
+                        "--rdzv-endpoint")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="with --nnodes: where the nodes meet; the node named HOST serves it on exactly that "
+                        "address (default: one node, the launcher listens on 127.0.0.1 only)")
     p.add_argument("--micro-batch-size", type=int, default=8, metavar="B",
                    help="sequences per forward pass (default 8)")
     p.add_argument("--json", action="store_true",
@@ -137,7 +143,8 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         if nproc < 1 or nproc % args.tp:
             raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
                             f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
-        status = relaunch(command, add_arguments, args, nproc)
+        check_nodes(args.nnodes, args.rdzv_endpoint)
+        status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
             return status, None
         return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
