@@ -203,10 +203,9 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     loopback only (:func:`loopback_store`)."""
     if under_launcher() or nproc * nnodes == 1:
         return None
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -220,12 +219,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
     store, endpoint = endpoint_store(rdzv_endpoint) if rdzv_endpoint else loopback_store()
     os.environ[STORE_ENV] = endpoint
-    run_id = f"tnlg-{endpoint}" if rdzv_endpoint else uuid.uuid4().hex[:12]  # the same on every node
-    config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
-                          rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
-                          local_addr=None if rdzv_endpoint else "127.0.0.1",
-                          logs_specs=DefaultLogsSpecs(log_dir=status_dir),
-                          max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
+    config = _launch_config(nproc, nnodes, endpoint, bool(rdzv_endpoint), status_dir, max_restarts)
     quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
     for lg in loggers:
@@ -253,6 +247,18 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _launch_config(nproc: int, nnodes: int, endpoint: str, several_nodes: bool, log_dir: str, max_restarts: int):
+    """The elastic agent's settings: c10d rendezvous through the store at ``endpoint`` (this process's, or
+    the first node's when ``several_nodes``), under a run id every node derives alike."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+                        run_id=f"tnlg-{endpoint}" if several_nodes else uuid.uuid4().hex[:12],
+                        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
+                        local_addr=None if several_nodes else "127.0.0.1", logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+                        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
 
 
 def _how_it_ended(exitcode: int) -> str:
