@@ -173,3 +173,24 @@ def test_failures_on_some_ranks_are_raised_on_every_rank_naming_each():
     out = run_distributed(_agree_body, 2, 1, ["same on all", "same on all"])
     assert out == [("same on all", True)] * 2  # one message, as every rank said it
     assert run_distributed(_agree_body, 2, 1, [None, None]) == [None, None]
+
+
+def _fails_on_rank_1_while_rank_0_waits(ps, in_collective):
+    """Rank 1 raises a user error at once; rank 0 sits in a barrier, or computes for 50 s before one."""
+    if ps.rank == 1:
+        raise UserError("the data of rank 1 cannot be read")
+    if not in_collective:
+        time.sleep(50)
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("in_collective", [True, False])
+def test_harness_stops_every_rank_as_soon_as_one_fails(in_collective):
+    """run_distributed does not wait for the process-group timeout (60 s here) nor for a busy rank: the
+    failing rank's exit stops the others, and its traceback is what is raised."""
+    from tnlg.testing import WorkerError
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed:") as info:
+        run_distributed(_fails_on_rank_1_while_rank_0_waits, 2, 1, in_collective, timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert "UserError: the data of rank 1 cannot be read" in str(info.value)

@@ -10,8 +10,10 @@ N = 1) it returns ``None`` and the caller runs in-process; otherwise it runs
 ``torch.distributed.launcher.api.elastic_launch`` (c10d rendezvous through a store
 this process serves on loopback only, see :func:`loopback_store`; ``max_restarts``
 restarts the whole group after a failure, as ``torchrun --max-restarts`` does) and
-returns the exit status. Multi-node runs use ``torchrun`` itself, with its
-``--rdzv-endpoint``.
+returns the exit status. ``--nnodes N --rdzv-endpoint HOST:PORT`` (``tnlg eval``, ``tnlg
+generate``) runs one such launcher per node: the one on ``HOST`` serves the store on exactly
+``HOST:PORT`` (:func:`endpoint_store`), the others join it; ``torchrun`` does the same for any
+command.
 
 A worker that reported a failure itself (:mod:`tnlg.failures`) leaves its exit status in
 a file this process reads: the group is then not restarted, and the agent's own
@@ -71,6 +73,48 @@ def local_threads() -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
+def _serve_store(listener: socket.socket):
+    """A c10d ``TCPStore`` served by this process on ``listener`` (bound and listening), given up after
+    5 minutes without a client."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    host, port = listener.getsockname()[:2]
+    return dist.TCPStore(host, port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
+                         wait_for_workers=False, timeout=timedelta(minutes=5))
+
+
+def check_nodes(nnodes: int, rdzv_endpoint: Optional[str]) -> None:
+    """``--nnodes`` and ``--rdzv-endpoint`` go together; the endpoint is ``HOST:PORT``."""
+    from .errors import UserError
+    if nnodes < 1:
+        raise UserError(f"--nnodes must be >= 1, got {nnodes}.")
+    if (nnodes > 1) != bool(rdzv_endpoint):
+        raise UserError("--nnodes N (N > 1) and --rdzv-endpoint HOST:PORT go together: every node's launcher "
+                        "meets the others at that address, e.g. --nnodes 2 --rdzv-endpoint node0:29500 "
+                        f"(got --nnodes {nnodes} and --rdzv-endpoint {rdzv_endpoint!r}).")
+    if rdzv_endpoint:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (a port 1-65535 on the host of "
+                            "the first node, which every node reaches), e.g. node0:29500.")
+
+
+def endpoint_store(endpoint: str):
+    """``(store or None, endpoint)`` for a job of several nodes meeting at ``endpoint`` (``HOST:PORT``): the
+    launcher that can bind exactly that address serves the store there (the node named ``HOST``, or the
+    first launcher on it); the others (``None``) are its clients. Nothing is bound anywhere else."""
+    host, _, port = endpoint.rpartition(":")
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host.strip("[]"), int(port)))
+        listener.listen(1024)
+    except OSError:  # another node's address, or its launcher serves it already
+        listener.close()
+        return None, endpoint
+    return _serve_store(listener), endpoint
+
+
 def loopback_store():
     """``(store, "127.0.0.1:PORT")``: a c10d ``TCPStore`` served by this process on loopback only.
 
@@ -80,16 +124,11 @@ def loopback_store():
     agent rendezvous through it, and its workers make their process group from it (one key prefix
     per restart: a restarted group never reads the dead group's addresses), so nothing listens
     beyond loopback and the store outlives any worker."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
     port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
-                          wait_for_workers=False, timeout=timedelta(minutes=5))
-    return store, f"127.0.0.1:{port}"
+    return _serve_store(listener), f"127.0.0.1:{port}"
 
 
 def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace,
@@ -129,11 +168,14 @@ def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argp
 
 
 def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], None], args: argparse.Namespace,
-             nproc: int, *, extra: Sequence[str] = (), max_restarts: int = 0) -> Optional[int]:
+             nproc: int, *, extra: Sequence[str] = (), max_restarts: int = 0, nnodes: int = 1,
+             rdzv_endpoint: Optional[str] = None) -> Optional[int]:
     """Run ``tnlg <command>`` with the options of ``args`` (parsed by a parser built by ``add_arguments``),
-    plus ``extra`` arguments, on ``nproc`` local processes and return their exit status; ``None`` to run
-    here (under a launcher already, or ``nproc`` 1)."""
-    return maybe_launch(command, argv_of(add_arguments, args) + list(extra), nproc, max_restarts=max_restarts)
+    plus ``extra`` arguments, on ``nproc`` local processes (of ``nnodes`` nodes meeting at
+    ``rdzv_endpoint``) and return their exit status; ``None`` to run here (under a launcher already,
+    or one process in all)."""
+    return maybe_launch(command, argv_of(add_arguments, args) + list(extra), nproc, max_restarts=max_restarts,
+                        nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
 
 
 def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
@@ -152,14 +194,18 @@ def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     return ps
 
 
-def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 0) -> Optional[int]:
-    """Run ``tnlg <command> argv`` on ``nproc`` local processes, or return ``None`` to run here."""
-    if under_launcher() or nproc == 1:
+def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 0, nnodes: int = 1,
+                 rdzv_endpoint: Optional[str] = None) -> Optional[int]:
+    """Run ``tnlg <command> argv`` on ``nproc`` local processes, or return ``None`` to run here.
+
+    ``nnodes`` > 1: this node's share of a job whose ``nnodes`` launchers meet at ``rdzv_endpoint``
+    (``HOST:PORT``, the same on every node; :func:`endpoint_store`). Without it the store listens on
+    loopback only (:func:`loopback_store`)."""
+    if under_launcher() or nproc * nnodes == 1:
         return None
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -171,12 +217,9 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     # the agent's logs folder and the status a worker leaves after reporting a failure itself; removed after
     status_dir = tempfile.mkdtemp(prefix="tnlg-launch-")
     status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
-    store, endpoint = loopback_store()
+    store, endpoint = endpoint_store(rdzv_endpoint) if rdzv_endpoint else loopback_store()
     os.environ[STORE_ENV] = endpoint
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
-                          rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
-                          local_addr="127.0.0.1", logs_specs=DefaultLogsSpecs(log_dir=status_dir),
-                          max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
+    config = _launch_config(nproc, nnodes, endpoint, bool(rdzv_endpoint), status_dir, max_restarts)
     quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
     for lg in loggers:
@@ -204,6 +247,18 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _launch_config(nproc: int, nnodes: int, endpoint: str, several_nodes: bool, log_dir: str, max_restarts: int):
+    """The elastic agent's settings: c10d rendezvous through the store at ``endpoint`` (this process's, or
+    the first node's when ``several_nodes``), under a run id every node derives alike."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+                        run_id=f"tnlg-{endpoint}" if several_nodes else uuid.uuid4().hex[:12],
+                        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
+                        local_addr=None if several_nodes else "127.0.0.1", logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+                        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn")
 
 
 def _how_it_ended(exitcode: int) -> str:

@@ -6,7 +6,9 @@ rendezvous in a fresh temporary directory (no port races) and a process-group
 timeout (a hang fails fast). Each calls ``fn(ps, *args)`` with its
 :class:`~tnlg.parallel.state.ParallelState` and the return values come back
 as a list indexed by global rank. A worker's exception is re-raised here with
-the worker's traceback.
+the worker's traceback; the other workers are stopped as soon as it exits
+(``torch.multiprocessing`` terminates them), so a failure on one rank never
+waits for the process-group timeout, whether its peers sit in a collective or not.
 
 ``run_tnlg(argv, cwd)`` runs the ``tnlg`` command of this checkout in a subprocess, as a user would,
 and returns its output (it must succeed, without a traceback).

@@ -64,6 +64,26 @@ if _ERROR_SPEC and "RANK" in os.environ:
 
     _loop.init_run = _failing_init_run
 
+# ``TNLG_TEST_USER_ERROR_AFTER_LOAD=RANK`` makes that rank of ``tnlg eval`` or ``tnlg generate`` fail with a user
+# error once its model is loaded (the other ranks go on into the model's collectives).
+_LOADED_SPEC = os.environ.get("TNLG_TEST_USER_ERROR_AFTER_LOAD")
+
+if _LOADED_SPEC and "RANK" in os.environ:
+    import importlib
+
+    from tnlg.errors import UserError as _UserError
+
+    def _failing_after(load_model):
+        def load(checkpoint, ps, *args, **kwargs):
+            out = load_model(checkpoint, ps, *args, **kwargs)
+            if str(ps.rank) == _LOADED_SPEC:
+                raise _UserError(f"injected: the input of rank {ps.rank} cannot be read.")
+            return out
+        return load
+
+    for _module in map(importlib.import_module, ("tnlg.eval.cli", "tnlg.generate")):  # (tnlg.generate: a function)
+        _module.load_model = _failing_after(_module.load_model)
+
 # ``TNLG_TEST_NAN_AT=N:RANK`` puts a NaN into that rank's shard of the word embeddings before iteration N,
 # as a bad update on one rank would: the TP all-reduces and the DP all-reduce of the loss carry it to every rank.
 _NAN_SPEC = os.environ.get("TNLG_TEST_NAN_AT")
@@ -102,7 +122,7 @@ if _ENOSPC_SPEC and "RANK" in os.environ:
 
     _stream.StreamWriter.write = _full_write
 
-# ``TNLG_TEST_STALE_VIEW=KIND:RANK:N`` gives that rank a stale view of the save root, as a shared
+# ``TNLG_TEST_STALE_VIEW=KIND:RANK:N`` gives that rank a stale view of the save (or checkpoint) root, as a shared
 # filesystem's attribute cache can right after another node wrote it: ``latest`` (the pointer reads N) or
 # ``hidden`` (iteration directories after N are not seen).
 _VIEW_SPEC = os.environ.get("TNLG_TEST_STALE_VIEW")

@@ -5,7 +5,8 @@ manifest (every file present at its recorded size), the architecture and the
 data/tokenizer flags (:mod:`tnlg.checkpoint.compat`), the parameter names and
 shapes, the SHA-256 of every file this rank reads; then it reads this rank's tensors
 (re-sliced for this TP size) and only then copies them into the model and optimizer.
-Rank 0 alone chooses the iteration and every rank checks it sees the same manifest.
+Rank 0 alone chooses the iteration and every rank checks it sees the same manifest
+(``load_for_inference`` too).
 A failure on any rank is gathered to all ranks (one ``all_gather_object`` of the
 messages), so every rank raises the same clear error, naming the failing ranks and
 their files, instead of some waiting for the others.
@@ -14,7 +15,7 @@ their files, instead of some waiting for the others.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -121,8 +122,6 @@ def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
     if error_text is not None:
         raise agreed(UserError(error_text))
     if choice is None:
-        if ps.rank == 0 and os.path.isdir(load_dir):
-            print(f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.", flush=True)
         return None, notes
     iter_dir, digest = choice
     mine = None
@@ -136,9 +135,24 @@ def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
                 f"rank {ps.rank} {'does not see' if seen is None else 'sees a different'} {F.META} in {iter_dir!r}, "
                 f"the checkpoint rank 0 chose to load; the ranks do not see the same files (a shared filesystem "
                 f"with stale caches, or node-local folders that differ). Nothing was loaded. Make the folder "
-                f"identical on every node, or point --load at one iter_* directory every node sees.")
+                f"identical on every node, or give one iter_* directory every node sees.")
     agree_on_failure(mine, "finding the checkpoint")
     return iter_dir, notes
+
+
+def _agreed_plan(plan: Callable[[], tuple], iter_dir: str) -> tuple:
+    """``plan()`` (the checks and reads of this rank, no communication) on every rank; a failure on any
+    rank is raised on every rank alike, naming the failing ranks and their files (rank 0 prints it).
+    Collective: one all_gather_object of the outcomes."""
+    error, out = None, None
+    try:
+        out = plan()
+    except UserError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - a damaged file must not leave other ranks waiting
+        error = UserError(f"checkpoint {iter_dir!r} cannot be read: {type(exc).__name__}: {exc}")
+    agree_on_failure(error, f"loading checkpoint {iter_dir!r}")
+    return out
 
 
 def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> tuple:
@@ -181,17 +195,12 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     raised on every rank, naming the rank and the file); ZeRO-3 loading scatters nothing (each rank
     keeps its part of the full tensors it read).
     """
-    error, plan = None, None
     iter_dir, notes = _agreed_iteration(load_dir, origin, ps, missing_ok)
     if iter_dir is None:
+        if os.path.isdir(load_dir):
+            _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         return None
-    try:
-        plan = _plan(iter_dir, engine, ps, config, options, tokenizer, origin)
-    except UserError as exc:
-        error = exc
-    except Exception as exc:  # noqa: BLE001 - a damaged file must not leave other ranks waiting
-        error = UserError(f"checkpoint {iter_dir!r} cannot be read: {type(exc).__name__}: {exc}")
-    agree_on_failure(error, f"loading checkpoint {iter_dir!r}")  # every rank raises the same (rank 0 prints)
+    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin), iter_dir)
     for note in notes:
         _log(ps, note)
 
@@ -267,19 +276,9 @@ def _stream_into(engine, iter_dir: str, meta: dict, targets: dict, pieces: list)
         engine.gather_params()  # fp32 parameters took the exact stored master on their owned slices
 
 
-def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
-    """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
-    process) with the checkpoint's weights, in eval mode.
-
-    ``path`` is a checkpoint root (its ``latest`` iteration) or an ``iter_*``
-    directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if
-    given, else the one recorded in the checkpoint (its files must be unchanged),
-    else ``None``. No communication: every rank reads its own slices.
-    """
-    ps = ps or ParallelState.single()
-    iter_dir = F.resolve(path, "checkpoint")
-    if iter_dir is None:
-        raise UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory).")
+def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> tuple:
+    """``(meta, config, targets, tokenizer or None)``, all checked (the manifest, the files at their sizes,
+    the TP size, the parameters, the SHA-256 of the files this rank reads, the tokenizer). No communication."""
     meta = F.read_meta(iter_dir)
     F.check_files(iter_dir, meta, ("model",))
     cfg = GPTConfig.from_dict(meta["config"])
@@ -290,12 +289,6 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
     targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
     check_same_params(meta, targets, iter_dir)
     F.verify_checksums(iter_dir, meta, _files_to_read(meta, targets, None, False))
-    model = GPT(cfg, ps)
-    reader = ShardReader(iter_dir, meta, F.model_file)
-    with torch.no_grad():  # one parameter at a time
-        for name, p in model.named_parameters():
-            p.copy_(reader.tensor(name, name, targets[name]).to(p.dtype))
-    model.eval()
     if tokenizer_override is not None:
         tokenizer = load_tokenizer(tokenizer_override)
     elif meta.get("tokenizer"):
@@ -306,4 +299,33 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
                             f"tokenizer explicitly (--tokenizer-model).") from None
     else:
         tokenizer = None
+    return meta, cfg, targets, tokenizer
+
+
+def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
+    """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
+    process) with the checkpoint's weights, in eval mode.
+
+    ``path`` is a checkpoint root (its ``latest`` iteration, else the newest complete one) or an
+    ``iter_*`` directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if given, else
+    the one recorded in the checkpoint (its files must be unchanged), else ``None``.
+
+    Collective, as :func:`load`: rank 0 chooses the iteration and every rank checks it sees the same
+    manifest (one broadcast, one all_gather_object); every rank verifies the files it reads, and a
+    failure on any rank is raised on every rank (one all_gather_object). Then every rank reads its
+    own slices.
+    """
+    ps = ps or ParallelState.single()
+    iter_dir, notes = _agreed_iteration(path, "checkpoint", ps, missing_ok=False)
+    if iter_dir is None:
+        raise agreed(UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory)."))
+    meta, cfg, targets, tokenizer = _agreed_plan(lambda: _inference_plan(iter_dir, ps, tokenizer_override), iter_dir)
+    for note in notes:
+        _log(ps, note)
+    model = GPT(cfg, ps)
+    reader = ShardReader(iter_dir, meta, F.model_file)
+    with torch.no_grad():  # one parameter at a time
+        for name, p in model.named_parameters():
+            p.copy_(reader.tensor(name, name, targets[name]).to(p.dtype))
+    model.eval()
     return model, tokenizer

@@ -22,9 +22,9 @@ from ..checkpoint import load_for_inference, read_meta, resolve
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..hf import from_hf
-from ..launch import join, launcher_world_size, relaunch
+from ..launch import check_nodes, join, launcher_world_size, relaunch
 from ..model import GPT
-from ..parallel.state import ParallelState, destroy_parallel
+from ..parallel.state import ParallelState, destroy_parallel, is_distributed
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
            "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init",
@@ -75,8 +75,9 @@ def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
 def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
     """``(model, tokenizer or its spec, or None)``: the checkpoint's model sharded for ``ps``, in
     eval mode, and the tokenizer it names (``tokenizer_model`` replaces a tnlg checkpoint's
-    recorded one, which then need not exist any more). No collectives (every rank reads its
-    own shard).
+    recorded one, which then need not exist any more). A Hugging Face folder: no collectives
+    (every rank reads its own shard); a tnlg checkpoint: the ranks agree on the iteration and on
+    the outcome of the checks (:func:`tnlg.checkpoint.load_for_inference`).
     """
     if is_hf_folder(checkpoint):
         model, spec = from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
@@ -118,6 +119,12 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="local processes to launch (default: the TP size); the extra factor is data "
                         "parallelism. Not needed under torchrun, which sets the world")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="nodes of the job, each running this command with --nproc-per-node (default 1); needs "
+                        "--rdzv-endpoint")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="with --nnodes: where the nodes meet; the node named HOST serves it on exactly that "
+                        "address (default: one node, the launcher listens on 127.0.0.1 only)")
     p.add_argument("--micro-batch-size", type=int, default=8, metavar="B",
                    help="sequences per forward pass (default 8)")
     p.add_argument("--json", action="store_true",
@@ -136,7 +143,8 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         if nproc < 1 or nproc % args.tp:
             raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
                             f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
-        status = relaunch(command, add_arguments, args, nproc)
+        check_nodes(args.nnodes, args.rdzv_endpoint)
+        status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
             return status, None
         return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,19 +157,20 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
 def run_command(command: str, add_arguments, args, work: Callable[[ParallelState], dict],
                 show: Callable[[dict], None]) -> int:
     """Launch or join the ranks, run ``work(ps)`` on every rank, then on rank 0 print the result:
-    exactly one JSON object with ``--json``, else ``show(result)``. A :class:`UserError` is
-    raised on rank 0 only (every rank fails alike; one message is enough)."""
+    exactly one JSON object with ``--json``, else ``show(result)``. An error is raised on the rank
+    that has it; :mod:`tnlg.failures` (through :func:`tnlg.cli.main`) reports it once for the job and
+    stops the other ranks: one every rank raised alike (a checkpoint that cannot be loaded) is
+    printed by rank 0, one rank's own error names that rank."""
     status, ps = launch_or_init(command, add_arguments, args)
     if status is not None:
         return status
     try:
         result = work(ps)
-    except UserError:
-        if ps.rank != 0:
-            return 2
+    except BaseException:
+        if not is_distributed():  # with several ranks, a peer may sit in a collective: the groups stay
+            destroy_parallel()
         raise
-    finally:
-        destroy_parallel()
+    destroy_parallel()
     if ps.rank == 0:
         if args.json:
             print(json.dumps(result), flush=True)
