@@ -129,6 +129,27 @@ class Engine:
         self.backend.backward(loss, factor, self.is_last_micro_step)
         self._micro += 1
 
+    def backward_all(self, run: Callable[[float], None]) -> None:
+        """Every micro batch's backward at once, by ``run(factor)`` (a pipeline schedule, which multiplies
+        each micro batch's mean loss by ``factor`` = loss scale / ``grad_accum_steps`` before backward).
+
+        No DP communication while it runs (gradients accumulate in place); the whole gradient is
+        reduced over DP once, at :meth:`step`, after the last micro batch's backward on this stage.
+        Flat stages 0/1 only (the options refuse the rest with a pipeline)."""
+        if self._needs_zero or self._micro:
+            raise RuntimeError("engine.backward_all() needs engine.zero_grad() first.")
+        factor = 1.0 / self.grad_accum_steps
+        if self.loss_scaler is not None:
+            factor *= self.loss_scaler.scale
+        self.backend.set_sync(False)
+        run(factor)
+        self.backend.set_sync(True)  # step's finish_grad_sync launches every bucket's reduction
+        self._micro = self.grad_accum_steps
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """The gradient of parameter ``name`` the optimizer steps (a view into the flat buffer; flat stages 0/1)."""
+        return self.backend.grad_view(name)
+
     def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:
         """Finish the gradient reduction, clip, update; returns ``grad_norm`` (before clipping, unscaled),
         ``skipped`` (inf/NaN gradients: no update), ``clip_coeff``, ``loss_scale`` and ``lr``.
