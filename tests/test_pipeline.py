@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from tnlg.config import GPTConfig
+from tnlg.config import GPTConfig, stage_layer_counts
 from tnlg.errors import UserError
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.parallel.pipeline import StageModel, chunk_layers, stage_layer_counts
+from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline, tie_embedding_grads
 from tnlg.parallel.sharding import full_state_dict, gather_full
 from tnlg.parallel.state import ParallelState, init_parallel

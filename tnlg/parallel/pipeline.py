@@ -1,6 +1,6 @@
 """Pipeline stages of the GPT: which layers each stage holds, and the module of one rank's stages.
 
-The split (Megatron's): the ``L`` transformer layers go over ``P`` stages as evenly as possible,
+The split (Megatron's, :func:`tnlg.config.stage_layer_counts`): the ``L`` transformer layers go over ``P`` stages as evenly as possible,
 larger stages first (78 layers over 4 stages: 20, 20, 19, 19); ``first``/``last``
 (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) fix the layers
 of the stages that also hold the embedding and the LM head, the rest go evenly over the others.
@@ -31,35 +31,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import GPTConfig, partition_sizes
-from ..errors import UserError
+from ..config import GPTConfig, stage_layer_counts
 from ..model import Block, LayerNorm, OutputLayer, PositionEmbedding, VocabParallelEmbedding
 from .initialization import init_normal
 from .mappings import copy_to_tp
 from .random import TPRandom
 from .state import ParallelState
 
-__all__ = ["stage_layer_counts", "chunk_layers", "StageModel", "PipelineChunk"]
-
-
-def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None,
-                       last: Optional[int] = None) -> list[int]:
-    """Layers per pipeline stage: ``first``/``last`` fixed where given, the rest as even as possible,
-    larger first. A clear :class:`UserError` when a stage would get no layer."""
-    fixed = {0: first, stages - 1: last} if stages > 1 else {}
-    fixed = {s: n for s, n in fixed.items() if n is not None}
-    what = (f"{num_layers} layers over --pipeline-model-parallel-size {stages}"
-            + "".join(f", {'first' if s == 0 else 'last'} stage {n}" for s, n in sorted(fixed.items())))
-    free = [s for s in range(stages) if s not in fixed]
-    rest = num_layers - sum(fixed.values())
-    if any(n < 1 for n in fixed.values()) or (free and rest < len(free)) or (not free and rest != 0):
-        raise UserError(f"{what}: every pipeline stage needs at least one transformer layer and the stages "
-                        f"together exactly {num_layers}; valid: --pipeline-model-parallel-size at most "
-                        f"{num_layers}, and --decoder-first/last-pipeline-num-layers that leave at least one "
-                        f"layer for each other stage.")
-    counts = dict(fixed)
-    counts.update(zip(free, partition_sizes(rest, len(free)) if free else []))
-    return [counts[s] for s in range(stages)]
+__all__ = ["chunk_layers", "StageModel", "PipelineChunk"]
 
 
 def chunk_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional[int] = None,
