@@ -8,6 +8,7 @@ runs several layouts (``init_parallel`` builds a new PP x DP x TP split of the s
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline, tie_embedding_grads
 from tnlg.parallel.sharding import full_state_dict, gather_full
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.testing import run_distributed
+from tnlg.testing import run_distributed, run_tnlg
 from tnlg.training.step import train_step
 
 MICRO, GLOBAL, STEPS, SEQ = 2, 8, 5, 8
@@ -153,29 +154,36 @@ def test_a_split_that_leaves_a_stage_without_layers_is_refused(layers, stages, f
 
 
 # ------------------------------------------------------------ the groups
-def _groups_body(ps_unused, tp: int, pp: int):
+LAYOUTS = [(1, 2), (2, 2), (1, 4), (2, 1)]  # (TP, PP) on 4 processes
+
+
+def _groups_body(ps_unused):
     import torch.distributed as dist
-    ps = init_parallel(tp, pipeline_parallel_size=pp)
 
     def members(group):
         return None if group is None else dist.get_process_group_ranks(group)
-    return dict(coords=(ps.pp_rank, ps.dp_rank, ps.tp_rank), rank=ps.rank, tp=members(ps.tp_group),
-                dp=members(ps.dp_group), pp=members(ps.pp_group), emb=members(ps.embedding_group))
+    out = []
+    for tp, pp in LAYOUTS:
+        ps = init_parallel(tp, pipeline_parallel_size=pp)
+        out.append(dict(coords=(ps.pp_rank, ps.dp_rank, ps.tp_rank), rank=ps.rank, tp=members(ps.tp_group),
+                        dp=members(ps.dp_group), pp=members(ps.pp_group), emb=members(ps.embedding_group)))
+    return out
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 4), (2, 1)])
-def test_ranks_map_to_pp_dp_tp_with_tp_innermost(tp, pp):
+def test_ranks_map_to_pp_dp_tp_with_tp_innermost():
     world = 4
-    dp = world // (tp * pp)
-    results = run_distributed(_groups_body, world, 1, tp, pp, timeout_s=60)
-    for rank, r in enumerate(results):
-        p, d, t = rank // (tp * dp), rank // tp % dp, rank % tp
-        assert r["coords"] == (p, d, t) and r["rank"] == rank
-        assert r["tp"] == (None if tp == 1 else [(p * dp + d) * tp + k for k in range(tp)])
-        assert r["dp"] == (None if dp == 1 else [(p * dp + k) * tp + t for k in range(dp)])
-        assert r["pp"] == (None if pp == 1 else [(k * dp + d) * tp + t for k in range(pp)])
-        ends = pp > 1 and p in (0, pp - 1)  # the middle stages hold no embedding
-        assert r["emb"] == ([d * tp + t, ((pp - 1) * dp + d) * tp + t] if ends else None)
+    results = run_distributed(_groups_body, world, 1, timeout_s=60)
+    for i, (tp, pp) in enumerate(LAYOUTS):
+        dp = world // (tp * pp)
+        for rank, per_layout in enumerate(results):
+            r = per_layout[i]
+            p, d, t = rank // (tp * dp), rank // tp % dp, rank % tp
+            assert r["coords"] == (p, d, t) and r["rank"] == rank
+            assert r["tp"] == (None if tp == 1 else [(p * dp + d) * tp + k for k in range(tp)])
+            assert r["dp"] == (None if dp == 1 else [(p * dp + k) * tp + t for k in range(dp)])
+            assert r["pp"] == (None if pp == 1 else [(k * dp + d) * tp + t for k in range(pp)])
+            ends = pp > 1 and p in (0, pp - 1)  # the middle stages hold no embedding
+            assert r["emb"] == ([d * tp + t, ((pp - 1) * dp + d) * tp + t] if ends else None)
 
 
 def test_a_pipeline_size_that_does_not_divide_the_world_is_refused():
@@ -183,3 +191,13 @@ def test_a_pipeline_size_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide .* Valid pipeline-parallel "
                                          r"sizes at tensor-parallel size 2: \[1, 2, 4, 8\]"):
         _check_layout(16, 2, 3)
+
+
+# ------------------------------------------------------------ the command
+@pytest.mark.slow
+def test_tnlg_pretrain_with_two_stages_logs_the_losses_of_the_run_without_a_pipeline(tmp_path):
+    common = ["pretrain", "--train-iters", "3", "--nproc-per-node", "4", "--tp", "2", "--eval-interval", "0",
+              "--sample-prompt", "", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    logs = [re.findall(r"loss (\S+) \| grad norm (\S+)", run_tnlg(common + ["--pp", str(pp)], tmp_path))
+            for pp in (1, 2)]
+    assert len(logs[0]) == 3 and logs[0] == logs[1]  # PP 1 (TP 2 x DP 2) and PP 2 (TP 2 x DP 1)
