@@ -11,6 +11,10 @@ The norm must equal the one a single process computes on the full model:
    different slice); the replicated sum is *not* (every TP rank holds the same
    values, so adding them would count them ``tp`` times, fairscale's bug).
 
+With pipeline stages (PP > 1) each stage's total is then summed over the pipeline group;
+the last stage's copy of the tied word embedding is left out by the backend (the first
+stage's is counted), so every parameter counts once.
+
 ``norm = sqrt(sharded + replicated)``. With sequence parallelism the replicated
 parameters used on a sequence shard (LayerNorms, row-parallel biases, the position
 embedding) would get only this rank's share of their gradient; the model sums them
