@@ -29,9 +29,9 @@ LRS = [3e-3, 2e-3, 4e-3, 1e-3, 2e-3]
 TINY_BUCKET_MB = 200 * 4 / 2 ** 20  # several buckets, parameters cut across DP ranks
 
 
-def _config(layers: int = 4, untied: bool = False) -> GPTConfig:
+def _config(layers: int = 4, **extra) -> GPTConfig:
     return GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, seq_length=SEQ, vocab_size=50,
-                     hidden_dropout=0.0, attention_dropout=0.0, seed=3, untie_embeddings_and_output_weights=untied)
+                     hidden_dropout=0.0, attention_dropout=0.0, seed=3, **extra)
 
 
 def _samples(n: int = GLOBAL * STEPS) -> list[dict]:
@@ -65,29 +65,30 @@ def _train(model, ps, zero: int, pipeline_of=None) -> tuple[list, list, dict]:
     return losses, norms, full_state_dict(engine.model, ps)
 
 
-def _reference(layers: int, untied: bool) -> tuple[list, list, dict]:
+def _reference(layers: int, extra: tuple) -> tuple[list, list, dict]:
     """One process, no pipeline: the plain GPT in the same engine."""
-    return _train(GPT(_config(layers, untied), ParallelState.single(), device="meta"), ParallelState.single(), 0)
+    return _train(GPT(_config(layers, **dict(extra)), ParallelState.single(), device="meta"), ParallelState.single(), 0)
 
 
 def _layout_body(_ps, layouts):
     out = []
-    for pp, tp, zero, layers, schedule, per_virtual, *untied in layouts:
+    for pp, tp, zero, layers, schedule, per_virtual, *extra in layouts:
         ps = init_parallel(tp, pipeline_parallel_size=pp)
         virtual = 1 if per_virtual is None else layers // (pp * per_virtual)
         chunks = chunk_layers(layers, pp, virtual)
         mine = [r for c, r in enumerate(chunks) if c % pp == ps.pp_rank]
-        model = StageModel(_config(layers, bool(untied)), ps, mine, device="meta")
+        model = StageModel(_config(layers, **dict(extra[0] if extra else {})), ps, mine, device="meta")
         out.append(_train(model, ps, zero, lambda mod, m: Pipeline(mod, m, schedule)))
     return out
 
 
 def _check_layouts(world: int, layouts: list) -> None:
     results = run_distributed(_layout_body, world, 1, layouts, timeout_s=300)
-    kinds = {(lay[3], len(lay) > 6) for lay in layouts}  # (layers, untied embeddings)
-    refs = {kind: _reference(*kind) for kind in kinds}
+    def kind(layout):  # (layers, the model's other settings)
+        return layout[3], tuple(sorted(layout[6].items())) if len(layout) > 6 else ()
+    refs = {kind(lay): _reference(*kind(lay)) for lay in layouts}
     for i, layout in enumerate(layouts):
-        losses, norms, full = refs[(layout[3], len(layout) > 6)]
+        losses, norms, full = refs[kind(layout)]
         seen = set()
         for rank in range(world):
             r_losses, r_norms, params = results[rank][i]
@@ -101,10 +102,13 @@ def _check_layouts(world: int, layouts: list) -> None:
 
 
 @pytest.mark.slow
-def test_two_stages_train_as_one_process_with_each_schedule_an_uneven_split_and_untied_embeddings():
-    # (PP, TP, ZeRO, layers, schedule, layers per virtual stage[, "untied": its own LM head on the last stage])
+def test_two_stages_train_as_one_process_with_each_schedule_an_uneven_split_untied_embeddings_and_recompute():
+    # (PP, TP, ZeRO, layers, schedule, layers per virtual stage[, the model's other settings])
     _check_layouts(2, [(2, 1, 0, 4, "1f1b", None), (2, 1, 0, 3, "1f1b", None), (2, 1, 0, 4, "gpipe", None),
-                       (2, 1, 0, 4, "interleaved", 1), (2, 1, 0, 4, "1f1b", None, "untied")])
+                       (2, 1, 0, 4, "interleaved", 1),
+                       (2, 1, 0, 4, "1f1b", None, dict(untie_embeddings_and_output_weights=True)),
+                       (2, 1, 0, 4, "1f1b", None, dict(recompute_granularity="full")),
+                       (2, 1, 0, 4, "1f1b", None, dict(recompute_granularity="selective"))])
 
 
 @pytest.mark.slow
