@@ -112,9 +112,11 @@ def test_two_stages_train_as_one_process_with_each_schedule_an_uneven_split_unti
 
 
 @pytest.mark.slow
-def test_pipeline_composes_with_tensor_and_zero1_data_parallelism():
+def test_pipeline_composes_with_tensor_sequence_and_zero1_data_parallelism():
     _check_layouts(4, [(2, 2, 0, 4, "1f1b", None), (2, 1, 1, 4, "1f1b", None), (4, 1, 0, 5, "1f1b", None),
-                       (2, 2, 0, 4, "interleaved", 1), (2, 1, 1, 4, "interleaved", 1), (2, 1, 1, 4, "gpipe", None)])
+                       (2, 2, 0, 4, "interleaved", 1), (2, 1, 1, 4, "interleaved", 1), (2, 1, 1, 4, "gpipe", None),
+                       (2, 2, 0, 4, "1f1b", None, dict(sequence_parallel=True)),
+                       (2, 2, 0, 4, "interleaved", 1, dict(sequence_parallel=True))])
 
 
 # ------------------------------------------------------------ gradients against the plain model's autograd

@@ -19,8 +19,10 @@ the optimizer step (:mod:`tnlg.parallel.pipeline_schedule`); the last stage's co
 ``pipeline_duplicate`` so the gradient norm counts it once.
 
 Collectives of a chunk's forward and backward: the TP collectives of the GPT's layers (the
-embedding's all-reduce, two per block, the LM head's ``f``); none across stages (the
-schedule sends activations and gradients point-to-point).
+embedding's all-reduce, two per block, the LM head's ``f``; with sequence parallelism the GPT's
+reduce-scatters and all-gathers instead, and the activations sent between stages are this rank's
+positions ``[s_r, b, h]``); none across stages (the schedule sends activations and gradients
+point-to-point).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import GPTConfig, stage_layer_counts
-from ..model import Block, LayerNorm, OutputLayer, PositionEmbedding, VocabParallelEmbedding
+from ..model import Block, LayerNorm, OutputLayer, PositionEmbedding, VocabParallelEmbedding, _dropout
 from .initialization import init_normal
-from .mappings import copy_to_tp
+from .layers import column_parallel_linear
+from .mappings import copy_to_tp, reduce_scatter_to_sequence_parallel, sequence_sizes
 from .random import TPRandom
 from .state import ParallelState
 
@@ -113,12 +116,23 @@ class PipelineChunk(nn.Module):
         self.layers, self.first, self.last = layers, first, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, ps = self.stage.transformer, self.stage.ps
+        t, ps, cfg = self.stage.transformer, self.stage.ps, self.stage.config
+        # sequence parallelism (training: every sample has seq_length positions): the activations between
+        # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
+        sp = sequence_sizes(cfg.seq_length, ps.tp_size) if cfg.sequence_parallel and ps.tp_size > 1 else None
         if self.first:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            x = t.drop(t.wte(x) + t.wpe(positions))
+            if sp is None:
+                x = t.drop(t.wte(x) + t.wpe(positions))
+            else:  # reduce-scatter the partial word embeddings, each rank adds its positions' (the GPT's way)
+                x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(x.t()), ps, sp, inplace=True,
+                                                        replicated=t.wpe(positions).transpose(0, 1))
+                x = _dropout(t.drop, x, self.stage.tp_random, True)
         for i in self.layers:
-            x = t.h[str(i)](x)
+            x = t.h[str(i)](x, sp=sp)
         if self.last:
-            x = F.linear(copy_to_tp(t.ln_f(x), ps), self.stage.output_weight)
+            x = t.ln_f(x, sp is not None)
+            if sp is None:
+                return F.linear(copy_to_tp(x, ps), self.stage.output_weight)
+            return column_parallel_linear(x, self.stage.output_weight, None, ps, sp).transpose(0, 1)
         return x
