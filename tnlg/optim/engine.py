@@ -13,6 +13,9 @@ One iteration with ``grad_accum_steps = k``::
   accumulate. It scales the loss by ``loss_scale / k`` itself, so the caller
   passes the plain mean loss of the micro batch and global batch =
   micro batch x DP x k gives the same gradient as one big batch.
+* ``backward_all(run)`` replaces the ``k`` ``backward`` calls when a pipeline schedule runs
+  every micro batch's backward itself (``run(factor)``): nothing is communicated while it
+  runs, and the whole gradient is reduced over DP at ``step``.
 * ``step`` waits for the gradient reduction, unscales, computes the global
   gradient norm (:mod:`tnlg.optim.clip`), skips the update when the norm is
   inf/NaN (and lowers the loss scale if one is used), else clips by
