@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["GPTConfig", "partition_sizes", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
+from .errors import UserError
+
+__all__ = ["GPTConfig", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
@@ -26,6 +28,26 @@ def partition_sizes(n: int, tp: int) -> list[int]:
         raise ValueError(f"cannot split {n} units over {tp} ranks (need 1 <= tp <= {n}).")
     base, extra = divmod(n, tp)
     return [base + 1 if r < extra else base for r in range(tp)]
+
+
+def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> list[int]:
+    """Layers per pipeline stage: ``first``/``last`` fixed where given, the rest as even as possible,
+    larger first. A clear :class:`UserError` when a stage would get no layer."""
+    fixed = {0: first, stages - 1: last} if stages > 1 else {}
+    fixed = {s: n for s, n in fixed.items() if n is not None}
+    what = (f"{num_layers} layers over --pipeline-model-parallel-size {stages}"
+            + "".join(f", {'first' if s == 0 else 'last'} stage {n}" for s, n in sorted(fixed.items())))
+    free = [s for s in range(stages) if s not in fixed]
+    rest = num_layers - sum(fixed.values())
+    if any(n < 1 for n in fixed.values()) or (free and rest < len(free)) or (not free and rest != 0):
+        raise UserError(f"{what}: every pipeline stage needs at least one transformer layer and the stages "
+                        f"together exactly {num_layers}; valid: --pipeline-model-parallel-size at most "
+                        f"{num_layers}, and --decoder-first/last-pipeline-num-layers that leave at least one "
+                        f"layer for each other stage.")
+    counts = dict(fixed)
+    counts.update(zip(free, partition_sizes(rest, len(free)) if free else []))
+    return [counts[s] for s in range(stages)]
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

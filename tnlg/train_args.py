@@ -186,9 +186,11 @@ def _batch_defaults(opts: dict, said: set, world_size: int | None) -> None:
     largest micro batch up to the default that divides it over DP (never an error about a flag the user
     did not give)."""
     tp, micro, gbs = opts["tensor_model_parallel_size"], opts["micro_batch_size"], opts["global_batch_size"]
-    if world_size is None or not (is_int(tp) and tp > 0 and world_size % tp == 0 and is_int(micro) and micro > 0):
+    pp = opts.get("pipeline_model_parallel_size", 1)
+    if world_size is None or not (is_int(tp) and tp > 0 and is_int(pp) and pp > 0 and world_size % (tp * pp) == 0
+                                  and is_int(micro) and micro > 0):
         return
-    dp = world_size // tp
+    dp = world_size // (tp * pp)
     if gbs is None:
         opts["global_batch_size"] = micro * dp
     elif "micro_batch_size" not in said and is_int(gbs) and gbs > 0 and gbs % (micro * dp) and gbs % dp == 0:

@@ -11,6 +11,10 @@ The norm must equal the one a single process computes on the full model:
    different slice); the replicated sum is *not* (every TP rank holds the same
    values, so adding them would count them ``tp`` times, fairscale's bug).
 
+With pipeline stages (PP > 1) each stage's total is then summed over the pipeline group;
+the last stage's copy of the tied word embedding is left out by the backend (the first
+stage's is counted), so every parameter counts once.
+
 ``norm = sqrt(sharded + replicated)``. With sequence parallelism the replicated
 parameters used on a sequence shard (LayerNorms, row-parallel biases, the position
 embedding) would get only this rank's share of their gradient; the model sums them
@@ -118,7 +122,8 @@ def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[flo
     :func:`squared_sums`).
 
     Collectives: an all-reduce of 2 fp64 numbers over DP when ``over_dp``
-    (gradients partitioned over DP), then of 1 over TP. Every rank gets the same value.
+    (gradients partitioned over DP), then of 1 over TP, then (PP > 1) of 1 over the pipeline
+    group (each stage's parameters counted once). Every rank gets the same value.
     The only host synchronisation is reading the result at the end.
     """
     return global_norm_and(sharded_sq, replicated_sq, ps, over_dp, None, device)[0]
@@ -138,6 +143,8 @@ def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union
         dist.all_reduce(sharded, group=ps.tp_group)
         sums[0] = sharded[0]
     total = sums.sum()
+    if ps.pp_size > 1:  # each pipeline stage holds different parameters
+        dist.all_reduce(total, group=ps.pp_group)
     if is_fake(total):  # a fake-tensor simulation (tnlg.plan.simulate) has no values to read
         return SIMULATED_NORM, None if also is None else 0.0
     if also is None:

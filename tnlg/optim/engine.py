@@ -13,6 +13,9 @@ One iteration with ``grad_accum_steps = k``::
   accumulate. It scales the loss by ``loss_scale / k`` itself, so the caller
   passes the plain mean loss of the micro batch and global batch =
   micro batch x DP x k gives the same gradient as one big batch.
+* ``backward_all(run)`` replaces the ``k`` ``backward`` calls when a pipeline schedule runs
+  every micro batch's backward itself (``run(factor)``): nothing is communicated while it
+  runs, and the whole gradient is reduced over DP at ``step``.
 * ``step`` waits for the gradient reduction, unscales, computes the global
   gradient norm (:mod:`tnlg.optim.clip`), skips the update when the norm is
   inf/NaN (and lowers the loss scale if one is used), else clips by
@@ -128,6 +131,27 @@ class Engine:
             factor *= self.loss_scaler.scale
         self.backend.backward(loss, factor, self.is_last_micro_step)
         self._micro += 1
+
+    def backward_all(self, run: Callable[[float], None]) -> None:
+        """Every micro batch's backward at once, by ``run(factor)`` (a pipeline schedule, which multiplies
+        each micro batch's mean loss by ``factor`` = loss scale / ``grad_accum_steps`` before backward).
+
+        No DP communication while it runs (gradients accumulate in place); the whole gradient is
+        reduced over DP once, at :meth:`step`, after the last micro batch's backward on this stage.
+        Flat stages 0/1 only (the options refuse the rest with a pipeline)."""
+        if self._needs_zero or self._micro:
+            raise RuntimeError("engine.backward_all() needs engine.zero_grad() first.")
+        factor = 1.0 / self.grad_accum_steps
+        if self.loss_scaler is not None:
+            factor *= self.loss_scaler.scale
+        self.backend.set_sync(False)
+        run(factor)
+        self.backend.set_sync(True)  # step's finish_grad_sync launches every bucket's reduction
+        self._micro = self.grad_accum_steps
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """The gradient of parameter ``name`` the optimizer steps (a view into the flat buffer; flat stages 0/1)."""
+        return self.backend.grad_view(name)
 
     def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:
         """Finish the gradient reduction, clip, update; returns ``grad_norm`` (before clipping, unscaled),

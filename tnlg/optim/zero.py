@@ -151,6 +151,10 @@ class FlatZero(ShardedBackend):
         self.names = [n for n, _ in order]
         self._index = {n: i for i, n in enumerate(self.names)}
         self.tp_sharded = [is_tp_sharded(n, p, ps) for n, p in order]
+        # what each parameter adds to the gradient norm: sharded / replicated over TP, or nothing for the
+        # last pipeline stage's copy of the tied embedding (the first stage's is counted)
+        self.norm_kind = [None if getattr(p, "pipeline_duplicate", False) else t
+                          for (_, p), t in zip(order, self.tp_sharded)]
         self.decay = [bool(decay_fn(n, p)) for n, p in order]
         elem = torch.empty((), dtype=grad_dtype).element_size()
         self.bucket_numel = max(1, int(bucket_size_mb * MiB) // elem)
@@ -207,7 +211,7 @@ class FlatZero(ShardedBackend):
                 bucket=b, owned_lo=owned_base, param=self.param_buffer[lo:hi], grad=self.grad_buffer[lo:hi],
                 exp_avg=self.exp_avg[o], exp_avg_sq=self.exp_avg_sq[o],
                 master=None if self.master is None else self.master[o],
-                decay_runs=_runs(segs, self.decay, lo), tp_runs=_runs(segs, self.tp_sharded, lo)))
+                decay_runs=_runs(segs, self.decay, lo), tp_runs=_runs(segs, self.norm_kind, lo)))
             owned_base += b.shard_numel
         return views
 
@@ -234,7 +238,13 @@ class FlatZero(ShardedBackend):
         """``(owned gradient run, tp_sharded)`` pairs: what this rank contributes to the norm."""
         for v in self.shards_views:
             for lo, hi, f in v.tp_runs:
-                yield v.grad[lo:hi], f
+                if f is not None:
+                    yield v.grad[lo:hi], f
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s gradient as a view into the flat gradient buffer (full over DP before the
+        step's reduction)."""
+        return self.grads.views[self._index[name]]
 
     @torch.no_grad()
     def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:

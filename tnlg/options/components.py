@@ -84,6 +84,18 @@ class ParallelOptions:
     """The layout: TP inside groups, ZeRO data parallelism across them, and the local processes."""
     tensor_model_parallel_size: int = option(1, flags=("--tensor-model-parallel-size", "--tp"),
                                              help="TP size (any size up to the head count)")
+    pipeline_model_parallel_size: int = option(1, flags=("--pipeline-model-parallel-size", "--pp"),
+                                               help="pipeline stages: the layers split over this many ranks "
+                                               "(world = PP x TP x DP); see docs/pipeline.md for what runs with it")
+    pipeline_schedule: str = option("1f1b", choices=["1f1b", "gpipe", "interleaved"],
+                                    help="with --pp > 1: torch's Schedule1F1B, ScheduleGPipe or "
+                                    "ScheduleInterleaved1F1B")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, help="layers per model chunk of the interleaved schedule (selects --pipeline-schedule interleaved)")
+    decoder_first_pipeline_num_layers: Optional[int] = option(None, help="layers of the first stage (the one "
+                                                              "with the embedding)", every="an even split")
+    decoder_last_pipeline_num_layers: Optional[int] = option(None, help="layers of the last stage (the one with "
+                                                             "the LM head and loss)", every="an even split")
     sequence_parallel: bool = option(False, help="with TP > 1: split the activations between the TP regions "
                                      "along the sequence (LayerNorm, dropout, residual on 1/TP of the tokens; "
                                      "all-gather/reduce-scatter instead of all-reduce; any sequence length)")
@@ -101,7 +113,13 @@ class ParallelOptions:
     bucket_size_mb: float = option(25.0, cli=False)  # gradient bucket size (config file only)
 
     def __post_init__(self):
-        positive_int(self, "tensor_model_parallel_size")
+        positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        optional_positive_int(self, "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                              "decoder_last_pipeline_num_layers")
+        if self.pipeline_schedule not in ("1f1b", "gpipe", "interleaved"):
+            raise UserError(f"--pipeline-schedule must be 1f1b, gpipe or interleaved, got {self.pipeline_schedule!r}.")
+        if self.num_layers_per_virtual_pipeline_stage is not None and self.pipeline_schedule == "1f1b":
+            self.pipeline_schedule = "interleaved"  # Megatron: a virtual-stage size selects interleaving
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
         if self.zero_impl not in ("tnlg", "deepspeed"):

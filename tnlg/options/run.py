@@ -11,6 +11,7 @@ from ..errors import UserError
 from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
+from .pipeline import check_pipeline
 
 __all__ = ["Options", "OPTION_NAMES", "option_defaults", "model_config"]
 
@@ -89,6 +90,7 @@ class Options:
             model_config(self, vocab_size=1).check_tensor_parallel(self.tensor_model_parallel_size)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        check_pipeline(self, world_size)
         if world_size is not None:
             self._check_layout(world_size)
         self.data.check_files()
@@ -101,7 +103,7 @@ class Options:
             valid = [t for t in range(1, world_size + 1) if world_size % t == 0]
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
                             f"valid sizes for {world_size} processes: {valid}.")
-        dp = world_size // tp
+        dp = world_size // (tp * self.pipeline_model_parallel_size)  # (check_pipeline: PP divides the rest)
         if gbs % (micro * dp):
             raise UserError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x data-parallel size "

@@ -1,10 +1,15 @@
-"""Parallel layout: which ranks form tensor-parallel (TP) and data-parallel (DP) groups.
+"""Parallel layout: which ranks form tensor-parallel (TP), data-parallel (DP) and pipeline (PP) groups.
 
-Layout (Megatron's): TP ranks are contiguous, so ranks ``0..tp-1`` form the
-first TP group, ``tp..2tp-1`` the second, and so on; the DP group of a rank is
-every rank with the same TP rank (``tp_rank, tp_rank + tp, ...``). With TP
-inside a node and DP across nodes, TP traffic (two all-reduces per layer per
-pass) stays on the fast links.
+Layout (Megatron's): world = PP x DP x TP with TP innermost, then DP, then PP:
+``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. TP ranks are contiguous, so
+ranks ``0..tp-1`` form the first TP group, ``tp..2tp-1`` the second, and so on; the DP
+group of a rank is every rank of its pipeline stage with the same TP rank
+(``tp_rank, tp_rank + tp, ...`` at PP 1); the PP group is every rank with the same
+``(dp_rank, tp_rank)`` (one per stage, ``dp * tp`` apart). With TP inside a node and DP
+across nodes, TP traffic (two all-reduces per layer per pass) stays on the fast links.
+The *embedding group* of a rank on the first or last stage is that pair of ranks of its
+PP group (Megatron's): the tied word embedding's gradient is all-reduced over it.
+At PP 1 every rank, group and size is what it was before pipelines existed.
 
 There are no module globals: a :class:`ParallelState` object is passed to
 every layer that communicates. A *virtual* state (no processes, no groups)
@@ -30,10 +35,10 @@ __all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", 
 
 @dataclass
 class ParallelState:
-    """Ranks, sizes and process groups of one process in a (TP x DP) layout.
+    """Ranks, sizes and process groups of one process in a (PP x DP x TP) layout.
 
-    ``tp_group``/``dp_group`` are ``None`` for a virtual state or where the
-    group has a single member (collectives over one rank are skipped).
+    ``tp_group``/``dp_group``/``pp_group``/``embedding_group`` are ``None`` for a virtual state
+    or where the group has a single member (collectives over one rank are skipped).
     """
 
     tp_rank: int = 0
@@ -44,20 +49,34 @@ class ParallelState:
     dp_group: Optional[dist.ProcessGroup] = None
     device: torch.device = torch.device("cpu")
     virtual: bool = False
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: Optional[dist.ProcessGroup] = None
+    embedding_group: Optional[dist.ProcessGroup] = None
 
     @property
     def rank(self) -> int:
-        """Global rank in the TP-contiguous layout."""
-        return self.dp_rank * self.tp_size + self.tp_rank
+        """Global rank in the TP-contiguous layout (TP innermost, then DP, then PP)."""
+        return (self.pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.dp_size
+        return self.pp_size * self.tp_size * self.dp_size
 
     @property
     def tp_src_rank(self) -> int:
         """Global rank of TP rank 0 in this rank's TP group."""
-        return self.dp_rank * self.tp_size
+        return self.rank - self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the first pipeline stage (the embedding); always true at PP 1."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the last pipeline stage (final LayerNorm, LM head, loss); always true at PP 1."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def is_first(self) -> bool:
@@ -83,7 +102,8 @@ class ParallelState:
                    device=torch.device("meta"), virtual=True)
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+        pp = f"pp {self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size}: {pp}tp {self.tp_rank}/{self.tp_size}, "
                 f"dp {self.dp_rank}/{self.dp_size}, device {self.device}")
 
 
@@ -118,7 +138,7 @@ def _device_for_backend(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_layout(world_size: int, tensor_parallel_size: int) -> None:
+def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
     if world_size % tensor_parallel_size != 0:
@@ -127,12 +147,22 @@ def _check_layout(world_size: int, tensor_parallel_size: int) -> None:
             f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}: "
             f"every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
             f"{world_size} processes: {valid}.")
+    if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pipeline_parallel_size!r}.")
+    rest = world_size // tensor_parallel_size
+    if rest % pipeline_parallel_size != 0:
+        valid = [p for p in range(1, rest + 1) if rest % p == 0]
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size} does not divide world size / tensor-parallel size "
+            f"= {world_size} / {tensor_parallel_size} = {rest}: every pipeline must be complete. Valid "
+            f"pipeline-parallel sizes at tensor-parallel size {tensor_parallel_size}: {valid}.")
 
 
 def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
                   timeout: timedelta = timedelta(minutes=10),
-                  init_method: Optional[str] = None, device: Optional[str] = None) -> ParallelState:
-    """Create the TP and DP groups and return this process's :class:`ParallelState`.
+                  init_method: Optional[str] = None, device: Optional[str] = None,
+                  pipeline_parallel_size: int = 1) -> ParallelState:
+    """Create the TP, DP and PP groups and return this process's :class:`ParallelState`.
 
     Works in three situations:
 
@@ -153,7 +183,7 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
         backend = dist.get_backend()
     elif "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 or init_method:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        _check_layout(world, tensor_parallel_size)
+        _check_layout(world, tensor_parallel_size, pipeline_parallel_size)
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         store = None if init_method else _launcher_store(timeout)
         if store is not None:
@@ -163,28 +193,36 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
             dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
-        _check_layout(1, tensor_parallel_size)
+        _check_layout(1, tensor_parallel_size, pipeline_parallel_size)
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         return ParallelState(device=_device_for_backend(backend))
 
-    _check_layout(world, tensor_parallel_size)
-    tp = tensor_parallel_size
-    dp = world // tp
-    tp_group = dp_group = None
-    # new_group is collective: every rank creates every group, in the same order.
-    for d in range(dp):
-        ranks = list(range(d * tp, (d + 1) * tp))
-        g = dist.new_group(ranks, timeout=timeout) if tp > 1 else None
-        if rank in ranks:
-            tp_group = g
-    for t in range(tp):
-        ranks = list(range(t, world, tp))
-        g = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
-        if rank in ranks:
-            dp_group = g
-    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp, dp_size=dp,
-                         tp_group=tp_group, dp_group=dp_group,
-                         device=_device_for_backend(backend))
+    _check_layout(world, tensor_parallel_size, pipeline_parallel_size)
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    dp = world // (tp * pp)
+    groups = _new_groups(rank, tp, dp, pp, timeout)
+    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp % dp, dp_size=dp,
+                         pp_rank=rank // (tp * dp), pp_size=pp, **groups, device=_device_for_backend(backend))
+
+
+def _new_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta) -> dict:
+    """This rank's TP, DP, PP and embedding groups (``None`` where a group would have one member).
+
+    ``new_group`` is collective: every rank creates every group, in the same order (at PP 1 the same
+    calls as before pipelines existed)."""
+    def at(p, d, t):
+        return (p * dp + d) * tp + t
+    mine: dict = dict(tp_group=None, dp_group=None, pp_group=None, embedding_group=None)
+    layouts = (("tp_group", tp, [[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]),
+               ("dp_group", dp, [[at(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]),
+               ("pp_group", pp, [[at(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]),
+               ("embedding_group", pp, [[at(0, d, t), at(pp - 1, d, t)] for d in range(dp) for t in range(tp)]))
+    for key, size, all_ranks in layouts:
+        for ranks in all_ranks:
+            g = dist.new_group(ranks, timeout=timeout) if size > 1 else None
+            if rank in ranks:
+                mine[key] = g
+    return mine
 
 
 def _launcher_store(timeout: timedelta):

@@ -11,6 +11,7 @@ from ..errors import UserError
 from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
 from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
+from .pipeline import format_pipeline, pipeline_plan
 from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
 from .report import format_plan, format_search, format_simulation
 from .gpus import GPUS, gpu as lookup_gpu
@@ -83,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use; "
                                                     "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
                                                     "--data-parallel-size is given)")
+    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
+                     help="pipeline stages (with --dp, not --world-size): adds the per-stage parameters, model "
+                     "states, activations in flight and the bubble (docs/pipeline.md)")
+    lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                     help="with --pp: the schedule whose activations in flight are counted (default 1f1b)")
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -285,6 +291,22 @@ def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
     return sim
 
 
+def _pipeline(args, model: Model, layout: Layout) -> dict:
+    """``tnlg plan --pp``'s per-stage plan; a clear error for what it does not cover."""
+    for is_set, what in ((model.abstract, "--params (an abstract model has no layers to split)"),
+                         (args.world_size is not None, "--world-size (give --dp: the world is PP x TP x DP)"),
+                         (args.simulate, "--simulate")):
+        if is_set:
+            raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take {what} yet.")
+    m = layout.batch // (layout.micro_batch * layout.dp)
+    if m < args.pp:
+        raise UserError(f"{m} micro batch(es) per step (global batch {layout.batch} / (micro batch "
+                        f"{layout.micro_batch} x DP {layout.dp})) is fewer than the {args.pp} pipeline stages; "
+                        f"give --global-batch-size {args.pp * layout.micro_batch * layout.dp} or more.")
+    return pipeline_plan(model.config, layout.tp, args.pp, layout.dp, layout.zero_stage, layout.precision,
+                         layout.micro_batch, m, layout.recompute, args.pipeline_schedule)
+
+
 def run(args) -> int:
     """Plan one layout (or search all layouts) and print a table or one JSON object."""
     model = _model(args)
@@ -312,6 +334,10 @@ def run(args) -> int:
         if not model.abstract:
             result["tp_needed"] = _tp_needed(model, layout, hw)
         text = format_plan(result)
+        if args.pp > 1:
+            result["pipeline"] = _pipeline(args, model, layout)
+            text += "\n\nper pipeline stage (the table above is the whole model on one stage):\n" + \
+                format_pipeline(result["pipeline"])
         if args.simulate:
             result["simulation"] = _simulation(model, layout, args.gpu or "h100")
             text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])

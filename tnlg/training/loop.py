@@ -23,7 +23,7 @@ from ..options import Options, model_config
 from ..parallel.random import seed_everything
 from .checkpointing import Checkpointer, last_checkpoint, stop_on_signals
 from .metrics import Metrics
-from .setup import build_datasets, build_engine, build_schedule, init_run, precision
+from .setup import build_datasets, build_engine, build_pipeline, build_schedule, init_run, precision
 from .step import TrainingDiverged, next_batch, train_step
 from .throughput import iteration_flops, measure_peak_tflops
 from .validation import Validation
@@ -70,6 +70,7 @@ class Trainer:
         if o.compile:
             self._compile()
         self.model, self.schedule = self.engine.model, build_schedule(o)
+        self.pipeline = build_pipeline(o, self.model, ps, accum)
         self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
         self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
         # measured before loading: a resumed run continues the restored RNG streams untouched
@@ -96,7 +97,7 @@ class Trainer:
                 lr = self.schedule.lr(engine.num_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
-                                        iteration=iteration + 1)
+                                        iteration=iteration + 1, pipeline=self.pipeline)
                 iteration, consumed = iteration + 1, consumed + o.global_batch_size
                 metrics.iteration(iteration, consumed, loss, lr, info, time.perf_counter() - t0)
                 summary["losses"].append(loss)
@@ -142,7 +143,8 @@ class Trainer:
                           resumed_at=resumed_at)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # (DeepSpeed ZeRO-3)
         self._log(f"tnlg pretrain: {n_params:,} parameters on this rank "
-                  f"(TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
+                  f"({f'PP={ps.pp_size} ({o.pipeline_schedule}) x ' if ps.pp_size > 1 else ''}TP={ps.tp_size} x "
+                  f"DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
                   f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
                   f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
                   f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "

@@ -9,6 +9,12 @@ averaged over micro batches and over DP (one tiny all-reduce, not read yet); the
 owned ZeRO slice, parameters all-gathered) reads the loss with the gradient norm in
 the iteration's one host synchronisation and makes no update if the loss is NaN/inf:
 the run then stops, so no checkpoint is ever written from the bad state.
+
+With a pipeline (``pipeline``: :class:`tnlg.parallel.pipeline_schedule.Pipeline`) the ``k``
+micro batches go through its schedule in one ``engine.backward_all`` (gradients reduced over DP
+once, at the step), the tied embedding's gradient is summed over the first and last stage, and
+the loss (the last stage's mean over micro batches) is summed over the pipeline group, so every
+rank reports the same loss as without a pipeline.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from ..data.sampler import collate
 from ..parallel.mappings import all_reduce
+from ..parallel.pipeline_schedule import tie_embedding_grads
 
 __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
 
@@ -47,19 +54,25 @@ def forward_loss(model, batch: dict, autocast: Optional[torch.dtype]) -> torch.T
 
 
 def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autocast: Optional[torch.dtype],
-               ps, iteration: int) -> tuple[float, dict]:
+               ps, iteration: int, pipeline=None) -> tuple[float, dict]:
     """Train one iteration (number ``iteration``) on ``micro_batches``; return ``(loss, engine.step's info)``.
 
     Collectives: the model's TP all-reduces, the engine's gradient reduction over DP (last micro
-    batch), one all-reduce of the loss over DP, and the engine step's (norm, parameter all-gather).
+    batch), one all-reduce of the loss over DP, and the engine step's (norm, parameter all-gather);
+    with a pipeline also its point-to-point traffic, the tied embedding's all-reduce over the
+    first and last stage and one all-reduce of the loss over the pipeline group.
     """
     engine.zero_grad()
-    losses = []
-    for batch in micro_batches:
-        loss = forward_loss(model, batch, autocast)
-        engine.backward(loss)
-        losses.append(loss.detach().float())
-    mean = all_reduce(torch.stack(losses).mean().reshape(1), ps.dp_group) / ps.dp_size
+    if pipeline is None:
+        losses = []
+        for batch in micro_batches:
+            loss = forward_loss(model, batch, autocast)
+            engine.backward(loss)
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean().reshape(1)
+    else:
+        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps)
+    mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
     loss = info.pop("loss")
     if not math.isfinite(loss):
@@ -67,3 +80,15 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
                                f"an optimizer update (no checkpoint is written from this state). Lower --lr, "
                                f"raise --lr-warmup-iters, or check the data.")
     return loss, info
+
+
+def _pipeline_backward(pipeline, engine, batches: list[dict], ps) -> torch.Tensor:
+    """Every micro batch through the pipeline's schedule; the mean micro-batch loss on every stage."""
+    out: list = [None]
+
+    def run(factor: float) -> None:
+        out[0] = pipeline.run(batches, factor)
+        tie_embedding_grads(pipeline.model, engine.grad_view)
+    engine.backward_all(run)
+    mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)
+    return all_reduce(mean, ps.pp_group)

@@ -1,0 +1,51 @@
+"""Bad pipeline options: one clear paragraph naming the value and what is valid, from the option checks,
+before any process starts (``resolve`` is what ``tnlg pretrain`` runs before launching)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tnlg.errors import UserError
+from tnlg.train_args import add_arguments, resolve
+
+# a run --pp accepts: no validation, sample or checkpoint
+RUNNABLE = ["--eval-interval", "0", "--sample-prompt", "", "--tp", "1"]
+
+
+def _resolve(argv: list, world: int = 4):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return resolve(p.parse_args(RUNNABLE + argv), world_size=world)
+
+
+def test_a_runnable_pipeline_layout_resolves():
+    o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"])
+    assert (o.pipeline_model_parallel_size, o.pipeline_schedule) == (2, "1f1b")
+    o = _resolve(["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
+                  "--global-batch-size", "16", "--micro-batch-size", "2"])
+    assert o.pipeline_schedule == "interleaved"  # a virtual-stage size selects it, as Megatron's
+
+
+@pytest.mark.parametrize("argv,world,match", [
+    (["--pp", "3"], 4, r"--pipeline-model-parallel-size 3 does not divide the 4 processes / TP 1 = 4; valid "
+                       r"pipeline sizes at --tp 1 on 4 processes: \[1, 2, 4\]"),
+    (["--pp", "4", "--num-layers", "2"], 4, r"--pipeline-model-parallel-size 4 is more stages than the model's 2 "
+                                            r"layers; .* valid sizes are 1 to 2"),
+    (["--pp", "4", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
+     r"2 micro batch\(es\) per step .* fewer than the 4 pipeline stages; .* --global-batch-size 4 or more"),
+    (["--pp", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 4,
+     r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 3 layers per stage .* valid: \[1, 3\]"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "4"], 4, r"every pipeline stage needs at least one"),
+    (["--pp", "2", "--zero-stage", "2"], 4, r"--zero-stage 2 \(use 0 or 1\) is not supported with "
+                                            r"--pipeline-model-parallel-size > 1 yet"),
+    (["--pp", "2", "--bf16"], 4, r"--bf16 is not supported with --pipeline-model-parallel-size > 1 yet"),
+    (["--pp", "2", "--save", "ckpt"], 4, r"--save ckpt \(checkpoints\) is not supported with"),
+    (["--pp", "2", "--eval-interval", "10"], 4, r"--eval-interval 10 \(validation; give --eval-interval 0\)"),
+    (["--pp", "2", "--reset-position-ids"], 4, r"--reset-position-ids is not supported with"),
+    (["--pipeline-schedule", "gpipe"], 4, r"--pipeline-schedule gpipe needs --pipeline-model-parallel-size > 1"),
+])
+def test_bad_pipeline_options_are_one_paragraph_naming_the_value_and_what_is_valid(argv, world, match):
+    with pytest.raises(UserError, match=match):
+        _resolve(argv, world)

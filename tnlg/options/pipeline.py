@@ -1,0 +1,106 @@
+"""The checks of ``--pipeline-model-parallel-size`` and its companions, before any process does work.
+
+Torch-free (``tnlg pretrain --help`` and option checks import this): the layer split is checked
+with the same arithmetic :mod:`tnlg.parallel.pipeline` uses.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import stage_layer_counts
+from ..errors import UserError
+
+__all__ = ["check_pipeline", "virtual_stages", "UNSUPPORTED"]
+
+# what --pp > 1 does not run with yet: (is it set?, what to write)
+UNSUPPORTED = (
+    (lambda o: o.zero_stage >= 2 and o.zero_impl == "tnlg", lambda o: f"--zero-stage {o.zero_stage} (use 0 or 1)"),
+    (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed"),
+    (lambda o: o.bf16 or o.fp16, lambda o: "--bf16" if o.bf16 else "--fp16"),
+    (lambda o: o.reset_position_ids or o.reset_attention_mask,
+     lambda o: "--reset-position-ids" if o.reset_position_ids else "--reset-attention-mask"),
+    (lambda o: o.compile, lambda o: "--compile"),
+    (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
+    (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),
+    (lambda o: o.eval_interval > 0 and o.eval_iters > 0, lambda o: f"--eval-interval {o.eval_interval} "
+     f"(validation; give --eval-interval 0)"),
+    (lambda o: bool(o.sample_prompt) and o.sample_tokens > 0, lambda o: f"--sample-prompt {o.sample_prompt!r} "
+     f"(generation; give --sample-prompt '')"),
+)
+
+
+def virtual_stages(o) -> int:
+    """Model chunks per pipeline rank (1 unless interleaved)."""
+    n, pp = o.num_layers_per_virtual_pipeline_stage, o.pipeline_model_parallel_size
+    return 1 if o.pipeline_schedule != "interleaved" or n is None else o.num_layers // (pp * n)
+
+
+def check_pipeline(o, world_size: Optional[int]) -> None:
+    """A clear :class:`UserError` for a pipeline layout that cannot run (``world_size``: when known)."""
+    pp = o.pipeline_model_parallel_size
+    extras = [flag for flag, set_ in (("--pipeline-schedule " + o.pipeline_schedule, o.pipeline_schedule != "1f1b"),
+                                      ("--decoder-first-pipeline-num-layers", o.decoder_first_pipeline_num_layers),
+                                      ("--decoder-last-pipeline-num-layers", o.decoder_last_pipeline_num_layers))
+              if set_]
+    if pp == 1:
+        if extras:
+            raise UserError(f"{extras[0]} needs --pipeline-model-parallel-size > 1 (a pipeline); this run has "
+                            f"one stage. Give --pp P, or drop the flag.")
+        return
+    bad = [what(o) for is_set, what in UNSUPPORTED if is_set(o)]
+    if bad:
+        raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
+                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and recomputation, without "
+                        f"checkpoints, validation or generation (docs/pipeline.md); drop those options or "
+                        f"use --pp 1.")
+    _check_layers(o, pp)
+    if world_size is not None:
+        _check_world(o, pp, world_size)
+
+
+def _check_layers(o, pp: int) -> None:
+    layers, n = o.num_layers, o.num_layers_per_virtual_pipeline_stage
+    if pp > layers:
+        raise UserError(f"--pipeline-model-parallel-size {pp} is more stages than the model's {layers} layers; "
+                        f"every stage needs at least one layer: valid sizes are 1 to {layers}.")
+    if o.pipeline_schedule == "interleaved":
+        if n is None:
+            raise UserError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage N "
+                            "(the layers of each model chunk).")
+        if o.decoder_first_pipeline_num_layers or o.decoder_last_pipeline_num_layers:
+            raise UserError("--decoder-first/last-pipeline-num-layers is not supported with the interleaved "
+                            "schedule yet (its chunks are equal); drop it or use --pipeline-schedule 1f1b.")
+        if layers % pp or (layers // pp) % n:
+            per = layers / pp
+            valid = [k for k in range(1, layers // pp + 1) if (layers // pp) % k == 0] if layers % pp == 0 else []
+            raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per:g} layers per "
+                            f"stage ({layers} layers / --pp {pp}); valid: "
+                            f"{valid if valid else f'none: the interleaved schedule needs --pp dividing {layers}'}.")
+    elif o.num_layers_per_virtual_pipeline_stage is not None:
+        raise UserError(f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not "
+                        f"--pipeline-schedule {o.pipeline_schedule}; drop one of them.")
+    if o.pipeline_schedule != "interleaved":
+        stage_layer_counts(layers, pp, o.decoder_first_pipeline_num_layers, o.decoder_last_pipeline_num_layers)
+
+
+def _check_world(o, pp: int, world_size: int) -> None:
+    tp, micro, gbs = o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size
+    if world_size % tp == 0 and (world_size // tp) % pp:
+        rest = world_size // tp
+        valid = [p for p in range(1, rest + 1) if rest % p == 0]
+        raise UserError(f"--pipeline-model-parallel-size {pp} does not divide the {world_size} processes / TP {tp} "
+                        f"= {rest}; valid pipeline sizes at --tp {tp} on {world_size} processes: {valid}.")
+    dp = max(1, world_size // (tp * pp))
+    if gbs is None or gbs % (micro * dp):
+        return  # the global-batch check says it
+    m = gbs // (micro * dp)
+    if m < pp:
+        raise UserError(f"{m} micro batch(es) per step (--global-batch-size {gbs} / (--micro-batch-size {micro} x "
+                        f"data-parallel size {dp})) is fewer than the {pp} pipeline stages; the schedule needs at "
+                        f"least one micro batch per stage. Give --global-batch-size {pp * micro * dp} or more.")
+    rounds = max(1, m // pp)
+    if o.pipeline_schedule == "interleaved" and m % rounds:
+        raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
+                        f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
+                        f"--global-batch-size {rounds * pp * micro * dp} or {(rounds + 1) * pp * micro * dp}.")

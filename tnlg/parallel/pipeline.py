@@ -1,0 +1,138 @@
+"""Pipeline stages of the GPT: which layers each stage holds, and the module of one rank's stages.
+
+The split (Megatron's, :func:`tnlg.config.stage_layer_counts`): the ``L`` transformer layers go over ``P`` stages as evenly as possible,
+larger stages first (78 layers over 4 stages: 20, 20, 19, 19); ``first``/``last``
+(``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) fix the layers
+of the stages that also hold the embedding and the LM head, the rest go evenly over the others.
+With ``v`` virtual stages per rank (interleaved 1F1B, ``--num-layers-per-virtual-pipeline-stage
+n``: ``v = L / (P n)``) the model is cut into ``P v`` chunks of ``n`` layers; chunk ``c`` runs on
+pipeline rank ``c % P`` (Megatron's order: rank 0 holds chunks 0, P, 2P, ...).
+
+:class:`StageModel` is what one rank trains: the layers of its chunks, plus the word and position
+embeddings on the first stage and the final LayerNorm and LM head on the last, built from the GPT's
+own pieces (:mod:`tnlg.model`) under the GPT's parameter names (``transformer.h.<global index>``),
+so every parameter is initialised exactly as the PP=1 model's of that name and a stage's
+parameters are a subset of the PP=1 model's. With tied input/output embeddings the last stage holds
+its own copy of ``transformer.wte.weight`` (the LM head): the copies start equal and stay equal
+because their gradients are all-reduced over the embedding group (first and last stage) before
+the optimizer step (:mod:`tnlg.parallel.pipeline_schedule`); the last stage's copy is marked
+``pipeline_duplicate`` so the gradient norm counts it once.
+
+Collectives of a chunk's forward and backward: the TP collectives of the GPT's layers (the
+embedding's all-reduce, two per block, the LM head's ``f``; with sequence parallelism the GPT's
+reduce-scatters and all-gathers instead, and the activations sent between stages are this rank's
+positions ``[s_r, b, h]``); none across stages (the schedule sends activations and gradients
+point-to-point).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import GPTConfig, stage_layer_counts
+from ..model import Block, LayerNorm, OutputLayer, PositionEmbedding, VocabParallelEmbedding, _dropout
+from .initialization import init_normal
+from .layers import column_parallel_linear
+from .mappings import copy_to_tp, reduce_scatter_to_sequence_parallel, sequence_sizes
+from .random import TPRandom
+from .state import ParallelState
+
+__all__ = ["chunk_layers", "StageModel", "PipelineChunk"]
+
+
+def chunk_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional[int] = None,
+                 last: Optional[int] = None) -> list[range]:
+    """The global layer indices of every model chunk, in pipeline order (``stages * virtual`` chunks)."""
+    if virtual == 1:
+        counts = stage_layer_counts(num_layers, stages, first, last)
+    else:  # interleaved: equal chunks (checked by the options)
+        counts = [num_layers // (stages * virtual)] * (stages * virtual)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [range(a, a + n) for a, n in zip(starts, counts)]
+
+
+class StageModel(nn.Module):
+    """The layers of one pipeline rank's chunks (``chunks``: their global layer indices, this rank's
+    in order), with the embeddings on the first stage and ``ln_f`` + LM head on the last.
+
+    Parameter names are the GPT's; :meth:`chunk` gives the module each pipeline stage runs."""
+
+    def __init__(self, config: GPTConfig, ps: ParallelState, chunks: list[range], device=None):
+        super().__init__()
+        config.check_tensor_parallel(ps.tp_size)
+        self.config, self.ps, self.chunk_ranges = config, ps, list(chunks)
+        device = device if device is not None else (None if ps.virtual else ps.device)
+        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
+        self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
+        init, seed, h = init_normal(config.init_method_std), config.seed, config.hidden_size
+        tied = not config.untie_embeddings_and_output_weights
+        parts: dict = dict(h=nn.ModuleDict({
+            str(i): Block(config, ps, i, self.tp_random, device=device, init_key=f"transformer.h.{i}")
+            for r in self.chunk_ranges for i in r}))
+        if ps.is_first_stage or (ps.is_last_stage and tied):
+            parts["wte"] = VocabParallelEmbedding(config.vocab_size, h, ps, self.padded_vocab_size, device=device,
+                                                  init_method=init, seed=seed, init_key="transformer.wte")
+        if ps.is_first_stage:
+            parts["wpe"] = PositionEmbedding(config.seq_length, h, init, seed, "transformer.wpe", device)
+            parts["drop"] = nn.Dropout(config.hidden_dropout)
+        if ps.is_last_stage:
+            parts["ln_f"] = LayerNorm(h, config.layernorm_epsilon, device=device, ps=ps, init_key="transformer.ln_f")
+        self.transformer = nn.ModuleDict(parts)
+        if ps.is_last_stage and not tied:
+            self.lm_head = OutputLayer(config.vocab_size, h, ps, self.padded_vocab_size, init, seed, "lm_head", device)
+        if ps.is_last_stage and tied and not ps.is_first_stage:
+            self.transformer.wte.weight.pipeline_duplicate = True  # the first stage's copy is the one counted
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the LM head (last stage)."""
+        return (self.transformer.wte if "wte" in self.transformer else self.lm_head).weight
+
+    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This TP rank's initial value of parameter ``name``: the PP=1 GPT's (see :meth:`tnlg.GPT.initial_shard`)."""
+        owner, _, leaf = name.rpartition(".")
+        return self.get_submodule(owner).initial_shard(leaf, param)
+
+    def chunk(self, k: int) -> "PipelineChunk":
+        """The module of this rank's ``k``-th chunk (global chunk ``k * P + pp_rank``)."""
+        c = k * self.ps.pp_size + self.ps.pp_rank
+        return PipelineChunk(self, self.chunk_ranges[k], first=c == 0,
+                             last=c == self.ps.pp_size * len(self.chunk_ranges) - 1)
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage's forward over the :class:`StageModel`'s modules (it registers none itself,
+    so the engine sees each parameter once): tokens ``[b, s]`` -> hidden ``[b, s, h]`` on the first
+    stage, hidden -> hidden in the middle, hidden -> this rank's vocabulary shard of the logits
+    ``[b, s, V_pad / tp]`` on the last."""
+
+    def __init__(self, stage: StageModel, layers: range, first: bool, last: bool):
+        super().__init__()
+        object.__setattr__(self, "stage", stage)  # not a submodule: its parameters belong to the StageModel
+        self.layers, self.first, self.last = layers, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, ps, cfg = self.stage.transformer, self.stage.ps, self.stage.config
+        # sequence parallelism (training: every sample has seq_length positions): the activations between
+        # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
+        sp = sequence_sizes(cfg.seq_length, ps.tp_size) if cfg.sequence_parallel and ps.tp_size > 1 else None
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            if sp is None:
+                x = t.drop(t.wte(x) + t.wpe(positions))
+            else:  # reduce-scatter the partial word embeddings, each rank adds its positions' (the GPT's way)
+                x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(x.t()), ps, sp, inplace=True,
+                                                        replicated=t.wpe(positions).transpose(0, 1))
+                x = _dropout(t.drop, x, self.stage.tp_random, True)
+        for i in self.layers:
+            x = t.h[str(i)](x, sp=sp)
+        if self.last:
+            x = t.ln_f(x, sp is not None)
+            if sp is None:
+                return F.linear(copy_to_tp(x, ps), self.stage.output_weight)
+            return column_parallel_linear(x, self.stage.output_weight, None, ps, sp).transpose(0, 1)
+        return x

@@ -1,0 +1,89 @@
+"""One iteration's micro batches through the pipeline: torch's schedules over tnlg's stages.
+
+:class:`Pipeline` wraps this rank's :class:`~tnlg.parallel.pipeline.StageModel` chunks in
+``torch.distributed.pipelining.PipelineStage`` s over ``ps.pp_group`` and runs one of torch's
+schedules on them: ``1f1b`` (``Schedule1F1B``, the default, Megatron's non-interleaved
+schedule), ``gpipe`` (``ScheduleGPipe``: every forward, then every backward) or ``interleaved``
+(``ScheduleInterleaved1F1B``, ``v`` chunks per rank). torch's machinery is used as is:
+micro batches are the equal row blocks of the concatenated local batch, activations and their
+gradients go point-to-point between neighbouring stages.
+
+The loss is the GPT's: on the last stage each micro batch's mean over its loss-mask tokens
+through the vocab-parallel cross-entropy (3 small all-reduces over TP), multiplied by the
+engine's factor (``loss_scale / m``) before backward, so the gradients are those of the
+mean over micro batches exactly as without a pipeline (``scale_grads=False``: torch does not
+divide again). :meth:`Pipeline.run` returns the mean of the unscaled micro-batch losses on the
+last stage.
+
+Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
+``[b, s, h]`` activation per micro batch and stage boundary in forward and of its gradient in
+backward; then :func:`tie_embedding_grads`, one all-reduce of the word embedding's gradient over
+the embedding group (first and last stage, tied embeddings only).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from .pipeline import StageModel
+from .vocab import vocab_parallel_cross_entropy
+
+__all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+class Pipeline:
+    """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model``."""
+
+    def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
+        ps, v = model.ps, len(model.chunk_ranges)
+        self.model, self.ps, self.micro_batches = model, ps, micro_batches
+        stages = [PipelineStage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+                                group=ps.pp_group) for k in range(v)]
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
+        else:
+            if v != 1:
+                raise ValueError(f"schedule {schedule!r} runs one stage per rank, got {v} chunks.")
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = cls(stages[0], micro_batches, loss_fn=self._loss, scale_grads=False)
+        self._factor, self._losses = 1.0, []
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro batch's mean loss over its loss-mask tokens (``target``: labels and mask stacked), times
+        the engine's factor; the unscaled value is kept for :meth:`run`."""
+        labels, mask = target[:, 0], target[:, 1].to(torch.float32)
+        losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.model.config.vocab_size)
+        loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        self._losses.append(loss.detach().float())
+        return loss * self._factor
+
+    def run(self, batches: list[dict], factor: float) -> Optional[torch.Tensor]:
+        """Forward and backward of every micro batch (the loss multiplied by ``factor`` before backward);
+        the mean micro-batch loss on the last stage, ``None`` on the others."""
+        if len(batches) != self.micro_batches:
+            raise ValueError(f"the pipeline was built for {self.micro_batches} micro batches, got {len(batches)}.")
+        tokens = torch.cat([b["tokens"] for b in batches])
+        target = torch.cat([torch.stack([b["labels"], b["loss_mask"].long() if "loss_mask" in b
+                                         else torch.ones_like(b["labels"])], dim=1) for b in batches])
+        self._factor, self._losses = factor, []
+        self.schedule.step(tokens, target=target, return_outputs=False)
+        # the last m calls are the micro batches' (torch's first step also calls the loss once on a
+        # stand-in output to learn the gradient's metadata)
+        return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None
+
+
+def tie_embedding_grads(model: StageModel, grad_of: Callable[[str], torch.Tensor]) -> None:
+    """Sum the word embedding's gradient of the first and the last stage on both (one all-reduce over
+    the embedding group, Megatron's), so that the tied copies take the same update; nothing for untied
+    embeddings, at PP 1 or on the middle stages. ``grad_of(name)``: the gradient the engine steps."""
+    ps = model.ps
+    if ps.embedding_group is None or model.config.untie_embeddings_and_output_weights:
+        return
+    if ps.is_first_stage or ps.is_last_stage:
+        dist.all_reduce(grad_of("transformer.wte.weight"), group=ps.embedding_group)
