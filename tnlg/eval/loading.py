@@ -23,7 +23,6 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..hf import from_hf
 from ..launch import check_nodes, join, launcher_world_size, relaunch
-from ..model import GPT
 from ..parallel.state import ParallelState, destroy_parallel, is_distributed
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
