@@ -14,9 +14,15 @@ from typing import Optional
 
 from .errors import UserError
 
-__all__ = ["GPTConfig", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order (none for ``n < 1``): the valid sizes an error
+    lists when a parallel size does not divide what it splits."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def partition_sizes(n: int, tp: int) -> list[int]:
@@ -109,8 +115,7 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
         if self.hidden_size % self.num_attention_heads:
-            divisors = [d for d in range(1, self.hidden_size + 1) if self.hidden_size % d == 0]
-            near = sorted(divisors, key=lambda d: abs(d - self.num_attention_heads))[:4]
+            near = sorted(divisors(self.hidden_size), key=lambda d: abs(d - self.num_attention_heads))[:4]
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: every head needs the same width. Head counts that "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import stage_layer_counts
+from ..config import divisors, stage_layer_counts
 from ..errors import UserError
 
 __all__ = ["check_pipeline", "virtual_stages", "UNSUPPORTED"]
@@ -73,7 +73,7 @@ def _check_layers(o, pp: int) -> None:
                             "schedule yet (its chunks are equal); drop it or use --pipeline-schedule 1f1b.")
         if layers % pp or (layers // pp) % n:
             per = layers / pp
-            valid = [k for k in range(1, layers // pp + 1) if (layers // pp) % k == 0] if layers % pp == 0 else []
+            valid = divisors(layers // pp) if layers % pp == 0 else []
             raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per:g} layers per "
                             f"stage ({layers} layers / --pp {pp}); valid: "
                             f"{valid if valid else f'none: the interleaved schedule needs --pp dividing {layers}'}.")
@@ -88,7 +88,7 @@ def _check_world(o, pp: int, world_size: int) -> None:
     tp, micro, gbs = o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size
     if world_size % tp == 0 and (world_size // tp) % pp:
         rest = world_size // tp
-        valid = [p for p in range(1, rest + 1) if rest % p == 0]
+        valid = divisors(rest)
         raise UserError(f"--pipeline-model-parallel-size {pp} does not divide the {world_size} processes / TP {tp} "
                         f"= {rest}; valid pipeline sizes at --tp {tp} on {world_size} processes: {valid}.")
     dp = max(1, world_size // (tp * pp))

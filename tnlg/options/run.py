@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import GPTConfig
+from ..config import GPTConfig, divisors
 from ..errors import UserError
 from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
@@ -100,7 +100,7 @@ class Options:
     def _check_layout(self, world_size: int) -> None:
         tp, micro, gbs = self.tensor_model_parallel_size, self.micro_batch_size, self.global_batch_size
         if world_size % tp:
-            valid = [t for t in range(1, world_size + 1) if world_size % t == 0]
+            valid = divisors(world_size)
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
                             f"valid sizes for {world_size} processes: {valid}.")
         dp = world_size // (tp * self.pipeline_model_parallel_size)  # (check_pipeline: PP divides the rest)

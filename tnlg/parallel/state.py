@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config import divisors
 from ..errors import UserError, agreed
 
 __all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
@@ -142,7 +143,7 @@ def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
     if world_size % tensor_parallel_size != 0:
-        valid = [t for t in range(1, world_size + 1) if world_size % t == 0]
+        valid = divisors(world_size)
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}: "
             f"every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
@@ -151,7 +152,7 @@ def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_
         raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pipeline_parallel_size!r}.")
     rest = world_size // tensor_parallel_size
     if rest % pipeline_parallel_size != 0:
-        valid = [p for p in range(1, rest + 1) if rest % p == 0]
+        valid = divisors(rest)
         raise ValueError(
             f"pipeline_parallel_size={pipeline_parallel_size} does not divide world size / tensor-parallel size "
             f"= {world_size} / {tensor_parallel_size} = {rest}: every pipeline must be complete. Valid "

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..config import PRESETS, GPTConfig
+from ..config import PRESETS, GPTConfig, divisors
 from ..errors import UserError
 from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
@@ -225,14 +225,14 @@ def _layout(args, model: Model) -> Layout:
     if args.world_size is not None:
         world = args.world_size
         if "world_size" in (args.recipe_layout or {}) and world % tp:
-            valid = [t for t in range(1, min(world, model.config.max_tensor_parallel_size()) + 1) if world % t == 0]
+            valid = [t for t in divisors(world) if t <= model.config.max_tensor_parallel_size()]
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} GPUs of the {args.preset} "
                             f"recipe: every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
                             f"{world} GPUs: {valid}; or give --world-size or --data-parallel-size for another "
                             f"GPU count.")
         if world < 1 or world % tp:
             limit = model.config.max_tensor_parallel_size() if not model.abstract else world
-            valid = [t for t in range(1, min(world, limit) + 1) if world > 0 and world % t == 0]
+            valid = [t for t in divisors(world) if t <= limit]
             raise UserError(f"--world-size {world} is not divisible by --tensor-model-parallel-size {tp}: every "
                             f"tensor-parallel group must be complete. Valid tensor-parallel sizes for {world} "
                             f"GPUs: {valid}.")

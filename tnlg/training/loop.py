@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..data.sampler import MegatronPretrainingSampler
+from ..errors import agreed
 from ..data.tokenizer import load_tokenizer
 from ..generate import generate
 from ..options import Options, model_config
@@ -127,8 +128,8 @@ class Trainer:
         last = last_checkpoint(self.o.save)
         where = (f" The last checkpoint is iteration {last} in {self.o.save}." if last is not None
                  else " No checkpoint was saved.")
-        out = TrainingDiverged(f"{exc}{where}")
-        out.agreed, out.tnlg_status = True, 1
+        out = agreed(TrainingDiverged(f"{exc}{where}"))
+        out.tnlg_status = 1
         return out
 
     def _metrics(self, resumed_at: int) -> Metrics:

@@ -24,7 +24,7 @@ import torch
 
 from ...checkpoint import files as F
 from ...checkpoint.reshard import ShardReader, full_targets
-from ...config import GPTConfig, padded_vocab_size
+from ...config import GPTConfig, divisors, padded_vocab_size
 from ...errors import UserError
 from ...io import fsync_dir, temporary_name
 from .args import args_for
@@ -43,7 +43,7 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
         if not isinstance(size, int) or size < 1:
             raise UserError(f"{flag} must be a positive integer, got {size!r}.")
     if cfg.num_attention_heads % tp:
-        valid = [t for t in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % t == 0]
+        valid = divisors(cfg.num_attention_heads)
         raise UserError(f"--tp {tp}: Megatron-LM needs num_attention_heads ({cfg.num_attention_heads}) to be a "
                         f"multiple of tensor_model_parallel_size ({tp}); valid TP sizes for this model: {valid}. "
                         "Nothing was written.")
@@ -51,7 +51,7 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
         raise UserError(f"--tp {tp}: Megatron-LM splits ffn_hidden_size ({cfg.ffn_hidden_size}) evenly over TP; {tp} "
                         "does not divide it. Nothing was written.")
     if cfg.num_layers % pp:
-        valid = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
+        valid = divisors(cfg.num_layers)
         raise UserError(f"--pp {pp}: {cfg.num_layers} layers do not split evenly into {pp} pipeline stages; valid "
                         f"sizes: {valid}. Nothing was written.")
 
