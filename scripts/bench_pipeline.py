@@ -3,7 +3,7 @@
 
 tnlg's pipeline (:class:`tnlg.parallel.pipeline.StageModel` under :class:`tnlg.parallel.pipeline_schedule.
 Pipeline`, i.e. torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) runs a GPT whose step is
-compute-bound on a CPU (8 layers, hidden 256, 8 heads, seq 256, vocab 128: the embedding and LM head
+compute-bound on a CPU (16 layers, hidden 256, 8 heads, seq 256, vocab 128: the embedding and LM head
 are cheap, every stage costs the same) on gloo processes with one thread each, at every layout of
 ``--layouts`` (PP 4 with 1F1B, PP 4 interleaved with 2 chunks of 1 layer per rank, PP 2 x TP 2, PP 2
 on 2 processes) and ``m`` = 4, 8, 16 micro batches per step.
@@ -191,7 +191,7 @@ def _memory_rows(per_rank: list, cfg: GPTConfig, layout: tuple) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
-    _bench.add_shape_arguments(p, layers=8, hidden=256, heads=8, seq=256)
+    _bench.add_shape_arguments(p, layers=16, hidden=256, heads=8, seq=256)
     p.add_argument("--micro-batches", default="4,8,16", help="comma list of micro batches per step")
     p.add_argument("--steps", type=int, default=2, help="timed steps per (layout, m), after one warm-up")
     p.add_argument("--memory-m", type=int, default=8, help="micro batches of the step whose memory is tracked")
