@@ -85,15 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use; "
                                                     "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
                                                     "--data-parallel-size is given)")
-    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
-                     help="pipeline stages (the world is PP x TP x DP): adds the per-stage parameters, model "
-                     "states, activations in flight, receive buffers, the bubble and the step time "
-                     "(docs/pipeline.md); with --search only this PP (default: --search ranks PP 1 and every PP > 1)")
-    lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
-                     help="with --pp: the schedule whose activations in flight and bubble are counted (default "
-                          "1f1b; interleaved needs --num-layers-per-virtual-pipeline-stage)")
-    lay.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk", type=int,
-                     help="interleaved 1F1B: layers per model chunk (v = layers / (PP x this) chunks per rank)")
+    _add_pipeline_arguments(lay)
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -108,6 +100,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          f"or the preset's recipe)")
     lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
                      help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
+    _add_hardware_arguments(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--search", action="store_true",
+                     help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
+                          "GPUs, smallest TP first, with heads per rank and predicted throughput; a ZeRO stage "
+                          "that fits at no micro batch is listed with the reason")
+    out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
+    out.add_argument("--formula-counts", action="store_true",
+                     help="count per-rank parameters by formula instead of meta-device builds (faster)")
+    _add_simulation_arguments(parser)
+
+
+def _add_pipeline_arguments(lay) -> None:
+    """``--pp`` and its schedule (Megatron's names)."""
+    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
+                     help="pipeline stages (the world is PP x TP x DP): adds the per-stage parameters, model "
+                     "states, activations in flight, receive buffers, the bubble and the step time "
+                     "(docs/pipeline.md); with --search only this PP (default: --search ranks PP 1 and every PP > 1)")
+    lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
+                     help="with --pp: the schedule whose activations in flight and bubble are counted (default "
+                          "1f1b; interleaved needs --num-layers-per-virtual-pipeline-stage)")
+    lay.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk", type=int,
+                     help="interleaved 1F1B: layers per model chunk (v = layers / (PP x this) chunks per rank)")
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware and budget")
     hw.add_argument("--gpu-memory", default="32GB", help="memory per GPU: 32GB, 32GiB, 80G or bytes "
                                                          "(default 32GB, a V100-32GB)")
@@ -123,15 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--train-tokens", default=str(TNLG_TOKENS),
                     help=f"token budget for the days estimate (default {TNLG_TOKENS:.4g} = T-NLG's 300k steps x "
                          f"512 x 1024)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--search", action="store_true",
-                     help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
-                          "GPUs, smallest TP first, with heads per rank and predicted throughput; a ZeRO stage "
-                          "that fits at no micro batch is listed with the reason")
-    out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
-    out.add_argument("--formula-counts", action="store_true",
-                     help="count per-rank parameters by formula instead of meta-device builds (faster)")
-    _add_simulation_arguments(parser)
 
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,15 +356,20 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
     return plan
 
 
+def _check_interleaved_flags(args) -> None:
+    n = args.layers_per_chunk
+    if (n is not None and n < 1) or (n is None) != (args.pipeline_schedule != "interleaved"):
+        raise UserError("--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage N (a positive "
+                        "number of layers per model chunk) go together: give both, or neither.")
+
+
 def _virtual_stages(args, config: GPTConfig) -> int:
     """Model chunks per pipeline rank of ``--num-layers-per-virtual-pipeline-stage`` (1 without)."""
-    n, pp, layers = args.layers_per_chunk, args.pp or 1, config.num_layers
-    if (n is None) != (args.pipeline_schedule != "interleaved"):
-        raise UserError("--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage N (the layers "
-                        "of each model chunk) go together: give both, or neither.")
+    _check_interleaved_flags(args)
+    n, pp, layers = args.layers_per_chunk, args.pp, config.num_layers
     if n is None:
         return 1
-    if n < 1 or layers % pp or (layers // pp) % n:
+    if layers % pp or (layers // pp) % n:
         valid = divisors(layers // pp) if layers % pp == 0 else []
         raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {layers / pp:g} layers per "
                         f"stage ({layers} layers / --pp {pp}); valid: "
@@ -376,11 +390,9 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     if args.pipeline_schedule == "gpipe":
         raise UserError("--search ranks the 1f1b and interleaved schedules (GPipe holds every micro batch's "
                         "activations, so it fits nowhere 1F1B does not); drop --pipeline-schedule gpipe.")
-    n = args.layers_per_chunk
-    if (n is not None and n < 1) or (n is None) != (args.pipeline_schedule != "interleaved"):
-        raise UserError("--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage N (a positive "
-                        "number of layers per model chunk) go together: give both, or neither.")
-    flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp, n)
+    _check_interleaved_flags(args)
+    flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp,
+                                         args.layers_per_chunk)
     if args.pp is not None:  # one PP > 1: the pipeline table alone
         return flat, "\n".join(search_head(flat)) + "\n\n" + format_pipeline_search(flat["pipelines"])
     return flat, format_search(flat) + "\n\n" + format_pipeline_search(flat["pipelines"], without=flat)

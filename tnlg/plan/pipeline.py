@@ -42,13 +42,13 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..config import GPTConfig, stage_layer_counts
+from ..config import GPTConfig
 from .flops import iteration_time, rank_flops_imbalance, training_flops_per_sequence
 from .memory import PRECISIONS, activation_bytes, gpu_attention, model_state_bytes
 from .units import GB
 
-__all__ = ["bubble_fraction", "chunks_in_flight", "rank_layers", "parameter_table", "stage_parameters", "pipeline_plan",
-           "pipeline_time", "format_pipeline"]
+__all__ = ["bubble_fraction", "chunks_in_flight", "parameter_table", "pipeline_plan", "pipeline_time",
+           "format_pipeline"]
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
@@ -65,18 +65,6 @@ def chunks_in_flight(schedule: str, stages: int, micro_batches: int, rank: int, 
     per_round = micro_batches // max(1, micro_batches // stages)
     warmup = (virtual - 1) * per_round + 2 * (stages - 1 - rank)
     return min(micro_batches * virtual, warmup + 1)
-
-
-def rank_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional[int] = None,
-                last: Optional[int] = None) -> list[list[range]]:
-    """Per pipeline rank, the global layer indices of its chunks (chunk ``c`` on rank ``c % P``)."""
-    if virtual == 1:
-        counts = stage_layer_counts(num_layers, stages, first, last)
-    else:  # interleaved: equal chunks
-        counts = [num_layers // (stages * virtual)] * (stages * virtual)
-    starts = [sum(counts[:c]) for c in range(len(counts))]
-    chunks = [range(a, a + n) for a, n in zip(starts, counts)]
-    return [chunks[i::stages] for i in range(stages)]
 
 
 def parameter_table(config: GPTConfig, tp: int) -> tuple[list[int], dict[str, int]]:
@@ -101,11 +89,6 @@ def _rank_parameters(config: GPTConfig, table: tuple, layers, first: bool, last:
     return sum(per_layer[i] for i in layers) + sum(ends[k] for k in extra)
 
 
-def stage_parameters(config: GPTConfig, tp: int, layers, first: bool, last: bool) -> int:
-    """Parameters of TP rank 0 of a stage holding ``layers`` (and the embeddings / LM head)."""
-    return _rank_parameters(config, parameter_table(config, tp), layers, first, last)
-
-
 def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int, precision: str, micro_batch: int,
                   micro_batches: int, recompute=None, schedule: str = "1f1b", virtual: int = 1,
                   first: Optional[int] = None, last: Optional[int] = None, *, grads_fp32: bool = False,
@@ -124,8 +107,10 @@ def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int,
     # the embedding's dropout mask, one byte per element (two in fp32), as activation_bytes counts it
     embed_mask = act["seq_per_rank"] * micro_batch * config.hidden_size * (scale // 2) if config.hidden_dropout else 0
     table = table or parameter_table(config, tp)
+    from ..parallel.pipeline import chunk_layers  # deferred: imports torch
+    every = chunk_layers(config.num_layers, pp, virtual, first, last)
     stages = []
-    for i, chunks in enumerate(rank_layers(config.num_layers, pp, virtual, first, last)):
+    for i, chunks in enumerate(every[i::pp] for i in range(pp)):  # chunk c on rank c % P
         layers = [n for r in chunks for n in r]
         is_first, is_last = i == 0, i == pp - 1
         params = _rank_parameters(config, table, layers, is_first, is_last)
