@@ -47,7 +47,7 @@ def _plan(argv):
     return run(p.parse_args(argv))
 
 
-def test_plan_with_pp_prints_a_row_per_stage_and_refuses_what_it_does_not_cover(capsys):
+def test_plan_with_pp_prints_a_row_per_stage_takes_the_world_size_and_refuses_too_few_micro_batches(capsys):
     assert _plan(["--preset", "gpt2-small", "--pp", "4", "--dp", "2", "--global-batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "bubble 27.3% of each step" in out  # (4 - 1) / (8 + 4 - 1)
