@@ -15,7 +15,7 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.state import ParallelState
 from tnlg.plan.command import add_arguments, run
 from tnlg.plan.counts import parameter_counts
-from tnlg.plan.pipeline import bubble_fraction, chunks_in_flight, pipeline_plan
+from tnlg.plan.pipeline import bubble_fraction, chunks_in_flight, pipeline_plan, pipeline_time
 from tnlg.testing import run_distributed
 
 
@@ -237,3 +237,27 @@ def test_pipeline_layouts_that_cannot_run_are_one_clear_paragraph(capsys, argv, 
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
     assert needle in captured.err and captured.err.count("\n") == 1, captured.err
+
+
+# ------------------------------------------------------------ the step time
+def test_pipeline_time_at_one_stage_is_the_planners_time_without_a_pipeline():
+    from tnlg.plan.planner import Hardware, Layout, Model, plan_layout
+    cfg, hw = GPTConfig.preset("gpt2-medium"), Hardware()
+    for tp, dp, zero, recompute in ((1, 8, 1, False), (2, 4, 0, True), (4, 2, 1, False)):
+        plan = pipeline_plan(cfg, tp, 1, dp, zero, "fp16", 2, 4, recompute)
+        ours = pipeline_time(cfg, plan, hw, tp, dp, zero, "fp16", 2, recompute)
+        flat = plan_layout(Model("m", cfg), Layout(tp=tp, dp=dp, zero_stage=zero, micro_batch=2, global_batch=8 * dp,
+                                                   recompute=recompute), hw, use_meta=False)["compute"]
+        assert ours["time_per_iteration_s"] == pytest.approx(flat["time_per_iteration_s"], rel=1e-9)
+        assert ours["model_flops_utilization"] == pytest.approx(flat["model_flops_utilization"], rel=1e-9)
+
+
+def test_pipeline_time_is_m_plus_p_minus_1_slots_of_the_slowest_stage():
+    from tnlg.plan.planner import Hardware
+    cfg = GPTConfig(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=1000)
+    hw = Hardware(gpu_tflops=100.0, mfu=0.5, intra_node_gbps=1e12)  # communication free
+    s, h, v_pad = 256, 512, cfg.padded_vocab_size(1)
+    layer = 3 * (24 * s * h * h + 4 * s * s * h)  # forward + backward of one sequence, f = 4h
+    slot = (2 * layer + 3 * 2 * s * h * v_pad) / (100e12 * 0.5)  # the last stage: 2 layers and the logits
+    t = pipeline_time(cfg, pipeline_plan(cfg, 1, 4, 1, 0, "fp16", 1, 16), hw, 1, 1, 0, "fp16", 1, False)
+    assert t["time_per_iteration_s"] == pytest.approx((16 + 3) * slot, rel=1e-6)

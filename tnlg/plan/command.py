@@ -53,6 +53,7 @@ Examples:
   tnlg plan --preset tnlg-17b --zero-stage 0 --recompute-activations --gpu-memory 32GB
   tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16       # on the recipe's 256 GPUs: DP 16
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
+  tnlg plan --preset tnlg-17b --tp 4 --pp 4 --zero-stage 1   # per pipeline stage, on the recipe's 256 GPUs
   tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
 """
 

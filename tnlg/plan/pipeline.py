@@ -33,7 +33,7 @@ is ``(P - 1) / (v m + P - 1)``: ``(P - 1) / (m + P - 1)`` for 1F1B and GPipe. Po
 
 Time (:func:`pipeline_time`, the planner's model without a pipeline applied to the slowest stage):
 per micro batch the slowest rank's FLOPs over ``tp x --gpu-tflops x --mfu`` (x the uneven-heads
-factor) + its TP all-reduces + its ``2 v`` sends; a step is ``m + (P - 1) / v`` of those, plus the
+factor) + its TP all-reduces + its sends (``2 v``, one fewer on each end stage); a step is ``m + (P - 1) / v`` of those, plus the
 DP gradient traffic of the heaviest stage, with no overlap (pessimistic, as without a pipeline).
 """
 
@@ -86,7 +86,7 @@ def _rank_parameters(config: GPTConfig, table: tuple, layers, first: bool, last:
     tied = not config.untie_embeddings_and_output_weights
     extra = (["transformer.wte", "transformer.wpe"] if first else []) + (
         ["transformer.ln_f", "transformer.wte" if tied else "lm_head"] if last else [])
-    return sum(per_layer[i] for i in layers) + sum(ends[k] for k in extra)
+    return sum(per_layer[i] for i in layers) + sum(ends[k] for k in set(extra))  # one stage: one embedding
 
 
 def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int, precision: str, micro_batch: int,
@@ -149,7 +149,8 @@ def pipeline_time(config: GPTConfig, plan: dict, hw, tp: int, dp: int, zero_stag
         flops = micro_batch * (s["layers"] * layer + (logits if s["stage"] == pp - 1 else 0))
         t = iteration_time(flops=flops, gpus=tp, dp=1, psi=0, tokens_per_dp_rank=micro_batch * config.seq_length,
                            layers=s["layers"], **common)
-        slots.append(t["compute_s"] + t["tp_comm_s"] + 2 * v * plan["boundary_bytes"] / p2p_bw)
+        sends = 2 * v - (s["stage"] == 0) - (s["stage"] == pp - 1)  # activations forward, gradients back
+        slots.append(t["compute_s"] + t["tp_comm_s"] + sends * plan["boundary_bytes"] / p2p_bw)
     psi = max(s["params"] for s in plan["stages"])
     dp_s = iteration_time(flops=0.0, gpus=1, dp=dp, psi=psi, tokens_per_dp_rank=0, layers=0, **common)["dp_comm_s"]
     step = (m + (pp - 1) / v) * max(slots) + dp_s
