@@ -110,7 +110,8 @@ def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int,
     from ..parallel.pipeline import chunk_layers  # deferred: imports torch
     every = chunk_layers(config.num_layers, pp, virtual, first, last)
     stages = []
-    for i, chunks in enumerate(every[i::pp] for i in range(pp)):  # chunk c on rank c % P
+    for i in range(pp):
+        chunks = every[i::pp]  # chunk c runs on rank c % P
         layers = [n for r in chunks for n in r]
         is_first, is_last = i == 0, i == pp - 1
         params = _rank_parameters(config, table, layers, is_first, is_last)
