@@ -297,21 +297,25 @@ def test_search_no_layout_fits_says_why(capsys):
     assert all(r["total"] > 3.3e9 and r["reason"] for r in res["not_fitting"])
 
 
-def test_readme_search_block_is_the_commands_output(capsys):
-    """The README's T-NLG block is lines of what the command it names prints, verbatim, in order."""
+def test_readme_search_blocks_are_the_commands_output(capsys):
+    """Each of the README's T-NLG blocks is lines of what the command named before it prints, verbatim, in
+    order: 256 V100-32GB without and with pipelines, 64 H100-80GB with pipelines."""
     import os
     import re
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = readme[readme.index("## Planning T-NLG"):]
-    command = re.search(r"`tnlg plan (--preset tnlg-17b --search [^`]*)`", section).group(1).split()
-    block = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n"))]
-    capsys.readouterr()
-    assert main(["plan", *command]) == 0
-    printed = capsys.readouterr().out.splitlines()
-    shown = [line for line in block.splitlines() if line]
-    assert len(shown) >= 10 and any("does NOT fit" in line for line in shown)
-    positions = [printed.index(line) for line in shown]  # ValueError: a line the command does not print
-    assert positions == sorted(positions)
+    section = readme[readme.index("## Planning T-NLG"):readme.index("\n## ", readme.index("## Planning T-NLG") + 3)]
+    commands = list(re.finditer(r"`tnlg plan (--preset tnlg-17b --search\s[^`]*)`", section))
+    assert len(commands) == 2
+    for found in commands:
+        start = section.index("```\n", found.end()) + 4
+        block = section[start:section.index("\n```", start)]
+        capsys.readouterr()
+        assert main(["plan", *found.group(1).split()]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        shown = [line for line in block.splitlines() if line]
+        assert len(shown) >= 8 and any(line.startswith("fastest with a pipeline: TP ") for line in shown)
+        positions = [printed.index(line) for line in shown]  # ValueError: a line the command does not print
+        assert positions == sorted(positions)
 
 
 # --- formulas ---------------------------------------------------------------------------------

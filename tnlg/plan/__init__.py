@@ -3,7 +3,8 @@ activations, Narayanan FLOPs), with per-rank parameter counts from meta-device b
 
 Modules: :mod:`.units` (parsing sizes), :mod:`.counts` (parameters per TP rank),
 :mod:`.memory` (model states, activations), :mod:`.flops` (FLOPs, communication, time),
-:mod:`.planner` (one layout), :mod:`.search` (all layouts that fit), :mod:`.report`
+:mod:`.planner` (one layout), :mod:`.search` (all layouts that fit), :mod:`.pipeline`
+(per pipeline stage), :mod:`.pipeline_search` (TP x PP x DP layouts that fit), :mod:`.report`
 (tables), :mod:`.command` (the CLI).
 """
 

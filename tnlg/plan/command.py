@@ -11,9 +11,10 @@ from ..errors import UserError
 from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
 from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
-from .pipeline import format_pipeline, pipeline_plan
+from .pipeline import format_pipeline, pipeline_plan, pipeline_time
+from .pipeline_search import check_search_pipeline, format_pipeline_search, search_pipelines
 from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
-from .report import format_plan, format_search, format_simulation
+from .report import format_plan, format_search, format_simulation, search_head
 from .gpus import GPUS, gpu as lookup_gpu
 from .search import search_layouts
 from .units import parse_bytes, parse_count
@@ -52,6 +53,7 @@ Examples:
   tnlg plan --preset tnlg-17b --zero-stage 0 --recompute-activations --gpu-memory 32GB
   tnlg plan --preset tnlg-17b --tensor-model-parallel-size 16       # on the recipe's 256 GPUs: DP 16
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
+  tnlg plan --preset tnlg-17b --tp 4 --pp 4 --zero-stage 1   # per pipeline stage, on the recipe's 256 GPUs
   tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
 """
 
@@ -84,11 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use; "
                                                     "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
                                                     "--data-parallel-size is given)")
-    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
-                     help="pipeline stages (with --dp, not --world-size): adds the per-stage parameters, model "
-                     "states, activations in flight and the bubble (docs/pipeline.md)")
-    lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
-                     help="with --pp: the schedule whose activations in flight are counted (default 1f1b)")
+    _add_pipeline_arguments(lay)
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -103,6 +101,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          f"or the preset's recipe)")
     lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
                      help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
+    _add_hardware_arguments(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--search", action="store_true",
+                     help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
+                          "GPUs, smallest TP first, with heads per rank and predicted throughput; a ZeRO stage "
+                          "that fits at no micro batch is listed with the reason")
+    out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
+    out.add_argument("--formula-counts", action="store_true",
+                     help="count per-rank parameters by formula instead of meta-device builds (faster)")
+    _add_simulation_arguments(parser)
+
+
+def _add_pipeline_arguments(lay) -> None:
+    """``--pp`` and its schedule (Megatron's names)."""
+    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
+                     help="pipeline stages (the world is PP x TP x DP): adds the per-stage parameters, model "
+                     "states, activations in flight, receive buffers, the bubble and the step time "
+                     "(docs/pipeline.md); with --search only this PP (default: --search ranks PP 1 and every PP > 1)")
+    lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
+                     help="with --pp: the schedule whose activations in flight and bubble are counted (default "
+                          "1f1b; interleaved needs --num-layers-per-virtual-pipeline-stage)")
+    lay.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk", type=int,
+                     help="interleaved 1F1B: layers per model chunk (v = layers / (PP x this) chunks per rank)")
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware and budget")
     hw.add_argument("--gpu-memory", default="32GB", help="memory per GPU: 32GB, 32GiB, 80G or bytes "
                                                          "(default 32GB, a V100-32GB)")
@@ -118,15 +142,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--train-tokens", default=str(TNLG_TOKENS),
                     help=f"token budget for the days estimate (default {TNLG_TOKENS:.4g} = T-NLG's 300k steps x "
                          f"512 x 1024)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--search", action="store_true",
-                     help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
-                          "GPUs, smallest TP first, with heads per rank and predicted throughput; a ZeRO stage "
-                          "that fits at no micro batch is listed with the reason")
-    out.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes) and nothing else")
-    out.add_argument("--formula-counts", action="store_true",
-                     help="count per-rank parameters by formula instead of meta-device builds (faster)")
-    _add_simulation_arguments(parser)
 
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +237,9 @@ def _layout(args, model: Model) -> Layout:
         except ValueError as err:
             raise UserError(str(err)) from None
     dp = args.dp
-    if args.world_size is not None:
+    if args.world_size is not None and args.pp > 1:
+        dp = _pipeline_dp(args, tp, model)
+    elif args.world_size is not None:
         world = args.world_size
         if "world_size" in (args.recipe_layout or {}) and world % tp:
             valid = [t for t in divisors(world) if t <= model.config.max_tensor_parallel_size()]
@@ -249,6 +266,25 @@ def _layout(args, model: Model) -> Layout:
     return Layout(tp=tp, dp=dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
                   global_batch=args.global_batch_size, recompute=args.recompute_activations,
                   precision=args.precision, grads_fp32=args.grads_fp32)
+
+
+def _pipeline_dp(args, tp: int, model: Model) -> int:
+    """DP of ``--world-size`` at ``--pp`` and ``--tp``: the world is PP x TP x DP; a clear error otherwise."""
+    world, pp, dp = args.world_size, args.pp, args.dp
+    if world < 1 or world % (pp * tp):
+        limit = model.config.max_tensor_parallel_size()
+        pairs = [(p, t) for p in divisors(world) if p <= model.config.num_layers
+                 for t in divisors(world // p) if t <= limit] if world >= 1 else []
+        raise UserError(f"--world-size {world} is not a multiple of --pipeline-model-parallel-size {pp} x "
+                        f"--tensor-model-parallel-size {tp} = {pp * tp}: the world is PP x TP x DP, every pipeline "
+                        f"and tensor-parallel group complete. Valid pipeline sizes at --tp {tp}: "
+                        f"{[p for p, t in pairs if t == tp] or 'none'}; valid (PP, TP) pairs for {world} GPUs: "
+                        f"{', '.join(map(str, pairs[:12]))}{', ...' if len(pairs) > 12 else ''}.")
+    if dp is not None and dp * tp * pp != world:
+        raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} x "
+                        f"--pipeline-model-parallel-size {pp} = {dp * tp * pp} is not --world-size {world}; give "
+                        f"one of the two or make them agree (DP = {world // (tp * pp)}).")
+    return world // (tp * pp)
 
 
 def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:
@@ -291,20 +327,76 @@ def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
     return sim
 
 
-def _pipeline(args, model: Model, layout: Layout) -> dict:
-    """``tnlg plan --pp``'s per-stage plan; a clear error for what it does not cover."""
-    for is_set, what in ((model.abstract, "--params (an abstract model has no layers to split)"),
-                         (args.world_size is not None, "--world-size (give --dp: the world is PP x TP x DP)"),
-                         (args.simulate, "--simulate")):
+def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) -> dict:
+    """``tnlg plan --pp``'s per-stage plan and step time; a clear error for what it does not cover."""
+    for is_set, what in ((model.abstract, "--params (an abstract model has no layers to split: give --preset or "
+                                          "the shape flags)"),
+                         (args.simulate, "--simulate (it simulates one rank of a layout without a pipeline)")):
         if is_set:
-            raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take {what} yet.")
+            raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take {what}.")
+    pp, c = args.pp, model.config
+    virtual = _virtual_stages(args, c)
+    if pp > c.num_layers:
+        raise UserError(f"--pipeline-model-parallel-size {pp} is more stages than the model's {c.num_layers} "
+                        f"layers; every stage needs at least one layer: valid sizes are 1 to {c.num_layers}.")
     m = layout.batch // (layout.micro_batch * layout.dp)
-    if m < args.pp:
+    if m < pp:
         raise UserError(f"{m} micro batch(es) per step (global batch {layout.batch} / (micro batch "
-                        f"{layout.micro_batch} x DP {layout.dp})) is fewer than the {args.pp} pipeline stages; "
-                        f"give --global-batch-size {args.pp * layout.micro_batch * layout.dp} or more.")
-    return pipeline_plan(model.config, layout.tp, args.pp, layout.dp, layout.zero_stage, layout.precision,
-                         layout.micro_batch, m, layout.recompute, args.pipeline_schedule)
+                        f"{layout.micro_batch} x DP {layout.dp})) is fewer than the {pp} pipeline stages; "
+                        f"give --global-batch-size {pp * layout.micro_batch * layout.dp} or more.")
+    rounds = max(1, m // pp)
+    if args.pipeline_schedule == "interleaved" and m % rounds:
+        raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
+                        f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
+                        f"--global-batch-size {rounds * pp * layout.micro_batch * layout.dp}.")
+    plan = pipeline_plan(c, layout.tp, pp, layout.dp, layout.zero_stage, layout.precision, layout.micro_batch, m,
+                         layout.recompute, args.pipeline_schedule, virtual, grads_fp32=layout.grads_fp32)
+    plan["gpus"] = pp * layout.world_size
+    plan["time"] = pipeline_time(c, plan, hw, layout.tp, layout.dp, layout.zero_stage, layout.precision,
+                                 layout.micro_batch, layout.recompute, train_tokens)
+    return plan
+
+
+def _check_interleaved_flags(args) -> None:
+    n = args.layers_per_chunk
+    if (n is not None and n < 1) or (n is None) != (args.pipeline_schedule != "interleaved"):
+        raise UserError("--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage N (a positive "
+                        "number of layers per model chunk) go together: give both, or neither.")
+
+
+def _virtual_stages(args, config: GPTConfig) -> int:
+    """Model chunks per pipeline rank of ``--num-layers-per-virtual-pipeline-stage`` (1 without)."""
+    _check_interleaved_flags(args)
+    n, pp, layers = args.layers_per_chunk, args.pp, config.num_layers
+    if n is None:
+        return 1
+    if layers % pp or (layers // pp) % n:
+        valid = divisors(layers // pp) if layers % pp == 0 else []
+        raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {layers / pp:g} layers per "
+                        f"stage ({layers} layers / --pp {pp}); valid: "
+                        f"{valid or f'none: the interleaved schedule needs --pp dividing {layers}'}.")
+    return layers // (pp * n)
+
+
+def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) -> tuple[dict, str]:
+    """``--search``: the TP x DP table (PP 1) and the pipeline table (PP > 1); ``--pp P`` keeps one of them."""
+    if args.pp is not None and args.pp < 1:
+        raise UserError(f"--pipeline-model-parallel-size must be a positive integer, got {args.pp}.")
+    flat = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)  # checks model, world
+    if source is not None:
+        flat["source"] = source
+    if args.pp == 1:
+        return flat, format_search(flat)
+    check_search_pipeline(model, args.world_size, args.pp)
+    if args.pipeline_schedule == "gpipe":
+        raise UserError("--search ranks the 1f1b and interleaved schedules (GPipe holds every micro batch's "
+                        "activations, so it fits nowhere 1F1B does not); drop --pipeline-schedule gpipe.")
+    _check_interleaved_flags(args)
+    flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp,
+                                         args.layers_per_chunk)
+    if args.pp is not None:  # one PP > 1: the pipeline table alone
+        return flat, "\n".join(search_head(flat)) + "\n\n" + format_pipeline_search(flat["pipelines"])
+    return flat, format_search(flat) + "\n\n" + format_pipeline_search(flat["pipelines"], without=flat)
 
 
 def run(args) -> int:
@@ -321,12 +413,13 @@ def run(args) -> int:
         batch = args.global_batch_size or 512
         if batch < 1:
             raise UserError(f"--global-batch-size must be a positive integer, got {batch}.")
-        result = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)
-        if taken is not None:
-            result["source"] = _recipe_note(args.preset, {k: v for k, v in taken.items()
-                                                          if k in ("world_size", "global_batch_size", "precision")})
-        text = format_search(result)
+        source = None if taken is None else _recipe_note(args.preset, {
+            k: v for k, v in taken.items() if k in ("world_size", "global_batch_size", "precision")})
+        result, text = _search(args, model, hw, batch, train_tokens, source)
     else:
+        args.pp = 1 if args.pp is None else args.pp
+        if args.pp < 1:
+            raise UserError(f"--pipeline-model-parallel-size must be a positive integer, got {args.pp}.")
         layout = _layout(args, model)
         result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts)
         if taken is not None:
@@ -335,9 +428,13 @@ def run(args) -> int:
             result["tp_needed"] = _tp_needed(model, layout, hw)
         text = format_plan(result)
         if args.pp > 1:
-            result["pipeline"] = _pipeline(args, model, layout)
-            text += "\n\nper pipeline stage (the table above is the whole model on one stage):\n" + \
-                format_pipeline(result["pipeline"])
+            result["pipeline"] = _pipeline(args, model, layout, hw, train_tokens)
+            text += (f"\n\nper pipeline stage (PP {args.pp} x TP {layout.tp} x DP {layout.dp} = "
+                     f"{result['pipeline']['gpus']} GPUs; the table above is the whole model on one stage):\n"
+                     + format_pipeline(result["pipeline"]))
+        elif args.pipeline_schedule != "1f1b" or args.layers_per_chunk is not None:
+            raise UserError("--pipeline-schedule and --num-layers-per-virtual-pipeline-stage describe a pipeline: "
+                            "give --pipeline-model-parallel-size P > 1 with them, or drop them.")
         if args.simulate:
             result["simulation"] = _simulation(model, layout, args.gpu or "h100")
             text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])

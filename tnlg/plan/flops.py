@@ -32,7 +32,7 @@ from typing import Union
 from ..config import GPTConfig
 from .memory import recompute_granularity
 
-__all__ = ["flops_per_iteration", "reference_flops", "rank_flops_imbalance", "iteration_time",
+__all__ = ["flops_per_iteration", "training_flops_per_sequence", "reference_flops", "rank_flops_imbalance", "iteration_time",
            "FLOPS_FORMULA"]
 
 FLOPS_FORMULA = {
@@ -51,12 +51,18 @@ def flops_per_iteration(config: GPTConfig, global_batch: int, recompute: Union[b
 
     ``recompute``: ``False``/``None`` (model FLOPs, what MFU counts), ``True``/``"full"`` (one more
     forward of every layer) or ``"selective"`` (one more forward of the attention core)."""
-    B, s, l, h, f = global_batch, config.seq_length, config.num_layers, config.hidden_size, config.ffn_hidden_size
-    core_fwd = 4 * B * s * s * h
-    layer_fwd = 8 * B * s * h * h + 4 * B * s * h * f + core_fwd
-    logits_fwd = 2 * B * s * h * vocab
+    layer, logits = training_flops_per_sequence(config, recompute, vocab)
+    return float(global_batch * (config.num_layers * layer + logits))
+
+
+def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, None], vocab: int) -> tuple[int, int]:
+    """Executed FLOPs of one sequence's forward and backward: per transformer layer (with the
+    recomputed forward) and for the logits, which a pipeline's stages sum over their own layers."""
+    s, h, f = config.seq_length, config.hidden_size, config.ffn_hidden_size
+    core_fwd = 4 * s * s * h
+    layer_fwd = 8 * s * h * h + 4 * s * h * f + core_fwd
     extra = {None: 0, "full": layer_fwd, "selective": core_fwd}[recompute_granularity(recompute)]
-    return float(l * (3 * layer_fwd + extra) + 3 * logits_fwd)
+    return 3 * layer_fwd + extra, 3 * 2 * s * h * vocab
 
 
 def reference_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool) -> float:

@@ -1,15 +1,40 @@
-"""What a pipeline costs per stage: parameters and model states, activations in flight, the bubble.
+"""What a pipeline costs per stage: parameters and model states, activations in flight, the bubble, time.
 
-Per stage ``i`` of ``P`` (TP rank 0, the largest shard): its parameters from the GPT's own
-description of every shard (:meth:`tnlg.GPT.describe`), filtered to the stage's layers, plus the
+Per pipeline rank ``i`` of ``P`` (TP rank 0, the largest shard): its parameters from the GPT's own
+description of every shard (:meth:`tnlg.GPT.describe`), filtered to the rank's layers, plus the
 embeddings on the first stage and the final LayerNorm and LM head (the tied embedding's copy) on
 the last, exactly what :class:`tnlg.parallel.pipeline.StageModel` builds; model states from
-:func:`.memory.model_state_bytes`. Activations: 1F1B keeps at most ``min(m, P - i)`` micro batches
-in flight on stage ``i`` (stage 0 the most; GPipe all ``m``), each holding its layers' share of
-:func:`.memory.activation_bytes` (the logits only on the last stage). Bubble: the fraction of a
-step a stage idles, ``(P - 1) / (m + P - 1)`` for 1F1B and GPipe, divided by ``v`` for the
-interleaved schedule (Narayanan et al. 2021). Point-to-point: one ``[b, s, h]`` activation per
-micro batch and stage boundary forward, its gradient backward.
+:func:`.memory.model_state_bytes` (tnlg's engine, as the planner counts them without a pipeline).
+
+Activations: a rank holds the activations of the (chunk, micro batch) pairs whose forward has
+run and whose backward has not, each its chunk's layers' share of :func:`.memory.activation_bytes`;
+at its peak (:func:`chunks_in_flight`)
+
+* 1F1B (torch's ``Schedule1F1B``: ``P - i`` forwards before the first backward): ``min(m, P - i)``;
+* GPipe: all ``m``;
+* interleaved 1F1B with ``v`` chunks of ``n`` layers per rank (torch's ``ScheduleInterleaved1F1B``,
+  whose warm-up is Megatron's): ``(v - 1) r + 2 (P - 1 - i)`` warm-up forwards with ``r`` micro
+  batches per round (``r = P`` when ``P`` divides ``m``), then one more before the first backward:
+  ``min(m v, (v - 1) r + 2 (P - 1 - i) + 1)`` chunks of ``n`` layers; on the first rank
+  ``L (1 + (P - 1) / (P v))`` layers' worth (Korthikanti et al. 2022, section 4.2.3).
+
+Beside them: the working set of one layer's recomputation, the embedding's dropout mask on the
+first stage (per micro batch in flight), the final LayerNorm input and the fp32 logits on the last
+(one micro batch: its loss's backward follows its forward; GPipe all ``m``), and torch's receive
+buffers: a ``PipelineStage`` keeps one ``[b, s, h]`` buffer per micro batch for the activation it
+receives (all chunks but the model's first) and one for the gradient (all but the last), ``m`` of
+each for the whole run (the stage's first layer saves that buffer as its input, so one ``s b h``
+of each micro batch in flight is counted twice: under 1/30 of a layer's activations).
+
+Bubble: a rank idles ``(P - 1) / v`` of a micro batch's forward + backward per step (Narayanan et
+al. 2021: interleaving makes the bubble time ``v`` times smaller), so the idle fraction of the step
+is ``(P - 1) / (v m + P - 1)``: ``(P - 1) / (m + P - 1)`` for 1F1B and GPipe. Point-to-point: one
+``[b, s_r, h]`` activation per micro batch and chunk boundary forward, its gradient backward.
+
+Time (:func:`pipeline_time`, the planner's model without a pipeline applied to the slowest stage):
+per micro batch the slowest rank's FLOPs over ``tp x --gpu-tflops x --mfu`` (x the uneven-heads
+factor) + its TP all-reduces + its sends (``2 v``, one fewer on each end stage); a step is ``m + (P - 1) / v`` of those, plus the
+DP gradient traffic of the heaviest stage, with no overlap (pessimistic, as without a pipeline).
 """
 
 from __future__ import annotations
@@ -17,63 +42,146 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..config import GPTConfig, stage_layer_counts
-from .memory import activation_bytes, model_state_bytes
+from ..config import GPTConfig
+from .flops import iteration_time, rank_flops_imbalance, training_flops_per_sequence
+from .memory import PRECISIONS, activation_bytes, gpu_attention, model_state_bytes
+from .units import GB
 
-__all__ = ["bubble_fraction", "stage_parameters", "pipeline_plan", "format_pipeline"]
+__all__ = ["bubble_fraction", "chunks_in_flight", "parameter_table", "pipeline_plan", "pipeline_time",
+           "format_pipeline"]
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
-    """``(P - 1) / (m + P - 1)``, divided by ``v`` for interleaving."""
-    return (stages - 1) / (micro_batches + stages - 1) / virtual
+    """The idle fraction of a step: ``(P - 1) / (v m + P - 1)`` (``(P - 1) / (m + P - 1)`` at ``v = 1``)."""
+    return (stages - 1) / (virtual * micro_batches + stages - 1)
 
 
-def stage_parameters(config: GPTConfig, tp: int, layers: range, first: bool, last: bool) -> int:
-    """Parameters of TP rank 0 of a stage holding ``layers`` (and the embeddings / LM head)."""
+def chunks_in_flight(schedule: str, stages: int, micro_batches: int, rank: int, virtual: int = 1) -> int:
+    """(chunk, micro batch) pairs whose activations pipeline rank ``rank`` holds at its peak (module docstring)."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule != "interleaved":
+        return min(micro_batches, stages - rank)
+    per_round = micro_batches // max(1, micro_batches // stages)
+    warmup = (virtual - 1) * per_round + 2 * (stages - 1 - rank)
+    return min(micro_batches * virtual, warmup + 1)
+
+
+def parameter_table(config: GPTConfig, tp: int) -> tuple[list[int], dict[str, int]]:
+    """TP rank 0's parameters per transformer layer, and of the embeddings / final LayerNorm / LM head."""
     from ..model import GPT  # deferred: imports torch
-    ends = (("transformer.wte.", "transformer.wpe.") if first else ()) + (
-        ("transformer.ln_f.", "lm_head." if config.untie_embeddings_and_output_weights else "transformer.wte.")
-        if last else ())
-    n = 0
+    per_layer, ends = [0] * config.num_layers, {}
     for name, spec in GPT.describe(config, tp).items():
-        block = name.split(".")[2] if name.startswith("transformer.h.") else None
-        if name.startswith(ends) or (block is not None and int(block) in layers):
-            n += math.prod(spec.local_shape(0))
-    return n
+        n = math.prod(spec.local_shape(0))
+        if name.startswith("transformer.h."):
+            per_layer[int(name.split(".")[2])] += n
+        else:
+            key = name.split(".")[0] if name.startswith("lm_head.") else ".".join(name.split(".")[:2])
+            ends[key] = ends.get(key, 0) + n
+    return per_layer, ends
+
+
+def _rank_parameters(config: GPTConfig, table: tuple, layers, first: bool, last: bool) -> int:
+    per_layer, ends = table
+    tied = not config.untie_embeddings_and_output_weights
+    extra = (["transformer.wte", "transformer.wpe"] if first else []) + (
+        ["transformer.ln_f", "transformer.wte" if tied else "lm_head"] if last else [])
+    return sum(per_layer[i] for i in layers) + sum(ends[k] for k in set(extra))  # one stage: one embedding
 
 
 def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int, precision: str, micro_batch: int,
                   micro_batches: int, recompute=None, schedule: str = "1f1b", virtual: int = 1,
-                  first: Optional[int] = None, last: Optional[int] = None) -> dict:
-    """Per-stage ``layers``, ``params``, ``model_states`` and ``activations`` (bytes), the bubble and p2p bytes."""
-    counts = stage_layer_counts(config.num_layers, pp, first, last)
-    act = activation_bytes(config, tp, micro_batch, recompute, precision)
+                  first: Optional[int] = None, last: Optional[int] = None, *, grads_fp32: bool = False,
+                  sequence_parallel: bool = False, attention: Optional[str] = None,
+                  table: Optional[tuple] = None) -> dict:
+    """Per rank ``layers``, ``params``, ``model_states``, ``activations``, ``buffers`` and ``total`` (bytes),
+    the heaviest rank, the bubble and the point-to-point bytes per step (module docstring).
+
+    ``attention``: the kernel counted (default the GPU's at ``precision``, as ``tnlg plan``); ``table``: the
+    :func:`parameter_table` of ``(config, tp)``, when the caller has it."""
+    act = activation_bytes(config, tp, micro_batch, recompute, precision, sequence_parallel=sequence_parallel,
+                           attention=attention or gpu_attention(precision))
     per_layer = act["layers"] / config.num_layers
-    scale = 4 if precision == "fp32" else 2
-    boundary = config.seq_length * micro_batch * config.hidden_size * scale
-    stages, start = [], 0
-    for i, n in enumerate(counts):
-        layers = range(start, start + n)
-        start += n
-        params = stage_parameters(config, tp, layers, i == 0, i == pp - 1)
-        in_flight = micro_batches if schedule == "gpipe" else min(micro_batches, pp - i)
-        outside = act["outside"] if i == pp - 1 else 0
-        stages.append(dict(stage=i, layers=n, params=params, in_flight=in_flight,
-                           model_states=model_state_bytes(params, dp, zero_stage, precision)["total"],
-                           activations=round(in_flight * per_layer * n + act["recompute_working"] + outside)))
+    scale = PRECISIONS[precision][0]
+    boundary = act["seq_per_rank"] * micro_batch * config.hidden_size * scale  # one activation sent
+    # the embedding's dropout mask, one byte per element (two in fp32), as activation_bytes counts it
+    embed_mask = act["seq_per_rank"] * micro_batch * config.hidden_size * (scale // 2) if config.hidden_dropout else 0
+    table = table or parameter_table(config, tp)
+    from ..parallel.pipeline import chunk_layers  # deferred: imports torch
+    every = chunk_layers(config.num_layers, pp, virtual, first, last)
+    stages = []
+    for i in range(pp):
+        chunks = every[i::pp]  # chunk c runs on rank c % P
+        layers = [n for r in chunks for n in r]
+        is_first, is_last = i == 0, i == pp - 1
+        params = _rank_parameters(config, table, layers, is_first, is_last)
+        held = chunks_in_flight(schedule, pp, micro_batches, i, virtual)
+        last_mbs = micro_batches if schedule == "gpipe" else 1
+        activations = (held * per_layer * len(chunks[0]) + act["recompute_working"]
+                       + (embed_mask * min(held, micro_batches) if is_first else 0)
+                       + ((act["outside"] - embed_mask) * last_mbs if is_last else 0))
+        buffers = micro_batches * boundary * (2 * len(chunks) - is_first - is_last)
+        states = model_state_bytes(params, dp, zero_stage, precision, grads_fp32=grads_fp32, engine=True)["total"]
+        stages.append(dict(stage=i, layers=len(layers), params=params, in_flight=held, model_states=states,
+                           activations=round(activations), buffers=buffers,
+                           total=states + round(activations) + buffers))
     return dict(stages=stages, schedule=schedule, micro_batches=micro_batches, virtual=virtual,
-                bubble=bubble_fraction(pp, micro_batches, virtual),
-                p2p_bytes_per_step=2 * boundary * micro_batches * (pp - 1) * virtual)
+                chunk_layers=len(chunks[0]), bubble=bubble_fraction(pp, micro_batches, virtual),
+                heaviest=max(stages, key=lambda s: s["total"])["stage"], boundary_bytes=boundary,
+                p2p_bytes_per_step=2 * boundary * micro_batches * (pp * virtual - 1))
+
+
+def pipeline_time(config: GPTConfig, plan: dict, hw, tp: int, dp: int, zero_stage: int, precision: str,
+                  micro_batch: int, recompute: bool, train_tokens: Optional[int] = None) -> dict:
+    """Seconds per step of ``plan`` (:func:`pipeline_plan`) on ``hw`` (:class:`.planner.Hardware`), tokens/s,
+    model TFLOP/s per GPU and MFU; ``slot_s`` is the slowest rank's forward + backward of one micro batch."""
+    pp, m, v = len(plan["stages"]), plan["micro_batches"], plan["virtual"]
+    vocab = config.padded_vocab_size(tp)
+    layer, logits = training_flops_per_sequence(config, recompute, vocab)
+    act_bytes, grad_bytes = (4, 4) if precision == "fp32" else (2, PRECISIONS[precision][1])
+    common = dict(gpu_tflops=hw.gpu_tflops, mfu=hw.mfu, imbalance=rank_flops_imbalance(config, tp), tp=tp,
+                  zero_stage=zero_stage, hidden=config.hidden_size, recompute=recompute, act_bytes=act_bytes,
+                  grad_bytes=grad_bytes, gpus_per_node=hw.gpus_per_node, intra_gbps=hw.intra_node_gbps,
+                  inter_gbps=hw.inter_node_gbps)
+    world = tp * pp * dp
+    p2p_bw = (hw.intra_node_gbps if world <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
+    slots = []
+    for s in plan["stages"]:
+        flops = micro_batch * (s["layers"] * layer + (logits if s["stage"] == pp - 1 else 0))
+        t = iteration_time(flops=flops, gpus=tp, dp=1, psi=0, tokens_per_dp_rank=micro_batch * config.seq_length,
+                           layers=s["layers"], **common)
+        sends = 2 * v - (s["stage"] == 0) - (s["stage"] == pp - 1)  # activations forward, gradients back
+        slots.append(t["compute_s"] + t["tp_comm_s"] + sends * plan["boundary_bytes"] / p2p_bw)
+    psi = max(s["params"] for s in plan["stages"])
+    dp_s = iteration_time(flops=0.0, gpus=1, dp=dp, psi=psi, tokens_per_dp_rank=0, layers=0, **common)["dp_comm_s"]
+    step = (m + (pp - 1) / v) * max(slots) + dp_s
+    tokens = m * micro_batch * dp * config.seq_length
+    model_flops = tokens / config.seq_length * (config.num_layers * training_flops_per_sequence(config, False, vocab)[0]
+                                                + logits)
+    out = dict(slot_s=max(slots), bubble_s=(pp - 1) / v * max(slots), dp_comm_s=dp_s, time_per_iteration_s=step,
+               tokens_per_s=tokens / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
+               model_flops_utilization=model_flops / step / world / (hw.gpu_tflops * 1e12), train_days=None)
+    if train_tokens:
+        out["train_days"] = train_tokens / out["tokens_per_s"] / 86400
+    return out
 
 
 def format_pipeline(plan: dict) -> str:
-    """The per-stage table ``tnlg plan --pp`` prints."""
-    gib = 2 ** 30
-    lines = [f"pipeline ({plan['schedule']}, {plan['micro_batches']} micro batches per step): bubble "
-             f"{plan['bubble']:.1%} of each step; point-to-point {plan['p2p_bytes_per_step'] / gib:.3f} GiB per "
+    """The per-stage table ``tnlg plan --pp`` prints (GB = 1e9 bytes, as the rest of the plan)."""
+    gb = GB
+    chunks = (f", {plan['virtual']} chunks of {plan['chunk_layers']} layers per rank" if plan["virtual"] > 1 else "")
+    lines = [f"pipeline ({plan['schedule']}{chunks}, {plan['micro_batches']} micro batches per step): bubble "
+             f"{plan['bubble']:.1%} of each step; point-to-point {plan['p2p_bytes_per_step'] / gb:.3f} GB per "
              f"step over all stage boundaries",
-             "stage  layers  params (TP rank 0)  model states  activations (in flight)"]
+             "stage  layers  params (TP rank 0)  model states  activations (in flight)  recv buffers      total"]
     for s in plan["stages"]:
-        lines.append(f"{s['stage']:>5}  {s['layers']:>6}  {s['params']:>18,}  {s['model_states'] / gib:>8.2f} GiB  "
-                     f"{s['activations'] / gib:>8.2f} GiB ({s['in_flight']})")
+        lines.append(f"{s['stage']:>5}  {s['layers']:>6}  {s['params']:>18,}  {s['model_states'] / gb:>8.2f} GB  "
+                     f"{s['activations'] / gb:>8.2f} GB ({s['in_flight']:>3})      {s['buffers'] / gb:>6.2f} GB  "
+                     f"{s['total'] / gb:>6.2f} GB" + ("  <- heaviest" if s["stage"] == plan["heaviest"] else ""))
+    if "time" in plan:
+        t = plan["time"]
+        lines.append(f"step {t['time_per_iteration_s']:.3f} s (slowest stage {t['slot_s'] * 1e3:.1f} ms per micro "
+                     f"batch, bubble {t['bubble_s']:.3f} s, DP comm {t['dp_comm_s']:.3f} s): "
+                     f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops_per_gpu']:.1f} model TFLOP/s per GPU "
+                     f"(MFU {t['model_flops_utilization']:.1%})")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from collections import Counter
 
 from .units import GB, format_count
 
-__all__ = ["format_plan", "format_search"]
+__all__ = ["format_plan", "format_search", "format_simulation", "heads_compact", "search_head"]
 
 
 def _gb(n: float) -> str:
@@ -157,7 +157,7 @@ def format_plan(plan: dict) -> str:
     return "\n".join(head + body)
 
 
-def _heads_compact(heads: list[int]) -> str:
+def heads_compact(heads: list[int]) -> str:
     """``[4, 4, 4, 4, 3, 3, 3, 3]`` -> ``4x4,3x4`` (heads per rank x ranks)."""
     return ",".join(f"{h}x{n}" for h, n in sorted(Counter(heads).items(), reverse=True))
 
@@ -178,15 +178,14 @@ def _search_row(r: dict) -> str:
         timing = (f"{r['time_per_iteration_s']:>7.2f} {r['tokens_per_s']:>9,.0f} {r['model_tflops_per_gpu']:>7.1f} "
                   f"{days:>6}")
         note = uneven
-    heads = _heads_compact(r["heads_per_rank"]) if r.get("heads_per_rank") else "-"
+    heads = heads_compact(r["heads_per_rank"]) if r.get("heads_per_rank") else "-"
     return (f"{r['tp']:>3} {r['dp']:>5} {heads:>8} {r['zero_stage']:>4} {'on' if r['recompute'] else 'off':>6} "
             f"{r['micro_batch']:>4} {r['grad_accumulation_steps']:>5} {_gb(r['model_states']):>9} "
             f"{_gb(r['activations']):>8} {_gb(r['total']):>8} {timing}  {note}").rstrip()
 
 
-def format_search(result: dict) -> str:
-    """The table of layouts, smallest TP first: per TP the ones that fit, fastest first, then per
-    ZeRO stage that fits at no micro batch its smallest footprint and why it does not fit."""
+def search_head(result: dict) -> list[str]:
+    """The lines above the search tables: the model, the GPUs, the batch and how to read the rows."""
     hw = result["hardware"]
     lines = [f"tnlg plan --search: {_model_line(result['model'])}",
              f"{result['gpus']} GPUs x {_gb(hw['gpu_memory'])} GB, global batch {result['global_batch']}, "
@@ -196,7 +195,13 @@ def format_search(result: dict) -> str:
              "smallest (micro batch 1, recomputation on) with the reason"]
     if result.get("source"):
         lines.append(f"({result['source']})")
-    lines.append("")
+    return lines
+
+
+def format_search(result: dict) -> str:
+    """The table of layouts, smallest TP first: per TP the ones that fit, fastest first, then per
+    ZeRO stage that fits at no micro batch its smallest footprint and why it does not fit."""
+    lines = search_head(result) + [""]
     unfit = result.get("not_fitting", [])
     if result["layouts"] or unfit:
         lines.append(SEARCH_HEADER)
