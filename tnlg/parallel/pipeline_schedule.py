@@ -71,8 +71,10 @@ class Pipeline:
         tokens = torch.cat([b["tokens"] for b in batches])
         target = torch.cat([torch.stack([b["labels"], b["loss_mask"].long() if "loss_mask" in b
                                          else torch.ones_like(b["labels"])], dim=1) for b in batches])
+        documents = {k: torch.cat([b[k] for b in batches]) for k in ("position_ids", "attention_mask")
+                     if k in batches[0]}
         self._factor, self._losses = factor, []
-        self.schedule.step(tokens, target=target, return_outputs=False)
+        self.schedule.step(tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
         # the last m calls are the micro batches' (torch's first step also calls the loss once on a
         # stand-in output to learn the gradient's metadata)
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None
