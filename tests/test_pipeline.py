@@ -132,6 +132,20 @@ def test_pipeline_composes_with_tensor_sequence_and_zero1_data_parallelism():
                        (2, 2, 0, 4, "interleaved", 1, dict(sequence_parallel=True))])
 
 
+HEADS_28 = dict(num_attention_heads=28, hidden_size=56)  # head size 2
+
+
+def test_28_heads_at_two_stages_and_two_tensor_parallel_ranks():
+    _check_layouts(4, [(2, 2, 0, 4, "1f1b", None, HEADS_28)])
+
+
+@pytest.mark.slow
+def test_28_heads_split_unevenly_over_three_tensor_parallel_ranks_at_two_stages():
+    """10, 9 and 9 heads per TP rank (and 75, 75, 74 of the 224 MLP columns) on each stage."""
+    assert _config(**HEADS_28).heads_per_rank(3) == [10, 9, 9] and _config(**HEADS_28).ffn_per_rank(3) == [75, 75, 74]
+    _check_layouts(6, [(2, 3, 0, 4, "1f1b", None, HEADS_28)])
+
+
 def test_each_documents_positions_and_attention_mask_reach_every_stage():
     """--reset-position-ids --reset-attention-mask: every stage attends within documents, the first stage
     embeds each document's positions from 0; the mask and positions change the plain GPT's loss."""
