@@ -121,6 +121,25 @@ def is_collective_failure(exc: BaseException) -> bool:
     return is_collective_timeout(exc) or any(t in text for t in _PEER_TEXT)
 
 
+def _waits(path: str, name: str) -> bool:
+    """Whether frame ``name`` of file ``path`` is a ``torch.distributed`` collective, or torch's pipeline
+    schedule waiting on its point-to-point sends and receives."""
+    if path.endswith(_P2P_WAIT[0]):
+        return name == _P2P_WAIT[1]
+    return path.endswith(os.path.join("distributed", "distributed_c10d.py")) and name in _COLLECTIVES
+
+
+def _what_waits(name: str, group, frames_locals: list[dict]) -> tuple[str, Optional[str]]:
+    """``(what, its group in words)`` for a frame :func:`_waits` matched."""
+    if name != _P2P_WAIT[1]:
+        return name, _group_words(group, frames_locals)
+    # a pipeline stage waiting on a neighbour: over the stages' group (this process's record holds it)
+    progress = sys.modules.get(_PROGRESS)
+    record = progress.current() if progress is not None else None
+    what = "a point-to-point send/receive of the pipeline schedule"
+    return what, None if record is None else _group_words(record.ps.pp_group, frames_locals + [dict(ps=record.ps)])
+
+
 def describe(exc: BaseException) -> Hang:
     """Read what timed out from ``exc``'s traceback: the collective, its group, the tnlg caller, the iteration."""
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -138,16 +157,8 @@ def describe(exc: BaseException) -> Hang:
             if path == _LOOP and isinstance(loc.get("iteration"), int):
                 hang.iteration = loc["iteration"]
                 hang.options = loc.get("o", hang.options)
-        elif hang.collective is None and (path.endswith(_P2P_WAIT[0]) and name == _P2P_WAIT[1] or path.endswith(
-                os.path.join("distributed", "distributed_c10d.py")) and name in _COLLECTIVES):
-            hang.collective, group = name, f.f_locals.get("group")
-            if name == _P2P_WAIT[1]:  # a pipeline stage waiting on its neighbour's send or receive
-                progress = sys.modules.get(_PROGRESS)
-                record = progress.current() if progress is not None else None
-                hang.collective = "a point-to-point send/receive of the pipeline schedule"
-                group = record.ps.pp_group if record is not None else None
-                all_locals = all_locals + ([dict(ps=record.ps)] if record is not None else [])
-            hang.group = _group_words(group, all_locals)
+        elif hang.collective is None and _waits(path, name):
+            hang.collective, hang.group = _what_waits(name, f.f_locals.get("group"), all_locals)
             if last_tnlg is not None:
                 rel = os.path.relpath(last_tnlg[0], os.path.dirname(_PACKAGE))
                 hang.caller = f"{rel}:{last_tnlg[1]} ({last_tnlg[2]})"
@@ -199,8 +210,9 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
     """``(speak, ranks that did not arrive, farewell, pipeline words)``, asked of the rendezvous store
     (``None``: unknown; the words: :func:`_pipeline_words`, for the rank that speaks).
 
-    Every rank that saw the timeout posts ``alive`` (at PP > 1: its place and where its schedule stood). Rank 0 waits up to ``wait_s`` for the others,
-    names the ones that never posted and posts ``told``; it speaks. Another rank waits for ``told``
+    Every rank that saw the timeout posts ``alive`` (at PP > 1: its place and where its schedule
+    stood). Rank 0 waits up to ``wait_s`` for the others, names the ones that never posted and posts
+    ``told``; it speaks. Another rank waits for ``told``
     so that it exits only after rank 0's message (before it, the launcher would tear the group
     down); when ``told`` never comes (rank 0 is the one that hung: the store lives in its process,
     or it hangs outside a collective), rank 1 speaks instead. A rank that read ``told`` posts ``bye``;

@@ -5,7 +5,8 @@ tnlg cannot note them from outside; :class:`RecordedStage` is torch's ``Pipeline
 this process's :class:`StageProgress`, each receive it posts (the activations of micro batch ``k``
 from the previous stage, or their gradient from the next) and each forward and backward as it
 starts (which uses up the receive it needed). At a hang the receives posted and not yet used are
-what the rank waits for, and the action started last is where its schedule stood.
+what the rank waits for, and the action started last is where its schedule stood (micro batches
+are counted from 0 within the step, as torch's schedules count them).
 
 :meth:`StageProgress.place` names the rank's ``(pp, dp, tp)`` coordinates and the layers of its
 stages; each rank writes it once to the rendezvous store when its pipeline is built (one
