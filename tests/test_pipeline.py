@@ -135,6 +135,7 @@ def test_pipeline_composes_with_tensor_sequence_and_zero1_data_parallelism():
 HEADS_28 = dict(num_attention_heads=28, hidden_size=56)  # head size 2
 
 
+@pytest.mark.slow
 def test_28_heads_at_two_stages_and_two_tensor_parallel_ranks():
     _check_layouts(4, [(2, 2, 0, 4, "1f1b", None, HEADS_28)])
 
