@@ -132,3 +132,109 @@ def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
     assert len(msgs) == 1, out
     assert "Ranks that did not report within 5 s: 3 " in msgs[0] and "The last checkpoint is iteration" in msgs[0]
     assert f"--save {save}" in msgs[0] and "after iteration" in msgs[0]
+
+
+# ------------------------------------------------------------ at PP > 1 the reports name the stages
+def _pipeline(ps_unused, micro_batches: int):
+    """A 4-layer GPT over 2 stages (layers 0-1 and 2-3) and its 1F1B schedule, on the group's timeout."""
+    from datetime import timedelta
+
+    from tnlg.config import GPTConfig
+    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.parallel.pipeline_schedule import Pipeline
+    from tnlg.parallel.state import init_parallel
+    ps = init_parallel(1, pipeline_parallel_size=2, timeout=timedelta(seconds=TIMEOUT_S))
+    cfg = GPTConfig(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=50)
+    model = StageModel(cfg, ps, [chunk_layers(4, 2)[ps.pp_rank]])
+    return ps, model, Pipeline(model, micro_batches)
+
+
+class _Stalled(Exception):
+    pass
+
+
+def _stall_at_call(module, n: int) -> None:
+    """``module``'s ``n``-th forward from now sleeps past the timeout (a stage that hangs), then raises."""
+    calls, forward = [], module.forward
+
+    def stalling(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            time.sleep(TIMEOUT_S + 4)
+            raise _Stalled()
+        return forward(*args, **kwargs)
+    module.forward = stalling
+
+
+def _stage_hang_body(ps):
+    from tnlg.hang import report
+    ps, model, pipeline = _pipeline(ps, 4)
+    tokens = torch.randint(0, 50, (4, 2, 8), generator=torch.Generator().manual_seed(0))
+    batches = [dict(tokens=t, labels=t) for t in tokens]
+    pipeline.run(batches, 0.25)  # one step as usual
+    if ps.pp_rank == 1:  # the last stage hangs in the forward of micro batch 1 of the next step
+        _stall_at_call(model.transformer.h["2"], 2)
+    try:
+        pipeline.run(batches, 0.25)
+    except RuntimeError as exc:
+        if ps.pp_rank == 1:
+            assert isinstance(exc.__cause__, _Stalled), exc  # (torch wraps a stage's error)
+            return None
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            status = report(exc, "pretrain", wait_s=1.5)
+        return status, err.getvalue()
+    raise AssertionError("the schedule with a stalled stage returned")
+
+
+def test_a_stalled_pipeline_stage_is_named_with_the_neighbour_waiting_on_it():
+    """Rank 0 (stage 0) waits for micro batch 1's gradient from stage 1, which hangs in that micro batch's
+    forward; 1F1B on 2 stages: stage 0 has run the forwards of micro batches 0-2 and the backward of 0."""
+    (status, text), _ = run_distributed(_stage_hang_body, 2, 1, timeout_s=TIMEOUT_S)
+    assert status == 1 and text.count("\n") == 1 and "Traceback" not in text, text
+    assert ("a point-to-point send/receive of the pipeline schedule over the pipeline group (ranks 0, 1), "
+            "called from tnlg/parallel/pipeline_schedule.py") in text, text
+    assert "Ranks that did not report within 1.5 s: 1 " in text, text
+    assert ("Pipeline: rank 0 (pp 0, dp 0, tp 0: pipeline stage 0 of 2, layers 0-1) waits for the gradient of "
+            "micro batch 1 from stage 1 (rank 1) (started last: the forward of micro batch 2); "
+            "rank 1 (pp 1, dp 0, tp 0: pipeline stage 1 of 2, layers 2-3) did not report.") in text, text
+
+
+def _stage_error_body(ps):
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from tnlg import failures
+    ps, _, _ = _pipeline(ps, 2)  # (building the stages writes each rank's place)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        if ps.rank == 0:  # rank 0 fails second, after rank 1 posted, and speaks for the board
+            while not _get_default_store().check([f"{failures._tag()}/first"]):
+                time.sleep(0.05)
+        status = failures.report("pretrain", "injected: the data of rank 1 cannot be read.", 2, agreed=False)
+    return status, err.getvalue()
+
+
+def test_an_error_on_one_rank_names_its_pipeline_stage():
+    (status0, text0), (status1, text1) = run_distributed(_stage_error_body, 2, 1, timeout_s=30)
+    assert (status0, status1, text1) == (2, 2, "")
+    assert text0 == ("tnlg pretrain: error on rank 1 of 2 (pp 1, dp 0, tp 0: pipeline stage 1 of 2, layers 2-3): "
+                     "injected: the data of rank 1 cannot be read.\n"), text0
+
+
+def test_stage_progress_names_interleaved_stages_and_every_receive_pending():
+    """Interleaved: rank 3 = (pp 1, dp 0, tp 1) of PP 2 x TP 2 holds stages 1 and 3 of 4; its neighbours
+    (stages 0 and 2) are on rank 1, its TP peer of pipeline rank 0."""
+    from tnlg.parallel.stage_progress import StageProgress
+    ps = SimpleNamespace(rank=3, pp_rank=1, pp_size=2, dp_rank=0, dp_size=1, tp_rank=1, tp_size=2)
+    record = StageProgress(SimpleNamespace(ps=ps))
+    record.add_stage(1, 4, range(1, 2))
+    record.add_stage(3, 4, range(3, 4))
+    assert record.words() == "rank 3 (pp 1, dp 0, tp 1: pipeline stages 1 (layer 1), 3 (layer 3) of 4) has no " \
+                             "receive pending (started: nothing yet)"
+    record.expect(1, 0, "forward")
+    record.start(1, 0, "forward")  # the receive it waited for is used up
+    record.expect(3, 0, "forward")
+    record.expect(1, 0, "backward")
+    assert record.state() == ("waits for the activations of micro batch 0 from stage 2 (rank 1) for stage 3 or "
+                              "the gradient of micro batch 0 from stage 2 (rank 1) for stage 1 (started last: "
+                              "the forward of micro batch 0 on stage 1)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tnlg.config import GPTConfig, stage_layer_counts
+from tnlg.data.gpt_dataset import _make_item
 from tnlg.errors import UserError
 from tnlg.model import GPT
 from tnlg.optim import build_engine
@@ -30,14 +31,23 @@ TINY_BUCKET_MB = 200 * 4 / 2 ** 20  # several buckets, parameters cut across DP 
 
 
 def _config(layers: int = 4, **extra) -> GPTConfig:
-    return GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, seq_length=SEQ, vocab_size=50,
-                     hidden_dropout=0.0, attention_dropout=0.0, seed=3, **extra)
+    return GPTConfig(**{**dict(num_layers=layers, hidden_size=16, num_attention_heads=4, seq_length=SEQ,
+                               vocab_size=50, hidden_dropout=0.0, attention_dropout=0.0, seed=3), **extra})
 
 
-def _samples(n: int = GLOBAL * STEPS) -> list[dict]:
+EOD = 7
+
+
+def _samples(n: int = GLOBAL * STEPS, documents: bool = False) -> list[dict]:
+    """Random samples; ``documents``: about a third of the tokens end a document, and each sample carries
+    the dataset's per-document ``position_ids`` and block-diagonal ``attention_mask``
+    (``--reset-position-ids --reset-attention-mask``)."""
     g = torch.Generator().manual_seed(11)
     seqs = torch.randint(0, 50, (n, SEQ + 1), generator=g)
-    return [dict(tokens=s[:-1], labels=s[1:], loss_mask=torch.ones(SEQ)) for s in seqs]
+    if not documents:
+        return [dict(tokens=s[:-1], labels=s[1:], loss_mask=torch.ones(SEQ)) for s in seqs]
+    seqs[torch.rand(seqs.shape, generator=g) < 0.3] = EOD
+    return [_make_item(s, EOD, False, True, True) for s in seqs]
 
 
 def _micro_batches(samples, step: int, dp_rank: int, dp: int) -> list[dict]:
@@ -50,13 +60,13 @@ def _micro_batches(samples, step: int, dp_rank: int, dp: int) -> list[dict]:
     return out
 
 
-def _train(model, ps, zero: int, pipeline_of=None) -> tuple[list, list, dict]:
+def _train(model, ps, zero: int, pipeline_of=None, documents: bool = False) -> tuple[list, list, dict]:
     """STEPS steps with the engine; ``(losses, grad norms, full parameters)``."""
     m = GLOBAL // (MICRO * ps.dp_size)
     engine = build_engine(model, ps, zero, lr=1e-3, weight_decay=0.1, clip_grad=0.05, grad_accum_steps=m,
                           bucket_size_mb=TINY_BUCKET_MB)
     pipeline = None if pipeline_of is None else pipeline_of(engine.model, m)
-    samples, losses, norms = _samples(), [], []
+    samples, losses, norms = _samples(documents=documents), [], []
     for step in range(STEPS):
         loss, info = train_step(engine.model, engine, _micro_batches(samples, step, ps.dp_rank, ps.dp_size),
                                 LRS[step], autocast=None, ps=ps, iteration=step + 1, pipeline=pipeline)
@@ -65,12 +75,13 @@ def _train(model, ps, zero: int, pipeline_of=None) -> tuple[list, list, dict]:
     return losses, norms, full_state_dict(engine.model, ps)
 
 
-def _reference(layers: int, extra: tuple) -> tuple[list, list, dict]:
+def _reference(layers: int, extra: tuple, documents: bool = False) -> tuple[list, list, dict]:
     """One process, no pipeline: the plain GPT in the same engine."""
-    return _train(GPT(_config(layers, **dict(extra)), ParallelState.single(), device="meta"), ParallelState.single(), 0)
+    return _train(GPT(_config(layers, **dict(extra)), ParallelState.single(), device="meta"), ParallelState.single(), 0,
+                  documents=documents)
 
 
-def _layout_body(_ps, layouts):
+def _layout_body(_ps, layouts, documents: bool):
     out = []
     for pp, tp, zero, layers, schedule, per_virtual, *extra in layouts:
         ps = init_parallel(tp, pipeline_parallel_size=pp)
@@ -78,15 +89,16 @@ def _layout_body(_ps, layouts):
         chunks = chunk_layers(layers, pp, virtual)
         mine = [r for c, r in enumerate(chunks) if c % pp == ps.pp_rank]
         model = StageModel(_config(layers, **dict(extra[0] if extra else {})), ps, mine, device="meta")
-        out.append(_train(model, ps, zero, lambda mod, m: Pipeline(mod, m, schedule)))
+        out.append(_train(model, ps, zero, lambda mod, m: Pipeline(mod, m, schedule), documents))
     return out
 
 
-def _check_layouts(world: int, layouts: list) -> None:
-    results = run_distributed(_layout_body, world, 1, layouts, timeout_s=300)
+def _check_layouts(world: int, layouts: list, documents: bool = False) -> dict:
+    """Train every layout on ``world`` processes against the plain GPT; the references, by model kind."""
+    results = run_distributed(_layout_body, world, 1, layouts, documents, timeout_s=300)
     def kind(layout):  # (layers, the model's other settings)
         return layout[3], tuple(sorted(layout[6].items())) if len(layout) > 6 else ()
-    refs = {kind(lay): _reference(*kind(lay)) for lay in layouts}
+    refs = {kind(lay): _reference(*kind(lay), documents) for lay in layouts}
     for i, layout in enumerate(layouts):
         losses, norms, full = refs[kind(layout)]
         seen = set()
@@ -99,6 +111,7 @@ def _check_layouts(world: int, layouts: list) -> None:
                 torch.testing.assert_close(value, full[name], rtol=1e-4, atol=1e-5, msg=f"{layout} {name}")
                 seen.add(name)
         assert seen == set(full), (layout, set(full) - seen)  # the stages hold the whole model
+    return refs
 
 
 @pytest.mark.slow
@@ -117,6 +130,32 @@ def test_pipeline_composes_with_tensor_sequence_and_zero1_data_parallelism():
                        (2, 2, 0, 4, "interleaved", 1), (2, 1, 1, 4, "interleaved", 1), (2, 1, 1, 4, "gpipe", None),
                        (2, 2, 0, 4, "1f1b", None, dict(sequence_parallel=True)),
                        (2, 2, 0, 4, "interleaved", 1, dict(sequence_parallel=True))])
+
+
+HEADS_28 = dict(num_attention_heads=28, hidden_size=56)  # head size 2
+
+
+@pytest.mark.slow
+def test_28_heads_at_two_stages_and_two_tensor_parallel_ranks():
+    _check_layouts(4, [(2, 2, 0, 4, "1f1b", None, HEADS_28)])
+
+
+@pytest.mark.slow
+def test_28_heads_split_unevenly_over_three_tensor_parallel_ranks_at_two_stages():
+    """10, 9 and 9 heads per TP rank (and 75, 75, 74 of the 224 MLP columns) on each stage."""
+    assert _config(**HEADS_28).heads_per_rank(3) == [10, 9, 9] and _config(**HEADS_28).ffn_per_rank(3) == [75, 75, 74]
+    _check_layouts(6, [(2, 3, 0, 4, "1f1b", None, HEADS_28)])
+
+
+def test_each_documents_positions_and_attention_mask_reach_every_stage():
+    """--reset-position-ids --reset-attention-mask: every stage attends within documents, the first stage
+    embeds each document's positions from 0; the mask and positions change the plain GPT's loss."""
+    batch = _micro_batches(_samples(documents=True), 0, 0, 1)[0]
+    gpt = GPT(_config())
+    within = gpt(batch["tokens"], labels=batch["labels"], position_ids=batch["position_ids"],
+                 attention_mask=batch["attention_mask"])
+    assert not math.isclose(within.item(), gpt(batch["tokens"], labels=batch["labels"]).item(), rel_tol=1e-3)
+    _check_layouts(2, [(2, 1, 0, 4, "1f1b", None), (2, 1, 0, 4, "interleaved", 1)], documents=True)
 
 
 # ------------------------------------------------------------ gradients against the plain model's autograd

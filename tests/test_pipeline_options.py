@@ -43,7 +43,6 @@ def test_a_runnable_pipeline_layout_resolves():
     (["--pp", "2", "--bf16"], 4, r"--bf16 is not supported with --pipeline-model-parallel-size > 1 yet"),
     (["--pp", "2", "--save", "ckpt"], 4, r"--save ckpt \(checkpoints\) is not supported with"),
     (["--pp", "2", "--eval-interval", "10"], 4, r"--eval-interval 10 \(validation; give --eval-interval 0\)"),
-    (["--pp", "2", "--reset-position-ids"], 4, r"--reset-position-ids is not supported with"),
     (["--pipeline-schedule", "gpipe"], 4, r"--pipeline-schedule gpipe needs --pipeline-model-parallel-size > 1"),
 ])
 def test_bad_pipeline_options_are_one_paragraph_naming_the_value_and_what_is_valid(argv, world, match):

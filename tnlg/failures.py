@@ -12,12 +12,13 @@ process-group timeout, and its message must reach the user whichever rank raised
   collective; every rank runs a watcher thread (:func:`watch`, started when a command joins its
   process group) that looks at the board every half second. Rank 0 prints
   ``tnlg pretrain: error on rank R of N: <message>`` (the board "gathers" it to the rank the user
-  reads) and posts ``told``; every rank, blocked in a collective or not, then leaves at once (its
-  groups are not torn down: a peer may sit in a collective). If rank 0 does not answer within 3 s
-  (it is gone, or busy failing itself without a board to read), the failing rank prints the
-  message itself. When several ranks fail, rank 0 prints the first posted message and each other
-  one that differs. Under tnlg's launcher the store lives in the launching process, so the board
-  outlives every worker; under ``torchrun`` it lives in rank 0's agent or process.
+  reads; at PP > 1 its pipeline stage and layers follow ``R of N``) and posts ``told``; every rank,
+  blocked in a collective or not, then leaves at once (its groups are not torn down: a peer may sit
+  in a collective). If rank 0 does not answer within 3 s (it is gone, or busy failing itself without
+  a board to read), the failing rank prints the message itself. When several ranks fail, rank 0
+  prints the first posted message and each other one that differs. Under tnlg's launcher the store
+  lives in the launching process, so the board outlives every worker; under ``torchrun`` it lives
+  in rank 0's agent or process.
 
 A rank that dies (SIGKILL, the out-of-memory killer) posts nothing: its peers' collectives fail
 (gloo: at once, the connection closes; NCCL: at the timeout) and the launcher stops the group.
@@ -136,12 +137,20 @@ def peer_failure() -> Optional[int]:
     return int(first) if first else None
 
 
+def _rank_words(rank, world: int, store) -> str:
+    """``rank R of N``; at PP > 1 with the rank's pipeline place, ``rank 1 of 2 (pp 1, dp 0, tp 0: pipeline
+    stage 1 of 2, layers 2-3)`` (:func:`tnlg.parallel.stage_progress.place_of`)."""
+    progress = sys.modules.get("tnlg.parallel.stage_progress")
+    place = None if progress is None else _bounded(lambda: progress.place_of(int(rank), store), 2.0)
+    return f"rank {rank} of {world}" + (f" ({place})" if place else "")
+
+
 def _speak_for(command: str, world: int, store, tag: str) -> None:
     """Rank 0: print the posted failure of another rank, say so on the board."""
     first = int(store.get(f"{tag}/first"))
     _wait_for(store, [f"{tag}/text"], 1.0)
     text = store.get(f"{tag}/text").decode() if store.check([f"{tag}/text"]) else "(its message was not posted)"
-    print(f"tnlg {command}: error on rank {first} of {world}: {text}", file=sys.stderr, flush=True)
+    print(f"tnlg {command}: error on {_rank_words(first, world, store)}: {text}", file=sys.stderr, flush=True)
     store.set(f"{tag}/told", "1")
 
 
@@ -254,22 +263,23 @@ def report(command: str, text: str, status: int, agreed: bool) -> int:
         return won
     won = _bounded(post, 2.0)
     if won and rank == 0:
-        print(f"tnlg {command}: error on rank 0 of {world}: {text}", file=sys.stderr, flush=True)
+        print(f"tnlg {command}: error on {_rank_words(0, world, store)}: {text}", file=sys.stderr, flush=True)
         _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)
         time.sleep(POLL_S + 0.5)  # the store lives here under the elastic launcher: let the others read it
     elif won:
         told = _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
         if not told:  # rank 0 did not answer: say it here
-            print(f"tnlg {command}: error on rank {rank} of {world} (rank 0 did not answer): {text}",
+            print(f"tnlg {command}: error on {_rank_words(rank, world, store)} (rank 0 did not answer): {text}",
                   file=sys.stderr, flush=True)
     else:  # another rank failed first (or the store is gone)
         first = _bounded(lambda: store.get(f"{tag}/first").decode(), 2.0)
         _bounded(lambda: _wait_for(store, [f"{tag}/text"], 1.0), 2.0)
         first_text = _bounded(lambda: store.get(f"{tag}/text").decode(), 2.0)
         if rank == 0 and first is not None:  # rank 0 speaks for the board (its watcher stands aside now)
-            print(f"tnlg {command}: error on rank {first} of {world}: {first_text}", file=sys.stderr, flush=True)
+            print(f"tnlg {command}: error on {_rank_words(first, world, store)}: {first_text}", file=sys.stderr,
+                  flush=True)
         if first_text != text:  # this rank's own error is new information
-            print(f"tnlg {command}: error on rank {rank} of {world}"
+            print(f"tnlg {command}: error on {_rank_words(rank, world, store)}"
                   f"{'' if first is None else f' (rank {first} failed first)'}: {text}", file=sys.stderr, flush=True)
         if rank == 0:
             _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)

@@ -19,6 +19,16 @@ its rank, rank 0 waits a few seconds and names the ranks that never posted,
 prints, and tells the others they may exit (so the launcher does not tear the
 group down before the message is out).
 
+At PP > 1 a hang is most often a stage waiting on its neighbour: torch's schedule
+waits on a point-to-point receive (``_wait_batch_p2p``), which the message names,
+over the pipeline group. Each rank posts its place and where its schedule stood
+(:mod:`tnlg.parallel.stage_progress`) with its ``alive``, and rank 0 adds one clause
+per rank: ``Pipeline: rank 0 (pp 0, dp 0, tp 0: pipeline stage 0 of 2, layers 0-1)
+waits for the gradient of micro batch 1 from stage 1 (rank 1) (started last: the
+forward of micro batch 2); rank 1 (pp 1, dp 0, tp 0: pipeline stage 1 of 2, layers 2-3)
+did not report.`` (a rank that does not answer is named by the place it wrote to the
+store when it built its pipeline).
+
 On NCCL the collective may never return to Python (the watchdog aborts the
 process); :func:`enable_flight_recorder` therefore switches on torch's flight
 recorder, as torchtitan does: each rank's recent collectives are dumped on a
@@ -48,7 +58,9 @@ _PEER_TEXT = ("connection closed by peer", "connection reset by peer", "broken p
 _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "barrier", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
                 "all_gather_object", "broadcast_object_list", "send", "recv", "monitored_barrier"}
-_GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel"}
+_GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel", "pp_group": "pipeline"}
+_P2P_WAIT = (os.path.join("distributed", "pipelining", "schedules.py"), "_wait_batch_p2p")  # torch's schedules
+_PROGRESS = "tnlg.parallel.stage_progress"  # imported by a process that built a pipeline
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LOOP = os.path.join(_PACKAGE, "training", "loop.py")  # the frame whose ``iteration`` and ``o`` are the run's
 ARRIVAL_WAIT_S = 5.0  # how long rank 0 waits for the other ranks to say they are alive
@@ -66,6 +78,7 @@ class Hang:
     iteration: Optional[int] = None      # the last iteration completed
     options: Any = None                  # the run's options (``o``) when found
     missing: Optional[list] = None       # ranks that did not arrive (None: unknown)
+    stages: list = field(default_factory=list)  # at PP > 1: each rank's place and where its schedule stood
     timed_out: bool = True               # False: the collective failed otherwise (a peer went away)
     extra: dict = field(default_factory=dict)
 
@@ -108,6 +121,25 @@ def is_collective_failure(exc: BaseException) -> bool:
     return is_collective_timeout(exc) or any(t in text for t in _PEER_TEXT)
 
 
+def _waits(path: str, name: str) -> bool:
+    """Whether frame ``name`` of file ``path`` is a ``torch.distributed`` collective, or torch's pipeline
+    schedule waiting on its point-to-point sends and receives."""
+    if path.endswith(_P2P_WAIT[0]):
+        return name == _P2P_WAIT[1]
+    return path.endswith(os.path.join("distributed", "distributed_c10d.py")) and name in _COLLECTIVES
+
+
+def _what_waits(name: str, group, frames_locals: list[dict]) -> tuple[str, Optional[str]]:
+    """``(what, its group in words)`` for a frame :func:`_waits` matched."""
+    if name != _P2P_WAIT[1]:
+        return name, _group_words(group, frames_locals)
+    # a pipeline stage waiting on a neighbour: over the stages' group (this process's record holds it)
+    progress = sys.modules.get(_PROGRESS)
+    record = progress.current() if progress is not None else None
+    what = "a point-to-point send/receive of the pipeline schedule"
+    return what, None if record is None else _group_words(record.ps.pp_group, frames_locals + [dict(ps=record.ps)])
+
+
 def describe(exc: BaseException) -> Hang:
     """Read what timed out from ``exc``'s traceback: the collective, its group, the tnlg caller, the iteration."""
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -125,10 +157,8 @@ def describe(exc: BaseException) -> Hang:
             if path == _LOOP and isinstance(loc.get("iteration"), int):
                 hang.iteration = loc["iteration"]
                 hang.options = loc.get("o", hang.options)
-        elif path.endswith(os.path.join("distributed", "distributed_c10d.py")) and name in _COLLECTIVES \
-                and hang.collective is None:
-            hang.collective = name
-            hang.group = _group_words(f.f_locals.get("group"), all_locals)
+        elif hang.collective is None and _waits(path, name):
+            hang.collective, hang.group = _what_waits(name, f.f_locals.get("group"), all_locals)
             if last_tnlg is not None:
                 rel = os.path.relpath(last_tnlg[0], os.path.dirname(_PACKAGE))
                 hang.caller = f"{rel}:{last_tnlg[1]} ({last_tnlg[2]})"
@@ -162,11 +192,27 @@ def make_dump_dir() -> None:
         os.makedirs(os.environ[FR_DIR_ENV], exist_ok=True)
 
 
-def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list], Optional[Callable]]:
-    """``(speak, ranks that did not arrive, farewell)``, asked of the rendezvous store (``None``: unknown).
+def _pipeline_words(store, keys: list, missing: list) -> list:
+    """At PP > 1, each rank's place and where its schedule stood: what it posted as ``alive`` or, for a rank
+    that did not arrive, the place it wrote when it built its pipeline (:mod:`tnlg.parallel.stage_progress`)."""
+    progress = sys.modules.get(_PROGRESS)
+    if progress is None or progress.current() is None:
+        return []
+    words = []
+    for r, key in enumerate(keys):
+        place = progress.place_of(r, store) if r in missing else None
+        words.append(f"rank {r}{f' ({place})' if place else ''} did not report" if r in missing
+                     else store.get(key).decode())
+    return words
 
-    Every rank that saw the timeout posts ``alive``. Rank 0 waits up to ``wait_s`` for the others,
-    names the ones that never posted and posts ``told``; it speaks. Another rank waits for ``told``
+
+def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list], Optional[Callable], list]:
+    """``(speak, ranks that did not arrive, farewell, pipeline words)``, asked of the rendezvous store
+    (``None``: unknown; the words: :func:`_pipeline_words`, for the rank that speaks).
+
+    Every rank that saw the timeout posts ``alive`` (at PP > 1: its place and where its schedule
+    stood). Rank 0 waits up to ``wait_s`` for the others, names the ones that never posted and posts
+    ``told``; it speaks. Another rank waits for ``told``
     so that it exits only after rank 0's message (before it, the launcher would tear the group
     down); when ``told`` never comes (rank 0 is the one that hung: the store lives in its process,
     or it hangs outside a collective), rank 1 speaks instead. A rank that read ``told`` posts ``bye``;
@@ -182,7 +228,9 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
         store.set_timeout(timedelta(seconds=2))
         tag = f"tnlg/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         keys = [f"{tag}/alive/{r}" for r in range(world)]
-        store.set(keys[rank], "1")
+        progress = sys.modules.get(_PROGRESS)
+        record = progress.current() if progress is not None else None
+        store.set(keys[rank], "1" if record is None else record.words())
         deadline = time.monotonic() + (wait_s if rank == 0 else wait_s + 5)
         done = keys if rank == 0 else [f"{tag}/told"]
         while time.monotonic() < deadline and not store.check(done):
@@ -196,13 +244,14 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
                 end = time.monotonic() + timeout
                 while byes and time.monotonic() < end and not store.check(byes):
                     time.sleep(0.05)
-            return True, missing, farewell
+            return True, missing, farewell, _pipeline_words(store, keys, missing)
         told = store.check([f"{tag}/told"])
         if told:
             store.set(f"{tag}/bye/{rank}", "1")
-        return (not told and rank == 1), missing, None
+        speak = not told and rank == 1
+        return speak, missing, None, _pipeline_words(store, keys, missing) if speak else []
     except Exception:  # noqa: BLE001 - the store lives in rank 0's process, which may be the hung one
-        return rank == 1, None, None
+        return rank == 1, None, None, []
 
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
@@ -237,6 +286,8 @@ def message(hang: Hang, command: str, resume: Optional[str], timeout_min: Option
     elif hang.missing is None:
         text += (" Which ranks did not arrive is unknown: the rendezvous store, which rank 0 holds, did not "
                  "answer (rank 0 is probably the one that hung).")
+    if hang.stages:
+        text += f" Pipeline: {'; '.join(hang.stages)}."
     save = getattr(hang.options, "save", None)
     last = _last_checkpoint(save)
     if save is None:
@@ -275,7 +326,7 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
                                   name="tnlg-hang-arrivals")
         asking.start()
         asking.join(wait_s + 8)
-        speak, hang.missing, farewell = result[0] if result else (rank == 1, None, None)
+        speak, hang.missing, farewell, hang.stages = result[0] if result else (rank == 1, None, None, [])
         hang.extra["wait_s"] = wait_s
     timeout_min = getattr(hang.options, "distributed_timeout_minutes", None)
     if speak:

@@ -18,8 +18,6 @@ UNSUPPORTED = (
     (lambda o: o.zero_stage >= 2 and o.zero_impl == "tnlg", lambda o: f"--zero-stage {o.zero_stage} (use 0 or 1)"),
     (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed"),
     (lambda o: o.bf16 or o.fp16, lambda o: "--bf16" if o.bf16 else "--fp16"),
-    (lambda o: o.reset_position_ids or o.reset_attention_mask,
-     lambda o: "--reset-position-ids" if o.reset_position_ids else "--reset-attention-mask"),
     (lambda o: o.compile, lambda o: "--compile"),
     (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
     (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),

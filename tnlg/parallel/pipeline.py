@@ -23,6 +23,13 @@ embedding's all-reduce, two per block, the LM head's ``f``; with sequence parall
 reduce-scatters and all-gathers instead, and the activations sent between stages are this rank's
 positions ``[s_r, b, h]``); none across stages (the schedule sends activations and gradients
 point-to-point).
+
+Documents (``--reset-position-ids``, ``--reset-attention-mask``): a chunk takes the micro batch's
+``position_ids`` and ``attention_mask`` as keyword arguments. torch's schedules (2.13) hand the
+keyword arguments of ``schedule.step`` to every stage, split into micro batches as the inputs
+are, while only the activation travels between stages; every pipeline rank reads the same batch,
+so each stage gets its micro batch's mask from its own copy: no extra send per boundary, and no
+second stage output (the tokens) from which every stage would rebuild the mask.
 """
 
 from __future__ import annotations
@@ -115,13 +122,18 @@ class PipelineChunk(nn.Module):
         object.__setattr__(self, "stage", stage)  # not a submodule: its parameters belong to the StageModel
         self.layers, self.first, self.last = layers, first, last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` ``[b, s, s]`` (every stage): a
+        micro batch's per-document positions and block-diagonal mask (``--reset-position-ids`` /
+        ``--reset-attention-mask``), as the GPT takes them; ``None``: ``0 .. s-1`` and causal."""
         t, ps, cfg = self.stage.transformer, self.stage.ps, self.stage.config
         # sequence parallelism (training: every sample has seq_length positions): the activations between
         # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
         sp = sequence_sizes(cfg.seq_length, ps.tp_size) if cfg.sequence_parallel and ps.tp_size > 1 else None
         if self.first:
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            positions = position_ids if position_ids is not None else \
+                torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             if sp is None:
                 x = t.drop(t.wte(x) + t.wpe(positions))
             else:  # reduce-scatter the partial word embeddings, each rank adds its positions' (the GPT's way)
@@ -129,7 +141,7 @@ class PipelineChunk(nn.Module):
                                                         replicated=t.wpe(positions).transpose(0, 1))
                 x = _dropout(t.drop, x, self.stage.tp_random, True)
         for i in self.layers:
-            x = t.h[str(i)](x, sp=sp)
+            x = t.h[str(i)](x, attention_mask, sp=sp)
         if self.last:
             x = t.ln_f(x, sp is not None)
             if sp is None:

@@ -4,7 +4,8 @@
 ``torch.distributed.pipelining.PipelineStage`` s over ``ps.pp_group`` and runs one of torch's
 schedules on them: ``1f1b`` (``Schedule1F1B``, the default, Megatron's non-interleaved
 schedule), ``gpipe`` (``ScheduleGPipe``: every forward, then every backward) or ``interleaved``
-(``ScheduleInterleaved1F1B``, ``v`` chunks per rank). torch's machinery is used as is:
+(``ScheduleInterleaved1F1B``, ``v`` chunks per rank). torch's machinery is used as is (the stages are
+``PipelineStage`` s that note their progress for a hang report, :mod:`~tnlg.parallel.stage_progress`):
 micro batches are the equal row blocks of the concatenated local batch, activations and their
 gradients go point-to-point between neighbouring stages.
 
@@ -27,9 +28,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .pipeline import StageModel
+from .stage_progress import RecordedStage
 from .vocab import vocab_parallel_cross_entropy
 
 __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
@@ -43,7 +45,7 @@ class Pipeline:
     def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
         ps, v = model.ps, len(model.chunk_ranges)
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
-        stages = [PipelineStage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+        stages = [RecordedStage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
                                 group=ps.pp_group) for k in range(v)]
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
@@ -71,8 +73,10 @@ class Pipeline:
         tokens = torch.cat([b["tokens"] for b in batches])
         target = torch.cat([torch.stack([b["labels"], b["loss_mask"].long() if "loss_mask" in b
                                          else torch.ones_like(b["labels"])], dim=1) for b in batches])
+        documents = {k: torch.cat([b[k] for b in batches]) for k in ("position_ids", "attention_mask")
+                     if k in batches[0]}
         self._factor, self._losses = factor, []
-        self.schedule.step(tokens, target=target, return_outputs=False)
+        self.schedule.step(tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
         # the last m calls are the micro batches' (torch's first step also calls the loss once on a
         # stand-in output to learn the gradient's metadata)
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None
