@@ -165,13 +165,20 @@ def test_eval_and_generate_commands_at_pp2_match_pp1_from_a_folder_and_a_pp1_tnl
     convert.hf_to_checkpoint(cli_folder, str(ckpt), tokenizer_model="builtin")
     text = tmp_path / "notes.txt"
     text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 2)
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["To be, or not to be, that is the question",
+                                                                         "Of man's first disobedience, and the fruit",
+                                                                         "Sing, goddess, the anger of Achilles"]))
     evaluate = ["eval", "--task", "text", "--input", str(text), "--overlapping-eval", "8", "--json"]
+    strict = ["eval", "--task", "lambada", "--strict", "--input", str(lambada), "--json"]
     generate = ["generate", "--prompt", "To be", "--prompt", "Of man", "--top-k", "8", "--seed", "5",
                 "--max-new-tokens", "5", "--json"]
     for source in (["--checkpoint", cli_folder, "--tokenizer-model", "builtin"], ["--checkpoint", str(ckpt)]):
         ev1, ev2 = (_json(capfd, evaluate + source + pp) for pp in ([], ["--pp", "2", "--nproc-per-node", "2"]))
         assert ev2["pipeline_model_parallel_size"] == 2 and ev1["pipeline_model_parallel_size"] == 1
         assert math.isclose(ev2["val_loss"], ev1["val_loss"], rel_tol=1e-5), (source, ev1, ev2)
+        la1, la2 = (_json(capfd, strict + source + pp) for pp in ([], ["--pp", "2", "--nproc-per-node", "2"]))
+        assert (la2["correct"], la2["num_examples"]) == (la1["correct"], 3), (source, la1, la2)
         gen1, gen2 = (_json(capfd, generate + source + pp) for pp in ([], ["--pp", "2", "--nproc-per-node", "4"]))
         assert gen2["data_parallel_size"] == 2 and gen2["results"] == gen1["results"], source  # PP 2 x DP 2
 
@@ -181,8 +188,9 @@ def test_a_pipeline_layout_that_cannot_run_is_one_paragraph_before_any_process_s
     for argv, needle in [(["--pp", "3", "--nproc-per-node", "4"],
                           "--pipeline-model-parallel-size 3 does not divide the 4 processes / TP 1 = 4; valid "
                           "pipeline sizes at --tp 1 on 4 processes: [1, 2, 4]"),
-                         (["--pp", "8"], f"--pipeline-model-parallel-size 8 is more stages than the model's {LAYERS} "
-                                         f"layers; every stage needs at least one layer: valid sizes are 1 to {LAYERS}"),
+                         (["--pp", "8"], f"--pipeline-model-parallel-size 8 is more stages than the model's "
+                                         f"{LAYERS} layers; every stage needs at least one layer: valid sizes are 1 "
+                                         f"to {LAYERS}"),
                          (["--pp", "0"], "--pipeline-model-parallel-size must be >= 1, got 0")]:
         assert main(["generate", *common, *argv]) == 2
         err = capfd.readouterr().err
@@ -193,8 +201,8 @@ def test_a_pipeline_layout_that_cannot_run_is_one_paragraph_before_any_process_s
 def _run(tmp_path, name, argv) -> tuple[list, str]:
     metrics = tmp_path / f"{name}.jsonl"
     out = run_tnlg(["pretrain", "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", "--log-interval",
-                    "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "12", "--num-layers", "4",
-                    "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
+                    "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "12",
+                    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
                     "--global-batch-size", "16",
                     "--metrics-file", str(metrics), *argv], tmp_path)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

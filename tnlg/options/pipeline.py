@@ -47,9 +47,9 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     bad = [what(o) for is_set, what in UNSUPPORTED if is_set(o)]
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
-                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and recomputation, with "
-                        f"validation and the final sample, without checkpoints (docs/pipeline.md); drop those options or "
-                        f"use --pp 1.")
+                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and "
+                        f"recomputation, with validation and the final sample, without checkpoints (docs/pipeline.md); "
+                        f"drop those options or use --pp 1.")
     _check_layers(o, pp)
     if world_size is not None:
         _check_world(o, pp, world_size)
