@@ -207,7 +207,7 @@ def _run(tmp_path, name, argv) -> tuple[list, str]:
                     "--metrics-file", str(metrics), *argv], tmp_path)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     valid = [(r["iteration"], r["loss"]) for r in rows if r.get("split") == "valid"]
-    sample = re.search(r"sample:\n(.*?)\n+tnlg pretrain: finished", out, re.S)
+    sample = re.search(r"sample:\n(.*?)\s*(?:tnlg pretrain: finished|\Z)", out, re.S)  # (the last lines)
     assert sample and sample.group(1).strip(), out[-2000:]
     return valid, sample.group(1)
 

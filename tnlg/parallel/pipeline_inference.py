@@ -25,8 +25,8 @@ alternate), and the loss function returns one scalar per micro batch. Evaluation
 (LAMBADA pads each batch to its longest example, the last batch is smaller, the validation batches
 need not be a multiple of the training's micro batches), the figures are token-weighted sums, and
 generation feeds each token back to the first stage with a cache that grows; no torch schedule does
-that. The pass here has no bubble-filling schedule of its own, but consecutive batches still overlap:
-a stage starts the next batch as soon as it has sent the previous one on.
+that. The pass here has no schedule of its own, but consecutive batches still overlap: a stage
+starts the next batch as soon as the next stage has received the previous one.
 
 Sequence parallelism is not used in these passes (the activations are ``[b, s, h]`` on every TP rank;
 same numbers, more activation memory), as the GPT's own incremental decoding does.
