@@ -1,7 +1,7 @@
 """Evaluation and generation through a pipeline: the same logits, tokens and figures as without one.
 
 References are independent of the pipeline code: tnlg's plain GPT in one process (no process
-group) with the same weights, and `transformers`' GPT-2 (its logits and greedy `generate`). The
+group) with the same weights, and `transformers`' GPT-2 (its logits). The
 pipeline ranks load a Hugging Face folder or a tnlg checkpoint written at PP 1 by parameter name.
 """
 
@@ -24,26 +24,18 @@ from tnlg.parallel.sharding import load_full_state_dict
 from tnlg.parallel.vocab import gather_logits
 from tnlg.testing import run_distributed, run_tnlg
 
-VOCAB, SEQ, EOD, LAYERS, NEW = 96, 32, 95, 4, 10
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3], [40, 2, 40, 2, 40, 2, 7, 77]]
-SAMPLING = [dict(top_k=10, temperature=0.8), dict(top_p=0.9), dict(top_k=20, top_p=0.8, temperature=1.3)]
+from tests.test_generate import EOD, PROMPTS, SAMPLING, VOCAB
+from tests.test_generate import _hf_model as _generate_hf_model
+
+SEQ, LAYERS, NEW = 32, 4, 10
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (PP, TP) on 4 processes: DP 2, 1, 1
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_model(seed=0, vocab=VOCAB, seq=SEQ):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
-                                  bos_token_id=EOD, eos_token_id=EOD, pad_token_id=0)
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # non-trivial LayerNorms and biases
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
+    """A random `transformers` GPT-2 of LAYERS layers with non-trivial LayerNorms and biases."""
+    return _generate_hf_model(vocab=vocab, seq=seq, seed=seed, n_layer=LAYERS)
 
 
 @torch.no_grad()
