@@ -40,10 +40,10 @@ class CharTokenizer:
     eod_id = len(chars)
 
 
-def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, n_embd=32, n_head=4):
+def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, n_embd=32, n_head=4, n_layer=2):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab,
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
                                   bos_token_id=EOD, eos_token_id=EOD, pad_token_id=0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()

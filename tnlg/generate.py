@@ -1,4 +1,4 @@
-"""Tensor-parallel text generation with a KV cache: greedy, temperature, top-k, top-p.
+"""Tensor- and pipeline-parallel text generation with a KV cache: greedy, temperature, top-k, top-p.
 
 Python API::
 
@@ -20,6 +20,12 @@ after the distribution is formed, so a seed gives the same tokens at every TP si
 and whatever else is in the batch; the chosen ids are then broadcast from TP rank 0
 so every TP rank feeds the same token. Collectives per new token: the model's TP
 all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
+
+Pipeline parallelism (``model`` a :class:`~tnlg.parallel.pipeline.StageModel`, e.g. from
+:func:`tnlg.checkpoint.load_for_inference` at ``PP > 1``): each stage keeps the KV cache of its
+own layers, the hidden state of each new position goes stage to stage, the last stage chooses
+the token as above and broadcasts it to every stage (:mod:`tnlg.parallel.pipeline_inference`);
+every rank of the job returns the same ids, the same as without a pipeline.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from .errors import UserError
 from .eval.loading import (add_common_arguments, check_tokenizer_fits, checkpoint_seq_length, hf_tokenizer_spec,
                            is_hf_folder, load_model, precheck_checkpoint, resolve_tokenizer, run_command)
 from .eval.sampling import make_generators, sample_from_candidates
-from .model import KVCache
+from .parallel.pipeline_inference import forward_logits, from_last_stage, model_device, new_kv_cache
 from .parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
 
 __all__ = ["generate", "generate_ids", "continuation_text"]
@@ -91,8 +97,8 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 
     ``eod_id`` when ``stop_at_eod`` (the returned ids end with it). Generation stops
     where prompt + new tokens would exceed the model's ``seq_length`` (the longest
     prompt of a batch decides; a warning says so). ``vocab_size`` limits the ids that
-    can be chosen (default the model's). Every TP rank of a group must call this with
-    the same arguments; all get the same result.
+    can be chosen (default the model's). Every TP rank and pipeline stage of a group
+    must call this with the same arguments; all get the same result.
     """
     cfg = model.config
     vocab = min(vocab_size or cfg.vocab_size, cfg.vocab_size)
@@ -120,9 +126,12 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 
     return out
 
 
-def _choose(logits: torch.Tensor, ps, vocab: int, greedy: bool, temperature: float, top_k: int, top_p: float,
-            gens) -> torch.Tensor:
-    """The next id per row from last-position vocab shards ``[b, V/tp]``, identical on all TP ranks."""
+def _choose(logits: Optional[torch.Tensor], ps, vocab: int, greedy: bool, temperature: float, top_k: int,
+            top_p: float, gens, device) -> torch.Tensor:
+    """The next id per row from last-position vocab shards ``[b, V/tp]`` (the last pipeline stage's;
+    ``None`` on the other stages), identical on all TP ranks and pipeline stages."""
+    if logits is None:  # a stage before the last: the id comes from the last stage
+        return from_last_stage(torch.empty(len(gens), dtype=torch.long, device=device), ps)
     logits = logits.float()
     if greedy:
         nxt = vocab_parallel_argmax(logits, ps, vocab)
@@ -132,17 +141,17 @@ def _choose(logits: torch.Tensor, ps, vocab: int, greedy: bool, temperature: flo
         else:
             values, ids = full_vocab_candidates(logits, ps, vocab)
         nxt = sample_from_candidates(values, ids, temperature, top_p, gens)
+    nxt = nxt.contiguous()
     if ps.tp_size > 1:  # the candidates are identical already; this makes the choice so by construction
-        nxt = nxt.contiguous()
         dist.broadcast(nxt, src=ps.tp_src_rank, group=ps.tp_group)
-    return nxt
+    return from_last_stage(nxt, ps)
 
 
 def _generate_batch(model, prompts: list[list[int]], max_new: int, greedy: bool, temperature: float, top_k: int,
                     top_p: float, gens, stop_id: Optional[int], pad_id: int, use_cache: bool,
                     vocab: int) -> list[list[int]]:
     ps, cfg = model.ps, model.config
-    device = model.transformer.wte.weight.device
+    device = model_device(model)
     b = len(prompts)
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
@@ -164,7 +173,7 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, greedy: bool,
         allowed = torch.ones(total, total, dtype=torch.bool, device=device).tril()[None] & \
             (ar[None, None, :] >= pads[:, None, None])
         allowed |= torch.eye(total, dtype=torch.bool, device=device)[None]  # pad queries: themselves (no NaN)
-    cache = KVCache(model, b, total) if use_cache and max_new > 0 else None
+    cache = new_kv_cache(model, b, total) if use_cache and max_new > 0 else None
     # Bookkeeping stays on the device: no host sync per token (on a GPU the next step's kernels are
     # queued while this one runs); "all rows done?" is read every `check_every` tokens.
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -176,8 +185,9 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, greedy: bool,
         kwargs = {}
         if padded:
             kwargs = dict(position_ids=positions[:, start:cur], attention_mask=allowed[:, start:cur, :cur])
-        logits = model(tokens[:, start:cur], kv_cache=cache, last_only=True, **kwargs)[:, -1]
-        nxt = _choose(logits, ps, vocab, greedy, temperature, top_k, top_p, gens)
+        logits = forward_logits(model, tokens[:, start:cur], kv_cache=cache, last_only=True, **kwargs)
+        nxt = _choose(None if logits is None else logits[:, -1], ps, vocab, greedy, temperature, top_k, top_p,
+                      gens, device)
         tokens[:, cur] = nxt
         cur += 1
         produced += ~done
@@ -237,12 +247,13 @@ Prompts are left-padded into batches (--micro-batch-size) with an attention mask
 per-row positions, so each continuation is what the prompt gives alone. Output: the
 prompt followed by its continuation, one block per prompt; --json prints one object
 {"results": [{"prompt", "text", "tokens"}, ...], ...}. A seed gives the same text at
-every tensor-parallel size.
+every tensor- and pipeline-parallel size.
 
 examples:
   tnlg generate --checkpoint gpt2/ --prompt "The Turing-NLG model" --greedy --max-new-tokens 40
   tnlg generate --checkpoint runs/ckpt --prompts-file prompts.txt --top-k 40 --temperature 0.8 --seed 7
   torchrun --nproc-per-node 2 -m tnlg generate --tp 2 --checkpoint gpt2/ --prompt "Hello" --top-p 0.9
+  tnlg generate --pp 2 --checkpoint runs/ckpt --prompt "Hello" --greedy     # 2 pipeline stages, 2 processes
 """
 
 
@@ -298,15 +309,15 @@ def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
     seconds = time.time() - t0
     results = [{"prompt": p, "text": continuation_text(tokenizer, i, n, args.stop_at_eod), "tokens": n}
                for p, i, n in zip(mine, ids, new)]
-    if ps.dp_size > 1:
+    if ps.dp_size > 1:  # every rank holds its group's results: take those of the first stage's TP rank 0
         gathered = [None] * ps.world_size
         dist.all_gather_object(gathered, results)
-        results = [r for rank in range(0, ps.world_size, ps.tp_size) for r in gathered[rank]]
+        results = [r for rank in range(0, ps.dp_size * ps.tp_size, ps.tp_size) for r in gathered[rank]]
     n_tokens = sum(len(r["tokens"]) for r in results)
     return {"results": results, "new_tokens": n_tokens, "generate_seconds": round(seconds, 3),
             "tokens_per_second": round(n_tokens / seconds, 2) if seconds > 0 else None,
-            "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
-            "seconds": round(time.time() - start, 3)}
+            "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
+            "data_parallel_size": ps.dp_size, "seconds": round(time.time() - start, 3)}
 
 
 def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
@@ -326,8 +337,10 @@ def run(args) -> int:
         for r in result["results"]:
             print(f"{r['prompt']}{r['text']}")
             print("-" * 40)
+        pp = result["pipeline_model_parallel_size"]
         print(f"{result['new_tokens']} new tokens in {result['generate_seconds']} s "
-              f"({result['tokens_per_second']} tokens/s) at TP={result['tensor_model_parallel_size']}",
+              f"({result['tokens_per_second']} tokens/s) at TP={result['tensor_model_parallel_size']}"
+              f"{f' x PP={pp}' if pp > 1 else ''}",
               file=sys.stderr)
 
     _check_sampling(args.max_new_tokens, args.greedy or args.temperature == 0, args.temperature, args.top_k,

@@ -26,7 +26,7 @@ from .config import GPTConfig
 from .data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
 from .errors import UserError
 from .io import fsync_dir, give_umask_mode, temporary_name
-from .model import GPT
+from .parallel.pipeline_inference import inference_model
 from .parallel.sharding import full_state_dict, load_full_state_dict
 from .parallel.state import ParallelState
 
@@ -121,12 +121,17 @@ def _load_hf_model(model_or_dir):
 
 def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
     """A TP-sharded :class:`tnlg.GPT` with the weights of a GPT-2 model or folder (``overrides``: other
-    :class:`~tnlg.config.GPTConfig` fields). Each rank keeps its slice; no communication."""
+    :class:`~tnlg.config.GPTConfig` fields); at ``ps.pp_size > 1`` this pipeline stage's
+    :class:`~tnlg.parallel.pipeline.StageModel` (its layers, by the GPT's names). Each rank keeps its
+    slice; no communication."""
     ps = ps or ParallelState.single()
     hf = _load_hf_model(model_or_dir)
     cfg = config_from_hf(hf.config, **overrides)
-    model = GPT(cfg, ps)
-    load_full_state_dict(model, hf_to_tnlg_state_dict(hf.state_dict(), cfg), ps)
+    model = inference_model(cfg, ps)
+    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
+    if ps.pp_size > 1:  # this stage's parameters only (a name the stage lacks is still a mismatch)
+        full = {name: full[name] for name, _ in model.named_parameters() if name in full}
+    load_full_state_dict(model, full, ps)
     return model
 
 

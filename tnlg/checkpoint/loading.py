@@ -22,7 +22,7 @@ import torch
 from ..config import GPTConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError, agreed
-from ..model import GPT
+from ..parallel.pipeline_inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
@@ -304,7 +304,8 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> tup
 
 def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
     """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
-    process) with the checkpoint's weights, in eval mode.
+    process) with the checkpoint's weights, in eval mode; at ``ps.pp_size > 1`` this pipeline stage's
+    :class:`~tnlg.parallel.pipeline.StageModel` (its layers, loaded by the GPT's names).
 
     ``path`` is a checkpoint root (its ``latest`` iteration, else the newest complete one) or an
     ``iter_*`` directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if given, else
@@ -322,7 +323,7 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
     meta, cfg, targets, tokenizer = _agreed_plan(lambda: _inference_plan(iter_dir, ps, tokenizer_override), iter_dir)
     for note in notes:
         _log(ps, note)
-    model = GPT(cfg, ps)
+    model = inference_model(cfg, ps)  # at PP > 1 this stage's layers, under the GPT's names
     reader = ShardReader(iter_dir, meta, F.model_file)
     with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():

@@ -44,6 +44,7 @@ examples:
   tnlg eval --task lambada --strict --checkpoint gpt2/ --input lambada_test.jsonl --json
   tnlg eval --task text --checkpoint runs/gpt notes.txt essay.txt
   torchrun --nproc-per-node 4 -m tnlg eval --task wikitext --tp 4 --checkpoint runs/ckpt --input f.txt
+  tnlg eval --task lambada --pp 2 --tp 2 --checkpoint gpt2/ --input lambada_test.jsonl   # 4 processes
 """
 
 
@@ -163,8 +164,8 @@ def evaluate(args, ps) -> dict:
         out.update(split=args.split, eval_split=args.eval_split, seq_length=seq)
     return {"task": args.task, **out, "checkpoint": args.checkpoint,
             "input": args.input if args.task == "text" else path,
-            "tensor_model_parallel_size": ps.tp_size, "data_parallel_size": ps.dp_size,
-            "seconds": round(time.time() - start, 3)}
+            "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
+            "data_parallel_size": ps.dp_size, "seconds": round(time.time() - start, 3)}
 
 
 _LABELS = {
@@ -191,8 +192,10 @@ def _rows(result: dict) -> list[tuple[str, object]]:
             rows.append((k, result[k]))
     for f in result.get("files", []) if len(result.get("files", [])) > 1 else []:
         rows.append((f"  {f['path']}", f"ppl {f['ppl']:.6g} over {f['num_targets']:,} targets"))
-    rows += [("tensor/data parallel", f"{result['tensor_model_parallel_size']} x {result['data_parallel_size']}"),
-             ("seconds", result["seconds"])]
+    rows.append(("tensor/data parallel", f"{result['tensor_model_parallel_size']} x {result['data_parallel_size']}"))
+    if result["pipeline_model_parallel_size"] > 1:
+        rows.append(("pipeline stages", result["pipeline_model_parallel_size"]))
+    rows.append(("seconds", result["seconds"]))
     return rows
 
 

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
+from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_argmax
 from .batches import eval_mode, micro_batches
 
@@ -108,11 +109,12 @@ def lambada_accuracy(model, examples: Sequence[tuple[Sequence[int], Sequence[int
     position equals the target token.
 
     Examples are spread over DP ranks (``i % dp_size``) and right-padded per batch.
-    Collectives: the model's TP all-reduces, one ``[b, s]`` all-gather over TP for the
-    vocab-parallel argmax, and one all-reduce of the correct count over DP.
+    Collectives: the model's TP all-reduces (through a pipeline also its sends between stages),
+    on the last stage one ``[b, s]`` all-gather over TP for the vocab-parallel argmax, and one
+    all-reduce of the correct count over DP (through a pipeline, then broadcast from the last stage).
     """
     ps = model.ps
-    device = model.transformer.wte.weight.device
+    device = model_device(model)
     vocab = model.config.vocab_size
     mine = list(examples)[ps.dp_rank::ps.dp_size]
     correct = torch.zeros((), dtype=torch.float64, device=device)
@@ -125,10 +127,12 @@ def lambada_accuracy(model, examples: Sequence[tuple[Sequence[int], Sequence[int
                 rows[r, :len(c) + len(t)] = torch.tensor(list(c) + list(t))
                 scored[r, len(c) - 1:len(c) + len(t) - 1] = True  # positions predicting the target
             rows, scored = rows.to(device), scored.to(device)
-            pred = vocab_parallel_argmax(model(rows[:, :-1]), ps, vocab)
-            ok = (pred == rows[:, 1:]) | ~scored
+            logits = forward_logits(model, rows[:, :-1])
+            if logits is None:  # a pipeline stage before the last
+                continue
+            ok = (vocab_parallel_argmax(logits, ps, vocab) == rows[:, 1:]) | ~scored
             correct += ok.all(dim=1).sum()
-    all_reduce(correct, ps.dp_group)
+    from_last_stage(all_reduce(correct, ps.dp_group), ps)
     n = len(examples)
     out = {"num_examples": n, "correct": int(correct), "accuracy": float(correct) / n}
     if strict is not None:

@@ -2,7 +2,8 @@
 
 * :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
   with :func:`tnlg.hf.from_hf`) or a tnlg checkpoint (through
-  ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout.
+  ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout; at ``--pp P``
+  this stage's layers only (:func:`tnlg.parallel.pipeline_inference.inference_model`).
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
   relaunch the same command on N local processes (:func:`tnlg.launch.relaunch`);
@@ -23,11 +24,12 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..hf import from_hf
 from ..launch import check_nodes, join, launcher_world_size, relaunch
+from ..options.pipeline import check_pipeline_world, check_stage_count
 from ..parallel.state import ParallelState, destroy_parallel, is_distributed
 
-__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "load_model", "resolve_tokenizer",
-           "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments", "launch_or_init",
-           "print_table"]
+__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model",
+           "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits", "add_common_arguments",
+           "launch_or_init", "print_table"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
                  "given. Pass --tokenizer-model with a SentencePiece .model file, a folder holding GPT-2's "
@@ -62,11 +64,20 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
     """The model's ``seq_length`` read from the checkpoint's metadata (no weights), or ``None``."""
+    return _checkpoint_size(checkpoint, "n_positions", "seq_length")
+
+
+def checkpoint_num_layers(checkpoint: str) -> Optional[int]:
+    """The model's layer count read from the checkpoint's metadata (no weights), or ``None``."""
+    return _checkpoint_size(checkpoint, "n_layer", "num_layers")
+
+
+def _checkpoint_size(checkpoint: str, hf_key: str, key: str) -> Optional[int]:
     try:
         if is_hf_folder(checkpoint):
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-                return int(json.load(f)["n_positions"])
-        return int(read_meta(resolve(checkpoint, "checkpoint"))["config"]["seq_length"])
+                return int(json.load(f)[hf_key])
+        return int(read_meta(resolve(checkpoint, "checkpoint"))["config"][key])
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None
 
@@ -115,8 +126,11 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                         "GPT-2 vocab.json + merges.txt, or 'builtin'")
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N",
                    help="tensor-parallel size (default 1); must divide the number of processes")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1, metavar="P",
+                   help="pipeline stages (default 1): the layers split as evenly as possible over P stages, "
+                        "each holding its layers' weights and KV cache; P x TP must divide the processes")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="local processes to launch (default: the TP size); the extra factor is data "
+                   help="local processes to launch (default: TP x PP); the extra factor is data "
                         "parallelism. Not needed under torchrun, which sets the world")
     p.add_argument("--nnodes", type=int, default=1, metavar="N",
                    help="nodes of the job, each running this command with --nproc-per-node (default 1); needs "
@@ -133,15 +147,21 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Optional[ParallelState]]:
     """``(exit status, None)`` after launching ``--nproc-per-node`` local processes, or
     ``(None, ps)`` to run here: under torchrun/elastic (joining its process group) or as
-    the only process (CUDA when available)."""
-    if args.tp < 1:
-        raise UserError(f"--tensor-model-parallel-size must be >= 1, got {args.tp}.")
+    the only process (CUDA when available). The layout (TP, PP against the processes and the
+    checkpoint's layers) is checked first, before any process starts."""
+    for flag, value in (("--tensor-model-parallel-size", args.tp), ("--pipeline-model-parallel-size", args.pp)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}.")
+    layers = checkpoint_num_layers(args.checkpoint)
+    if layers is not None:
+        check_stage_count(args.pp, layers)
     world = launcher_world_size()
     if world is None:
-        nproc = args.nproc_per_node or args.tp
+        nproc = args.nproc_per_node or args.tp * args.pp
         if nproc < 1 or nproc % args.tp:
             raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
                             f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
+        check_pipeline_world(args.pp, args.tp, nproc * args.nnodes)
         check_nodes(args.nnodes, args.rdzv_endpoint)
         status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
@@ -150,7 +170,8 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
     if world % args.tp:
         raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
                         "torchrun started.")
-    return None, join(args.tp)
+    check_pipeline_world(args.pp, args.tp, world)
+    return None, join(args.tp, pipeline_parallel_size=args.pp)
 
 
 def run_command(command: str, add_arguments, args, work: Callable[[ParallelState], dict],

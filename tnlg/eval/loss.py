@@ -18,6 +18,7 @@ from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.indexed import IndexedDataset
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
+from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_cross_entropy
 from .batches import eval_mode, micro_batches
 
@@ -61,11 +62,12 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
     """Token-mean loss (over ``loss_mask``) of a dataset's samples, and ``exp(min(20, loss))``.
 
     Samples are spread over DP ranks (``i % dp_size``). Collectives: the model's TP
-    all-reduces and the cross-entropy's three ``[b, s]`` all-reduces per batch, then one
-    float64 all-reduce of ``[loss sum, token count]`` over DP.
+    all-reduces (through a pipeline also its sends between stages) and, on the last stage, the
+    cross-entropy's three ``[b, s]`` all-reduces per batch, then one float64 all-reduce of
+    ``[loss sum, token count]`` over DP (through a pipeline, then broadcast from the last stage).
     """
     ps = model.ps
-    device = model.transformer.wte.weight.device
+    device = model_device(model)
     n = len(dataset) if not max_samples else min(len(dataset), max_samples)
     if n == 0:
         raise UserError("the dataset has no samples to evaluate.")
@@ -75,13 +77,15 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
         for chunk in micro_batches(mine, micro_batch_size, progress, "loss"):
             items = [dataset[j] for j in chunk]
             batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
-            logits = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                           attention_mask=batch.get("attention_mask"))
+            logits = forward_logits(model, batch["tokens"], position_ids=batch.get("position_ids"),
+                                    attention_mask=batch.get("attention_mask"))
+            if logits is None:  # a pipeline stage before the last
+                continue
             losses = vocab_parallel_cross_entropy(logits, batch["labels"], ps, model.config.vocab_size)
             mask = batch["loss_mask"].double()
             sums[0] += (losses.double() * mask).sum()
             sums[1] += mask.sum()
-    all_reduce(sums, ps.dp_group)
+    from_last_stage(all_reduce(sums, ps.dp_group), ps)
     tokens = int(sums[1])
     loss = float(sums[0]) / max(tokens, 1)
     return {"loss": loss, "ppl": math.exp(min(20.0, loss)), "num_samples": n, "num_tokens": tokens,

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
+from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_cross_entropy
 from .batches import eval_mode, micro_batches
 
@@ -40,16 +41,18 @@ def window_loss_sums(model, streams: Sequence[Sequence[int]], seq: int, stride: 
     """``(summed loss in nats per stream, number of windows)``: every target of every stream scored once.
 
     Windows (of all streams together) are spread over data-parallel ranks (``window % dp_size``);
-    within a TP group every rank runs the same windows. Collectives: per forward the model's TP
-    all-reduces and the vocab-parallel cross-entropy's three ``[b, seq]`` all-reduces; at the end
-    one float64 all-reduce of the ``[streams]`` sums over DP. Every rank returns the same figures.
+    within a TP group (and a pipeline group) every rank runs the same windows. Collectives: per forward
+    the model's TP all-reduces (and, through a pipeline, :func:`~tnlg.parallel.pipeline_inference.forward_logits`'
+    sends) and, on the last stage, the vocab-parallel cross-entropy's three ``[b, seq]`` all-reduces; at the end
+    one float64 all-reduce of the ``[streams]`` sums over DP and, through a pipeline, their broadcast from the
+    last stage. Every rank returns the same figures.
     """
     ps = model.ps
     if seq > model.config.seq_length:
         raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
     windows = [(i, s, first) for i, toks in enumerate(streams) for s, first in eval_windows(len(toks), seq, stride)]
     mine = windows[ps.dp_rank::ps.dp_size]
-    device = model.transformer.wte.weight.device
+    device = model_device(model)
     data = [torch.tensor(list(toks) + [pad_id] * (seq + 1), dtype=torch.long) for toks in streams]
     totals = torch.zeros(len(streams), dtype=torch.float64, device=device)
     pos = torch.arange(seq)
@@ -58,9 +61,11 @@ def window_loss_sums(model, streams: Sequence[Sequence[int]], seq: int, stride: 
             rows = torch.stack([data[i][s:s + seq + 1] for i, s, _ in chunk]).to(device)
             scored = torch.stack([(pos >= first) & (s + 1 + pos <= len(streams[i]) - 1)
                                   for i, s, first in chunk]).to(device)
-            logits = model(rows[:, :-1])
+            logits = forward_logits(model, rows[:, :-1])
+            if logits is None:  # a pipeline stage before the last
+                continue
             losses = vocab_parallel_cross_entropy(logits, rows[:, 1:], ps, model.config.vocab_size)
             which = torch.tensor([i for i, _, _ in chunk], device=device)
             totals.index_add_(0, which, (losses.double() * scored).sum(dim=1))
-    all_reduce(totals, ps.dp_group)
+    from_last_stage(all_reduce(totals, ps.dp_group), ps)
     return totals.tolist(), len(windows)

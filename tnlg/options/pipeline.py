@@ -11,7 +11,7 @@ from typing import Optional
 from ..config import divisors, stage_layer_counts
 from ..errors import UserError
 
-__all__ = ["check_pipeline", "virtual_stages", "UNSUPPORTED"]
+__all__ = ["check_pipeline", "check_pipeline_world", "check_stage_count", "virtual_stages", "UNSUPPORTED"]
 
 # what --pp > 1 does not run with yet: (is it set?, what to write)
 UNSUPPORTED = (
@@ -21,10 +21,6 @@ UNSUPPORTED = (
     (lambda o: o.compile, lambda o: "--compile"),
     (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
     (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),
-    (lambda o: o.eval_interval > 0 and o.eval_iters > 0, lambda o: f"--eval-interval {o.eval_interval} "
-     f"(validation; give --eval-interval 0)"),
-    (lambda o: bool(o.sample_prompt) and o.sample_tokens > 0, lambda o: f"--sample-prompt {o.sample_prompt!r} "
-     f"(generation; give --sample-prompt '')"),
 )
 
 
@@ -49,19 +45,24 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     bad = [what(o) for is_set, what in UNSUPPORTED if is_set(o)]
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
-                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and recomputation, without "
-                        f"checkpoints, validation or generation (docs/pipeline.md); drop those options or "
-                        f"use --pp 1.")
+                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and "
+                        f"recomputation, with validation and the final sample, without checkpoints (docs/pipeline.md); "
+                        f"drop those options or use --pp 1.")
     _check_layers(o, pp)
     if world_size is not None:
         _check_world(o, pp, world_size)
 
 
-def _check_layers(o, pp: int) -> None:
-    layers, n = o.num_layers, o.num_layers_per_virtual_pipeline_stage
+def check_stage_count(pp: int, layers: int) -> None:
+    """Every stage needs a layer (also ``tnlg eval``/``generate``'s check against a checkpoint's layers)."""
     if pp > layers:
         raise UserError(f"--pipeline-model-parallel-size {pp} is more stages than the model's {layers} layers; "
                         f"every stage needs at least one layer: valid sizes are 1 to {layers}.")
+
+
+def _check_layers(o, pp: int) -> None:
+    layers, n = o.num_layers, o.num_layers_per_virtual_pipeline_stage
+    check_stage_count(pp, layers)
     if o.pipeline_schedule == "interleaved":
         if n is None:
             raise UserError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage N "
@@ -82,13 +83,18 @@ def _check_layers(o, pp: int) -> None:
         stage_layer_counts(layers, pp, o.decoder_first_pipeline_num_layers, o.decoder_last_pipeline_num_layers)
 
 
-def _check_world(o, pp: int, world_size: int) -> None:
-    tp, micro, gbs = o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size
+def check_pipeline_world(pp: int, tp: int, world_size: int) -> None:
+    """The stages must divide the processes TP leaves (a TP that does not divide them is said elsewhere)."""
     if world_size % tp == 0 and (world_size // tp) % pp:
         rest = world_size // tp
         valid = divisors(rest)
         raise UserError(f"--pipeline-model-parallel-size {pp} does not divide the {world_size} processes / TP {tp} "
                         f"= {rest}; valid pipeline sizes at --tp {tp} on {world_size} processes: {valid}.")
+
+
+def _check_world(o, pp: int, world_size: int) -> None:
+    tp, micro, gbs = o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size
+    check_pipeline_world(pp, tp, world_size)
     dp = max(1, world_size // (tp * pp))
     if gbs is None or gbs % (micro * dp):
         return  # the global-batch check says it

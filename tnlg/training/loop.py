@@ -167,7 +167,8 @@ class Trainer:
             print(msg, flush=True)
 
     def _sample(self) -> Optional[str]:
-        """The sample printed at the end (``--sample-prompt``, ``--sample-tokens``; collective over TP)."""
+        """The sample printed at the end (``--sample-prompt``, ``--sample-tokens``; collective over TP and,
+        through a pipeline, over its stages: :mod:`tnlg.generate`)."""
         o = self.o
         if not o.sample_prompt or not o.sample_tokens:
             return None

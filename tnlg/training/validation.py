@@ -2,7 +2,8 @@
 
 The validation loss is token-weighted over the loss-mask tokens of the first
 ``--eval-iters`` global batches of the validation split (the same samples every
-time), as ``tnlg eval --task loss`` computes it (:func:`tnlg.eval.loss.dataset_loss`).
+time), as ``tnlg eval --task loss`` computes it (:func:`tnlg.eval.loss.dataset_loss`), with or
+without a pipeline.
 Without ``--eod-mask-loss`` every batch holds the same number of tokens, so this
 is also the mean of the batch means.
 """
@@ -31,7 +32,10 @@ def validation_samples(dataset, o: Options, ps: ParallelState) -> int:
 def evaluate(model, dataset, o: Options, ps: ParallelState, autocast: Optional[torch.dtype]) -> Optional[float]:
     """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
     the model's TP collectives per batch (the same number of batches on every DP rank) and one
-    all-reduce of ``[loss sum, tokens]`` over DP."""
+    all-reduce of ``[loss sum, tokens]`` over DP. Through a pipeline (``model`` a stage's
+    :class:`~tnlg.parallel.pipeline.StageModel`) each batch runs forward only, stage to stage
+    (:func:`tnlg.parallel.pipeline_inference.forward_logits`), the last stage computes the loss and
+    broadcasts the sums over the pipeline group, so every rank reports the loss of the run without one."""
     if dataset is None or o.eval_iters == 0:
         return None
     n = validation_samples(dataset, o, ps)
