@@ -26,6 +26,8 @@ def test_a_runnable_pipeline_layout_resolves():
     o = _resolve(["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
                   "--global-batch-size", "16", "--micro-batch-size", "2"])
     assert o.pipeline_schedule == "interleaved"  # a virtual-stage size selects it, as Megatron's
+    for argv in (["--zero-stage", "3"], ["--bf16"]):  # FSDP2's ZeRO 2/3 and 16 bits run with a pipeline
+        _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"] + argv)
 
 
 @pytest.mark.parametrize("argv,world,match", [
@@ -38,8 +40,6 @@ def test_a_runnable_pipeline_layout_resolves():
     (["--pp", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 4,
      r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 3 layers per stage .* valid: \[1, 3\]"),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "4"], 4, r"every pipeline stage needs at least one"),
-    (["--pp", "2", "--zero-stage", "2"], 4, r"--zero-stage 2 \(use 0 or 1\) is not supported with "
-                                            r"--pipeline-model-parallel-size > 1 yet"),
     (["--pp", "2", "--save", "ckpt"], 4, r"--save ckpt \(checkpoints\) is not supported with"),
     (["--pp", "2", "--eval-interval", "10"], 4, r"--eval-interval 10 \(validation; give --eval-interval 0\)"),
     (["--pp", "2", "--reset-position-ids"], 4, r"--reset-position-ids is not supported with"),

@@ -15,7 +15,6 @@ __all__ = ["check_pipeline", "virtual_stages", "UNSUPPORTED"]
 
 # what --pp > 1 does not run with yet: (is it set?, what to write)
 UNSUPPORTED = (
-    (lambda o: o.zero_stage >= 2 and o.zero_impl == "tnlg", lambda o: f"--zero-stage {o.zero_stage} (use 0 or 1)"),
     (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its own "
      "engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
     (lambda o: o.reset_position_ids or o.reset_attention_mask,
@@ -51,7 +50,7 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     bad = [what(o) for is_set, what in UNSUPPORTED if is_set(o)]
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
-                        f"{pp}). Pipelines train fp32, bf16 or fp16 with ZeRO 0 or 1, TP (sequence parallelism too), DP and recomputation, without "
+                        f"{pp}). Pipelines train fp32, bf16 or fp16 with ZeRO 0-3, TP (sequence parallelism too), DP and recomputation, without "
                         f"checkpoints, validation or generation (docs/pipeline.md); drop those options or "
                         f"use --pp 1.")
     _check_layers(o, pp)
