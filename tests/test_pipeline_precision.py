@@ -1,5 +1,6 @@
 """Pipelines in 16 bits: bf16 and fp16 (ZeRO's 16-bit buffers, the fp32 master, the dynamic loss scaler) at
-PP 2 train as the run without a pipeline in the same precision and layout otherwise.
+PP 2 train as the run without a pipeline in the same precision and layout otherwise; so does ZeRO 2/3 (FSDP2)
+at PP 2 x DP 2, in fp32 against one process (1e-5, as tests/test_pipeline.py) and in 16 bits.
 
 The reference is tnlg's plain GPT without a pipeline, trained by the same engine in the same precision:
 in one process for the layouts with DP 1, on DP 2 (ZeRO 1) for those with DP 2. In 16 bits "the same"
@@ -24,8 +25,8 @@ from tnlg.parallel.state import ParallelState, init_parallel
 from tnlg.testing import run_distributed
 from tnlg.training.step import train_step
 
-from .test_pipeline import GLOBAL, LRS, MICRO, STEPS as STEPS_FP32, TINY_BUCKET_MB, _config, _micro_batches, _reference, \
-    _samples
+from .test_pipeline import (GLOBAL, LRS, MICRO, STEPS as STEPS_FP32, TINY_BUCKET_MB, _config, _micro_batches,
+                            _reference, _samples)
 
 STEPS, LAYERS = 4, 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,7 +98,7 @@ def _train(model, ps, run: dict) -> dict:
 
 
 def _full_params(engine, ps) -> dict:
-    """Every parameter of this rank's stage, full over DP (ZeRO 3 all-gathers) and TP, without the vocabulary padding."""
+    """Every parameter of this rank's stage, full over DP (ZeRO 3 all-gathers) and TP, without vocabulary padding."""
     named = dict(engine.model.named_parameters())
     return {n: gather_full(t, named[n], ps) for n, t in engine.model_state_by_param().items()}
 

@@ -104,9 +104,6 @@ class FSDPZero(ShardedBackend):
                  weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
                  param_dtype: Optional[torch.dtype] = None,
                  init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
         if stage not in (2, 3):
             raise ValueError(f"FSDPZero implements ZeRO stages 2 and 3, got {stage}.")
         if ps.dp_size < 2 or ps.dp_group is None:
@@ -118,31 +115,9 @@ class FSDPZero(ShardedBackend):
         duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
         self.full_numel = {n: p.numel() for n, p in before}
-        on_meta = any(p.device.type == "meta" for _, p in before)
         if param_dtype is not None:
             model.to(param_dtype)  # 16-bit sharded parameters and gradients; fp32 master below
-        mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
-        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
-        reshard = stage == 3
-        self.roots = fsdp_roots(model)
-        for root in self.roots:
-            for unit in fsdp_units(root):
-                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
-            fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
-        if self.roots[0] is not model:
-            model.pipeline_chunks = self.roots  # what the pipeline's stages run (tnlg.parallel.pipeline_schedule)
-        self.model = model
-        self.materialized = ps.device.type != "meta"
-        if on_meta and self.materialized:
-            # materialise only this rank's shards, one parameter's initial value at a time
-            if init_fn is None:
-                raise UserError("the model is on the meta device and no init_fn was given to materialise it.")
-            for root in self.roots:
-                root.to_empty(device=ps.device)
-            with torch.no_grad():
-                for (n, orig), (_, p) in zip(before, model.named_parameters()):
-                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
-
+        self._shard(model, stage == 3, before, init_fn)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise UserError("the model has no trainable parameters: nothing to optimise.")
@@ -158,11 +133,42 @@ class FSDPZero(ShardedBackend):
         # what the gradient norm counts: all but the last pipeline stage's copy of the tied embedding
         self.counted = [n not in duplicate for n in self.names]
         self.decay = [decay[n] for n in self.names]
+        self._build_optimizer(betas, eps, weight_decay)
+
+    def _shard(self, model: nn.Module, reshard: bool, before: list, init_fn) -> None:
+        """``fully_shard`` the units and the roots over the DP mesh; materialise this rank's shards of a
+        meta-device model from ``init_fn``, one parameter's initial value at a time."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        ps = self.ps
+        mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
+        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
+        self.roots = fsdp_roots(model)
+        for root in self.roots:
+            for unit in fsdp_units(root):
+                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
+            fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
+        if self.roots[0] is not model:
+            model.pipeline_chunks = self.roots  # what the pipeline's stages run (tnlg.parallel.pipeline_schedule)
+        self.model = model
+        self.materialized = ps.device.type != "meta"
+        if any(p.device.type == "meta" for _, p in before) and self.materialized:
+            if init_fn is None:
+                raise UserError("the model is on the meta device and no init_fn was given to materialise it.")
+            for root in self.roots:
+                root.to_empty(device=ps.device)
+            with torch.no_grad():
+                for (n, orig), (_, p) in zip(before, model.named_parameters()):
+                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
+
+    def _build_optimizer(self, betas, eps: float, weight_decay: float) -> None:
+        """Adam moments (and the fp32 master of 16-bit parameters) of the local shards, and
+        ``torch.optim.AdamW`` on them in groups of about 2^23 elements (one group's 16-bit gradients
+        are upcast at a time); gradients are attached at each step."""
         self.exp_avg = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.master = [None if p.dtype == torch.float32 else p.to_local().detach().float() for p in self.params]
-        # torch.optim.AdamW on the local shards, in groups of about 2^23 elements (one group's
-        # 16-bit gradients are upcast at a time); gradients are attached at each step
         self.runs, groups, size = [], [[]], 0
         for p, m, v, mst, d in zip(self.params, self.exp_avg, self.exp_avg_sq, self.master, self.decay):
             local = p.to_local()
