@@ -151,7 +151,8 @@ class Engine:
         self._micro = self.grad_accum_steps
 
     def grad_view(self, name: str) -> torch.Tensor:
-        """The gradient of parameter ``name`` the optimizer steps (a view into the flat buffer; flat stages 0/1)."""
+        """The gradient of parameter ``name`` the optimizer steps, as a view: into the flat buffer (stages 0/1),
+        or this rank's FSDP shard of it after the reduce-scatter (stages 2/3)."""
         return self.backend.grad_view(name)
 
     def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:
