@@ -137,8 +137,9 @@ class Engine:
         each micro batch's mean loss by ``factor`` = loss scale / ``grad_accum_steps`` before backward).
 
         No DP communication while it runs (gradients accumulate in place); the whole gradient is
-        reduced over DP once, at :meth:`step`, after the last micro batch's backward on this stage.
-        Flat stages 0/1 only (the options refuse the rest with a pipeline)."""
+        reduced over DP once, after the last micro batch's backward on this stage: at :meth:`step` by the
+        flat stages 0/1; at stages 2/3 by torch's schedule itself, which reduce-scatters FSDP2's
+        accumulated gradients after its last backward (:class:`tnlg.optim.fsdp.ChunkModules`)."""
         if self._needs_zero or self._micro:
             raise RuntimeError("engine.backward_all() needs engine.zero_grad() first.")
         factor = 1.0 / self.grad_accum_steps
@@ -150,7 +151,8 @@ class Engine:
         self._micro = self.grad_accum_steps
 
     def grad_view(self, name: str) -> torch.Tensor:
-        """The gradient of parameter ``name`` the optimizer steps (a view into the flat buffer; flat stages 0/1)."""
+        """The gradient of parameter ``name`` the optimizer steps, as a view: into the flat buffer (stages 0/1),
+        or this rank's FSDP shard of it after the reduce-scatter (stages 2/3)."""
         return self.backend.grad_view(name)
 
     def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:

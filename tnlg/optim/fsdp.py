@@ -10,6 +10,11 @@ unchanged.
 
 Sharding units: every module that is an element of an ``nn.ModuleList`` (the
 transformer blocks of GPT), then the root (embeddings, final LayerNorm, LM head).
+A pipeline rank's ``StageModel`` has one root per model chunk (:class:`ChunkModules`:
+the chunk's blocks as units, its embeddings / final LayerNorm / LM head in the root),
+the modules the pipeline's stages run; torch's schedule then turns gradient reduction
+off for every micro batch and reduce-scatters once after the last backward (stage 3
+all-gathers a block's parameters again for each micro batch's backward).
 
 Collectives (DP group) per training step:
 
@@ -57,6 +62,47 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+class ChunkModules(nn.Module):
+    """One pipeline chunk (:class:`tnlg.parallel.pipeline.PipelineChunk`) as FSDP2 needs it: a module that
+    registers every module the chunk runs (its blocks, in an ``nn.ModuleList``: one FSDP unit each; the
+    embeddings on the first stage, the final LayerNorm and the LM head on the last), so that
+    ``fully_shard`` on it gathers their parameters around the chunk's forward; its forward is the chunk's.
+    The schedule's stage runs this module, so torch's pipelining sees an FSDP module: it turns gradient
+    reduction off for every micro batch's backward and reduce-scatters the accumulated gradients once,
+    after the last (``PipelineStage.perform_reduce_grad``)."""
+
+    def __init__(self, chunk: nn.Module):
+        super().__init__()
+        t = chunk.stage.transformer
+        self.chunk = chunk  # registers no parameters itself
+        self.blocks = nn.ModuleList(t.h[str(i)] for i in chunk.layers)
+        head = t.wte if "wte" in t else getattr(chunk.stage, "lm_head", None)  # tied: the last stage's wte copy
+        ends = ([t.wte, t.wpe] if chunk.first else []) + ([t.ln_f, head] if chunk.last else [])
+        for i, m in enumerate(dict.fromkeys(ends)):
+            self.add_module(f"end{i}", m)
+
+    @property
+    def stage(self) -> nn.Module:
+        """The chunk's :class:`~tnlg.parallel.pipeline.StageModel` (what a pipeline stage's record names)."""
+        return self.chunk.stage
+
+    @property
+    def layers(self) -> range:
+        return self.chunk.layers
+
+    def forward(self, x: torch.Tensor, **documents) -> torch.Tensor:
+        """The chunk's forward (``documents``: the per-document ``position_ids``/``attention_mask``)."""
+        return self.chunk(x, **documents)
+
+
+def fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as FSDP roots: the model, or for a pipeline rank's ``StageModel`` one
+    :class:`ChunkModules` per model chunk (the stage model's own forward never runs)."""
+    if not hasattr(model, "chunk_ranges"):
+        return [model]
+    return [ChunkModules(model.chunk(k)) for k in range(len(model.chunk_ranges))]
+
+
 class FSDPZero(ShardedBackend):
     """Stage 2 or 3: FSDP2 sharding of parameters/gradients over DP, AdamW on the local shards."""
 
@@ -68,9 +114,6 @@ class FSDPZero(ShardedBackend):
                  weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
                  param_dtype: Optional[torch.dtype] = None,
                  init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
         if stage not in (2, 3):
             raise ValueError(f"FSDPZero implements ZeRO stages 2 and 3, got {stage}.")
         if ps.dp_size < 2 or ps.dp_group is None:
@@ -79,28 +122,12 @@ class FSDPZero(ShardedBackend):
 
         before = [(n, p) for n, p in model.named_parameters()]
         flags = {n: is_tp_sharded(n, p, ps) for n, p in before}
+        duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
         self.full_numel = {n: p.numel() for n, p in before}
-        on_meta = any(p.device.type == "meta" for _, p in before)
         if param_dtype is not None:
             model.to(param_dtype)  # 16-bit sharded parameters and gradients; fp32 master below
-        mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
-        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
-        reshard = stage == 3
-        for unit in fsdp_units(model):
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard)
-        self.model = model
-        self.materialized = ps.device.type != "meta"
-        if on_meta and self.materialized:
-            # materialise only this rank's shards, one parameter's initial value at a time
-            if init_fn is None:
-                raise UserError("the model is on the meta device and no init_fn was given to materialise it.")
-            model.to_empty(device=ps.device)
-            with torch.no_grad():
-                for (n, orig), (_, p) in zip(before, model.named_parameters()):
-                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
-
+        self._shard(model, stage == 3, before, init_fn)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise UserError("the model has no trainable parameters: nothing to optimise.")
@@ -113,12 +140,45 @@ class FSDPZero(ShardedBackend):
         self.params = [p for _, p in named]
         self.dtype = self.params[0].dtype
         self.tp_sharded = [flags[n] for n in self.names]
+        # what the gradient norm counts: all but the last pipeline stage's copy of the tied embedding
+        self.counted = [n not in duplicate for n in self.names]
         self.decay = [decay[n] for n in self.names]
+        self._build_optimizer(betas, eps, weight_decay)
+
+    def _shard(self, model: nn.Module, reshard: bool, before: list, init_fn) -> None:
+        """``fully_shard`` the units and the roots over the DP mesh; materialise this rank's shards of a
+        meta-device model from ``init_fn``, one parameter's initial value at a time."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        ps = self.ps
+        mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
+        self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
+        self.roots = fsdp_roots(model)
+        for root in self.roots:
+            for unit in fsdp_units(root):
+                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
+            fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
+        if self.roots[0] is not model:
+            model.pipeline_chunks = self.roots  # what the pipeline's stages run (tnlg.parallel.pipeline_schedule)
+        self.model = model
+        self.materialized = ps.device.type != "meta"
+        if any(p.device.type == "meta" for _, p in before) and self.materialized:
+            if init_fn is None:
+                raise UserError("the model is on the meta device and no init_fn was given to materialise it.")
+            for root in self.roots:
+                root.to_empty(device=ps.device)
+            with torch.no_grad():
+                for (n, orig), (_, p) in zip(before, model.named_parameters()):
+                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
+
+    def _build_optimizer(self, betas, eps: float, weight_decay: float) -> None:
+        """Adam moments (and the fp32 master of 16-bit parameters) of the local shards, and
+        ``torch.optim.AdamW`` on them in groups of about 2^23 elements (one group's 16-bit gradients
+        are upcast at a time); gradients are attached at each step."""
         self.exp_avg = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.master = [None if p.dtype == torch.float32 else p.to_local().detach().float() for p in self.params]
-        # torch.optim.AdamW on the local shards, in groups of about 2^23 elements (one group's
-        # 16-bit gradients are upcast at a time); gradients are attached at each step
         self.runs, groups, size = [], [[]], 0
         for p, m, v, mst, d in zip(self.params, self.exp_avg, self.exp_avg_sq, self.master, self.decay):
             local = p.to_local()
@@ -135,7 +195,8 @@ class FSDPZero(ShardedBackend):
     # ----------------------------------------------------------------- gradient sync
     def set_sync(self, is_last: bool) -> None:
         """Reduce-scatter gradients only in the last micro step's backward."""
-        self.model.set_requires_gradient_sync(is_last)
+        for root in self.roots:
+            root.set_requires_gradient_sync(is_last)
 
     def finish_grad_sync(self) -> None:
         """Nothing to wait for: FSDP's post-backward callback finishes the reduce-scatters."""
@@ -145,9 +206,13 @@ class FSDPZero(ShardedBackend):
             yield None if p.grad is None else p.grad.to_local()
 
     def grad_pieces(self):
-        for g, f in zip(self._local_grads(), self.tp_sharded):
-            if g is not None:
+        for g, f, counted in zip(self._local_grads(), self.tp_sharded, self.counted):
+            if g is not None and counted:
                 yield g, f
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """This rank's shard of parameter ``name``'s gradient (after the reduce-scatter), a view."""
+        return self.params[self._index[name]].grad.to_local()
 
     @torch.no_grad()
     def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:

@@ -15,9 +15,8 @@ __all__ = ["check_pipeline", "check_pipeline_world", "check_stage_count", "virtu
 
 # what --pp > 1 does not run with yet: (is it set?, what to write)
 UNSUPPORTED = (
-    (lambda o: o.zero_stage >= 2 and o.zero_impl == "tnlg", lambda o: f"--zero-stage {o.zero_stage} (use 0 or 1)"),
-    (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed"),
-    (lambda o: o.bf16 or o.fp16, lambda o: "--bf16" if o.bf16 else "--fp16"),
+    (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its own "
+     "engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
     (lambda o: o.compile, lambda o: "--compile"),
     (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
     (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),
@@ -45,9 +44,9 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     bad = [what(o) for is_set, what in UNSUPPORTED if is_set(o)]
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
-                        f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and "
-                        f"recomputation, with validation and the final sample, without checkpoints (docs/pipeline.md); "
-                        f"drop those options or use --pp 1.")
+                        f"{pp}). Pipelines train fp32, bf16 or fp16 with ZeRO 0-3, TP (sequence parallelism too), "
+                        f"DP and recomputation, with validation and the final sample, without checkpoints "
+                        f"(docs/pipeline.md); drop those options or use --pp 1.")
     _check_layers(o, pp)
     if world_size is not None:
         _check_world(o, pp, world_size)

@@ -19,7 +19,14 @@ last stage.
 Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
 ``[b, s, h]`` activation per micro batch and stage boundary in forward and of its gradient in
 backward; then :func:`tie_embedding_grads`, one all-reduce of the word embedding's gradient over
-the embedding group (first and last stage, tied embeddings only).
+the embedding group (first and last stage, tied embeddings only), in the gradient buffer's dtype
+(16 bits under ``--bf16``/``--fp16``, fp32 with ``--accumulate-allreduce-grads-in-fp32``; at ZeRO 2/3
+this rank's FSDP shard of it, after torch's schedule reduce-scattered it over DP).
+
+Precision: the caller runs :meth:`Pipeline.run` under the training's autocast, so each stage's forward
+is the PP 1 model's and the activations sent between stages come out in the training dtype (torch's
+``PipelineStage`` learns their shapes and dtypes from a first forward). ZeRO 2/3: the stages run the
+FSDP2 modules the engine left in ``model.pipeline_chunks`` (:class:`tnlg.optim.fsdp.ChunkModules`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ class Pipeline:
     def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
         ps, v = model.ps, len(model.chunk_ranges)
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
-        stages = [RecordedStage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+        # the chunks' modules: FSDP2's engine (ZeRO 2/3) leaves its sharded ones in ``model.pipeline_chunks``
+        chunks = getattr(model, "pipeline_chunks", None) or [model.chunk(k) for k in range(v)]
+        stages = [RecordedStage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
                                 group=ps.pp_group) for k in range(v)]
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)

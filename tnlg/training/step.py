@@ -71,7 +71,7 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
             losses.append(loss.detach().float())
         mean = torch.stack(losses).mean().reshape(1)
     else:
-        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps)
+        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps, autocast)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
     loss = info.pop("loss")
@@ -82,12 +82,15 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     return loss, info
 
 
-def _pipeline_backward(pipeline, engine, batches: list[dict], ps) -> torch.Tensor:
-    """Every micro batch through the pipeline's schedule; the mean micro-batch loss on every stage."""
+def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Optional[torch.dtype]) -> torch.Tensor:
+    """Every micro batch through the pipeline's schedule under autocast to ``autocast`` (the stages'
+    forward as without a pipeline: the activations sent between stages come out in the training
+    dtype); the mean micro-batch loss on every stage."""
     out: list = [None]
 
     def run(factor: float) -> None:
-        out[0] = pipeline.run(batches, factor)
+        with autocast_to(autocast, ps.device):
+            out[0] = pipeline.run(batches, factor)
         tie_embedding_grads(pipeline.model, engine.grad_view)
     engine.backward_all(run)
     mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)
