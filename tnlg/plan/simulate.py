@@ -30,8 +30,9 @@ inputs without a mask runs as CUDA's flash attention kernel does (its fake imple
 output and fp32 log-sum-exp kept for backward, dropout included, scores recomputed in
 backward), which is what SDPA picks on an A100/H100/H200 for these shapes, where the CPU
 would run its math kernel with fp32 scores when attention dropout is on; and dropout runs
-as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy, the optimizer)
-the CPU's kernels stand in for the GPU's; torch's fused AdamW exists on both.
+as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy) the CPU's kernels
+stand in for the GPU's; the optimizer's operators are the same on both (torch's fused AdamW for
+fp32, one ``tnlg::adamw_16bit_`` per owned run for 16-bit parameters, one fused kernel on CUDA).
 
 Time (:func:`predict_time`): per operator ``max(FLOPs / (peak x matmul efficiency),
 bytes / (bandwidth x memory efficiency), kernel floor)``, summed; collectives at the link
@@ -56,7 +57,7 @@ from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
 from .gpus import GPU, gpu as lookup_gpu
-from .tracker import StepTracker
+from .tracker import ALLOCATIONS, StepTracker
 
 __all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
 
@@ -278,7 +279,7 @@ def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8) -> di
             if op.comm_bytes:
                 size, gbps = (tp, g.nvlink_gbps) if op.group == "tp" else (dp, dp_gbps)
                 comm += _comm_time(op, size, gbps)
-            else:
+            elif op.name not in ALLOCATIONS:  # an allocation launches no kernel
                 compute += max(op.flops / flops_s, op.bytes / bytes_s, g.kernel_floor_s)
         out[ph.name] = dict(compute_s=compute, comm_s=comm, total_s=compute + comm)
     return out
@@ -317,7 +318,7 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
                 model_flops_per_rank=model_flops, mfu=model_flops / (step * g.flops_16bit) if step else None,
                 simulated_in_s=round(wall, 2),
                 notes=["rank 0 of the layout under FakeTensorMode on the CPU code path, with CUDA's flash attention "
-                       "and fused dropout; LayerNorm, cross-entropy and optimizer run the CPU's operators",
+                       "and fused dropout; LayerNorm and cross-entropy run the CPU's operators, the optimizer the GPU's",
                        "time: per op max(FLOPs at 78% of the 16-bit spec, bytes at 85% of HBM, 4 us) + "
                        "collectives at link bandwidth, no overlap",
                        "save: a checkpoint of the iteration by tnlg's save path, tensor data copied to the host "
