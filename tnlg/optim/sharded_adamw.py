@@ -23,9 +23,9 @@ AdamW on those pieces instead of re-implementing the update:
 * 16-bit parameters (a run with an fp32 master): :func:`tnlg.optim.mixed_adamw.adamw_16bit_`,
   one pass per run that reads the 16-bit gradient, updates the master and moments and writes the
   16-bit parameter, the gradient factor folded in (torch's fused kernel would need the gradient
-  upcast first and the master copied back after: 1.4x the memory traffic). Same arithmetic as
-  ``torch.optim.AdamW``; the torch optimizer of such a run only holds its hyper-parameters and
-  moments (checkpoints and the planner see the same flat buffers).
+  upcast first and the master copied back after: 1.5x the memory traffic, simulated at
+  GPT-2-XL). Same arithmetic as ``torch.optim.AdamW``, on the same flat buffers (checkpoints and
+  the planner see no difference); such a run's step count is a Python int.
 
 No communication. Every parameter view keeps its own step count (torch's layout: a run
 without a gradient is skipped and not counted); :meth:`set_step` sets them all (after loading

@@ -88,13 +88,12 @@ class TPRandom:
     @contextlib.contextmanager
     def fork(self):
         """Run the block with this rank's generator; the default stream is untouched."""
-        saved = _get_state(self.device)
-        _set_state(self.device, self.state)
+        new: list = []
         try:
-            yield
+            with _drawing_from(self.device, self.state, new):
+                yield
         finally:
-            self.state = _get_state(self.device)
-            _set_state(self.device, saved)
+            self.state = new[0]
 
     @contextlib.contextmanager
     def replay(self, snapshot: Optional[torch.Tensor]):
