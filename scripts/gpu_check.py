@@ -18,8 +18,12 @@
     under a process group (the barrier path) on NCCL;
 (g) ``tnlg pretrain`` on the GPU, bf16 with recomputation, as a subprocess: its start line, the
     flight-recorder note and the log line's model TFLOP/s, MFU and HFU (its output is printed).
+(h) the one-pass 16-bit AdamW (``tnlg::adamw_16bit_``; compiled on CUDA) on one run of 2^26
+    elements: its result against the eager composite (the same arithmetic), and its time and
+    bandwidth (28 bytes per element) against torch's fused AdamW with the upcast before and the
+    copy-back after (what the step did before).
 
-``--sections`` picks sections (default all: ``abcdefg``; ``a`` and ``b`` run together). ``--tiny``
+``--sections`` picks sections (default all: ``abcdefgh``; ``a`` and ``b`` run together). ``--tiny``
 runs them end to end on the CPU with small shapes (tests use it); (f) and (g) need CUDA and are
 recorded as skipped without it.
 Usage::
@@ -329,10 +333,49 @@ def section_g(args, ps, out, workdir):
         raise RuntimeError(f"tnlg pretrain exited with {p.returncode}")
 
 
+def section_h(args, ps, out):
+    from tnlg.optim.mixed_adamw import _eager, _scalars
+    n, dev = (1 << 12) if args.tiny else (1 << 26), ps.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    master = torch.randn(n, device=dev, generator=g)
+    states = [master.bfloat16(), master, 0.1 * torch.randn(n, device=dev, generator=g),
+              1e-3 * torch.rand(n, device=dev, generator=g)]
+    grad = torch.randn(n, device=dev, generator=g).bfloat16()
+    hyper = (1e-4, 0.1, 0.9, 0.95, 1e-8, 3, 0.5)
+    fused, eager = [t.clone() for t in states], [t.clone() for t in states]
+    torch.ops.tnlg.adamw_16bit_(*fused, grad, *hyper)
+    _eager(*eager, grad, *_scalars(*hyper))
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(fused, eager))
+    p16, p32 = states[0], torch.nn.Parameter(states[1])
+    opt = torch.optim.AdamW([p32], lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    opt.state[p32] = dict(step=torch.zeros((), device=dev), exp_avg=states[2], exp_avg_sq=states[3])
+
+    def torch_fused():
+        p32.grad = grad.float()
+        opt.step()
+        p16.copy_(p32.detach())
+
+    def timed(fn, reps=3 if args.tiny else 20):
+        fn()
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(dev)
+        return (time.perf_counter() - t) / reps
+    one_pass = timed(lambda: torch.ops.tnlg.adamw_16bit_(*fused, grad, *hyper))
+    before = timed(torch_fused)
+    out["h_mixed_adamw"] = dict(numel=n, max_abs_diff_vs_eager=diff, one_pass_s=one_pass, torch_fused_s=before,
+                                one_pass_gbps=28 * n / one_pass / 1e9, torch_fused_gbps=28 * n / before / 1e9)
+    print(f"(h) 16-bit AdamW on {n} elements: {one_pass * 1e3:.2f} ms ({28 * n / one_pass / 1e9:.0f} GB/s of the "
+          f"28-byte minimum) vs upcast + torch fused + copy-back {before * 1e3:.2f} ms; max |fused - eager| "
+          f"{diff:.2e}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (end-to-end smoke run)")
-    p.add_argument("--sections", default="abcdefg", help="sections to run (default abcdefg; a and b run together)")
+    p.add_argument("--sections", default="abcdefgh", help="sections to run (default abcdefgh; a and b run together)")
     p.add_argument("--pretrain-iters", type=int, default=40, help="training iterations of (g)")
     p.add_argument("--out", default="gpu_check.json", help="JSON output path")
     p.add_argument("--steps", type=int, default=4, help="training steps in (a) (the first is warm-up)")
@@ -358,7 +401,8 @@ def main(argv=None) -> int:
                 ("d", "d", lambda: section_d(args, ps, out, workdir)),
                 ("e", "e", lambda: section_e(args, ps, out)),
                 ("f", "f", lambda: section_f(args, ps, out, workdir)),
-                ("g", "g", lambda: section_g(args, ps, out, workdir)))
+                ("g", "g", lambda: section_g(args, ps, out, workdir)),
+                ("h", "h", lambda: section_h(args, ps, out)))
     for name, letters, fn in sections:
         if not set(letters) & set(args.sections):
             continue
@@ -426,6 +470,10 @@ def _table(out: dict) -> None:
     g = out.get("g_pretrain")
     if g:
         print(f"(g) tnlg pretrain: exit {g['exit']} in {g['seconds']:.0f} s")
+    h = out.get("h_mixed_adamw")
+    if h:
+        print(f"(h) 16-bit AdamW: {h['one_pass_s'] * 1e3:.2f} ms vs {h['torch_fused_s'] * 1e3:.2f} ms (upcast + "
+              f"torch fused + copy-back) for {h['numel']} elements; max |fused - eager| {h['max_abs_diff_vs_eager']:.2e}")
     for k, v in out.items():
         if k.startswith(("error_", "skipped_")):
             print(f"{k}: {v}")

@@ -3,7 +3,10 @@ broken compiler toolchain leaves the model eager with the reason.
 
 The reference is the eager run of the same model from the same seed: five optimizer steps through the
 ZeRO engine, losses equal within 1e-5. With dropout on, equality also shows that compiled dropout draws
-the same masks as eager dropout (Inductor's fallback to eager random numbers).
+the same masks as eager dropout (Inductor's fallback to eager random numbers, and this rank's dropout
+generator inside the compiled blocks: attention dropout, and with sequence parallelism the hidden
+dropout), and Dynamo's counters show that no graph broke at the generator (none broke at all without
+sequence parallelism, whose collectives break graphs with dropout or without).
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from tnlg.training.compile import compile_blocks
 STEPS = 5
 
 
-def _losses(ps, dropout: float, compiled: bool) -> list[float]:
+def _losses(ps, dropout: float, compiled: bool, sequence_parallel: bool = False) -> list[float]:
     torch.manual_seed(0)
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-                    hidden_dropout=dropout, attention_dropout=dropout)
+                    hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel)
     engine = build_engine(GPT(cfg, ps, device="meta"), ps, 1, lr=1e-3)
     if compiled:
         assert compile_blocks(engine.model, ps.device) is None
@@ -41,15 +44,28 @@ def _losses(ps, dropout: float, compiled: bool) -> list[float]:
     return out
 
 
-def _compare(ps):
-    return [(d, _losses(ps, d, False), _losses(ps, d, True)) for d in (0.0, 0.1)]
+def _compare(ps, sequence_parallel: bool):
+    from torch._dynamo.utils import counters
+    out = []
+    for d in (0.0, 0.1):
+        eager = _losses(ps, d, False, sequence_parallel)
+        counters.clear()
+        compiled = _losses(ps, d, True, sequence_parallel)
+        out.append((d, eager, compiled, dict(counters["graph_break"])))
+    return out
 
 
-@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2)])
-def test_compiled_blocks_give_eager_losses(world, tp):
-    for rank in run_distributed(_compare, world, tp):
-        for dropout, eager, compiled in rank:
+@pytest.mark.parametrize("world,tp,sequence_parallel", [(1, 1, False), (2, 2, False), (2, 2, True)])
+def test_compiled_blocks_give_eager_losses(world, tp, sequence_parallel):
+    for rank in run_distributed(_compare, world, tp, sequence_parallel):
+        for dropout, eager, compiled, _ in rank:
             assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6), (dropout, eager, compiled)
+        _, (_, _, _, breaks) = rank  # with dropout
+        # this rank's dropout generator breaks no graph: no break at all without sequence parallelism; with
+        # it, the sequence-parallel collectives break graphs (dropout or not), none of them the generator
+        assert not any(word in reason for reason in breaks for word in ("rng_state", "Generator", "seed")), breaks
+        if not sequence_parallel:
+            assert not breaks, breaks
 
 
 def test_broken_toolchain_stays_eager_and_says_why(monkeypatch):
@@ -91,3 +107,32 @@ def test_16bit_layernorm_in_kernel_path_matches_the_fp32_path(monkeypatch):
     for name, a, b in zip(("output", "input grad", "weight grad", "bias grad"), fast, ref):
         # bf16 results: a few units of bf16 rounding (2^-8) over the tensor
         assert float((a - b).norm() / b.norm()) < 1e-2, name
+
+
+@pytest.mark.parametrize("which", ["attention", "dropout"])
+def test_compiler_operators_draw_the_eager_masks_and_gradients(which):
+    """The operators compiled blocks call for this rank's dropout (no compiler here: the operators run
+    eagerly) give the eager path's outputs, input gradients and the generator's next state exactly."""
+    from tnlg.parallel.random import TPRandom
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 4, 16, 8, generator=g) for _ in range(3 if which == "attention" else 1)]
+    up = torch.randn(2, 4, 16, 8, generator=g)
+
+    def run(use_operator: bool):
+        rng = TPRandom(seed=5, tp_rank=1, device=torch.device("cpu"))
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        before = torch.get_rng_state()
+        if not use_operator:
+            out = rng.attention(*leaves, None, 0.3, True) if which == "attention" else rng.dropout(leaves[0], 0.3)
+        elif which == "attention":
+            out, rng.state = torch.ops.tnlg.tp_attention(*leaves, None, 0.3, True, rng.state)
+        else:
+            out, rng.state = torch.ops.tnlg.tp_dropout(leaves[0], 0.3, rng.state)
+        (out * up).sum().backward()
+        assert torch.equal(torch.get_rng_state(), before)  # the default (replicated) stream is untouched
+        return out.detach(), [t.grad for t in leaves], rng.state
+
+    (out_e, grads_e, state_e), (out_o, grads_o, state_o) = run(False), run(True)
+    assert torch.equal(out_o, out_e) and (out_e == 0).any()  # some elements dropped: dropout ran
+    assert all(torch.equal(a, b) for a, b in zip(grads_o, grads_e))
+    assert torch.equal(state_o, state_e)

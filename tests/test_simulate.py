@@ -1,9 +1,10 @@
 """The fake-tensor simulation counts what a real run allocates and moves, and refuses bad input clearly.
 
 The check of the simulation is a real run: the same iteration of tnlg's code (meta build,
-materialisation into the engine, forward, backward, norm, AdamW) on real CPU tensors under
-the same tracker gives, phase by phase, the same live bytes, peaks, bytes read and written
-and FLOPs as the run on fake tensors. FLOPs are also checked against the closed form of
+materialisation into the engine, forward, backward, norm, AdamW, a checkpoint save) on real CPU
+tensors under the same tracker gives, phase by phase, the same live bytes, peaks, bytes read and
+written and FLOPs as the run on fake tensors; the host copies the simulated save counts are the
+tensor bytes the real save wrote. FLOPs are also checked against the closed form of
 a GPT iteration (Narayanan et al. eq. 3: forward + 2x backward of every matmul).
 """
 
@@ -24,11 +25,11 @@ HOST_READS = {"aminmax", "_local_scalar_dense"}
 
 
 @pytest.mark.parametrize("precision,accum", [("fp32", 1), ("bf16", 2)])
-def test_fake_run_counts_what_the_real_run_counts(precision, accum):
+def test_fake_run_counts_what_the_real_run_counts(precision, accum, tmp_path):
     cfg = GPTConfig(**CFG)
     torch.manual_seed(0)
     tracker, _ = tracked_iteration(cfg, ParallelState.single(), zero_stage=1, precision=precision, micro_batch=2,
-                                   accum=accum)
+                                   accum=accum, save_dir=str(tmp_path))
     real = {ph.name: ph.as_dict() for ph in tracker.phases}
     sim = simulate(cfg, 1, 1, zero_stage=1, precision=precision, micro_batch=2, accum=accum, gpu="h100",
                    gpu_kernels=False)
@@ -50,6 +51,20 @@ def test_fake_run_counts_what_the_real_run_counts(precision, accum):
     states = real["forward"]["live_start"]
     assert states["parameters"] > 0 and states["adam"] == 2 * 4 * sum(
         p.numel() for p in tracker_params(cfg)), states
+    # the simulated save copies to the host exactly the tensor bytes the real save wrote, one tensor at a time
+    written = _tensor_bytes(tmp_path)
+    assert fake["save"]["host_copy_bytes"] == sum(written) > 0
+    assert fake["save"]["largest_host_copy_bytes"] == max(written)
+    # beyond the model states the save allocates only a copy of the dropout generator's state (a few KB)
+    assert fake["save"]["peak_bytes"] - fake["save"]["live_start_bytes"] < 2 ** 14
+
+
+def _tensor_bytes(root) -> list[int]:
+    """The data bytes of every tensor in the safetensors files of the checkpoint under ``root``."""
+    from tnlg.checkpoint.stream import SafetensorsReader
+    files = sorted(root.glob("iter_*/*.safetensors"))
+    assert files, list(root.rglob("*"))
+    return [e["data_offsets"][1] - e["data_offsets"][0] for f in files for e in SafetensorsReader(str(f)).entries.values()]
 
 
 def tracker_params(cfg):
@@ -72,6 +87,17 @@ def test_bf16_step_makes_no_temporary_wider_than_fp32():
     bucket_bytes = 4 * largest_bucket  # one bucket of bf16 gradients, upcast to fp32
     assert all(ph.peak - sum(ph.live_start.values()) <= bucket_bytes for ph in step), \
         [(ph.name, ph.peak - sum(ph.live_start.values())) for ph in step]
+
+
+def test_bf16_optimizer_step_moves_at_most_1_3x_the_minimum():
+    """The 16-bit step reads each element's 16-bit gradient and fp32 master and moments once and writes
+    master, moments and the 16-bit parameter once: the minimum is 28 bytes per owned element; the tracker
+    charges the written-only parameter as read too (30 bytes), and nothing else moves."""
+    sim = simulate(GPTConfig(**CFG), 1, 1, zero_stage=1, precision="bf16", micro_batch=2, gpu="h100")
+    opt = next(p for p in sim["phases"] if p["name"] == "optimizer")
+    minimum = 28 * sim["model_states"]["owned_numel"]
+    assert opt["read_bytes"] + opt["written_bytes"] <= 1.3 * minimum, (opt["read_bytes"], opt["written_bytes"])
+    assert opt["read_bytes"] + opt["written_bytes"] == 30 * sim["model_states"]["numel"]
 
 
 def test_simulation_refuses_bad_input_in_one_paragraph():

@@ -255,9 +255,8 @@ class ParallelAttention(nn.Module):
         recomputation's dropout masks."""
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
-        with self.tp_random.replay(tp_rng_state), self.tp_random.fork():  # heads differ per rank: masks too
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
-                                                  is_causal=causal)
+        with self.tp_random.replay(tp_rng_state):  # heads differ per rank: masks too
+            return self.tp_random.attention(q, k, v, attention_mask, dropout, causal)
 
 
 class ParallelMLP(nn.Module):
@@ -296,11 +295,10 @@ class ParallelMLP(nn.Module):
 
 def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_split: bool) -> torch.Tensor:
     """Dropout on the residual stream: the shared default generator when every TP rank holds the
-    same tokens; this rank's generator (:meth:`TPRandom.fork`) when it holds its own positions."""
+    same tokens; this rank's generator (:meth:`TPRandom.dropout`) when it holds its own positions."""
     if not sequence_split or not drop.training or drop.p == 0.0:
         return drop(x)
-    with tp_random.fork():
-        return drop(x)
+    return tp_random.dropout(x, drop.p)
 
 
 class Block(nn.Module):

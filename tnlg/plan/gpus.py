@@ -9,7 +9,10 @@ turn the simulation's per-operator FLOPs and bytes into a time (:mod:`tnlg.plan.
 * ``kernel_floor_s`` 4 us: the shortest a kernel launch and its tail take on a GPU.
 
 Links: ``nvlink_gbps`` per GPU inside a node (unidirectional bus bandwidth an NCCL ring
-reaches), ``network_gbps`` per GPU across nodes (InfiniBand).
+reaches), ``network_gbps`` per GPU across nodes (InfiniBand), ``host_gbps`` the GPU's PCIe link
+to the host, one direction (spec: Gen5 x16 64 GB/s on H100/H200, Gen4 32 on A100, Gen3 16 on
+V100), which a checkpoint's device-to-host copies cross; copies into pageable memory (what
+``tensor.to("cpu")`` makes) reach less, so a save's predicted time is a lower bound.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ class GPU:
     memory_bytes: float
     nvlink_gbps: float      # GB/s per GPU inside a node, NCCL bus bandwidth
     network_gbps: float     # GB/s per GPU across nodes
+    host_gbps: float        # GB/s of the PCIe link to the host, one direction (spec)
     matmul_efficiency: float = 0.78
     memory_efficiency: float = 0.85
     kernel_floor_s: float = 4e-6
 
 
 GPUS: dict[str, GPU] = {
-    "h200": GPU("H200 SXM 141GB", 989e12, 4.8e12, 141e9, 360.0, 50.0),
-    "h100": GPU("H100 SXM 80GB", 989e12, 3.35e12, 80e9, 360.0, 50.0),
-    "a100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80e9, 240.0, 25.0),
-    "v100": GPU("V100 SXM2 32GB", 125e12, 0.9e12, 32e9, 130.0, 12.5),
+    "h200": GPU("H200 SXM 141GB", 989e12, 4.8e12, 141e9, 360.0, 50.0, 64.0),
+    "h100": GPU("H100 SXM 80GB", 989e12, 3.35e12, 80e9, 360.0, 50.0, 64.0),
+    "a100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80e9, 240.0, 25.0, 32.0),
+    "v100": GPU("V100 SXM2 32GB", 125e12, 0.9e12, 32e9, 130.0, 12.5, 16.0),
 }
 
 

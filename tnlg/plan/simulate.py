@@ -14,7 +14,15 @@ collective returns at once), watched by :class:`tnlg.plan.tracker.StepTracker`:
    ``k - 1`` times, then the last one (bucketed reduction launched during backward);
 3. ``grad sync`` (waiting for the reductions), ``norm`` (:mod:`tnlg.optim.clip`) and
    ``optimizer`` (AdamW on the owned slice, the parameter all-gather), the pieces of
-   :meth:`tnlg.optim.sharded_backend.ShardedBackend.step` called one after another.
+   :meth:`tnlg.optim.sharded_backend.ShardedBackend.step` called one after another;
+4. ``save``: a checkpoint of the iteration, :func:`tnlg.checkpoint.saving.save` itself, into a
+   temporary folder removed after (:func:`_save_on_fake_tensors`): its small files (manifest,
+   RNG states, the safetensors headers) are written, the tensor data is not: each tensor's
+   host copy (what the GPU sends over PCIe, one tensor at a time) is counted instead. The
+   phase reports the device memory the save needs beyond the model states (nothing but what
+   the save path allocates), the bytes copied to the host and the largest host copy; its time
+   is the host copies at the GPU's PCIe bandwidth (the file system's time is not predicted),
+   and it is not part of the step time.
 
 The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
 that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
@@ -22,8 +30,9 @@ inputs without a mask runs as CUDA's flash attention kernel does (its fake imple
 output and fp32 log-sum-exp kept for backward, dropout included, scores recomputed in
 backward), which is what SDPA picks on an A100/H100/H200 for these shapes, where the CPU
 would run its math kernel with fp32 scores when attention dropout is on; and dropout runs
-as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy, the optimizer)
-the CPU's kernels stand in for the GPU's; torch's fused AdamW exists on both.
+as CUDA's fused kernel (1-byte masks). Elsewhere (LayerNorm, cross-entropy) the CPU's kernels
+stand in for the GPU's; the optimizer's operators are the same on both (torch's fused AdamW for
+fp32, one ``tnlg::adamw_16bit_`` per owned run for 16-bit parameters, one fused kernel on CUDA).
 
 Time (:func:`predict_time`): per operator ``max(FLOPs / (peak x matmul efficiency),
 bytes / (bandwidth x memory efficiency), kernel floor)``, summed; collectives at the link
@@ -36,16 +45,19 @@ eq. 3, :mod:`tnlg.plan.flops`) / (step time x peak).
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
 from .gpus import GPU, gpu as lookup_gpu
-from .tracker import StepTracker
+from .tracker import ALLOCATIONS, StepTracker
 
 __all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
 
@@ -137,6 +149,44 @@ def _gpu_kernels():
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
 
+@contextlib.contextmanager
+def _save_on_fake_tensors(host_copies: list):
+    """For the duration, :func:`tnlg.checkpoint.saving.save` runs on fake tensors (module docstring):
+    its safetensors writer checks each tensor against the header as written, then appends the bytes
+    of the tensor's host copy to ``host_copies`` instead of writing them (real tensors are written as
+    ever); the RNG states (small host tensors) are captured outside the fake mode; and the save's
+    exchanges of Python objects (its agreement on failures, the manifest's file records) hand every
+    rank this rank's object, as the fake process group moves no data (a few hundred bytes, not counted)."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    from ..checkpoint import saving
+
+    class CountedWriter(StreamWriter):
+        def write(self, key: str, tensor: torch.Tensor) -> None:
+            if not is_fake(tensor):
+                return super().write(key, tensor)
+            want_key, shape, dtype = self.specs[self.next]
+            if key != want_key or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(f"stream write {self.next}: got {key!r} {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"expected {want_key!r} {tuple(shape)} {dtype}.")
+            host_copies.append(tensor.numel() * tensor.element_size())
+            self.next += 1
+
+    def capture(*args):
+        with unset_fake_temporarily():
+            return real_capture(*args)
+
+    def all_gather_object(object_list: list, obj, group=None) -> None:
+        object_list[:] = [obj] * len(object_list)
+
+    real_writer, real_capture, real_gather = saving.StreamWriter, saving.capture, dist.all_gather_object
+    saving.StreamWriter, saving.capture, dist.all_gather_object = CountedWriter, capture, all_gather_object
+    try:
+        yield
+    finally:
+        saving.StreamWriter, saving.capture, dist.all_gather_object = real_writer, real_capture, real_gather
+
+
 def _register_engine(tracker: StepTracker, engine) -> None:
     b = engine.backend
     tracker.register(b.param_buffer, "parameters")
@@ -155,21 +205,24 @@ def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precis
     layout = dict(tp=tp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
                   grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb)
     started = time.perf_counter()
+    host_copies: list[int] = []
     with _fake_world(tp, dp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
             _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), \
+            _save_on_fake_tensors(host_copies), tempfile.TemporaryDirectory(prefix="tnlg-simulate-") as save_dir, \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = tracked_iteration(config, ps, zero_stage=zero_stage, precision=precision,
                                             micro_batch=micro_batch, accum=accum, grads_fp32=grads_fp32,
-                                            bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
-    return _report(config, tracker, g, layout, memory, time.perf_counter() - started)
+                                            bucket_size_mb=bucket_size_mb, clip_grad=clip_grad, save_dir=save_dir)
+    return _report(config, tracker, g, layout, memory, time.perf_counter() - started, host_copies)
 
 
 def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str, micro_batch: int, accum: int,
                       grads_fp32: bool = False, bucket_size_mb: float = 25.0,
-                      clip_grad: float = 1.0) -> tuple[StepTracker, dict]:
+                      clip_grad: float = 1.0, save_dir: Optional[str] = None) -> tuple[StepTracker, dict]:
     """One iteration of tnlg's code on ``ps`` under a :class:`StepTracker`, phase by phase (module
-    docstring); real or fake tensors alike. Returns the tracker and the engine's memory report."""
+    docstring), and with ``save_dir`` a checkpoint of it saved there; real or fake tensors alike.
+    Returns the tracker and the engine's memory report."""
     from ..model import GPT
     from ..optim import build_engine
     from ..optim.clip import clip_coefficient, global_norm, squared_sums
@@ -200,6 +253,11 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
             norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
         with tracker.phase("optimizer"):
             b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        if save_dir is not None:
+            from ..checkpoint.saving import save
+            with tracker.phase("save"):
+                save(save_dir, iteration=1, consumed_samples=micro_batch * accum * ps.dp_size, model=engine.model,
+                     engine=engine, ps=ps, config=config)
         memory = engine.memory_report()
         engine.close()
     return tracker, memory
@@ -221,18 +279,28 @@ def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8) -> di
             if op.comm_bytes:
                 size, gbps = (tp, g.nvlink_gbps) if op.group == "tp" else (dp, dp_gbps)
                 comm += _comm_time(op, size, gbps)
-            else:
+            elif op.name not in ALLOCATIONS:  # an allocation launches no kernel
                 compute += max(op.flops / flops_s, op.bytes / bytes_s, g.kernel_floor_s)
         out[ph.name] = dict(compute_s=compute, comm_s=comm, total_s=compute + comm)
     return out
 
 
-def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memory: dict, wall: float) -> dict:
+def _save_phase(d: dict, g: GPU, host_copies: list[int]) -> None:
+    """The save phase's host copies (``comm_bytes["host"]``, at the GPU's PCIe bandwidth) and the largest."""
+    total = sum(host_copies)
+    d["comm_bytes"]["host"] = total
+    d.update(host_copy_bytes=total, largest_host_copy_bytes=max(host_copies, default=0))
+    d["comm_s"] += total / (g.host_gbps * 1e9)
+    d["total_s"] = d["compute_s"] + d["comm_s"]
+
+
+def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memory: dict, wall: float,
+            host_copies: list[int]) -> dict:
     from .flops import flops_per_iteration
     times = predict_time(tracker.phases, g, layout["tp"], layout["dp"])
     accum = layout["accum"]
     step = sum(t["total_s"] * (accum - 1 if name.endswith("(accumulation)") else 1)
-               for name, t in times.items() if name != "setup")
+               for name, t in times.items() if name not in ("setup", "save"))
     tokens = layout["micro_batch"] * accum * config.seq_length
     model_flops = flops_per_iteration(config, layout["micro_batch"] * accum, None,
                                       config.padded_vocab_size(layout["tp"])) / layout["tp"]
@@ -240,6 +308,8 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
     for ph in tracker.phases:
         d = ph.as_dict()
         d.update(times[ph.name])
+        if ph.name == "save":
+            _save_phase(d, g, host_copies)
         phases.append(d)
     peak = max(p["peak_bytes"] for p in phases if p["name"] != "setup")
     return dict(layout=layout, gpu=g.name, phases=phases, peak_bytes=peak, ops=[ph.ops for ph in tracker.phases],
@@ -248,6 +318,8 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
                 model_flops_per_rank=model_flops, mfu=model_flops / (step * g.flops_16bit) if step else None,
                 simulated_in_s=round(wall, 2),
                 notes=["rank 0 of the layout under FakeTensorMode on the CPU code path, with CUDA's flash attention "
-                       "and fused dropout; LayerNorm, cross-entropy and optimizer run the CPU's operators",
+                       "and fused dropout; LayerNorm and cross-entropy run the CPU's operators, the optimizer the GPU's",
                        "time: per op max(FLOPs at 78% of the 16-bit spec, bytes at 85% of HBM, 4 us) + "
-                       "collectives at link bandwidth, no overlap"])
+                       "collectives at link bandwidth, no overlap",
+                       "save: a checkpoint of the iteration by tnlg's save path, tensor data copied to the host "
+                       "(comm 'host', at the PCIe spec) and not written; not part of the iteration's time"])

@@ -32,10 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["StepTracker", "Phase", "OpCost", "KINDS"]
+__all__ = ["StepTracker", "Phase", "OpCost", "KINDS", "ALLOCATIONS"]
 
 KINDS = ("parameters", "gradients", "master", "adam", "activations", "temporaries")
-_NO_WRITE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # no data written
 _ALIASES = {"detach", "alias", "lift_fresh", "_unsafe_view"}  # no data moved
 _NO_DATA = {"prim", "profiler"}  # metadata queries (prim::device), record_function markers
 
@@ -179,7 +179,7 @@ class StepTracker(TorchDispatchMode):
             return
         read = sum(_nbytes(t) for t in {id(t): t for t in inputs}.values())
         mutated = _mutated(func, args, kwargs)
-        written = 0 if name in _NO_WRITE else sum(_nbytes(t) for t in (mutated if mutated else outputs))
+        written = 0 if name in ALLOCATIONS else sum(_nbytes(t) for t in (mutated if mutated else outputs))
         flops = _flops(func, args, kwargs, out)
         ph.read += read
         ph.written += written

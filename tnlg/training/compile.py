@@ -9,9 +9,11 @@ Dropout: Inductor's own random numbers differ from eager's, and hidden dropout o
 replicated residual stream must draw the same mask on every TP rank, so
 ``torch._inductor.config.fallback_random`` is set: dropout inside compiled code draws from
 the same generators, in the same order, as eager code, and a compiled run gives eager's
-losses. The TP-rank generator swap of :class:`tnlg.parallel.random.TPRandom` (attention
-dropout, and with sequence parallelism the hidden dropout) reads and writes the device's
-RNG state, which Dynamo does not trace: the graph breaks around it (correct, slower).
+losses. The draws from this TP rank's generator (:class:`tnlg.parallel.random.TPRandom`:
+attention dropout, and with sequence parallelism the hidden dropout) read and write the
+device's RNG state, which Dynamo does not trace; inside compiled code they are custom
+operators that take and return the state (``tnlg::tp_attention``, ``tnlg::tp_dropout``),
+so the graph does not break there and the masks are eager's.
 
 The toolchain is tried first on a one-line function; if compiling or running it fails (no C
 compiler, an unsupported backend), the blocks stay eager and the returned reason is warned.

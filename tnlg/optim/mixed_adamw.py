@@ -1,0 +1,118 @@
+"""AdamW for 16-bit parameters in one pass: 16-bit gradient in, fp32 master and moments, 16-bit parameter out.
+
+``torch.optim.AdamW``'s fused kernel takes gradients in the master's dtype, so a 16-bit
+training step with it upcasts each gradient run to fp32 first (read 2 bytes, write 4) and copies
+the updated master back into the 16-bit parameter in a separate pass (read 4, write 2). The
+operator here does the whole update of one contiguous run in one pass per element: read the
+16-bit (or fp32) gradient, read and write the fp32 master and both moments, write the 16-bit
+parameter, the minimum of ``2 + 3 * 4 * 2 + 2 = 28`` bytes for a 16-bit gradient. The step's
+gradient factor (clipping coefficient over the loss scale: fp16's unscale) multiplies the
+gradient inside the same pass.
+
+It is one operator, ``torch.ops.tnlg.adamw_16bit_`` (:func:`adamw_16bit_`, a
+``torch.library`` custom operator that mutates ``param``, ``master``, ``exp_avg`` and
+``exp_avg_sq``), so a dispatch mode (:class:`tnlg.plan.tracker.StepTracker`) sees one operator
+whose bytes are its arguments, and fake tensors (``FakeTensorMode``) run its fake
+implementation (nothing to compute, nothing allocated). Its implementations share one function
+of the arithmetic, :func:`adamw_update`:
+
+* CUDA: ``torch.compile(adamw_update, dynamic=True)``: Inductor fuses the pointwise chain into
+  one kernel for every run length (``tests/test_mixed_adamw.py`` reads the kernel Inductor
+  generates for the CPU: one kernel, 30 bytes per element by Inductor's count, which charges the
+  written-only 16-bit parameter as read too; the code loads 14 bytes and stores 14). If the
+  compiler fails, the eager composite runs, with a warning saying why;
+* elsewhere (CPU), eagerly, in chunks of ``2^16`` elements, so that its fp32 temporaries stay
+  a quarter of a megabyte whatever the run's length.
+
+The arithmetic is ``torch.optim.AdamW``'s (its single-tensor implementation, decoupled weight
+decay, bias correction from the step count): ``tests/test_mixed_adamw.py`` checks it against
+``torch.optim.AdamW`` on fp32 copies. No communication.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["adamw_16bit_", "adamw_update", "CHUNK"]
+
+CHUNK = 1 << 16  # elements per eager pass (the CPU and the no-compiler fallback)
+
+
+def adamw_update(param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 grad: torch.Tensor, decay: float, step_size: float, bias_correction2_sqrt: float, beta1: float,
+                 beta2: float, eps: float, grad_factor: float) -> None:
+    """One AdamW update of a run, written into ``master``, ``exp_avg``, ``exp_avg_sq`` and ``param``
+    (``torch.optim.AdamW``'s single-tensor arithmetic; ``decay = 1 - lr * weight_decay``,
+    ``step_size = lr / (1 - beta1^t)``, ``bias_correction2_sqrt = sqrt(1 - beta2^t)``)."""
+    g = grad.float() * grad_factor
+    m = exp_avg.lerp(g, 1 - beta1)
+    v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    w = torch.addcdiv(master * decay, m, denom, value=-step_size)
+    master.copy_(w)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    param.copy_(w)
+
+
+def _eager(param, master, exp_avg, exp_avg_sq, grad, *scalars) -> None:
+    n = master.numel()
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        adamw_update(param[lo:hi], master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], *scalars)
+
+
+_compiled: Optional[Callable] = None
+
+
+def _fused(*args) -> None:
+    """The compiled update (one kernel per call); the eager composite if the compiler fails."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    if _compiled is not _eager:
+        try:
+            return _compiled(*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the same arithmetic, eagerly
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            warnings.warn(f"the fused 16-bit AdamW could not be compiled ({type(err).__name__}: {first}); "
+                          f"the optimizer step runs its eager composite (same arithmetic, more memory traffic).")
+            _compiled = _eager
+    _eager(*args)
+
+
+@torch.library.custom_op("tnlg::adamw_16bit_", mutates_args=("param", "master", "exp_avg", "exp_avg_sq"))
+def adamw_16bit_(param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 grad: torch.Tensor, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+                 step: int, grad_factor: float) -> None:
+    """AdamW step ``step`` (counted from 1) of one run: 1-D ``param`` (16-bit), fp32 ``master``,
+    ``exp_avg``, ``exp_avg_sq`` and ``grad`` (any float dtype) of one length; the gradient used is
+    ``grad_factor * grad``. Updates the four in place (module docstring)."""
+    _eager(param, master, exp_avg, exp_avg_sq, grad, *_scalars(lr, weight_decay, beta1, beta2, eps, step,
+                                                               grad_factor))
+
+
+@adamw_16bit_.register_kernel("cuda")
+def _adamw_16bit_cuda(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
+                      grad_factor) -> None:
+    _fused(param, master, exp_avg, exp_avg_sq, grad, *_scalars(lr, weight_decay, beta1, beta2, eps, step,
+                                                               grad_factor))
+
+
+@adamw_16bit_.register_fake
+def _adamw_16bit_fake(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
+                      grad_factor) -> None:
+    return None
+
+
+def _scalars(lr: float, weight_decay: float, beta1: float, beta2: float, eps: float, step: int,
+             grad_factor: float) -> tuple:
+    """:func:`adamw_update`'s scalar arguments from the hyper-parameters (as ``torch.optim.AdamW``)."""
+    if step < 1:
+        raise ValueError(f"AdamW's step count starts at 1, got {step}.")
+    return (1 - lr * weight_decay, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), beta1, beta2, eps,
+            grad_factor)
