@@ -24,10 +24,15 @@ def _cache_in_a_temporary_folder(tmp_path_factory):
     """Tests write only to temporary folders: the built-in corpus (prepared once per session, about 2 s)
     and every dataset index cache go to this session's folder, not to ``~/.cache/tnlg``, which they
     used to fill with index-cache files (issue 15 item 9). Spawned workers inherit the variable."""
-    before = os.environ.get("TNLG_CACHE")
-    os.environ["TNLG_CACHE"] = str(tmp_path_factory.mktemp("tnlg_cache"))
+    # torch.compile's caches too (default /tmp/torchinductor_<user>): a cache kept between runs would hide
+    # a change to a custom operator's fake implementation, which inductor's cache key does not see
+    folders = {"TNLG_CACHE": "tnlg_cache", "TORCHINDUCTOR_CACHE_DIR": "inductor_cache"}
+    before = {name: os.environ.get(name) for name in folders}
+    for name, folder in folders.items():
+        os.environ[name] = str(tmp_path_factory.mktemp(folder))
     yield
-    if before is None:
-        os.environ.pop("TNLG_CACHE", None)
-    else:
-        os.environ["TNLG_CACHE"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
