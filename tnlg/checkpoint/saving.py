@@ -60,11 +60,13 @@ def _tmp_name(iteration: int) -> str:
 
 
 def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine, ps: ParallelState,
-         config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None) -> str:
+         config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None,
+         schedule_steps: Optional[int] = None) -> str:
     """Write a checkpoint of iteration ``iteration`` under ``save_dir``; returns its directory.
 
     Collective over all ranks (see the module docstring for what each rank writes and the
-    commit protocol). ``keep_last`` keeps only the newest K iterations.
+    commit protocol). ``keep_last`` keeps only the newest K iterations. ``schedule_steps``: the LR
+    schedule's position (``meta["schedule"]["num_steps"]``; default the optimizer's step count).
     """
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
@@ -93,7 +95,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
                     param_dtype=str(engine.param_dtype).replace("torch.", "")),
         params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
-        schedule=_schedule(options, optimizer)), keep_last, failure)
+        schedule=_schedule(options, optimizer, schedule_steps)), keep_last, failure)
     return final
 
 
@@ -350,9 +352,9 @@ def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
     return [(n, shapes[n], engine.param_dtype) for n in engine.param_names if n in wanted]
 
 
-def _schedule(options, optimizer: Optional[dict]) -> Optional[dict]:
+def _schedule(options, optimizer: Optional[dict], schedule_steps: Optional[int] = None) -> Optional[dict]:
     if options is None or optimizer is None or not hasattr(options, "lr"):
         return None
-    return dict(num_steps=optimizer.get("num_steps"), max_lr=options.lr, min_lr=options.min_lr,
+    return dict(num_steps=optimizer.get("num_steps") if schedule_steps is None else int(schedule_steps), max_lr=options.lr, min_lr=options.min_lr,
                 warmup_iters=options.lr_warmup_iters,
                 decay_iters=options.lr_decay_iters or options.train_iters, decay_style=options.lr_decay_style)
