@@ -72,9 +72,12 @@ def _config(spec: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
     kw = dict(activation_func=openai_gelu) if spec["openai_gelu"] else {}
+    if spec.get("bf16"):
+        kw.update(bf16=True, params_dtype=torch.bfloat16)
     return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
                              num_attention_heads=spec["heads"], use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, layernorm_epsilon=1e-5, pipeline_dtype=torch.float32,
+                             attention_dropout=0.0, layernorm_epsilon=1e-5,
+                             pipeline_dtype=torch.bfloat16 if spec.get("bf16") else torch.float32,
                              tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], **kw)
 
 
@@ -253,14 +256,17 @@ def _trained(spec: dict, distributed: bool, tokens: torch.Tensor):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
     model = build_model(spec)
     _perturb(model, parallel_state.get_tensor_model_parallel_rank())
+    bf16 = bool(spec.get("bf16"))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                  model)
+                                  Float16Module(model.config, model) if bf16 else model)
     a = ADAM
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"], adam_beta1=a["betas"][0],
-        adam_beta2=a["betas"][1], adam_eps=a["eps"], clip_grad=0.0, use_distributed_optimizer=distributed), [ddp])
+        adam_beta2=a["betas"][1], adam_eps=a["eps"], clip_grad=0.0, use_distributed_optimizer=distributed, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=a["lr"], min_lr=a["min_lr"],
                                     lr_warmup_steps=a["warmup"] * a["batch"], lr_decay_steps=a["decay"] * a["batch"],
                                     lr_decay_style="cosine", start_wd=a["weight_decay"], end_wd=a["weight_decay"],
@@ -286,15 +292,20 @@ def _adam_step(model, ddp, opt, sched, tokens: torch.Tensor) -> float:
 
 
 def _moments(model, opt, distributed: bool) -> dict:
-    """Megatron's live Adam state per parameter name (this rank's TP shard, in the parameter's shape)."""
+    """Megatron's live Adam state per parameter name (this rank's TP shard, in the parameter's shape):
+    the moments, and the fp32 master of a 16-bit model."""
     inner = opt.chained_optimizers[0]
+    sixteen = next(model.parameters()).dtype != torch.float32
+    masters = {} if distributed or not sixteen else {  # Float16OptimizerWithFloat16Params' fp32 copies
+        p: m for g16, g32 in zip(inner.float16_groups, inner.fp32_from_float16_groups) for p, m in zip(g16, g32)}
     out = {}
     for name, p in model.named_parameters():
         if distributed:  # one DP rank: its main-parameter shard is the whole (flattened) parameter
             st = inner._get_main_param_and_optimizer_states(p)
         else:
-            st = inner.optimizer.state[p]
-        out[name] = {k: st[k].detach().clone().reshape(p.shape) for k in ("exp_avg", "exp_avg_sq")}
+            st = dict(inner.optimizer.state[masters.get(p, p)], param=masters.get(p))
+        kinds = ("exp_avg", "exp_avg_sq") + (("param",) if sixteen else ())
+        out[name] = {k: st[k].detach().clone().reshape(p.shape) for k in kinds}
     return out
 
 
@@ -322,6 +333,7 @@ def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
             msd = model.sharded_state_dict(metadata=meta)
             args = megatron_args(dict(spec, pp=1))
             args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
+            args.bf16, args.params_dtype = bool(spec.get("bf16")), next(model.parameters()).dtype
             state = dict(args=args, checkpoint_version=3.0, iteration=steps, model=msd,
                          optimizer=opt.sharded_state_dict(msd, metadata=meta), opt_param_scheduler=sched.state_dict())
             d = os.path.join(root, name, "iter_%07d" % steps)

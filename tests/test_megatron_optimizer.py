@@ -134,3 +134,22 @@ def test_the_distributed_optimizers_bucket_layout_is_refused(trained, tmp_path):
     assert not dst.exists()
     meta = read_meta(megatron_to_checkpoint(str(root / "dp_reshardable"), str(dst)))  # the weights convert
     assert not meta["optimizer"]["present"] and meta["schedule"]["num_steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_a_bf16_run_imports_its_fp32_master_and_moments_exactly(tmp_path):
+    """bf16 weights with Megatron's fp32 master (the non-distributed optimizer's ``fp32_param``, the
+    distributed one's ``param``): the import keeps the bf16 weights and the master and moments exactly.
+    (No step comparison: two bf16 forwards round differently, so their gradients differ beyond 1e-6.)"""
+    spec = dict(SPEC, bf16=True)
+    ref = run_distributed(R.train_and_save, spec["tp"], 1, spec, str(tmp_path), _tokens(), STEPS, timeout_s=300)
+    for kind in KINDS:
+        path = megatron_to_checkpoint(str(tmp_path / kind), str(tmp_path / f"tnlg_{kind}"), tp_size=2,
+                                      with_optimizer=True)
+        meta, (params, states) = _imported(path)
+        assert meta["layout"]["param_dtype"] == "bfloat16" and meta["optimizer"]["num_steps"] == STEPS
+        for name, (meg, split) in _megatron_names().items():
+            assert params[name].dtype == torch.bfloat16
+            for k, mk in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("master", "param")):
+                want = _full([r[kind]["moments"][meg][mk] for r in ref], split)
+                assert states[name][k].dtype == torch.float32 and torch.equal(states[name][k], want), (kind, name, k)
