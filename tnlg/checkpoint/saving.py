@@ -35,9 +35,11 @@ failed never leaves the others waiting for the process-group timeout.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -205,10 +207,12 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
     return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
 
 
-def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict) -> dict:
+def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict, kinds=None) -> dict:
     """One ``optim_tpXX_dpYYY`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
-    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``."""
-    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
+    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``. ``kinds``:
+    the states written (default: the moments, and ``master`` where the pieces have one)."""
+    if kinds is None:
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
     specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
     fname = F.optim_file(tp_rank, dp_rank)
     stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
@@ -258,7 +262,8 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
     (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
     (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``params`` is
     any mapping whose values have ``meta["layout"]["param_dtype"]``; each is looked up once, when
-    written, so a mapping that computes its values holds one tensor at a time."""
+    written, so a mapping that computes its values holds one tensor at a time (so are the states:
+    ``states[name]`` may be such a mapping too)."""
     root = os.path.abspath(root)
     iteration = int(meta["iteration"])
     final = os.path.join(root, F.iter_dir_name(iteration))
@@ -282,9 +287,8 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
         files[F.model_file(r)] = dict(size=size, sha256=sha)
         if states is not None:
             kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if all(k in states[n] for n in names)]
-            pieces = [{"name": n, "lo": 0, "length": states[n]["exp_avg"].numel(), "master": None,
-                       **{k: states[n][k].reshape(-1) for k in kinds}} for n in names]
-            files.update(_write_pieces(tmp, pieces, r, 0, tag))
+            pieces = [_WholeShardPiece(n, math.prod(local[n]["local"]), states[n], kinds) for n in names]
+            files.update(_write_pieces(tmp, pieces, r, 0, tag, tuple(kinds)))
         if rng_of_rank is not None:
             files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
     meta = dict(meta, format=F.FORMAT, params=records, **_manifest(files),
@@ -292,6 +296,29 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
                 rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
     commit(root, tmp, final, iteration, meta, None)
     return final
+
+
+class _WholeShardPiece(Mapping):
+    """The piece ``[0, length)`` of a whole TP shard (offline writes): its states are looked up in
+    ``state`` when :func:`_write_pieces` writes them, one at a time."""
+
+    def __init__(self, name: str, length: int, state, kinds: list):
+        self.fixed, self.state, self.kinds = dict(name=name, lo=0, length=int(length)), state, kinds
+
+    def __getitem__(self, key: str):
+        if key in self.fixed:
+            return self.fixed[key]
+        if key in self.kinds:
+            return self.state[key].reshape(-1)
+        if key == "master":
+            return None
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter((*self.fixed, *self.kinds))
+
+    def __len__(self) -> int:
+        return len(self.fixed) + len(self.kinds)
 
 
 def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_last: Optional[int]) -> None:

@@ -13,7 +13,8 @@ The tnlg checkpoint holds the weights, the iteration and consumed samples of the
 its LR schedule's position (``meta["schedule"]["num_steps"]``: ``tnlg pretrain --load`` continues the
 schedule there). With ``with_optimizer`` it also holds the Adam state (:mod:`.optimizer`): the moments,
 the fp32 master of a 16-bit run and Adam's step count, as one piece per parameter and TP rank;
-without it, training starts fresh Adam moments (bias correction from step 1).
+without it, training starts fresh Adam moments (bias correction from step 1). The states are
+streamed like the weights: one tensor at a time.
 """
 
 from __future__ import annotations
@@ -131,6 +132,26 @@ class _Tensors(Mapping):
         return len(self.where)
 
 
+class _StatesOf(Mapping):
+    """kind (``exp_avg``, ``exp_avg_sq``, ``master``) -> this rank's shard of one parameter's state,
+    computed when looked up (``write_offline`` writes one at a time)."""
+
+    def __init__(self, name: str, by_kind: dict):
+        self.name, self.by_kind = name, by_kind
+
+    def __getitem__(self, kind: str) -> torch.Tensor:
+        return self.by_kind[kind][self.name]
+
+    def __contains__(self, kind) -> bool:
+        return kind in self.by_kind
+
+    def __iter__(self):
+        return iter(self.by_kind)
+
+    def __len__(self) -> int:
+        return len(self.by_kind)
+
+
 def _check_tensors(source, cfg: GPTConfig, prefix: str = "") -> None:
     """Every tensor tnlg needs (``prefix``: every state of them) is present with its shape (from the index
     or the rank files' headers: no tensor is read), before anything is written."""
@@ -183,7 +204,7 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     def shard(r, names):
         if opt is None:
             return _Tensors(source, cfg, tp_size, r, dtype), None
-        states = {k: _Tensors(source, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
-        return _Tensors(source, cfg, tp_size, r, dtype), {n: {k: t[n] for k, t in states.items()} for n in names}
+        by_kind = {k: _Tensors(source, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
+        return _Tensors(source, cfg, tp_size, r, dtype), {n: _StatesOf(n, by_kind) for n in names}
 
     return write_offline(dst, meta, tp_size, shard)
