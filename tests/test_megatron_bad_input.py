@@ -202,3 +202,22 @@ def test_an_iteration_folder_or_a_release_checkpoint(megatron_ckpts, tmp_path):
     assert read_meta(megatron_to_checkpoint(str(src), str(tmp_path / "two")))["iteration"] == 3
     (src / "latest_checkpointed_iteration.txt").write_text("soon")
     _refused(src, tmp_path, "neither an iteration number nor 'release'")
+
+
+def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
+    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), or the legacy
+    per-rank optimizer entries, is one paragraph naming it; nothing is written."""
+    def refused(src, match):
+        dst = tmp_path / "out"
+        with pytest.raises(UserError, match=match) as info:
+            megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
+        assert not dst.exists() and "\n" not in str(info.value)
+
+    refused(megatron_ckpts / "torch_dist", "holds no optimizer state .*--no-save-optim")
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "legacy_optim")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = src / "iter_0000003" / rank / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state["optimizer"] = dict(optimizer=dict(state={}, param_groups=[]), fp32_from_fp16_params=[])
+        torch.save(state, path)
+    refused(src, "legacy per-rank files .* does not read yet")

@@ -314,7 +314,9 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"model        {n_params:,} parameters: " + ", ".join(
             f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                       "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
-        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, saved at ZeRO stage {opt.get('zero_stage')}"
+        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, "
+                           + ("converted from Megatron-LM" if opt.get("converted") else
+                              f"saved at ZeRO stage {opt.get('zero_stage')}")
                            + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
                            if opt.get("present") else "none (weights only)"),
         "tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
@@ -326,8 +328,9 @@ def info(path: str, as_json: bool = False, out=None) -> int:
                      f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")
     if meta.get("schedule"):
         s = meta["schedule"]
-        lines.append(f"lr schedule  {s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, "
-                     f"decay until step {s['decay_iters']}")
+        shape = (f"{s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, decay until step "
+                 f"{s['decay_iters']}, " if s.get("max_lr") is not None else "")
+        lines.append(f"lr schedule  {shape}at step {s.get('num_steps')}")
     lines.append(f"files        {len(meta['files'])}, {_mib(sum(meta['files'].values()))}: "
                  + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
     if bad:
