@@ -309,13 +309,34 @@ def _moments(model, opt, distributed: bool) -> dict:
     return out
 
 
+def _save_legacy(model, opt, sched, spec: dict, steps: int, distributed: bool, root: str) -> None:
+    """The legacy per-rank files (``--ckpt-format torch``) as Megatron-LM's ``save_checkpoint`` writes
+    them: ``model_optim_rng.pt`` with ``optimizer.state_dict()`` (the distributed optimizer's holds
+    only its param groups; its states go to ``distrib_optim.pt`` by ``save_parameter_state``)."""
+    from megatron.core import parallel_state
+    d = os.path.join(root, "iter_%07d" % steps, "mp_rank_%02d" % parallel_state.get_tensor_model_parallel_rank())
+    os.makedirs(d, exist_ok=True)
+    args = megatron_args(dict(spec, pp=1))
+    args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
+    args.bf16, args.params_dtype, args.ckpt_format = bool(spec.get("bf16")), next(model.parameters()).dtype, "torch"
+    torch.save(dict(args=args, checkpoint_version=3.0, iteration=steps, model=model.state_dict_for_save_checkpoint(),
+                    optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict()),
+               os.path.join(d, "model_optim_rng.pt"))
+    if distributed:
+        opt.chained_optimizers[0].save_parameter_state(os.path.join(d, "distrib_optim.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(steps))
+
+
 def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
     """Worker (world = TP, PP 1): the non-distributed and the distributed optimizer (two identical
     models) each take ``steps`` Adam steps on ``tokens`` and are saved by ``dist_checkpointing.save``
     with their optimizer's ``sharded_state_dict`` and the scheduler's state, as Megatron-LM's
     ``generate_state_dict`` (``root/<plain|distributed>``; the distributed one in the model-space
     ``fully_reshardable`` layout, and in the bucket layout ``dp_reshardable`` under
-    ``root/dp_reshardable``). Then each takes one more step: returns per optimizer the moments after
+    ``root/dp_reshardable``), and in the legacy per-rank files (``root/legacy_<plain|distributed>``:
+    :func:`_save_legacy`). Then each takes one more step: returns per optimizer the moments after
     ``steps``, the lr of the next step and the parameters after it."""
     _init(dict(spec, pp=1))
     _patch_optimizer_calls()
@@ -345,6 +366,7 @@ def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
             if dist.get_rank() == 0:
                 with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
                     f.write(str(steps))
+        _save_legacy(model, opt, sched, spec, steps, distributed, os.path.join(root, f"legacy_{kind}"))
         moments = _moments(model, opt, distributed)
         lr = _adam_step(model, ddp, opt, sched, tokens)
         out[kind] = dict(moments=moments, lr=lr, params={n: p.detach().clone() for n, p in model.named_parameters()})

@@ -2,11 +2,12 @@
 
 megatron-core's GPTModel at TP 2, in its DDP with its own Adam (``get_megatron_optimizer``: the
 non-distributed optimizer and the distributed one) and LR scheduler, takes two steps on one batch
-and is saved by ``dist_checkpointing.save`` with the optimizer's ``sharded_state_dict``
-(tests/megatron_reference.py). The import must hold Megatron's moments exactly, parameter by
-parameter, with Adam's step count; and one tnlg step from the imported state on the same batch
-must give the parameters Megatron's next step gives (fp32, 1e-6). The distributed optimizer's
-bucket layout (``dp_reshardable``) is refused, naming what to do.
+and is saved by ``dist_checkpointing.save`` with the optimizer's ``sharded_state_dict``, and in the
+legacy per-rank files (tests/megatron_reference.py). The import must hold Megatron's moments
+exactly, parameter by parameter, with Adam's step count; and one tnlg step from the imported state
+on the same batch must give the parameters Megatron's next step gives (fp32, 1e-6). The
+distributed optimizer's bucket layouts (``dp_reshardable``, legacy ``distrib_optim.pt``) are
+refused, naming what to do.
 """
 
 import pytest
@@ -31,6 +32,8 @@ SPEC = dict(layers=2, hidden=32, heads=4, ffn=64, seq=16, vocab=112, divisible=8
             untie=True)
 STEPS = 2
 KINDS = ("plain", "distributed")
+# (folder of Megatron's save, the optimizer that wrote it): torch_dist by both, legacy files by the plain one
+SAVES = (("plain", "plain"), ("distributed", "distributed"), ("legacy_plain", "plain"))
 
 
 def _tokens():
@@ -43,7 +46,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_adam")
     ref = run_distributed(R.train_and_save, SPEC["tp"], 1, SPEC, str(root), _tokens(), STEPS, timeout_s=300)
     converted = {k: megatron_to_checkpoint(str(root / k), str(root / f"tnlg_{k}"), tp_size=2, with_optimizer=True)
-                 for k in KINDS}
+                 for k in (*KINDS, "legacy_plain")}
     return root, ref, converted
 
 
@@ -72,10 +75,10 @@ def _imported(path):
     return meta, read_states(path, meta, GPTConfig.from_dict(meta["config"]), 1, 0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_imported_moments_are_megatrons_parameter_by_parameter(trained, kind):
+@pytest.mark.parametrize("save,kind", SAVES)
+def test_imported_moments_are_megatrons_parameter_by_parameter(trained, save, kind):
     _, ref, converted = trained
-    meta, (_, states) = _imported(converted[kind])
+    meta, (_, states) = _imported(converted[save])
     assert meta["optimizer"]["present"] and meta["optimizer"]["num_steps"] == STEPS
     assert meta["schedule"]["num_steps"] == STEPS  # the scheduler's samples over the global batch
     names = _megatron_names()
@@ -105,12 +108,12 @@ def _tnlg_step(ps, path, lr, tokens):
     return steps_before, engine.num_steps, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_tnlg_step_from_the_import_is_megatrons_next_step(trained, kind):
+@pytest.mark.parametrize("save,kind", SAVES)
+def test_a_tnlg_step_from_the_import_is_megatrons_next_step(trained, save, kind):
     _, ref, converted = trained
     lr = ref[0][kind]["lr"]
     assert 0 < lr < R.ADAM["lr"]  # the scheduler's cosine decay after its warmup, as Megatron stepped it
-    before, after, params = run_distributed(_tnlg_step, 1, 1, converted[kind], lr, _tokens())[0]
+    before, after, params = run_distributed(_tnlg_step, 1, 1, converted[save], lr, _tokens())[0]
     assert (before, after) == (STEPS, STEPS + 1)  # Adam's bias correction continues at step 3
     for name, (meg, split) in _megatron_names().items():
         want = _full([r[kind]["params"][meg] for r in ref], split)
@@ -125,12 +128,14 @@ def test_a_tnlg_step_from_the_import_is_megatrons_next_step(trained, kind):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=name)
 
 
-def test_the_distributed_optimizers_bucket_layout_is_refused(trained, tmp_path):
+def test_the_distributed_optimizers_bucket_layouts_are_refused(trained, tmp_path):
     root, _, _ = trained
     dst = tmp_path / "out"
     with pytest.raises(UserError, match="'dp_reshardable' layout .* does not read yet.*"
                                         "--dist-ckpt-optim-fully-reshardable"):
         megatron_to_checkpoint(str(root / "dp_reshardable"), str(dst), with_optimizer=True)
+    with pytest.raises(UserError, match="legacy distrib_optim.pt files .* does not read yet"):
+        megatron_to_checkpoint(str(root / "legacy_distributed"), str(dst), with_optimizer=True)
     assert not dst.exists()
     meta = read_meta(megatron_to_checkpoint(str(root / "dp_reshardable"), str(dst)))  # the weights convert
     assert not meta["optimizer"]["present"] and meta["schedule"]["num_steps"] == STEPS
@@ -143,8 +148,8 @@ def test_a_bf16_run_imports_its_fp32_master_and_moments_exactly(tmp_path):
     (No step comparison: two bf16 forwards round differently, so their gradients differ beyond 1e-6.)"""
     spec = dict(SPEC, bf16=True)
     ref = run_distributed(R.train_and_save, spec["tp"], 1, spec, str(tmp_path), _tokens(), STEPS, timeout_s=300)
-    for kind in KINDS:
-        path = megatron_to_checkpoint(str(tmp_path / kind), str(tmp_path / f"tnlg_{kind}"), tp_size=2,
+    for save, kind in SAVES:
+        path = megatron_to_checkpoint(str(tmp_path / save), str(tmp_path / f"tnlg_{save}"), tp_size=2,
                                       with_optimizer=True)
         meta, (params, states) = _imported(path)
         assert meta["layout"]["param_dtype"] == "bfloat16" and meta["optimizer"]["num_steps"] == STEPS

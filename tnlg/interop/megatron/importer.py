@@ -121,8 +121,7 @@ class _Tensors(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         role, layer, stage = self.where[name]
-        full = self.source.tensor(role, layer, stage, prefix=self.prefix) if self.prefix else \
-            self.source.tensor(role, layer, stage)
+        full = self.source.tensor(role, layer, stage, prefix=self.prefix)
         return slice_full(_to_tnlg(full, role, self.cfg).to(self.dtype), self.targets[name])
 
     def __iter__(self):
@@ -159,7 +158,7 @@ def _check_tensors(source, cfg: GPTConfig, prefix: str = "") -> None:
     where = f"Megatron checkpoint {source.iter_dir!r}"
     specs = GPT.describe(cfg, 1)
     for role, layer, stage in _roles(cfg, source.layout.pp - 1):
-        shape = source.shape(role, layer, stage, prefix=prefix) if prefix else source.shape(role, layer, stage)
+        shape = source.shape(role, layer, stage, prefix=prefix)
         if shape is None:
             what = "the untied output layer (output_layer.weight)" if role.tnlg == "lm_head.weight" else (
                 f"{role.tnlg}" + ("" if layer is None else f" of layer {layer}"))

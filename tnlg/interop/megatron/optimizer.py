@@ -12,6 +12,11 @@ What is read (megatron-core 0.16.1's writers):
   (``DistributedOptimizer.sharded_param_state_fully_reshardable``; Megatron-LM's
   ``--dist-ckpt-optim-fully-reshardable``). The step count is in ``common.pt``: ``common_step``
   (non-distributed) or the param groups' ``step`` (distributed).
+* the legacy per-rank files (``--ckpt-format torch``) of the non-distributed optimizer: the
+  ``optimizer`` entry of each ``model_optim_rng.pt`` is torch's optimizer state dict (its
+  ``state`` numbered by param group; 16-bit runs nest it as ``optimizer`` beside
+  ``fp32_from_fp16_params``), mapped to the parameters as megatron-core built the groups
+  (:func:`legacy_states`).
 * The LR schedule's position: ``opt_param_scheduler.num_steps`` (Megatron counts it in samples:
   each successful step adds the global batch size) divided by ``global_batch_size``; without a
   scheduler state, the checkpoint's iteration.
@@ -19,8 +24,8 @@ What is read (megatron-core 0.16.1's writers):
 Not read yet (one :class:`UserError` naming it): the distributed optimizer's bucket layouts
 (``dp_reshardable``, Megatron-LM's default since megatron-core 0.14, ``dp_zero_gather_scatter``,
 ``fully_sharded_model_space``, ``fsdp_dtensor``), whose flat buffers follow Megatron's gradient
-buckets rather than its parameters, and the legacy per-rank optimizer files
-(``distrib_optim.pt``, the ``optimizer`` entry of ``model_optim_rng.pt``).
+buckets rather than its parameters, also in the legacy ``distrib_optim.pt`` files; and param groups
+beyond megatron-core's default weight-decay split (per-layer LR or decay overrides).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 from ...errors import UserError
 
@@ -65,8 +72,11 @@ def _find(node, key: str, out: list) -> list:
 
 
 def _step(state: dict, where: str) -> int:
+    """Adam's step: ``common_step`` (megatron-core's sharded state dicts), the param groups' ``step``
+    (the distributed optimizer) or the per-parameter ``step`` of torch's state dict (legacy files)."""
+    per_param = [v for d in _find(state, "state", []) if isinstance(d, dict) for v in d.values() if isinstance(v, dict)]
     steps = {int(s) for s in _find(state, "common_step", []) + _find(_find(state, "param_groups", []), "step", [])
-             if s is not None}
+             + [v.get("step") for v in per_param] if s is not None}
     if len(steps) != 1:
         raise UserError(f"{where}: the optimizer state gives {'no' if not steps else sorted(steps)} Adam step "
                         "count(s); one is needed for Adam's bias correction. Nothing was written.")
@@ -89,13 +99,7 @@ def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer
     where = f"--with-optimizer: Megatron checkpoint {source.iter_dir!r}"
     state = common.get("optimizer")
     if source.format != "torch_dist":
-        files = any(os.path.isfile(os.path.join(source.iter_dir, d, "distrib_optim.pt"))
-                    for d in os.listdir(source.iter_dir))
-        why = ("holds no optimizer state" if state is None and not files
-               else "holds its optimizer state in the legacy per-rank files (distrib_optim.pt or the 'optimizer' "
-                    "entry of model_optim_rng.pt), which tnlg does not read yet")
-        raise UserError(f"{where} {why}. tnlg reads the Adam state of torch_dist checkpoints (--ckpt-format "
-                        f"torch_dist). {_HINT}")
+        return _read_legacy(source, common, state, sixteen_bit, where)
     if state is None:
         raise UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
                         "converted model). Convert without --with-optimizer. Nothing was written.")
@@ -121,6 +125,69 @@ def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer
                         f"({_STATE}fp32_param.* or {_STATE}param.*); tnlg resumes a 16-bit run from its fp32 "
                         "master. Nothing was written.")
     return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
+
+
+def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str) -> MegatronOptimizer:
+    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`); the distributed
+    optimizer's ``distrib_optim.pt`` is refused."""
+    distributed = bool(getattr(common["args"], "use_distributed_optimizer", False)) or any(
+        os.path.isfile(os.path.join(source.iter_dir, d, "distrib_optim.pt")) for d in os.listdir(source.iter_dir))
+    if distributed:
+        raise UserError(f"{where} holds the distributed optimizer's state in the legacy distrib_optim.pt files "
+                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet. "
+                        f"{_HINT}")
+    if not isinstance(state, dict):
+        raise UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
+                        "converted model). Convert without --with-optimizer. Nothing was written.")
+    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
+    if sixteen_bit and not state.get("fp32_from_fp16_params"):
+        raise UserError(f"{where}: the weights are 16-bit but the optimizer entry has no fp32_from_fp16_params "
+                        "(the fp32 master); tnlg resumes a 16-bit run from its master. Nothing was written.")
+    return MegatronOptimizer({k: k for k in kinds}, _step(state, where), _hyperparameters(state))
+
+
+def _no_weight_decay(name: str, value) -> bool:
+    """megatron-core's default split of its param groups: biases and 1-D parameters get no weight decay."""
+    return name.endswith(".bias") or value.dim() == 1
+
+
+def legacy_states(model: dict, entry, path: str) -> dict:
+    """``{kind: {parameter name: tensor}}`` of one legacy rank file: torch's optimizer state dict (in
+    ``entry``, or ``entry["optimizer"]`` beside the 16-bit run's ``fp32_from_fp16_params``) numbers the
+    parameters by param group; megatron-core builds its groups from ``named_parameters()`` (the model
+    entry's order) split by weight decay (``wd_mult`` 1, or 0 for biases and 1-D parameters), so group
+    ``g``'s ``i``-th id is the ``i``-th parameter of that kind. Every state's shape is checked."""
+    where = f"--with-optimizer: {path!r}"
+    inner = entry.get("optimizer", entry) if isinstance(entry, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        raise UserError(f"{where} has no optimizer state dict (state and param_groups). Nothing was written.")
+    groups, masters = inner["param_groups"], entry.get("fp32_from_fp16_params")
+    params = [(n, v) for n, v in model.items() if isinstance(v, torch.Tensor) and not n.endswith("_extra_state")]
+    decays = [float(g.get("wd_mult", 1.0)) == 0.0 for g in groups]
+    if len(set(decays)) != len(decays):
+        raise UserError(f"{where}: the optimizer has {len(groups)} param groups, more than megatron-core's default "
+                        "split by weight decay, so its parameters cannot be told apart; tnlg does not read it yet. "
+                        "Nothing was written.")
+    out: dict = {"exp_avg": {}, "exp_avg_sq": {}, "master": {}}
+    for g, (group, no_decay) in enumerate(zip(groups, decays)):
+        members = [(n, v) for n, v in params if _no_weight_decay(n, v) == no_decay]
+        if len(members) != len(group.get("params", ())):
+            raise UserError(f"{where}: param group {g} has {len(group.get('params', ()))} parameters but the model "
+                            f"has {len(members)} of its kind; the optimizer does not match the model. Nothing was "
+                            "written.")
+        for i, ((name, value), pid) in enumerate(zip(members, group["params"])):
+            st = dict(inner.get("state", {}).get(pid) or {})
+            if masters:
+                st["master"] = masters[g][i]
+            for kind in out:
+                t = st.get(kind)
+                if t is not None and tuple(t.shape) != tuple(value.shape):
+                    raise UserError(f"{where}: the optimizer's {kind} for {name!r} has shape {tuple(t.shape)}, the "
+                                    f"parameter {tuple(value.shape)}; the optimizer does not match the model. Nothing "
+                                    "was written.")
+                if t is not None:
+                    out[kind][name] = t
+    return out
 
 
 def schedule_position(common: dict, args, iteration: int) -> int:
