@@ -205,8 +205,9 @@ def test_an_iteration_folder_or_a_release_checkpoint(megatron_ckpts, tmp_path):
 
 
 def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
-    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), or the legacy
-    per-rank optimizer entries, is one paragraph naming it; nothing is written."""
+    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), the distributed
+    optimizer's legacy distrib_optim.pt, or a legacy optimizer entry whose param groups do not match the
+    model, is one paragraph naming it; nothing is written."""
     def refused(src, match):
         dst = tmp_path / "out"
         with pytest.raises(UserError, match=match) as info:
@@ -214,10 +215,14 @@ def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
         assert not dst.exists() and "\n" not in str(info.value)
 
     refused(megatron_ckpts / "torch_dist", "holds no optimizer state .*--no-save-optim")
+    refused(megatron_ckpts / "legacy", "holds no optimizer state .*--no-save-optim")
     src = _copy(megatron_ckpts / "legacy", tmp_path / "legacy_optim")
     for rank in ("mp_rank_00", "mp_rank_01"):
         path = src / "iter_0000003" / rank / "model_optim_rng.pt"
         state = torch.load(path, weights_only=False)
-        state["optimizer"] = dict(optimizer=dict(state={}, param_groups=[]), fp32_from_fp16_params=[])
+        groups = [dict(wd_mult=1.0, params=[0, 1]), dict(wd_mult=0.0, params=[2])]
+        state["optimizer"] = dict(state={0: dict(step=torch.tensor(1.0))}, param_groups=groups)
         torch.save(state, path)
-    refused(src, "legacy per-rank files .* does not read yet")
+    refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
+    (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
+    refused(src, "legacy distrib_optim.pt files .* does not read yet")

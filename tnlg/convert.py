@@ -92,10 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
     parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
-                        "Adam state (moments, fp32 master of a 16-bit run, step count) of a torch_dist checkpoint "
-                        "whose optimizer state is in model space (the non-distributed optimizer, or the distributed "
-                        "one saved with --dist-ckpt-optim-fully-reshardable); without it training starts fresh "
-                        "Adam moments, the LR schedule at the checkpoint's position")
+                        "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed "
+                        "optimizer (torch_dist or legacy) or of the distributed one saved in torch_dist with "
+                        "--dist-ckpt-optim-fully-reshardable; without it training starts fresh Adam moments, the "
+                        "LR schedule at the checkpoint's position")
 
 
 _FOREIGN = ("hf", "megatron")
