@@ -38,7 +38,8 @@ import torch
 
 from ...errors import UserError
 
-__all__ = ["MegatronOptimizer", "read_optimizer", "schedule_position", "schedule_record"]
+__all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
+           "optimizer_record"]
 
 _STATE = "optimizer.state."
 # tnlg kind -> the Megatron states that hold it, in the order they are looked for
@@ -53,7 +54,7 @@ _HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the di
 @dataclass(frozen=True)
 class MegatronOptimizer:
     """Where a checkpoint's Adam states are and what they were stepped with."""
-    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix
+    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy: the kind)
     step: int               # Adam's step count (bias correction)
     hyperparameters: dict   # betas, eps, weight_decay, lr of Megatron's param groups
 
@@ -69,6 +70,11 @@ def _find(node, key: str, out: list) -> list:
         for v in node:
             _find(v, key, out)
     return out
+
+
+def _no_state(where: str) -> UserError:
+    return UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
+                     "converted model). Convert without --with-optimizer. Nothing was written.")
 
 
 def _step(state: dict, where: str) -> int:
@@ -101,8 +107,7 @@ def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer
     if source.format != "torch_dist":
         return _read_legacy(source, common, state, sixteen_bit, where)
     if state is None:
-        raise UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
-                        "converted model). Convert without --with-optimizer. Nothing was written.")
+        raise _no_state(where)
     layouts = set(_find(state, "param_state_sharding_type", []))
     layout = layouts.pop() if len(layouts) == 1 else (None if not layouts else sorted(layouts))
     if layout not in _READ_LAYOUTS or source.has_key("optimizer.distributed."):
@@ -137,8 +142,7 @@ def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str) -> 
                         "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet. "
                         f"{_HINT}")
     if not isinstance(state, dict):
-        raise UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
-                        "converted model). Convert without --with-optimizer. Nothing was written.")
+        raise _no_state(where)
     kinds = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
     if sixteen_bit and not state.get("fp32_from_fp16_params"):
         raise UserError(f"{where}: the weights are 16-bit but the optimizer entry has no fp32_from_fp16_params "
