@@ -141,7 +141,6 @@ def test_the_distributed_optimizers_bucket_layouts_are_refused(trained, tmp_path
     assert not meta["optimizer"]["present"] and meta["schedule"]["num_steps"] == STEPS
 
 
-@pytest.mark.slow
 def test_a_bf16_run_imports_its_fp32_master_and_moments_exactly(tmp_path):
     """bf16 weights with Megatron's fp32 master (the non-distributed optimizer's ``fp32_param``, the
     distributed one's ``param``): the import keeps the bf16 weights and the master and moments exactly.
