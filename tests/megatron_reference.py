@@ -72,9 +72,12 @@ def _config(spec: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
     kw = dict(activation_func=openai_gelu) if spec["openai_gelu"] else {}
+    if spec.get("bf16"):
+        kw.update(bf16=True, params_dtype=torch.bfloat16)
     return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
                              num_attention_heads=spec["heads"], use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, layernorm_epsilon=1e-5, pipeline_dtype=torch.float32,
+                             attention_dropout=0.0, layernorm_epsilon=1e-5,
+                             pipeline_dtype=torch.bfloat16 if spec.get("bf16") else torch.float32,
                              tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], **kw)
 
 
@@ -219,4 +222,153 @@ def load_and_run(ps, spec: dict, root: str, fmt: str, tokens: torch.Tensor):
     else:
         out["state"] = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         out["stage"], out["tp_rank"] = p, t
+    return out
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+def _patch_optimizer_calls() -> None:
+    """megatron-core's optimizers on the CPU: tensors it makes on ``device="cuda"`` (found-inf flags,
+    the unit loss scale) are made on the CPU, and ``Tensor.type()`` names CPU tensors as the CUDA
+    types its precision checks accept (``torch.cuda.FloatTensor``)."""
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        def on_cpu(*a, _make=getattr(torch, name), **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return _make(*a, **k)
+        setattr(torch, name, on_cpu)
+    named = torch.Tensor.type
+
+    def type_(self, *a, **k):
+        t = named(self, *a, **k)
+        return t.replace("torch.", "torch.cuda.", 1) if not (a or k) and not t.startswith("torch.cuda.") else t
+    torch.Tensor.type = type_
+
+
+ADAM = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup=1, decay=10, batch=2)
+
+
+def _trained(spec: dict, distributed: bool, tokens: torch.Tensor):
+    """GPTModel (perturbed as :func:`save_reference`) in megatron-core's DDP with its Adam
+    (``get_megatron_optimizer``: the non-distributed or the distributed optimizer) and its LR
+    scheduler (``OptimizerParamScheduler``, stepped by the global batch as Megatron-LM's loop does)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+    model = build_model(spec)
+    _perturb(model, parallel_state.get_tensor_model_parallel_rank())
+    bf16 = bool(spec.get("bf16"))
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                  Float16Module(model.config, model) if bf16 else model)
+    a = ADAM
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"], adam_beta1=a["betas"][0],
+        adam_beta2=a["betas"][1], adam_eps=a["eps"], clip_grad=0.0, use_distributed_optimizer=distributed, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=a["lr"], min_lr=a["min_lr"],
+                                    lr_warmup_steps=a["warmup"] * a["batch"], lr_decay_steps=a["decay"] * a["batch"],
+                                    lr_decay_style="cosine", start_wd=a["weight_decay"], end_wd=a["weight_decay"],
+                                    wd_incr_steps=a["decay"] * a["batch"], wd_incr_style="constant")
+    return model, ddp, opt, sched
+
+
+def _adam_step(model, ddp, opt, sched, tokens: torch.Tensor) -> float:
+    """One Megatron training step on the mean cross-entropy of ``tokens`` (labels = tokens); returns its lr."""
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+    model.train()
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens, positions, mask, labels=tokens).float().mean().backward()
+    ddp.finish_grad_sync()
+    lr = opt.param_groups[0]["lr"]
+    ok, _, _ = opt.step()
+    assert ok
+    sched.step(increment=ADAM["batch"])
+    return lr
+
+
+def _moments(model, opt, distributed: bool) -> dict:
+    """Megatron's live Adam state per parameter name (this rank's TP shard, in the parameter's shape):
+    the moments, and the fp32 master of a 16-bit model."""
+    inner = opt.chained_optimizers[0]
+    sixteen = next(model.parameters()).dtype != torch.float32
+    masters = {} if distributed or not sixteen else {  # Float16OptimizerWithFloat16Params' fp32 copies
+        p: m for g16, g32 in zip(inner.float16_groups, inner.fp32_from_float16_groups) for p, m in zip(g16, g32)}
+    out = {}
+    for name, p in model.named_parameters():
+        if distributed:  # one DP rank: its main-parameter shard is the whole (flattened) parameter
+            st = inner._get_main_param_and_optimizer_states(p)
+        else:
+            st = dict(inner.optimizer.state[masters.get(p, p)], param=masters.get(p))
+        kinds = ("exp_avg", "exp_avg_sq") + (("param",) if sixteen else ())
+        out[name] = {k: st[k].detach().clone().reshape(p.shape) for k in kinds}
+    return out
+
+
+def _save_legacy(model, opt, sched, spec: dict, steps: int, distributed: bool, root: str) -> None:
+    """The legacy per-rank files (``--ckpt-format torch``) as Megatron-LM's ``save_checkpoint`` writes
+    them: ``model_optim_rng.pt`` with ``optimizer.state_dict()`` (the distributed optimizer's holds
+    only its param groups; its states go to ``distrib_optim.pt`` by ``save_parameter_state``)."""
+    from megatron.core import parallel_state
+    d = os.path.join(root, "iter_%07d" % steps, "mp_rank_%02d" % parallel_state.get_tensor_model_parallel_rank())
+    os.makedirs(d, exist_ok=True)
+    args = megatron_args(dict(spec, pp=1))
+    args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
+    args.bf16, args.params_dtype, args.ckpt_format = bool(spec.get("bf16")), next(model.parameters()).dtype, "torch"
+    torch.save(dict(args=args, checkpoint_version=3.0, iteration=steps, model=model.state_dict_for_save_checkpoint(),
+                    optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict()),
+               os.path.join(d, "model_optim_rng.pt"))
+    if distributed:
+        opt.chained_optimizers[0].save_parameter_state(os.path.join(d, "distrib_optim.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(steps))
+
+
+def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
+    """Worker (world = TP, PP 1): the non-distributed and the distributed optimizer (two identical
+    models) each take ``steps`` Adam steps on ``tokens`` and are saved by ``dist_checkpointing.save``
+    with their optimizer's ``sharded_state_dict`` and the scheduler's state, as Megatron-LM's
+    ``generate_state_dict`` (``root/<plain|distributed>``; the distributed one in the model-space
+    ``fully_reshardable`` layout, and in the bucket layout ``dp_reshardable`` under
+    ``root/dp_reshardable``), and in the legacy per-rank files (``root/legacy_<plain|distributed>``:
+    :func:`_save_legacy`). Then each takes one more step: returns per optimizer the moments after
+    ``steps``, the lr of the next step and the parameters after it."""
+    _init(dict(spec, pp=1))
+    _patch_optimizer_calls()
+    from megatron.core import dist_checkpointing
+    out = {}
+    for kind, distributed in (("plain", False), ("distributed", True)):
+        model, ddp, opt, sched = _trained(dict(spec, pp=1), distributed, tokens)
+        for _ in range(steps):
+            _adam_step(model, ddp, opt, sched, tokens)
+        layouts = {kind: "fully_reshardable", "dp_reshardable": "dp_reshardable"} if distributed else {kind: None}
+        for name, layout in layouts.items():
+            meta = dict(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+            if layout:
+                meta["distrib_optim_sharding_type"] = layout
+            msd = model.sharded_state_dict(metadata=meta)
+            args = megatron_args(dict(spec, pp=1))
+            args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
+            args.bf16, args.params_dtype = bool(spec.get("bf16")), next(model.parameters()).dtype
+            state = dict(args=args, checkpoint_version=3.0, iteration=steps, model=msd,
+                         optimizer=opt.sharded_state_dict(msd, metadata=meta), opt_param_scheduler=sched.state_dict())
+            d = os.path.join(root, name, "iter_%07d" % steps)
+            if dist.get_rank() == 0:
+                os.makedirs(d, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(state, d)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(steps))
+        _save_legacy(model, opt, sched, spec, steps, distributed, os.path.join(root, f"legacy_{kind}"))
+        moments = _moments(model, opt, distributed)
+        lr = _adam_step(model, ddp, opt, sched, tokens)
+        out[kind] = dict(moments=moments, lr=lr, params={n: p.detach().clone() for n, p in model.named_parameters()})
+    _leave()
     return out

@@ -168,7 +168,7 @@ def test_cli_errors_are_one_paragraph(megatron_ckpts, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     base = [sys.executable, "-m", "tnlg", "convert"]
     cases = [(["--from", "megatron", str(megatron_ckpts / "legacy"), "--to", str(tmp_path / "a"), "--with-optimizer"],
-              "not supported yet"),
+              "holds no optimizer state"),
              (["--from", "megatron", str(tmp_path), "--to", str(tmp_path / "b")], "is not a Megatron-LM checkpoint"),
              (["--from", "megatron", str(megatron_ckpts / "legacy"), "--to", str(tmp_path / "c"), "--pp", "2"],
               "--pipeline-model-parallel-size applies to --to megatron only")]
@@ -202,3 +202,27 @@ def test_an_iteration_folder_or_a_release_checkpoint(megatron_ckpts, tmp_path):
     assert read_meta(megatron_to_checkpoint(str(src), str(tmp_path / "two")))["iteration"] == 3
     (src / "latest_checkpointed_iteration.txt").write_text("soon")
     _refused(src, tmp_path, "neither an iteration number nor 'release'")
+
+
+def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
+    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), the distributed
+    optimizer's legacy distrib_optim.pt, or a legacy optimizer entry whose param groups do not match the
+    model, is one paragraph naming it; nothing is written."""
+    def refused(src, match):
+        dst = tmp_path / "out"
+        with pytest.raises(UserError, match=match) as info:
+            megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
+        assert not dst.exists() and "\n" not in str(info.value)
+
+    refused(megatron_ckpts / "torch_dist", "holds no optimizer state .*--no-save-optim")
+    refused(megatron_ckpts / "legacy", "holds no optimizer state .*--no-save-optim")
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "legacy_optim")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = src / "iter_0000003" / rank / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        groups = [dict(wd_mult=1.0, params=[0, 1]), dict(wd_mult=0.0, params=[2])]
+        state["optimizer"] = dict(state={0: dict(step=torch.tensor(1.0))}, param_groups=groups)
+        torch.save(state, path)
+    refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
+    (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
+    refused(src, "legacy distrib_optim.pt files .* does not read yet")

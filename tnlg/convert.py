@@ -12,9 +12,10 @@
   rewrite the shards for TP size N (weights and optimizer state; RNG of DP rank 0).
   Not needed to change layout (``--load`` re-slices at any TP), but it makes
   the files match the new layout.
-* ``tnlg convert --from megatron DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M]``: a
-  Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
-  iteration, without optimizer state (:mod:`tnlg.interop.megatron.importer`).
+* ``tnlg convert --from megatron DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] [--with-optimizer]``:
+  a Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
+  iteration and LR-schedule position, and with ``--with-optimizer`` its Adam state
+  (:mod:`tnlg.interop.megatron.importer`).
 * ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M]``: a
   checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md).
 * ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
         "  tnlg convert --from CKPT --to hf HF_DIR [--tokenizer-model M | --no-tokenizer]\n"
         "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n"
-        "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M]\n"
+        "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] "
+        "[--with-optimizer]\n"
         "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M]\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
@@ -90,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
     parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
-                        "distributed optimizer's Adam state (not supported yet: training starts fresh moments)")
+                        "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed "
+                        "optimizer (torch_dist or legacy) or of the distributed one saved in torch_dist with "
+                        "--dist-ckpt-optim-fully-reshardable; without it training starts fresh Adam moments, the "
+                        "LR schedule at the checkpoint's position")
 
 
 _FOREIGN = ("hf", "megatron")
@@ -158,10 +163,6 @@ def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str
                                     ("with_optimizer", "--with-optimizer", "--from megatron", src_kind)):
         if given(name) and kind != "megatron":
             raise UserError(f"{flag} applies to {which} only.")
-    if given("with_optimizer"):
-        raise UserError("--with-optimizer: converting the Megatron distributed optimizer's Adam state is not "
-                        "supported yet. Without it the tnlg checkpoint holds the weights and the iteration count, "
-                        "and training from it starts fresh Adam moments.")
     if given("vocab_size") and args.tokenizer_model:
         raise UserError("--vocab-size and --tokenizer-model both give the vocabulary size; pass one.")
     for name, flag in (("vocab_size", "--vocab-size"), ("pp", "--pipeline-model-parallel-size")):
@@ -174,7 +175,7 @@ def _megatron(args: argparse.Namespace, src_kind: str, src: str, dst: str) -> st
     if src_kind == "megatron":
         tok = load_tokenizer(args.tokenizer_model) if args.tokenizer_model else None
         return megatron_to_checkpoint(src, dst, tp_size=args.tp or 1, vocab_size=getattr(args, "vocab_size", None),
-                                      tokenizer=tok)
+                                      tokenizer=tok, with_optimizer=bool(getattr(args, "with_optimizer", False)))
     return checkpoint_to_megatron(src, dst, fmt=getattr(args, "ckpt_format", None) or "torch_dist",
                                   tp=args.tp or 1, pp=getattr(args, "pp", None) or 1)
 
@@ -313,7 +314,9 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"model        {n_params:,} parameters: " + ", ".join(
             f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                       "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
-        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, saved at ZeRO stage {opt.get('zero_stage')}"
+        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, "
+                           + ("converted from Megatron-LM" if opt.get("converted") else
+                              f"saved at ZeRO stage {opt.get('zero_stage')}")
                            + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
                            if opt.get("present") else "none (weights only)"),
         "tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
@@ -325,8 +328,9 @@ def info(path: str, as_json: bool = False, out=None) -> int:
                      f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")
     if meta.get("schedule"):
         s = meta["schedule"]
-        lines.append(f"lr schedule  {s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, "
-                     f"decay until step {s['decay_iters']}")
+        shape = (f"{s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, decay until step "
+                 f"{s['decay_iters']}, " if s.get("max_lr") is not None else "")
+        lines.append(f"lr schedule  {shape}at step {s.get('num_steps')}")
     lines.append(f"files        {len(meta['files'])}, {_mib(sum(meta['files'].values()))}: "
                  + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
     if bad:

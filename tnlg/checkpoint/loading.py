@@ -184,8 +184,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
          origin: str = "--load", missing_ok: bool = False) -> Optional[dict]:
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
-    Returns ``dict(iteration, consumed_samples, path)``, or ``None`` when the root
-    holds no checkpoint yet. Loads the weights re-sliced for this TP size, the
+    Returns ``dict(iteration, consumed_samples, path, schedule_steps)`` (the LR schedule's position:
+    :func:`schedule_steps`), or ``None`` when the root holds no checkpoint yet. Loads the weights re-sliced for this TP size, the
     optimizer state re-partitioned for this DP size and ZeRO stage, the step count
     and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
     ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
@@ -233,7 +233,18 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
             _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
                      f"the TP size changed ({meta['rng']['tp']} -> {ps.tp_size}); dropout masks after the resume "
                      f"differ from an uninterrupted run at the old layout.")
-    return dict(iteration=int(meta["iteration"]), consumed_samples=int(meta["consumed_samples"]), path=iter_dir)
+    return dict(iteration=int(meta["iteration"]), consumed_samples=int(meta["consumed_samples"]), path=iter_dir,
+                schedule_steps=schedule_steps(meta))
+
+
+def schedule_steps(meta: dict) -> int:
+    """The LR schedule's position a checkpoint resumes at: ``schedule.num_steps`` where recorded (it
+    differs from Adam's step count in a converted checkpoint without or with fresh moments), else the
+    optimizer's step count (0 without one)."""
+    recorded = (meta.get("schedule") or {}).get("num_steps")
+    if recorded is not None:
+        return int(recorded)
+    return int(meta["optimizer"]["num_steps"]) if meta["optimizer"].get("present") else 0
 
 
 @torch.no_grad()

@@ -35,9 +35,11 @@ failed never leaves the others waiting for the process-group timeout.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -60,11 +62,13 @@ def _tmp_name(iteration: int) -> str:
 
 
 def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine, ps: ParallelState,
-         config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None) -> str:
+         config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None,
+         schedule_steps: Optional[int] = None) -> str:
     """Write a checkpoint of iteration ``iteration`` under ``save_dir``; returns its directory.
 
     Collective over all ranks (see the module docstring for what each rank writes and the
-    commit protocol). ``keep_last`` keeps only the newest K iterations.
+    commit protocol). ``keep_last`` keeps only the newest K iterations. ``schedule_steps``: the LR
+    schedule's position (``meta["schedule"]["num_steps"]``; default the optimizer's step count).
     """
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
@@ -93,7 +97,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
                     param_dtype=str(engine.param_dtype).replace("torch.", "")),
         params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
-        schedule=_schedule(options, optimizer)), keep_last, failure)
+        schedule=_schedule(options, optimizer, schedule_steps)), keep_last, failure)
     return final
 
 
@@ -203,10 +207,12 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
     return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
 
 
-def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict) -> dict:
+def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict, kinds=None) -> dict:
     """One ``optim_tpXX_dpYYY`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
-    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``."""
-    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
+    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``. ``kinds``:
+    the states written (default: the moments, and ``master`` where the pieces have one)."""
+    if kinds is None:
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
     specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
     fname = F.optim_file(tp_rank, dp_rank)
     stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
@@ -256,7 +262,8 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
     (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
     (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``params`` is
     any mapping whose values have ``meta["layout"]["param_dtype"]``; each is looked up once, when
-    written, so a mapping that computes its values holds one tensor at a time."""
+    written, so a mapping that computes its values holds one tensor at a time (so are the states:
+    ``states[name]`` may be such a mapping too)."""
     root = os.path.abspath(root)
     iteration = int(meta["iteration"])
     final = os.path.join(root, F.iter_dir_name(iteration))
@@ -280,9 +287,8 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
         files[F.model_file(r)] = dict(size=size, sha256=sha)
         if states is not None:
             kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if all(k in states[n] for n in names)]
-            pieces = [{"name": n, "lo": 0, "length": states[n]["exp_avg"].numel(), "master": None,
-                       **{k: states[n][k].reshape(-1) for k in kinds}} for n in names]
-            files.update(_write_pieces(tmp, pieces, r, 0, tag))
+            pieces = [_WholeShardPiece(n, math.prod(local[n]["local"]), states[n], kinds) for n in names]
+            files.update(_write_pieces(tmp, pieces, r, 0, tag, tuple(kinds)))
         if rng_of_rank is not None:
             files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
     meta = dict(meta, format=F.FORMAT, params=records, **_manifest(files),
@@ -290,6 +296,29 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
                 rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
     commit(root, tmp, final, iteration, meta, None)
     return final
+
+
+class _WholeShardPiece(Mapping):
+    """The piece ``[0, length)`` of a whole TP shard (offline writes): its states are looked up in
+    ``state`` when :func:`_write_pieces` writes them, one at a time."""
+
+    def __init__(self, name: str, length: int, state, kinds: list):
+        self.fixed, self.state, self.kinds = dict(name=name, lo=0, length=int(length)), state, kinds
+
+    def __getitem__(self, key: str):
+        if key in self.fixed:
+            return self.fixed[key]
+        if key in self.kinds:
+            return self.state[key].reshape(-1)
+        if key == "master":
+            return None
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter((*self.fixed, *self.kinds))
+
+    def __len__(self) -> int:
+        return len(self.fixed) + len(self.kinds)
 
 
 def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_last: Optional[int]) -> None:
@@ -350,9 +379,9 @@ def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
     return [(n, shapes[n], engine.param_dtype) for n in engine.param_names if n in wanted]
 
 
-def _schedule(options, optimizer: Optional[dict]) -> Optional[dict]:
+def _schedule(options, optimizer: Optional[dict], schedule_steps: Optional[int] = None) -> Optional[dict]:
     if options is None or optimizer is None or not hasattr(options, "lr"):
         return None
-    return dict(num_steps=optimizer.get("num_steps"), max_lr=options.lr, min_lr=options.min_lr,
+    return dict(num_steps=optimizer.get("num_steps") if schedule_steps is None else int(schedule_steps), max_lr=options.lr, min_lr=options.min_lr,
                 warmup_iters=options.lr_warmup_iters,
                 decay_iters=options.lr_decay_iters or options.train_iters, decay_style=options.lr_decay_style)

@@ -16,7 +16,10 @@ Megatron does not advance the scheduler on an fp16 overflow-skipped step):
 So the optimizer step of (1-based) iteration ``i`` uses ``lr(i - 1)`` when no
 step was skipped before it: with warmup, Megatron's first update has lr
 ``init_lr`` (0 by default), and the peak is used by step ``warmup_iters + 1``.
-The training loop keeps the count and calls :meth:`LRSchedule.lr` with it.
+The training loop keeps the count and calls :meth:`LRSchedule.lr` with it: the engine's step
+count, plus, after a converted checkpoint resumed with fresh Adam moments, the steps its source
+run had taken (``meta.json``'s ``schedule.num_steps``; Megatron too keeps its scheduler's step
+apart from Adam's), so the schedule continues where the source run stopped.
 """
 
 from __future__ import annotations

@@ -81,6 +81,13 @@ class Checkpointer:
         self.o, self.ps, self.stop, self.log = o, ps, stop, log
         self._state = dict(model=model, engine=engine, ps=ps, config=config, options=o, tokenizer=tokenizer)
         self._lock = None
+        self._steps_before_moments = 0  # LR schedule steps taken before Adam's moments began (a converted model)
+
+    @property
+    def schedule_steps(self) -> int:
+        """The LR schedule's position: optimizer steps taken, counting those of the run a converted
+        checkpoint came from (its iteration) when training resumed it with fresh Adam moments."""
+        return self._state["engine"].num_steps + self._steps_before_moments
 
     def claim_save_root(self) -> None:
         """Rank 0 takes the ``--save`` root's lock for the run (a second job saving there is refused with a
@@ -119,6 +126,7 @@ class Checkpointer:
         if state is None:
             return 0, 0
         iteration, consumed = state["iteration"], state["consumed_samples"]
+        self._steps_before_moments = state["schedule_steps"] - self._state["engine"].num_steps
         self.log(f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
         return iteration, consumed
 
@@ -129,7 +137,8 @@ class Checkpointer:
         signum = 0 if last else self.stop.agreed(self.ps)
         saving = bool(o.save) and bool((o.save_interval and iteration % o.save_interval == 0) or last or signum)
         if saving:
-            ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, keep_last=o.keep_last, **self._state)
+            ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, keep_last=o.keep_last,
+                      schedule_steps=self.schedule_steps, **self._state)
             self.log(f"saved checkpoint at iteration {iteration} to {o.save}")
         if not signum:
             return None

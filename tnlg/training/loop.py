@@ -95,7 +95,7 @@ class Trainer:
                 summary["interrupted"] = stopped
             while not stopped and iteration < o.train_iters:
                 t0 = time.perf_counter()
-                lr = self.schedule.lr(engine.num_steps)
+                lr = self.schedule.lr(self.checkpointer.schedule_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
                                         iteration=iteration + 1, pipeline=self.pipeline)

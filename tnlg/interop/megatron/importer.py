@@ -9,8 +9,12 @@ at a time: a tensor is assembled from the Megatron shards or chunks that hold it
 vocabulary rows dropped (tnlg pads for its own TP size), sliced for the rank and written. At most
 one full tensor is held beyond what is written.
 
-The tnlg checkpoint holds the weights and the iteration and consumed samples of the Megatron run,
-without optimizer state: training from it starts fresh Adam moments.
+The tnlg checkpoint holds the weights, the iteration and consumed samples of the Megatron run and
+its LR schedule's position (``meta["schedule"]["num_steps"]``: ``tnlg pretrain --load`` continues the
+schedule there). With ``with_optimizer`` it also holds the Adam state (:mod:`.optimizer`): the moments,
+the fp32 master of a 16-bit run and Adam's step count, as one piece per parameter and TP rank;
+without it, training starts fresh Adam moments (bias correction from step 1). The states are
+streamed like the weights: one tensor at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ...errors import UserError
 from .args import config_from_args, layout_of
 from .legacy import LegacySource, first_file, is_legacy
 from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
+from .optimizer import optimizer_record, read_optimizer, schedule_position, schedule_record
 from .safe_load import load_pt
 from .torch_dist import TorchDistSource, is_torch_dist
 
@@ -106,17 +111,18 @@ def _to_tnlg(t: torch.Tensor, role: Role, cfg: GPTConfig) -> torch.Tensor:
 
 
 class _Tensors(Mapping):
-    """tnlg name -> this rank's shard, computed when looked up (one tensor at a time)."""
+    """tnlg name -> this rank's shard, computed when looked up (one tensor at a time); ``prefix``: of an
+    optimizer state (``optimizer.state.exp_avg.``) instead of the weight."""
 
-    def __init__(self, source, cfg: GPTConfig, tp: int, rank: int, dtype: torch.dtype):
-        self.source, self.cfg, self.dtype = source, cfg, dtype
+    def __init__(self, source, cfg: GPTConfig, tp: int, rank: int, dtype: torch.dtype, prefix: str = ""):
+        self.source, self.cfg, self.dtype, self.prefix = source, cfg, dtype, prefix
         self.targets = targets_for(cfg, tp, rank)
         self.where = {tnlg_name(r, layer): (r, layer, stage) for r, layer, stage in _roles(cfg, source.layout.pp - 1)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         role, layer, stage = self.where[name]
-        full = _to_tnlg(self.source.tensor(role, layer, stage), role, self.cfg)
-        return slice_full(full.to(self.dtype), self.targets[name])
+        full = self.source.tensor(role, layer, stage, prefix=self.prefix)
+        return slice_full(_to_tnlg(full, role, self.cfg).to(self.dtype), self.targets[name])
 
     def __iter__(self):
         return iter(self.where)
@@ -125,20 +131,40 @@ class _Tensors(Mapping):
         return len(self.where)
 
 
-def _check_tensors(source, cfg: GPTConfig) -> None:
-    """Every tensor tnlg needs is present with its shape (from the index or the rank files' headers:
-    no tensor is read), before anything is written."""
+class _StatesOf(Mapping):
+    """kind (``exp_avg``, ``exp_avg_sq``, ``master``) -> this rank's shard of one parameter's state,
+    computed when looked up (``write_offline`` writes one at a time)."""
+
+    def __init__(self, name: str, by_kind: dict):
+        self.name, self.by_kind = name, by_kind
+
+    def __getitem__(self, kind: str) -> torch.Tensor:
+        return self.by_kind[kind][self.name]
+
+    def __contains__(self, kind) -> bool:
+        return kind in self.by_kind
+
+    def __iter__(self):
+        return iter(self.by_kind)
+
+    def __len__(self) -> int:
+        return len(self.by_kind)
+
+
+def _check_tensors(source, cfg: GPTConfig, prefix: str = "") -> None:
+    """Every tensor tnlg needs (``prefix``: every state of them) is present with its shape (from the index
+    or the rank files' headers: no tensor is read), before anything is written."""
     from ...model import GPT
     where = f"Megatron checkpoint {source.iter_dir!r}"
     specs = GPT.describe(cfg, 1)
     for role, layer, stage in _roles(cfg, source.layout.pp - 1):
-        shape = source.shape(role, layer, stage)
+        shape = source.shape(role, layer, stage, prefix=prefix)
         if shape is None:
             what = "the untied output layer (output_layer.weight)" if role.tnlg == "lm_head.weight" else (
                 f"{role.tnlg}" + ("" if layer is None else f" of layer {layer}"))
-            raise UserError(f"{where} has no tensor for {what}; it does not match its args ({source.format} "
-                            "format, names of megatron-core's local or Transformer Engine spec or of the legacy "
-                            "model). Nothing was written.")
+            raise UserError(f"{where} has no {f'{prefix}* tensor' if prefix else 'tensor'} for {what}; it does not "
+                            f"match its args ({source.format} format, names of megatron-core's local or "
+                            "Transformer Engine spec or of the legacy model). Nothing was written.")
         want = specs[tnlg_name(role, layer)].shape
         if role.tnlg in VOCAB_PARAMS:  # with Megatron's padding rows
             want = (source.layout.padded_vocab_size, *want[1:])
@@ -148,10 +174,11 @@ def _check_tensors(source, cfg: GPTConfig) -> None:
 
 
 def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Optional[int] = None,
-                           tokenizer=None) -> str:
+                           tokenizer=None, with_optimizer: bool = False) -> str:
     """Convert the Megatron checkpoint at ``path`` into a new tnlg checkpoint ``dst`` at TP ``tp_size``.
     ``vocab_size``: the tokenizer's real size (default: the saved args' tokenizer, else the padded
-    size); ``tokenizer`` (a tnlg tokenizer) is recorded in the checkpoint."""
+    size); ``tokenizer`` (a tnlg tokenizer) is recorded in the checkpoint; ``with_optimizer``: also
+    the Adam state (:mod:`.optimizer`; refused, naming why, where the checkpoint's layout is not read)."""
     source, cfg, common = open_megatron(path, vocab_size or (tokenizer.vocab_size if tokenizer else None))
     try:
         cfg.check_tensor_parallel(tp_size)
@@ -159,17 +186,24 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
     _check_tensors(source, cfg)
     dtype = source.dtype
+    opt = read_optimizer(source, common, dtype != torch.float32) if with_optimizer else None
+    for prefix in (opt.prefixes.values() if opt else ()):
+        _check_tensors(source, cfg, prefix)
     args = common["args"]
-    meta = dict(format=FORMAT, iteration=int(common.get("iteration", 0) or 0),
+    iteration = int(common.get("iteration", 0) or 0)
+    meta = dict(format=FORMAT, iteration=iteration,
                 consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), config=cfg.to_dict(),
                 options={}, data=None, tokenizer=tokenizer.describe() if tokenizer else None,
-                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
-                schedule=None, torch=torch.__version__,
+                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=optimizer_record(opt),
+                schedule=schedule_record(args, schedule_position(common, args, iteration)), torch=torch.__version__,
                 converted_from=dict(megatron=os.path.abspath(source.iter_dir), format=source.format,
                                     tp=source.layout.tp, pp=source.layout.pp,
                                     checkpoint_version=source.layout.checkpoint_version))
 
     def shard(r, names):
-        return _Tensors(source, cfg, tp_size, r, dtype), None
+        if opt is None:
+            return _Tensors(source, cfg, tp_size, r, dtype), None
+        by_kind = {k: _Tensors(source, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
+        return _Tensors(source, cfg, tp_size, r, dtype), {n: _StatesOf(n, by_kind) for n in names}
 
     return write_offline(dst, meta, tp_size, shard)

@@ -75,6 +75,8 @@ class LegacySource:
                             "which tnlg does not read. Nothing was written.")
         self.per_stage = num_layers // layout.pp
         self.files: dict[tuple[int, int], dict] = {}
+        self.optimizers: dict[tuple[int, int], Optional[dict]] = {}
+        self.states: dict[tuple[int, int], dict] = {}
         self._first = first
         for p in range(layout.pp):  # every rank file must be there before anything is written
             for t in range(layout.tp):
@@ -96,7 +98,17 @@ class LegacySource:
                        else "it has no 'model' entry")
                 raise UserError(f"{path!r}: {why}. Nothing was written.")
             self.files[(t, p)] = dict(_flatten(state["model"]))
+            self.optimizers[(t, p)] = state.get("optimizer")
         return self.files[(t, p)]
+
+    def _states(self, t: int, p: int, kind: str) -> dict:
+        """One rank's optimizer state ``kind`` by parameter name (the legacy ``optimizer`` entry, read by
+        :func:`~.optimizer.legacy_states`)."""
+        from .optimizer import legacy_states
+        if (t, p) not in self.states:
+            model = self._model(t, p)
+            self.states[(t, p)] = legacy_states(model, self.optimizers[(t, p)], self._path(t, p))
+        return self.states[(t, p)][kind]
 
     def _lookup(self, model: dict, role: Role, layer: Optional[int]) -> tuple[Optional[torch.Tensor], bool]:
         """(tensor, whether it has a legacy name) of ``role`` in one rank's state dict."""
@@ -115,13 +127,16 @@ class LegacySource:
                         return model[key], legacy
         return None, False
 
-    def _shards(self, role: Role, layer: Optional[int], stage: Optional[int]) -> Optional[list[torch.Tensor]]:
-        """Every TP rank's (memory-mapped) tensor of ``role``, QKV reordered lazily by :meth:`tensor`."""
+    def _shards(self, role: Role, layer: Optional[int], stage: Optional[int],
+                kind: str = "") -> Optional[list[torch.Tensor]]:
+        """Every TP rank's (memory-mapped) tensor of ``role`` (``kind``: its optimizer state of that kind),
+        QKV reordered lazily by :meth:`tensor`."""
         if layer is not None:
             stage, layer = divmod(layer, self.per_stage)
         shards = []
         for t in range(self.layout.tp if role.split is not None else 1):
-            value, legacy = self._lookup(self._model(t, stage or 0), role, layer)
+            names = self._states(t, stage or 0, kind) if kind else self._model(t, stage or 0)
+            value, legacy = self._lookup(names, role, layer)
             if value is None:
                 return None
             if not isinstance(value, torch.Tensor):
@@ -130,9 +145,11 @@ class LegacySource:
             shards.append((value, legacy))
         return shards
 
-    def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None) -> Optional[tuple[int, ...]]:
-        """The full shape of ``role`` (no data read); ``None`` where the checkpoint has none."""
-        shards = self._shards(role, layer, stage)
+    def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
+              prefix: str = "") -> Optional[tuple[int, ...]]:
+        """The full shape of ``role`` (no data read); ``None`` where the checkpoint has none. ``prefix``:
+        of its optimizer state of that kind (``exp_avg``, ``exp_avg_sq``, ``master``)."""
+        shards = self._shards(role, layer, stage, prefix)
         if shards is None:
             return None
         shape = list(shards[0][0].shape)
@@ -140,11 +157,12 @@ class LegacySource:
             shape[role.split] = sum(v.shape[role.split] for v, _ in shards)
         return tuple(shape)
 
-    def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None) -> Optional[torch.Tensor]:
-        """The full tensor of ``role`` (of global ``layer``; globals of pipeline ``stage``), TP shards
-        concatenated, QKV in ``[heads, 3, hn]`` order; ``None`` where the checkpoint has none (a tied
-        output layer)."""
-        shards = self._shards(role, layer, stage)
+    def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
+               prefix: str = "") -> Optional[torch.Tensor]:
+        """The full tensor of ``role`` (of global ``layer``; globals of pipeline ``stage``; ``prefix``: its
+        optimizer state of that kind), TP shards concatenated, QKV in ``[heads, 3, hn]`` order; ``None``
+        where the checkpoint has none (a tied output layer)."""
+        shards = self._shards(role, layer, stage, prefix)
         if shards is None:
             return None
         out = []

@@ -47,8 +47,9 @@ def is_torch_dist(iter_dir: str) -> bool:
         return False
 
 
-def _key(role: Role, layer: Optional[int]) -> str:
-    return role.dist_key if layer is None else CORE_LAYER_PREFIX + role.dist_key
+def _key(role: Role, layer: Optional[int], prefix: str = "") -> str:
+    """The DCP key of ``role``; ``prefix`` selects an optimizer state of it (``optimizer.state.exp_avg.``)."""
+    return prefix + (role.dist_key if layer is None else CORE_LAYER_PREFIX + role.dist_key)
 
 
 class TorchDistSource:
@@ -74,16 +75,19 @@ class TorchDistSource:
                 raise UserError(f"{path!r} is truncated: the torch_dist index needs {info.offset + info.length} "
                                 f"bytes, it has {os.path.getsize(path)}. Nothing was written.")
 
-    def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None) -> Optional[tuple[int, ...]]:
+    def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
+              prefix: str = "") -> Optional[tuple[int, ...]]:
         """The full shape of ``role`` (from the index); ``None`` where the checkpoint has none."""
-        md = self.meta.state_dict_metadata.get(_key(role, layer))
+        md = self.meta.state_dict_metadata.get(_key(role, layer, prefix))
         if md is None or not hasattr(md, "size"):
             return None
         return tuple(md.size[1:] if layer is not None else md.size)
 
-    def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None) -> Optional[torch.Tensor]:
-        """The full tensor of ``role`` (of ``layer``); ``None`` where the checkpoint has none."""
-        key = _key(role, layer)
+    def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
+               prefix: str = "") -> Optional[torch.Tensor]:
+        """The full tensor of ``role`` (of ``layer``; with ``prefix``, an optimizer state of it);
+        ``None`` where the checkpoint has none."""
+        key = _key(role, layer, prefix)
         md = self.meta.state_dict_metadata.get(key)
         if md is None:
             return None
@@ -113,6 +117,10 @@ class TorchDistSource:
     @property
     def dtype(self) -> torch.dtype:
         return self.meta.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
+
+    def has_key(self, prefix: str) -> bool:
+        """Whether any key of the store starts with ``prefix``."""
+        return any(k.startswith(prefix) for k in self.meta.state_dict_metadata)
 
 
 class TorchDistWriter:

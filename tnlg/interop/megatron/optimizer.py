@@ -1,0 +1,220 @@
+"""The Adam state and LR-schedule position of a Megatron-LM checkpoint (``--with-optimizer``).
+
+What is read (megatron-core 0.16.1's writers):
+
+* ``torch_dist`` with the optimizer state in *model space*: each parameter's states are tensors of
+  the parameter's own global shape and sharding, keyed ``optimizer.state.<state>.<the parameter's
+  key>``, ``<state>`` one of ``exp_avg``, ``exp_avg_sq`` and the fp32 master (``fp32_param`` from
+  the non-distributed optimizer of a 16-bit run, ``param`` from the distributed optimizer). This is
+  what the non-distributed optimizer writes (``FP32Optimizer`` /
+  ``Float16OptimizerWithFloat16Params.sharded_state_dict``: ``optim_state_to_sharding_state``) and
+  what the distributed optimizer writes with ``distrib_optim_sharding_type="fully_reshardable"``
+  (``DistributedOptimizer.sharded_param_state_fully_reshardable``; Megatron-LM's
+  ``--dist-ckpt-optim-fully-reshardable``). The step count is in ``common.pt``: ``common_step``
+  (non-distributed) or the param groups' ``step`` (distributed).
+* the legacy per-rank files (``--ckpt-format torch``) of the non-distributed optimizer: the
+  ``optimizer`` entry of each ``model_optim_rng.pt`` is torch's optimizer state dict (its
+  ``state`` numbered by param group; 16-bit runs nest it as ``optimizer`` beside
+  ``fp32_from_fp16_params``), mapped to the parameters as megatron-core built the groups
+  (:func:`legacy_states`).
+* The LR schedule's position: ``opt_param_scheduler.num_steps`` (Megatron counts it in samples:
+  each successful step adds the global batch size) divided by ``global_batch_size``; without a
+  scheduler state, the checkpoint's iteration.
+
+Not read yet (one :class:`UserError` naming it): the distributed optimizer's bucket layouts
+(``dp_reshardable``, Megatron-LM's default since megatron-core 0.14, ``dp_zero_gather_scatter``,
+``fully_sharded_model_space``, ``fsdp_dtensor``), whose flat buffers follow Megatron's gradient
+buckets rather than its parameters, also in the legacy ``distrib_optim.pt`` files; and param groups
+beyond megatron-core's default weight-decay split (per-layer LR or decay overrides).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...errors import UserError
+
+__all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
+           "optimizer_record"]
+
+_STATE = "optimizer.state."
+# tnlg kind -> the Megatron states that hold it, in the order they are looked for
+_KINDS = {"exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",), "master": ("fp32_param", "param")}
+_READ_LAYOUTS = (None, "fully_reshardable")  # None: the non-distributed optimizer's sharded state dict
+_HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the distributed optimizer's "
+         "'fully_reshardable' layout) or without --use-distributed-optimizer, or convert without "
+         "--with-optimizer: training then starts fresh Adam moments, its LR schedule at the checkpoint's "
+         "position. Nothing was written.")
+
+
+@dataclass(frozen=True)
+class MegatronOptimizer:
+    """Where a checkpoint's Adam states are and what they were stepped with."""
+    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy: the kind)
+    step: int               # Adam's step count (bias correction)
+    hyperparameters: dict   # betas, eps, weight_decay, lr of Megatron's param groups
+
+
+def _find(node, key: str, out: list) -> list:
+    """Every value of ``key`` in the nested dicts and lists of ``node``."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                out.append(v)
+            _find(v, key, out)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _find(v, key, out)
+    return out
+
+
+def _no_state(where: str) -> UserError:
+    return UserError(f"{where} holds no optimizer state (Megatron-LM saved it with --no-save-optim, or it is a "
+                     "converted model). Convert without --with-optimizer. Nothing was written.")
+
+
+def _step(state: dict, where: str) -> int:
+    """Adam's step: ``common_step`` (megatron-core's sharded state dicts), the param groups' ``step``
+    (the distributed optimizer) or the per-parameter ``step`` of torch's state dict (legacy files)."""
+    per_param = [v for d in _find(state, "state", []) if isinstance(d, dict) for v in d.values() if isinstance(v, dict)]
+    steps = {int(s) for s in _find(state, "common_step", []) + _find(_find(state, "param_groups", []), "step", [])
+             + [v.get("step") for v in per_param] if s is not None}
+    if len(steps) != 1:
+        raise UserError(f"{where}: the optimizer state gives {'no' if not steps else sorted(steps)} Adam step "
+                        "count(s); one is needed for Adam's bias correction. Nothing was written.")
+    return steps.pop()
+
+
+def _hyperparameters(state: dict) -> dict:
+    groups = [g for gs in _find(state, "param_groups", []) if isinstance(gs, list) for g in gs if isinstance(g, dict)]
+    if not groups:
+        return {}
+    g = max(groups, key=lambda g: float(g.get("wd_mult", 1.0)))  # the group with weight decay
+    return dict(betas=[float(b) for b in g.get("betas", (0.9, 0.999))], eps=float(g.get("eps", 1e-8)),
+                weight_decay=float(g.get("weight_decay", 0.0)) * float(g.get("wd_mult", 1.0)),
+                lr=float(g["lr"]) if g.get("lr") is not None else None)
+
+
+def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer:
+    """The optimizer state of a Megatron checkpoint (module docstring), validated: a layout tnlg does
+    not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`."""
+    where = f"--with-optimizer: Megatron checkpoint {source.iter_dir!r}"
+    state = common.get("optimizer")
+    if source.format != "torch_dist":
+        return _read_legacy(source, common, state, sixteen_bit, where)
+    if state is None:
+        raise _no_state(where)
+    layouts = set(_find(state, "param_state_sharding_type", []))
+    layout = layouts.pop() if len(layouts) == 1 else (None if not layouts else sorted(layouts))
+    if layout not in _READ_LAYOUTS or source.has_key("optimizer.distributed."):
+        raise UserError(f"{where} holds the distributed optimizer's state in its {layout or 'bucket'!r} layout "
+                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet; it "
+                        f"reads the model-space layout. {_HINT}")
+    prefixes = {}
+    for kind, names in _KINDS.items():
+        found = [f"{_STATE}{n}." for n in names if source.has_key(f"{_STATE}{n}.")]
+        if found:
+            prefixes[kind] = found[0]
+    missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in prefixes]
+    if missing:
+        raise UserError(f"{where} has no {_STATE}{missing[0]}.* tensors: its optimizer is not Adam, or the state "
+                        "was not saved. Nothing was written.")
+    if not sixteen_bit:
+        prefixes.pop("master", None)  # an fp32 run's master is its weights
+    elif "master" not in prefixes:
+        raise UserError(f"{where}: the weights are 16-bit but the checkpoint has no fp32 master weights "
+                        f"({_STATE}fp32_param.* or {_STATE}param.*); tnlg resumes a 16-bit run from its fp32 "
+                        "master. Nothing was written.")
+    return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
+
+
+def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str) -> MegatronOptimizer:
+    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`); the distributed
+    optimizer's ``distrib_optim.pt`` is refused."""
+    distributed = bool(getattr(common["args"], "use_distributed_optimizer", False)) or any(
+        os.path.isfile(os.path.join(source.iter_dir, d, "distrib_optim.pt")) for d in os.listdir(source.iter_dir))
+    if distributed:
+        raise UserError(f"{where} holds the distributed optimizer's state in the legacy distrib_optim.pt files "
+                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet. "
+                        f"{_HINT}")
+    if not isinstance(state, dict):
+        raise _no_state(where)
+    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
+    if sixteen_bit and not state.get("fp32_from_fp16_params"):
+        raise UserError(f"{where}: the weights are 16-bit but the optimizer entry has no fp32_from_fp16_params "
+                        "(the fp32 master); tnlg resumes a 16-bit run from its master. Nothing was written.")
+    return MegatronOptimizer({k: k for k in kinds}, _step(state, where), _hyperparameters(state))
+
+
+def _no_weight_decay(name: str, value) -> bool:
+    """megatron-core's default split of its param groups: biases and 1-D parameters get no weight decay."""
+    return name.endswith(".bias") or value.dim() == 1
+
+
+def legacy_states(model: dict, entry, path: str) -> dict:
+    """``{kind: {parameter name: tensor}}`` of one legacy rank file: torch's optimizer state dict (in
+    ``entry``, or ``entry["optimizer"]`` beside the 16-bit run's ``fp32_from_fp16_params``) numbers the
+    parameters by param group; megatron-core builds its groups from ``named_parameters()`` (the model
+    entry's order) split by weight decay (``wd_mult`` 1, or 0 for biases and 1-D parameters), so group
+    ``g``'s ``i``-th id is the ``i``-th parameter of that kind. Every state's shape is checked."""
+    where = f"--with-optimizer: {path!r}"
+    inner = entry.get("optimizer", entry) if isinstance(entry, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        raise UserError(f"{where} has no optimizer state dict (state and param_groups). Nothing was written.")
+    groups, masters = inner["param_groups"], entry.get("fp32_from_fp16_params")
+    params = [(n, v) for n, v in model.items() if isinstance(v, torch.Tensor) and not n.endswith("_extra_state")]
+    decays = [float(g.get("wd_mult", 1.0)) == 0.0 for g in groups]
+    if len(set(decays)) != len(decays):
+        raise UserError(f"{where}: the optimizer has {len(groups)} param groups, more than megatron-core's default "
+                        "split by weight decay, so its parameters cannot be told apart; tnlg does not read it yet. "
+                        "Nothing was written.")
+    out: dict = {"exp_avg": {}, "exp_avg_sq": {}, "master": {}}
+    for g, (group, no_decay) in enumerate(zip(groups, decays)):
+        members = [(n, v) for n, v in params if _no_weight_decay(n, v) == no_decay]
+        if len(members) != len(group.get("params", ())):
+            raise UserError(f"{where}: param group {g} has {len(group.get('params', ()))} parameters but the model "
+                            f"has {len(members)} of its kind; the optimizer does not match the model. Nothing was "
+                            "written.")
+        for i, ((name, value), pid) in enumerate(zip(members, group["params"])):
+            st = dict(inner.get("state", {}).get(pid) or {})
+            if masters:
+                st["master"] = masters[g][i]
+            for kind in out:
+                t = st.get(kind)
+                if t is not None and tuple(t.shape) != tuple(value.shape):
+                    raise UserError(f"{where}: the optimizer's {kind} for {name!r} has shape {tuple(t.shape)}, the "
+                                    f"parameter {tuple(value.shape)}; the optimizer does not match the model. Nothing "
+                                    "was written.")
+                if t is not None:
+                    out[kind][name] = t
+    return out
+
+
+def schedule_position(common: dict, args, iteration: int) -> int:
+    """The LR schedule's position (successful optimizer steps) of a Megatron checkpoint: its scheduler's
+    ``num_steps`` (samples) over the global batch size, else ``iteration``."""
+    sched = common.get("opt_param_scheduler") or common.get("lr_scheduler")
+    batch = getattr(args, "global_batch_size", None)
+    if isinstance(sched, dict) and sched.get("num_steps") is not None and batch:
+        return int(sched["num_steps"]) // int(batch)
+    return int(iteration)
+
+
+def schedule_record(args, position: int) -> dict:
+    """``meta["schedule"]`` of an imported checkpoint: its position and the Megatron run's LR flags."""
+    arg = lambda name: getattr(args, name, None)  # noqa: E731
+    return dict(num_steps=int(position), max_lr=arg("lr"), min_lr=arg("min_lr"), warmup_iters=arg("lr_warmup_iters"),
+                decay_iters=arg("lr_decay_iters") or arg("train_iters"), decay_style=arg("lr_decay_style"))
+
+
+def optimizer_record(opt: Optional[MegatronOptimizer]) -> dict:
+    """``meta["optimizer"]`` of an imported checkpoint."""
+    if opt is None:
+        return dict(present=False)
+    h = opt.hyperparameters
+    return dict(present=True, num_steps=opt.step, zero_stage=None, betas=h.get("betas"), eps=h.get("eps"),
+                weight_decay=h.get("weight_decay"), loss_scaler=None, converted=True)
