@@ -10,7 +10,7 @@ import pytest
 from tnlg.errors import UserError
 from tnlg.train_args import add_arguments, resolve
 
-# a run --pp accepts: no validation, sample or checkpoint
+# a run --pp accepts: no validation or sample
 RUNNABLE = ["--eval-interval", "0", "--sample-prompt", "", "--tp", "1"]
 
 
@@ -41,7 +41,6 @@ def test_a_runnable_pipeline_layout_resolves():
     (["--pp", "2", "--zero-stage", "2"], 4, r"--zero-stage 2 \(use 0 or 1\) is not supported with "
                                             r"--pipeline-model-parallel-size > 1 yet"),
     (["--pp", "2", "--bf16"], 4, r"--bf16 is not supported with --pipeline-model-parallel-size > 1 yet"),
-    (["--pp", "2", "--save", "ckpt"], 4, r"--save ckpt \(checkpoints\) is not supported with"),
     (["--pp", "2", "--eval-interval", "10"], 4, r"--eval-interval 10 \(validation; give --eval-interval 0\)"),
     (["--pp", "2", "--reset-position-ids"], 4, r"--reset-position-ids is not supported with"),
     (["--pipeline-schedule", "gpipe"], 4, r"--pipeline-schedule gpipe needs --pipeline-model-parallel-size > 1"),

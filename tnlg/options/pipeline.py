@@ -21,8 +21,6 @@ UNSUPPORTED = (
     (lambda o: o.reset_position_ids or o.reset_attention_mask,
      lambda o: "--reset-position-ids" if o.reset_position_ids else "--reset-attention-mask"),
     (lambda o: o.compile, lambda o: "--compile"),
-    (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
-    (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),
     (lambda o: o.eval_interval > 0 and o.eval_iters > 0, lambda o: f"--eval-interval {o.eval_interval} "
      f"(validation; give --eval-interval 0)"),
     (lambda o: bool(o.sample_prompt) and o.sample_tokens > 0, lambda o: f"--sample-prompt {o.sample_prompt!r} "
@@ -52,7 +50,7 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
                         f"{pp}). Pipelines train fp32 with ZeRO 0 or 1, TP (sequence parallelism too), DP and recomputation, without "
-                        f"checkpoints, validation or generation (docs/pipeline.md); drop those options or "
+                        f"validation or generation (docs/pipeline.md); drop those options or "
                         f"use --pp 1.")
     _check_layers(o, pp)
     if world_size is not None:
