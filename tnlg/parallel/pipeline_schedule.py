@@ -37,13 +37,30 @@ __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, whose metadata inference leaves the random streams as it found them.
+
+    On a schedule's first step torch learns the activations' shapes by running each stage's forward
+    once (``_compute_outputs``, used for nothing else); with dropout that forward would draw from
+    torch's default generator and the chunk's TP generator, so a resumed run (a new schedule, whose
+    first step is then not the run's first) would draw other masks than the uninterrupted one."""
+
+    def _compute_outputs(self, *args, module, **kwargs):
+        tp_random, devices = module.stage.tp_random, [] if self.device.type == "cpu" else [self.device]
+        saved = tp_random.state
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            out = super()._compute_outputs(*args, module=module, **kwargs)
+        tp_random.state = saved
+        return out
+
+
 class Pipeline:
     """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model``."""
 
     def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
         ps, v = model.ps, len(model.chunk_ranges)
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
-        stages = [PipelineStage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+        stages = [_Stage(model.chunk(k), k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
                                 group=ps.pp_group) for k in range(v)]
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
