@@ -32,7 +32,7 @@ from tnlg.optim import build_engine
 from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.sharding import gather_full, shard_of
-from tnlg.parallel.state import init_parallel
+from tnlg.parallel.state import ParallelState, init_parallel
 from tnlg.testing import run_distributed
 from tnlg.training.step import train_step
 
@@ -199,6 +199,23 @@ def test_checkpoint_info_shows_the_pipeline_layout(pipeline_checkpoints):
     assert out.returncode == 0, out.stderr
     assert re.search(r"layout\s+PP=2 x TP=2 x DP=1 \(4 processes\)", out.stdout), out.stdout
     assert "pipeline     PP=2: stage 0 layers 0-1 (+ embedding); stage 1 layers 2-3 (+ LM head)" in out.stdout
+
+
+def test_a_pipeline_checkpoint_builds_the_plain_gpt_and_converts_to_pp1(pipeline_checkpoints, tmp_path):
+    root, results = pipeline_checkpoints
+    saved = _merged([r["states"][(2, 2, 0)] for r in results])
+    model, _ = ck.load_for_inference(_dir(root, (2, 2, 0)))  # one process, the whole GPT at TP 1
+    for name, p in model.named_parameters():  # (the vocabulary padding dropped)
+        assert torch.equal(gather_full(p.detach(), p, ParallelState.single()), saved[name][0]), name
+    from tnlg.convert import reshard_checkpoint
+    out = reshard_checkpoint(_dir(root, (2, 2, 0)), str(tmp_path / "tp1"), tp_size=1)
+    meta = ck.read_meta(out)
+    assert "pipeline" not in meta and sorted(n for n in meta["files"] if n.startswith("model")) == [
+        "model_tp00.safetensors"]
+    states = ck.read_states(out, meta, model.config, 1, 0)[1]
+    for name, p in model.named_parameters():
+        for i, kind in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            assert torch.equal(gather_full(states[name][kind], p, ParallelState.single()), saved[name][i]), name
 
 
 # ------------------------------------------------------------ the command: elastic restart, bad input

@@ -4,7 +4,8 @@
 manifest (every file present at its recorded size), the architecture and the
 data/tokenizer flags (:mod:`tnlg.checkpoint.compat`), the parameter names and
 shapes, the SHA-256 of every file this rank reads; then it reads this rank's tensors
-(re-sliced for this TP size) and only then copies them into the model and optimizer.
+(re-sliced for this TP size; at PP > 1 those of its pipeline stage, found by name in whichever
+stage's files hold them) and only then copies them into the model and optimizer.
 Rank 0 alone chooses the iteration and every rank checks it sees the same manifest
 (``load_for_inference`` too).
 A failure on any rank is gathered to all ranks (one ``all_gather_object`` of the

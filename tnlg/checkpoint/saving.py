@@ -11,6 +11,12 @@ What each rank writes (nothing is gathered; extra memory is one tensor's host co
   shards; stage 0: DP rank 0 writes everything). Replicated parameters come from TP rank 0;
 * every rank writes its RNG states.
 
+At PP > 1 each pipeline stage writes its own parameters in files named with the stage
+(``model_ppYY_tpXX``, ``optim_ppYY_tpXX_dpZZZ``, ``rng_ppYY_dpZZZ_tpXX``), the last stage's tied
+copy of the word embedding not at all; rank 0 records each parameter's stage and the stages'
+layers in ``meta.json`` (:mod:`.stages`). At PP 1 the files and the manifest are what they were
+before pipelines existed.
+
 Order of events (a crash at any point leaves the previous checkpoint intact and
 ``latest`` pointing at it):
 
@@ -21,7 +27,7 @@ Order of events (a crash at any point leaves the previous checkpoint intact and
    permissions) is kept, not raised, and the rank keeps joining the collectives of the
    writes (ZeRO-3's all-gathers); the ranks then agree: any rank's error is raised on every
    rank, naming the rank, the file and the free space, after rank 0 removed ``iter_N.tmp``;
-3. ``all_gather_object`` of (size, checksum, pieces) per file; rank 0 writes ``meta.json``
+3. ``all_gather_object`` of (size, checksum, pieces) per file and of each rank's stage; rank 0 writes ``meta.json``
    (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an existing ``iter_N``, from a run
    that was rolled back, is swapped out atomically and removed, and the log says so),
    replaces ``latest_checkpointed_iteration.txt`` atomically and prunes to ``--keep-last``
@@ -298,8 +304,10 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
             files.update(_write_pieces(tmp, pieces, r, 0, tag))
         if rng_of_rank is not None:
             files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
-    meta = dict(meta, format=F.FORMAT, params=records, **_manifest(files),
-                layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
+    meta = dict({k: v for k, v in meta.items() if k != "pipeline"}, format=F.FORMAT, params=records,
+                **_manifest(files),  # (one stage: a pipeline checkpoint's stages are not carried over)
+                layout=dict({k: v for k, v in (meta.get("layout") or {}).items() if k != "pp"}, tp=tp_size, dp=1,
+                            world=tp_size),
                 rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
     commit(root, tmp, final, iteration, meta, None)
     return final
