@@ -218,6 +218,19 @@ def test_a_pipeline_checkpoint_builds_the_plain_gpt_and_converts_to_pp1(pipeline
             assert torch.equal(gather_full(states[name][kind], p, ParallelState.single()), saved[name][i]), name
 
 
+def test_resuming_a_pipeline_checkpoint_with_another_layer_count_is_refused_before_any_worker(pipeline_checkpoints):
+    from tnlg.errors import UserError
+    from tnlg.training.checkpointing import check_resume
+    from .test_resume import _argv, _resolved
+    root, _ = pipeline_checkpoints
+    before = sorted(os.listdir(_dir(root, (2, 2, 0))))
+    o = _resolved(_argv(root, tp=1, iters=4, load=_dir(root, (2, 2, 0)), pipeline_model_parallel_size=2), 2)
+    with pytest.raises(UserError, match=r"num_layers 4 in the checkpoint vs 2 now.*Nothing was loaded or "
+                                        r"overwritten"):
+        check_resume(o)  # what tnlg pretrain runs in the launching process
+    assert sorted(os.listdir(_dir(root, (2, 2, 0)))) == before
+
+
 # ------------------------------------------------------------ the command: elastic restart, bad input
 @pytest.mark.slow
 def test_a_pipeline_worker_killed_mid_run_restarts_and_resumes_from_save_then_a_mismatch_is_refused(tmp_path):
