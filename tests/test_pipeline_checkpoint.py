@@ -36,9 +36,10 @@ from tnlg.parallel.state import ParallelState, init_parallel
 from tnlg.testing import run_distributed
 from tnlg.training.step import train_step
 
-from .test_pipeline import GLOBAL, LRS, MICRO, TINY_BUCKET_MB, _config, _micro_batches, _samples
+from .test_pipeline import GLOBAL, LRS, MICRO, STEPS, TINY_BUCKET_MB, _config, _micro_batches, _reference, _samples
 
 LAYERS, SAVED_AT, MORE = 4, 2, 3  # save after 2 steps, then 3 more
+assert SAVED_AT + MORE == STEPS  # the plain reference's steps
 
 
 def _build(layout):
@@ -166,6 +167,16 @@ def test_the_next_steps_after_a_resume_at_another_layout_are_bit_exact(pipeline_
             assert resumed == r["reference"][(source, target)], (source, target, rank)
             for a, b in zip(resumed, uninterrupted):  # the other layout's arithmetic (measured: 6.1e-8 at most)
                 assert math.isclose(a, b, rel_tol=1e-6), (source, target, rank, resumed, uninterrupted)
+
+
+def test_the_uninterrupted_runs_train_as_the_plain_gpt_in_one_process(pipeline_checkpoints):
+    _, results = pipeline_checkpoints
+    losses, norms, _ = _reference(LAYERS, ())  # no pipeline, no process group
+    for source in SOURCES:
+        first, more = results[0]["runs"][source]
+        got = first[:SAVED_AT] + more[:MORE] + first[SAVED_AT:] + more[MORE:]  # losses, then norms
+        for a, b in zip(got, losses + norms):
+            assert math.isclose(a, b, rel_tol=1e-5), (source, got, losses + norms)
 
 
 def test_a_pipeline_checkpoint_records_each_parameter_once_with_its_stage(pipeline_checkpoints):
