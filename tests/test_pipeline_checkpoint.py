@@ -43,16 +43,18 @@ assert SAVED_AT + MORE == STEPS  # the plain reference's steps
 
 
 def _build(layout):
-    """``(ps, engine, pipeline)`` of a (PP, TP, ZeRO) layout of the 4 processes (DP: the rest)."""
-    pp, tp, zero = layout
+    """``(ps, engine, pipeline)`` of a (PP, TP, ZeRO[, model chunks per rank]) layout of the 4 processes (DP:
+    the rest); with 2 chunks per rank the interleaved schedule."""
+    pp, tp, zero, virtual = (*layout, 1)[:4]
     ps = init_parallel(tp, pipeline_parallel_size=pp)
     cfg = _config(LAYERS)
-    model = GPT(cfg, ps, device="meta") if pp == 1 else \
-        StageModel(cfg, ps, [chunk_layers(LAYERS, pp)[ps.pp_rank]], device="meta")
+    chunks = [r for c, r in enumerate(chunk_layers(LAYERS, pp, virtual)) if c % pp == ps.pp_rank]
+    model = GPT(cfg, ps, device="meta") if pp == 1 else StageModel(cfg, ps, chunks, device="meta")
     m = GLOBAL // (MICRO * ps.dp_size)
     engine = build_engine(model, ps, zero, lr=1e-3, weight_decay=0.1, clip_grad=0.05, grad_accum_steps=m,
                           bucket_size_mb=TINY_BUCKET_MB)
-    return ps, cfg, engine, (Pipeline(engine.model, m) if pp > 1 else None)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    return ps, cfg, engine, (Pipeline(engine.model, m, schedule) if pp > 1 else None)
 
 
 def _steps(ps, engine, pipeline, first: int, count: int) -> list[float]:
@@ -102,7 +104,8 @@ def _all_ranks(obj) -> list:
 
 
 def _dir(root, layout) -> str:
-    return os.path.join(str(root), "pp{}_tp{}_zero{}".format(*layout))
+    return os.path.join(str(root), "pp{}_tp{}_zero{}".format(*layout) + ("_v{}".format(*layout[3:])
+                                                                        if len(layout) > 3 else ""))
 
 
 def _body(_ps, root: str, sources: list, resumes: list):
@@ -129,9 +132,10 @@ def _body(_ps, root: str, sources: list, resumes: list):
     return out
 
 
-SOURCES = [(2, 2, 0), (1, 2, 1), (2, 1, 1)]  # (PP, TP, ZeRO) on 4 processes: (2,2,1), (1,2,2), (2,1,2) with DP
+# (PP, TP, ZeRO[, chunks per rank]) on 4 processes: (2,2,1), (1,2,2), (2,1,2) with DP
+SOURCES = [(2, 2, 0), (1, 2, 1), (2, 1, 1)]
 RESUMES = [((2, 2, 0), (2, 2, 0)), ((2, 2, 0), (1, 2, 1)), ((2, 2, 0), (4, 1, 0)), ((1, 2, 1), (2, 1, 1)),
-           ((2, 1, 1), (2, 1, 1)), ((2, 1, 1), (4, 1, 0))]
+           ((2, 1, 1), (2, 1, 1)), ((2, 1, 1), (4, 1, 0)), ((2, 2, 0), (2, 1, 1, 2))]  # the last: interleaved
 
 
 @pytest.fixture(scope="module")
