@@ -37,6 +37,7 @@ from .checkpoint.files import FORMAT
 from .checkpoint.loading import read_states
 from .checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
 from .checkpoint.saving import write_offline
+from .checkpoint.stages import describe_stages
 from .config import GPTConfig
 from .data.tokenizer import load_tokenizer
 from .errors import UserError
@@ -267,10 +268,11 @@ def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
 
     rng_of_rank = None
     if meta.get("rng"):
-        base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0)), weights_only=True)
+        stage = F.stage_tag(0, int(meta["layout"].get("pp", 1)))  # the first stage's (PP 1 is written)
+        base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0, stage)), weights_only=True)
 
         def rng_of_rank(r):
-            if tp_size == src_tp:  # same TP: every TP rank keeps its dropout stream
+            if tp_size == src_tp and stage is None:  # same TP: every TP rank keeps its dropout stream
                 return torch.load(os.path.join(iter_dir, F.rng_file(0, r)), weights_only=True)
             return dict(base, tp=None, tp_device=None)  # reseeded on load
 
@@ -308,7 +310,8 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"checkpoint   {iter_dir}",
         f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
         f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)",
-        f"layout       TP={lay.get('tp')} x DP={lay.get('dp')} ({lay.get('world')} processes), parameters "
+        f"layout       {'PP=' + str(lay['pp']) + ' x ' if lay.get('pp') else ''}TP={lay.get('tp')} x "
+        f"DP={lay.get('dp')} ({lay.get('world')} processes), parameters "
         f"{lay.get('param_dtype')}" + (f"; converted from {meta['converted_from']}" if meta.get("converted_from")
                                        else ""),
         f"model        {n_params:,} parameters: " + ", ".join(
@@ -323,6 +326,8 @@ def info(path: str, as_json: bool = False, out=None) -> int:
                             f"{meta['tokenizer'].get('path') or meta['tokenizer'].get('vocab_file')} "
                             f"(vocab {meta['tokenizer'].get('vocab_size')})" if meta.get("tokenizer") else "none"),
     ]
+    if meta.get("pipeline"):
+        lines.insert(4, f"pipeline     {describe_stages(meta)}")
     if meta.get("data"):
         lines.append(f"data         {[f['prefix'] for f in meta['data']['files']]}, split "
                      f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")

@@ -116,7 +116,7 @@ def _choose_save(o: Options, args) -> Optional[str]:
         o.save = root
         return (f"note: no --save: checkpoints, metrics.jsonl and the loss plot go back into {root}, the "
                 f"checkpoint root --load reads from (--save DIR writes elsewhere).")
-    if o.builtin_job and o.pipeline_model_parallel_size == 1:  # (no checkpoints with a pipeline yet)
+    if o.builtin_job:
         o.save = _builtin_folder()
         return (f"note: the built-in job saves its checkpoints, metrics.jsonl and loss plot in {o.save} "
                 f"(--save DIR chooses the folder).")

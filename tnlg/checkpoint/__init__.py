@@ -1,4 +1,4 @@
-"""Checkpoints: crash-safe, exactly resumable, and reshardable across TP and DP sizes.
+"""Checkpoints: crash-safe, exactly resumable, and reshardable across pipeline, TP and DP sizes.
 
 * :func:`save` (collective) writes ``ROOT/iter_0000300/`` through a temporary
   directory renamed only when every rank has finished, then points
@@ -7,7 +7,9 @@
   (TP, DP) rank as the flat pieces that rank owns, all streamed one tensor at a
   time into safetensors with the partition sizes, the pieces and every file's
   SHA-256 in ``meta.json``, so any TP size, DP size or ZeRO stage can re-slice
-  them (:mod:`.reshard`). RNG states are per rank (:mod:`.rng`).
+  them (:mod:`.reshard`). RNG states are per rank (:mod:`.rng`). At PP > 1 each pipeline stage
+  writes its own parameters, each once, and the manifest names the stage of each (:mod:`.stages`),
+  so a load at any pipeline size finds its parameters by name.
 * :func:`load` validates (pointer, manifest sizes and checksums, architecture,
   data and tokenizer flags) before it touches anything, then streams weights and
   optimizer pieces into the engine's buffers and restores step count, loss

@@ -30,7 +30,7 @@ from typing import Optional
 from ..errors import UserError
 from ..io import atomic_write, file_sha256
 
-__all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "model_file", "optim_file", "rng_file",
+__all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "stage_tag", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
            "check_files", "verify_checksums", "meta_digest", "complete_iterations",
            "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
@@ -48,19 +48,30 @@ def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def model_file(tp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}.safetensors"
+def stage_tag(pp_rank: int, pp_size: int) -> Optional[int]:
+    """The pipeline rank in file names: ``None`` (no ``ppYY_`` part) at PP 1, whose names stay those of
+    checkpoints written before pipelines existed."""
+    return None if pp_size == 1 else pp_rank
 
 
-def optim_file(tp_rank: int, dp_rank: Optional[int] = None) -> str:
-    """Format 2: ``optim_tpXX_dpYYY`` (what that rank owns); ``dp_rank=None``: format 1's per-TP file."""
+def _pp(pp_rank: Optional[int]) -> str:
+    return "" if pp_rank is None else f"pp{pp_rank:02d}_"
+
+
+def model_file(tp_rank: int, pp_rank: Optional[int] = None) -> str:
+    """``model_tpXX`` (PP 1) or ``model_ppYY_tpXX`` (the weights pipeline stage YY stores)."""
+    return f"model_{_pp(pp_rank)}tp{tp_rank:02d}.safetensors"
+
+
+def optim_file(tp_rank: int, dp_rank: Optional[int] = None, pp_rank: Optional[int] = None) -> str:
+    """Format 2: ``optim_[ppYY_]tpXX_dpZZZ`` (what that rank owns); ``dp_rank=None``: format 1's per-TP file."""
     if dp_rank is None:
         return f"optim_tp{tp_rank:02d}.safetensors"
-    return f"optim_tp{tp_rank:02d}_dp{dp_rank:03d}.safetensors"
+    return f"optim_{_pp(pp_rank)}tp{tp_rank:02d}_dp{dp_rank:03d}.safetensors"
 
 
-def rng_file(dp_rank: int, tp_rank: int) -> str:
-    return f"rng_dp{dp_rank:03d}_tp{tp_rank:02d}.pt"
+def rng_file(dp_rank: int, tp_rank: int, pp_rank: Optional[int] = None) -> str:
+    return f"rng_{_pp(pp_rank)}dp{dp_rank:03d}_tp{tp_rank:02d}.pt"
 
 
 TRASH_PREFIX = ".tnlg-trash-"  # a directory of ours being removed (renamed first: a crash leaves known debris)

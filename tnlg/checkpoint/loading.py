@@ -4,7 +4,8 @@
 manifest (every file present at its recorded size), the architecture and the
 data/tokenizer flags (:mod:`tnlg.checkpoint.compat`), the parameter names and
 shapes, the SHA-256 of every file this rank reads; then it reads this rank's tensors
-(re-sliced for this TP size) and only then copies them into the model and optimizer.
+(re-sliced for this TP size; at PP > 1 those of its pipeline stage, found by name in whichever
+stage's files hold them) and only then copies them into the model and optimizer.
 Rank 0 alone chooses the iteration and every rank checks it sees the same manifest
 (``load_for_inference`` too).
 A failure on any rank is gathered to all ranks (one ``all_gather_object`` of the
@@ -26,8 +27,9 @@ from ..parallel.pipeline_inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
-from .reshard import OptimReader, ShardReader, check_same_params, targets_for
+from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, stage_of, targets_for
 from .rng import restore
+from .stages import chunk_layers_of, saved_stage
 
 __all__ = ["load", "load_for_inference", "read_states"]
 
@@ -57,46 +59,49 @@ def read_states(iter_dir: str, meta: dict, config: GPTConfig, tp_size: int, tp_r
 
 
 def _files_to_read(meta: dict, targets: dict, pieces: Optional[list], optimizer: bool) -> set:
-    """The checkpoint files this rank reads (their checksums are verified before loading)."""
-    src_tp = int(meta["layout"]["tp"])
-    model_ranks = {0}
-    for name, t in targets.items():
-        src = meta["params"][name]
-        if src["sharded"]:
-            start = sum(t["sizes"][:t["tp_rank"]])
-            stop, a = start + t["local"][t["dim"]], 0
-            for r, size in enumerate(src["sizes"]):
-                if a < stop and start < a + size:
-                    model_ranks.add(r)
-                a += size
-    out = {F.model_file(r) for r in model_ranks if r < src_tp}
+    """The checkpoint files this rank reads for the parameters of ``targets`` (their checksums are verified
+    before loading): per parameter, the files of the stored TP shards its new shard overlaps, in the
+    pipeline stage that stored it."""
+    ranks = {name: source_tp_ranks(meta["params"][name], t) for name, t in targets.items()}
+    out = {F.model_file(r, stage_of(meta, name)) for name, rs in ranks.items() for r in rs}
     if optimizer and meta["optimizer"].get("present"):
-        if not meta.get("optim_files"):  # format 1
-            out |= {F.optim_file(r) for r in model_ranks}
+        if not meta.get("optim_files"):  # format 1 (PP 1 only)
+            out |= {F.optim_file(r) for rs in ranks.values() for r in rs}
         else:
             wanted = {(pc["name"], pc["lo"], pc["lo"] + pc["length"]) for pc in pieces} if pieces is not None else None
             for fname, f in meta["optim_files"].items():
-                if int(f["tp_rank"]) not in model_ranks:
-                    continue
-                if wanted is None:  # another TP size: whole source shards are assembled
-                    out.add(fname)
-                    continue
                 for name, (lo, length) in f["pieces"].items():
-                    if any(n == name and lo < hi and a < lo + length for n, a, hi in wanted):
+                    if name not in ranks or int(f["tp_rank"]) not in ranks[name]:
+                        continue
+                    # another TP size (wanted None): whole source shards are assembled
+                    if wanted is None or any(n == name and lo < hi and a < lo + length for n, a, hi in wanted):
                         out.add(fname)
                         break
     return out
 
 
-def _rng_plan(meta: dict, ps: ParallelState) -> tuple[Optional[str], Optional[str]]:
-    """(file for the shared streams, file for this TP rank's dropout stream or None to reseed)."""
+def _rng_plan(meta: dict, ps: ParallelState, chunks: list) -> tuple[Optional[str], Optional[str], str]:
+    """(file for the shared streams, file for this TP rank's dropout stream or None to reseed, why it is
+    reseeded). ``chunks``: the layers of this rank's model chunks.
+
+    The shared streams (Python, NumPy, torch's default generator, which hidden dropout draws from) are
+    drawn alike by the ranks of one pipeline stage, not by different stages: at the same layout each
+    rank takes its own file; else rank (dp 0, tp 0) of the saved stage of this pipeline rank when that
+    stage held the same layers (always at PP 1), else of the first stage."""
     rng = meta.get("rng")
     if not rng:
-        return None, None
-    if (rng["tp"], rng["dp"]) == (ps.tp_size, ps.dp_size):
-        own = F.rng_file(ps.dp_rank, ps.tp_rank)
-        return own, own
-    return F.rng_file(0, 0), (F.rng_file(0, ps.tp_rank) if rng["tp"] == ps.tp_size else None)
+        return None, None, ""
+    saved_pp, saved_chunks = saved_stage(meta, ps.pp_rank)
+    same_stage = (saved_pp, saved_chunks) == (ps.pp_size, chunks)
+    stage = F.stage_tag(ps.pp_rank if same_stage else 0, saved_pp)
+    if same_stage and (rng["tp"], rng["dp"]) == (ps.tp_size, ps.dp_size):
+        own = F.rng_file(ps.dp_rank, ps.tp_rank, stage)
+        return own, own, ""
+    if same_stage and rng["tp"] == ps.tp_size:
+        return F.rng_file(0, 0, stage), F.rng_file(0, ps.tp_rank, stage), ""
+    why = (f"the TP size changed ({rng['tp']} -> {ps.tp_size})" if same_stage else
+           f"this rank's pipeline stage holds other layers than the saved stage did (PP {saved_pp} -> {ps.pp_size})")
+    return F.rng_file(0, 0, stage), None, why
 
 
 def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
@@ -157,10 +162,10 @@ def _agreed_plan(plan: Callable[[], tuple], iter_dir: str) -> tuple:
 
 def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> tuple:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
-    (each rank the files it reads), the architecture and flags, the parameters; the RNG states read.
-    No communication."""
+    (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
+    rank reads its pipeline stage's); the RNG states read. No communication."""
     meta = F.read_meta(iter_dir)
-    shared_rng, tp_rng = _rng_plan(meta, ps)
+    shared_rng, tp_rng, why = _rng_plan(meta, ps, chunk_layers_of(engine.model, config.num_layers))
     kinds = ("model",) + (("optim",) if meta["optimizer"].get("present") else ())
     F.check_files(iter_dir, meta, kinds)
     for name in {shared_rng, tp_rng} - {None}:
@@ -171,13 +176,15 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
     check_compatible(meta, iter_dir, config, options, tokenizer, origin)
     targets = targets_for(config, ps.tp_size, ps.tp_rank)
     check_same_params(meta, targets, iter_dir)
+    mine = set(engine.param_names)  # the model's, or this pipeline stage's
+    targets = {n: t for n, t in targets.items() if n in mine}
     pieces = engine.owned_pieces()
     same_tp = int(meta["layout"]["tp"]) == ps.tp_size
     needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
     F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
                   for name in {shared_rng, tp_rng} - {None}}
-    return iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng
+    return iter_dir, meta, targets, pieces, rng_states, (shared_rng, tp_rng, why)
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
@@ -204,7 +211,7 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     for note in notes:
         _log(ps, note)
 
-    iter_dir, meta, targets, pieces, rng_states, shared_rng, tp_rng = plan
+    iter_dir, meta, targets, pieces, rng_states, rng_files = plan
     if pieces is None:  # an engine without the piece API (DeepSpeed): whole per-parameter states
         params, states = read_states(iter_dir, meta, config, ps.tp_size, ps.tp_rank, engine.param_names)
         if states is not None and all("master" in st for st in states.values()):
@@ -221,20 +228,31 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     else:
         _log(ps, f"note: {iter_dir!r} holds no optimizer state (a converted model); the optimizer starts fresh.")
     saved = meta["layout"]
-    if (saved["tp"], saved["dp"]) != (ps.tp_size, ps.dp_size):
-        _log(ps, f"note: resharded from TP={saved['tp']} x DP={saved['dp']} to TP={ps.tp_size} x DP={ps.dp_size}.")
-    if shared_rng is None:
-        _log(ps, "note: the checkpoint holds no RNG states; the seeded ones are kept.")
-    else:
-        restore(rng_states[shared_rng])
-        restored_tp = tp_rng is not None and restore(rng_states[tp_rng], model.tp_random, shared=False)
-        if not restored_tp:
-            model.tp_random.seed(config.seed + int(meta["iteration"]), ps.tp_rank)
-            _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
-                     f"the TP size changed ({meta['rng']['tp']} -> {ps.tp_size}); dropout masks after the resume "
-                     f"differ from an uninterrupted run at the old layout.")
+    pp = int(saved.get("pp", 1))
+    if (pp, saved["tp"], saved["dp"]) != (ps.pp_size, ps.tp_size, ps.dp_size):
+        def name(p, t, d):
+            return (f"PP={p} x " if max(pp, ps.pp_size) > 1 else "") + f"TP={t} x DP={d}"
+        _log(ps, f"note: resharded from {name(pp, saved['tp'], saved['dp'])} to "
+                 f"{name(ps.pp_size, ps.tp_size, ps.dp_size)}.")
+    _restore_rng(model, ps, config, meta, rng_states, *rng_files)
     return dict(iteration=int(meta["iteration"]), consumed_samples=int(meta["consumed_samples"]), path=iter_dir,
                 schedule_steps=schedule_steps(meta))
+
+
+def _restore_rng(model, ps: ParallelState, config: GPTConfig, meta: dict, rng_states: dict, shared_rng, tp_rng,
+                 why: str) -> None:
+    """Set this rank's generators from the files :func:`_rng_plan` chose (``why``: why the dropout stream
+    is reseeded, when it is)."""
+    if shared_rng is None:
+        _log(ps, "note: the checkpoint holds no RNG states; the seeded ones are kept.")
+        return
+    restore(rng_states[shared_rng])
+    restored_tp = tp_rng is not None and restore(rng_states[tp_rng], model.tp_random, shared=False)
+    if not restored_tp:
+        model.tp_random.seed(config.seed + int(meta["iteration"]), ps.tp_rank)
+        _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
+                 f"{why or 'the saved one is from another device type'}; dropout masks after the resume "
+                 f"differ from an uninterrupted run at the old layout.")
 
 
 def schedule_steps(meta: dict) -> int:

@@ -10,6 +10,11 @@ past the real size (new vocabulary padding) are zero. Replicated parameters
 (LayerNorms, position embedding, row-parallel biases) are stored once, in the
 TP-rank-0 file. Uneven splits (28 heads over 8 ranks) need nothing special:
 the sizes come from the same :func:`tnlg.config.partition_sizes` the layers use.
+
+Pipeline stages change nothing in the tensors: a checkpoint saved at PP > 1 records, per
+parameter, the stage whose files hold it (``pp_rank``, :func:`stage_of`); every parameter is
+stored once (the last stage's tied copy of the word embedding is not written), so a loading
+rank finds each of its parameters by the GPT's name, whatever stages either side has.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from ..errors import UserError
 from ..model import GPT
 from .stream import SafetensorsReader
 
-__all__ = ["partition_info", "targets_for", "full_targets", "param_records", "names_for_rank",
+__all__ = ["partition_info", "stage_of", "source_tp_ranks", "targets_for", "full_targets", "param_records", "names_for_rank",
            "check_same_params", "slice_full", "ShardReader", "OptimReader"]
 
 
@@ -53,6 +58,25 @@ def param_records(config: GPTConfig, tp_size: int) -> dict[str, dict]:
             for name, rec in partition_info(config, tp_size, 0).items()}
 
 
+def stage_of(meta: dict, name: str):
+    """The pipeline stage whose files hold parameter ``name`` (``None``: a checkpoint saved at PP 1)."""
+    return meta["params"][name].get("pp_rank")
+
+
+def source_tp_ranks(src: dict, target: dict) -> list[int]:
+    """The stored TP ranks whose shards of a parameter (``src``: its ``meta.json`` record) overlap the
+    shard ``target`` describes (a :func:`targets_for` record); ``[0]`` for a replicated parameter."""
+    if not src["sharded"]:
+        return [0]
+    start = sum(target["sizes"][:target["tp_rank"]])
+    stop, a, out = start + target["local"][target["dim"]], 0, []
+    for r, size in enumerate(src["sizes"]):
+        if a < stop and start < a + size:
+            out.append(r)
+        a += size
+    return out
+
+
 class ShardReader:
     """Reads the tensors a TP rank needs from the per-TP-rank files of one kind (``model``/``optim``).
 
@@ -64,40 +88,43 @@ class ShardReader:
     def __init__(self, iter_dir: str, meta: dict, file_of):
         self.iter_dir, self.meta, self.file_of = iter_dir, meta, file_of
         self.src_tp = int(meta["layout"]["tp"])
-        self._open: dict[int, object] = {}
+        self._open: dict[str, object] = {}
 
-    def _file(self, tp_rank: int):
-        if tp_rank not in self._open:
-            path = os.path.join(self.iter_dir, self.file_of(tp_rank))
+    def _file(self, tp_rank: int, name: str):
+        """The open file of TP rank ``tp_rank`` holding parameter ``name`` (``file_of(tp_rank, pipeline
+        stage)``: the stage the manifest records for it, ``None`` at PP 1) and its name."""
+        fname = self.file_of(tp_rank, stage_of(self.meta, name))
+        if fname not in self._open:
+            path = os.path.join(self.iter_dir, fname)
             try:
-                self._open[tp_rank] = SafetensorsReader(path)
+                self._open[fname] = SafetensorsReader(path)
             except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
                 raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or "
                                 f"truncated. Nothing was loaded.") from None
-        return self._open[tp_rank]
+        return self._open[fname], fname
 
-    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int) -> torch.Tensor:
-        f = self._file(tp_rank)
+    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str) -> torch.Tensor:
+        f, fname = self._file(tp_rank, name)
         try:
             sl = f.get_slice(key)
             idx = tuple(slice(None) for _ in range(dim)) + (slice(lo, hi),)
             return sl[idx]
         except Exception as exc:  # noqa: BLE001
-            raise UserError(f"checkpoint file {os.path.join(self.iter_dir, self.file_of(tp_rank))!r} has no "
+            raise UserError(f"checkpoint file {os.path.join(self.iter_dir, fname)!r} has no "
                             f"readable tensor {key!r} ({exc}); it is damaged or from another model.") from None
 
-    def _whole(self, tp_rank: int, key: str) -> torch.Tensor:
-        f = self._file(tp_rank)
+    def _whole(self, tp_rank: int, key: str, name: str) -> torch.Tensor:
+        f, fname = self._file(tp_rank, name)
         try:
             return f.get_tensor(key)
         except Exception as exc:  # noqa: BLE001
-            raise UserError(f"checkpoint file {os.path.join(self.iter_dir, self.file_of(tp_rank))!r} has no "
+            raise UserError(f"checkpoint file {os.path.join(self.iter_dir, fname)!r} has no "
                             f"readable tensor {key!r} ({exc}); it is damaged or from another model.") from None
 
     def tensor(self, key: str, name: str, target: dict) -> torch.Tensor:
         src = self.meta["params"][name]
         if not src["sharded"]:
-            t = self._whole(0, key)
+            t = self._whole(0, key, name)
             if list(t.shape) != list(target["local"]):
                 raise UserError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, expected "
                                 f"{tuple(target['local'])}.")
@@ -114,7 +141,7 @@ class ShardReader:
             b = a + size
             lo, hi = max(start, a), min(stop, b, full)
             if lo < hi:
-                piece = self._slice(s, key, dim, lo - a, hi - a)
+                piece = self._slice(s, key, dim, lo - a, hi - a, name)
                 if out is None:
                     out = piece.new_zeros(target["local"])
                 out.narrow(dim, lo - start, hi - lo).copy_(piece)
@@ -256,16 +283,16 @@ class OptimReader(ShardReader):
         return out
 
     # ShardReader's hooks, for re-slicing whole source shards after a TP change
-    def _whole(self, tp_rank: int, key: str) -> torch.Tensor:
-        name, kind = key.rsplit(".", 1)
+    def _whole(self, tp_rank: int, key: str, name: str) -> torch.Tensor:
+        kind = key.rsplit(".", 1)[1]
         rec = self.meta["params"][name]
         shape = list(rec["shape"])
         if rec["sharded"]:
             shape[rec["dim"]] = rec["sizes"][tp_rank]
         return self._flat(tp_rank, name, kind, 0, self._src_numel(tp_rank, name)).view(shape)
 
-    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int) -> torch.Tensor:
-        return self._whole(tp_rank, key).narrow(dim, lo, hi - lo)
+    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str) -> torch.Tensor:
+        return self._whole(tp_rank, key, name).narrow(dim, lo, hi - lo)
 
     def piece(self, name: str, kind: str, target: dict, lo: int, length: int) -> torch.Tensor:
         """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind``."""

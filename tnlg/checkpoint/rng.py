@@ -10,7 +10,10 @@ uninterrupted one would have. With another layout, the shared streams come from
 rank (dp 0, tp 0) (they are identical on every rank by construction: every rank
 seeds them alike and consumes them alike), the per-TP-rank dropout streams are
 taken from the saved TP ranks when the TP size is unchanged, and otherwise are
-reseeded deterministically from ``(seed + iteration, tp_rank)``.
+reseeded deterministically from ``(seed + iteration, tp_rank)``. With pipeline stages the shared
+streams are alike only within a stage (each stage's dropout draws its own): they come from the
+saved stage of the same pipeline rank when it held the same layers, else from the first stage's
+(``tnlg.checkpoint.loading._rng_plan``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ What each rank writes (nothing is gathered; extra memory is one tensor's host co
   shards; stage 0: DP rank 0 writes everything). Replicated parameters come from TP rank 0;
 * every rank writes its RNG states.
 
+At PP > 1 each pipeline stage writes its own parameters in files named with the stage
+(``model_ppYY_tpXX``, ``optim_ppYY_tpXX_dpZZZ``, ``rng_ppYY_dpZZZ_tpXX``), the last stage's tied
+copy of the word embedding not at all; rank 0 records each parameter's stage and the stages'
+layers in ``meta.json`` (:mod:`.stages`). At PP 1 the files and the manifest are what they were
+before pipelines existed.
+
 Order of events (a crash at any point leaves the previous checkpoint intact and
 ``latest`` pointing at it):
 
@@ -21,7 +27,7 @@ Order of events (a crash at any point leaves the previous checkpoint intact and
    permissions) is kept, not raised, and the rank keeps joining the collectives of the
    writes (ZeRO-3's all-gathers); the ranks then agree: any rank's error is raised on every
    rank, naming the rank, the file and the free space, after rank 0 removed ``iter_N.tmp``;
-3. ``all_gather_object`` of (size, checksum, pieces) per file; rank 0 writes ``meta.json``
+3. ``all_gather_object`` of (size, checksum, pieces) per file and of each rank's stage; rank 0 writes ``meta.json``
    (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an existing ``iter_N``, from a run
    that was rolled back, is swapped out atomically and removed, and the log says so),
    replaces ``latest_checkpointed_iteration.txt`` atomically and prunes to ``--keep-last``
@@ -53,6 +59,7 @@ from . import files as F
 from .compat import data_record, options_record
 from .reshard import names_for_rank, param_records, partition_info
 from .rng import capture
+from .stages import assign_stages, chunk_layers_of, stage_record, stored_names
 from .stream import StreamWriter
 
 __all__ = ["save", "write_offline", "commit"]
@@ -74,29 +81,35 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
     records = param_records(config, ps.tp_size)
-    if set(engine.param_names) != set(records):
+    if ps.pp_size == 1 and set(engine.param_names) != set(records):
         raise RuntimeError(f"engine parameters {sorted(set(engine.param_names) ^ set(records))[:4]} do not match "
                            f"the model's partition records; cannot save.")
+    stored = stored_names(model, engine.param_names, records)  # a pipeline stage's, once each
     _prepare(root, tmp, ps, iteration)
-    names = names_for_rank(records, ps.tp_rank)
-    tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
+    pp = F.stage_tag(ps.pp_rank, ps.pp_size)  # None at PP 1: the file names and tags of before
+    names = [n for n in names_for_rank(records, ps.tp_rank) if n in set(stored)]
+    tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size,
+               **({} if pp is None else dict(pp_rank=ps.pp_rank, pp_size=ps.pp_size)))
     written: dict[str, dict] = {}
     failure = _SaveFailure(root, iteration, ps)
     written.update(_write_model(tmp, engine, names, ps, tag, failure))  # collective with ZeRO-3: never skipped
     if failure.ok:
-        with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank))):
+        with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank, pp))):
             written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
+    rng_name = F.rng_file(ps.dp_rank, ps.tp_rank, pp)
     if failure.ok:
-        with failure.guard(os.path.join(tmp, F.rng_file(ps.dp_rank, ps.tp_rank))):
-            written.update(_write_rng(tmp, F.rng_file(ps.dp_rank, ps.tp_rank), capture(model.tp_random)))
+        with failure.guard(os.path.join(tmp, rng_name)):
+            written.update(_write_rng(tmp, rng_name, capture(model.tp_random)))
     failure.agree(tmp)  # every rank raises the same error when any rank's write failed; tmp removed
     optimizer = dict(present=True, **engine.hyperparameters())
-    _finish(root, tmp, final, iteration, written, ps, dict(
+    pipeline = {} if pp is None else dict(pp=ps.pp_size)
+    stage = stage_record(ps.pp_rank, ps.pp_size, chunk_layers_of(model, config.num_layers), stored)
+    _finish(root, tmp, final, iteration, (written, stage), ps, dict(
         consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
         data=data_record(options), tokenizer=tokenizer.describe() if tokenizer else None,
         layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
-                    param_dtype=str(engine.param_dtype).replace("torch.", "")),
-        params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size),
+                    param_dtype=str(engine.param_dtype).replace("torch.", ""), **pipeline),
+        params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size, **pipeline),
         schedule=_schedule(options, optimizer, schedule_steps)), keep_last, failure)
     return final
 
@@ -176,7 +189,8 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     """DP rank 0 of each TP rank streams its TP shard of the weights (stage 3: every DP rank joins
     each parameter's all-gather, also after a write failed). Returns ``{file: record}`` for the files
     this rank wrote."""
-    path = os.path.join(tmp, F.model_file(ps.tp_rank))
+    fname = F.model_file(ps.tp_rank, tag.get("pp_rank"))
+    path = os.path.join(tmp, fname)
     writes = ps.dp_rank == 0
     stream = None
     out = {}
@@ -191,7 +205,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
             if stream is None:
                 stream = StreamWriter(path, [], tag)
             size, sha = stream.close()
-            out[F.model_file(ps.tp_rank)] = dict(size=size, sha256=sha)
+            out[fname] = dict(size=size, sha256=sha)
     if writes and not failure.ok and stream is not None:
         with contextlib.suppress(OSError):
             stream.abort()
@@ -208,20 +222,23 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
 
 
 def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict, kinds=None) -> dict:
-    """One ``optim_tpXX_dpYYY`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
-    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}``. ``kinds``:
-    the states written (default: the moments, and ``master`` where the pieces have one)."""
+    """One ``optim_[ppYY_]tpXX_dpZZZ`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
+    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}`` (the stage in
+    ``tag["pp_rank"]`` at PP > 1). ``kinds``: the states written (default: the moments, and ``master``
+    where the pieces have one)."""
     if kinds is None:
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
     specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
-    fname = F.optim_file(tp_rank, dp_rank)
+    pp = tag.get("pp_rank")
+    fname = F.optim_file(tp_rank, dp_rank, pp)
     stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
     for pc in pieces:
         for k in kinds:
             stream.write(f"{pc['name']}.{k}", pc[k].float())
     size, sha = stream.close()
     return {fname: dict(size=size, sha256=sha, tp_rank=tp_rank, dp_rank=dp_rank, kinds=list(kinds),
-                        pieces={pc["name"]: [int(pc["lo"]), int(pc["length"])] for pc in pieces})}
+                        pieces={pc["name"]: [int(pc["lo"]), int(pc["length"])] for pc in pieces},
+                        **({} if pp is None else dict(pp_rank=pp)))}
 
 
 def _write_rng(tmp: str, name: str, state) -> dict:
@@ -235,24 +252,26 @@ def _write_rng(tmp: str, name: str, state) -> dict:
 def _manifest(files: dict) -> dict:
     """The ``meta.json`` entries describing what was written: sizes, checksums, optimizer pieces."""
     return dict(files={k: v["size"] for k, v in files.items()}, sha256={k: v["sha256"] for k, v in files.items()},
-                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces")}
+                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces", "pp_rank") if x in v}
                              for k, v in files.items() if "pieces" in v})
 
 
-def _finish(root: str, tmp: str, final: str, iteration: int, written: dict, ps: ParallelState, meta: dict,
+def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps: ParallelState, meta: dict,
             keep_last: Optional[int], failure: _SaveFailure) -> None:
-    """Share what every rank wrote; rank 0 writes the manifest and commits; every rank learns whether the
-    commit worked."""
+    """Share what every rank wrote (``written``: its files and its :func:`.stages.stage_record`); rank 0
+    writes the manifest and commits; every rank learns whether the commit worked."""
     if is_distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
     else:
         gathered = [written]
     if ps.rank == 0:
-        files = {k: v for d in gathered for k, v in d.items()}
-        meta = dict(format=F.FORMAT, iteration=int(iteration), **meta, **_manifest(files),
-                    created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
+        files = {k: v for d, _ in gathered for k, v in d.items()}
         with failure.guard(os.path.join(tmp, F.META)):
+            params, pipeline = assign_stages(meta["params"], [stage for _, stage in gathered])
+            meta = dict(format=F.FORMAT, iteration=int(iteration), **dict(meta, params=params),
+                        **({} if pipeline is None else dict(pipeline=pipeline)), **_manifest(files),
+                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
             commit(root, tmp, final, iteration, meta, keep_last)
     failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
 
@@ -291,8 +310,10 @@ def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_ran
             files.update(_write_pieces(tmp, pieces, r, 0, tag, tuple(kinds)))
         if rng_of_rank is not None:
             files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
-    meta = dict(meta, format=F.FORMAT, params=records, **_manifest(files),
-                layout=dict(meta.get("layout") or {}, tp=tp_size, dp=1, world=tp_size),
+    meta = dict({k: v for k, v in meta.items() if k != "pipeline"}, format=F.FORMAT, params=records,
+                **_manifest(files),  # (one stage: a pipeline checkpoint's stages are not carried over)
+                layout=dict({k: v for k, v in (meta.get("layout") or {}).items() if k != "pp"}, tp=tp_size, dp=1,
+                            world=tp_size),
                 rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
     commit(root, tmp, final, iteration, meta, None)
     return final

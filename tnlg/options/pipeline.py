@@ -18,8 +18,6 @@ UNSUPPORTED = (
     (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its own "
      "engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
     (lambda o: o.compile, lambda o: "--compile"),
-    (lambda o: o.save is not None, lambda o: f"--save {o.save} (checkpoints)"),
-    (lambda o: o.load is not None, lambda o: f"--load {o.load} (checkpoints)"),
 )
 
 
@@ -45,7 +43,7 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
     if bad:
         raise UserError(f"{', '.join(bad)} is not supported with --pipeline-model-parallel-size > 1 yet (--pp "
                         f"{pp}). Pipelines train fp32, bf16 or fp16 with ZeRO 0-3, TP (sequence parallelism too), "
-                        f"DP and recomputation, with validation and the final sample, without checkpoints "
+                        f"DP and recomputation, with checkpoints, validation and the final sample "
                         f"(docs/pipeline.md); drop those options or use --pp 1.")
     _check_layers(o, pp)
     if world_size is not None:

@@ -46,6 +46,24 @@ __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
+class _Stage(RecordedStage):
+    """torch's ``PipelineStage`` (noting its progress for a hang report, :class:`RecordedStage`), whose
+    metadata inference leaves the random streams as it found them.
+
+    On a schedule's first step torch learns the activations' shapes by running each stage's forward
+    once (``_compute_outputs``, used for nothing else); with dropout that forward would draw from
+    torch's default generator and the chunk's TP generator, so a resumed run (a new schedule, whose
+    first step is then not the run's first) would draw other masks than the uninterrupted one."""
+
+    def _compute_outputs(self, *args, module, **kwargs):
+        tp_random, devices = module.stage.tp_random, [] if self.device.type == "cpu" else [self.device]
+        saved = tp_random.state
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            out = super()._compute_outputs(*args, module=module, **kwargs)
+        tp_random.state = saved
+        return out
+
+
 class Pipeline:
     """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model``."""
 
@@ -54,7 +72,7 @@ class Pipeline:
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
         # the chunks' modules: FSDP2's engine (ZeRO 2/3) leaves its sharded ones in ``model.pipeline_chunks``
         chunks = getattr(model, "pipeline_chunks", None) or [model.chunk(k) for k in range(v)]
-        stages = [RecordedStage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+        stages = [_Stage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
                                 group=ps.pp_group) for k in range(v)]
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
