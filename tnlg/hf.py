@@ -283,9 +283,28 @@ def _sentencepiece_bpe(tok):
     SentencePiece merges through and then splits again) have no exact equivalent: refused.
     """
     import tokenizers
-    from tokenizers import Regex, decoders, models, normalizers
+    from tokenizers import models
 
     m = tok.model()
+    _check_exportable(m, tok.path)
+    vocab = {piece: i for i, (piece, _, _) in enumerate(m.pieces)}
+    normal = {piece: (score, i) for i, (piece, score, t) in enumerate(m.pieces) if t == m.NORMAL}
+    ranked = sorted((-score, i, k, piece[:k], piece[k:]) for piece, (score, i) in normal.items()
+                    for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal)
+    unk = next((piece for piece, _, t in m.pieces if t == m.UNKNOWN), None)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk,
+                                              fuse_unk=True, byte_fallback=m.byte_fallback))
+    user = sorted((p for p, _, t in m.pieces if t == m.USER_DEFINED), key=len, reverse=True)
+    backend.normalizer = _sentencepiece_normalizer(m, user)
+    backend.add_special_tokens([tokenizers.AddedToken(p, special=True, normalized=False)
+                                for p, _, t in m.pieces if t in (m.UNKNOWN, m.CONTROL)])
+    backend.add_tokens([tokenizers.AddedToken(p, special=False, normalized=True) for p in user])
+    backend.decoder = _sentencepiece_decoder(m, unk)
+    return backend
+
+
+def _check_exportable(m, path: str) -> None:
+    """A clear error for a SentencePiece model without an exact ``tokenizers`` equivalent."""
     why = None
     if m.model_type != "bpe":
         why = f"it is a {m.model_type} model (only BPE models, what `tnlg train-tokenizer` writes, are supported)"
@@ -294,37 +313,37 @@ def _sentencepiece_bpe(tok):
     elif any(t == m.UNUSED for _, _, t in m.pieces):
         why = "it has unused pieces"
     if why:
-        raise UserError(f"SentencePiece model {tok.path!r} cannot be exported as a Hugging Face tokenizer: {why}. "
+        raise UserError(f"SentencePiece model {path!r} cannot be exported as a Hugging Face tokenizer: {why}. "
                         "Export the weights alone (tnlg convert --no-tokenizer, or to_hf without a tokenizer).")
-    vocab = {piece: i for i, (piece, _, _) in enumerate(m.pieces)}
-    normal = {piece: (score, i) for i, (piece, score, t) in enumerate(m.pieces) if t == m.NORMAL}
-    ranked = sorted((-score, i, k, piece[:k], piece[k:]) for piece, (score, i) in normal.items()
-                    for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal)
-    unk = next((piece for piece, _, t in m.pieces if t == m.UNKNOWN), None)
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk,
-                                              fuse_unk=True, byte_fallback=m.byte_fallback))
+
+
+def _sentencepiece_normalizer(m, user: list):
+    """SentencePiece's normalisation steps, in its order (``user``: the user-defined pieces, longest first)."""
+    from tokenizers import Regex, normalizers
+
     space = "▁" if m.escape_whitespaces else " "
     steps = [normalizers.Precompiled(m.precompiled_charsmap)] if m.precompiled_charsmap else []
     if m.remove_extra_whitespaces:
         steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
     if m.escape_whitespaces:
         steps.append(normalizers.Replace(" ", "▁"))
-    user = sorted((p for p, _, t in m.pieces if t == m.USER_DEFINED), key=len, reverse=True)
     if m.add_dummy_prefix:
         # the prefix goes before the whole non-empty text, not before each stretch between user-defined pieces;
         # the look-ahead keeps the pieces' own contents (normalised by tokenizers to build its matcher) unprefixed
         lone = "(?!(?:" + "|".join(_onig_escape(p) for p in user) + r")\z)" if user else ""
         steps.append(normalizers.Replace(Regex(r"\A" + lone + r"(?=[\s\S])"), space))
-    backend.normalizer = normalizers.Sequence(steps)
-    backend.add_special_tokens([tokenizers.AddedToken(p, special=True, normalized=False)
-                                for p, _, t in m.pieces if t in (m.UNKNOWN, m.CONTROL)])
-    backend.add_tokens([tokenizers.AddedToken(p, special=False, normalized=True) for p in user])
+    return normalizers.Sequence(steps)
+
+
+def _sentencepiece_decoder(m, unk):
+    """``<unk>`` -> its surface, ``▁`` -> space, byte pieces -> UTF-8, the dummy prefix's space dropped."""
+    from tokenizers import decoders
+
     steps = [decoders.Replace(unk, m.unk_surface)] if unk is not None else []
     steps += [decoders.Replace("▁", " ")] if m.escape_whitespaces else []
     steps += [decoders.ByteFallback()] if m.byte_fallback else []
     steps += [decoders.Fuse()] + ([decoders.Strip(" ", 1, 0)] if m.add_dummy_prefix else [])
-    backend.decoder = decoders.Sequence(steps)
-    return backend
+    return decoders.Sequence(steps)
 
 
 def _onig_escape(text: str) -> str:

@@ -108,6 +108,41 @@ class _BucketShard:
 
 
 # --------------------------------------------------------------------------- the backend
+def _trainable(model: nn.Module, ps: ParallelState, param_dtype: Optional[torch.dtype]):
+    """The trainable parameters, the buffers' dtype and device; a clear error for what flat buffers cannot hold."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
+    if not named:
+        raise UserError("the model has no trainable parameters: nothing to optimise.")
+    dtypes = {p.dtype for _, p in named}
+    devices = {p.device for _, p in named if p.device.type != "meta"}
+    if (len(dtypes) > 1 and param_dtype is None) or len(devices) > 1:
+        raise UserError(f"ZeRO flat buffers need every trainable parameter on one device with one dtype; "
+                        f"found dtypes {sorted(map(str, dtypes))} on devices {sorted(map(str, devices))}.")
+    dtype = param_dtype or dtypes.pop()
+    if not dtype.is_floating_point:
+        raise UserError(f"parameters must be floating point, got {dtype}.")
+    return named, dtype, (ps.device if ps.virtual or not devices else devices.pop())
+
+
+def _materialise(model: nn.Module, order: list, buffer: torch.Tensor, layout, init_fn) -> list:
+    """Each parameter of ``order`` copied (or initialised, from the meta device) into its place in
+    ``buffer``, one at a time, and installed in ``model`` as a view of it; returns the views."""
+    params = []
+    with torch.no_grad():
+        _zero_padding(buffer, layout)
+        for (name, p), off in zip(order, layout.param_offsets):
+            pv = buffer[off:off + p.numel()].view(p.shape)
+            if p.device.type != "meta":
+                pv.copy_(p)
+            elif buffer.device.type != "meta":
+                if init_fn is None:
+                    raise UserError(f"parameter {name!r} is on the meta device and no init_fn was given "
+                                    f"to materialise it; build the model on a real device or pass init_fn.")
+                pv.copy_(init_fn(name, p))
+            params.append(_install(model, p, pv))
+    return params
+
+
 class FlatZero(ShardedBackend):
     """Stage 0 (all-reduce, full Adam) or stage 1 (reduce-scatter, partitioned Adam, all-gather).
 
@@ -126,18 +161,7 @@ class FlatZero(ShardedBackend):
                  init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
         if stage not in (0, 1):
             raise ValueError(f"FlatZero implements ZeRO stages 0 and 1, got {stage}.")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
-        if not named:
-            raise UserError("the model has no trainable parameters: nothing to optimise.")
-        dtypes = {p.dtype for _, p in named}
-        devices = {p.device for _, p in named if p.device.type != "meta"}
-        if (len(dtypes) > 1 and param_dtype is None) or len(devices) > 1:
-            raise UserError(f"ZeRO flat buffers need every trainable parameter on one device with one dtype; "
-                            f"found dtypes {sorted(map(str, dtypes))} on devices {sorted(map(str, devices))}.")
-        dtype = param_dtype or dtypes.pop()
-        device = ps.device if ps.virtual or not devices else devices.pop()
-        if not dtype.is_floating_point:
-            raise UserError(f"parameters must be floating point, got {dtype}.")
+        named, dtype, device = _trainable(model, ps, param_dtype)
         grad_dtype = grad_dtype or dtype
         self.model, self.ps, self.stage = model, ps, stage
         self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device
@@ -164,19 +188,7 @@ class FlatZero(ShardedBackend):
         # model costs nothing until here), so setup never holds more than the final model states
         # plus one parameter's initial value.
         self.param_buffer = torch.empty(L.total_numel, dtype=dtype, device=device)
-        self.params = []
-        with torch.no_grad():
-            _zero_padding(self.param_buffer, L)
-            for (name, p), off in zip(order, L.param_offsets):
-                pv = self.param_buffer[off:off + p.numel()].view(p.shape)
-                if p.device.type != "meta":
-                    pv.copy_(p)
-                elif device.type != "meta":
-                    if init_fn is None:
-                        raise UserError(f"parameter {name!r} is on the meta device and no init_fn was given "
-                                        f"to materialise it; build the model on a real device or pass init_fn.")
-                    pv.copy_(init_fn(name, p))
-                self.params.append(_install(model, p, pv))
+        self.params = _materialise(model, order, self.param_buffer, L, init_fn)
         # gradients: a flat buffer of the same layout, and the hooks that launch each bucket's reduction
         self.grads = GradBuffer(self.params, L, grad_dtype, device, self.comm)
         self.grad_buffer = self.grads.buffer
