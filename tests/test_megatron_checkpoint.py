@@ -180,10 +180,11 @@ def _pipeline_logits(model, ps, tokens):
 
 
 def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch.Tensor):
-    """Worker (4 processes: tnlg PP 2 x TP 2): what ``tnlg pretrain --pp 2 --tp 2 --load`` runs: the
-    stages built, the imported checkpoint loaded by name (``checkpoint.load``), one training step through
-    the 1F1B pipeline (2 micro batches), saved at PP 2 (``checkpoint.save``). Returns the pipeline's logits
-    before and after the step, and the saved folder."""
+    """Worker (4 processes: tnlg PP 2 x TP 2): the imported checkpoint loaded by ``tnlg eval --pp 2``'s
+    loader (``load_for_inference``); then what ``tnlg pretrain --pp 2 --tp 2 --load`` runs: the stages
+    built, the checkpoint loaded by name (``checkpoint.load``), one training step through the 1F1B
+    pipeline (2 micro batches), saved at PP 2 (``checkpoint.save``). Returns the pipelines' logits (the
+    evaluation's, the training run's before and after the step) and the saved folder."""
     from tnlg import checkpoint as ck
     from tnlg.config import GPTConfig
     from tnlg.optim import build_engine
@@ -192,6 +193,7 @@ def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch
     from tnlg.parallel.state import init_parallel
     from tnlg.training.step import train_step
     ps = init_parallel(2, pipeline_parallel_size=2)
+    evaluated = _pipeline_logits(load_for_inference(imported, ps)[0], ps, tokens)
     cfg = GPTConfig.from_dict(ck.read_meta(ck.resolve(imported))["config"])
     model = StageModel(cfg, ps, [chunk_layers(cfg.num_layers, 2)[ps.pp_rank]], device="meta")
     engine = build_engine(model, ps, 0, lr=1e-2, weight_decay=0.1, clip_grad=1.0, grad_accum_steps=2)
@@ -204,13 +206,13 @@ def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch
                pipeline=Pipeline(engine.model, 2, "1f1b"))
     path = ck.save(save_root, iteration=info["iteration"] + 1, consumed_samples=info["consumed_samples"] + 4,
                    model=engine.model, engine=engine, ps=ps, config=cfg)
-    return dict(before=before, after=_pipeline_logits(engine.model, ps, tokens), path=path)
+    return dict(evaluated=evaluated, before=before, after=_pipeline_logits(engine.model, ps, tokens), path=path)
 
 
 @pytest.mark.slow
 def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, tmp_path):
     """Megatron TP 2 x PP 2 -> tnlg (the import writes one PP-independent checkpoint) -> tnlg at PP 2 x TP 2
-    loads it by name: Megatron's logits; one training step there, saved at PP 2 (each stage its own files)
+    loads it by name, for evaluation and for training: Megatron's logits; one training step there, saved at PP 2 (each stage its own files)
     -> exported at Megatron TP 2 x PP 2 in both formats -> megatron-core's pipelined forward gives the
     logits tnlg's pipeline computed after the step."""
     from tnlg.checkpoint.files import read_meta
@@ -218,8 +220,9 @@ def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, 
     imported = megatron_to_checkpoint(str(root / "legacy"), str(tmp_path / "imported"), tp_size=2)
     out = run_distributed(_resume_train_save_at_pp_2, 4, 1, imported, str(tmp_path / "trained"), _tokens(spec),
                           timeout_s=300)
-    torch.testing.assert_close(out[-1]["before"], ref, **TOL)  # the last stage: rank 3 (stage 1, TP rank 1)
-    assert all(o["before"] is None for o in out[:2])
+    for hop in ("evaluated", "before"):  # the last stage's: rank 3 (stage 1, TP rank 1)
+        torch.testing.assert_close(out[-1][hop], ref, **TOL)
+        assert all(o[hop] is None for o in out[:2])
     trained = out[0]["path"]
     meta = read_meta(trained)
     assert (meta["layout"]["pp"], meta["iteration"]) == (2, 8)
