@@ -213,8 +213,8 @@ def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch
 def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, tmp_path):
     """Megatron TP 2 x PP 2 -> tnlg (the import writes one PP-independent checkpoint) -> tnlg at PP 2 x TP 2
     loads it by name, for evaluation and for training: Megatron's logits; one training step there, saved at PP 2 (each stage its own files)
-    -> exported at Megatron TP 2 x PP 2 in both formats -> megatron-core's pipelined forward gives the
-    logits tnlg's pipeline computed after the step."""
+    -> exported at Megatron TP 2 x PP 2 in both formats, and by the command at TP 1 x PP 4 ->
+    megatron-core's pipelined forward gives the logits tnlg's pipeline computed after the step."""
     from tnlg.checkpoint.files import read_meta
     spec, root, ref, _ = pipeline_run
     imported = megatron_to_checkpoint(str(root / "legacy"), str(tmp_path / "imported"), tp_size=2)
@@ -235,6 +235,14 @@ def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, 
         loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / fmt), fmt, _tokens(spec), timeout_s=180)
         torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
         assert loaded[0]["iteration"] == 8
+    # the command, at another Megatron layout: TP 1 x PP 4 (one layer per stage)
+    r = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", trained, "--to", "megatron",
+                        str(tmp_path / "tp1pp4"), "--tp", "1", "--pp", "4"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
+    assert r.returncode == 0, r.stderr
+    loaded = run_distributed(R.load_and_run, 4, 1, dict(spec, tp=1, pp=4), str(tmp_path / "tp1pp4"), "torch_dist",
+                             _tokens(spec), timeout_s=180)
+    torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
 
 
 # --------------------------------------------------------------------------- other namings
