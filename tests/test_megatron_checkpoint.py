@@ -2,8 +2,9 @@
 
 megatron-core's GPTModel (local spec) at TP 2 (and TP 2 x PP 2) with random weights is saved by
 Megatron's own code in both formats; the converted tnlg checkpoint must give Megatron's logits
-(fp32, 1e-5) at tnlg TP 1, 2 and 4; a tnlg checkpoint exported to Megatron must load into GPTModel
-(``load_state_dict`` per rank, ``dist_checkpointing.load``) and give the same logits. Also: exact and
+(fp32, 1e-5) at tnlg TP 1, 2 and 4 (and through tnlg's pipeline at PP 2); a tnlg checkpoint exported
+to Megatron (also one saved by a tnlg pipeline run) must load into GPTModel (``load_state_dict`` per
+rank, ``dist_checkpointing.load``) and give the same logits (at PP > 1 through the stages). Also: exact and
 tanh GELU, tied and untied output layers, a vocabulary Megatron pads, pre-core (legacy) names with
 every ``checkpoint_version`` QKV order, Transformer Engine names, and bad input.
 """
@@ -212,9 +213,10 @@ def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch
 @pytest.mark.slow
 def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, tmp_path):
     """Megatron TP 2 x PP 2 -> tnlg (the import writes one PP-independent checkpoint) -> tnlg at PP 2 x TP 2
-    loads it by name, for evaluation and for training: Megatron's logits; one training step there, saved at PP 2 (each stage its own files)
-    -> exported at Megatron TP 2 x PP 2 in both formats, and by the command at TP 1 x PP 4 ->
-    megatron-core's pipelined forward gives the logits tnlg's pipeline computed after the step."""
+    loads it by name, for evaluation and for training: Megatron's logits; one training step there, saved
+    at PP 2 (each stage its own files) -> exported at Megatron TP 2 x PP 2 in both formats, and by the
+    command at TP 1 x PP 4 -> megatron-core's pipelined forward gives the logits tnlg's pipeline computed
+    after the step."""
     from tnlg.checkpoint.files import read_meta
     spec, root, ref, _ = pipeline_run
     imported = megatron_to_checkpoint(str(root / "legacy"), str(tmp_path / "imported"), tp_size=2)
