@@ -100,16 +100,27 @@ def _perturb(model, tp_rank: int) -> None:
         p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def logits_of(model, spec: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """Megatron's forward, vocabulary shards all-gathered over TP, padding rows dropped."""
-    from megatron.core import parallel_state
+def logits_of(model, spec: dict, tokens: torch.Tensor):
+    """Megatron's forward, vocabulary shards all-gathered over TP, padding rows dropped. At PP > 1 the
+    stages run one after the other, as megatron-core's schedules hand activations over: stage ``p > 0``
+    receives the previous stage's output ``[s, b, h]`` (its own TP rank's; ``dist.recv``) and takes it
+    through ``set_input_tensor``; every stage but the last sends its output on and returns ``None``."""
+    from megatron.core import parallel_state as mp
     b, s = tokens.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)  # True = masked
+    p, pp = mp.get_pipeline_model_parallel_rank(), mp.get_pipeline_model_parallel_world_size()
     model.eval()
     with torch.no_grad():
+        if p > 0:
+            hidden = torch.empty(s, b, spec["hidden"])
+            dist.recv(hidden, src=mp.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
         local = model(tokens, positions, mask)
-    group = parallel_state.get_tensor_model_parallel_group()
+    if p < pp - 1:
+        dist.send(local.contiguous(), dst=mp.get_pipeline_model_parallel_next_rank())
+        return None
+    group = mp.get_tensor_model_parallel_group()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=-1)[..., :spec["vocab"]]
@@ -171,9 +182,10 @@ def save_reference(ps, spec: dict, root: str, tokens: torch.Tensor):
     return logits
 
 
-def save_pipeline(ps, spec: dict, root: str, flat_root: str):
+def save_pipeline(ps, spec: dict, root: str, flat_root: str, tokens: torch.Tensor):
     """Worker (world = TP x PP): each stage's ``GPTModel`` takes its layers from the TP rank's PP-1
-    state dict (renumbered within the stage, as Megatron numbers them) and is saved in both formats."""
+    state dict (renumbered within the stage, as Megatron numbers them) and is saved in both formats;
+    returns its state dict and the pipeline's logits (:func:`logits_of`; ``None`` off the last stage)."""
     _init(spec)
     p, t = _stage(spec)
     pp, per = spec["pp"], spec["layers"] // spec["pp"]
@@ -190,12 +202,14 @@ def save_pipeline(ps, spec: dict, root: str, flat_root: str):
         want[key] = flat[src]
     model.load_state_dict(want, strict=True)
     save_both_formats(model, spec, root)
-    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return dict(state={k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+                logits=logits_of(model, spec, tokens))
 
 
 def load_and_run(ps, spec: dict, root: str, fmt: str, tokens: torch.Tensor):
     """Worker (world = TP x PP): load a checkpoint root written by tnlg into ``GPTModel`` with
-    Megatron's loaders; returns the logits (PP 1) or every stage's state dict (PP > 1)."""
+    Megatron's loaders; returns the logits (at PP > 1: the last stage's, :func:`logits_of`) and at PP > 1
+    every stage's state dict."""
     _init(spec)
     from megatron.core import dist_checkpointing
     p, t = _stage(spec)
@@ -217,9 +231,8 @@ def load_and_run(ps, spec: dict, root: str, fmt: str, tokens: torch.Tensor):
     out = dict(args={k: args[k] for k in ("padded_vocab_size", "num_layers", "tensor_model_parallel_size",
                                           "openai_gelu", "untie_embeddings_and_output_weights")},
                iteration=common["iteration"])
-    if pp == 1:
-        out["logits"] = logits_of(model, spec, tokens)
-    else:
+    out["logits"] = logits_of(model, spec, tokens)  # at PP > 1: the last stage's
+    if pp > 1:
         out["state"] = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         out["stage"], out["tp_rank"] = p, t
     return out

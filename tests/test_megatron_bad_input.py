@@ -171,7 +171,8 @@ def test_cli_errors_are_one_paragraph(megatron_ckpts, tmp_path):
               "holds no optimizer state"),
              (["--from", "megatron", str(tmp_path), "--to", str(tmp_path / "b")], "is not a Megatron-LM checkpoint"),
              (["--from", "megatron", str(megatron_ckpts / "legacy"), "--to", str(tmp_path / "c"), "--pp", "2"],
-              "--pipeline-model-parallel-size applies to --to megatron only")]
+              "--pipeline-model-parallel-size applies to --to megatron only: a tnlg checkpoint is one layout for "
+              "every pipeline split")]
     for argv, match in cases:
         r = subprocess.run(base + argv, capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr

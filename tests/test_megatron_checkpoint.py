@@ -2,8 +2,9 @@
 
 megatron-core's GPTModel (local spec) at TP 2 (and TP 2 x PP 2) with random weights is saved by
 Megatron's own code in both formats; the converted tnlg checkpoint must give Megatron's logits
-(fp32, 1e-5) at tnlg TP 1, 2 and 4; a tnlg checkpoint exported to Megatron must load into GPTModel
-(``load_state_dict`` per rank, ``dist_checkpointing.load``) and give the same logits. Also: exact and
+(fp32, 1e-5) at tnlg TP 1, 2 and 4 (and through tnlg's pipeline at PP 2); a tnlg checkpoint exported
+to Megatron (also one saved by a tnlg pipeline run) must load into GPTModel (``load_state_dict`` per
+rank, ``dist_checkpointing.load``) and give the same logits (at PP > 1 through the stages). Also: exact and
 tanh GELU, tied and untied output layers, a vocabulary Megatron pads, pre-core (legacy) names with
 every ``checkpoint_version`` QKV order, Transformer Engine names, and bad input.
 """
@@ -118,15 +119,17 @@ def test_export_loads_into_megatron_with_the_same_logits(megatron_run, fmt, tp, 
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
-    """TP 2 x PP 2, 4 layers: megatron-core's pipeline does not run on CPU here, so each stage's
-    GPTModel takes its layers from the PP 1 model (whose forward is the reference) and is saved
-    by Megatron's code as its stage of a PP 2 checkpoint."""
+    """TP 2 x PP 2, 4 layers: each stage's GPTModel takes its layers from the PP 1 model (whose forward
+    is the reference) and is saved by Megatron's code as its stage of a PP 2 checkpoint; its pipelined
+    forward (stage after stage, :func:`megatron_reference.logits_of`) must give the PP 1 logits."""
     spec = dict(EXACT_TIED, layers=4)
     flat = tmp_path_factory.mktemp("megatron_pp1")
     ref = _reference(flat, spec)
     root = tmp_path_factory.mktemp("megatron_pp2")
-    stages = run_distributed(R.save_pipeline, 4, 1, dict(spec, pp=2), str(root), str(flat), timeout_s=180)
-    return dict(spec, pp=2), root, ref, stages
+    out = run_distributed(R.save_pipeline, 4, 1, dict(spec, pp=2), str(root), str(flat), _tokens(spec),
+                          timeout_s=180)
+    torch.testing.assert_close(out[-1]["logits"], ref, **TOL)  # the last stage's (rank 3: stage 1, TP rank 1)
+    return dict(spec, pp=2), root, ref, [o["state"] for o in out]
 
 
 @pytest.mark.slow
@@ -139,16 +142,10 @@ def test_import_of_a_pipeline_parallel_checkpoint(pipeline_run):
     _check_tnlg_logits(ckpts, ref, spec, tps=(1, 2))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
-    """Exported at TP 2 x PP 2 and loaded by each stage's GPTModel: every stage's state equals the
-    one Megatron built from the same weights, except the vocabulary's padding rows, which are zeros
-    (tnlg keeps no padding rows; Megatron's hold random values no token ever uses)."""
-    spec, root, _, stages = pipeline_run
-    tnlg_ckpt = megatron_to_checkpoint(str(root / "torch_dist"), str(tmp_path / "tnlg"))
-    checkpoint_to_megatron(tnlg_ckpt, str(tmp_path / "out"), fmt=fmt, tp=2, pp=2)
-    loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / "out"), fmt, _tokens(spec), timeout_s=180)
+def _check_stage_states(loaded, stages, spec):
+    """Every stage's loaded state equals the one Megatron built from the same weights, except the
+    vocabulary's padding rows, which are zeros (tnlg keeps no padding rows; Megatron's hold random
+    values no token ever uses)."""
     for rank, res in enumerate(loaded):
         assert set(res["state"]) == set(stages[rank])
         for key, value in stages[rank].items():
@@ -158,6 +155,96 @@ def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
                 assert not got[real:].any(), key
                 got, value = got[:real], value[:real]
             torch.testing.assert_close(got, value, atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
+    """Exported at TP 2 x PP 2 and loaded by each stage's GPTModel: the stages' states are Megatron's
+    own, and the pipelined forward gives Megatron's logits."""
+    spec, root, ref, stages = pipeline_run
+    tnlg_ckpt = megatron_to_checkpoint(str(root / "torch_dist"), str(tmp_path / "tnlg"))
+    checkpoint_to_megatron(tnlg_ckpt, str(tmp_path / "out"), fmt=fmt, tp=2, pp=2)
+    loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / "out"), fmt, _tokens(spec), timeout_s=180)
+    _check_stage_states(loaded, stages, spec)
+    torch.testing.assert_close(loaded[-1]["logits"], ref, **TOL)
+
+
+def _pipeline_logits(model, ps, tokens):
+    """tnlg's logits through its pipeline (the last stage's, full vocabulary; ``None`` on the others)."""
+    from tnlg.parallel.pipeline_inference import forward_logits
+    model.eval()
+    with torch.no_grad():
+        local = forward_logits(model, tokens)
+    model.train()
+    return None if local is None else gather_logits(local, ps, model.config.vocab_size)
+
+
+def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch.Tensor):
+    """Worker (4 processes: tnlg PP 2 x TP 2): the imported checkpoint loaded by ``tnlg eval --pp 2``'s
+    loader (``load_for_inference``); then what ``tnlg pretrain --pp 2 --tp 2 --load`` runs: the stages
+    built, the checkpoint loaded by name (``checkpoint.load``), one training step through the 1F1B
+    pipeline (2 micro batches), saved at PP 2 (``checkpoint.save``). Returns the pipelines' logits (the
+    evaluation's, the training run's before and after the step) and the saved folder."""
+    from tnlg import checkpoint as ck
+    from tnlg.config import GPTConfig
+    from tnlg.optim import build_engine
+    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.parallel.pipeline_schedule import Pipeline
+    from tnlg.parallel.state import init_parallel
+    from tnlg.training.step import train_step
+    ps = init_parallel(2, pipeline_parallel_size=2)
+    evaluated = _pipeline_logits(load_for_inference(imported, ps)[0], ps, tokens)
+    cfg = GPTConfig.from_dict(ck.read_meta(ck.resolve(imported))["config"])
+    model = StageModel(cfg, ps, [chunk_layers(cfg.num_layers, 2)[ps.pp_rank]], device="meta")
+    engine = build_engine(model, ps, 0, lr=1e-2, weight_decay=0.1, clip_grad=1.0, grad_accum_steps=2)
+    info = ck.load(imported, model=engine.model, engine=engine, ps=ps, config=cfg)
+    before = _pipeline_logits(engine.model, ps, tokens)
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randint(0, cfg.vocab_size, (2, 2, tokens.shape[1] + 1), generator=g)
+    micro = [dict(tokens=s[:, :-1], labels=s[:, 1:], loss_mask=torch.ones(2, tokens.shape[1])) for s in seqs]
+    train_step(engine.model, engine, micro, 1e-2, autocast=None, ps=ps, iteration=info["iteration"] + 1,
+               pipeline=Pipeline(engine.model, 2, "1f1b"))
+    path = ck.save(save_root, iteration=info["iteration"] + 1, consumed_samples=info["consumed_samples"] + 4,
+                   model=engine.model, engine=engine, ps=ps, config=cfg)
+    return dict(evaluated=evaluated, before=before, after=_pipeline_logits(engine.model, ps, tokens), path=path)
+
+
+@pytest.mark.slow
+def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, tmp_path):
+    """Megatron TP 2 x PP 2 -> tnlg (the import writes one PP-independent checkpoint) -> tnlg at PP 2 x TP 2
+    loads it by name, for evaluation and for training: Megatron's logits; one training step there, saved
+    at PP 2 (each stage its own files) -> exported at Megatron TP 2 x PP 2 in both formats, and by the
+    command at TP 1 x PP 4 -> megatron-core's pipelined forward gives the logits tnlg's pipeline computed
+    after the step."""
+    from tnlg.checkpoint.files import read_meta
+    spec, root, ref, _ = pipeline_run
+    imported = megatron_to_checkpoint(str(root / "legacy"), str(tmp_path / "imported"), tp_size=2)
+    out = run_distributed(_resume_train_save_at_pp_2, 4, 1, imported, str(tmp_path / "trained"), _tokens(spec),
+                          timeout_s=300)
+    for hop in ("evaluated", "before"):  # the last stage's: rank 3 (stage 1, TP rank 1)
+        torch.testing.assert_close(out[-1][hop], ref, **TOL)
+        assert all(o[hop] is None for o in out[:2])
+    trained = out[0]["path"]
+    meta = read_meta(trained)
+    assert (meta["layout"]["pp"], meta["iteration"]) == (2, 8)
+    assert sorted(n for n in meta["files"] if n.startswith("model")) == [
+        f"model_pp{p:02d}_tp{t:02d}.safetensors" for p in (0, 1) for t in (0, 1)]
+    after = out[-1]["after"]
+    assert (after - ref).abs().max() > 1e-3  # the step changed the model
+    for fmt in ("legacy", "torch_dist"):
+        checkpoint_to_megatron(trained, str(tmp_path / fmt), fmt=fmt, tp=2, pp=2)
+        loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / fmt), fmt, _tokens(spec), timeout_s=180)
+        torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
+        assert loaded[0]["iteration"] == 8
+    # the command, at another Megatron layout: TP 1 x PP 4 (one layer per stage)
+    r = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", trained, "--to", "megatron",
+                        str(tmp_path / "tp1pp4"), "--tp", "1", "--pp", "4"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
+    assert r.returncode == 0, r.stderr
+    loaded = run_distributed(R.load_and_run, 4, 1, dict(spec, tp=1, pp=4), str(tmp_path / "tp1pp4"), "torch_dist",
+                             _tokens(spec), timeout_s=180)
+    torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
 
 
 # --------------------------------------------------------------------------- other namings

@@ -15,9 +15,10 @@
 * ``tnlg convert --from megatron DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] [--with-optimizer]``:
   a Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
   iteration and LR-schedule position, and with ``--with-optimizer`` its Adam state
-  (:mod:`tnlg.interop.megatron.importer`).
+  (:mod:`tnlg.interop.megatron.importer`); written at PP 1, it loads at any ``--pp`` by name.
 * ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M]``: a
-  checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md).
+  checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md), from a tnlg
+  checkpoint saved at any TP x PP.
 * ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
 
 All of it runs in one process, reading only the slices it needs.
@@ -85,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TP size of the written checkpoint (default: the source's; 1 from hf or megatron; "
                         "with --to megatron: Megatron's TP, which sets its vocabulary padding)")
     parser.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
-                        help="with --to megatron: pipeline stages of the written checkpoint (default 1)")
+                        help="with --to megatron: pipeline stages of the written checkpoint (default 1); a tnlg "
+                        "checkpoint needs none (it loads at any --pp)")
     parser.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "legacy"],
                         help="with --to megatron: Megatron's --ckpt-format torch_dist (default) or the legacy "
                         "per-rank files (--ckpt-format torch)")
@@ -155,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_PP_ANY = (": a tnlg checkpoint is one layout for every pipeline split (a run loads each parameter by name from "
+           "whichever file holds it), so the checkpoint written here loads as it is at any --pp (tnlg pretrain or "
+           "tnlg eval --pp P --load CKPT), and that run's first save writes its own stage files")
+
+
 def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str) -> None:
     """The Megatron-only flags, where they apply."""
     given = lambda name: getattr(args, name, None) not in (None, False)  # noqa: E731
@@ -163,7 +170,8 @@ def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str
                                     ("vocab_size", "--vocab-size", "--from megatron", src_kind),
                                     ("with_optimizer", "--with-optimizer", "--from megatron", src_kind)):
         if given(name) and kind != "megatron":
-            raise UserError(f"{flag} applies to {which} only.")
+            why = _PP_ANY if name == "pp" and dst_kind == "ckpt" else ""
+            raise UserError(f"{flag} applies to {which} only{why}.")
     if given("vocab_size") and args.tokenizer_model:
         raise UserError("--vocab-size and --tokenizer-model both give the vocabulary size; pass one.")
     for name, flag in (("vocab_size", "--vocab-size"), ("pp", "--pipeline-model-parallel-size")):
