@@ -31,10 +31,11 @@ def test_a_runnable_pipeline_layout_resolves():
     assert o.pipeline_schedule == "interleaved"  # a virtual-stage size selects it, as Megatron's
     for argv in (["--zero-stage", "3"], ["--bf16"]):  # FSDP2's ZeRO 2/3 and 16 bits run with a pipeline
         _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"] + argv)
+    o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--compile"])
+    assert o.compile and o.pipeline_model_parallel_size == 2  # compiled stage blocks
 
 
 @pytest.mark.parametrize("argv,world,match", [
-    (["--pp", "2", "--compile"], 4, r"--compile is not supported with --pipeline-model-parallel-size > 1 yet"),
     (["--pp", "3"], 4, r"--pipeline-model-parallel-size 3 does not divide the 4 processes / TP 1 = 4; valid "
                        r"pipeline sizes at --tp 1 on 4 processes: \[1, 2, 4\]"),
     (["--pp", "4", "--num-layers", "2"], 4, r"--pipeline-model-parallel-size 4 is more stages than the model's 2 "
