@@ -116,13 +116,24 @@ def test_use_checkpoint_args_pipeline_flags_given_replace_the_records_as_tp_give
     o = _resumed(root, ["--pp", "1"], 8)
     assert (o.pipeline_model_parallel_size, o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage,
             o.tensor_model_parallel_size, o.sequence_parallel) == (1, "1f1b", None, 2, True)
-    # a schedule given replaces the record's schedule and its virtual-stage size together (which would
-    # otherwise turn --pipeline-schedule 1f1b back into interleaving)
+    # a schedule or split given replaces the record's schedule and split together (a recorded virtual-stage
+    # size would otherwise turn --pipeline-schedule 1f1b back into interleaving)
     o = _resumed(root, ["--pipeline-schedule", "1f1b"], 8)
     assert (o.pipeline_model_parallel_size, o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage) == (
         2, "1f1b", None)
     o = _resumed(root, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
     assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage) == ("interleaved", 1)
+    # a recorded first-stage size does not refuse the interleaved schedule given (it has equal chunks)
+    split = _recorded_pipeline(tmp_path / "split", ["--pp", "2", "--num-layers", "4",
+                                                    "--decoder-first-pipeline-num-layers", "1"])
+    o = _resumed(split, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
+    assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage, o.decoder_first_pipeline_num_layers) == (
+        "interleaved", 1, None)
+    interleaved = _recorded_pipeline(tmp_path / "interleaved", ["--pp", "2", "--num-layers", "4",
+                                                                "--num-layers-per-virtual-pipeline-stage", "1"])
+    o = _resumed(interleaved, ["--decoder-last-pipeline-num-layers", "1"], 8)  # and a split given drops interleaving
+    assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage, o.decoder_last_pipeline_num_layers) == (
+        "1f1b", None, 1)
     # the recorded values are checked with the given ones, as without the record
     with pytest.raises(UserError, match=r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 2.66667 "
                                         r"layers per stage \(8 layers / --pp 3\)"):

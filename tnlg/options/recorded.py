@@ -9,8 +9,10 @@ length, learning rate, AdamW), the precision and the intervals of logging, valid
 on this machine. Precedence: defaults < preset < the checkpoint < config file < flags; each value given
 that differs from the recorded one is reported as an override. A layout option given replaces the
 record's as ``--tp`` does; ``--pp 1`` also drops the record's pipeline schedule and layer split (they
-describe stages this run does not have), and a pipeline schedule given (``--pipeline-schedule`` or
-``--num-layers-per-virtual-pipeline-stage``) replaces both of the record's.
+describe stages this run does not have), and any of them given (``--pipeline-schedule``,
+``--num-layers-per-virtual-pipeline-stage``, ``--decoder-first/last-pipeline-num-layers``) replaces all
+of the record's (a recorded virtual-stage size would turn ``--pipeline-schedule 1f1b`` back into
+interleaving, a recorded first-stage size refuse ``--pipeline-schedule interleaved``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ THIS_LAUNCH = ("save", "load", "use_checkpoint_args", "metrics_file", "plot", "d
                "distributed_timeout_minutes", "device", "peak_tflops")
 TAKEN = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.name not in THIS_LAUNCH)
 # options that say one thing together: a value given for one of them replaces the record's for all
-_TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"),
-             ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage"))
-# what only a pipeline has: not taken by a run given --pp 1
+# the pipeline's schedule and layer split (only a pipeline has them: not taken by a run given --pp 1)
 _PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                   "decoder_last_pipeline_num_layers")
+_TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"), _PIPELINE_ONLY)
 
 
 def checkpoint_args(said: dict) -> tuple[dict, dict]:
