@@ -17,7 +17,6 @@ __all__ = ["check_pipeline", "check_pipeline_world", "check_stage_count", "virtu
 UNSUPPORTED = (
     (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its own "
      "engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
-    (lambda o: o.compile, lambda o: "--compile"),
 )
 
 

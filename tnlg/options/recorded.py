@@ -2,11 +2,17 @@
 
 Every checkpoint records its run's options (``meta.json``, ``"options"``). With the flag, a run takes
 from the checkpoint that ``--load`` names (else the one ``--save`` holds) what the run is: the model
-shape, the data and tokenizer, the layout (TP, sequence parallelism, ZeRO), the schedule (batch, run
+shape, the data and tokenizer, the layout (TP, sequence parallelism, PP with its pipeline schedule and
+layer split, ZeRO), the schedule (batch, run
 length, learning rate, AdamW), the precision and the intervals of logging, validation and saving
 (:data:`TAKEN`). Not taken (:data:`THIS_LAUNCH`): where this launch reads and writes, and how it runs
 on this machine. Precedence: defaults < preset < the checkpoint < config file < flags; each value given
-that differs from the recorded one is reported as an override.
+that differs from the recorded one is reported as an override. A layout option given replaces the
+record's as ``--tp`` does; ``--pp 1`` also drops the record's pipeline schedule and layer split (they
+describe stages this run does not have), and any of them given (``--pipeline-schedule``,
+``--num-layers-per-virtual-pipeline-stage``, ``--decoder-first/last-pipeline-num-layers``) replaces all
+of the record's (a recorded virtual-stage size would turn ``--pipeline-schedule 1f1b`` back into
+interleaving, a recorded first-stage size refuse ``--pipeline-schedule interleaved``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ THIS_LAUNCH = ("save", "load", "use_checkpoint_args", "metrics_file", "plot", "d
                "distributed_timeout_minutes", "device", "peak_tflops")
 TAKEN = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.name not in THIS_LAUNCH)
 # options that say one thing together: a value given for one of them replaces the record's for all
-_TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"))
+# the pipeline's schedule and layer split (only a pipeline has them: not taken by a run given --pp 1)
+_PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers")
+_TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"), _PIPELINE_ONLY)
 
 
 def checkpoint_args(said: dict) -> tuple[dict, dict]:
@@ -46,6 +55,8 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
     recorded = read_meta(iter_dir).get("options") or {}
     builtin = bool(recorded.get("builtin_job")) and said.get("data_path") is None and said.get("preset") is None
     skip = {n for group in _TOGETHER if any(n in said for n in group) for n in group}
+    if said.get("pipeline_model_parallel_size") == 1:
+        skip |= set(_PIPELINE_ONLY)
     if builtin:
         skip |= {"data_path", "tokenizer_model"}
     values = {n: recorded[n] for n in TAKEN if n in recorded and n not in skip}

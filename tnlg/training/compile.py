@@ -1,9 +1,13 @@
 """``--compile``: ``torch.compile`` of every transformer block, or eager with a warning saying why.
 
-Each element of the model's ``nn.ModuleList`` of blocks is compiled in place
-(``nn.Module.compile``): the blocks are identical, so one compiled graph serves them all
-(recompiled only for a new shape), and the model code stays plain. The collectives inside a
-block (the TP all-reduces of ``g``, the sequence-parallel gathers) are traced as they are.
+Every transformer block (:class:`tnlg.model.Block`) of the model is compiled in place
+(``nn.Module.compile``): the GPT's ``nn.ModuleList`` of blocks, and a pipeline stage's
+(:class:`tnlg.parallel.pipeline.StageModel`, whose blocks torch's pipeline schedules run through
+the stage's chunks, forward and backward per micro batch, as eager blocks). The blocks are
+identical, so one compiled graph serves them all (recompiled only for a new shape), and the model
+code stays plain. The collectives inside a block (the TP all-reduces of ``g``, the
+sequence-parallel gathers) are traced as they are; the pipeline's point-to-point sends and receives
+are outside the blocks, in torch's schedule.
 
 Dropout: Inductor's own random numbers differ from eager's, and hidden dropout on the
 replicated residual stream must draw the same mask on every TP rank, so
@@ -47,8 +51,8 @@ def compile_blocks(model: nn.Module, device: torch.device) -> Optional[str]:
         return problem
     import torch._inductor.config as inductor_config
     inductor_config.fallback_random = True  # dropout draws as eager does (module docstring)
+    from ..model import Block
     for m in model.modules():
-        if isinstance(m, nn.ModuleList):
-            for block in m:
-                block.compile()
+        if isinstance(m, Block):
+            m.compile()
     return None
