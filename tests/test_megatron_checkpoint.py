@@ -21,7 +21,6 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
                     "megatron-core==0.16.1): the Megatron checkpoint tests need it as their reference")
 
 from tnlg.checkpoint.loading import load_for_inference  # noqa: E402
-from tnlg.errors import UserError  # noqa: E402
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402
 from tnlg.parallel.vocab import gather_logits  # noqa: E402
 from tnlg.testing import run_distributed  # noqa: E402

@@ -1,6 +1,5 @@
 """`tnlg pretrain` refuses bad input with one clear paragraph, before any process does work."""
 
-import os
 
 import pytest
 import torch

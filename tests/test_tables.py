@@ -3,7 +3,6 @@ the same documents give byte-identical .bin/.idx files as JSON Lines; bad tables
 
 import hashlib
 import json
-import os
 
 import pytest
 
