@@ -4,8 +4,8 @@ Candidates: every PP that divides the GPU count and is at most the layer count (
 given), every TP from 1 to the largest valid TP (the head count, or the MLP width if smaller)
 that divides GPUs / PP, uneven head splits included and marked; DP = GPUs / (TP x PP) must divide
 the global batch. Per layout ZeRO stages 0 and 1 (Megatron's pipelines run these; tnlg's also run
-ZeRO 2/3, not searched yet) with recomputation off and on, at the largest micro batch that leaves at least PP micro batches per
-step (and, interleaved, a whole number of rounds) and whose heaviest pipeline rank fits the GPU:
+ZeRO 2/3, not searched yet) with recomputation off and on, at the largest micro batch that leaves
+at least PP micro batches per step (and, interleaved, a whole number of rounds) and whose heaviest pipeline rank fits the GPU:
 its model states + activations in flight + receive buffers (:func:`.pipeline.pipeline_plan`),
 what the planner counts without a pipeline beside what the schedule adds. Time, throughput and
 MFU from :func:`.pipeline.pipeline_time` (the bubble included). A (TP, PP) where nothing fits is
