@@ -45,7 +45,8 @@ from .errors import UserError
 from .eval.loading import (add_common_arguments, check_tokenizer_fits, checkpoint_seq_length, hf_tokenizer_spec,
                            is_hf_folder, load_model, precheck_checkpoint, resolve_tokenizer, run_command)
 from .eval.sampling import make_generators, sample_from_candidates
-from .parallel.pipeline_inference import forward_logits, from_last_stage, model_device, new_kv_cache
+from .model import KVCache
+from .parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from .parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
 
 __all__ = ["generate", "generate_ids", "continuation_text"]
@@ -173,7 +174,7 @@ def _generate_batch(model, prompts: list[list[int]], max_new: int, greedy: bool,
         allowed = torch.ones(total, total, dtype=torch.bool, device=device).tril()[None] & \
             (ar[None, None, :] >= pads[:, None, None])
         allowed |= torch.eye(total, dtype=torch.bool, device=device)[None]  # pad queries: themselves (no NaN)
-    cache = new_kv_cache(model, b, total) if use_cache and max_new > 0 else None
+    cache = KVCache(model, b, total) if use_cache and max_new > 0 else None
     # Bookkeeping stays on the device: no host sync per token (on a GPU the next step's kernels are
     # queued while this one runs); "all rows done?" is read every `check_every` tokens.
     done = torch.zeros(b, dtype=torch.bool, device=device)

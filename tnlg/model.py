@@ -153,18 +153,22 @@ def _autocast_on(device_type: str) -> bool:
 class KVCache:
     """Keys and values of past positions for incremental decoding, this rank's heads only.
 
-    ``k[layer]``/``v[layer]`` are ``[batch, local_heads, max_len, head_dim]``;
-    ``length`` is the number of positions already written.
+    ``k[layer]``/``v[layer]`` are ``[batch, local_heads, max_len, head_dim]`` (global layer index;
+    ``None`` for the layers of other pipeline stages when ``model`` is a pipeline rank's
+    :class:`~tnlg.parallel.pipeline.StageModel`); ``length`` is the number of positions already written.
     """
 
-    def __init__(self, model: "GPT", batch_size: int, max_len: int, dtype=None, device=None):
-        cfg = model.config
-        heads = model.heads_per_rank[model.ps.tp_rank]
-        dtype = dtype or model.transformer.wte.weight.dtype
-        device = device or model.transformer.wte.weight.device
-        shape = (batch_size, heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, dtype=None, device=None):
+        cfg, ps = model.config, model.ps
+        like = next(model.parameters())  # (the GPT's and a stage's parameters share one dtype and device)
+        shape = (batch_size, cfg.heads_per_rank(ps.tp_size)[ps.tp_rank], max_len, cfg.head_dim)
+        ranges = getattr(model, "chunk_ranges", [range(cfg.num_layers)])
+        mine = {i for r in ranges for i in r}
+
+        def cache():
+            return [torch.zeros(shape, dtype=dtype or like.dtype, device=device or like.device) if i in mine
+                    else None for i in range(cfg.num_layers)]
+        self.k, self.v = cache(), cache()
         self.max_len = max_len
         self.length = 0
 

@@ -11,7 +11,7 @@ from typing import Optional
 from ..config import divisors, stage_layer_counts
 from ..errors import UserError
 
-__all__ = ["check_pipeline", "check_pipeline_world", "check_stage_count", "virtual_stages", "UNSUPPORTED"]
+__all__ = ["check_pipeline", "check_micro_batches", "check_pipeline_world", "check_stage_count", "virtual_stages", "UNSUPPORTED"]
 
 # what --pp > 1 does not run with yet: (is it set?, what to write)
 UNSUPPORTED = (
@@ -94,13 +94,20 @@ def _check_world(o, pp: int, world_size: int) -> None:
     dp = max(1, world_size // (tp * pp))
     if gbs is None or gbs % (micro * dp):
         return  # the global-batch check says it
+    check_micro_batches(pp, gbs, micro, dp, o.pipeline_schedule)
+
+
+def check_micro_batches(pp: int, gbs: int, micro: int, dp: int, schedule: str) -> int:
+    """The micro batches per step ``gbs / (micro x dp)`` (which divides); a clear :class:`UserError` where the
+    schedule cannot run them (also ``tnlg plan --pp``'s check)."""
     m = gbs // (micro * dp)
     if m < pp:
         raise UserError(f"{m} micro batch(es) per step (--global-batch-size {gbs} / (--micro-batch-size {micro} x "
                         f"data-parallel size {dp})) is fewer than the {pp} pipeline stages; the schedule needs at "
                         f"least one micro batch per stage. Give --global-batch-size {pp * micro * dp} or more.")
     rounds = max(1, m // pp)
-    if o.pipeline_schedule == "interleaved" and m % rounds:
+    if schedule == "interleaved" and m % rounds:
         raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
                         f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
                         f"--global-batch-size {rounds * pp * micro * dp} or {(rounds + 1) * pp * micro * dp}.")
+    return m

@@ -12,7 +12,7 @@ calls unchanged (its forward; no pipeline communication), which is how the evalu
 code serves both.
 
 Generation (:mod:`tnlg.generate`): each stage keeps the keys and values of its own layers
-(:func:`new_kv_cache`, a :class:`StageKVCache`); every new token's hidden state ``[b, 1, h]`` goes
+(a :class:`tnlg.model.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
 stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
 every stage, which all feed it next. Per new token: the layers' TP collectives, one send/recv per
 stage boundary, the sampler's TP collectives on the last stage, one broadcast of ``[b]`` ids over PP.
@@ -41,13 +41,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import GPTConfig
-from ..model import GPT, KVCache
+from ..model import GPT
 from .mappings import copy_to_tp
 from .pipeline import StageModel, chunk_layers
 from .state import ParallelState
 
-__all__ = ["forward_logits", "from_last_stage", "new_kv_cache", "StageKVCache", "inference_model", "model_device",
-           "stage_rank"]
+__all__ = ["forward_logits", "from_last_stage", "inference_model", "model_device", "stage_rank"]
 
 
 def inference_model(config: GPTConfig, ps: ParallelState, device=None):
@@ -75,30 +74,6 @@ def from_last_stage(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     if ps.pp_size > 1:
         dist.broadcast(t, src=stage_rank(ps, ps.pp_size - 1), group=ps.pp_group)
     return t
-
-
-class StageKVCache:
-    """Keys and values of past positions for one pipeline rank's layers (this TP rank's heads): what
-    :class:`tnlg.model.KVCache` holds for the whole GPT, with ``None`` for the other stages' layers.
-    ``k[layer]``/``v[layer]`` are ``[batch, local_heads, max_len, head_dim]`` (global layer index);
-    ``length`` counts the positions written."""
-
-    def __init__(self, model: StageModel, batch_size: int, max_len: int):
-        cfg, ps, p = model.config, model.ps, next(model.parameters())
-        shape = (batch_size, cfg.heads_per_rank(ps.tp_size)[ps.tp_rank], max_len, cfg.head_dim)
-        mine = {i for r in model.chunk_ranges for i in r}
-        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) if i in mine else None
-                  for i in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) if i in mine else None
-                  for i in range(cfg.num_layers)]
-        self.max_len, self.length = max_len, 0
-
-
-def new_kv_cache(model, batch_size: int, max_len: int):
-    """An empty KV cache for ``model``: the GPT's :class:`~tnlg.model.KVCache`, or this stage's."""
-    if isinstance(model, StageModel):
-        return StageKVCache(model, batch_size, max_len)
-    return KVCache(model, batch_size, max_len)
 
 
 def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,

@@ -8,6 +8,7 @@ import sys
 
 from ..config import PRESETS, GPTConfig, divisors
 from ..errors import UserError
+from ..options.pipeline import check_micro_batches, check_stage_count
 from ..train_args import RECIPES
 from .flops import FLOPS_FORMULA
 from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
@@ -336,19 +337,8 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
             raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take {what}.")
     pp, c = args.pp, model.config
     virtual = _virtual_stages(args, c)
-    if pp > c.num_layers:
-        raise UserError(f"--pipeline-model-parallel-size {pp} is more stages than the model's {c.num_layers} "
-                        f"layers; every stage needs at least one layer: valid sizes are 1 to {c.num_layers}.")
-    m = layout.batch // (layout.micro_batch * layout.dp)
-    if m < pp:
-        raise UserError(f"{m} micro batch(es) per step (global batch {layout.batch} / (micro batch "
-                        f"{layout.micro_batch} x DP {layout.dp})) is fewer than the {pp} pipeline stages; "
-                        f"give --global-batch-size {pp * layout.micro_batch * layout.dp} or more.")
-    rounds = max(1, m // pp)
-    if args.pipeline_schedule == "interleaved" and m % rounds:
-        raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
-                        f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
-                        f"--global-batch-size {rounds * pp * layout.micro_batch * layout.dp}.")
+    check_stage_count(pp, c.num_layers)
+    m = check_micro_batches(pp, layout.batch, layout.micro_batch, layout.dp, args.pipeline_schedule)
     plan = pipeline_plan(c, layout.tp, pp, layout.dp, layout.zero_stage, layout.precision, layout.micro_batch, m,
                          layout.recompute, args.pipeline_schedule, virtual, grads_fp32=layout.grads_fp32)
     plan["gpus"] = pp * layout.world_size
