@@ -43,7 +43,7 @@ from tnlg.errors import UserError
 from tnlg.model import GPT
 from tnlg.plan.measure import tracked_step
 from tnlg.plan.memory import activation_bytes
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 GRANULARITIES = (None, "selective", "full")
 MiB = 2 ** 20

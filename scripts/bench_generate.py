@@ -35,8 +35,8 @@ import _bench
 import torch
 
 from tnlg.config import GPTConfig
-from tnlg.generate import generate_ids
-from tnlg.hf import to_hf
+from tnlg.generation import generate_ids
+from tnlg.interop.hf import to_hf
 from tnlg.model import GPT
 from tnlg.parallel.state import ParallelState
 
@@ -148,7 +148,7 @@ def main() -> int:
         if o.device != "cpu":
             print(f"skipping TP={tp}: this script runs TP > 1 on CPU gloo processes only", file=sys.stderr)
             continue
-        from tnlg.testing import run_distributed
+        from tnlg.runtime.spawn import run_distributed
         t0 = time.time()
         rows.update(run_distributed(_tp_body, tp, tp, cfg, o, timeout_s=1800)[0])
         print(f"  tnlg TP={tp}: {time.time() - t0:.0f} s", file=sys.stderr)

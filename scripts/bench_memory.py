@@ -1,6 +1,6 @@
 """Peak resident memory of training per rank: fp32 vs bf16, saving and resuming runs, vs the planner.
 
-Runs the training loop (``tnlg.train.train``, what ``tnlg pretrain`` runs in each worker) on
+Runs the training loop (``tnlg.training.train``, what ``tnlg pretrain`` runs in each worker) on
 4 local gloo processes, TP 1 x DP 4, ZeRO-1, for a ~130M-parameter GPT on the built-in
 corpus, and reads each rank's peak resident set size (``ru_maxrss``) at the end of:
 
@@ -42,7 +42,7 @@ import time
 import _bench
 import torch
 
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 
 def _rss() -> int:
@@ -50,12 +50,12 @@ def _rss() -> int:
 
 
 def _baseline(ps):
-    import tnlg.train  # noqa: F401 - what a worker imports before training
+    import tnlg.commands.pretrain  # noqa: F401 - what a worker imports before training
     return _rss()
 
 
 def _train(ps, o):
-    from tnlg.train import train
+    from tnlg.training import train
     train(o)
     return _rss()
 
@@ -81,7 +81,7 @@ def _engine_steps(ps, args, bf16):
 
 def _options(args, world, **over):
     from tnlg.data.corpus import default_dataset
-    from tnlg.train_args import resolve
+    from tnlg.commands.pretrain_args import resolve
     prefix, tok = default_dataset()
     flags = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  seq_length=args.seq, micro_batch_size=args.micro, global_batch_size=args.micro * world,

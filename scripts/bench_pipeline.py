@@ -50,7 +50,7 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.state import init_parallel
 from tnlg.plan.measure import AllocationTracker
 from tnlg.plan.pipeline import bubble_fraction, pipeline_plan
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 # name -> (processes, PP, TP, schedule, chunks per rank)
 LAYOUTS = {"pp4": (4, 4, 1, "1f1b", 1), "pp4-interleaved": (4, 4, 1, "interleaved", 2),

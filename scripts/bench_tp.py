@@ -26,7 +26,7 @@ rows. ``CPU ms/iter`` is the CPU time of our processes per step (both ranks for
 TP=2): unlike wall time it barely moves when other processes load the machine.
 
 All implementations live in one pair of gloo processes
-(``tnlg.testing.run_distributed(fn, 2, 2, ..., threads=1)``): the single-process
+(``tnlg.runtime.spawn.run_distributed(fn, 2, 2, ..., threads=1)``): the single-process
 rows run on rank 0 with ``--threads`` threads while rank 1 blocks in a barrier,
 and the rounds interleave the implementations, so load from other processes on
 a shared machine hits all rows alike. The ``other load`` column is the share of
@@ -55,7 +55,7 @@ from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.model import GPT
 from tnlg.parallel.state import ParallelState
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 IMPLS = ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2")
 DTYPES = ("fp32", "bf16")
@@ -149,7 +149,7 @@ def hf_stack(cfg: GPTConfig, full: dict) -> nn.ModuleList:
     import transformers
     from transformers import GPT2LMHeadModel
 
-    from tnlg.hf import hf_config_from, tnlg_to_hf_state_dict
+    from tnlg.interop.hf import hf_config_from, tnlg_to_hf_state_dict
     transformers.logging.set_verbosity_error()  # (the unused tiny vocabulary has no bos/eos id 50256)
     hf_cfg = hf_config_from(cfg)
     hf_cfg._attn_implementation = "sdpa"
@@ -488,9 +488,9 @@ def main(argv=None) -> int:
 
 
 def skip_slow_bf16(args) -> list[dict]:
-    """Drop the bf16 rows where bf16 matmuls are far slower than fp32 (``tnlg.hardware``: a few-ms probe;
+    """Drop the bf16 rows where bf16 matmuls are far slower than fp32 (``tnlg.runtime.hardware``: a few-ms probe;
     ``TNLG_ALLOW_SLOW_BF16=1`` keeps them), printing which rows are skipped and why."""
-    from tnlg.hardware import ALLOW_ENV, bf16_skip_reason, fast_bf16_cpu
+    from tnlg.runtime.hardware import ALLOW_ENV, bf16_skip_reason, fast_bf16_cpu
     if "bf16" not in args.dtypes or fast_bf16_cpu() or os.environ.get(ALLOW_ENV) == "1":
         return []
     reason = bf16_skip_reason()

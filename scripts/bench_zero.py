@@ -51,7 +51,7 @@ import torch.distributed as dist
 from tnlg.config import GPTConfig
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 MB = 2 ** 20
 

@@ -15,10 +15,10 @@ iterations, a checkpoint), run one after another.
     python scripts/exit_stress.py --runs 20 --repo /tmp/old  # another checkout, e.g. before the fix
     python scripts/exit_stress.py --runs 50 --pytest "tests/test_checkpoint_formats.py::test_format1_checkpoint_loads"
 
-``--pytest NODEID`` runs that test instead of the job: the test harness (``tnlg.testing``) spawns
+``--pytest NODEID`` runs that test instead of the job: the test harness (``tnlg.runtime.spawn``) spawns
 its workers with torch.multiprocessing, which leave through ``sys.exit``; one CI run aborted there
 (``process 0 terminated with signal SIGABRT`` after the test's work was done) until the harness
-left through ``tnlg.process_exit.leave`` too.
+left through ``tnlg.runtime.process_exit.leave`` too.
 
 Prints one line per run and a summary; writes JSON (``--out``). Exit status 1 if any
 run failed.

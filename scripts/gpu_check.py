@@ -12,8 +12,8 @@
     above it (``peak_memory_bytes``), and close their engine at the end (``left_after_close_bytes``:
     what stayed allocated; 0 when engines are freed);
 (e) the MFU denominator (the training log's measured matmul peak) in bf16 and fp32, five times
-    each: its spread; and ``tnlg.hardware.check_bf16("cuda")`` accepting a GPU with bf16 tensor cores;
-(f) the NCCL flight recorder switched on by ``tnlg.hang.enable_flight_recorder`` records collectives
+    each: its spread; and ``tnlg.runtime.hardware.check_bf16("cuda")`` accepting a GPU with bf16 tensor cores;
+(f) the NCCL flight recorder switched on by ``tnlg.runtime.hang.enable_flight_recorder`` records collectives
     (a one-rank NCCL group; the trace is read back with torch's dump function), and the peak measured
     under a process group (the barrier path) on NCCL;
 (g) ``tnlg pretrain`` on the GPU, bf16 with recomputation, as a subprocess: its start line, the
@@ -58,7 +58,7 @@ import torch
 
 from tnlg import checkpoint as ck
 from tnlg.config import GPTConfig
-from tnlg.hardware import check_bf16
+from tnlg.runtime.hardware import check_bf16
 from tnlg.model import GPT
 from tnlg.optim import DynamicLossScaler, build_engine
 from tnlg.parallel.state import ParallelState, pick_device
@@ -294,7 +294,7 @@ TRACE_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL
 def section_f(args, ps, out, workdir):
     import torch.distributed as dist
 
-    from tnlg.hang import enable_flight_recorder
+    from tnlg.runtime.hang import enable_flight_recorder
 
     prefix = enable_flight_recorder(os.path.join(workdir, "comm_trace"))
     store = dist.FileStore(os.path.join(workdir, "store"), 1)

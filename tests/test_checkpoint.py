@@ -23,9 +23,9 @@ from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.hardware import bf16_skip_reason, fast_bf16_cpu
-from tnlg.testing import run_distributed
-from tnlg.train_args import resolve
+from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
+from tnlg.runtime.spawn import run_distributed
+from tnlg.commands.pretrain_args import resolve
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
@@ -56,7 +56,7 @@ def _valid_loss(ps_world, o, path, tp):
 
     from tnlg.data.gpt_dataset import build_train_valid_test_datasets
     from tnlg.parallel.state import init_parallel
-    from tnlg.train import evaluate
+    from tnlg.training.validation import evaluate
     ps = init_parallel(tp) if tp != ps_world.tp_size else ps_world
     model, tok = ck.load_for_inference(path, ps)
     barrier = dist.barrier if dist.is_initialized() else None
@@ -67,7 +67,7 @@ def _valid_loss(ps_world, o, path, tp):
 
 
 def _hf_logits(ps_world, path, tp, out_dir, tokens):
-    from tnlg.hf import to_hf
+    from tnlg.interop.hf import to_hf
     from tnlg.parallel.state import init_parallel
     from tnlg.parallel.vocab import gather_logits
     ps = init_parallel(tp)
@@ -78,7 +78,7 @@ def _hf_logits(ps_world, path, tp, out_dir, tokens):
 
 
 def _tasks(ps, tasks):
-    from tnlg.train import train
+    from tnlg.training import train
     out = []
     for kind, *args in tasks:
         if kind == "train":
@@ -288,7 +288,7 @@ def test_reshard_continue_training_matches(world4):
     for got, what in ((r[5], "(4,1)"), (r[6], "(1,4)")):
         assert _close(got["losses"], ref["losses"]), (what, got["losses"], ref["losses"])
         assert math.isclose(got["last_valid_loss"], ref["last_valid_loss"], rel_tol=1e-5)
-    from tnlg.train import train
+    from tnlg.training import train
     o = _options(1, tensor_model_parallel_size=1, hidden_dropout=0.0, attention_dropout=0.0, eval_interval=3,
                  load=world4["reshard"])
     got = train(o)
@@ -423,7 +423,7 @@ def test_load_restores_weights_optimizer_and_rng_exactly(tmp_path):
 def test_uneven_reshard_28_heads(tmp_path):
     """Issue 8: shards of a 28-head model re-slice exactly between TP 1, 8, 3, 4 (weights and Adam moments)."""
     from tnlg.checkpoint.reshard import full_targets, slice_full, targets_for
-    from tnlg.convert import reshard_checkpoint
+    from tnlg.checkpoint.offline import reshard_checkpoint
     cfg, model, engine, ps = _tiny(heads=28, hidden=56, layers=1)
     src = str(tmp_path / "tp1")
     ck.save(src, iteration=2, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
@@ -465,14 +465,14 @@ def test_checkpoint_info_cli(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def trained(dirs):
     """A checkpoint written by the real training loop (one process), with its options recorded."""
-    from tnlg.train import train
+    from tnlg.training import train
     root = str(dirs / "trained")
     train(_options(1, train_iters=2, save=root))
     return root
 
 
 def _expect_error(o, root, match):
-    from tnlg.train import train
+    from tnlg.training import train
     before = _snapshot(root)
     with pytest.raises(UserError, match=match):
         train(o)

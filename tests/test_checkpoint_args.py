@@ -16,8 +16,8 @@ import pytest
 from tnlg.cli import build_parser, main
 from tnlg.errors import UserError
 from tnlg.options.recorded import describe
-from tnlg.testing import run_tnlg
-from tnlg.train_args import resolve
+from tnlg.runtime.spawn import run_tnlg
+from tnlg.commands.pretrain_args import resolve
 
 
 def _resolved(argv, world=2):

@@ -14,7 +14,7 @@ import torch
 
 from tnlg import checkpoint as ck
 from tnlg.config import GPTConfig
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint_v1")
 

@@ -10,7 +10,7 @@ import pytest
 
 from tnlg.errors import UserError
 from tnlg.options import OPTION_NAMES, ModelOptions, Options, ScheduleOptions
-from tnlg.train_args import DEFAULTS, add_arguments, resolve
+from tnlg.commands.pretrain_args import DEFAULTS, add_arguments, resolve
 
 
 def _parser():

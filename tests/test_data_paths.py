@@ -15,7 +15,7 @@ from tnlg.config import GPTConfig
 from tnlg.data.gpt_dataset import normalize_data_path, parse_data_path
 from tnlg.data.indexed import IndexedDataset, dataset_prefix
 from tnlg.errors import UserError
-from tnlg.train_args import resolve
+from tnlg.commands.pretrain_args import resolve
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_indexed")
 CFG = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=2000)
@@ -95,7 +95,7 @@ def test_resume_check_names_what_differs(datasets):
 def test_a_run_given_the_bin_file_resumes_from_the_prefix_and_a_moved_copy(tmp_path):
     """Train 2 iterations with --data-path X.bin, then resume with X (and from a moved copy of X)."""
     from tnlg.data.corpus import default_dataset
-    from tnlg.train import train
+    from tnlg.training import train
     prefix, tok = default_dataset()
     data = _copy(prefix, str(tmp_path / "corpus_text_document"))
     flags = dict(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, micro_batch_size=2,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tnlg.errors import UserError
-from tnlg.testing import run_distributed
-from tnlg.train_args import resolve
+from tnlg.runtime.spawn import run_distributed
+from tnlg.commands.pretrain_args import resolve
 
 from .test_train import _assert_same, _run
 
@@ -51,7 +51,7 @@ def test_options_refused_before_any_work(monkeypatch):
 
 
 def test_cli_lists_deepspeed():
-    from tnlg.train_args import add_arguments
+    from tnlg.commands.pretrain_args import add_arguments
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args(["--zero-impl", "deepspeed"]).zero_impl == "deepspeed"

@@ -23,7 +23,7 @@ from tnlg.eval import (build_eval_dataset, count_original_tokens, dataset_loss, 
                        read_lambada_texts, read_wikitext, split_last_word, wikitext_detokenizer, wikitext_perplexity)
 from tnlg.model import GPT
 from tnlg.parallel.sharding import load_full_state_dict
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 SEQ, STRIDE, VOCAB = 32, 8, 128
 WORDS = ("the a of and to in game was it is he she his her war army city king river ship first new "
@@ -198,7 +198,7 @@ def _check_text(hf, tokens, got):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tnlg.hf import hf_to_tnlg_state_dict
+    from tnlg.interop.hf import hf_to_tnlg_state_dict
 
     hf = _hf_model()
     cfg = _tnlg_config(hf)
@@ -480,7 +480,7 @@ def test_cli_bad_inputs(hf_folder, tmp_path, capsys):
 
 def test_cli_tnlg_checkpoint(hf_folder, tmp_path, capsys):
     """A tnlg checkpoint (converted from the HF folder, tokenizer recorded) gives the HF folder's figures."""
-    convert = pytest.importorskip("tnlg.convert")
+    convert = pytest.importorskip("tnlg.interop.hf_checkpoint")
     folder, _ = hf_folder
     ckpt = tmp_path / "ckpt"
     convert.hf_to_checkpoint(str(folder), str(ckpt), tokenizer_model="builtin", tp_size=2)

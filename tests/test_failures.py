@@ -26,7 +26,7 @@ from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,7 @@ def _fails_on_rank_1_while_rank_0_waits(ps, in_collective):
 def test_harness_stops_every_rank_as_soon_as_one_fails(in_collective):
     """run_distributed does not wait for the process-group timeout (60 s here) nor for a busy rank: the
     failing rank's exit stops the others, and its traceback is what is raised."""
-    from tnlg.testing import WorkerError
+    from tnlg.runtime.spawn import WorkerError
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed:") as info:
         run_distributed(_fails_on_rank_1_while_rank_0_waits, 2, 1, in_collective, timeout_s=60)

@@ -10,11 +10,11 @@ import tnlg
 from tnlg.cli import main
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.generate import generate_ids
+from tnlg.generation import generate_ids
 from tnlg.model import GPT
-from tnlg.hf import from_hf
+from tnlg.interop.hf import from_hf
 from tnlg.parallel.sharding import load_full_state_dict
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 VOCAB, SEQ, EOD = 100, 48, 99
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3], [40, 2, 40, 2, 40, 2, 7, 77]]
@@ -97,7 +97,7 @@ def _gen_body(ps, cfg, weights):
 
 @pytest.fixture(scope="module")
 def ref():
-    from tnlg.hf import hf_to_tnlg_state_dict
+    from tnlg.interop.hf import hf_to_tnlg_state_dict
 
     hf = _hf_model()
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
@@ -141,7 +141,7 @@ def test_tp2_tp4_match_transformers_and_tp1(ref):
 @pytest.mark.slow
 def test_uneven_heads_match_transformers():
     """Issue 8: 6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
-    from tnlg.hf import hf_to_tnlg_state_dict
+    from tnlg.interop.hf import hf_to_tnlg_state_dict
 
     hf = _hf_model(n_embd=36, n_head=6, seed=5)
     cfg = GPTConfig(num_layers=2, hidden_size=36, num_attention_heads=6, seq_length=SEQ, vocab_size=VOCAB)
@@ -275,7 +275,7 @@ def test_cli_generate_launches_processes(hf_folder, capfd):
 
 def test_cli_generate_tnlg_checkpoint(hf_folder, tmp_path, capsys):
     """A tnlg checkpoint converted from the HF folder (tokenizer recorded) generates the same tokens."""
-    convert = pytest.importorskip("tnlg.convert")
+    convert = pytest.importorskip("tnlg.interop.hf_checkpoint")
     folder, _ = hf_folder
     ckpt = tmp_path / "ckpt"
     convert.hf_to_checkpoint(str(folder), str(ckpt), tokenizer_model="builtin")
@@ -287,7 +287,7 @@ def test_cli_generate_tnlg_checkpoint(hf_folder, tmp_path, capsys):
     assert main(argv + ["--checkpoint", str(ckpt)]) == 0
     b = json.loads(capsys.readouterr().out)
     assert a["results"] == b["results"]
-    from tnlg.eval.loading import checkpoint_seq_length
+    from tnlg.generation.loading import checkpoint_seq_length
     assert checkpoint_seq_length(str(ckpt)) == checkpoint_seq_length(str(folder)) == 64
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "word " * 100]) == 2
     assert "longer than the model's seq_length=64" in capsys.readouterr().err
@@ -337,7 +337,7 @@ def test_continuation_is_the_rest_of_the_whole_decoding(tmp_path):
     drops the space marker of the first piece it decodes, so decoding the new ids alone loses the
     space between prompt and continuation; a byte-level piece may end inside a character), and generated text satisfies
     prompt + text == the tokenizer's own decoding of prompt ids + new ids."""
-    from tnlg.generate import continuation_text
+    from tnlg.generation import continuation_text
     text = "Return a new list of the  things,\nand the café."
     for tok, own_decode in _own_decoders(tmp_path):
         ids = tok.encode(text)

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tnlg.hang import FR_DIR_ENV, Hang, describe, enable_flight_recorder, is_collective_timeout, make_dump_dir, message
-from tnlg.testing import run_distributed
+from tnlg.runtime.hang import FR_DIR_ENV, Hang, describe, enable_flight_recorder, is_collective_timeout, make_dump_dir, message
+from tnlg.runtime.spawn import run_distributed
 
 TIMEOUT_S = 3.0
 
@@ -27,7 +27,7 @@ def _grad_sync(ps, t):
 
 
 def _hang_body(ps):
-    from tnlg.hang import report
+    from tnlg.runtime.hang import report
     if ps.rank == 1:  # the hung rank: it never enters the collective (and never says it is alive)
         time.sleep(TIMEOUT_S + 4)
         return None
@@ -65,7 +65,7 @@ def test_message_has_iteration_checkpoint_and_resume(tmp_path):
 
 
 def test_not_a_timeout_is_left_alone():
-    from tnlg.hang import report
+    from tnlg.runtime.hang import report
     assert report(RuntimeError("CUDA out of memory"), "pretrain") is None
     assert report(ValueError("timed out"), "pretrain") is None
     assert describe(RuntimeError("x")).collective is None
@@ -167,7 +167,7 @@ def _stall_at_call(module, n: int) -> None:
 
 
 def _stage_hang_body(ps):
-    from tnlg.hang import report
+    from tnlg.runtime.hang import report
     ps, model, pipeline = _pipeline(ps, 4)
     tokens = torch.randint(0, 50, (4, 2, 8), generator=torch.Generator().manual_seed(0))
     batches = [dict(tokens=t, labels=t) for t in tokens]
@@ -203,7 +203,7 @@ def test_a_stalled_pipeline_stage_is_named_with_the_neighbour_waiting_on_it():
 def _stage_error_body(ps):
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from tnlg import failures
+    from tnlg.runtime import failures
     ps, _, _ = _pipeline(ps, 2)  # (building the stages writes each rank's place)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

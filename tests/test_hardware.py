@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import tnlg.hardware as hw
+import tnlg.runtime.hardware as hw
 from tnlg.cli import main
 from tnlg.errors import UserError
 
@@ -21,8 +21,8 @@ FAST = hw.MatmulProbe(capability="AVX512", n=128, threads=2, fp32_gflops=60.0, b
 def slow_cpu(monkeypatch):
     monkeypatch.setattr(hw, "cpu_bf16", lambda *a, **k: SLOW)
     monkeypatch.delenv(hw.ALLOW_ENV, raising=False)
-    import tnlg.train
-    monkeypatch.setattr(tnlg.train, "run", lambda args: pytest.fail("nothing may start after the refusal"))
+    import tnlg.commands.pretrain
+    monkeypatch.setattr(tnlg.commands.pretrain, "run", lambda args: pytest.fail("nothing may start after the refusal"))
 
 
 def test_probe_says_slow_or_fast():
@@ -71,7 +71,7 @@ def test_real_probe_on_a_cpu_limited_to_avx2():
     runs): bf16 falls back to the slow generic path and `tnlg pretrain --bf16` is refused in milliseconds."""
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     env.pop(hw.ALLOW_ENV, None)
-    code = "import tnlg.hardware as h; p = h.cpu_bf16(); print(p.fast, p.slowdown)"
+    code = "import tnlg.runtime.hardware as h; p = h.cpu_bf16(); print(p.fast, p.slowdown)"
     fast, slowdown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     timeout=120, check=True).stdout.split()
     if fast == "True":

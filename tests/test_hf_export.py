@@ -47,7 +47,7 @@ def texts():
 
 
 def _export_tokenizer(tok, folder, seq=64):
-    from tnlg.hf import hf_tokenizer_files
+    from tnlg.data.hf_tokenizer import hf_tokenizer_files
     os.makedirs(folder)
     for name, data in hf_tokenizer_files(tok, seq).items():
         with open(os.path.join(folder, name), "wb") as f:
@@ -115,7 +115,7 @@ def test_sentencepiece_settings_beyond_tnlg_defaults(texts, tmp_path):
 
 
 def test_unsupported_sentencepiece_models_are_refused(tmp_path):
-    from tnlg.hf import hf_tokenizer
+    from tnlg.data.hf_tokenizer import hf_tokenizer
     tok = _train(tmp_path, "unigram", model_type="unigram")
     with pytest.raises(UserError, match=r"unigram model .*--no-tokenizer"):
         hf_tokenizer(tok)
@@ -265,7 +265,7 @@ def _tiny_model(vocab=4096):
 
 def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
     """Issue 12 item 2: to_hf(model, folder) used to shutil.rmtree an existing folder, files it never wrote included."""
-    from tnlg.hf import to_hf
+    from tnlg.interop.hf import to_hf
     model = _tiny_model()
     out = tmp_path / "mine"
     out.mkdir()
@@ -292,7 +292,7 @@ def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
 
 
 def test_to_hf_failed_write_removes_only_its_temporary_folder(tmp_path, monkeypatch):
-    from tnlg.hf import to_hf
+    from tnlg.interop.hf import to_hf
     model = _tiny_model()
 
     def broken(self, path, **kwargs):
@@ -308,7 +308,7 @@ def test_to_hf_failed_write_removes_only_its_temporary_folder(tmp_path, monkeypa
 
 
 def test_to_hf_with_tokenizer(tmp_path):
-    from tnlg.hf import to_hf
+    from tnlg.interop.hf import to_hf
     model = _tiny_model()
     to_hf(model, str(tmp_path / "out"), tokenizer="builtin")
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))

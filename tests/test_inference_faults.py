@@ -72,7 +72,7 @@ def models(tmp_path_factory):
     """A root with iterations 2 (model A) and 4 (model B, the latest), at TP 2; each model's one-process
     ``tnlg eval`` loss from its Hugging Face folder."""
     from tnlg.checkpoint import LATEST
-    from tnlg.convert import hf_to_checkpoint
+    from tnlg.interop.hf_checkpoint import hf_to_checkpoint
 
     tmp = tmp_path_factory.mktemp("inference")
     text = tmp / "text.txt"

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tnlg import checkpoint as ck
-from tnlg.testing import checkout_env, run_tnlg
+from tnlg.runtime.spawn import checkout_env, run_tnlg
 
 pytestmark = pytest.mark.slow
 

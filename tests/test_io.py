@@ -83,7 +83,7 @@ def test_written_files_get_the_umask_mode(tmp_path, umask):
     atomic_write(stale, b"data")
     assert os.stat(stale).st_mode & 0o777 == want
     transformers = pytest.importorskip("transformers")
-    from tnlg.hf import write_hf_folder
+    from tnlg.interop.hf import write_hf_folder
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=8,
                                                               vocab_size=4096))
     out = write_hf_folder(hf, str(tmp_path / "hf"), "builtin")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tnlg import launch
+from tnlg.runtime import launch
 
 
 def _listening(port: int) -> set:
@@ -64,7 +64,7 @@ def test_two_node_eval_through_rdzv_endpoint_matches_one_process(tmp_path):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tnlg.testing import checkout_env, run_tnlg
+    from tnlg.runtime.spawn import checkout_env, run_tnlg
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=4096, n_positions=32, n_embd=32, n_layer=2, n_head=4)).save_pretrained(
         tmp_path / "hf")

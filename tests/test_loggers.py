@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tnlg.cli import main
-from tnlg.testing import checkout_env, run_tnlg
+from tnlg.runtime.spawn import checkout_env, run_tnlg
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "3", "--eval-interval", "3",

@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from tnlg.checkpoint.loading import load_for_inference  # noqa: E402
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402
 from tnlg.parallel.vocab import gather_logits  # noqa: E402
-from tnlg.testing import run_distributed  # noqa: E402
+from tnlg.runtime.spawn import run_distributed  # noqa: E402
 
 from . import megatron_reference as R  # noqa: E402
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from tnlg.checkpoint.compat import check_compatible
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.hf import config_from_hf, hf_to_tnlg_state_dict, to_hf
+from tnlg.interop.hf import config_from_hf, hf_to_tnlg_state_dict, to_hf
 from tnlg.model import GPT
 from tnlg.parallel.sharding import gather_full, load_full_state_dict
 from tnlg.parallel.vocab import gather_logits
 from tnlg.plan.counts import parameter_counts
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 OPTIONS = [dict(openai_gelu=False, untie=False), dict(openai_gelu=True, untie=True),
            dict(openai_gelu=False, untie=True)]
@@ -156,7 +156,7 @@ def test_pretrain_flags_set_the_model():
 def _options(world, **over):
     import argparse
     from tnlg.data.corpus import default_dataset
-    from tnlg.train_args import resolve
+    from tnlg.commands.pretrain_args import resolve
     prefix, tok = default_dataset()
     flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
                  global_batch_size=4, train_iters=6, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=6,
@@ -171,7 +171,7 @@ def _options(world, **over):
 
 
 def _train_legs(ps, runs):
-    from tnlg.train import train
+    from tnlg.training import train
     return [train(o)["losses"] for o in runs]
 
 

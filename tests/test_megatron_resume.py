@@ -18,7 +18,7 @@ from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
 from tnlg.model import GPT
 from tnlg.parallel.sharding import full_state_dict
 from tnlg.parallel.state import ParallelState
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 N, WARMUP, DECAY, MAX_LR, MIN_LR = 6, 2, 10, 3e-3, 3e-4
 
@@ -37,12 +37,12 @@ def _argv(tmp, iters, load=None, save=None):
 
 def _options(argv):
     from tnlg.cli import build_parser
-    from tnlg.train_args import resolve
+    from tnlg.commands.pretrain_args import resolve
     return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=1)
 
 
 def _train(ps, o):
-    from tnlg.train import train
+    from tnlg.training import train
     return train(o)["losses"]
 
 

@@ -10,9 +10,9 @@ import torch
 
 from tnlg.config import GPTConfig
 from tnlg.plan.flops import flops_per_iteration, reference_flops
-from tnlg.testing import run_distributed
-from tnlg.train import iteration_flops, measure_peak_tflops
-from tnlg.train_args import resolve
+from tnlg.runtime.spawn import run_distributed
+from tnlg.training.throughput import iteration_flops, measure_peak_tflops
+from tnlg.commands.pretrain_args import resolve
 
 
 def test_iteration_flops_honour_ffn_hidden_size():
@@ -52,7 +52,7 @@ def test_peak_is_one_figure_for_all_ranks_and_leaves_the_rng_alone():
 
 
 def _train_body(ps, o):
-    from tnlg.train import train
+    from tnlg.training import train
     return train(o)["losses"]
 
 

@@ -6,11 +6,11 @@ import torch.nn.functional as F
 
 import tnlg
 from tnlg.config import GPTConfig
-from tnlg.hf import hf_to_tnlg_state_dict, to_hf
+from tnlg.interop.hf import hf_to_tnlg_state_dict, to_hf
 from tnlg.model import GPT
 from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
 from tnlg.parallel.vocab import gather_logits
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 from .conftest import LAYOUTS
 

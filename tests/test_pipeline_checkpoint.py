@@ -33,7 +33,7 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.sharding import gather_full, shard_of
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 from tnlg.training.step import train_step
 
 from .test_pipeline import GLOBAL, LRS, MICRO, STEPS, TINY_BUCKET_MB, _config, _micro_batches, _reference, _samples
@@ -222,7 +222,7 @@ def test_a_pipeline_checkpoint_builds_the_plain_gpt_and_converts_to_pp1(pipeline
     model, _ = ck.load_for_inference(_dir(root, (2, 2, 0)))  # one process, the whole GPT at TP 1
     for name, p in model.named_parameters():  # (the vocabulary padding dropped)
         assert torch.equal(gather_full(p.detach(), p, ParallelState.single()), saved[name][0]), name
-    from tnlg.convert import reshard_checkpoint
+    from tnlg.checkpoint.offline import reshard_checkpoint
     out = reshard_checkpoint(_dir(root, (2, 2, 0)), str(tmp_path / "tp1"), tp_size=1)
     meta = ck.read_meta(out)
     assert "pipeline" not in meta and sorted(n for n in meta["files"] if n.startswith("model")) == [

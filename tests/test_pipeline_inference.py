@@ -16,13 +16,13 @@ import torch
 
 from tnlg.cli import main
 from tnlg.eval import dataset_loss, lambada_accuracy, wikitext_perplexity
-from tnlg.generate import generate_ids
-from tnlg.hf import from_hf
+from tnlg.generation import generate_ids
+from tnlg.interop.hf import from_hf
 from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_inference import forward_logits
 from tnlg.parallel.sharding import load_full_state_dict
 from tnlg.parallel.vocab import gather_logits
-from tnlg.testing import run_distributed, run_tnlg
+from tnlg.runtime.spawn import run_distributed, run_tnlg
 
 from tests.test_generate import EOD, PROMPTS, SAMPLING, VOCAB
 from tests.test_generate import _hf_model as _generate_hf_model
@@ -152,7 +152,7 @@ def _json(capfd, argv) -> dict:
 @pytest.mark.slow
 def test_eval_and_generate_commands_at_pp2_match_pp1_from_a_folder_and_a_pp1_tnlg_checkpoint(cli_folder, tmp_path,
                                                                                              capfd):
-    convert = pytest.importorskip("tnlg.convert")
+    convert = pytest.importorskip("tnlg.interop.hf_checkpoint")
     ckpt = tmp_path / "ckpt"
     convert.hf_to_checkpoint(cli_folder, str(ckpt), tokenizer_model="builtin")
     text = tmp_path / "notes.txt"

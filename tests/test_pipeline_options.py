@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from tnlg.errors import UserError
-from tnlg.train_args import add_arguments, resolve
+from tnlg.commands.pretrain_args import add_arguments, resolve
 
 # a run --pp accepts (it may validate and sample too: the first test)
 RUNNABLE = ["--eval-interval", "0", "--sample-prompt", "", "--tp", "1"]

@@ -76,7 +76,7 @@ def test_unknown_config_key(capsys, tmp_path):
 def test_config_file_and_flag_precedence(tmp_path):
     import argparse
 
-    from tnlg.train_args import resolve
+    from tnlg.commands.pretrain_args import resolve
     cfg = tmp_path / "run.toml"
     cfg.write_text('num-layers = 3\nlr = 0.01\npreset = "gpt2-small"\ntrain-iters = 10\n')
     o = resolve(argparse.Namespace(config=str(cfg), lr=0.02), world_size=4)
@@ -143,7 +143,7 @@ def test_one_process_uses_the_gpu_when_present(monkeypatch):
 def test_default_process_count_is_one_per_gpu(monkeypatch):
     """Issue 11: without a launcher or --nproc-per-node, a machine with one GPU trains in one process on
     it (not 4 processes on one device); on CPUs the default stays 4."""
-    from tnlg.train import default_nproc
+    from tnlg.commands.pretrain import default_nproc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert default_nproc() == 1 and default_nproc("cpu") == 4

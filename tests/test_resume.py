@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tnlg import checkpoint as ck
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,12 +40,12 @@ def _argv(tmp, tp, iters, **extra):
 
 def _resolved(argv, world):
     from tnlg.cli import build_parser
-    from tnlg.train_args import resolve
+    from tnlg.commands.pretrain_args import resolve
     return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=world)
 
 
 def _train_body(ps, o):
-    from tnlg.train import train
+    from tnlg.training import train
     return train(o)["losses"]
 
 

@@ -23,7 +23,7 @@ from tnlg.parallel.mappings import (copy_to_tp_coalesced, gather_from_sequence_p
 from tnlg.plan.memory import activation_bytes
 from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
 from tnlg.parallel.vocab import gather_logits
-from tnlg.testing import run_distributed
+from tnlg.runtime.spawn import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 GRANULARITIES = (None, "selective", "full")
@@ -154,7 +154,7 @@ def _reference(n_layer=2, n_embd=32, n_head=4, vocab=100, seqs=(16, 13), batch=2
     """transformers' GPT-2 with random weights, our plain TP=1 model with the same weights, and for each
     sequence length the tokens, labels, loss mask and the TP=1 model's loss, logits and gradients."""
     transformers = pytest.importorskip("transformers")
-    from tnlg.hf import hf_to_tnlg_state_dict
+    from tnlg.interop.hf import hf_to_tnlg_state_dict
     torch.manual_seed(seed)
     seq = max(seqs)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -313,7 +313,7 @@ def test_pretrain_flags():
     import argparse
 
     from tnlg.errors import UserError
-    from tnlg.train_args import add_arguments, model_config, resolve
+    from tnlg.commands.pretrain_args import add_arguments, model_config, resolve
     p = argparse.ArgumentParser()
     add_arguments(p)
 

@@ -17,7 +17,7 @@ from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.parallel.state import ParallelState
 from tnlg.plan.flops import flops_per_iteration
-from tnlg.plan.simulate import simulate, tracked_iteration
+from tnlg.training.simulate import simulate, tracked_iteration
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
 # what only real tensors do: the host reads of the target-id check and of the gradient norm
@@ -115,7 +115,7 @@ def test_simulation_refuses_bad_input_in_one_paragraph():
 def _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=()):
     import argparse
 
-    from tnlg.plan.command import add_arguments, run
+    from tnlg.commands.plan import add_arguments, run
     import contextlib, io, json
     parser = argparse.ArgumentParser()
     add_arguments(parser)

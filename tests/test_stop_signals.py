@@ -11,8 +11,8 @@ import os
 import signal
 
 from tnlg import checkpoint as ck
-from tnlg.testing import run_distributed
-from tnlg.train_args import resolve
+from tnlg.runtime.spawn import run_distributed
+from tnlg.commands.pretrain_args import resolve
 
 
 def _options(save, **over):

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from tnlg.hardware import bf16_skip_reason, fast_bf16_cpu
-from tnlg.testing import run_distributed
-from tnlg.train_args import resolve
+from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
+from tnlg.runtime.spawn import run_distributed
+from tnlg.commands.pretrain_args import resolve
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
@@ -107,7 +107,7 @@ def _sp_train_body(ps, o):
         from tnlg.data.tokenizer import load_tokenizer
         from tnlg.model import GPT
         from tnlg.parallel.state import ParallelState
-        from tnlg.train_args import model_config
+        from tnlg.commands.pretrain_args import model_config
         cfg = model_config(o, load_tokenizer(o.tokenizer_model).vocab_size)
         with torch.device("meta"):
             shard = GPT(cfg, ParallelState.for_virtual_rank(ps.tp_size))
@@ -137,7 +137,7 @@ def test_sequence_parallel_training_invariance(reference, world, tp, zero, recom
 
 
 def _losses_body(ps, o):
-    from tnlg.train import train
+    from tnlg.training import train
     return train(o)["losses"]
 
 

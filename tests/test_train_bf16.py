@@ -39,7 +39,7 @@ def test_bf16_parameters_run_without_autocast():
     import torch
 
     from tnlg.config import GPTConfig
-    from tnlg.generate import generate_ids
+    from tnlg.generation import generate_ids
     from tnlg.model import GPT
     from tnlg.optim import build_engine
     from tnlg.parallel.state import ParallelState

@@ -19,7 +19,7 @@ def full_params(trainer) -> dict:
 
 
 def train_with_params(o) -> dict:
-    """:func:`tnlg.train.train`'s summary, plus ``params``: the full parameters after training (collective)."""
+    """:func:`tnlg.training.train`'s summary, plus ``params``: the full parameters after training (collective)."""
     from tnlg.training import Trainer
     trainer = Trainer(o)
     summary = trainer.train()

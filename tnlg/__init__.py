@@ -7,8 +7,6 @@ and ``tnlg --help`` do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -17,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GPTConfig": "config", "partition_sizes": "config",
     "GPT": "model", "KVCache": "model", "gather_logits": "parallel", "parameter_counts": "plan.counts",
-    "generate": "generate", "generate_ids": "generate",
+    "generate": "generation", "generate_ids": "generation",
     "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
     "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel", "init_parallel": "parallel",
     "vocab_parallel_cross_entropy": "parallel",
@@ -30,7 +28,8 @@ __all__ = ["GPTConfig", "GPT", "KVCache", "ParallelState", "init_parallel", "des
 
 
 # subpackages and modules reachable as ``tnlg.NAME`` after a plain ``import tnlg`` (imported on first use)
-_SUBMODULES = ("checkpoint", "data", "eval", "hf", "io", "optim", "options", "parallel", "plan", "training")
+_SUBMODULES = ("checkpoint", "commands", "data", "eval", "generation", "interop", "io", "optim", "options", "parallel",
+               "plan", "runtime", "training")
 
 
 def __getattr__(name: str):
@@ -44,25 +43,13 @@ def __getattr__(name: str):
     return value
 
 
-class _Package(types.ModuleType):
-    def __setattr__(self, name, value):
-        # importing the submodule ``tnlg.generate`` binds it on the package; keep the function of that
-        # name there instead, as the eager ``from .generate import generate`` did
-        if name == "generate" and isinstance(value, types.ModuleType):
-            value = value.generate
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import GPTConfig, partition_sizes
-    from .generate import generate, generate_ids
+    from .generation.generate import generate, generate_ids
     from .model import GPT, KVCache
     from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
                            destroy_parallel, gather_logits, init_parallel, vocab_parallel_cross_entropy)

@@ -1,12 +1,14 @@
 """The ``tnlg`` command: one entry point, one subcommand per job.
 
-Subcommands live in their own modules and are imported only when used, so
-``tnlg --help`` (and ``tnlg pretrain --help``, whose options live in the
-torch-free :mod:`tnlg.train_args`) answer without importing torch. Each module
-provides ``add_arguments(parser)`` and ``run(args) -> int``; user mistakes raise
+Subcommands live in their own modules under :mod:`tnlg.commands` and are imported only when
+used. Every one is torch-free at import (its heavy imports are inside ``run``), so ``tnlg
+--help`` and ``tnlg COMMAND --help`` answer without importing torch. Each module provides
+``add_arguments(parser)`` and ``run(args) -> int``, and may provide ``preflight(args)`` (checks
+made before ``run``) and ``hang_resume(args)`` (a hung collective is then reported as one
+message with the command that resumes the run, :mod:`tnlg.runtime.hang`); user mistakes raise
 :class:`tnlg.errors.UserError`, printed as one paragraph on stderr with exit
 status 2 (no traceback), once for the whole job whichever rank raised it, and a
-job of several processes stops at once (:mod:`tnlg.failures`). Bare ``tnlg``
+job of several processes stops at once (:mod:`tnlg.runtime.failures`). Bare ``tnlg``
 prints this help; ``tnlg pretrain`` runs the built-in job.
 
 Flags must be spelled out: abbreviations (``--train-iter`` for
@@ -25,25 +27,25 @@ import re
 import sys
 
 from .errors import UserError, closest
-from .failures import arm, is_agreed, report, stopped_by_peer
-from .launch import is_rank0, under_launcher
-from .process_exit import destroy_process_groups, leave
+from .runtime.failures import arm, is_agreed, report, stopped_by_peer
+from .runtime.launch import is_rank0, under_launcher
+from .runtime.process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "pretrain": ("tnlg.train", "pretrain a GPT: TP x DP with ZeRO (no other arguments: the built-in small job)"),
-    "demo": ("tnlg.demo", "tensor-parallel demo: per-rank shards checked against one process"),
-    "plan": ("tnlg.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
-    "train-tokenizer": ("tnlg.data.cli", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
-    "preprocess": ("tnlg.data.cli", "tokenize .jsonl/.txt into Megatron .bin/.idx files"),
-    "data": ("tnlg.data.cli", "built-in corpus (prepare) and .bin/.idx checks (info)"),
-    "convert": ("tnlg.convert", "convert Hugging Face GPT-2 <-> tnlg checkpoints; reshard a checkpoint offline"),
-    "checkpoint": ("tnlg.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
-    "eval": ("tnlg.eval.cli", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss"),
-    "generate": ("tnlg.generate", "tensor-parallel text generation with a KV cache (greedy, top-k, top-p)"),
+    "pretrain": ("tnlg.commands.pretrain",
+                 "pretrain a GPT: TP x DP with ZeRO (no other arguments: the built-in small job)"),
+    "demo": ("tnlg.commands.demo", "tensor-parallel demo: per-rank shards checked against one process"),
+    "plan": ("tnlg.commands.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
+    "train-tokenizer": ("tnlg.commands.data", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
+    "preprocess": ("tnlg.commands.data", "tokenize .jsonl/.txt into Megatron .bin/.idx files"),
+    "data": ("tnlg.commands.data", "built-in corpus (prepare) and .bin/.idx checks (info)"),
+    "convert": ("tnlg.commands.convert",
+                "convert Hugging Face GPT-2 <-> tnlg checkpoints; reshard a checkpoint offline"),
+    "checkpoint": ("tnlg.commands.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
+    "eval": ("tnlg.commands.eval", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss"),
+    "generate": ("tnlg.commands.generate", "tensor-parallel text generation with a KV cache (greedy, top-k, top-p)"),
 }
-# where a command's add_arguments lives when not in its run() module (kept free of torch for a fast --help)
-ARGUMENTS: dict[str, str] = {"pretrain": "tnlg.train_args"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -101,7 +103,7 @@ def build_parser(only: str | None = None) -> Parser:
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == only:  # only the chosen command's module is imported
-            importlib.import_module(ARGUMENTS.get(name, module)).add_arguments(p)
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -116,43 +118,11 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser = chosen
 
 
-def _preflight(args) -> None:
-    """Checks of ``tnlg pretrain`` made here, before anything is launched or loaded.
-
-    ``--bf16`` where bf16 matmuls are far slower than fp32 is refused with the measured figures
-    (:mod:`tnlg.hardware`), after the options themselves are validated; on CUDA, torch's NCCL flight
-    recorder is switched on (:mod:`tnlg.hang`) and rank 0 says where a timeout dumps it.
-    """
-    if getattr(args, "bf16", False) or getattr(args, "config", None):  # a config file may set bf16
-        from .parallel.state import pick_device
-        from .train_args import resolve
-        o = resolve(args)  # the options' own errors first, as `run` would report them
-        if o.bf16:
-            from .hardware import check_bf16
-            check_bf16(pick_device(o.device).type)
-    if getattr(args, "device", None) != "cpu":
-        import torch
-        if torch.cuda.is_available():
-            from .hang import enable_flight_recorder
-            prefix = enable_flight_recorder(os.path.join(getattr(args, "save", None) or "runs", "comm_trace"))
-            if is_rank0():
-                print(f"NCCL flight recorder on: a collective timeout dumps each rank's recent collectives to "
-                      f"{prefix}<rank> (read with: python -m torch.distributed.flight_recorder.fr_trace)", flush=True)
-
-
-def _resume_command(args):
-    """``resume(options)`` for :func:`tnlg.hang.report`: the command that resumes the run."""
-    def resume(options):
-        from .train import resume_command  # (torch: not imported for --help)
-        return resume_command(args, options)
-    return resume
-
-
 def _finish(status: int) -> int:
     """End a command cleanly: its process groups destroyed; a launched worker then exits at once.
 
     A launched worker (``torchrun``, ``--nproc-per-node``) leaves through
-    :func:`tnlg.process_exit.leave`, which says why.
+    :func:`tnlg.runtime.process_exit.leave`, which says why.
     """
     if under_launcher():
         leave(status)
@@ -175,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     arm(args.command)
+    command = importlib.import_module(COMMANDS[args.command][0])
     try:
-        if args.command == "pretrain":
-            _preflight(args)
-        status = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        if hasattr(command, "preflight"):
+            command.preflight(args)
+        status = int(command.run(args) or 0)
         return _finish(status)
-    except UserError as err:  # whichever rank raised it: printed once (tnlg.failures)
+    except UserError as err:  # whichever rank raised it: printed once (tnlg.runtime.failures)
         return _failed(report(args.command, str(err), 2, is_agreed(err)))
     except RuntimeError as err:
         if getattr(err, "tnlg_status", None) is not None:  # a stop every rank agreed on (a diverged loss)
@@ -188,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         peer = stopped_by_peer()  # this rank's collective failed because another rank failed and said so
         if peer is not None:
             return _failed(peer)
-        if args.command != "pretrain":  # a hung collective: one message naming it, no traceback per rank
+        if not hasattr(command, "hang_resume"):  # a hung collective: one message naming it, no traceback per rank
             raise
-        from .hang import report as report_hang
-        status = report_hang(err, args.command, resume=_resume_command(args))
+        from .runtime.hang import report as report_hang
+        status = report_hang(err, args.command, resume=command.hang_resume(args))
         if status is None:
             raise
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: its group cannot be torn down (a peer is gone)

@@ -9,7 +9,7 @@ class UserError(ValueError):
     on stderr and exits with status 2; library callers get a ``ValueError``.
 
     ``agreed`` is True on an error every rank raises alike, after the ranks agreed on it (one
-    collective): rank 0 alone prints it (see :mod:`tnlg.failures`)."""
+    collective): rank 0 alone prints it (see :mod:`tnlg.runtime.failures`)."""
 
     agreed = False
 

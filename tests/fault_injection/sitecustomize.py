@@ -81,7 +81,7 @@ if _LOADED_SPEC and "RANK" in os.environ:
             return out
         return load
 
-    for _module in map(importlib.import_module, ("tnlg.eval.cli", "tnlg.generate")):  # (tnlg.generate: a function)
+    for _module in map(importlib.import_module, ("tnlg.commands.eval", "tnlg.generate")):  # (tnlg.generate: a function)
         _module.load_model = _failing_after(_module.load_model)
 
 # ``TNLG_TEST_NAN_AT=N:RANK`` puts a NaN into that rank's shard of the word embeddings before iteration N,

@@ -6,7 +6,7 @@ Modules: :mod:`~tnlg.data.tokenizer` (SentencePiece, GPT-2 BPE, training),
 (samples, splits, blending, cached indices), :mod:`~tnlg.data.sampler`
 (data-parallel micro batches), :mod:`~tnlg.data.corpus` (the built-in corpus),
 :mod:`~tnlg.data.inputs` (reading .jsonl/.txt inputs), :mod:`~tnlg.data.paths` (where the
-shipped files and the cache live) and :mod:`~tnlg.data.cli` (the data subcommands).
+shipped files and the cache live) and :mod:`~tnlg.commands.data` (the data subcommands).
 Imports flow one way: paths, inputs, indexed <- tokenizer <- preprocess <- corpus <- cli;
 gpt_dataset <- indexed, paths.
 The names below are imported on first use, so ``import tnlg.data`` stays cheap.

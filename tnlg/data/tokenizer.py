@@ -13,7 +13,7 @@ Two kinds, both local files only (nothing is ever downloaded):
 :func:`load_tokenizer` accepts a path or the :meth:`Tokenizer.describe` dict that a
 checkpoint stores, so a run can reload exactly the tokenizer it trained with.
 :func:`read_sentencepiece_model` reads what a ``.model`` file holds (pieces, scores, types,
-normaliser settings) without protobuf, for the Hugging Face export (:mod:`tnlg.hf`).
+normaliser settings) without protobuf, for the Hugging Face export (:mod:`tnlg.interop.hf`).
 :func:`train_sentencepiece` trains a BPE model whose defaults round-trip text
 exactly: identity normalisation, no whitespace collapsing, byte fallback.
 """

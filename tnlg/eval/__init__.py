@@ -5,7 +5,7 @@ Modules: :mod:`.windows` (overlapping-window scoring of token streams), :mod:`.w
 (WikiText perplexity, the WikiText detokeniser), :mod:`.text` (token-weighted perplexity of text files),
 :mod:`.lambada` (strict / non-strict last-word accuracy), :mod:`.loss` (loss over a
 ``.bin/.idx`` dataset), :mod:`.logits` (argmax, top-k and sampling on
-vocabulary-parallel logits, shared with :mod:`tnlg.generate`), :mod:`.loading`
+vocabulary-parallel logits, shared with :mod:`tnlg.generation`), :mod:`.loading`
 (checkpoints, tokenizers, processes) and :mod:`.cli` (``tnlg eval``).
 """
 

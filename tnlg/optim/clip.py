@@ -145,7 +145,7 @@ def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union
     total = sums.sum()
     if ps.pp_size > 1:  # each pipeline stage holds different parameters
         dist.all_reduce(total, group=ps.pp_group)
-    if is_fake(total):  # a fake-tensor simulation (tnlg.plan.simulate) has no values to read
+    if is_fake(total):  # a fake-tensor simulation (tnlg.training.simulate) has no values to read
         return SIMULATED_NORM, None if also is None else 0.0
     if also is None:
         values = [total.item()]  # the one device -> host read per step

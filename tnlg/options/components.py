@@ -1,6 +1,6 @@
 """The options of ``tnlg pretrain``, one dataclass per component; each validates itself in
 ``__post_init__`` (a :class:`tnlg.errors.UserError` naming the flag), as :class:`tnlg.config.GPTConfig`
-does. Defaults are Megatron-LM's where Megatron has one (:mod:`tnlg.train_args` adds the built-in
+does. Defaults are Megatron-LM's where Megatron has one (:mod:`tnlg.commands.pretrain_args` adds the built-in
 job's and the published recipes)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ rank reports the same figures as without a pipeline. A plain :class:`tnlg.GPT` g
 calls unchanged (its forward; no pipeline communication), which is how the evaluation and generation
 code serves both.
 
-Generation (:mod:`tnlg.generate`): each stage keeps the keys and values of its own layers
+Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
 (a :class:`tnlg.model.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
 stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
 every stage, which all feed it next. Per new token: the layers' TP collectives, one send/recv per

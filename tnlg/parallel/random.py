@@ -15,7 +15,7 @@ Recomputation (activation checkpointing) must draw the same masks again:
 :meth:`TPRandom.replay` runs a recomputation from it. Whether a block is a
 recomputation is decided by the identity of the state tensor (every draw replaces it
 by a new one), never by comparing tensor values: no host read, and nothing that fake
-tensors (:mod:`tnlg.plan.simulate`) or a compiler's tracing cannot follow. States are
+tensors (:mod:`tnlg.training.simulate`) or a compiler's tracing cannot follow. States are
 never modified in place, so a snapshot needs no copy.
 
 The two draws inside sharded regions go through :meth:`TPRandom.dropout` and

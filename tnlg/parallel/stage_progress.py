@@ -11,7 +11,7 @@ are counted from 0 within the step, as torch's schedules count them).
 :meth:`StageProgress.place` names the rank's ``(pp, dp, tp)`` coordinates and the layers of its
 stages; each rank writes it once to the rendezvous store when its pipeline is built (one
 ``set``), so that rank 0 can name a rank that hangs and never answers (:func:`place_of`, read by
-:mod:`tnlg.hang` and :mod:`tnlg.failures`). Nothing else is communicated: the record costs a
+:mod:`tnlg.runtime.hang` and :mod:`tnlg.runtime.failures`). Nothing else is communicated: the record costs a
 few dictionary operations per micro batch.
 """
 

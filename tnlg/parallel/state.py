@@ -170,7 +170,7 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
     * a default process group already exists (tests, notebooks): it is used as is;
     * under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment): the default
       group is initialised from the environment (or ``init_method``); under tnlg's own
-      launcher, from the loopback store it serves (``TNLG_STORE``, :func:`tnlg.launch.loopback_store`);
+      launcher, from the loopback store it serves (``TNLG_STORE``, :func:`tnlg.runtime.launch.loopback_store`);
     * a plain single process with no launcher: world of one, no process group.
 
     ``device`` (``"cpu"``/``"cuda"``, default: CUDA when available, see :func:`pick_device`)

@@ -5,9 +5,5 @@ Modules: :mod:`.units` (parsing sizes), :mod:`.counts` (parameters per TP rank),
 :mod:`.memory` (model states, activations), :mod:`.flops` (FLOPs, communication, time),
 :mod:`.planner` (one layout), :mod:`.search` (all layouts that fit), :mod:`.pipeline`
 (per pipeline stage), :mod:`.pipeline_search` (TP x PP x DP layouts that fit), :mod:`.report`
-(tables), :mod:`.command` (the CLI).
+(tables); the ``tnlg plan`` command is :mod:`tnlg.commands.plan`.
 """
-
-from .command import add_arguments, run
-
-__all__ = ["add_arguments", "run"]

@@ -1,7 +1,7 @@
 """GPUs the simulation predicts step times for: dense 16-bit tensor-core FLOP/s and memory bandwidth.
 
 Spec sheet figures (dense, no sparsity), and the fractions a real kernel reaches, which
-turn the simulation's per-operator FLOPs and bytes into a time (:mod:`tnlg.plan.simulate`):
+turn the simulation's per-operator FLOPs and bytes into a time (:mod:`tnlg.training.simulate`):
 
 * ``matmul_efficiency`` 0.78: the best bf16 GEMM measured on an H200 in this repository
   (docs/gpu_check_h200.json: 772 TFLOP/s of 989), used for every GPU;

@@ -60,7 +60,7 @@ keeps no ``a s^2`` tensor but its output, ``2 s b h a_r / a``, and the fp32 log-
 ``4 a_r s b`` (``attention="fused"``); selective recomputation then keeps neither.
 
 ``tnlg plan`` counts the kernel the GPU runs (:func:`gpu_attention`): fused for fp16/bf16,
-math for fp32; the step's peak so planned agrees with :mod:`tnlg.plan.simulate` within 3% at
+math for fp32; the step's peak so planned agrees with :mod:`tnlg.training.simulate` within 3% at
 tnlg-17b (TP 4 x DP 64 fp16, TP 8 x DP 32 bf16 with full recomputation) and GPT-2-XL (TP 1 bf16).
 
 Outside the layers (section 4.3): the embedding dropout mask ``s b h``, the final
@@ -156,7 +156,7 @@ def _fsdp_shard_numel(config_json: str, tp: int, dp: int) -> int:
 def gpu_attention(precision: str) -> str:
     """The attention kernel the model's ``F.scaled_dot_product_attention`` runs on a GPU at ``precision``:
     ``"fused"`` (flash attention, dropout included) for fp16/bf16 without a mask, which is what tnlg
-    pretrains with; ``"math"`` for fp32, as the planner counts it. :mod:`tnlg.plan.simulate` runs the
+    pretrains with; ``"math"`` for fp32, as the planner counts it. :mod:`tnlg.training.simulate` runs the
     same kernels, and ``tnlg plan`` plans with this one."""
     return "math" if precision == "fp32" else "fused"
 

@@ -3,7 +3,7 @@
 :class:`StepTracker` is a ``TorchDispatchMode``: every ATen operator of the code it watches
 (forward, autograd's backward, the optimizer, collectives) passes through it, on real
 tensors or on fake ones (``FakeTensorMode``: shapes without memory, which is how
-:mod:`tnlg.plan.simulate` runs a 17B rank on a laptop). Per operator it records
+:mod:`tnlg.training.simulate` runs a 17B rank on a laptop). Per operator it records
 
 * the storages it creates, alive until the last reference to them goes (weak references
   to the storage, so views, autograd's saved tensors and in-place results are counted once);

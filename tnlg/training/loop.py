@@ -19,7 +19,7 @@ import torch
 from ..data.sampler import MegatronPretrainingSampler
 from ..errors import agreed
 from ..data.tokenizer import load_tokenizer
-from ..generate import generate
+from ..generation import generate
 from ..options import Options, model_config
 from ..parallel.random import seed_everything
 from .checkpointing import Checkpointer, last_checkpoint, stop_on_signals
@@ -35,7 +35,7 @@ _MEASURED = "measured: dense matmuls on every rank at once, best of 5"
 
 
 def train(o: Options) -> dict:
-    """Train with options ``o`` (from :func:`tnlg.train_args.resolve`) in this process; see :meth:`Trainer.train`."""
+    """Train with options ``o`` (from :func:`tnlg.commands.pretrain_args.resolve`) in this process; see :meth:`Trainer.train`."""
     return Trainer(o).train()
 
 
@@ -168,7 +168,7 @@ class Trainer:
 
     def _sample(self) -> Optional[str]:
         """The sample printed at the end (``--sample-prompt``, ``--sample-tokens``; collective over TP and,
-        through a pipeline, over its stages: :mod:`tnlg.generate`)."""
+        through a pipeline, over its stages: :mod:`tnlg.generation`)."""
         o = self.o
         if not o.sample_prompt or not o.sample_tokens:
             return None

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..config import GPTConfig
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..errors import UserError
-from ..launch import join
+from ..runtime.launch import join
 from ..model import GPT
 from ..optim import DynamicLossScaler, LRSchedule
 from ..optim import build_engine as build_tnlg_engine

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from .config import PRESETS
-from .errors import UserError, closest
-from .options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Options, model_config, option_defaults
-from .options.checks import is_int
-from .options.fields import add_options, option_fields, shown
-from .options.recorded import checkpoint_args
+from ..config import PRESETS
+from ..errors import UserError, closest
+from ..options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Options, model_config, option_defaults
+from ..options.checks import is_int
+from ..options.fields import add_options, option_fields, shown
+from ..options.recipes import RECIPES
+from ..options.recorded import checkpoint_args
 
 __all__ = ["add_arguments", "resolve", "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
 
@@ -48,18 +49,6 @@ _BUILTIN_WORDS = {
     "lr_warmup_iters": "a tenth of the schedule, 30",
     "min_lr": "--lr / 10",
     "tensor_model_parallel_size": "2; 1 on an odd number of processes",
-}
-
-# Published recipes: T-NLG as reported (Microsoft 2020); Megatron 8.3B's (Shoeybi et al. 2019).
-RECIPES = {
-    "tnlg-17b": dict(global_batch_size=512, micro_batch_size=1, train_iters=300_000, lr=1.5e-4, min_lr=1e-5,
-                     lr_warmup_iters=3200, lr_decay_iters=500_000, lr_decay_style="cosine", weight_decay=0.01,
-                     clip_grad=1.0, fp16=True, tensor_model_parallel_size=4, zero_stage=1,
-                     hidden_dropout=0.1, attention_dropout=0.1),
-    "megatron-8.3b": dict(global_batch_size=512, micro_batch_size=1, train_iters=300_000, lr=1.5e-4,
-                          min_lr=1e-5, lr_warmup_iters=3000, lr_decay_style="cosine", weight_decay=0.01,
-                          clip_grad=1.0, fp16=True, tensor_model_parallel_size=8, zero_stage=0,
-                          hidden_dropout=0.1, attention_dropout=0.1),
 }
 
 _MODEL_KEYS = tuple(f.name for f in option_fields(ModelOptions))

@@ -1,7 +1,7 @@
 """``tnlg pretrain``: the command. Options are resolved and validated here, in the launching process; the
-run is then launched on local processes (:mod:`tnlg.launch`) or trained in this one (:mod:`tnlg.training`).
+run is then launched on local processes (:mod:`tnlg.runtime.launch`) or trained in this one (:mod:`tnlg.training`).
 
-This module also decides where a run without ``--save`` saves, and what rank 0 says when a signal
+Torch is imported only when the command runs (``--help`` answers without it). This module also decides where a run without ``--save`` saves, and what rank 0 says when a signal
 stopped the run (the last checkpoint and the command that resumes it).
 """
 
@@ -15,27 +15,14 @@ import sys
 import time
 from typing import Optional
 
-import torch
+from ..errors import UserError
+from ..options import Options
+from ..options.recorded import describe
+from ..runtime.launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
+from .pretrain_args import DEFAULT_NPROC, add_arguments, resolve
 
-from .checkpoint.files import META
-from .data.corpus import default_dataset
-from .errors import UserError
-from .launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
-from .options import Options
-from .options.recorded import describe
-from .parallel.state import pick_device
-from .train_args import DEFAULT_NPROC, add_arguments, resolve
-from .training import Trainer, train
-from .training.checkpointing import check_resume, last_checkpoint
-from .training.step import TrainingDiverged
-from .training.throughput import iteration_flops, measure_peak_tflops
-from .training.validation import evaluate
+__all__ = ["add_arguments", "preflight", "run", "hang_resume", "resume_command", "default_nproc"]
 
-__all__ = ["add_arguments", "run", "train", "Trainer", "TrainingDiverged", "evaluate", "iteration_flops",
-           "measure_peak_tflops", "resume_command", "default_nproc"]
-
-
-# --------------------------------------------------------------------------- CLI
 
 def run(args) -> int:
     """Entry of ``tnlg pretrain``: validate everything, prepare data, launch or train here.
@@ -51,15 +38,52 @@ def run(args) -> int:
         return 130
 
 
+def preflight(args) -> None:
+    """Checks made by :func:`tnlg.cli.main` before anything is launched or loaded.
+
+    ``--bf16`` where bf16 matmuls are far slower than fp32 is refused with the measured figures
+    (:mod:`tnlg.runtime.hardware`), after the options themselves are validated; on CUDA, torch's NCCL flight
+    recorder is switched on (:mod:`tnlg.runtime.hang`) and rank 0 says where a timeout dumps it.
+    """
+    if getattr(args, "bf16", False) or getattr(args, "config", None):  # a config file may set bf16
+        from ..parallel.state import pick_device
+        o = resolve(args)  # the options' own errors first, as `run` would report them
+        if o.bf16:
+            from ..runtime.hardware import check_bf16
+            check_bf16(pick_device(o.device).type)
+    if getattr(args, "device", None) != "cpu":
+        import torch
+        if torch.cuda.is_available():
+            from ..runtime.hang import enable_flight_recorder
+            prefix = enable_flight_recorder(os.path.join(getattr(args, "save", None) or "runs", "comm_trace"))
+            if is_rank0():
+                print(f"NCCL flight recorder on: a collective timeout dumps each rank's recent collectives to "
+                      f"{prefix}<rank> (read with: python -m torch.distributed.flight_recorder.fr_trace)", flush=True)
+
+
+def hang_resume(args):
+    """For :func:`tnlg.runtime.hang.report`: ``resume(options)``, the command that resumes the run. A
+    command module with this function gets a hang report instead of a traceback on a timed-out collective."""
+    def resume(options):
+        return resume_command(args, options)
+    return resume
+
+
 def default_nproc(device: Optional[str] = None) -> int:
     """Local processes when neither a launcher nor ``--nproc-per-node`` says: one per GPU when
     training on GPUs (a machine with one GPU trains in one process, on it), else 4 CPU processes."""
+    import torch
+
+    from ..parallel.state import pick_device
     if pick_device(device).type == "cuda":
         return max(1, torch.cuda.device_count())
     return DEFAULT_NPROC
 
 
 def _run(args) -> int:
+    from ..data.corpus import default_dataset
+    from ..training import train
+    from ..training.checkpointing import check_resume
     world = launcher_world_size()
     nproc = None
     if world is None:
@@ -98,6 +122,7 @@ def _run(args) -> int:
 
 def _checkpoint_root(path: str) -> str:
     """The root of a ``--load`` path: its parent for an ``iter_*`` directory, else the path itself."""
+    from ..checkpoint.files import META
     path = os.path.normpath(path)
     return os.path.dirname(path) or "." if os.path.isfile(os.path.join(path, META)) else path
 
@@ -139,6 +164,7 @@ def _builtin_folder() -> str:
 def resume_command(args, o: Options) -> str:
     """The command that continues this run: its options, with ``--save`` as chosen, and without a
     ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
+    from ..training.checkpointing import last_checkpoint
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
     if o.save is not None and o.load is None and not hasattr(args, "save"):
         ns.save = o.save  # the built-in job's folder
@@ -153,6 +179,7 @@ def resume_command(args, o: Options) -> str:
 
 def _interrupted_message(info: dict, o: Options, args) -> str:
     """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
+    from ..training.checkpointing import last_checkpoint
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
     head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"
     if o.save is None:

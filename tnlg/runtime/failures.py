@@ -48,7 +48,7 @@ from typing import Callable, Optional
 __all__ = ["STATUS_FILE_ENV", "arm", "watch", "report", "peer_failure", "stopped_by_peer", "final_status",
            "is_agreed"]
 
-STATUS_FILE_ENV = "TNLG_LAUNCH_STATUS"  # set by tnlg.launch for its workers: where a reported failure's status goes
+STATUS_FILE_ENV = "TNLG_LAUNCH_STATUS"  # set by tnlg.runtime.launch for its workers: where a reported failure's status goes
 POLL_S = 0.5         # how often the watcher looks at the board
 ANSWER_WAIT_S = 3.0  # how long a rank waits for rank 0 to print (and rank 0 for the others to read it)
 
@@ -111,7 +111,7 @@ def _record(status: int) -> bool:
     if not path:
         return False
     try:
-        from .io import atomic_write
+        from ..io import atomic_write
         atomic_write(path, f"{status}\n", durable=False)
     except OSError:
         return False

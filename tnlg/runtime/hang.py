@@ -61,7 +61,7 @@ _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
 _GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel", "pp_group": "pipeline"}
 _P2P_WAIT = (os.path.join("distributed", "pipelining", "schedules.py"), "_wait_batch_p2p")  # torch's schedules
 _PROGRESS = "tnlg.parallel.stage_progress"  # imported by a process that built a pipeline
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tnlg/
 _LOOP = os.path.join(_PACKAGE, "training", "loop.py")  # the frame whose ``iteration`` and ``o`` are the run's
 ARRIVAL_WAIT_S = 5.0  # how long rank 0 waits for the other ranks to say they are alive
 FR_DIR_ENV = "TNLG_FLIGHT_RECORDER_DIR"  # the flight recorder's folder, made by make_dump_dir
@@ -255,7 +255,7 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
 
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
-    from .training.checkpointing import last_checkpoint  # (torch: hang.py itself imports none)
+    from ..training.checkpointing import last_checkpoint  # (torch: hang.py itself imports none)
     try:
         return last_checkpoint(save)
     except Exception:  # noqa: BLE001 - a damaged folder: say nothing rather than fail again

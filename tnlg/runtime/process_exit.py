@@ -8,7 +8,7 @@ finalisation and static destruction, when its threads can no longer take the GIL
 crash in 50 runs, so a worker whose results are written leaves with :func:`leave`: groups
 destroyed and collected, logs and streams flushed, then ``os._exit`` so no finalisation is left
 to race. Both the launched ``tnlg`` workers (:mod:`tnlg.cli`) and the test and benchmark harness
-(:mod:`tnlg.testing`, whose spawned workers otherwise exit through ``sys.exit``) use it;
+(:mod:`tnlg.runtime.spawn`, whose spawned workers otherwise exit through ``sys.exit``) use it;
 ``scripts/exit_stress.py`` counts such exits.
 
 This module imports nothing heavy, so ``tnlg --help`` stays fast.

@@ -12,11 +12,11 @@ import json
 import sys
 
 from ..errors import UserError
-from .corpus import prepare
-from .indexed import IndexedDataset
-from .preprocess import preprocess
-from .gpt2_bpe import train_gpt2_bpe
-from .tokenizer import load_tokenizer, train_sentencepiece
+from ..data.corpus import prepare
+from ..data.indexed import IndexedDataset
+from ..data.preprocess import preprocess
+from ..data.gpt2_bpe import train_gpt2_bpe
+from ..data.tokenizer import load_tokenizer, train_sentencepiece
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     name = parser.prog.split()[-1]
     adders = {"train-tokenizer": _add_train_tokenizer, "preprocess": _add_preprocess, "data": _add_data}
     if name not in adders:
-        raise ValueError(f"tnlg.data.cli has no subcommand {name!r}; it provides {sorted(adders)}")
+        raise ValueError(f"tnlg.commands.data has no subcommand {name!r}; it provides {sorted(adders)}")
     adders[name](parser)
 
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .io import atomic_write
-from .parallel.state import init_parallel
+from ..io import atomic_write
+from ..parallel.state import init_parallel
 from .process_exit import leave
 
 __all__ = ["run_distributed", "run_tnlg", "checkout_env"]
@@ -42,7 +42,7 @@ class WorkerError(RuntimeError):
 
 def checkout_env(**extra: str) -> dict:
     """This process's environment with this checkout first on ``PYTHONPATH`` (subprocesses import it)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
 
 

@@ -15,7 +15,7 @@ generate``) runs one such launcher per node: the one on ``HOST`` serves the stor
 ``HOST:PORT`` (:func:`endpoint_store`), the others join it; ``torchrun`` does the same for any
 command.
 
-A worker that reported a failure itself (:mod:`tnlg.failures`) leaves its exit status in
+A worker that reported a failure itself (:mod:`tnlg.runtime.failures`) leaves its exit status in
 a file this process reads: the group is then not restarted, and the agent's own
 "failed (exitcode: N)" lines, which would only repeat the message, are not printed.
 
@@ -47,7 +47,7 @@ from .failures import STATUS_FILE_ENV
 STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
 if TYPE_CHECKING:
-    from .parallel.state import ParallelState
+    from ..parallel.state import ParallelState
 
 __all__ = ["under_launcher", "is_rank0", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
            "argv_of"]
@@ -86,7 +86,7 @@ def _serve_store(listener: socket.socket):
 
 def check_nodes(nnodes: int, rdzv_endpoint: Optional[str]) -> None:
     """``--nnodes`` and ``--rdzv-endpoint`` go together; the endpoint is ``HOST:PORT``."""
-    from .errors import UserError
+    from ..errors import UserError
     if nnodes < 1:
         raise UserError(f"--nnodes must be >= 1, got {nnodes}.")
     if (nnodes > 1) != bool(rdzv_endpoint):
@@ -186,10 +186,10 @@ def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
 
     from .failures import watch
     from .hang import make_dump_dir
-    from .parallel.state import init_parallel
+    from ..parallel.state import init_parallel
     torch.set_num_threads(local_threads())
     ps = init_parallel(tensor_parallel_size, **kwargs)
-    watch()  # another rank's failure stops this one at once (tnlg.failures)
+    watch()  # another rank's failure stops this one at once (tnlg.runtime.failures)
     make_dump_dir()
     return ps
 
@@ -274,7 +274,7 @@ def _how_it_ended(exitcode: int) -> str:
 
 
 def _reported_status(status_file: str) -> Optional[int]:
-    """The exit status a worker left after reporting a failure itself (see tnlg.failures), else ``None``."""
+    """The exit status a worker left after reporting a failure itself (see tnlg.runtime.failures), else ``None``."""
     try:
         with open(status_file) as f:
             return int(f.read().strip())

@@ -21,31 +21,21 @@
   checkpoint saved at any TP x PP.
 * ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
 
-All of it runs in one process, reading only the slices it needs.
+All of it runs in one process, reading only the slices it needs. The work is the library's
+(:mod:`tnlg.interop.hf_checkpoint`, :mod:`tnlg.interop.megatron`, :mod:`tnlg.checkpoint.offline`,
+:mod:`tnlg.checkpoint.info`); this module holds the flags and their checks, and imports torch only
+when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import torch
+from ..errors import UserError
 
-from .checkpoint import files as F
-from .checkpoint.files import FORMAT
-from .checkpoint.loading import read_states
-from .checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
-from .checkpoint.saving import write_offline
-from .checkpoint.stages import describe_stages
-from .config import GPTConfig
-from .data.tokenizer import load_tokenizer
-from .errors import UserError
-from .hf import (_load_hf_model, build_hf_model, config_from_hf, hf_to_tnlg_state_dict, hf_tokenizer_files,
-                 write_hf_folder)
-
-__all__ = ["add_arguments", "run", "hf_to_checkpoint", "checkpoint_to_hf", "reshard_checkpoint", "info"]
+__all__ = ["add_arguments", "run"]
 
 
 # --------------------------------------------------------------------------- arguments
@@ -123,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "checkpoint":
         if getattr(args, "checkpoint_command", None) != "info":
             raise UserError("tnlg checkpoint needs an action: tnlg checkpoint info CKPT.")
+        from ..checkpoint.info import info
         return info(args.path, as_json=args.json)
     src_kind, src = _endpoint(args.src, "--from")
     dst_kind, dst = _endpoint(args.dst, "--to")
@@ -141,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
     _fresh_destination(dst)
+    from ..checkpoint.offline import reshard_checkpoint
+    from ..interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     if "megatron" in (src_kind, dst_kind):
         out = _megatron(args, src_kind, src, dst)
     elif src_kind == "hf":
@@ -180,173 +173,11 @@ def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str
 
 
 def _megatron(args: argparse.Namespace, src_kind: str, src: str, dst: str) -> str:
-    from .interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
+    from ..data.tokenizer import load_tokenizer
+    from ..interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
     if src_kind == "megatron":
         tok = load_tokenizer(args.tokenizer_model) if args.tokenizer_model else None
         return megatron_to_checkpoint(src, dst, tp_size=args.tp or 1, vocab_size=getattr(args, "vocab_size", None),
                                       tokenizer=tok, with_optimizer=bool(getattr(args, "with_optimizer", False)))
     return checkpoint_to_megatron(src, dst, fmt=getattr(args, "ckpt_format", None) or "torch_dist",
                                   tp=args.tp or 1, pp=getattr(args, "pp", None) or 1)
-
-
-# --------------------------------------------------------------------------- writing offline
-
-def _write_offline(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
-    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
-    :func:`tnlg.checkpoint.saving.write_offline`."""
-    return write_offline(dst, dict(meta, config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
-
-
-def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
-    """A ``GPT2LMHeadModel`` folder -> a tnlg checkpoint (iteration 0, weights only) at TP ``tp_size``."""
-    hf = _load_hf_model(hf_dir)
-    cfg = config_from_hf(hf.config)
-    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
-    tok = None
-    if tokenizer_model:
-        tok = load_tokenizer(tokenizer_model)
-        if tok.vocab_size > cfg.vocab_size:
-            raise UserError(f"--tokenizer-model {tokenizer_model!r} has {tok.vocab_size} tokens but the model's "
-                            f"vocabulary has {cfg.vocab_size}; it is not this model's tokenizer.")
-    dtype = next(iter(full.values())).dtype
-    meta = dict(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
-                tokenizer=None if tok is None else tok.describe(),
-                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
-                schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__)
-
-    def shard(r, names):
-        targets = targets_for(cfg, tp_size, r)
-        return {n: slice_full(full[n], targets[n]) for n in names}, None
-
-    return _write_offline(dst, meta, cfg, tp_size, shard)
-
-
-def _source(path: str) -> tuple[str, dict, GPTConfig]:
-    iter_dir = F.resolve(path, "--from")
-    if iter_dir is None:
-        raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
-    meta = F.read_meta(iter_dir)
-    F.check_files(iter_dir, meta)
-    return iter_dir, meta, GPTConfig.from_dict(meta["config"])
-
-
-def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:
-    """A tnlg checkpoint -> a new Hugging Face GPT-2 folder (safetensors), written atomically
-    (:func:`tnlg.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
-    else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
-    end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
-    iter_dir, meta, cfg = _source(path)
-    tok = _export_tokenizer(meta, cfg, tokenizer_model) if with_tokenizer else None
-    files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
-    reader = ShardReader(iter_dir, meta, F.model_file)
-    full = {n: reader.tensor(n, n, t) for n, t in full_targets(meta).items()}
-    hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}")
-    return write_hf_folder(hf, hf_dir, files)
-
-
-def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
-    """The tokenizer an exported folder carries: ``tokenizer_model``, else the checkpoint's, else ``None``."""
-    spec = tokenizer_model or meta.get("tokenizer")
-    if not spec:
-        return None
-    try:
-        tok = load_tokenizer(spec)
-    except UserError as err:
-        flag = "--tokenizer-model" if tokenizer_model else "the checkpoint's tokenizer"
-        raise UserError(f"{flag}: {err} The Hugging Face folder carries the tokenizer: pass --tokenizer-model with "
-                        "its files, or --no-tokenizer to write the weights alone.") from None
-    if tok.vocab_size > cfg.vocab_size:
-        raise UserError(f"tokenizer {tok!r} has {tok.vocab_size} tokens but the model's vocabulary has "
-                        f"{cfg.vocab_size}; it is not this model's tokenizer.")
-    return tok
-
-
-def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
-    """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
-    iter_dir, meta, cfg = _source(path)
-    src_tp = int(meta["layout"]["tp"])
-    tp_size = tp_size or src_tp
-    try:
-        cfg.check_tensor_parallel(tp_size)
-    except ValueError as exc:
-        raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
-
-    def shard(r, names):
-        return read_states(iter_dir, meta, cfg, tp_size, r, names=names)
-
-    rng_of_rank = None
-    if meta.get("rng"):
-        stage = F.stage_tag(0, int(meta["layout"].get("pp", 1)))  # the first stage's (PP 1 is written)
-        base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0, stage)), weights_only=True)
-
-        def rng_of_rank(r):
-            if tp_size == src_tp and stage is None:  # same TP: every TP rank keeps its dropout stream
-                return torch.load(os.path.join(iter_dir, F.rng_file(0, r)), weights_only=True)
-            return dict(base, tp=None, tp_device=None)  # reseeded on load
-
-    meta = dict(meta, converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
-    return _write_offline(dst, meta, cfg, tp_size, shard, rng_of_rank)
-
-
-# --------------------------------------------------------------------------- info
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def info(path: str, as_json: bool = False, out=None) -> int:
-    """Print a checkpoint's iteration, layout, config, tokenizer and file sizes."""
-    out = out or sys.stdout
-    iter_dir = F.resolve(path, "checkpoint")
-    if iter_dir is None:
-        raise UserError(f"{path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
-    meta = F.read_meta(iter_dir)
-    root = os.path.dirname(iter_dir)
-    iterations = F.list_iterations(root)
-    sizes = {name: os.path.getsize(os.path.join(iter_dir, name)) if os.path.isfile(os.path.join(iter_dir, name))
-             else None for name in meta["files"]}
-    if as_json:
-        print(json.dumps(dict(meta, path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1), file=out)
-        return 0
-    cfg, lay, opt = meta["config"], meta.get("layout", {}), meta.get("optimizer", {})
-    n_params = sum(int(torch.Size(r["shape"]).numel()) for r in meta["params"].values())
-    by_kind: dict[str, int] = {}
-    for name, size in meta["files"].items():
-        by_kind[name.split("_")[0]] = by_kind.get(name.split("_")[0], 0) + size
-    bad = [n for n, s in sizes.items() if s != meta["files"][n]]
-    lines = [
-        f"checkpoint   {iter_dir}",
-        f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
-        f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)",
-        f"layout       {'PP=' + str(lay['pp']) + ' x ' if lay.get('pp') else ''}TP={lay.get('tp')} x "
-        f"DP={lay.get('dp')} ({lay.get('world')} processes), parameters "
-        f"{lay.get('param_dtype')}" + (f"; converted from {meta['converted_from']}" if meta.get("converted_from")
-                                       else ""),
-        f"model        {n_params:,} parameters: " + ", ".join(
-            f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                      "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
-        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, "
-                           + ("converted from Megatron-LM" if opt.get("converted") else
-                              f"saved at ZeRO stage {opt.get('zero_stage')}")
-                           + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
-                           if opt.get("present") else "none (weights only)"),
-        "tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
-                            f"{meta['tokenizer'].get('path') or meta['tokenizer'].get('vocab_file')} "
-                            f"(vocab {meta['tokenizer'].get('vocab_size')})" if meta.get("tokenizer") else "none"),
-    ]
-    if meta.get("pipeline"):
-        lines.insert(4, f"pipeline     {describe_stages(meta)}")
-    if meta.get("data"):
-        lines.append(f"data         {[f['prefix'] for f in meta['data']['files']]}, split "
-                     f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")
-    if meta.get("schedule"):
-        s = meta["schedule"]
-        shape = (f"{s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, decay until step "
-                 f"{s['decay_iters']}, " if s.get("max_lr") is not None else "")
-        lines.append(f"lr schedule  {shape}at step {s.get('num_steps')}")
-    lines.append(f"files        {len(meta['files'])}, {_mib(sum(meta['files'].values()))}: "
-                 + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
-    if bad:
-        lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
-    print("\n".join(lines), file=out)
-    return 1 if bad else 0

@@ -9,21 +9,21 @@ import sys
 from ..config import PRESETS, GPTConfig, divisors
 from ..errors import UserError
 from ..options.pipeline import check_micro_batches, check_stage_count
-from ..train_args import RECIPES
-from .flops import FLOPS_FORMULA
-from .memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
-from .pipeline import format_pipeline, pipeline_plan, pipeline_time
-from .pipeline_search import check_search_pipeline, format_pipeline_search, search_pipelines
-from .planner import Hardware, Layout, Model, plan_layout, smallest_tp
-from .report import format_plan, format_search, format_simulation, search_head
-from .gpus import GPUS, gpu as lookup_gpu
-from .search import search_layouts
-from .units import parse_bytes, parse_count
+from ..options.recipes import RECIPES
+from ..plan.flops import FLOPS_FORMULA
+from ..plan.memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
+from ..plan.pipeline import format_pipeline, pipeline_plan, pipeline_time
+from ..plan.pipeline_search import check_search_pipeline, format_pipeline_search, search_pipelines
+from ..plan.planner import Hardware, Layout, Model, plan_layout, smallest_tp
+from ..plan.report import format_plan, format_search, format_simulation, search_head
+from ..plan.gpus import GPUS, gpu as lookup_gpu
+from ..plan.search import search_layouts
+from ..plan.units import parse_bytes, parse_count
 
 __all__ = ["add_arguments", "run"]
 
 TNLG_TOKENS = 300_000 * 512 * 1024  # T-NLG recipe: 300k steps x batch 512 x seq 1024
-# GPUs each published recipe (tnlg.train_args.RECIPES) ran on: T-NLG (Microsoft, 2020) on 256 V100-32GB,
+# GPUs each published recipe (tnlg.options.recipes.RECIPES) ran on: T-NLG (Microsoft, 2020) on 256 V100-32GB,
 # TP 4 x DP 64; Megatron-LM's 8.3B (Shoeybi et al. 2019) on 512 V100-32GB, TP 8 x DP 64.
 RECIPE_GPUS = {"tnlg-17b": 256, "megatron-8.3b": 512}
 # layout fields a recipe brings, and their defaults without one
@@ -315,10 +315,10 @@ def _check_simulate_flags(args, model: Model) -> None:
 
 
 def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
-    """:func:`tnlg.plan.simulate.simulate` for this layout (rank 0), without the per-operator lists."""
+    """:func:`tnlg.training.simulate.simulate` for this layout (rank 0), without the per-operator lists."""
     from dataclasses import replace
 
-    from .simulate import simulate
+    from ..training.simulate import simulate
     config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
                      recompute_activations=False)
     accum = layout.batch // (layout.micro_batch * layout.dp)

@@ -1,4 +1,5 @@
-"""``tnlg eval``: WikiText perplexity, LAMBADA accuracy, or dataset loss of a checkpoint."""
+"""``tnlg eval``: WikiText perplexity, LAMBADA accuracy, or dataset loss of a checkpoint (the library:
+:mod:`tnlg.eval`). Torch is imported only when the command runs, so ``--help`` answers without it."""
 
 from __future__ import annotations
 
@@ -6,14 +7,8 @@ import argparse
 import sys
 import time
 
-from ..data.indexed import IndexedDataset, dataset_prefix
 from ..errors import UserError
-from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts
-from .loading import (add_common_arguments, check_tokenizer_fits, load_model, precheck_checkpoint, print_table,
-                      resolve_tokenizer, run_command)
-from .loss import build_eval_dataset, dataset_loss
-from .text import read_text_files, text_perplexity
-from .wikitext import WORD_COUNT, check_text_file, read_wikitext, wikitext_caveat, wikitext_perplexity
+from .inference import add_common_arguments, print_table, run_command
 
 TASKS = ("wikitext", "lambada", "loss", "text")
 
@@ -86,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _precheck(args) -> None:
     """Everything that can be checked before a process starts or a model loads."""
+    from ..data.indexed import IndexedDataset, dataset_prefix
+    from ..eval.lambada import read_lambada_texts
+    from ..eval.wikitext import check_text_file
     args.input = list(args.input or []) + list(getattr(args, "files", None) or [])  # --input F, or F alone
     args.files = []  # (the launched processes get them as --input)
     if not args.input:
@@ -121,11 +119,17 @@ def _precheck(args) -> None:
 def _precheck_checkpoint(args) -> None:
     needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
         args.reset_attention_mask
+    from ..generation.loading import precheck_checkpoint
     precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer)
 
 
 def evaluate(args, ps) -> dict:
     """Run the task of ``args`` on this rank; every rank returns the same figures."""
+    from ..eval.lambada import lambada_accuracy, lambada_examples, read_lambada_texts
+    from ..eval.loss import build_eval_dataset, dataset_loss
+    from ..eval.text import read_text_files, text_perplexity
+    from ..eval.wikitext import WORD_COUNT, check_text_file, read_wikitext, wikitext_caveat, wikitext_perplexity
+    from ..generation.loading import check_tokenizer_fits, load_model, resolve_tokenizer
     start = time.time()
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
     tokenizer = None
@@ -181,6 +185,7 @@ _LABELS = {
 def _rows(result: dict) -> list[tuple[str, object]]:
     """The table's rows: the task's figures (the adjusted perplexity labelled with its divisor), each
     file's perplexity for the text task, the layout and the time."""
+    from ..eval.wikitext import WORD_COUNT
     rows = []
     for k in _LABELS[result["task"]]:
         if k == "adjusted_ppl" and result.get(k) is not None:

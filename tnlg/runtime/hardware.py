@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 __all__ = ["MatmulProbe", "cpu_bf16", "fast_bf16_cpu", "bf16_skip_reason", "check_bf16", "SLOW_FACTOR"]
 

@@ -56,8 +56,8 @@ import torch.distributed as dist
 from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
-from .gpus import GPU, gpu as lookup_gpu
-from .tracker import ALLOCATIONS, StepTracker
+from ..plan.gpus import GPU, gpu as lookup_gpu
+from ..plan.tracker import ALLOCATIONS, StepTracker
 
 __all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
 
@@ -226,7 +226,7 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
     from ..model import GPT
     from ..optim import build_engine
     from ..optim.clip import clip_coefficient, global_norm, squared_sums
-    from ..training.step import forward_loss
+    from .step import forward_loss
     dtype, micro_steps = _DTYPES[precision], min(accum, 2)
     tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp"})
     with tracker:
@@ -296,7 +296,7 @@ def _save_phase(d: dict, g: GPU, host_copies: list[int]) -> None:
 
 def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memory: dict, wall: float,
             host_copies: list[int]) -> dict:
-    from .flops import flops_per_iteration
+    from ..plan.flops import flops_per_iteration
     times = predict_time(tracker.phases, g, layout["tp"], layout["dp"])
     accum = layout["accum"]
     step = sum(t["total_s"] * (accum - 1 if name.endswith("(accumulation)") else 1)

@@ -1,0 +1,124 @@
+"""The package's layering, read from the source (AST), so that it stays as the README's code map shows it.
+
+Three layers, imports pointing one way: the library (``config``, ``model``, ``errors``, ``io``,
+``parallel``, ``optim``, ``data``, ``checkpoint``, ``eval``, ``generation``, ``plan``, ``options``,
+``interop``) <- the runtime (``runtime``, ``training``) <- the commands (``cli``, ``commands``).
+Every ``import`` counts, also one inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "tnlg"
+LAYERS = {"commands": 2, "cli": 2, "__main__": 2, "runtime": 1, "training": 1}  # everything else: library (0)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("tnlg",) + path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str | None:
+    """The tnlg module an imported name lives in (``tnlg.a.b.func`` -> ``tnlg.a.b``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # ``from pkg import mod`` imports the module; ``from mod import name`` the module holding it
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _target(name) if name.startswith("tnlg.") or name == "tnlg" else None
+            if target and target not in (module, "tnlg"):
+                found.add(target)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+
+
+def test_imports_point_from_the_commands_to_the_runtime_to_the_library():
+    wrong = sorted(f"{m} ({_layer(m)}) imports {t} ({_layer(t)})" for m, ts in GRAPH.items() for t in ts
+                   if _layer(t) > _layer(m))
+    assert not wrong, "layer 0 = library, 1 = runtime, 2 = commands:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components over every import edge: each must be one module."""
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_few_modules_at_the_top_of_the_package():
+    top = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 5, top
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")))
+def test_no_function_longer_than_60_lines(path):
+    tree = ast.parse((ROOT / path).read_text())
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
+
+
+def test_the_graph_sees_relative_and_function_level_imports():
+    """The checks above are only as good as the graph: it must hold edges written every way."""
+    assert "tnlg.runtime.launch" in GRAPH["tnlg.commands.inference"]  # from ..runtime.launch import ...
+    assert "tnlg.training.checkpointing" in GRAPH["tnlg.commands.pretrain"]  # inside a function
+    assert "tnlg.parallel.state" in GRAPH["tnlg.model"]
+    assert os.path.basename(MODULES["tnlg.cli"]) == "cli.py"

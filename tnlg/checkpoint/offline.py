@@ -1,0 +1,60 @@
+"""Checkpoints written in one process, outside a run: resharding (``tnlg convert --from CKPT --to CKPT2
+--tensor-model-parallel-size N``) and what the converters from other formats share (opening a source
+checkpoint, writing a converted one for virtual TP ranks). No collectives: everything is read and
+written here, one slice at a time."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import GPTConfig
+from ..errors import UserError
+from . import files as F
+from .loading import read_states
+from .saving import write_offline
+
+__all__ = ["open_source", "reshard_checkpoint", "write_converted"]
+
+
+def write_converted(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+    """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
+    :func:`tnlg.checkpoint.saving.write_offline`."""
+    return write_offline(dst, dict(meta, config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
+
+
+def open_source(path: str) -> tuple[str, dict, GPTConfig]:
+    iter_dir = F.resolve(path, "--from")
+    if iter_dir is None:
+        raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
+    meta = F.read_meta(iter_dir)
+    F.check_files(iter_dir, meta)
+    return iter_dir, meta, GPTConfig.from_dict(meta["config"])
+
+
+def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
+    """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
+    iter_dir, meta, cfg = open_source(path)
+    src_tp = int(meta["layout"]["tp"])
+    tp_size = tp_size or src_tp
+    try:
+        cfg.check_tensor_parallel(tp_size)
+    except ValueError as exc:
+        raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
+
+    def shard(r, names):
+        return read_states(iter_dir, meta, cfg, tp_size, r, names=names)
+
+    rng_of_rank = None
+    if meta.get("rng"):
+        stage = F.stage_tag(0, int(meta["layout"].get("pp", 1)))  # the first stage's (PP 1 is written)
+        base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0, stage)), weights_only=True)
+
+        def rng_of_rank(r):
+            if tp_size == src_tp and stage is None:  # same TP: every TP rank keeps its dropout stream
+                return torch.load(os.path.join(iter_dir, F.rng_file(0, r)), weights_only=True)
+            return dict(base, tp=None, tp_device=None)  # reseeded on load
+
+    meta = dict(meta, converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
+    return write_converted(dst, meta, cfg, tp_size, shard, rng_of_rank)

@@ -1,0 +1,119 @@
+"""What ``tnlg eval`` and ``tnlg generate`` share: their common flags and their processes.
+
+* :func:`add_common_arguments` - checkpoint, tokenizer, layout and launch flags (torch-free, for ``--help``).
+* :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
+  relaunch the same command on N local processes (:func:`tnlg.runtime.launch.relaunch`);
+  else run in this process.
+* :func:`run_command` - the above, then ``work(ps)`` on every rank and the result printed by rank 0.
+
+Torch is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..errors import UserError
+from ..options.pipeline import check_pipeline_world, check_stage_count
+from ..runtime.launch import check_nodes, join, launcher_world_size, relaunch
+
+if TYPE_CHECKING:
+    from ..parallel.state import ParallelState
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
+                   help="a Hugging Face GPT-2 folder (config.json + weights; vocab.json + merges.txt give the "
+                        "tokenizer) or a tnlg checkpoint folder; resharded to the TP size asked for")
+    p.add_argument("--tokenizer-model", metavar="M",
+                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
+                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (default 1); must divide the number of processes")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1, metavar="P",
+                   help="pipeline stages (default 1): the layers split as evenly as possible over P stages, "
+                        "each holding its layers' weights and KV cache; P x TP must divide the processes")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="local processes to launch (default: TP x PP); the extra factor is data "
+                        "parallelism. Not needed under torchrun, which sets the world")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="nodes of the job, each running this command with --nproc-per-node (default 1); needs "
+                        "--rdzv-endpoint")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="with --nnodes: where the nodes meet; the node named HOST serves it on exactly that "
+                        "address (default: one node, the launcher listens on 127.0.0.1 only)")
+    p.add_argument("--micro-batch-size", type=int, default=8, metavar="B",
+                   help="sequences per forward pass (default 8)")
+    p.add_argument("--json", action="store_true",
+                   help="print exactly one JSON object on stdout (from rank 0) instead of a table")
+
+
+def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Optional["ParallelState"]]:
+    """``(exit status, None)`` after launching ``--nproc-per-node`` local processes, or
+    ``(None, ps)`` to run here: under torchrun/elastic (joining its process group) or as
+    the only process (CUDA when available). The layout (TP, PP against the processes and the
+    checkpoint's layers) is checked first, before any process starts."""
+    for flag, value in (("--tensor-model-parallel-size", args.tp), ("--pipeline-model-parallel-size", args.pp)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}.")
+    import torch
+
+    from ..generation.loading import checkpoint_num_layers
+    from ..parallel.state import ParallelState
+    layers = checkpoint_num_layers(args.checkpoint)
+    if layers is not None:
+        check_stage_count(args.pp, layers)
+    world = launcher_world_size()
+    if world is None:
+        nproc = args.nproc_per_node or args.tp * args.pp
+        if nproc < 1 or nproc % args.tp:
+            raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
+                            f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
+        check_pipeline_world(args.pp, args.tp, nproc * args.nnodes)
+        check_nodes(args.nnodes, args.rdzv_endpoint)
+        status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
+        if status is not None:
+            return status, None
+        return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
+    if world % args.tp:
+        raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
+                        "torchrun started.")
+    check_pipeline_world(args.pp, args.tp, world)
+    return None, join(args.tp, pipeline_parallel_size=args.pp)
+
+
+def run_command(command: str, add_arguments, args, work: Callable[["ParallelState"], dict],
+                show: Callable[[dict], None]) -> int:
+    """Launch or join the ranks, run ``work(ps)`` on every rank, then on rank 0 print the result:
+    exactly one JSON object with ``--json``, else ``show(result)``. An error is raised on the rank
+    that has it; :mod:`tnlg.runtime.failures` (through :func:`tnlg.cli.main`) reports it once for the job and
+    stops the other ranks: one every rank raised alike (a checkpoint that cannot be loaded) is
+    printed by rank 0, one rank's own error names that rank."""
+    from ..parallel.state import destroy_parallel, is_distributed
+    status, ps = launch_or_init(command, add_arguments, args)
+    if status is not None:
+        return status
+    try:
+        result = work(ps)
+    except BaseException:
+        if not is_distributed():  # with several ranks, a peer may sit in a collective: the groups stay
+            destroy_parallel()
+        raise
+    destroy_parallel()
+    if ps.rank == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            show(result)
+    return 0
+
+
+def print_table(title: str, rows: list[tuple[str, object]]) -> None:
+    """Two aligned columns on stdout."""
+    width = max(len(k) for k, _ in rows)
+    print(title)
+    for k, v in rows:
+        if isinstance(v, float):
+            v = f"{v:.6g}" if abs(v) < 1e6 else f"{v:.6e}"
+        print(f"  {k:<{width}}  {v}")

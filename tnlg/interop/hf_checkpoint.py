@@ -1,0 +1,76 @@
+"""Hugging Face GPT-2 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
+the weights mapped by :mod:`tnlg.interop.hf`, the tokenizer by :mod:`tnlg.data.hf_tokenizer`. No
+collectives; one process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint import files as F
+from ..checkpoint.files import FORMAT
+from ..checkpoint.offline import open_source, write_converted
+from ..checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
+from ..config import GPTConfig
+from ..data.hf_tokenizer import hf_tokenizer_files
+from ..data.tokenizer import load_tokenizer
+from ..errors import UserError
+from .hf import _load_hf_model, build_hf_model, config_from_hf, hf_to_tnlg_state_dict, write_hf_folder
+
+__all__ = ["hf_to_checkpoint", "checkpoint_to_hf"]
+
+
+def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
+    """A ``GPT2LMHeadModel`` folder -> a tnlg checkpoint (iteration 0, weights only) at TP ``tp_size``."""
+    hf = _load_hf_model(hf_dir)
+    cfg = config_from_hf(hf.config)
+    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
+    tok = None
+    if tokenizer_model:
+        tok = load_tokenizer(tokenizer_model)
+        if tok.vocab_size > cfg.vocab_size:
+            raise UserError(f"--tokenizer-model {tokenizer_model!r} has {tok.vocab_size} tokens but the model's "
+                            f"vocabulary has {cfg.vocab_size}; it is not this model's tokenizer.")
+    dtype = next(iter(full.values())).dtype
+    meta = dict(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
+                tokenizer=None if tok is None else tok.describe(),
+                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
+                schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__)
+
+    def shard(r, names):
+        targets = targets_for(cfg, tp_size, r)
+        return {n: slice_full(full[n], targets[n]) for n in names}, None
+
+    return write_converted(dst, meta, cfg, tp_size, shard)
+
+
+def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:
+    """A tnlg checkpoint -> a new Hugging Face GPT-2 folder (safetensors), written atomically
+    (:func:`tnlg.interop.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
+    else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
+    end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
+    iter_dir, meta, cfg = open_source(path)
+    tok = _export_tokenizer(meta, cfg, tokenizer_model) if with_tokenizer else None
+    files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
+    reader = ShardReader(iter_dir, meta, F.model_file)
+    full = {n: reader.tensor(n, n, t) for n, t in full_targets(meta).items()}
+    hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}")
+    return write_hf_folder(hf, hf_dir, files)
+
+
+def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
+    """The tokenizer an exported folder carries: ``tokenizer_model``, else the checkpoint's, else ``None``."""
+    spec = tokenizer_model or meta.get("tokenizer")
+    if not spec:
+        return None
+    try:
+        tok = load_tokenizer(spec)
+    except UserError as err:
+        flag = "--tokenizer-model" if tokenizer_model else "the checkpoint's tokenizer"
+        raise UserError(f"{flag}: {err} The Hugging Face folder carries the tokenizer: pass --tokenizer-model with "
+                        "its files, or --no-tokenizer to write the weights alone.") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"tokenizer {tok!r} has {tok.vocab_size} tokens but the model's vocabulary has "
+                        f"{cfg.vocab_size}; it is not this model's tokenizer.")
+    return tok
