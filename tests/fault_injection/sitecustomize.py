@@ -81,8 +81,8 @@ if _LOADED_SPEC and "RANK" in os.environ:
             return out
         return load
 
-    for _module in map(importlib.import_module, ("tnlg.commands.eval", "tnlg.generate")):  # (tnlg.generate: a function)
-        _module.load_model = _failing_after(_module.load_model)
+    _loading = importlib.import_module("tnlg.generation.loading")  # the commands import it when they run
+    _loading.load_model = _failing_after(_loading.load_model)
 
 # ``TNLG_TEST_NAN_AT=N:RANK`` puts a NaN into that rank's shard of the word embeddings before iteration N,
 # as a bad update on one rank would: the TP all-reduces and the DP all-reduce of the loss carry it to every rank.

@@ -4,9 +4,8 @@ and the perplexity of any text files.
 Modules: :mod:`.windows` (overlapping-window scoring of token streams), :mod:`.wikitext`
 (WikiText perplexity, the WikiText detokeniser), :mod:`.text` (token-weighted perplexity of text files),
 :mod:`.lambada` (strict / non-strict last-word accuracy), :mod:`.loss` (loss over a
-``.bin/.idx`` dataset), :mod:`.logits` (argmax, top-k and sampling on
-vocabulary-parallel logits, shared with :mod:`tnlg.generation`), :mod:`.loading`
-(checkpoints, tokenizers, processes) and :mod:`.cli` (``tnlg eval``).
+``.bin/.idx`` dataset), :mod:`.batches` (the loop they share). Models and tokenizers come from
+:mod:`tnlg.generation.loading`; the ``tnlg eval`` command is :mod:`tnlg.commands.eval`.
 """
 
 from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts, split_last_word
