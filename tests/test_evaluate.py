@@ -286,8 +286,8 @@ def _toy_dataset(tmp_path, docs: int, longest: int, seed: int) -> str:
 
 
 def test_eval_samples_evaluates_exactly_n(setup, tmp_path, capsys):
-    """issue 15 item 6: ``--eval-samples N`` built N samples' worth of whole passes and evaluated all
-    of them (1 and 64 both gave every sample); it now evaluates exactly the first N of the seeded order."""
+    """``--eval-samples N`` evaluates exactly the first N samples of the seeded order (it used to build N
+    samples' worth of whole passes and evaluate all of them: 1 and 64 both gave every sample)."""
     prefix = _toy_dataset(tmp_path, docs=10, longest=30, seed=1)
     hf_dir = tmp_path / "hf"
     setup["hf"].save_pretrained(hf_dir)

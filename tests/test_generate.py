@@ -140,7 +140,7 @@ def test_tp2_tp4_match_transformers_and_tp1(ref):
 
 @pytest.mark.slow
 def test_uneven_heads_match_transformers():
-    """Issue 8: 6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
+    """6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
     from tnlg.interop.hf import hf_to_tnlg_state_dict
 
     hf = _hf_model(n_embd=36, n_head=6, seed=5)

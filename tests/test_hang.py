@@ -1,4 +1,4 @@
-"""A hung collective ends in one message naming it, not a traceback per rank (issue 15 item 10)."""
+"""A hung collective ends in one message naming it, not a traceback per rank."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _hang_body(ps):
 
 
 def test_timeout_names_the_collective_group_caller_and_missing_rank():
-    """issue 15 item 10: a hang ended in rank 0's raw `RuntimeError: ... pair closure` traceback."""
+    """A hang ends in one line naming the collective, its group, the caller and the rank that did not report
+    (it used to end in rank 0's raw `RuntimeError: ... pair closure` traceback)."""
     (status, text), _ = run_distributed(_hang_body, 2, 1, timeout_s=TIMEOUT_S)
     assert status == 1 and text.count("\n") == 1 and "Traceback" not in text, text
     assert "all_reduce over the data-parallel group (ranks 0, 1)" in text
@@ -105,7 +106,7 @@ def _workers(save: str) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the worker processes")
 def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
-    """issue 15 item 10, as the user saw it: SIGSTOP one worker of the built-in job mid-run."""
+    """The same, as a user sees it: SIGSTOP one worker of the built-in job mid-run."""
     save = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", "--train-iters", "200", "--save", save,
                              "--distributed-timeout-minutes", "0.1", "--eval-interval", "0", "--log-interval", "2",

@@ -1,6 +1,6 @@
 """Hugging Face export: the folder carries a tokenizer that `transformers` loads and that encodes like
 tnlg's (SentencePiece BPE and GPT-2 BPE), greedy generation from the folder alone matches
-`tnlg generate`, and an export never deletes what it did not write (issue 15 item 4, issue 12 item 2)."""
+`tnlg generate`, and an export never deletes what it did not write."""
 
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def test_convert_to_hf_tokenizer_errors(checkpoints, tmp_path, capsys):
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
-# ----------------------------------------------------------------------------- issue 12 item 2: never delete
+# ----------------------------------------------------------------------------- never delete
 
 def _tiny_model(vocab=4096):
     from tnlg.model import GPT
@@ -264,7 +264,8 @@ def _tiny_model(vocab=4096):
 
 
 def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
-    """Issue 12 item 2: to_hf(model, folder) used to shutil.rmtree an existing folder, files it never wrote included."""
+    """to_hf(model, folder) refuses a non-empty folder and keeps its files (it used to shutil.rmtree an
+    existing folder, files it never wrote included)."""
     from tnlg.interop.hf import to_hf
     model = _tiny_model()
     out = tmp_path / "mine"

@@ -126,8 +126,8 @@ def test_cross_entropy_rejects_out_of_vocab_target():
         vocab_parallel_cross_entropy(torch.randn(2, 16), torch.tensor([3, 16]), ParallelState.single(), 16)
 
 
-def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
-    """issue 12 item 10: the target range check is no per-step host sync on an accelerator. Tensors on the
+def test_cross_entropy_does_not_read_targets_on_the_host():
+    """The target range check is no per-step host sync on an accelerator. Tensors on the
     meta device stand in for device tensors: reading one on the host raises, so this runs only if the
     forward pass never syncs. On CPU the check stays one pass with a clear error."""
     from tnlg.parallel import ParallelState
@@ -145,7 +145,7 @@ def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
 def test_layers_initialise_themselves_tp_invariantly(tp):
-    """Issue 13 item 5: a layer used alone holds real values, each rank's shard is the matching slice of
+    """A layer used alone holds real values, each rank's shard is the matching slice of
     the TP=1 layer's (zero-padded vocabulary rows), and ``describe`` says how the layer splits."""
     from tnlg.parallel import ParallelState
     from tnlg.parallel.initialization import init_normal
