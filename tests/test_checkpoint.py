@@ -9,7 +9,6 @@ round trip at TP=2).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -24,8 +23,8 @@ from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
+from tests.tiny import tiny_options
 from tnlg.runtime.spawn import run_distributed
-from tnlg.commands.pretrain_args import resolve
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
@@ -34,16 +33,12 @@ STEPS = 6
 
 
 def _options(world, **over):
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                 global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
-                 lr_decay_iters=STEPS, log_interval=100, eval_interval=0, eval_iters=2, data_path=[prefix],
-                 tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=1.0,
-                 hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=1)
+    flags = dict(global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                 lr_decay_iters=STEPS, log_interval=100, eval_iters=2, hidden_dropout=0.1, attention_dropout=0.1,
+                 tensor_model_parallel_size=1)
     load = over.pop("load", None)
     flags.update(over)
-    o = resolve(argparse.Namespace(**flags), world_size=world)
+    o = tiny_options(world, **flags)
     o.load = load  # set after resolve: the directory is created by an earlier run of the same spawn
     return o
 

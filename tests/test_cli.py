@@ -123,9 +123,9 @@ def test_main_from_python_passes_its_own_list_to_the_workers(monkeypatch, tmp_pa
     for var in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):  # the launcher sets them
         monkeypatch.setenv(var, os.environ.get(var, "1"))
     monkeypatch.setattr(sys, "argv", ["tnlg", "pretrain", "--train-iters", "99", "--lr", "0.5"])
+    prompt = "-x y"  # a value that starts with '-' and holds a space
     given = ["--nproc-per-node", "2", *tiny_flags(train_iters=3, lr_warmup_iters=1, tensor_model_parallel_size=1,
-                                                  save=str(tmp_path / "s"),
-                                                  sample_prompt="-x y")]  # a value that starts with '-' and holds a space
+                                                  save=str(tmp_path / "s"), sample_prompt=prompt)]
     assert main(["pretrain", *given]) == 0
     assert len(launched) == 1
     child = launched[0]

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
+from tests.tiny import tiny_options
 from tnlg.config import GPTConfig
 from tnlg.plan.flops import flops_per_iteration, reference_flops
 from tnlg.runtime.spawn import run_distributed
 from tnlg.training.throughput import iteration_flops, measure_peak_tflops
-from tnlg.commands.pretrain_args import resolve
 
 
 def test_iteration_flops_honour_ffn_hidden_size():
@@ -60,14 +59,9 @@ def _train_body(ps, o):
 def test_log_reports_model_tflops_mfu_and_hfu(tmp_path, capfd):
     """With recomputation the log line shows model TFLOP/s first, MFU and HFU apart, and the peak they divide
     by (the logged "MFU" used to count the recomputed forward, which is HFU)."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     metrics = tmp_path / "metrics.jsonl"
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, ffn_hidden_size=96,
-                 micro_batch_size=4, global_batch_size=4, train_iters=2, log_interval=1, eval_interval=0,
-                 data_path=[prefix], tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=0.5,
-                 recompute_activations=True, metrics_file=str(metrics), tensor_model_parallel_size=1)
-    o = resolve(argparse.Namespace(**flags), world_size=1)
+    o = tiny_options(1, ffn_hidden_size=96, micro_batch_size=4, train_iters=2, peak_tflops=0.5,
+                     recompute_activations=True, metrics_file=str(metrics), tensor_model_parallel_size=1)
     run_distributed(_train_body, 1, 1, o, timeout_s=120)
     out = capfd.readouterr().out
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -11,7 +11,8 @@ import pickle
 import pytest
 import torch
 
-from tnlg.cli import build_parser, main
+from tests.tiny import resolve_flags
+from tnlg.cli import main
 from tnlg.errors import UserError
 from tnlg.options import OPTION_NAMES, ModelOptions, Options, ScheduleOptions
 from tnlg.commands.pretrain_args import DEFAULTS, add_arguments, resolve
@@ -21,10 +22,6 @@ def _parser():
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p
-
-
-def _resolved(argv, world):
-    return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=world)
 
 
 @pytest.fixture(scope="module")
@@ -93,45 +90,45 @@ def test_user_run_gets_megatron_defaults_not_the_builtin_jobs(corpus):
     """A run on the user's data gets Megatron-LM's defaults, not the built-in job's tuned ones: ``--data-path D
     --tokenizer-model M --train-iters 2`` used to stop on "--lr-warmup-iters (30) must be smaller than
     --lr-decay-iters (2)", a flag the user never set."""
-    o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2"], world=4)
+    o = resolve_flags(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2"], 4)
     assert (o.lr_warmup_iters, o.lr_decay_iters, o.min_lr, o.lr_decay_style) == (0, None, 0.0, "linear")
     assert (o.hidden_dropout, o.attention_dropout, o.adam_beta2) == (0.1, 0.1, 0.999)
     assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (1, 8, 32)  # micro x DP
     assert (o.sample_prompt, o.eval_interval, o.eval_iters, o.log_interval) == ("", 1000, 100, 100)
     assert o.builtin_job is False
     # a user's --lr below the built-in job's --min-lr, a global batch without a micro batch: both fine
-    o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2",
-                   "--lr", "1e-4", "--global-batch-size", "4"], world=4)
+    o = resolve_flags(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2",
+                   "--lr", "1e-4", "--global-batch-size", "4"], 4)
     assert (o.min_lr, o.micro_batch_size, o.global_batch_size) == (0.0, 1, 4)
     # a preset run is a user's run too
-    o = _resolved(["--preset", "tiny", "--train-iters", "5"], world=2)
+    o = resolve_flags(["--preset", "tiny", "--train-iters", "5"], 2)
     assert (o.lr_warmup_iters, o.hidden_dropout, o.tensor_model_parallel_size) == (0, 0.1, 1)
 
 
 def test_train_iters_is_required_outside_the_builtin_job(corpus):
     """The built-in job's 300 iterations are not a default for a user's data."""
     with pytest.raises(UserError, match="--train-iters is required"):
-        _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1]], world=4)
+        resolve_flags(["--data-path", corpus[0], "--tokenizer-model", corpus[1]], 4)
 
 
 def test_builtin_job_defaults_unchanged_and_scaled_by_the_users_flags():
     """The built-in job keeps its tuned values; those that depend on a flag the user sets follow it instead
     of contradicting it."""
-    o = _resolved([], world=4)
+    o = resolve_flags([], 4)
     assert o.builtin_job is True
     assert (o.train_iters, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_style, o.adam_beta2) == \
         (300, 2e-3, 2e-4, 30, "cosine", 0.95)
     assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (2, 8, 16)
     assert (o.hidden_dropout, o.eval_interval, o.eval_iters, o.sample_prompt) == (0.0, 100, 4, "ROMEO:")
-    o = _resolved(["--train-iters", "2"], world=4)  # was: warmup 30 >= decay 2
+    o = resolve_flags(["--train-iters", "2"], 4)  # was: warmup 30 >= decay 2
     assert (o.lr_warmup_iters, o.lr_decay_iters) == (0, None)
-    o = _resolved(["--lr", "1e-4"], world=4)  # was: --min-lr 2e-4 above --lr
+    o = resolve_flags(["--lr", "1e-4"], 4)  # was: --min-lr 2e-4 above --lr
     assert o.min_lr == pytest.approx(1e-5)
-    o = _resolved(["--nproc-per-node", "1"], world=1)  # was: TP 2 does not divide 1 process
+    o = resolve_flags(["--nproc-per-node", "1"], 1)  # was: TP 2 does not divide 1 process
     assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (1, 16, 8)
-    o = _resolved(["--nproc-per-node", "8"], world=8)  # was: 16 not divisible by micro 8 x DP 4
+    o = resolve_flags(["--nproc-per-node", "8"], 8)  # was: 16 not divisible by micro 8 x DP 4
     assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (2, 16, 4)
-    o = _resolved(["--train-iters", "1000", "--lr-decay-iters", "500"], world=4)
+    o = resolve_flags(["--train-iters", "1000", "--lr-decay-iters", "500"], 4)
     assert o.lr_warmup_iters == 50
 
 

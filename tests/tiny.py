@@ -46,3 +46,11 @@ def tiny_flags(**overrides) -> list[str]:
         else:
             flags += [action.option_strings[0], *map(str, value if isinstance(value, list) else [value])]
     return flags
+
+
+def resolve_flags(argv: list[str], world_size: int):
+    """``tnlg pretrain``'s options for the flags ``argv`` on ``world_size`` processes, parsed and resolved as
+    the command does."""
+    from tnlg.cli import build_parser
+    from tnlg.commands.pretrain_args import resolve
+    return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=world_size)
