@@ -26,8 +26,16 @@ def _grad_sync(ps, t):
     dist.all_reduce(t, group=ps.dp_group)  # rank 1 never comes
 
 
-def _hang_body(ps):
+def _reported(exc):
+    """What the hang report of ``exc`` says (waiting 1.5 s for the other ranks' reports), with its status."""
     from tnlg.runtime.hang import report
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = report(exc, "pretrain", wait_s=1.5)
+    return status, err.getvalue()
+
+
+def _hang_body(ps):
     if ps.rank == 1:  # the hung rank: it never enters the collective (and never says it is alive)
         time.sleep(TIMEOUT_S + 4)
         return None
@@ -35,10 +43,7 @@ def _hang_body(ps):
         _grad_sync(ps, torch.ones(1))
     except RuntimeError as exc:
         assert is_collective_timeout(exc)
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            status = report(exc, "pretrain", wait_s=1.5)
-        return status, err.getvalue()
+        return _reported(exc)
     raise AssertionError("the all_reduce with a missing rank returned")
 
 
@@ -168,7 +173,6 @@ def _stall_at_call(module, n: int) -> None:
 
 
 def _stage_hang_body(ps):
-    from tnlg.runtime.hang import report
     ps, model, pipeline = _pipeline(ps, 4)
     tokens = torch.randint(0, 50, (4, 2, 8), generator=torch.Generator().manual_seed(0))
     batches = [dict(tokens=t, labels=t) for t in tokens]
@@ -181,10 +185,7 @@ def _stage_hang_body(ps):
         if ps.pp_rank == 1:
             assert isinstance(exc.__cause__, _Stalled), exc  # (torch wraps a stage's error)
             return None
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            status = report(exc, "pretrain", wait_s=1.5)
-        return status, err.getvalue()
+        return _reported(exc)
     raise AssertionError("the schedule with a stalled stage returned")
 
 

@@ -14,6 +14,7 @@ import unicodedata
 import pytest
 import torch
 
+from tests.hf_reference import random_gpt2
 from tnlg.cli import main
 from tnlg.config import GPTConfig
 from tnlg.data.tokenizer import GPT2BPETokenizer, load_tokenizer, train_sentencepiece
@@ -152,15 +153,7 @@ def test_gpt2_bpe_folder_encodes_like_tnlg(texts, tmp_path):
 # ----------------------------------------------------------------------------- generation from the folder alone
 
 def _hf_model(vocab, seq=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2)
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
+    return random_gpt2(vocab, seq, seed)
 
 
 def _tnlg_generate(ckpt, prompts, new, extra=()):

@@ -28,6 +28,18 @@ def _slice_last(t, sizes, rank):
     return t[..., start:start + sizes[rank]]
 
 
+def _reference_linear(W, b, x, gy):
+    """A plain ``nn.Linear`` holding ``W`` and ``b``, run forward on a copy of ``x`` and backward from the output
+    gradient ``gy``: (the layer, the input copy holding its gradient, the output)."""
+    ref = nn.Linear(W.shape[1], W.shape[0])
+    with torch.no_grad():
+        ref.weight.copy_(W), ref.bias.copy_(b)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * gy).sum().backward()
+    return ref, xr, yr
+
+
 def _layers_body(ps):
     tp, r = ps.tp_size, ps.tp_rank
     gen = torch.Generator().manual_seed(0)
@@ -36,12 +48,7 @@ def _layers_body(ps):
     sizes = partition_sizes(out, tp)
     W, b = torch.randn(out, 8, generator=gen), torch.randn(out, generator=gen)
     gy = torch.randn(2, 5, out, generator=gen)
-    ref = nn.Linear(8, out)
-    with torch.no_grad():
-        ref.weight.copy_(W), ref.bias.copy_(b)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    (yr * gy).sum().backward()
+    ref, xr, yr = _reference_linear(W, b, x, gy)
 
     # column parallel, both output modes
     for gather in (True, False):
@@ -61,12 +68,7 @@ def _layers_body(ps):
     W2, b2 = torch.randn(8, out, generator=gen), torch.randn(8, generator=gen)
     x2 = torch.randn(2, 5, out, generator=gen)
     g2 = torch.randn(2, 5, 8, generator=gen)
-    ref2 = nn.Linear(out, 8)
-    with torch.no_grad():
-        ref2.weight.copy_(W2), ref2.bias.copy_(b2)
-    x2r = x2.clone().requires_grad_()
-    y2r = ref2(x2r)
-    (y2r * g2).sum().backward()
+    ref2, x2r, y2r = _reference_linear(W2, b2, x2, g2)
     for parallel_in in (True, False):
         row = RowParallelLinear(out, 8, ps, input_is_parallel=parallel_in, partition_sizes=sizes)
         with torch.no_grad():
