@@ -18,12 +18,12 @@ import shutil
 import pytest
 import torch
 
+from tests.tiny import tiny_options
 from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
-from tests.tiny import tiny_options
 from tnlg.runtime.spawn import run_distributed
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
