@@ -5,7 +5,8 @@ import torch
 
 torch.set_num_threads(1)  # spawned ranks share the 2 cores; keep the parent off them
 
-# (world_size, tp): the layouts every distributed test body runs at (GUIDE section 4)
+# (world_size, tp): the layouts a distributed test body runs at: one process; all tensor-parallel on 2 and 4;
+# all data-parallel on 2; TP 2 x DP 2 on 4
 LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 2)]
 
 
@@ -23,7 +24,7 @@ def one_thread():
 def _cache_in_a_temporary_folder(tmp_path_factory):
     """Tests write only to temporary folders: the built-in corpus (prepared once per session, about 2 s)
     and every dataset index cache go to this session's folder, not to ``~/.cache/tnlg``, which they
-    used to fill with index-cache files (issue 15 item 9). Spawned workers inherit the variable."""
+    used to fill with index-cache files. Spawned workers inherit the variable."""
     # torch.compile's caches too (default /tmp/torchinductor_<user>): a cache kept between runs would hide
     # a change to a custom operator's fake implementation, which inductor's cache key does not see
     folders = {"TNLG_CACHE": "tnlg_cache", "TORCHINDUCTOR_CACHE_DIR": "inductor_cache"}

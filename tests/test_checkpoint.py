@@ -9,7 +9,6 @@ round trip at TP=2).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,13 +18,13 @@ import shutil
 import pytest
 import torch
 
+from tests.tiny import tiny_options
 from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
 from tnlg.runtime.spawn import run_distributed
-from tnlg.commands.pretrain_args import resolve
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
@@ -34,16 +33,12 @@ STEPS = 6
 
 
 def _options(world, **over):
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                 global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
-                 lr_decay_iters=STEPS, log_interval=100, eval_interval=0, eval_iters=2, data_path=[prefix],
-                 tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=1.0,
-                 hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=1)
+    flags = dict(global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                 lr_decay_iters=STEPS, log_interval=100, eval_iters=2, hidden_dropout=0.1, attention_dropout=0.1,
+                 tensor_model_parallel_size=1)
     load = over.pop("load", None)
     flags.update(over)
-    o = resolve(argparse.Namespace(**flags), world_size=world)
+    o = tiny_options(world, **flags)
     o.load = load  # set after resolve: the directory is created by an earlier run of the same spawn
     return o
 
@@ -174,7 +169,7 @@ def world2(dirs, killed, hf_model):
 
 @pytest.fixture(scope="module")
 def world2_bf16(dirs):
-    """Issue 11: 16-bit ZeRO mixed precision on 2 processes (TP 1 x DP 2): exact resume at ZeRO-1
+    """16-bit ZeRO mixed precision on 2 processes (TP 1 x DP 2): exact resume at ZeRO-1
     (also with fp32 gradient accumulation over 2 micro batches) and ZeRO-3, and crossing precisions."""
     w = 2
     a, b, c, d, e = (str(dirs / f"bf16_{k}") for k in "abcde")
@@ -358,11 +353,11 @@ def test_save_layout_same_iteration_twice_and_keep_last(tmp_path):
                 keep_last=2)
     assert ck.list_iterations(root) == [4, 5] and ck.read_latest(root) == 5
     assert not os.path.exists(os.path.join(root, "iter_0000008.tmp"))
-    assert os.path.isdir(os.path.join(root, "iter_0000009.tmp")), "issue 12 item 3: a user's folder was deleted"
+    assert os.path.isdir(os.path.join(root, "iter_0000009.tmp")), "a folder the save did not write was deleted"
 
 
 def test_saving_an_iteration_again_replaces_the_older_save(tmp_path, capsys):
-    """Issue 12 item 1: a run rolled back to an earlier checkpoint that reaches an iteration again
+    """A run rolled back to an earlier checkpoint that reaches an iteration again
     replaces the older save of that iteration (atomically, with a log line), never discards the new one."""
     cfg, model, engine, ps = _tiny()
     root = str(tmp_path / "c")
@@ -381,7 +376,7 @@ def test_saving_an_iteration_again_replaces_the_older_save(tmp_path, capsys):
 
 
 def test_missing_pointer_resumes_from_newest_complete_iteration(tmp_path):
-    """Issue 12 item 4: a crash between the rename of a new iteration and the write of ``latest``
+    """A crash between the rename of a new iteration and the write of ``latest``
     (here: no pointer at all, and a pointer naming a damaged directory) resumes from the newest
     complete iteration and says so."""
     cfg, model, engine, ps = _tiny()
@@ -421,7 +416,7 @@ def test_load_restores_weights_optimizer_and_rng_exactly(tmp_path):
 
 
 def test_uneven_reshard_28_heads(tmp_path):
-    """Issue 8: shards of a 28-head model re-slice exactly between TP 1, 8, 3, 4 (weights and Adam moments)."""
+    """Shards of a 28-head model re-slice exactly between TP 1, 8, 3, 4 (weights and Adam moments)."""
     from tnlg.checkpoint.reshard import full_targets, slice_full, targets_for
     from tnlg.checkpoint.offline import reshard_checkpoint
     cfg, model, engine, ps = _tiny(heads=28, hidden=56, layers=1)
@@ -541,7 +536,7 @@ def test_inference_load_errors(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
 
 
-# --------------------------------------------------------------------------- issue 8: 28 heads, TP 8 -> 4, 3
+# --------------------------------------------------------------------------- 28 heads, TP 8 -> 4, 3
 
 @pytest.mark.slow
 def test_28_heads_saved_at_tp8_loads_at_tp4_and_tp3(tmp_path):

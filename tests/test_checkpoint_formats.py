@@ -1,4 +1,4 @@
-"""Issue 11: checkpoints of format 1 (tnlg 0.1: whole per-TP-rank moments, fp32 weights) still load.
+"""Checkpoints of format 1 (tnlg 0.1: whole per-TP-rank moments, fp32 weights) still load.
 
 ``tests/fixtures/checkpoint_v1`` was written by tnlg 0.1 (commit 08415ef) after 3 ZeRO-1 steps of a
 tiny GPT. It must load into today's engine at any DP size and stage, with weights, moments and the

@@ -1,4 +1,4 @@
-"""Issue 11: streamed safetensors files (written one tensor at a time, read with positioned reads)
+"""Streamed safetensors files (written one tensor at a time, read with positioned reads)
 are byte-compatible with the ``safetensors`` library both ways, and the recorded SHA-256 is the file's."""
 
 import hashlib

@@ -1,18 +1,24 @@
-"""The ``tnlg`` command itself: bare ``tnlg``, fast help, no abbreviations, errors with the subcommand's usage
-(issue 15 item 9)."""
+"""The ``tnlg`` command itself: bare ``tnlg``, fast help, no abbreviations, parse errors in one line with the
+closest valid names, and arguments taken from the list given to ``main`` (only the console entry reads
+``sys.argv``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tnlg.cli import COMMANDS, main
+from tests.tiny import tiny_flags
+from tnlg.cli import COMMANDS, build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bare_tnlg_prints_help_and_runs_nothing(capsys, monkeypatch):
-    """issue 15 item 9: bare ``tnlg`` printed nothing and started the 300-iteration job."""
+    """Bare ``tnlg`` prints the help and runs nothing (it used to print nothing and start the 300-iteration
+    built-in job)."""
     import tnlg.commands.pretrain
 
     monkeypatch.setattr(tnlg.commands.pretrain, "run", lambda args: pytest.fail("bare `tnlg` must not run the job"))
@@ -98,16 +104,48 @@ def test_a_mistyped_pretrain_flag_is_reported_without_importing_torch():
     assert "tnlg.cli" in imported and not any(name.split(".")[0] == "torch" for name in imported)
 
 
-def test_tests_keep_caches_in_temporary_folders():
-    """issue 15 item 9: the suite left ~100 index-cache files in ~/.cache/tnlg (built-in corpus runs write
-    their index caches next to the corpus). tests/conftest.py points TNLG_CACHE at a session folder."""
-    import os
-    from pathlib import Path
+def test_main_from_python_passes_its_own_list_to_the_workers(monkeypatch, tmp_path):
+    """``main([...])`` with ``--nproc-per-node 2`` gives the workers the very list it was given and
+    validated (it used to build their arguments from ``sys.argv``, here pytest's)."""
+    import torch.distributed.launcher.api as launcher_api
 
-    from tnlg.data.corpus import default_cache_dir, default_dataset
+    launched = []
 
-    home_cache = Path.home() / ".cache" / "tnlg"
-    assert os.environ.get("TNLG_CACHE") and default_cache_dir() != home_cache
-    prefix, _tokenizer = default_dataset()  # (the tokenizer model ships with the package)
-    assert Path(prefix).is_relative_to(default_cache_dir())
-    assert not Path(prefix).is_relative_to(home_cache)
+    class FakeLaunch:
+        def __init__(self, config, entrypoint):
+            self.nproc = config.nproc_per_node
+
+        def __call__(self, *args):
+            launched.append(list(args))
+            return {}
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", FakeLaunch)
+    for var in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):  # the launcher sets them
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    monkeypatch.setattr(sys, "argv", ["tnlg", "pretrain", "--train-iters", "99", "--lr", "0.5"])
+    prompt = "-x y"  # a value that starts with '-' and holds a space
+    given = ["--nproc-per-node", "2", *tiny_flags(train_iters=3, lr_warmup_iters=1, tensor_model_parallel_size=1,
+                                                  save=str(tmp_path / "s"), sample_prompt=prompt)]
+    assert main(["pretrain", *given]) == 0
+    assert len(launched) == 1
+    child = launched[0]
+    assert child[:3] == ["-m", "tnlg", "pretrain"]
+    assert "99" not in child and "0.5" not in child
+    ns = build_parser(only="pretrain").parse_args(child[2:])
+    want = build_parser(only="pretrain").parse_args(["pretrain", *given])
+    assert vars(ns) == vars(want)  # the very options that were validated, nothing more or less
+
+
+def test_only_the_console_entry_reads_sys_argv():
+    """Only the console entry (``tnlg.cli``) reads ``sys.argv``: every other module takes its arguments from
+    its caller, so ``main([...])`` called from Python means what it says."""
+    import ast
+    import pathlib
+    package = pathlib.Path(ROOT) / "tnlg"
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "cli.py" and path.parent == package:
+            continue
+        tree = ast.parse(path.read_text())
+        reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "argv"
+                 and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+        assert not reads, f"{path.relative_to(ROOT)} reads sys.argv at line(s) {reads}"

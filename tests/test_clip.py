@@ -105,8 +105,8 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def test_norm_reads_the_host_once_per_step_issue_12_item_10():
-    """issue 12 item 10: squared_sums stays on the device (no per-piece .cpu()/.item()), global_norm
+def test_norm_reads_the_host_once_per_step():
+    """squared_sums stays on the device (no per-piece .cpu()/.item()), global_norm
     reads one number, and the result equals the old per-piece fp64 computation, for mixed dtypes."""
     g = torch.Generator().manual_seed(0)
     pieces = [(torch.randn(int(torch.randint(1, 300, (), generator=g)), generator=g) * (1 + i % 7), i % 3 == 0)

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from tests.tiny import tiny_options
 from tnlg.checkpoint.compat import check_compatible, data_record
 from tnlg.config import GPTConfig
 from tnlg.data.gpt_dataset import normalize_data_path, parse_data_path
@@ -96,17 +97,14 @@ def test_a_run_given_the_bin_file_resumes_from_the_prefix_and_a_moved_copy(tmp_p
     """Train 2 iterations with --data-path X.bin, then resume with X (and from a moved copy of X)."""
     from tnlg.data.corpus import default_dataset
     from tnlg.training import train
-    prefix, tok = default_dataset()
-    data = _copy(prefix, str(tmp_path / "corpus_text_document"))
-    flags = dict(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, micro_batch_size=2,
-                 global_batch_size=2, lr=1e-3, log_interval=100, eval_interval=0, eval_iters=1,
-                 tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=1.0, save=str(tmp_path / "run"),
-                 save_interval=2)
-    train(resolve(argparse.Namespace(**flags, data_path=[data + ".bin"], train_iters=2), world_size=1))
+    data = _copy(default_dataset()[0], str(tmp_path / "corpus_text_document"))
+    flags = dict(num_layers=1, num_attention_heads=2, global_batch_size=2, lr=1e-3, log_interval=100, eval_iters=1,
+                 save=str(tmp_path / "run"), save_interval=2)
+    train(tiny_options(1, **flags, data_path=[data + ".bin"], train_iters=2))
     os.mkdir(tmp_path / "moved")
     moved = _copy(data, str(tmp_path / "moved" / "corpus_text_document"))
     for path, iters in ((data, 3), (moved + ".idx", 4)):
-        summary = train(resolve(argparse.Namespace(**flags, data_path=[path], train_iters=iters), world_size=1))
+        summary = train(tiny_options(1, **flags, data_path=[path], train_iters=iters))
         assert len(summary["losses"]) == 1, summary  # resumed at iters - 1: one more iteration
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.hf_reference import bytes_to_unicode, random_gpt2
+from tests.launched import json_here_and_on_two_processes
 from tnlg.cli import main
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
@@ -70,17 +72,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 
 
 def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, std=0.1):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=std,
-                                  bos_token_id=0, eos_token_id=0)
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # non-trivial LayerNorms and biases
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
+    return random_gpt2(vocab, seq, seed, std=std, bos_token_id=0, eos_token_id=0)
 
 
 def _wikitext_raw(n_lines=6, seed=0):
@@ -286,8 +278,8 @@ def _toy_dataset(tmp_path, docs: int, longest: int, seed: int) -> str:
 
 
 def test_eval_samples_evaluates_exactly_n(setup, tmp_path, capsys):
-    """issue 15 item 6: ``--eval-samples N`` built N samples' worth of whole passes and evaluated all
-    of them (1 and 64 both gave every sample); it now evaluates exactly the first N of the seeded order."""
+    """``--eval-samples N`` evaluates exactly the first N samples of the seeded order (it used to build N
+    samples' worth of whole passes and evaluate all of them: 1 and 64 both gave every sample)."""
     prefix = _toy_dataset(tmp_path, docs=10, longest=30, seed=1)
     hf_dir = tmp_path / "hf"
     setup["hf"].save_pretrained(hf_dir)
@@ -346,21 +338,9 @@ def test_dataset_loss_matches_transformers(setup, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- CLI
 
-def _bytes_to_unicode():
-    """GPT-2's byte -> printable unicode table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def _write_byte_bpe(folder):
     """A tiny GPT-2 byte-level BPE: 256 byte symbols, a few merges, <|endoftext|>."""
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     vocab = {table[b]: b for b in range(256)}
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
     for a, b in merges:
@@ -505,13 +485,7 @@ def test_cli_eval_launches_processes(hf_folder, tmp_path, capfd):
     raw = tmp_path / "w.txt"
     raw.write_text(_wikitext_raw(n_lines=4, seed=2))
     argv = ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(raw), "--json"]
-    assert main(argv) == 0
-    one = json.loads(capfd.readouterr().out)
-    assert main(argv + ["--nproc-per-node", "2", "--tp", "2"]) == 0
-    out = capfd.readouterr().out
-    assert out.count("\n") == 1
-    two = json.loads(out)
-    assert two["tensor_model_parallel_size"] == 2
+    one, two = json_here_and_on_two_processes(capfd, argv)
     _close(two["val_loss"], one["val_loss"], rel=1e-5)
 
 

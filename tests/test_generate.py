@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_reference import random_gpt2
+from tests.launched import json_here_and_on_two_processes
 import tnlg
 from tnlg.cli import main
 from tnlg.config import GPTConfig
@@ -41,17 +43,8 @@ class CharTokenizer:
 
 
 def _hf_model(vocab=VOCAB, seq=SEQ, seed=0, n_embd=32, n_head=4, n_layer=2):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=vocab,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
-                                  bos_token_id=EOD, eos_token_id=EOD, pad_token_id=0)
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
+    return random_gpt2(vocab, seq, seed, n_embd=n_embd, n_head=n_head, n_layer=n_layer, bos_token_id=EOD,
+                       eos_token_id=EOD, pad_token_id=0)
 
 
 @torch.no_grad()
@@ -140,7 +133,7 @@ def test_tp2_tp4_match_transformers_and_tp1(ref):
 
 @pytest.mark.slow
 def test_uneven_heads_match_transformers():
-    """Issue 8: 6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
+    """6 heads at TP 4 (split 2, 2, 1, 1) generate exactly what transformers does."""
     from tnlg.interop.hf import hf_to_tnlg_state_dict
 
     hf = _hf_model(n_embd=36, n_head=6, seed=5)
@@ -260,13 +253,7 @@ def test_cli_generate_launches_processes(hf_folder, capfd):
     folder, _ = hf_folder
     argv = ["generate", "--checkpoint", str(folder), "--tokenizer-model", "builtin", "--prompt", "To be",
             "--prompt", "Of man", "--prompt", "Sing", "--top-k", "8", "--seed", "5", "--max-new-tokens", "5", "--json"]
-    assert main(argv) == 0
-    one = json.loads(capfd.readouterr().out)
-    assert main(argv + ["--nproc-per-node", "2", "--tp", "2"]) == 0
-    out = capfd.readouterr().out
-    assert out.count("\n") == 1
-    two = json.loads(out)
-    assert two["tensor_model_parallel_size"] == 2
+    one, two = json_here_and_on_two_processes(capfd, argv)
     assert [r["tokens"] for r in two["results"]] == [r["tokens"] for r in one["results"]]
     assert main(argv + ["--nproc-per-node", "2"]) == 0  # TP 1 x DP 2: prompts split over the two
     dp = json.loads(capfd.readouterr().out)

@@ -295,8 +295,8 @@ def test_ranks_build_once_and_agree(tmp_path, monkeypatch):
     assert results[(str(tmp_path / "a"), 0)] == results[(str(tmp_path / "b"), 0)]
 
 
-def test_resumed_run_keeps_the_sample_order_at_any_length_issue_12_item_5(tmp_path):
-    """issue 12 item 5: a run that changes --train-iters / --global-batch-size on resume (so the dataset is
+def test_resumed_run_keeps_the_sample_order_at_any_length(tmp_path):
+    """A run that changes --train-iters / --global-batch-size on resume (so the dataset is
     built for another number of samples, and of epochs) continues with the same order: every shorter
     build is a prefix of every longer one, growing 1 -> 2 -> 3 epochs and shrinking 3 -> 1."""
     rng = np.random.RandomState(1)

@@ -1,4 +1,4 @@
-"""A hung collective ends in one message naming it, not a traceback per rank (issue 15 item 10)."""
+"""A hung collective ends in one message naming it, not a traceback per rank."""
 
 from __future__ import annotations
 
@@ -26,8 +26,16 @@ def _grad_sync(ps, t):
     dist.all_reduce(t, group=ps.dp_group)  # rank 1 never comes
 
 
-def _hang_body(ps):
+def _reported(exc):
+    """What the hang report of ``exc`` says (waiting 1.5 s for the other ranks' reports), with its status."""
     from tnlg.runtime.hang import report
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = report(exc, "pretrain", wait_s=1.5)
+    return status, err.getvalue()
+
+
+def _hang_body(ps):
     if ps.rank == 1:  # the hung rank: it never enters the collective (and never says it is alive)
         time.sleep(TIMEOUT_S + 4)
         return None
@@ -35,15 +43,13 @@ def _hang_body(ps):
         _grad_sync(ps, torch.ones(1))
     except RuntimeError as exc:
         assert is_collective_timeout(exc)
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            status = report(exc, "pretrain", wait_s=1.5)
-        return status, err.getvalue()
+        return _reported(exc)
     raise AssertionError("the all_reduce with a missing rank returned")
 
 
 def test_timeout_names_the_collective_group_caller_and_missing_rank():
-    """issue 15 item 10: a hang ended in rank 0's raw `RuntimeError: ... pair closure` traceback."""
+    """A hang ends in one line naming the collective, its group, the caller and the rank that did not report
+    (it used to end in rank 0's raw `RuntimeError: ... pair closure` traceback)."""
     (status, text), _ = run_distributed(_hang_body, 2, 1, timeout_s=TIMEOUT_S)
     assert status == 1 and text.count("\n") == 1 and "Traceback" not in text, text
     assert "all_reduce over the data-parallel group (ranks 0, 1)" in text
@@ -105,7 +111,7 @@ def _workers(save: str) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the worker processes")
 def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
-    """issue 15 item 10, as the user saw it: SIGSTOP one worker of the built-in job mid-run."""
+    """The same, as a user sees it: SIGSTOP one worker of the built-in job mid-run."""
     save = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", "--train-iters", "200", "--save", save,
                              "--distributed-timeout-minutes", "0.1", "--eval-interval", "0", "--log-interval", "2",
@@ -167,7 +173,6 @@ def _stall_at_call(module, n: int) -> None:
 
 
 def _stage_hang_body(ps):
-    from tnlg.runtime.hang import report
     ps, model, pipeline = _pipeline(ps, 4)
     tokens = torch.randint(0, 50, (4, 2, 8), generator=torch.Generator().manual_seed(0))
     batches = [dict(tokens=t, labels=t) for t in tokens]
@@ -180,10 +185,7 @@ def _stage_hang_body(ps):
         if ps.pp_rank == 1:
             assert isinstance(exc.__cause__, _Stalled), exc  # (torch wraps a stage's error)
             return None
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            status = report(exc, "pretrain", wait_s=1.5)
-        return status, err.getvalue()
+        return _reported(exc)
     raise AssertionError("the schedule with a stalled stage returned")
 
 

@@ -1,6 +1,6 @@
 """Hugging Face export: the folder carries a tokenizer that `transformers` loads and that encodes like
 tnlg's (SentencePiece BPE and GPT-2 BPE), greedy generation from the folder alone matches
-`tnlg generate`, and an export never deletes what it did not write (issue 15 item 4, issue 12 item 2)."""
+`tnlg generate`, and an export never deletes what it did not write."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import unicodedata
 import pytest
 import torch
 
+from tests.hf_reference import random_gpt2
 from tnlg.cli import main
 from tnlg.config import GPTConfig
 from tnlg.data.tokenizer import GPT2BPETokenizer, load_tokenizer, train_sentencepiece
@@ -152,15 +153,7 @@ def test_gpt2_bpe_folder_encodes_like_tnlg(texts, tmp_path):
 # ----------------------------------------------------------------------------- generation from the folder alone
 
 def _hf_model(vocab, seq=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2)
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
+    return random_gpt2(vocab, seq, seed)
 
 
 def _tnlg_generate(ckpt, prompts, new, extra=()):
@@ -254,7 +247,7 @@ def test_convert_to_hf_tokenizer_errors(checkpoints, tmp_path, capsys):
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
-# ----------------------------------------------------------------------------- issue 12 item 2: never delete
+# ----------------------------------------------------------------------------- never delete
 
 def _tiny_model(vocab=4096):
     from tnlg.model import GPT
@@ -264,7 +257,8 @@ def _tiny_model(vocab=4096):
 
 
 def test_to_hf_refuses_a_non_empty_folder_and_keeps_its_files(tmp_path):
-    """Issue 12 item 2: to_hf(model, folder) used to shutil.rmtree an existing folder, files it never wrote included."""
+    """to_hf(model, folder) refuses a non-empty folder and keeps its files (it used to shutil.rmtree an
+    existing folder, files it never wrote included)."""
     from tnlg.interop.hf import to_hf
     model = _tiny_model()
     out = tmp_path / "mine"

@@ -1,13 +1,17 @@
-"""Files outside the run folder: matplotlib's cache goes under tnlg's cache folder, never ~/.cache/matplotlib."""
+"""Files outside the run folder: the suite keeps its caches in temporary folders, and matplotlib's cache goes
+under tnlg's cache folder, never ~/.cache/matplotlib."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is not installed")
 
 _PLOT = """
 import json, sys
@@ -31,6 +35,20 @@ def _plot_in_fresh_process(tmp_path, **env):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def test_tests_keep_caches_in_temporary_folders():
+    """The suite writes no cache under ~/.cache/tnlg (it used to leave ~100 index-cache files there: runs on
+    the built-in corpus write their index caches next to it). tests/conftest.py points TNLG_CACHE at a
+    session folder."""
+    from tnlg.data.corpus import default_cache_dir, default_dataset
+
+    home_cache = Path.home() / ".cache" / "tnlg"
+    assert os.environ.get("TNLG_CACHE") and default_cache_dir() != home_cache
+    prefix, _tokenizer = default_dataset()  # (the tokenizer model ships with the package)
+    assert Path(prefix).is_relative_to(default_cache_dir())
+    assert not Path(prefix).is_relative_to(home_cache)
+
+
+@needs_matplotlib
 def test_matplotlib_cache_stays_in_the_tnlg_cache_folder(tmp_path):
     (tmp_path / "home").mkdir()
     dirs = _plot_in_fresh_process(tmp_path)
@@ -38,6 +56,7 @@ def test_matplotlib_cache_stays_in_the_tnlg_cache_folder(tmp_path):
     assert os.listdir(tmp_path / "home") == []  # no ~/.cache/matplotlib, no ~/.config/matplotlib
 
 
+@needs_matplotlib
 def test_a_users_mplconfigdir_is_kept(tmp_path):
     (tmp_path / "home").mkdir()
     mine = tmp_path / "mine"

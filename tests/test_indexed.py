@@ -213,8 +213,8 @@ def _anonymous_bytes():
     raise AssertionError("no Anonymous line")
 
 
-def test_index_is_memory_mapped_not_read_issue_12_item_9(tmp_path, copy):
-    """issue 12 item 9: opening a dataset maps the .idx instead of reading it (no per-rank copy of a
+def test_index_is_memory_mapped_not_read(tmp_path, copy):
+    """Opening a dataset maps the .idx instead of reading it (no per-rank copy of a
     GB-sized index), the GPT dataset's per-document views add nothing either, and the cache key does
     not hash the whole index."""
     import ctypes
@@ -258,8 +258,8 @@ def test_index_is_memory_mapped_not_read_issue_12_item_9(tmp_path, copy):
     assert IndexedDataset(prefix).fingerprint() != key
 
 
-def test_gpt_dataset_pickles_without_its_arrays_issue_12_item_9(tmp_path):
-    """issue 12 item 9 (neighbour): a GPT dataset sent to a DataLoader worker reopens its maps by path
+def test_gpt_dataset_pickles_without_its_arrays(tmp_path):
+    """A GPT dataset sent to a DataLoader worker reopens its maps by path
     instead of pickling O(documents) arrays."""
     import pickle
 

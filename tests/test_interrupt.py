@@ -21,16 +21,20 @@ import time
 
 import pytest
 
+from tests.tiny import tiny_flags
 from tnlg import checkpoint as ck
 from tnlg.runtime.spawn import checkout_env, run_tnlg
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "10",
-        "--eval-iters", "2", "--peak-tflops", "1", "--sample-prompt", ""]
 ITERS = 60
+BUILTIN_JOB = dict(data_path=None, tokenizer_model=None)  # no --data-path: the built-in job on its own corpus
+
+
+def _flags(**over):
+    """The tiny run of ITERS iterations with validation every 10, then ``over``."""
+    return tiny_flags(**{**dict(global_batch_size=8, eval_interval=10, eval_iters=2, train_iters=ITERS), **over})
 
 
 def _interrupted_run(argv, cwd, sig, ready, env=None, second=None, launcher=()):
@@ -106,7 +110,7 @@ def test_ctrl_c_saves_the_current_iteration_and_the_resume_continues_exactly(tmp
     on its own before iteration 100: the workers finish the iteration, save it, and rank 0 prints one
     message; its command resumes the job's own folder, and the losses of the interrupted and resumed
     run are those of a run that was never interrupted, bit for bit."""
-    rc, out = _interrupted_run(["--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY], tmp_path,
+    rc, out = _interrupted_run(["--nproc-per-node", "2", *_flags(**BUILTIN_JOB, plot=None)], tmp_path,
                                signal.SIGINT, lambda: True)
     assert rc == 128 + signal.SIGINT, out[-3000:]
     n, m, folder, saved, command = _message(out, signal.SIGINT)
@@ -118,8 +122,7 @@ def test_ctrl_c_saves_the_current_iteration_and_the_resume_continues_exactly(tmp
     assert f"at iteration {m} (" in out, out[-3000:]
     _check_metrics(tmp_path / folder / "metrics.jsonl")
     assert (tmp_path / folder / "metrics_loss.png").exists()
-    run_tnlg(["pretrain", "--nproc-per-node", "2", "--train-iters", str(ITERS), *TINY, "--save", "reference",
-          "--no-plot"], tmp_path)
+    run_tnlg(["pretrain", "--nproc-per-node", "2", *_flags(**BUILTIN_JOB, save="reference")], tmp_path)
     assert _train_losses(tmp_path / folder / "metrics.jsonl") == _train_losses(tmp_path / "reference" /
                                                                                "metrics.jsonl")
 
@@ -128,13 +131,10 @@ def test_a_second_ctrl_c_stops_at_once_without_a_save(tmp_path):
     """The first Ctrl-C finds the workers training; the second one reaches them inside the save that the
     first asked for (made slow by tests/fault_injection: 60 s): the run stops within seconds, rank 0 says
     it stopped at once, and no checkpoint is written."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     save, marker = tmp_path / "ckpt", tmp_path / "saving"
     env = checkout_env(TNLG_TEST_SLOW_SAVE=str(marker))
     env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fault_injection") + os.pathsep + env["PYTHONPATH"]
-    rc, out = _interrupted_run(["--nproc-per-node", "2", "--tp", "1", "--train-iters", str(ITERS), "--data-path",
-                                prefix, "--tokenizer-model", tok, "--save", str(save), "--no-plot", *TINY],
+    rc, out = _interrupted_run(["--nproc-per-node", "2", *_flags(tensor_model_parallel_size=1, save=str(save))],
                                tmp_path, signal.SIGINT, lambda: True, env=env,
                                second=lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)))
     assert rc == 128 + signal.SIGINT, out[-3000:]
@@ -148,13 +148,10 @@ def test_a_second_ctrl_c_stops_at_once_without_a_save(tmp_path):
 def test_ctrl_c_under_torchrun_saves_and_names_the_torchrun_command(tmp_path):
     """torchrun (not our launcher) forwards the Ctrl-C to its 2 workers: they save the iteration, and rank 0
     says to resume with the same torchrun command (torchrun itself then ends with its own traceback)."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     save = tmp_path / "ckpt"
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    rc, out = _interrupted_run(["--tp", "1", "--train-iters", str(ITERS), "--data-path", prefix, "--tokenizer-model",
-                                tok, "--save", str(save), "--no-plot", *TINY], tmp_path, signal.SIGINT, lambda: True,
-                               launcher=torchrun)
+    rc, out = _interrupted_run(_flags(tensor_model_parallel_size=1, save=str(save)), tmp_path, signal.SIGINT,
+                               lambda: True, launcher=torchrun)
     n, m, folder, saved, command = _message(out, signal.SIGINT, launcher_traceback=True)
     assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)
     assert command.endswith("(under torchrun: the same torchrun command with these arguments)"), command
@@ -165,12 +162,9 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
     """SIGTERM to the process group (a scheduler's preemption) of a TP 2 run on one's own data that also
     saves every 2nd iteration: a checkpoint of the last iteration, the same single message, then the
     continuation."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     save = tmp_path / "ckpt"
-    rc, out = _interrupted_run(["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--train-iters",
-                                str(ITERS), "--save-interval", "2", "--data-path", prefix, "--tokenizer-model", tok,
-                                "--save", str(save), "--no-plot", *TINY], tmp_path, signal.SIGTERM,
+    rc, out = _interrupted_run(["--nproc-per-node", "2", *_flags(tensor_model_parallel_size=2, save_interval=2,
+                                                                 save=str(save))], tmp_path, signal.SIGTERM,
                                lambda: ck.read_latest(str(save)) is not None)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     n, m, folder, saved, command = _message(out, signal.SIGTERM)
@@ -182,12 +176,10 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
 def test_ctrl_c_on_one_process_without_save(tmp_path):
     """One process (no launcher), no --save: the message says that nothing was saved and how to get a save
     next time, and the exit status is a signalled command's."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     metrics = tmp_path / "m.jsonl"
-    rc, out = _interrupted_run(["--nproc-per-node", "1", "--tensor-model-parallel-size", "1", "--train-iters",
-                                "100000", "--data-path", prefix, "--tokenizer-model", tok, "--metrics-file",
-                                str(metrics), "--no-plot", *TINY], tmp_path, signal.SIGINT, metrics.exists)
+    rc, out = _interrupted_run(["--nproc-per-node", "1", *_flags(tensor_model_parallel_size=1, train_iters=100000,
+                                                                 metrics_file=str(metrics))],
+                               tmp_path, signal.SIGINT, metrics.exists)
     assert rc == 128 + signal.SIGINT, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     m = re.search(r"interrupted \(SIGINT\) at iteration (\d+) of 100000\. This run saved nothing: it has no "
@@ -198,12 +190,10 @@ def test_ctrl_c_on_one_process_without_save(tmp_path):
 def test_sighup_to_one_process_saves_like_ctrl_c(tmp_path):
     """SIGHUP (a closed terminal; torchrun forwards it too) to one process with --save: that iteration is
     saved, the message says so, and the exit status is a SIGHUP-ed command's."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
     save = tmp_path / "ckpt"
-    rc, out = _interrupted_run(["--nproc-per-node", "1", "--tensor-model-parallel-size", "1", "--train-iters",
-                                "100000", "--data-path", prefix, "--tokenizer-model", tok, "--save", str(save),
-                                "--no-plot", *TINY], tmp_path, signal.SIGHUP, lambda: True)
+    rc, out = _interrupted_run(["--nproc-per-node", "1", *_flags(tensor_model_parallel_size=1, train_iters=100000,
+                                                                 save=str(save))],
+                               tmp_path, signal.SIGHUP, lambda: True)
     assert rc == 128 + signal.SIGHUP, out[-3000:]
     n, m, folder, saved, _ = _message(out, signal.SIGHUP)
     assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)

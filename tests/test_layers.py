@@ -28,6 +28,18 @@ def _slice_last(t, sizes, rank):
     return t[..., start:start + sizes[rank]]
 
 
+def _reference_linear(W, b, x, gy):
+    """A plain ``nn.Linear`` holding ``W`` and ``b``, run forward on a copy of ``x`` and backward from the output
+    gradient ``gy``: (the layer, the input copy holding its gradient, the output)."""
+    ref = nn.Linear(W.shape[1], W.shape[0])
+    with torch.no_grad():
+        ref.weight.copy_(W), ref.bias.copy_(b)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * gy).sum().backward()
+    return ref, xr, yr
+
+
 def _layers_body(ps):
     tp, r = ps.tp_size, ps.tp_rank
     gen = torch.Generator().manual_seed(0)
@@ -36,12 +48,7 @@ def _layers_body(ps):
     sizes = partition_sizes(out, tp)
     W, b = torch.randn(out, 8, generator=gen), torch.randn(out, generator=gen)
     gy = torch.randn(2, 5, out, generator=gen)
-    ref = nn.Linear(8, out)
-    with torch.no_grad():
-        ref.weight.copy_(W), ref.bias.copy_(b)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    (yr * gy).sum().backward()
+    ref, xr, yr = _reference_linear(W, b, x, gy)
 
     # column parallel, both output modes
     for gather in (True, False):
@@ -61,12 +68,7 @@ def _layers_body(ps):
     W2, b2 = torch.randn(8, out, generator=gen), torch.randn(8, generator=gen)
     x2 = torch.randn(2, 5, out, generator=gen)
     g2 = torch.randn(2, 5, 8, generator=gen)
-    ref2 = nn.Linear(out, 8)
-    with torch.no_grad():
-        ref2.weight.copy_(W2), ref2.bias.copy_(b2)
-    x2r = x2.clone().requires_grad_()
-    y2r = ref2(x2r)
-    (y2r * g2).sum().backward()
+    ref2, x2r, y2r = _reference_linear(W2, b2, x2, g2)
     for parallel_in in (True, False):
         row = RowParallelLinear(out, 8, ps, input_is_parallel=parallel_in, partition_sizes=sizes)
         with torch.no_grad():
@@ -126,8 +128,8 @@ def test_cross_entropy_rejects_out_of_vocab_target():
         vocab_parallel_cross_entropy(torch.randn(2, 16), torch.tensor([3, 16]), ParallelState.single(), 16)
 
 
-def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
-    """issue 12 item 10: the target range check is no per-step host sync on an accelerator. Tensors on the
+def test_cross_entropy_does_not_read_targets_on_the_host():
+    """The target range check is no per-step host sync on an accelerator. Tensors on the
     meta device stand in for device tensors: reading one on the host raises, so this runs only if the
     forward pass never syncs. On CPU the check stays one pass with a clear error."""
     from tnlg.parallel import ParallelState
@@ -145,7 +147,7 @@ def test_cross_entropy_does_not_read_targets_on_the_host_issue_12_item_10():
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
 def test_layers_initialise_themselves_tp_invariantly(tp):
-    """Issue 13 item 5: a layer used alone holds real values, each rank's shard is the matching slice of
+    """A layer used alone holds real values, each rank's shard is the matching slice of
     the TP=1 layer's (zero-padded vocabulary rows), and ``describe`` says how the layer splits."""
     from tnlg.parallel import ParallelState
     from tnlg.parallel.initialization import init_normal

@@ -18,12 +18,10 @@ import sys
 
 import pytest
 
+from tests.tiny import tiny_flags
 from tnlg.cli import main
 from tnlg.runtime.spawn import checkout_env, run_tnlg
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "3", "--eval-interval", "3",
-        "--eval-iters", "1", "--peak-tflops", "1", "--no-plot"]
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "ms_per_iter", "tokens_per_s", "tflops", "mfu", "hfu",
               "peak_memory_bytes")
 
@@ -84,12 +82,10 @@ def test_tensorboard_and_wandb_get_the_scalars_of_metrics_jsonl_across_a_resume(
     for every scalar of metrics.jsonl, its value at every iteration (validations at 0, 3, 4, 6 and 8);
     rank 0 alone writes (one event file and one W&B run per launch); the log line shows elapsed time
     and an ETA; the metrics file marks where the second run resumed."""
-    from tnlg.data.corpus import default_dataset
     from tnlg.training.metrics import read_curves
-    prefix, tok = default_dataset()
-    base = ["--nproc-per-node", "2", "--tp", "1", "--data-path", prefix, "--tokenizer-model", tok, *TINY,
-            "--save", "run", "--tensorboard-dir", "tb", "--wandb-project", "tnlg-test", "--wandb-exp-name", "exp",
-            "--wandb-save-dir", "wb"]
+    tiny = tiny_flags(tensor_model_parallel_size=1, log_interval=3, eval_interval=3, eval_iters=1)
+    base = ["--nproc-per-node", "2", *tiny, "--save", "run", "--tensorboard-dir", "tb", "--wandb-project", "tnlg-test",
+            "--wandb-exp-name", "exp", "--wandb-save-dir", "wb"]
     out = _pretrain([*base, "--train-iters", "4"], tmp_path)
     assert re.search(r"iter +3/4 .* \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$", out, re.M), out[-3000:]
     out = _pretrain([*base, "--train-iters", "8"], tmp_path)

@@ -11,6 +11,7 @@ so the next resume continues it too. No megatron-core needed.
 import json
 import math
 
+from tests.tiny import resolve_flags, tiny_flags
 from tnlg.checkpoint.files import FORMAT, read_meta
 from tnlg.checkpoint.reshard import slice_full, targets_for
 from tnlg.checkpoint.saving import write_offline
@@ -24,21 +25,14 @@ N, WARMUP, DECAY, MAX_LR, MIN_LR = 6, 2, 10, 3e-3, 3e-4
 
 
 def _argv(tmp, iters, load=None, save=None):
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(iters),
-            "--lr", str(MAX_LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP), "--lr-decay-iters",
-            str(DECAY), "--lr-decay-style", "cosine", "--data-path", prefix, "--tokenizer-model", tok,
-            "--eval-interval", "0", "--log-interval", "1", "--no-plot", "--sample-prompt", "", "--peak-tflops", "1",
-            "--metrics-file", str(tmp / f"metrics_{iters}.jsonl")] + (
-                ["--load", str(load), "--save", str(save)] if load else [])
+    """The tiny run's flags on Megatron's cosine schedule; with ``load``, resumed from it into ``save``."""
+    return tiny_flags(global_batch_size=2, train_iters=iters, lr=MAX_LR, min_lr=MIN_LR, lr_warmup_iters=WARMUP,
+                      lr_decay_iters=DECAY, lr_decay_style="cosine", metrics_file=str(tmp / f"metrics_{iters}.jsonl"),
+                      load=load, save=save if load else None)
 
 
 def _options(argv):
-    from tnlg.cli import build_parser
-    from tnlg.commands.pretrain_args import resolve
-    return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=1)
+    return resolve_flags(argv, 1)
 
 
 def _train(ps, o):

@@ -1,4 +1,4 @@
-"""Issue 11: the engine's bytes at T-NLG scale equal the planner's (meta device, fake process group).
+"""The engine's bytes at T-NLG scale equal the planner's (meta device, fake process group).
 
 The engine (our flat ZeRO 0/1 buffers, FSDP2 for 2/3) is built for ``tnlg-17b`` on the meta
 device in a process whose default group is torch's fake backend with the real world size, so

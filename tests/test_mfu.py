@@ -1,22 +1,21 @@
-"""MFU and HFU of the training log: the planner's FLOPs (any ffn width), a robust matmul peak (issue 15 item 5)."""
+"""MFU and HFU of the training log: the planner's FLOPs (any ffn width), a robust matmul peak."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
+from tests.tiny import tiny_options
 from tnlg.config import GPTConfig
 from tnlg.plan.flops import flops_per_iteration, reference_flops
 from tnlg.runtime.spawn import run_distributed
 from tnlg.training.throughput import iteration_flops, measure_peak_tflops
-from tnlg.commands.pretrain_args import resolve
 
 
 def test_iteration_flops_honour_ffn_hidden_size():
-    """issue 15 item 5: training FLOPs assumed ffn = 4h although --ffn-hidden-size exists."""
+    """Training FLOPs follow --ffn-hidden-size (they used to assume ffn = 4h)."""
     four = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=100)
     three = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=100,
                       ffn_hidden_size=192)
@@ -44,8 +43,9 @@ def _peak_body(ps):
 
 
 def test_peak_is_one_figure_for_all_ranks_and_leaves_the_rng_alone():
-    """issue 15 item 5: each rank timed one short matmul on its own (figures 4x apart between ranks and runs,
-    taken while other ranks were busy or idle by chance) and drew from the training RNG."""
+    """All ranks use one measured matmul peak and leave the training RNG alone (each rank used to time one
+    short matmul on its own: figures 4x apart between ranks and runs, taken while other ranks were busy or
+    idle by chance, drawing from the training RNG)."""
     out = run_distributed(_peak_body, 2, 1)
     (p0, rng0), (p1, rng1) = out
     assert p0 == p1 > 0 and rng0 and rng1
@@ -57,16 +57,11 @@ def _train_body(ps, o):
 
 
 def test_log_reports_model_tflops_mfu_and_hfu(tmp_path, capfd):
-    """issue 15 item 5: with recomputation the logged "MFU" counted the recomputed forward (that is HFU);
-    the line shows model TFLOP/s first, MFU and HFU apart, and the peak they divide by."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
+    """With recomputation the log line shows model TFLOP/s first, MFU and HFU apart, and the peak they divide
+    by (the logged "MFU" used to count the recomputed forward, which is HFU)."""
     metrics = tmp_path / "metrics.jsonl"
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, ffn_hidden_size=96,
-                 micro_batch_size=4, global_batch_size=4, train_iters=2, log_interval=1, eval_interval=0,
-                 data_path=[prefix], tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=0.5,
-                 recompute_activations=True, metrics_file=str(metrics), tensor_model_parallel_size=1)
-    o = resolve(argparse.Namespace(**flags), world_size=1)
+    o = tiny_options(1, ffn_hidden_size=96, micro_batch_size=4, train_iters=2, peak_tflops=0.5,
+                     recompute_activations=True, metrics_file=str(metrics), tensor_model_parallel_size=1)
     run_distributed(_train_body, 1, 1, o, timeout_s=120)
     out = capfd.readouterr().out
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]

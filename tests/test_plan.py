@@ -127,7 +127,7 @@ def test_tnlg_17b_tp4_needs_zero(capsys):
     main(["plan", *TNLG, "--tensor-model-parallel-size", "4", "--zero-stage", "0"])
     text = capsys.readouterr().out
     assert "do NOT fit" in text
-    # issue 15 item 7: the "which TP is needed" lines read as sentences
+    # the "which TP is needed" lines read as sentences
     assert ("  Without ZeRO (plain data parallelism), the model states alone: they fit from TP 10 (heads split "
             "unevenly), from TP 14 with the 28 heads split evenly (as Megatron requires), and from TP 16 among the "
             "sizes that divide 256 GPUs.\n") in text
@@ -135,8 +135,8 @@ def test_tnlg_17b_tp4_needs_zero(capsys):
 
 
 def test_preset_brings_its_recipe_layout(capsys):
-    """issue 15 item 7: ``--preset tnlg-17b`` planned TP 1 x DP 1, ZeRO 0, batch 1 ("3899.0 days"); it plans
-    T-NLG's published recipe (TP 4 x DP 64 = 256 GPUs, ZeRO 1, global batch 512, fp16), flags override."""
+    """``--preset tnlg-17b`` plans T-NLG's published recipe (TP 4 x DP 64 = 256 GPUs, ZeRO 1, global batch 512,
+    fp16), flags override (it used to plan TP 1 x DP 1, ZeRO 0, batch 1: "3899.0 days")."""
     plan = plan_json(capsys, "--preset", "tnlg-17b")
     lay = plan["layout"]
     assert (lay["tp"], lay["dp"], lay["zero_stage"], lay["micro_batch"], lay["global_batch"], lay["precision"]) == \

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.tiny import resolve_flags, tiny_flags
 from tnlg import checkpoint as ck
 from tnlg.runtime.spawn import run_distributed
 
@@ -25,23 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _argv(tmp, tp, iters, **extra):
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
-            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--data-path", prefix,
-            "--tokenizer-model", tok, "--eval-interval", "0", "--log-interval", "1", "--no-plot",
-            "--sample-prompt", "", "--peak-tflops", "1", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-            "--tensor-model-parallel-size", str(tp)]
-    for k, v in extra.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    return argv
-
-
-def _resolved(argv, world):
-    from tnlg.cli import build_parser
-    from tnlg.commands.pretrain_args import resolve
-    return resolve(build_parser(only="pretrain").parse_args(["pretrain", *argv]), world_size=world)
+    return tiny_flags(global_batch_size=8, train_iters=iters, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
+                      hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=tp, **extra)
 
 
 def _train_body(ps, o):
@@ -51,7 +37,7 @@ def _train_body(ps, o):
 
 def _reference(argv, world):
     """The same options trained uninterrupted in-process (no checkpoints)."""
-    o = _resolved(argv, world)
+    o = resolve_flags(argv, world)
     o.save, o.metrics_file = None, None
     return run_distributed(_train_body, world, 1, o, timeout_s=180)[0]
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism and selective recomputation (issue 14, Korthikanti et al. 2022).
+"""Sequence parallelism and selective recomputation (Korthikanti et al. 2022).
 
 Collectives and layers against plain torch on the full sequence; the whole GPT with
 ``sequence_parallel=True`` against the plain TP=1 model (fp32, dropout 0, within 1e-5)
@@ -306,7 +306,7 @@ def test_recompute_activations_is_full():
     cfg = GPTConfig(sequence_parallel=True, recompute_granularity="selective")
     assert GPTConfig.from_dict(cfg.to_dict()) == cfg
     old = {k: v for k, v in cfg.to_dict().items() if k not in ("sequence_parallel", "recompute_granularity")}
-    assert GPTConfig.from_dict(old).sequence_parallel is False  # a checkpoint from before this issue
+    assert GPTConfig.from_dict(old).sequence_parallel is False  # a checkpoint from before sequence parallelism
 
 
 def test_pretrain_flags():

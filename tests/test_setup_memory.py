@@ -1,4 +1,4 @@
-"""Issue 11: setup holds no transient copy of the model. Building the engine from a meta-device GPT
+"""Setup holds no transient copy of the model. Building the engine from a meta-device GPT
 materialises each parameter straight into the flat buffers, so the process's peak resident memory
 during setup is the final model states plus about one parameter's initial value (measured in a
 fresh process whose glibc returns large freed blocks at once, so the peak is what was live)."""

@@ -6,23 +6,16 @@ A real SIGINT, raised in rank 1 alone, while it starts up or trains: both ranks 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 
+from tests.tiny import tiny_options
 from tnlg import checkpoint as ck
 from tnlg.runtime.spawn import run_distributed
-from tnlg.commands.pretrain_args import resolve
 
 
 def _options(save, **over):
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                 global_batch_size=4, train_iters=50, log_interval=100, eval_interval=0, data_path=[prefix],
-                 tokenizer_model=tok, sample_prompt="", plot=False, peak_tflops=1.0, save=str(save))
-    flags.update(over)
-    return resolve(argparse.Namespace(**flags), world_size=2)
+    return tiny_options(2, **{**dict(train_iters=50, log_interval=100, save=str(save)), **over})
 
 
 def _signalled_body(ps, o, when):

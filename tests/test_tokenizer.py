@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.hf_reference import bytes_to_unicode
 from tnlg.cli import main
 from tnlg.data.corpus import TOKENIZER_MODEL, corpus_documents
 from tnlg.data.tokenizer import (GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer,
@@ -98,22 +99,9 @@ def test_train_tokenizer_rejects_bad_vocab(tmp_path):
 
 # ----------------------------------------------------------------------------- GPT-2 BPE
 
-def _bytes_to_unicode():
-    # GPT-2's table (openai/gpt-2 encoder.py), written out here to build a local vocabulary
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 @pytest.fixture
 def gpt2_files(tmp_path):
-    alphabet = sorted(set(_bytes_to_unicode().values()))
+    alphabet = sorted(set(bytes_to_unicode().values()))
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("an", "d"), ("Ġ", "and"),
               ("o", "u"), ("Ġ", "b"), ("Ġb", "e")]
     vocab = {ch: i for i, ch in enumerate(alphabet)}

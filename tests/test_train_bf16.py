@@ -1,4 +1,4 @@
-"""Issue 11: ZeRO mixed precision (16-bit parameters and gradients, fp32 master of the owned slice)
+"""ZeRO mixed precision (16-bit parameters and gradients, fp32 master of the owned slice)
 at the 8 layouts of the invariance test follows the fp32 loss curve within 0.05 nats over 20 steps."""
 
 import pytest
