@@ -126,7 +126,7 @@ def test_validation_set_smaller_than_a_micro_batch_is_skipped_with_a_note(capsys
     assert "fewer than one micro batch per data-parallel rank (4)" in capsys.readouterr().out
     assert _validation_plan(list(range(4)), o, ps) is True
     assert _validation_plan(None, o, ps) is False and "validation split is empty" in capsys.readouterr().out
-    o.eval_interval = 0
+    o.logging.eval_interval = 0
     assert _validation_plan(list(range(4)), o, ps) is False and capsys.readouterr().out == ""
 
 
@@ -136,18 +136,18 @@ def test_user_run_gets_megatron_defaults_not_the_builtin_jobs(corpus):
     """issue 12 item 8: ``--data-path D --tokenizer-model M --train-iters 2`` stopped on
     "--lr-warmup-iters (30) must be smaller than --lr-decay-iters (2)", a flag the user never set."""
     o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2"], world=4)
-    assert (o.lr_warmup_iters, o.lr_decay_iters, o.min_lr, o.lr_decay_style) == (0, None, 0.0, "linear")
-    assert (o.hidden_dropout, o.attention_dropout, o.adam_beta2) == (0.1, 0.1, 0.999)
-    assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (1, 8, 32)  # micro x DP
-    assert (o.sample_prompt, o.eval_interval, o.eval_iters, o.log_interval) == ("", 1000, 100, 100)
+    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.min_lr, o.schedule.lr_decay_style) == (0, None, 0.0, "linear")
+    assert (o.model.hidden_dropout, o.model.attention_dropout, o.schedule.adam_beta2) == (0.1, 0.1, 0.999)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (1, 8, 32)  # micro x DP
+    assert (o.logging.sample_prompt, o.logging.eval_interval, o.logging.eval_iters, o.logging.log_interval) == ("", 1000, 100, 100)
     assert o.builtin_job is False
     # a user's --lr below the built-in job's --min-lr, a global batch without a micro batch: both fine
     o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2",
                    "--lr", "1e-4", "--global-batch-size", "4"], world=4)
-    assert (o.min_lr, o.micro_batch_size, o.global_batch_size) == (0.0, 1, 4)
+    assert (o.schedule.min_lr, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (0.0, 1, 4)
     # a preset run is a user's run too
     o = _resolved(["--preset", "tiny", "--train-iters", "5"], world=2)
-    assert (o.lr_warmup_iters, o.hidden_dropout, o.tensor_model_parallel_size) == (0, 0.1, 1)
+    assert (o.schedule.lr_warmup_iters, o.model.hidden_dropout, o.parallel.tensor_model_parallel_size) == (0, 0.1, 1)
 
 
 def test_train_iters_is_required_outside_the_builtin_job(corpus):
@@ -161,20 +161,20 @@ def test_builtin_job_defaults_unchanged_and_scaled_by_the_users_flags():
     sets follow it instead of contradicting it."""
     o = _resolved([], world=4)
     assert o.builtin_job is True
-    assert (o.train_iters, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_style, o.adam_beta2) == \
+    assert (o.schedule.train_iters, o.schedule.lr, o.schedule.min_lr, o.schedule.lr_warmup_iters, o.schedule.lr_decay_style, o.schedule.adam_beta2) == \
         (300, 2e-3, 2e-4, 30, "cosine", 0.95)
-    assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (2, 8, 16)
-    assert (o.hidden_dropout, o.eval_interval, o.eval_iters, o.sample_prompt) == (0.0, 100, 4, "ROMEO:")
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (2, 8, 16)
+    assert (o.model.hidden_dropout, o.logging.eval_interval, o.logging.eval_iters, o.logging.sample_prompt) == (0.0, 100, 4, "ROMEO:")
     o = _resolved(["--train-iters", "2"], world=4)  # was: warmup 30 >= decay 2
-    assert (o.lr_warmup_iters, o.lr_decay_iters) == (0, None)
+    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters) == (0, None)
     o = _resolved(["--lr", "1e-4"], world=4)  # was: --min-lr 2e-4 above --lr
-    assert o.min_lr == pytest.approx(1e-5)
+    assert o.schedule.min_lr == pytest.approx(1e-5)
     o = _resolved(["--nproc-per-node", "1"], world=1)  # was: TP 2 does not divide 1 process
-    assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (1, 16, 8)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size, o.schedule.micro_batch_size) == (1, 16, 8)
     o = _resolved(["--nproc-per-node", "8"], world=8)  # was: 16 not divisible by micro 8 x DP 4
-    assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (2, 16, 4)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size, o.schedule.micro_batch_size) == (2, 16, 4)
     o = _resolved(["--train-iters", "1000", "--lr-decay-iters", "500"], world=4)
-    assert o.lr_warmup_iters == 50
+    assert o.schedule.lr_warmup_iters == 50
 
 
 def test_help_says_which_defaults_belong_to_the_builtin_job(capsys):
