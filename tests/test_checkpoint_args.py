@@ -63,7 +63,8 @@ def test_the_recorded_options_apply_and_flags_override_them(tmp_path, recorded):
                  "bf16", "log_interval", "eval_interval", "save_interval"):
         assert o.flat()[name] == recorded[name], name
     assert o.schedule.train_iters == 80 and o.schedule.lr == 3e-4
-    assert o.checkpoint.save == str(tmp_path / "ckpt") and o.parallel.nproc_per_node is None and o.precision.device is None
+    assert o.checkpoint.save == str(tmp_path / "ckpt") and o.parallel.nproc_per_node is None \
+        and o.precision.device is None
     assert o.logging.peak_tflops is None and not o.builtin_job
     assert describe(o.checkpoint_args) == [
         f"note: --use-checkpoint-args: {len(o.checkpoint_args['taken'])} options (model, data, tokenizer, layout, "
@@ -89,7 +90,8 @@ def test_the_builtin_jobs_checkpoint_finds_its_corpus_again(tmp_path):
                 train_iters=300, lr=2e-3, hidden_size=64, num_attention_heads=4)
     o = _resolved(["--save", str(tmp_path / "run"), "--use-checkpoint-args", "--train-iters", "400"], world=4)
     assert o.builtin_job and o.data.data_path is None and o.data.tokenizer_model is None
-    assert (o.model.hidden_size, o.schedule.lr, o.schedule.train_iters, o.logging.sample_prompt) == (64, 2e-3, 400, "ROMEO:")
+    assert (o.model.hidden_size, o.schedule.lr, o.schedule.train_iters,
+            o.logging.sample_prompt) == (64, 2e-3, 400, "ROMEO:")
     assert o.schedule.lr_warmup_iters == 40  # the built-in job's tenth of the schedule, of the new length
 
 

@@ -120,13 +120,13 @@ def test_validation_set_smaller_than_a_micro_batch_is_skipped_with_a_note(capsys
     ps = SimpleNamespace(dp_size=4, rank=0)
 
     def _validation_plan(dataset, o, ps):
-        return validation_plan(dataset, o, ps, print)
+        return validation_plan(dataset, o, o, ps, print)  # (logging and schedule fields in one)
 
     assert _validation_plan([0, 1], o, ps) is False
     assert "fewer than one micro batch per data-parallel rank (4)" in capsys.readouterr().out
     assert _validation_plan(list(range(4)), o, ps) is True
     assert _validation_plan(None, o, ps) is False and "validation split is empty" in capsys.readouterr().out
-    o.logging.eval_interval = 0
+    o.eval_interval = 0
     assert _validation_plan(list(range(4)), o, ps) is False and capsys.readouterr().out == ""
 
 
@@ -136,10 +136,13 @@ def test_user_run_gets_megatron_defaults_not_the_builtin_jobs(corpus):
     """issue 12 item 8: ``--data-path D --tokenizer-model M --train-iters 2`` stopped on
     "--lr-warmup-iters (30) must be smaller than --lr-decay-iters (2)", a flag the user never set."""
     o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2"], world=4)
-    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.min_lr, o.schedule.lr_decay_style) == (0, None, 0.0, "linear")
+    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.min_lr,
+            o.schedule.lr_decay_style) == (0, None, 0.0, "linear")
     assert (o.model.hidden_dropout, o.model.attention_dropout, o.schedule.adam_beta2) == (0.1, 0.1, 0.999)
-    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (1, 8, 32)  # micro x DP
-    assert (o.logging.sample_prompt, o.logging.eval_interval, o.logging.eval_iters, o.logging.log_interval) == ("", 1000, 100, 100)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size,
+            o.schedule.global_batch_size) == (1, 8, 32)  # micro x DP
+    assert (o.logging.sample_prompt, o.logging.eval_interval, o.logging.eval_iters,
+            o.logging.log_interval) == ("", 1000, 100, 100)
     assert o.builtin_job is False
     # a user's --lr below the built-in job's --min-lr, a global batch without a micro batch: both fine
     o = _resolved(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2",
@@ -161,18 +164,23 @@ def test_builtin_job_defaults_unchanged_and_scaled_by_the_users_flags():
     sets follow it instead of contradicting it."""
     o = _resolved([], world=4)
     assert o.builtin_job is True
-    assert (o.schedule.train_iters, o.schedule.lr, o.schedule.min_lr, o.schedule.lr_warmup_iters, o.schedule.lr_decay_style, o.schedule.adam_beta2) == \
+    assert (o.schedule.train_iters, o.schedule.lr, o.schedule.min_lr, o.schedule.lr_warmup_iters,
+            o.schedule.lr_decay_style, o.schedule.adam_beta2) == \
         (300, 2e-3, 2e-4, 30, "cosine", 0.95)
-    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (2, 8, 16)
-    assert (o.model.hidden_dropout, o.logging.eval_interval, o.logging.eval_iters, o.logging.sample_prompt) == (0.0, 100, 4, "ROMEO:")
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size,
+            o.schedule.global_batch_size) == (2, 8, 16)
+    assert (o.model.hidden_dropout, o.logging.eval_interval, o.logging.eval_iters,
+            o.logging.sample_prompt) == (0.0, 100, 4, "ROMEO:")
     o = _resolved(["--train-iters", "2"], world=4)  # was: warmup 30 >= decay 2
     assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters) == (0, None)
     o = _resolved(["--lr", "1e-4"], world=4)  # was: --min-lr 2e-4 above --lr
     assert o.schedule.min_lr == pytest.approx(1e-5)
     o = _resolved(["--nproc-per-node", "1"], world=1)  # was: TP 2 does not divide 1 process
-    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size, o.schedule.micro_batch_size) == (1, 16, 8)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size,
+            o.schedule.micro_batch_size) == (1, 16, 8)
     o = _resolved(["--nproc-per-node", "8"], world=8)  # was: 16 not divisible by micro 8 x DP 4
-    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size, o.schedule.micro_batch_size) == (2, 16, 4)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size,
+            o.schedule.micro_batch_size) == (2, 16, 4)
     o = _resolved(["--train-iters", "1000", "--lr-decay-iters", "500"], world=4)
     assert o.schedule.lr_warmup_iters == 50
 

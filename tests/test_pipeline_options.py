@@ -108,18 +108,21 @@ def test_use_checkpoint_args_pipeline_flags_given_replace_the_records_as_tp_give
     root = _recorded_pipeline(tmp_path, ["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage",
                                          "2", "--sequence-parallel"])
     o = _resumed(root, ["--pp", "4", "--tp", "1"], 8)  # the record's interleaving kept: 8 layers / 4 / 2 chunks
-    assert (o.parallel.pipeline_model_parallel_size, o.parallel.tensor_model_parallel_size, o.parallel.pipeline_schedule,
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.tensor_model_parallel_size,
+            o.parallel.pipeline_schedule,
             o.parallel.num_layers_per_virtual_pipeline_stage) == (4, 1, "interleaved", 2)
     assert sorted(f for f, _, _ in o.checkpoint_args["overrides"]) == ["--pipeline-model-parallel-size",
                                                                      "--tensor-model-parallel-size"]
     # --pp 1: no pipeline, so none of the record's pipeline schedule and split (they would be refused at PP 1)
     o = _resumed(root, ["--pp", "1"], 8)
-    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage,
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule,
+            o.parallel.num_layers_per_virtual_pipeline_stage,
             o.parallel.tensor_model_parallel_size, o.parallel.sequence_parallel) == (1, "1f1b", None, 2, True)
     # a schedule or split given replaces the record's schedule and split together (a recorded virtual-stage
     # size would otherwise turn --pipeline-schedule 1f1b back into interleaving)
     o = _resumed(root, ["--pipeline-schedule", "1f1b"], 8)
-    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage) == (
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule,
+            o.parallel.num_layers_per_virtual_pipeline_stage) == (
         2, "1f1b", None)
     o = _resumed(root, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
     assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage) == ("interleaved", 1)
@@ -127,12 +130,14 @@ def test_use_checkpoint_args_pipeline_flags_given_replace_the_records_as_tp_give
     split = _recorded_pipeline(tmp_path / "split", ["--pp", "2", "--num-layers", "4",
                                                     "--decoder-first-pipeline-num-layers", "1"])
     o = _resumed(split, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
-    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage, o.parallel.decoder_first_pipeline_num_layers) == (
+    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage,
+            o.parallel.decoder_first_pipeline_num_layers) == (
         "interleaved", 1, None)
     interleaved = _recorded_pipeline(tmp_path / "interleaved", ["--pp", "2", "--num-layers", "4",
                                                                 "--num-layers-per-virtual-pipeline-stage", "1"])
     o = _resumed(interleaved, ["--decoder-last-pipeline-num-layers", "1"], 8)  # and a split given drops interleaving
-    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage, o.parallel.decoder_last_pipeline_num_layers) == (
+    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage,
+            o.parallel.decoder_last_pipeline_num_layers) == (
         "1f1b", None, 1)
     # the recorded values are checked with the given ones, as without the record
     with pytest.raises(UserError, match=r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 2.66667 "

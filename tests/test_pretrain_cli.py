@@ -82,7 +82,8 @@ def test_config_file_and_flag_precedence(tmp_path):
     o = resolve(argparse.Namespace(config=str(cfg), lr=0.02), world_size=4)
     assert (o.model.num_layers, o.schedule.lr, o.model.hidden_size) == (3, 0.02, 768)   # preset < file < flags
     o = resolve(argparse.Namespace(preset="tnlg-17b", fp16=False, bf16=True), world_size=256)
-    assert (o.schedule.lr, o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.global_batch_size, o.model.num_attention_heads) == \
+    assert (o.schedule.lr, o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.global_batch_size,
+            o.model.num_attention_heads) == \
         (1.5e-4, 3200, 500_000, 512, 28)
     from tnlg.errors import UserError
     if not torch.cuda.is_available():  # the recipe's fp16 is refused before any work on a CPU

@@ -323,7 +323,8 @@ def test_pretrain_flags():
     cfg = model_config(o, 100)
     assert cfg.sequence_parallel and cfg.effective_recompute_granularity == "selective"
     o = opts("--recompute-activations")
-    assert o.precision.recompute_granularity == "full" and model_config(o, 100).effective_recompute_granularity == "full"
+    assert o.precision.recompute_granularity == "full" \
+        and model_config(o, 100).effective_recompute_granularity == "full"
     o = opts("--recompute-granularity", "full")
     assert o.precision.recompute_activations  # the HFU log line reads it
     with pytest.raises(UserError, match="contradicts"):
