@@ -93,7 +93,7 @@ def _options(args, world, **over):
     flags.update(over)
     o = argparse.Namespace(**flags)
     o = resolve(o, world_size=world)
-    o.load = load
+    o.checkpoint.load = load
     return o
 
 

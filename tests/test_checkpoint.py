@@ -39,7 +39,7 @@ def _options(world, **over):
     load = over.pop("load", None)
     flags.update(over)
     o = tiny_options(world, **flags)
-    o.load = load  # set after resolve: the directory is created by an earlier run of the same spawn
+    o.checkpoint.load = load  # set after resolve: the directory is created by an earlier run of the same spawn
     return o
 
 
@@ -56,9 +56,10 @@ def _valid_loss(ps_world, o, path, tp):
     model, tok = ck.load_for_inference(path, ps)
     barrier = dist.barrier if dist.is_initialized() else None
     _, valid, _ = build_train_valid_test_datasets(
-        o.data_path, o.split, o.seq_length, (o.global_batch_size, o.eval_iters * o.global_batch_size, 0), o.seed,
+        o.data.data_path, o.data.split, o.model.seq_length,
+        (o.schedule.global_batch_size, o.logging.eval_iters * o.schedule.global_batch_size, 0), o.data.seed,
         eod_id=tok.eod_id, vocab_size=tok.vocab_size, barrier=barrier)
-    return evaluate(model, valid, o, ps, None)
+    return evaluate(model, valid, o.logging, o.schedule, ps, None)
 
 
 def _hf_logits(ps_world, path, tp, out_dir, tokens):

@@ -61,10 +61,11 @@ def test_the_recorded_options_apply_and_flags_override_them(tmp_path, recorded):
                  "global_batch_size", "min_lr", "lr_decay_style", "lr_warmup_iters", "adam_beta2",
                  "tensor_model_parallel_size", "zero_stage", "data_path", "tokenizer_model", "split", "seed",
                  "bf16", "log_interval", "eval_interval", "save_interval"):
-        assert getattr(o, name) == recorded[name], name
-    assert o.train_iters == 80 and o.lr == 3e-4
-    assert o.save == str(tmp_path / "ckpt") and o.nproc_per_node is None and o.device is None
-    assert o.peak_tflops is None and not o.builtin_job
+        assert o.flat()[name] == recorded[name], name
+    assert o.schedule.train_iters == 80 and o.schedule.lr == 3e-4
+    assert o.checkpoint.save == str(tmp_path / "ckpt") and o.parallel.nproc_per_node is None \
+        and o.precision.device is None
+    assert o.logging.peak_tflops is None and not o.builtin_job
     assert describe(o.checkpoint_args) == [
         f"note: --use-checkpoint-args: {len(o.checkpoint_args['taken'])} options (model, data, tokenizer, layout, "
         f"schedule, precision, intervals) from {iter_dir}",
@@ -77,8 +78,8 @@ def test_load_names_the_checkpoint_and_exclusive_flags_replace_the_record(tmp_pa
     iter_dir = _checkpoint(tmp_path / "ckpt", **recorded, recompute_activations=True, recompute_granularity="full")
     o = _resolved(["--load", str(iter_dir), "--save", str(tmp_path / "new"), "--use-checkpoint-args",
                    "--recompute-granularity", "selective", "--data-path", recorded["data_path"][0]])
-    assert o.checkpoint_args["path"] == str(iter_dir) and o.hidden_size == 48
-    assert o.recompute_granularity == "selective" and not o.recompute_activations
+    assert o.checkpoint_args["path"] == str(iter_dir) and o.model.hidden_size == 48
+    assert o.precision.recompute_granularity == "selective" and not o.precision.recompute_activations
     assert o.checkpoint_args["overrides"] == []  # the same --data-path as recorded
 
 
@@ -88,9 +89,10 @@ def test_the_builtin_jobs_checkpoint_finds_its_corpus_again(tmp_path):
     _checkpoint(tmp_path / "run", builtin_job=True, data_path=["/old/cache/corpus"], tokenizer_model="/old/tok",
                 train_iters=300, lr=2e-3, hidden_size=64, num_attention_heads=4)
     o = _resolved(["--save", str(tmp_path / "run"), "--use-checkpoint-args", "--train-iters", "400"], world=4)
-    assert o.builtin_job and o.data_path is None and o.tokenizer_model is None
-    assert (o.hidden_size, o.lr, o.train_iters, o.sample_prompt) == (64, 2e-3, 400, "ROMEO:")
-    assert o.lr_warmup_iters == 40  # the built-in job's tenth of the schedule, of the new length
+    assert o.builtin_job and o.data.data_path is None and o.data.tokenizer_model is None
+    assert (o.model.hidden_size, o.schedule.lr, o.schedule.train_iters,
+            o.logging.sample_prompt) == (64, 2e-3, 400, "ROMEO:")
+    assert o.schedule.lr_warmup_iters == 40  # the built-in job's tenth of the schedule, of the new length
 
 
 @pytest.mark.parametrize("argv,held", [([], "neither --load nor --save is given"),

@@ -48,7 +48,7 @@ def test_suffixes_mean_the_prefix(datasets):
     assert IndexedDataset(a + ".idx").path_prefix == a
     # the options record the prefix, whichever file was named
     o = resolve(argparse.Namespace(data_path=[a + ".bin"], tokenizer_model="builtin", train_iters=2), world_size=1)
-    assert o.data_path == [a]
+    assert o.data.data_path == [a]
     assert data_record(o)["files"][0] == dict(prefix=os.path.realpath(a), idx_bytes=os.path.getsize(a + ".idx"),
                                               bin_bytes=os.path.getsize(a + ".bin"))
 

@@ -60,12 +60,12 @@ def test_timeout_names_the_collective_group_caller_and_missing_rank():
 def test_message_has_iteration_checkpoint_and_resume(tmp_path):
     hang = Hang(error="Timed out waiting 60000ms for recv operation to complete", collective="all_reduce",
                 group="the tensor-parallel group (ranks 2, 3)", caller="tnlg/parallel/mappings.py:70 (all_reduce)",
-                iteration=37, options=SimpleNamespace(save=str(tmp_path)), missing=[3])
+                iteration=37, options=SimpleNamespace(checkpoint=SimpleNamespace(save=str(tmp_path))), missing=[3])
     text = message(hang, "pretrain", "tnlg pretrain --save x", 1.0)
     assert ("tnlg pretrain: a collective timed out after 1 min: all_reduce over the tensor-parallel group "
             "(ranks 2, 3), called from tnlg/parallel/mappings.py:70 (all_reduce), after iteration 37") in text
     assert f"There is no checkpoint in {tmp_path} yet." in text and "Resume with: tnlg pretrain --save x" in text
-    hang.options, hang.missing = SimpleNamespace(save=None), None
+    hang.options, hang.missing = SimpleNamespace(checkpoint=SimpleNamespace(save=None)), None
     text = message(hang, "pretrain", None, 0.25)
     assert "after 15 s" in text and "saved no checkpoint (no --save)" in text and "is unknown" in text
 

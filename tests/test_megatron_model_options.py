@@ -166,7 +166,7 @@ def _options(world, **over):
     load = over.pop("load", None)
     flags.update(over)
     o = resolve(argparse.Namespace(**flags), world_size=world)
-    o.load = load
+    o.checkpoint.load = load
     return o
 
 

@@ -55,7 +55,7 @@ def _megatron_checkpoint(tmp, o):
     """A Megatron-LM torch_dist checkpoint at iteration N of the run's model shape."""
     from tnlg.data.tokenizer import load_tokenizer
     from tnlg.options import model_config
-    cfg = model_config(o, load_tokenizer(o.tokenizer_model).vocab_size)
+    cfg = model_config(o, load_tokenizer(o.data.tokenizer_model).vocab_size)
     full = full_state_dict(GPT(cfg), ParallelState.single())
     meta = dict(format=FORMAT, iteration=N, consumed_samples=2 * N, config=cfg.to_dict(), options={}, data=None,
                 tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
@@ -74,7 +74,7 @@ def test_resume_after_import_continues_the_lr_schedule_at_the_checkpoints_iterat
 
     first = _options(_argv(tmp_path, N + 1, imported, tmp_path / "run"))
     run_distributed(_train, 1, 1, first, timeout_s=300)
-    lr = _logged_lr(first.metrics_file)
+    lr = _logged_lr(first.logging.metrics_file)
     assert list(lr) == [N + 1]
     assert math.isclose(lr[N + 1], _cosine_lr(N), rel_tol=1e-9), (lr, _cosine_lr(N))
     assert lr[N + 1] > MIN_LR  # not warmup's first value (0)
@@ -84,4 +84,4 @@ def test_resume_after_import_continues_the_lr_schedule_at_the_checkpoints_iterat
 
     second = _options(_argv(tmp_path, N + 2, tmp_path / "run", tmp_path / "run"))
     run_distributed(_train, 1, 1, second, timeout_s=300)
-    assert math.isclose(_logged_lr(second.metrics_file)[N + 2], _cosine_lr(N + 1), rel_tol=1e-9)
+    assert math.isclose(_logged_lr(second.logging.metrics_file)[N + 2], _cosine_lr(N + 1), rel_tol=1e-9)

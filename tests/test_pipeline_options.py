@@ -22,17 +22,17 @@ def _resolve(argv: list, world: int = 4):
 
 def test_a_runnable_pipeline_layout_resolves():
     o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"])
-    assert (o.pipeline_model_parallel_size, o.pipeline_schedule) == (2, "1f1b")
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule) == (2, "1f1b")
     o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "10",
                   "--sample-prompt", "ROMEO:"])  # validation and the sample
-    assert (o.eval_interval, o.sample_prompt) == (10, "ROMEO:")
+    assert (o.logging.eval_interval, o.logging.sample_prompt) == (10, "ROMEO:")
     o = _resolve(["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
                   "--global-batch-size", "16", "--micro-batch-size", "2"])
-    assert o.pipeline_schedule == "interleaved"  # a virtual-stage size selects it, as Megatron's
+    assert o.parallel.pipeline_schedule == "interleaved"  # a virtual-stage size selects it, as Megatron's
     for argv in (["--zero-stage", "3"], ["--bf16"]):  # FSDP2's ZeRO 2/3 and 16 bits run with a pipeline
         _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"] + argv)
     o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--compile"])
-    assert o.compile and o.pipeline_model_parallel_size == 2  # compiled stage blocks
+    assert o.precision.compile and o.parallel.pipeline_model_parallel_size == 2  # compiled stage blocks
 
 
 @pytest.mark.parametrize("argv,world,match", [
@@ -56,7 +56,7 @@ def test_deepspeed_with_a_pipeline_is_refused_naming_deepspeeds_own_pipeline_eng
     # (without DeepSpeed installed, resolve stops earlier on the missing package: check the pipeline rule itself)
     from tnlg.options.pipeline import check_pipeline
     o = _resolve(["--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8"])
-    o.zero_impl = "deepspeed"
+    o.parallel.zero_impl = "deepspeed"
     with pytest.raises(UserError, match=r"--zero-impl deepspeed \(DeepSpeed pipelines with its own engine, .* "
                                         r"--zero-impl tnlg\) is not supported with --pipeline-model-parallel-size"):
         check_pipeline(o, 4)
@@ -100,7 +100,7 @@ PIPELINE = ("pipeline_model_parallel_size", "pipeline_schedule", "num_layers_per
 def test_use_checkpoint_args_takes_the_pipeline_layout_from_the_record_as_it_takes_tp(tmp_path, argv, expected):
     root = _recorded_pipeline(tmp_path, argv)
     o = _resumed(root, [], 8)
-    assert tuple(getattr(o, n) for n in PIPELINE) == expected
+    assert tuple(o.flat()[n] for n in PIPELINE) == expected
     assert set(PIPELINE) <= set(o.checkpoint_args["taken"]) and o.checkpoint_args["overrides"] == []
 
 
@@ -108,31 +108,36 @@ def test_use_checkpoint_args_pipeline_flags_given_replace_the_records_as_tp_give
     root = _recorded_pipeline(tmp_path, ["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage",
                                          "2", "--sequence-parallel"])
     o = _resumed(root, ["--pp", "4", "--tp", "1"], 8)  # the record's interleaving kept: 8 layers / 4 / 2 chunks
-    assert (o.pipeline_model_parallel_size, o.tensor_model_parallel_size, o.pipeline_schedule,
-            o.num_layers_per_virtual_pipeline_stage) == (4, 1, "interleaved", 2)
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.tensor_model_parallel_size,
+            o.parallel.pipeline_schedule,
+            o.parallel.num_layers_per_virtual_pipeline_stage) == (4, 1, "interleaved", 2)
     assert sorted(f for f, _, _ in o.checkpoint_args["overrides"]) == ["--pipeline-model-parallel-size",
                                                                      "--tensor-model-parallel-size"]
     # --pp 1: no pipeline, so none of the record's pipeline schedule and split (they would be refused at PP 1)
     o = _resumed(root, ["--pp", "1"], 8)
-    assert (o.pipeline_model_parallel_size, o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage,
-            o.tensor_model_parallel_size, o.sequence_parallel) == (1, "1f1b", None, 2, True)
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule,
+            o.parallel.num_layers_per_virtual_pipeline_stage,
+            o.parallel.tensor_model_parallel_size, o.parallel.sequence_parallel) == (1, "1f1b", None, 2, True)
     # a schedule or split given replaces the record's schedule and split together (a recorded virtual-stage
     # size would otherwise turn --pipeline-schedule 1f1b back into interleaving)
     o = _resumed(root, ["--pipeline-schedule", "1f1b"], 8)
-    assert (o.pipeline_model_parallel_size, o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage) == (
+    assert (o.parallel.pipeline_model_parallel_size, o.parallel.pipeline_schedule,
+            o.parallel.num_layers_per_virtual_pipeline_stage) == (
         2, "1f1b", None)
     o = _resumed(root, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
-    assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage) == ("interleaved", 1)
+    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage) == ("interleaved", 1)
     # a recorded first-stage size does not refuse the interleaved schedule given (it has equal chunks)
     split = _recorded_pipeline(tmp_path / "split", ["--pp", "2", "--num-layers", "4",
                                                     "--decoder-first-pipeline-num-layers", "1"])
     o = _resumed(split, ["--num-layers-per-virtual-pipeline-stage", "1"], 8)
-    assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage, o.decoder_first_pipeline_num_layers) == (
+    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage,
+            o.parallel.decoder_first_pipeline_num_layers) == (
         "interleaved", 1, None)
     interleaved = _recorded_pipeline(tmp_path / "interleaved", ["--pp", "2", "--num-layers", "4",
                                                                 "--num-layers-per-virtual-pipeline-stage", "1"])
     o = _resumed(interleaved, ["--decoder-last-pipeline-num-layers", "1"], 8)  # and a split given drops interleaving
-    assert (o.pipeline_schedule, o.num_layers_per_virtual_pipeline_stage, o.decoder_last_pipeline_num_layers) == (
+    assert (o.parallel.pipeline_schedule, o.parallel.num_layers_per_virtual_pipeline_stage,
+            o.parallel.decoder_last_pipeline_num_layers) == (
         "1f1b", None, 1)
     # the recorded values are checked with the given ones, as without the record
     with pytest.raises(UserError, match=r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 2.66667 "

@@ -46,22 +46,22 @@ def test_components_validate_themselves():
         ScheduleOptions(train_iters=10, lr=1e-3, min_lr=1e-2)
 
 
-def test_options_read_flat_and_by_component_and_survive_pickling():
+def test_options_read_by_component_flatten_by_name_and_survive_pickling():
     o = resolve(_parser().parse_args(["--lr", "0.001", "--tp", "1"]), world_size=2)
-    assert isinstance(o, Options) and o.lr == o.schedule.lr == 0.001 and o.builtin_job
-    o.save = "somewhere"  # the command sets the built-in job's folder after resolving
-    assert o.checkpoint.save == "somewhere"
+    assert isinstance(o, Options) and o.schedule.lr == o.flat()["lr"] == 0.001 and o.builtin_job
+    o.checkpoint.save = "somewhere"  # the command sets the built-in job's folder after resolving
+    assert o.flat()["save"] == "somewhere"
     back = pickle.loads(pickle.dumps(o))  # options travel to spawned workers
     assert back.flat() == o.flat()
     with pytest.raises(AttributeError):
-        o.no_such_option  # noqa: B018
+        o.lr = 1.0  # an option by its bare name is refused: o.schedule holds it
 
 
 def test_config_file_keys_are_the_fields(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('bucket-size-mb = 5.0\nhidden_size = 64\n')
     o = resolve(argparse.Namespace(config=str(f)), world_size=4)
-    assert o.bucket_size_mb == 5.0 and o.hidden_size == 64
+    assert o.parallel.bucket_size_mb == 5.0 and o.model.hidden_size == 64
     f.write_text("hidden = 64\n")
     with pytest.raises(UserError, match=r"unknown key 'hidden'; did you mean hidden_size\? Valid keys: .*ffn_hidden"):
         resolve(argparse.Namespace(config=str(f)), world_size=4)
@@ -77,9 +77,10 @@ def test_config_file_and_flag_precedence(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('num-layers = 3\nlr = 0.01\npreset = "gpt2-small"\ntrain-iters = 10\n')
     o = resolve(argparse.Namespace(config=str(cfg), lr=0.02), world_size=4)
-    assert (o.num_layers, o.lr, o.hidden_size) == (3, 0.02, 768)   # preset < file < flags
+    assert (o.model.num_layers, o.schedule.lr, o.model.hidden_size) == (3, 0.02, 768)   # preset < file < flags
     o = resolve(argparse.Namespace(preset="tnlg-17b", fp16=False, bf16=True), world_size=256)
-    assert (o.lr, o.lr_warmup_iters, o.lr_decay_iters, o.global_batch_size, o.num_attention_heads) == \
+    assert (o.schedule.lr, o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.global_batch_size,
+            o.model.num_attention_heads) == \
         (1.5e-4, 3200, 500_000, 512, 28)
     if not torch.cuda.is_available():  # the recipe's fp16 is refused before any work on a CPU
         with pytest.raises(UserError, match="--fp16 needs a GPU"):
@@ -91,18 +92,21 @@ def test_user_run_gets_megatron_defaults_not_the_builtin_jobs(corpus):
     --tokenizer-model M --train-iters 2`` used to stop on "--lr-warmup-iters (30) must be smaller than
     --lr-decay-iters (2)", a flag the user never set."""
     o = resolve_flags(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2"], 4)
-    assert (o.lr_warmup_iters, o.lr_decay_iters, o.min_lr, o.lr_decay_style) == (0, None, 0.0, "linear")
-    assert (o.hidden_dropout, o.attention_dropout, o.adam_beta2) == (0.1, 0.1, 0.999)
-    assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (1, 8, 32)  # micro x DP
-    assert (o.sample_prompt, o.eval_interval, o.eval_iters, o.log_interval) == ("", 1000, 100, 100)
+    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters, o.schedule.min_lr,
+            o.schedule.lr_decay_style) == (0, None, 0.0, "linear")
+    assert (o.model.hidden_dropout, o.model.attention_dropout, o.schedule.adam_beta2) == (0.1, 0.1, 0.999)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size,
+            o.schedule.global_batch_size) == (1, 8, 32)  # micro x DP
+    assert (o.logging.sample_prompt, o.logging.eval_interval, o.logging.eval_iters,
+            o.logging.log_interval) == ("", 1000, 100, 100)
     assert o.builtin_job is False
     # a user's --lr below the built-in job's --min-lr, a global batch without a micro batch: both fine
     o = resolve_flags(["--data-path", corpus[0], "--tokenizer-model", corpus[1], "--train-iters", "2",
                    "--lr", "1e-4", "--global-batch-size", "4"], 4)
-    assert (o.min_lr, o.micro_batch_size, o.global_batch_size) == (0.0, 1, 4)
+    assert (o.schedule.min_lr, o.schedule.micro_batch_size, o.schedule.global_batch_size) == (0.0, 1, 4)
     # a preset run is a user's run too
     o = resolve_flags(["--preset", "tiny", "--train-iters", "5"], 2)
-    assert (o.lr_warmup_iters, o.hidden_dropout, o.tensor_model_parallel_size) == (0, 0.1, 1)
+    assert (o.schedule.lr_warmup_iters, o.model.hidden_dropout, o.parallel.tensor_model_parallel_size) == (0, 0.1, 1)
 
 
 def test_train_iters_is_required_outside_the_builtin_job(corpus):
@@ -116,20 +120,25 @@ def test_builtin_job_defaults_unchanged_and_scaled_by_the_users_flags():
     of contradicting it."""
     o = resolve_flags([], 4)
     assert o.builtin_job is True
-    assert (o.train_iters, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_style, o.adam_beta2) == \
+    assert (o.schedule.train_iters, o.schedule.lr, o.schedule.min_lr, o.schedule.lr_warmup_iters,
+            o.schedule.lr_decay_style, o.schedule.adam_beta2) == \
         (300, 2e-3, 2e-4, 30, "cosine", 0.95)
-    assert (o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size) == (2, 8, 16)
-    assert (o.hidden_dropout, o.eval_interval, o.eval_iters, o.sample_prompt) == (0.0, 100, 4, "ROMEO:")
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.micro_batch_size,
+            o.schedule.global_batch_size) == (2, 8, 16)
+    assert (o.model.hidden_dropout, o.logging.eval_interval, o.logging.eval_iters,
+            o.logging.sample_prompt) == (0.0, 100, 4, "ROMEO:")
     o = resolve_flags(["--train-iters", "2"], 4)  # was: warmup 30 >= decay 2
-    assert (o.lr_warmup_iters, o.lr_decay_iters) == (0, None)
+    assert (o.schedule.lr_warmup_iters, o.schedule.lr_decay_iters) == (0, None)
     o = resolve_flags(["--lr", "1e-4"], 4)  # was: --min-lr 2e-4 above --lr
-    assert o.min_lr == pytest.approx(1e-5)
+    assert o.schedule.min_lr == pytest.approx(1e-5)
     o = resolve_flags(["--nproc-per-node", "1"], 1)  # was: TP 2 does not divide 1 process
-    assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (1, 16, 8)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size,
+            o.schedule.micro_batch_size) == (1, 16, 8)
     o = resolve_flags(["--nproc-per-node", "8"], 8)  # was: 16 not divisible by micro 8 x DP 4
-    assert (o.tensor_model_parallel_size, o.global_batch_size, o.micro_batch_size) == (2, 16, 4)
+    assert (o.parallel.tensor_model_parallel_size, o.schedule.global_batch_size,
+            o.schedule.micro_batch_size) == (2, 16, 4)
     o = resolve_flags(["--train-iters", "1000", "--lr-decay-iters", "500"], 4)
-    assert o.lr_warmup_iters == 50
+    assert o.schedule.lr_warmup_iters == 50
 
 
 def test_help_says_which_defaults_belong_to_the_builtin_job(capsys):

@@ -53,7 +53,7 @@ def test_validation_set_smaller_than_a_micro_batch_is_skipped_with_a_note(capsys
     ps = SimpleNamespace(dp_size=4, rank=0)
 
     def _validation_plan(dataset, o, ps):
-        return validation_plan(dataset, o, ps, print)
+        return validation_plan(dataset, o, o, ps, print)  # (logging and schedule fields in one)
 
     assert _validation_plan([0, 1], o, ps) is False
     assert "fewer than one micro batch per data-parallel rank (4)" in capsys.readouterr().out

@@ -38,7 +38,7 @@ def _train_body(ps, o):
 def _reference(argv, world):
     """The same options trained uninterrupted in-process (no checkpoints)."""
     o = resolve_flags(argv, world)
-    o.save, o.metrics_file = None, None
+    o.checkpoint.save, o.logging.metrics_file = None, None
     return run_distributed(_train_body, world, 1, o, timeout_s=180)[0]
 
 

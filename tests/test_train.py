@@ -108,7 +108,7 @@ def _sp_train_body(ps, o):
         from tnlg.model import GPT
         from tnlg.parallel.state import ParallelState
         from tnlg.commands.pretrain_args import model_config
-        cfg = model_config(o, load_tokenizer(o.tokenizer_model).vocab_size)
+        cfg = model_config(o, load_tokenizer(o.data.tokenizer_model).vocab_size)
         with torch.device("meta"):
             shard = GPT(cfg, ParallelState.for_virtual_rank(ps.tp_size))
         flags = {n: p.tp_sharded for n, p in shard.named_parameters()}

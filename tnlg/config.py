@@ -14,9 +14,13 @@ from typing import Optional
 
 from .errors import UserError
 
-__all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES",
+           "LR_DECAY_STYLES"]
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+# --lr-decay-style's values, Megatron-LM's names (tnlg.optim.LRSchedule also runs Megatron's inverse-square-root,
+# the schedule a converted checkpoint may record); torch-free for tnlg pretrain --help
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
 
 def divisors(n: int) -> list[int]:

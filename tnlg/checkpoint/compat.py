@@ -48,7 +48,7 @@ def options_record(o) -> dict:
     if o is None:
         return {}
     out = {}
-    for k, v in sorted((o.flat() if hasattr(o, "flat") else vars(o)).items()):
+    for k, v in sorted(_by_name(o).items()):
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
         elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
@@ -56,11 +56,17 @@ def options_record(o) -> dict:
     return out
 
 
+def _by_name(o) -> dict:
+    """Every option of ``o`` (:class:`tnlg.options.Options`, or any namespace) by its name."""
+    return o.flat() if hasattr(o, "flat") else vars(o)
+
+
 def data_record(o) -> Optional[dict]:
     """The datasets of ``--data-path``: resolved prefixes, byte sizes of their files, weights."""
-    if o is None or not getattr(o, "data_path", None):
+    data_path = _by_name(o).get("data_path") if o is not None else None
+    if not data_path:
         return None
-    prefixes, weights = parse_data_path(o.data_path)
+    prefixes, weights = parse_data_path(data_path)
     files = []
     for p in prefixes:
         rec = dict(prefix=os.path.realpath(p))
@@ -114,9 +120,10 @@ def check_compatible(meta: dict, where: str, config: GPTConfig, options,
     arch = bool(diffs)
     saved_opts = meta.get("options") or {}
     if options is not None:
+        now_opts = _by_name(options)
         for k in DATA_OPTIONS:
-            if k in saved_opts and hasattr(options, k) and saved_opts[k] != getattr(options, k):
-                diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {getattr(options, k)!r} now")
+            if k in saved_opts and k in now_opts and saved_opts[k] != now_opts[k]:
+                diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {now_opts[k]!r} now")
         saved_data, now_data = meta.get("data"), data_record(options)
         if saved_data and now_data:
             diffs += _data_differences(saved_data, now_data)

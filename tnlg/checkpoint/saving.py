@@ -401,8 +401,9 @@ def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
 
 
 def _schedule(options, optimizer: Optional[dict], schedule_steps: Optional[int] = None) -> Optional[dict]:
-    if options is None or optimizer is None or not hasattr(options, "lr"):
+    if options is None or optimizer is None or not hasattr(options, "schedule"):
         return None
-    return dict(num_steps=optimizer.get("num_steps") if schedule_steps is None else int(schedule_steps), max_lr=options.lr, min_lr=options.min_lr,
-                warmup_iters=options.lr_warmup_iters,
-                decay_iters=options.lr_decay_iters or options.train_iters, decay_style=options.lr_decay_style)
+    lr = options.schedule.lr_schedule()
+    return dict(num_steps=optimizer.get("num_steps") if schedule_steps is None else int(schedule_steps), max_lr=lr.max_lr, min_lr=lr.min_lr,
+                warmup_iters=lr.warmup_iters,
+                decay_iters=lr.decay_iters, decay_style=lr.decay_style)

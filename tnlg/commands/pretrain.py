@@ -48,9 +48,9 @@ def preflight(args) -> None:
     if getattr(args, "bf16", False) or getattr(args, "config", None):  # a config file may set bf16
         from ..parallel.state import pick_device
         o = resolve(args)  # the options' own errors first, as `run` would report them
-        if o.bf16:
+        if o.precision.bf16:
             from ..runtime.hardware import check_bf16
-            check_bf16(pick_device(o.device).type)
+            check_bf16(pick_device(o.precision.device).type)
     if getattr(args, "device", None) != "cpu":
         import torch
         if torch.cuda.is_available():
@@ -91,18 +91,18 @@ def _run(args) -> int:
         world = nproc
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
-    if o.data_path is None:  # the built-in corpus: prepared here once, found by the workers
+    if o.data.data_path is None:  # the built-in corpus: prepared here once, found by the workers
         prefix, tok = default_dataset()
-        o.data_path, o.tokenizer_model = [prefix], o.tokenizer_model or tok
+        o.data.data_path, o.data.tokenizer_model = [prefix], o.data.tokenizer_model or tok
     if nproc is not None and nproc > 1 and not under_launcher():
         check_resume(o)  # a checkpoint that does not match: reported here, before any worker starts
         extra = []
-        if not hasattr(args, "save") and o.save is not None and o.load is None:
-            extra += ["--save", o.save]  # the folder chosen here: every worker, and a restarted group, uses it
+        if not hasattr(args, "save") and o.checkpoint.save is not None and o.checkpoint.load is None:
+            extra += ["--save", o.checkpoint.save]  # the folder chosen here: every worker, and a restarted group, uses it
             print(note, flush=True)  # the workers see a --save and say nothing of it
         if not hasattr(args, "nproc_per_node"):
             extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
-        return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.max_restarts or 0)
+        return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.parallel.max_restarts or 0)
     notes = ([note] if note else []) + describe(o.checkpoint_args)  # (a launching process said none of these)
     if notes and is_rank0():
         print("\n".join(notes), flush=True)
@@ -111,9 +111,10 @@ def _run(args) -> int:
     if is_rank0():
         if stopped:
             print(_interrupted_message(stopped, o, args), file=sys.stderr, flush=True)
-        elif o.save is None:
+        elif o.checkpoint.save is None:
+            metrics_file = o.logging.metrics_file
             print("tnlg pretrain: finished; no checkpoint was saved (no --save)"
-                  + (f"; metrics are in {o.metrics_file}." if o.metrics_file else ", and no metrics or loss plot.")
+                  + (f"; metrics are in {metrics_file}." if metrics_file else ", and no metrics or loss plot.")
                   + " Pass --save DIR to keep a run.", flush=True)
     # a worker that stopped as asked exits 0 (a launcher would count anything else as a failure and restart
     # the group); a lone process exits as shells expect of a signalled command
@@ -128,25 +129,26 @@ def _checkpoint_root(path: str) -> str:
 
 
 def _choose_save(o: Options, args) -> Optional[str]:
-    """Where a run without ``--save`` saves (sets ``o.save``), and the note that says so; ``None`` with
-    ``--save``. Never lose work silently: the built-in job gets a fresh folder, a resumed run saves back
+    """Where a run without ``--save`` saves (sets ``o.checkpoint.save``), and the note that says so; ``None``
+    with ``--save``. Never lose work silently: the built-in job gets a fresh folder, a resumed run saves back
     into the root it loaded from, any other run saves nothing and says so now and at the end."""
-    if o.save is not None:
+    c = o.checkpoint
+    if c.save is not None:
         return None
-    if o.load is not None:
-        root = _checkpoint_root(o.load)
+    if c.load is not None:
+        root = _checkpoint_root(c.load)
         if not os.access(root, os.W_OK):
-            raise UserError(f"--load {o.load!r} without --save would save back into {root!r}, which is not "
+            raise UserError(f"--load {c.load!r} without --save would save back into {root!r}, which is not "
                             f"writable. Pass --save DIR for this run's checkpoints.")
-        o.save = root
+        c.save = root
         return (f"note: no --save: checkpoints, metrics.jsonl and the loss plot go back into {root}, the "
                 f"checkpoint root --load reads from (--save DIR writes elsewhere).")
     if o.builtin_job:
-        o.save = _builtin_folder()
-        return (f"note: the built-in job saves its checkpoints, metrics.jsonl and loss plot in {o.save} "
+        c.save = _builtin_folder()
+        return (f"note: the built-in job saves its checkpoints, metrics.jsonl and loss plot in {c.save} "
                 f"(--save DIR chooses the folder).")
     return ("note: no --save: this run writes no checkpoint"
-            + ("" if o.metrics_file else ", no metrics and no loss plot")
+            + ("" if o.logging.metrics_file else ", no metrics and no loss plot")
             + "; its training is lost when it ends. Pass --save DIR to keep it.")
 
 
@@ -165,14 +167,15 @@ def resume_command(args, o: Options) -> str:
     """The command that continues this run: its options, with ``--save`` as chosen, and without a
     ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
     from ..training.checkpointing import last_checkpoint
+    c = o.checkpoint
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
-    if o.save is not None and o.load is None and not hasattr(args, "save"):
-        ns.save = o.save  # the built-in job's folder
-    if o.load is not None and last_checkpoint(o.save) is not None:
+    if c.save is not None and c.load is None and not hasattr(args, "save"):
+        ns.save = c.save  # the built-in job's folder
+    if c.load is not None and last_checkpoint(c.save) is not None:
         if hasattr(args, "save"):
             del ns.load  # resumes from --save by itself
         else:
-            ns.load = o.save  # the root, not the iteration it started from
+            ns.load = c.save  # the root, not the iteration it started from
     argv = argv_of(add_arguments, ns)
     return "tnlg pretrain" + (" " + shlex.join(argv) if argv else "")
 
@@ -181,14 +184,15 @@ def _interrupted_message(info: dict, o: Options, args) -> str:
     """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
     from ..training.checkpointing import last_checkpoint
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
-    head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.train_iters}"
-    if o.save is None:
+    head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.schedule.train_iters}"
+    save = o.checkpoint.save
+    if save is None:
         return (f"{head}. This run saved nothing: it has no save root (no --save, and neither the built-in job "
                 f"nor a --load root to save into), so iteration {info['iteration']} was not written. Start it again "
                 f"with --save DIR to keep checkpoints; Ctrl-C then saves into DIR before stopping.")
-    last = last_checkpoint(o.save)
-    where = (f"the last checkpoint is iteration {last} in {o.save}" + (" (saved now)" if info["saved"] else "")
-             if last is not None else f"there is no checkpoint in {o.save} yet, so a resume starts over")
+    last = last_checkpoint(save)
+    where = (f"the last checkpoint is iteration {last} in {save}" + (" (saved now)" if info["saved"] else "")
+             if last is not None else f"there is no checkpoint in {save} yet, so a resume starts over")
     torchrun = under_launcher() and not hasattr(args, "nproc_per_node")
     return (f"{head}; {where}. Resume with: {resume_command(args, o)}"
             + (" (under torchrun: the same torchrun command with these arguments)" if torchrun else ""))

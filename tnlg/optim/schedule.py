@@ -27,11 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import LR_DECAY_STYLES
 from ..errors import UserError
 
 __all__ = ["LRSchedule", "DECAY_STYLES"]
 
-DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
+DECAY_STYLES = LR_DECAY_STYLES + ("inverse-square-root",)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ..config import LR_DECAY_STYLES
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
 from .fields import flag_of, option
@@ -51,7 +52,7 @@ class ScheduleOptions:
     min_lr: float = option(0.0)
     lr_warmup_iters: int = option(0, help="linear warmup from 0 over this many iterations")
     lr_decay_iters: Optional[int] = option(None, help="decay ends here; --min-lr after", every="--train-iters")
-    lr_decay_style: str = option("linear", choices=["cosine", "linear", "constant"])
+    lr_decay_style: str = option("linear", choices=list(LR_DECAY_STYLES))
     weight_decay: float = option(0.01, help="AdamW decay on matrices (2-D parameters) only")
     clip_grad: float = option(1.0, help="clip by the global norm across TP and DP (0: off)")
     adam_beta1: float = option(0.9)
@@ -67,16 +68,22 @@ class ScheduleOptions:
         optional_positive_int(self, "global_batch_size")
         positive_int(self, "train_iters")
         nonnegative_int(self, "lr_warmup_iters")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise UserError(f"--lr-decay-style must be cosine, linear or constant, got {self.lr_decay_style!r}.")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise UserError(f"--lr-decay-style must be {', '.join(LR_DECAY_STYLES[:-1])} or {LR_DECAY_STYLES[-1]}, "
+                            f"got {self.lr_decay_style!r}.")
         optional_positive_int(self, "lr_decay_iters")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise UserError(f"--lr must be a positive number, got {self.lr!r}.")
         if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
             raise UserError(f"--min-lr must be between 0 and --lr ({self.lr}), got {self.min_lr!r}.")
+        self.lr_schedule()  # refuses a warmup that does not end before the decay
+
+    def lr_schedule(self):
+        """Megatron's learning-rate schedule (:class:`tnlg.optim.LRSchedule`) of these options: over the
+        count of optimizer steps taken, decaying until ``--lr-decay-iters``, else ``--train-iters``."""
         from ..optim.schedule import LRSchedule  # (torch: not imported for --help)
-        LRSchedule(max_lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
-                   decay_iters=self.lr_decay_iters or self.train_iters, decay_style=self.lr_decay_style)
+        return LRSchedule(max_lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
+                          decay_iters=self.lr_decay_iters or self.train_iters, decay_style=self.lr_decay_style)
 
 
 @dataclass

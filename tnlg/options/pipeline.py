@@ -13,25 +13,29 @@ from ..errors import UserError
 
 __all__ = ["check_pipeline", "check_micro_batches", "check_pipeline_world", "check_stage_count", "virtual_stages", "UNSUPPORTED"]
 
-# what --pp > 1 does not run with yet: (is it set?, what to write)
+# what --pp > 1 does not run with yet: (is it set in the run's Options?, what to write)
 UNSUPPORTED = (
-    (lambda o: o.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its own "
-     "engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
+    (lambda o: o.parallel.zero_impl == "deepspeed", lambda o: "--zero-impl deepspeed (DeepSpeed pipelines with its "
+     "own engine, which tnlg does not drive; tnlg's pipeline runs with --zero-impl tnlg)"),
 )
 
 
-def virtual_stages(o) -> int:
-    """Model chunks per pipeline rank (1 unless interleaved)."""
-    n, pp = o.num_layers_per_virtual_pipeline_stage, o.pipeline_model_parallel_size
-    return 1 if o.pipeline_schedule != "interleaved" or n is None else o.num_layers // (pp * n)
+def virtual_stages(par, num_layers: int) -> int:
+    """Model chunks per pipeline rank of the layout ``par`` (:class:`~tnlg.options.ParallelOptions`) for a
+    model of ``num_layers`` (1 unless interleaved)."""
+    n, pp = par.num_layers_per_virtual_pipeline_stage, par.pipeline_model_parallel_size
+    return 1 if par.pipeline_schedule != "interleaved" or n is None else num_layers // (pp * n)
 
 
 def check_pipeline(o, world_size: Optional[int]) -> None:
-    """A clear :class:`UserError` for a pipeline layout that cannot run (``world_size``: when known)."""
-    pp = o.pipeline_model_parallel_size
-    extras = [flag for flag, set_ in (("--pipeline-schedule " + o.pipeline_schedule, o.pipeline_schedule != "1f1b"),
-                                      ("--decoder-first-pipeline-num-layers", o.decoder_first_pipeline_num_layers),
-                                      ("--decoder-last-pipeline-num-layers", o.decoder_last_pipeline_num_layers))
+    """A clear :class:`UserError` for a pipeline layout of options ``o`` (:class:`~tnlg.options.Options`)
+    that cannot run (``world_size``: when known)."""
+    par = o.parallel
+    pp = par.pipeline_model_parallel_size
+    extras = [flag for flag, set_ in (("--pipeline-schedule " + par.pipeline_schedule,
+                                       par.pipeline_schedule != "1f1b"),
+                                      ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
+                                      ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers))
               if set_]
     if pp == 1:
         if extras:
@@ -44,9 +48,9 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
                         f"{pp}). Pipelines train fp32, bf16 or fp16 with ZeRO 0-3, TP (sequence parallelism too), "
                         f"DP and recomputation, with checkpoints, validation and the final sample "
                         f"(docs/pipeline.md); drop those options or use --pp 1.")
-    _check_layers(o, pp)
+    _check_layers(par, o.model.num_layers)
     if world_size is not None:
-        _check_world(o, pp, world_size)
+        _check_world(par, o.schedule, world_size)
 
 
 def check_stage_count(pp: int, layers: int) -> None:
@@ -56,14 +60,14 @@ def check_stage_count(pp: int, layers: int) -> None:
                         f"every stage needs at least one layer: valid sizes are 1 to {layers}.")
 
 
-def _check_layers(o, pp: int) -> None:
-    layers, n = o.num_layers, o.num_layers_per_virtual_pipeline_stage
+def _check_layers(par, layers: int) -> None:
+    pp, n = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
     check_stage_count(pp, layers)
-    if o.pipeline_schedule == "interleaved":
+    if par.pipeline_schedule == "interleaved":
         if n is None:
             raise UserError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage N "
                             "(the layers of each model chunk).")
-        if o.decoder_first_pipeline_num_layers or o.decoder_last_pipeline_num_layers:
+        if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
             raise UserError("--decoder-first/last-pipeline-num-layers is not supported with the interleaved "
                             "schedule yet (its chunks are equal); drop it or use --pipeline-schedule 1f1b.")
         if layers % pp or (layers // pp) % n:
@@ -72,11 +76,11 @@ def _check_layers(o, pp: int) -> None:
             raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per:g} layers per "
                             f"stage ({layers} layers / --pp {pp}); valid: "
                             f"{valid if valid else f'none: the interleaved schedule needs --pp dividing {layers}'}.")
-    elif o.num_layers_per_virtual_pipeline_stage is not None:
+    elif n is not None:
         raise UserError(f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not "
-                        f"--pipeline-schedule {o.pipeline_schedule}; drop one of them.")
-    if o.pipeline_schedule != "interleaved":
-        stage_layer_counts(layers, pp, o.decoder_first_pipeline_num_layers, o.decoder_last_pipeline_num_layers)
+                        f"--pipeline-schedule {par.pipeline_schedule}; drop one of them.")
+    if par.pipeline_schedule != "interleaved":
+        stage_layer_counts(layers, pp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
 
 
 def check_pipeline_world(pp: int, tp: int, world_size: int) -> None:
@@ -88,13 +92,14 @@ def check_pipeline_world(pp: int, tp: int, world_size: int) -> None:
                         f"= {rest}; valid pipeline sizes at --tp {tp} on {world_size} processes: {valid}.")
 
 
-def _check_world(o, pp: int, world_size: int) -> None:
-    tp, micro, gbs = o.tensor_model_parallel_size, o.micro_batch_size, o.global_batch_size
+def _check_world(par, schedule, world_size: int) -> None:
+    pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
+    micro, gbs = schedule.micro_batch_size, schedule.global_batch_size
     check_pipeline_world(pp, tp, world_size)
     dp = max(1, world_size // (tp * pp))
     if gbs is None or gbs % (micro * dp):
         return  # the global-batch check says it
-    check_micro_batches(pp, gbs, micro, dp, o.pipeline_schedule)
+    check_micro_batches(pp, gbs, micro, dp, par.pipeline_schedule)
 
 
 def check_micro_batches(pp: int, gbs: int, micro: int, dp: int, schedule: str) -> int:

@@ -29,12 +29,13 @@ def option_defaults() -> dict:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Options:
-    """One run's options: a component each, plus ``preset``, ``config``, ``builtin_job`` (whether the
-    built-in job's defaults applied) and ``checkpoint_args`` (what ``--use-checkpoint-args`` took). Every
-    option also reads and writes as a flat attribute (``o.lr`` is ``o.schedule.lr``): code that takes the
-    whole run's options needs no map of components."""
+    """One run's options: a component each (``o.schedule.lr``, ``o.parallel.zero_stage``), plus ``preset``,
+    ``config``, ``builtin_job`` (whether the built-in job's defaults applied) and ``checkpoint_args`` (what
+    ``--use-checkpoint-args`` took). Slotted: an option set by its bare name (``o.lr = ...``) is refused,
+    not kept beside the component that owns it. :meth:`flat` and :meth:`from_flat` give and take every
+    option by name (what a checkpoint records, what the parser and config files hold)."""
     model: ModelOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
@@ -62,48 +63,40 @@ class Options:
         out.update({name: getattr(getattr(self, attr), name) for name, attr in _OWNER.items()})
         return out
 
-    def __getattr__(self, name):  # only for names that are not attributes of their own: the options
-        owner = _OWNER.get(name)
-        if owner is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(getattr(self, owner), name)
-
-    def __setattr__(self, name, value):
-        owner = _OWNER.get(name)
-        if owner is not None and owner in self.__dict__:
-            setattr(self.__dict__[owner], name, value)
-        else:
-            object.__setattr__(self, name, value)
-
     def check(self, world_size: Optional[int]) -> None:
         """The checks across components, the layout on ``world_size`` processes (when known), and the
         files the run will read."""
-        if self.zero_impl == "deepspeed":
+        par, prec = self.parallel, self.precision
+        if par.zero_impl == "deepspeed":
             from ..optim.deepspeed_engine import check_deepspeed_options
-            check_deepspeed_options(self.zero_stage, fp16=self.fp16)  # installed, stage 1-3, no --fp16
-        self.precision.check_device()
-        if self.accumulate_allreduce_grads_in_fp32 and self.zero_stage >= 2:
+            check_deepspeed_options(par.zero_stage, fp16=prec.fp16)  # installed, stage 1-3, no --fp16
+        prec.check_device()
+        if prec.accumulate_allreduce_grads_in_fp32 and par.zero_stage >= 2:
             raise UserError(f"--accumulate-allreduce-grads-in-fp32 is implemented for ZeRO stages 0 and 1, not "
-                            f"for --zero-stage {self.zero_stage} (FSDP2 keeps gradients in the parameters' "
+                            f"for --zero-stage {par.zero_stage} (FSDP2 keeps gradients in the parameters' "
                             f"16-bit dtype). Drop the flag or use --zero-stage 1.")
         try:
-            model_config(self, vocab_size=1).check_tensor_parallel(self.tensor_model_parallel_size)
+            model_config(self, vocab_size=1).check_tensor_parallel(par.tensor_model_parallel_size)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        check_pipeline(self, world_size)
-        if world_size is not None:
-            self._check_layout(world_size)
+        self.check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()
         self.logging.check_loggers()
 
-    def _check_layout(self, world_size: int) -> None:
-        tp, micro, gbs = self.tensor_model_parallel_size, self.micro_batch_size, self.global_batch_size
+    def check_layout(self, world_size: Optional[int]) -> None:
+        """The pipeline's layout and, on ``world_size`` processes (when known), TP, PP and the global batch
+        against them: at resolve, and again once the processes joined (a layout resolve did not know)."""
+        check_pipeline(self, world_size)
+        if world_size is None:
+            return
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        micro, gbs = self.schedule.micro_batch_size, self.schedule.global_batch_size
         if world_size % tp:
             valid = divisors(world_size)
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
                             f"valid sizes for {world_size} processes: {valid}.")
-        dp = world_size // (tp * self.pipeline_model_parallel_size)  # (check_pipeline: PP divides the rest)
+        dp = world_size // (tp * pp)  # (check_pipeline: PP divides the rest)
         if gbs % (micro * dp):
             raise UserError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x data-parallel size "
@@ -111,17 +104,19 @@ class Options:
                 f"--global-batch-size {max(1, gbs // (micro * dp)) * micro * dp}.")
 
 
-def model_config(o, vocab_size: int) -> GPTConfig:
-    """The :class:`GPTConfig` that options ``o`` (:class:`Options`, or any object with its attributes) describe."""
+def model_config(o: Options, vocab_size: int) -> GPTConfig:
+    """The :class:`GPTConfig` that options ``o`` describe: the model's shape, and how it runs (sequence
+    parallelism, recomputation, the seed)."""
+    m, prec = o.model, o.precision
     try:
-        return GPTConfig(num_layers=o.num_layers, hidden_size=o.hidden_size,
-                         num_attention_heads=o.num_attention_heads, seq_length=o.seq_length,
-                         vocab_size=vocab_size, ffn_hidden_size=o.ffn_hidden_size,
-                         hidden_dropout=o.hidden_dropout, attention_dropout=o.attention_dropout,
-                         init_method_std=o.init_method_std, openai_gelu=bool(o.openai_gelu),
-                         untie_embeddings_and_output_weights=bool(o.untie_embeddings_and_output_weights),
-                         recompute_activations=bool(o.recompute_activations),
-                         recompute_granularity=o.recompute_granularity,
-                         sequence_parallel=bool(o.sequence_parallel), seed=o.seed)
+        return GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                         num_attention_heads=m.num_attention_heads, seq_length=m.seq_length,
+                         vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
+                         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                         init_method_std=m.init_method_std, openai_gelu=bool(m.openai_gelu),
+                         untie_embeddings_and_output_weights=bool(m.untie_embeddings_and_output_weights),
+                         recompute_activations=bool(prec.recompute_activations),
+                         recompute_granularity=prec.recompute_granularity,
+                         sequence_parallel=bool(o.parallel.sequence_parallel), seed=o.data.seed)
     except ValueError as exc:
         raise UserError(str(exc)) from None

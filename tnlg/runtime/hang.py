@@ -288,7 +288,7 @@ def message(hang: Hang, command: str, resume: Optional[str], timeout_min: Option
                  "answer (rank 0 is probably the one that hung).")
     if hang.stages:
         text += f" Pipeline: {'; '.join(hang.stages)}."
-    save = getattr(hang.options, "save", None)
+    save = getattr(getattr(hang.options, "checkpoint", None), "save", None)
     last = _last_checkpoint(save)
     if save is None:
         text += " This run saved no checkpoint (no --save)."
@@ -328,7 +328,7 @@ def report(exc: BaseException, command: str, resume: Optional[Callable[[Any], Op
         asking.join(wait_s + 8)
         speak, hang.missing, farewell, hang.stages = result[0] if result else (rank == 1, None, None, [])
         hang.extra["wait_s"] = wait_s
-    timeout_min = getattr(hang.options, "distributed_timeout_minutes", None)
+    timeout_min = getattr(getattr(hang.options, "parallel", None), "distributed_timeout_minutes", None)
     if speak:
         cmd = None
         if resume is not None and hang.options is not None:

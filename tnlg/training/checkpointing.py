@@ -48,16 +48,17 @@ def check_resume(o: Options) -> None:
     from ..data.tokenizer import load_tokenizer
     from ..options import model_config
 
-    if o.save:
-        lock_root(os.path.abspath(o.save), probe=True)
-    load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
-    if not load_dir or (not o.load and not os.path.isdir(load_dir)):
+    c = o.checkpoint
+    if c.save:
+        lock_root(os.path.abspath(c.save), probe=True)
+    load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
+    if not load_dir or (not c.load and not os.path.isdir(load_dir)):
         return
     iter_dir = ckpt.resolve(load_dir, origin)
     if iter_dir is None:
         return
     meta = ckpt.read_meta(iter_dir)
-    tokenizer = load_tokenizer(o.tokenizer_model)
+    tokenizer = load_tokenizer(o.data.tokenizer_model)
     check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin)
     check_files(iter_dir, meta, ("model", "optim", "rng"))
 
@@ -93,16 +94,17 @@ class Checkpointer:
         """Rank 0 takes the ``--save`` root's lock for the run (a second job saving there is refused with a
         clear error); every rank learns the outcome. Collective (one broadcast) when ``--save`` is set.
         Called once the checkpoint (if any) is loaded: a run refused at start writes nothing."""
-        if not self.o.save:
+        save = self.o.checkpoint.save
+        if not save:
             return
         error = None
         if self.ps.rank == 0:
             try:
-                self._lock = lock_root(os.path.abspath(self.o.save))
+                self._lock = lock_root(os.path.abspath(save))
             except UserError as exc:
                 error = str(exc)
             except OSError as exc:
-                error = f"--save {self.o.save!r} cannot be used: {exc}"
+                error = f"--save {save!r} cannot be used: {exc}"
         error = from_rank0(error)
         if error is not None:
             raise agreed(UserError(error))
@@ -119,9 +121,9 @@ class Checkpointer:
 
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
-        o = self.o
-        load_dir, origin = (o.load, "--load") if o.load else (o.save, "--save")
-        state = ckpt.load(load_dir, origin=origin, missing_ok=not o.load, **self._state) if load_dir else None
+        c = self.o.checkpoint
+        load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
+        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, **self._state) if load_dir else None
         self.claim_save_root()
         if state is None:
             return 0, 0
@@ -133,13 +135,13 @@ class Checkpointer:
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
         """Save when due (the interval, the last iteration, a stop signal); return how the run stopped when
         a signal stops it here, else ``None``. Collective: the signal check and the save."""
-        o = self.o
+        c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
-        saving = bool(o.save) and bool((o.save_interval and iteration % o.save_interval == 0) or last or signum)
+        saving = bool(c.save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
         if saving:
-            ckpt.save(o.save, iteration=iteration, consumed_samples=consumed, keep_last=o.keep_last,
+            ckpt.save(c.save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
                       schedule_steps=self.schedule_steps, **self._state)
-            self.log(f"saved checkpoint at iteration {iteration} to {o.save}")
+            self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
         if not signum:
             return None
         return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=saving, forced=False)

@@ -58,20 +58,22 @@ class WandbLogger:
         self.run.finish()
 
 
-def run_name(o) -> Optional[str]:
-    """The run's name: ``--wandb-exp-name``, else the name of its ``--save`` folder (``None``: neither)."""
-    return o.wandb_exp_name or (os.path.basename(os.path.normpath(o.save)) if o.save else None)
+def run_name(log, save: Optional[str]) -> Optional[str]:
+    """The run's name: ``--wandb-exp-name`` (of ``log``, the run's :class:`~tnlg.options.LoggingOptions`),
+    else the name of its ``--save`` folder (``None``: neither)."""
+    return log.wandb_exp_name or (os.path.basename(os.path.normpath(save)) if save else None)
 
 
 def build_loggers(o, resumed_at: int) -> list:
-    """The backends that options ``o`` ask for (call on rank 0 only): TensorBoard, then W&B. The W&B run is
-    named :func:`run_name` and written under ``--wandb-save-dir``
-    (default: SAVE/wandb, else ./wandb)."""
+    """The backends that options ``o`` (:class:`~tnlg.options.Options`) ask for (call on rank 0 only):
+    TensorBoard, then W&B, whose run's config is the run's options. The W&B run is named :func:`run_name`
+    and written under ``--wandb-save-dir`` (default: SAVE/wandb, else ./wandb)."""
+    log, save = o.logging, o.checkpoint.save
     loggers: list = []
-    if o.tensorboard_dir is not None:
-        loggers.append(TensorBoardLogger(o.tensorboard_dir, resumed_at))
-    if o.wandb_project is not None:
+    if log.tensorboard_dir is not None:
+        loggers.append(TensorBoardLogger(log.tensorboard_dir, resumed_at))
+    if log.wandb_project is not None:
         from ..checkpoint.compat import options_record
-        save_dir = o.wandb_save_dir or os.path.join(o.save or ".", "wandb")
-        loggers.append(WandbLogger(o.wandb_project, run_name(o), save_dir, options_record(o)))
+        save_dir = log.wandb_save_dir or os.path.join(save or ".", "wandb")
+        loggers.append(WandbLogger(log.wandb_project, run_name(log, save), save_dir, options_record(o)))
     return loggers

@@ -23,8 +23,9 @@ from ..generation import generate
 from ..options import Options, model_config
 from ..parallel.random import seed_everything
 from .checkpointing import Checkpointer, last_checkpoint, stop_on_signals
+from .loggers import build_loggers, run_name
 from .metrics import Metrics
-from .setup import build_datasets, build_engine, build_pipeline, build_schedule, init_run, precision
+from .setup import build_datasets, build_engine, build_pipeline, init_run, precision
 from .step import TrainingDiverged, next_batch, train_step
 from .throughput import iteration_flops, measure_peak_tflops
 from .validation import Validation
@@ -63,19 +64,20 @@ class Trainer:
     def _build(self, stop) -> None:
         o = self.o
         self.ps, self.accum = ps, accum = init_run(o)
-        seed_everything(o.seed)
-        self.tokenizer = load_tokenizer(o.tokenizer_model)
+        seed_everything(o.data.seed)
+        self.tokenizer = load_tokenizer(o.data.tokenizer_model)
         self.config = cfg = model_config(o, self.tokenizer.vocab_size)
-        self.autocast = precision(o)
+        self.autocast = precision(o.precision)
         self.engine = build_engine(o, cfg, ps, accum)
-        if o.compile:
+        if o.precision.compile:
             self._compile()
-        self.model, self.schedule = self.engine.model, build_schedule(o)
-        self.pipeline = build_pipeline(o, self.model, ps, accum)
+        self.model, self.schedule = self.engine.model, o.schedule.lr_schedule()
+        self.pipeline = build_pipeline(o.parallel, self.model, ps, accum)
         self.train_ds, valid_ds = build_datasets(o, cfg, self.tokenizer)
-        self.validation = Validation(self.model, valid_ds, o, ps, self.autocast, self._log)  # says once why not
+        self.validation = Validation(self.model, valid_ds, o.logging, o.schedule, ps, self.autocast,
+                                     self._log)  # says once why not
         # measured before loading: a resumed run continues the restored RNG streams untouched
-        self.peak = o.peak_tflops or measure_peak_tflops(self.autocast or torch.float32, ps.device)
+        self.peak = o.logging.peak_tflops or measure_peak_tflops(self.autocast or torch.float32, ps.device)
         self.checkpointer = Checkpointer(o, ps, model=self.model, engine=self.engine, config=cfg,
                                          tokenizer=self.tokenizer, stop=stop, log=self._log)
 
@@ -86,24 +88,24 @@ class Trainer:
         summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
         if self.validation.enabled and iteration == 0:
             summary["first_valid_loss"] = metrics.validation(0, self.validation.loss())
-        sampler = iter(MegatronPretrainingSampler(len(self.train_ds), consumed, o.micro_batch_size, ps.dp_rank,
-                                                  ps.dp_size))
+        sampler = iter(MegatronPretrainingSampler(len(self.train_ds), consumed, o.schedule.micro_batch_size,
+                                                  ps.dp_rank, ps.dp_size))
         model.train()
         try:
             stopped = self.checkpointer.before_training(iteration)  # collective: a signal during start-up
             if stopped:
                 summary["interrupted"] = stopped
-            while not stopped and iteration < o.train_iters:
+            while not stopped and iteration < o.schedule.train_iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(self.checkpointer.schedule_steps)
                 batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
                                         iteration=iteration + 1, pipeline=self.pipeline)
-                iteration, consumed = iteration + 1, consumed + o.global_batch_size
+                iteration, consumed = iteration + 1, consumed + o.schedule.global_batch_size
                 metrics.iteration(iteration, consumed, loss, lr, info, time.perf_counter() - t0)
                 summary["losses"].append(loss)
                 summary["grad_norms"].append(info["grad_norm"])
-                last = iteration == o.train_iters
+                last = iteration == o.schedule.train_iters
                 if self.validation.due(iteration, last):
                     summary["last_valid_loss"] = metrics.validation(iteration, self.validation.loss())
                 stopped = self.checkpointer.after_step(iteration, consumed, last)  # collective
@@ -125,8 +127,9 @@ class Trainer:
     def _diverged(self, exc: TrainingDiverged) -> TrainingDiverged:
         """The divergence as every rank reports it: the last checkpoint named, marked agreed (rank 0 prints
         it, no traceback) with exit status 1; tnlg's launcher does not restart it (it would diverge again)."""
-        last = last_checkpoint(self.o.save)
-        where = (f" The last checkpoint is iteration {last} in {self.o.save}." if last is not None
+        save = self.o.checkpoint.save
+        last = last_checkpoint(save)
+        where = (f" The last checkpoint is iteration {last} in {save}." if last is not None
                  else " No checkpoint was saved.")
         out = agreed(TrainingDiverged(f"{exc}{where}"))
         out.tnlg_status = 1
@@ -135,20 +138,22 @@ class Trainer:
     def _metrics(self, resumed_at: int) -> Metrics:
         """The run's log and metrics file, announced by the run's header line."""
         o, ps, cfg = self.o, self.ps, self.config
+        sch, gbs, save = o.schedule, o.schedule.global_batch_size, o.checkpoint.save
         vocab = cfg.padded_vocab_size(ps.tp_size)
         # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + what is recomputed)
-        metrics = Metrics(o, ps, flops=iteration_flops(cfg, o.global_batch_size, False, vocab),
-                          hw_flops=iteration_flops(cfg, o.global_batch_size, o.recompute_granularity, vocab),
-                          peak=self.peak, tokens_per_iter=o.global_batch_size * cfg.seq_length,
-                          path=o.metrics_file or (os.path.join(o.save, "metrics.jsonl") if o.save else None),
-                          resumed_at=resumed_at)
+        metrics = Metrics(o.logging, ps, train_iters=sch.train_iters, flops=iteration_flops(cfg, gbs, False, vocab),
+                          hw_flops=iteration_flops(cfg, gbs, o.precision.recompute_granularity, vocab),
+                          peak=self.peak, tokens_per_iter=gbs * cfg.seq_length,
+                          path=o.logging.metrics_file or (os.path.join(save, "metrics.jsonl") if save else None),
+                          resumed_at=resumed_at, loggers=build_loggers(o, resumed_at) if ps.rank == 0 else [],
+                          title=run_name(o.logging, save))
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # (DeepSpeed ZeRO-3)
+        prec, pipeline = o.precision, f"PP={ps.pp_size} ({o.parallel.pipeline_schedule}) x " if ps.pp_size > 1 else ""
         self._log(f"tnlg pretrain: {n_params:,} parameters on this rank "
-                  f"({f'PP={ps.pp_size} ({o.pipeline_schedule}) x ' if ps.pp_size > 1 else ''}TP={ps.tp_size} x "
-                  f"DP={ps.dp_size}, ZeRO stage {o.zero_stage}, {self.accum} accumulation "
-                  f"step(s), {'bf16' if o.bf16 else 'fp16' if o.fp16 else 'fp32'}); {o.train_iters} iterations of "
-                  f"{o.global_batch_size} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s per rank "
-                  f"({'--peak-tflops' if o.peak_tflops else _MEASURED}); attention kernel "
+                  f"({pipeline}TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.parallel.zero_stage}, {self.accum} "
+                  f"accumulation step(s), {'bf16' if prec.bf16 else 'fp16' if prec.fp16 else 'fp32'}); "
+                  f"{sch.train_iters} iterations of {gbs} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s "
+                  f"per rank ({'--peak-tflops' if o.logging.peak_tflops else _MEASURED}); attention kernel "
                   f"{_attention_kernel(cfg, ps, self.autocast)}")
         return metrics
 
@@ -169,13 +174,13 @@ class Trainer:
     def _sample(self) -> Optional[str]:
         """The sample printed at the end (``--sample-prompt``, ``--sample-tokens``; collective over TP and,
         through a pipeline, over its stages: :mod:`tnlg.generation`)."""
-        o = self.o
-        if not o.sample_prompt or not o.sample_tokens:
+        log = self.o.logging
+        if not log.sample_prompt or not log.sample_tokens:
             return None
         self.model.eval()
-        text = generate(self.model, self.tokenizer, [o.sample_prompt], max_new_tokens=o.sample_tokens, greedy=False,
-                        temperature=0.8, top_k=40, seed=o.seed)[0]
-        self._log(f"sample:\n{o.sample_prompt}{text}")
+        text = generate(self.model, self.tokenizer, [log.sample_prompt], max_new_tokens=log.sample_tokens,
+                        greedy=False, temperature=0.8, top_k=40, seed=self.o.data.seed)[0]
+        self._log(f"sample:\n{log.sample_prompt}{text}")
         return text
 
 

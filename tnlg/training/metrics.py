@@ -19,9 +19,9 @@ import time
 from typing import IO, Optional
 
 from ..io import atomic_output
-from ..options import Options
+from ..options import LoggingOptions
 from ..parallel.state import ParallelState
-from .loggers import TRAIN_SCALARS, VALID_SCALARS, build_loggers, run_name
+from .loggers import TRAIN_SCALARS, VALID_SCALARS
 from .throughput import peak_memory_bytes
 
 __all__ = ["Metrics", "open_metrics", "loss_curves", "read_curves", "plot_loss"]
@@ -30,21 +30,23 @@ __all__ = ["Metrics", "open_metrics", "loss_curves", "read_curves", "plot_loss"]
 class Metrics:
     """The log lines and the metrics file of one run (rank 0 writes; every rank may call).
 
-    ``flops`` and ``hw_flops`` are one iteration's model and executed FLOPs, ``peak`` the per-rank
-    peak TFLOP/s; ``path`` the metrics file (``None``: none), trimmed to ``resumed_at``. Rank 0 also
-    opens the TensorBoard / W&B backends the options ask for.
+    ``log`` holds the intervals and ``--no-plot``, ``train_iters`` is the run's length; ``flops`` and
+    ``hw_flops`` are one iteration's model and executed FLOPs, ``peak`` the per-rank peak TFLOP/s;
+    ``path`` the metrics file (``None``: none), trimmed to ``resumed_at``; ``loggers`` the TensorBoard /
+    W&B backends (rank 0's: :func:`.loggers.build_loggers`), ``title`` the loss plot's.
     """
 
-    def __init__(self, o: Options, ps: ParallelState, *, flops: float, hw_flops: float, peak: float,
-                 tokens_per_iter: int, path: Optional[str], resumed_at: int):
-        self.o, self.ps, self.path = o, ps, path
+    def __init__(self, log: LoggingOptions, ps: ParallelState, *, train_iters: int, flops: float,
+                 hw_flops: float, peak: float, tokens_per_iter: int, path: Optional[str], resumed_at: int,
+                 loggers: list, title: Optional[str]):
+        self.logging, self.ps, self.path, self.train_iters, self.title = log, ps, path, train_iters, title
         self.flops, self.hw_flops, self.peak, self.tokens_per_iter = flops, hw_flops, peak, tokens_per_iter
         self.file: Optional[IO] = None
         self.resumed_at = resumed_at
         if ps.rank == 0 and path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open_metrics(path, resumed_at)
-        self.loggers = build_loggers(o, resumed_at) if ps.rank == 0 else []
+        self.loggers = loggers
         self.started = time.perf_counter()
         self._window = (self.started, 0.0, 0)  # start, summed loss, iterations
 
@@ -78,23 +80,23 @@ class Metrics:
         first = iteration == self.resumed_at + 1
         if first and self.resumed_at > 0:
             rec["resumed_from"] = self.resumed_at
-        self.record(rec, "train", TRAIN_SCALARS if iteration % self.o.tensorboard_log_interval == 0 else ())
+        self.record(rec, "train", TRAIN_SCALARS if iteration % self.logging.tensorboard_log_interval == 0 else ())
         start, summed, n = self._window
         summed, n = summed + loss, n + 1
         self._window = (start, summed, n)
-        if iteration % self.o.log_interval and iteration != self.o.train_iters and not first:
+        if iteration % self.logging.log_interval and iteration != self.train_iters and not first:
             return
         now = time.perf_counter()
         span = now - start
         mfu = self._tflops(self.flops * n, span) / self.peak
         hfu = self._tflops(self.hw_flops * n, span) / self.peak
-        self.log(f"iter {iteration:6d}/{self.o.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
+        self.log(f"iter {iteration:6d}/{self.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
                  f"loss {summed / n:.4f} | grad norm {info['grad_norm']:.3f} | "
                  f"{span / n * 1e3:7.1f} ms/iter | {self.tokens_per_iter * n / span:8.0f} tok/s | "
                  f"{self._tflops(self.flops * n, span):.3f} model TFLOP/s/rank | MFU {mfu:.1%}"
                  + (f" HFU {hfu:.1%}" if self.hw_flops != self.flops else "")
                  + f" of {self.peak:.3f} | mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB | elapsed "
-                 + f"{_clock(now - self.started)} | ETA {_clock(span / n * (self.o.train_iters - iteration))}"
+                 + f"{_clock(now - self.started)} | ETA {_clock(span / n * (self.train_iters - iteration))}"
                  + (" | skipped (overflow)" if info["skipped"] else ""))
         self._window = (time.perf_counter(), 0.0, 0)
 
@@ -118,8 +120,8 @@ class Metrics:
             return
         self.file.close()
         self.file = None
-        if self.o.plot:
-            plot_loss(self.path, title=run_name(self.o))
+        if self.logging.plot:
+            plot_loss(self.path, title=self.title)
 
 
 def _clock(seconds: float) -> str:

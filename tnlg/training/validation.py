@@ -15,66 +15,69 @@ from typing import Callable, Optional
 import torch
 
 from ..eval.loss import dataset_loss
-from ..options import Options
+from ..options import LoggingOptions, ScheduleOptions
 from ..parallel.state import ParallelState
 from .step import autocast_to
 
 __all__ = ["evaluate", "validation_samples", "Validation"]
 
 
-def validation_samples(dataset, o: Options, ps: ParallelState) -> int:
+def validation_samples(dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState) -> int:
     """How many samples a validation reads: the first ``--eval-iters`` global batches, whole micro batches
     on every DP rank (0: fewer than one micro batch per rank)."""
-    need = o.micro_batch_size * ps.dp_size
-    return min(len(dataset), o.eval_iters * o.global_batch_size) // need * need
+    need = sch.micro_batch_size * ps.dp_size
+    return min(len(dataset), log.eval_iters * sch.global_batch_size) // need * need
 
 
-def evaluate(model, dataset, o: Options, ps: ParallelState, autocast: Optional[torch.dtype]) -> Optional[float]:
+def evaluate(model, dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState,
+             autocast: Optional[torch.dtype]) -> Optional[float]:
     """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
     the model's TP collectives per batch (the same number of batches on every DP rank) and one
     all-reduce of ``[loss sum, tokens]`` over DP. Through a pipeline (``model`` a stage's
     :class:`~tnlg.parallel.pipeline.StageModel`) each batch runs forward only, stage to stage
     (:func:`tnlg.parallel.pipeline_inference.forward_logits`), the last stage computes the loss and
     broadcasts the sums over the pipeline group, so every rank reports the loss of the run without one."""
-    if dataset is None or o.eval_iters == 0:
+    if dataset is None or log.eval_iters == 0:
         return None
-    n = validation_samples(dataset, o, ps)
+    n = validation_samples(dataset, log, sch, ps)
     if n == 0:
         return None
     with autocast_to(autocast, ps.device):
-        return dataset_loss(model, dataset, micro_batch_size=o.micro_batch_size, max_samples=n)["loss"]
+        return dataset_loss(model, dataset, micro_batch_size=sch.micro_batch_size, max_samples=n)["loss"]
 
 
 class Validation:
     """Validates every ``--eval-interval`` iterations, after the last one and (from scratch) before the
-    first; decides once whether the run can validate and says why not (rank 0)."""
+    first; decides once whether the run can validate and says why not (rank 0). ``log`` holds the
+    intervals and batches of validation, ``sch`` the batch sizes."""
 
-    def __init__(self, model, dataset, o: Options, ps: ParallelState, autocast: Optional[torch.dtype],
-                 log: Callable[[str], None]):
-        self.model, self.dataset, self.o, self.ps, self.autocast = model, dataset, o, ps, autocast
-        self.enabled = validation_plan(dataset, o, ps, log)
+    def __init__(self, model, dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState,
+                 autocast: Optional[torch.dtype], say: Callable[[str], None]):
+        self.model, self.dataset, self.log, self.sch, self.ps, self.autocast = model, dataset, log, sch, ps, autocast
+        self.enabled = validation_plan(dataset, log, sch, ps, say)
 
     def due(self, iteration: int, last: bool) -> bool:
-        return self.enabled and (iteration % self.o.eval_interval == 0 or last)
+        return self.enabled and (iteration % self.log.eval_interval == 0 or last)
 
     def loss(self) -> Optional[float]:
         """The validation loss now (collective)."""
-        return evaluate(self.model, self.dataset, self.o, self.ps, self.autocast)
+        return evaluate(self.model, self.dataset, self.log, self.sch, self.ps, self.autocast)
 
 
-def validation_plan(dataset, o: Options, ps: ParallelState, log: Callable[[str], None]) -> bool:
-    """Whether this run validates; when it cannot, say why once. ``--eval-interval 0`` is off by request,
-    silently."""
-    if not o.eval_interval:
+def validation_plan(dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState,
+                    say: Callable[[str], None]) -> bool:
+    """Whether this run validates; when it cannot, ``say`` why once. ``--eval-interval 0`` is off by
+    request, silently."""
+    if not log.eval_interval:
         return False
-    if o.eval_iters == 0:
-        log("note: --eval-iters 0: this run does no validation.")
+    if log.eval_iters == 0:
+        say("note: --eval-iters 0: this run does no validation.")
         return False
     if dataset is None:
-        log("note: the validation split is empty; validation is skipped.")
+        say("note: the validation split is empty; validation is skipped.")
         return False
-    if validation_samples(dataset, o, ps) == 0:
-        log(f"note: the validation split holds {len(dataset)} samples, fewer than one micro batch per "
-            f"data-parallel rank ({o.micro_batch_size * ps.dp_size}); validation is skipped.")
+    if validation_samples(dataset, log, sch, ps) == 0:
+        say(f"note: the validation split holds {len(dataset)} samples, fewer than one micro batch per "
+            f"data-parallel rank ({sch.micro_batch_size * ps.dp_size}); validation is skipped.")
         return False
     return True
