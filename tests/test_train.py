@@ -78,6 +78,24 @@ def _reference_run(dtype=torch.float32, **over) -> dict:
     return out
 
 
+@pytest.mark.parametrize("tanh_gelu,untied", [(True, False), (False, True)])
+def test_reference_gpt_matches_transformers(tanh_gelu, untied):
+    """The reference GPT-2, loaded by tnlg's names and QKV layout, is GPT2LMHeadModel: the same logits,
+    loss and gradients (through tests/hf_reference.py's own reading of the Hugging Face weights)."""
+    from .hf_reference import hf_reference
+    ref = hf_reference(tanh_gelu=tanh_gelu, untied=untied)
+    model = ReferenceGPT(2, 32, 4, 16, 100, tanh_gelu=tanh_gelu, untied_head=untied).load_tnlg(ref.weights)
+    logits = model(ref.tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
+    loss.backward()
+    torch.testing.assert_close(logits.detach(), ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss.detach(), ref.loss, atol=1e-6, rtol=1e-6)
+    grads = model.as_tnlg(grads=True)
+    assert set(grads) == set(ref.grads)
+    for name, g in ref.grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
 @pytest.fixture(scope="module")
 def reference():
     """The reference trajectory of the default run (fp32)."""
