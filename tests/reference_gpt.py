@@ -86,7 +86,7 @@ class ReferenceGPT(nn.Module):
         x = self.ln_f(x)
         return x @ (self.wte.weight if self.head is None else self.head.weight).t()
 
-    def tnlg_names(self) -> dict[str, list[tuple[nn.Parameter, ...]]]:
+    def tnlg_names(self) -> dict[str, list[nn.Parameter]]:
         """For every tnlg parameter name, the reference parameters that hold it (three for the fused QKV)."""
         names = {"transformer.wte.weight": [self.wte.weight], "transformer.wpe.weight": [self.wpe.weight],
                  "transformer.ln_f.weight": [self.ln_f.weight], "transformer.ln_f.bias": [self.ln_f.bias]}

@@ -1,4 +1,6 @@
-"""The whole GPT at several TP sizes against transformers' GPT2LMHeadModel with the same weights."""
+"""The whole GPT at several TP sizes against transformers' GPT2LMHeadModel with the same weights (read
+into tnlg's names by the test's own mapping, tests/hf_reference.py), the library's Hugging Face mapping
+against that one, and the model's construction: TP-invariant init, parameter counts, config errors."""
 
 import pytest
 import torch
