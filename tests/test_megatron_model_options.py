@@ -6,81 +6,45 @@ The whole model at TP 1 and 2 against ``transformers.GPT2LMHeadModel`` with the 
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tnlg.checkpoint.compat import check_compatible
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.interop.hf import config_from_hf, hf_to_tnlg_state_dict, to_hf
+from tnlg.interop.hf import config_from_hf, to_hf
 from tnlg.model import GPT
-from tnlg.parallel.sharding import gather_full, load_full_state_dict
-from tnlg.parallel.vocab import gather_logits
 from tnlg.plan.counts import parameter_counts
 from tnlg.runtime.spawn import run_distributed
+
+from .hf_reference import check_against_hf, hf_reference
 
 OPTIONS = [dict(openai_gelu=False, untie=False), dict(openai_gelu=True, untie=True),
            dict(openai_gelu=False, untie=True)]
 
 
-def _reference(openai_gelu: bool, untie: bool, vocab=100, seq=16, batch=2):
-    """A random GPT-2 with the chosen activation and tying, its logits, loss and weight gradients."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf_cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=seq, vocab_size=vocab,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0, activation_function="gelu_new" if openai_gelu else "gelu",
-                                     tie_word_embeddings=not untie)
-    hf = transformers.GPT2LMHeadModel(hf_cfg)
-    with torch.no_grad():  # non-trivial LayerNorms and biases, and (untied) a head unlike the embedding
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name or name == "lm_head.weight":
-                p.add_(0.1 * torch.randn_like(p))
-    assert (hf.lm_head.weight is hf.transformer.wte.weight) == (not untie)
-    tokens, labels = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    logits = hf(tokens).logits
-    loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
-    loss.backward()
-    cfg = config_from_hf(hf.config)
-    weights = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
-    grads = hf_to_tnlg_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
-    return cfg, weights, tokens, labels, logits.detach(), loss.detach(), grads
-
-
-def _body(ps, cfg, weights, tokens, labels):
-    model = GPT(cfg, ps)
-    load_full_state_dict(model, weights, ps)
-    logits = gather_logits(model(tokens), ps, cfg.vocab_size)
-    loss = model(tokens, labels=labels)
-    loss.backward()
-    return dict(logits=logits.detach(), loss=loss.detach(),
-                grads={n: gather_full(p.grad, p, ps) for n, p in model.named_parameters()})
+def _reference(openai_gelu: bool, untie: bool):
+    """The GPT-2 reference with the chosen activation and tying; its config read by tnlg must say the same."""
+    ref = hf_reference(tanh_gelu=openai_gelu, untied=untie)
+    assert config_from_hf(ref.hf.config) == ref.cfg
+    return ref
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"gelu={'tanh' if o['openai_gelu'] else 'exact'}-"
                                                        f"{'untied' if o['untie'] else 'tied'}")
 def test_model_options_match_transformers_at_tp(opts, tp):
-    cfg, weights, tokens, labels, ref_logits, ref_loss, ref_grads = _reference(**opts)
-    assert cfg.openai_gelu == opts["openai_gelu"] and cfg.untie_embeddings_and_output_weights == opts["untie"]
-    assert ("lm_head.weight" in weights) == opts["untie"]
-    for res in run_distributed(_body, tp, tp, cfg, weights, tokens, labels):
-        torch.testing.assert_close(res["logits"], ref_logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(res["loss"], ref_loss, atol=1e-5, rtol=1e-5)
-        assert set(res["grads"]) == set(ref_grads)
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+    """Exact GELU and the untied head give GPT2LMHeadModel's logits, loss and gradients at TP 1 and 2."""
+    ref = _reference(**opts)
+    assert ref.cfg.openai_gelu == opts["openai_gelu"]
+    assert ref.cfg.untie_embeddings_and_output_weights == opts["untie"]
+    assert ("lm_head.weight" in ref.weights) == opts["untie"]
+    check_against_hf(tp, tp, ref, tol=1e-5)
 
 
 def test_untied_exact_gelu_sequence_parallel_matches_transformers():
     """The untied head through the sequence-parallel path (all-gather of the sequence before it)."""
     import dataclasses
-    cfg, weights, tokens, labels, ref_logits, ref_loss, ref_grads = _reference(openai_gelu=False, untie=True)
-    cfg = dataclasses.replace(cfg, sequence_parallel=True)
-    res = run_distributed(_body, 2, 2, cfg, weights, tokens, labels)[0]
-    torch.testing.assert_close(res["logits"], ref_logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(res["loss"], ref_loss, atol=1e-5, rtol=1e-5)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+    ref = _reference(openai_gelu=False, untie=True)
+    check_against_hf(2, 2, ref._replace(cfg=dataclasses.replace(ref.cfg, sequence_parallel=True)), tol=1e-5)
 
 
 def test_exact_and_tanh_gelu_differ():

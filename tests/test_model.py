@@ -1,82 +1,44 @@
-"""The whole GPT at several TP sizes against transformers' GPT2LMHeadModel with the same weights."""
+"""The whole GPT at several TP sizes against transformers' GPT2LMHeadModel with the same weights (read
+into tnlg's names by the test's own mapping, tests/hf_reference.py), the library's Hugging Face mapping
+against that one, and the model's construction: TP-invariant init, parameter counts, config errors."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tnlg
 from tnlg.config import GPTConfig
 from tnlg.interop.hf import hf_to_tnlg_state_dict, to_hf
 from tnlg.model import GPT
-from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
-from tnlg.parallel.vocab import gather_logits
-from tnlg.runtime.spawn import run_distributed
+from tnlg.parallel.sharding import load_full_state_dict, shard_of
 
 from .conftest import LAYOUTS
-
-
-
-def _hf_reference(n_layer=2, n_embd=32, n_head=4, vocab=100, seq=16, batch=2, seed=0):
-    """A random-weight GPT-2, its logits, loss (tnlg's label convention) and weight gradients."""
-    transformers = pytest.importorskip("transformers")  # here, not at import: spawned workers skip it
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq,
-                                  vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0)
-    hf = transformers.GPT2LMHeadModel(cfg).double().float()
-    with torch.no_grad():  # non-trivial LayerNorm and biases, so a missed mapping shows
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    tokens = torch.randint(0, vocab, (batch, seq))
-    labels = torch.randint(0, vocab, (batch, seq))
-    logits = hf(tokens).logits
-    loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
-    loss.backward()
-    ours = GPTConfig(num_layers=n_layer, hidden_size=n_embd, num_attention_heads=n_head, seq_length=seq,
-                     vocab_size=vocab)
-    weights = hf_to_tnlg_state_dict(hf.state_dict(), ours)
-    grads = hf_to_tnlg_state_dict({n: p.grad for n, p in hf.named_parameters()}, ours)
-    return ours, weights, tokens, labels, logits.detach(), loss.detach(), grads
-
-
-def _model_body(ps, cfg, weights, tokens, labels):
-    model = GPT(cfg, ps)
-    load_full_state_dict(model, weights, ps)
-    logits = gather_logits(model(tokens), ps, cfg.vocab_size)
-    loss = model(tokens, labels=labels)
-    loss.backward()
-    grads = {n: gather_full(p.grad, p, ps) for n, p in model.named_parameters()}
-    replicated = {n: p.grad.clone() for n, p in model.named_parameters() if not p.tp_sharded}
-    return dict(logits=logits.detach(), loss=loss.detach(), grads=grads, replicated=replicated,
-                tp_rank=ps.tp_rank, dp_rank=ps.dp_rank)
-
-
-def _check_against_hf(world, tp, ref, tol=1e-4):
-    cfg, weights, tokens, labels, ref_logits, ref_loss, ref_grads = ref
-    results = run_distributed(_model_body, world, tp, cfg, weights, tokens, labels)
-    for res in results:
-        torch.testing.assert_close(res["logits"], ref_logits, atol=tol, rtol=tol)
-        torch.testing.assert_close(res["loss"], ref_loss, atol=tol, rtol=tol)
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(res["grads"][name], g, atol=tol, rtol=tol, msg=f"grad of {name}")
-    # replicated parameters get bit-identical gradients on every rank of a TP group
-    for res in results:
-        peer = results[res["dp_rank"] * tp]
-        for name, g in res["replicated"].items():
-            assert torch.equal(g, peer["replicated"][name]), f"replicated grad {name} differs across TP"
+from .hf_reference import check_against_hf, hf_reference
 
 
 @pytest.mark.parametrize("world,tp", LAYOUTS)
 def test_gpt_matches_transformers(world, tp):
-    _check_against_hf(world, tp, _hf_reference())
+    """Logits, loss and every weight gradient of GPT2LMHeadModel, its weights read into tnlg by the
+    test's own mapping, at every (world, TP) layout."""
+    check_against_hf(world, tp, hf_reference(), tol=1e-4)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_28_heads_any_tp(tp):
     """T-NLG's 28 heads (tiny head dim) at TP sizes that do and do not divide 28."""
-    ref = _hf_reference(n_layer=1, n_embd=56, n_head=28, vocab=50, seq=8, batch=1, seed=tp)
-    _check_against_hf(tp, tp, ref)
+    ref = hf_reference(n_layer=1, n_embd=56, n_head=28, vocab=50, seq=8, batch=1, seed=tp)
+    check_against_hf(tp, tp, ref, tol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(n_layer=1, n_embd=56, n_head=28, vocab=50, seq=8),
+                                  dict(tanh_gelu=False, untied=True)], ids=["gpt2", "28-heads", "untied"])
+def test_library_hf_mapping_agrees_with_the_tests_own(kind):
+    """tnlg.interop.hf's reading of a GPT2LMHeadModel state dict gives exactly the tensors the test's
+    own mapping (transposed Conv1D weights, [q | k | v] re-laid per head) gives."""
+    ref = hf_reference(**kind)
+    library = hf_to_tnlg_state_dict(ref.hf.state_dict(), ref.cfg)
+    assert set(library) == set(ref.weights)
+    for name, t in ref.weights.items():
+        assert torch.equal(library[name], t), name
 
 
 def test_tp_init_is_slice_of_tp1():
@@ -90,12 +52,12 @@ def test_tp_init_is_slice_of_tp1():
 
 
 def test_hf_roundtrip_bit_identical():
-    cfg, weights, *_ = _hf_reference()
-    model = GPT(cfg)
-    load_full_state_dict(model, weights, model.ps)
-    hf = to_hf(model)
-    back = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
-    for n, t in weights.items():
+    """tnlg -> GPT2LMHeadModel (to_hf) -> tnlg gives back every weight bit for bit."""
+    ref = hf_reference()
+    model = GPT(ref.cfg)
+    load_full_state_dict(model, ref.weights, model.ps)
+    back = hf_to_tnlg_state_dict(to_hf(model).state_dict(), ref.cfg)
+    for n, t in ref.weights.items():
         assert torch.equal(back[n], t), n
 
 
@@ -172,7 +134,7 @@ def test_recompute_gives_same_grads_with_dropout():
 
 @pytest.mark.parametrize("tp", [1, 3, 8])
 def test_describe_matches_the_built_model(tp):
-    """Issue 13 item 5: ``GPT.describe`` (what checkpoints reshard from) is exactly how the built layers split."""
+    """``GPT.describe`` (what checkpoints reshard from) is exactly how the built layers split."""
     from tnlg.parallel.sharding import ShardSpec
     from tnlg.parallel.state import ParallelState
     cfg = GPTConfig(num_layers=2, hidden_size=56, num_attention_heads=28, vocab_size=300, seq_length=16)
@@ -184,7 +146,7 @@ def test_describe_matches_the_built_model(tp):
 
 
 def test_initial_shard_and_reset_come_from_the_layers():
-    """Issue 13 item 5: ``GPT.initial_shard`` (meta-device materialisation) asks the layer owning the parameter,
+    """``GPT.initial_shard`` (meta-device materialisation) asks the layer owning the parameter,
     and ``reset_parameters`` restores exactly the weights a fresh model is built with."""
     from tnlg.parallel.state import ParallelState
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16)
