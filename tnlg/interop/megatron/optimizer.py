@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 
 from ...errors import UserError
+from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
+from .buckets import BucketStates
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
            "optimizer_record"]
@@ -45,6 +47,7 @@ _STATE = "optimizer.state."
 # tnlg kind -> the Megatron states that hold it, in the order they are looked for
 _KINDS = {"exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",), "master": ("fp32_param", "param")}
 _READ_LAYOUTS = (None, "fully_reshardable")  # None: the non-distributed optimizer's sharded state dict
+_BUCKETS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "param"}  # kind -> bucket state
 _HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the distributed optimizer's "
          "'fully_reshardable' layout) or without --use-distributed-optimizer, or convert without "
          "--with-optimizer: training then starts fresh Adam moments, its LR schedule at the checkpoint's "
@@ -54,9 +57,10 @@ _HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the di
 @dataclass(frozen=True)
 class MegatronOptimizer:
     """Where a checkpoint's Adam states are and what they were stepped with."""
-    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy: the kind)
+    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy, buckets: a state)
     step: int               # Adam's step count (bias correction)
     hyperparameters: dict   # betas, eps, weight_decay, lr of Megatron's param groups
+    states: object = None   # where the states are read (shape, tensor), the checkpoint's source if None
 
 
 def _find(node, key: str, out: list) -> list:
@@ -99,21 +103,26 @@ def _hyperparameters(state: dict) -> dict:
                 lr=float(g["lr"]) if g.get("lr") is not None else None)
 
 
-def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer:
+def read_optimizer(source, common: dict, sixteen_bit: bool, cfg=None) -> MegatronOptimizer:
     """The optimizer state of a Megatron checkpoint (module docstring), validated: a layout tnlg does
-    not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`."""
+    not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`.
+    ``cfg`` (the model's :class:`~tnlg.config.GPTConfig`) lays out the distributed optimizer's buckets."""
     where = f"--with-optimizer: Megatron checkpoint {source.iter_dir!r}"
     state = common.get("optimizer")
     if source.format != "torch_dist":
-        return _read_legacy(source, common, state, sixteen_bit, where)
+        return _read_legacy(source, common, state, sixteen_bit, where, cfg)
     if state is None:
         raise _no_state(where)
     layouts = set(_find(state, "param_state_sharding_type", []))
     layout = layouts.pop() if len(layouts) == 1 else (None if not layouts else sorted(layouts))
+    if layout == "dp_reshardable":
+        groups = [source.load_object(k) for k in source.meta.state_dict_metadata
+                  if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer/")]
+        return _bucket_optimizer(source, common, {"optimizer": groups}, DcpBuckets(source), sixteen_bit, where, cfg)
     if layout not in _READ_LAYOUTS or source.has_key("optimizer.distributed."):
-        raise UserError(f"{where} holds the distributed optimizer's state in its {layout or 'bucket'!r} layout "
-                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet; it "
-                        f"reads the model-space layout. {_HINT}")
+        raise UserError(f"{where} holds the distributed optimizer's state in its {layout or 'bucket'!r} layout, "
+                        "which tnlg does not read; it reads the model-space layouts and the default "
+                        f"'dp_reshardable' bucket layout. {_HINT}")
     prefixes = {}
     for kind, names in _KINDS.items():
         found = [f"{_STATE}{n}." for n in names if source.has_key(f"{_STATE}{n}.")]
@@ -132,15 +141,23 @@ def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer
     return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
 
 
-def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str) -> MegatronOptimizer:
-    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`); the distributed
-    optimizer's ``distrib_optim.pt`` is refused."""
+def _bucket_optimizer(source, common: dict, state, store, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
+    """The distributed optimizer's bucket layout (:mod:`.buckets`) in ``store``; ``state`` holds its
+    param groups (Adam's step, the hyperparameters)."""
+    kinds = {k: v for k, v in _BUCKETS.items() if sixteen_bit or k != "master"}
+    states = BucketStates(source, cfg, common["args"], store, where)
+    return MegatronOptimizer(kinds, _step(state, where), _hyperparameters(state), states)
+
+
+def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg=None) -> MegatronOptimizer:
+    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`), or the
+    distributed optimizer's ``distrib_optim.pt`` beside them (its param groups in the ``optimizer`` entry)."""
     distributed = bool(getattr(common["args"], "use_distributed_optimizer", False)) or any(
-        os.path.isfile(os.path.join(source.iter_dir, d, "distrib_optim.pt")) for d in os.listdir(source.iter_dir))
+        os.path.isfile(os.path.join(source.iter_dir, d, DISTRIB_OPTIM)) for d in os.listdir(source.iter_dir))
     if distributed:
-        raise UserError(f"{where} holds the distributed optimizer's state in the legacy distrib_optim.pt files "
-                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet. "
-                        f"{_HINT}")
+        if not isinstance(state, dict):
+            raise _no_state(where)
+        return _bucket_optimizer(source, common, state, LegacyBuckets(source), sixteen_bit, where, cfg)
     if not isinstance(state, dict):
         raise _no_state(where)
     kinds = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
