@@ -40,7 +40,8 @@ import torch
 from ...errors import UserError
 from .names import GLOBAL_ROLES, LAYER_ROLES, Role
 
-__all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_rank"]
+__all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_rank", "stage_layouts",
+           "shifted_by_padding"]
 
 _PARAM_ALIGN = 64
 _LAYER_ORDER = (*LAYER_ROLES[0:2], *LAYER_ROLES[4:6], *LAYER_ROLES[2:4], *LAYER_ROLES[6:])  # names.py: qkv, proj
@@ -151,6 +152,36 @@ def _data_parallel_size(args, tp: int, pp: int) -> Optional[int]:
     return int(dp) if dp else None
 
 
+def stage_layouts(source, cfg, args, where: str) -> list:
+    """The :class:`BucketLayout` of each pipeline stage's model-parallel ranks (a stage's TP ranks hold
+    parameters of the same sizes), from the saved ``args``."""
+    tp, pp = source.layout.tp, source.layout.pp
+    dp = _data_parallel_size(args, tp, pp)
+    out = []
+    for p in range(pp):
+        params = _stage_params(source, cfg, p)
+        size = bucket_size(args, sum(n for _, n, _ in params), dp, p)
+        if size is None and p == 0 and getattr(args, "overlap_grad_reduce", False) and not (
+                getattr(args, "overlap_param_gather_with_optimizer_step", False)):
+            raise UserError(f"{where}: the args set --overlap-grad-reduce without --ddp-bucket-size, so the "
+                            "gradient buckets have Megatron's default size max(4e7, 1e6 x DP), but they give no "
+                            "data_parallel_size (nor world_size). Nothing was written.")
+        out.append(layout_of_rank(params, size, dp or 1, bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw",
+                                                                        False))))
+    return out
+
+
+def shifted_by_padding(layout: BucketLayout) -> Optional[tuple]:
+    """The key of the parameter that megatron-core 0.16.1's ``fully_reshardable`` save misplaces most
+    (``None`` where it misplaces none). That save gathers the buckets' kept parts one after the other
+    (``get_parameter_state_dp_zero``) but cuts each parameter at its offset in the padded buffer
+    (``param_index_map``): every parameter after a bucket's end padding is read that many elements too
+    far (its log: "param range exceeds unpadded buffer"). The stage's first parameter lies in the last
+    bucket, after all the padding."""
+    padding = sum(n - u for n, u in zip(layout.numel[:-1], layout.unpadded[:-1]))
+    return next(reversed(layout.spans)) if padding else None
+
+
 class BucketStates:
     """The distributed optimizer's states by parameter, as the checkpoint sources give tensors:
     :meth:`tensor` with ``prefix`` a state (``exp_avg``, ``exp_avg_sq``, ``param``: the master) is the
@@ -160,21 +191,10 @@ class BucketStates:
     def __init__(self, source, cfg, args, store, where: str):
         self.source, self.layout, self.iter_dir, self.format = source, source.layout, source.iter_dir, source.format
         self.store, self.per_stage = store, cfg.num_layers // source.layout.pp
-        tp, pp = self.layout.tp, self.layout.pp
-        dp = _data_parallel_size(args, tp, pp)
-        self.stages = []
-        for p in range(pp):
-            params = _stage_params(source, cfg, p)
-            size = bucket_size(args, sum(n for _, n, _ in params), dp, p)
-            if size is None and getattr(args, "overlap_grad_reduce", False) and p == 0 and not (
-                    getattr(args, "overlap_param_gather_with_optimizer_step", False)):
-                raise UserError(f"{where}: the args set --overlap-grad-reduce without --ddp-bucket-size, so the "
-                                "gradient buckets have Megatron's default size max(4e7, 1e6 x DP), but they give no "
-                                "data_parallel_size (nor world_size). Nothing was written.")
-            self.stages.append(layout_of_rank(params, size, dp or 1,
-                                              bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))))
-            for t in range(tp):
-                store.check(t, p, self.stages[p], where)
+        self.stages = stage_layouts(source, cfg, args, where)
+        for p, stage in enumerate(self.stages):
+            for t in range(self.layout.tp):
+                store.check(t, p, stage, where)
 
     def _span(self, role: Role, layer: Optional[int], stage: Optional[int]):
         p = stage if layer is None else layer // self.per_stage

@@ -38,7 +38,8 @@ import torch
 
 from ...errors import UserError
 from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
-from .buckets import BucketStates
+from .buckets import BucketStates, shifted_by_padding, stage_layouts
+from .names import GLOBAL_ROLES, LAYER_ROLES
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
            "optimizer_record"]
@@ -138,7 +139,33 @@ def read_optimizer(source, common: dict, sixteen_bit: bool, cfg=None) -> Megatro
         raise UserError(f"{where}: the weights are 16-bit but the checkpoint has no fp32 master weights "
                         f"({_STATE}fp32_param.* or {_STATE}param.*); tnlg resumes a 16-bit run from its fp32 "
                         "master. Nothing was written.")
+    if layout == "fully_reshardable" and cfg is not None:
+        _check_fully_reshardable(source, cfg, common["args"], where)
     return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
+
+
+def _check_fully_reshardable(source, cfg, args, where: str) -> None:
+    """megatron-core 0.16.1 misplaces the states of a ``fully_reshardable`` save whose gradient buckets
+    are padded (:func:`~.buckets.shifted_by_padding`): the fp32 master of the most misplaced parameter
+    must be its weight (exactly; rounded to the weights' dtype in a 16-bit run), else the save is refused."""
+    roles = {r.tnlg: r for r in (*LAYER_ROLES, *GLOBAL_ROLES)}
+    for p, layout in enumerate(stage_layouts(source, cfg, args, where)):
+        key = shifted_by_padding(layout)
+        if key is None:
+            continue
+        role, layer = roles[key[0]], key[1]
+        master = source.tensor(role, layer, p, prefix=f"{_STATE}param.")
+        weight = source.tensor(role, layer, p)
+        if master is not None and not torch.equal(master.to(weight.dtype), weight):
+            raise UserError(
+                f"{where} holds the distributed optimizer's 'fully_reshardable' layout, but its states are "
+                f"misplaced: the saved fp32 master of {key[0]}{'' if layer is None else f' of layer {layer}'} is not "
+                "that parameter's weights. megatron-core 0.16.1 writes this layout wrong when its gradient buckets "
+                "are padded (--overlap-grad-reduce with several buckets; its log warns 'param range exceeds "
+                "unpadded buffer'): each parameter's states are cut at its offset in the padded buffer from the "
+                "buckets joined without their padding. Save the run in the default 'dp_reshardable' layout "
+                "(without --dist-ckpt-optim-fully-reshardable), which tnlg reads, or convert without "
+                "--with-optimizer. Nothing was written.")
 
 
 def _bucket_optimizer(source, common: dict, state, store, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
