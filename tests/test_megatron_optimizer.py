@@ -214,6 +214,30 @@ def test_the_bucket_layouts_of_several_padded_buckets_at_dp_2_import_megatrons_s
     assert not dst.exists()
 
 
+def test_the_bucket_layouts_of_a_pipeline_with_a_tied_embedding_import_megatrons_states_exactly(tmp_path):
+    """Megatron's distributed optimizer at TP 1 x PP 2 with a tied embedding: the first stage's buckets of
+    >= 3000 elements, its embedding in a bucket of its own (``shared_embedding``), the last stage in one
+    bucket (bucketing is off after the first stage) beside its copy of the embedding in its own. (No
+    Megatron step: its schedules do not run here; the moments are set in its optimizer object.)"""
+    spec = dict(SPEC, tp=1, pp=2, untie=False, bucket=3000)
+    ref = run_distributed(R.save_distributed_pipeline, 2, 1, spec, str(tmp_path), timeout_s=300)
+    per = spec["layers"] // 2
+    for save in BUCKET_SAVES:
+        path = megatron_to_checkpoint(str(tmp_path / save), str(tmp_path / f"tnlg_{save}"), tp_size=1,
+                                      with_optimizer=True)
+        meta, (_, states) = _imported(path)
+        assert meta["optimizer"]["num_steps"] == 1 and "lm_head.weight" not in states
+        for name, (meg, _) in _megatron_names().items():
+            if name == "lm_head.weight":
+                continue
+            layer = int(name.split(".")[2]) if name.startswith("transformer.h.") else None
+            stage = layer // per if layer is not None else (1 if name.startswith("transformer.ln_f") else 0)
+            local = meg if layer is None else meg.replace(f"layers.{layer}.", f"layers.{layer - stage * per}.")
+            moments = next(r for r in ref if r["stage"] == stage)["distributed"]["moments"][local]
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(states[name][k], moments[k]), (save, name, k)
+
+
 # --------------------------------------------------------------------------- a tnlg pipeline resumes
 
 def _resumed_at_pp_2(_ps, path: str):
