@@ -182,6 +182,29 @@ def test_a_bf16_run_imports_its_fp32_master_and_moments_exactly(tmp_path):
         _equal_to_megatron(states, ref, kind, (*MOMENTS, ("master", "param")))
 
 
+def test_bucket_files_that_do_not_match_the_args_are_refused(trained, tmp_path):
+    """The bucket layout comes from the saved args: args naming a bucket size the run did not use (its
+    one bucket split in several), or a missing distrib_optim.pt, is one paragraph naming the sizes or the
+    file; nothing is written."""
+    import shutil
+    root, *_ = trained
+    dst = tmp_path / "out"
+    src = tmp_path / "dp_reshardable"
+    shutil.copytree(root / "dp_reshardable", src)
+    common = torch.load(src / "iter_0000002" / "common.pt", weights_only=False)
+    common["args"].overlap_grad_reduce, common["args"].ddp_bucket_size = True, 3000
+    torch.save(common, src / "iter_0000002" / "common.pt")
+    with pytest.raises(UserError, match=r"model-parallel rank 0's 'param' buckets hold \[\d+\] elements, the layout "
+                                        r"of its parameters gives \[\d+, \d+, .*--ddp-bucket-size"):
+        megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
+    src = tmp_path / "legacy_distributed"
+    shutil.copytree(root / "legacy_distributed", src)
+    (src / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
+    with pytest.raises(UserError, match="mp_rank_01/distrib_optim.pt' .* is missing"):
+        megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
+    assert not dst.exists()
+
+
 # --------------------------------------------------------------------------- DP 2, several buckets
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])

@@ -14,7 +14,6 @@ import re
 import torch
 
 from ...errors import UserError
-from .legacy import rank_dir
 from .safe_load import load_pt
 
 __all__ = ["DcpBuckets", "LegacyBuckets", "STATES", "DISTRIB_OPTIM"]
@@ -25,8 +24,8 @@ _BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx
                          r"\.(\w+)$")
 _ADVICE = ("The layout follows the saved args (--overlap-grad-reduce, --ddp-bucket-size, --ddp-num-buckets, "
            "data_parallel_size) and megatron-core 0.16.1's bucketing; a run whose args do not describe its buckets "
-           "(or a model with parameters of several dtypes, or other than a GPT's) cannot be mapped. Save it with "
-           "--dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer. Nothing was written.")
+           "(or a model with parameters of several dtypes, or other than a GPT's) cannot be mapped. Convert without "
+           "--with-optimizer (fresh Adam moments). Nothing was written.")
 
 
 def _mismatch(where: str, what: str) -> UserError:
@@ -83,7 +82,7 @@ class LegacyBuckets:
         self.source, self.files = source, {}
 
     def _path(self, t: int, p: int) -> str:
-        return os.path.join(self.source.iter_dir, rank_dir(t, p, self.source.layout.pp), DISTRIB_OPTIM)
+        return os.path.join(os.path.dirname(self.source._path(t, p)), DISTRIB_OPTIM)  # beside model_optim_rng.pt
 
     def check(self, t: int, p: int, layout, where: str) -> None:
         path = self._path(t, p)

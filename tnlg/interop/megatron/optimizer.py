@@ -12,6 +12,11 @@ What is read (megatron-core 0.16.1's writers):
   (``DistributedOptimizer.sharded_param_state_fully_reshardable``; Megatron-LM's
   ``--dist-ckpt-optim-fully-reshardable``). The step count is in ``common.pt``: ``common_step``
   (non-distributed) or the param groups' ``step`` (distributed).
+* the distributed optimizer's bucket layouts (:mod:`.buckets`, :mod:`.bucket_files`): ``torch_dist``
+  in ``dp_reshardable`` (Megatron-LM's default since megatron-core 0.14; its param groups, with the
+  step, in the ``optimizer.distributed.dp_group_idx_0.optimizer`` object) and the legacy
+  ``distrib_optim.pt`` files (the step in ``model_optim_rng.pt``'s param groups): flat buffers laid
+  out by Megatron's gradient buckets, which the import lays out again from the saved args.
 * the legacy per-rank files (``--ckpt-format torch``) of the non-distributed optimizer: the
   ``optimizer`` entry of each ``model_optim_rng.pt`` is torch's optimizer state dict (its
   ``state`` numbered by param group; 16-bit runs nest it as ``optimizer`` beside
@@ -21,11 +26,11 @@ What is read (megatron-core 0.16.1's writers):
   each successful step adds the global batch size) divided by ``global_batch_size``; without a
   scheduler state, the checkpoint's iteration.
 
-Not read yet (one :class:`UserError` naming it): the distributed optimizer's bucket layouts
-(``dp_reshardable``, Megatron-LM's default since megatron-core 0.14, ``dp_zero_gather_scatter``,
-``fully_sharded_model_space``, ``fsdp_dtensor``), whose flat buffers follow Megatron's gradient
-buckets rather than its parameters, also in the legacy ``distrib_optim.pt`` files; and param groups
-beyond megatron-core's default weight-decay split (per-layer LR or decay overrides).
+Refused (one :class:`UserError` naming it): the distributed optimizer's other layouts
+(``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
+save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
+bucket files that do not hold the buckets the args give; and param groups beyond megatron-core's
+default weight-decay split (per-layer LR or decay overrides) in the legacy non-distributed files.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ _STATE = "optimizer.state."
 _KINDS = {"exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",), "master": ("fp32_param", "param")}
 _READ_LAYOUTS = (None, "fully_reshardable")  # None: the non-distributed optimizer's sharded state dict
 _BUCKETS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "param"}  # kind -> bucket state
-_HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the distributed optimizer's "
-         "'fully_reshardable' layout) or without --use-distributed-optimizer, or convert without "
+_HINT = ("Save the Megatron run in the distributed optimizer's default 'dp_reshardable' layout, or with "
+         "--dist-ckpt-optim-fully-reshardable, or without --use-distributed-optimizer, or convert without "
          "--with-optimizer: training then starts fresh Adam moments, its LR schedule at the checkpoint's "
          "position. Nothing was written.")
 
