@@ -184,8 +184,9 @@ def test_a_bf16_run_imports_its_fp32_master_and_moments_exactly(tmp_path):
 
 def test_bucket_files_that_do_not_match_the_args_are_refused(trained, tmp_path):
     """The bucket layout comes from the saved args: args naming a bucket size the run did not use (its
-    one bucket split in several), or a missing distrib_optim.pt, is one paragraph naming the sizes or the
-    file; nothing is written."""
+    one bucket split in several), a missing distrib_optim.pt, or the buckets of a pre-core model (whose
+    parameter order differs) is one paragraph naming the sizes, the file or the model; nothing is
+    written."""
     import shutil
     root, *_ = trained
     dst = tmp_path / "out"
@@ -201,6 +202,12 @@ def test_bucket_files_that_do_not_match_the_args_are_refused(trained, tmp_path):
     shutil.copytree(root / "legacy_distributed", src)
     (src / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
     with pytest.raises(UserError, match="mp_rank_01/distrib_optim.pt' .* is missing"):
+        megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
+    first = src / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(first, weights_only=False)  # a pre-core model's name beside the weights
+    state["model"]["language_model.embedding.position_embeddings.weight"] = torch.zeros(1)
+    torch.save(state, first)
+    with pytest.raises(UserError, match="distrib_optim.pt of a pre-core .* in another order than megatron-core's"):
         megatron_to_checkpoint(str(src), str(dst), with_optimizer=True)
     assert not dst.exists()
 

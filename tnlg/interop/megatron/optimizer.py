@@ -29,7 +29,8 @@ What is read (megatron-core 0.16.1's writers):
 Refused (one :class:`UserError` naming it): the distributed optimizer's other layouts
 (``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
 save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
-bucket files that do not hold the buckets the args give; and param groups beyond megatron-core's
+bucket files that do not hold the buckets the args give, or of a pre-core model (another parameter
+order); and param groups beyond megatron-core's
 default weight-decay split (per-layer LR or decay overrides) in the legacy non-distributed files.
 """
 
@@ -109,7 +110,7 @@ def _hyperparameters(state: dict) -> dict:
                 lr=float(g["lr"]) if g.get("lr") is not None else None)
 
 
-def read_optimizer(source, common: dict, sixteen_bit: bool, cfg=None) -> MegatronOptimizer:
+def read_optimizer(source, common: dict, sixteen_bit: bool, cfg) -> MegatronOptimizer:
     """The optimizer state of a Megatron checkpoint (module docstring), validated: a layout tnlg does
     not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`.
     ``cfg`` (the model's :class:`~tnlg.config.GPTConfig`) lays out the distributed optimizer's buckets."""
@@ -144,7 +145,7 @@ def read_optimizer(source, common: dict, sixteen_bit: bool, cfg=None) -> Megatro
         raise UserError(f"{where}: the weights are 16-bit but the checkpoint has no fp32 master weights "
                         f"({_STATE}fp32_param.* or {_STATE}param.*); tnlg resumes a 16-bit run from its fp32 "
                         "master. Nothing was written.")
-    if layout == "fully_reshardable" and cfg is not None:
+    if layout == "fully_reshardable":
         _check_fully_reshardable(source, cfg, common["args"], where)
     return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
 
@@ -181,7 +182,7 @@ def _bucket_optimizer(source, common: dict, state, store, sixteen_bit: bool, whe
     return MegatronOptimizer(kinds, _step(state, where), _hyperparameters(state), states)
 
 
-def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg=None) -> MegatronOptimizer:
+def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
     """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`), or the
     distributed optimizer's ``distrib_optim.pt`` beside them (its param groups in the ``optimizer`` entry)."""
     distributed = bool(getattr(common["args"], "use_distributed_optimizer", False)) or any(
@@ -189,6 +190,11 @@ def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg
     if distributed:
         if not isinstance(state, dict):
             raise _no_state(where)
+        if any(str(k).startswith("language_model") for k in (common.get("model") or {})):
+            raise UserError(f"{where} holds the distributed optimizer's distrib_optim.pt of a pre-core (legacy) "
+                            "model (language_model.* names), whose parameters lie in its buckets in another order "
+                            "than megatron-core's; tnlg reads the buckets of megatron-core models. Convert without "
+                            "--with-optimizer (fresh Adam moments). Nothing was written.")
         return _bucket_optimizer(source, common, state, LegacyBuckets(source), sixteen_bit, where, cfg)
     if not isinstance(state, dict):
         raise _no_state(where)
