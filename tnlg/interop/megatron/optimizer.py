@@ -30,8 +30,8 @@ Refused (one :class:`UserError` naming it): the distributed optimizer's other la
 (``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
 save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
 bucket files that do not hold the buckets the args give, or of a pre-core model (another parameter
-order); and param groups beyond megatron-core's
-default weight-decay split (per-layer LR or decay overrides) in the legacy non-distributed files.
+order); and param groups beyond megatron-core's default weight-decay split (per-layer LR or decay
+overrides) in the legacy non-distributed files.
 """
 
 from __future__ import annotations
