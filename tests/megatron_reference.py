@@ -65,7 +65,10 @@ def megatron_args(spec: dict) -> argparse.Namespace:
         tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, seed=1234, consumed_train_samples=56,
         iteration=7, attention_backend=AttnBackend.auto, data_cache_path=pathlib.PosixPath("/nowhere"),
-        params_dtype=torch.float32, ckpt_format="torch_dist")
+        params_dtype=torch.float32, ckpt_format="torch_dist", data_parallel_size=spec.get("dp", 1),
+        world_size=spec["tp"] * spec["pp"] * spec.get("dp", 1), overlap_grad_reduce=bool(spec.get("bucket")),
+        ddp_bucket_size=spec.get("bucket"), ddp_num_buckets=None, ddp_pad_buckets_for_high_nccl_busbw=False,
+        overlap_param_gather_with_optimizer_step=False, accumulate_allreduce_grads_in_fp32=False)
 
 
 def _config(spec: dict):
@@ -261,7 +264,7 @@ def _patch_optimizer_calls() -> None:
 ADAM = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup=1, decay=10, batch=2)
 
 
-def _trained(spec: dict, distributed: bool, tokens: torch.Tensor):
+def _trained(spec: dict, distributed: bool, tokens: torch.Tensor, pre: bool = True, post: bool = True):
     """GPTModel (perturbed as :func:`save_reference`) in megatron-core's DDP with its Adam
     (``get_megatron_optimizer``: the non-distributed or the distributed optimizer) and its LR
     scheduler (``OptimizerParamScheduler``, stepped by the global batch as Megatron-LM's loop does)."""
@@ -270,11 +273,14 @@ def _trained(spec: dict, distributed: bool, tokens: torch.Tensor):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
-    model = build_model(spec)
+    model = build_model(spec, pre, post)
     _perturb(model, parallel_state.get_tensor_model_parallel_rank())
     bf16 = bool(spec.get("bf16"))
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                  Float16Module(model.config, model) if bf16 else model)
+    # spec["bucket"]: Megatron-LM's --overlap-grad-reduce --ddp-bucket-size N (several gradient buckets)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed,
+                                               overlap_grad_reduce=bool(spec.get("bucket")),
+                                               bucket_size=spec.get("bucket"))
+    ddp = DistributedDataParallel(model.config, ddp_config, Float16Module(model.config, model) if bf16 else model)
     a = ADAM
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"], adam_beta1=a["betas"][0],
@@ -306,20 +312,46 @@ def _adam_step(model, ddp, opt, sched, tokens: torch.Tensor) -> float:
 
 def _moments(model, opt, distributed: bool) -> dict:
     """Megatron's live Adam state per parameter name (this rank's TP shard, in the parameter's shape):
-    the moments, and the fp32 master of a 16-bit model."""
+    the moments, and the fp32 master of a 16-bit model. The distributed optimizer holds a DP rank's
+    range of each parameter (``_get_model_param_range_map``): the ranges are summed over the DP group
+    into zeros (exact: each element comes from one rank)."""
+    from megatron.core import parallel_state
     inner = opt.chained_optimizers[0]
     sixteen = next(model.parameters()).dtype != torch.float32
     masters = {} if distributed or not sixteen else {  # Float16OptimizerWithFloat16Params' fp32 copies
         p: m for g16, g32 in zip(inner.float16_groups, inner.fp32_from_float16_groups) for p, m in zip(g16, g32)}
+    kinds = ("exp_avg", "exp_avg_sq") + (("param",) if sixteen else ())
     out = {}
     for name, p in model.named_parameters():
-        if distributed:  # one DP rank: its main-parameter shard is the whole (flattened) parameter
-            st = inner._get_main_param_and_optimizer_states(p)
-        else:
+        if not distributed:
             st = dict(inner.optimizer.state[masters.get(p, p)], param=masters.get(p))
-        kinds = ("exp_avg", "exp_avg_sq") + (("param",) if sixteen else ())
-        out[name] = {k: st[k].detach().clone().reshape(p.shape) for k in kinds}
+            out[name] = {k: st[k].detach().clone().reshape(p.shape) for k in kinds}
+            continue
+        full = {k: torch.zeros(p.numel()) for k in kinds}
+        if p in inner.model_param_gbuf_map:  # this DP rank owns a range of p
+            st, rng = inner._get_main_param_and_optimizer_states(p), inner._get_model_param_range_map(p)["param"]
+            for k in kinds:
+                full[k][rng.start:rng.end] = st[k].detach().float()
+        for k in kinds:
+            dist.all_reduce(full[k], group=parallel_state.get_data_parallel_group())
+        out[name] = {k: v.reshape(p.shape) for k, v in full.items()}
     return out
+
+
+def bucket_facts(ddp) -> dict:
+    """What megatron-core's own gradient buffer did (``_ParamAndGradBuffer``): the buckets' padded and
+    unpadded sizes, the gaps its 64-element alignment left between parameters, and the parameters
+    whose range crosses a DP rank's shard of their bucket."""
+    buf, dp = ddp.buffers[0], dist.get_world_size(ddp.buffers[0].data_parallel_group)
+    spans = sorted(buf.param_index_map.values())
+    gaps = sum(b[0] > a[1] and a[2] == b[2] for a, b in zip(spans, spans[1:]))
+    straddling = 0
+    for start, end, bucket in spans:
+        lo, hi = buf.buckets[bucket].offset, buf.buckets[bucket].offset + buf.buckets[bucket].grad_data.numel()
+        cut = lo + (hi - lo) // dp * torch.arange(1, dp)
+        straddling += int(((cut > start) & (cut < end)).any())
+    return dict(buckets=[(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets], gaps=gaps,
+                straddling=straddling)
 
 
 def _save_legacy(model, opt, sched, spec: dict, steps: int, distributed: bool, root: str) -> None:
@@ -327,61 +359,101 @@ def _save_legacy(model, opt, sched, spec: dict, steps: int, distributed: bool, r
     them: ``model_optim_rng.pt`` with ``optimizer.state_dict()`` (the distributed optimizer's holds
     only its param groups; its states go to ``distrib_optim.pt`` by ``save_parameter_state``)."""
     from megatron.core import parallel_state
-    d = os.path.join(root, "iter_%07d" % steps, "mp_rank_%02d" % parallel_state.get_tensor_model_parallel_rank())
+    t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    d = os.path.join(root, "iter_%07d" % steps, "mp_rank_%02d" % t if spec["pp"] == 1 else "mp_rank_%02d_%03d" % (t, p))
     os.makedirs(d, exist_ok=True)
-    args = megatron_args(dict(spec, pp=1))
+    dist.barrier()
+    args = megatron_args(spec)
     args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
     args.bf16, args.params_dtype, args.ckpt_format = bool(spec.get("bf16")), next(model.parameters()).dtype, "torch"
-    torch.save(dict(args=args, checkpoint_version=3.0, iteration=steps, model=model.state_dict_for_save_checkpoint(),
-                    optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict()),
-               os.path.join(d, "model_optim_rng.pt"))
-    if distributed:
+    state = dict(args=args, checkpoint_version=3.0, iteration=steps, model=model.state_dict_for_save_checkpoint(),
+                 optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict())
+    if parallel_state.get_data_parallel_rank() == 0:  # one file per model-parallel rank
+        torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+    if distributed:  # gathers over DP, saved by DP rank 0
         opt.chained_optimizers[0].save_parameter_state(os.path.join(d, "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(steps))
 
 
+def _save_torch_dist(model, opt, sched, spec: dict, steps: int, distributed: bool, layout, root: str) -> None:
+    """``dist_checkpointing.save`` of the model and optimizer's sharded state dicts (the distributed
+    optimizer's in ``layout``) and the scheduler's state, as Megatron-LM's ``generate_state_dict``."""
+    from megatron.core import dist_checkpointing
+    meta = dict(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+    if layout:
+        meta["distrib_optim_sharding_type"] = layout
+    msd = model.sharded_state_dict(metadata=meta)
+    args = megatron_args(spec)
+    args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
+    args.bf16, args.params_dtype = bool(spec.get("bf16")), next(model.parameters()).dtype
+    state = dict(args=args, checkpoint_version=3.0, iteration=steps, model=msd,
+                 optimizer=opt.sharded_state_dict(msd, metadata=meta), opt_param_scheduler=sched.state_dict())
+    d = os.path.join(root, "iter_%07d" % steps)
+    if dist.get_rank() == 0:
+        os.makedirs(d, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, d)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(steps))
+
+
+def save_distributed_pipeline(ps, spec: dict, root: str):
+    """Worker (world = TP x PP): each stage's GPTModel in megatron-core's DDP with the distributed
+    optimizer. megatron-core's schedules do not run on CPU here, so there is no training step: the
+    optimizer's states are allocated (``_init_optimizer_states_with_dummy_values``: Adam's step 1 on zero
+    gradients) and its moments set to deterministic noise. Saved as ``dp_reshardable`` (``root/
+    dp_reshardable``) and in the legacy files (``root/legacy_distributed``); returns the stage, the TP
+    rank and the moments read back from the optimizer object (:func:`_moments`)."""
+    _init(spec)
+    _patch_optimizer_calls()
+    p, t = _stage(spec)
+    model, ddp, opt, sched = _trained(spec, True, None, pre=p == 0, post=p == spec["pp"] - 1)
+    inner = opt.chained_optimizers[0]
+    inner._init_optimizer_states_with_dummy_values()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param in inner.model_param_gbuf_map:
+                st = inner._get_main_param_and_optimizer_states(param)
+                g = torch.Generator().manual_seed(zlib.crc32(f"{name} {p} {t} {dist.get_rank()}".encode()))
+                st["exp_avg"].copy_(torch.randn(st["exp_avg"].shape, generator=g))
+                st["exp_avg_sq"].copy_(torch.rand(st["exp_avg_sq"].shape, generator=g))
+    _save_torch_dist(model, opt, sched, spec, 1, True, "dp_reshardable", os.path.join(root, "dp_reshardable"))
+    _save_legacy(model, opt, sched, spec, 1, True, os.path.join(root, "legacy_distributed"))
+    out = dict(stage=p, tp_rank=t, distributed=dict(moments=_moments(model, opt, True)))
+    _leave()
+    return out
+
+
 def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
-    """Worker (world = TP, PP 1): the non-distributed and the distributed optimizer (two identical
-    models) each take ``steps`` Adam steps on ``tokens`` and are saved by ``dist_checkpointing.save``
-    with their optimizer's ``sharded_state_dict`` and the scheduler's state, as Megatron-LM's
-    ``generate_state_dict`` (``root/<plain|distributed>``; the distributed one in the model-space
+    """Worker (world = TP x DP, PP 1): the non-distributed and the distributed optimizer (two identical
+    models; ``spec["optimizers"]``: only those named) each take ``steps`` Adam steps on ``tokens`` and are
+    saved by ``dist_checkpointing.save`` with their optimizer's ``sharded_state_dict`` and the scheduler's
+    state, as Megatron-LM's ``generate_state_dict`` (:func:`_save_torch_dist`: ``root/<plain|distributed>``;
+    the distributed one in the model-space
     ``fully_reshardable`` layout, and in the bucket layout ``dp_reshardable`` under
     ``root/dp_reshardable``), and in the legacy per-rank files (``root/legacy_<plain|distributed>``:
     :func:`_save_legacy`). Then each takes one more step: returns per optimizer the moments after
-    ``steps``, the lr of the next step and the parameters after it."""
+    ``steps``, the lr of the next step, the parameters after it and (distributed) :func:`bucket_facts`.
+    Every DP rank steps on the same ``tokens``."""
     _init(dict(spec, pp=1))
     _patch_optimizer_calls()
-    from megatron.core import dist_checkpointing
     out = {}
-    for kind, distributed in (("plain", False), ("distributed", True)):
+    for kind in spec.get("optimizers", ("plain", "distributed")):
+        distributed = kind == "distributed"
         model, ddp, opt, sched = _trained(dict(spec, pp=1), distributed, tokens)
         for _ in range(steps):
             _adam_step(model, ddp, opt, sched, tokens)
         layouts = {kind: "fully_reshardable", "dp_reshardable": "dp_reshardable"} if distributed else {kind: None}
         for name, layout in layouts.items():
-            meta = dict(singleton_local_shards=False, chained_optim_avoid_prefix=True)
-            if layout:
-                meta["distrib_optim_sharding_type"] = layout
-            msd = model.sharded_state_dict(metadata=meta)
-            args = megatron_args(dict(spec, pp=1))
-            args.iteration, args.global_batch_size, args.use_distributed_optimizer = steps, ADAM["batch"], distributed
-            args.bf16, args.params_dtype = bool(spec.get("bf16")), next(model.parameters()).dtype
-            state = dict(args=args, checkpoint_version=3.0, iteration=steps, model=msd,
-                         optimizer=opt.sharded_state_dict(msd, metadata=meta), opt_param_scheduler=sched.state_dict())
-            d = os.path.join(root, name, "iter_%07d" % steps)
-            if dist.get_rank() == 0:
-                os.makedirs(d, exist_ok=True)
-            dist.barrier()
-            dist_checkpointing.save(state, d)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
-                    f.write(str(steps))
-        _save_legacy(model, opt, sched, spec, steps, distributed, os.path.join(root, f"legacy_{kind}"))
+            _save_torch_dist(model, opt, sched, dict(spec, pp=1), steps, distributed, layout, os.path.join(root, name))
+        _save_legacy(model, opt, sched, dict(spec, pp=1), steps, distributed, os.path.join(root, f"legacy_{kind}"))
         moments = _moments(model, opt, distributed)
         lr = _adam_step(model, ddp, opt, sched, tokens)
-        out[kind] = dict(moments=moments, lr=lr, params={n: p.detach().clone() for n, p in model.named_parameters()})
+        out[kind] = dict(moments=moments, lr=lr, params={n: p.detach().clone() for n, p in model.named_parameters()},
+                         buckets=bucket_facts(ddp) if distributed else None)
     _leave()
     return out

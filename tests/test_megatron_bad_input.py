@@ -206,8 +206,8 @@ def test_an_iteration_folder_or_a_release_checkpoint(megatron_ckpts, tmp_path):
 
 
 def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
-    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), the distributed
-    optimizer's legacy distrib_optim.pt, or a legacy optimizer entry whose param groups do not match the
+    """--with-optimizer needs Adam state it reads: none at all (a weights-only save), a damaged
+    distrib_optim.pt of the distributed optimizer, or a legacy optimizer entry whose param groups do not match the
     model, is one paragraph naming it; nothing is written."""
     def refused(src, match):
         dst = tmp_path / "out"
@@ -226,4 +226,4 @@ def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
         torch.save(state, path)
     refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
     (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
-    refused(src, "legacy distrib_optim.pt files .* does not read yet")
+    refused(src, "distrib_optim.pt' cannot be loaded .* damaged, truncated")

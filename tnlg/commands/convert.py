@@ -85,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
     parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
-                        "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed "
-                        "optimizer (torch_dist or legacy) or of the distributed one saved in torch_dist with "
-                        "--dist-ckpt-optim-fully-reshardable; without it training starts fresh Adam moments, the "
+                        "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed or "
+                        "the distributed optimizer (torch_dist, also in its default dp_reshardable bucket layout, "
+                        "or legacy, also distrib_optim.pt); without it training starts fresh Adam moments, the "
                         "LR schedule at the checkpoint's position")
 
 

@@ -186,9 +186,10 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
     _check_tensors(source, cfg)
     dtype = source.dtype
-    opt = read_optimizer(source, common, dtype != torch.float32) if with_optimizer else None
+    opt = read_optimizer(source, common, dtype != torch.float32, cfg) if with_optimizer else None
+    states = (opt.states if opt else None) or source  # where the Adam states are read
     for prefix in (opt.prefixes.values() if opt else ()):
-        _check_tensors(source, cfg, prefix)
+        _check_tensors(states, cfg, prefix)
     args = common["args"]
     iteration = int(common.get("iteration", 0) or 0)
     meta = dict(format=FORMAT, iteration=iteration,
@@ -203,7 +204,7 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     def shard(r, names):
         if opt is None:
             return _Tensors(source, cfg, tp_size, r, dtype), None
-        by_kind = {k: _Tensors(source, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
+        by_kind = {k: _Tensors(states, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
         return _Tensors(source, cfg, tp_size, r, dtype), {n: _StatesOf(n, by_kind) for n in names}
 
     return write_offline(dst, meta, tp_size, shard)

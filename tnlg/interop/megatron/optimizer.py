@@ -12,6 +12,11 @@ What is read (megatron-core 0.16.1's writers):
   (``DistributedOptimizer.sharded_param_state_fully_reshardable``; Megatron-LM's
   ``--dist-ckpt-optim-fully-reshardable``). The step count is in ``common.pt``: ``common_step``
   (non-distributed) or the param groups' ``step`` (distributed).
+* the distributed optimizer's bucket layouts (:mod:`.buckets`, :mod:`.bucket_files`): ``torch_dist``
+  in ``dp_reshardable`` (Megatron-LM's default since megatron-core 0.14; its param groups, with the
+  step, in the ``optimizer.distributed.dp_group_idx_0.optimizer`` object) and the legacy
+  ``distrib_optim.pt`` files (the step in ``model_optim_rng.pt``'s param groups): flat buffers laid
+  out by Megatron's gradient buckets, which the import lays out again from the saved args.
 * the legacy per-rank files (``--ckpt-format torch``) of the non-distributed optimizer: the
   ``optimizer`` entry of each ``model_optim_rng.pt`` is torch's optimizer state dict (its
   ``state`` numbered by param group; 16-bit runs nest it as ``optimizer`` beside
@@ -21,11 +26,12 @@ What is read (megatron-core 0.16.1's writers):
   each successful step adds the global batch size) divided by ``global_batch_size``; without a
   scheduler state, the checkpoint's iteration.
 
-Not read yet (one :class:`UserError` naming it): the distributed optimizer's bucket layouts
-(``dp_reshardable``, Megatron-LM's default since megatron-core 0.14, ``dp_zero_gather_scatter``,
-``fully_sharded_model_space``, ``fsdp_dtensor``), whose flat buffers follow Megatron's gradient
-buckets rather than its parameters, also in the legacy ``distrib_optim.pt`` files; and param groups
-beyond megatron-core's default weight-decay split (per-layer LR or decay overrides).
+Refused (one :class:`UserError` naming it): the distributed optimizer's other layouts
+(``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
+save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
+bucket files that do not hold the buckets the args give, or of a pre-core model (another parameter
+order); and param groups beyond megatron-core's default weight-decay split (per-layer LR or decay
+overrides) in the legacy non-distributed files.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from typing import Optional
 import torch
 
 from ...errors import UserError
+from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
+from .buckets import BucketStates, shifted_by_padding, stage_layouts
+from .names import GLOBAL_ROLES, LAYER_ROLES
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
            "optimizer_record"]
@@ -45,8 +54,9 @@ _STATE = "optimizer.state."
 # tnlg kind -> the Megatron states that hold it, in the order they are looked for
 _KINDS = {"exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",), "master": ("fp32_param", "param")}
 _READ_LAYOUTS = (None, "fully_reshardable")  # None: the non-distributed optimizer's sharded state dict
-_HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the distributed optimizer's "
-         "'fully_reshardable' layout) or without --use-distributed-optimizer, or convert without "
+_BUCKETS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "param"}  # kind -> bucket state
+_HINT = ("Save the Megatron run in the distributed optimizer's default 'dp_reshardable' layout, or with "
+         "--dist-ckpt-optim-fully-reshardable, or without --use-distributed-optimizer, or convert without "
          "--with-optimizer: training then starts fresh Adam moments, its LR schedule at the checkpoint's "
          "position. Nothing was written.")
 
@@ -54,9 +64,10 @@ _HINT = ("Save the Megatron run with --dist-ckpt-optim-fully-reshardable (the di
 @dataclass(frozen=True)
 class MegatronOptimizer:
     """Where a checkpoint's Adam states are and what they were stepped with."""
-    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy: the kind)
+    prefixes: dict          # tnlg kind (exp_avg, exp_avg_sq, master) -> DCP key prefix (legacy, buckets: a state)
     step: int               # Adam's step count (bias correction)
     hyperparameters: dict   # betas, eps, weight_decay, lr of Megatron's param groups
+    states: object = None   # where the states are read (shape, tensor), the checkpoint's source if None
 
 
 def _find(node, key: str, out: list) -> list:
@@ -99,21 +110,26 @@ def _hyperparameters(state: dict) -> dict:
                 lr=float(g["lr"]) if g.get("lr") is not None else None)
 
 
-def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer:
+def read_optimizer(source, common: dict, sixteen_bit: bool, cfg) -> MegatronOptimizer:
     """The optimizer state of a Megatron checkpoint (module docstring), validated: a layout tnlg does
-    not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`."""
+    not read, no state at all or a missing fp32 master of a 16-bit run is one :class:`UserError`.
+    ``cfg`` (the model's :class:`~tnlg.config.GPTConfig`) lays out the distributed optimizer's buckets."""
     where = f"--with-optimizer: Megatron checkpoint {source.iter_dir!r}"
     state = common.get("optimizer")
     if source.format != "torch_dist":
-        return _read_legacy(source, common, state, sixteen_bit, where)
+        return _read_legacy(source, common, state, sixteen_bit, where, cfg)
     if state is None:
         raise _no_state(where)
     layouts = set(_find(state, "param_state_sharding_type", []))
     layout = layouts.pop() if len(layouts) == 1 else (None if not layouts else sorted(layouts))
+    if layout == "dp_reshardable":
+        groups = [source.load_object(k) for k in source.meta.state_dict_metadata
+                  if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer/")]
+        return _bucket_optimizer(source, common, {"optimizer": groups}, DcpBuckets(source), sixteen_bit, where, cfg)
     if layout not in _READ_LAYOUTS or source.has_key("optimizer.distributed."):
-        raise UserError(f"{where} holds the distributed optimizer's state in its {layout or 'bucket'!r} layout "
-                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet; it "
-                        f"reads the model-space layout. {_HINT}")
+        raise UserError(f"{where} holds the distributed optimizer's state in its {layout or 'bucket'!r} layout, "
+                        "which tnlg does not read; it reads the model-space layouts and the default "
+                        f"'dp_reshardable' bucket layout. {_HINT}")
     prefixes = {}
     for kind, names in _KINDS.items():
         found = [f"{_STATE}{n}." for n in names if source.has_key(f"{_STATE}{n}.")]
@@ -129,18 +145,57 @@ def read_optimizer(source, common: dict, sixteen_bit: bool) -> MegatronOptimizer
         raise UserError(f"{where}: the weights are 16-bit but the checkpoint has no fp32 master weights "
                         f"({_STATE}fp32_param.* or {_STATE}param.*); tnlg resumes a 16-bit run from its fp32 "
                         "master. Nothing was written.")
+    if layout == "fully_reshardable":
+        _check_fully_reshardable(source, cfg, common["args"], where)
     return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
 
 
-def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str) -> MegatronOptimizer:
-    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`); the distributed
-    optimizer's ``distrib_optim.pt`` is refused."""
+def _check_fully_reshardable(source, cfg, args, where: str) -> None:
+    """megatron-core 0.16.1 misplaces the states of a ``fully_reshardable`` save whose gradient buckets
+    are padded (:func:`~.buckets.shifted_by_padding`): the fp32 master of the most misplaced parameter
+    must be its weight (exactly; rounded to the weights' dtype in a 16-bit run), else the save is refused."""
+    roles = {r.tnlg: r for r in (*LAYER_ROLES, *GLOBAL_ROLES)}
+    for p, layout in enumerate(stage_layouts(source, cfg, args, where)):
+        key = shifted_by_padding(layout)
+        if key is None:
+            continue
+        role, layer = roles[key[0]], key[1]
+        master = source.tensor(role, layer, p, prefix=f"{_STATE}param.")
+        weight = source.tensor(role, layer, p)
+        if master is not None and not torch.equal(master.to(weight.dtype), weight):
+            raise UserError(
+                f"{where} holds the distributed optimizer's 'fully_reshardable' layout, but its states are "
+                f"misplaced: the saved fp32 master of {key[0]}{'' if layer is None else f' of layer {layer}'} is not "
+                "that parameter's weights. megatron-core 0.16.1 writes this layout wrong when its gradient buckets "
+                "are padded (--overlap-grad-reduce with several buckets; its log warns 'param range exceeds "
+                "unpadded buffer'): each parameter's states are cut at its offset in the padded buffer from the "
+                "buckets joined without their padding. Save the run in the default 'dp_reshardable' layout "
+                "(without --dist-ckpt-optim-fully-reshardable), which tnlg reads, or convert without "
+                "--with-optimizer. Nothing was written.")
+
+
+def _bucket_optimizer(source, common: dict, state, store, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
+    """The distributed optimizer's bucket layout (:mod:`.buckets`) in ``store``; ``state`` holds its
+    param groups (Adam's step, the hyperparameters)."""
+    kinds = {k: v for k, v in _BUCKETS.items() if sixteen_bit or k != "master"}
+    states = BucketStates(source, cfg, common["args"], store, where)
+    return MegatronOptimizer(kinds, _step(state, where), _hyperparameters(state), states)
+
+
+def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
+    """The non-distributed optimizer's entry of the legacy files (:func:`legacy_states`), or the
+    distributed optimizer's ``distrib_optim.pt`` beside them (its param groups in the ``optimizer`` entry)."""
     distributed = bool(getattr(common["args"], "use_distributed_optimizer", False)) or any(
-        os.path.isfile(os.path.join(source.iter_dir, d, "distrib_optim.pt")) for d in os.listdir(source.iter_dir))
+        os.path.isfile(os.path.join(source.iter_dir, d, DISTRIB_OPTIM)) for d in os.listdir(source.iter_dir))
     if distributed:
-        raise UserError(f"{where} holds the distributed optimizer's state in the legacy distrib_optim.pt files "
-                        "(flat buffers laid out by Megatron's gradient buckets), which tnlg does not read yet. "
-                        f"{_HINT}")
+        if not isinstance(state, dict):
+            raise _no_state(where)
+        if any(str(k).startswith("language_model") for k in (common.get("model") or {})):
+            raise UserError(f"{where} holds the distributed optimizer's distrib_optim.pt of a pre-core (legacy) "
+                            "model (language_model.* names), whose parameters lie in its buckets in another order "
+                            "than megatron-core's; tnlg reads the buckets of megatron-core models. Convert without "
+                            "--with-optimizer (fresh Adam moments). Nothing was written.")
+        return _bucket_optimizer(source, common, state, LegacyBuckets(source), sixteen_bit, where, cfg)
     if not isinstance(state, dict):
         raise _no_state(where)
     kinds = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())

@@ -95,6 +95,13 @@ class TorchDistSource:
         lo = [0] * len(size)
         if layer is not None:
             lo[0], size[0] = layer, 1
+        out = self.region(key, lo, size)
+        return out[0] if layer is not None else out
+
+    def region(self, key: str, lo: list, size: list) -> torch.Tensor:
+        """The box ``[lo, lo + size)`` of the tensor ``key``, assembled from the chunks that overlap it
+        (one chunk read at a time)."""
+        md = self.meta.state_dict_metadata[key]
         out = torch.empty(size, dtype=md.properties.dtype)
         covered = 0
         for chunk in md.chunks:
@@ -112,7 +119,16 @@ class TorchDistSource:
         if covered != out.numel():
             raise UserError(f"{self.iter_dir!r}: the chunks of {key!r} cover {covered} of its {out.numel()} elements; "
                             "the checkpoint is incomplete. Nothing was written.")
-        return out[0] if layer is not None else out
+        return out
+
+    def load_object(self, key: str):
+        """The object stored under ``key`` (a ``ShardedObject`` of megatron-core: ``<name>/shard_0_1``),
+        read with ``weights_only``; ``None`` where the store has none."""
+        info = self.storage.get((key, None))
+        if info is None:
+            return None
+        return load_chunk(os.path.join(self.iter_dir, info.relative_path), info.offset, info.length,
+                          f"torch_dist object {key!r}")
 
     @property
     def dtype(self) -> torch.dtype:
