@@ -38,11 +38,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..model import GPT
-from .mappings import copy_to_tp
 from .pipeline import StageModel, chunk_layers
 from .state import ParallelState
 
@@ -89,26 +87,18 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     if not isinstance(model, StageModel):
         return model(tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache,
                      last_only=last_only)
-    ps, cfg, t = model.ps, model.config, model.transformer
+    ps, cfg = model.ps, model.config
     b, s = tokens.shape
-    offset = kv_cache.length if kv_cache is not None else 0
-    if offset + s > cfg.seq_length:
-        raise ValueError(f"sequence of {offset + s} tokens is longer than seq_length={cfg.seq_length}.")
+    model.start_position(s, kv_cache)
     p = next(model.parameters())
-    chunks, x, logits = ps.pp_size * len(model.chunk_ranges), None, None
-    for c in range(ps.pp_rank, chunks, ps.pp_size):  # this rank's model chunks, in pipeline order
-        if c == 0:
-            if position_ids is None:
-                position_ids = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)
-            x = t.drop(t.wte(tokens) + t.wpe(position_ids))
-        elif ps.pp_size > 1:
+    chunks, x, logits = ps.pp_size * len(model.chunk_ranges), tokens, None
+    for k, c in enumerate(range(ps.pp_rank, chunks, ps.pp_size)):  # this rank's model chunks, in pipeline order
+        if c > 0 and ps.pp_size > 1:
             x = torch.empty(b, s, cfg.hidden_size, dtype=p.dtype, device=p.device)
             dist.recv(x, src=stage_rank(ps, (c - 1) % ps.pp_size), group=ps.pp_group)
-        for i in model.chunk_ranges[c // ps.pp_size]:
-            x = t.h[str(i)](x, attention_mask, kv_cache)
+        x = model.chunk(k)(x, position_ids, attention_mask, kv_cache, last_only, sequence_parallel=False)
         if c == chunks - 1:
-            x = t.ln_f(x)
-            logits = F.linear(copy_to_tp(x[:, -1:] if last_only else x, ps), model.output_weight)
+            logits = x
         elif ps.pp_size > 1:
             if x.dtype != p.dtype:  # the receiver sizes its buffer with the parameters' dtype
                 raise RuntimeError(f"a stage's hidden state is {x.dtype}, its parameters {p.dtype}.")
