@@ -140,23 +140,22 @@ def _device_for_backend(backend: str) -> torch.device:
 
 
 def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
-    if world_size % tensor_parallel_size != 0:
-        valid = divisors(world_size)
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}: "
-            f"every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
-            f"{world_size} processes: {valid}.")
-    if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
-        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pipeline_parallel_size!r}.")
+    _check_divides("tensor_parallel_size", tensor_parallel_size, world_size, f"the world size {world_size}",
+                   "tensor-parallel group", f"tensor-parallel sizes for {world_size} processes")
     rest = world_size // tensor_parallel_size
-    if rest % pipeline_parallel_size != 0:
-        valid = divisors(rest)
-        raise ValueError(
-            f"pipeline_parallel_size={pipeline_parallel_size} does not divide world size / tensor-parallel size "
-            f"= {world_size} / {tensor_parallel_size} = {rest}: every pipeline must be complete. Valid "
-            f"pipeline-parallel sizes at tensor-parallel size {tensor_parallel_size}: {valid}.")
+    _check_divides("pipeline_parallel_size", pipeline_parallel_size, rest,
+                   f"world size / tensor-parallel size = {world_size} / {tensor_parallel_size} = {rest}",
+                   "pipeline", f"pipeline-parallel sizes at tensor-parallel size {tensor_parallel_size}")
+
+
+def _check_divides(name: str, size: int, whole: int, whole_words: str, unit: str, valid_words: str) -> None:
+    """``size`` (the argument ``name``) is a positive integer dividing ``whole``, else a ``ValueError``
+    listing the valid sizes: every ``unit`` must be complete."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{name} must be a positive integer, got {size!r}.")
+    if whole % size != 0:
+        raise ValueError(f"{name}={size} does not divide {whole_words}: every {unit} must be complete. "
+                         f"Valid {valid_words}: {divisors(whole)}.")
 
 
 def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
