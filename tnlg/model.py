@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
@@ -534,7 +535,9 @@ class GPT(DecoderBase):
 
 @functools.lru_cache(maxsize=32)
 def _shard_specs(config_fields: tuple, tp_size: int) -> tuple[tuple[str, ShardSpec], ...]:
-    """:meth:`GPT.describe` of the configuration with these field values (a tuple, so it can key the cache)."""
-    with torch.device("meta"):
+    """:meth:`GPT.describe` of the configuration with these field values (a tuple, so it can key the cache).
+    The build allocates nothing, so no dispatch mode active around the call (a fake-tensor run, a memory
+    tracker counting a checkpoint save) sees it, and its counts do not depend on whether it was cached."""
+    with _disable_current_modes(), torch.device("meta"):
         model = GPT(GPTConfig(*config_fields), ParallelState.for_virtual_rank(tp_size))
     return tuple((name, ShardSpec.of(p)) for name, p in model.named_parameters())
