@@ -190,6 +190,7 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
+        # every rank's rows of the fused QKV weight (whole heads) and columns of the output projection
         qkv_sizes, proj_sizes = [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
         self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps, partition_sizes=qkv_sizes,

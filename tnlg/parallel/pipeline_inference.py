@@ -5,11 +5,12 @@ names, this rank's layers). :func:`forward_logits` runs one batch through every 
 stage embeds the tokens, each stage runs its layers and sends the hidden state ``[b, s, h]`` to the
 rank of the next model chunk (``dist.send``/``dist.recv`` over ``pp_group``), the last stage applies
 ``ln_f`` and the LM head and returns this rank's vocabulary shard of the logits; the other stages
-return ``None``. Whatever the last stage computes from them (a loss sum, a correct count, the next
-token) reaches every stage through :func:`from_last_stage` (one broadcast over ``pp_group``), so every
-rank reports the same figures as without a pipeline. A plain :class:`tnlg.GPT` goes through the same
-calls unchanged (its forward; no pipeline communication), which is how the evaluation and generation
-code serves both.
+return ``None``. Each chunk runs :class:`~tnlg.parallel.pipeline.PipelineChunk`'s forward, the one
+training's schedule runs, with the stage's KV cache when decoding. Whatever the last stage computes
+from them (a loss sum, a correct count, the next token) reaches every stage through
+:func:`from_last_stage` (one broadcast over ``pp_group``), so every rank reports the same figures as
+without a pipeline. A plain :class:`tnlg.GPT` goes through the same calls unchanged (its forward; no
+pipeline communication), which is how the evaluation and generation code serves both.
 
 Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
 (a :class:`tnlg.model.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
