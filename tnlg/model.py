@@ -49,12 +49,15 @@ attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
@@ -62,11 +65,11 @@ from .parallel.initialization import InitMethod, SelfInitializing, init_normal, 
 from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_to_sequence_parallel, sequence_sizes
 from .parallel.random import TPRandom
-from .parallel.sharding import ShardSpec
+from .parallel.sharding import ShardSpec, mark_replicated
 from .parallel.state import ParallelState
 from .parallel.vocab import gather_logits, vocab_parallel_cross_entropy
 
-__all__ = ["GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
+__all__ = ["DecoderBase", "GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
 
 
 def _layer_norm_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -116,14 +119,9 @@ class LayerNorm(nn.LayerNorm, SelfInitializing):
     def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None, init_key: str = ""):
         super().__init__(dim, eps=eps, device=device)
         self.ps = ps
-        for name, spec in self.describe(dim).items():
-            spec.mark(getattr(self, name))
+        for p in (self.weight, self.bias):
+            mark_replicated(p)
         self.set_init(dict(weight=init_ones, bias=init_zeros), 0, init_key)
-
-    @staticmethod
-    def describe(dim: int) -> dict[str, ShardSpec]:
-        """Weight and bias, replicated over TP."""
-        return dict(weight=ShardSpec((dim,)), bias=ShardSpec((dim,)))
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False, synced=None) -> torch.Tensor:
         w, b = self.weight, self.bias
@@ -192,7 +190,8 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
-        qkv_sizes, proj_sizes = self._sizes(cfg, ps.tp_size)
+        # every rank's rows of the fused QKV weight (whole heads) and columns of the output projection
+        qkv_sizes, proj_sizes = [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
         self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps, partition_sizes=qkv_sizes,
                                            sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
@@ -200,19 +199,6 @@ class ParallelAttention(nn.Module):
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ps, input_is_parallel=True,
                                         partition_sizes=proj_sizes, sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=_join(init_key, "c_proj"))
-
-    @staticmethod
-    def _sizes(cfg: GPTConfig, tp_size: int) -> tuple[list[int], list[int]]:
-        """Every rank's rows of the fused QKV weight (whole heads) and columns of the output projection."""
-        heads = cfg.heads_per_rank(tp_size)
-        return [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
-
-    @classmethod
-    def describe(cls, cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
-        qkv_sizes, proj_sizes = cls._sizes(cfg, tp_size)
-        h = cfg.hidden_size
-        return {**_prefixed("c_attn", ColumnParallelLinear.describe(h, 3 * h, qkv_sizes)),
-                **_prefixed("c_proj", RowParallelLinear.describe(h, h, proj_sizes))}
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, sp: Optional[tuple[int, ...]] = None,
@@ -284,12 +270,6 @@ class ParallelMLP(nn.Module):
                                         sequence_parallel=sp, device=device, init_method=scaled_init,
                                         seed=cfg.seed, init_key=_join(init_key, "c_proj"))
 
-    @staticmethod
-    def describe(cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
-        sizes, h, ffn = cfg.ffn_per_rank(tp_size), cfg.hidden_size, cfg.ffn_hidden_size
-        return {**_prefixed("c_fc", ColumnParallelLinear.describe(h, ffn, sizes)),
-                **_prefixed("c_proj", RowParallelLinear.describe(ffn, h, sizes))}
-
     def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
                 synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         on = sp is not None
@@ -346,12 +326,6 @@ class Block(nn.Module):
                               use_reentrant=False)
         return self._forward(x, attention_mask, kv_cache, sp)
 
-    @staticmethod
-    def describe(cfg: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
-        ln = LayerNorm.describe(cfg.hidden_size)
-        return {**_prefixed("ln_1", ln), **_prefixed("attn", ParallelAttention.describe(cfg, tp_size)),
-                **_prefixed("ln_2", ln), **_prefixed("mlp", ParallelMLP.describe(cfg, tp_size))}
-
 
 class PositionEmbedding(SelfInitializing, nn.Module):
     """Learned position embeddings ``[seq_length, hidden]``, replicated over TP; no communication."""
@@ -359,12 +333,8 @@ class PositionEmbedding(SelfInitializing, nn.Module):
     def __init__(self, num_positions: int, dim: int, init_method: InitMethod, seed: int = 0, init_key: str = "",
                  device=None):
         super().__init__()
-        self.weight = self.describe(num_positions, dim)["weight"].parameter(0, device)
+        self.weight = ShardSpec((num_positions, dim)).parameter(0, device)
         self.set_init(dict(weight=init_method), seed, init_key)
-
-    @staticmethod
-    def describe(num_positions: int, dim: int) -> dict[str, ShardSpec]:
-        return dict(weight=ShardSpec((num_positions, dim)))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(position_ids, self.weight)
@@ -380,10 +350,9 @@ class OutputLayer(SelfInitializing, nn.Module):
                  seed: int = 0, init_key: str = "", device=None):
         super().__init__()
         self.ps = ps
-        self.weight = self.describe(vocab_size, dim, padded_size, ps.tp_size)["weight"].parameter(ps.tp_rank, device)
+        spec = VocabParallelEmbedding.describe(vocab_size, dim, padded_size, ps.tp_size)["weight"]
+        self.weight = spec.parameter(ps.tp_rank, device)
         self.set_init(dict(weight=init_method), seed, init_key)
-
-    describe = staticmethod(VocabParallelEmbedding.describe)
 
 
 def _init_methods(cfg: GPTConfig) -> tuple[InitMethod, InitMethod]:
@@ -396,12 +365,106 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _prefixed(prefix: str, specs: dict[str, Optional[ShardSpec]]) -> dict[str, ShardSpec]:
-    """``specs`` of a submodule named ``prefix`` (absent parameters dropped)."""
-    return {_join(prefix, n): s for n, s in specs.items() if s is not None}
+class DecoderBase(nn.Module):
+    """What the whole GPT and one pipeline rank's part of it (:class:`tnlg.parallel.pipeline.StageModel`)
+    share: every module built by name (:meth:`part`, under the GPT's parameter names, so each is
+    initialised as the GPT's of that name), the embedding and the LM head applied to them
+    (:meth:`embed`, :meth:`head`), the sequence split and the initial value of a parameter."""
+
+    transformer: nn.ModuleDict
+
+    def __init__(self, config: GPTConfig, ps: ParallelState):
+        super().__init__()
+        config.check_tensor_parallel(ps.tp_size)
+        self.config, self.ps = config, ps
+        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
+        self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
+        self.sequence_parallel = config.sequence_parallel
+
+    def part(self, name: str, device=None) -> nn.Module:
+        """The module ``transformer.<name>`` (``wte``, ``wpe``, ``drop``, ``h.<layer>``, ``ln_f``) or
+        ``lm_head`` (the untied LM head); ``device`` ``None``: the parallel state's (for a virtual
+        state, the current default device, e.g. ``torch.device("meta")``)."""
+        cfg, ps = self.config, self.ps
+        device = device if device is not None else (None if ps.virtual else ps.device)
+        init, seed, h = init_normal(cfg.init_method_std), cfg.seed, cfg.hidden_size
+        key = name if name == "lm_head" else f"transformer.{name}"
+        if name == "wte":
+            return VocabParallelEmbedding(cfg.vocab_size, h, ps, self.padded_vocab_size, device=device,
+                                          init_method=init, seed=seed, init_key=key)
+        if name == "wpe":
+            return PositionEmbedding(cfg.seq_length, h, init, seed, key, device)
+        if name == "drop":
+            return nn.Dropout(cfg.hidden_dropout)
+        if name.startswith("h."):
+            return Block(cfg, ps, int(name[2:]), self.tp_random, device=device, init_key=key)
+        if name == "ln_f":
+            return LayerNorm(h, cfg.layernorm_epsilon, device=device, ps=ps, init_key=key)
+        if name == "lm_head":
+            return OutputLayer(cfg.vocab_size, h, ps, self.padded_vocab_size, init, seed, key, device)
+        raise ValueError(f"the GPT has no part {name!r}.")
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the LM head: the word embedding's, or the untied output layer's."""
+        head = self.lm_head if self.config.untie_embeddings_and_output_weights else self.transformer.wte
+        return head.weight
+
+    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This TP rank's initial value of parameter ``name`` (fp32, CPU), from the layer that owns
+        it: the matching slice of the seeded full weight (``param``: the parameter as built, when
+        a wrapper has replaced it). The data-parallel engine uses it to
+        materialise a meta-device model straight into its buffers, one parameter at a time."""
+        owner, _, leaf = name.rpartition(".")
+        return self.get_submodule(owner).initial_shard(leaf, param)
+
+    def start_position(self, seq_len: int, kv_cache: Optional[KVCache]) -> int:
+        """The position of the first of ``seq_len`` new tokens: the cache's length, or 0 without one;
+        a ``ValueError`` when they would run past ``seq_length``."""
+        offset = kv_cache.length if kv_cache is not None else 0
+        if offset + seq_len > self.config.seq_length:
+            raise ValueError(f"sequence of {offset + seq_len} tokens is longer than "
+                             f"seq_length={self.config.seq_length}.")
+        return offset
+
+    def sequence_split(self, seq_len: int, incremental: bool = False) -> Optional[tuple[int, ...]]:
+        """Every TP rank's positions of a ``seq_len`` sequence when this call runs sequence-parallel,
+        else ``None``: off without TP, when turned off, for incremental decoding, and for sequences
+        shorter than TP (a rank would hold no position)."""
+        tp = self.ps.tp_size
+        if not self.sequence_parallel or tp == 1 or incremental or seq_len < tp:
+            return None
+        return sequence_sizes(seq_len, tp)
+
+    def embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor], sp: Optional[tuple[int, ...]],
+              offset: int = 0) -> torch.Tensor:
+        """Word plus position embeddings, then dropout: ``[b, s, h]``, or with ``sp`` (every rank's
+        positions) this rank's positions ``[s_r, b, h]``. ``position_ids`` ``None``: ``offset .. offset+s-1``.
+        Collectives: the word embedding's all-reduce over TP; with ``sp`` a reduce-scatter of the partial
+        word embeddings instead, to which each rank adds its positions' (backward: an all-gather)."""
+        t = self.transformer
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + tokens.shape[1], device=tokens.device).unsqueeze(0)
+        if sp is None:
+            return t.drop(t.wte(tokens) + t.wpe(position_ids))
+        x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
+                                                replicated=t.wpe(position_ids).transpose(0, 1))
+        return _dropout(t.drop, x, self.tp_random, True)
+
+    def head(self, x: torch.Tensor, sp: Optional[tuple[int, ...]], last_only: bool = False) -> torch.Tensor:
+        """``ln_f`` and the parallel LM head (tied to the embedding, or untied): this rank's vocabulary
+        shard of the logits, ``[b, s, V_pad / tp]`` (``[b, 1, ...]`` with ``last_only``: the next token's),
+        or with ``sp`` sequence-first ``[s, b, V_pad / tp]``. Collectives: ``f`` (backward: an
+        all-reduce over TP); with ``sp`` an all-gather of the sequence instead (backward: a reduce-scatter)."""
+        x = self.transformer.ln_f(x, sp is not None)
+        if last_only:  # generation needs only the next token's logits
+            x = x[:, -1:]
+        if sp is None:
+            return F.linear(copy_to_tp(x, self.ps), self.output_weight)
+        return column_parallel_linear(x, self.output_weight, None, self.ps, sp)
 
 
-class GPT(nn.Module):
+class GPT(DecoderBase):
     """GPT-2 decoder whose weights are split over ``ps.tp_group``.
 
     ``model(tokens)`` returns this rank's vocabulary shard of the logits
@@ -418,61 +481,22 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, ps: Optional[ParallelState] = None, device=None):
-        super().__init__()
-        ps = ps or ParallelState.single()
-        config.check_tensor_parallel(ps.tp_size)
-        self.config, self.ps = config, ps
-        device = device if device is not None else (None if ps.virtual else ps.device)
-        self.heads_per_rank = config.heads_per_rank(ps.tp_size)
-        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
-        self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
-        self.sequence_parallel = config.sequence_parallel
-        init, seed = init_normal(config.init_method_std), config.seed
-        self.transformer = nn.ModuleDict(dict(
-            wte=VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size,
-                                       device=device, init_method=init, seed=seed, init_key="transformer.wte"),
-            wpe=PositionEmbedding(config.seq_length, config.hidden_size, init, seed, "transformer.wpe", device),
-            drop=nn.Dropout(config.hidden_dropout),
-            h=nn.ModuleList(Block(config, ps, i, self.tp_random, device=device, init_key=f"transformer.h.{i}")
-                            for i in range(config.num_layers)),
-            ln_f=LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, ps=ps,
-                           init_key="transformer.ln_f"),
-        ))
+        super().__init__(config, ps or ParallelState.single())
+        self.heads_per_rank = config.heads_per_rank(self.ps.tp_size)
+        parts = {name: self.part(name, device) for name in ("wte", "wpe", "drop")}
+        parts["h"] = nn.ModuleList(self.part(f"h.{i}", device) for i in range(config.num_layers))
+        parts["ln_f"] = self.part("ln_f", device)
+        self.transformer = nn.ModuleDict(parts)
         if config.untie_embeddings_and_output_weights:
-            self.lm_head = OutputLayer(config.vocab_size, config.hidden_size, ps, self.padded_vocab_size, init, seed,
-                                       "lm_head", device)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """This rank's vocabulary rows of the LM head: the word embedding's, or the untied output layer's."""
-        head = self.lm_head if self.config.untie_embeddings_and_output_weights else self.transformer.wte
-        return head.weight
+            self.lm_head = self.part("lm_head", device)
 
     @staticmethod
     def describe(config: GPTConfig, tp_size: int) -> dict[str, ShardSpec]:
-        """How every parameter splits over ``tp_size`` ranks, by name, without building the model
-        (checkpoints reshard from it)."""
-        h = config.hidden_size
-        out = {**_prefixed("transformer.wte", VocabParallelEmbedding.describe(
-                   config.vocab_size, h, config.padded_vocab_size(tp_size), tp_size)),
-               **_prefixed("transformer.wpe", PositionEmbedding.describe(config.seq_length, h))}
-        block = Block.describe(config, tp_size)
-        for i in range(config.num_layers):
-            out.update(_prefixed(f"transformer.h.{i}", block))
-        out.update(_prefixed("transformer.ln_f", LayerNorm.describe(h)))
-        if config.untie_embeddings_and_output_weights:
-            out.update(_prefixed("lm_head", OutputLayer.describe(
-                config.vocab_size, h, config.padded_vocab_size(tp_size), tp_size)))
-        return out
-
-    # ------------------------------------------------------------------ init
-    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This TP rank's initial value of parameter ``name`` (fp32, CPU), from the layer that owns
-        it: the matching slice of the seeded full weight (``param``: the parameter as built, when
-        a wrapper has replaced it). The data-parallel engine uses it to
-        materialise a meta-device model straight into its buffers, one parameter at a time."""
-        owner, _, leaf = name.rpartition(".")
-        return self.get_submodule(owner).initial_shard(leaf, param)
+        """How every parameter splits over ``tp_size`` ranks, by name, in the model's order (checkpoints
+        reshard from it, the planner counts from it): read from the layers themselves, built for a
+        virtual TP rank on the meta device (nothing allocated; each parameter's mark holds every rank's
+        size), once per configuration and TP size."""
+        return dict(_shard_specs(dataclasses.astuple(config), tp_size))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -481,40 +505,22 @@ class GPT(nn.Module):
             if isinstance(m, SelfInitializing):
                 m.reset_parameters()
 
-    # ------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
                 last_only: bool = False):
         if last_only and labels is not None:
             raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
-        b, s = tokens.shape
-        offset = kv_cache.length if kv_cache is not None else 0
-        if offset + s > self.config.seq_length:
-            raise ValueError(f"sequence of {offset + s} tokens is longer than seq_length={self.config.seq_length}.")
-        if position_ids is None:
-            position_ids = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)
+        s = tokens.shape[1]
+        offset = self.start_position(s, kv_cache)
         sp = self.sequence_split(s, kv_cache is not None or last_only)
-        t = self.transformer
-        if sp is None:
-            x = t.drop(t.wte(tokens) + t.wpe(position_ids))
-        else:  # sequence-first; reduce-scatter the partial word embeddings, each rank adds its positions'
-            x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
-                                                    replicated=t.wpe(position_ids).transpose(0, 1))
-            x = _dropout(t.drop, x, self.tp_random, True)
-        for block in t.h:
+        x = self.embed(tokens, position_ids, sp, offset)
+        for block in self.transformer.h:
             x = block(x, attention_mask, kv_cache, sp)
         if kv_cache is not None:
             kv_cache.length += s
-        x = t.ln_f(x, sp is not None)
-        if last_only:  # generation needs only the next token's logits
-            x = x[:, -1:]
-        # parallel LM head (tied to the embedding, or untied): f (or, sequence-parallel, an all-gather
-        # of the sequence), then a local matmul -> this rank's vocab shard
-        if sp is None:
-            logits = F.linear(copy_to_tp(x, self.ps), self.output_weight)
-        else:  # [s, b, V_r]: the loss is computed sequence-first, the logits returned batch-first
-            logits = column_parallel_linear(x, self.output_weight, None, self.ps, sp)
+        logits = self.head(x, sp, last_only)
+        if sp is not None:  # [s, b, V_r]: the loss is computed sequence-first, the logits returned batch-first
             if labels is None:
                 return logits.transpose(0, 1)
             labels = labels.t()
@@ -527,11 +533,12 @@ class GPT(nn.Module):
         loss_mask = loss_mask.to(losses.dtype)
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
-    def sequence_split(self, seq_len: int, incremental: bool = False) -> Optional[tuple[int, ...]]:
-        """Every TP rank's positions of a ``seq_len`` sequence when this call runs sequence-parallel,
-        else ``None``: off without TP, when turned off, for incremental decoding, and for sequences
-        shorter than TP (a rank would hold no position)."""
-        tp = self.ps.tp_size
-        if not self.sequence_parallel or tp == 1 or incremental or seq_len < tp:
-            return None
-        return sequence_sizes(seq_len, tp)
+
+@functools.lru_cache(maxsize=32)
+def _shard_specs(config_fields: tuple, tp_size: int) -> tuple[tuple[str, ShardSpec], ...]:
+    """:meth:`GPT.describe` of the configuration with these field values (a tuple, so it can key the cache).
+    The build allocates nothing, so no dispatch mode active around the call (a fake-tensor run, a memory
+    tracker counting a checkpoint save) sees it, and its counts do not depend on whether it was cached."""
+    with _disable_current_modes(), torch.device("meta"):
+        model = GPT(GPTConfig(*config_fields), ParallelState.for_virtual_rank(tp_size))
+    return tuple((name, ShardSpec.of(p)) for name, p in model.named_parameters())

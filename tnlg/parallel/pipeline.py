@@ -38,14 +38,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import GPTConfig, stage_layer_counts
-from ..model import Block, LayerNorm, OutputLayer, PositionEmbedding, VocabParallelEmbedding, _dropout
-from .initialization import init_normal
-from .layers import column_parallel_linear
-from .mappings import copy_to_tp, reduce_scatter_to_sequence_parallel, sequence_sizes
-from .random import TPRandom
+from ..model import DecoderBase, KVCache
 from .state import ParallelState
 
 __all__ = ["chunk_layers", "StageModel", "PipelineChunk"]
@@ -62,47 +57,26 @@ def chunk_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional
     return [range(a, a + n) for a, n in zip(starts, counts)]
 
 
-class StageModel(nn.Module):
+class StageModel(DecoderBase):
     """The layers of one pipeline rank's chunks (``chunks``: their global layer indices, this rank's
     in order), with the embeddings on the first stage and ``ln_f`` + LM head on the last.
 
     Parameter names are the GPT's; :meth:`chunk` gives the module each pipeline stage runs."""
 
     def __init__(self, config: GPTConfig, ps: ParallelState, chunks: list[range], device=None):
-        super().__init__()
-        config.check_tensor_parallel(ps.tp_size)
-        self.config, self.ps, self.chunk_ranges = config, ps, list(chunks)
-        device = device if device is not None else (None if ps.virtual else ps.device)
-        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
-        self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
-        init, seed, h = init_normal(config.init_method_std), config.seed, config.hidden_size
+        super().__init__(config, ps)
+        self.chunk_ranges = list(chunks)
         tied = not config.untie_embeddings_and_output_weights
-        parts: dict = dict(h=nn.ModuleDict({
-            str(i): Block(config, ps, i, self.tp_random, device=device, init_key=f"transformer.h.{i}")
-            for r in self.chunk_ranges for i in r}))
-        if ps.is_first_stage or (ps.is_last_stage and tied):
-            parts["wte"] = VocabParallelEmbedding(config.vocab_size, h, ps, self.padded_vocab_size, device=device,
-                                                  init_method=init, seed=seed, init_key="transformer.wte")
-        if ps.is_first_stage:
-            parts["wpe"] = PositionEmbedding(config.seq_length, h, init, seed, "transformer.wpe", device)
-            parts["drop"] = nn.Dropout(config.hidden_dropout)
-        if ps.is_last_stage:
-            parts["ln_f"] = LayerNorm(h, config.layernorm_epsilon, device=device, ps=ps, init_key="transformer.ln_f")
+        parts: dict = dict(h=nn.ModuleDict({str(i): self.part(f"h.{i}", device)
+                                            for r in self.chunk_ranges for i in r}))
+        names = (["wte"] if ps.is_first_stage or (ps.is_last_stage and tied) else []) + \
+            (["wpe", "drop"] if ps.is_first_stage else []) + (["ln_f"] if ps.is_last_stage else [])
+        parts.update((name, self.part(name, device)) for name in names)
         self.transformer = nn.ModuleDict(parts)
         if ps.is_last_stage and not tied:
-            self.lm_head = OutputLayer(config.vocab_size, h, ps, self.padded_vocab_size, init, seed, "lm_head", device)
+            self.lm_head = self.part("lm_head", device)
         if ps.is_last_stage and tied and not ps.is_first_stage:
             self.transformer.wte.weight.pipeline_duplicate = True  # the first stage's copy is the one counted
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """This rank's vocabulary rows of the LM head (last stage)."""
-        return (self.transformer.wte if "wte" in self.transformer else self.lm_head).weight
-
-    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This TP rank's initial value of parameter ``name``: the PP=1 GPT's (see :meth:`tnlg.GPT.initial_shard`)."""
-        owner, _, leaf = name.rpartition(".")
-        return self.get_submodule(owner).initial_shard(leaf, param)
 
     def chunk(self, k: int) -> "PipelineChunk":
         """The module of this rank's ``k``-th chunk (global chunk ``k * P + pp_rank``)."""
@@ -115,7 +89,9 @@ class PipelineChunk(nn.Module):
     """One pipeline stage's forward over the :class:`StageModel`'s modules (it registers none itself,
     so the engine sees each parameter once): tokens ``[b, s]`` -> hidden ``[b, s, h]`` on the first
     stage, hidden -> hidden in the middle, hidden -> this rank's vocabulary shard of the logits
-    ``[b, s, V_pad / tp]`` on the last."""
+    ``[b, s, V_pad / tp]`` on the last. Training's schedule (torch's ``PipelineStage``) calls it with
+    the activation and the documents' keyword arguments; the forward-only passes
+    (:func:`tnlg.parallel.pipeline_inference.forward_logits`) also with a KV cache."""
 
     def __init__(self, stage: StageModel, layers: range, first: bool, last: bool):
         super().__init__()
@@ -123,28 +99,24 @@ class PipelineChunk(nn.Module):
         self.layers, self.first, self.last = layers, first, last
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
+                last_only: bool = False, sequence_parallel: bool = True) -> torch.Tensor:
         """``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` ``[b, s, s]`` (every stage): a
         micro batch's per-document positions and block-diagonal mask (``--reset-position-ids`` /
-        ``--reset-attention-mask``), as the GPT takes them; ``None``: ``0 .. s-1`` and causal."""
-        t, ps, cfg = self.stage.transformer, self.stage.ps, self.stage.config
+        ``--reset-attention-mask``), as the GPT takes them; ``None``: causal, positions from 0 (from
+        the cache's length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its
+        ``length`` is advanced by the caller, once every chunk has run); ``last_only``: the logits of
+        the last position only; ``sequence_parallel=False``: activations ``[b, s, h]`` whatever the
+        config says (the forward-only passes, whose batches vary in length)."""
+        stage, cfg = self.stage, self.stage.config
         # sequence parallelism (training: every sample has seq_length positions): the activations between
         # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
-        sp = sequence_sizes(cfg.seq_length, ps.tp_size) if cfg.sequence_parallel and ps.tp_size > 1 else None
+        sp = stage.sequence_split(cfg.seq_length, not sequence_parallel or kv_cache is not None or last_only)
         if self.first:
-            positions = position_ids if position_ids is not None else \
-                torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            if sp is None:
-                x = t.drop(t.wte(x) + t.wpe(positions))
-            else:  # reduce-scatter the partial word embeddings, each rank adds its positions' (the GPT's way)
-                x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(x.t()), ps, sp, inplace=True,
-                                                        replicated=t.wpe(positions).transpose(0, 1))
-                x = _dropout(t.drop, x, self.stage.tp_random, True)
+            x = stage.embed(x, position_ids, sp, kv_cache.length if kv_cache is not None else 0)
         for i in self.layers:
-            x = t.h[str(i)](x, attention_mask, sp=sp)
-        if self.last:
-            x = t.ln_f(x, sp is not None)
-            if sp is None:
-                return F.linear(copy_to_tp(x, ps), self.stage.output_weight)
-            return column_parallel_linear(x, self.stage.output_weight, None, ps, sp).transpose(0, 1)
-        return x
+            x = stage.transformer.h[str(i)](x, attention_mask, kv_cache, sp)
+        if not self.last:
+            return x
+        logits = stage.head(x, sp, last_only)
+        return logits if sp is None else logits.transpose(0, 1)

@@ -5,11 +5,12 @@ names, this rank's layers). :func:`forward_logits` runs one batch through every 
 stage embeds the tokens, each stage runs its layers and sends the hidden state ``[b, s, h]`` to the
 rank of the next model chunk (``dist.send``/``dist.recv`` over ``pp_group``), the last stage applies
 ``ln_f`` and the LM head and returns this rank's vocabulary shard of the logits; the other stages
-return ``None``. Whatever the last stage computes from them (a loss sum, a correct count, the next
-token) reaches every stage through :func:`from_last_stage` (one broadcast over ``pp_group``), so every
-rank reports the same figures as without a pipeline. A plain :class:`tnlg.GPT` goes through the same
-calls unchanged (its forward; no pipeline communication), which is how the evaluation and generation
-code serves both.
+return ``None``. Each chunk runs :class:`~tnlg.parallel.pipeline.PipelineChunk`'s forward, the one
+training's schedule runs, with the stage's KV cache when decoding. Whatever the last stage computes
+from them (a loss sum, a correct count, the next token) reaches every stage through
+:func:`from_last_stage` (one broadcast over ``pp_group``), so every rank reports the same figures as
+without a pipeline. A plain :class:`tnlg.GPT` goes through the same calls unchanged (its forward; no
+pipeline communication), which is how the evaluation and generation code serves both.
 
 Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
 (a :class:`tnlg.model.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
@@ -38,11 +39,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..model import GPT
-from .mappings import copy_to_tp
 from .pipeline import StageModel, chunk_layers
 from .state import ParallelState
 
@@ -89,26 +88,18 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     if not isinstance(model, StageModel):
         return model(tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache,
                      last_only=last_only)
-    ps, cfg, t = model.ps, model.config, model.transformer
+    ps, cfg = model.ps, model.config
     b, s = tokens.shape
-    offset = kv_cache.length if kv_cache is not None else 0
-    if offset + s > cfg.seq_length:
-        raise ValueError(f"sequence of {offset + s} tokens is longer than seq_length={cfg.seq_length}.")
+    model.start_position(s, kv_cache)
     p = next(model.parameters())
-    chunks, x, logits = ps.pp_size * len(model.chunk_ranges), None, None
-    for c in range(ps.pp_rank, chunks, ps.pp_size):  # this rank's model chunks, in pipeline order
-        if c == 0:
-            if position_ids is None:
-                position_ids = torch.arange(offset, offset + s, device=tokens.device).unsqueeze(0)
-            x = t.drop(t.wte(tokens) + t.wpe(position_ids))
-        elif ps.pp_size > 1:
+    chunks, x, logits = ps.pp_size * len(model.chunk_ranges), tokens, None
+    for k, c in enumerate(range(ps.pp_rank, chunks, ps.pp_size)):  # this rank's model chunks, in pipeline order
+        if c > 0 and ps.pp_size > 1:
             x = torch.empty(b, s, cfg.hidden_size, dtype=p.dtype, device=p.device)
             dist.recv(x, src=stage_rank(ps, (c - 1) % ps.pp_size), group=ps.pp_group)
-        for i in model.chunk_ranges[c // ps.pp_size]:
-            x = t.h[str(i)](x, attention_mask, kv_cache)
+        x = model.chunk(k)(x, position_ids, attention_mask, kv_cache, last_only, sequence_parallel=False)
         if c == chunks - 1:
-            x = t.ln_f(x)
-            logits = F.linear(copy_to_tp(x[:, -1:] if last_only else x, ps), model.output_weight)
+            logits = x
         elif ps.pp_size > 1:
             if x.dtype != p.dtype:  # the receiver sizes its buffer with the parameters' dtype
                 raise RuntimeError(f"a stage's hidden state is {x.dtype}, its parameters {p.dtype}.")

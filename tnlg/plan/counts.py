@@ -1,8 +1,8 @@
 """Parameter counts: total and per tensor-parallel rank, from the layers and by formula.
 
 :func:`parameter_counts` counts every virtual TP rank's shard from the layers' own
-description of their splits (:meth:`tnlg.model.GPT.describe`: exactly what the built
-model holds, nothing allocated); the closed-form count of each rank,
+description of their splits (:meth:`tnlg.model.GPT.describe`: the layers themselves, built
+on the meta device, nothing allocated); the closed-form count of each rank,
 :meth:`tnlg.config.GPTConfig.parameters_per_rank` (the one formula; :func:`rank_counts_formula`
 here), is printed beside it and the two are checked against each other in the tests.
 What is split and what is replicated (Megatron's layout, GPT-2 shapes, tied embeddings):
