@@ -129,13 +129,10 @@ def test_a_locked_save_root_refuses_a_second_job_before_any_worker_starts(tmp_pa
     save = tmp_path / "save"
     held = F.lock_root(str(save))  # the first job
     try:
-        from tnlg.data.corpus import default_dataset
-        prefix, tok = default_dataset()
+        from tests.tiny import tiny_flags
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2", "--num-layers", "1",
-                               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                               "--data-path", prefix, "--tokenizer-model", tok, "--train-iters", "2",
-                               "--save", str(save)],
+        proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2",
+                               *tiny_flags(num_layers=1, train_iters=2, save=str(save))],
                               cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
         took = time.monotonic() - t0

@@ -118,18 +118,12 @@ def test_pretrain_flags_set_the_model():
 
 
 def _options(world, **over):
-    import argparse
-    from tnlg.data.corpus import default_dataset
-    from tnlg.commands.pretrain_args import resolve
-    prefix, tok = default_dataset()
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                 global_batch_size=4, train_iters=6, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=6,
-                 log_interval=100, eval_interval=0, eval_iters=1, data_path=[prefix], tokenizer_model=tok,
-                 sample_prompt="", plot=False, peak_tflops=1.0, hidden_dropout=0.0, attention_dropout=0.0,
-                 openai_gelu=False, untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2)
+    from tests.tiny import tiny_options
     load = over.pop("load", None)
-    flags.update(over)
-    o = resolve(argparse.Namespace(**flags), world_size=world)
+    o = tiny_options(world, **{**dict(train_iters=6, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=6,
+                                      log_interval=100, eval_iters=1, hidden_dropout=0.0, attention_dropout=0.0,
+                                      openai_gelu=False, untie_embeddings_and_output_weights=True,
+                                      tensor_model_parallel_size=2), **over})
     o.checkpoint.load = load
     return o
 

@@ -21,17 +21,13 @@ STEPS = 5  # optimizer steps per layout run
 
 
 def _flags(**over) -> dict:
-    """The run's flags; the optimizer's and the schedule's are spelled out, as the reference reads them too."""
-    from tnlg.data.corpus import default_dataset
-    prefix, tok = default_dataset()
-    flags = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=4,
-                 global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2,
-                 lr_decay_style="linear", adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
-                 log_interval=100, eval_interval=0, data_path=[prefix], tokenizer_model=tok,
-                 sample_prompt="", plot=False, weight_decay=0.1, clip_grad=0.5, peak_tflops=1.0,
-                 hidden_dropout=0.0, attention_dropout=0.0)  # a run on --data-path defaults to Megatron's 0.1
-    flags.update(over)
-    return flags
+    """The tiny run's flags; the optimizer's and the schedule's are spelled out, as the reference reads them too."""
+    from tests.tiny import tiny_settings
+    return tiny_settings(**{**dict(micro_batch_size=4, global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4,
+                                   lr_warmup_iters=2, lr_decay_style="linear", adam_beta1=0.9, adam_beta2=0.999,
+                                   adam_eps=1e-8, log_interval=100, weight_decay=0.1, clip_grad=0.5,
+                                   hidden_dropout=0.0, attention_dropout=0.0),  # --data-path defaults to 0.1
+                            **over})
 
 
 def _options(world, **over):

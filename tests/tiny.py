@@ -2,7 +2,7 @@
 built-in corpus with micro batches of 2, a global batch of 4, a log line every iteration, no validation, no
 sample, no plot and a nominal 1 TFLOP/s peak.
 
-:func:`tiny_options` gives it as resolved options (for a spawned training body), :func:`tiny_flags` as the
+:func:`tiny_settings` gives it as option values by name, :func:`tiny_options` as resolved options (for a spawned training body), :func:`tiny_flags` as the
 flags of ``tnlg pretrain``; both take overrides by option name (``global_batch_size=8``), where ``None``
 leaves an option out (``data_path=None``: the built-in job; ``sample_prompt=None``: the run's default).
 """
@@ -15,7 +15,7 @@ TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, 
             global_batch_size=4, log_interval=1, eval_interval=0, sample_prompt="", plot=False, peak_tflops=1.0)
 
 
-def _settings(overrides: dict) -> dict:
+def tiny_settings(**overrides) -> dict:
     """The tiny set with the built-in corpus as data, then ``overrides``; options set to None left out."""
     from tnlg.data.corpus import default_dataset
     prefix, tokenizer = default_dataset()
@@ -28,7 +28,7 @@ def tiny_options(world_size: int, **overrides):
     """The tiny run's :class:`tnlg.options.Options` for ``world_size`` processes (resolved as ``tnlg
     pretrain`` resolves its flags, so every rule of the command applies)."""
     from tnlg.commands.pretrain_args import resolve
-    return resolve(argparse.Namespace(**_settings(overrides)), world_size=world_size)
+    return resolve(argparse.Namespace(**tiny_settings(**overrides)), world_size=world_size)
 
 
 def tiny_flags(**overrides) -> list[str]:
@@ -39,7 +39,7 @@ def tiny_flags(**overrides) -> list[str]:
     add_arguments(parser)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     flags = []
-    for name, value in _settings(overrides).items():
+    for name, value in tiny_settings(**overrides).items():
         action = actions[name]
         if action.nargs == 0:  # a switch (store_true / store_false)
             flags += [action.option_strings[0]] if value == action.const else []
