@@ -137,6 +137,121 @@ def _written(tmp: str) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- the tests
+
+
+def _fixture(name: str) -> str:
+    with open(os.path.join(FIXTURES, f"{name}.json")) as f:
+        return f.read()
+
+
+def test_every_writer_writes_the_meta_json_it_wrote_before(tmp_path):
+    """A training save (PP 1 and 2), a reshard, and the Hugging Face and Megatron-LM imports write the bytes
+    of their untyped predecessors (key for key, in the same order, with the same indentation)."""
+    written = _written(str(tmp_path))
+    for name, text in written.items():
+        want = _fixture(name)
+        assert json.loads(text) == json.loads(want), name
+        assert list(json.loads(text)) == list(json.loads(want)), name
+        assert text == want, name
+
+
+V1 = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint_v1", "iter_0000003")
+
+
+@pytest.mark.parametrize("name", ["plain", "pipeline", "resharded", "hf", "megatron", "v1"])
+def test_a_manifest_read_and_written_again_is_unchanged(name):
+    from tnlg.checkpoint.manifest import Manifest
+    if name == "v1":
+        with open(os.path.join(V1, "meta.json")) as f:
+            text = f.read()
+    else:
+        text = _fixture(name)
+    assert Manifest.from_dict(json.loads(text)).to_json() == text
+
+
+def test_the_sections_are_typed_in_both_formats():
+    from tnlg.checkpoint.manifest import Layout, Manifest, OptimFile, OptimizerState
+    v1 = Manifest.read(V1)  # format 1: no checksums, no optimizer files
+    assert v1.format == "tnlg.checkpoint/1" and v1.iteration == 3 and v1.consumed_samples == 6
+    assert v1.layout == Layout(tp=1, dp=1, world=1, param_dtype="float32") and v1.layout.pp_size == 1
+    assert isinstance(v1.optimizer, OptimizerState) and v1.optimizer.num_steps == 3 and v1.has_optimizer
+    assert v1.sha256 is None and v1.optim_files is None and v1.schedule is None and v1.schedule_steps == 3
+    pipe = Manifest.from_dict(json.loads(_fixture("pipeline")))
+    assert (pipe.layout.pp_size, pipe.rng.pp, pipe.pipeline.pp, pipe.pipeline.stages) == (2, 2, 2, [[[0, 1]], [[2, 3]]])
+    assert {f.pp_rank for f in pipe.optim_files.values()} == {0, 1}
+    assert all(isinstance(f, OptimFile) and f.kinds == ["exp_avg", "exp_avg_sq"] for f in pipe.optim_files.values())
+    assert pipe.stage_of("transformer.wte.weight") == 0 and pipe.stage_of("transformer.ln_f.weight") == 1
+    hf = Manifest.from_dict(json.loads(_fixture("hf")))
+    assert not hf.has_optimizer and hf.schedule_steps == 0 and hf.rng is None and hf.converted_from["hf"]
+    megatron = Manifest.from_dict(json.loads(_fixture("megatron")))
+    assert megatron.schedule.num_steps == 2 and megatron.schedule_steps == 2  # the Megatron run's position
+
+
+def test_keys_of_a_newer_writer_are_kept():
+    """A key this tnlg does not know, at the top or inside a typed section, is written back where it was."""
+    from tnlg.checkpoint.manifest import Manifest
+    d = json.loads(_fixture("plain"))
+    d = {**{k: v for k, v in list(d.items())[:3]}, "future": {"a": [1, 2]}, **dict(list(d.items())[3:])}
+    d["layout"] = dict(d["layout"], cp=2)
+    d["optimizer"] = {"kind": "adamw", **d["optimizer"]}
+    m = Manifest.from_dict(d)
+    assert m.extra == {"future": {"a": [1, 2]}} and m.layout.extra == {"cp": 2}
+    assert m.optimizer.extra == {"kind": "adamw"}
+    assert m.to_json() == json.dumps(d, indent=1)
+    changed = m.replace(iteration=7).to_dict()
+    assert changed["iteration"] == 7 and list(changed) == list(d) and changed["future"] == {"a": [1, 2]}
+
+
+def _write_meta(tmp_path, text: str) -> str:
+    d = tmp_path / "iter_0000002"
+    d.mkdir(exist_ok=True)
+    (d / "meta.json").write_text(text)
+    return str(d)
+
+
+def _with(**changes) -> str:
+    return json.dumps(dict(json.loads(_fixture("plain")), **changes))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", r"meta.json' is corrupt \(Expecting property name"),
+    ('[1, 2]', r"has format None; this tnlg reads 'tnlg.checkpoint/1' and 'tnlg.checkpoint/2'\."),
+    (_with(format="tnlg.checkpoint/9"), r"has format 'tnlg.checkpoint/9'; this tnlg reads"),
+    (_with(files={"../model_tp00.safetensors": 1}), r"names the file '../model_tp00.safetensors' in 'files': a "
+                                                    r"checkpoint's files are plain names"),
+    (_with(sha256=["x"]), r"is corrupt: its 'sha256' entry is not a mapping of file names\."),
+    (_with(layout=[1, 1]), r"is corrupt: its 'layout' entry is not a mapping\."),
+    (_with(optim_files={"optim_tp00_dp000.safetensors": 3}), r"an entry of its 'optim_files' section is not a "
+                                                              r"mapping"),
+    (_with(params=None), r"is corrupt: it has no 'params' entry; the checkpoint cannot be used\."),
+])
+def test_a_bad_manifest_is_one_clear_error(tmp_path, text, message):
+    from tnlg.checkpoint.manifest import Manifest
+    from tnlg.errors import UserError
+    with pytest.raises(UserError, match=message):
+        Manifest.read(_write_meta(tmp_path, text))
+
+
+def test_a_folder_without_meta_json_is_not_a_checkpoint(tmp_path):
+    from tnlg.checkpoint.manifest import Manifest
+    from tnlg.errors import UserError
+    with pytest.raises(UserError, match=r"is not a tnlg checkpoint: it has no meta.json\."):
+        Manifest.read(str(tmp_path))
+
+
+def test_an_engines_pieces_are_typed_views():
+    """The optimizer pieces a save writes from and a load copies into are the engine's own views."""
+    from tnlg.checkpoint.pieces import OptimPiece
+    from tnlg.parallel.state import ParallelState
+    model, engine = _tiny_run(ParallelState.single(), _config(), steps=1)
+    raw = engine.owned_pieces()
+    pieces = [OptimPiece.of(pc) for pc in raw]
+    assert [(p.name, p.lo, p.hi) for p in pieces] == [(pc["name"], pc["lo"], pc["lo"] + pc["length"]) for pc in raw]
+    pieces[0].state("exp_avg").fill_(3.0)
+    assert bool((raw[0]["exp_avg"] == 3.0).all()) and pieces[0].master is None  # fp32: no master
+
+
 if __name__ == "__main__":  # regenerate the fixtures: python -m tests.test_manifest tests/fixtures/meta_json
     import tempfile
     os.makedirs(sys.argv[1], exist_ok=True)

@@ -197,9 +197,10 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
 
 
 def read_meta(iter_dir: str) -> dict:
-    """``meta.json`` of an iteration directory as the JSON object it is, checked as
-    :meth:`~tnlg.checkpoint.manifest.Manifest.read` checks it (tnlg itself reads the typed manifest)."""
-    return Manifest.read(iter_dir).to_dict()
+    """``meta.json`` of an iteration directory as the JSON object it is (its format and file names checked:
+    :meth:`~tnlg.checkpoint.manifest.Manifest.read` with ``complete=False``; tnlg itself reads the typed
+    manifest)."""
+    return Manifest.read(iter_dir, complete=False).to_dict()
 
 
 def meta_digest(iter_dir: str) -> str:
@@ -307,7 +308,7 @@ def lock_root(root: str, probe: bool = False):
 def is_tnlg_iteration(path: str) -> bool:
     """True for an iteration directory whose manifest is tnlg's (``--keep-last`` removes no other)."""
     try:
-        Manifest.read(path)
+        Manifest.read(path, complete=False)
     except (UserError, OSError):
         return False
     return True

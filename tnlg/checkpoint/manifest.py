@@ -52,6 +52,7 @@ class _Record:
 
     @classmethod
     def names(cls) -> list[str]:
+        """The keys this record has fields for, in the order a record built without a key order writes them."""
         return [f.name for f in dataclasses.fields(cls) if f.name not in _BOOKKEEPING]
 
     @classmethod
@@ -63,6 +64,7 @@ class _Record:
 
     @classmethod
     def _decode(cls, key: str, value, where: str):
+        """A JSON value as the field ``key`` holds it: a nested record, a mapping of records, or as it is."""
         if value is None or (key not in cls._NESTED and key not in cls._NESTED_MAPS):
             return value
         if not isinstance(value, dict):
@@ -238,8 +240,10 @@ class Manifest(_Record):
         return meta if isinstance(meta, Manifest) else cls.from_dict(meta)
 
     @classmethod
-    def read(cls, iter_dir: str) -> "Manifest":
-        """Parse and check ``meta.json`` of an iteration directory (JSON only: nothing is executed)."""
+    def read(cls, iter_dir: str, complete: bool = True) -> "Manifest":
+        """Parse and check ``meta.json`` of an iteration directory (JSON only: nothing is executed).
+        ``complete``: it must have the sections every checkpoint has (``False``: only the format and the
+        file names are checked, as for a manifest written by hand to carry options)."""
         path = os.path.join(iter_dir, META)
         try:
             with open(path) as f:
@@ -252,7 +256,7 @@ class Manifest(_Record):
             raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
                             f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
         _check_names(meta, path)
-        for key in ("iteration", "config", "layout", "params", "files", "optimizer"):
+        for key in ("iteration", "config", "layout", "params", "files", "optimizer") if complete else ():
             if meta.get(key) is None:
                 raise UserError(f"{path!r} is corrupt: it has no {key!r} entry; the checkpoint cannot be used.")
         return cls.from_dict(meta, path)
