@@ -114,7 +114,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
                       param_dtype=str(engine.param_dtype).replace("torch.", ""), pp=pp_size),
         params=records, optimizer=optimizer, rng=RngLayout(tp=ps.tp_size, dp=ps.dp_size, pp=pp_size),
         schedule=_schedule(options, optimizer, schedule_steps))
-    _finish(root, tmp, final, (written, stage), ps, manifest, keep_last, failure)
+    _finish(root, tmp, final, iteration, (written, stage), ps, manifest, keep_last, failure)
     return final
 
 
@@ -267,8 +267,8 @@ def _file_sections(files: dict[str, _Written]) -> dict:
                 optim_files={k: v.optim for k, v in files.items() if v.optim is not None})
 
 
-def _finish(root: str, tmp: str, final: str, written: tuple, ps: ParallelState, manifest: Manifest,
-            keep_last: Optional[int], failure: _SaveFailure) -> None:
+def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps: ParallelState,
+            manifest: Manifest, keep_last: Optional[int], failure: _SaveFailure) -> None:
     """Share what every rank wrote (``written``: its files and its :func:`.stages.stage_record`); rank 0
     completes the manifest (each parameter's stage, the files) and commits; every rank learns whether the
     commit worked."""
@@ -283,7 +283,7 @@ def _finish(root: str, tmp: str, final: str, written: tuple, ps: ParallelState, 
             params, pipeline = assign_stages(manifest.params, [stage for _, stage in gathered])
             manifest = manifest.replace(params=params, pipeline=pipeline, **_file_sections(files),
                                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
-            commit(root, tmp, final, manifest.iteration, manifest, keep_last)
+            commit(root, tmp, final, iteration, manifest, keep_last)
     failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
 
 
