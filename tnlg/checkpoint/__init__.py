@@ -6,7 +6,7 @@
   stored per TP rank, the optimizer states (Adam moments, fp32 master) per
   (TP, DP) rank as the flat pieces that rank owns, all streamed one tensor at a
   time into safetensors with the partition sizes, the pieces and every file's
-  SHA-256 in ``meta.json``, so any TP size, DP size or ZeRO stage can re-slice
+  SHA-256 in ``meta.json`` (a :class:`Manifest`), so any TP size, DP size or ZeRO stage can re-slice
   them (:mod:`.reshard`). RNG states are per rank (:mod:`.rng`). At PP > 1 each pipeline stage
   writes its own parameters, each once, and the manifest names the stage of each (:mod:`.stages`),
   so a load at any pipeline size finds its parameters by name.
@@ -24,9 +24,10 @@ are safetensors, RNG files are read with ``torch.load(weights_only=True)``.
 
 from .files import FORMAT, LATEST, has_checkpoint, iter_dir_name, list_iterations, read_latest, read_meta, resolve
 from .loading import load, load_for_inference, read_states
+from .manifest import Manifest
 from .saving import save, write_offline
 from .signals import StopOnSignal
 
-__all__ = ["save", "load", "load_for_inference", "write_offline", "read_states", "has_checkpoint",
+__all__ = ["save", "load", "load_for_inference", "write_offline", "read_states", "has_checkpoint", "Manifest",
            "read_meta", "resolve", "read_latest", "list_iterations", "iter_dir_name", "StopOnSignal",
            "FORMAT", "LATEST"]

@@ -29,6 +29,7 @@ from ..data.indexed import dataset_prefix
 from ..errors import UserError
 from ..options import COMPONENTS
 from ..options.fields import flag_of, option_fields
+from .manifest import Manifest
 
 __all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
 
@@ -109,25 +110,27 @@ def _data_differences(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def check_compatible(meta: dict, where: str, config: GPTConfig, options,
+def check_compatible(meta, where: str, config: GPTConfig, options,
                      tokenizer, origin: str = "--load") -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
-    checkpoint (``meta``) and this run (``config``, ``options``, ``tokenizer``)."""
-    saved_cfg = {**_LATER_FIELDS, **meta["config"]}
+    checkpoint (``meta``: its :class:`~.manifest.Manifest` or dict) and this run (``config``, ``options``,
+    ``tokenizer``)."""
+    manifest = Manifest.of(meta)
+    saved_cfg = {**_LATER_FIELDS, **manifest.config}
     have = config.to_dict()
     diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
              for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
     arch = bool(diffs)
-    saved_opts = meta.get("options") or {}
+    saved_opts = manifest.options or {}
     if options is not None:
         now_opts = _by_name(options)
         for k in DATA_OPTIONS:
             if k in saved_opts and k in now_opts and saved_opts[k] != now_opts[k]:
                 diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {now_opts[k]!r} now")
-        saved_data, now_data = meta.get("data"), data_record(options)
+        saved_data, now_data = manifest.data, data_record(options)
         if saved_data and now_data:
             diffs += _data_differences(saved_data, now_data)
-    saved_tok = meta.get("tokenizer")
+    saved_tok = manifest.tokenizer
     if saved_tok and tokenizer is not None:
         now_tok = tokenizer.describe()
         if saved_tok.get("sha256") != now_tok.get("sha256") or saved_tok.get("kind") != now_tok.get("kind"):

@@ -19,7 +19,6 @@ moments, written by tnlg 0.1) still loads.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ from typing import Optional
 
 from ..errors import UserError
 from ..io import atomic_write, file_sha256
+from .manifest import FORMAT, META, READABLE_FORMATS, Manifest
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "stage_tag", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
@@ -36,10 +36,7 @@ __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "stage_tag", "model_file
            "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
            "lock_root", "LOCK", "MARKER", "READABLE_FORMATS"]
 
-FORMAT = "tnlg.checkpoint/2"
-READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
 LATEST = "latest_checkpointed_iteration.txt"
-META = "meta.json"
 MARKER = ".tnlg-save"  # inside every directory a save creates; only such directories are ever removed
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
@@ -76,7 +73,6 @@ def rng_file(dp_rank: int, tp_rank: int, pp_rank: Optional[int] = None) -> str:
 
 TRASH_PREFIX = ".tnlg-trash-"  # a directory of ours being removed (renamed first: a crash leaves known debris)
 NEW_PREFIX = ".tnlg-new-"      # a save directory being created (renamed to iter_N.tmp once it holds the marker)
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def trash_name(root: str) -> str:
@@ -201,34 +197,10 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
 
 
 def read_meta(iter_dir: str) -> dict:
-    """Parse ``meta.json`` of an iteration directory (JSON only: nothing is executed)."""
-    path = os.path.join(iter_dir, META)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path!r} is corrupt ({exc}); the checkpoint cannot be used.") from None
-    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
-        raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
-                        f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
-    _check_names(meta, path)
-    return meta
-
-
-def _check_names(meta: dict, path: str) -> None:
-    """Every file a manifest names is a plain name inside its folder: no path separator, no ``..``, not
-    absolute (a manifest is data from disk; it must not make a load open files elsewhere)."""
-    for section in ("files", "sha256", "optim_files"):
-        entries = meta.get(section) or {}
-        if not isinstance(entries, dict):
-            raise UserError(f"{path!r} is corrupt: its {section!r} entry is not a mapping of file names.")
-        for name in entries:
-            if not (isinstance(name, str) and _NAME_RE.match(name) and ".." not in name):
-                raise UserError(f"{path!r} names the file {name!r} in {section!r}: a checkpoint's files are "
-                                f"plain names inside its own folder (no '/', no '..', not absolute); this "
-                                f"manifest was not written by tnlg or was tampered with. Nothing was loaded.")
+    """``meta.json`` of an iteration directory as the JSON object it is (its format and file names checked:
+    :meth:`~tnlg.checkpoint.manifest.Manifest.read` with ``complete=False``; tnlg itself reads the typed
+    manifest)."""
+    return Manifest.read(iter_dir, complete=False).to_dict()
 
 
 def meta_digest(iter_dir: str) -> str:
@@ -239,10 +211,10 @@ def meta_digest(iter_dir: str) -> str:
     return file_sha256(path)
 
 
-def check_files(iter_dir: str, meta: dict, kinds: tuple[str, ...] = ("model", "optim", "rng")) -> None:
-    """Every file of the manifest (of the given kinds) exists with its recorded size, else a
-    :class:`UserError` naming the first missing or truncated one."""
-    for name, size in sorted(meta["files"].items()):
+def check_files(iter_dir: str, meta, kinds: tuple[str, ...] = ("model", "optim", "rng")) -> None:
+    """Every file of the manifest (a :class:`Manifest` or its dict; of the given kinds) exists with its
+    recorded size, else a :class:`UserError` naming the first missing or truncated one."""
+    for name, size in sorted(Manifest.of(meta).files.items()):
         if not name.startswith(kinds):
             continue
         path = os.path.join(iter_dir, name)
@@ -256,10 +228,10 @@ def check_files(iter_dir: str, meta: dict, kinds: tuple[str, ...] = ("model", "o
                             f"damaged. Nothing was loaded.")
 
 
-def verify_checksums(iter_dir: str, meta: dict, names) -> None:
+def verify_checksums(iter_dir: str, meta, names) -> None:
     """The SHA-256 of each named file equals the manifest's (format 2; format 1 has none), else a
     :class:`UserError` naming the file. Reads each file once in chunks (constant memory)."""
-    sums = meta.get("sha256") or {}
+    sums = Manifest.of(meta).sha256 or {}
     for name in sorted(set(names)):
         if name in sums and file_sha256(os.path.join(iter_dir, name)) != sums[name]:
             raise UserError(f"checkpoint file {os.path.join(iter_dir, name)!r} does not match the SHA-256 "
@@ -275,7 +247,7 @@ def complete_iterations(root: str) -> list[int]:
     for it in list_iterations(root):
         d = os.path.join(root, iter_dir_name(it))
         try:
-            check_files(d, read_meta(d), ("model", "optim", "rng"))
+            check_files(d, Manifest.read(d), ("model", "optim", "rng"))
         except UserError:
             continue
         out.append(it)
@@ -336,7 +308,7 @@ def lock_root(root: str, probe: bool = False):
 def is_tnlg_iteration(path: str) -> bool:
     """True for an iteration directory whose manifest is tnlg's (``--keep-last`` removes no other)."""
     try:
-        read_meta(path)
+        Manifest.read(path, complete=False)
     except (UserError, OSError):
         return False
     return True

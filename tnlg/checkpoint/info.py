@@ -11,6 +11,7 @@ import torch
 
 from ..errors import UserError
 from . import files as F
+from .manifest import Manifest, OptimizerState, Schedule
 from .stages import describe_stages
 
 __all__ = ["info"]
@@ -26,53 +27,68 @@ def info(path: str, as_json: bool = False, out=None) -> int:
     iter_dir = F.resolve(path, "checkpoint")
     if iter_dir is None:
         raise UserError(f"{path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
-    meta = F.read_meta(iter_dir)
+    m = Manifest.read(iter_dir)
     root = os.path.dirname(iter_dir)
     iterations = F.list_iterations(root)
     sizes = {name: os.path.getsize(os.path.join(iter_dir, name)) if os.path.isfile(os.path.join(iter_dir, name))
-             else None for name in meta["files"]}
+             else None for name in m.files}
     if as_json:
-        print(json.dumps(dict(meta, path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1), file=out)
+        print(json.dumps(dict(m.to_dict(), path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1),
+              file=out)
         return 0
-    cfg, lay, opt = meta["config"], meta.get("layout", {}), meta.get("optimizer", {})
-    n_params = sum(int(torch.Size(r["shape"]).numel()) for r in meta["params"].values())
+    n_params = sum(int(torch.Size(r["shape"]).numel()) for r in m.params.values())
     by_kind: dict[str, int] = {}
-    for name, size in meta["files"].items():
+    for name, size in m.files.items():
         by_kind[name.split("_")[0]] = by_kind.get(name.split("_")[0], 0) + size
-    bad = [n for n, s in sizes.items() if s != meta["files"][n]]
+    bad = [n for n, s in sizes.items() if s != m.files[n]]
     lines = [
         f"checkpoint   {iter_dir}",
         f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
-        f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)",
-        f"layout       {'PP=' + str(lay['pp']) + ' x ' if lay.get('pp') else ''}TP={lay.get('tp')} x "
-        f"DP={lay.get('dp')} ({lay.get('world')} processes), parameters "
-        f"{lay.get('param_dtype')}" + (f"; converted from {meta['converted_from']}" if meta.get("converted_from")
-                                       else ""),
+        f"iteration    {m.iteration} ({m.consumed_samples} samples consumed)",
+        f"layout       {_layout(m)}",
         f"model        {n_params:,} parameters: " + ", ".join(
-            f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                      "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
-        "optimizer    " + (f"AdamW state, step {opt['num_steps']}, "
-                           + ("converted from Megatron-LM" if opt.get("converted") else
-                              f"saved at ZeRO stage {opt.get('zero_stage')}")
-                           + (f", loss scale {opt['loss_scaler']['scale']}" if opt.get("loss_scaler") else "")
-                           if opt.get("present") else "none (weights only)"),
-        "tokenizer    " + (f"{meta['tokenizer'].get('kind')} "
-                            f"{meta['tokenizer'].get('path') or meta['tokenizer'].get('vocab_file')} "
-                            f"(vocab {meta['tokenizer'].get('vocab_size')})" if meta.get("tokenizer") else "none"),
+            f"{k}={m.config[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                           "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
+        f"optimizer    {_optimizer(m.optimizer)}",
+        f"tokenizer    {_tokenizer(m.tokenizer)}",
     ]
-    if meta.get("pipeline"):
-        lines.insert(4, f"pipeline     {describe_stages(meta)}")
-    if meta.get("data"):
-        lines.append(f"data         {[f['prefix'] for f in meta['data']['files']]}, split "
-                     f"{meta['options'].get('split')}, seed {meta['options'].get('seed')}")
-    if meta.get("schedule"):
-        s = meta["schedule"]
-        shape = (f"{s['decay_style']} {s['max_lr']} -> {s['min_lr']}, warmup {s['warmup_iters']}, decay until step "
-                 f"{s['decay_iters']}, " if s.get("max_lr") is not None else "")
-        lines.append(f"lr schedule  {shape}at step {s.get('num_steps')}")
-    lines.append(f"files        {len(meta['files'])}, {_mib(sum(meta['files'].values()))}: "
+    if m.pipeline:
+        lines.insert(4, f"pipeline     {describe_stages(m)}")
+    if m.data:
+        options = m.options or {}
+        lines.append(f"data         {[f['prefix'] for f in m.data['files']]}, split "
+                     f"{options.get('split')}, seed {options.get('seed')}")
+    if m.schedule:
+        lines.append(f"lr schedule  {_schedule(m.schedule)}")
+    lines.append(f"files        {len(m.files)}, {_mib(sum(m.files.values()))}: "
                  + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
     if bad:
         lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
     print("\n".join(lines), file=out)
     return 1 if bad else 0
+
+
+def _layout(m: Manifest) -> str:
+    lay = m.layout
+    return (f"{'PP=' + str(lay.pp) + ' x ' if lay.pp else ''}TP={lay.tp} x DP={lay.dp} ({lay.world} processes), "
+            f"parameters {lay.param_dtype}" + (f"; converted from {m.converted_from}" if m.converted_from else ""))
+
+
+def _optimizer(opt: OptimizerState) -> str:
+    if not opt.present:
+        return "none (weights only)"
+    return (f"AdamW state, step {opt.num_steps}, "
+            + ("converted from Megatron-LM" if opt.converted else f"saved at ZeRO stage {opt.zero_stage}")
+            + (f", loss scale {opt.loss_scaler['scale']}" if opt.loss_scaler else ""))
+
+
+def _tokenizer(tok) -> str:
+    if not tok:
+        return "none"
+    return f"{tok.get('kind')} {tok.get('path') or tok.get('vocab_file')} (vocab {tok.get('vocab_size')})"
+
+
+def _schedule(s: Schedule) -> str:
+    shape = (f"{s.decay_style} {s.max_lr} -> {s.min_lr}, warmup {s.warmup_iters}, decay until step "
+             f"{s.decay_iters}, " if s.max_lr is not None else "")
+    return f"{shape}at step {s.num_steps}"

@@ -16,6 +16,7 @@ their files, instead of some waiting for the others.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,9 @@ from ..parallel.pipeline_inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
-from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, stage_of, targets_for
+from .manifest import Layout, Manifest
+from .pieces import OptimPiece
+from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, targets_for
 from .rng import restore
 from .stages import chunk_layers_of, saved_stage
 
@@ -39,69 +42,82 @@ def _log(ps: ParallelState, msg: str) -> None:
         print(msg, flush=True)
 
 
-def read_states(iter_dir: str, meta: dict, config: GPTConfig, tp_size: int, tp_rank: int,
+def read_states(iter_dir: str, meta, config: GPTConfig, tp_size: int, tp_rank: int,
                 names=None, optimizer: bool = True) -> tuple[dict, Optional[dict]]:
     """This TP rank's parameters (and optimizer states, if stored and wanted: ``exp_avg``,
     ``exp_avg_sq``, ``master`` when stored, ``step``), whole TP shards re-sliced from the stored
-    ones. No communication. Holds every tensor at once: for offline tools (``tnlg convert``);
-    training loads stream (:func:`load`)."""
+    ones (``meta``: the checkpoint's :class:`~.manifest.Manifest` or dict). No communication. Holds every
+    tensor at once: for offline tools (``tnlg convert``); training loads stream (:func:`load`)."""
+    manifest = Manifest.of(meta)
     targets = targets_for(config, tp_size, tp_rank)
     names = list(targets) if names is None else list(names)
-    model = ShardReader(iter_dir, meta, F.model_file)
+    model = ShardReader(iter_dir, manifest, F.model_file)
     params = {n: model.tensor(n, n, targets[n]) for n in names}
     states = None
-    if optimizer and meta["optimizer"].get("present"):
-        opt = OptimReader(iter_dir, meta)
-        step = int(meta["optimizer"]["num_steps"])
+    if optimizer and manifest.has_optimizer:
+        opt = OptimReader(iter_dir, manifest)
+        step = int(manifest.optimizer.num_steps)
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if opt.has_master else ())
         states = {n: dict({k: opt.tensor(f"{n}.{k}", n, targets[n]) for k in kinds}, step=step) for n in names}
     return params, states
 
 
-def _files_to_read(meta: dict, targets: dict, pieces: Optional[list], optimizer: bool) -> set:
+def _files_to_read(manifest: Manifest, targets: dict, pieces: Optional[list[OptimPiece]], optimizer: bool) -> set:
     """The checkpoint files this rank reads for the parameters of ``targets`` (their checksums are verified
     before loading): per parameter, the files of the stored TP shards its new shard overlaps, in the
-    pipeline stage that stored it."""
-    ranks = {name: source_tp_ranks(meta["params"][name], t) for name, t in targets.items()}
-    out = {F.model_file(r, stage_of(meta, name)) for name, rs in ranks.items() for r in rs}
-    if optimizer and meta["optimizer"].get("present"):
-        if not meta.get("optim_files"):  # format 1 (PP 1 only)
-            out |= {F.optim_file(r) for rs in ranks.values() for r in rs}
-        else:
-            wanted = {(pc["name"], pc["lo"], pc["lo"] + pc["length"]) for pc in pieces} if pieces is not None else None
-            for fname, f in meta["optim_files"].items():
-                for name, (lo, length) in f["pieces"].items():
-                    if name not in ranks or int(f["tp_rank"]) not in ranks[name]:
-                        continue
-                    # another TP size (wanted None): whole source shards are assembled
-                    if wanted is None or any(n == name and lo < hi and a < lo + length for n, a, hi in wanted):
-                        out.add(fname)
-                        break
+    pipeline stage that stored it; of the optimizer files (format 2) those holding a piece that overlaps one
+    of ``pieces`` (``None``: another TP size, where whole source shards are assembled)."""
+    ranks = {name: source_tp_ranks(manifest.params[name], t) for name, t in targets.items()}
+    out = {F.model_file(r, manifest.stage_of(name)) for name, rs in ranks.items() for r in rs}
+    if not (optimizer and manifest.has_optimizer):
+        return out
+    if not manifest.optim_files:  # format 1 (PP 1 only)
+        return out | {F.optim_file(r) for rs in ranks.values() for r in rs}
+    wanted = None if pieces is None else {(pc.name, pc.lo, pc.hi) for pc in pieces}
+    for fname, f in manifest.optim_files.items():
+        for name, (lo, length) in f.pieces.items():
+            if name not in ranks or int(f.tp_rank) not in ranks[name]:
+                continue
+            if wanted is None or any(n == name and lo < hi and a < lo + length for n, a, hi in wanted):
+                out.add(fname)
+                break
     return out
 
 
-def _rng_plan(meta: dict, ps: ParallelState, chunks: list) -> tuple[Optional[str], Optional[str], str]:
-    """(file for the shared streams, file for this TP rank's dropout stream or None to reseed, why it is
-    reseeded). ``chunks``: the layers of this rank's model chunks.
+@dataclass
+class _RngPlan:
+    """The RNG files a load restores (:func:`_rng_plan`): ``shared`` for the shared streams (``None``: the
+    checkpoint holds none), ``tp`` for this TP rank's dropout stream (``None``: reseeded, ``why``)."""
+    shared: Optional[str] = None
+    tp: Optional[str] = None
+    why: str = ""
+
+    @property
+    def files(self) -> set:
+        return {self.shared, self.tp} - {None}
+
+
+def _rng_plan(manifest: Manifest, ps: ParallelState, chunks: list) -> _RngPlan:
+    """The RNG files this rank restores. ``chunks``: the layers of this rank's model chunks.
 
     The shared streams (Python, NumPy, torch's default generator, which hidden dropout draws from) are
     drawn alike by the ranks of one pipeline stage, not by different stages: at the same layout each
     rank takes its own file; else rank (dp 0, tp 0) of the saved stage of this pipeline rank when that
     stage held the same layers (always at PP 1), else of the first stage."""
-    rng = meta.get("rng")
+    rng = manifest.rng
     if not rng:
-        return None, None, ""
-    saved_pp, saved_chunks = saved_stage(meta, ps.pp_rank)
+        return _RngPlan()
+    saved_pp, saved_chunks = saved_stage(manifest, ps.pp_rank)
     same_stage = (saved_pp, saved_chunks) == (ps.pp_size, chunks)
     stage = F.stage_tag(ps.pp_rank if same_stage else 0, saved_pp)
-    if same_stage and (rng["tp"], rng["dp"]) == (ps.tp_size, ps.dp_size):
+    if same_stage and (rng.tp, rng.dp) == (ps.tp_size, ps.dp_size):
         own = F.rng_file(ps.dp_rank, ps.tp_rank, stage)
-        return own, own, ""
-    if same_stage and rng["tp"] == ps.tp_size:
-        return F.rng_file(0, 0, stage), F.rng_file(0, ps.tp_rank, stage), ""
-    why = (f"the TP size changed ({rng['tp']} -> {ps.tp_size})" if same_stage else
+        return _RngPlan(own, own)
+    if same_stage and rng.tp == ps.tp_size:
+        return _RngPlan(F.rng_file(0, 0, stage), F.rng_file(0, ps.tp_rank, stage))
+    why = (f"the TP size changed ({rng.tp} -> {ps.tp_size})" if same_stage else
            f"this rank's pipeline stage holds other layers than the saved stage did (PP {saved_pp} -> {ps.pp_size})")
-    return F.rng_file(0, 0, stage), None, why
+    return _RngPlan(F.rng_file(0, 0, stage), None, why)
 
 
 def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
@@ -145,7 +161,7 @@ def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
     return iter_dir, notes
 
 
-def _agreed_plan(plan: Callable[[], tuple], iter_dir: str) -> tuple:
+def _agreed_plan(plan: Callable[[], object], iter_dir: str):
     """``plan()`` (the checks and reads of this rank, no communication) on every rank; a failure on any
     rank is raised on every rank alike, naming the failing ranks and their files (rank 0 prints it).
     Collective: one all_gather_object of the outcomes."""
@@ -160,31 +176,41 @@ def _agreed_plan(plan: Callable[[], tuple], iter_dir: str) -> tuple:
     return out
 
 
-def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> tuple:
+@dataclass
+class _LoadPlan:
+    """What :func:`load` checked and read before it changes anything (:func:`_plan`)."""
+    iter_dir: str
+    manifest: Manifest
+    targets: dict                        # this rank's parameters: their shards at this layout (targets_for)
+    pieces: Optional[list[OptimPiece]]   # what this rank owns of the optimizer state (None: no views)
+    rng: _RngPlan
+    rng_states: dict                     # RNG file name -> its states, read
+
+
+def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> _LoadPlan:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
-    meta = F.read_meta(iter_dir)
-    shared_rng, tp_rng, why = _rng_plan(meta, ps, chunk_layers_of(engine.model, config.num_layers))
-    kinds = ("model",) + (("optim",) if meta["optimizer"].get("present") else ())
-    F.check_files(iter_dir, meta, kinds)
-    for name in {shared_rng, tp_rng} - {None}:
-        if name not in meta["files"]:
+    manifest = Manifest.read(iter_dir)
+    rng = _rng_plan(manifest, ps, chunk_layers_of(engine.model, config.num_layers))
+    F.check_files(iter_dir, manifest, ("model",) + (("optim",) if manifest.has_optimizer else ()))
+    for name in rng.files:
+        if name not in manifest.files:
             raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
-    F.check_files(iter_dir, {"files": {k: v for k, v in meta["files"].items()
-                                       if k in (shared_rng, tp_rng)}}, ("rng",))
-    check_compatible(meta, iter_dir, config, options, tokenizer, origin)
+    F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
+    check_compatible(manifest, iter_dir, config, options, tokenizer, origin)
     targets = targets_for(config, ps.tp_size, ps.tp_rank)
-    check_same_params(meta, targets, iter_dir)
+    check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
     targets = {n: t for n, t in targets.items() if n in mine}
-    pieces = engine.owned_pieces()
-    same_tp = int(meta["layout"]["tp"]) == ps.tp_size
-    needed = _files_to_read(meta, targets, pieces if same_tp else None, True)
-    F.verify_checksums(iter_dir, meta, needed | ({shared_rng, tp_rng} - {None}))  # every file this rank reads
+    owned = engine.owned_pieces()
+    pieces = None if owned is None else [OptimPiece.of(pc) for pc in owned]
+    same_tp = int(manifest.layout.tp) == ps.tp_size
+    needed = _files_to_read(manifest, targets, pieces if same_tp else None, True)
+    F.verify_checksums(iter_dir, manifest, needed | rng.files)  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
-                  for name in {shared_rng, tp_rng} - {None}}
-    return iter_dir, meta, targets, pieces, rng_states, (shared_rng, tp_rng, why)
+                  for name in rng.files}
+    return _LoadPlan(iter_dir, manifest, targets, pieces, rng, rng_states)
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
@@ -192,9 +218,9 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
     Returns ``dict(iteration, consumed_samples, path, schedule_steps)`` (the LR schedule's position:
-    :func:`schedule_steps`), or ``None`` when the root holds no checkpoint yet. Loads the weights re-sliced for this TP size, the
-    optimizer state re-partitioned for this DP size and ZeRO stage, the step count
-    and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
+    :attr:`.Manifest.schedule_steps`), or ``None`` when the root holds no checkpoint yet. Loads the weights
+    re-sliced for this TP size, the optimizer state re-partitioned for this DP size and ZeRO stage, the step
+    count and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
     ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
 
     Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
@@ -210,125 +236,145 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin), iter_dir)
     for note in notes:
         _log(ps, note)
-
-    iter_dir, meta, targets, pieces, rng_states, rng_files = plan
-    if pieces is None:  # an engine without the piece API (DeepSpeed): whole per-parameter states
-        params, states = read_states(iter_dir, meta, config, ps.tp_size, ps.tp_rank, engine.param_names)
-        if states is not None and all("master" in st for st in states.values()):
-            params = {n: states[n]["master"] for n in params}  # a 16-bit run's exact fp32 weights
-        engine.load_model_state_by_param(params)
-        if states is not None:
-            engine.load_optimizer_state_by_param(states)
-    else:
-        _stream_into(engine, iter_dir, meta, targets, pieces)
-    if meta["optimizer"].get("present"):
-        engine.num_steps = int(meta["optimizer"]["num_steps"])
-        if engine.loss_scaler is not None and meta["optimizer"].get("loss_scaler"):
-            engine.loss_scaler.load_state_dict(meta["optimizer"]["loss_scaler"])
-    else:
-        _log(ps, f"note: {iter_dir!r} holds no optimizer state (a converted model); the optimizer starts fresh.")
-    saved = meta["layout"]
-    pp = int(saved.get("pp", 1))
-    if (pp, saved["tp"], saved["dp"]) != (ps.pp_size, ps.tp_size, ps.dp_size):
-        def name(p, t, d):
-            return (f"PP={p} x " if max(pp, ps.pp_size) > 1 else "") + f"TP={t} x DP={d}"
-        _log(ps, f"note: resharded from {name(pp, saved['tp'], saved['dp'])} to "
-                 f"{name(ps.pp_size, ps.tp_size, ps.dp_size)}.")
-    _restore_rng(model, ps, config, meta, rng_states, *rng_files)
-    return dict(iteration=int(meta["iteration"]), consumed_samples=int(meta["consumed_samples"]), path=iter_dir,
-                schedule_steps=schedule_steps(meta))
+    _load_tensors(engine, plan, config, ps)
+    _load_optimizer_counters(engine, plan, ps)
+    _note_resharding(plan.manifest.layout, ps)
+    _restore_rng(model, ps, config, plan)
+    manifest = plan.manifest
+    return dict(iteration=int(manifest.iteration), consumed_samples=int(manifest.consumed_samples), path=iter_dir,
+                schedule_steps=manifest.schedule_steps)
 
 
-def _restore_rng(model, ps: ParallelState, config: GPTConfig, meta: dict, rng_states: dict, shared_rng, tp_rng,
-                 why: str) -> None:
-    """Set this rank's generators from the files :func:`_rng_plan` chose (``why``: why the dropout stream
-    is reseeded, when it is)."""
-    if shared_rng is None:
+def _load_tensors(engine, plan: _LoadPlan, config: GPTConfig, ps: ParallelState) -> None:
+    """The weights and optimizer states into the engine: streamed into its buffers (:func:`_stream_into`), or
+    for an engine without the piece API (DeepSpeed) as whole per-parameter states."""
+    if plan.pieces is not None:
+        _stream_into(engine, plan)
+        return
+    params, states = read_states(plan.iter_dir, plan.manifest, config, ps.tp_size, ps.tp_rank, engine.param_names)
+    if states is not None and all("master" in st for st in states.values()):
+        params = {n: states[n]["master"] for n in params}  # a 16-bit run's exact fp32 weights
+    engine.load_model_state_by_param(params)
+    if states is not None:
+        engine.load_optimizer_state_by_param(states)
+
+
+def _load_optimizer_counters(engine, plan: _LoadPlan, ps: ParallelState) -> None:
+    """Adam's step count and the fp16 loss scaler's state; a note when the checkpoint has no optimizer state."""
+    opt = plan.manifest.optimizer
+    if not opt.present:
+        _log(ps, f"note: {plan.iter_dir!r} holds no optimizer state (a converted model); the optimizer starts "
+                 f"fresh.")
+        return
+    engine.num_steps = int(opt.num_steps)
+    if engine.loss_scaler is not None and opt.loss_scaler:
+        engine.loss_scaler.load_state_dict(opt.loss_scaler)
+
+
+def _note_resharding(saved: Layout, ps: ParallelState) -> None:
+    """Rank 0 says so when the checkpoint was saved at another layout."""
+    pp = saved.pp_size
+    if (pp, saved.tp, saved.dp) == (ps.pp_size, ps.tp_size, ps.dp_size):
+        return
+
+    def name(p, t, d):
+        return (f"PP={p} x " if max(pp, ps.pp_size) > 1 else "") + f"TP={t} x DP={d}"
+    _log(ps, f"note: resharded from {name(pp, saved.tp, saved.dp)} to {name(ps.pp_size, ps.tp_size, ps.dp_size)}.")
+
+
+def _restore_rng(model, ps: ParallelState, config: GPTConfig, plan: _LoadPlan) -> None:
+    """Set this rank's generators from the files :func:`_rng_plan` chose (reseeding the dropout stream, with a
+    note saying why, where it is not restored)."""
+    rng = plan.rng
+    if rng.shared is None:
         _log(ps, "note: the checkpoint holds no RNG states; the seeded ones are kept.")
         return
-    restore(rng_states[shared_rng])
-    restored_tp = tp_rng is not None and restore(rng_states[tp_rng], model.tp_random, shared=False)
+    restore(plan.rng_states[rng.shared])
+    restored_tp = rng.tp is not None and restore(plan.rng_states[rng.tp], model.tp_random, shared=False)
     if not restored_tp:
-        model.tp_random.seed(config.seed + int(meta["iteration"]), ps.tp_rank)
+        model.tp_random.seed(config.seed + int(plan.manifest.iteration), ps.tp_rank)
         _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
-                 f"{why or 'the saved one is from another device type'}; dropout masks after the resume "
+                 f"{rng.why or 'the saved one is from another device type'}; dropout masks after the resume "
                  f"differ from an uninterrupted run at the old layout.")
 
 
-def schedule_steps(meta: dict) -> int:
-    """The LR schedule's position a checkpoint resumes at: ``schedule.num_steps`` where recorded (it
-    differs from Adam's step count in a converted checkpoint without or with fresh moments), else the
-    optimizer's step count (0 without one)."""
-    recorded = (meta.get("schedule") or {}).get("num_steps")
-    if recorded is not None:
-        return int(recorded)
-    return int(meta["optimizer"]["num_steps"]) if meta["optimizer"].get("present") else 0
-
-
 @torch.no_grad()
-def _stream_into(engine, iter_dir: str, meta: dict, targets: dict, pieces: list) -> None:
+def _stream_into(engine, plan: _LoadPlan) -> None:
     """Load weights one parameter at a time and optimizer states one owned piece at a time, straight
     into the engine's buffers: no more than one parameter's TP shard of extra memory.
 
     Master weights: from the checkpoint's fp32 master where it has one (16-bit runs), else from
     its weights (fp32 runs: exact); a 16-bit model's owned slices are then set from the master,
     and an fp32 model's from the stored master (then all-gathered: stage 1)."""
-    reader = ShardReader(iter_dir, meta, F.model_file)
-    opt = OptimReader(iter_dir, meta) if meta["optimizer"].get("present") else None
+    reader = ShardReader(plan.iter_dir, plan.manifest, F.model_file)
+    opt = OptimReader(plan.iter_dir, plan.manifest) if plan.manifest.has_optimizer else None
     stored_master = opt is not None and opt.has_master
-    by_name: dict[str, list] = {}
-    for pc in pieces:
-        by_name.setdefault(pc["name"], []).append(pc)
+    by_name: dict[str, list[OptimPiece]] = {}
+    for pc in plan.pieces:
+        by_name.setdefault(pc.name, []).append(pc)
     for name in engine.param_names:
-        value = reader.tensor(name, name, targets[name])
+        value = reader.tensor(name, name, plan.targets[name])
         engine.load_param(name, value)
         if not stored_master:
             flat = value.reshape(-1)
             for pc in by_name.get(name, []):
-                if pc["master"] is not None:
-                    pc["master"].copy_(flat[pc["lo"]:pc["lo"] + pc["length"]])
+                if pc.master is not None:
+                    pc.master.copy_(flat[pc.lo:pc.hi])
         del value
     if opt is None:
         return
-    for pc in pieces:
-        if pc["length"] == 0:
-            continue
-        t = targets[pc["name"]]
-        for k in ("exp_avg", "exp_avg_sq"):
-            pc[k].copy_(opt.piece(pc["name"], k, t, pc["lo"], pc["length"]))
-        if stored_master:
-            m = opt.piece(pc["name"], "master", t, pc["lo"], pc["length"])
-            if pc["master"] is not None:
-                pc["master"].copy_(m)
-            pc["param"].copy_(m)
+    for pc in plan.pieces:
+        if pc.length > 0:
+            _load_piece(opt, pc, plan.targets[pc.name], stored_master)
     if stored_master and not engine.has_master:
         engine.gather_params()  # fp32 parameters took the exact stored master on their owned slices
 
 
-def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> tuple:
-    """``(meta, config, targets, tokenizer or None)``, all checked (the manifest, the files at their sizes,
-    the TP size, the parameters, the SHA-256 of the files this rank reads, the tokenizer). No communication."""
-    meta = F.read_meta(iter_dir)
-    F.check_files(iter_dir, meta, ("model",))
-    cfg = GPTConfig.from_dict(meta["config"])
+def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: bool) -> None:
+    """One owned piece's moments and, where the checkpoint stores it, its fp32 master (into the master and the
+    parameter)."""
+    for k in ("exp_avg", "exp_avg_sq"):
+        pc.state(k).copy_(opt.piece(pc.name, k, target, pc.lo, pc.length))
+    if stored_master:
+        m = opt.piece(pc.name, "master", target, pc.lo, pc.length)
+        if pc.master is not None:
+            pc.master.copy_(m)
+        pc.param.copy_(m)
+
+
+@dataclass
+class _InferencePlan:
+    """What :func:`load_for_inference` checked before building the model (:func:`_inference_plan`)."""
+    manifest: Manifest
+    config: GPTConfig
+    targets: dict
+    tokenizer: object  # or None
+
+
+def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _InferencePlan:
+    """Everything checked: the manifest, the files at their sizes, the TP size, the parameters, the SHA-256 of
+    the files this rank reads, the tokenizer. No communication."""
+    manifest = Manifest.read(iter_dir)
+    F.check_files(iter_dir, manifest, ("model",))
+    cfg = GPTConfig.from_dict(manifest.config)
     try:
         cfg.check_tensor_parallel(ps.tp_size)
     except ValueError as exc:
         raise UserError(f"checkpoint {iter_dir!r} cannot run at this tensor-parallel size: {exc}") from None
     targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
-    check_same_params(meta, targets, iter_dir)
-    F.verify_checksums(iter_dir, meta, _files_to_read(meta, targets, None, False))
+    check_same_params(manifest, targets, iter_dir)
+    F.verify_checksums(iter_dir, manifest, _files_to_read(manifest, targets, None, False))
     if tokenizer_override is not None:
         tokenizer = load_tokenizer(tokenizer_override)
-    elif meta.get("tokenizer"):
+    elif manifest.tokenizer:
         try:
-            tokenizer = load_tokenizer(meta["tokenizer"])
+            tokenizer = load_tokenizer(manifest.tokenizer)
         except UserError as exc:
             raise UserError(f"the tokenizer recorded in checkpoint {iter_dir!r} cannot be loaded: {exc} Pass the "
                             f"tokenizer explicitly (--tokenizer-model).") from None
     else:
         tokenizer = None
-    return meta, cfg, targets, tokenizer
+    return _InferencePlan(manifest, cfg, targets, tokenizer)
 
 
 def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
@@ -349,13 +395,13 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
     iter_dir, notes = _agreed_iteration(path, "checkpoint", ps, missing_ok=False)
     if iter_dir is None:
         raise agreed(UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory)."))
-    meta, cfg, targets, tokenizer = _agreed_plan(lambda: _inference_plan(iter_dir, ps, tokenizer_override), iter_dir)
+    plan = _agreed_plan(lambda: _inference_plan(iter_dir, ps, tokenizer_override), iter_dir)
     for note in notes:
         _log(ps, note)
-    model = inference_model(cfg, ps)  # at PP > 1 this stage's layers, under the GPT's names
-    reader = ShardReader(iter_dir, meta, F.model_file)
+    model = inference_model(plan.config, ps)  # at PP > 1 this stage's layers, under the GPT's names
+    reader = ShardReader(iter_dir, plan.manifest, F.model_file)
     with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():
-            p.copy_(reader.tensor(name, name, targets[name]).to(p.dtype))
+            p.copy_(reader.tensor(name, name, plan.targets[name]).to(p.dtype))
     model.eval()
-    return model, tokenizer
+    return model, plan.tokenizer

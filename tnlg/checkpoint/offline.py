@@ -13,30 +13,34 @@ from ..config import GPTConfig
 from ..errors import UserError
 from . import files as F
 from .loading import read_states
+from .manifest import Manifest
 from .saving import write_offline
 
 __all__ = ["open_source", "reshard_checkpoint", "write_converted"]
 
 
-def write_converted(dst: str, meta: dict, cfg: GPTConfig, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+def write_converted(dst: str, manifest: Manifest, cfg: GPTConfig, tp_size: int, shard_of_rank,
+                    rng_of_rank=None) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
     :func:`tnlg.checkpoint.saving.write_offline`."""
-    return write_offline(dst, dict(meta, config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
+    return write_offline(dst, manifest.replace(config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
 
 
-def open_source(path: str) -> tuple[str, dict, GPTConfig]:
+def open_source(path: str) -> tuple[str, Manifest, GPTConfig]:
+    """``(iteration directory, manifest, model config)`` of the tnlg checkpoint ``path`` (``--from``), its
+    files checked at their sizes."""
     iter_dir = F.resolve(path, "--from")
     if iter_dir is None:
         raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
-    meta = F.read_meta(iter_dir)
-    F.check_files(iter_dir, meta)
-    return iter_dir, meta, GPTConfig.from_dict(meta["config"])
+    manifest = Manifest.read(iter_dir)
+    F.check_files(iter_dir, manifest)
+    return iter_dir, manifest, GPTConfig.from_dict(manifest.config)
 
 
 def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
     """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
-    iter_dir, meta, cfg = open_source(path)
-    src_tp = int(meta["layout"]["tp"])
+    iter_dir, manifest, cfg = open_source(path)
+    src_tp = int(manifest.layout.tp)
     tp_size = tp_size or src_tp
     try:
         cfg.check_tensor_parallel(tp_size)
@@ -44,11 +48,11 @@ def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
 
     def shard(r, names):
-        return read_states(iter_dir, meta, cfg, tp_size, r, names=names)
+        return read_states(iter_dir, manifest, cfg, tp_size, r, names=names)
 
     rng_of_rank = None
-    if meta.get("rng"):
-        stage = F.stage_tag(0, int(meta["layout"].get("pp", 1)))  # the first stage's (PP 1 is written)
+    if manifest.rng:
+        stage = F.stage_tag(0, manifest.layout.pp_size)  # the first stage's (PP 1 is written)
         base = torch.load(os.path.join(iter_dir, F.rng_file(0, 0, stage)), weights_only=True)
 
         def rng_of_rank(r):
@@ -56,5 +60,5 @@ def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
                 return torch.load(os.path.join(iter_dir, F.rng_file(0, r)), weights_only=True)
             return dict(base, tp=None, tp_device=None)  # reseeded on load
 
-    meta = dict(meta, converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
-    return write_converted(dst, meta, cfg, tp_size, shard, rng_of_rank)
+    manifest = manifest.replace(converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
+    return write_converted(dst, manifest, cfg, tp_size, shard, rng_of_rank)

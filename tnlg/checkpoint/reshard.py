@@ -12,7 +12,7 @@ TP-rank-0 file. Uneven splits (28 heads over 8 ranks) need nothing special:
 the sizes come from the same :func:`tnlg.config.partition_sizes` the layers use.
 
 Pipeline stages change nothing in the tensors: a checkpoint saved at PP > 1 records, per
-parameter, the stage whose files hold it (``pp_rank``, :func:`stage_of`); every parameter is
+parameter, the stage whose files hold it (``pp_rank``, :meth:`.Manifest.stage_of`); every parameter is
 stored once (the last stage's tied copy of the word embedding is not written), so a loading
 rank finds each of its parameters by the GPT's name, whatever stages either side has.
 """
@@ -28,9 +28,10 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 from ..model import GPT
+from .manifest import Manifest
 from .stream import SafetensorsReader
 
-__all__ = ["partition_info", "stage_of", "source_tp_ranks", "targets_for", "full_targets", "param_records", "names_for_rank",
+__all__ = ["partition_info", "source_tp_ranks", "targets_for", "full_targets", "param_records", "names_for_rank",
            "check_same_params", "slice_full", "ShardReader", "OptimReader"]
 
 
@@ -58,11 +59,6 @@ def param_records(config: GPTConfig, tp_size: int) -> dict[str, dict]:
             for name, rec in partition_info(config, tp_size, 0).items()}
 
 
-def stage_of(meta: dict, name: str):
-    """The pipeline stage whose files hold parameter ``name`` (``None``: a checkpoint saved at PP 1)."""
-    return meta["params"][name].get("pp_rank")
-
-
 def source_tp_ranks(src: dict, target: dict) -> list[int]:
     """The stored TP ranks whose shards of a parameter (``src``: its ``meta.json`` record) overlap the
     shard ``target`` describes (a :func:`targets_for` record); ``[0]`` for a replicated parameter."""
@@ -82,18 +78,19 @@ class ShardReader:
 
     ``tensor(key, name, target)`` returns the shard described by ``target`` (a
     :func:`partition_info` record) of the stored tensor ``key`` of parameter
-    ``name``, assembled from the overlapping stored shards.
+    ``name``, assembled from the overlapping stored shards. ``meta``: the checkpoint's
+    :class:`~.manifest.Manifest` (or its dict).
     """
 
-    def __init__(self, iter_dir: str, meta: dict, file_of):
-        self.iter_dir, self.meta, self.file_of = iter_dir, meta, file_of
-        self.src_tp = int(meta["layout"]["tp"])
+    def __init__(self, iter_dir: str, meta, file_of):
+        self.iter_dir, self.meta, self.file_of = iter_dir, Manifest.of(meta), file_of
+        self.src_tp = int(self.meta.layout.tp)
         self._open: dict[str, object] = {}
 
     def _file(self, tp_rank: int, name: str):
         """The open file of TP rank ``tp_rank`` holding parameter ``name`` (``file_of(tp_rank, pipeline
         stage)``: the stage the manifest records for it, ``None`` at PP 1) and its name."""
-        fname = self.file_of(tp_rank, stage_of(self.meta, name))
+        fname = self.file_of(tp_rank, self.meta.stage_of(name))
         if fname not in self._open:
             path = os.path.join(self.iter_dir, fname)
             try:
@@ -122,7 +119,7 @@ class ShardReader:
                             f"readable tensor {key!r} ({exc}); it is damaged or from another model.") from None
 
     def tensor(self, key: str, name: str, target: dict) -> torch.Tensor:
-        src = self.meta["params"][name]
+        src = self.meta.params[name]
         if not src["sharded"]:
             t = self._whole(0, key, name)
             if list(t.shape) != list(target["local"]):
@@ -156,18 +153,20 @@ def targets_for(config: GPTConfig, tp_size: int, tp_rank: int) -> dict[str, dict
     return {n: dict(r, tp_rank=tp_rank) for n, r in partition_info(config, tp_size, tp_rank).items()}
 
 
-def check_same_params(meta: dict, targets: dict[str, dict], where: str) -> None:
-    """The checkpoint holds exactly the model's parameters with the same full shapes."""
-    have, want = set(meta["params"]), set(targets)
+def check_same_params(meta, targets: dict[str, dict], where: str) -> None:
+    """The checkpoint (its :class:`~.manifest.Manifest` or dict) holds exactly the model's parameters with the
+    same full shapes."""
+    params = Manifest.of(meta).params
+    have, want = set(params), set(targets)
     if have != want:
         missing, extra = sorted(want - have), sorted(have - want)
         raise UserError(f"checkpoint {where!r} does not match the model: missing parameters {missing[:4]}"
                         f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
                         f"{'...' if len(extra) > 4 else ''}. It was saved from a different architecture.")
     for n in sorted(want):
-        if list(meta["params"][n]["shape"]) != list(targets[n]["shape"]):
+        if list(params[n]["shape"]) != list(targets[n]["shape"]):
             raise UserError(f"checkpoint {where!r}: parameter {n!r} has full shape "
-                            f"{tuple(meta['params'][n]['shape'])} but the model's is {tuple(targets[n]['shape'])}; "
+                            f"{tuple(params[n]['shape'])} but the model's is {tuple(targets[n]['shape'])}; "
                             f"it was saved from a different architecture.")
 
 
@@ -176,10 +175,11 @@ def names_for_rank(records: dict[str, dict], tp_rank: int) -> list[str]:
     return [n for n, r in records.items() if r["sharded"] or tp_rank == 0]
 
 
-def full_targets(meta: dict) -> dict[str, dict]:
-    """Targets that make :meth:`ShardReader.tensor` return every parameter's full, unpadded tensor."""
+def full_targets(meta) -> dict[str, dict]:
+    """Targets that make :meth:`ShardReader.tensor` return every parameter's full, unpadded tensor (``meta``:
+    the checkpoint's :class:`~.manifest.Manifest` or dict)."""
     out = {}
-    for name, rec in meta["params"].items():
+    for name, rec in Manifest.of(meta).params.items():
         if rec["sharded"]:
             out[name] = dict(rec, sizes=[rec["full_size"]], local=list(rec["shape"]), tp_rank=0)
         else:
@@ -204,25 +204,26 @@ class OptimReader(ShardReader):
     """Reads optimizer states (``exp_avg``, ``exp_avg_sq``, ``master``) for any target layout.
 
     Format 2 stores, per (TP, DP) rank, flat pieces ``[lo, lo + length)`` of each flattened
-    TP shard (``meta["optim_files"]`` lists them); format 1 stored each TP shard whole. For a
+    TP shard (the manifest's ``optim_files`` lists them); format 1 stored each TP shard whole. For a
     target piece of a TP shard laid out as stored (same TP size, or a replicated parameter),
     :meth:`piece` reads only the overlapping stored pieces (lazy slices). After a change of
     TP size it assembles the source TP shards it overlaps (one parameter's shard at a time)
     and re-slices them as :class:`ShardReader` does for weights.
     """
 
-    def __init__(self, iter_dir: str, meta: dict):
+    def __init__(self, iter_dir: str, meta):
         super().__init__(iter_dir, meta, None)
         self.index: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
         self.kinds = {"exp_avg", "exp_avg_sq"}
-        if meta.get("optim_files"):
-            kinds = [set(f["kinds"]) for f in meta["optim_files"].values()]
+        optim_files = self.meta.optim_files
+        if optim_files:
+            kinds = [set(f.kinds) for f in optim_files.values()]
             self.kinds = set.intersection(*kinds) if kinds else self.kinds
-            for fname, f in meta["optim_files"].items():
-                for name, (lo, length) in f["pieces"].items():
-                    self.index.setdefault((int(f["tp_rank"]), name), []).append((fname, int(lo), int(length)))
+            for fname, f in optim_files.items():
+                for name, (lo, length) in f.pieces.items():
+                    self.index.setdefault((int(f.tp_rank), name), []).append((fname, int(lo), int(length)))
         else:  # format 1: whole TP shards in optim_tpXX.safetensors
-            for name, rec in meta["params"].items():
+            for name, rec in self.meta.params.items():
                 ranks = range(self.src_tp) if rec["sharded"] else [0]
                 for r in ranks:
                     self.index[(r, name)] = [(f"optim_tp{r:02d}.safetensors", 0, -1)]
@@ -243,7 +244,7 @@ class OptimReader(ShardReader):
         return self._files[fname]
 
     def _src_numel(self, tp_rank: int, name: str) -> int:
-        rec = self.meta["params"][name]
+        rec = self.meta.params[name]
         shape = list(rec["shape"])
         if rec["sharded"]:
             shape[rec["dim"]] = rec["sizes"][tp_rank]
@@ -285,7 +286,7 @@ class OptimReader(ShardReader):
     # ShardReader's hooks, for re-slicing whole source shards after a TP change
     def _whole(self, tp_rank: int, key: str, name: str) -> torch.Tensor:
         kind = key.rsplit(".", 1)[1]
-        rec = self.meta["params"][name]
+        rec = self.meta.params[name]
         shape = list(rec["shape"])
         if rec["sharded"]:
             shape[rec["dim"]] = rec["sizes"][tp_rank]
@@ -296,7 +297,7 @@ class OptimReader(ShardReader):
 
     def piece(self, name: str, kind: str, target: dict, lo: int, length: int) -> torch.Tensor:
         """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind``."""
-        src = self.meta["params"][name]
+        src = self.meta.params[name]
         same = not src["sharded"] or (list(src["sizes"]) == list(target.get("sizes", [])) and
                                      src["dim"] == target["dim"])
         if same:

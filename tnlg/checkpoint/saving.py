@@ -45,7 +45,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -57,6 +57,8 @@ from ..errors import UserError, agreed
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from .compat import data_record, options_record
+from .manifest import Layout, Manifest, OptimFile, OptimizerState, RngLayout, Schedule
+from .pieces import OptimPiece
 from .reshard import names_for_rank, param_records, partition_info
 from .rng import capture
 from .stages import assign_stages, chunk_layers_of, stage_record, stored_names
@@ -75,7 +77,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
 
     Collective over all ranks (see the module docstring for what each rank writes and the
     commit protocol). ``keep_last`` keeps only the newest K iterations. ``schedule_steps``: the LR
-    schedule's position (``meta["schedule"]["num_steps"]``; default the optimizer's step count).
+    schedule's position (the manifest's ``schedule.num_steps``; default the optimizer's step count).
     """
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
@@ -90,7 +92,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     names = [n for n in names_for_rank(records, ps.tp_rank) if n in set(stored)]
     tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=ps.tp_rank, tp_size=ps.tp_size,
                **({} if pp is None else dict(pp_rank=ps.pp_rank, pp_size=ps.pp_size)))
-    written: dict[str, dict] = {}
+    written: dict[str, _Written] = {}
     failure = _SaveFailure(root, iteration, ps)
     written.update(_write_model(tmp, engine, names, ps, tag, failure))  # collective with ZeRO-3: never skipped
     if failure.ok:
@@ -101,17 +103,28 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         with failure.guard(os.path.join(tmp, rng_name)):
             written.update(_write_rng(tmp, rng_name, capture(model.tp_random)))
     failure.agree(tmp)  # every rank raises the same error when any rank's write failed; tmp removed
-    optimizer = dict(present=True, **engine.hyperparameters())
-    pipeline = {} if pp is None else dict(pp=ps.pp_size)
+    optimizer = OptimizerState.from_dict(dict(present=True, **engine.hyperparameters()))
+    pp_size = None if pp is None else ps.pp_size  # recorded at PP > 1 only
     stage = stage_record(ps.pp_rank, ps.pp_size, chunk_layers_of(model, config.num_layers), stored)
-    _finish(root, tmp, final, iteration, (written, stage), ps, dict(
-        consumed_samples=int(consumed_samples), config=config.to_dict(), options=options_record(options),
-        data=data_record(options), tokenizer=tokenizer.describe() if tokenizer else None,
-        layout=dict(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
-                    param_dtype=str(engine.param_dtype).replace("torch.", ""), **pipeline),
-        params=records, optimizer=optimizer, rng=dict(tp=ps.tp_size, dp=ps.dp_size, **pipeline),
-        schedule=_schedule(options, optimizer, schedule_steps)), keep_last, failure)
+    manifest = Manifest(
+        format=F.FORMAT, iteration=int(iteration), consumed_samples=int(consumed_samples), config=config.to_dict(),
+        options=options_record(options), data=data_record(options),
+        tokenizer=tokenizer.describe() if tokenizer else None,
+        layout=Layout(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
+                      param_dtype=str(engine.param_dtype).replace("torch.", ""), pp=pp_size),
+        params=records, optimizer=optimizer, rng=RngLayout(tp=ps.tp_size, dp=ps.dp_size, pp=pp_size),
+        schedule=_schedule(options, optimizer, schedule_steps))
+    _finish(root, tmp, final, iteration, (written, stage), ps, manifest, keep_last, failure)
     return final
+
+
+@dataclass
+class _Written:
+    """What a rank tells rank 0 of a file it wrote: its size, its SHA-256 and, for an optimizer file, its
+    ``optim_files`` entry."""
+    size: int
+    sha256: str
+    optim: Optional[OptimFile] = None
 
 
 class _SaveFailure:
@@ -205,7 +218,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
             if stream is None:
                 stream = StreamWriter(path, [], tag)
             size, sha = stream.close()
-            out[fname] = dict(size=size, sha256=sha)
+            out[fname] = _Written(size, sha)
     if writes and not failure.ok and stream is not None:
         with contextlib.suppress(OSError):
             stream.abort()
@@ -217,49 +230,48 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
     pieces, sharded = _owned_pieces(engine)
     if not sharded and ps.dp_rank != 0:
         return {}
-    pieces = [pc for pc in pieces if pc["name"] in names and pc["length"] > 0]
+    pieces = [pc for pc in pieces if pc.name in names and pc.length > 0]
     return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
 
 
-def _write_pieces(tmp: str, pieces: list, tp_rank: int, dp_rank: int, tag: dict, kinds=None) -> dict:
-    """One ``optim_[ppYY_]tpXX_dpZZZ`` file of flat pieces (``name``, ``lo``, ``length`` and 1-D
-    ``exp_avg``/``exp_avg_sq``/optional ``master``), streamed; returns ``{file: record}`` (the stage in
-    ``tag["pp_rank"]`` at PP > 1). ``kinds``: the states written (default: the moments, and ``master``
-    where the pieces have one)."""
+def _write_pieces(tmp: str, pieces: list[OptimPiece], tp_rank: int, dp_rank: int, tag: dict,
+                  kinds=None) -> dict[str, _Written]:
+    """One ``optim_[ppYY_]tpXX_dpZZZ`` file of flat pieces (``exp_avg``/``exp_avg_sq``/optional ``master``
+    of each), streamed; returns ``{file: record}`` (the stage in ``tag["pp_rank"]`` at PP > 1). ``kinds``:
+    the states written (default: the moments, and ``master`` where the pieces have one)."""
     if kinds is None:
-        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].get("master") is not None else ())
-    specs = [(f"{pc['name']}.{k}", (pc["length"],), torch.float32) for pc in pieces for k in kinds]
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if pieces and pieces[0].master is not None else ())
+    specs = [(f"{pc.name}.{k}", (pc.length,), torch.float32) for pc in pieces for k in kinds]
     pp = tag.get("pp_rank")
     fname = F.optim_file(tp_rank, dp_rank, pp)
     stream = StreamWriter(os.path.join(tmp, fname), specs, tag)
     for pc in pieces:
         for k in kinds:
-            stream.write(f"{pc['name']}.{k}", pc[k].float())
+            stream.write(f"{pc.name}.{k}", pc.state(k).float())
     size, sha = stream.close()
-    return {fname: dict(size=size, sha256=sha, tp_rank=tp_rank, dp_rank=dp_rank, kinds=list(kinds),
-                        pieces={pc["name"]: [int(pc["lo"]), int(pc["length"])] for pc in pieces},
-                        **({} if pp is None else dict(pp_rank=pp)))}
+    return {fname: _Written(size, sha, OptimFile(tp_rank=tp_rank, dp_rank=dp_rank, kinds=list(kinds), pp_rank=pp,
+                                                 pieces={pc.name: [int(pc.lo), int(pc.length)] for pc in pieces}))}
 
 
-def _write_rng(tmp: str, name: str, state) -> dict:
+def _write_rng(tmp: str, name: str, state) -> dict[str, _Written]:
     """One RNG file, written atomically and durably; returns ``{file: record}``."""
     path = os.path.join(tmp, name)
     with atomic_output(path, "wb") as f:
         torch.save(state, f)
-    return {name: dict(size=os.path.getsize(path), sha256=file_sha256(path))}
+    return {name: _Written(os.path.getsize(path), file_sha256(path))}
 
 
-def _manifest(files: dict) -> dict:
-    """The ``meta.json`` entries describing what was written: sizes, checksums, optimizer pieces."""
-    return dict(files={k: v["size"] for k, v in files.items()}, sha256={k: v["sha256"] for k, v in files.items()},
-                optim_files={k: {x: v[x] for x in ("tp_rank", "dp_rank", "kinds", "pieces", "pp_rank") if x in v}
-                             for k, v in files.items() if "pieces" in v})
+def _file_sections(files: dict[str, _Written]) -> dict:
+    """The manifest's sections describing what was written: sizes, checksums, optimizer pieces."""
+    return dict(files={k: v.size for k, v in files.items()}, sha256={k: v.sha256 for k, v in files.items()},
+                optim_files={k: v.optim for k, v in files.items() if v.optim is not None})
 
 
-def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps: ParallelState, meta: dict,
-            keep_last: Optional[int], failure: _SaveFailure) -> None:
+def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps: ParallelState,
+            manifest: Manifest, keep_last: Optional[int], failure: _SaveFailure) -> None:
     """Share what every rank wrote (``written``: its files and its :func:`.stages.stage_record`); rank 0
-    writes the manifest and commits; every rank learns whether the commit worked."""
+    completes the manifest (each parameter's stage, the files) and commits; every rank learns whether the
+    commit worked."""
     if is_distributed():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)
@@ -268,85 +280,82 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps:
     if ps.rank == 0:
         files = {k: v for d, _ in gathered for k, v in d.items()}
         with failure.guard(os.path.join(tmp, F.META)):
-            params, pipeline = assign_stages(meta["params"], [stage for _, stage in gathered])
-            meta = dict(format=F.FORMAT, iteration=int(iteration), **dict(meta, params=params),
-                        **({} if pipeline is None else dict(pipeline=pipeline)), **_manifest(files),
-                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
-            commit(root, tmp, final, iteration, meta, keep_last)
+            params, pipeline = assign_stages(manifest.params, [stage for _, stage in gathered])
+            manifest = manifest.replace(params=params, pipeline=pipeline, **_file_sections(files),
+                                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
+            commit(root, tmp, final, iteration, manifest, keep_last)
     failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
 
 
-def write_offline(root: str, meta: dict, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r, names) ->
     (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
-    (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``params`` is
-    any mapping whose values have ``meta["layout"]["param_dtype"]``; each is looked up once, when
+    (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``meta``: the
+    :class:`~.manifest.Manifest` (or its dict) to complete with the parameters and files. ``params`` is
+    any mapping whose values have the manifest's ``layout.param_dtype``; each is looked up once, when
     written, so a mapping that computes its values holds one tensor at a time (so are the states:
     ``states[name]`` may be such a mapping too)."""
     root = os.path.abspath(root)
-    iteration = int(meta["iteration"])
+    manifest = Manifest.of(meta).without("pipeline")  # one stage: a pipeline checkpoint's stages are not kept
+    iteration = int(manifest.iteration)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
     os.makedirs(root, exist_ok=True)
     F.make_save_dir(tmp)
-    cfg = GPTConfig.from_dict(meta["config"])
+    cfg = GPTConfig.from_dict(manifest.config)
     records = param_records(cfg, tp_size)
-    dtype = getattr(torch, meta["layout"]["param_dtype"])
-    files: dict[str, dict] = {}
+    dtype = getattr(torch, manifest.layout.param_dtype)
+    files: dict[str, _Written] = {}
     for r in range(tp_size):
-        names = names_for_rank(records, r)
-        params, states = shard_of_rank(r, names)  # params may compute each tensor when it is looked up
-        tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
-        local = partition_info(cfg, tp_size, r)
-        stream = StreamWriter(os.path.join(tmp, F.model_file(r)),
-                              [(n, tuple(local[n]["local"]), dtype) for n in names], tag)
-        for n in names:
-            stream.write(n, params[n])
-        size, sha = stream.close()
-        files[F.model_file(r)] = dict(size=size, sha256=sha)
-        if states is not None:
-            kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if all(k in states[n] for n in names)]
-            pieces = [_WholeShardPiece(n, math.prod(local[n]["local"]), states[n], kinds) for n in names]
-            files.update(_write_pieces(tmp, pieces, r, 0, tag, tuple(kinds)))
-        if rng_of_rank is not None:
-            files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
-    meta = dict({k: v for k, v in meta.items() if k != "pipeline"}, format=F.FORMAT, params=records,
-                **_manifest(files),  # (one stage: a pipeline checkpoint's stages are not carried over)
-                layout=dict({k: v for k, v in (meta.get("layout") or {}).items() if k != "pp"}, tp=tp_size, dp=1,
-                            world=tp_size),
-                rng=dict(tp=tp_size, dp=1) if rng_of_rank is not None else None)
-    commit(root, tmp, final, iteration, meta, None)
+        files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
+    manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
+        format=F.FORMAT, params=records, **_file_sections(files),
+        layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
+        rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
+    commit(root, tmp, final, iteration, manifest, None)
     return final
 
 
-class _WholeShardPiece(Mapping):
+def _write_offline_rank(tmp: str, cfg: GPTConfig, tp_size: int, r: int, iteration: int, dtype: torch.dtype,
+                        shard_of_rank, rng_of_rank) -> dict[str, _Written]:
+    """The files of virtual TP rank ``r`` (:func:`write_offline`): its weights, its optimizer states as one
+    whole-shard piece per parameter, its RNG states."""
+    records = param_records(cfg, tp_size)
+    names = names_for_rank(records, r)
+    params, states = shard_of_rank(r, names)  # params may compute each tensor when it is looked up
+    tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
+    local = partition_info(cfg, tp_size, r)
+    stream = StreamWriter(os.path.join(tmp, F.model_file(r)),
+                          [(n, tuple(local[n]["local"]), dtype) for n in names], tag)
+    for n in names:
+        stream.write(n, params[n])
+    size, sha = stream.close()
+    files = {F.model_file(r): _Written(size, sha)}
+    if states is not None:
+        kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if all(k in states[n] for n in names)]
+        pieces = [_WholeShardPiece(n, math.prod(local[n]["local"]), states[n]) for n in names]
+        files.update(_write_pieces(tmp, pieces, r, 0, tag, tuple(kinds)))
+    if rng_of_rank is not None:
+        files.update(_write_rng(tmp, F.rng_file(0, r), rng_of_rank(r)))
+    return files
+
+
+class _WholeShardPiece(OptimPiece):
     """The piece ``[0, length)`` of a whole TP shard (offline writes): its states are looked up in
-    ``state`` when :func:`_write_pieces` writes them, one at a time."""
+    ``states`` when :func:`_write_pieces` writes them, one at a time."""
 
-    def __init__(self, name: str, length: int, state, kinds: list):
-        self.fixed, self.state, self.kinds = dict(name=name, lo=0, length=int(length)), state, kinds
+    def __init__(self, name: str, length: int, states):
+        super().__init__(name=name, lo=0, length=int(length))
+        self.states = states
 
-    def __getitem__(self, key: str):
-        if key in self.fixed:
-            return self.fixed[key]
-        if key in self.kinds:
-            return self.state[key].reshape(-1)
-        if key == "master":
-            return None
-        raise KeyError(key)
-
-    def __iter__(self):
-        return iter((*self.fixed, *self.kinds))
-
-    def __len__(self) -> int:
-        return len(self.fixed) + len(self.kinds)
+    def state(self, kind: str) -> torch.Tensor:
+        return self.states[kind].reshape(-1)
 
 
-def commit(root: str, tmp: str, final: str, iteration: int, meta: dict, keep_last: Optional[int]) -> None:
+def commit(root: str, tmp: str, final: str, iteration: int, manifest: Manifest, keep_last: Optional[int]) -> None:
     """Rank 0's part: manifest, rename (replacing an older save of this iteration atomically),
     ``latest``, pruning (see the module docstring)."""
-    import json
-    atomic_write(os.path.join(tmp, F.META), json.dumps(meta, indent=1))
+    atomic_write(os.path.join(tmp, F.META), Manifest.of(manifest).to_json())
     fsync_dir(tmp)
     if os.path.exists(final):
         # An older save of this iteration: a run rolled back to an earlier checkpoint reached it
@@ -383,15 +392,15 @@ def _drop_marker(final: str) -> None:
 
 # --------------------------------------------------------------------------- engine adapters
 
-def _owned_pieces(engine) -> tuple[list[dict], bool]:
+def _owned_pieces(engine) -> tuple[list[OptimPiece], bool]:
     """(pieces, sharded over DP) of any engine; a backend without views (DeepSpeed) hands over
     full per-parameter states instead (its states are assembled: not streamed)."""
     pieces = engine.owned_pieces()
     if pieces is not None:
-        return pieces, engine.pieces_sharded_over_dp
+        return [OptimPiece.of(pc) for pc in pieces], engine.pieces_sharded_over_dp
     states = engine.optimizer_state_by_param()
-    return [dict(name=n, lo=0, length=st["exp_avg"].numel(), exp_avg=st["exp_avg"].reshape(-1),
-                 exp_avg_sq=st["exp_avg_sq"].reshape(-1), master=None) for n, st in states.items()], False
+    return [OptimPiece(name=n, lo=0, length=st["exp_avg"].numel(), exp_avg=st["exp_avg"].reshape(-1),
+                       exp_avg_sq=st["exp_avg_sq"].reshape(-1)) for n, st in states.items()], False
 
 
 def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
@@ -400,10 +409,12 @@ def _param_specs(engine, names) -> list[tuple[str, tuple, torch.dtype]]:
     return [(n, shapes[n], engine.param_dtype) for n in engine.param_names if n in wanted]
 
 
-def _schedule(options, optimizer: Optional[dict], schedule_steps: Optional[int] = None) -> Optional[dict]:
+def _schedule(options, optimizer: Optional[OptimizerState], schedule_steps: Optional[int] = None) -> Optional[Schedule]:
+    """The manifest's ``schedule``: its position (``schedule_steps``, default Adam's step count) and the run's
+    LR schedule (:meth:`tnlg.options.ScheduleOptions.lr_schedule`); ``None`` without the run's options."""
     if options is None or optimizer is None or not hasattr(options, "schedule"):
         return None
     lr = options.schedule.lr_schedule()
-    return dict(num_steps=optimizer.get("num_steps") if schedule_steps is None else int(schedule_steps), max_lr=lr.max_lr, min_lr=lr.min_lr,
-                warmup_iters=lr.warmup_iters,
-                decay_iters=lr.decay_iters, decay_style=lr.decay_style)
+    return Schedule(num_steps=optimizer.num_steps if schedule_steps is None else int(schedule_steps),
+                    max_lr=lr.max_lr, min_lr=lr.min_lr, warmup_iters=lr.warmup_iters, decay_iters=lr.decay_iters,
+                    decay_style=lr.decay_style)

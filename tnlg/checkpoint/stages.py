@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import UserError
+from .manifest import Manifest, Pipeline
 
 __all__ = ["chunk_layers_of", "stored_names", "stage_record", "assign_stages", "saved_stage", "describe_stages"]
 
@@ -48,7 +49,7 @@ def stage_record(pp_rank: int, pp_size: int, chunks: list[list[int]], names: lis
     return None if pp_size == 1 else dict(pp_rank=pp_rank, chunks=chunks, names=names)
 
 
-def assign_stages(records: dict, gathered: list[Optional[dict]]) -> tuple[dict, Optional[dict]]:
+def assign_stages(records: dict, gathered: list[Optional[dict]]) -> tuple[dict, Optional[Pipeline]]:
     """Rank 0, from every rank's :func:`stage_record`: the ``params`` records with each parameter's
     ``pp_rank``, and the ``pipeline`` section (``None`` at PP 1, and the records unchanged). A parameter
     no stage stores, or two stages store, is a :class:`UserError` (the save is abandoned)."""
@@ -68,32 +69,31 @@ def assign_stages(records: dict, gathered: list[Optional[dict]]) -> tuple[dict, 
     if missing:
         raise UserError(f"no pipeline stage holds the parameters {missing[:4]}; the checkpoint cannot be written.")
     params = {n: dict(r, pp_rank=owner[n]) for n, r in records.items()}
-    return params, dict(pp=pp, stages=chunks)
+    return params, Pipeline(pp=pp, stages=chunks)
 
 
-def saved_stage(meta: dict, pp_rank: int) -> tuple[int, list]:
+def saved_stage(manifest: Manifest, pp_rank: int) -> tuple[int, list]:
     """``(stage count, layer chunks of stage pp_rank)`` of the checkpoint (a PP 1 checkpoint: one stage of
     every layer); ``[]`` for a stage it does not have."""
-    pipe = meta.get("pipeline")
+    pipe = manifest.pipeline
     if not pipe:
-        return 1, [list(range(int(meta["config"]["num_layers"])))] if pp_rank == 0 else []
-    stages = pipe["stages"]
-    return int(pipe["pp"]), (stages[pp_rank] if pp_rank < len(stages) else [])
+        return 1, [list(range(int(manifest.config["num_layers"])))] if pp_rank == 0 else []
+    return int(pipe.pp), (pipe.stages[pp_rank] if pp_rank < len(pipe.stages) else [])
 
 
-def describe_stages(meta: dict) -> str:
+def describe_stages(manifest: Manifest) -> str:
     """``PP=2: stage 0 layers 0-1 (+ embedding), stage 1 layers 2-3 (+ LM head)`` (``tnlg checkpoint info``)."""
-    pipe = meta.get("pipeline")
+    pipe = manifest.pipeline
     if not pipe:
         return "PP=1"
-    last = len(pipe["stages"]) - 1
+    last = len(pipe.stages) - 1
 
     def span(layers: list[int]) -> str:
         return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
 
     parts = []
-    for r, chunks in enumerate(pipe["stages"]):
+    for r, chunks in enumerate(pipe.stages):
         ends = [what for what, yes in (("embedding", r == 0), ("LM head", r == last)) if yes]
         parts.append(f"stage {r} layers {', '.join(span(c) for c in chunks)}"
                      + (f" (+ {' and '.join(ends)})" if ends else ""))
-    return f"PP={pipe['pp']}: " + "; ".join(parts)
+    return f"PP={pipe.pp}: " + "; ".join(parts)

@@ -18,7 +18,8 @@ import os
 from typing import Optional
 
 
-from ..checkpoint import load_for_inference, read_meta, resolve
+from ..checkpoint import load_for_inference, resolve
+from ..checkpoint.manifest import Manifest
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
@@ -73,7 +74,7 @@ def _checkpoint_size(checkpoint: str, hf_key: str, key: str) -> Optional[int]:
         if is_hf_folder(checkpoint):
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
                 return int(json.load(f)[hf_key])
-        return int(read_meta(resolve(checkpoint, "checkpoint"))["config"][key])
+        return int(Manifest.read(resolve(checkpoint, "checkpoint")).config[key])
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..checkpoint import files as F
-from ..checkpoint.files import FORMAT
+from ..checkpoint.manifest import CONVERTED_KEYS, FORMAT, Layout, Manifest, OptimizerState
 from ..checkpoint.offline import open_source, write_converted
 from ..checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
 from ..config import GPTConfig
@@ -33,16 +33,17 @@ def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int =
             raise UserError(f"--tokenizer-model {tokenizer_model!r} has {tok.vocab_size} tokens but the model's "
                             f"vocabulary has {cfg.vocab_size}; it is not this model's tokenizer.")
     dtype = next(iter(full.values())).dtype
-    meta = dict(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
-                tokenizer=None if tok is None else tok.describe(),
-                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=dict(present=False),
-                schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__)
+    manifest = Manifest(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
+                        tokenizer=None if tok is None else tok.describe(),
+                        layout=Layout(param_dtype=str(dtype).replace("torch.", "")), optimizer=OptimizerState(),
+                        schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__,
+                        key_order=CONVERTED_KEYS)
 
     def shard(r, names):
         targets = targets_for(cfg, tp_size, r)
         return {n: slice_full(full[n], targets[n]) for n in names}, None
 
-    return write_converted(dst, meta, cfg, tp_size, shard)
+    return write_converted(dst, manifest, cfg, tp_size, shard)
 
 
 def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:
@@ -50,18 +51,18 @@ def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenize
     (:func:`tnlg.interop.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
     else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
     end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
-    iter_dir, meta, cfg = open_source(path)
-    tok = _export_tokenizer(meta, cfg, tokenizer_model) if with_tokenizer else None
+    iter_dir, manifest, cfg = open_source(path)
+    tok = _export_tokenizer(manifest, cfg, tokenizer_model) if with_tokenizer else None
     files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
-    reader = ShardReader(iter_dir, meta, F.model_file)
-    full = {n: reader.tensor(n, n, t) for n, t in full_targets(meta).items()}
+    reader = ShardReader(iter_dir, manifest, F.model_file)
+    full = {n: reader.tensor(n, n, t) for n, t in full_targets(manifest).items()}
     hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}")
     return write_hf_folder(hf, hf_dir, files)
 
 
-def _export_tokenizer(meta: dict, cfg: GPTConfig, tokenizer_model=None):
+def _export_tokenizer(manifest: Manifest, cfg: GPTConfig, tokenizer_model=None):
     """The tokenizer an exported folder carries: ``tokenizer_model``, else the checkpoint's, else ``None``."""
-    spec = tokenizer_model or meta.get("tokenizer")
+    spec = tokenizer_model or manifest.tokenizer
     if not spec:
         return None
     try:

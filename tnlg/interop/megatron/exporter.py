@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ...checkpoint import files as F
+from ...checkpoint.manifest import Manifest
 from ...checkpoint.reshard import ShardReader, full_targets
 from ...config import GPTConfig, divisors, padded_vocab_size
 from ...errors import UserError
@@ -61,8 +62,8 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
 class _Full:
     """The tnlg checkpoint's full tensors in Megatron's layout, one at a time."""
 
-    def __init__(self, iter_dir: str, meta: dict, cfg: GPTConfig, padded: int):
-        self.reader, self.targets = ShardReader(iter_dir, meta, F.model_file), full_targets(meta)
+    def __init__(self, iter_dir: str, manifest: Manifest, cfg: GPTConfig, padded: int):
+        self.reader, self.targets = ShardReader(iter_dir, manifest, F.model_file), full_targets(manifest)
         self.cfg, self.padded = cfg, padded
 
     def __call__(self, role: Role, layer: Optional[int]) -> torch.Tensor:
@@ -122,17 +123,17 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
     iter_dir = F.resolve(path, "--from")
     if iter_dir is None:
         raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
-    meta = F.read_meta(iter_dir)
-    F.check_files(iter_dir, meta, ("model",))
-    F.verify_checksums(iter_dir, meta, {n for n in meta["files"] if n.startswith("model")})
-    cfg = GPTConfig.from_dict(meta["config"])
+    manifest = Manifest.read(iter_dir)
+    F.check_files(iter_dir, manifest, ("model",))
+    F.verify_checksums(iter_dir, manifest, {n for n in manifest.files if n.startswith("model")})
+    cfg = GPTConfig.from_dict(manifest.config)
     check_megatron_layout(cfg, tp, pp)
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
-    dtype = getattr(torch, meta["layout"]["param_dtype"])
-    iteration = int(meta["iteration"])
-    args = args_for(cfg, tp, pp, iteration, int(meta.get("consumed_samples", 0)), fmt, dtype, meta.get("tokenizer"))
+    dtype = getattr(torch, manifest.layout.param_dtype)
+    iteration = int(manifest.iteration)
+    args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer)
     common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
-    full = _Full(iter_dir, meta, cfg, padded)
+    full = _Full(iter_dir, manifest, cfg, padded)
     root = os.path.abspath(dst)
     if os.path.lexists(root) and (not os.path.isdir(root) or os.listdir(root)):
         raise UserError(f"destination {dst!r} already exists and is not empty; choose a new directory (nothing is "

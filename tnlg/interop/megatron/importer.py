@@ -10,7 +10,7 @@ vocabulary rows dropped (tnlg pads for its own TP size), sliced for the rank and
 one full tensor is held beyond what is written.
 
 The tnlg checkpoint holds the weights, the iteration and consumed samples of the Megatron run and
-its LR schedule's position (``meta["schedule"]["num_steps"]``: ``tnlg pretrain --load`` continues the
+its LR schedule's position (the manifest's ``schedule.num_steps``: ``tnlg pretrain --load`` continues the
 schedule there). With ``with_optimizer`` it also holds the Adam state (:mod:`.optimizer`): the moments,
 the fp32 master of a 16-bit run and Adam's step count, as one piece per parameter and TP rank;
 without it, training starts fresh Adam moments (bias correction from step 1). The states are
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ...checkpoint.files import FORMAT
+from ...checkpoint.manifest import CONVERTED_KEYS, FORMAT, Layout, Manifest, OptimizerState, Schedule
 from ...checkpoint.reshard import slice_full, targets_for
 from ...checkpoint.saving import write_offline
 from ...config import GPTConfig
@@ -192,14 +192,16 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         _check_tensors(states, cfg, prefix)
     args = common["args"]
     iteration = int(common.get("iteration", 0) or 0)
-    meta = dict(format=FORMAT, iteration=iteration,
-                consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), config=cfg.to_dict(),
-                options={}, data=None, tokenizer=tokenizer.describe() if tokenizer else None,
-                layout=dict(param_dtype=str(dtype).replace("torch.", "")), optimizer=optimizer_record(opt),
-                schedule=schedule_record(args, schedule_position(common, args, iteration)), torch=torch.__version__,
-                converted_from=dict(megatron=os.path.abspath(source.iter_dir), format=source.format,
-                                    tp=source.layout.tp, pp=source.layout.pp,
-                                    checkpoint_version=source.layout.checkpoint_version))
+    manifest = Manifest(
+        format=FORMAT, iteration=iteration, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+        config=cfg.to_dict(), options={}, data=None, tokenizer=tokenizer.describe() if tokenizer else None,
+        layout=Layout(param_dtype=str(dtype).replace("torch.", "")),
+        optimizer=OptimizerState.from_dict(optimizer_record(opt)),
+        schedule=Schedule.from_dict(schedule_record(args, schedule_position(common, args, iteration))),
+        torch=torch.__version__, converted_from=dict(
+            megatron=os.path.abspath(source.iter_dir), format=source.format, tp=source.layout.tp,
+            pp=source.layout.pp, checkpoint_version=source.layout.checkpoint_version),
+        key_order=CONVERTED_KEYS[:-2] + ("torch", "converted_from"))  # the order this converter always wrote
 
     def shard(r, names):
         if opt is None:
@@ -207,4 +209,4 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         by_kind = {k: _Tensors(states, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
         return _Tensors(source, cfg, tp_size, r, dtype), {n: _StatesOf(n, by_kind) for n in names}
 
-    return write_offline(dst, meta, tp_size, shard)
+    return write_offline(dst, manifest, tp_size, shard)

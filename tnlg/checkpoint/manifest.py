@@ -1,0 +1,300 @@
+"""``meta.json``, the manifest of a checkpoint, as dataclasses: what each key holds, read and written here.
+
+Every writer (a training save, ``tnlg convert`` from a checkpoint, from Hugging Face or from Megatron-LM)
+builds a :class:`Manifest`; every reader gets one from :meth:`Manifest.read`. The sections of a fixed
+shape are dataclasses too (:class:`Layout`, :class:`OptimizerState`, :class:`Schedule`,
+:class:`RngLayout`, :class:`Pipeline`, :class:`OptimFile`); the others stay the JSON they are: the
+model's ``config`` (:meth:`tnlg.config.GPTConfig.to_dict`), the run's ``options``, its ``data``, the
+``tokenizer``'s own description, and ``params`` (per parameter its partition record,
+:func:`tnlg.checkpoint.reshard.param_records`, plus ``pp_rank`` at PP > 1).
+
+The file is written byte for byte as the dict-building writers before these classes wrote it
+(``tests/test_manifest.py`` compares against their files): a record keeps the order of the keys it was
+read (or built by a converter) with in ``key_order``, so a manifest read and written again is
+unchanged; one built by a training save writes its fields in their declared order, leaving out the
+sections a save only writes when they apply (``pipeline``, ``converted_from``). Keys this tnlg does not
+know (a newer writer's) are kept in ``extra`` and written back. Formats 1 (tnlg 0.1: no ``sha256``, no
+``optim_files``) and 2 read alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, Optional, Union
+
+from ..errors import UserError
+
+__all__ = ["FORMAT", "READABLE_FORMATS", "META", "Manifest", "Layout", "OptimizerState", "Schedule", "RngLayout",
+           "Pipeline", "OptimFile", "CONVERTED_KEYS"]
+
+FORMAT = "tnlg.checkpoint/2"
+READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
+META = "meta.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_BOOKKEEPING = ("extra", "key_order")
+
+
+@dataclass
+class _Record:
+    """A JSON object as a dataclass. ``extra``: keys this tnlg does not know, kept as read; ``key_order``:
+    the order of the keys as read (or as a converter writes them), ``()`` for the fields' own order."""
+
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+    key_order: tuple = field(default=(), repr=False, compare=False)
+
+    _ALWAYS: ClassVar[tuple] = ()  # fields written even when None (built without a key order)
+    _NESTED: ClassVar[dict] = {}   # field -> record class of its value
+    _NESTED_MAPS: ClassVar[dict] = {}  # field -> record class of each value of its mapping
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The keys this record has fields for, in the order a record built without a key order writes them."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _BOOKKEEPING]
+
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "meta.json"):
+        """The record of a JSON object; a section that should be an object and is not is a :class:`UserError`."""
+        known = set(cls.names())
+        values = {k: cls._decode(k, v, where) for k, v in d.items() if k in known}
+        return cls(**values, extra={k: v for k, v in d.items() if k not in known}, key_order=tuple(d))
+
+    @classmethod
+    def _decode(cls, key: str, value, where: str):
+        """A JSON value as the field ``key`` holds it: a nested record, a mapping of records, or as it is."""
+        if value is None or (key not in cls._NESTED and key not in cls._NESTED_MAPS):
+            return value
+        if not isinstance(value, dict):
+            raise UserError(f"{where!r} is corrupt: its {key!r} entry is not a mapping.")
+        if key in cls._NESTED:
+            return cls._NESTED[key].from_dict(value, where)
+        return {k: cls._decode_item(key, v, where) for k, v in value.items()}
+
+    @classmethod
+    def _decode_item(cls, key: str, value, where: str):
+        if not isinstance(value, dict):
+            raise UserError(f"{where!r} is corrupt: an entry of its {key!r} section is not a mapping.")
+        return cls._NESTED_MAPS[key].from_dict(value, where)
+
+    def _keys(self) -> list[str]:
+        """The keys written, in order (see the module docstring)."""
+        fields = [f for f in dataclasses.fields(self) if f.name not in _BOOKKEEPING]
+        if not self.key_order:
+            keys = [f.name for f in fields if f.name in self._ALWAYS or getattr(self, f.name) is not None]
+        else:
+            keys = list(self.key_order) + [f.name for f in fields if f.name not in self.key_order
+                                           and getattr(self, f.name) != _default(f)]
+        return keys + [k for k in self.extra if k not in keys]
+
+    def to_dict(self) -> dict:
+        """The JSON object (nested records as objects), keys in the order described above."""
+        known = set(self.names())
+        return {k: _encode(getattr(self, k)) if k in known else self.extra[k]
+                for k in self._keys() if k in known or k in self.extra}
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (its key order kept: a field set anew is written after the others)."""
+        return dataclasses.replace(self, **changes)
+
+    def extended(self, **changes):
+        """A copy with ``changes``, the keys it writes now keeping their places and the changed ones after them,
+        also when ``None`` (as ``dict(d, **changes)`` orders a dict's keys)."""
+        keys = self._keys()
+        return dataclasses.replace(self, **changes, key_order=tuple(keys + [k for k in changes if k not in keys]))
+
+    def without(self, *names: str):
+        """A copy with the fields ``names`` back at their defaults and left out of the file."""
+        defaults = {f.name: _default(f) for f in dataclasses.fields(self) if f.name in names}
+        return dataclasses.replace(self, **defaults, key_order=tuple(k for k in self.key_order if k not in names))
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _encode(value):
+    if isinstance(value, _Record):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class Layout(_Record):
+    """``layout``: the sizes the checkpoint was saved at and the weights' dtype (``"float32"``, ``"bfloat16"``);
+    ``pp`` only at PP > 1. A converter's manifest has ``param_dtype`` alone until it is written."""
+    tp: Optional[int] = None
+    dp: Optional[int] = None
+    world: Optional[int] = None
+    param_dtype: Optional[str] = None
+    pp: Optional[int] = None
+
+    @property
+    def pp_size(self) -> int:
+        return int(self.pp or 1)
+
+
+@dataclass
+class OptimizerState(_Record):
+    """``optimizer``: whether optimizer states are stored (``present``) and what they were stepped with: Adam's
+    step count, the ZeRO stage, betas, eps, weight decay, the fp16 loss scaler's state (``None`` without
+    one); ``converted`` for states imported from Megatron-LM."""
+    _ALWAYS: ClassVar[tuple] = ("present",)
+    present: bool = False
+    num_steps: Optional[int] = None
+    zero_stage: Optional[int] = None
+    betas: Optional[list] = None
+    eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    loss_scaler: Optional[dict] = None
+    converted: Optional[bool] = None
+
+
+@dataclass
+class Schedule(_Record):
+    """``schedule``: the LR schedule's position (``num_steps``, where a resume continues it) and the flags
+    that shaped it."""
+    _ALWAYS: ClassVar[tuple] = ("num_steps", "max_lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
+    num_steps: Optional[int] = None
+    max_lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    warmup_iters: Optional[int] = None
+    decay_iters: Optional[int] = None
+    decay_style: Optional[str] = None
+
+
+@dataclass
+class RngLayout(_Record):
+    """``rng``: the sizes of the layout whose ranks wrote ``rng_*`` files (``pp`` only at PP > 1)."""
+    tp: Optional[int] = None
+    dp: Optional[int] = None
+    pp: Optional[int] = None
+
+
+@dataclass
+class Pipeline(_Record):
+    """``pipeline`` (PP > 1 only): the stage count and, per pipeline rank, the global layers of each of its
+    model chunks."""
+    _ALWAYS: ClassVar[tuple] = ("pp", "stages")
+    pp: Optional[int] = None
+    stages: Optional[list] = None
+
+
+@dataclass
+class OptimFile(_Record):
+    """An entry of ``optim_files``: the (TP, DP) rank that wrote the file, the states it holds (``kinds``)
+    and its pieces, per parameter ``[lo, length]`` of the flattened TP shard; ``pp_rank`` at PP > 1."""
+    _ALWAYS: ClassVar[tuple] = ("tp_rank", "dp_rank", "kinds", "pieces")
+    tp_rank: Optional[int] = None
+    dp_rank: Optional[int] = None
+    kinds: Optional[list] = None
+    pieces: Optional[dict] = None
+    pp_rank: Optional[int] = None
+
+
+# The keys of a converted checkpoint's manifest in the order the converters have always written them (the
+# offline writer then adds params, files, sha256, optim_files and rng): Hugging Face's; Megatron-LM's
+# has "torch" before "converted_from".
+CONVERTED_KEYS = ("format", "iteration", "consumed_samples", "config", "options", "data", "tokenizer", "layout",
+                  "optimizer", "schedule", "converted_from", "torch")
+
+
+@dataclass
+class Manifest(_Record):
+    """``meta.json`` of one iteration directory (the fields in the order a training save writes them)."""
+    _ALWAYS: ClassVar[tuple] = ("format", "iteration", "consumed_samples", "config", "options", "data", "tokenizer",
+                                "layout", "params", "optimizer", "rng", "schedule", "files", "sha256",
+                                "optim_files", "created", "torch")
+    _NESTED: ClassVar[dict] = dict(layout=Layout, optimizer=OptimizerState, schedule=Schedule, rng=RngLayout,
+                                   pipeline=Pipeline)
+    _NESTED_MAPS: ClassVar[dict] = dict(optim_files=OptimFile)
+    format: Optional[str] = None
+    iteration: Optional[int] = None
+    consumed_samples: int = 0
+    config: Optional[dict] = None             # GPTConfig.to_dict() (older checkpoints lack later fields)
+    options: Optional[dict] = None            # the run's options (tnlg.checkpoint.compat.options_record)
+    data: Optional[dict] = None               # the datasets (tnlg.checkpoint.compat.data_record)
+    tokenizer: Optional[dict] = None          # the tokenizer's describe(), what load_tokenizer reads
+    layout: Layout = field(default_factory=Layout)
+    params: dict = field(default_factory=dict)  # name -> partition record (+ pp_rank at PP > 1)
+    optimizer: OptimizerState = field(default_factory=OptimizerState)
+    rng: Optional[RngLayout] = None
+    schedule: Optional[Schedule] = None
+    pipeline: Optional[Pipeline] = None
+    files: dict = field(default_factory=dict)   # file name -> size in bytes (every file of the iteration)
+    sha256: Optional[dict] = None               # file name -> SHA-256 (format 2)
+    optim_files: Optional[dict] = None          # file name -> OptimFile (format 2)
+    created: Optional[str] = None
+    torch: Optional[str] = None
+    converted_from: Optional[dict] = None       # where tnlg convert read it (a checkpoint, hf, megatron)
+
+    # ----------------------------------------------------------------------- reading and writing
+
+    @classmethod
+    def of(cls, meta: Union["Manifest", Mapping]) -> "Manifest":
+        """``meta`` itself, or the manifest of a ``meta.json``-shaped dict."""
+        return meta if isinstance(meta, Manifest) else cls.from_dict(meta)
+
+    @classmethod
+    def read(cls, iter_dir: str, complete: bool = True) -> "Manifest":
+        """Parse and check ``meta.json`` of an iteration directory (JSON only: nothing is executed).
+        ``complete``: it must have the sections every checkpoint has (``False``: only the format and the
+        file names are checked, as for a manifest written by hand to carry options)."""
+        path = os.path.join(iter_dir, META)
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path!r} is corrupt ({exc}); the checkpoint cannot be used.") from None
+        if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+            raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
+                            f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
+        _check_names(meta, path)
+        for key in ("iteration", "config", "layout", "params", "files", "optimizer") if complete else ():
+            if meta.get(key) is None:
+                raise UserError(f"{path!r} is corrupt: it has no {key!r} entry; the checkpoint cannot be used.")
+        return cls.from_dict(meta, path)
+
+    def to_json(self) -> str:
+        """``meta.json``'s text."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    # ----------------------------------------------------------------------- what readers ask
+
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the checkpoint stores optimizer states."""
+        return bool(self.optimizer.present)
+
+    @property
+    def schedule_steps(self) -> int:
+        """The LR schedule's position a checkpoint resumes at: ``schedule.num_steps`` where recorded (it
+        differs from Adam's step count in a converted checkpoint without or with fresh moments), else the
+        optimizer's step count (0 without one)."""
+        if self.schedule is not None and self.schedule.num_steps is not None:
+            return int(self.schedule.num_steps)
+        return int(self.optimizer.num_steps) if self.has_optimizer else 0
+
+    def stage_of(self, name: str) -> Optional[int]:
+        """The pipeline stage whose files hold parameter ``name`` (``None``: a checkpoint saved at PP 1)."""
+        return self.params[name].get("pp_rank")
+
+
+def _check_names(meta: dict, path: str) -> None:
+    """Every file a manifest names is a plain name inside its folder: no path separator, no ``..``, not
+    absolute (a manifest is data from disk; it must not make a load open files elsewhere)."""
+    for section in ("files", "sha256", "optim_files"):
+        entries = meta.get(section) or {}
+        if not isinstance(entries, dict):
+            raise UserError(f"{path!r} is corrupt: its {section!r} entry is not a mapping of file names.")
+        for name in entries:
+            if not (isinstance(name, str) and _NAME_RE.match(name) and ".." not in name):
+                raise UserError(f"{path!r} names the file {name!r} in {section!r}: a checkpoint's files are "
+                                f"plain names inside its own folder (no '/', no '..', not absolute); this "
+                                f"manifest was not written by tnlg or was tampered with. Nothing was loaded.")
