@@ -46,10 +46,13 @@ def _options(tmp: str) -> argparse.Namespace:
     for ext, size in (("idx", 34), ("bin", 1000)):
         with open(f"{prefix}.{ext}", "wb") as f:
             f.write(b"\0" * size)
-    return argparse.Namespace(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=None, train_iters=6,
-                              lr_decay_style="cosine", data_path=[prefix], split="969,30,1", seed=1234,
-                              micro_batch_size=2, global_batch_size=8, bf16=False, eod_mask_loss=False,
-                              tensor_model_parallel_size=1, save=None)
+    from tnlg.options import ScheduleOptions
+    schedule = dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=None, train_iters=6,
+                    lr_decay_style="cosine", micro_batch_size=2, global_batch_size=8)
+    # the flat names are what the save records; ``schedule`` (not a JSON value, so not recorded) its LR schedule
+    return argparse.Namespace(**schedule, data_path=[prefix], split="969,30,1", seed=1234, bf16=False,
+                              eod_mask_loss=False, tensor_model_parallel_size=1, save=None,
+                              schedule=ScheduleOptions(**schedule))
 
 
 def _tiny_run(ps, cfg: GPTConfig, stage: int = 1, steps: int = 2):

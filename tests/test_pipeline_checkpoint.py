@@ -236,7 +236,9 @@ def test_a_pipeline_checkpoint_builds_the_plain_gpt_and_converts_to_pp1(pipeline
 def test_resuming_a_pipeline_checkpoint_with_another_layer_count_is_refused_before_any_worker(pipeline_checkpoints):
     from tnlg.errors import UserError
     from tnlg.training.checkpointing import check_resume
-    from .test_resume import _argv, _resolved
+    from tests.tiny import resolve_flags as _resolved
+
+    from .test_resume import _argv
     root, _ = pipeline_checkpoints
     before = sorted(os.listdir(_dir(root, (2, 2, 0))))
     o = _resolved(_argv(root, tp=1, iters=4, load=_dir(root, (2, 2, 0)), pipeline_model_parallel_size=2), 2)
