@@ -32,7 +32,7 @@ from .manifest import FORMAT, META, READABLE_FORMATS, Manifest
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "stage_tag", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
-           "check_files", "verify_checksums", "meta_digest", "complete_iterations",
+           "check_files", "verify_checksums", "meta_digest", "complete_iterations", "last_checkpoint",
            "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
            "lock_root", "LOCK", "MARKER", "READABLE_FORMATS"]
 
@@ -252,6 +252,19 @@ def complete_iterations(root: str) -> list[int]:
             continue
         out.append(it)
     return out
+
+
+def last_checkpoint(save: Optional[str]) -> Optional[int]:
+    """The iteration a resume from the root ``save`` would load: the ``latest`` pointer's when complete,
+    else the newest complete one (``None``: no checkpoint there)."""
+    if not save or not os.path.isdir(save):
+        return None
+    try:
+        latest = read_latest(save)
+    except UserError:
+        latest = None
+    done = complete_iterations(save)
+    return latest if latest in done else (done[-1] if done else None)
 
 
 def make_save_dir(path: str) -> None:

@@ -11,12 +11,12 @@ import argparse
 import json
 import sys
 
-from ..errors import UserError
 from ..data.corpus import prepare
+from ..data.gpt2_bpe import train_gpt2_bpe
 from ..data.indexed import IndexedDataset
 from ..data.preprocess import preprocess
-from ..data.gpt2_bpe import train_gpt2_bpe
 from ..data.tokenizer import load_tokenizer, train_sentencepiece
+from ..errors import UserError
 
 __all__ = ["add_arguments", "run"]
 

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config():
     from ..config import GPTConfig
+
     # 6 heads: split evenly at TP 2 and 3, unevenly (2, 2, 1, 1) at TP 4
     return GPTConfig(num_layers=2, hidden_size=60, num_attention_heads=6, seq_length=32, vocab_size=1000)
 

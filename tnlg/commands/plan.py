@@ -11,12 +11,13 @@ from ..errors import UserError
 from ..options.pipeline import check_micro_batches, check_stage_count
 from ..options.recipes import RECIPES
 from ..plan.flops import FLOPS_FORMULA
+from ..plan.gpus import GPUS
+from ..plan.gpus import gpu as lookup_gpu
 from ..plan.memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, check_zero_and_precision
 from ..plan.pipeline import format_pipeline, pipeline_plan, pipeline_time
 from ..plan.pipeline_search import check_search_pipeline, format_pipeline_search, search_pipelines
 from ..plan.planner import Hardware, Layout, Model, plan_layout, smallest_tp
 from ..plan.report import format_plan, format_search, format_simulation, search_head
-from ..plan.gpus import GPUS, gpu as lookup_gpu
 from ..plan.search import search_layouts
 from ..plan.units import parse_bytes, parse_count
 

@@ -166,7 +166,7 @@ def _builtin_folder() -> str:
 def resume_command(args, o: Options) -> str:
     """The command that continues this run: its options, with ``--save`` as chosen, and without a
     ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
-    from ..training.checkpointing import last_checkpoint
+    from ..checkpoint.files import last_checkpoint
     c = o.checkpoint
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
     if c.save is not None and c.load is None and not hasattr(args, "save"):
@@ -182,7 +182,7 @@ def resume_command(args, o: Options) -> str:
 
 def _interrupted_message(info: dict, o: Options, args) -> str:
     """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
-    from ..training.checkpointing import last_checkpoint
+    from ..checkpoint.files import last_checkpoint
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
     head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.schedule.train_iters}"
     save = o.checkpoint.save

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from .sampling import make_generators, sample_from_candidates
 from ..model import KVCache
 from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
+from .sampling import make_generators, sample_from_candidates
 
 __all__ = ["generate", "generate_ids", "continuation_text", "check_sampling", "check_prompts"]
 

@@ -17,7 +17,6 @@ import json
 import os
 from typing import Optional
 
-
 from ..checkpoint import load_for_inference, resolve
 from ..checkpoint.manifest import Manifest
 from ..data.tokenizer import load_tokenizer

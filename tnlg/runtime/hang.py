@@ -255,7 +255,7 @@ def _arrivals(rank: int, world: int, wait_s: float) -> tuple[bool, Optional[list
 
 
 def _last_checkpoint(save: Optional[str]) -> Optional[int]:
-    from ..training.checkpointing import last_checkpoint  # (torch: hang.py itself imports none)
+    from ..checkpoint.files import last_checkpoint  # (torch: hang.py itself imports none)
     try:
         return last_checkpoint(save)
     except Exception:  # noqa: BLE001 - a damaged folder: say nothing rather than fail again

@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -184,9 +184,9 @@ def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``)."""
     import torch  # (torch-free at import: the command line's --help path imports this module)
 
+    from ..parallel.state import init_parallel
     from .failures import watch
     from .hang import make_dump_dir
-    from ..parallel.state import init_parallel
     torch.set_num_threads(local_threads())
     ps = init_parallel(tensor_parallel_size, **kwargs)
     watch()  # another rank's failure stops this one at once (tnlg.runtime.failures)

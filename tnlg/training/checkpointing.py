@@ -16,25 +16,13 @@ import signal
 from typing import Callable, Iterator, Optional
 
 from .. import checkpoint as ckpt
-from ..checkpoint.files import check_files, complete_iterations, lock_root
+from ..checkpoint.files import check_files, lock_root
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
 from ..options import Options
 from ..parallel.state import ParallelState, from_rank0
 
-__all__ = ["Checkpointer", "stop_on_signals", "last_checkpoint", "check_resume"]
-
-
-def last_checkpoint(save: Optional[str]) -> Optional[int]:
-    """The iteration a resume from ``save`` would load (``None``: no checkpoint there)."""
-    if not save or not os.path.isdir(save):
-        return None
-    try:
-        latest = ckpt.read_latest(save)
-    except UserError:
-        latest = None
-    done = complete_iterations(save)
-    return latest if latest in done else (done[-1] if done else None)
+__all__ = ["Checkpointer", "stop_on_signals", "check_resume"]
 
 
 def check_resume(o: Options) -> None:

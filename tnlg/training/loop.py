@@ -16,13 +16,14 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.files import last_checkpoint
 from ..data.sampler import MegatronPretrainingSampler
-from ..errors import agreed
 from ..data.tokenizer import load_tokenizer
+from ..errors import agreed
 from ..generation import generate
 from ..options import Options, model_config
 from ..parallel.random import seed_everything
-from .checkpointing import Checkpointer, last_checkpoint, stop_on_signals
+from .checkpointing import Checkpointer, stop_on_signals
 from .loggers import build_loggers, run_name
 from .metrics import Metrics
 from .setup import build_datasets, build_engine, build_pipeline, init_run, precision

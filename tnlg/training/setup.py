@@ -12,7 +12,6 @@ import torch.distributed as dist
 from ..config import GPTConfig
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..errors import UserError
-from ..runtime.launch import join
 from ..model import GPT
 from ..optim import DynamicLossScaler
 from ..optim import build_engine as build_tnlg_engine
@@ -21,6 +20,7 @@ from ..options.pipeline import virtual_stages
 from ..parallel.pipeline import StageModel, chunk_layers
 from ..parallel.pipeline_schedule import Pipeline
 from ..parallel.state import ParallelState
+from ..runtime.launch import join
 
 __all__ = ["init_run", "precision", "build_engine", "build_pipeline", "build_datasets"]
 

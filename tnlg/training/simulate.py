@@ -56,7 +56,8 @@ import torch.distributed as dist
 from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
-from ..plan.gpus import GPU, gpu as lookup_gpu
+from ..plan.gpus import GPU
+from ..plan.gpus import gpu as lookup_gpu
 from ..plan.tracker import ALLOCATIONS, StepTracker
 
 __all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
