@@ -121,8 +121,8 @@ def _one_message(log, text):
 
 @pytest.mark.slow
 def test_user_error_on_one_rank_only_is_printed_once_and_stops_the_other(reference, tmp_path):
-    """On rank 1, then on rank 0 (the rank that prints the launcher's summary) of the same root: each run
-    stops both ranks promptly with that rank's message once; the checkpoint then resumes exactly."""
+    """On rank 1, then on rank 0, of the same root: each run stops both ranks promptly with that rank's
+    message printed once, and leaves checkpoint 2 the latest; it then resumes exactly."""
     root = _fresh_root(reference, tmp_path)
     for rank in (1, 0):
         status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=rank)
