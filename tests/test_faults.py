@@ -76,8 +76,9 @@ def _losses(root):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run of 4 iterations (checkpoints at 2 and 4): its losses, and a root holding only
-    its checkpoint of iteration 2 (the starting point every fault test copies)."""
+    """An uninterrupted run of 4 iterations (checkpoints at 2 and 4): its losses, its root (``full``: the
+    starting point of the stale-view tests, which need a latest checkpoint after 2) and a root holding
+    only its checkpoint of iteration 2 (``start``: the starting point every other fault test copies)."""
     tmp = tmp_path_factory.mktemp("reference")
     full = tmp / "full"
     status, log, _ = _run(tmp, _argv(full))
@@ -88,19 +89,24 @@ def reference(tmp_path_factory):
     (start / ck.LATEST).write_text("2\n")
     with open(full / "metrics.jsonl") as f, open(start / "metrics.jsonl", "w") as g:
         g.writelines(line for line in f if json.loads(line)["iteration"] <= 2)
-    return dict(losses=_losses(full), start=start)
+    return dict(losses=_losses(full), start=start, full=full)
 
 
-def _fresh_root(reference, tmp_path):
+def _fresh_root(reference, tmp_path, start="start"):
     root = tmp_path / "save"
-    shutil.copytree(reference["start"], root)
+    shutil.copytree(reference[start], root)
     return root
+
+
+def _still_at_2(root):
+    """The previous checkpoint (iteration 2) is still the latest, and the failed save left no debris."""
+    assert ck.read_latest(str(root)) == 2
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_0000002"]
 
 
 def _resumes_exactly(reference, tmp_path, root):
     """The previous checkpoint (iteration 2) is still the latest, loads, and the run continues exactly."""
-    assert ck.read_latest(str(root)) == 2
-    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_0000002"]  # no debris
+    _still_at_2(root)
     status, log, _ = _run(tmp_path, _argv(root))
     assert status == 0, log[-3000:]
     assert "resumed from" in log and "at iteration 2" in log, log[-3000:]
@@ -114,12 +120,15 @@ def _one_message(log, text):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [1, 0])
-def test_user_error_on_one_rank_only_is_printed_once_and_stops_the_other(reference, tmp_path, rank):
+def test_user_error_on_one_rank_only_is_printed_once_and_stops_the_other(reference, tmp_path):
+    """On rank 1, then on rank 0, of the same root: each run stops both ranks promptly with that rank's
+    message printed once, and leaves checkpoint 2 the latest; it then resumes exactly."""
     root = _fresh_root(reference, tmp_path)
-    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=rank)
-    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
-    _one_message(log, f"error on rank {rank} of 2: injected: the data of rank {rank} cannot be read.")
+    for rank in (1, 0):
+        status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_USER_ERROR=rank)
+        assert status == 2 and took < EXIT_WITHIN_S, (rank, status, took, log[-3000:])
+        _one_message(log, f"error on rank {rank} of 2: injected: the data of rank {rank} cannot be read.")
+        _still_at_2(root)
     _resumes_exactly(reference, tmp_path, root)
 
 
@@ -142,9 +151,7 @@ def test_bit_flip_in_dp_rank_1_optimizer_shard_names_the_rank_and_file(reference
 @pytest.mark.slow
 def test_rank_that_sees_an_older_latest_loads_rank_0s_choice(reference, tmp_path):
     """Rank 1's ``latest`` reads 2 while the root holds 4: every rank loads iteration 4, which rank 0 chose."""
-    root = _fresh_root(reference, tmp_path)
-    status, log, _ = _run(tmp_path, _argv(root, iters=4))  # iterations 3 and 4: checkpoint 4 is the latest
-    assert status == 0, log[-3000:]
+    root = _fresh_root(reference, tmp_path, "full")  # checkpoints 2 and 4; 4 is the latest
     status, log, took = _run(tmp_path, _argv(root, iters=6, lr_decay_iters=4), TNLG_TEST_STALE_VIEW="latest:1:2")
     assert status == 0 and took < EXIT_WITHIN_S * 2, (status, took, log[-3000:])
     assert "resumed from" in log and "at iteration 4" in log, log[-3000:]
@@ -153,9 +160,7 @@ def test_rank_that_sees_an_older_latest_loads_rank_0s_choice(reference, tmp_path
 
 @pytest.mark.slow
 def test_rank_that_does_not_see_the_chosen_checkpoint_is_a_clear_error(reference, tmp_path):
-    root = _fresh_root(reference, tmp_path)
-    status, log, _ = _run(tmp_path, _argv(root, iters=4))
-    assert status == 0, log[-3000:]
+    root = _fresh_root(reference, tmp_path, "full")  # checkpoints 2 and 4; 4 is the latest
     status, log, took = _run(tmp_path, _argv(root, iters=6), TNLG_TEST_STALE_VIEW="hidden:1:2")
     assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
     _one_message(log, "rank 1 does not see meta.json in")
@@ -163,16 +168,20 @@ def test_rank_that_does_not_see_the_chosen_checkpoint_is_a_clear_error(reference
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [1, 0])
-def test_disk_full_on_one_rank_mid_save_keeps_the_previous_checkpoint(reference, tmp_path, rank):
+def test_disk_full_on_one_rank_mid_save_keeps_the_previous_checkpoint(reference, tmp_path):
+    """On rank 1 (its optimizer shard), then on rank 0 (the weights) of the same root: each failed save
+    leaves checkpoint 2 the latest, with no debris; it then resumes exactly."""
     root = _fresh_root(reference, tmp_path)
-    status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_ENOSPC_AT=f"4:{rank}")
-    assert status == 2 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
-    _one_message(log, f"failed on 1 of 2 ranks; rank {rank}: could not write")
-    # the failing rank's first file (DP rank 0 writes the weights, DP rank 1 only its optimizer shard)
-    assert f"iter_0000004.tmp/{'model_tp00' if rank == 0 else 'optim_tp00_dp001'}.safetensors'" in log, log[-3000:]
-    assert "No space left on device" in log and "MiB free of" in log, log[-3000:]
-    assert "the latest checkpoint in" in log and "is still iteration 2" in log, log[-3000:]
+    for rank in (1, 0):
+        status, log, took = _run(tmp_path, _argv(root), TNLG_TEST_ENOSPC_AT=f"4:{rank}")
+        assert status == 2 and took < EXIT_WITHIN_S, (rank, status, took, log[-3000:])
+        _one_message(log, f"failed on 1 of 2 ranks; rank {rank}: could not write")
+        # the failing rank's first file (DP rank 0 writes the weights, DP rank 1 only its optimizer shard)
+        assert f"iter_0000004.tmp/{'model_tp00' if rank == 0 else 'optim_tp00_dp001'}.safetensors'" in log, \
+            log[-3000:]
+        assert "No space left on device" in log and "MiB free of" in log, log[-3000:]
+        assert "the latest checkpoint in" in log and "is still iteration 2" in log, log[-3000:]
+        _still_at_2(root)
     _resumes_exactly(reference, tmp_path, root)
 
 

@@ -42,20 +42,46 @@ def _reference(root, spec):
     return run_distributed(R.save_reference, spec["tp"], 1, spec, str(root), _tokens(spec), timeout_s=180)[0]
 
 
-def _tnlg_logits(ps, ckpts, tokens):
-    """Each checkpoint loaded at this TP size: its logits over the real vocabulary."""
-    out = []
-    for path in ckpts:
-        model, _ = load_for_inference(path, ps)
-        with torch.no_grad():
-            out.append(gather_logits(model(tokens), ps, model.config.vocab_size))
+def _tnlg_logits(_ps, ckpts, tokens, tps):
+    """Each checkpoint loaded at each TP size of ``tps``, the processes regrouped per size (the rest of
+    the world is data parallel): its logits over the real vocabulary, per TP size."""
+    from tnlg.parallel.state import init_parallel
+    out = {}
+    for tp in tps:
+        ps = init_parallel(tp)
+        out[tp] = []
+        for path in ckpts:
+            model, _ = load_for_inference(path, ps)
+            with torch.no_grad():
+                out[tp].append(gather_logits(model(tokens), ps, model.config.vocab_size))
     return out
 
 
+def _logits_at(ckpts, spec, tps=(1, 2, 4)):
+    """tnlg's logits of each checkpoint at each TP size of ``tps``: one group of ``max(tps)`` processes."""
+    return run_distributed(_tnlg_logits, max(tps), 1, ckpts, _tokens(spec), tps, timeout_s=180)[0]
+
+
 def _check_tnlg_logits(ckpts, ref, spec, tps=(1, 2, 4)):
-    for tp in tps:
-        for logits in run_distributed(_tnlg_logits, tp, tp, ckpts, _tokens(spec))[0]:
-            torch.testing.assert_close(logits, ref, **TOL)
+    for tp, per_checkpoint in _logits_at(ckpts, spec, tps).items():
+        for logits in per_checkpoint:
+            torch.testing.assert_close(logits, ref, **TOL, msg=lambda m, tp=tp: f"tnlg TP {tp}: {m}")
+
+
+def _megatron_loads(_ps, loads):
+    """Worker: :func:`megatron_reference.load_and_run` of each ``(spec, root, fmt, tokens)`` in turn,
+    megatron-core's parallel state torn down between them (each may have its own TP x PP)."""
+    from megatron.core import parallel_state
+    out = []
+    for load in loads:
+        out.append(R.load_and_run(_ps, *load))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _load_in_megatron(loads, world):
+    """megatron-core's loaders on ``world`` processes, one load after the other: per rank, each load's result."""
+    return run_distributed(_megatron_loads, world, 1, loads, timeout_s=300)
 
 
 _RUNS: dict = {}
@@ -102,16 +128,29 @@ def test_import_keeps_the_iteration_and_consumed_samples(megatron_run):
         assert os.path.basename(path) == "iter_0000007"
 
 
-@pytest.mark.parametrize("fmt,tp", [("torch_dist", 2), ("legacy", 2), pytest.param("torch_dist", 1,
-                                                                                   marks=pytest.mark.slow)])
-def test_export_loads_into_megatron_with_the_same_logits(megatron_run, fmt, tp, tmp_path):
-    spec, _, ref, converted = megatron_run
-    dst = tmp_path / "megatron"
-    checkpoint_to_megatron(converted["torch_dist"], str(dst), fmt=fmt, tp=tp)
-    out = run_distributed(R.load_and_run, tp, 1, dict(spec, tp=tp), str(dst), fmt, _tokens(spec), timeout_s=180)
-    torch.testing.assert_close(out[0]["logits"], ref, **TOL)
-    assert out[0]["args"]["padded_vocab_size"] == R.padded(dict(spec, tp=tp))
-    assert out[0]["iteration"] == 7
+EXPORTS = [("torch_dist", 2), ("legacy", 2), ("torch_dist", 1)]  # (format, Megatron TP)
+
+
+@pytest.fixture(scope="module")
+def exported(megatron_run, tmp_path_factory):
+    """The converted checkpoint exported to Megatron at each of EXPORTS, each loaded by megatron-core
+    (``load_and_run`` at that TP, all on one group of 2 processes): per export, rank 0's result."""
+    spec, _, _, converted = megatron_run
+    loads = []
+    for fmt, tp in EXPORTS:
+        dst = tmp_path_factory.mktemp(f"megatron_{fmt}_tp{tp}")
+        checkpoint_to_megatron(converted["torch_dist"], str(dst), fmt=fmt, tp=tp)
+        loads.append((dict(spec, tp=tp), str(dst), fmt, _tokens(spec)))
+    return dict(zip(EXPORTS, _load_in_megatron(loads, 2)[0]))
+
+
+@pytest.mark.parametrize("fmt,tp", EXPORTS)
+def test_export_loads_into_megatron_with_the_same_logits(megatron_run, exported, fmt, tp):
+    spec, _, ref, _ = megatron_run
+    out = exported[fmt, tp]
+    torch.testing.assert_close(out["logits"], ref, **TOL)
+    assert out["args"]["padded_vocab_size"] == R.padded(dict(spec, tp=tp))
+    assert out["iteration"] == 7
 
 
 # --------------------------------------------------------------------------- pipeline parallelism
@@ -156,15 +195,27 @@ def _check_stage_states(loaded, stages, spec):
             torch.testing.assert_close(got, value, atol=0, rtol=0, msg=key)
 
 
+@pytest.fixture(scope="module")
+def exported_at_pp_2(pipeline_run, tmp_path_factory):
+    """The PP 2 checkpoint imported, exported at TP 2 x PP 2 in each format and loaded by each stage's
+    GPTModel (both loads on one group of 4 processes): per format, every rank's result."""
+    spec, root, _, _ = pipeline_run
+    tmp = tmp_path_factory.mktemp("export_pp2")
+    tnlg_ckpt = megatron_to_checkpoint(str(root / "torch_dist"), str(tmp / "tnlg"))
+    formats = ("legacy", "torch_dist")
+    for fmt in formats:
+        checkpoint_to_megatron(tnlg_ckpt, str(tmp / fmt), fmt=fmt, tp=2, pp=2)
+    per_rank = _load_in_megatron([(spec, str(tmp / fmt), fmt, _tokens(spec)) for fmt in formats], 4)
+    return {fmt: [rank[i] for rank in per_rank] for i, fmt in enumerate(formats)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_export_at_pp_2_loads_every_stage(pipeline_run, fmt, tmp_path):
+def test_export_at_pp_2_loads_every_stage(pipeline_run, exported_at_pp_2, fmt):
     """Exported at TP 2 x PP 2 and loaded by each stage's GPTModel: the stages' states are Megatron's
     own, and the pipelined forward gives Megatron's logits."""
-    spec, root, ref, stages = pipeline_run
-    tnlg_ckpt = megatron_to_checkpoint(str(root / "torch_dist"), str(tmp_path / "tnlg"))
-    checkpoint_to_megatron(tnlg_ckpt, str(tmp_path / "out"), fmt=fmt, tp=2, pp=2)
-    loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / "out"), fmt, _tokens(spec), timeout_s=180)
+    spec, _, ref, stages = pipeline_run
+    loaded = exported_at_pp_2[fmt]
     _check_stage_states(loaded, stages, spec)
     torch.testing.assert_close(loaded[-1]["logits"], ref, **TOL)
 
@@ -231,19 +282,20 @@ def test_pipeline_round_trip_megatron_tnlg_pp_2_training_megatron(pipeline_run, 
         f"model_pp{p:02d}_tp{t:02d}.safetensors" for p in (0, 1) for t in (0, 1)]
     after = out[-1]["after"]
     assert (after - ref).abs().max() > 1e-3  # the step changed the model
-    for fmt in ("legacy", "torch_dist"):
-        checkpoint_to_megatron(trained, str(tmp_path / fmt), fmt=fmt, tp=2, pp=2)
-        loaded = run_distributed(R.load_and_run, 4, 1, spec, str(tmp_path / fmt), fmt, _tokens(spec), timeout_s=180)
-        torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
-        assert loaded[0]["iteration"] == 8
     # the command, at another Megatron layout: TP 1 x PP 4 (one layer per stage)
     r = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", trained, "--to", "megatron",
                         str(tmp_path / "tp1pp4"), "--tp", "1", "--pp", "4"], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
     assert r.returncode == 0, r.stderr
-    loaded = run_distributed(R.load_and_run, 4, 1, dict(spec, tp=1, pp=4), str(tmp_path / "tp1pp4"), "torch_dist",
-                             _tokens(spec), timeout_s=180)
-    torch.testing.assert_close(loaded[-1]["logits"], after, **TOL)
+    loads = []
+    for fmt in ("legacy", "torch_dist"):
+        checkpoint_to_megatron(trained, str(tmp_path / fmt), fmt=fmt, tp=2, pp=2)
+        loads.append((spec, str(tmp_path / fmt), fmt, _tokens(spec)))
+    loads.append((dict(spec, tp=1, pp=4), str(tmp_path / "tp1pp4"), "torch_dist", _tokens(spec)))
+    per_rank = _load_in_megatron(loads, 4)  # the last stage's logits: rank 3's
+    for (_, _, fmt, _), first, last in zip(loads, per_rank[0], per_rank[-1]):
+        torch.testing.assert_close(last["logits"], after, **TOL, msg=lambda m, fmt=fmt: f"{fmt}: {m}")
+        assert first["iteration"] == 8, fmt
 
 
 # --------------------------------------------------------------------------- other namings
@@ -303,34 +355,45 @@ def _rewrite_legacy(src_root, dst_root, rewrite_model, version=3.0):
                 torch.save(state, path)
 
 
-@pytest.mark.parametrize("version,old_names", [(0, True), pytest.param(1.0, False, marks=pytest.mark.slow),
-                                               pytest.param(2.0, False, marks=pytest.mark.slow)])
-def test_pre_core_names_and_qkv_orders(tied_run, version, old_names, tmp_path):
-    spec, root, ref, _ = tied_run
-    heads = spec["heads"] // spec["tp"]
-    _rewrite_legacy(root / "legacy", tmp_path / "pre_core", lambda m: _to_pre_core(m, version, heads, old_names),
-                    version)
-    ckpt = megatron_to_checkpoint(str(tmp_path / "pre_core"), str(tmp_path / "tnlg"))
-    _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
-
-
-@pytest.mark.slow
-def test_transformer_engine_names(tied_run, tmp_path):
+def _to_transformer_engine(model):
     """The TE spec's state dict: LayerNorms fused into the next linear layer, FP8 extra state as BytesIO."""
     import io
-    spec, root, ref, _ = tied_run
+    out = {}
+    for key, value in model.items():
+        key = key.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_").replace(
+            "pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+        out[key] = io.BytesIO(b"fp8 state") if key.endswith("_extra_state") else value
+    return out
 
-    def to_te(model):
-        out = {}
-        for key, value in model.items():
-            key = key.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_").replace(
-                "pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
-            out[key] = io.BytesIO(b"fp8 state") if key.endswith("_extra_state") else value
-        return out
 
-    _rewrite_legacy(root / "legacy", tmp_path / "te", to_te)
-    ckpt = megatron_to_checkpoint(str(tmp_path / "te"), str(tmp_path / "tnlg"))
-    _check_tnlg_logits([ckpt], ref, spec, tps=(2,))
+PRE_CORE = [(0, True), (1.0, False), (2.0, False)]  # (checkpoint_version, the oldest "transformer"/"attention" names)
+
+
+@pytest.fixture(scope="module")
+def other_namings(tied_run, tmp_path_factory):
+    """Megatron's legacy checkpoint rewritten with the names of every pre-core ``checkpoint_version``
+    (their QKV orders) and of the Transformer Engine spec, each imported by tnlg and loaded at TP 2
+    (all on one group of 2 processes): per naming, its logits."""
+    spec, root, _, _ = tied_run
+    tmp = tmp_path_factory.mktemp("namings")
+    heads = spec["heads"] // spec["tp"]
+    rewrites = {("pre-core", v, old): (lambda m, v=v, old=old: _to_pre_core(m, v, heads, old), v)
+                for v, old in PRE_CORE}
+    rewrites["transformer-engine"] = (_to_transformer_engine, 3.0)
+    ckpts = []
+    for i, (rewrite, version) in enumerate(rewrites.values()):
+        _rewrite_legacy(root / "legacy", tmp / f"megatron_{i}", rewrite, version)
+        ckpts.append(megatron_to_checkpoint(str(tmp / f"megatron_{i}"), str(tmp / f"tnlg_{i}")))
+    return dict(zip(rewrites, _logits_at(ckpts, spec, tps=(2,))[2]))
+
+
+@pytest.mark.parametrize("version,old_names", PRE_CORE)
+def test_pre_core_names_and_qkv_orders(tied_run, other_namings, version, old_names):
+    torch.testing.assert_close(other_namings["pre-core", version, old_names], tied_run[2], **TOL)
+
+
+def test_transformer_engine_names(tied_run, other_namings):
+    torch.testing.assert_close(other_namings["transformer-engine"], tied_run[2], **TOL)
 
 
 @pytest.mark.slow
