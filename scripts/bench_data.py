@@ -14,10 +14,10 @@ workers' start-up, which is measured first and reported on its own line):
 * random reads of ``seq_length + 1``-token samples from the GPT dataset (whole
   training items: tokens, labels, loss mask), warm page cache.
 
-Targets (issue 3): 2 workers >= 1.5x one worker; 1 worker >= 80% of raw encoding;
+Targets: 2 workers >= 1.5x one worker; 1 worker >= 80% of raw encoding;
 >= 50,000 samples/s of 1025 tokens.
 
-``--mode index`` (issue 12 item 9) measures instead what opening a corpus-scale index
+``--mode index`` measures instead what opening a corpus-scale index
 costs each rank: a synthetic ``.idx`` of ``--index-docs`` documents (50M by default,
 1 GB; the ``.bin`` is a sparse file) is opened in fresh processes, from a cold page
 cache (``posix_fadvise(DONTNEED)``) and warm, by the memory-mapping reader and by an
@@ -287,7 +287,7 @@ def _smaps() -> dict:
 
 
 def _legacy_open(prefix: str) -> list:
-    """What the previous reader did per rank (before issue 12 item 9), kept to compare against: read the
+    """What the memory-mapped reader replaced, per rank, kept to compare against: read the
     whole .idx, build int64 arrays per sequence, sha256 the whole .idx (cache key), and the GPT dataset's
     per-document arrays (``_Units``). Returns the objects that stayed alive."""
     import hashlib

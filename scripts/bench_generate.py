@@ -13,7 +13,7 @@ Two measurements, side by side in one run, on a random-weight GPT-2-shaped model
 2. **Cost per new token at a long prefix** (``--prefix`` 512 tokens): the time of
    ``n`` extra tokens, ``(t(1 + n) - t(1)) / n``, so the prefill cancels; with the
    cache one new token is one single-position forward, without it one forward over
-   the whole prefix. Target (issue 6): at least 5x lower with the cache.
+   the whole prefix. Target: at least 5x lower with the cache.
 
 Every figure is the best of ``--repeats`` runs after a warm-up (``--repeats-no-cache``
 for the slow runs without a cache), the runs of tnlg TP 1 and `transformers` interleaved

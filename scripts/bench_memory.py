@@ -15,7 +15,7 @@ corpus, and reads each rank's peak resident set size (``ru_maxrss``) at the end 
 Figures are the largest rank's peak minus the baseline. The ``mmap`` rows rerun baseline, fp32
 and bf16 with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mapped and
 returned to the system when freed): with glibc's default, freed activation and gradient
-buffers stay in the heap between iterations and the peak RSS grows past what is live. Targets (issue 11): bf16 <= 0.75x
+buffers stay in the heap between iterations and the peak RSS grows past what is live. Targets: bf16 <= 0.75x
 fp32; saving and resuming runs <= 1.05x the plain run; memory above baseline within 10% of the
 planner's model states plus activations (``tnlg plan``'s accounting for the same layout).
 

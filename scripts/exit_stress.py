@@ -1,6 +1,6 @@
 """Exit stress: run a short ``tnlg pretrain`` job N times and count the runs that did not exit 0.
 
-Issue 15 item 2: about one run in 14 of a successful ``tnlg pretrain`` ended with
+What it guards: about one run in 14 of a successful ``tnlg pretrain`` ended with
 ``terminate called without an active exception`` and ``worker rank 3 failed with
 exit code -6``. The cause: the workers left their gloo process groups alive at
 interpreter exit, and gloo's worker threads then tore down objects holding Python
