@@ -317,17 +317,12 @@ def _legacy_open(prefix: str) -> list:
 
 def _probe(kind: str, prefix: str, cache: str) -> dict:
     """Run in a fresh process: the cost of one way of opening, as seen by one rank."""
-    import ctypes
-    import gc
     import resource
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        trim = lambda _: None  # noqa: E731
+
     from tnlg.data import gpt_dataset as gd
     from tnlg.data.indexed import IndexedDataset
-    gc.collect()
-    trim(0)
+    from tnlg.runtime.hardware import release_freed_memory
+    release_freed_memory()
     before = _smaps()
     t0 = time.perf_counter()
     if kind == "mapped":
@@ -345,8 +340,7 @@ def _probe(kind: str, prefix: str, cache: str) -> dict:
     else:
         raise ValueError(kind)
     seconds = time.perf_counter() - t0
-    gc.collect()
-    trim(0)
+    release_freed_memory()
     after = _smaps()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del keep

@@ -217,8 +217,6 @@ def test_index_is_memory_mapped_not_read(tmp_path, copy):
     """Opening a dataset maps the .idx instead of reading it (no per-rank copy of a
     GB-sized index), the GPT dataset's per-document views add nothing either, and the cache key does
     not hash the whole index."""
-    import ctypes
-    import gc
     import mmap
 
     from tnlg.data import gpt_dataset as gd
@@ -236,18 +234,13 @@ def test_index_is_memory_mapped_not_read(tmp_path, copy):
     prefix = str(tmp_path / "big")
     _write_synthetic(prefix, n)
     idx_bytes = os.path.getsize(f"{prefix}.idx")  # 40 MB
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        trim = lambda _: None  # noqa: E731
-    gc.collect()
-    trim(0)
+    from tnlg.runtime.hardware import release_freed_memory
+    release_freed_memory()
     before = _anonymous_bytes()
     big = IndexedDataset(prefix)
     units = gd._units_of(big)
     key = big.fingerprint()
-    gc.collect()
-    trim(0)
+    release_freed_memory()
     grown = _anonymous_bytes() - before
     assert grown < 0.1 * idx_bytes, f"opening a {idx_bytes / 2**20:.0f} MiB index took {grown / 2**20:.1f} MiB"
     assert big.one_sequence_per_document and units.are_documents and len(units) == n
