@@ -50,7 +50,7 @@ def _rss() -> int:
 
 
 def _baseline(ps):
-    import tnlg.commands.pretrain  # noqa: F401 - what a worker imports before training
+    import tnlg.training  # noqa: F401 - what a worker imports before training (the command itself imports no torch)
     return _rss()
 
 

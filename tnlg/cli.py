@@ -28,7 +28,7 @@ import sys
 
 from .errors import UserError, closest
 from .runtime.failures import arm, is_agreed, report, stopped_by_peer
-from .runtime.launch import is_rank0, under_launcher
+from .runtime.launch import under_launcher
 from .runtime.process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
