@@ -15,18 +15,42 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, Optional, Union
 
 __all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name",
-           "umask_file_mode", "give_umask_mode"]
+           "umask_file_mode", "give_umask_mode", "is_plain_name", "confined_path"]
 
 PathLike = Union[str, Path]
+
+# a file name a folder's own index may give (a checkpoint manifest's files, a torch.distributed.checkpoint
+# store's data files): letters, digits, '_', '.', '-', not starting with '.' or '-'
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def temporary_name(path: PathLike) -> str:
     """The temporary name :func:`atomic_output` writes ``path`` under (unique per process)."""
     return f"{os.fspath(path)}.tmp-{os.getpid()}"
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` (read from a file: any type) is a plain file name: a string of letters, digits,
+    ``_``, ``.`` and ``-`` without ``..``, so no path separator, not absolute, not a parent folder."""
+    return isinstance(name, str) and len(name) <= 255 and bool(_PLAIN_NAME.match(name)) and ".." not in name
+
+
+def confined_path(folder: PathLike, name: object) -> Optional[str]:
+    """The path of the file ``name`` inside ``folder`` where ``name`` is a plain name
+    (:func:`is_plain_name`) that does not lead outside ``folder`` through a symbolic link; else ``None``
+    (the caller says why, without looking at whatever the name would reach). Nothing is opened."""
+    if not is_plain_name(name):
+        return None
+    path = os.path.join(os.fspath(folder), name)  # type: ignore[arg-type]
+    real_folder = os.path.realpath(folder)
+    if os.path.dirname(os.path.realpath(path)) != real_folder:
+        return None
+    return path
 
 
 def umask_file_mode() -> int:

@@ -300,19 +300,26 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
     iteration = int(manifest.iteration)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
+    new_root = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     F.make_save_dir(tmp)
     cfg = GPTConfig.from_dict(manifest.config)
     records = param_records(cfg, tp_size)
     dtype = getattr(torch, manifest.layout.param_dtype)
     files: dict[str, _Written] = {}
-    for r in range(tp_size):
-        files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
-    manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
-        format=F.FORMAT, params=records, **_file_sections(files),
-        layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
-        rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
-    commit(root, tmp, final, iteration, manifest, None)
+    try:
+        for r in range(tp_size):
+            files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
+        manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
+            format=F.FORMAT, params=records, **_file_sections(files),
+            layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
+            rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
+        commit(root, tmp, final, iteration, manifest, None)
+    except BaseException:  # a source that fails while it is read (a damaged file): no debris, a rerun works
+        F.remove_tree(tmp)
+        if new_root and not os.listdir(root):
+            os.rmdir(root)
+        raise
     return final
 
 

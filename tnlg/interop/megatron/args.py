@@ -19,7 +19,7 @@ from typing import Optional
 from ...config import GPTConfig, padded_vocab_size
 from ...errors import UserError
 
-__all__ = ["MegatronLayout", "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
+__all__ = ["MegatronLayout", "check_sizes", "whole", "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
 
 # (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
 # Megatron-LM's default, which is the supported value
@@ -62,6 +62,34 @@ class MegatronLayout:
     checkpoint_version: float
 
 
+# the saved args' sizes: each a whole number in [1, limit] (a limit no model reaches, which keeps every
+# check of them cheap: the layer count is then checked against the files before anything is built)
+_SIZES = (("num_layers", 1 << 16), ("hidden_size", 1 << 20), ("num_attention_heads", 1 << 16),
+          ("ffn_hidden_size", 1 << 22), ("kv_channels", 1 << 20), ("num_query_groups", 1 << 16),
+          ("max_position_embeddings", 1 << 31), ("seq_length", 1 << 31), ("padded_vocab_size", 1 << 31),
+          ("vocab_size", 1 << 31), ("make_vocab_size_divisible_by", 1 << 20), ("tensor_model_parallel_size", 1 << 16),
+          ("pipeline_model_parallel_size", 1 << 16), ("global_batch_size", 1 << 40))
+
+
+def whole(value, name: str, where: str, low: int = 1, high: int = 1 << 62) -> int:
+    """``value`` (read from a checkpoint: any type) as an int in ``[low, high]``, else one
+    :class:`UserError` naming it; an integral float counts (older Megatron runs saved some as floats)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        shown = repr(value) if isinstance(value, (str, int, float, bool)) else f"a {type(value).__name__}"
+        raise UserError(f"{where}: {name} is {shown[:60]}, not a whole number from {low} to {high}; the checkpoint "
+                        "is damaged or was not written by Megatron-LM. Nothing was written.")
+    return value
+
+
+def check_sizes(args, where: str) -> None:
+    """The saved args' sizes that are set are whole numbers within reason (:data:`_SIZES`)."""
+    for name, limit in _SIZES:
+        if _arg(args, name) is not None:
+            whole(_arg(args, name), f"the saved args' {name}", where, 1, limit)
+
+
 def _arg(args, name: str, default=None):
     return getattr(args, name, default)
 
@@ -99,20 +127,25 @@ def known_vocab_size(args) -> Optional[int]:
     ``NullTokenizer``: ``vocab_size`` + its end-of-document id; else ``vocab_size``, "the size of the
     vocabulary before padding", when given), else ``None``."""
     kind, size = _arg(args, "tokenizer_type"), _arg(args, "vocab_size")
-    if kind in _TOKENIZER_SIZES:
+    if isinstance(kind, str) and kind in _TOKENIZER_SIZES:
         return _TOKENIZER_SIZES[kind]
     if size:
-        return int(size) + (1 if kind == "NullTokenizer" else 0)
+        return whole(size, "the saved args' vocab_size", "Megatron checkpoint") + (1 if kind == "NullTokenizer" else 0)
     return None
 
 
 def layout_of(args, where: str, checkpoint: dict) -> MegatronLayout:
     """The TP/PP layout and padded vocabulary the checkpoint was written with."""
-    tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(_arg(args, "pipeline_model_parallel_size", 1) or 1)
-    padded = _required(args, "padded_vocab_size", where)
-    version = float(checkpoint.get("checkpoint_version", 0) or 0)
-    return MegatronLayout(tp, pp, int(padded), int(checkpoint.get("iteration", 0) or 0), version)
+    check_sizes(args, where)
+    tp = whole(_arg(args, "tensor_model_parallel_size", 1) or 1, "tensor_model_parallel_size", where, 1, 1 << 16)
+    pp = whole(_arg(args, "pipeline_model_parallel_size", 1) or 1, "pipeline_model_parallel_size", where, 1, 1 << 16)
+    padded = whole(_required(args, "padded_vocab_size", where), "padded_vocab_size", where, 1, 1 << 31)
+    version = checkpoint.get("checkpoint_version", 0) or 0
+    if not isinstance(version, (int, float)) or isinstance(version, bool) or not 0 <= version < 100:
+        raise UserError(f"{where}: checkpoint_version is {str(version)[:40]!r}, not a number (Megatron-LM writes 0 "
+                        "to 3.0); the checkpoint is damaged. Nothing was written.")
+    iteration = whole(checkpoint.get("iteration", 0) or 0, "iteration", where, 0)
+    return MegatronLayout(tp, pp, padded, iteration, float(version))
 
 
 def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTConfig:
@@ -121,6 +154,7 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint's 'args' is a {type(args).__name__}, not Megatron-LM's "
                         "argparse.Namespace. Nothing was written.")
+    check_sizes(args, where)
     check_supported(args, where)
     hidden = int(_required(args, "hidden_size", where))
     padded = int(_required(args, "padded_vocab_size", where))
@@ -141,8 +175,9 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
             make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
             seed=int(_arg(args, "seed", 1234)), openai_gelu=bool(_arg(args, "openai_gelu", False)),
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)))
-    except ValueError as exc:
-        raise UserError(f"{where}: the saved args do not describe a valid model: {exc} Nothing was written.") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise UserError(f"{where}: the saved args do not describe a valid model: {str(exc)[:300]} Nothing was "
+                        "written.") from None
 
 
 def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
