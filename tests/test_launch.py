@@ -93,3 +93,124 @@ def test_nodes_and_endpoint_are_checked_before_any_process_starts(tmp_path, caps
     assert main(["eval", "--task", "wikitext", "--checkpoint", str(tmp_path / "ck"), "--tokenizer-model", "builtin",
                  "--input", str(tmp_path / "t.txt"), "--nproc-per-node", "2", *extra]) == 2
     assert needle in capsys.readouterr().err
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie nobody reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _children(pid: int) -> list:
+    """The pids whose parent is ``pid``, read from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _wait_gone(pids, seconds: float) -> list:
+    import time
+    deadline = time.time() + seconds
+    while time.time() < deadline and not all(map(_gone, pids)):
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+# a "launcher" that starts one worker in its own session (as torch's elastic agent does), says the worker's
+# pid and how the worker watches it, then waits to be killed
+_PARENT = r"""
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, TNLG_LAUNCHER_PID=str(os.getpid()), TORCHELASTIC_RUN_ID="t"))
+print(child.pid, child.stdout.readline().strip(), flush=True)
+import time; time.sleep(300)
+"""
+_WORKER = r"""
+import time
+from tnlg.runtime.orphans import end_with_launcher
+print(end_with_launcher(use_prctl={use_prctl}), flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/1/stat"), reason="reads Linux's process table")
+@pytest.mark.parametrize("use_prctl,how", [(True, "prctl"), (False, "watchdog")])
+def test_a_worker_ends_by_itself_when_its_launcher_is_killed(use_prctl, how):
+    """SIGKILL of the process that started a worker (which cannot forward it) ends the worker within
+    seconds: by the kernel's parent-death signal on Linux, by the portable watchdog on the parent pid."""
+    import signal
+    import subprocess
+    import sys
+
+    from tnlg.runtime.spawn import checkout_env
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _WORKER.format(use_prctl=use_prctl)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env())
+    try:
+        pid, said = parent.stdout.readline().split()
+        worker = int(pid)
+        assert said == how and not _gone(worker), said
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _wait_gone([worker], 5.0) == [], "the worker outlived its launcher by 5 s"
+    finally:
+        parent.kill()
+        if "worker" in locals() and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+    err = parent.stderr.read()  # the worker's stderr is the launcher's: the message of the watchdog is there
+    assert "Traceback" not in err, err
+    if how == "watchdog":
+        assert f"the launcher (pid {parent.pid}) is gone" in err and f"(pid {worker}) stops now" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/1/stat"), reason="reads Linux's process table")
+def test_sigkill_of_the_pretrain_launcher_ends_its_workers_and_the_job_restarts(tmp_path):
+    """``kill -KILL`` of a ``tnlg pretrain --nproc-per-node 2`` launcher at TP 2 (workers in sessions of their
+    own): both workers are gone within seconds, nothing saves after that, and the same job started again
+    with ``--load`` is not refused by the save lock: it resumes from the last checkpoint and finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.tiny import tiny_flags
+    from tnlg import checkpoint as ck
+    from tnlg.runtime.spawn import checkout_env, run_tnlg
+    save = tmp_path / "ckpt"
+    flags = tiny_flags(tensor_model_parallel_size=2, save=str(save), save_interval=3, log_interval=1)
+    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2", *flags,
+                             "--train-iters", "100000"], cwd=str(tmp_path), env=checkout_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    workers: list = []
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and (ck.read_latest(str(save)) or 0) < 3:
+            time.sleep(0.1)
+        workers = _children(proc.pid)
+        assert proc.poll() is None and len(workers) == 2, (proc.poll(), workers)
+        proc.kill()  # SIGKILL to the launcher alone, as the out-of-memory killer sends it
+        proc.wait(timeout=10)
+        assert _wait_gone(workers, 5.0) == [], "workers outlived their launcher by 5 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers:  # (in sessions of their own: the launcher's group does not hold them)
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    last = ck.read_latest(str(save))
+    time.sleep(1.0)
+    assert ck.read_latest(str(save)) == last  # nothing saves any more
+    out = run_tnlg(["pretrain", "--nproc-per-node", "2", *flags, "--load", str(save), "--train-iters", str(last + 2)],
+                   tmp_path)
+    assert "in use by another tnlg job" not in out
+    assert ck.read_latest(str(save)) == last + 2, out[-3000:]

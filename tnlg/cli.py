@@ -29,6 +29,7 @@ import sys
 from .errors import UserError, closest
 from .runtime.failures import arm, is_agreed, report, stopped_by_peer
 from .runtime.launch import under_launcher
+from .runtime.orphans import end_with_launcher
 from .runtime.process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
@@ -131,6 +132,7 @@ def _finish(status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_launcher()  # a launched worker: it ends when its launcher dies, even by SIGKILL (tnlg.runtime.orphans)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # bare `tnlg`: what is there, not a 300-iteration job
         build_parser().print_help()

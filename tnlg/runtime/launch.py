@@ -26,7 +26,8 @@ command called from Python with a list runs the settings it validated).
 A SIGINT (Ctrl-C) or SIGTERM to the launching process is forwarded once to each
 worker (each runs in its own session, so a terminal's Ctrl-C reaches only the
 launcher), which stops at the end of its iteration and reports on rank 0; the
-launcher then returns ``128 + signal`` without a traceback.
+launcher then returns ``128 + signal`` without a traceback. A SIGKILL cannot be forwarded: each worker
+ends by itself when this process dies (:mod:`tnlg.runtime.orphans`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import uuid
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from .failures import STATUS_FILE_ENV
+from .orphans import LAUNCHER_PID_ENV
 
 STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
@@ -219,6 +221,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
     store, endpoint = endpoint_store(rdzv_endpoint) if rdzv_endpoint else loopback_store()
     os.environ[STORE_ENV] = endpoint
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # its workers end when this process dies (tnlg.runtime.orphans)
     config = _launch_config(nproc, nnodes, endpoint, bool(rdzv_endpoint), status_dir, max_restarts)
     quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
@@ -240,6 +243,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     finally:
         os.environ.pop(STATUS_FILE_ENV, None)
         os.environ.pop(STORE_ENV, None)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
         del store
         shutil.rmtree(status_dir, ignore_errors=True)
         for lg in loggers:
