@@ -214,3 +214,109 @@ def test_sigkill_of_the_pretrain_launcher_ends_its_workers_and_the_job_restarts(
                    tmp_path)
     assert "in use by another tnlg job" not in out
     assert ck.read_latest(str(save)) == last + 2, out[-3000:]
+
+
+def _listeners() -> set:
+    """Every local (address, port) in state LISTEN, from the kernel's tables of this network namespace,
+    as the tables write them (little-endian hex: 127.0.0.1 is 0100007F)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":
+                    addr, port = local.split(":")
+                    out.add((addr, int(port, 16)))
+    return out
+
+
+def _on_loopback(hex_addr: str) -> bool:
+    """Whether a table's address is in 127.0.0.0/8 (IPv4, or IPv4-mapped IPv6) or is ::1."""
+    if len(hex_addr) == 8:
+        return hex_addr.endswith("7F")
+    return hex_addr == "00000000000000000000000001000000" or (
+        hex_addr.startswith("0000000000000000FFFF0000") and hex_addr.endswith("7F"))
+
+
+# a private network namespace and mount namespace: loopback up, a veth pair whose end v0 holds 10.77.0.1, and
+# the host name resolving to that address (as on a cluster node, where it resolves to the LAN address)
+_NETNS = r"""
+set -e
+ip link set lo up
+ip link add v0 type veth peer name v1
+ip addr add 10.77.0.1/24 dev v0
+ip link set v0 up
+ip link set v1 up
+printf '127.0.0.1 localhost\n10.77.0.1 %s\n' "$(hostname)" > "$HOSTS"
+mount --bind "$HOSTS" /etc/hosts
+exec "$@"
+"""
+
+
+def _in_netns(tmp_path, argv: list, timeout: float):
+    """Run ``argv`` in a private network namespace (see _NETNS); skip where ``unshare`` is not permitted."""
+    import shutil
+    import subprocess
+
+    from tnlg.runtime.spawn import checkout_env
+    if not (shutil.which("unshare") and shutil.which("ip") and os.geteuid() == 0):
+        pytest.skip("needs root, unshare and ip to make a private network namespace")
+    probe = subprocess.run(["unshare", "-n", "-m", "sh", "-c", "ip link add v0 type veth peer name v1"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private network namespace with a veth pair here: {probe.stderr.strip()}")
+    env = checkout_env(HOSTS=str(tmp_path / "hosts"))
+    return subprocess.run(["unshare", "-n", "-m", "sh", "-c", _NETNS, "netns", *argv], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+_INTERFACES = r"""
+import os, socket
+from tnlg.runtime.interfaces import gloo_interface
+assert socket.gethostbyname(socket.gethostname()) == "10.77.0.1"  # the host name names the LAN-like address
+print(gloo_interface(None), gloo_interface("10.77.0.1:29500"), gloo_interface("127.0.0.1:29500"))
+os.environ["GLOO_SOCKET_IFNAME"] = "v1"
+print(gloo_interface(None), gloo_interface("10.77.0.1:29500"))
+"""
+
+
+def test_gloo_interface_follows_the_store(tmp_path):
+    """One node: loopback whatever the host name resolves to; several: the interface of the route to the
+    endpoint's host; the user's own GLOO_SOCKET_IFNAME wins."""
+    import sys
+    proc = _in_netns(tmp_path, [sys.executable, "-c", _INTERFACES], 60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["lo v0 lo", "v1 v1"], proc.stdout
+
+
+_JOB = r"""
+import json, subprocess, sys, time
+from tests.test_launch import _listeners
+from tests.tiny import tiny_flags
+job = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2",
+                        *tiny_flags(tensor_model_parallel_size=2, train_iters=20)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+seen = set()
+while job.poll() is None:
+    seen |= _listeners()
+    time.sleep(0.05)
+out = job.stdout.read()
+print(json.dumps(dict(rc=job.returncode, seen=sorted(seen), out=out[-3000:])))
+"""
+
+
+@pytest.mark.slow
+def test_a_single_node_job_listens_on_loopback_only(tmp_path):
+    """A 2-process TP 2 ``tnlg pretrain`` on a host whose name resolves to a non-loopback address: no socket
+    of the job (store, gloo) listens outside 127.0.0.0/8 at any moment of the run."""
+    import json
+    import re
+    import sys
+    proc = _in_netns(tmp_path, [sys.executable, "-c", _JOB], 400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = json.loads(proc.stdout)
+    assert job["rc"] == 0 and re.search(r"iter +20/20", job["out"]), job["out"]
+    seen = [tuple(x) for x in job["seen"]]
+    assert len(seen) >= 2, seen  # the store, and gloo's sockets
+    assert all(_on_loopback(addr) for addr, _ in seen), seen
