@@ -1,4 +1,4 @@
-"""Generic file I/O: one atomic write, one file lock, one checksum.
+"""Generic file I/O: one atomic write, one file lock, one checksum, one way to say a write failed.
 
 Every file tnlg writes (checkpoint manifests, metrics, plots, indexes, tokenizer exports, cached
 datasets) goes through :func:`atomic_output`: it is written under a temporary name in the same
@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import IO, Iterator, Union
 
 __all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name",
-           "umask_file_mode", "give_umask_mode"]
+           "umask_file_mode", "give_umask_mode", "write_failure", "stdout_name"]
 
 PathLike = Union[str, Path]
 
@@ -127,3 +128,25 @@ def file_lock(path: PathLike) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def write_failure(exc: OSError, path: PathLike) -> str:
+    """``could not write 'PATH': <error> (errno E) (N MiB free of M MiB on that filesystem).``: what a
+    failed write of file or folder ``path`` says (a full disk, a quota, EIO, permissions)."""
+    path = os.fspath(path)
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        usage = shutil.disk_usage(where if os.path.isdir(where) else "/")
+        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
+    except OSError:
+        free = ""
+    what = exc.strerror or type(exc).__name__
+    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+
+
+def stdout_name() -> str:
+    """The file standard output was redirected to (where Linux says it), else ``"standard output"``."""
+    try:
+        return os.readlink("/proc/self/fd/1")
+    except OSError:
+        return "standard output"
