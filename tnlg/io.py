@@ -1,4 +1,5 @@
-"""Generic file I/O: one atomic write, one file lock, one checksum.
+"""Generic file I/O: one atomic write, one file lock, one checksum, one way to say a write failed, one rule
+for the file names a file on disk gives (:func:`unsafe_name`, :func:`confined_path`).
 
 Every file tnlg writes (checkpoint manifests, metrics, plots, indexes, tokenizer exports, cached
 datasets) goes through :func:`atomic_output`: it is written under a temporary name in the same
@@ -16,41 +17,22 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import IO, Iterator, Optional, Union
 
 __all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name",
-           "umask_file_mode", "give_umask_mode", "is_plain_name", "confined_path"]
+           "umask_file_mode", "give_umask_mode", "write_failure", "stdout_name", "unsafe_name", "confined_path"]
 
 PathLike = Union[str, Path]
-
 # a file name a folder's own index may give (a checkpoint manifest's files, a torch.distributed.checkpoint
-# store's data files): letters, digits, '_', '.', '-', not starting with '.' or '-'
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# store's data files, a datasets folder's state.json): letters, digits, '_', '.', '-', not starting with '.' or '-'
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 def temporary_name(path: PathLike) -> str:
     """The temporary name :func:`atomic_output` writes ``path`` under (unique per process)."""
     return f"{os.fspath(path)}.tmp-{os.getpid()}"
-
-
-def is_plain_name(name: object) -> bool:
-    """Whether ``name`` (read from a file: any type) is a plain file name: a string of letters, digits,
-    ``_``, ``.`` and ``-`` without ``..``, so no path separator, not absolute, not a parent folder."""
-    return isinstance(name, str) and len(name) <= 255 and bool(_PLAIN_NAME.match(name)) and ".." not in name
-
-
-def confined_path(folder: PathLike, name: object) -> Optional[str]:
-    """The path of the file ``name`` inside ``folder`` where ``name`` is a plain name
-    (:func:`is_plain_name`) that does not lead outside ``folder`` through a symbolic link; else ``None``
-    (the caller says why, without looking at whatever the name would reach). Nothing is opened."""
-    if not is_plain_name(name):
-        return None
-    path = os.path.join(os.fspath(folder), name)  # type: ignore[arg-type]
-    real_folder = os.path.realpath(folder)
-    if os.path.dirname(os.path.realpath(path)) != real_folder:
-        return None
-    return path
 
 
 def umask_file_mode() -> int:
@@ -151,3 +133,51 @@ def file_lock(path: PathLike) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def write_failure(exc: OSError, path: PathLike) -> str:
+    """``could not write 'PATH': <error> (errno E) (N MiB free of M MiB on that filesystem).``: what a
+    failed write of file or folder ``path`` says (a full disk, a quota, EIO, permissions)."""
+    path = os.fspath(path)
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        usage = shutil.disk_usage(where if os.path.isdir(where) else "/")
+        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
+    except OSError:
+        free = ""
+    what = exc.strerror or type(exc).__name__
+    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+
+
+def stdout_name() -> str:
+    """The file standard output was redirected to (where Linux says it), else ``"standard output"``."""
+    try:
+        return os.readlink("/proc/self/fd/1")
+    except OSError:
+        return "standard output"
+
+
+def unsafe_name(name) -> Optional[str]:
+    """Why ``name``, read from a file (a manifest, an index, a dataset's ``state.json``), cannot name a
+    file inside that file's folder; ``None`` when it can. A name it can is a plain file name: a string of
+    letters, digits, ``_``, ``.`` and ``-`` of at most 255 characters, not starting with ``.`` or ``-``,
+    without ``..``: so no path separator, not absolute, no way up."""
+    if not isinstance(name, str):
+        return f"it is not a string but a JSON {type(name).__name__}"
+    if not _PLAIN_NAME.match(name) or ".." in name:
+        return "a file name there is a plain name inside the folder (no '/', no '..', not absolute)"
+    return None
+
+
+def confined_path(folder: PathLike, name) -> str:
+    """``folder/name`` for a ``name`` read from a file in ``folder``, where it is a plain name
+    (:func:`unsafe_name`) and the path, symbolic links followed, stays inside ``folder``; otherwise a
+    ``ValueError`` saying why (its caller names the file that gave the name)."""
+    why = unsafe_name(name)
+    if why is not None:
+        raise ValueError(f"the name {name!r}: {why}")
+    path = os.path.join(os.fspath(folder), name)
+    real, inside = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.dirname(real) != inside:
+        raise ValueError(f"the name {name!r} is a symbolic link to {real!r}, outside the folder")
+    return path

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -52,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
-from ..io import atomic_output, atomic_write, file_sha256, fsync_dir
 from ..errors import UserError, agreed
+from ..io import atomic_output, atomic_write, file_sha256, fsync_dir, write_failure
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from .compat import data_record, options_record
@@ -170,13 +169,7 @@ class _SaveFailure:
 
 def _io_message(exc: OSError, path: str, ps: ParallelState) -> str:
     """``could not write FILE: <error> (errno E) (N MiB free of M MiB on that filesystem)``."""
-    try:
-        usage = shutil.disk_usage(os.path.dirname(path) if os.path.isdir(os.path.dirname(path)) else "/")
-        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
-    except OSError:
-        free = ""
-    what = exc.strerror or type(exc).__name__
-    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+    return write_failure(exc, path)
 
 
 def _quiet_latest(root: str) -> Optional[int]:

@@ -65,11 +65,12 @@ def _data_files(meta, iter_dir: str, index: str) -> tuple[dict, dict, int]:
             raise _bad(index, f"the storage of {_short(k.fqn)} is {_short(info)}, not a file, byte offset and length")
         name = info.relative_path
         if name not in paths:
-            path = confined_path(iter_dir, name)
-            if path is None:
+            try:
+                path = confined_path(iter_dir, name)
+            except ValueError:
                 raise _bad(index, f"the storage of {_short(k.fqn)} names the file {_short(name)}, which is not a plain "
                                   "file name inside the checkpoint's folder (no '/', no '..', not absolute, no "
-                                  "symbolic link leading out); tnlg reads no file outside it")
+                                  "symbolic link leading out); tnlg reads no file outside it") from None
             if not os.path.isfile(path):
                 raise UserError(f"{path!r}, named by the torch_dist index of {iter_dir!r}, is missing. Nothing was "
                                 "written.")
