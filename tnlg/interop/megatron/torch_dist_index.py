@@ -54,17 +54,21 @@ def _data_files(meta, iter_dir: str, index: str) -> tuple[dict, dict, int]:
     every name confined to ``iter_dir`` and every byte range inside its file."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
-    if not isinstance(meta.storage_data, dict) or not isinstance(meta.state_dict_metadata, dict):
+    if not isinstance(getattr(meta, "storage_data", None), dict) or not isinstance(
+            getattr(meta, "state_dict_metadata", None), dict):
         raise _bad(index, "its storage_data or state_dict_metadata is not a mapping")
     storage, paths, sizes = {}, {}, {}
     for k, info in meta.storage_data.items():
-        offset = None if getattr(k, "offset", None) is None else _ints(k.offset)
-        if not isinstance(k, MetadataIndex) or not isinstance(k.fqn, str) or (k.offset is not None and offset is None):
+        raw = getattr(k, "offset", None)
+        offset = None if raw is None else _ints(raw)
+        if not isinstance(k, MetadataIndex) or not isinstance(getattr(k, "fqn", None), str) or (
+                raw is not None and offset is None):
             raise _bad(index, f"a storage entry's key is {_short(k)}, not a MetadataIndex of a name and offsets")
-        if not isinstance(info, _StorageInfo) or not _whole(info.offset) or not _whole(info.length):
+        if not isinstance(info, _StorageInfo) or not _whole(getattr(info, "offset", None)) or not _whole(
+                getattr(info, "length", None)) or not hasattr(info, "relative_path"):
             raise _bad(index, f"the storage of {_short(k.fqn)} is {_short(info)}, not a file, byte offset and length")
         name = info.relative_path
-        if name not in paths:
+        if not isinstance(name, str) or name not in paths:
             path = confined_path(iter_dir, name)
             if path is None:
                 raise _bad(index, f"the storage of {_short(k.fqn)} names the file {_short(name)}, which is not a plain "
@@ -96,8 +100,8 @@ def check_index(meta, iter_dir: str, index: str) -> tuple[dict, dict]:
 
 def _check_tensor(key: str, md, storage: dict, total: int, index: str) -> None:
     """One tensor's record: its type, size and chunks (module docstring)."""
-    dtype, size = getattr(md.properties, "dtype", None), _ints(md.size)
-    if not isinstance(dtype, torch.dtype) or size is None or not isinstance(md.chunks, list):
+    dtype, size = getattr(getattr(md, "properties", None), "dtype", None), _ints(getattr(md, "size", None))
+    if not isinstance(dtype, torch.dtype) or size is None or not isinstance(getattr(md, "chunks", None), list):
         raise _bad(index, f"{_short(key)} has no element type, size and list of chunks")
     numel = math.prod(size)
     if numel * dtype.itemsize > total:
