@@ -65,13 +65,14 @@ def cycle() -> dict:
 
 def odd_value(rng: random.Random, canary: str):
     """A value of another type or size than the one it replaces."""
-    pool = ["x", "", "two", -5, -1, 0, 1, 3, 10 ** 7, 2 ** 34, 2 ** 62, 2 ** 100, 3.5, float("nan"), float("inf"),
-            None, True, [], {}, [1, 2], (1,), b"\0\1", "../../canary.distcp", canary, "/etc/passwd"]
+    pool = ["x", "", "two", -5, -1, 0, 1, 3, 10 ** 7, 2 ** 34, 2 ** 62, 2 ** 100, 10 ** 5000, 3.5, float("nan"),
+            float("inf"), None, True, [], {}, [1, 2], (1,), b"\0\1", "../../canary.distcp", canary, "/etc/passwd"]
     pick = rng.randrange(len(pool) + 8)
     if pick < len(pool):
         return pool[pick]
-    return [lambda: torch.zeros(3, dtype=torch.int64), lambda: torch.zeros(()), lambda: torch.ones(2, 2, dtype=torch.bool),
-            lambda: deep(rng), lambda: deep(rng, "dict"), lambda: shared_graph(rng.randint(20, 40)), cycle,
+    return [lambda: torch.zeros(3, dtype=torch.int64), lambda: torch.zeros(()),
+            lambda: torch.ones(2, 2, dtype=torch.bool), lambda: deep(rng), lambda: deep(rng, "dict"),
+            lambda: shared_graph(rng.randint(20, 40)), cycle,
             Evil][pick - len(pool)]()
 
 
@@ -396,7 +397,8 @@ def run(base: str, work: str, seed: int, count: int, readers: list[str]) -> int:
             rng = random.Random(f"{seed}-{reader}-{i}")
             try:
                 changed, what = make(rng)
-            except (RecursionError, TypeError, ValueError, AttributeError, IndexError, KeyError, pickle.PicklingError) as exc:
+            except (RecursionError, TypeError, ValueError, AttributeError, IndexError, KeyError,
+                    pickle.PicklingError) as exc:  # a mutation that does not apply to this file
                 changed, what = {}, f"(no mutation: {type(exc).__name__})"
             _restore(src, files)
             for rel, data in changed.items():

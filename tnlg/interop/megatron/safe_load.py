@@ -27,7 +27,7 @@ import torch
 
 from ...errors import UserError
 
-__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk", "reason", "runs_code"]
+__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk", "reason", "runs_code", "shown"]
 
 # modules whose objects may sit beside the weights in a Megatron file, rebuilt inert (never imported)
 _SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "_io.", "_codecs.",
@@ -73,6 +73,20 @@ _CODE_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "__builti
 # the sentences of torch's weights-only refusals that tell a user how to turn the protection off
 _ADVICE = re.compile(r"weights_only|safe_globals|trusted source|torch\.load|documentation|PyTorch 2\.6",
                      re.IGNORECASE)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` (read from a file: any type, any size, any graph) for a message: the repr of a short
+    plain value, else its type; never a walk of a container (a crafted graph can be endless)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, int):
+        text = repr(value) if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+    elif isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def runs_code(name: str) -> bool:
