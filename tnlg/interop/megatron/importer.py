@@ -30,7 +30,7 @@ from ...checkpoint.reshard import slice_full, targets_for
 from ...checkpoint.saving import write_offline
 from ...config import GPTConfig
 from ...errors import UserError
-from .args import config_from_args, layout_of, whole
+from .args import config_from_args, layout_of, or_default, whole
 from .legacy import LegacySource, first_file, is_legacy
 from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
 from .optimizer import optimizer_record, read_optimizer, schedule_position, schedule_record
@@ -197,7 +197,8 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         _check_tensors(states, cfg, prefix)
     args = common["args"]
     iteration = source.layout.iteration
-    consumed = whole(getattr(args, "consumed_train_samples", 0) or 0, "the saved args' consumed_train_samples",
+    consumed = whole(or_default(getattr(args, "consumed_train_samples", None), 0),
+                     "the saved args' consumed_train_samples",
                      f"Megatron checkpoint {source.iter_dir!r}", 0)
     manifest = Manifest(
         format=FORMAT, iteration=iteration, consumed_samples=consumed,

@@ -123,7 +123,7 @@ class LegacySource:
                 raise UserError(f"{path!r} holds a {type(state).__name__}, not the dict of a Megatron checkpoint "
                                 "file. Nothing was written.")
             if "model" not in state:
-                extra = [k for k in state if re.match(r"model\d+$", str(k))]
+                extra = [k for k in state if isinstance(k, str) and re.match(r"model\d+$", k)]
                 why = ("an interleaved (virtual) pipeline checkpoint, which tnlg does not read" if extra
                        else "it has no 'model' entry")
                 raise UserError(f"{path!r}: {why}. Nothing was written.")
@@ -188,7 +188,13 @@ class LegacySource:
             return None
         shape = list(shards[0][0].shape)
         if role.split is not None:
-            shape[role.split] = sum(v.shape[role.split] for v, _ in shards)
+            shapes = [tuple(v.shape) for v, _ in shards]
+            if any(len(s) <= role.split or s[:role.split] + s[role.split + 1:] != shapes[0][:role.split] +
+                   shapes[0][role.split + 1:] for s in shapes):
+                raise UserError(f"{self.iter_dir!r}: the TP shards of {role.tnlg!r} have shapes {shapes[:4]}, which do "
+                                f"not join along dimension {role.split} as Megatron splits it; the rank files are "
+                                "damaged. Nothing was written.")
+            shape[role.split] = sum(s[role.split] for s in shapes)
         return tuple(shape)
 
     def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,

@@ -47,6 +47,7 @@ from ...errors import UserError
 from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
 from .buckets import BucketStates, shifted_by_padding, stage_layouts
 from .names import GLOBAL_ROLES, LAYER_ROLES
+from .safe_load import shown
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
            "optimizer_record"]
@@ -101,8 +102,7 @@ def _number(value, where: str, what: str, whole_number: bool = False):
     finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
     if finite and not isinstance(value, bool) and (not whole_number or (value >= 0 and value == int(value))):
         return int(value) if whole_number else float(value)
-    shown = repr(value)[:40] if isinstance(value, (str, int, float)) else f"a {type(value).__name__}"
-    raise UserError(f"{where}: the optimizer state's {what} is {shown}, not a{' whole' if whole_number else ''} "
+    raise UserError(f"{where}: the optimizer state's {what} is {shown(value)}, not a{' whole' if whole_number else ''} "
                     "number; the checkpoint is damaged. Nothing was written.")
 
 
@@ -115,8 +115,9 @@ def _step(state: dict, where: str) -> int:
     """Adam's step: ``common_step`` (megatron-core's sharded state dicts), the param groups' ``step``
     (the distributed optimizer) or the per-parameter ``step`` of torch's state dict (legacy files)."""
     per_param = [v for d in _find(state, "state", []) if isinstance(d, dict) for v in d.values() if isinstance(v, dict)]
-    steps = {_number(s, where, "step", True) for s in _find(state, "common_step", [])
-             + _find(_find(state, "param_groups", []), "step", []) + [v.get("step") for v in per_param] if s is not None}
+    found = (_find(state, "common_step", []) + _find(_find(state, "param_groups", []), "step", [])
+             + [v.get("step") for v in per_param])
+    steps = {_number(s, where, "step", True) for s in found if s is not None}
     if len(steps) != 1:
         raise UserError(f"{where}: the optimizer state gives {'no' if not steps else sorted(steps)} Adam step "
                         "count(s); one is needed for Adam's bias correction. Nothing was written.")
@@ -217,7 +218,8 @@ def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg
     if distributed:
         if not isinstance(state, dict):
             raise _no_state(where)
-        if any(str(k).startswith("language_model") for k in (common.get("model") or {})):
+        model = common.get("model")
+        if isinstance(model, dict) and any(isinstance(k, str) and k.startswith("language_model") for k in model):
             raise UserError(f"{where} holds the distributed optimizer's distrib_optim.pt of a pre-core (legacy) "
                             "model (language_model.* names), whose parameters lie in its buckets in another order "
                             "than megatron-core's; tnlg reads the buckets of megatron-core models. Convert without "
@@ -296,7 +298,8 @@ def schedule_record(args, position: int) -> dict:
         return value if ok else None
     return dict(num_steps=int(position), max_lr=arg("lr", (int, float)), min_lr=arg("min_lr", (int, float)),
                 warmup_iters=arg("lr_warmup_iters", int),
-                decay_iters=arg("lr_decay_iters", int) or arg("train_iters", int), decay_style=arg("lr_decay_style", str))
+                decay_iters=arg("lr_decay_iters", int) or arg("train_iters", int),
+                decay_style=arg("lr_decay_style", str))
 
 
 def optimizer_record(opt: Optional[MegatronOptimizer]) -> dict:

@@ -27,7 +27,7 @@ import torch
 
 from ...errors import UserError
 
-__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk", "reason", "runs_code"]
+__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk", "reason", "runs_code", "shown"]
 
 # modules whose objects may sit beside the weights in a Megatron file, rebuilt inert (never imported)
 _SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "_io.", "_codecs.",
@@ -75,6 +75,20 @@ _ADVICE = re.compile(r"weights_only|safe_globals|trusted source|torch\.load|docu
                      re.IGNORECASE)
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` (read from a file: any type, any size, any graph) for a message: the repr of a short
+    plain value, else its type; never a walk of a container (a crafted graph can be endless)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, int):
+        text = repr(value) if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+    elif isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def runs_code(name: str) -> bool:
     """Whether the global ``name`` (``module.attr``) is one a pickle names only to run code."""
     return name.split(".", 1)[0] in _CODE_MODULES or name in ("torch._C._dynamo", "torch.load")
@@ -114,10 +128,15 @@ def load_pt(path: str, what: str) -> dict:
         raise
     except Exception:  # noqa: BLE001 - not a zip file: the old format, or damaged (torch.load says which)
         zip_format = False
+    if not zip_format:  # read whole anyway: from memory, so a crafted length reads only what the file has
+        with open(path, "rb") as f:
+            whole = f.read()
     for _ in range(64):
         try:
             with torch.serialization.safe_globals(list(allowed.values())):
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=zip_format)
+                if not zip_format:
+                    return torch.load(io.BytesIO(whole), map_location="cpu", weights_only=True)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as exc:
             found = _UNSUPPORTED.search(str(exc))
             if found is None or found.group(1) in allowed:
@@ -162,8 +181,14 @@ def _dcp_classes() -> dict[tuple[str, str], object]:
     return out
 
 
-class _DCPUnpickler(pickle.Unpickler):
+class _DCPUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's own unpickler (its memo is a dict: a crafted memo index allocates nothing), reading from
+    the file's bytes in memory (a crafted length reads what is there), giving only the index's classes."""
+
     classes: dict = {}
+    # BYTEARRAY8 allocates the length it reads before reading it; an index holds no bytearray
+    dispatch = {k: v for k, v in pickle._Unpickler.dispatch.items()  # type: ignore[attr-defined]
+                if k not in (pickle.BYTEARRAY8[0], pickle.NEXT_BUFFER[0], pickle.READONLY_BUFFER[0])}
 
     def find_class(self, module: str, name: str):
         key = (module, name)
@@ -182,7 +207,7 @@ def load_dcp_metadata(path: str):
     _DCPUnpickler.classes = _dcp_classes()
     try:
         with open(path, "rb") as f:
-            meta = _DCPUnpickler(f).load()
+            meta = _DCPUnpickler(io.BytesIO(f.read())).load()
     except _Refused as exc:
         name = exc.args[0]
         if runs_code(name):

@@ -43,7 +43,7 @@ def is_torch_dist(iter_dir: str) -> bool:
     try:
         with open(path) as f:
             return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ...errors import UserError
 from ...io import confined_path
+from .safe_load import shown
 
 __all__ = ["check_index"]
 
@@ -31,11 +32,6 @@ def _bad(index: str, what: str) -> UserError:
     return UserError(f"torch_dist index {index!r}: {what}; it is damaged or was tampered with (a "
                      "torch.distributed.checkpoint index written by Megatron-LM gives none of this). Nothing was "
                      "written.")
-
-
-def _short(value: object) -> str:
-    text = repr(value) if isinstance(value, (str, int, float)) else f"a {type(value).__name__}"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _whole(value: object) -> bool:
@@ -54,21 +50,25 @@ def _data_files(meta, iter_dir: str, index: str) -> tuple[dict, dict, int]:
     every name confined to ``iter_dir`` and every byte range inside its file."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
-    if not isinstance(meta.storage_data, dict) or not isinstance(meta.state_dict_metadata, dict):
+    if not isinstance(getattr(meta, "storage_data", None), dict) or not isinstance(
+            getattr(meta, "state_dict_metadata", None), dict):
         raise _bad(index, "its storage_data or state_dict_metadata is not a mapping")
     storage, paths, sizes = {}, {}, {}
     for k, info in meta.storage_data.items():
-        offset = None if getattr(k, "offset", None) is None else _ints(k.offset)
-        if not isinstance(k, MetadataIndex) or not isinstance(k.fqn, str) or (k.offset is not None and offset is None):
-            raise _bad(index, f"a storage entry's key is {_short(k)}, not a MetadataIndex of a name and offsets")
-        if not isinstance(info, _StorageInfo) or not _whole(info.offset) or not _whole(info.length):
-            raise _bad(index, f"the storage of {_short(k.fqn)} is {_short(info)}, not a file, byte offset and length")
+        raw = getattr(k, "offset", None)
+        offset = None if raw is None else _ints(raw)
+        if not isinstance(k, MetadataIndex) or not isinstance(getattr(k, "fqn", None), str) or (
+                raw is not None and offset is None):
+            raise _bad(index, f"a storage entry's key is {shown(k)}, not a MetadataIndex of a name and offsets")
+        if not isinstance(info, _StorageInfo) or not _whole(getattr(info, "offset", None)) or not _whole(
+                getattr(info, "length", None)) or not hasattr(info, "relative_path"):
+            raise _bad(index, f"the storage of {shown(k.fqn)} is {shown(info)}, not a file, byte offset and length")
         name = info.relative_path
-        if name not in paths:
+        if not isinstance(name, str) or name not in paths:
             try:
                 path = confined_path(iter_dir, name)
             except ValueError:
-                raise _bad(index, f"the storage of {_short(k.fqn)} names the file {_short(name)}, which is not a plain "
+                raise _bad(index, f"the storage of {shown(k.fqn)} names the file {shown(name)}, which is not a plain "
                                   "file name inside the checkpoint's folder (no '/', no '..', not absolute, no "
                                   "symbolic link leading out); tnlg reads no file outside it") from None
             if not os.path.isfile(path):
@@ -89,7 +89,7 @@ def check_index(meta, iter_dir: str, index: str) -> tuple[dict, dict]:
     storage, paths, total = _data_files(meta, iter_dir, index)
     for key, md in meta.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
-            raise _bad(index, f"the entry {_short(key)} is {_short(md)}, not the record of a tensor or an object")
+            raise _bad(index, f"the entry {shown(key)} is {shown(md)}, not the record of a tensor or an object")
         if isinstance(md, TensorStorageMetadata):
             _check_tensor(key, md, storage, total, index)
     return storage, paths
@@ -97,28 +97,28 @@ def check_index(meta, iter_dir: str, index: str) -> tuple[dict, dict]:
 
 def _check_tensor(key: str, md, storage: dict, total: int, index: str) -> None:
     """One tensor's record: its type, size and chunks (module docstring)."""
-    dtype, size = getattr(md.properties, "dtype", None), _ints(md.size)
-    if not isinstance(dtype, torch.dtype) or size is None or not isinstance(md.chunks, list):
-        raise _bad(index, f"{_short(key)} has no element type, size and list of chunks")
+    dtype, size = getattr(getattr(md, "properties", None), "dtype", None), _ints(getattr(md, "size", None))
+    if not isinstance(dtype, torch.dtype) or size is None or not isinstance(getattr(md, "chunks", None), list):
+        raise _bad(index, f"{shown(key)} has no element type, size and list of chunks")
     numel = math.prod(size)
     if numel * dtype.itemsize > total:
-        raise _bad(index, f"{_short(key)} is declared of size {list(size)} ({dtype}: {numel * dtype.itemsize} "
+        raise _bad(index, f"{shown(key)} is declared of size {list(size)} ({dtype}: {numel * dtype.itemsize} "
                           f"bytes), more than the {total} bytes of all its data files")
     boxes = []
     for chunk in md.chunks:
         offsets, sizes = _ints(getattr(chunk, "offsets", None)), _ints(getattr(chunk, "sizes", None))
         if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size) or any(
                 o + s > n for o, s, n in zip(offsets, sizes, size)):
-            raise _bad(index, f"a chunk of {_short(key)} (size {list(size)}) is not a box inside it")
+            raise _bad(index, f"a chunk of {shown(key)} (size {list(size)}) is not a box inside it")
         info = storage.get((key, offsets))
         if info is None:
-            raise _bad(index, f"the chunk of {_short(key)} at {list(offsets)} has no storage entry (no file holds it)")
+            raise _bad(index, f"the chunk of {shown(key)} at {list(offsets)} has no storage entry (no file holds it)")
         if math.prod(sizes) * dtype.itemsize > info.length:
-            raise _bad(index, f"the chunk of {_short(key)} at {list(offsets)} needs {math.prod(sizes) * dtype.itemsize} "
+            raise _bad(index, f"the chunk of {shown(key)} at {list(offsets)} needs {math.prod(sizes) * dtype.itemsize} "
                               f"bytes for its elements, its storage has {info.length}")
         boxes.append((offsets, sizes))
     if not _covers(size, boxes, key, index):
-        raise UserError(f"torch_dist index {index!r}: the chunks of {_short(key)} leave part of its {list(size)} "
+        raise UserError(f"torch_dist index {index!r}: the chunks of {shown(key)} leave part of its {list(size)} "
                         "elements uncovered; the checkpoint is incomplete. Nothing was written.")
 
 
@@ -135,7 +135,7 @@ def _covers(size: tuple, boxes: list, key: str, index: str) -> bool:
         cuts.append(sorted(edges))
     cells = math.prod(len(c) - 1 for c in cuts)
     if cells > _MAX_GRID:
-        raise _bad(index, f"{_short(key)} is split into chunks on a grid of {cells} cells, more than a checkpoint "
+        raise _bad(index, f"{shown(key)} is split into chunks on a grid of {cells} cells, more than a checkpoint "
                           f"needs ({_MAX_GRID})")
     grid = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.bool)
     for offsets, sizes in boxes:
