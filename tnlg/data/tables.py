@@ -6,7 +6,9 @@ in a string column), or a Hugging Face ``datasets`` folder (``Dataset.save_to_di
 pyarrow alone, no ``datasets`` needed). The text columns are the ``--json-keys`` of JSON
 Lines inputs. Both are read as a stream: a Parquet file one row group at a time, a
 ``datasets`` folder one memory-mapped record batch at a time, so memory stays at one row
-group whatever the corpus size.
+group whatever the corpus size. Every batch is validated in full (offsets inside its buffers, UTF-8
+text) before a value is read: a damaged or hostile Arrow file must not make pyarrow read memory
+outside it.
 
 :func:`check_table` validates a table before anything is written (the columns exist and hold
 strings, no row is null) from the schema and each chunk's null count (one read of the text
@@ -120,7 +122,9 @@ def _batches(path: str, kind: str, columns: Sequence[str]) -> Iterator:
         with _readable(path, "a Parquet file"):
             pf = pa.parquet.ParquetFile(path)
             for i in range(pf.num_row_groups):
-                yield from pf.read_row_group(i, columns=list(columns)).to_batches()
+                for batch in pf.read_row_group(i, columns=list(columns)).to_batches():
+                    batch.validate(full=True)
+                    yield batch
         return
     for name in _arrow_files(path):
         with _readable(name, "an Arrow stream"), pa.memory_map(name) as source:
@@ -131,7 +135,11 @@ def _batches(path: str, kind: str, columns: Sequence[str]) -> Iterator:
                                 f"{stream.schema.names}), which its first file has; the folder is not one dataset. "
                                 f"Nothing was written.")
             for batch in stream:
-                yield batch.select(list(columns))
+                batch = batch.select(list(columns))
+                # an Arrow file is read as it is: offsets past the data or bad UTF-8 would be read from
+                # outside its buffers (a crash, or memory not the file's); full validation refuses them
+                batch.validate(full=True)
+                yield batch
 
 
 @contextlib.contextmanager
