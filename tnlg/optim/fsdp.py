@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from ..config import stage_parts
 from ..parallel.sharding import copy_tp_attributes, is_tp_sharded
 from ..parallel.state import ParallelState
 from .sharded_adamw import Run, ShardedAdamW
@@ -76,9 +77,10 @@ class ChunkModules(nn.Module):
         t = chunk.stage.transformer
         self.chunk = chunk  # registers no parameters itself
         self.blocks = nn.ModuleList(t.h[str(i)] for i in chunk.layers)
-        head = t.wte if "wte" in t else getattr(chunk.stage, "lm_head", None)  # tied: the last stage's wte copy
-        ends = ([t.wte, t.wpe] if chunk.first else []) + ([t.ln_f, head] if chunk.last else [])
-        for i, m in enumerate(dict.fromkeys(ends)):
+        stage = chunk.stage
+        ends = [stage.lm_head if n == "lm_head" else t[n]
+                for n in stage_parts(stage.config, chunk.first, chunk.last) if n != "drop"]
+        for i, m in enumerate(ends):
             self.add_module(f"end{i}", m)
 
     @property

@@ -76,8 +76,9 @@ __all__ = ["Bucket", "Segment", "FlatLayout", "plan_flat_layout", "partition_rep
 
 
 def default_decay(name: str, param: torch.Tensor) -> bool:
-    """Weight decay on matrices only (``ndim >= 2``, embeddings included, as Megatron)."""
-    return param.dim() >= 2
+    """Weight decay on matrices only (``ndim >= 2``, embeddings included), never on a bias (Megatron's rule:
+    SwiGLU's paired bias ``[2, ffn]`` and grouped-query attention's ``[G, 2, d]`` are biases too)."""
+    return param.dim() >= 2 and not name.endswith(".bias")
 
 
 def _runs(segments: Sequence[Segment], flags: Sequence[bool], base: int) -> list[tuple[int, int, bool]]:

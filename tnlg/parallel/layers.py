@@ -37,7 +37,8 @@ from .initialization import InitMethod, SelfInitializing, init_normal, init_zero
 from .sharding import ShardSpec
 from .state import ParallelState
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
+           "GatedColumnParallelLinear", "KVGroupParallelLinear"]
 
 DEFAULT_INIT = init_normal(0.02)
 
@@ -307,3 +308,100 @@ class VocabParallelEmbedding(SelfInitializing, nn.Module):
     def extra_repr(self) -> str:
         return (f"vocab={self.num_embeddings} (padded {self.padded_size}; this rank rows "
                 f"[{self.vocab_start}, {self.vocab_end})), dim={self.embedding_dim}")
+
+
+class GatedColumnParallelLinear(ColumnParallelLinear):
+    """SwiGLU's gate and up projections as ONE column-parallel matmul: ``silu(X G_i^T) * (X U_i^T)``.
+
+    The weight's full shape is ``[2, out, in]`` (``[0]`` the gate, ``[1]`` the up projection), split along
+    dim 1 over TP, so each rank's shard ``[2, out_r, in]`` is its gate rows followed by its up rows, paired
+    (Megatron-core's per-rank ``linear_fc1`` layout ``[gate_r; up_r]``); the bias ``[2, out]`` likewise.
+    The matmul runs on the shard viewed as ``[2 out_r, in]``. Communication: a column-parallel layer's
+    (``f``: backward all-reduce of the input gradient; sequence-parallel: all-gather / reduce-scatter).
+    """
+
+    @staticmethod
+    def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        sizes = tuple(partition_sizes)
+        return dict(weight=ShardSpec((2, out_features, in_features), 1, sizes),
+                    bias=ShardSpec((2, out_features), 1, sizes) if bias else None)
+
+    def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
+                sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        sp = (self.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.ps.tp_size > 1
+        sizes = None
+        if sp:
+            sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
+        bias = None if self.bias is None else self.bias.flatten()
+        gate, up = column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class _SumOverHolders(torch.autograd.Function):
+    """Identity in forward; in backward the gradient rows of each shared key/value group are all-reduced
+    over exactly the TP ranks holding that group (one all-reduce per shared group, in group order, so
+    ranks holding two groups never wait on each other in a cycle)."""
+
+    @staticmethod
+    def forward(ctx, weight, shared):
+        ctx.shared = shared
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        for row, group in ctx.shared:
+            torch.distributed.all_reduce(grad[row], group=group)
+        return grad, None
+
+
+class KVGroupParallelLinear(SelfInitializing, nn.Module):
+    """The key and value projections of grouped-query attention, split over TP by *groups*, at any TP.
+
+    Full weight ``[G, 2, d, in]`` (group ``g``'s key rows ``[g, 0]``, then its value rows ``[g, 1]``), bias
+    ``[G, 2, d]``. TP rank ``r`` holds the groups its query heads use, ``group_ranges[r]``
+    (:func:`tnlg.config.group_ranges`): with TP > G a group is held by several ranks, a *shared* slice
+    replicated on them (the :class:`~tnlg.parallel.sharding.ShardSpec` records every rank's offset); where
+    neither divides, a rank holds the two groups its heads span. The gradient of a shared group is summed
+    over exactly its holders (:class:`_SumOverHolders`, one all-reduce per shared group in backward, over
+    a subgroup the parallel state creates once); initialisation draws the full weight and slices it,
+    so every holder starts from the same rows. The attention applies :meth:`weights` in one matmul with
+    the queries (no communication of its own in forward).
+    """
+
+    def __init__(self, in_features: int, groups: int, head_dim: int, ps: ParallelState,
+                 group_ranges: Sequence[range], bias: bool = True, device=None, dtype=None,
+                 init_method: InitMethod = DEFAULT_INIT, seed: int = 0, init_key: str = ""):
+        super().__init__()
+        self.ps, self.in_features, self.groups, self.head_dim = ps, in_features, groups, head_dim
+        self.group_range = group_ranges[ps.tp_rank]
+        _build(self, self.describe(in_features, groups, head_dim, group_ranges, bias), ps, init_method, seed,
+               init_key, device, dtype)
+        self.shared: tuple = ()
+        if ps.tp_size > 1 and not ps.virtual:
+            holders = [[r for r, rg in enumerate(group_ranges) if g in rg] for g in self.group_range]
+            self.shared = tuple((i, ps.tp_subgroup(tuple(h))) for i, h in enumerate(holders) if len(h) > 1)
+
+    @staticmethod
+    def describe(in_features: int, groups: int, head_dim: int, group_ranges: Sequence[range],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        """Every rank's groups along dim 0; offsets recorded where slices overlap."""
+        sizes, offsets = tuple(len(r) for r in group_ranges), tuple(r.start for r in group_ranges)
+        overlap = any(a.stop > b.start for a, b in zip(group_ranges, group_ranges[1:]))
+        offs = offsets if overlap else ()
+        return dict(weight=ShardSpec((groups, 2, head_dim, in_features), 0, sizes, offs),
+                    bias=ShardSpec((groups, 2, head_dim), 0, sizes, offs) if bias else None)
+
+    def weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's ``[n_r * 2 d, in]`` weight and ``[n_r * 2 d]`` bias (rows: group, then k / v, then
+        ``d``), through :class:`_SumOverHolders` where a group is shared."""
+        w, b = self.weight, self.bias
+        if self.shared and torch.is_grad_enabled():
+            w = _SumOverHolders.apply(w, self.shared)
+            b = None if b is None else _SumOverHolders.apply(b, self.shared)
+        return w.flatten(0, 2), None if b is None else b.flatten()
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, groups={self.groups} (this rank {list(self.group_range)}), "
+                f"head_dim={self.head_dim}, shared={len(self.shared)}")
