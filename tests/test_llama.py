@@ -113,3 +113,71 @@ def test_the_kv_groups_each_rank_holds():
     assert [list(r) for r in cfg.kv_groups_per_rank(4)] == [[0], [0, 1], [1], [1]]
     assert [list(r) for r in cfg.kv_groups_per_rank(6)] == [[0], [0], [0], [1], [1], [1]]
     assert [list(r) for r in cfg.kv_groups_per_rank(2)] == [[0], [1]]
+
+
+# ------------------------------------------------------------------ training against the plain torch.nn Llama
+STEPS = 5
+LLAMA_FLAGS = dict(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2,
+                   ffn_hidden_size=64, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _options(world, **over):
+    from tests.tiny import tiny_options
+    return tiny_options(world, **{**dict(micro_batch_size=4, global_batch_size=8, train_iters=STEPS, lr=3e-3,
+                                         min_lr=3e-4, lr_warmup_iters=2, lr_decay_style="linear", weight_decay=0.1,
+                                         clip_grad=0.5, hidden_dropout=0.0, attention_dropout=0.0, log_interval=100),
+                                  **LLAMA_FLAGS, **over})
+
+
+def _train_body(_ps, o):
+    from tests.training import train_with_params
+    out = train_with_params(o)
+    return dict(losses=out["losses"], grad_norms=out["grad_norms"])
+
+
+@pytest.fixture(scope="module")
+def llama_reference_run():
+    """The reference trajectory: tnlg's initial weights (TP 1 full state dict) and samples, then the plain
+    torch.nn Llama and torch's AdamW, each global batch in one micro batch."""
+    from tnlg.data.tokenizer import load_tokenizer
+    from tnlg.model import GPT
+    from tnlg.options import model_config
+    from tnlg.parallel.sharding import full_state_dict
+    from tnlg.training.setup import build_datasets
+    o = _options(1, micro_batch_size=8)
+    tokenizer = load_tokenizer(o.data.tokenizer_model)
+    cfg = model_config(o, tokenizer.vocab_size)
+    tnlg_model = GPT(cfg)
+    ref = ReferenceLlama(cfg.num_layers, cfg.hidden_size, 6, 2, 64, tokenizer.vocab_size).load_tnlg(
+        full_state_dict(tnlg_model, tnlg_model.ps))
+    train_ds, _ = build_datasets(o, cfg, tokenizer)
+    batches = [{k: torch.stack([train_ds[j][k] for j in range(i * 8, (i + 1) * 8)]) for k in ("tokens", "labels")}
+               for i in range(STEPS)]
+    s = o.schedule
+    return train_llama_reference(ref, batches, lr=s.lr, min_lr=s.min_lr, warmup=s.lr_warmup_iters, decay=STEPS,
+                                 style=s.lr_decay_style, weight_decay=s.weight_decay,
+                                 betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, clip_grad=s.clip_grad)
+
+
+LAYOUTS = {"TP 1": (1, dict(tensor_model_parallel_size=1, zero_stage=0, micro_batch_size=8)),
+           "TP 2 + SP": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, zero_stage=0,
+                                 micro_batch_size=8)),
+           "TP 3": (3, dict(tensor_model_parallel_size=3, zero_stage=0, micro_batch_size=8)),
+           "PP 2": (2, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, zero_stage=0,
+                            micro_batch_size=4)),
+           "TP 2 x DP 2 ZeRO 1": (4, dict(tensor_model_parallel_size=2, zero_stage=1, micro_batch_size=4))}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[] if k == "TP 3" else [pytest.mark.slow])
+                                    for k in LAYOUTS])
+def test_training_follows_the_plain_torch_llama(llama_reference_run, layout):
+    """Five AdamW steps: the losses and gradient norms (the norm counts a shared KV group once) of the
+    reference, within 1e-5 relative."""
+    world, over = LAYOUTS[layout]
+    got = run_distributed(_train_body, world, over["tensor_model_parallel_size"], _options(world, **over),
+                          timeout_s=180)[0]
+    ref = llama_reference_run
+    for i in range(STEPS):
+        assert math.isclose(got["losses"][i], ref["losses"][i], rel_tol=1e-5), (layout, i, got, ref)
+        assert math.isclose(got["grad_norms"][i], ref["grad_norms"][i], rel_tol=1e-5), (layout, i, got, ref)

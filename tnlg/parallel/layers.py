@@ -339,21 +339,26 @@ class GatedColumnParallelLinear(ColumnParallelLinear):
 
 
 class _SumOverHolders(torch.autograd.Function):
-    """Identity in forward; in backward the gradient rows of each shared key/value group are all-reduced
-    over exactly the TP ranks holding that group (one all-reduce per shared group, in group order, so
-    ranks holding two groups never wait on each other in a cycle)."""
+    """Identity in forward; in backward every key/value group's gradient summed over the TP ranks that hold
+    it: each rank places its groups' rows in a zero ``[G, ...]`` buffer, one all-reduce over the TP group
+    sums them (a rank adds zeros for the groups it does not hold), and each keeps its own rows back. It
+    runs only on layouts where some group is shared (TP > G, or heads that straddle groups); the buffer is
+    the full key/value weight, ``2 G d h`` elements per layer (the activations' all-reduce is ``b s h``).
+    (Subgroups of exactly the holders would move less, but overlapping subgroups created by their members
+    alone, ``use_local_synchronization``, hang on gloo, and world-collective ones need every process to
+    know every layer's layout.)"""
 
     @staticmethod
-    def forward(ctx, weight, shared):
-        ctx.shared = shared
+    def forward(ctx, weight, groups, start, ps):
+        ctx.groups, ctx.start, ctx.ps = groups, start, ps
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        for row, group in ctx.shared:
-            torch.distributed.all_reduce(grad[row], group=group)
-        return grad, None
+        full = grad.new_zeros((ctx.groups, *grad.shape[1:]))
+        full[ctx.start:ctx.start + grad.shape[0]] = grad
+        torch.distributed.all_reduce(full, group=ctx.ps.tp_group)
+        return full[ctx.start:ctx.start + grad.shape[0]].clone(), None, None, None
 
 
 class KVGroupParallelLinear(SelfInitializing, nn.Module):
@@ -364,8 +369,8 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
     (:func:`tnlg.config.group_ranges`): with TP > G a group is held by several ranks, a *shared* slice
     replicated on them (the :class:`~tnlg.parallel.sharding.ShardSpec` records every rank's offset); where
     neither divides, a rank holds the two groups its heads span. The gradient of a shared group is summed
-    over exactly its holders (:class:`_SumOverHolders`, one all-reduce per shared group in backward, over
-    a subgroup the parallel state creates once); initialisation draws the full weight and slices it,
+    over its holders (:class:`_SumOverHolders`: one all-reduce over TP of a ``[G, 2, d, h]`` buffer in
+    backward, only on layouts that share a group); initialisation draws the full weight and slices it,
     so every holder starts from the same rows. The attention applies :meth:`weights` in one matmul with
     the queries (no communication of its own in forward).
     """
@@ -378,10 +383,8 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
         self.group_range = group_ranges[ps.tp_rank]
         _build(self, self.describe(in_features, groups, head_dim, group_ranges, bias), ps, init_method, seed,
                init_key, device, dtype)
-        self.shared: tuple = ()
-        if ps.tp_size > 1 and not ps.virtual:
-            holders = [[r for r, rg in enumerate(group_ranges) if g in rg] for g in self.group_range]
-            self.shared = tuple((i, ps.tp_subgroup(tuple(h))) for i, h in enumerate(holders) if len(h) > 1)
+        # some group held by several ranks: every TP rank takes part in the gradient sum (the same on all)
+        self.shared = ps.tp_size > 1 and any(a.stop > b.start for a, b in zip(group_ranges, group_ranges[1:]))
 
     @staticmethod
     def describe(in_features: int, groups: int, head_dim: int, group_ranges: Sequence[range],
@@ -398,10 +401,11 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
         ``d``), through :class:`_SumOverHolders` where a group is shared."""
         w, b = self.weight, self.bias
         if self.shared and torch.is_grad_enabled():
-            w = _SumOverHolders.apply(w, self.shared)
-            b = None if b is None else _SumOverHolders.apply(b, self.shared)
+            start = self.group_range.start
+            w = _SumOverHolders.apply(w, self.groups, start, self.ps)
+            b = None if b is None else _SumOverHolders.apply(b, self.groups, start, self.ps)
         return w.flatten(0, 2), None if b is None else b.flatten()
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, groups={self.groups} (this rank {list(self.group_range)}), "
-                f"head_dim={self.head_dim}, shared={len(self.shared)}")
+                f"head_dim={self.head_dim}, shared={self.shared}")

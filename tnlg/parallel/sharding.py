@@ -35,7 +35,7 @@ from .mappings import all_gather_uneven
 from .state import ParallelState
 
 __all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes",
-           "full_shape", "shard_of", "counted_rows", "gather_full", "full_state_dict", "load_full_state_dict"]
+           "full_shape", "shard_of", "counted_rows", "uncounted_elements", "gather_full", "full_state_dict", "load_full_state_dict"]
 
 TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size", "partition_offsets")
 """The attributes that describe a parameter's split (the module docstring explains each)."""
@@ -122,6 +122,17 @@ def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size:
 def _starts(param: torch.Tensor) -> list[int]:
     offsets, sizes = getattr(param, "partition_offsets", ()) or (), param.partition_sizes
     return list(offsets) if offsets else [sum(sizes[:r]) for r in range(len(sizes))]
+
+
+def uncounted_elements(param: torch.Tensor, tp_rank: int) -> int:
+    """How many leading elements of TP rank ``tp_rank``'s flattened slice the gradient norm leaves out
+    (rows a lower rank holds too, :func:`counted_rows`; split along dim 0 only); 0 for every other parameter."""
+    if not getattr(param, "partition_offsets", ()):
+        return 0
+    if param.partition_dim != 0:
+        raise ValueError("a shared (overlapping) slice must be split along dim 0.")
+    lo, _ = counted_rows(param, tp_rank)
+    return lo * (param.numel() // max(1, int(param.shape[0])))
 
 
 def counted_rows(param: torch.Tensor, tp_rank: int) -> tuple[int, int]:

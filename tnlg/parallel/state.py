@@ -20,7 +20,7 @@ communicating raises.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -54,21 +54,6 @@ class ParallelState:
     pp_size: int = 1
     pp_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
-    # subgroups of the TP group (key/value groups shared by some TP ranks), created once: tp_subgroup
-    tp_subgroups: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def tp_subgroup(self, tp_ranks: tuple[int, ...]) -> Optional[dist.ProcessGroup]:
-        """The process group of these ranks of this rank's TP group (their TP ranks, increasing), created
-        on first use by its members alone (``use_local_synchronization``: the other ranks need not call)
-        and kept; ``None`` for one rank. The layers that share key/value groups ask for theirs in group
-        order, so ranks in two subgroups create them in the same order as their peers."""
-        if len(tp_ranks) < 2:
-            return None
-        if tp_ranks not in self.tp_subgroups:
-            ranks = [self.tp_src_rank + r for r in tp_ranks]
-            self.tp_subgroups[tp_ranks] = dist.new_group(ranks, use_local_synchronization=True)
-        return self.tp_subgroups[tp_ranks]
-
     @property
     def rank(self) -> int:
         """Global rank in the TP-contiguous layout (TP innermost, then DP, then PP)."""
