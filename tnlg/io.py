@@ -44,9 +44,9 @@ def confined_path(folder: PathLike, name: object) -> Optional[str]:
     """The path of the file ``name`` inside ``folder`` where ``name`` is a plain name
     (:func:`is_plain_name`) that does not lead outside ``folder`` through a symbolic link; else ``None``
     (the caller says why, without looking at whatever the name would reach). Nothing is opened."""
-    if not is_plain_name(name):
+    if not isinstance(name, str) or not is_plain_name(name):
         return None
-    path = os.path.join(os.fspath(folder), name)  # type: ignore[arg-type]
+    path = os.path.join(os.fspath(folder), name)
     real_folder = os.path.realpath(folder)
     if os.path.dirname(os.path.realpath(path)) != real_folder:
         return None
