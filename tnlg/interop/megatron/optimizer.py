@@ -291,7 +291,7 @@ def schedule_position(common: dict, args, iteration: int) -> int:
 
 def schedule_record(args, position: int) -> dict:
     """``meta["schedule"]`` of an imported checkpoint: its position and the Megatron run's LR flags."""
-    def arg(name: str, kind: type):  # a flag the file gives as something else is not recorded
+    def arg(name: str, kind):  # a flag the file gives as something else is not recorded
         value = getattr(args, name, None)
         ok = isinstance(value, kind) and not isinstance(value, bool) and (
             not isinstance(value, float) or math.isfinite(value))
