@@ -77,6 +77,7 @@ def _wandb_series(run_dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_package("tensorboard", "wandb")
 def test_tensorboard_and_wandb_get_the_scalars_of_metrics_jsonl_across_a_resume(tmp_path):
     """Two gloo processes, 4 iterations then a resume to 8: TensorBoard and the offline W&B runs hold,
     for every scalar of metrics.jsonl, its value at every iteration (validations at 0, 3, 4, 6 and 8);
@@ -121,6 +122,7 @@ def _refused(capsys, monkeypatch, tmp_path, argv):
     return err
 
 
+@pytest.mark.needs_package("tensorboard")  # the package is checked first
 def test_a_tensorboard_dir_that_is_a_file_is_refused_before_anything_starts(capsys, monkeypatch, tmp_path):
     (tmp_path / "board").write_text("not a folder")
     err = _refused(capsys, monkeypatch, tmp_path, ["--tensorboard-dir", "board"])
