@@ -141,7 +141,7 @@ def evaluate(args, ps) -> dict:
             from ..data.fingerprint import check_sidecar
             note = check_sidecar(args.input[0], tokenizer, "the checkpoint's tokenizer (or --tokenizer-model)")
             if note and ps.rank == 0:
-                print(note, flush=True)
+                print(note, file=sys.stderr, flush=True)  # stdout may be --json
     seq = args.seq_length or model.config.seq_length
     if seq > model.config.seq_length:
         raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
