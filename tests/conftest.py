@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -37,3 +38,54 @@ def _cache_in_a_temporary_folder(tmp_path_factory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+# The optional packages a test may need (``@pytest.mark.needs_package("tensorboard", ...)``), each with the
+# command that installs it as the README says. Without one, the test is skipped with that command as its
+# reason; with ``--require-optional`` (the second pass of .ci/run, once they are installed) it fails instead.
+OPTIONAL_PACKAGES = {
+    "tensorboard": 'pip install -e ".[loggers]"',
+    "wandb": 'pip install -e ".[loggers]"',
+    "pyarrow": 'pip install -e ".[parquet]"',
+    "datasets": "pip install datasets",
+    "megatron.core": "pip install --no-deps megatron-core==0.16.1 && pip install numpy packaging psutil",
+    "deepspeed": 'pip install --no-build-isolation "deepspeed>=0.14"',
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--require-optional", action="store_true",
+                     help="a test marked needs_package whose package is missing fails instead of skipping "
+                          "(and so does any other skip of such a test for a package that cannot be imported)")
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package ("megatron" of "megatron.core") is missing
+        return False
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs_package"):
+        unknown = [n for n in mark.args if n not in OPTIONAL_PACKAGES]
+        assert not unknown, f"needs_package({unknown}): not in tests/conftest.py's OPTIONAL_PACKAGES"
+        missing = [n for n in mark.args if not _installed(n)]
+        if missing:
+            reason = "; ".join(f"needs the optional package {n} ({OPTIONAL_PACKAGES[n]})" for n in missing)
+            if item.config.getoption("--require-optional"):
+                pytest.fail(f"--require-optional: {reason}", pytrace=False)
+            pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``--require-optional``, a needs_package test that skips anyway because an import failed
+    (``pytest.importorskip`` inside it) is a failure: the pass exists to run these tests."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and item.config.getoption("--require-optional")
+            and item.get_closest_marker("needs_package") is not None):
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if "could not import" in reason or "not installed" in reason:
+            report.outcome, report.longrepr = "failed", f"--require-optional: skipped: {reason}"

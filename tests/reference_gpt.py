@@ -145,7 +145,7 @@ def train_reference(model: ReferenceGPT, batches, *, lr: float, min_lr: float, w
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([dict(params=matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)],
                             lr=0.0, betas=betas, eps=eps)
-    losses, norms = [], []
+    losses, norms, fp32_norms = [], [], []
     for step, batch in enumerate(batches):
         logits = model(batch["tokens"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
@@ -154,10 +154,22 @@ def train_reference(model: ReferenceGPT, batches, *, lr: float, min_lr: float, w
         # the global norm accumulated in fp64 (in fp32 it is off by ~1e-5 relative over 1e5 elements)
         grads = [p.grad.double() for p in model.parameters()]
         norm = torch.nn.utils.get_total_norm(grads)
+        fp32_norms.append(fp32_reduced_norms([p.grad for p in model.parameters()]))
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         norms.append(norm.item())
         for group in opt.param_groups:
             group["lr"] = megatron_lr(step, lr, min_lr, warmup, decay, style)
         opt.step()
         losses.append(loss.item())
-    return dict(losses=losses, grad_norms=norms, params=model.as_tnlg())
+    return dict(losses=losses, grad_norms=norms, fp32_reduced_norms=fp32_norms, params=model.as_tnlg())
+
+
+def fp32_reduced_norms(grads: list[torch.Tensor]) -> list[float]:
+    """The same global norm with each tensor's sum of squares reduced in fp32 by two kernels (BLAS's
+    ``torch.dot`` and ``torch.linalg.vector_norm``), the per-tensor sums added in fp64: how far an fp32
+    reduction of these very gradients lands from their fp64 norm on this CPU (its vector width and
+    blocking set the rounding)."""
+    flats = [g.detach().float().flatten() for g in grads]
+    dot = sum(torch.dot(f, f).double() for f in flats)
+    vec = sum(torch.linalg.vector_norm(f).double() ** 2 for f in flats)
+    return [math.sqrt(dot.item()), math.sqrt(vec.item())]

@@ -149,3 +149,36 @@ def test_only_the_console_entry_reads_sys_argv():
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "argv"
                  and isinstance(n.value, ast.Name) and n.value.id == "sys"]
         assert not reads, f"{path.relative_to(ROOT)} reads sys.argv at line(s) {reads}"
+
+
+# (a phrase of a row of the README's capabilities table, the sub-command that row names, what that
+# sub-command's one-line description in `tnlg --help` must say of it)
+README_CAPABILITIES = [
+    ("pretraining: ZeRO 0-3", "pretrain", "ZeRO 0-3"), ("pipeline parallelism: PP x TP x DP", "pretrain", "PP"),
+    ("JSONL, text, Parquet and `datasets` folders", "preprocess", "Parquet or `datasets` folders"),
+    ("Megatron `.bin/.idx`", "preprocess", "Megatron .bin/.idx"),
+    ("Megatron-LM checkpoints in and out", "convert", "Megatron-LM"), ("HF", "convert", "Hugging Face"),
+    ("resharding", "convert", "reshard"), ("WikiText ppl", "eval", "WikiText perplexity"),
+    ("LAMBADA", "eval", "LAMBADA accuracy"), ("dataset loss", "eval", "dataset loss"),
+    ("perplexity of any text files", "eval", "perplexity of text files"),
+    ("TP x PP generation with a KV cache", "generate", "TP x PP text generation with a KV cache"),
+    ("memory / FLOPs / layout planner", "plan", "memory, FLOPs and layout planner"),
+    ("tokenizers (SentencePiece", "train-tokenizer", "SentencePiece"),
+]
+
+
+def test_help_describes_each_command_as_the_readmes_capabilities_table():
+    """Each row of the README's capabilities table and the one-line description of the sub-command it names
+    say the same thing (pipelines in pretrain, Parquet in preprocess, Megatron in convert, text in eval)."""
+    import pathlib
+    from tnlg.cli import COMMANDS
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("## Contents", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    for phrase, command, said in README_CAPABILITIES:
+        row = next((r for r in rows if phrase in r), None)
+        assert row is not None, f"no row of the README's capabilities table says {phrase!r}"
+        assert f"tnlg {command}" in row, f"the README's row with {phrase!r} does not name tnlg {command}: {row}"
+        assert said in COMMANDS[command][1], f"tnlg {command}'s description lacks {said!r}: {COMMANDS[command][1]}"
+    named = {c for r in rows for c in COMMANDS if f"`tnlg {c}" in r or f"tnlg {c}`" in r or f", {c}" in r}
+    assert named >= {"pretrain", "preprocess", "convert", "eval", "generate", "plan", "train-tokenizer", "data"}

@@ -114,4 +114,5 @@ def test_preprocess_output_prefix_named_by_a_file(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "To be, or not to be"}\n', encoding="utf-8")
     s = preprocess([str(tmp_path / "d.jsonl")], str(tmp_path / "out" / "x.bin"), "builtin", progress=False)
     assert s["outputs"] == {"text": str(tmp_path / "out" / "x_text_document")}
-    assert sorted(os.listdir(tmp_path / "out")) == ["x_text_document.bin", "x_text_document.idx"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["x_text_document.bin", "x_text_document.idx",
+                                                    "x_text_document.tnlg-tokenizer.json"]

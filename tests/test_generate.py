@@ -353,3 +353,23 @@ def test_continuation_is_the_rest_of_the_whole_decoding(tmp_path):
 def load_tokenizer_spm():
     from tnlg.data.tokenizer import load_tokenizer
     return load_tokenizer(SPM_MODEL)
+
+
+def test_the_readmes_load_snippet_runs_as_written(hf_folder, tmp_path, monkeypatch):
+    """README's "The model" shows ``tnlg.load(...)`` then ``tnlg.gather_logits``: run that snippet verbatim on a
+    folder at its path (here a Hugging Face GPT-2 folder); its logits are transformers' own."""
+    import re
+    import shutil
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    snippet = next(s for s in re.findall(r"```python\n(.*?)```", readme, re.S) if "tnlg.load(" in s)
+    path = re.search(r'tnlg\.load\("([^"]+)"\)', snippet).group(1)
+    folder, hf = hf_folder
+    shutil.copytree(folder, tmp_path / path)
+    monkeypatch.chdir(tmp_path)
+    scope = {"tnlg": tnlg, "torch": torch}
+    exec(compile("\n".join(line[2:] if line.startswith("  ") else line for line in snippet.splitlines()), "README", "exec"),
+         scope)
+    with torch.no_grad():
+        want = hf(scope["tokens"]).logits
+    assert scope["logits"].shape == want.shape
+    torch.testing.assert_close(scope["logits"], want, rtol=1e-5, atol=1e-5)

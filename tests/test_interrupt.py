@@ -74,7 +74,8 @@ def _wait_for(condition, proc, lines, timeout=240):
 
 def _message(out, sig, launcher_traceback=False):
     """The one message rank 0 printed; no traceback anywhere (with ``launcher_traceback``: but torchrun's
-    own, which ends its process on a signal with the SignalException torch raises in it)."""
+    own, which ends its process on a signal with the SignalException torch raises in it). Its command: the
+    short one (``--save DIR --use-checkpoint-args``) it leads with, the full one in the parentheses after."""
     if launcher_traceback:
         assert out.count("Traceback") == 1 and out.rstrip().endswith(f"got signal: {int(sig)}"), out[-4000:]
         out = out[:out.index("Traceback")]
@@ -82,9 +83,12 @@ def _message(out, sig, launcher_traceback=False):
     found = [line for line in out.splitlines() if f"interrupted ({sig.name})" in line]
     assert len(found) == 1, out[-4000:]  # one message, from rank 0 only
     m = re.search(r"interrupted \(\w+\) at iteration (\d+) of \d+; the last checkpoint is iteration (\d+) in "
-                  r"(\S+?)( \(saved now\))?\. Resume with: (.+)$", found[0])
+                  r"(\S+?)( \(saved now\))?\. Resume with: (tnlg pretrain --save \S+ --use-checkpoint-args"
+                  r"(?: --nproc-per-node \d+)?) \(every flag spelled out: (tnlg pretrain .+?)\)"
+                  r"( \(under torchrun: the same torchrun command with these arguments\))?$", found[0])
     assert m, found[0]
-    return int(m.group(1)), int(m.group(2)), m.group(3), bool(m.group(4)), m.group(5)
+    assert m.group(5).split()[3] == m.group(3), found[0]  # the folder it saved in
+    return int(m.group(1)), int(m.group(2)), m.group(3), bool(m.group(4)), m.group(5), m.group(6), m.group(7)
 
 
 def _resume(command, cwd):
@@ -113,10 +117,11 @@ def test_ctrl_c_saves_the_current_iteration_and_the_resume_continues_exactly(tmp
     rc, out = _interrupted_run(["--nproc-per-node", "2", *_flags(**BUILTIN_JOB, plot=None)], tmp_path,
                                signal.SIGINT, lambda: True)
     assert rc == 128 + signal.SIGINT, out[-3000:]
-    n, m, folder, saved, command = _message(out, signal.SIGINT)
+    n, m, folder, saved, command, full, _ = _message(out, signal.SIGINT)
     assert folder.startswith("runs/pretrain-") and saved and m == n < ITERS, out[-3000:]
     assert ck.list_iterations(str(tmp_path / folder)) == [n]  # the one checkpoint: Ctrl-C's
-    assert f"--save {folder}" in command and "--nproc-per-node 2" in command
+    assert command == f"tnlg pretrain --save {folder} --use-checkpoint-args --nproc-per-node 2", command
+    assert f"--save {folder}" in full and "--nproc-per-node 2" in full
 
     out = _resume(command, tmp_path)
     assert f"at iteration {m} (" in out, out[-3000:]
@@ -152,9 +157,9 @@ def test_ctrl_c_under_torchrun_saves_and_names_the_torchrun_command(tmp_path):
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     rc, out = _interrupted_run(_flags(tensor_model_parallel_size=1, save=str(save)), tmp_path, signal.SIGINT,
                                lambda: True, launcher=torchrun)
-    n, m, folder, saved, command = _message(out, signal.SIGINT, launcher_traceback=True)
+    n, m, folder, saved, command, _, torchrun_note = _message(out, signal.SIGINT, launcher_traceback=True)
     assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)
-    assert command.endswith("(under torchrun: the same torchrun command with these arguments)"), command
+    assert torchrun_note and "--nproc-per-node" not in command, command  # torchrun's own says how many
     assert rc != 0  # torchrun's own exit status for a signal
 
 
@@ -167,7 +172,7 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
                                                                  save=str(save))], tmp_path, signal.SIGTERM,
                                lambda: ck.read_latest(str(save)) is not None)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
-    n, m, folder, saved, command = _message(out, signal.SIGTERM)
+    n, m, folder, saved, _, command, _ = _message(out, signal.SIGTERM)  # the full command resumes too
     assert saved and n == m == ck.read_latest(str(save)) and folder == str(save)
     _resume(command, tmp_path)
     _check_metrics(save / "metrics.jsonl")
@@ -195,5 +200,5 @@ def test_sighup_to_one_process_saves_like_ctrl_c(tmp_path):
                                                                  save=str(save))],
                                tmp_path, signal.SIGHUP, lambda: True)
     assert rc == 128 + signal.SIGHUP, out[-3000:]
-    n, m, folder, saved, _ = _message(out, signal.SIGHUP)
+    n, m, folder, saved, *_ = _message(out, signal.SIGHUP)
     assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)

@@ -77,6 +77,7 @@ def _wandb_series(run_dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_package("tensorboard", "wandb")
 def test_tensorboard_and_wandb_get_the_scalars_of_metrics_jsonl_across_a_resume(tmp_path):
     """Two gloo processes, 4 iterations then a resume to 8: TensorBoard and the offline W&B runs hold,
     for every scalar of metrics.jsonl, its value at every iteration (validations at 0, 3, 4, 6 and 8);
@@ -88,6 +89,9 @@ def test_tensorboard_and_wandb_get_the_scalars_of_metrics_jsonl_across_a_resume(
             "--wandb-exp-name", "exp", "--wandb-save-dir", "wb"]
     out = _pretrain([*base, "--train-iters", "4"], tmp_path)
     assert re.search(r"iter +3/4 .* \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$", out, re.M), out[-3000:]
+    # iterations 2-3: the loss a mean over them, the gradient norm iteration 3's (metrics.jsonl's)
+    line = re.search(r"iter +3/4 .*\| loss \(mean of 2\) (\S+) \| grad norm \(this iter\) (\S+) \|", out)
+    assert line, out[-3000:]
     out = _pretrain([*base, "--train-iters", "8"], tmp_path)
     assert "at iteration 4 (" in out, out[-3000:]
 
@@ -95,6 +99,8 @@ def test_tensorboard_and_wandb_get_the_scalars_of_metrics_jsonl_across_a_resume(
     assert [i for i, _ in expected["train/loss"]] == list(range(1, 9))
     assert [i for i, _ in expected["valid/ppl"]] == [0, 3, 4, 6, 8]
     assert read_curves(str(tmp_path / "run" / "metrics.jsonl"))["resumed"] == [4]
+    loss, norm = dict(expected["train/loss"]), dict(expected["train/grad_norm"])
+    assert abs(float(line[1]) - (loss[2] + loss[3]) / 2) <= 5e-5 and abs(float(line[2]) - norm[3]) <= 5e-4, line[0]
 
     assert len(os.listdir(tmp_path / "tb")) == 2  # one event file per launch: rank 0 only
     board = _tensorboard_series(tmp_path / "tb")
@@ -121,6 +127,7 @@ def _refused(capsys, monkeypatch, tmp_path, argv):
     return err
 
 
+@pytest.mark.needs_package("tensorboard")  # the package is checked first
 def test_a_tensorboard_dir_that_is_a_file_is_refused_before_anything_starts(capsys, monkeypatch, tmp_path):
     (tmp_path / "board").write_text("not a folder")
     err = _refused(capsys, monkeypatch, tmp_path, ["--tensorboard-dir", "board"])

@@ -17,8 +17,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install --no-deps "
-                    "megatron-core==0.16.1): the Megatron checkpoint tests need it as their reference")
+pytestmark = pytest.mark.needs_package("megatron.core")  # the reference: megatron-core itself
 
 from tnlg.checkpoint.loading import load_for_inference  # noqa: E402
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402

@@ -16,8 +16,7 @@ optimizer loads into a tnlg pipeline (PP 2) by name.
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install --no-deps "
-                    "megatron-core==0.16.1): the Megatron optimizer tests need it as their reference")
+pytestmark = pytest.mark.needs_package("megatron.core")  # the reference: megatron-core itself
 
 from tnlg.checkpoint.files import read_meta  # noqa: E402
 from tnlg.checkpoint.loading import read_states  # noqa: E402

@@ -261,3 +261,13 @@ def test_pipeline_time_is_m_plus_p_minus_1_slots_of_the_slowest_stage():
     slot = (2 * layer + 3 * 2 * s * h * v_pad) / (100e12 * 0.5)  # the last stage: 2 layers and the logits
     t = pipeline_time(cfg, pipeline_plan(cfg, 1, 4, 1, 0, "fp16", 1, 16), hw, 1, 1, 0, "fp16", 1, False)
     assert t["time_per_iteration_s"] == pytest.approx((16 + 3) * slot, rel=1e-6)
+
+
+def test_a_pipeline_plan_leads_with_the_layout_asked_for(capsys):
+    """``tnlg plan --pp 4 --tp 4 --world-size 256``: the per-stage table of PP 4 x TP 4 x DP 16 comes first,
+    the whole model on one stage (TP 4 x DP 16 = 64 GPUs) after it, headed as such."""
+    from tnlg.cli import main
+    assert main(["plan", "--preset", "tnlg-17b", "--pp", "4", "--tp", "4", "--world-size", "256"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("per pipeline stage (PP 4 x TP 4 x DP 16 = 256 GPUs"), out[:300]
+    assert out.index("<- heaviest") < out.index("the whole model on one stage, without a pipeline:")

@@ -39,7 +39,8 @@ def test_reproduces_megatron_shakespeare_fixture(tmp_path, workers):
     assert _sha(prefix + ".bin") == expected["bin_sha256"]
     assert _sha(prefix + ".idx") == expected["idx_sha256"]
     assert sorted(os.listdir(tmp_path / "out")) == ["shakespeare_spm_text_document.bin",
-                                                    "shakespeare_spm_text_document.idx"]
+                                                    "shakespeare_spm_text_document.idx",
+                                                    "shakespeare_spm_text_document.tnlg-tokenizer.json"]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -191,7 +192,8 @@ def test_builtin_corpus_prepare_is_concurrent_safe_and_idempotent(tmp_path, caps
     assert tok_path == str(TOKENIZER_MODEL) and prefix.startswith(str(tmp_path / "cache"))
     folder = os.path.dirname(prefix)
     assert sorted(p for p in os.listdir(folder) if not p.startswith(".")) == [
-        "manifest.json", "shakespeare_milton_text_document.bin", "shakespeare_milton_text_document.idx"]
+        "manifest.json", "shakespeare_milton_text_document.bin", "shakespeare_milton_text_document.idx",
+        "shakespeare_milton_text_document.tnlg-tokenizer.json"]
     ds = IndexedDataset(prefix)
     docs = list(corpus_documents())
     assert ds.num_documents == len(docs) == 49 and ds.dtype == np.uint16
@@ -230,3 +232,34 @@ def test_a_jsonl_line_no_tokenizer_can_take_is_refused_with_its_line(tmp_path, c
         err = capsys.readouterr().err
         assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err, err
         assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the tokenizer's record
+def test_the_tokenizer_is_recorded_beside_the_data_and_a_mismatch_is_refused(tmp_path, capsys, monkeypatch):
+    """preprocess writes PREFIX.tnlg-tokenizer.json (Megatron's two files unchanged: the shakespeare fixture
+    test above); pretrain refuses data of another tokenizer with the same vocabulary size, naming both, before
+    anything starts; data without the record trains with a one-line note."""
+    from tests.tiny import tiny_flags
+    from tnlg.data.fingerprint import SIDECAR_SUFFIX, check_sidecar
+    from tnlg.data.tokenizer import train_sentencepiece
+    corpus = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    corpus[0].write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 20))
+    corpus[1].write_text("".join(json.dumps({"text": d[::-1].upper()}) + "\n" for d in DOCS * 20))
+    toks = [train_sentencepiece([str(c)], 300, tmp_path / c.stem) for c in corpus]
+    assert load_tokenizer(toks[0]).vocab_size == load_tokenizer(toks[1]).vocab_size
+    out = preprocess([str(corpus[0])], tmp_path / "d", toks[0], append_eod=True, progress=False)
+    prefix = out["outputs"]["text"]
+    record = json.loads(Path(prefix + SIDECAR_SUFFIX).read_text())
+    assert record == {"kind": "sentencepiece", "vocab_size": 300, "sha256": _sha(toks[0])}
+    assert check_sidecar(prefix, load_tokenizer(toks[0])) is None
+
+    monkeypatch.chdir(tmp_path)
+    flags = tiny_flags(data_path=[prefix], tokenizer_model=toks[1], tensor_model_parallel_size=1)
+    assert main(["pretrain", "--nproc-per-node", "1", *flags, "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "was tokenized with another tokenizer" in err and toks[1] in err and prefix + SIDECAR_SUFFIX in err, err
+    assert not (tmp_path / "runs").exists()
+
+    os.remove(prefix + SIDECAR_SUFFIX)  # as Megatron writes it: accepted, with a note
+    note = check_sidecar(prefix, load_tokenizer(toks[1]))
+    assert note.startswith(f"note: {prefix} has no {SIDECAR_SUFFIX}") and "\n" not in note

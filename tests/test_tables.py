@@ -10,8 +10,13 @@ from tnlg.cli import main
 from tnlg.data.preprocess import preprocess
 from tnlg.errors import UserError
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+try:  # optional (tnlg[parquet]): without it every test here skips, naming the install command
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+except ImportError:
+    pa = pq = None
+
+pytestmark = pytest.mark.needs_package("pyarrow")
 
 # the documents (empty ones too: skipped alike) and a second text column
 DOCS = ["First document.\nWith two lines.\n", "  leading spaces, trailing spaces  ", "", "\n\n\nnewlines first",
@@ -46,7 +51,7 @@ def _parquet(path, row_group_size=4, large=False):
 
 
 def _datasets_folder(path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     ds = datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS, "title": TITLES})
     ds.save_to_disk(str(path), num_shards=2)  # two Arrow files
     return str(path)
@@ -56,6 +61,7 @@ def _outputs(s):
     return {k: (_sha(p + ".bin"), _sha(p + ".idx")) for k, p in s["outputs"].items()}
 
 
+@pytest.mark.needs_package("datasets")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_parquet_and_datasets_folder_match_jsonl_byte_for_byte(tmp_path, workers):
     keys = ["text", "title"]
@@ -109,8 +115,9 @@ def test_bad_tables_are_one_clear_error_and_write_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.needs_package("datasets")
 def test_datasets_dict_folder_names_its_splits(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
     datasets.DatasetDict(train=ds, validation=ds).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(UserError, match=r"DatasetDict \(splits \['train', 'validation'\]\); pass one split's folder"):

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GPTConfig": "config", "partition_sizes": "config",
     "GPT": "model", "KVCache": "model", "gather_logits": "parallel", "parameter_counts": "plan.counts",
-    "generate": "generation", "generate_ids": "generation",
+    "generate": "generation", "generate_ids": "generation", "load": "generation.loading",
     "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
     "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel", "init_parallel": "parallel",
     "vocab_parallel_cross_entropy": "parallel",
@@ -24,7 +24,7 @@ _EXPORTS = {
 __all__ = ["GPTConfig", "GPT", "KVCache", "ParallelState", "init_parallel", "destroy_parallel",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "gather_logits", "parameter_counts", "partition_sizes",
-           "generate", "generate_ids"]
+           "generate", "generate_ids", "load"]
 
 
 # subpackages and modules reachable as ``tnlg.NAME`` after a plain ``import tnlg`` (imported on first use)
@@ -49,7 +49,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import GPTConfig, partition_sizes
-    from .generation.generate import generate, generate_ids
+    from .generation import generate, generate_ids
+    from .generation.loading import load
     from .model import GPT, KVCache
     from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
                            destroy_parallel, gather_logits, init_parallel, vocab_parallel_cross_entropy)

@@ -36,17 +36,18 @@ from .runtime.process_exit import destroy_process_groups, leave
 # name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("tnlg.commands.pretrain",
-                 "pretrain a GPT: TP x DP with ZeRO (no other arguments: the built-in small job)"),
+                 "pretrain a GPT: TP x PP x DP with ZeRO 0-3 (no other arguments: the built-in small job)"),
     "demo": ("tnlg.commands.demo", "tensor-parallel demo: per-rank shards checked against one process"),
     "plan": ("tnlg.commands.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
     "train-tokenizer": ("tnlg.commands.data", "train a SentencePiece BPE tokenizer (exact round trip by default)"),
-    "preprocess": ("tnlg.commands.data", "tokenize .jsonl/.txt into Megatron .bin/.idx files"),
+    "preprocess": ("tnlg.commands.data", "tokenize .jsonl/.txt, Parquet or `datasets` folders into Megatron .bin/.idx files"),
     "data": ("tnlg.commands.data", "built-in corpus (prepare) and .bin/.idx checks (info)"),
     "convert": ("tnlg.commands.convert",
-                "convert Hugging Face GPT-2 <-> tnlg checkpoints; reshard a checkpoint offline"),
+                "convert Hugging Face GPT-2 and Megatron-LM <-> tnlg checkpoints; reshard a checkpoint offline"),
     "checkpoint": ("tnlg.commands.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
-    "eval": ("tnlg.commands.eval", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss"),
-    "generate": ("tnlg.commands.generate", "tensor-parallel text generation with a KV cache (greedy, top-k, top-p)"),
+    "eval": ("tnlg.commands.eval", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss, "
+                                   "perplexity of text files (text)"),
+    "generate": ("tnlg.commands.generate", "TP x PP text generation with a KV cache (greedy, top-k, top-p)"),
 }
 
 

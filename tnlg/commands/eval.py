@@ -137,6 +137,11 @@ def evaluate(args, ps) -> dict:
             args.reset_position_ids or args.reset_attention_mask:  # the loss task needs it for eod only
         tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
         check_tokenizer_fits(tokenizer, model)
+        if args.task == "loss":
+            from ..data.fingerprint import check_sidecar
+            note = check_sidecar(args.input[0], tokenizer, "the checkpoint's tokenizer (or --tokenizer-model)")
+            if note and ps.rank == 0:
+                print(note, file=sys.stderr, flush=True)  # stdout may be --json
     seq = args.seq_length or model.config.seq_length
     if seq > model.config.seq_length:
         raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")

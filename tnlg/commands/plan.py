@@ -420,9 +420,11 @@ def run(args) -> int:
         text = format_plan(result)
         if args.pp > 1:
             result["pipeline"] = _pipeline(args, model, layout, hw, train_tokens)
-            text += (f"\n\nper pipeline stage (PP {args.pp} x TP {layout.tp} x DP {layout.dp} = "
-                     f"{result['pipeline']['gpus']} GPUs; the table above is the whole model on one stage):\n"
-                     + format_pipeline(result["pipeline"]))
+            # the layout asked for first; the table of the whole model on one stage after it
+            text = (f"per pipeline stage (PP {args.pp} x TP {layout.tp} x DP {layout.dp} = "
+                    f"{result['pipeline']['gpus']} GPUs; the table below is the whole model on one stage):\n"
+                    + format_pipeline(result["pipeline"]) + "\n\nthe whole model on one stage, without a pipeline:\n"
+                    + text)
         elif args.pipeline_schedule != "1f1b" or args.layers_per_chunk is not None:
             raise UserError("--pipeline-schedule and --num-layers-per-virtual-pipeline-stage describe a pipeline: "
                             "give --pipeline-model-parallel-size P > 1 with them, or drop them.")

@@ -94,6 +94,9 @@ def _run(args) -> int:
     if o.data.data_path is None:  # the built-in corpus: prepared here once, found by the workers
         prefix, tok = default_dataset()
         o.data.data_path, o.data.tokenizer_model = [prefix], o.data.tokenizer_model or tok
+        data_notes = []
+    else:
+        data_notes = _check_data_tokenizer(o)  # a mismatch refused here, before any worker starts
     if nproc is not None and nproc > 1 and not under_launcher():
         check_resume(o)  # a checkpoint that does not match: reported here, before any worker starts
         extra = []
@@ -103,7 +106,7 @@ def _run(args) -> int:
         if not hasattr(args, "nproc_per_node"):
             extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
         return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.parallel.max_restarts or 0)
-    notes = ([note] if note else []) + describe(o.checkpoint_args)  # (a launching process said none of these)
+    notes = ([note] if note else []) + data_notes + describe(o.checkpoint_args)  # (a launcher said none of these)
     if notes and is_rank0():
         print("\n".join(notes), flush=True)
     summary = train(o)
@@ -119,6 +122,17 @@ def _run(args) -> int:
     # a worker that stopped as asked exits 0 (a launcher would count anything else as a failure and restart
     # the group); a lone process exits as shells expect of a signalled command
     return 128 + int(signal.Signals[stopped["signal"]]) if stopped and not under_launcher() else 0
+
+
+def _check_data_tokenizer(o) -> list[str]:
+    """Each ``--data-path`` dataset's recorded tokenizer against ``--tokenizer-model``
+    (:mod:`tnlg.data.fingerprint`): a :class:`UserError` on a mismatch, a note for data without a record."""
+    from ..data.fingerprint import check_sidecar
+    from ..data.gpt_dataset import parse_data_path
+    from ..data.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(o.data.tokenizer_model)
+    notes = [check_sidecar(p, tokenizer) for p in parse_data_path(o.data.data_path)[0]]
+    return [n for n in notes if n]
 
 
 def _checkpoint_root(path: str) -> str:
@@ -194,5 +208,11 @@ def _interrupted_message(info: dict, o: Options, args) -> str:
     where = (f"the last checkpoint is iteration {last} in {save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {save} yet, so a resume starts over")
     torchrun = under_launcher() and not hasattr(args, "nproc_per_node")
-    return (f"{head}; {where}. Resume with: {resume_command(args, o)}"
+    how = resume_command(args, o)
+    if last is not None:  # the options the checkpoint recorded; the processes are this launch's, not recorded
+        nproc = getattr(args, "nproc_per_node", None)
+        short = f"tnlg pretrain --save {shlex.quote(save)} --use-checkpoint-args" + (
+            f" --nproc-per-node {nproc}" if nproc is not None else "")
+        how = f"{short} (every flag spelled out: {how})"
+    return (f"{head}; {where}. Resume with: {how}"
             + (" (under torchrun: the same torchrun command with these arguments)" if torchrun else ""))

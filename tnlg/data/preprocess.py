@@ -36,6 +36,7 @@ from ..errors import UserError
 from .indexed import IndexedDatasetBuilder, best_dtype, data_file_path, dataset_prefix, index_file_path
 from .inputs import TABLE_KINDS, InputFile, check_inputs, iter_documents, parse_json_line, read_txt
 from .tables import iter_table_rows
+from .fingerprint import write_sidecar
 from .tokenizer import Tokenizer, load_tokenizer
 
 # check_inputs, iter_documents and InputFile live in .inputs (tokenizer training reads inputs too)
@@ -166,6 +167,7 @@ def preprocess(inputs: Sequence[Union[str, Path]], output_prefix: Union[str, Pat
         docs, empty, tokens = _append(builders, results, bar, start)
         for builder, p in zip(builders, prefixes):
             builder.finalize(index_file_path(p))
+            write_sidecar(p, tok)  # the tokenizer's fingerprint, beside Megatron's files (left as Megatron's)
     except BaseException:
         for builder in builders:
             builder.abort()

@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..interop.hf import from_hf
 from ..parallel.state import ParallelState
 
-__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model",
+__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
            "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
@@ -91,6 +91,14 @@ def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
         model, spec = load_for_inference(checkpoint, ps, tokenizer_override=tokenizer_model)
     model.eval()
     return model, spec
+
+
+def load(checkpoint: str, ps: ParallelState | None = None):
+    """The model of a tnlg checkpoint folder or a Hugging Face GPT-2 folder, sharded for ``ps`` (one
+    process, :meth:`ParallelState.single`, when None), in eval mode: ``model(tokens)`` gives this rank's
+    vocabulary shard of the logits ``[b, s, vocab / tp]``, :func:`tnlg.gather_logits` the full ones.
+    Collectives: as :func:`load_model` (none for a Hugging Face folder)."""
+    return load_model(checkpoint, ParallelState.single() if ps is None else ps)[0]
 
 
 def resolve_tokenizer(tokenizer_model, spec, checkpoint: str):

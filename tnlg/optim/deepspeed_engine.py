@@ -67,7 +67,7 @@ from .zero import MiB, default_decay
 __all__ = ["build_deepspeed_engine", "DeepSpeedBackend", "DeepSpeedModel", "TnlgMPU",
            "check_deepspeed_options", "deepspeed_available", "INSTALL_HINT"]
 
-INSTALL_HINT = 'pip install -e ".[deepspeed]"'
+INSTALL_HINT = 'pip install --no-build-isolation "deepspeed>=0.14"'  # builds against the torch installed
 
 
 def deepspeed_available() -> bool:

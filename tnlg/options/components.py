@@ -118,7 +118,7 @@ class ParallelOptions:
                              "2: + gradients; 3: + parameters (2/3 via FSDP2)")
     zero_impl: str = option("tnlg", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (our own "
                             "for 0/1, FSDP2 for 2/3) or deepspeed (DeepSpeed's ZeRO 1-3 over our DP group; "
-                            "optional extra: pip install -e \".[deepspeed]\")")
+                            "optional: pip install --no-build-isolation \"deepspeed>=0.14\")")
     nproc_per_node: Optional[int] = option(None, help="launch this many local processes (torch's elastic "
                                            "launcher) unless already under torchrun",
                                            every=f"one per GPU when GPUs are present, else {DEFAULT_NPROC}")

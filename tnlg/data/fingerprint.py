@@ -1,0 +1,70 @@
+"""The tokenizer a dataset was written with: a small JSON sidecar beside Megatron's ``.bin/.idx``.
+
+``tnlg preprocess`` writes ``PREFIX.tnlg-tokenizer.json`` next to ``PREFIX.bin`` and ``PREFIX.idx``
+(which stay byte-identical to Megatron's): the tokenizer's kind, vocabulary size and the sha256 of
+its model file(s) (their contents, not their paths). ``tnlg pretrain`` and ``tnlg eval --task loss``
+compare it with the tokenizer they were given and refuse a mismatch, naming both: two tokenizers
+with the same vocabulary size would otherwise train on ids that mean other words, silently.
+Data without a sidecar (written by Megatron, or by an older tnlg) is accepted with a one-line note.
+No collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from ..errors import UserError
+from ..io import atomic_write
+
+__all__ = ["SIDECAR_SUFFIX", "sidecar_path", "fingerprint", "write_sidecar", "check_sidecar"]
+
+SIDECAR_SUFFIX = ".tnlg-tokenizer.json"
+_KEYS = ("kind", "vocab_size", "sha256")
+
+
+def sidecar_path(prefix: str) -> str:
+    return os.fspath(prefix) + SIDECAR_SUFFIX
+
+
+def fingerprint(tokenizer) -> dict:
+    """``{kind, vocab_size, sha256}`` of a loaded tokenizer (:meth:`Tokenizer.describe` without its path)."""
+    spec = tokenizer.describe()
+    return {"kind": spec.get("kind", type(tokenizer).__name__), "vocab_size": tokenizer.vocab_size,
+            "sha256": spec.get("sha256")}
+
+
+def write_sidecar(prefix: str, tokenizer) -> str:
+    """Write ``PREFIX.tnlg-tokenizer.json`` (atomically); return its path."""
+    path = sidecar_path(prefix)
+    atomic_write(path, json.dumps(fingerprint(tokenizer), indent=1) + "\n")
+    return path
+
+
+def _describe(fp: dict) -> str:
+    sha = fp["sha256"] if isinstance(fp["sha256"], str) else "+".join(map(str, fp["sha256"] or ["none"]))
+    return f"{fp['kind']}, {fp['vocab_size']} tokens, sha256 {sha[:16]}..."
+
+
+def check_sidecar(prefix: str, tokenizer, flag: str = "--tokenizer-model") -> Optional[str]:
+    """``None`` when ``prefix``'s sidecar names ``tokenizer``; a one-line note when there is no sidecar;
+    a :class:`UserError` naming both tokenizers when they differ (or when the sidecar is unreadable)."""
+    path = sidecar_path(prefix)
+    if not os.path.exists(path):
+        return (f"note: {prefix} has no {SIDECAR_SUFFIX} (not written by `tnlg preprocess`): its tokenizer "
+                f"cannot be checked against {flag}.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+        recorded = {k: recorded[k] for k in _KEYS}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a tokenizer record written by `tnlg preprocess` ({e}); delete it to "
+                        f"use {prefix} without the check, or preprocess the data again.") from None
+    given = fingerprint(tokenizer)
+    if recorded != given:
+        raise UserError(f"dataset {prefix} was tokenized with another tokenizer ({_describe(recorded)}, recorded "
+                        f"in {path}) than {flag} {tokenizer.describe().get('path')!r} ({_describe(given)}): its "
+                        f"token ids would mean other words. Pass the tokenizer the data was preprocessed with, or "
+                        f"preprocess the data again with this one.")
+    return None
