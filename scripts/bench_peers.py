@@ -26,8 +26,11 @@ the ratios tnlg / megatron-core and tnlg / transformers; the JSON keeps every st
 
 ``--competing-load N`` runs N extra processes for the whole benchmark, each multiplying two fp32
 ``512 x 512`` matrices on one thread in a loop: the oversubscribed machine a shared workstation or CI
-runner is. It is the check that tnlg's step does not collapse under load while megatron-core's degrades
-gracefully (OpenMP's spin-waiting threads did that: see ``tnlg/runtime/threads.py``).
+runner is. It is the check that tnlg's step does not collapse under load (libgomp's spin-waiting threads
+did that: ``tnlg/runtime/threads.py``). Each framework runs as it ships: tnlg's workers with the OpenMP
+wait setting the ``tnlg`` command sets (``GOMP_SPINCOUNT=1000`` unless the user set one), megatron-core's
+and transformers' with the user's environment; ``--omp-default`` runs tnlg without it too (the collapse,
+for comparison). The JSON records each measurement's setting.
 
     python scripts/bench_peers.py                         # about 5 minutes on 2 idle cores
     python scripts/bench_peers.py --competing-load 2      # both cores kept busy by others
@@ -37,7 +40,9 @@ gracefully (OpenMP's spin-waiting threads did that: see ``tnlg/runtime/threads.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from tnlg.errors import UserError
+from tnlg.runtime.threads import WAIT_VARIABLES, set_wait_policy
 
 FRAMEWORKS = ("tnlg", "megatron", "hf")
 PRECISIONS = ("fp32", "bf16", "16-bit")
@@ -198,6 +204,23 @@ def start_load(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
+@contextlib.contextmanager
+def omp_environment(framework: str, omp_default: bool):
+    """The spawned workers' OpenMP wait settings: tnlg's as ``tnlg`` sets them
+    (:func:`tnlg.runtime.threads.set_wait_policy`, unless ``--omp-default``), the others' as the user's."""
+    saved = {k: os.environ.get(k) for k in WAIT_VARIABLES}
+    if framework == "tnlg" and not omp_default:
+        set_wait_policy()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_rounds(a, frameworks) -> dict:
     from tnlg.runtime.spawn import run_distributed
     raw: dict = {}
@@ -207,7 +230,9 @@ def run_rounds(a, frameworks) -> dict:
                 spec = dict(framework=fw, precision=precision, tp=tp, layers=a.layers, hidden=a.hidden,
                             heads=a.heads, seq=a.seq, vocab=a.vocab, batch=a.micro_batch, seed=1234,
                             warmup=a.warmup, steps=a.steps)
-                out = run_distributed(measure, tp, tp, spec, timeout_s=a.timeout, threads=2 if tp == 1 else 1)[0]
+                with omp_environment(fw, a.omp_default):
+                    out = run_distributed(measure, tp, tp, spec, timeout_s=a.timeout, threads=2 if tp == 1 else 1)[0]
+                out["env"] = {k: os.environ.get(k) for k in WAIT_VARIABLES}
                 raw.setdefault(f"{precision} TP {tp}", {}).setdefault(fw, []).append(out)
                 print(f"round {r + 1}: {precision} TP {tp} {fw}: "
                       + " ".join(f"{t * 1e3:.0f}" for t in out["times"]) + " ms", flush=True)
@@ -254,6 +279,9 @@ def parse(argv=None):
     p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     p.add_argument("--competing-load", type=int, default=0, metavar="N",
                    help=f"N processes each multiplying {LOAD_SIZE} x {LOAD_SIZE} fp32 matrices on one thread")
+    p.add_argument("--omp-default", action="store_true",
+                   help="run tnlg with libgomp's default spin-wait too (without tnlg's GOMP_SPINCOUNT): the collapse "
+                        "under --competing-load that the setting fixes")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a measurement may take")
     p.add_argument("--tiny", action="store_true", help="a smoke test: 1 layer, hidden 64, seq 32, vocab 256, 1 round")
     p.add_argument("--json", default="bench_peers.json")

@@ -30,6 +30,7 @@ from .errors import UserError, closest
 from .runtime.failures import arm, is_agreed, report, stopped_by_peer
 from .runtime.launch import under_launcher
 from .runtime.process_exit import destroy_process_groups, leave
+from .runtime.threads import set_wait_policy
 
 # name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -131,6 +132,7 @@ def _finish(status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_wait_policy()  # before torch loads libgomp: OpenMP threads that do not spin a busy machine's cores away
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # bare `tnlg`: what is there, not a 300-iteration job
         build_parser().print_help()
