@@ -236,6 +236,7 @@ def run_rounds(a, frameworks) -> dict:
                 raw.setdefault(f"{precision} TP {tp}", {}).setdefault(fw, []).append(out)
                 print(f"round {r + 1}: {precision} TP {tp} {fw}: "
                       + " ".join(f"{t * 1e3:.0f}" for t in out["times"]) + " ms", flush=True)
+                _bench.write_json(a.json, {"partial": True, "raw": raw}, quiet=True)  # a run cut short keeps these
     return raw
 
 
