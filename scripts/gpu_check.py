@@ -22,8 +22,15 @@
     elements: its result against the eager composite (the same arithmetic), and its time and
     bandwidth (28 bytes per element) against torch's fused AdamW with the upcast before and the
     copy-back after (what the step did before).
+(i) side by side with megatron-core: its ``GPTModel`` (local layer spec; Transformer Engine's where
+    ``transformer_engine`` imports) at the GPT-2-XL shape beside tnlg's, bf16 (each one's 16-bit path:
+    tnlg's 16-bit engine buffers; megatron-core's ``Float16Module`` with its bf16 optimizer), the same micro
+    batch and tokens, forward + loss + backward + Adam step; each step timed with CUDA events (on the CPU:
+    the wall clock) and both MFUs against the same FLOPs (Narayanan et al. eq. 3 without recomputation)
+    and the 989 TFLOP/s peak. Without megatron-core the section says so (``skipped_i``). The megatron-core
+    wheel is pure Python: ``pip download --no-deps megatron-core==0.16.1`` travels with the tree.
 
-``--sections`` picks sections (default all: ``abcdefgh``; ``a`` and ``b`` run together). ``--tiny``
+``--sections`` picks sections (default all: ``abcdefghi``; ``a`` and ``b`` run together). ``--tiny``
 runs them end to end on the CPU with small shapes (tests use it); (f) and (g) need CUDA and are
 recorded as skipped without it.
 Usage::
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import os
 import pickle
 import platform
@@ -372,10 +380,129 @@ def section_h(args, ps, out):
           f"{diff:.2e}", flush=True)
 
 
+class StepTimer:
+    """Seconds of each step: CUDA events on a GPU (recorded on the stream, read after a synchronize), the
+    wall clock on the CPU."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def time(self, fn):
+        if self.device.type != "cuda":
+            t = time.perf_counter()
+            out = fn()
+            self.times.append(time.perf_counter() - t)
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        self.times.append(start.elapsed_time(end) / 1e3)
+        return out
+
+
+def _megatron_gpt(cfg, ps, micro):
+    """megatron-core's GPTModel of ``cfg`` in its DDP with its bf16 Adam (Megatron-LM's ``--bf16``), and its
+    step. On the CPU (``--tiny``) with the patches of ``tests/megatron_reference.py``."""
+    sys.path.insert(0, _bench.ROOT)
+    from tests import megatron_reference as mr
+    if ps.device.type != "cuda":
+        mr._patch_cuda_calls()
+        mr._patch_optimizer_calls()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    spec = dict(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, heads=cfg.num_attention_heads,
+                seq=cfg.seq_length, vocab=cfg.vocab_size, divisible=128, tp=1, pp=1, untie=False, openai_gelu=True,
+                bf16=True)
+    layer_spec = "local"
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        torch.manual_seed(1234)
+        model = GPTModel(mr._config(spec), get_gpt_layer_with_transformer_engine_spec(), vocab_size=mr.padded(spec),
+                         max_sequence_length=cfg.seq_length, share_embeddings_and_output_weights=True)
+        layer_spec = "transformer_engine"
+    except ImportError:
+        model = mr.build_model(spec)
+    model = model.to(ps.device)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), Float16Module(model.config, model))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0,
+                                                 bf16=True, params_dtype=torch.bfloat16), [ddp])
+    gen = torch.Generator().manual_seed(0)
+    s = cfg.seq_length
+    positions = torch.arange(s, device=ps.device).unsqueeze(0).expand(micro, -1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=ps.device), 1)
+
+    def step():
+        tokens = torch.randint(0, cfg.vocab_size, (micro, s + 1), generator=gen).to(ps.device)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = ddp(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        return loss
+    return step, layer_spec, (model, ddp, opt)
+
+
+def _one_rank_group(device, workdir) -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                init_method="file://" + os.path.join(workdir, "rdzv_i"))
+
+
+def section_i(args, ps, out, workdir):
+    cfg = (GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+           if args.tiny else GPTConfig.preset("gpt2-xl"))
+    micro = 2 if args.tiny else args.micro_batch
+    flops = flops_per_iteration(cfg, micro, False, cfg.padded_vocab_size(1))
+    _one_rank_group(ps.device, workdir)
+    rows = {}
+    sec = Section(ps.device)
+    engine = sec.engine(build(cfg, ps, torch.bfloat16))
+    timer, gen = StepTimer(ps.device), torch.Generator().manual_seed(0)
+
+    def tnlg_step():
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), generator=gen).to(ps.device)
+        engine.zero_grad()
+        with torch.autocast(device_type=ps.device.type, dtype=torch.bfloat16):
+            loss = engine.model(tokens[:, :-1], labels=tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss
+    for _ in range(args.steps):
+        timer.time(tnlg_step)
+    rows["tnlg"] = timer.times
+    del engine
+    sec.close()
+    step, layer_spec, keep = _megatron_gpt(cfg, ps, micro)
+    timer = StepTimer(ps.device)
+    for _ in range(args.steps):
+        timer.time(step)
+    rows["megatron"] = timer.times
+    del keep, step
+    res = dict(model=dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                          seq=cfg.seq_length), micro_batch=micro, flops_per_step=flops, megatron_layer_spec=layer_spec,
+               timing="CUDA events" if ps.device.type == "cuda" else "wall clock (CPU)")
+    for name, times in rows.items():
+        median = statistics.median(times[1:] or times)  # the first step is warm-up
+        res[name] = dict(step_times_s=times, median_step_s=median, model_tflops=flops / median / 1e12,
+                         mfu_vs_989=flops / median / 1e12 / H100_BF16_DENSE_TFLOPS)
+    res["tnlg_over_megatron_mfu"] = res["tnlg"]["model_tflops"] / res["megatron"]["model_tflops"]
+    out["i_megatron_side_by_side"] = res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (end-to-end smoke run)")
-    p.add_argument("--sections", default="abcdefgh", help="sections to run (default abcdefgh; a and b run together)")
+    p.add_argument("--sections", default="abcdefghi", help="sections to run (default abcdefghi; a and b run together)")
     p.add_argument("--pretrain-iters", type=int, default=40, help="training iterations of (g)")
     p.add_argument("--out", default="gpu_check.json", help="JSON output path")
     p.add_argument("--steps", type=int, default=4, help="training steps in (a) (the first is warm-up)")
@@ -402,9 +529,13 @@ def main(argv=None) -> int:
                 ("e", "e", lambda: section_e(args, ps, out)),
                 ("f", "f", lambda: section_f(args, ps, out, workdir)),
                 ("g", "g", lambda: section_g(args, ps, out, workdir)),
-                ("h", "h", lambda: section_h(args, ps, out)))
+                ("h", "h", lambda: section_h(args, ps, out)),
+                ("i", "i", lambda: section_i(args, ps, out, workdir)))
     for name, letters, fn in sections:
         if not set(letters) & set(args.sections):
+            continue
+        if name == "i" and importlib.util.find_spec("megatron.core") is None:
+            out["skipped_i"] = "megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)"
             continue
         if name in ("f", "g") and device.type != "cuda":
             out[f"skipped_{name}"] = "needs CUDA (NCCL, a GPU pretraining run)"
@@ -474,6 +605,12 @@ def _table(out: dict) -> None:
     if h:
         print(f"(h) 16-bit AdamW: {h['one_pass_s'] * 1e3:.2f} ms vs {h['torch_fused_s'] * 1e3:.2f} ms (upcast + "
               f"torch fused + copy-back) for {h['numel']} elements; max |fused - eager| {h['max_abs_diff_vs_eager']:.2e}")
+    i = out.get("i_megatron_side_by_side")
+    if i:
+        print(f"(i) beside megatron-core ({i['megatron_layer_spec']} spec), bf16, micro {i['micro_batch']}, "
+              f"{i['timing']}: tnlg {i['tnlg']['median_step_s'] * 1e3:.1f} ms, MFU {i['tnlg']['mfu_vs_989']:.1%} of 989; "
+              f"megatron-core {i['megatron']['median_step_s'] * 1e3:.1f} ms, MFU {i['megatron']['mfu_vs_989']:.1%}; "
+              f"tnlg / megatron-core MFU {i['tnlg_over_megatron_mfu']:.2f}")
     for k, v in out.items():
         if k.startswith(("error_", "skipped_")):
             print(f"{k}: {v}")

@@ -457,3 +457,17 @@ def train_and_save(ps, spec: dict, root: str, tokens: torch.Tensor, steps: int):
                          buckets=bucket_facts(ddp) if distributed else None)
     _leave()
     return out
+
+
+# --------------------------------------------------------------------------- autocast on the CPU
+
+def patch_cpu_autocast() -> None:
+    """megatron-core's linear layers under ``torch.autocast("cpu")``: their autograd functions are
+    decorated with ``custom_fwd/custom_bwd(device_type="cuda")``, so on the CPU backward runs without
+    the forward's autocast state and meets a bf16 gradient beside an fp32 weight. Each such forward
+    and backward is decorated again, undecorated first (``__wrapped__``), for ``"cpu"``."""
+    from megatron.core.tensor_parallel import layers
+    for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        fwd, bwd = fn.forward, fn.backward
+        fn.forward = staticmethod(torch.amp.custom_fwd(getattr(fwd, "__wrapped__", fwd), device_type="cpu"))
+        fn.backward = staticmethod(torch.amp.custom_bwd(getattr(bwd, "__wrapped__", bwd), device_type="cpu"))

@@ -26,6 +26,15 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
     assert "skipped_f" in res and "skipped_g" in res  # no CUDA here
     assert res["h_mixed_adamw"]["max_abs_diff_vs_eager"] == 0.0  # on the CPU the operator runs the eager composite
     assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout and "(e) measured peak" in r.stdout
+    try:  # megatron-core beside tnlg, or said to be missing
+        import megatron.core  # noqa: F401
+    except ImportError:
+        assert "megatron-core is not installed" in res["skipped_i"]
+    else:
+        side = res["i_megatron_side_by_side"]
+        assert side["megatron_layer_spec"] in ("local", "transformer_engine") and "(i) beside megatron-core" in r.stdout
+        for name in ("tnlg", "megatron"):
+            assert len(side[name]["step_times_s"]) == 4 and side[name]["model_tflops"] > 0, name
 
 
 def test_gpu_check_runs_chosen_sections_only(tmp_path):

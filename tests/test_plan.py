@@ -390,3 +390,19 @@ def test_parse_sizes():
 ])
 def test_errors(capsys, argv, needle):
     assert needle in plan_error(capsys, *argv)
+
+
+def test_pretrains_precision_flags(capsys):
+    """``--bf16`` / ``--fp16`` plan what ``--precision`` does (the flags ``tnlg pretrain`` takes); fp32 at
+    ZeRO 0 is 16 bytes per parameter, bf16 at stage 0 too, and the two flags or a disagreeing
+    ``--precision`` are refused in one paragraph."""
+    base = ("--params", "1000000000", "--zero-stage", "1", "--data-parallel-size", "8")
+    for flag, precision in (("--bf16", "bf16"), ("--fp16", "fp16")):
+        via_flag, via_precision = plan_json(capsys, *base, flag), plan_json(capsys, *base, "--precision", precision)
+        assert via_flag == via_precision
+        assert via_flag["memory"]["model_states"] == model_state_bytes(10**9, 8, 1, precision)["total"]
+    assert plan_json(capsys, *base)["memory"]["model_states"] == model_state_bytes(10**9, 8, 1, "fp16")["total"]
+    for bad, words in (((*base, "--bf16", "--fp16"), "--bf16 and --fp16"),
+                       ((*base, "--bf16", "--precision", "fp32"), "--precision says fp32")):
+        assert main(["plan", *bad]) == 2
+        assert words in capsys.readouterr().err

@@ -32,6 +32,7 @@ from .runtime.failures import arm, is_agreed, report, stopped_by_peer
 from .runtime.launch import under_launcher
 from .runtime.orphans import end_with_launcher
 from .runtime.process_exit import destroy_process_groups, leave
+from .runtime.threads import set_wait_policy
 
 # name -> (module with run(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -134,6 +135,7 @@ def _finish(status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_wait_policy()  # before torch loads libgomp: OpenMP threads that do not spin a busy machine's cores away
     end_with_launcher()  # a launched worker: it ends when its launcher dies, even by SIGKILL (tnlg.runtime.orphans)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # bare `tnlg`: what is there, not a 300-iteration job

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="full activation recomputation: keep only each layer's input")
     lay.add_argument("--precision", help=f"{', '.join(PRECISIONS)} (default fp16: mixed precision, K = 12; "
                                          f"or the preset's recipe)")
+    lay.add_argument("--bf16", action="store_true", help="as tnlg pretrain --bf16: --precision bf16")
+    lay.add_argument("--fp16", action="store_true", help="as tnlg pretrain --fp16: --precision fp16")
     lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
                      help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
     _add_hardware_arguments(parser)
@@ -199,6 +201,7 @@ def _hardware(args) -> Hardware:
 def _apply_recipe(args) -> dict | None:
     """Fill the layout flags not given from the preset's published recipe (``RECIPES``); the rest
     from :data:`LAYOUT_DEFAULTS`. Returns what the recipe supplied (``None`` without a recipe)."""
+    _precision_flags(args)
     recipe = RECIPES.get(args.preset) if args.preset and args.params is None else None
     taken: dict = {}
     if recipe is not None:
@@ -217,6 +220,18 @@ def _apply_recipe(args) -> dict | None:
             setattr(args, key, value)
     args.recipe_layout = taken if recipe is not None else None
     return args.recipe_layout
+
+
+def _precision_flags(args) -> None:
+    """``--bf16`` / ``--fp16`` (``tnlg pretrain``'s flags) as ``--precision``; a clear error when they
+    disagree with each other or with ``--precision``."""
+    given = [name for name in ("bf16", "fp16") if getattr(args, name, False)]
+    if len(given) > 1:
+        raise UserError("--bf16 and --fp16 choose different precisions: give one of them.")
+    if given and args.precision not in (None, given[0]):
+        raise UserError(f"--{given[0]} asks for {given[0]} but --precision says {args.precision}: give one of them.")
+    if given:
+        args.precision = given[0]
 
 
 def _recipe_note(preset: str, taken: dict) -> str:
