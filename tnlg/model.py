@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
+from .parallel.context import context_parallel_mean, context_positions, ring_attention
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
 from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_to_sequence_parallel, sequence_sizes
@@ -190,6 +191,7 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
+        self.cp_group = ps.cp_group if ps.cp_size > 1 else None  # context parallelism: attention by the ring
         # every rank's rows of the fused QKV weight (whole heads) and columns of the output projection
         qkv_sizes, proj_sizes = [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
@@ -242,7 +244,10 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q, k, v, attention_mask, causal: bool, dropout: float, tp_rng_state=None):
         """``softmax(q k^T / sqrt(d) + mask) v`` with attention dropout; ``tp_rng_state`` replays a
-        recomputation's dropout masks."""
+        recomputation's dropout masks. With context parallelism: the ring over the CP group, ``attention_mask``
+        the whole sequence's document ids ``[b, s]`` or ``None`` (:mod:`tnlg.parallel.context`)."""
+        if self.cp_group is not None:
+            return ring_attention(q, k, v, self.cp_group, doc_ids=attention_mask)
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
         with self.tp_random.replay(tp_rng_state):  # heads differ per rank: masks too
@@ -443,6 +448,8 @@ class DecoderBase(nn.Module):
         Collectives: the word embedding's all-reduce over TP; with ``sp`` a reduce-scatter of the partial
         word embeddings instead, to which each rank adds its positions' (backward: an all-gather)."""
         t = self.transformer
+        if position_ids is None and self.ps.cp_size > 1:  # this CP rank's two chunks: their global positions
+            position_ids = context_positions(tokens.shape[1], self.ps, tokens.device)
         if position_ids is None:
             position_ids = torch.arange(offset, offset + tokens.shape[1], device=tokens.device).unsqueeze(0)
         if sp is None:
@@ -528,6 +535,8 @@ class GPT(DecoderBase):
         if labels is None:
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.config.vocab_size)
+        if self.ps.cp_size > 1:  # the token-weighted mean over the whole sequence (every CP rank's chunks)
+            return context_parallel_mean(losses, loss_mask, self.ps.cp_group, self.ps.cp_size)
         if loss_mask is None:
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)

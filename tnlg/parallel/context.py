@@ -65,7 +65,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["chunk_positions", "split_for_context_parallel", "gather_from_context_parallel", "document_ids",
-           "ring_attention", "check_context_parallel_length"]
+           "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_mean",
+           "context_parallel_batch"]
 
 
 # ----------------------------------------------------------------------------------------- chunks
@@ -310,6 +311,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opt
     if kv_heads is not None or h != g:
         index = torch.as_tensor(kv_heads if kv_heads is not None else [i // (h // g) for i in range(h)],
                                 dtype=torch.long, device=q.device)
+    if doc_ids is not None and (doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
+        raise ValueError(f"doc_ids must be the whole sequence's integer document ids [b, s] (document_ids() of a "
+                         f"[b, s, s] mask), got {tuple(doc_ids.shape)} {doc_ids.dtype}.")
     if group is None or dist.get_world_size(group) == 1:
         return _single(q, k, v, doc_ids, index)
     if doc_ids is not None:
@@ -324,3 +328,46 @@ def _single(q, k, v, doc_ids, index) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     pos = torch.arange(q.shape[2], device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_block_mask(pos, pos, doc_ids, doc_ids))
+
+
+# ----------------------------------------------------------------------------------------- model and data
+
+def context_positions(local_len: int, ps, device=None) -> torch.Tensor:
+    """``[1, 2c]`` global positions of this CP rank's ``local_len = 2c`` tokens (``ps``: its parallel state)."""
+    return chunk_positions(local_len * ps.cp_size, ps.cp_size, ps.cp_rank, device).unsqueeze(0)
+
+
+def context_parallel_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor], group: dist.ProcessGroup,
+                          cp_size: int) -> torch.Tensor:
+    """The token-weighted mean loss over the whole sequence, from this CP rank's per-token ``losses``.
+
+    Its value is the mean over every CP rank's tokens (one all-reduce of ``[sum, count]`` over the CP
+    group, no gradient), the same on every rank and equal to CP 1's. Its gradient is that of
+    ``cp * local_sum / global_count``: the engine averages gradients over DP x CP, which divides by ``cp``
+    again, so the reduced gradient is that of the whole sequence's mean (as Megatron scales by CP size).
+    """
+    mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(losses.dtype)
+    local = (losses * mask).sum()
+    totals = torch.stack([local.detach(), mask.sum()]).float()
+    dist.all_reduce(totals, group=group)
+    count = totals[1].clamp(min=1.0)
+    scaled = local * cp_size / count
+    return scaled + (totals[0] / count - scaled).detach()
+
+
+def context_parallel_batch(batch: dict, ps) -> dict:
+    """This CP rank's part of a batch of whole samples (``[b, s]`` each): its two chunks of ``tokens``,
+    ``labels``, ``loss_mask`` and ``position_ids`` (given ones, e.g. reset at documents; else the model
+    takes the global positions), and for an ``attention_mask`` ``[b, s, s]`` the whole sequence's
+    document ids ``[b, s]`` (:func:`document_ids`), which the ring takes. No communication."""
+    if ps.cp_size == 1:
+        return batch
+    out = {}
+    for key, t in batch.items():
+        if key == "attention_mask":
+            out[key] = document_ids(t)
+        elif t.dim() >= 2:
+            out[key] = split_for_context_parallel(t, ps.cp_size, ps.cp_rank, dim=1)
+        else:
+            out[key] = t
+    return out
