@@ -44,6 +44,28 @@ def test_cp_runs_and_resumes_on_cp_1s_trajectory(tmp_path):
         rest, _ = _run(world, tmp=True, context_parallel_size=cp, hidden_dropout=0.0, load=save, save=target)
         torch.testing.assert_close(torch.tensor(rest), torch.tensor(ref[3:]), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, c=cp: f"resumed at CP {c}: {m}")
+    by_cp = run_distributed(_eval_body, 4, 1, save, timeout_s=240)[0]
+    assert by_cp[2] == pytest.approx(by_cp[1], rel=1e-6) and by_cp[4] == pytest.approx(by_cp[1], rel=1e-6)
+
+
+def _eval_body(_ps, ckpt):
+    """``tnlg eval --task loss`` of the checkpoint at CP 1 (DP 4), CP 2 (x DP 2) and CP 4, with documents."""
+    import argparse
+
+    from tests.tiny import tiny_settings
+    from tnlg.commands.eval import _precheck, add_arguments, evaluate
+    from tnlg.parallel.state import init_parallel
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = {}
+    for cp in (1, 2, 4):
+        ps = init_parallel(1, context_parallel_size=cp)
+        args = parser.parse_args(["--task", "loss", "--checkpoint", ckpt, "--input", tiny_settings()["data_path"][0],
+                                  "--cp", str(cp), "--eval-samples", "8", "--micro-batch-size", "2",
+                                  "--reset-position-ids", "--reset-attention-mask"])
+        _precheck(args)
+        out[cp] = evaluate(args, ps)["loss"]
+    return out
 
 
 @pytest.mark.parametrize("extra,match", [
