@@ -56,11 +56,22 @@ def _train(ps, cfg: GPTConfig, data: list[dict]) -> list[float]:
 def _layouts(_ps, layouts):
     from tnlg.parallel.state import init_parallel
     out = {}
-    for tp, cp, sp in layouts:
+    for tp, cp, sp, recompute in layouts:
         ps = init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
-        cfg = GPTConfig(**CFG, sequence_parallel=sp)
-        out[(tp, cp, ps.dp_size, sp)] = {docs: _train(ps, cfg, _data(docs)) for docs in (False, True)}
+        cfg = GPTConfig(**CFG, sequence_parallel=sp, recompute_granularity=recompute)
+        key = (tp, cp, ps.dp_size, sp) + ((recompute,) if recompute else ())
+        out[key] = {docs: _train(ps, cfg, _data(docs)) for docs in (False, True)}
+    out["generation"] = _generation_refused(ps)
     return out
+
+
+def _generation_refused(ps) -> str:
+    from tnlg.model import GPT
+    try:
+        GPT(GPTConfig(**CFG), ps)(torch.zeros(1, 8, dtype=torch.long), last_only=True)
+    except ValueError as exc:
+        return str(exc)
+    return "generated"
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +82,24 @@ def reference():
 
 @pytest.fixture(scope="module")
 def layouts():
-    found = run_distributed(_layouts, 2, 1, [(1, 2, False)], timeout_s=120)[0]
-    found.update(run_distributed(_layouts, 4, 1, [(1, 4, False), (2, 2, True), (1, 2, False)], timeout_s=180)[0])
+    found = run_distributed(_layouts, 2, 1, [(1, 2, False, None), (1, 2, False, "full"), (1, 2, False, "selective")],
+                            timeout_s=180)[0]
+    found.update(run_distributed(_layouts, 4, 1, [(1, 4, False, None), (2, 2, True, None), (1, 2, False, None)],
+                                 timeout_s=180)[0])
     return found
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 2, 1, False), (1, 4, 1, False), (2, 2, 1, True), (1, 2, 2, False)],
-                         ids=["cp2", "cp4", "tp2-cp2-sp", "cp2-dp2-zero1"])
+@pytest.mark.parametrize("layout", [(1, 2, 1, False), (1, 4, 1, False), (2, 2, 1, True), (1, 2, 2, False),
+                                    (1, 2, 1, False, "full"), (1, 2, 1, False, "selective")],
+                         ids=["cp2", "cp4", "tp2-cp2-sp", "cp2-dp2-zero1", "cp2-full-recompute", "cp2-selective"])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 def test_losses_equal_cp_1(reference, layouts, layout, documents):
     ref = reference[documents]
     assert ref[-1] < ref[0]  # it trains
     torch.testing.assert_close(torch.tensor(layouts[layout][documents]), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_generation_at_cp_above_1_is_refused(layouts):
+    assert "does not run with context parallelism" in layouts["generation"]

@@ -518,6 +518,9 @@ class GPT(DecoderBase):
                 last_only: bool = False):
         if last_only and labels is not None:
             raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
+        if self.ps.cp_size > 1 and (kv_cache is not None or last_only):
+            raise ValueError("generation (a KV cache, last_only) does not run with context parallelism: load the "
+                             "model at context parallel size 1 to generate.")
         s = tokens.shape[1]
         offset = self.start_position(s, kv_cache)
         sp = self.sequence_split(s, kv_cache is not None or last_only)
