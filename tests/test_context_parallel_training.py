@@ -18,7 +18,12 @@ from tnlg.config import GPTConfig
 from tnlg.runtime.spawn import run_distributed
 
 STEPS, BATCH, SEQ = 5, 4, 16
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=97)
+GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=97)
+# the Llama family: rope, RMSNorm, SwiGLU, grouped-query attention (6 heads, 2 K/V groups: uneven at TP 2... 4)
+LLAMA = dict(GPT2, hidden_size=48, num_attention_heads=6, position_embedding_type="rope", normalization="RMSNorm",
+             swiglu=True, group_query_attention=True, num_query_groups=2, add_bias_linear=False)
+DECODERS = {"gpt2": GPT2, "llama": LLAMA}
+CFG = GPT2
 EOD = 0
 
 
@@ -38,7 +43,7 @@ def _train(ps, cfg: GPTConfig, data: list[dict]) -> list[float]:
     from tnlg.optim import build_engine
     from tnlg.parallel.context import context_parallel_batch
     from tnlg.parallel.mappings import all_reduce
-    engine = build_engine(GPT(cfg, ps, device="meta"), ps.for_gradients(), 1, lr=1e-2, clip_grad=1.0)
+    engine = build_engine(GPT(cfg, ps), ps.for_gradients(), 1, lr=1e-2, clip_grad=1.0)
     losses = []
     per_dp = BATCH // ps.dp_size
     for batch in data:
@@ -58,9 +63,10 @@ def _layouts(_ps, layouts):
     out = {}
     for tp, cp, sp, recompute in layouts:
         ps = init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
-        cfg = GPTConfig(**CFG, sequence_parallel=sp, recompute_granularity=recompute)
-        key = (tp, cp, ps.dp_size, sp) + ((recompute,) if recompute else ())
-        out[key] = {docs: _train(ps, cfg, _data(docs)) for docs in (False, True)}
+        for name, fields in DECODERS.items():
+            cfg = GPTConfig(**fields, sequence_parallel=sp, recompute_granularity=recompute)
+            key = (name, tp, cp, ps.dp_size, sp) + ((recompute,) if recompute else ())
+            out[key] = {docs: _train(ps, cfg, _data(docs)) for docs in (False, True)}
     out["generation"] = _generation_refused(ps)
     return out
 
@@ -77,7 +83,8 @@ def _generation_refused(ps) -> str:
 @pytest.fixture(scope="module")
 def reference():
     from tnlg.parallel.state import ParallelState
-    return {docs: _train(ParallelState.single(), GPTConfig(**CFG), _data(docs)) for docs in (False, True)}
+    return {(name, docs): _train(ParallelState.single(), GPTConfig(**fields), _data(docs))
+            for name, fields in DECODERS.items() for docs in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +101,11 @@ def layouts():
                                     (1, 2, 1, False, "full"), (1, 2, 1, False, "selective")],
                          ids=["cp2", "cp4", "tp2-cp2-sp", "cp2-dp2-zero1", "cp2-full-recompute", "cp2-selective"])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
-def test_losses_equal_cp_1(reference, layouts, layout, documents):
-    ref = reference[documents]
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_losses_equal_cp_1(reference, layouts, decoder, layout, documents):
+    ref = reference[(decoder, documents)]
     assert ref[-1] < ref[0]  # it trains
-    torch.testing.assert_close(torch.tensor(layouts[layout][documents]), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(layouts[(decoder, *layout)][documents]), torch.tensor(ref), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -235,3 +235,59 @@ def test_nan_on_one_rank_stops_every_rank_once_and_is_not_restarted(reference, t
     assert "The last checkpoint is iteration 2" in log
     assert log.count("resumed from") == 1, log[-3000:]  # not restarted into the same divergence
     _resumes_exactly(reference, tmp_path, root)
+
+
+def _nearly_full_tmpfs(mnt, free_kib: int) -> None:
+    """Mount a 256 KiB tmpfs on ``mnt`` and fill it but ``free_kib`` KiB (skip where that is not allowed)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    (mnt / "spare").write_bytes(b"\0" * 1024 * free_kib)
+    with open(mnt / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    (mnt / "spare").unlink()
+
+
+# what each run points at the nearly full filesystem, how much room it leaves there, and what the message names
+_REPORTS = {"metrics": (lambda m: ["--metrics-file", str(m / "metrics.jsonl")], 4, "the metrics file", "metrics.jsonl"),
+            "tensorboard": (lambda m: ["--tensorboard-dir", str(m / "tb")], 4, "TensorBoard's event file", "tb"),
+            "plot": (lambda m: ["--metrics-file", str(m / "m.jsonl")], 12, "the loss curve", "m_loss.png"),
+            "log": (lambda m: [], 4, "the log (standard output)", "out.log")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output", list(_REPORTS))
+def test_a_full_disk_under_the_runs_reports_ends_in_one_message(tmp_path, output):
+    """rank 0's metrics file, TensorBoard's events, the loss plot and the log lines (standard output
+    redirected to a file) on a real, nearly full tmpfs, the checkpoints elsewhere: the run ends in one
+    paragraph naming that file and the full disk (no traceback, no "worker rank 0 failed"), exit status 2,
+    and the checkpoints saved before are intact: the run resumes from the latest."""
+    flags, free_kib, what, name = _REPORTS[output]
+    mnt, save = tmp_path / "small", tmp_path / "save"
+    _nearly_full_tmpfs(mnt, free_kib)
+    try:
+        argv = [a for a in _argv(save, iters=12 if output == "plot" else 40, save_interval=4)
+                if not (output == "plot" and a == "--no-plot")] + flags(mnt)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        with open(mnt / "out.log" if output == "log" else tmp_path / "out.log", "w") as out:
+            proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(tmp_path), env=env,
+                                  stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    log = proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert log.count("tnlg pretrain: error") == 1 and f"{what}: could not write" in log, log[-3000:]
+    assert f"{name}': No space left on device (errno 28)" in log, log[-3000:]
+    assert "Traceback" not in log and "failed (exitcode" not in log and "worker rank" not in log, log[-3000:]
+    latest = ck.read_latest(str(save))
+    assert latest is not None and latest % 4 == 0, log[-3000:]
+    if output == "metrics":  # the latest checkpoint loads and the run goes on from it
+        (tmp_path / "again").mkdir()
+        status, out, _ = _run(tmp_path / "again", _argv(save, iters=latest + 1, save_interval=4))
+        assert status == 0 and f"at iteration {latest}" in out, out[-3000:]

@@ -236,6 +236,57 @@ def test_a_bad_manifest_is_one_clear_error(tmp_path, text, message):
         Manifest.read(_write_meta(tmp_path, text))
 
 
+def _pipeline_with(**changes) -> str:
+    return json.dumps(dict(json.loads(_fixture("pipeline")), **changes))
+
+
+def _nested(depth: int) -> str:
+    return _with(config="@").replace('"@"', "[" * depth + "]" * depth)
+
+
+@pytest.mark.parametrize("text,message", [
+    (_with(iteration="abc"), r"'iteration' is \"abc\", not a whole number >= 0"),
+    (_with(iteration=-5), r"'iteration' is -5, not a whole number >= 0"),
+    (_with(iteration=2.5), r"'iteration' is 2.5, not a whole number >= 0"),
+    (_with(consumed_samples="lots"), r"'consumed_samples' is \"lots\", not a whole number >= 0"),
+    (_with(consumed_samples=True), r"'consumed_samples' is true, not a whole number >= 0"),
+    (_with(optimizer={"present": True, "num_steps": "x"}), r"'optimizer': 'num_steps' is \"x\", not a whole"),
+    (_with(schedule={"num_steps": [3]}), r"'schedule': 'num_steps' is \[3\], not a whole number >= 0"),
+    (_with(layout={"tp": 0, "dp": 1, "world": 1}), r"'layout': 'tp' is 0, not a whole number >= 1"),
+    (_with(files={"model_tp00.safetensors": "23472"}), r"the file 'model_tp00.safetensors': 'size' is \"23472\""),
+    (_with(params=[1, 2]), r"'params' is \[1, 2\], not a mapping"),
+    (_with(config=["num_layers", 2]), r"'config' is \[\"num_layers\", 2\], not a mapping"),
+    (_with(params={"w": {"shape": [2**40, 2**40]}}), r"the parameter 'w' has shape \[1099511627776, "),
+    (_with(params={"w": {"shape": "16"}}), r"the parameter 'w': 'shape' is \"16\", not a list"),
+    (_nested(10**5), r"nested deeper than any manifest"),
+    (_pipeline_with(pipeline={"pp": 2, "stages": [3, 4]}), r"its 'pipeline' entry .* is not a list of each stage"),
+])
+def test_a_manifest_of_wrong_values_is_one_clear_error_for_load_and_info(tmp_path, capsys, text, message):
+    """Each value tnlg reads has its type, on every path that reads a manifest: ``--load`` (Manifest.read)
+    and ``tnlg checkpoint info`` (text and JSON); the error names the entry and what it holds."""
+    from tnlg.checkpoint.manifest import Manifest
+    from tnlg.cli import main
+    from tnlg.errors import UserError
+    iter_dir = _write_meta(tmp_path, text)
+    if "pipeline" not in message:
+        with pytest.raises(UserError, match=message):
+            Manifest.read(iter_dir)
+    for extra in ([], ["--json"]) if "pipeline" not in message else ([],):
+        assert main(["checkpoint", "info", iter_dir, *extra]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_huge_meta_json_is_refused_before_it_is_parsed(tmp_path):
+    from tnlg.checkpoint import manifest
+    from tnlg.errors import UserError
+    iter_dir = _write_meta(tmp_path, _with())
+    with open(os.path.join(iter_dir, "meta.json"), "ab") as f:
+        f.truncate(manifest.MAX_BYTES + 1)  # (sparse: nothing is written)
+    with pytest.raises(UserError, match=r"is 268,435,457 bytes, more than any tnlg manifest"):
+        manifest.Manifest.read(iter_dir)
+
+
 def test_a_folder_without_meta_json_is_not_a_checkpoint(tmp_path):
     from tnlg.checkpoint.manifest import Manifest
     from tnlg.errors import UserError

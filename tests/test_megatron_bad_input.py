@@ -6,7 +6,10 @@ against megatron-core), then damaged or given args of architectures tnlg does no
 one that is valid in an older file format (torch < 1.6, not a zip archive).
 """
 
+import io
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 
@@ -138,8 +141,11 @@ def test_truncated_files(megatron_ckpts, tmp_path):
 
 
 class _Evil:
+    def __init__(self, command="echo unpickled"):
+        self.command = command
+
     def __reduce__(self):
-        return (os.system, ("echo unpickled",))
+        return (os.system, (self.command,))
 
 
 def test_a_file_that_would_run_code_is_refused(megatron_ckpts, tmp_path):
@@ -227,3 +233,275 @@ def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
     refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
     (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
     refused(src, "distrib_optim.pt' cannot be loaded .* damaged, truncated")
+
+
+# --------------------------------------------------------------------------- hostile files: the torch_dist index
+
+_LN_F = "decoder.final_layernorm.weight"  # 32 elements: the tensor the chunk edits below rewrite
+
+
+def _dist(megatron_ckpts, tmp_path, name="src"):
+    """A copy of the torch_dist fixture and its iteration folder."""
+    src = _copy(megatron_ckpts / "torch_dist", tmp_path / name)
+    return src, src / "iter_0000003"
+
+
+def _index(d):
+    with open(d / ".metadata", "rb") as f:
+        return pickle.load(f)  # the fixture's own index (the importer never unpickles like this)
+
+
+def _save_index(d, meta):
+    with open(d / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _set_chunks(d, key, pieces, dtype=None):
+    """Make ``pieces`` (``(offsets, sizes, object saved as the chunk)``) the chunks of ``key``, appended to
+    the data file; ``dtype``: the element type the index then gives the key."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    meta = _index(d)
+    md = meta.state_dict_metadata[key]
+    for k in [k for k in meta.storage_data if k.fqn == key]:
+        del meta.storage_data[k]
+    md.chunks = []
+    data = d / "__0_0.distcp"
+    for offsets, sizes, obj in pieces:
+        payload, start = _torch_bytes(obj), data.stat().st_size
+        with open(data, "ab") as f:
+            f.write(payload)
+        md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        meta.storage_data[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo("__0_0.distcp", start, len(payload))
+    if dtype is not None:
+        md.properties.dtype = dtype
+    _save_index(d, meta)
+
+
+def _weight(megatron_ckpts, key):
+    """The fixture's tensor ``key`` as the importer reads it (a valid checkpoint)."""
+    from tnlg.interop.megatron.args import MegatronLayout
+    from tnlg.interop.megatron.torch_dist import TorchDistSource
+    source = TorchDistSource(str(megatron_ckpts / "torch_dist" / "iter_0000003"), MegatronLayout(2, 1, 128, 3, 3.0))
+    md = source.meta.state_dict_metadata[key]
+    return source.region(key, [0] * len(md.size), list(md.size))
+
+
+def test_index_names_no_file_outside_the_checkpoint(megatron_ckpts, tmp_path):
+    """A data file the index names is a plain name inside the folder: '../' (to a valid data file outside),
+    an absolute path and a symbolic link leading out are refused, and the message says nothing of the
+    outside file (not its size, not whether it exists)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(megatron_ckpts / "torch_dist" / "iter_0000003" / "__0_0.distcp", outside / "other.distcp")
+    size = str((outside / "other.distcp").stat().st_size)
+    for case, name in (("up", "../../elsewhere/other.distcp"), ("absolute", str(outside / "other.distcp"))):
+        src, d = _dist(megatron_ckpts, tmp_path, case)
+        meta = _index(d)
+        for info in meta.storage_data.values():
+            info.relative_path = name
+        _save_index(d, meta)
+        os.remove(d / "__0_0.distcp")
+        msg = _refused(src, tmp_path, "not a plain file name inside the checkpoint's folder")
+        assert size not in msg and "missing" not in msg and "truncated" not in msg, msg
+    src, d = _dist(megatron_ckpts, tmp_path, "link")
+    os.remove(d / "__0_0.distcp")
+    os.symlink(outside / "other.distcp", d / "__0_0.distcp")
+    msg = _refused(src, tmp_path, "no symbolic link leading out")
+    assert size not in msg and str(outside) not in msg, msg
+
+
+def test_overlapping_chunks_count_as_their_union(megatron_ckpts, tmp_path):
+    """Coverage is the union of the chunks: twice rows 0-15 of the 32 leaves rows 16-31 uncovered (refused,
+    not written as uninitialised memory); rows 0-19 and 12-31 overlap and cover it all (read, the same
+    values as the valid checkpoint)."""
+    full = _weight(megatron_ckpts, _LN_F)
+    src, d = _dist(megatron_ckpts, tmp_path, "holes")
+    _set_chunks(d, _LN_F, [((0,), (16,), full[:16].clone()), ((0,), (16,), full[:16].clone())])
+    _refused(src, tmp_path, "chunks of 'decoder.final_layernorm.weight' leave part of its \\[32\\] elements uncovered")
+    src, d = _dist(megatron_ckpts, tmp_path, "overlap")
+    _set_chunks(d, _LN_F, [((0,), (20,), full[:20].clone()), ((12,), (20,), full[12:].clone())])
+    from tnlg.checkpoint.loading import load_for_inference
+    model = load_for_inference(megatron_to_checkpoint(str(src), str(tmp_path / "out")))[0]
+    assert torch.equal(dict(model.named_parameters())["transformer.ln_f.weight"], full)
+
+
+def _edit_index(megatron_ckpts, tmp_path, name, edit):
+    src, d = _dist(megatron_ckpts, tmp_path, name)
+    meta = _index(d)
+    edit(meta)
+    _save_index(d, meta)
+    return src
+
+
+def _chunk_of(meta, key):
+    return next(v for k, v in meta.storage_data.items() if k.fqn == key)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("an int", "holds a int, not a torch.distributed.checkpoint Metadata"),
+    ("2^34 rows", r"declared of size \[17179869184, 32\].*more than the \d+ bytes of all its data files"),
+    ("bool", "the element type torch.bool; the weights and Adam states of a Megatron GPT are floating point"),
+    ("int64", "gives 'decoder.final_layernorm.weight' the element type torch.int64; the weights and Adam states"),
+    ("int64 everywhere", "the chunk of 'embedding.word_embeddings.weight' at \\[0, 0\\] needs 65536 bytes"),
+    ("wrong rank", "the chunk of 'decoder.final_layernorm.weight' at \\[0\\] has no storage entry"),
+    ("outside its tensor", "a chunk of 'decoder.final_layernorm.weight' \\(size \\[32\\]\\) is not a box inside it"),
+    ("short storage", "needs 128 bytes for its elements, its storage has 100"),
+])
+def test_a_damaged_index_is_one_paragraph(megatron_ckpts, tmp_path, case, match):
+    """Values of the index that are not an index's: each is named, before anything is read by it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(meta):
+        mds = meta.state_dict_metadata
+        if case == "2^34 rows":
+            mds["embedding.word_embeddings.weight"].size = torch.Size([2 ** 34, 32])
+        elif case in ("bool", "int64 everywhere"):
+            for md in mds.values():
+                if hasattr(md, "properties"):
+                    md.properties.dtype = getattr(torch, case.split()[0])
+        elif case == "wrong rank":  # its storage recorded under another shard's offsets
+            key = next(k for k in meta.storage_data if k.fqn == _LN_F)
+            meta.storage_data[MetadataIndex(_LN_F, torch.Size([16]))] = meta.storage_data.pop(key)
+        elif case == "outside its tensor":
+            mds[_LN_F].chunks[0].offsets = torch.Size([8])
+        elif case == "short storage":
+            _chunk_of(meta, _LN_F).length = 100
+    src = _edit_index(megatron_ckpts, tmp_path, case.replace(" ", "_"), edit)
+    if case == "an int":
+        _save_index(src / "iter_0000003", 5)
+    if case == "int64":  # a consistent index and chunk, of integers
+        full = _weight(megatron_ckpts, _LN_F)
+        _set_chunks(src / "iter_0000003", _LN_F, [((0,), (32,), full.to(torch.int64))], dtype=torch.int64)
+    _refused(src, tmp_path, match)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("a list", "the chunk at \\(0,\\) in '__0_0.distcp' holds a list, the index gives a torch.float32 tensor"),
+    ("int64", "holds a torch.int64 tensor of shape \\(32,\\), the index gives a torch.float32 tensor"),
+    ("zeros", "cannot be read .*damaged or truncated"),
+])
+def test_a_damaged_chunk_is_one_paragraph_and_leaves_no_debris(megatron_ckpts, tmp_path, case, match):
+    """A chunk that is not its tensor (a list; int64 where the index says float32: not cast; bytes
+    zeroed) fails while the checkpoint is written: one paragraph, no debris (no DST/iter_N.tmp, no
+    .tnlg-save, no temporary file), and the same command on a repaired source then works."""
+    full = _weight(megatron_ckpts, _LN_F)
+    src, d = _dist(megatron_ckpts, tmp_path)
+    if case == "zeros":
+        meta = _index(d)
+        info = _chunk_of(meta, "decoder.final_layernorm.bias")  # the last tensor read
+        with open(d / "__0_0.distcp", "r+b") as f:
+            f.seek(info.offset)
+            f.write(b"\0" * info.length)
+    else:
+        _set_chunks(d, _LN_F, [((0,), (32,), [1, 2] if case == "a list" else full.to(torch.int64))])
+    _refused(src, tmp_path, match)
+    shutil.rmtree(src)
+    _copy(megatron_ckpts / "torch_dist", src)
+    assert os.path.isdir(megatron_to_checkpoint(str(src), str(tmp_path / "out")))
+
+
+def test_code_in_an_old_format_file_or_a_chunk_is_called_that(megatron_ckpts, tmp_path):
+    """os.system in a torch < 1.6 (not zip) rank file or in a .distcp chunk: the message says the file asks
+    to run code, never torch's advice to load it without weights_only; nothing ran."""
+    marker = tmp_path / "ran"
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "old")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = src / "iter_0000003" / rank / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state["payload"] = _Evil(f"touch {marker}")
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    for msg in (_refused(src, tmp_path, "asks to run code when it is unpickled \\(it calls posix.system\\)"),):
+        assert "weights_only" not in msg and "damaged" not in msg, msg
+    src, d = _dist(megatron_ckpts, tmp_path, "chunk")
+    _set_chunks(d, _LN_F, [((0,), (32,), _Evil(f"touch {marker}"))])
+    msg = _refused(src, tmp_path, "torch_dist data file .* asks to run code when it is unpickled")
+    assert "weights_only" not in msg and "damaged" not in msg, msg
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- hostile files: args and rank files
+
+@pytest.mark.parametrize("fmt,edit,match", [
+    ("torch_dist", lambda s: setattr(s["args"], "tensor_model_parallel_size", "two"),
+     "tensor_model_parallel_size is 'two', not a whole number from 1 to 65536"),
+    ("legacy", lambda s: setattr(s["args"], "tensor_model_parallel_size", -2),
+     "tensor_model_parallel_size is -2, not a whole number from 1 to 65536"),
+    ("torch_dist", lambda s: s.update(iteration="abc"), "iteration is 'abc', not a whole number from 0"),
+    ("legacy", lambda s: s.update(iteration=-5), "iteration is -5, not a whole number from 0"),
+    ("torch_dist", lambda s: s.update(checkpoint_version="x"), "checkpoint_version is 'x', not a number"),
+    ("legacy", lambda s: setattr(s["args"], "consumed_train_samples", "lots"),
+     "consumed_train_samples is 'lots', not a whole number from 0"),
+    ("torch_dist", lambda s: setattr(s["args"], "num_layers", 3), "args give num_layers=3 but its files hold 2 layers"),
+    ("legacy", lambda s: setattr(s["args"], "num_layers", 4), "args give num_layers=4 but its files hold 2 layers"),
+])
+def test_saved_args_and_counters_of_the_wrong_kind(megatron_ckpts, tmp_path, fmt, edit, match):
+    src = _copy(megatron_ckpts / fmt, tmp_path / "src")
+    _edit_args(src, fmt, edit)
+    _refused(src, tmp_path, match)
+
+
+def test_rank_files_without_floating_point_weights(megatron_ckpts, tmp_path):
+    """Integer weights are refused, not cast to floats (one int64 tensor, or all of them)."""
+    for case in ("one", "all"):
+        src = _copy(megatron_ckpts / "legacy", tmp_path / case)
+
+        def to_int(state):
+            for name, value in state["model"].items():
+                if isinstance(value, torch.Tensor) and (case == "all" or name.endswith("final_layernorm.bias")):
+                    state["model"][name] = value.to(torch.int64)
+        _edit_args(src, "legacy", to_int)
+        _refused(src, tmp_path, "is a torch.int64 tensor; the weights and Adam states of a Megatron GPT are "
+                                "floating-point tensors")
+
+
+_BOMBS = r'''
+import sys
+from tnlg.errors import UserError
+from tnlg.interop.megatron import megatron_to_checkpoint
+for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        megatron_to_checkpoint(src, dst)
+        print("converted", src)
+    except UserError as exc:
+        print("refused:", str(exc).replace("\n", " "))
+'''
+
+
+def test_small_files_that_would_exhaust_memory(megatron_ckpts, tmp_path):
+    """A rank file whose model is a 40-level shared dict graph (2^40 paths), a dict holding itself, and
+    args of 10^7 layers: each one paragraph within seconds and a memory cap (in a child process)."""
+    import resource
+    sources = []
+    for case in ("shared", "cycle", "layers"):
+        src = _copy(megatron_ckpts / "legacy", tmp_path / case)
+
+        def edit(state):
+            if case == "shared":
+                node = {"leaf": torch.zeros(1)}
+                for _ in range(40):
+                    node = {"a": node, "b": node}
+                state["model"]["language_model"] = node
+            elif case == "cycle":
+                state["model"]["self"] = state["model"]
+            else:
+                state["args"].num_layers = 10 ** 7
+        _edit_args(src, "legacy", edit)
+        sources += [str(src), str(tmp_path / f"out_{case}")]
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+    r = subprocess.run([sys.executable, "-c", _BOMBS, *sources], capture_output=True, text=True, timeout=120,
+                       preexec_fn=cap, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("refused:") for line in lines), r.stdout
+    assert "nests dicts more than 16 deep" in lines[0] and "holds one dict in two places (or inside itself)" in lines[1]
+    assert "num_layers is 10000000" in lines[2], lines[2]
+    assert not any((tmp_path / f"out_{c}").exists() for c in ("shared", "cycle", "layers"))

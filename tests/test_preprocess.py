@@ -212,3 +212,21 @@ def test_builtin_corpus_prepare_is_concurrent_safe_and_idempotent(tmp_path, caps
     with open(prefix + ".bin", "r+b") as f:
         f.truncate(100)
     assert not corpus._valid(Path(folder), prefix)
+
+
+@pytest.mark.parametrize("line,match", [
+    ('{"text": "half a pair \\ud800 here"}', r"d\.jsonl:2: the value of 'text' holds '\\ud800' at character 12, half "
+                                             r"of a UTF-16 surrogate pair"),
+    ('{"text": ' + "[" * 100000 + "]" * 100000 + "}", r"d\.jsonl:2: this JSON line is nested deeper than"),
+])
+def test_a_jsonl_line_no_tokenizer_can_take_is_refused_with_its_line(tmp_path, capsys, line, match):
+    """A lone surrogate escape (valid JSON, no character: SentencePiece would fail on it later) and a line
+    nested 10^5 deep: one paragraph naming file and line, for preprocess and for train-tokenizer."""
+    import re
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a fine first document"}\n' + line + "\n")
+    for argv in (["preprocess", "--tokenizer-model", "builtin"], ["train-tokenizer", "--vocab-size", "300"]):
+        assert main([*argv, "--input", str(path), "--output-prefix", str(tmp_path / "out" / "c")]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()

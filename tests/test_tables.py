@@ -134,3 +134,79 @@ def test_without_pyarrow_a_table_input_says_how_to_install_it(tmp_path, monkeypa
                                         r"'tnlg\[parquet\]'`"):
         preprocess([path], tmp_path / "out" / "c", "builtin", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _damaged_datasets_folders(tmp_path):
+    """``(folder, expected message)`` for each way a `datasets` folder can be damaged or hostile."""
+    import os
+    import shutil
+    src = _datasets_folder(tmp_path / "ds")
+    state = json.loads(open(os.path.join(src, "state.json")).read())
+    outside = tmp_path / "outside.arrow"  # a valid Arrow stream outside the folder: it must never be read
+    shutil.copy(os.path.join(src, state["_data_files"][0]["filename"]), outside)
+
+    def variant(name, text=None, change=None):
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        if change is not None:
+            change(folder)
+        if text is not None:
+            (folder / "state.json").write_text(text)
+        return str(folder)
+
+    def names(*files):
+        return json.dumps(dict(state, _data_files=[{"filename": f} for f in files]))
+
+    def lacking(folder):  # the second file written from a table without the "title" column
+        second = folder / state["_data_files"][1]["filename"]
+        with pa.memory_map(str(second)) as source:
+            table = pa.ipc.open_stream(source).read_all().drop_columns(["title"])
+        with pa.OSFile(str(second), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    def link_out(folder):
+        os.symlink(outside, folder / "link.arrow")
+
+    rel = os.path.relpath(outside, tmp_path / "up")
+    return [(variant("bad_json", "{not json"), r"state.json' is damaged: it is not JSON"),
+            (variant("a_list", "[1, 2]"), r"state.json' is damaged: it holds a JSON list, not an object"),
+            (variant("no_files", json.dumps(dict(state, _data_files=7))), r"its '_data_files' is 7, not a list"),
+            (variant("no_name", json.dumps(dict(state, _data_files=[{"file": "x"}]))),
+             r"entry 0 of '_data_files' \(\{\"file\": \"x\"\}\) has no 'filename'"),
+            (variant("up", names(rel)), r"names a file outside its folder: the name '\.\./outside\.arrow'"),
+            (variant("absolute", names(str(outside))), r"names a file outside its folder: the name '/"),
+            (variant("link", names("link.arrow"), link_out), r"'link\.arrow' is a symbolic link to .*outside\.arrow"),
+            (variant("deep", "[" * 100000 + "]" * 100000), r"nested deeper than any `datasets` file"),
+            (variant("lacking", change=lacking), r"data-00001-of-00002\.arrow' of `datasets` folder .* has no "
+                                                 r"column 'title'")]
+
+
+def test_a_damaged_or_hostile_datasets_folder_is_one_clear_error_and_nothing_outside_is_read(tmp_path, capsys):
+    """A bad state.json (not JSON, not an object, no file list, an entry without 'filename', nested 10^5
+    deep), a file named outside the folder ('../', absolute, a symbolic link out) and a later file without
+    one of the columns: each one paragraph naming the file and what is wrong, nothing written."""
+    out = tmp_path / "out"
+    folders = _damaged_datasets_folders(tmp_path)
+    capsys.readouterr()  # (datasets' own progress bars while the folders were made)
+    for folder, match in folders:
+        with pytest.raises(UserError, match=match):
+            preprocess([folder], out / "c", "builtin", json_keys=["text", "title"], progress=False)
+        assert not out.exists()
+        assert main(["preprocess", "--input", folder, "--output-prefix", str(out / "c"), "--tokenizer-model",
+                     "builtin", "--json-keys", "text", "title"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_parquet_file_with_damaged_data_pages_is_one_clear_error(tmp_path):
+    """The footer (schema, row groups) intact, the bytes of the first data page overwritten: the error names
+    the file when its pages are read, before anything is written."""
+    path = _parquet(tmp_path / "d.parquet")
+    data = bytearray(open(path, "rb").read())
+    data[4:200] = b"\xff" * 196  # after the magic "PAR1": page headers and compressed values
+    open(path, "wb").write(bytes(data))
+    assert pq.read_schema(path).names == ["id", "text", "title"]  # the footer still reads
+    with pytest.raises(UserError, match=r"d\.parquet' is not a Parquet file pyarrow can read: .* It is damaged or "
+                                        r"truncated; nothing was written\."):
+        preprocess([path], tmp_path / "out" / "c", "builtin", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ never the whole usage block.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import re
@@ -29,6 +30,7 @@ import sys
 from .errors import UserError, closest
 from .runtime.failures import arm, is_agreed, report, stopped_by_peer
 from .runtime.launch import under_launcher
+from .runtime.orphans import end_with_launcher
 from .runtime.process_exit import destroy_process_groups, leave
 
 # name -> (module with run(), one-line help)
@@ -131,6 +133,7 @@ def _finish(status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_launcher()  # a launched worker: it ends when its launcher dies, even by SIGKILL (tnlg.runtime.orphans)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # bare `tnlg`: what is there, not a 300-iteration job
         build_parser().print_help()
@@ -153,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(status)
     except UserError as err:  # whichever rank raised it: printed once (tnlg.runtime.failures)
         return _failed(report(args.command, str(err), 2, is_agreed(err)))
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return _failed(report(args.command, _disk_full(err), 2, False))  # a write no closer handler took
     except RuntimeError as err:
         if getattr(err, "tnlg_status", None) is not None:  # a stop every rank agreed on (a diverged loss)
             return _failed(report(args.command, str(err), err.tnlg_status, is_agreed(err)))
@@ -168,6 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: its group cannot be torn down (a peer is gone)
             leave(status, destroy=False)
         return status
+
+
+def _disk_full(err: OSError) -> str:
+    """One paragraph for a full disk met by a write that no closer handler turned into one (a save, the
+    metrics, TensorBoard's events and the loss plot say more: which run output, which option moves it)."""
+    from .io import stdout_name, write_failure
+    try:
+        sys.stdout.flush()
+        what = (write_failure(err, err.filename) if err.filename
+                else f"a write failed: {err.strerror} (errno {err.errno}).")
+    except OSError:  # it was the log: standard output on a full disk
+        what = f"the log (standard output): {write_failure(err, stdout_name())}"
+    return (f"{what} The run stopped there; the checkpoints saved before are intact. Free space, then run the "
+            f"same command again.")
 
 
 def _failed(status: int) -> int:

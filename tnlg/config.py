@@ -1,6 +1,9 @@
 """Model configuration with Megatron's field names, presets, and the one partition function.
 
-:func:`partition_sizes` is the single place that decides how a dimension is
+Every model field is declared once (:func:`option`: its flag, help, check, whether it is architecture);
+``tnlg pretrain``'s model options, the checkpoint's architecture record and the Megatron argument
+mapping are read from the declarations. :func:`stage_parts` says which modules a pipeline stage holds
+(the model, FSDP's units and the planner ask it). :func:`partition_sizes` is the single place that decides how a dimension is
 split over tensor-parallel ranks (attention heads, MLP width); layers,
 checkpoints and the planner all call it, so they cannot disagree.
 """
@@ -10,12 +13,92 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import UserError
 
 __all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES",
-           "LR_DECAY_STYLES"]
+           "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "arch_fields", "pretrain_fields",
+           "stage_parts", "group_ranges", "LLAMA", "option", "flag_of",
+           "option_fields"]
+
+# ----------------------------------------------------------------- declarations
+# A declared field carries its flag, help and check in its metadata; GPTConfig declares the model's fields
+# so, and tnlg.options the other options of tnlg pretrain. The argument parser, the config-file keys,
+# the checkpoint's architecture record and the resume checks are read from the fields.
+
+Check = Callable[[Any], Optional[str]]
+"""A check of one value: ``None`` when valid, else the words after "must" (``"be a positive integer"``)."""
+
+
+def option(default: Any, *, help: str = "", flags: tuple = (), choices: Optional[list] = None,
+           metavar: Optional[str] = None, negative: Optional[str] = None, every: Optional[str] = None,
+           cli: bool = True, must_match: bool = False, check: Optional[Check] = None, **extra):
+    """A declared field.
+
+    ``flags``: the command-line spellings (default ``--name-with-dashes``; the first is the one errors
+    name); ``negative``: the flag that sets a boolean that defaults to True to False (``--no-plot``; with
+    ``flags`` too, they set it True); ``every``: what ``--help`` says of a default that is not a plain
+    value; ``cli=False``: settable in a config file only; ``must_match``: a resumed run must give the same
+    value as the checkpoint (it defines the data); ``check``: the value's check (:data:`Check`).
+    ``extra``: further metadata a declaration's readers use (:class:`tnlg.config.GPTConfig`: ``arch``,
+    ``pretrain``, ``pretrain_default``, ``megatron``).
+    """
+    meta = dict(help=help, flags=flags, choices=choices, metavar=metavar, negative=negative, every=every, cli=cli,
+                must_match=must_match, check=check, **extra)
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(name: str) -> str:
+    """``--name-with-dashes`` of a field ``name_with_underscores``."""
+    return "--" + name.replace("_", "-")
+
+
+def option_fields(cls) -> Iterator[dataclasses.Field]:
+    """The option fields of a declared dataclass, in order."""
+    return (f for f in dataclasses.fields(cls) if f.init)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def positive_int(v) -> Optional[str]:
+    return None if _is_int(v) and v > 0 else "be a positive integer"
+
+
+def optional_positive_int(v) -> Optional[str]:
+    return None if v is None or (_is_int(v) and v > 0) else "be a positive integer (or unset)"
+
+
+def fraction(v) -> Optional[str]:
+    """In ``[0, 1)`` (dropout rates)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0
+    return None if ok else "be in [0, 1)"
+
+
+def in_unit_interval(v) -> Optional[str]:
+    """In ``(0, 1]`` (a share of something that must not be empty)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0
+    return None if ok else "be in (0, 1]"
+
+
+def positive(v) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    return None if ok else "be a positive number"
+
+
+def boolean(v) -> Optional[str]:
+    return None if isinstance(v, bool) else "be True or False"
+
+
+def one_of(*values) -> Check:
+    def check(v) -> Optional[str]:
+        return None if v in values else f"be one of {', '.join(map(str, values))}"
+    return check
+
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 # --lr-decay-style's values, Megatron-LM's names (tnlg.optim.LRSchedule also runs Megatron's inverse-square-root,
@@ -69,13 +152,68 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+ARCH = dict(arch=True)             # recorded in checkpoints, compared on load
+MODEL = dict(arch=True, pretrain=True)  # ... and a ``tnlg pretrain`` model option
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def group_ranges(heads_per_rank: list[int], heads: int, groups: int) -> list[range]:
+    """The key/value groups each TP rank's query heads use, a contiguous range per rank.
+
+    Heads are split as :func:`partition_sizes` splits them; head ``i`` belongs to group
+    ``i // (heads / groups)``. A rank holds every group one of its heads is in: with TP > groups a
+    group is held by several ranks (a replicated slice), and where neither divides a rank may hold two
+    (6 heads, 2 groups, TP 3: ranks hold groups [0], [0, 1], [1]).
+    """
+    per_group = heads // groups
+    out, start = [], 0
+    for n in heads_per_rank:
+        out.append(range(start // per_group, (start + n - 1) // per_group + 1))
+        start += n
+    return out
+
+
+def stage_parts(config: "GPTConfig", first: bool, last: bool) -> list[str]:
+    """The modules besides transformer layers that a pipeline stage holds, by part name
+    (:meth:`tnlg.model.DecoderBase.part`): the first the embeddings (``wte``, ``wpe`` with learned
+    positions, ``drop``), the last ``ln_f`` and the LM head (``wte`` again when tied, else ``lm_head``),
+    in the model's order. The whole model is the stage that is both."""
+    tied = not config.untie_embeddings_and_output_weights
+    held = {"wte": first or (last and tied), "wpe": first and config.position_embedding_type == "learned_absolute",
+            "drop": first, "ln_f": last, "lm_head": last and not tied}
+    return [name for name, here in held.items() if here]  # the model's order
+
+
+def arch_fields() -> tuple[str, ...]:
+    """The architecture fields of :class:`GPTConfig` (recorded in checkpoints, compared on load)."""
+    return tuple(f.name for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch"))
+
+
+def pretrain_fields() -> list[dataclasses.Field]:
+    """The fields of :class:`GPTConfig` that are ``tnlg pretrain`` model options."""
+    return [f for f in dataclasses.fields(GPTConfig) if f.metadata.get("pretrain")]
+
+
 @dataclass
 class GPTConfig:
-    """GPT-2 architecture hyper-parameters (Megatron names).
+    """The decoder's hyper-parameters under Megatron-LM's names, each declared once (:func:`tnlg.fields.option`):
+    its flag, help and check, whether it is architecture (``arch``: recorded in checkpoints, compared on
+    load) and a ``tnlg pretrain`` model option (``pretrain``; ``pretrain_default`` where that run's default
+    differs), and its Megatron-LM argument (``megatron``, default the field's name). ``tnlg pretrain``'s
+    model options, ``--use-checkpoint-args``, the checkpoint's architecture record and the Megatron
+    argument mapping are read from these declarations.
 
-    ``ffn_hidden_size`` defaults to ``4 * hidden_size``; ``seq_length`` is also the
-    number of learned positions. ``init_method_std`` initialises every matrix;
-    the two residual output projections use ``std / sqrt(2 * num_layers)``
+    The defaults are GPT-2's (and every earlier tnlg checkpoint's): learned positions, LayerNorm, GELU,
+    full multi-head attention, biases. The Llama family: ``position_embedding_type="rope"`` (rotate-half
+    rotary embeddings over the first ``rotary_percent`` of each head, base ``rotary_base``, no learned
+    positions), ``normalization="RMSNorm"``, ``swiglu`` (the MLP ``silu(x W_gate) * (x W_up)``, then down),
+    ``group_query_attention`` with ``num_query_groups`` KV heads, ``add_bias_linear=False`` (no linear
+    biases; ``add_qkv_bias``: Qwen2's biases on QKV alone) and ``untie_embeddings_and_output_weights``.
+
+    ``ffn_hidden_size`` defaults to ``4 * hidden_size`` (with ``swiglu``: Megatron's
+    ``int(8 h / 3 / 64) * 64``); ``seq_length`` is also the number of learned positions. ``init_method_std``
+    initialises every matrix; the two residual output projections use ``std / sqrt(2 * num_layers)``
     (GPT-2 / Megatron scaled init).
 
     How the model runs, not what it is (a checkpoint may be resumed with other values):
@@ -84,63 +222,116 @@ class GPTConfig:
     ``recompute_granularity`` is ``None`` (keep all activations), ``"selective"`` (recompute
     the attention core in backward) or ``"full"`` (recompute every block from its input).
     ``recompute_activations=True`` is the older spelling of ``"full"``.
-
-    Two choices of Megatron-LM's, under its argument names (the defaults are GPT-2's and every
-    earlier tnlg checkpoint's): ``openai_gelu`` is the GELU of the MLP in tanh form (True) or the
-    exact ``x * Phi(x)`` with the error function (False: Megatron-LM's default, where
-    ``--openai-gelu`` selects tanh); ``untie_embeddings_and_output_weights`` gives the LM head its
-    own vocab-parallel weight ``lm_head.weight`` instead of the word embedding.
     """
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    seq_length: int = 64
-    vocab_size: int = 256
-    ffn_hidden_size: Optional[int] = None
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
-    make_vocab_size_divisible_by: int = 128
-    recompute_activations: bool = False
-    seed: int = 1234
-    sequence_parallel: bool = False
-    recompute_granularity: Optional[str] = None
-    openai_gelu: bool = True
-    untie_embeddings_and_output_weights: bool = False
+    num_layers: int = option(2, check=positive_int, pretrain_default=4, **MODEL)
+    hidden_size: int = option(64, check=positive_int, pretrain_default=128, **MODEL)
+    num_attention_heads: int = option(4, check=positive_int, pretrain_default=4, **MODEL)
+    seq_length: int = option(64, check=positive_int, pretrain_default=128, megatron="max_position_embeddings",
+                             **MODEL)
+    vocab_size: int = option(256, check=positive_int, **ARCH)
+    ffn_hidden_size: Optional[int] = option(None, check=optional_positive_int,
+                                            every="4 x hidden size; with --swiglu int(8/3 x hidden / 64) x 64",
+                                            **MODEL)
+    hidden_dropout: float = option(0.0, check=fraction, pretrain_default=0.1, **MODEL)
+    attention_dropout: float = option(0.0, check=fraction, pretrain_default=0.1, **MODEL)
+    init_method_std: float = option(0.02, check=positive, pretrain=True)
+    layernorm_epsilon: float = option(1e-5, check=positive, flags=("--norm-epsilon", "--layernorm-epsilon"),
+                                      help="epsilon of every LayerNorm / RMSNorm", megatron="norm_epsilon",
+                                      **MODEL)
+    make_vocab_size_divisible_by: int = option(128, check=positive_int)
+    recompute_activations: bool = option(False, check=boolean)
+    seed: int = option(1234)
+    sequence_parallel: bool = option(False, check=boolean)
+    recompute_granularity: Optional[str] = option(None, check=one_of(*RECOMPUTE_GRANULARITIES))
+    openai_gelu: bool = option(True, check=boolean, flags=("--openai-gelu",), negative="--no-openai-gelu",
+                               help="GELU in tanh form (GPT-2's, tnlg's default); --no-openai-gelu: the exact "
+                               "erf form, Megatron-LM's default", **MODEL)
+    untie_embeddings_and_output_weights: bool = option(
+        False, check=boolean, help="an output layer of its own instead of the word embedding (V x h more "
+        "parameters)", **MODEL)
+    position_embedding_type: str = option(
+        "learned_absolute", check=one_of(*POSITION_EMBEDDING_TYPES), choices=list(POSITION_EMBEDDING_TYPES),
+        help="learned_absolute: GPT-2's learned positions; rope: rotary embeddings on queries and keys "
+        "(rotate-half, as transformers and Megatron-core); none: no positions", **MODEL)
+    rotary_base: float = option(10000.0, check=positive, help="with rope: the base of the rotary angles "
+                                "(transformers' rope_theta)", **MODEL)
+    rotary_percent: float = option(1.0, check=in_unit_interval, help="with rope: the share of each head's "
+                                   "dimensions rotated", **MODEL)
+    normalization: str = option("LayerNorm", check=one_of(*NORMALIZATIONS), choices=list(NORMALIZATIONS),
+                                help="LayerNorm (GPT-2) or RMSNorm (Llama: no mean, no bias)", **MODEL)
+    swiglu: bool = option(False, check=boolean, help="SwiGLU MLP: silu(x W_gate) * (x W_up), then the down "
+                          "projection (three matrices; gate and up one column-parallel matmul)", **MODEL)
+    group_query_attention: bool = option(False, check=boolean, help="grouped-query attention: "
+                                         "--num-query-groups key/value heads shared by the query heads",
+                                         **MODEL)
+    num_query_groups: Optional[int] = option(None, check=optional_positive_int, help="with "
+                                             "--group-query-attention: key/value heads (any tensor-parallel "
+                                             "size works)", every="the head count", **MODEL)
+    add_bias_linear: bool = option(True, check=boolean, negative="--disable-bias-linear",
+                                   help="--disable-bias-linear: no bias in any linear layer (Llama)", **MODEL)
+    add_qkv_bias: bool = option(False, check=boolean, help="biases on the query/key/value projections even "
+                                "with --disable-bias-linear (Qwen2)", **MODEL)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "ffn_hidden_size", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
+                                    and isinstance(self.hidden_size, int) and self.hidden_size >= 48
+                                    else 4 * self.hidden_size)
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            wrong = check(getattr(self, f.name)) if check else None
+            if wrong:
+                raise ValueError(f"GPTConfig.{f.name} must {wrong}, got {getattr(self, f.name)!r}.")
+        self._check_shape()
+        if self.recompute_activations and self.recompute_granularity == "selective":
+            raise ValueError("GPTConfig.recompute_activations=True means full recomputation (every block), which "
+                             "contradicts recompute_granularity='selective' (the attention core only); set one "
+                             "of them.")
+
+    def _check_shape(self) -> None:
+        """The checks across fields: heads divide the width, groups divide the heads, rope's share."""
         if self.hidden_size % self.num_attention_heads:
             near = sorted(divisors(self.hidden_size), key=lambda d: abs(d - self.num_attention_heads))[:4]
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: every head needs the same width. Head counts that "
                 f"divide {self.hidden_size} near {self.num_attention_heads}: {sorted(near)}.")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {value!r}.")
-        if self.init_method_std <= 0:
-            raise ValueError(f"GPTConfig.init_method_std must be positive, got {self.init_method_std!r}.")
-        for name in ("sequence_parallel", "recompute_activations", "openai_gelu",
-                     "untie_embeddings_and_output_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}.")
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"GPTConfig.recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} "
-                             f"(None: no recomputation), got {self.recompute_granularity!r}.")
-        if self.recompute_activations and self.recompute_granularity == "selective":
-            raise ValueError("GPTConfig.recompute_activations=True means full recomputation (every block), which "
-                             "contradicts recompute_granularity='selective' (the attention core only); set one "
-                             "of them.")
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if groups is not None and not self.group_query_attention:
+            raise ValueError(f"num_query_groups={groups} (--num-query-groups) is given without "
+                             "group_query_attention (--group-query-attention): give both, as in Megatron-LM.")
+        if self.group_query_attention and groups is None:
+            raise ValueError("group_query_attention (--group-query-attention) needs num_query_groups "
+                             "(--num-query-groups G, the key/value heads).")
+        if groups is not None and heads % groups:
+            raise ValueError(f"num_query_groups={groups} (--num-query-groups) does not divide "
+                             f"num_attention_heads={heads}: every group serves the same number of query heads. "
+                             f"Valid group counts for {heads} heads: {divisors(heads)}.")
+        if self.position_embedding_type != "rope" and (self.rotary_base != 10000.0 or self.rotary_percent != 1.0):
+            raise ValueError(f"rotary_base={self.rotary_base} / rotary_percent={self.rotary_percent} "
+                             f"(--rotary-base / --rotary-percent) set rotary embeddings, but "
+                             f"position_embedding_type={self.position_embedding_type!r}; give "
+                             "--position-embedding-type rope with them, or drop them.")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} rotates "
+                             f"{self.head_dim * self.rotary_percent:g} dimensions; rope needs an even number "
+                             "of at least 2 (rotate-half pairs dimension i with i + rotated / 2).")
+
+    @property
+    def kv_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` with grouped-query attention, else one per head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that rope rotates (Megatron: ``int(head_dim * rotary_percent)``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query/key/value projections have biases."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def effective_recompute_granularity(self) -> Optional[str]:
@@ -185,37 +376,57 @@ class GPTConfig:
         """Narayanan et al. 2021 eq. 2, generalised to any ffn width:
         ``l (4h^2 + 2 h f + 9h + f) + (V + s) h`` (+ 2h for the final LayerNorm; + V h for an
         untied output layer).
-        With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``. (The TP=1 case of
-        :meth:`parameters_per_rank`.)"""
+        With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``. The Llama family (RMSNorm, rope, SwiGLU,
+        ``G`` KV groups of width ``d``, no biases, untied): ``l (2h^2 + 4 G d h + 3 h f + 2h) + 2 V h + h``.
+        (The TP=1 case of :meth:`parameters_per_rank`.)"""
         total = self.parameters_per_rank(1, vocab_size)[0]["params_unpadded"]
-        return total - (0 if final_layernorm else 2 * self.hidden_size)
+        return total - (0 if final_layernorm else self.norm_parameters())
+
+    def kv_groups_per_rank(self, tp: int) -> list[range]:
+        """Every TP rank's key/value groups (:func:`group_ranges`); one group per head without GQA."""
+        return group_ranges(self.heads_per_rank(tp), self.num_attention_heads, self.kv_groups)
+
+    def norm_parameters(self) -> int:
+        """Parameters of one normalisation: LayerNorm's weight and bias, RMSNorm's weight."""
+        return (1 if self.normalization == "RMSNorm" else 2) * self.hidden_size
 
     def replicated_parameters(self) -> int:
-        """Parameters every TP rank holds in full: ``l (2h + h + 2h + h) + s h + 2h`` (both LayerNorms
-        and the two row-parallel biases of every layer, the position embedding, the final LayerNorm)."""
+        """Parameters every TP rank holds in full: per layer two norms and (with biases) the two row-parallel
+        biases, the learned position embedding ``s h`` (if any) and the final norm. GPT-2:
+        ``l (2h + h + 2h + h) + s h + 2h``."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length
-        return l * 6 * h + s * h + 2 * h
+        per_layer = 2 * self.norm_parameters() + (2 * h if self.add_bias_linear else 0)
+        positions = s * h if self.position_embedding_type == "learned_absolute" else 0
+        return l * per_layer + positions + self.norm_parameters()
 
     def parameters_per_rank(self, tp: int, vocab_size: Optional[int] = None) -> list[dict]:
         """Closed-form parameter count of each TP rank's shard (the one parameter-count formula).
 
         Each entry: ``params`` (including padded vocabulary rows), ``params_unpadded``
-        and ``replicated`` (:meth:`replicated_parameters`). Split over TP: QKV (weight + bias,
-        whole heads per rank), the attention output weight, MLP fc (weight + bias) and proj
-        weight, and the word embedding (vocabulary padded to a multiple of
-        ``make_vocab_size_divisible_by * tp``, split evenly; an untied output layer splits the same
-        way and doubles that term). Summed over ranks,
-        ``params_unpadded`` is :meth:`num_parameters_formula` plus ``replicated * (tp - 1)``.
+        and ``replicated`` (:meth:`replicated_parameters`). Split over TP: the queries (whole heads per
+        rank), the keys and values (the rank's heads', or with grouped-query attention the rank's KV groups,
+        :meth:`kv_groups_per_rank`: a group shared by several ranks is counted on each), their biases, the
+        attention output weight, the MLP's fc (two matrices with SwiGLU; its bias) and proj weight, and the
+        word embedding (vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``, split
+        evenly; an untied output layer splits the same way and doubles that term). Summed over ranks,
+        ``params_unpadded`` is :meth:`num_parameters_formula` plus ``replicated * (tp - 1)`` (plus the
+        copies of shared KV groups).
         """
         l, h, d = self.num_layers, self.hidden_size, self.head_dim
         vocab = self.vocab_size if vocab_size is None else vocab_size
         shard_rows = padded_vocab_size(vocab, tp, self.make_vocab_size_divisible_by) // tp
         replicated = self.replicated_parameters()
         tables = 2 if self.untie_embeddings_and_output_weights else 1  # embedding (+ output layer)
+        mats, bias = (2 if self.swiglu else 1), (1 if self.add_bias_linear else 0)
         out = []
-        for r, (heads, ffn) in enumerate(zip(self.heads_per_rank(tp), self.ffn_per_rank(tp))):
+        for r, (heads, groups, ffn) in enumerate(zip(self.heads_per_rank(tp), self.kv_groups_per_rank(tp),
+                                                     self.ffn_per_rank(tp))):
             width = heads * d
-            sharded = l * (3 * width * h + 3 * width + width * h + h * ffn + ffn + ffn * h)
+            qkv_rows = width + (2 * heads * d if self.kv_groups == self.num_attention_heads
+                                else 2 * len(groups) * d)
+            attn = qkv_rows * h + (qkv_rows if self.qkv_bias else 0) + width * h
+            mlp = mats * ffn * h + bias * mats * ffn + ffn * h
+            sharded = l * (attn + mlp)
             real_rows = min(max(vocab - r * shard_rows, 0), shard_rows)
             out.append({"params": sharded + tables * shard_rows * h + replicated,
                         "params_unpadded": sharded + tables * real_rows * h + replicated,
@@ -242,6 +453,9 @@ class GPTConfig:
 
 
 GPT2_VOCAB = 50257
+# what makes a decoder Llama's (the fields every Llama-family preset shares)
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
 
 PRESETS: dict[str, dict] = {
     # a model that trains in minutes on two CPU cores
@@ -254,4 +468,13 @@ PRESETS: dict[str, dict] = {
                           vocab_size=GPT2_VOCAB, hidden_dropout=0.1, attention_dropout=0.1),
     "tnlg-17b": dict(num_layers=78, hidden_size=4256, num_attention_heads=28, seq_length=1024,
                      vocab_size=GPT2_VOCAB, hidden_dropout=0.1, attention_dropout=0.1),
+    # the Llama family: rope, RMSNorm, SwiGLU, no biases, untied output layer (Touvron et al. 2023; Meta's
+    # published configurations); a CPU-sized one for the built-in job, with grouped-query attention
+    "llama-tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=2000,
+                       group_query_attention=True, num_query_groups=2, **LLAMA),
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000,
+                      ffn_hidden_size=11008, **LLAMA),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=8192,
+                      vocab_size=128256, ffn_hidden_size=14336, group_query_attention=True, num_query_groups=8,
+                      **{**LLAMA, "rotary_base": 500000.0}),
 }

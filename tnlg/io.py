@@ -1,4 +1,5 @@
-"""Generic file I/O: one atomic write, one file lock, one checksum.
+"""Generic file I/O: one atomic write, one file lock, one checksum, one way to say a write failed, one rule
+for the file names a file on disk gives (:func:`unsafe_name`, :func:`confined_path`).
 
 Every file tnlg writes (checkpoint manifests, metrics, plots, indexes, tokenizer exports, cached
 datasets) goes through :func:`atomic_output`: it is written under a temporary name in the same
@@ -15,13 +16,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import shutil
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, Optional, Union
 
 __all__ = ["atomic_output", "atomic_write", "file_lock", "file_sha256", "fsync_dir", "temporary_name",
-           "umask_file_mode", "give_umask_mode"]
+           "umask_file_mode", "give_umask_mode", "write_failure", "stdout_name", "unsafe_name", "confined_path"]
 
 PathLike = Union[str, Path]
+# a file name a folder's own index may give (a checkpoint manifest's files, a torch.distributed.checkpoint
+# store's data files, a datasets folder's state.json): letters, digits, '_', '.', '-', not starting with '.' or '-'
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 def temporary_name(path: PathLike) -> str:
@@ -127,3 +133,51 @@ def file_lock(path: PathLike) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def write_failure(exc: OSError, path: PathLike) -> str:
+    """``could not write 'PATH': <error> (errno E) (N MiB free of M MiB on that filesystem).``: what a
+    failed write of file or folder ``path`` says (a full disk, a quota, EIO, permissions)."""
+    path = os.fspath(path)
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        usage = shutil.disk_usage(where if os.path.isdir(where) else "/")
+        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
+    except OSError:
+        free = ""
+    what = exc.strerror or type(exc).__name__
+    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+
+
+def stdout_name() -> str:
+    """The file standard output was redirected to (where Linux says it), else ``"standard output"``."""
+    try:
+        return os.readlink("/proc/self/fd/1")
+    except OSError:
+        return "standard output"
+
+
+def unsafe_name(name) -> Optional[str]:
+    """Why ``name``, read from a file (a manifest, an index, a dataset's ``state.json``), cannot name a
+    file inside that file's folder; ``None`` when it can. A name it can is a plain file name: a string of
+    letters, digits, ``_``, ``.`` and ``-`` of at most 255 characters, not starting with ``.`` or ``-``,
+    without ``..``: so no path separator, not absolute, no way up."""
+    if not isinstance(name, str):
+        return f"it is not a string but a JSON {type(name).__name__}"
+    if not _PLAIN_NAME.match(name) or ".." in name:
+        return "a file name there is a plain name inside the folder (no '/', no '..', not absolute)"
+    return None
+
+
+def confined_path(folder: PathLike, name) -> str:
+    """``folder/name`` for a ``name`` read from a file in ``folder``, where it is a plain name
+    (:func:`unsafe_name`) and the path, symbolic links followed, stays inside ``folder``; otherwise a
+    ``ValueError`` saying why (its caller names the file that gave the name)."""
+    why = unsafe_name(name)
+    if why is not None:
+        raise ValueError(f"the name {name!r}: {why}")
+    path = os.path.join(os.fspath(folder), name)
+    real, inside = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.dirname(real) != inside:
+        raise ValueError(f"the name {name!r} is a symbolic link to {real!r}, outside the folder")
+    return path

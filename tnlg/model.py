@@ -60,10 +60,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from .config import GPTConfig
+from .config import GPTConfig, stage_parts
 from .parallel.context import context_parallel_mean, context_positions, ring_attention
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
-from .parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from .parallel.layers import (ColumnParallelLinear, GatedColumnParallelLinear, KVGroupParallelLinear,
+                              RowParallelLinear, VocabParallelEmbedding, column_parallel_linear)
+from .parallel.rotary import rotary_angles, rotate
 from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_to_sequence_parallel, sequence_sizes
 from .parallel.random import TPRandom
 from .parallel.sharding import ShardSpec, mark_replicated
@@ -142,6 +144,44 @@ class LayerNorm(nn.LayerNorm, SelfInitializing):
         return y if out_dtype is None else y.to(out_dtype)
 
 
+class RMSNorm(SelfInitializing, nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019; Llama): ``x / sqrt(mean(x^2) + eps) * weight``, no mean, no bias,
+    computed in fp32 (also under autocast), the normalised value cast to the output dtype before the
+    weight multiplies it (transformers' ``LlamaRMSNorm``). Replicated over TP; weight ones.
+    ``sequence_parallel`` / ``synced``: as :class:`LayerNorm` (``synced=(weight,)``)."""
+
+    def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None, init_key: str = ""):
+        super().__init__()
+        self.ps, self.eps = ps, eps
+        self.weight = mark_replicated(nn.Parameter(torch.empty(dim, device=device)))
+        self.set_init(dict(weight=init_ones), 0, init_key)
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False, synced=None) -> torch.Tensor:
+        w = self.weight
+        if synced is not None:
+            (w,) = synced
+        elif sequence_parallel and self.ps is not None:
+            (w,) = copy_to_tp_coalesced((w,), self.ps)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            # under autocast the input's dtype (autocast casts for the next matmul), else the weight's (a
+            # model whose parameters are 16-bit runs 16-bit)
+            out = x.dtype if _autocast_on(x.device.type) else w.dtype
+            return w.to(out) * h.to(out)
+
+
+def make_norm(cfg: GPTConfig, ps: ParallelState, init_key: str, device=None) -> nn.Module:
+    """The configured normalisation of width ``hidden_size``: :class:`LayerNorm` or :class:`RMSNorm`."""
+    cls = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return cls(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps, init_key=init_key)
+
+
+def norm_parameters(norm: nn.Module) -> list[torch.Tensor]:
+    """A normalisation's parameters in the order its ``synced=`` takes them."""
+    return [p for p in (norm.weight, getattr(norm, "bias", None)) if p is not None]
+
+
 def _autocast_on(device_type: str) -> bool:
     try:
         return torch.is_autocast_enabled(device_type)
@@ -150,17 +190,20 @@ def _autocast_on(device_type: str) -> bool:
 
 
 class KVCache:
-    """Keys and values of past positions for incremental decoding, this rank's heads only.
+    """Keys and values of past positions for incremental decoding, this rank's key/value heads only
+    (its query heads' without grouped-query attention; with it, the rank's KV groups: ``G`` heads in
+    all, not ``H``).
 
-    ``k[layer]``/``v[layer]`` are ``[batch, local_heads, max_len, head_dim]`` (global layer index;
+    ``k[layer]``/``v[layer]`` are ``[batch, local_kv_heads, max_len, head_dim]`` (global layer index;
     ``None`` for the layers of other pipeline stages when ``model`` is a pipeline rank's
     :class:`~tnlg.parallel.pipeline.StageModel`); ``length`` is the number of positions already written.
+    Keys are stored rotated (rope), as transformers stores them.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, dtype=None, device=None):
         cfg, ps = model.config, model.ps
         like = next(model.parameters())  # (the GPT's and a stage's parameters share one dtype and device)
-        shape = (batch_size, cfg.heads_per_rank(ps.tp_size)[ps.tp_rank], max_len, cfg.head_dim)
+        shape = (batch_size, local_kv_heads(cfg, ps.tp_size, ps.tp_rank), max_len, cfg.head_dim)
         ranges = getattr(model, "chunk_ranges", [range(cfg.num_layers)])
         mine = {i for r in ranges for i in r}
 
@@ -172,11 +215,28 @@ class KVCache:
         self.length = 0
 
 
+def local_kv_heads(cfg: GPTConfig, tp: int, tp_rank: int) -> int:
+    """Key/value heads TP rank ``tp_rank`` computes: its query heads', or its KV groups."""
+    if cfg.kv_groups == cfg.num_attention_heads:
+        return cfg.heads_per_rank(tp)[tp_rank]
+    return len(cfg.kv_groups_per_rank(tp)[tp_rank])
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with this rank's heads (column-parallel QKV, row-parallel output).
 
+    Full multi-head attention keeps the fused QKV weight ``c_attn`` laid out per head (rows
+    ``[head][q, k, v][head_dim]``), so a contiguous split gives whole heads. Grouped-query attention
+    (``cfg.kv_groups < heads``) has the queries ``c_q`` (split by heads as ever) and the keys and values
+    ``c_kv`` (:class:`~tnlg.parallel.layers.KVGroupParallelLinear`: the KV groups this rank's heads use,
+    shared groups replicated on their holders), applied in one matmul; each query head then reads its
+    group's keys and values. Rope (``position_embedding_type="rope"``) rotates queries and keys at the
+    tokens' positions (``rotary``: the angles, :func:`tnlg.parallel.rotary.rotary_angles`) before the
+    cache and the core.
+
     Forward: ``f`` before QKV (identity), ``g`` after the output projection
-    (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``).
+    (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
+    groups held by several ranks, one all-reduce of each shared group's weight gradient over its holders.
     Sequence-parallel (``sp`` = every rank's positions): forward all-gather of the input
     along the sequence and reduce-scatter of the output; backward all-gather of the output
     gradient, all-gather of the input again and reduce-scatter of the input gradient. With ``recompute_granularity ==
@@ -191,35 +251,65 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
+        self.grouped = cfg.kv_groups != cfg.num_attention_heads
+        self.local_kv = local_kv_heads(cfg, ps.tp_size, ps.tp_rank)
         self.cp_group = ps.cp_group if ps.cp_size > 1 else None  # context parallelism: attention by the ring
-        # every rank's rows of the fused QKV weight (whole heads) and columns of the output projection
-        qkv_sizes, proj_sizes = [3 * cfg.head_dim * n for n in heads], [cfg.head_dim * n for n in heads]
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
-        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps, partition_sizes=qkv_sizes,
-                                           sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
-                                           init_key=_join(init_key, "c_attn"))
-        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ps, input_is_parallel=True,
-                                        partition_sizes=proj_sizes, sequence_parallel=sp, device=device,
+        d, h, bias = cfg.head_dim, cfg.hidden_size, cfg.qkv_bias
+        if self.grouped:  # queries by heads, keys/values by the groups those heads use
+            ranges = cfg.kv_groups_per_rank(ps.tp_size)
+            self.c_q = ColumnParallelLinear(h, cfg.num_attention_heads * d, ps, bias=bias,
+                                            partition_sizes=[d * n for n in heads], sequence_parallel=sp,
+                                            device=device, init_method=init, seed=cfg.seed,
+                                            init_key=_join(init_key, "c_q"))
+            self.c_kv = KVGroupParallelLinear(h, cfg.kv_groups, d, ps, ranges, bias=bias, device=device,
+                                              init_method=init, seed=cfg.seed, init_key=_join(init_key, "c_kv"))
+            first = sum(heads[:ps.tp_rank])  # each local head's group, as an index into the rank's groups
+            per_group = cfg.num_attention_heads // cfg.kv_groups
+            index = [(first + i) // per_group - ranges[ps.tp_rank].start for i in range(self.local_heads)]
+            self.register_buffer("kv_index", torch.tensor(index, dtype=torch.long, device=device), persistent=False)
+        else:  # every rank's rows of the fused QKV weight (whole heads)
+            self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
+                                               sequence_parallel=sp, device=device, init_method=init,
+                                               seed=cfg.seed, init_key=_join(init_key, "c_attn"))
+        self.c_proj = RowParallelLinear(h, h, ps, bias=cfg.add_bias_linear, input_is_parallel=True,
+                                        partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=_join(init_key, "c_proj"))
+
+    def _qkv(self, x: torch.Tensor, sp: Optional[tuple[int, ...]]):
+        """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
+        if self.grouped:
+            kv_w, kv_b = self.c_kv.weights()
+            w = torch.cat([self.c_q.weight, kv_w])
+            b = None if kv_b is None else torch.cat([self.c_q.bias, kv_b])
+            qkv = column_parallel_linear(x, w, b, self.c_q.ps, sp)
+        else:
+            qkv = self.c_attn(x, sequence_parallel=sp is not None, sequence_sizes=sp)
+        lead = qkv.shape[:2]  # [b, s] or, sequence-parallel, [s (all positions), b]
+        order = (0, 2, 1, 3) if sp is None else (1, 2, 0, 3)  # -> [b, heads, s, hd]
+        if not self.grouped:
+            q, k, v = qkv.view(*lead, self.local_heads, 3, self.head_dim).unbind(dim=3)
+        else:
+            q, kv = qkv.split([self.local_heads * self.head_dim, 2 * self.local_kv * self.head_dim], dim=-1)
+            q = q.view(*lead, self.local_heads, self.head_dim)
+            k, v = kv.view(*lead, self.local_kv, 2, self.head_dim).unbind(dim=3)
+        return tuple(t.permute(*order) for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, sp: Optional[tuple[int, ...]] = None,
-                synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        qkv = self.c_attn(x, sequence_parallel=sp is not None, sequence_sizes=sp)
-        if sp is None:  # [b, s, 3 h_r]
-            b, s = qkv.shape[:2]
-            qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
-            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # [b, heads, s, hd]
-        else:  # sequence-parallel: [s (all positions), b, 3 h_r]
-            s, b = qkv.shape[:2]
-            qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, hd]
+                synced_bias: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+        q, k, v = self._qkv(x, sp)
+        b, s = q.shape[0], q.shape[2]
+        if rotary is not None:  # (cos, sin) of the tokens' positions
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[self.layer_idx][:, :, start:start + s] = k
             kv_cache.v[self.layer_idx][:, :, start:start + s] = v
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
+        if self.grouped and self.cp_group is None:  # each query head reads its group's keys and values
+            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
         kv_len = k.shape[2]
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
@@ -247,7 +337,9 @@ class ParallelAttention(nn.Module):
         recomputation's dropout masks. With context parallelism: the ring over the CP group, ``attention_mask``
         the whole sequence's document ids ``[b, s]`` or ``None`` (:mod:`tnlg.parallel.context`)."""
         if self.cp_group is not None:
-            return ring_attention(q, k, v, self.cp_group, doc_ids=attention_mask)
+            # (GQA: the ring carries this rank's K/V groups; kv_index maps each query head to its group)
+            return ring_attention(q, k, v, self.cp_group, doc_ids=attention_mask,
+                                  kv_heads=self.kv_index if self.grouped else None)
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
         with self.tp_random.replay(tp_rng_state):  # heads differ per rank: masks too
@@ -255,8 +347,9 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """``h -> ffn -> h`` with GELU (tanh form, or exact with ``config.openai_gelu=False``):
-    column-parallel then row-parallel.
+    """``h -> ffn -> h``: column-parallel then row-parallel, with GELU (tanh form, or exact with
+    ``config.openai_gelu=False``), or with ``config.swiglu`` SwiGLU, ``silu(x W_gate) * (x W_up)``, whose
+    gate and up projections are one column-parallel matmul (:class:`~tnlg.parallel.layers.GatedColumnParallelLinear`).
 
     Forward: ``f`` (identity) then ``g`` (all-reduce of ``[b, s, h]``); backward: one all-reduce.
     Sequence-parallel (``sp``): all-gather before ``c_fc``, reduce-scatter after ``c_proj``
@@ -268,17 +361,21 @@ class ParallelMLP(nn.Module):
         sizes = cfg.ffn_per_rank(ps.tp_size)
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
-        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps, partition_sizes=sizes,
-                                         sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
-                                         init_key=_join(init_key, "c_fc"))
-        self.c_proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps, partition_sizes=sizes,
-                                        sequence_parallel=sp, device=device, init_method=scaled_init,
-                                        seed=cfg.seed, init_key=_join(init_key, "c_proj"))
+        self.swiglu = cfg.swiglu
+        fc = GatedColumnParallelLinear if cfg.swiglu else ColumnParallelLinear
+        self.c_fc = fc(cfg.hidden_size, cfg.ffn_hidden_size, ps, bias=cfg.add_bias_linear, partition_sizes=sizes,
+                       sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
+                       init_key=_join(init_key, "c_fc"))
+        self.c_proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps, bias=cfg.add_bias_linear,
+                                        partition_sizes=sizes, sequence_parallel=sp, device=device,
+                                        init_method=scaled_init, seed=cfg.seed, init_key=_join(init_key, "c_proj"))
 
     def forward(self, x: torch.Tensor, sp: Optional[tuple[int, ...]] = None,
                 synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         on = sp is not None
-        h = F.gelu(self.c_fc(x, sequence_parallel=on, sequence_sizes=sp), approximate=self.gelu_approximate)
+        h = self.c_fc(x, sequence_parallel=on, sequence_sizes=sp)
+        if not self.swiglu:  # (SwiGLU's activation is inside its gated layer)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.c_proj(h, sequence_parallel=on, sequence_sizes=sp, synced_bias=synced_bias)
 
 
@@ -291,7 +388,7 @@ def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_sp
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; optional activation checkpointing (recompute in backward).
+    """Pre-norm transformer block (LayerNorm or RMSNorm); optional activation checkpointing (recompute in backward).
 
     ``sp``: every TP rank's positions when ``x`` is this rank's sequence shard ``[s_r, b, h]``
     (sequence parallelism), else ``None`` (``x`` is ``[b, s, h]``)."""
@@ -299,37 +396,41 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
                  init_key: str = ""):
         super().__init__()
-        h, eps = cfg.hidden_size, cfg.layernorm_epsilon
-        self.ln_1 = LayerNorm(h, eps, device=device, ps=ps, init_key=_join(init_key, "ln_1"))
+        self.ln_1 = make_norm(cfg, ps, _join(init_key, "ln_1"), device)
         self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device, init_key=_join(init_key, "attn"))
-        self.ln_2 = LayerNorm(h, eps, device=device, ps=ps, init_key=_join(init_key, "ln_2"))
+        self.ln_2 = make_norm(cfg, ps, _join(init_key, "ln_2"), device)
         self.mlp = ParallelMLP(cfg, ps, device=device, init_key=_join(init_key, "mlp"))
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp_random = tp_random
         self.recompute = cfg.effective_recompute_granularity == "full"
 
-    def _forward(self, x, attention_mask, kv_cache, sp=None, tp_rng_state=None):
+    def _synced_replicated(self):
+        """Sequence-parallel: the norms' parameters and the row-parallel biases (the replicated parameters
+        that meet this rank's positions only) through one coalesced ``f``: ``(ln_1's, ln_2's, attention
+        bias, MLP bias)``, ``None`` for a bias the model does not have."""
+        n1, n2 = norm_parameters(self.ln_1), norm_parameters(self.ln_2)
+        biases = [self.attn.c_proj.bias, self.mlp.c_proj.bias]
+        synced = copy_to_tp_coalesced([*n1, *n2, *(b for b in biases if b is not None)], self.attn.c_proj.ps)
+        ln1, ln2, rest = synced[:len(n1)], synced[len(n1):len(n1) + len(n2)], list(synced[len(n1) + len(n2):])
+        attn_bias, mlp_bias = (rest.pop(0) if b is not None else None for b in biases)
+        return ln1, ln2, attn_bias, mlp_bias
+
+    def _forward(self, x, attention_mask, kv_cache, sp=None, rotary=None, tp_rng_state=None):
         on = sp is not None
-        ln1 = ln2 = attn_bias = mlp_bias = None
-        if on:  # the replicated parameters meet this rank's positions only: one f for all of them
-            ln1, ln2 = (self.ln_1.weight, self.ln_1.bias), (self.ln_2.weight, self.ln_2.bias)
-            params = [*ln1, *ln2, self.attn.c_proj.bias, self.mlp.c_proj.bias]
-            synced = copy_to_tp_coalesced([p for p in params if p is not None], self.attn.c_proj.ps)
-            ln1, ln2, rest = synced[:2], synced[2:4], list(synced[4:])
-            attn_bias = rest.pop(0) if self.attn.c_proj.bias is not None else None
-            mlp_bias = rest.pop(0) if self.mlp.c_proj.bias is not None else None
+        ln1, ln2, attn_bias, mlp_bias = self._synced_replicated() if on else (None,) * 4
         # a recomputation in backward replays the forward's TP-rank dropout streams
         with self.tp_random.replay(tp_rng_state):
-            h = self.attn(self.ln_1(x, on, ln1), attention_mask, kv_cache, sp, attn_bias)
+            h = self.attn(self.ln_1(x, on, ln1), attention_mask, kv_cache, sp, attn_bias, rotary)
             x = x + _dropout(self.dropout, h, self.tp_random, on)
             h = self.mlp(self.ln_2(x, on, ln2), sp, mlp_bias)
             return x + _dropout(self.dropout, h, self.tp_random, on)
 
-    def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None):
+    def forward(self, x, attention_mask=None, kv_cache=None, sp: Optional[tuple[int, ...]] = None, rotary=None):
+        """``rotary``: rope's ``(cos, sin)`` of the tokens' positions (:meth:`DecoderBase.rotary`), or ``None``."""
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, self.tp_random.snapshot(),
+            return checkpoint(self._forward, x, attention_mask, kv_cache, sp, rotary, self.tp_random.snapshot(),
                               use_reentrant=False)
-        return self._forward(x, attention_mask, kv_cache, sp)
+        return self._forward(x, attention_mask, kv_cache, sp, rotary)
 
 
 class PositionEmbedding(SelfInitializing, nn.Module):
@@ -397,14 +498,14 @@ class DecoderBase(nn.Module):
         if name == "wte":
             return VocabParallelEmbedding(cfg.vocab_size, h, ps, self.padded_vocab_size, device=device,
                                           init_method=init, seed=seed, init_key=key)
-        if name == "wpe":
+        if name == "wpe" and cfg.position_embedding_type == "learned_absolute":
             return PositionEmbedding(cfg.seq_length, h, init, seed, key, device)
         if name == "drop":
             return nn.Dropout(cfg.hidden_dropout)
         if name.startswith("h."):
             return Block(cfg, ps, int(name[2:]), self.tp_random, device=device, init_key=key)
         if name == "ln_f":
-            return LayerNorm(h, cfg.layernorm_epsilon, device=device, ps=ps, init_key=key)
+            return make_norm(cfg, ps, key, device)
         if name == "lm_head":
             return OutputLayer(cfg.vocab_size, h, ps, self.padded_vocab_size, init, seed, key, device)
         raise ValueError(f"the GPT has no part {name!r}.")
@@ -443,7 +544,7 @@ class DecoderBase(nn.Module):
 
     def embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor], sp: Optional[tuple[int, ...]],
               offset: int = 0) -> torch.Tensor:
-        """Word plus position embeddings, then dropout: ``[b, s, h]``, or with ``sp`` (every rank's
+        """Word plus (learned) position embeddings, then dropout: ``[b, s, h]``, or with ``sp`` (every rank's
         positions) this rank's positions ``[s_r, b, h]``. ``position_ids`` ``None``: ``offset .. offset+s-1``.
         Collectives: the word embedding's all-reduce over TP; with ``sp`` a reduce-scatter of the partial
         word embeddings instead, to which each rank adds its positions' (backward: an all-gather)."""
@@ -452,11 +553,26 @@ class DecoderBase(nn.Module):
             position_ids = context_positions(tokens.shape[1], self.ps, tokens.device)
         if position_ids is None:
             position_ids = torch.arange(offset, offset + tokens.shape[1], device=tokens.device).unsqueeze(0)
+        learned = "wpe" in t
         if sp is None:
-            return t.drop(t.wte(tokens) + t.wpe(position_ids))
+            x = t.wte(tokens)
+            return t.drop(x + t.wpe(position_ids) if learned else x)
+        positions = t.wpe(position_ids).transpose(0, 1) if learned else None
         x = reduce_scatter_to_sequence_parallel(t.wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
-                                                replicated=t.wpe(position_ids).transpose(0, 1))
+                                                replicated=positions)
         return _dropout(t.drop, x, self.tp_random, True)
+
+    def rotary(self, seq_len: int, position_ids: Optional[torch.Tensor], offset: int = 0, device=None):
+        """Rope's ``(cos, sin)`` (fp32 ``[b, 1, s, rotary_dim]``) at ``position_ids`` (``None``: ``offset ..
+        offset + seq_len - 1``), or ``None`` without rope. Every block of a forward shares them."""
+        cfg = self.config
+        if cfg.position_embedding_type != "rope":
+            return None
+        if position_ids is None and self.ps.cp_size > 1:  # this CP rank's two chunks: their global positions
+            position_ids = context_positions(seq_len, self.ps, device)
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + seq_len, device=device).unsqueeze(0)
+        return rotary_angles(position_ids, cfg.rotary_dim, cfg.rotary_base)
 
     def head(self, x: torch.Tensor, sp: Optional[tuple[int, ...]], last_only: bool = False) -> torch.Tensor:
         """``ln_f`` and the parallel LM head (tied to the embedding, or untied): this rank's vocabulary
@@ -490,11 +606,12 @@ class GPT(DecoderBase):
     def __init__(self, config: GPTConfig, ps: Optional[ParallelState] = None, device=None):
         super().__init__(config, ps or ParallelState.single())
         self.heads_per_rank = config.heads_per_rank(self.ps.tp_size)
-        parts = {name: self.part(name, device) for name in ("wte", "wpe", "drop")}
+        names = stage_parts(config, first=True, last=True)
+        parts = {name: self.part(name, device) for name in names if name not in ("ln_f", "lm_head")}
         parts["h"] = nn.ModuleList(self.part(f"h.{i}", device) for i in range(config.num_layers))
         parts["ln_f"] = self.part("ln_f", device)
         self.transformer = nn.ModuleDict(parts)
-        if config.untie_embeddings_and_output_weights:
+        if "lm_head" in names:
             self.lm_head = self.part("lm_head", device)
 
     @staticmethod
@@ -525,8 +642,9 @@ class GPT(DecoderBase):
         offset = self.start_position(s, kv_cache)
         sp = self.sequence_split(s, kv_cache is not None or last_only)
         x = self.embed(tokens, position_ids, sp, offset)
+        rotary = self.rotary(s, position_ids, offset, tokens.device)
         for block in self.transformer.h:
-            x = block(x, attention_mask, kv_cache, sp)
+            x = block(x, attention_mask, kv_cache, sp, rotary)
         if kv_cache is not None:
             kv_cache.length += s
         logits = self.head(x, sp, last_only)

@@ -4,7 +4,9 @@ Must match the checkpoint (else a :class:`UserError` naming every difference):
 
 * the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
   ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
-  ``layernorm_epsilon``, the dropout rates, the GELU form and whether the output layer is untied;
+  ``layernorm_epsilon``, the dropout rates, the GELU form, whether the output layer is untied, and the
+  Llama family's choices (positions, normalisation, SwiGLU, KV groups, biases): every field
+  :class:`~tnlg.config.GPTConfig` declares ``arch``;
 * the data: the ``--data-path`` datasets (same files: same resolved prefix, or
   the same ``.bin``/``.idx`` sizes when the files were moved; ``X.bin``, ``X.idx``
   and ``X`` are the same prefix, also in checkpoints saved before paths were
@@ -20,10 +22,11 @@ step count and the current ``--lr*`` flags).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
-from ..config import GPTConfig
+from ..config import GPTConfig, arch_fields
 from ..data.gpt_dataset import parse_data_path
 from ..data.indexed import dataset_prefix
 from ..errors import UserError
@@ -33,12 +36,11 @@ from .manifest import Manifest
 
 __all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
 
-ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
-               "vocab_size", "layernorm_epsilon", "hidden_dropout", "attention_dropout", "openai_gelu",
-               "untie_embeddings_and_output_weights")
-# fields later checkpoints record; one without them has the default (tanh GELU, tied output layer)
-_LATER_FIELDS = {"openai_gelu": GPTConfig.openai_gelu,
-                 "untie_embeddings_and_output_weights": GPTConfig.untie_embeddings_and_output_weights}
+ARCH_FIELDS = arch_fields()  # declared in GPTConfig
+# an architecture field a checkpoint does not record was added after it was written: it has the default,
+# which is what that checkpoint's model was (tanh GELU, tied output layer, learned positions, LayerNorm, ...)
+_LATER_FIELDS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in ARCH_FIELDS
+                 and f.default is not dataclasses.MISSING}
 # the options marked must_match (tnlg.options.DataOptions): they define the samples
 DATA_OPTIONS = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 

@@ -4,10 +4,9 @@ read from its metadata alone."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-
-import torch
 
 from ..errors import UserError
 from . import files as F
@@ -36,7 +35,7 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         print(json.dumps(dict(m.to_dict(), path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1),
               file=out)
         return 0
-    n_params = sum(int(torch.Size(r["shape"]).numel()) for r in m.params.values())
+    n_params = sum(math.prod(r.get("shape") or []) for r in m.params.values())  # (shapes checked on reading)
     by_kind: dict[str, int] = {}
     for name, size in m.files.items():
         by_kind[name.split("_")[0]] = by_kind.get(name.split("_")[0], 0) + size
@@ -47,17 +46,18 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"iteration    {m.iteration} ({m.consumed_samples} samples consumed)",
         f"layout       {_layout(m)}",
         f"model        {n_params:,} parameters: " + ", ".join(
-            f"{k}={m.config[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+            f"{k}={m.config.get(k)}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                            "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
         f"optimizer    {_optimizer(m.optimizer)}",
         f"tokenizer    {_tokenizer(m.tokenizer)}",
     ]
     if m.pipeline:
-        lines.insert(4, f"pipeline     {describe_stages(m)}")
+        lines.insert(4, f"pipeline     {_stages(m, iter_dir)}")
     if m.data:
         options = m.options or {}
-        lines.append(f"data         {[f['prefix'] for f in m.data['files']]}, split "
-                     f"{options.get('split')}, seed {options.get('seed')}")
+        files = m.data.get("files")
+        prefixes = [f.get("prefix") for f in files if isinstance(f, dict)] if isinstance(files, list) else files
+        lines.append(f"data         {prefixes}, split {options.get('split')}, seed {options.get('seed')}")
     if m.schedule:
         lines.append(f"lr schedule  {_schedule(m.schedule)}")
     lines.append(f"files        {len(m.files)}, {_mib(sum(m.files.values()))}: "
@@ -66,6 +66,16 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
     print("\n".join(lines), file=out)
     return 1 if bad else 0
+
+
+def _stages(m: Manifest, iter_dir: str) -> str:
+    """The pipeline's stages in words, or a :class:`UserError` where the manifest's ``pipeline`` is not one."""
+    try:
+        return describe_stages(m)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        raise UserError(f"{os.path.join(iter_dir, 'meta.json')!r} is corrupt: its 'pipeline' entry "
+                        f"{json.dumps(m.pipeline.to_dict())[:80]} is not a list of each stage's layers; the "
+                        f"checkpoint cannot be used.") from None
 
 
 def _layout(m: Manifest) -> str:
@@ -79,7 +89,7 @@ def _optimizer(opt: OptimizerState) -> str:
         return "none (weights only)"
     return (f"AdamW state, step {opt.num_steps}, "
             + ("converted from Megatron-LM" if opt.converted else f"saved at ZeRO stage {opt.zero_stage}")
-            + (f", loss scale {opt.loss_scaler['scale']}" if opt.loss_scaler else ""))
+            + (f", loss scale {opt.loss_scaler.get('scale')}" if opt.loss_scaler else ""))
 
 
 def _tokenizer(tok) -> str:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping, Optional, Union
 
 from ..errors import UserError
+from ..io import unsafe_name
 
 __all__ = ["FORMAT", "READABLE_FORMATS", "META", "Manifest", "Layout", "OptimizerState", "Schedule", "RngLayout",
            "Pipeline", "OptimFile", "CONVERTED_KEYS"]
@@ -34,7 +35,7 @@ __all__ = ["FORMAT", "READABLE_FORMATS", "META", "Manifest", "Layout", "Optimize
 FORMAT = "tnlg.checkpoint/2"
 READABLE_FORMATS = ("tnlg.checkpoint/1", FORMAT)
 META = "meta.json"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+MAX_BYTES = 256 * 2**20  # a meta.json larger than this is not one (17B at TP 8 x DP 64: about 10 MiB)
 _BOOKKEEPING = ("extra", "key_order")
 
 
@@ -245,13 +246,7 @@ class Manifest(_Record):
         ``complete``: it must have the sections every checkpoint has (``False``: only the format and the
         file names are checked, as for a manifest written by hand to carry options)."""
         path = os.path.join(iter_dir, META)
-        try:
-            with open(path) as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path!r} is corrupt ({exc}); the checkpoint cannot be used.") from None
+        meta = _read_json(path, iter_dir)
         if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
             raise UserError(f"{path!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}; "
                             f"this tnlg reads {' and '.join(map(repr, READABLE_FORMATS))}.")
@@ -259,6 +254,7 @@ class Manifest(_Record):
         for key in ("iteration", "config", "layout", "params", "files", "optimizer") if complete else ():
             if meta.get(key) is None:
                 raise UserError(f"{path!r} is corrupt: it has no {key!r} entry; the checkpoint cannot be used.")
+        _check_values(meta, path)
         return cls.from_dict(meta, path)
 
     def to_json(self) -> str:
@@ -286,15 +282,114 @@ class Manifest(_Record):
         return self.params[name].get("pp_rank")
 
 
+def _read_json(path: str, iter_dir: str):
+    """The JSON value of ``meta.json`` at ``path`` (at most :data:`MAX_BYTES`, nested at most as deep as
+    Python's parser goes), or a :class:`UserError` saying what is wrong with the file."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_BYTES:
+                raise UserError(f"{path!r} is {os.fstat(f.fileno()).st_size:,} bytes, more than any tnlg "
+                                f"manifest ({MAX_BYTES // 2**20} MiB at most); it is not one. The checkpoint cannot "
+                                f"be used.")
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{iter_dir!r} is not a tnlg checkpoint: it has no {META}.") from None
+    except IsADirectoryError:
+        raise UserError(f"{path!r} is a folder, not a file; the checkpoint cannot be used.") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # (json.JSONDecodeError is a ValueError)
+        raise UserError(f"{path!r} is corrupt ({exc}); the checkpoint cannot be used.") from None
+    except RecursionError:
+        raise UserError(f"{path!r} is corrupt: its JSON is nested deeper than any manifest; the checkpoint "
+                        f"cannot be used.") from None
+
+
 def _check_names(meta: dict, path: str) -> None:
-    """Every file a manifest names is a plain name inside its folder: no path separator, no ``..``, not
-    absolute (a manifest is data from disk; it must not make a load open files elsewhere)."""
+    """Every file a manifest names is a plain name inside its folder (:func:`tnlg.io.unsafe_name`: no path
+    separator, no ``..``, not absolute; a manifest is data from disk: it must not make a load open files
+    elsewhere)."""
     for section in ("files", "sha256", "optim_files"):
         entries = meta.get(section) or {}
         if not isinstance(entries, dict):
             raise UserError(f"{path!r} is corrupt: its {section!r} entry is not a mapping of file names.")
         for name in entries:
-            if not (isinstance(name, str) and _NAME_RE.match(name) and ".." not in name):
+            if unsafe_name(name) is not None:
                 raise UserError(f"{path!r} names the file {name!r} in {section!r}: a checkpoint's files are "
                                 f"plain names inside its own folder (no '/', no '..', not absolute); this "
                                 f"manifest was not written by tnlg or was tampered with. Nothing was loaded.")
+
+
+def _whole(v) -> bool:
+    return type(v) is int and 0 <= v < 2**63
+
+
+def _positive(v) -> bool:
+    return _whole(v) and v >= 1
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _of(kind):
+    return lambda v: isinstance(v, kind)
+
+
+_WORDS = {_whole: "a whole number >= 0", _positive: "a whole number >= 1", _number: "a finite number"}
+_DICT, _STR, _LIST, _BOOL = _of(dict), _of(str), _of(list), _of(bool)
+_WORDS.update({_DICT: "a mapping", _STR: "a string", _LIST: "a list", _BOOL: "true or false"})
+# per section (None: the top level) the type of each value, where present and not null
+_TYPES = {None: dict(iteration=_whole, consumed_samples=_whole, config=_DICT, options=_DICT, data=_DICT,
+                     tokenizer=_DICT, params=_DICT, files=_DICT, sha256=_DICT, created=_STR, torch=_STR,
+                     converted_from=_DICT),
+          "layout": dict(tp=_positive, dp=_positive, world=_positive, pp=_positive, param_dtype=_STR),
+          "optimizer": dict(present=_BOOL, num_steps=_whole, zero_stage=_whole, betas=_LIST, eps=_number,
+                            weight_decay=_number, loss_scaler=_DICT, converted=_BOOL),
+          "schedule": dict(num_steps=_whole, max_lr=_number, min_lr=_number, warmup_iters=_whole,
+                           decay_iters=_whole, decay_style=_STR),
+          "rng": dict(tp=_positive, dp=_positive, pp=_positive),
+          "pipeline": dict(pp=_positive, stages=_LIST)}
+_PARAM = dict(shape=_LIST, sharded=_BOOL, dim=_whole, sizes=_LIST, full_size=_whole, pp_rank=_whole)
+_OPTIM_FILE = dict(tp_rank=_whole, dp_rank=_whole, pp_rank=_whole, kinds=_LIST, pieces=_DICT)
+
+
+def _check_record(record: dict, types: dict, where: str, path: str) -> None:
+    for key, ok in types.items():
+        value = record.get(key)
+        if value is not None and not ok(value):
+            raise UserError(f"{path!r} is corrupt: {where}{key!r} is {_shown(value)}, not {_WORDS[ok]}; the "
+                            f"checkpoint cannot be used.")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_values(meta: dict, path: str) -> None:
+    """Each value tnlg reads is of its type (counts whole numbers >= 0, sizes >= 1, sections mappings, every
+    file size a whole number, every parameter's shape a list of whole numbers), else a :class:`UserError`
+    naming the entry and what it holds."""
+    for section, types in _TYPES.items():
+        record = meta if section is None else meta.get(section)
+        if record is not None and not isinstance(record, dict):
+            raise UserError(f"{path!r} is corrupt: its {section!r} entry is not a mapping.")
+        if record is not None:
+            _check_record(record, types, "" if section is None else f"{section!r}: ", path)
+    for name, size in (meta.get("files") or {}).items():
+        _check_record({"size": size}, {"size": _whole}, f"the file {name!r}: ", path)
+    for name, digest in (meta.get("sha256") or {}).items():
+        _check_record({"sha256": digest}, {"sha256": _STR}, f"the file {name!r}: ", path)
+    for name, rec in (meta.get("params") or {}).items():
+        if not isinstance(rec, dict):
+            raise UserError(f"{path!r} is corrupt: the parameter {name!r} is {_shown(rec)}, not a mapping; the "
+                            f"checkpoint cannot be used.")
+        _check_record(rec, _PARAM, f"the parameter {name!r}: ", path)
+        for key in ("shape", "sizes"):
+            dims = rec.get(key) or []
+            if not all(_whole(d) and d < 2**40 for d in dims) or len(dims) > 8 or math.prod(dims) >= 2**48:
+                raise UserError(f"{path!r} is corrupt: the parameter {name!r} has {key} {_shown(dims)}, not a "
+                                f"list of at most 8 sizes whose product is a tensor's size; the checkpoint cannot "
+                                f"be used.")
+    for name, rec in (meta.get("optim_files") or {}).items():
+        if isinstance(rec, dict):
+            _check_record(rec, _OPTIM_FILE, f"the optimizer file {name!r}: ", path)

@@ -59,17 +59,24 @@ def param_records(config: GPTConfig, tp_size: int) -> dict[str, dict]:
             for name, rec in partition_info(config, tp_size, 0).items()}
 
 
+def starts(rec: dict) -> list[int]:
+    """Where every rank's shard of a split parameter starts along its dimension: the record's ``offsets``
+    (slices that may overlap: key/value groups several TP ranks hold), else the sizes back to back."""
+    if rec.get("offsets"):
+        return [int(o) for o in rec["offsets"]]
+    return [sum(rec["sizes"][:r]) for r in range(len(rec["sizes"]))]
+
+
 def source_tp_ranks(src: dict, target: dict) -> list[int]:
     """The stored TP ranks whose shards of a parameter (``src``: its ``meta.json`` record) overlap the
     shard ``target`` describes (a :func:`targets_for` record); ``[0]`` for a replicated parameter."""
     if not src["sharded"]:
         return [0]
-    start = sum(target["sizes"][:target["tp_rank"]])
-    stop, a, out = start + target["local"][target["dim"]], 0, []
-    for r, size in enumerate(src["sizes"]):
+    start = starts(target)[target["tp_rank"]]
+    stop, out = start + target["local"][target["dim"]], []
+    for r, (a, size) in enumerate(zip(starts(src), src["sizes"])):
         if a < stop and start < a + size:
             out.append(r)
-        a += size
     return out
 
 
@@ -131,10 +138,9 @@ class ShardReader:
             raise UserError(f"parameter {name!r} is split along dim {dim} (size {full}) in the checkpoint but "
                             f"the model splits it differently; the checkpoint is from another model.")
         out = None
-        start = sum(target["sizes"][:int(target["tp_rank"])])
+        start = starts(target)[int(target["tp_rank"])]
         stop = start + target["local"][dim]
-        a = 0
-        for s, size in enumerate(src["sizes"]):
+        for s, (a, size) in enumerate(zip(starts(src), src["sizes"])):
             b = a + size
             lo, hi = max(start, a), min(stop, b, full)
             if lo < hi:
@@ -142,7 +148,6 @@ class ShardReader:
                 if out is None:
                     out = piece.new_zeros(target["local"])
                 out.narrow(dim, lo - start, hi - lo).copy_(piece)
-            a = b
         if out is None:  # a shard made only of padding (cannot happen with real splits, but be exact)
             out = torch.zeros(target["local"])
         return out
@@ -181,7 +186,7 @@ def full_targets(meta) -> dict[str, dict]:
     out = {}
     for name, rec in Manifest.of(meta).params.items():
         if rec["sharded"]:
-            out[name] = dict(rec, sizes=[rec["full_size"]], local=list(rec["shape"]), tp_rank=0)
+            out[name] = dict(rec, sizes=[rec["full_size"]], offsets=[0], local=list(rec["shape"]), tp_rank=0)
         else:
             out[name] = dict(rec, local=list(rec["shape"]), tp_rank=0)
     return out
@@ -192,7 +197,7 @@ def slice_full(full: torch.Tensor, target: dict) -> torch.Tensor:
     if not target["sharded"]:
         return full
     dim = target["dim"]
-    start = sum(target["sizes"][:target["tp_rank"]])
+    start = starts(target)[target["tp_rank"]]
     out = full.new_zeros(target["local"])
     hi = min(start + target["local"][dim], full.shape[dim])
     if hi > start:
@@ -299,7 +304,7 @@ class OptimReader(ShardReader):
         """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind``."""
         src = self.meta.params[name]
         same = not src["sharded"] or (list(src["sizes"]) == list(target.get("sizes", [])) and
-                                     src["dim"] == target["dim"])
+                                     src["dim"] == target["dim"] and starts(src) == starts(target))
         if same:
             return self._flat(int(target["tp_rank"]) if src["sharded"] else 0, name, kind, lo, lo + length)
         return self.tensor(f"{name}.{kind}", name, target).reshape(-1)[lo:lo + length].clone()

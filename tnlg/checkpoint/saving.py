@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -52,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
-from ..io import atomic_output, atomic_write, file_sha256, fsync_dir
 from ..errors import UserError, agreed
+from ..io import atomic_output, atomic_write, file_sha256, fsync_dir, write_failure
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from .compat import data_record, options_record
@@ -170,13 +169,7 @@ class _SaveFailure:
 
 def _io_message(exc: OSError, path: str, ps: ParallelState) -> str:
     """``could not write FILE: <error> (errno E) (N MiB free of M MiB on that filesystem)``."""
-    try:
-        usage = shutil.disk_usage(os.path.dirname(path) if os.path.isdir(os.path.dirname(path)) else "/")
-        free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that filesystem)"
-    except OSError:
-        free = ""
-    what = exc.strerror or type(exc).__name__
-    return f"could not write {path!r}: {what} (errno {exc.errno}){free}."
+    return write_failure(exc, path)
 
 
 def _quiet_latest(root: str) -> Optional[int]:
@@ -300,19 +293,26 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
     iteration = int(manifest.iteration)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
+    new_root = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     F.make_save_dir(tmp)
     cfg = GPTConfig.from_dict(manifest.config)
     records = param_records(cfg, tp_size)
     dtype = getattr(torch, manifest.layout.param_dtype)
     files: dict[str, _Written] = {}
-    for r in range(tp_size):
-        files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
-    manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
-        format=F.FORMAT, params=records, **_file_sections(files),
-        layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
-        rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
-    commit(root, tmp, final, iteration, manifest, None)
+    try:
+        for r in range(tp_size):
+            files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
+        manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
+            format=F.FORMAT, params=records, **_file_sections(files),
+            layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
+            rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
+        commit(root, tmp, final, iteration, manifest, None)
+    except BaseException:  # a source that fails while it is read (a damaged file): no debris, a rerun works
+        F.remove_tree(tmp)
+        if new_root and not os.listdir(root):
+            os.rmdir(root)
+        raise
     return final
 
 

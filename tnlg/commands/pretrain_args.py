@@ -51,6 +51,9 @@ _BUILTIN_WORDS = {
     "tensor_model_parallel_size": "2; 1 on an odd number of processes",
 }
 
+# the shapes the built-in job runs with (no --data-path): its own, or a CPU-sized preset's
+BUILTIN_SHAPES = (None, "llama-tiny")
+
 _MODEL_KEYS = tuple(f.name for f in option_fields(ModelOptions))
 
 
@@ -136,7 +139,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
     said = {**from_file, **given}  # what the user set, in a file or on the command line
     recorded, info = checkpoint_args(said) if said.get("use_checkpoint_args") else ({}, None)
     preset = said.get("preset")
-    builtin = info["builtin_job"] if info else preset is None and said.get("data_path") is None
+    builtin = info["builtin_job"] if info else preset in BUILTIN_SHAPES and said.get("data_path") is None
     opts = dict(DEFAULTS)
     if builtin:
         opts.update(BUILTIN_JOB)

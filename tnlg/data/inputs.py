@@ -60,6 +60,10 @@ def parse_json_line(raw: bytes, path: str, lineno: int, json_keys: Sequence[str]
     """The strings under ``json_keys`` of one JSON line, or a :class:`UserError` naming ``path:lineno``."""
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise UserError(f"{path}:{lineno}: this JSON line is nested deeper than Python's JSON parser goes; a line "
+                        f"is one object such as {{\"{json_keys[0]}\": \"document text\"}}. Nothing was "
+                        f"written.") from None
     except ValueError as err:
         msg = getattr(err, "msg", str(err))
         col = getattr(err, "colno", None)
@@ -79,6 +83,13 @@ def parse_json_line(raw: bytes, path: str, lineno: int, json_keys: Sequence[str]
         if not isinstance(value, str):
             raise UserError(f"{path}:{lineno}: the value of {key!r} is a {type(value).__name__}, not a string; "
                             "nothing was written.")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:  # a \ud800-\udfff escape without its pair: no character at all
+            raise UserError(f"{path}:{lineno}: the value of {key!r} holds {value[err.start]!r} at character "
+                            f"{err.start}, half of a UTF-16 surrogate pair (an escape \\ud800-\\udfff without "
+                            f"its other half), which is no character and cannot be tokenized; fix the line. "
+                            f"Nothing was written.") from None
         out.append(value)
     return out
 

@@ -6,7 +6,9 @@ in a string column), or a Hugging Face ``datasets`` folder (``Dataset.save_to_di
 pyarrow alone, no ``datasets`` needed). The text columns are the ``--json-keys`` of JSON
 Lines inputs. Both are read as a stream: a Parquet file one row group at a time, a
 ``datasets`` folder one memory-mapped record batch at a time, so memory stays at one row
-group whatever the corpus size.
+group whatever the corpus size. Every batch is validated in full (offsets inside its buffers, UTF-8
+text) before a value is read: a damaged or hostile Arrow file must not make pyarrow read memory
+outside it.
 
 :func:`check_table` validates a table before anything is written (the columns exist and hold
 strings, no row is null) from the schema and each chunk's null count (one read of the text
@@ -17,15 +19,18 @@ columns, as JSON Lines inputs are parsed once to check them, no Python strings m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Iterator, Sequence
 
 from ..errors import UserError
+from ..io import confined_path
 
 __all__ = ["PARQUET_SUFFIXES", "is_table_input", "table_kind", "check_table", "iter_table_rows"]
 
 PARQUET_SUFFIXES = (".parquet",)
+_MAX_JSON_BYTES = 64 * 2**20  # a datasets folder's state.json / dataset_dict.json: a few KiB
 
 
 def _pyarrow():
@@ -50,50 +55,114 @@ def table_kind(path: str) -> str:
     if not os.path.isdir(path):
         return "parquet"
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
+        splits = _read_json(os.path.join(path, "dataset_dict.json")).get("splits", [])
+        splits = splits if isinstance(splits, list) else []
         raise UserError(f"input {path!r} is a `datasets` DatasetDict (splits {splits}); pass one split's folder, "
-                        f"e.g. {os.path.join(path, splits[0] if splits else 'train')!r}.")
+                        f"e.g. {os.path.join(path, str(splits[0]) if splits else 'train')!r}.")
     if not os.path.isfile(os.path.join(path, "state.json")):
         raise UserError(f"input {path!r} is a folder but not one written by `datasets` `save_to_disk` (it has no "
                         "state.json); pass .jsonl, .txt or .parquet files, or such a folder.")
     return "arrow"
 
 
+def _read_json(path: str) -> dict:
+    """A ``datasets`` folder's JSON file as an object, or one :class:`UserError` saying what is wrong with it."""
+    problem = None
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > _MAX_JSON_BYTES:
+                problem = f"it is {os.fstat(f.fileno()).st_size:,} bytes, not the few KiB `datasets` writes"
+            else:
+                value = json.loads(f.read().decode("utf-8"))
+                problem = None if isinstance(value, dict) else f"it holds a JSON {type(value).__name__}, not an object"
+    except (ValueError, UnicodeDecodeError) as err:
+        problem = f"it is not JSON ({err})"
+    except RecursionError:
+        problem = "its JSON is nested deeper than any `datasets` file"
+    except OSError as err:
+        problem = f"it cannot be read ({err.strerror})"
+    if problem:
+        raise UserError(f"{path!r} is damaged: {problem}. Write the folder again with `save_to_disk`.")
+    return value
+
+
 def _arrow_files(path: str) -> list[str]:
-    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-        files = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    """The Arrow files a ``datasets`` folder's ``state.json`` names, in order: each a plain name of a file
+    inside the folder (:func:`tnlg.io.confined_path`: no ``..``, not absolute, no link out of it)."""
+    state_path = os.path.join(path, "state.json")
+    entries = _read_json(state_path).get("_data_files")
+    if not isinstance(entries, list) or not entries:
+        raise UserError(f"{state_path!r} is damaged: its '_data_files' is {json.dumps(entries)[:60]}, not a list "
+                        f"of the folder's Arrow files. Write the folder again with `save_to_disk`.")
+    files = []
+    for i, entry in enumerate(entries):
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if name is None:
+            raise UserError(f"{state_path!r} is damaged: entry {i} of '_data_files' ({json.dumps(entry)[:60]}) has "
+                            f"no 'filename'. Write the folder again with `save_to_disk`.")
+        try:
+            files.append(confined_path(path, name))
+        except ValueError as err:
+            raise UserError(f"{state_path!r} names a file outside its folder: {err}. A `datasets` folder's files "
+                            f"are plain names inside it; this state.json was not written by `datasets` or was "
+                            f"tampered with. Nothing was read.") from None
     missing = [p for p in files if not os.path.isfile(p)]
-    if missing or not files:
+    if missing:
         raise UserError(f"`datasets` folder {path!r} is incomplete: its state.json names "
                         f"{[os.path.basename(p) for p in files]}, missing {[os.path.basename(p) for p in missing]}.")
     return files
 
 
 def _batches(path: str, kind: str, columns: Sequence[str]) -> Iterator:
-    """Record batches of ``columns`` in row order: a Parquet row group, or an Arrow stream's batch."""
+    """Record batches of ``columns`` in row order: a Parquet row group, or an Arrow stream's batch; a file
+    pyarrow cannot read (corrupt pages, a truncated stream) or a later file of a ``datasets`` folder without
+    one of the columns is one :class:`UserError` naming the file."""
     pa = _pyarrow()
     if kind == "parquet":
-        pf = pa.parquet.ParquetFile(path)
-        for i in range(pf.num_row_groups):
-            yield from pf.read_row_group(i, columns=list(columns)).to_batches()
+        with _readable(path, "a Parquet file"):
+            pf = pa.parquet.ParquetFile(path)
+            for i in range(pf.num_row_groups):
+                for batch in pf.read_row_group(i, columns=list(columns)).to_batches():
+                    batch.validate(full=True)
+                    yield batch
         return
     for name in _arrow_files(path):
-        with pa.memory_map(name) as source:
-            for batch in pa.ipc.open_stream(source):
-                yield batch.select(list(columns))
+        with _readable(name, "an Arrow stream"), pa.memory_map(name) as source:
+            stream = pa.ipc.open_stream(source)
+            lacking = [c for c in columns if c not in stream.schema.names]
+            if lacking:
+                raise UserError(f"{name!r} of `datasets` folder {path!r} has no column {lacking[0]!r} (its columns: "
+                                f"{stream.schema.names}), which its first file has; the folder is not one dataset. "
+                                f"Nothing was written.")
+            for batch in stream:
+                batch = batch.select(list(columns))
+                # an Arrow file is read as it is: offsets past the data or bad UTF-8 would be read from
+                # outside its buffers (a crash, or memory not the file's); full validation refuses them
+                batch.validate(full=True)
+                yield batch
+
+
+@contextlib.contextmanager
+def _readable(path: str, what: str):
+    """pyarrow's errors reading ``path`` (damaged data, a short file, an allocation a damaged size asks for)
+    as one :class:`UserError`."""
+    pa = _pyarrow()
+    try:
+        yield
+    except (pa.lib.ArrowException, OSError) as err:
+        said = " ".join("".join(c if c.isprintable() else " " for c in str(err)).split())[:300].rstrip(". ")
+        raise UserError(f"input {path!r} is not {what} pyarrow can read: {said}. It is damaged or truncated; "
+                        f"nothing was written.") from None
 
 
 def _schema(path: str, kind: str):
     pa = _pyarrow()
-    try:
-        if kind == "parquet":
+    if kind == "parquet":
+        with _readable(path, "a Parquet file"):
             return pa.parquet.read_schema(path)
-        with pa.memory_map(_arrow_files(path)[0]) as source:
-            return pa.ipc.open_stream(source).schema
-    except (pa.ArrowInvalid, OSError) as err:
-        what = "a Parquet file" if kind == "parquet" else "an Arrow stream"
-        raise UserError(f"input {path!r} is not {what} pyarrow can read ({err}).") from None
+    first = _arrow_files(path)[0]
+    with _readable(first, "an Arrow stream"), pa.memory_map(first) as source:
+        return pa.ipc.open_stream(source).schema
 
 
 def check_table(path: str, columns: Sequence[str]) -> int:

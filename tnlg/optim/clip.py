@@ -11,6 +11,10 @@ The norm must equal the one a single process computes on the full model:
    different slice); the replicated sum is *not* (every TP rank holds the same
    values, so adding them would count them ``tp`` times, fairscale's bug).
 
+A key/value group that several TP ranks hold (grouped-query attention at TP > G, :mod:`tnlg.parallel.layers`)
+has the same summed gradient on each of them: its rows count once, on the lowest TP rank holding them
+(:func:`tnlg.parallel.sharding.counted_rows`).
+
 With pipeline stages (PP > 1) each stage's total is then summed over the pipeline group;
 the last stage's copy of the tied word embedding is left out by the backend (the first
 stage's is counted), so every parameter counts once.
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from torch._subclasses.fake_tensor import is_fake
 
+from ..parallel.sharding import uncounted_elements
 from ..parallel.state import ParallelState
 
 __all__ = ["squared_sums", "global_norm", "global_norm_and", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
@@ -175,7 +180,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, ps: Par
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [_local(p.grad) for p in params]
-    sh, rep = squared_sums((g, bool(getattr(p, "tp_sharded", False))) for g, p in zip(grads, params))
+    # a shared key/value group (rows several TP ranks hold) counts once, on the lowest rank holding it
+    counted = [g.reshape(-1)[uncounted_elements(p, ps.tp_rank):] for g, p in zip(grads, params)]
+    sh, rep = squared_sums((g, bool(getattr(p, "tp_sharded", False))) for g, p in zip(counted, params))
     norm = global_norm(sh, rep, ps, over_dp=grads_sharded_over_dp)
     coeff = clip_coefficient(norm, max_norm)
     if coeff < 1.0:

@@ -44,7 +44,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..parallel.sharding import copy_tp_attributes, is_tp_sharded
+from ..config import stage_parts
+from ..parallel.sharding import copy_tp_attributes, counted_rows, is_tp_sharded
 from ..parallel.state import ParallelState
 from .sharded_adamw import Run, ShardedAdamW
 from .sharded_backend import ShardedBackend
@@ -76,9 +77,10 @@ class ChunkModules(nn.Module):
         t = chunk.stage.transformer
         self.chunk = chunk  # registers no parameters itself
         self.blocks = nn.ModuleList(t.h[str(i)] for i in chunk.layers)
-        head = t.wte if "wte" in t else getattr(chunk.stage, "lm_head", None)  # tied: the last stage's wte copy
-        ends = ([t.wte, t.wpe] if chunk.first else []) + ([t.ln_f, head] if chunk.last else [])
-        for i, m in enumerate(dict.fromkeys(ends)):
+        stage = chunk.stage
+        ends = [stage.lm_head if n == "lm_head" else t[n]
+                for n in stage_parts(stage.config, chunk.first, chunk.last) if n != "drop"]
+        for i, m in enumerate(ends):
             self.add_module(f"end{i}", m)
 
     @property
@@ -125,6 +127,10 @@ class FSDPZero(ShardedBackend):
         duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
         self.full_numel = {n: p.numel() for n, p in before}
+        # a shared key/value group's rows are counted in the norm once, on the lowest TP rank holding them:
+        # (rows this rank leaves out, rows of its TP slice) per parameter, read before FSDP shards dim 0
+        skip = {n: (counted_rows(p, ps.tp_rank)[0] if getattr(p, "partition_offsets", ()) else 0, p.shape[0] if p.dim()
+                    else 1) for n, p in before}
         if param_dtype is not None:
             model.to(param_dtype)  # 16-bit sharded parameters and gradients; fp32 master below
         self._shard(model, stage == 3, before, init_fn)
@@ -142,6 +148,7 @@ class FSDPZero(ShardedBackend):
         self.tp_sharded = [flags[n] for n in self.names]
         # what the gradient norm counts: all but the last pipeline stage's copy of the tied embedding
         self.counted = [n not in duplicate for n in self.names]
+        self.norm_skip = [skip[n] for n in self.names]
         self.decay = [decay[n] for n in self.names]
         self._build_optimizer(betas, eps, weight_decay)
 
@@ -206,8 +213,12 @@ class FSDPZero(ShardedBackend):
             yield None if p.grad is None else p.grad.to_local()
 
     def grad_pieces(self):
-        for g, f, counted in zip(self._local_grads(), self.tp_sharded, self.counted):
+        dp, rank = self.ps.dp_size, self.ps.dp_rank
+        for g, f, counted, (skip, rows) in zip(self._local_grads(), self.tp_sharded, self.counted, self.norm_skip):
             if g is not None and counted:
+                if skip:  # FSDP2 holds rows [rank * ceil(rows / dp), ...) of the TP slice
+                    start = rank * -(-rows // dp)
+                    g = g[min(max(skip - start, 0), g.shape[0]):]
                 yield g, f
 
     def grad_view(self, name: str) -> torch.Tensor:

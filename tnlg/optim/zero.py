@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..parallel.sharding import is_tp_sharded
+from ..parallel.sharding import is_tp_sharded, uncounted_elements
 from ..parallel.state import ParallelState
 from .bucket_comm import BucketComm
 from .grad_buffer import GradBuffer
@@ -76,8 +76,34 @@ __all__ = ["Bucket", "Segment", "FlatLayout", "plan_flat_layout", "partition_rep
 
 
 def default_decay(name: str, param: torch.Tensor) -> bool:
-    """Weight decay on matrices only (``ndim >= 2``, embeddings included, as Megatron)."""
-    return param.dim() >= 2
+    """Weight decay on matrices only (``ndim >= 2``, embeddings included), never on a bias (Megatron's rule:
+    SwiGLU's paired bias ``[2, ffn]`` and grouped-query attention's ``[G, 2, d]`` are biases too)."""
+    return param.dim() >= 2 and not name.endswith(".bias")
+
+
+def _norm_segments(segments: Sequence[Segment], skip: Sequence[int]) -> list[tuple[int, int, int, bool]]:
+    """``(param, flat_lo, length, counted)`` pieces of ``segments``, each split where its parameter's
+    first ``skip[param]`` elements (rows of a shared key/value group that a lower TP rank counts) end."""
+    out = []
+    for s in segments:
+        cut = min(max(skip[s.param] - s.param_lo, 0), s.length)
+        if cut:
+            out.append((s.param, s.flat_lo, cut, False))
+        if cut < s.length:
+            out.append((s.param, s.flat_lo + cut, s.length - cut, True))
+    return out
+
+
+def _norm_runs(segments: Sequence[Segment], kinds: Sequence, skip: Sequence[int], base: int) -> list[tuple]:
+    """:func:`_runs` of the gradient norm: a parameter's skipped elements count as nothing (``None``)."""
+    runs: list[list] = []
+    for param, flat_lo, length, counted in _norm_segments(segments, skip):
+        lo, hi, f = flat_lo - base, flat_lo - base + length, kinds[param] if counted else None
+        if runs and runs[-1][2] == f and runs[-1][1] == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi, f])
+    return [tuple(r) for r in runs]
 
 
 def _runs(segments: Sequence[Segment], flags: Sequence[bool], base: int) -> list[tuple[int, int, bool]]:
@@ -179,6 +205,8 @@ class FlatZero(ShardedBackend):
         # last pipeline stage's copy of the tied embedding (the first stage's is counted)
         self.norm_kind = [None if getattr(p, "pipeline_duplicate", False) else t
                           for (_, p), t in zip(order, self.tp_sharded)]
+        # a shared key/value group's rows are counted once, on the lowest TP rank holding them
+        self.norm_skip = [uncounted_elements(p, ps.tp_rank) for _, p in order]
         self.decay = [bool(decay_fn(n, p)) for n, p in order]
         elem = torch.empty((), dtype=grad_dtype).element_size()
         self.bucket_numel = max(1, int(bucket_size_mb * MiB) // elem)
@@ -223,7 +251,7 @@ class FlatZero(ShardedBackend):
                 bucket=b, owned_lo=owned_base, param=self.param_buffer[lo:hi], grad=self.grad_buffer[lo:hi],
                 exp_avg=self.exp_avg[o], exp_avg_sq=self.exp_avg_sq[o],
                 master=None if self.master is None else self.master[o],
-                decay_runs=_runs(segs, self.decay, lo), tp_runs=_runs(segs, self.norm_kind, lo)))
+                decay_runs=_runs(segs, self.decay, lo), tp_runs=_norm_runs(segs, self.norm_kind, self.norm_skip, lo)))
             owned_base += b.shard_numel
         return views
 

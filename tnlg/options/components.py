@@ -5,11 +5,13 @@ job's and the published recipes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import LR_DECAY_STYLES
+from ..config import LR_DECAY_STYLES, GPTConfig, pretrain_fields
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
 from .fields import flag_of, option
@@ -20,25 +22,31 @@ __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", 
 DEFAULT_NPROC = 4  # local processes when not under torchrun and --nproc-per-node is not given
 
 
-@dataclass
-class ModelOptions:
-    """The model's shape (with ``--preset``: the preset's)."""
-    num_layers: int = option(4)
-    hidden_size: int = option(128)
-    num_attention_heads: int = option(4)
-    seq_length: int = option(128)
-    ffn_hidden_size: Optional[int] = option(None, every="4 x hidden size")
-    hidden_dropout: float = option(0.1)
-    attention_dropout: float = option(0.1)
-    init_method_std: float = option(0.02)
-    openai_gelu: bool = option(True, flags=("--openai-gelu",), negative="--no-openai-gelu",
-                               help="GELU in tanh form (GPT-2's, tnlg's default); --no-openai-gelu: the exact "
-                               "erf form, Megatron-LM's default")
-    untie_embeddings_and_output_weights: bool = option(
-        False, help="an output layer of its own instead of the word embedding (V x h more parameters)")
+def _model_options() -> type:
+    """``ModelOptions``: the :class:`GPTConfig` fields declared ``pretrain`` (the declaration is the
+    config's; here only ``tnlg pretrain``'s default where it differs), each checked as the config checks
+    it, with a :class:`UserError` naming the flag."""
+    hints = typing.get_type_hints(GPTConfig)
+    specs = []
+    for f in pretrain_fields():
+        meta = {k: v for k, v in f.metadata.items() if k != "pretrain_default"}
+        default = f.metadata.get("pretrain_default", f.default)
+        specs.append((f.name, hints[f.name], dataclasses.field(default=default, metadata=meta)))
 
     def __post_init__(self):
-        positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+        for f in dataclasses.fields(self):
+            wrong = f.metadata["check"](getattr(self, f.name)) if f.metadata.get("check") else None
+            if wrong:
+                flag = (f.metadata["flags"] or (f.metadata["negative"] or flag_of(f.name),))[0]
+                raise UserError(f"{flag} must {wrong}, got {getattr(self, f.name)!r}.")
+
+    return dataclasses.make_dataclass("ModelOptions", specs, namespace={
+        "__post_init__": __post_init__, "__module__": __name__,
+        "__doc__": "The model's shape and architecture (with ``--preset``: the preset's); declared by "
+                   ":class:`tnlg.config.GPTConfig`."})
+
+
+ModelOptions = _model_options()
 
 
 @dataclass

@@ -9,36 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Iterator, Optional
+
+from ..config import flag_of, option, option_fields
 
 __all__ = ["option", "flag_of", "option_fields", "add_options", "shown"]
-
-
-def option(default: Any, *, help: str = "", flags: tuple = (), choices: Optional[list] = None,
-           metavar: Optional[str] = None, negative: Optional[str] = None, every: Optional[str] = None,
-           cli: bool = True, must_match: bool = False):
-    """A field of an options dataclass.
-
-    ``flags``: the command-line spellings (default ``--name-with-dashes``); ``negative``: the flag that
-    sets a boolean that defaults to True to False (``--no-plot``; with ``flags`` too, they set it True); ``every``: what ``--help`` says of a
-    default that is not a plain value; ``cli=False``: settable in a config file only; ``must_match``:
-    a resumed run must give the same value as the checkpoint (it defines the data).
-    """
-    meta = dict(help=help, flags=flags, choices=choices, metavar=metavar, negative=negative, every=every, cli=cli,
-                must_match=must_match)
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def flag_of(name: str) -> str:
-    """``--name-with-dashes`` of a field ``name_with_underscores``."""
-    return "--" + name.replace("_", "-")
-
-
-def option_fields(cls) -> Iterator[dataclasses.Field]:
-    """The option fields of an options dataclass, in order."""
-    return (f for f in dataclasses.fields(cls) if f.init)
 
 
 def shown(v) -> str:

@@ -112,17 +112,12 @@ class Options:
 
 
 def model_config(o: Options, vocab_size: int) -> GPTConfig:
-    """The :class:`GPTConfig` that options ``o`` describe: the model's shape, and how it runs (sequence
-    parallelism, recomputation, the seed)."""
+    """The :class:`GPTConfig` that options ``o`` describe: the model's fields (every ``ModelOptions``
+    field is one), and how it runs (sequence parallelism, recomputation, the seed)."""
     m, prec = o.model, o.precision
+    fields = {f.name: getattr(m, f.name) for f in option_fields(type(m))}
     try:
-        return GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                         num_attention_heads=m.num_attention_heads, seq_length=m.seq_length,
-                         vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
-                         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                         init_method_std=m.init_method_std, openai_gelu=bool(m.openai_gelu),
-                         untie_embeddings_and_output_weights=bool(m.untie_embeddings_and_output_weights),
-                         recompute_activations=bool(prec.recompute_activations),
+        return GPTConfig(**fields, vocab_size=vocab_size, recompute_activations=bool(prec.recompute_activations),
                          recompute_granularity=prec.recompute_granularity,
                          sequence_parallel=bool(o.parallel.sequence_parallel), seed=o.data.seed)
     except ValueError as exc:

@@ -37,7 +37,8 @@ from .initialization import InitMethod, SelfInitializing, init_normal, init_zero
 from .sharding import ShardSpec
 from .state import ParallelState
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
+           "GatedColumnParallelLinear", "KVGroupParallelLinear"]
 
 DEFAULT_INIT = init_normal(0.02)
 
@@ -307,3 +308,104 @@ class VocabParallelEmbedding(SelfInitializing, nn.Module):
     def extra_repr(self) -> str:
         return (f"vocab={self.num_embeddings} (padded {self.padded_size}; this rank rows "
                 f"[{self.vocab_start}, {self.vocab_end})), dim={self.embedding_dim}")
+
+
+class GatedColumnParallelLinear(ColumnParallelLinear):
+    """SwiGLU's gate and up projections as ONE column-parallel matmul: ``silu(X G_i^T) * (X U_i^T)``.
+
+    The weight's full shape is ``[2, out, in]`` (``[0]`` the gate, ``[1]`` the up projection), split along
+    dim 1 over TP, so each rank's shard ``[2, out_r, in]`` is its gate rows followed by its up rows, paired
+    (Megatron-core's per-rank ``linear_fc1`` layout ``[gate_r; up_r]``); the bias ``[2, out]`` likewise.
+    The matmul runs on the shard viewed as ``[2 out_r, in]``. Communication: a column-parallel layer's
+    (``f``: backward all-reduce of the input gradient; sequence-parallel: all-gather / reduce-scatter).
+    """
+
+    @staticmethod
+    def describe(in_features: int, out_features: int, partition_sizes: Sequence[int],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        sizes = tuple(partition_sizes)
+        return dict(weight=ShardSpec((2, out_features, in_features), 1, sizes),
+                    bias=ShardSpec((2, out_features), 1, sizes) if bias else None)
+
+    def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
+                sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        sp = (self.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.ps.tp_size > 1
+        sizes = None
+        if sp:
+            sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
+        bias = None if self.bias is None else self.bias.flatten()
+        gate, up = column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class _SumOverHolders(torch.autograd.Function):
+    """Identity in forward; in backward every key/value group's gradient summed over the TP ranks that hold
+    it: each rank places its groups' rows in a zero ``[G, ...]`` buffer, one all-reduce over the TP group
+    sums them (a rank adds zeros for the groups it does not hold), and each keeps its own rows back. It
+    runs only on layouts where some group is shared (TP > G, or heads that straddle groups); the buffer is
+    the full key/value weight, ``2 G d h`` elements per layer (the activations' all-reduce is ``b s h``).
+    (Subgroups of exactly the holders would move less, but overlapping subgroups created by their members
+    alone, ``use_local_synchronization``, hang on gloo, and world-collective ones need every process to
+    know every layer's layout.)"""
+
+    @staticmethod
+    def forward(ctx, weight, groups, start, ps):
+        ctx.groups, ctx.start, ctx.ps = groups, start, ps
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = grad.new_zeros((ctx.groups, *grad.shape[1:]))
+        full[ctx.start:ctx.start + grad.shape[0]] = grad
+        torch.distributed.all_reduce(full, group=ctx.ps.tp_group)
+        return full[ctx.start:ctx.start + grad.shape[0]].clone(), None, None, None
+
+
+class KVGroupParallelLinear(SelfInitializing, nn.Module):
+    """The key and value projections of grouped-query attention, split over TP by *groups*, at any TP.
+
+    Full weight ``[G, 2, d, in]`` (group ``g``'s key rows ``[g, 0]``, then its value rows ``[g, 1]``), bias
+    ``[G, 2, d]``. TP rank ``r`` holds the groups its query heads use, ``group_ranges[r]``
+    (:func:`tnlg.config.group_ranges`): with TP > G a group is held by several ranks, a *shared* slice
+    replicated on them (the :class:`~tnlg.parallel.sharding.ShardSpec` records every rank's offset); where
+    neither divides, a rank holds the two groups its heads span. The gradient of a shared group is summed
+    over its holders (:class:`_SumOverHolders`: one all-reduce over TP of a ``[G, 2, d, h]`` buffer in
+    backward, only on layouts that share a group); initialisation draws the full weight and slices it,
+    so every holder starts from the same rows. The attention applies :meth:`weights` in one matmul with
+    the queries (no communication of its own in forward).
+    """
+
+    def __init__(self, in_features: int, groups: int, head_dim: int, ps: ParallelState,
+                 group_ranges: Sequence[range], bias: bool = True, device=None, dtype=None,
+                 init_method: InitMethod = DEFAULT_INIT, seed: int = 0, init_key: str = ""):
+        super().__init__()
+        self.ps, self.in_features, self.groups, self.head_dim = ps, in_features, groups, head_dim
+        self.group_range = group_ranges[ps.tp_rank]
+        _build(self, self.describe(in_features, groups, head_dim, group_ranges, bias), ps, init_method, seed,
+               init_key, device, dtype)
+        # some group held by several ranks: every TP rank takes part in the gradient sum (the same on all)
+        self.shared = ps.tp_size > 1 and any(a.stop > b.start for a, b in zip(group_ranges, group_ranges[1:]))
+
+    @staticmethod
+    def describe(in_features: int, groups: int, head_dim: int, group_ranges: Sequence[range],
+                 bias: bool = True) -> dict[str, Optional[ShardSpec]]:
+        """Every rank's groups along dim 0; offsets recorded where slices overlap."""
+        sizes, offsets = tuple(len(r) for r in group_ranges), tuple(r.start for r in group_ranges)
+        overlap = any(a.stop > b.start for a, b in zip(group_ranges, group_ranges[1:]))
+        offs = offsets if overlap else ()
+        return dict(weight=ShardSpec((groups, 2, head_dim, in_features), 0, sizes, offs),
+                    bias=ShardSpec((groups, 2, head_dim), 0, sizes, offs) if bias else None)
+
+    def weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's ``[n_r * 2 d, in]`` weight and ``[n_r * 2 d]`` bias (rows: group, then k / v, then
+        ``d``), through :class:`_SumOverHolders` where a group is shared."""
+        w, b = self.weight, self.bias
+        if self.shared and torch.is_grad_enabled():
+            start = self.group_range.start
+            w = _SumOverHolders.apply(w, self.groups, start, self.ps)
+            b = None if b is None else _SumOverHolders.apply(b, self.groups, start, self.ps)
+        return w.flatten(0, 2), None if b is None else b.flatten()
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, groups={self.groups} (this rank {list(self.group_range)}), "
+                f"head_dim={self.head_dim}, shared={self.shared}")

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..config import GPTConfig, stage_layer_counts
+from ..config import GPTConfig, stage_layer_counts, stage_parts
 from ..model import DecoderBase, KVCache
 from .state import ParallelState
 
@@ -69,11 +69,10 @@ class StageModel(DecoderBase):
         tied = not config.untie_embeddings_and_output_weights
         parts: dict = dict(h=nn.ModuleDict({str(i): self.part(f"h.{i}", device)
                                             for r in self.chunk_ranges for i in r}))
-        names = (["wte"] if ps.is_first_stage or (ps.is_last_stage and tied) else []) + \
-            (["wpe", "drop"] if ps.is_first_stage else []) + (["ln_f"] if ps.is_last_stage else [])
-        parts.update((name, self.part(name, device)) for name in names)
+        names = stage_parts(config, ps.is_first_stage, ps.is_last_stage)
+        parts.update((name, self.part(name, device)) for name in names if name != "lm_head")
         self.transformer = nn.ModuleDict(parts)
-        if ps.is_last_stage and not tied:
+        if "lm_head" in names:
             self.lm_head = self.part("lm_head", device)
         if ps.is_last_stage and tied and not ps.is_first_stage:
             self.transformer.wte.weight.pipeline_duplicate = True  # the first stage's copy is the one counted
@@ -112,10 +111,13 @@ class PipelineChunk(nn.Module):
         # sequence parallelism (training: every sample has seq_length positions): the activations between
         # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
         sp = stage.sequence_split(cfg.seq_length, not sequence_parallel or kv_cache is not None or last_only)
+        offset = kv_cache.length if kv_cache is not None else 0
+        seq = x.shape[1] if self.first or sp is None else sum(sp)  # ([b, s] tokens, [b, s, h] or [s_r, b, h])
+        rotary = stage.rotary(seq, position_ids, offset, x.device)
         if self.first:
-            x = stage.embed(x, position_ids, sp, kv_cache.length if kv_cache is not None else 0)
+            x = stage.embed(x, position_ids, sp, offset)
         for i in self.layers:
-            x = stage.transformer.h[str(i)](x, attention_mask, kv_cache, sp)
+            x = stage.transformer.h[str(i)](x, attention_mask, kv_cache, sp, rotary)
         if not self.last:
             return x
         logits = stage.head(x, sp, last_only)

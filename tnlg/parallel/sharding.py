@@ -5,7 +5,12 @@ Every parameter of a TP model carries the attributes named in :data:`TP_ATTRS`:
 * ``tp_sharded``: ``True`` when split over the TP group (``False`` = replicated);
 * ``partition_dim``: the split dimension;
 * ``partition_sizes``: every rank's size along it (may be uneven, or padded);
-* ``full_size``: the real (unpadded) size of that dimension.
+* ``full_size``: the real (unpadded) size of that dimension;
+* ``partition_offsets``: where every rank's slice starts along it, set only where slices may overlap
+  (key/value groups that several TP ranks hold, :func:`tnlg.config.group_ranges`): such a *shared*
+  slice is replicated on the ranks that hold it (its gradient is summed over exactly them by the
+  layer), and the gradient norm counts its rows once, on the lowest rank holding them
+  (:func:`counted_rows`).
 
 Layers set them (:func:`mark_sharded`, :func:`mark_replicated`); initialisation,
 checkpoints, resharding, the data-parallel engines and the planner read them through
@@ -30,9 +35,9 @@ from .mappings import all_gather_uneven
 from .state import ParallelState
 
 __all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes",
-           "full_shape", "shard_of", "gather_full", "full_state_dict", "load_full_state_dict"]
+           "full_shape", "shard_of", "counted_rows", "uncounted_elements", "gather_full", "full_state_dict", "load_full_state_dict"]
 
-TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size")
+TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size", "partition_offsets")
 """The attributes that describe a parameter's split (the module docstring explains each)."""
 
 
@@ -42,12 +47,18 @@ class ShardSpec:
 
     ``shape``: the full (unsplit, unpadded) shape; ``dim``: the split dimension (``None``:
     replicated); ``sizes``: every rank's size along ``dim`` (their sum may exceed
-    ``shape[dim]`` by padding, e.g. vocabulary rows).
+    ``shape[dim]`` by padding, e.g. vocabulary rows); ``offsets``: where each rank's slice starts,
+    given only for slices that may overlap (default: back to back).
     """
 
     shape: tuple[int, ...]
     dim: Optional[int] = None
     sizes: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+
+    def start(self, tp_rank: int) -> int:
+        """Where TP rank ``tp_rank``'s slice starts along ``dim``."""
+        return self.offsets[tp_rank] if self.offsets else sum(self.sizes[:tp_rank])
 
     @property
     def sharded(self) -> bool:
@@ -64,7 +75,7 @@ class ShardSpec:
         """Set ``param``'s sharding attributes (:data:`TP_ATTRS`) from this spec."""
         if not self.sharded:
             return mark_replicated(param)
-        return mark_sharded(param, self.dim, self.sizes, self.shape[self.dim])
+        return mark_sharded(param, self.dim, self.sizes, self.shape[self.dim], self.offsets)
 
     def parameter(self, tp_rank: int, device=None, dtype=None) -> nn.Parameter:
         """A new (uninitialised) parameter of TP rank ``tp_rank``'s shape, marked with this spec."""
@@ -75,7 +86,8 @@ class ShardSpec:
         """The spec a marked parameter carries."""
         if not getattr(param, "tp_sharded", False):
             return cls(tuple(param.shape))
-        return cls(full_shape(param), int(param.partition_dim), tuple(int(s) for s in param.partition_sizes))
+        return cls(full_shape(param), int(param.partition_dim), tuple(int(s) for s in param.partition_sizes),
+                   tuple(int(o) for o in getattr(param, "partition_offsets", ()) or ()))
 
     def record(self, tp_rank: int) -> dict:
         """The JSON record checkpoints keep (``shape``, ``local``, ``sharded``; for a split parameter
@@ -83,6 +95,8 @@ class ShardSpec:
         rec = dict(shape=list(self.shape), local=list(self.local_shape(tp_rank)), sharded=self.sharded)
         if self.sharded:
             rec.update(dim=self.dim, sizes=list(self.sizes), full_size=self.shape[self.dim])
+            if self.offsets:
+                rec["offsets"] = list(self.offsets)
         return rec
 
 
@@ -92,14 +106,44 @@ def mark_replicated(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
-def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size: int) -> nn.Parameter:
+def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size: int,
+                 offsets: Sequence[int] = ()) -> nn.Parameter:
     """Mark ``param`` as this rank's shard along ``dim``; ``sizes``: every rank's size along it
-    (their sum may exceed ``full_size`` by padding)."""
+    (their sum may exceed ``full_size`` by padding); ``offsets``: where each slice starts, for slices
+    that may overlap (default: back to back)."""
     param.tp_sharded = True
     param.partition_dim = dim
     param.partition_sizes = tuple(sizes)
     param.full_size = full_size
+    param.partition_offsets = tuple(offsets)
     return param
+
+
+def _starts(param: torch.Tensor) -> list[int]:
+    offsets, sizes = getattr(param, "partition_offsets", ()) or (), param.partition_sizes
+    return list(offsets) if offsets else [sum(sizes[:r]) for r in range(len(sizes))]
+
+
+def uncounted_elements(param: torch.Tensor, tp_rank: int) -> int:
+    """How many leading elements of TP rank ``tp_rank``'s flattened slice the gradient norm leaves out
+    (rows a lower rank holds too, :func:`counted_rows`; split along dim 0 only); 0 for every other parameter."""
+    if not getattr(param, "partition_offsets", ()):
+        return 0
+    if param.partition_dim != 0:
+        raise ValueError("a shared (overlapping) slice must be split along dim 0.")
+    lo, _ = counted_rows(param, tp_rank)
+    return lo * (param.numel() // max(1, int(param.shape[0])))
+
+
+def counted_rows(param: torch.Tensor, tp_rank: int) -> tuple[int, int]:
+    """The part ``[lo, hi)`` along ``partition_dim`` of TP rank ``tp_rank``'s slice that it counts in the
+    gradient norm: all of it, but for a shared slice (``partition_offsets``) only what no lower rank holds."""
+    size = int(param.partition_sizes[tp_rank]) if getattr(param, "tp_sharded", False) else 0
+    if not getattr(param, "partition_offsets", ()):
+        return 0, size
+    starts = _starts(param)
+    below = max((starts[r] + param.partition_sizes[r] for r in range(tp_rank)), default=0)
+    return min(size, max(0, below - starts[tp_rank])), size
 
 
 def is_tp_sharded(name: str, param: torch.Tensor, ps: ParallelState) -> bool:
@@ -138,8 +182,8 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Ten
     if not getattr(param, "tp_sharded", False):
         return full
     dim, sizes = param.partition_dim, param.partition_sizes
-    start = sum(sizes[:tp_rank])
-    padded_total = sum(sizes)
+    start = _starts(param)[tp_rank]
+    padded_total = max(a + n for a, n in zip(_starts(param), sizes))
     if full.shape[dim] < padded_total:  # padded rows (vocabulary): zeros beyond full_size
         pad_shape = list(full.shape)
         pad_shape[dim] = padded_total - full.shape[dim]
@@ -154,6 +198,10 @@ def gather_full(shard: torch.Tensor, param: torch.Tensor, ps: ParallelState) -> 
         return shard
     if ps.tp_size > 1:
         shard = all_gather_uneven(shard.detach(), param.partition_sizes, param.partition_dim, ps.tp_group)
+        if getattr(param, "partition_offsets", ()):  # overlapping slices: each rank's rows no lower rank has
+            dim, pieces = param.partition_dim, shard.split(list(param.partition_sizes), param.partition_dim)
+            shard = torch.cat([p.narrow(dim, lo, hi - lo) for r, p in enumerate(pieces)
+                               for lo, hi in [counted_rows(param, r)]], dim)
     return shard.narrow(param.partition_dim, 0, param.full_size)
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..config import GPTConfig
+from ..config import GPTConfig, stage_parts
 from .flops import iteration_time, rank_flops_imbalance, training_flops_per_sequence
 from .memory import PRECISIONS, activation_bytes, gpu_attention, model_state_bytes
 from .units import GB
@@ -83,10 +83,8 @@ def parameter_table(config: GPTConfig, tp: int) -> tuple[list[int], dict[str, in
 
 def _rank_parameters(config: GPTConfig, table: tuple, layers, first: bool, last: bool) -> int:
     per_layer, ends = table
-    tied = not config.untie_embeddings_and_output_weights
-    extra = (["transformer.wte", "transformer.wpe"] if first else []) + (
-        ["transformer.ln_f", "transformer.wte" if tied else "lm_head"] if last else [])
-    return sum(per_layer[i] for i in layers) + sum(ends[k] for k in set(extra))  # one stage: one embedding
+    extra = [n if n == "lm_head" else f"transformer.{n}" for n in stage_parts(config, first, last) if n != "drop"]
+    return sum(per_layer[i] for i in layers) + sum(ends[k] for k in extra)  # one stage: one embedding
 
 
 def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int, precision: str, micro_batch: int,

@@ -13,7 +13,9 @@ restarts the whole group after a failure, as ``torchrun --max-restarts`` does) a
 returns the exit status. ``--nnodes N --rdzv-endpoint HOST:PORT`` (``tnlg eval``, ``tnlg
 generate``) runs one such launcher per node: the one on ``HOST`` serves the store on exactly
 ``HOST:PORT`` (:func:`endpoint_store`), the others join it; ``torchrun`` does the same for any
-command.
+command. The workers' gloo sockets bind by the same rule: to loopback on one node, to the interface
+of the route to ``HOST`` on several, or to the user's own ``GLOO_SOCKET_IFNAME``
+(:mod:`tnlg.runtime.interfaces`).
 
 A worker that reported a failure itself (:mod:`tnlg.runtime.failures`) leaves its exit status in
 a file this process reads: the group is then not restarted, and the agent's own
@@ -26,7 +28,8 @@ command called from Python with a list runs the settings it validated).
 A SIGINT (Ctrl-C) or SIGTERM to the launching process is forwarded once to each
 worker (each runs in its own session, so a terminal's Ctrl-C reaches only the
 launcher), which stops at the end of its iteration and reports on rank 0; the
-launcher then returns ``128 + signal`` without a traceback.
+launcher then returns ``128 + signal`` without a traceback. A SIGKILL cannot be forwarded: each worker
+ends by itself when this process dies (:mod:`tnlg.runtime.orphans`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import uuid
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from .failures import STATUS_FILE_ENV
+from .interfaces import GLOO_IFNAME_ENV, gloo_interface
+from .orphans import LAUNCHER_PID_ENV
 
 STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
@@ -218,7 +223,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     status_dir = tempfile.mkdtemp(prefix="tnlg-launch-")
     status_file = os.environ[STATUS_FILE_ENV] = os.path.join(status_dir, "status")
     store, endpoint = endpoint_store(rdzv_endpoint) if rdzv_endpoint else loopback_store()
-    os.environ[STORE_ENV] = endpoint
+    workers_env = _workers_env(endpoint, rdzv_endpoint)
     config = _launch_config(nproc, nnodes, endpoint, bool(rdzv_endpoint), status_dir, max_restarts)
     quiet = _QuietLines(status_file)
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
@@ -239,7 +244,8 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         return 128 + int(err.sigval)
     finally:
         os.environ.pop(STATUS_FILE_ENV, None)
-        os.environ.pop(STORE_ENV, None)
+        for var in workers_env:
+            os.environ.pop(var, None)
         del store
         shutil.rmtree(status_dir, ignore_errors=True)
         for lg in loggers:
@@ -247,6 +253,20 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _workers_env(endpoint: str, rdzv_endpoint: Optional[str]) -> list[str]:
+    """Set what the workers read from this process's environment (the names set, to take out after): the
+    store's address, this process's pid (they end when it dies, :mod:`tnlg.runtime.orphans`) and the
+    interface gloo binds to (where the store is, :mod:`tnlg.runtime.interfaces`; the user's own wins)."""
+    os.environ[STORE_ENV] = endpoint
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    names = [STORE_ENV, LAUNCHER_PID_ENV]
+    ifname = None if os.environ.get(GLOO_IFNAME_ENV) else gloo_interface(rdzv_endpoint)
+    if ifname:
+        os.environ[GLOO_IFNAME_ENV] = ifname
+        names.append(GLOO_IFNAME_ENV)
+    return names
 
 
 def _launch_config(nproc: int, nnodes: int, endpoint: str, several_nodes: bool, log_dir: str, max_restarts: int):

@@ -8,6 +8,11 @@ recomputed forward included / peak), and this rank's peak memory; the first reco
 resumed run also says where it resumed (``resumed_from``). The log line averages the loss
 and the rates over the iterations since the last line, and ends with the time since the
 run started and the time left at that pace.
+
+rank 0 writes the metrics file unbuffered, one whole record per call, so a write that fails (a full
+disk) fails in :meth:`Metrics.record` and leaves at most a torn last line, which readers skip; that
+failure, like one of the loss plot, of TensorBoard's events or of the log lines on a full disk, ends
+the run with one paragraph naming the file (:func:`.loggers.write_failed`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import os
 import time
 from typing import IO, Optional
 
-from ..io import atomic_output
+from ..io import atomic_output, stdout_name
 from ..options import LoggingOptions
 from ..parallel.state import ParallelState
-from .loggers import TRAIN_SCALARS, VALID_SCALARS
+from .loggers import TRAIN_SCALARS, VALID_SCALARS, write_failed
 from .throughput import peak_memory_bytes
 
 __all__ = ["Metrics", "open_metrics", "loss_curves", "read_curves", "plot_loss"]
@@ -44,21 +49,35 @@ class Metrics:
         self.file: Optional[IO] = None
         self.resumed_at = resumed_at
         if ps.rank == 0 and path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open_metrics(path, resumed_at)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self.file = open_metrics(path, resumed_at)
+            except OSError as exc:
+                raise self._failed(exc, f"before training (at iteration {resumed_at})") from None
         self.loggers = loggers
         self.started = time.perf_counter()
         self._window = (self.started, 0.0, 0)  # start, summed loss, iterations
 
+    def _failed(self, exc: OSError, when: str, path: Optional[str] = None, what: str = "the metrics file"):
+        return write_failed(exc, path or self.path or "", what, when, "--metrics-file")
+
     def log(self, *msg) -> None:
         if self.ps.rank == 0:
-            print(*msg, flush=True)
+            try:
+                print(*msg, flush=True)
+            except OSError as exc:  # stdout is a file on a full disk
+                raise write_failed(exc, stdout_name(), "the log (standard output)", "while logging",
+                                   "standard output") from None
 
     def record(self, rec: dict, split: str, scalars: tuple = ()) -> None:
         """One record to the metrics file; its ``scalars`` to each backend as ``split/key``."""
         if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+            data = (json.dumps(rec) + "\n").encode()
+            try:
+                while data:  # an unbuffered file may take part of a write
+                    data = data[self.file.write(data):]
+            except OSError as exc:
+                raise self._failed(exc, f"after iteration {rec['iteration']}") from None
         values = {f"{split}/{k}": rec[k] for k in scalars if rec.get(k) is not None}
         for logger in self.loggers if values else ():
             logger.log(values, step=rec["iteration"])
@@ -121,7 +140,11 @@ class Metrics:
         self.file.close()
         self.file = None
         if self.logging.plot:
-            plot_loss(self.path, title=self.title)
+            try:
+                plot_loss(self.path, title=self.title)
+            except OSError as exc:
+                raise self._failed(exc, "at its end, after the metrics file was complete",
+                                   os.path.splitext(self.path)[0] + "_loss.png", "the loss curve") from None
 
 
 def _clock(seconds: float) -> str:
@@ -131,11 +154,12 @@ def _clock(seconds: float) -> str:
 
 
 def open_metrics(path: str, resumed_at: int) -> IO:
-    """The metrics file, opened for appending. A run from scratch starts it afresh; a resumed run first
-    drops the records past the iteration it resumed from (an interrupted run's last iterations are
-    trained again), so every iteration appears once and in order. The old file is replaced atomically."""
+    """The metrics file, opened for appending bytes, unbuffered. A run from scratch starts it afresh; a
+    resumed run first drops the records past the iteration it resumed from (an interrupted run's last
+    iterations are trained again), so every iteration appears once and in order. The old file is replaced
+    atomically."""
     if resumed_at <= 0 or not os.path.exists(path):
-        return open(path, "w")
+        return open(path, "wb", buffering=0)
     dropped = 0
     with open(path) as src, atomic_output(path) as dst:
         for line in src:
@@ -150,7 +174,7 @@ def open_metrics(path: str, resumed_at: int) -> IO:
     if dropped:
         print(f"{path}: dropped {dropped} record(s) past iteration {resumed_at}, the iteration this run "
               f"resumes from (they are trained again).", flush=True)
-    return open(path, "a")
+    return open(path, "ab", buffering=0)
 
 
 def loss_curves(metrics_path: str) -> tuple[list, list]:

@@ -18,8 +18,10 @@ from typing import Optional
 
 from ...config import GPTConfig, padded_vocab_size
 from ...errors import UserError
+from .safe_load import shown
 
-__all__ = ["MegatronLayout", "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
+__all__ = ["MegatronLayout", "check_sizes", "or_default", "whole", "check_supported", "known_vocab_size", "layout_of",
+           "config_from_args", "args_for"]
 
 # (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
 # Megatron-LM's default, which is the supported value
@@ -62,6 +64,50 @@ class MegatronLayout:
     checkpoint_version: float
 
 
+# the saved args' sizes: each a whole number in [1, limit] (a limit no model reaches, which keeps every
+# check of them cheap: the layer count is then checked against the files before anything is built)
+_SIZES = (("num_layers", 1 << 16), ("hidden_size", 1 << 20), ("num_attention_heads", 1 << 16),
+          ("ffn_hidden_size", 1 << 22), ("kv_channels", 1 << 20), ("num_query_groups", 1 << 16),
+          ("max_position_embeddings", 1 << 31), ("seq_length", 1 << 31), ("padded_vocab_size", 1 << 31),
+          ("vocab_size", 1 << 31), ("make_vocab_size_divisible_by", 1 << 20), ("tensor_model_parallel_size", 1 << 16),
+          ("pipeline_model_parallel_size", 1 << 16), ("global_batch_size", 1 << 40))
+
+
+def whole(value, name: str, where: str, low: int = 1, high: int = 1 << 62) -> int:
+    """``value`` (read from a checkpoint: any type) as an int in ``[low, high]``, else one
+    :class:`UserError` naming it; an integral float counts (older Megatron runs saved some as floats)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise UserError(f"{where}: {name} is {shown(value)}, not a whole number from {low} to {high}; the checkpoint "
+                        "is damaged or was not written by Megatron-LM. Nothing was written.")
+    return value
+
+
+def or_default(value, default):
+    """Megatron's ``value or default`` for a value read from a file: ``default`` for ``None``, ``False``
+    and zero, else the value (a tensor or container is left for the checks to name)."""
+    if value is None or value is False or (isinstance(value, (int, float)) and value == 0):
+        return default
+    return value
+
+
+def _plain(args, name: str, where: str):
+    """The saved argument ``name``: a plain value (``None``, a bool, number or string) or one :class:`UserError`."""
+    value = _arg(args, name)
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise UserError(f"{where}: the saved args' {name} is {shown(value)}, not a value Megatron-LM saves there; "
+                        "the checkpoint is damaged. Nothing was written.")
+    return value
+
+
+def check_sizes(args, where: str) -> None:
+    """The saved args' sizes that are set are whole numbers within reason (:data:`_SIZES`)."""
+    for name, limit in _SIZES:
+        if _arg(args, name) is not None:
+            whole(_arg(args, name), f"the saved args' {name}", where, 1, limit)
+
+
 def _arg(args, name: str, default=None):
     return getattr(args, name, default)
 
@@ -78,9 +124,10 @@ def _required(args, name: str, where: str):
 def check_supported(args, where: str) -> None:
     """One :class:`UserError` naming the first argument that selects an architecture tnlg does not model."""
     for name, supported, what in _MUST_BE:
-        value = _arg(args, name)  # None: not set (an older Megatron), so its default
+        value = _plain(args, name, where)  # None: not set (an older Megatron), so its default
         if value is not None and value != supported and not (supported is None and value == 0):
-            raise UserError(f"{where}: the checkpoint's args set {name}={value!r}, {what}, which tnlg does not model "
+            raise UserError(f"{where}: the checkpoint's args set {name}={shown(value)}, {what}, which tnlg does not "
+                            "model "
                             f"(it supports {name}={supported!r}: a GPT-2-style model with learned positions, "
                             "LayerNorm, GELU and biases). Nothing was written.")
     kv = _arg(args, "kv_channels")
@@ -89,7 +136,7 @@ def check_supported(args, where: str) -> None:
         raise UserError(f"{where}: the checkpoint's args set kv_channels={kv} with {heads} heads, so the attention "
                         f"width {kv * heads} differs from hidden_size={hidden}; tnlg needs kv_channels = hidden_size / "
                         "num_attention_heads. Nothing was written.")
-    if _arg(args, "num_query_groups") not in (None, heads) and _arg(args, "group_query_attention", False):
+    if _arg(args, "num_query_groups") not in (None, heads) and _plain(args, "group_query_attention", where):
         raise UserError(f"{where}: num_query_groups={args.num_query_groups}: grouped-query attention is not "
                         "modelled by tnlg. Nothing was written.")
 
@@ -98,21 +145,26 @@ def known_vocab_size(args) -> Optional[int]:
     """The tokenizer's real vocabulary size when the saved args determine it (GPT-2 BPE: 50257;
     ``NullTokenizer``: ``vocab_size`` + its end-of-document id; else ``vocab_size``, "the size of the
     vocabulary before padding", when given), else ``None``."""
-    kind, size = _arg(args, "tokenizer_type"), _arg(args, "vocab_size")
-    if kind in _TOKENIZER_SIZES:
+    kind, size = _arg(args, "tokenizer_type"), or_default(_arg(args, "vocab_size"), None)
+    if isinstance(kind, str) and kind in _TOKENIZER_SIZES:
         return _TOKENIZER_SIZES[kind]
-    if size:
-        return int(size) + (1 if kind == "NullTokenizer" else 0)
+    if size is not None:
+        return whole(size, "the saved args' vocab_size", "Megatron checkpoint") + (1 if kind == "NullTokenizer" else 0)
     return None
 
 
 def layout_of(args, where: str, checkpoint: dict) -> MegatronLayout:
     """The TP/PP layout and padded vocabulary the checkpoint was written with."""
-    tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(_arg(args, "pipeline_model_parallel_size", 1) or 1)
-    padded = _required(args, "padded_vocab_size", where)
-    version = float(checkpoint.get("checkpoint_version", 0) or 0)
-    return MegatronLayout(tp, pp, int(padded), int(checkpoint.get("iteration", 0) or 0), version)
+    check_sizes(args, where)
+    tp, pp = (whole(or_default(_arg(args, name), 1), name, where, 1, 1 << 16)
+              for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    padded = whole(_required(args, "padded_vocab_size", where), "padded_vocab_size", where, 1, 1 << 31)
+    version = or_default(checkpoint.get("checkpoint_version"), 0)
+    if not isinstance(version, (int, float)) or isinstance(version, bool) or not 0 <= version < 100:
+        raise UserError(f"{where}: checkpoint_version is {shown(version)}, not a number (Megatron-LM writes 0 "
+                        "to 3.0); the checkpoint is damaged. Nothing was written.")
+    iteration = whole(or_default(checkpoint.get("iteration"), 0), "iteration", where, 0)
+    return MegatronLayout(tp, pp, padded, iteration, float(version))
 
 
 def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTConfig:
@@ -121,6 +173,7 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
     if not isinstance(args, argparse.Namespace):
         raise UserError(f"{where}: the checkpoint's 'args' is a {type(args).__name__}, not Megatron-LM's "
                         "argparse.Namespace. Nothing was written.")
+    check_sizes(args, where)
     check_supported(args, where)
     hidden = int(_required(args, "hidden_size", where))
     padded = int(_required(args, "padded_vocab_size", where))
@@ -141,8 +194,9 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
             make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
             seed=int(_arg(args, "seed", 1234)), openai_gelu=bool(_arg(args, "openai_gelu", False)),
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)))
-    except ValueError as exc:
-        raise UserError(f"{where}: the saved args do not describe a valid model: {exc} Nothing was written.") from None
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise UserError(f"{where}: the saved args do not describe a valid model: {str(exc)[:300]} Nothing was "
+                        "written.") from None
 
 
 def _tokenizer_args(tokenizer: Optional[dict]) -> dict:

@@ -30,7 +30,7 @@ from ...checkpoint.reshard import slice_full, targets_for
 from ...checkpoint.saving import write_offline
 from ...config import GPTConfig
 from ...errors import UserError
-from .args import config_from_args, layout_of
+from .args import config_from_args, layout_of, or_default, whole
 from .legacy import LegacySource, first_file, is_legacy
 from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
 from .optimizer import optimizer_record, read_optimizer, schedule_position, schedule_record
@@ -84,10 +84,15 @@ def open_megatron(path: str, vocab_size: Optional[int] = None):
                         "by Megatron-LM's training loop (which saves its args). Nothing was written.")
     cfg = config_from_args(common["args"], where, vocab_size)
     layout = layout_of(common["args"], where, common)
+    source: TorchDistSource | LegacySource
     if is_torch_dist(iter_dir):
         source = TorchDistSource(iter_dir, layout)
     else:
         source = LegacySource(iter_dir, common, layout, cfg.num_layers, cfg.num_attention_heads)
+    stored = source.layers()  # before anything is built for the args' layers
+    if stored != cfg.num_layers:
+        raise UserError(f"{where}: its args give num_layers={cfg.num_layers} but its files hold {stored or 'no'} "
+                        "layers; the args do not describe these files. Nothing was written.")
     return source, cfg, common
 
 
@@ -191,9 +196,12 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     for prefix in (opt.prefixes.values() if opt else ()):
         _check_tensors(states, cfg, prefix)
     args = common["args"]
-    iteration = int(common.get("iteration", 0) or 0)
+    iteration = source.layout.iteration
+    consumed = whole(or_default(getattr(args, "consumed_train_samples", None), 0),
+                     "the saved args' consumed_train_samples",
+                     f"Megatron checkpoint {source.iter_dir!r}", 0)
     manifest = Manifest(
-        format=FORMAT, iteration=iteration, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+        format=FORMAT, iteration=iteration, consumed_samples=consumed,
         config=cfg.to_dict(), options={}, data=None, tokenizer=tokenizer.describe() if tokenizer else None,
         layout=Layout(param_dtype=str(dtype).replace("torch.", "")),
         optimizer=OptimizerState.from_dict(optimizer_record(opt)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -37,12 +37,39 @@ def is_legacy(iter_dir: str) -> bool:
     return any(_RANK_RE.match(n) for n in os.listdir(iter_dir))
 
 
-def _flatten(d: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
+_MAX_DEPTH = 16  # the nesting of a state dict (the legacy model's is 4 deep)
+_LAYER_RE = re.compile(r"^(?:" + "|".join(re.escape(p) for p in (CORE_LAYER_PREFIX, *LEGACY_LAYER_PREFIXES)) +
+                       r")(\d+)\.")
+
+
+def _flatten(d: dict, path: str) -> dict:
+    """The nested dicts of ``d`` as one dict of dotted names, in their order. Each dict is visited once
+    (no recursion): a dict met twice (a shared or cyclic graph, which no state dict is) or nested more
+    than :data:`_MAX_DEPTH` deep is one :class:`UserError` about ``path``."""
+    out: dict = {}
+    seen = {id(d)}
+    stack = [("", iter(d.items()))]
+    while stack:
+        prefix, items = stack[-1]
+        for k, v in items:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise UserError(f"{path!r}: its model entry has a key of type {type(k).__name__}; a state dict's "
+                                "names are strings. The file is damaged or not a Megatron checkpoint. Nothing was "
+                                "written.")
+            if not isinstance(v, dict):
+                out[f"{prefix}{k}"] = v
+                continue
+            if id(v) in seen or len(stack) >= _MAX_DEPTH:
+                why = "holds one dict in two places (or inside itself)" if id(v) in seen else \
+                    f"nests dicts more than {_MAX_DEPTH} deep"
+                raise UserError(f"{path!r}: its model entry {why}, which no state dict does; the file is damaged or "
+                                "was crafted. Nothing was written.")
+            seen.add(id(v))
+            stack.append((f"{prefix}{k}.", iter(v.items())))
+            break
         else:
-            yield f"{prefix}{k}", v
+            stack.pop()
+    return out
 
 
 def first_file(iter_dir: str) -> str:
@@ -92,12 +119,18 @@ class LegacySource:
         if (t, p) not in self.files:
             path = self._path(t, p)
             state = self._first if (t, p) == (0, 0) else load_pt(path, "Megatron checkpoint file")
+            if not isinstance(state, dict):
+                raise UserError(f"{path!r} holds a {type(state).__name__}, not the dict of a Megatron checkpoint "
+                                "file. Nothing was written.")
             if "model" not in state:
-                extra = [k for k in state if re.match(r"model\d+$", str(k))]
+                extra = [k for k in state if isinstance(k, str) and re.match(r"model\d+$", k)]
                 why = ("an interleaved (virtual) pipeline checkpoint, which tnlg does not read" if extra
                        else "it has no 'model' entry")
                 raise UserError(f"{path!r}: {why}. Nothing was written.")
-            self.files[(t, p)] = dict(_flatten(state["model"]))
+            if not isinstance(state["model"], dict):
+                raise UserError(f"{path!r}: its 'model' entry is a {type(state['model']).__name__}, not a state "
+                                "dict. Nothing was written.")
+            self.files[(t, p)] = _flatten(state["model"], path)
             self.optimizers[(t, p)] = state.get("optimizer")
         return self.files[(t, p)]
 
@@ -139,9 +172,10 @@ class LegacySource:
             value, legacy = self._lookup(names, role, layer)
             if value is None:
                 return None
-            if not isinstance(value, torch.Tensor):
-                raise UserError(f"{self._path(t, stage or 0)!r}: the entry for {role.tnlg!r} is not a tensor. Nothing "
-                                "was written.")
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                what = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+                raise UserError(f"{self._path(t, stage or 0)!r}: the entry for {role.tnlg!r} is {what}; the weights "
+                                "and Adam states of a Megatron GPT are floating-point tensors. Nothing was written.")
             shards.append((value, legacy))
         return shards
 
@@ -154,7 +188,13 @@ class LegacySource:
             return None
         shape = list(shards[0][0].shape)
         if role.split is not None:
-            shape[role.split] = sum(v.shape[role.split] for v, _ in shards)
+            shapes = [tuple(v.shape) for v, _ in shards]
+            if any(len(s) <= role.split or s[:role.split] + s[role.split + 1:] != shapes[0][:role.split] +
+                   shapes[0][role.split + 1:] for s in shapes):
+                raise UserError(f"{self.iter_dir!r}: the TP shards of {role.tnlg!r} have shapes {shapes[:4]}, which do "
+                                f"not join along dimension {role.split} as Megatron splits it; the rank files are "
+                                "damaged. Nothing was written.")
+            shape[role.split] = sum(s[role.split] for s in shapes)
         return tuple(shape)
 
     def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
@@ -172,10 +212,19 @@ class LegacySource:
             out.append(value)
         return out[0].clone() if len(out) == 1 else torch.cat(out, dim=role.split)
 
+    def layers(self) -> int:
+        """How many layers the files hold: the layer numbers of the first stage's file, times the stages."""
+        found = {m.group(1) for m in map(_LAYER_RE.match, map(str, self._model(0, 0))) if m}
+        return len(found) * self.layout.pp
+
     @property
     def dtype(self) -> torch.dtype:
         model = self._model(0, 0)
-        return next(v.dtype for v in model.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        for v in model.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.dtype
+        raise UserError(f"{self._path(0, 0)!r} holds no floating-point tensor: it has no weights. Nothing was "
+                        "written.")
 
 
 def write_rank_files(iter_dir: str, common: dict, tp: int, pp: int, state_of_rank) -> list[str]:

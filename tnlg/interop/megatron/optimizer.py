@@ -36,6 +36,7 @@ overrides) in the legacy non-distributed files.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -46,6 +47,7 @@ from ...errors import UserError
 from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
 from .buckets import BucketStates, shifted_by_padding, stage_layouts
 from .names import GLOBAL_ROLES, LAYER_ROLES
+from .safe_load import shown
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
            "optimizer_record"]
@@ -70,17 +72,38 @@ class MegatronOptimizer:
     states: object = None   # where the states are read (shape, tensor), the checkpoint's source if None
 
 
+_MAX_DEPTH = 32  # the nesting searched in an optimizer state (megatron-core's is under 10 deep)
+
+
 def _find(node, key: str, out: list) -> list:
-    """Every value of ``key`` in the nested dicts and lists of ``node``."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == key:
+    """Every value of ``key`` in the nested dicts and lists of ``node``, in depth-first order; each
+    container is visited once and no deeper than :data:`_MAX_DEPTH` (a crafted graph stays cheap)."""
+    seen: set = set()
+    stack = [(node, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if not isinstance(n, (dict, list, tuple)) or id(n) in seen or depth > _MAX_DEPTH:
+            continue
+        seen.add(id(n))
+        children = []
+        for k, v in (n.items() if isinstance(n, dict) else enumerate(n)):
+            if isinstance(n, dict) and isinstance(k, str) and k == key:
                 out.append(v)
-            _find(v, key, out)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _find(v, key, out)
+            children.append((v, depth + 1))
+        stack.extend(reversed(children))
     return out
+
+
+def _number(value, where: str, what: str, whole_number: bool = False):
+    """``value`` of the optimizer state (a number or a one-element tensor) as a float (a non-negative
+    int with ``whole_number``), else one :class:`UserError` naming it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        value = value.item()
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if finite and not isinstance(value, bool) and (not whole_number or (value >= 0 and value == int(value))):
+        return int(value) if whole_number else float(value)
+    raise UserError(f"{where}: the optimizer state's {what} is {shown(value)}, not a{' whole' if whole_number else ''} "
+                    "number; the checkpoint is damaged. Nothing was written.")
 
 
 def _no_state(where: str) -> UserError:
@@ -92,22 +115,27 @@ def _step(state: dict, where: str) -> int:
     """Adam's step: ``common_step`` (megatron-core's sharded state dicts), the param groups' ``step``
     (the distributed optimizer) or the per-parameter ``step`` of torch's state dict (legacy files)."""
     per_param = [v for d in _find(state, "state", []) if isinstance(d, dict) for v in d.values() if isinstance(v, dict)]
-    steps = {int(s) for s in _find(state, "common_step", []) + _find(_find(state, "param_groups", []), "step", [])
-             + [v.get("step") for v in per_param] if s is not None}
+    found = (_find(state, "common_step", []) + _find(_find(state, "param_groups", []), "step", [])
+             + [v.get("step") for v in per_param])
+    steps = {_number(s, where, "step", True) for s in found if s is not None}
     if len(steps) != 1:
         raise UserError(f"{where}: the optimizer state gives {'no' if not steps else sorted(steps)} Adam step "
                         "count(s); one is needed for Adam's bias correction. Nothing was written.")
     return steps.pop()
 
 
-def _hyperparameters(state: dict) -> dict:
+def _hyperparameters(state: dict, where: str) -> dict:
     groups = [g for gs in _find(state, "param_groups", []) if isinstance(gs, list) for g in gs if isinstance(g, dict)]
     if not groups:
         return {}
-    g = max(groups, key=lambda g: float(g.get("wd_mult", 1.0)))  # the group with weight decay
-    return dict(betas=[float(b) for b in g.get("betas", (0.9, 0.999))], eps=float(g.get("eps", 1e-8)),
-                weight_decay=float(g.get("weight_decay", 0.0)) * float(g.get("wd_mult", 1.0)),
-                lr=float(g["lr"]) if g.get("lr") is not None else None)
+    num = lambda g, name, default: _number(g.get(name, default), where, f"param group's {name}")  # noqa: E731
+    g = max(groups, key=lambda g: num(g, "wd_mult", 1.0))  # the group with weight decay
+    betas = g.get("betas", (0.9, 0.999))
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise UserError(f"{where}: the optimizer's betas are not a pair of numbers. Nothing was written.")
+    return dict(betas=[_number(b, where, "betas") for b in betas], eps=num(g, "eps", 1e-8),
+                weight_decay=num(g, "weight_decay", 0.0) * num(g, "wd_mult", 1.0),
+                lr=num(g, "lr", None) if g.get("lr") is not None else None)
 
 
 def read_optimizer(source, common: dict, sixteen_bit: bool, cfg) -> MegatronOptimizer:
@@ -147,7 +175,7 @@ def read_optimizer(source, common: dict, sixteen_bit: bool, cfg) -> MegatronOpti
                         "master. Nothing was written.")
     if layout == "fully_reshardable":
         _check_fully_reshardable(source, cfg, common["args"], where)
-    return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state))
+    return MegatronOptimizer(prefixes, _step(state, where), _hyperparameters(state, where))
 
 
 def _check_fully_reshardable(source, cfg, args, where: str) -> None:
@@ -179,7 +207,7 @@ def _bucket_optimizer(source, common: dict, state, store, sixteen_bit: bool, whe
     param groups (Adam's step, the hyperparameters)."""
     kinds = {k: v for k, v in _BUCKETS.items() if sixteen_bit or k != "master"}
     states = BucketStates(source, cfg, common["args"], store, where)
-    return MegatronOptimizer(kinds, _step(state, where), _hyperparameters(state), states)
+    return MegatronOptimizer(kinds, _step(state, where), _hyperparameters(state, where), states)
 
 
 def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg) -> MegatronOptimizer:
@@ -190,7 +218,8 @@ def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg
     if distributed:
         if not isinstance(state, dict):
             raise _no_state(where)
-        if any(str(k).startswith("language_model") for k in (common.get("model") or {})):
+        model = common.get("model")
+        if isinstance(model, dict) and any(isinstance(k, str) and k.startswith("language_model") for k in model):
             raise UserError(f"{where} holds the distributed optimizer's distrib_optim.pt of a pre-core (legacy) "
                             "model (language_model.* names), whose parameters lie in its buckets in another order "
                             "than megatron-core's; tnlg reads the buckets of megatron-core models. Convert without "
@@ -202,7 +231,7 @@ def _read_legacy(source, common: dict, state, sixteen_bit: bool, where: str, cfg
     if sixteen_bit and not state.get("fp32_from_fp16_params"):
         raise UserError(f"{where}: the weights are 16-bit but the optimizer entry has no fp32_from_fp16_params "
                         "(the fp32 master); tnlg resumes a 16-bit run from its master. Nothing was written.")
-    return MegatronOptimizer({k: k for k in kinds}, _step(state, where), _hyperparameters(state))
+    return MegatronOptimizer({k: k for k in kinds}, _step(state, where), _hyperparameters(state, where))
 
 
 def _no_weight_decay(name: str, value) -> bool:
@@ -255,15 +284,22 @@ def schedule_position(common: dict, args, iteration: int) -> int:
     sched = common.get("opt_param_scheduler") or common.get("lr_scheduler")
     batch = getattr(args, "global_batch_size", None)
     if isinstance(sched, dict) and sched.get("num_steps") is not None and batch:
-        return int(sched["num_steps"]) // int(batch)
+        where = "Megatron checkpoint: its LR scheduler"
+        return _number(sched["num_steps"], where, "num_steps", True) // max(1, _number(batch, where, "batch", True))
     return int(iteration)
 
 
 def schedule_record(args, position: int) -> dict:
     """``meta["schedule"]`` of an imported checkpoint: its position and the Megatron run's LR flags."""
-    arg = lambda name: getattr(args, name, None)  # noqa: E731
-    return dict(num_steps=int(position), max_lr=arg("lr"), min_lr=arg("min_lr"), warmup_iters=arg("lr_warmup_iters"),
-                decay_iters=arg("lr_decay_iters") or arg("train_iters"), decay_style=arg("lr_decay_style"))
+    def arg(name: str, kind: type):  # a flag the file gives as something else is not recorded
+        value = getattr(args, name, None)
+        ok = isinstance(value, kind) and not isinstance(value, bool) and (
+            not isinstance(value, float) or math.isfinite(value))
+        return value if ok else None
+    return dict(num_steps=int(position), max_lr=arg("lr", (int, float)), min_lr=arg("min_lr", (int, float)),
+                warmup_iters=arg("lr_warmup_iters", int),
+                decay_iters=arg("lr_decay_iters", int) or arg("train_iters", int),
+                decay_style=arg("lr_decay_style", str))
 
 
 def optimizer_record(opt: Optional[MegatronOptimizer]) -> dict:

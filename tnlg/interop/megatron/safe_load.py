@@ -27,7 +27,7 @@ import torch
 
 from ...errors import UserError
 
-__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk"]
+__all__ = ["Skipped", "load_pt", "load_dcp_metadata", "load_chunk", "reason", "runs_code", "shown"]
 
 # modules whose objects may sit beside the weights in a Megatron file, rebuilt inert (never imported)
 _SKIPPED_MODULES = ("megatron.", "numpy.", "pathlib.", "signal.", "types.", "io.", "_io.", "_codecs.",
@@ -63,19 +63,55 @@ class Skipped:
         return cls._made[name]
 
 
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (\S+) was not")
+# torch's refusals name the global: "Unsupported global: GLOBAL m.n was not an allowed global ..." or,
+# for the modules it blocks outright, "Trying to load unsupported GLOBAL m.n whose module m is blocked"
+_UNSUPPORTED = re.compile(r"GLOBAL (\S+?)(?: was not| whose module)")
+# globals whose only use in a pickle is to run code when it is loaded
+_CODE_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "__builtin__", "runpy", "importlib", "pty",
+                 "shutil", "socket", "ctypes", "code", "codeop", "pickle", "_pickle", "marshal", "commands",
+                 "webbrowser", "operator", "functools", "multiprocessing", "threading", "_thread", "asyncio")
+# the sentences of torch's weights-only refusals that tell a user how to turn the protection off
+_ADVICE = re.compile(r"weights_only|safe_globals|trusted source|torch\.load|documentation|PyTorch 2\.6",
+                     re.IGNORECASE)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` (read from a file: any type, any size, any graph) for a message: the repr of a short
+    plain value, else its type; never a walk of a container (a crafted graph can be endless)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, int):
+        text = repr(value) if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+    elif isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def runs_code(name: str) -> bool:
+    """Whether the global ``name`` (``module.attr``) is one a pickle names only to run code."""
+    return name.split(".", 1)[0] in _CODE_MODULES or name in ("torch._C._dynamo", "torch.load")
+
+
+def _code(path: str, what: str, name: str) -> UserError:
+    return UserError(f"{what} {path!r} asks to run code when it is unpickled (it calls {name[:80]}): a checkpoint "
+                     "holds data, and tnlg never runs code from one. The file is not a Megatron checkpoint, or it was "
+                     "tampered with; do not load it with other tools either. Nothing was written.")
 
 
 def _allow(allowed: dict, name: str, path: str, what: str) -> None:
     """Admit global ``name``: ``argparse.Namespace`` as itself, a skippable one inert, else refuse."""
     if name == "argparse.Namespace":
         allowed[name] = argparse.Namespace
+    elif runs_code(name):
+        raise _code(path, what, name)
     elif name.startswith(_SKIPPED_MODULES):
         allowed[name] = (Skipped.standing_for(name), name)
     else:
-        raise UserError(f"{what} {path!r} holds an object of {name}, which a Megatron checkpoint does not need and "
-                        "tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, without "
-                        "running code). Nothing was written.")
+        raise UserError(f"{what} {path!r} holds an object of {name[:80]}, which a Megatron checkpoint does not need "
+                        "and tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, "
+                        "without running code). Nothing was written.")
 
 
 def load_pt(path: str, what: str) -> dict:
@@ -92,10 +128,15 @@ def load_pt(path: str, what: str) -> dict:
         raise
     except Exception:  # noqa: BLE001 - not a zip file: the old format, or damaged (torch.load says which)
         zip_format = False
+    if not zip_format:  # read whole anyway: from memory, so a crafted length reads only what the file has
+        with open(path, "rb") as f:
+            whole = f.read()
     for _ in range(64):
         try:
             with torch.serialization.safe_globals(list(allowed.values())):
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=zip_format)
+                if not zip_format:
+                    return torch.load(io.BytesIO(whole), map_location="cpu", weights_only=True)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as exc:
             found = _UNSUPPORTED.search(str(exc))
             if found is None or found.group(1) in allowed:
@@ -106,9 +147,17 @@ def load_pt(path: str, what: str) -> dict:
     raise _damaged(path, what, RuntimeError("too many kinds of objects"))
 
 
+def reason(exc: BaseException) -> str:
+    """What went wrong, in torch's or Python's words, less any advice to load the file without
+    ``weights_only`` (the protection that refused it), on one line, at most 200 characters."""
+    sentences = re.split(r"(?<=[.!?])\s+", " ".join(str(exc).split()))
+    kept = " ".join(s for s in sentences if s and not _ADVICE.search(s))
+    return f"{type(exc).__name__}: {kept[:200] or 'no details'}"
+
+
 def _damaged(path: str, what: str, exc: BaseException) -> UserError:
-    return UserError(f"{what} {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}); it is damaged, "
-                     "truncated or not a Megatron checkpoint file. Nothing was written.")
+    return UserError(f"{what} {path!r} cannot be loaded ({reason(exc)}); it is damaged, truncated or not a Megatron "
+                     "checkpoint file. Nothing was written.")
 
 
 # --------------------------------------------------------------------------- torch.distributed.checkpoint
@@ -132,29 +181,52 @@ def _dcp_classes() -> dict[tuple[str, str], object]:
     return out
 
 
-class _DCPUnpickler(pickle.Unpickler):
+class _DCPUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's own unpickler (its memo is a dict: a crafted memo index allocates nothing), reading from
+    the file's bytes in memory (a crafted length reads what is there), giving only the index's classes."""
+
     classes: dict = {}
+    # BYTEARRAY8 allocates the length it reads before reading it; an index holds no bytearray
+    dispatch = {k: v for k, v in pickle._Unpickler.dispatch.items()  # type: ignore[attr-defined]
+                if k not in (pickle.BYTEARRAY8[0], pickle.NEXT_BUFFER[0], pickle.READONLY_BUFFER[0])}
 
     def find_class(self, module: str, name: str):
         key = (module, name)
         if key in self.classes:
             return self.classes[key]
-        raise pickle.UnpicklingError(f"global {module}.{name} is not part of a torch.distributed.checkpoint index")
+        raise _Refused(f"{module}.{name}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global the index's unpickler does not give (``args[0]``: its name)."""
 
 
 def load_dcp_metadata(path: str):
     """The ``torch.distributed.checkpoint.metadata.Metadata`` pickled in ``path`` (restricted globals)."""
+    from torch.distributed.checkpoint.metadata import Metadata
     _DCPUnpickler.classes = _dcp_classes()
     try:
         with open(path, "rb") as f:
-            return _DCPUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"torch_dist index {path!r} cannot be read ({exc}); it is damaged or truncated, or not a "
-                        "torch.distributed.checkpoint index. Nothing was written.") from None
+            meta = _DCPUnpickler(io.BytesIO(f.read())).load()
+    except _Refused as exc:
+        name = exc.args[0]
+        if runs_code(name):
+            raise _code(path, "torch_dist index", name) from None
+        raise UserError(f"torch_dist index {path!r} holds an object of {name[:80]}, which is not part of a "
+                        "torch.distributed.checkpoint index; it is not one, or it was tampered with. Nothing was "
+                        "written.") from None
+    except Exception as exc:  # noqa: BLE001 - any failure of a damaged pickle
+        raise UserError(f"torch_dist index {path!r} cannot be read ({reason(exc)}); it is damaged or truncated, or "
+                        "not a torch.distributed.checkpoint index. Nothing was written.") from None
+    if not isinstance(meta, Metadata):
+        raise UserError(f"torch_dist index {path!r} holds a {type(meta).__name__}, not a torch.distributed.checkpoint "
+                        "Metadata; it is damaged or not a torch_dist index. Nothing was written.")
+    return meta
 
 
-def load_chunk(path: str, offset: int, length: int, what: str) -> torch.Tensor:
-    """One tensor chunk of a ``.distcp`` file: ``length`` bytes at ``offset``, a ``torch.save`` stream."""
+def load_chunk(path: str, offset: int, length: int, what: str):
+    """One chunk of a ``.distcp`` file: ``length`` bytes at ``offset``, a ``torch.save`` stream, loaded
+    with ``weights_only`` and no other global (a global that runs code is named as such)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -165,6 +237,19 @@ def load_chunk(path: str, offset: int, length: int, what: str) -> torch.Tensor:
     except FileNotFoundError:
         raise UserError(f"{what}: file {path!r} named by the torch_dist index is missing. Nothing was written.") \
             from None
+    except pickle.UnpicklingError as exc:
+        found = _UNSUPPORTED.search(str(exc))
+        if found is not None and runs_code(found.group(1)):
+            raise _code(path, f"{what}: torch_dist data file", found.group(1)) from None
+        if found is not None:
+            raise UserError(f"{what}: {path!r} holds an object of {found.group(1)[:80]} where a chunk of tensor data "
+                            "belongs; it is not a torch_dist data file, or it was tampered with. Nothing was "
+                            "written.") from None
+        raise _chunk_damaged(path, what, exc) from None
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{what}: {path!r} cannot be read ({type(exc).__name__}: {exc}); it is damaged or truncated. "
-                        "Nothing was written.") from None
+        raise _chunk_damaged(path, what, exc) from None
+
+
+def _chunk_damaged(path: str, what: str, exc: BaseException) -> UserError:
+    return UserError(f"{what}: {path!r} cannot be read ({reason(exc)}); it is damaged or truncated. Nothing was "
+                     "written.")

@@ -27,10 +27,10 @@ import torch
 
 from ...errors import UserError
 from .args import MegatronLayout
-from .names import CORE_LAYER_PREFIX, LOCAL_EXTRA_STATE, Role
+from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, LOCAL_EXTRA_STATE, Role
 from .safe_load import load_chunk, load_dcp_metadata
 
-__all__ = ["is_torch_dist", "TorchDistSource", "TorchDistWriter", "METADATA_JSON"]
+__all__ = ["is_torch_dist", "TorchDistSource", "TorchDistWriter", "METADATA_JSON", "FLOAT_DTYPES"]
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
@@ -43,7 +43,7 @@ def is_torch_dist(iter_dir: str) -> bool:
     try:
         with open(path) as f:
             return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -52,43 +52,62 @@ def _key(role: Role, layer: Optional[int], prefix: str = "") -> str:
     return prefix + (role.dist_key if layer is None else CORE_LAYER_PREFIX + role.dist_key)
 
 
+# the element types of a GPT's weights and Adam states
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 class TorchDistSource:
-    """The tensors of a ``torch_dist`` checkpoint, assembled from its chunks in Megatron's layout."""
+    """The tensors of a ``torch_dist`` checkpoint, assembled from its chunks in Megatron's layout.
+
+    The index is data from disk, checked before anything is read by it (:mod:`.torch_dist_index`):
+    each data file it names is a plain name inside the folder, each chunk lies inside its tensor and
+    has its bytes in a file that is there, each tensor is covered by the union of its chunks (they may
+    overlap; a hole is refused) and fits in the data files' bytes (so nothing is allocated for sizes the
+    files cannot hold)."""
 
     format = "torch_dist"
 
     def __init__(self, iter_dir: str, layout: MegatronLayout):
+        from .torch_dist_index import check_index
         self.iter_dir, self.layout = iter_dir, layout
         index = os.path.join(iter_dir, ".metadata")
         if not os.path.isfile(index):
             raise UserError(f"{iter_dir!r} says it is a torch_dist checkpoint (metadata.json) but has no .metadata "
                             "index; it is incomplete. Nothing was written.")
         self.meta = load_dcp_metadata(index)
-        self.storage = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v
-                        for k, v in self.meta.storage_data.items()}
-        for (_, _), info in self.storage.items():  # a missing data file is named before anything is written
-            path = os.path.join(iter_dir, info.relative_path)
-            if not os.path.isfile(path):
-                raise UserError(f"{path!r}, named by the torch_dist index of {iter_dir!r}, is missing. Nothing was "
-                                "written.")
-            if os.path.getsize(path) < info.offset + info.length:
-                raise UserError(f"{path!r} is truncated: the torch_dist index needs {info.offset + info.length} "
-                                f"bytes, it has {os.path.getsize(path)}. Nothing was written.")
+        self.storage, self.paths = check_index(self.meta, iter_dir, index)
+
+    def _metadata(self, key: str):
+        """The index's record of tensor ``key`` (``None``: none), its element type a float one."""
+        md = self.meta.state_dict_metadata.get(key)
+        if md is None or not hasattr(md, "size"):
+            return None
+        dtype = md.properties.dtype
+        if dtype not in FLOAT_DTYPES:
+            raise UserError(f"{self.iter_dir!r}: the torch_dist index gives {key!r} the element type {dtype}; the "
+                            "weights and Adam states of a Megatron GPT are floating point (float32, float16, "
+                            "bfloat16), so the checkpoint is damaged or not a GPT's. Nothing was written.")
+        return md
 
     def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
               prefix: str = "") -> Optional[tuple[int, ...]]:
         """The full shape of ``role`` (from the index); ``None`` where the checkpoint has none."""
-        md = self.meta.state_dict_metadata.get(_key(role, layer, prefix))
-        if md is None or not hasattr(md, "size"):
+        md = self._metadata(_key(role, layer, prefix))
+        if md is None:
             return None
         return tuple(md.size[1:] if layer is not None else md.size)
+
+    def layers(self) -> Optional[int]:
+        """How many layers the store's stacked layer tensors hold (from the index; ``None``: none)."""
+        md = self._metadata(_key(LAYER_ROLES[0], 0))
+        return None if md is None or not len(md.size) else int(md.size[0])
 
     def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
                prefix: str = "") -> Optional[torch.Tensor]:
         """The full tensor of ``role`` (of ``layer``; with ``prefix``, an optimizer state of it);
         ``None`` where the checkpoint has none."""
         key = _key(role, layer, prefix)
-        md = self.meta.state_dict_metadata.get(key)
+        md = self._metadata(key)
         if md is None:
             return None
         size = list(md.size)
@@ -100,25 +119,33 @@ class TorchDistSource:
 
     def region(self, key: str, lo: list, size: list) -> torch.Tensor:
         """The box ``[lo, lo + size)`` of the tensor ``key``, assembled from the chunks that overlap it
-        (one chunk read at a time)."""
-        md = self.meta.state_dict_metadata[key]
+        (one chunk read at a time; the index's check made sure they cover it)."""
+        md = self._metadata(key)
+        if md is None:
+            raise UserError(f"{self.iter_dir!r}: the torch_dist index has no tensor {key!r}. Nothing was written.")
+        if len(lo) != len(md.size) or any(a < 0 or a + n > m for a, n, m in zip(lo, size, md.size)):
+            raise UserError(f"{self.iter_dir!r}: the part [{lo}, +{size}) of {key!r} lies outside its size "
+                            f"{list(md.size)} in the torch_dist index; the checkpoint does not match its args. Nothing "
+                            "was written.")
         out = torch.empty(size, dtype=md.properties.dtype)
-        covered = 0
         for chunk in md.chunks:
             a = [max(o, l) for o, l in zip(chunk.offsets, lo)]
             b = [min(o + s, l + n) for o, s, l, n in zip(chunk.offsets, chunk.sizes, lo, size)]
             if any(x >= y for x, y in zip(a, b)):
                 continue
             info = self.storage[(key, tuple(chunk.offsets))]
-            data = load_chunk(os.path.join(self.iter_dir, info.relative_path), info.offset, info.length,
-                              f"torch_dist tensor {key!r}")
+            what = f"torch_dist tensor {key!r}"
+            data = load_chunk(self.paths[info.relative_path], info.offset, info.length, what)
+            if not isinstance(data, torch.Tensor) or data.dtype != md.properties.dtype or (
+                    tuple(data.shape) != tuple(chunk.sizes)):
+                got = (f"a {data.dtype} tensor of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor)
+                       else f"a {type(data).__name__}")
+                raise UserError(f"{what}: the chunk at {tuple(chunk.offsets)} in {info.relative_path!r} holds {got}, "
+                                f"the index gives a {md.properties.dtype} tensor of shape {tuple(chunk.sizes)}; the "
+                                "checkpoint is damaged. Nothing was written.")
             src = data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, chunk.offsets))]
             out[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))] = src
-            covered += src.numel()
             del data
-        if covered != out.numel():
-            raise UserError(f"{self.iter_dir!r}: the chunks of {key!r} cover {covered} of its {out.numel()} elements; "
-                            "the checkpoint is incomplete. Nothing was written.")
         return out
 
     def load_object(self, key: str):
@@ -127,12 +154,14 @@ class TorchDistSource:
         info = self.storage.get((key, None))
         if info is None:
             return None
-        return load_chunk(os.path.join(self.iter_dir, info.relative_path), info.offset, info.length,
-                          f"torch_dist object {key!r}")
+        return load_chunk(self.paths[info.relative_path], info.offset, info.length, f"torch_dist object {key!r}")
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.meta.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
+        md = self._metadata(_key(GLOBAL_ROLES[0], None))
+        if md is None:
+            raise UserError(f"{self.iter_dir!r}: the torch_dist index has no word embedding. Nothing was written.")
+        return md.properties.dtype
 
     def has_key(self, prefix: str) -> bool:
         """Whether any key of the store starts with ``prefix``."""

@@ -1,0 +1,76 @@
+"""Fuzzing the Megatron import: seeded random mutations of valid checkpoints (tests/fuzz_megatron.py says
+which) read in a child process under a memory limit (``RLIMIT_AS``), a time budget per file and an audit
+of every file it opens. Each mutated file must end in success or one paragraph (:class:`UserError`):
+never a traceback, a hang, unbounded memory, a read outside the checkpoint or debris in the destination.
+
+Three readers: the legacy rank file (``model_optim_rng.pt``), the ``torch_dist`` index (``.metadata``) and
+its data file's chunks (``.distcp``). The quick set reads 100 mutated files of each; the slow one 400
+more of each, other seeds.
+"""
+
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from tnlg.checkpoint.files import FORMAT
+from tnlg.checkpoint.reshard import slice_full, targets_for
+from tnlg.checkpoint.saving import write_offline
+from tnlg.config import GPTConfig
+from tnlg.interop.megatron import checkpoint_to_megatron
+from tnlg.model import GPT
+from tnlg.parallel.sharding import full_state_dict
+from tnlg.parallel.state import ParallelState
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MEMORY = 3 << 30  # the child's address space (torch alone maps about 0.7 GB)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A valid legacy and torch_dist Megatron checkpoint of a tiny model (TP 1)."""
+    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32)
+    full = full_state_dict(GPT(cfg), ParallelState.single())
+    meta = dict(format=FORMAT, iteration=3, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
+                tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
+    root = tmp_path_factory.mktemp("fuzz_base")
+    targets = targets_for(cfg, 1, 0)
+    ckpt = write_offline(str(root / "tnlg"), meta, 1,
+                         lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    for fmt in ("legacy", "torch_dist"):
+        checkpoint_to_megatron(ckpt, str(root / fmt), fmt=fmt, tp=1)
+    return root
+
+
+def _limit():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def _fuzz(base, work, seed: int, count: int, readers=("legacy", "index", "chunks"), timeout: int = 600):
+    work.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_megatron.py"), str(base), str(work), str(seed),
+                        str(count), *readers], capture_output=True, text=True, timeout=timeout, preexec_fn=_limit,
+                       env=env)
+    lines = r.stdout.splitlines()
+    bad = [line for line in lines if line.startswith("BAD")]
+    last = next((line for line in reversed(lines) if line.startswith("BEGIN")), "")
+    assert r.returncode == 0 and not bad, (f"exit {r.returncode}; {len(bad)} bad outcomes:\n" + "\n".join(bad[:5])
+                                           + f"\nlast file: {last}\nstderr: {r.stderr[-3000:]}")
+    done = [line for line in lines if line.startswith("DONE")]
+    assert len(done) == len(readers), r.stdout[-2000:]
+    for line in done:  # both outcomes occur: the mutations reach past the first check, and are refused
+        counts = dict(item.split("=") for item in line.split()[2:])
+        assert int(counts["ok"]) + int(counts["refused"]) == count and int(counts["refused"]) > count // 4, line
+    return done
+
+
+def test_fuzz_quick(base, tmp_path):
+    print(_fuzz(base, tmp_path / "work", seed=1, count=100))
+
+
+@pytest.mark.slow
+def test_fuzz_more_seeds(base, tmp_path):
+    print(_fuzz(base, tmp_path / "work", seed=2, count=400))

@@ -1,0 +1,183 @@
+"""The Llama family against its references: transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+(logits, gradients, greedy generation) at TP 1, 2, 3 and 4 with 6 heads and 2 key/value groups (TP 3:
+a rank holds both groups its heads span; TP 4: groups shared by several ranks), and a plain ``torch.nn``
+Llama trained with ``torch.optim.AdamW`` (tests/llama_reference.py) over five steps at TP 1, TP 2 with
+sequence parallelism, TP 3, PP 2 and TP 2 x DP 2 with ZeRO 1. The weights reach tnlg through the test's
+own name mapping, not tnlg.interop's."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tnlg.config import GPTConfig
+from tnlg.runtime.spawn import run_distributed
+
+from .llama_reference import ReferenceLlama, random_llama, tnlg_config_kwargs, tnlg_weights_from_hf, train_llama_reference
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def _hf_case(kind: str):
+    """A random HF model, its logits, loss gradients (tnlg names) and greedy continuation of two prompts."""
+    hf = random_llama(kind)
+    cfg = hf.config
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    logits = hf(tokens).logits
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    params = dict(hf.named_parameters())
+    heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads
+    prompts = tokens[:, :5]
+    with torch.no_grad():
+        greedy = hf.generate(prompts, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones_like(prompts))[:, 5:]
+    return dict(cfg=tnlg_config_kwargs(cfg), weights=tnlg_weights_from_hf(params, heads, groups),
+                grads=tnlg_weights_from_hf({n: p.grad for n, p in params.items()}, heads, groups),
+                tokens=tokens, labels=labels, logits=logits.detach(), greedy=greedy.tolist())
+
+
+def _states(ps, tps):
+    """This process's parallel state for each TP size of ``tps`` (``None`` where it is in no full group):
+    the world regrouped into consecutive TP groups, every group created by every rank."""
+    import torch.distributed as dist
+    from tnlg.parallel.state import ParallelState
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for tp in tps:
+        mine = None
+        for start in range(0, world - tp + 1, tp):
+            group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+            if start <= rank < start + tp:
+                mine = ParallelState(tp_rank=rank - start, tp_size=tp, tp_group=group, dp_rank=start // tp,
+                                     dp_size=world // tp)
+        out[tp] = mine
+    return out
+
+
+def _check_case(ps, case, what: str):
+    """Logits, gradients (every full parameter), greedy tokens and the KV cache's heads on one TP layout."""
+    from tnlg.generation.generator import generate_ids
+    from tnlg.model import GPT, KVCache
+    from tnlg.parallel.sharding import gather_full, load_full_state_dict
+    from tnlg.parallel.vocab import gather_logits
+    cfg = GPTConfig(**case["cfg"])
+    model = GPT(cfg, ps)
+    load_full_state_dict(model, case["weights"], ps)
+    logits = model(case["tokens"])
+    torch.testing.assert_close(gather_logits(logits.detach(), ps, cfg.vocab_size), case["logits"], **TOL,
+                               msg=lambda m: f"{what} logits: {m}")
+    model(case["tokens"], labels=case["labels"]).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(gather_full(p.grad, p, ps), case["grads"][name], **GRAD_TOL,
+                                   msg=lambda m, name=name: f"{what} gradient of {name}: {m}")
+    model.eval()
+    new = generate_ids(model, case["tokens"][:, :5].tolist(), max_new_tokens=8, greedy=True)
+    assert new == case["greedy"], f"{what}: greedy tokens {new} vs transformers' {case['greedy']}"
+    cache = KVCache(model, 1, 8)
+    ranges = cfg.kv_groups_per_rank(ps.tp_size)
+    assert cache.k[0].shape[1] == len(ranges[ps.tp_rank]), f"{what}: the cache holds this rank's groups"
+
+
+def _body(ps, llama, qwen):
+    states = _states(ps, (1, 2, 3, 4))
+    for tp, state in states.items():
+        if state is not None:
+            _check_case(state, llama, f"Llama at TP {tp}")
+    if states[2] is not None:
+        _check_case(states[2], qwen, "Qwen2 at TP 2")
+    return True
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return _hf_case("llama"), _hf_case("qwen2")
+
+
+def test_logits_gradients_and_greedy_tokens_equal_transformers_llama_at_tp_1_2_3_4(cases):
+    """6 heads, 2 KV groups: TP 3 gives the middle rank both groups, TP 4 shares each group between ranks;
+    logits, every gradient and greedy generation equal transformers' (Qwen2's QKV biases at TP 2 too)."""
+    assert run_distributed(_body, 4, 1, *cases, timeout_s=240) == [True] * 4
+
+
+def test_the_kv_groups_each_rank_holds():
+    """Heads split as evenly as possible; each rank holds the groups its heads use."""
+    cfg = GPTConfig(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2)
+    assert [list(r) for r in cfg.kv_groups_per_rank(3)] == [[0], [0, 1], [1]]
+    assert [list(r) for r in cfg.kv_groups_per_rank(4)] == [[0], [0, 1], [1], [1]]
+    assert [list(r) for r in cfg.kv_groups_per_rank(6)] == [[0], [0], [0], [1], [1], [1]]
+    assert [list(r) for r in cfg.kv_groups_per_rank(2)] == [[0], [1]]
+
+
+# ------------------------------------------------------------------ training against the plain torch.nn Llama
+STEPS = 5
+LLAMA_FLAGS = dict(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2,
+                   ffn_hidden_size=64, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _options(world, **over):
+    from tests.tiny import tiny_options
+    return tiny_options(world, **{**dict(micro_batch_size=4, global_batch_size=8, train_iters=STEPS, lr=3e-3,
+                                         min_lr=3e-4, lr_warmup_iters=2, lr_decay_style="linear", weight_decay=0.1,
+                                         clip_grad=0.5, hidden_dropout=0.0, attention_dropout=0.0, log_interval=100),
+                                  **LLAMA_FLAGS, **over})
+
+
+def _train_body(_ps, o):
+    from tests.training import train_with_params
+    out = train_with_params(o)
+    return dict(losses=out["losses"], grad_norms=out["grad_norms"])
+
+
+@pytest.fixture(scope="module")
+def llama_reference_run():
+    """The reference trajectory: tnlg's initial weights (TP 1 full state dict) and samples, then the plain
+    torch.nn Llama and torch's AdamW, each global batch in one micro batch."""
+    from tnlg.data.tokenizer import load_tokenizer
+    from tnlg.model import GPT
+    from tnlg.options import model_config
+    from tnlg.parallel.sharding import full_state_dict
+    from tnlg.training.setup import build_datasets
+    o = _options(1, micro_batch_size=8)
+    tokenizer = load_tokenizer(o.data.tokenizer_model)
+    cfg = model_config(o, tokenizer.vocab_size)
+    tnlg_model = GPT(cfg)
+    ref = ReferenceLlama(cfg.num_layers, cfg.hidden_size, 6, 2, 64, tokenizer.vocab_size).load_tnlg(
+        full_state_dict(tnlg_model, tnlg_model.ps))
+    train_ds, _ = build_datasets(o, cfg, tokenizer)
+    batches = [{k: torch.stack([train_ds[j][k] for j in range(i * 8, (i + 1) * 8)]) for k in ("tokens", "labels")}
+               for i in range(STEPS)]
+    s = o.schedule
+    return train_llama_reference(ref, batches, lr=s.lr, min_lr=s.min_lr, warmup=s.lr_warmup_iters, decay=STEPS,
+                                 style=s.lr_decay_style, weight_decay=s.weight_decay,
+                                 betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, clip_grad=s.clip_grad)
+
+
+LAYOUTS = {"TP 1": (1, dict(tensor_model_parallel_size=1, zero_stage=0, micro_batch_size=8)),
+           "TP 2 + SP": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, zero_stage=0,
+                                 micro_batch_size=8)),
+           "TP 3": (3, dict(tensor_model_parallel_size=3, zero_stage=0, micro_batch_size=8)),
+           "PP 2": (2, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, zero_stage=0,
+                            micro_batch_size=4)),
+           "TP 2 x DP 2 ZeRO 1": (4, dict(tensor_model_parallel_size=2, zero_stage=1, micro_batch_size=4))}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[] if k == "TP 3" else [pytest.mark.slow])
+                                    for k in LAYOUTS])
+def test_training_follows_the_plain_torch_llama(llama_reference_run, layout):
+    """Five AdamW steps: the losses and gradient norms (the norm counts a shared KV group once) of the
+    reference, within 1e-5 relative."""
+    world, over = LAYOUTS[layout]
+    got = run_distributed(_train_body, world, over["tensor_model_parallel_size"], _options(world, **over),
+                          timeout_s=180)[0]
+    ref = llama_reference_run
+    for i in range(STEPS):
+        assert math.isclose(got["losses"][i], ref["losses"][i], rel_tol=1e-5), (layout, i, got, ref)
+        assert math.isclose(got["grad_norms"][i], ref["grad_norms"][i], rel_tol=1e-5), (layout, i, got, ref)
