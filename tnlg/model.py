@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, stage_parts
+from .parallel.context import context_parallel_mean, context_positions, ring_attention
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
 from .parallel.layers import (ColumnParallelLinear, GatedColumnParallelLinear, KVGroupParallelLinear,
                               RowParallelLinear, VocabParallelEmbedding, column_parallel_linear)
@@ -252,6 +253,7 @@ class ParallelAttention(nn.Module):
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
         self.grouped = cfg.kv_groups != cfg.num_attention_heads
         self.local_kv = local_kv_heads(cfg, ps.tp_size, ps.tp_rank)
+        self.cp_group = ps.cp_group if ps.cp_size > 1 else None  # context parallelism: attention by the ring
         sp, (init, scaled_init) = cfg.sequence_parallel, _init_methods(cfg)
         d, h, bias = cfg.head_dim, cfg.hidden_size, cfg.qkv_bias
         if self.grouped:  # queries by heads, keys/values by the groups those heads use
@@ -306,7 +308,7 @@ class ParallelAttention(nn.Module):
             kv_cache.v[self.layer_idx][:, :, start:start + s] = v
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
-        if self.grouped:  # each query head reads its group's keys and values
+        if self.grouped and self.cp_group is None:  # each query head reads its group's keys and values
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
         kv_len = k.shape[2]
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
@@ -332,7 +334,12 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q, k, v, attention_mask, causal: bool, dropout: float, tp_rng_state=None):
         """``softmax(q k^T / sqrt(d) + mask) v`` with attention dropout; ``tp_rng_state`` replays a
-        recomputation's dropout masks."""
+        recomputation's dropout masks. With context parallelism: the ring over the CP group, ``attention_mask``
+        the whole sequence's document ids ``[b, s]`` or ``None`` (:mod:`tnlg.parallel.context`)."""
+        if self.cp_group is not None:
+            # (GQA: the ring carries this rank's K/V groups; kv_index maps each query head to its group)
+            return ring_attention(q, k, v, self.cp_group, doc_ids=attention_mask,
+                                  kv_heads=self.kv_index if self.grouped else None)
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
         with self.tp_random.replay(tp_rng_state):  # heads differ per rank: masks too
@@ -542,6 +549,8 @@ class DecoderBase(nn.Module):
         Collectives: the word embedding's all-reduce over TP; with ``sp`` a reduce-scatter of the partial
         word embeddings instead, to which each rank adds its positions' (backward: an all-gather)."""
         t = self.transformer
+        if position_ids is None and self.ps.cp_size > 1:  # this CP rank's two chunks: their global positions
+            position_ids = context_positions(tokens.shape[1], self.ps, tokens.device)
         if position_ids is None:
             position_ids = torch.arange(offset, offset + tokens.shape[1], device=tokens.device).unsqueeze(0)
         learned = "wpe" in t
@@ -559,6 +568,8 @@ class DecoderBase(nn.Module):
         cfg = self.config
         if cfg.position_embedding_type != "rope":
             return None
+        if position_ids is None and self.ps.cp_size > 1:  # this CP rank's two chunks: their global positions
+            position_ids = context_positions(seq_len, self.ps, device)
         if position_ids is None:
             position_ids = torch.arange(offset, offset + seq_len, device=device).unsqueeze(0)
         return rotary_angles(position_ids, cfg.rotary_dim, cfg.rotary_base)
@@ -624,6 +635,9 @@ class GPT(DecoderBase):
                 last_only: bool = False):
         if last_only and labels is not None:
             raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
+        if self.ps.cp_size > 1 and (kv_cache is not None or last_only):
+            raise ValueError("generation (a KV cache, last_only) does not run with context parallelism: load the "
+                             "model at context parallel size 1 to generate.")
         s = tokens.shape[1]
         offset = self.start_position(s, kv_cache)
         sp = self.sequence_split(s, kv_cache is not None or last_only)
@@ -642,6 +656,8 @@ class GPT(DecoderBase):
         if labels is None:
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.config.vocab_size)
+        if self.ps.cp_size > 1:  # the token-weighted mean over the whole sequence (every CP rank's chunks)
+            return context_parallel_mean(losses, loss_mask, self.ps.cp_group, self.ps.cp_size)
         if loss_mask is None:
             return losses.mean()
         loss_mask = loss_mask.to(losses.dtype)

@@ -66,11 +66,12 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         check_stage_count(args.pp, layers)
     world = launcher_world_size()
     if world is None:
-        nproc = args.nproc_per_node or args.tp * args.pp
+        nproc = args.nproc_per_node or args.tp * args.pp * getattr(args, "cp", 1)
         if nproc < 1 or nproc % args.tp:
             raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
                             f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
         check_pipeline_world(args.pp, args.tp, nproc * args.nnodes)
+        _check_context_world(args, nproc * args.nnodes)
         check_nodes(args.nnodes, args.rdzv_endpoint)
         status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
@@ -80,7 +81,18 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
                         "torchrun started.")
     check_pipeline_world(args.pp, args.tp, world)
-    return None, join(args.tp, pipeline_parallel_size=args.pp)
+    _check_context_world(args, world)
+    return None, join(args.tp, pipeline_parallel_size=args.pp, context_parallel_size=getattr(args, "cp", 1))
+
+
+def _check_context_world(args, world: int) -> None:
+    """``--context-parallel-size`` (``tnlg eval``'s) must divide the processes TP x PP leave."""
+    cp = getattr(args, "cp", 1)
+    rest = world // (args.tp * args.pp) if world % (args.tp * args.pp) == 0 else 0
+    if cp > 1 and (rest == 0 or rest % cp):
+        raise UserError(f"--context-parallel-size {cp} does not divide the {world} processes / (TP {args.tp} x PP "
+                        f"{args.pp}); the world is TP x CP x DP x PP: give {args.tp * args.pp * cp} processes "
+                        f"(or a multiple) with --nproc-per-node.")
 
 
 def run_command(command: str, add_arguments, args, work: Callable[["ParallelState"], dict],

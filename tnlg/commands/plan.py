@@ -10,6 +10,8 @@ from ..config import PRESETS, GPTConfig, divisors
 from ..errors import UserError
 from ..options.pipeline import check_micro_batches, check_stage_count
 from ..options.recipes import RECIPES
+from ..plan.context import (check_context_parallel, context_plan, format_context, format_context_search,
+                            search_context_parallel)
 from ..plan.flops import FLOPS_FORMULA
 from ..plan.gpus import GPUS
 from ..plan.gpus import gpu as lookup_gpu
@@ -89,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
                                                     "--data-parallel-size is given)")
     _add_pipeline_arguments(lay)
+    lay.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None,
+                     help="context-parallel ranks splitting each sequence (the world is TP x CP x DP; 2 x CP must "
+                          "divide --seq-length): activations per rank, the ring's traffic and time "
+                          "(docs/context_parallel.md); with --search only this CP (default: --search adds the "
+                          "fastest layout of every CP > 1)")
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -257,7 +264,7 @@ def _layout(args, model: Model) -> Layout:
     if args.world_size is not None and args.pp > 1:
         dp = _pipeline_dp(args, tp, model)
     elif args.world_size is not None:
-        world = args.world_size
+        world = _context_world(args)
         if "world_size" in (args.recipe_layout or {}) and world % tp:
             valid = [t for t in divisors(world) if t <= model.config.max_tensor_parallel_size()]
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} GPUs of the {args.preset} "
@@ -302,6 +309,26 @@ def _pipeline_dp(args, tp: int, model: Model) -> int:
                         f"--pipeline-model-parallel-size {pp} = {dp * tp * pp} is not --world-size {world}; give "
                         f"one of the two or make them agree (DP = {world // (tp * pp)}).")
     return world // (tp * pp)
+
+
+def _context_world(args) -> int:
+    """The GPUs of one context-parallel rank's layout: ``--world-size`` / CP (a clear error if CP does not divide it)."""
+    cp = args.cp or 1
+    if cp < 1 or args.world_size % cp:
+        raise UserError(f"--context-parallel-size {cp} does not divide --world-size {args.world_size}: the world is "
+                        f"TP x CP x DP. Valid CP sizes for {args.world_size} GPUs: {divisors(args.world_size)}.")
+    return args.world_size // cp
+
+
+def _context(args, model: Model, layout: Layout, hw: Hardware, train_tokens, result: dict) -> tuple[dict, str]:
+    """``--context-parallel-size C > 1``: the plan of one CP rank, and its CP lines."""
+    for on, what in ((args.pp > 1, "--pipeline-model-parallel-size > 1"), (args.simulate, "--simulate")):
+        if on:
+            raise UserError(f"tnlg plan --context-parallel-size {args.cp} does not take {what} yet; plan CP with "
+                            f"PP 1 and no simulation.")
+    plan = context_plan(model, layout, hw, args.cp, train_tokens, params=result["parameters"])
+    plan["tp_needed"] = result.get("tp_needed")
+    return plan, format_plan(plan) + "\n\n" + format_context(plan)
 
 
 def _tp_needed(model: Model, layout: Layout, hw: Hardware) -> dict:
@@ -391,6 +418,13 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     flat = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)  # checks model, world
     if source is not None:
         flat["source"] = source
+    if args.cp != 1 and args.pp in (None, 1):
+        if args.cp is not None:
+            check_context_parallel(model.config, args.cp)
+        flat["context_parallel"] = search_context_parallel(model, args.world_size, hw, batch, args.precision,
+                                                           train_tokens, [args.cp] if args.cp else None)
+        if args.pp == 1 or args.cp is not None:
+            return flat, format_search(flat) + "\n\n" + format_context_search(flat["context_parallel"])
     if args.pp == 1:
         return flat, format_search(flat)
     check_search_pipeline(model, args.world_size, args.pp)
@@ -402,7 +436,10 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
                                          args.layers_per_chunk)
     if args.pp is not None:  # one PP > 1: the pipeline table alone
         return flat, "\n".join(search_head(flat)) + "\n\n" + format_pipeline_search(flat["pipelines"])
-    return flat, format_search(flat) + "\n\n" + format_pipeline_search(flat["pipelines"], without=flat)
+    text = format_search(flat) + "\n\n" + format_pipeline_search(flat["pipelines"], without=flat)
+    if "context_parallel" in flat:
+        text += "\n\n" + format_context_search(flat["context_parallel"])
+    return flat, text
 
 
 def run(args) -> int:
@@ -433,6 +470,8 @@ def run(args) -> int:
         if not model.abstract:
             result["tp_needed"] = _tp_needed(model, layout, hw)
         text = format_plan(result)
+        if (args.cp or 1) != 1:
+            result, text = _context(args, model, layout, hw, train_tokens, result)
         if args.pp > 1:
             result["pipeline"] = _pipeline(args, model, layout, hw, train_tokens)
             # the layout asked for first; the table of the whole model on one stage after it

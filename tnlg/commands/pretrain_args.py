@@ -179,6 +179,7 @@ def _batch_defaults(opts: dict, said: set, world_size: int | None) -> None:
     did not give)."""
     tp, micro, gbs = opts["tensor_model_parallel_size"], opts["micro_batch_size"], opts["global_batch_size"]
     pp = opts.get("pipeline_model_parallel_size", 1)
+    pp *= opts.get("context_parallel_size", 1) if is_int(opts.get("context_parallel_size", 1)) else 1  # (CP: as PP)
     if world_size is None or not (is_int(tp) and tp > 0 and is_int(pp) and pp > 0 and world_size % (tp * pp) == 0
                                   and is_int(micro) and micro > 0):
         return

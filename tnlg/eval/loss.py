@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.indexed import IndexedDataset
 from ..errors import UserError
+from ..parallel.context import context_parallel_batch
 from ..parallel.mappings import all_reduce
 from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_cross_entropy
@@ -77,6 +78,7 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
         for chunk in micro_batches(mine, micro_batch_size, progress, "loss"):
             items = [dataset[j] for j in chunk]
             batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
+            batch = context_parallel_batch(batch, ps)  # this CP rank's chunks (the batch itself at CP 1)
             logits = forward_logits(model, batch["tokens"], position_ids=batch.get("position_ids"),
                                     attention_mask=batch.get("attention_mask"))
             if logits is None:  # a pipeline stage before the last
@@ -85,6 +87,8 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
             mask = batch["loss_mask"].double()
             sums[0] += (losses.double() * mask).sum()
             sums[1] += mask.sum()
+    if ps.cp_size > 1:  # every CP rank's chunks of the same samples
+        sums = all_reduce(sums, ps.cp_group)
     from_last_stage(all_reduce(sums, ps.dp_group), ps)
     tokens = int(sums[1])
     loss = float(sums[0]) / max(tokens, 1)

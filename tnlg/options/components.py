@@ -102,6 +102,9 @@ class ParallelOptions:
     pipeline_model_parallel_size: int = option(1, flags=("--pipeline-model-parallel-size", "--pp"),
                                                help="pipeline stages: the layers split over this many ranks "
                                                "(world = PP x TP x DP); see docs/pipeline.md for what runs with it")
+    context_parallel_size: int = option(1, flags=("--context-parallel-size", "--cp"),
+                                        help="context-parallel ranks: each sequence split into 2 x CP chunks, "
+                                        "attention by a ring (world = TP x CP x DP; docs/context_parallel.md)")
     pipeline_schedule: str = option("1f1b", choices=["1f1b", "gpipe", "interleaved"],
                                     help="with --pp > 1: torch's Schedule1F1B, ScheduleGPipe or "
                                     "ScheduleInterleaved1F1B")
@@ -128,7 +131,7 @@ class ParallelOptions:
     bucket_size_mb: float = option(25.0, cli=False)  # gradient bucket size (config file only)
 
     def __post_init__(self):
-        positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
         optional_positive_int(self, "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                               "decoder_last_pipeline_num_layers")
         if self.pipeline_schedule not in ("1f1b", "gpipe", "interleaved"):

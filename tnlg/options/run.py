@@ -11,6 +11,7 @@ from ..errors import UserError
 from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
+from .context import check_context_parallel_options
 from .pipeline import check_pipeline
 
 __all__ = ["Options", "OPTION_NAMES", "option_defaults", "model_config"]
@@ -79,6 +80,7 @@ class Options:
             model_config(self, vocab_size=1).check_tensor_parallel(par.tensor_model_parallel_size)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        check_context_parallel_options(self)
         self.check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()
@@ -96,7 +98,12 @@ class Options:
             valid = divisors(world_size)
             raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
                             f"valid sizes for {world_size} processes: {valid}.")
-        dp = world_size // (tp * pp)  # (check_pipeline: PP divides the rest)
+        cp = self.parallel.context_parallel_size
+        if (world_size // tp) % (pp * cp):
+            raise UserError(f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} does not divide "
+                            f"the {world_size} processes / --tensor-model-parallel-size {tp} = {world_size // tp}: "
+                            f"the world is TP x CP x DP x PP. Valid CP sizes here: {divisors(world_size // (tp * pp))}.")
+        dp = world_size // (tp * pp * cp)  # (check_pipeline: PP divides the rest)
         if gbs % (micro * dp):
             raise UserError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x data-parallel size "

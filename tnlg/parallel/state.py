@@ -11,6 +11,15 @@ The *embedding group* of a rank on the first or last stage is that pair of ranks
 PP group (Megatron's): the tied word embedding's gradient is all-reduced over it.
 At PP 1 every rank, group and size is what it was before pipelines existed.
 
+Context parallelism (CP, :mod:`tnlg.parallel.context`) sits between TP and DP, as in megatron-core's
+default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``; no expert parallelism
+here): world = TP x CP x DP x PP, ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
+The CP group is every rank with the same ``(pp_rank, dp_rank, tp_rank)`` (``tp`` apart); the DP group
+then holds the ranks with the same ``(pp_rank, cp_rank, tp_rank)`` (they read different samples), and
+the gradient reduction spans DP x CP (``dp_cp_group``, megatron-core's ``DATA_PARALLEL_GROUP_WITH_CP``:
+every rank of a stage with the same TP rank): :meth:`ParallelState.for_gradients` is the state the
+data-parallel engine takes. At CP 1 every rank, group and size is what it was before CP existed.
+
 There are no module globals: a :class:`ParallelState` object is passed to
 every layer that communicates. A *virtual* state (no processes, no groups)
 lets a model shard be built on the meta device for planning; building works,
@@ -19,6 +28,7 @@ communicating raises.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,14 +64,30 @@ class ParallelState:
     pp_size: int = 1
     pp_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Optional[dist.ProcessGroup] = None
+    dp_cp_group: Optional[dist.ProcessGroup] = None
+
     @property
     def rank(self) -> int:
-        """Global rank in the TP-contiguous layout (TP innermost, then DP, then PP)."""
-        return (self.pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank
+        """Global rank in the TP-contiguous layout (TP innermost, then CP, then DP, then PP)."""
+        return ((self.pp_rank * self.dp_size + self.dp_rank) * self.cp_size + self.cp_rank) * self.tp_size \
+            + self.tp_rank
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.tp_size * self.dp_size
+        return self.pp_size * self.tp_size * self.cp_size * self.dp_size
+
+    def for_gradients(self) -> "ParallelState":
+        """The state the data-parallel engine reduces gradients over: DP x CP as its "DP" (every CP rank
+        holds the same weights and a part of each sequence, so gradients are averaged over both, and ZeRO
+        partitions over both, as megatron-core's distributed optimizer does); ``self`` at CP 1."""
+        if self.cp_size == 1:
+            return self
+        return dataclasses.replace(self, dp_rank=self.dp_rank * self.cp_size + self.cp_rank,
+                                   dp_size=self.dp_size * self.cp_size, dp_group=self.dp_cp_group,
+                                   cp_rank=0, cp_size=1, cp_group=None, dp_cp_group=None)
 
     @property
     def tp_src_rank(self) -> int:
@@ -103,6 +129,7 @@ class ParallelState:
 
     def describe(self) -> str:
         pp = f"pp {self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        pp += f"cp {self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size}: {pp}tp {self.tp_rank}/{self.tp_size}, "
                 f"dp {self.dp_rank}/{self.dp_size}, device {self.device}")
 
@@ -138,10 +165,17 @@ def _device_for_backend(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                  context_parallel_size: int = 1) -> None:
     _check_divides("tensor_parallel_size", tensor_parallel_size, world_size, f"the world size {world_size}",
                    "every tensor-parallel group", f"Valid tensor-parallel sizes for {world_size} processes")
     rest = world_size // tensor_parallel_size
+    if context_parallel_size != 1:
+        _check_divides("context_parallel_size", context_parallel_size, rest,
+                       f"world size / tensor-parallel size = {world_size} / {tensor_parallel_size} = {rest}",
+                       "every context-parallel group",
+                       f"Valid context-parallel sizes at tensor-parallel size {tensor_parallel_size}")
+        rest //= context_parallel_size
     _check_divides("pipeline_parallel_size", pipeline_parallel_size, rest,
                    f"world size / tensor-parallel size = {world_size} / {tensor_parallel_size} = {rest}",
                    "every pipeline", f"Valid pipeline-parallel sizes at tensor-parallel size {tensor_parallel_size}")
@@ -159,8 +193,8 @@ def _check_divides(name: str, size, total: int, what: str, complete: str, valid:
 def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
                   timeout: timedelta = timedelta(minutes=10),
                   init_method: Optional[str] = None, device: Optional[str] = None,
-                  pipeline_parallel_size: int = 1) -> ParallelState:
-    """Create the TP, DP and PP groups and return this process's :class:`ParallelState`.
+                  pipeline_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelState:
+    """Create the TP, CP, DP and PP groups and return this process's :class:`ParallelState`.
 
     Works in three situations:
 
@@ -181,7 +215,7 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
         backend = dist.get_backend()
     elif "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 or init_method:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        _check_layout(world, tensor_parallel_size, pipeline_parallel_size)
+        _check_layout(world, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         store = None if init_method else _launcher_store(timeout)
         if store is not None:
@@ -191,36 +225,52 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
             dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
-        _check_layout(1, tensor_parallel_size, pipeline_parallel_size)
+        _check_layout(1, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         return ParallelState(device=_device_for_backend(backend))
 
-    _check_layout(world, tensor_parallel_size, pipeline_parallel_size)
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    dp = world // (tp * pp)
-    groups = _new_groups(rank, tp, dp, pp, timeout)
-    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp % dp, dp_size=dp,
-                         pp_rank=rank // (tp * dp), pp_size=pp, **groups, device=_device_for_backend(backend))
+    _check_layout(world, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    dp = world // (tp * pp * cp)
+    groups = _new_groups(rank, tp, dp, pp, timeout, cp)
+    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // (tp * cp) % dp, dp_size=dp,
+                         pp_rank=rank // (tp * cp * dp), pp_size=pp, cp_rank=rank // tp % cp, cp_size=cp, **groups,
+                         device=_device_for_backend(backend))
 
 
-def _new_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta) -> dict:
-    """This rank's TP, DP, PP and embedding groups (``None`` where a group would have one member).
+def _new_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta, cp: int = 1) -> dict:
+    """This rank's TP, DP, PP, embedding, CP and DP x CP groups (``None`` where a group would have one member).
 
-    ``new_group`` is collective: every rank creates every group, in the same order (at PP 1 the same
-    calls as before pipelines existed)."""
-    def at(p, d, t):
-        return (p * dp + d) * tp + t
-    mine: dict = dict(tp_group=None, dp_group=None, pp_group=None, embedding_group=None)
-    layouts = (("tp_group", tp, [[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]),
-               ("dp_group", dp, [[at(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]),
-               ("pp_group", pp, [[at(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]),
-               ("embedding_group", pp, [[at(0, d, t), at(pp - 1, d, t)] for d in range(dp) for t in range(tp)]))
-    for key, size, all_ranks in layouts:
+    ``new_group`` is collective: every rank creates every group, in the same order (at PP 1 and CP 1 the
+    same calls as before pipelines and CP existed)."""
+    mine: dict = dict(tp_group=None, dp_group=None, pp_group=None, embedding_group=None, cp_group=None,
+                      dp_cp_group=None)
+    for key, size, all_ranks in group_ranks(tp, dp, pp, cp):
         for ranks in all_ranks:
             g = dist.new_group(ranks, timeout=timeout) if size > 1 else None
             if rank in ranks:
                 mine[key] = g
     return mine
+
+
+def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> list[tuple[str, int, list[list[int]]]]:
+    """``(group name, size, every group's ranks)`` in creation order (``new_group`` is called in this order)."""
+    def at(p, d, t, c=0):
+        return ((p * dp + d) * cp + c) * tp + t
+    every = [(p, d, c) for p in range(pp) for d in range(dp) for c in range(cp)]
+    layouts = [("tp_group", tp, [[at(p, d, t, c) for t in range(tp)] for p, d, c in every]),
+               ("dp_group", dp, [[at(p, d, t, c) for d in range(dp)] for p in range(pp) for c in range(cp)
+                                 for t in range(tp)]),
+               ("pp_group", pp, [[at(p, d, t, c) for p in range(pp)] for d in range(dp) for c in range(cp)
+                                 for t in range(tp)]),
+               ("embedding_group", pp, [[at(0, d, t, c), at(pp - 1, d, t, c)] for d in range(dp) for c in range(cp)
+                                        for t in range(tp)])]
+    if cp > 1:
+        layouts += [("cp_group", cp, [[at(p, d, t, c) for c in range(cp)] for p in range(pp) for d in range(dp)
+                                      for t in range(tp)]),
+                    ("dp_cp_group", dp * cp, [[at(p, d, t, c) for d in range(dp) for c in range(cp)]
+                                              for p in range(pp) for t in range(tp)])]
+    return layouts
 
 
 def _launcher_store(timeout: timedelta):

@@ -56,7 +56,8 @@ def _parameters(p: dict, tp: int) -> list[str]:
 
 def _memory(m: dict, lay: dict) -> list[str]:
     stage = lay["zero_stage"]
-    split = lambda on: f"/ {lay['dp']} DP ranks" if on and lay["dp"] > 1 else ""
+    dp = lay.get("gradient_reduction_ranks", lay["dp"])  # with context parallelism: DP x CP
+    split = lambda on: f"/ {dp} {'DP x CP' if dp != lay['dp'] else 'DP'} ranks" if on and dp > 1 else ""
     row = lambda label, value, note="": f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
     lines = ["Memory per GPU, largest rank (GB = 1e9 bytes)",
              f"  model states: {m['model_states_formula']}",

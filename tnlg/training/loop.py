@@ -22,6 +22,7 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import agreed
 from ..generation import generate
 from ..options import Options, model_config
+from ..parallel.context import context_parallel_batch
 from ..parallel.random import seed_everything
 from .checkpointing import Checkpointer, stop_on_signals
 from .loggers import build_loggers, run_name
@@ -79,7 +80,7 @@ class Trainer:
                                      self._log)  # says once why not
         # measured before loading: a resumed run continues the restored RNG streams untouched
         self.peak = o.logging.peak_tflops or measure_peak_tflops(self.autocast or torch.float32, ps.device)
-        self.checkpointer = Checkpointer(o, ps, model=self.model, engine=self.engine, config=cfg,
+        self.checkpointer = Checkpointer(o, ps.for_gradients(), model=self.model, engine=self.engine, config=cfg,
                                          tokenizer=self.tokenizer, stop=stop, log=self._log)
 
     def _loop(self) -> dict:
@@ -99,7 +100,8 @@ class Trainer:
             while not stopped and iteration < o.schedule.train_iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(self.checkpointer.schedule_steps)
-                batches = (next_batch(self.train_ds, sampler, ps.device) for _ in range(self.accum))
+                batches = (context_parallel_batch(next_batch(self.train_ds, sampler, ps.device), ps)
+                           for _ in range(self.accum))  # (this CP rank's chunks; the batch itself at CP 1)
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
                                         iteration=iteration + 1, pipeline=self.pipeline)
                 iteration, consumed = iteration + 1, consumed + o.schedule.global_batch_size
@@ -151,7 +153,7 @@ class Trainer:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # (DeepSpeed ZeRO-3)
         prec, pipeline = o.precision, f"PP={ps.pp_size} ({o.parallel.pipeline_schedule}) x " if ps.pp_size > 1 else ""
         self._log(f"tnlg pretrain: {n_params:,} parameters on this rank "
-                  f"({pipeline}TP={ps.tp_size} x DP={ps.dp_size}, ZeRO stage {o.parallel.zero_stage}, {self.accum} "
+                  f"({pipeline}TP={ps.tp_size} x {f'CP={ps.cp_size} x ' if ps.cp_size > 1 else ''}DP={ps.dp_size}, ZeRO stage {o.parallel.zero_stage}, {self.accum} "
                   f"accumulation step(s), {'bf16' if prec.bf16 else 'fp16' if prec.fp16 else 'fp32'}); "
                   f"{sch.train_iters} iterations of {gbs} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s "
                   f"per rank ({'--peak-tflops' if o.logging.peak_tflops else _MEASURED}); attention kernel "
@@ -178,6 +180,9 @@ class Trainer:
         log = self.o.logging
         if not log.sample_prompt or not log.sample_tokens:
             return None
+        if self.ps.cp_size > 1:
+            self._log("note: no sample at the end: generation does not run with --context-parallel-size > 1.")
+            return None
         self.model.eval()
         text = generate(self.model, self.tokenizer, [log.sample_prompt], max_new_tokens=log.sample_tokens,
                         greedy=False, temperature=0.8, top_k=40, seed=self.o.data.seed)[0]
@@ -188,6 +193,8 @@ class Trainer:
 def _attention_kernel(cfg, ps, autocast) -> str:
     """Which SDPA kernel the model's attention runs here (flash, efficient, cudnn or math)."""
     from ..plan.gpus import attention_kernel
+    if ps.cp_size > 1:
+        return f"ring over {ps.cp_size} context-parallel ranks (docs/context_parallel.md)"
     heads = cfg.num_attention_heads // ps.tp_size or 1
     return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.hidden_size // cfg.num_attention_heads,
                             cfg.seq_length, cfg.attention_dropout)

@@ -30,7 +30,8 @@ def init_run(o: Options) -> tuple[ParallelState, int]:
     batch; return ``(ps, accumulation steps)``."""
     par, sch = o.parallel, o.schedule
     ps = join(par.tensor_model_parallel_size, timeout=timedelta(minutes=par.distributed_timeout_minutes),
-              device=o.precision.device, pipeline_parallel_size=par.pipeline_model_parallel_size)
+              device=o.precision.device, pipeline_parallel_size=par.pipeline_model_parallel_size,
+              context_parallel_size=par.context_parallel_size)
     if sch.global_batch_size is None:  # Megatron's default, when resolve did not know the layout
         sch.global_batch_size = sch.micro_batch_size * ps.dp_size
     o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
@@ -57,7 +58,8 @@ def build_engine(o: Options, cfg: GPTConfig, ps: ParallelState, accum: int):
         build, model = build_tnlg_engine, (GPT(cfg, ps, device="meta") if ps.pp_size == 1 else
                                            StageModel(cfg, ps, stage_chunks(par, cfg, ps), device="meta"))
         extra = dict(param_dtype=autocast, accumulate_grads_in_fp32=prec.accumulate_allreduce_grads_in_fp32)
-    return build(model, ps, par.zero_stage, lr=sch.lr, weight_decay=sch.weight_decay,
+    # the gradients are reduced (and ZeRO partitions) over DP x CP: ps.for_gradients() (ps itself at CP 1)
+    return build(model, ps.for_gradients(), par.zero_stage, lr=sch.lr, weight_decay=sch.weight_decay,
                  betas=(sch.adam_beta1, sch.adam_beta2), eps=sch.adam_eps, clip_grad=sch.clip_grad,
                  grad_accum_steps=accum, bucket_size_mb=par.bucket_size_mb, loss_scaler=scaler, **extra)
 

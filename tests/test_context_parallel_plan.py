@@ -1,0 +1,94 @@
+"""``tnlg plan --context-parallel-size``: the CP terms against their definitions, written out here.
+
+* the ring moves, per layer and micro batch, K and V of a rank's ``s / C`` positions (G K/V heads of
+  ``d``): ``C - 1`` hops forward; backward ``C - 1`` hops of K/V and ``C`` of fp32 dK/dV;
+* ZeRO partitions over DP x CP (the ZeRO paper's ``4 Psi + 12 Psi / N`` at stage 1, ``N = dp * cp``);
+* a CP rank's activations are the per-token terms of Korthikanti et al. at ``s / C`` positions, so they
+  shrink ``C``-fold (the ring's buffers aside) and CP 1 is the plan without CP;
+* bad sizes: one paragraph each.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tnlg.cli import main
+from tnlg.config import GPTConfig
+from tnlg.plan.context import context_activation_bytes, context_plan, ring_traffic
+from tnlg.plan.planner import Hardware, Layout, Model, plan_layout
+
+CFG = GPTConfig.preset("tnlg-17b", seq_length=32768)
+HW = Hardware(gpu_memory=80 * 10**9, gpu_tflops=989.0, intra_node_gbps=450.0, inter_node_gbps=50.0)
+
+
+def _cli_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 4), (4, 2), (8, 1)])
+def test_ring_bytes_are_k_and_v_of_the_chunk_round_the_ring(cp, tp):
+    heads_r = max(CFG.heads_per_rank(tp))
+    kv_elems = 2 * (32768 // cp) * 1 * heads_r * 152  # K and V, micro batch 1, no GQA
+    ring = ring_traffic(CFG, tp, cp, 1, "bf16", False, micro_batches=3, hw=HW)
+    assert ring["forward_bytes_per_layer"] == (cp - 1) * kv_elems * 2
+    assert ring["backward_bytes_per_layer"] == (cp - 1) * kv_elems * 2 + cp * kv_elems * 4
+    per_iteration = 78 * 3 * ((cp - 1) * kv_elems * 4 + cp * kv_elems * 4)
+    assert ring["bytes_per_iteration"] == per_iteration
+    bw = 450e9 if tp * cp <= 8 else 50e9
+    assert ring["time_s"] == pytest.approx(per_iteration / bw)
+    assert 0 <= ring["exposed_s"] <= ring["time_s"] + 1e-12
+
+
+def test_full_recomputation_sends_k_and_v_once_more_in_its_recomputed_forward():
+    plain, rc = (ring_traffic(CFG, 4, 4, 1, "bf16", r, 1, HW) for r in (False, True))
+    assert rc["forward_bytes_per_layer"] == 2 * plain["forward_bytes_per_layer"]
+
+
+def test_zero_partitions_over_dp_times_cp():
+    layout = Layout(tp=4, dp=8, zero_stage=1, micro_batch=1, global_batch=64, precision="bf16")
+    plan = context_plan(Model("tnlg-17b", CFG), layout, HW, 4)
+    psi = plan["parameters"]["largest_rank"]["params"]
+    assert plan["layout"]["world_size"] == 4 * 4 * 8
+    assert plan["memory"]["model_states"] == pytest.approx(4 * psi + 12 * psi / 32, abs=2)
+
+
+def test_activations_per_rank_shrink_with_cp():
+    whole = context_activation_bytes(CFG, 4, 1, 1, False, "bf16")
+    for cp in (2, 4, 8):
+        part = context_activation_bytes(CFG, 4, cp, 1, False, "bf16")
+        assert part["total"] - part["ring_working"] == pytest.approx(whole["total"] / cp, rel=1e-6)
+        assert 0 < part["ring_working"] < 0.05 * part["total"]
+
+
+def test_cp_1_is_the_plan_without_cp():
+    layout = Layout(tp=4, dp=2, zero_stage=1, micro_batch=1, global_batch=8, precision="bf16")
+    model = Model("tnlg-17b", CFG)
+    assert context_plan(model, layout, HW, 1) == plan_layout(model, layout, HW, use_meta=False)
+
+
+def test_the_cli_plans_one_cp_rank_and_searches_cp(capsys):
+    args = ["--preset", "tnlg-17b", "--seq-length", "32768", "--gpu-memory", "80GB", "--gpu-tflops", "989",
+            "--precision", "bf16", "--global-batch-size", "64"]
+    plan = _cli_json(capsys, *args, "--cp", "4", "--tp", "2", "--world-size", "256", "--zero-stage", "3",
+                     "--micro-batch-size", "1")
+    assert (plan["layout"]["cp"], plan["layout"]["dp"], plan["layout"]["world_size"]) == (4, 32, 256)
+    assert plan["memory"]["fits"] and plan["compute"]["ring"]["bytes_per_iteration"] > 0
+    found = _cli_json(capsys, *args, "--search", "--world-size", "256", "--pp", "1")
+    cps = {r["cp"] for r in found["context_parallel"]["layouts"]}
+    assert {2, 4, 8} <= cps
+    assert all(r["tp"] * r["cp"] * r["dp"] == 256 for r in found["context_parallel"]["layouts"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--cp", "3", "--world-size", "16", "--tp", "1"], r"--context-parallel-size 3 does not divide --world-size 16"),
+    (["--cp", "3", "--seq-length", "1000"], r"2 x CP must divide --seq-length 1000.*Valid CP sizes"),
+    (["--cp", "2", "--pp", "2", "--world-size", "8"], r"does not take --pipeline-model-parallel-size"),
+])
+def test_bad_cp_sizes_are_one_paragraph(capsys, argv, match):
+    assert main(["plan", "--preset", "gpt2-small", *argv]) != 0
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

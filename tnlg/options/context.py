@@ -1,0 +1,33 @@
+"""The ``--context-parallel-size`` checks of ``tnlg pretrain``: what CP > 1 runs with, and what it refuses.
+
+Torch-free (read at option resolution, before any process starts).
+"""
+
+from __future__ import annotations
+
+from ..errors import UserError
+
+__all__ = ["check_context_parallel_options"]
+
+
+def check_context_parallel_options(o) -> None:
+    """One paragraph for a CP layout this version cannot run (``o``: the run's :class:`~tnlg.options.Options`)."""
+    par, cp = o.parallel, o.parallel.context_parallel_size
+    if cp == 1:
+        return
+    s = o.model.seq_length
+    if s % (2 * cp):
+        valid = [c for c in range(1, 9) if s % (2 * c) == 0]
+        raise UserError(f"--context-parallel-size {cp}: each sequence is cut into 2 x {cp} = {2 * cp} equal chunks "
+                        f"(rank r holds chunks r and {2 * cp - 1}-r), so 2 x CP must divide --seq-length {s}. Valid CP "
+                        f"sizes up to 8 for {s} tokens: {valid}; or a --seq-length that is a multiple of {2 * cp}.")
+    refused = [(par.zero_impl == "deepspeed", "--zero-impl deepspeed (DeepSpeed's engine does not reduce "
+                "gradients over DP x CP); use --zero-impl tnlg (ZeRO 0-3)"),
+               (par.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (the pipeline schedules "
+                "do not carry CP chunks yet); use --pp 1"),
+               (o.model.attention_dropout > 0, f"--attention-dropout {o.model.attention_dropout:g} (the ring "
+                "attention has no dropout); use --attention-dropout 0"),
+               (o.precision.compile, "--compile (the ring's autograd function is not compiled yet); drop --compile")]
+    for on, what in refused:
+        if on:
+            raise UserError(f"--context-parallel-size {cp} does not run with {what}.")
