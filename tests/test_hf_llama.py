@@ -51,3 +51,24 @@ def test_an_hf_folder_of_another_model_type_is_refused_before_anything_is_writte
             call()
         assert "'mistral'" in str(e.value) and "LlamaForCausalLM" in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "ck")
+
+
+def test_shared_kv_groups_reshard_from_tp_4_to_3_and_load_at_tp_1(tmp_path):
+    """A checkpoint whose KV groups are shared by TP ranks (TP 4 over 2 groups) reshards to TP 3 (a rank
+    holding both groups) and loads at TP 1 with the reference's logits."""
+    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.checkpoint.offline import reshard_checkpoint
+    from tnlg.interop.hf_checkpoint import hf_to_checkpoint
+    from tnlg.parallel.state import ParallelState
+    hf = random_llama("llama")
+    hf.save_pretrained(tmp_path / "in")
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "tp4"), tp_size=4)
+    meta = json.load(open(next((tmp_path / "tp4").glob("iter_*")) / "meta.json"))
+    assert meta["params"]["transformer.h.0.attn.c_kv.weight"]["offsets"] == [0, 0, 1, 1]
+    reshard_checkpoint(str(tmp_path / "tp4"), str(tmp_path / "tp3"), tp_size=3)
+    model, _ = load_for_inference(str(tmp_path / "tp3"), ParallelState.single())
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[..., :hf.config.vocab_size], ref, rtol=1e-5, atol=1e-5)

@@ -63,6 +63,7 @@ def _states(ps, tps):
 
 def _check_case(ps, case, what: str):
     """Logits, gradients (every full parameter), greedy tokens and the KV cache's heads on one TP layout."""
+    from tnlg.checkpoint.reshard import slice_full, targets_for
     from tnlg.generation.generator import generate_ids
     from tnlg.model import GPT, KVCache
     from tnlg.parallel.sharding import gather_full, load_full_state_dict
@@ -70,6 +71,10 @@ def _check_case(ps, case, what: str):
     cfg = GPTConfig(**case["cfg"])
     model = GPT(cfg, ps)
     load_full_state_dict(model, case["weights"], ps)
+    # what checkpoints record of every shard (offsets of shared KV groups included) is what the rank holds
+    targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
+    for name, p in model.named_parameters():
+        assert torch.equal(slice_full(case["weights"][name], targets[name]), p.detach()), f"{what}: {name}'s record"
     logits = model(case["tokens"])
     torch.testing.assert_close(gather_logits(logits.detach(), ps, cfg.vocab_size), case["logits"], **TOL,
                                msg=lambda m: f"{what} logits: {m}")
