@@ -63,6 +63,7 @@ def _states(ps, tps):
 
 def _check_case(ps, case, what: str):
     """Logits, gradients (every full parameter), greedy tokens and the KV cache's heads on one TP layout."""
+    from tnlg.checkpoint.reshard import slice_full, targets_for
     from tnlg.generation.generator import generate_ids
     from tnlg.model import GPT, KVCache
     from tnlg.parallel.sharding import gather_full, load_full_state_dict
@@ -70,6 +71,10 @@ def _check_case(ps, case, what: str):
     cfg = GPTConfig(**case["cfg"])
     model = GPT(cfg, ps)
     load_full_state_dict(model, case["weights"], ps)
+    # what checkpoints record of every shard (offsets of shared KV groups included) is what the rank holds
+    targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
+    for name, p in model.named_parameters():
+        assert torch.equal(slice_full(case["weights"][name], targets[name]), p.detach()), f"{what}: {name}'s record"
     logits = model(case["tokens"])
     torch.testing.assert_close(gather_logits(logits.detach(), ps, cfg.vocab_size), case["logits"], **TOL,
                                msg=lambda m: f"{what} logits: {m}")
@@ -181,3 +186,33 @@ def test_training_follows_the_plain_torch_llama(llama_reference_run, layout):
     for i in range(STEPS):
         assert math.isclose(got["losses"][i], ref["losses"][i], rel_tol=1e-5), (layout, i, got, ref)
         assert math.isclose(got["grad_norms"][i], ref["grad_norms"][i], rel_tol=1e-5), (layout, i, got, ref)
+
+
+@pytest.mark.parametrize("name,published", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248)])
+def test_the_llama_presets_have_the_published_parameter_counts(name, published):
+    """The formula, the layers' description (tnlg.parameter_counts) and the numel of the model built on the
+    meta device all give the published count."""
+    import tnlg
+    from tnlg.model import GPT
+    cfg = GPTConfig.preset(name)
+    assert cfg.num_parameters_formula() == published
+    assert tnlg.parameter_counts(cfg)["total"] == published
+    model = GPT(cfg, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == published
+    # at TP 16 over 8 KV groups (two ranks share each group) the total is still the published count
+    assert tnlg.parameter_counts(GPTConfig.preset("llama3-8b"), 16)["total"] == 8_030_261_248
+
+
+def test_llama_bad_input_is_one_paragraph():
+    """--num-query-groups that does not divide the heads, rope flags without rope, a rotary share outside
+    (0, 1]: one clear error naming the value."""
+    from tnlg.errors import UserError
+    from tests.tiny import tiny_options
+    cases = [(dict(group_query_attention=True, num_query_groups=3), "does not divide"),
+             (dict(rotary_base=5e5), "--position-embedding-type rope"),
+             (dict(position_embedding_type="rope", rotary_percent=1.5), "--rotary-percent must be in (0, 1]"),
+             (dict(num_query_groups=2), "--group-query-attention")]
+    for over, words in cases:
+        with pytest.raises(UserError) as e:
+            tiny_options(1, train_iters=5, **over)
+        assert words in str(e.value) and "\n" not in str(e.value), (over, str(e.value))

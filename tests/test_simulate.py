@@ -133,6 +133,8 @@ PLAN_CASES = [
     pytest.param("tnlg-17b", 8, 32, "bf16", 1, 16, True, id="tnlg-17b-tp8-dp32-bf16-recompute",
                  marks=pytest.mark.slow),
     pytest.param("gpt2-xl", 1, 1, "bf16", 4, 8, False, id="gpt2-xl-tp1-bf16", marks=pytest.mark.slow),
+    # rope, RMSNorm, SwiGLU's three matrices, 8 KV groups, no biases
+    pytest.param("llama3-8b", 8, 8, "bf16", 1, 8, False, id="llama3-8b-tp8-dp8-bf16", marks=pytest.mark.slow),
 ]
 
 

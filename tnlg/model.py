@@ -144,11 +144,35 @@ class LayerNorm(nn.LayerNorm, SelfInitializing):
         return y if out_dtype is None else y.to(out_dtype)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, keeping for backward the input in its own dtype
+    (2 bytes per element for 16-bit activations, Korthikanti et al.'s count for a norm's input) and the
+    fp32 ``rstd`` per token, not fp32 copies. Backward: ``dw = sum(g xhat)``,
+    ``dx = rstd (g w - xhat mean(g w xhat))`` with ``xhat = x rstd``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return xf * rstd * weight.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat, g = x.float() * rstd, grad.float()
+        gw = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+        gxhat = g * weight.float()
+        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
 class RMSNorm(SelfInitializing, nn.Module):
     """RMSNorm (Zhang & Sennrich 2019; Llama): ``x / sqrt(mean(x^2) + eps) * weight``, no mean, no bias,
-    computed in fp32 (also under autocast), the normalised value cast to the output dtype before the
-    weight multiplies it (transformers' ``LlamaRMSNorm``). Replicated over TP; weight ones.
-    ``sequence_parallel`` / ``synced``: as :class:`LayerNorm` (``synced=(weight,)``)."""
+    computed in fp32 (also under autocast; :class:`_RMSNorm` keeps the input in its own dtype for
+    backward). Replicated over TP; weight ones. Output dtype as :class:`LayerNorm`'s: fp32 under autocast
+    or with fp32 weights, else the weights' dtype. ``sequence_parallel`` / ``synced``: as
+    :class:`LayerNorm` (``synced=(weight,)``)."""
 
     def __init__(self, dim: int, eps: float, device=None, ps: Optional[ParallelState] = None, init_key: str = ""):
         super().__init__()
@@ -162,13 +186,10 @@ class RMSNorm(SelfInitializing, nn.Module):
             (w,) = synced
         elif sequence_parallel and self.ps is not None:
             (w,) = copy_to_tp_coalesced((w,), self.ps)
+        out_dtype = None if _autocast_on(x.device.type) or w.dtype == torch.float32 else w.dtype
         with torch.autocast(device_type=x.device.type, enabled=False):
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            # under autocast the input's dtype (autocast casts for the next matmul), else the weight's (a
-            # model whose parameters are 16-bit runs 16-bit)
-            out = x.dtype if _autocast_on(x.device.type) else w.dtype
-            return w.to(out) * h.to(out)
+            y = _RMSNorm.apply(x, w, self.eps)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 def make_norm(cfg: GPTConfig, ps: ParallelState, init_key: str, device=None) -> nn.Module:
@@ -267,7 +288,8 @@ class ParallelAttention(nn.Module):
             first = sum(heads[:ps.tp_rank])  # each local head's group, as an index into the rank's groups
             per_group = cfg.num_attention_heads // cfg.kv_groups
             index = [(first + i) // per_group - ranges[ps.tp_rank].start for i in range(self.local_heads)]
-            self.register_buffer("kv_index", torch.tensor(index, dtype=torch.long, device=device), persistent=False)
+            self.kv_index = tuple(index)  # (a tuple, not a buffer: a meta-built model materialises parameters only)
+            self._kv_index: dict = {}
         else:  # every rank's rows of the fused QKV weight (whole heads)
             self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
                                                sequence_parallel=sp, device=device, init_method=init,
@@ -309,7 +331,10 @@ class ParallelAttention(nn.Module):
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
         if self.grouped and self.cp_group is None:  # each query head reads its group's keys and values
-            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+            index = self._kv_index.get(k.device)
+            if index is None:
+                index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
         kv_len = k.shape[2]
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)

@@ -21,7 +21,7 @@ from ..checkpoint import load_for_inference, resolve
 from ..checkpoint.manifest import Manifest
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
-from ..interop.hf import from_hf
+from ..interop.hf import from_hf, hf_folder_type
 from ..parallel.state import ParallelState
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
@@ -48,8 +48,10 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
     (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
     tokenizer, or ``None``."""
     if not os.path.exists(checkpoint):
-        raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2 folder "
+        raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama or Qwen2 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
+    if is_hf_folder(checkpoint):
+        hf_folder_type(checkpoint)  # a model_type tnlg reads (gpt2, llama, qwen2), or one paragraph
     if tokenizer_model:
         return load_tokenizer(tokenizer_model)
     if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:
@@ -60,19 +62,20 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
     """The model's ``seq_length`` read from the checkpoint's metadata (no weights), or ``None``."""
-    return _checkpoint_size(checkpoint, "n_positions", "seq_length")
+    return _checkpoint_size(checkpoint, ("n_positions", "max_position_embeddings"), "seq_length")
 
 
 def checkpoint_num_layers(checkpoint: str) -> Optional[int]:
     """The model's layer count read from the checkpoint's metadata (no weights), or ``None``."""
-    return _checkpoint_size(checkpoint, "n_layer", "num_layers")
+    return _checkpoint_size(checkpoint, ("n_layer", "num_hidden_layers"), "num_layers")
 
 
-def _checkpoint_size(checkpoint: str, hf_key: str, key: str) -> Optional[int]:
+def _checkpoint_size(checkpoint: str, hf_keys: tuple, key: str) -> Optional[int]:
     try:
         if is_hf_folder(checkpoint):
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-                return int(json.load(f)[hf_key])
+                config = json.load(f)
+            return int(next(config[k] for k in hf_keys if k in config))
         return int(Manifest.read(resolve(checkpoint, "checkpoint")).config[key])
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None

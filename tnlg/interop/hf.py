@@ -1,4 +1,7 @@
-"""Hugging Face interop: ``GPT2LMHeadModel`` <-> tnlg full state dicts, and exported folders.
+"""Hugging Face interop: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` <-> tnlg
+full state dicts, and exported folders. ``config.json``'s ``model_type`` picks the class read; the
+architecture picks the class written (:func:`tnlg.interop.hf_llama.hf_kind`); any other ``model_type`` is
+refused in one paragraph (:func:`check_model_type`). The Llama family's layouts: :mod:`tnlg.interop.hf_llama`.
 
 Differences handled here: GPT-2 stores linear weights as ``Conv1D`` (``[in, out]``,
 transposed) and its fused QKV as ``[q | k | v]`` over all heads, where tnlg lays
@@ -29,15 +32,48 @@ from ..io import fsync_dir, give_umask_mode, temporary_name
 from ..parallel.pipeline_inference import inference_model
 from ..parallel.sharding import full_state_dict, load_full_state_dict
 from ..parallel.state import ParallelState
+from .hf_llama import LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_to_tnlg, tnlg_to_llama
 
-__all__ = ["from_hf", "to_hf", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
+__all__ = ["from_hf", "to_hf", "config_from_hf", "check_model_type", "hf_folder_type", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
            "build_hf_model", "write_hf_folder"]
 
 _TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def check_model_type(model_type, where: str) -> str:
+    """``model_type`` when tnlg reads it (``gpt2``, ``llama``, ``qwen2``), else one :class:`UserError`."""
+    if model_type not in _CLASSES:
+        raise UserError(f"{where} is a Hugging Face {model_type!r} model (config.json's model_type); tnlg reads "
+                        "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama') and "
+                        "Qwen2ForCausalLM ('qwen2', Llama with QKV biases) folders. Nothing was loaded or written.")
+    return model_type
+
+
+def hf_folder_type(folder: str) -> str:
+    """The checked ``model_type`` of a ``save_pretrained`` folder's ``config.json``."""
+    import json
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UserError(f"Hugging Face folder {folder!r}: {path!r} cannot be read as JSON ({exc}).") from None
+    return check_model_type(model_type, f"Hugging Face folder {folder!r}")
+
+
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a GPT-2, Llama or Qwen2 config (``model_type`` picks)."""
+    kind = check_model_type(getattr(hf_config, "model_type", None), "the model")
+    if kind in LLAMA_TYPES:
+        return config_from_llama(hf_config, **overrides)
+    return _config_from_gpt2(hf_config, **overrides)
+
+
+def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
     act = getattr(hf_config, "activation_function", "gelu_new")
     if act not in _TANH_GELU + _EXACT_GELU:
         raise UserError(f"GPT-2 activation {act!r} is not supported; tnlg has GELU in tanh form (activation_function "
@@ -54,9 +90,12 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
 
 
 def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
-    """GPT-2 config of ``cfg``; ``bos``/``eos`` are the end-of-document id (GPT-2 uses
-    ``<|endoftext|>`` for both), or unset without a tokenizer (GPT-2's default 50256 is
-    outside most tnlg vocabularies)."""
+    """The Hugging Face config of ``cfg``'s class (GPT-2, Llama or Qwen2: :func:`~.hf_llama.hf_kind`);
+    ``bos``/``eos`` are the end-of-document id (GPT-2 uses ``<|endoftext|>`` for both), or unset without
+    a tokenizer (GPT-2's default 50256 is outside most tnlg vocabularies)."""
+    kind = hf_kind(cfg)
+    if kind != "gpt2":
+        return llama_config_from(cfg, kind, eod_id)
     from transformers import GPT2Config
     return GPT2Config(bos_token_id=eod_id, eos_token_id=eod_id,
                       n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
@@ -80,6 +119,8 @@ def _qkv_from_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    if hf_kind(cfg) != "gpt2":
+        return llama_to_tnlg(hf_sd, cfg)
     out = {}
     for name, t in hf_sd.items():
         if name == "lm_head.weight" and cfg.untie_embeddings_and_output_weights:
@@ -97,6 +138,8 @@ def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor
 
 
 def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    if hf_kind(cfg) != "gpt2":
+        return tnlg_to_llama(full, cfg)
     out = {}
     for name, t in full.items():
         if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
@@ -114,8 +157,10 @@ def _load_hf_model(model_or_dir):
         if not os.path.isdir(model_or_dir):
             raise UserError(f"Hugging Face model folder {str(model_or_dir)!r} does not exist; give a folder "
                             f"written by save_pretrained (config.json + model.safetensors).")
-        from transformers import GPT2LMHeadModel
-        return GPT2LMHeadModel.from_pretrained(model_or_dir, local_files_only=True)
+        import transformers
+        cls = getattr(transformers, _CLASSES[hf_folder_type(os.fspath(model_or_dir))])
+        return cls.from_pretrained(model_or_dir, local_files_only=True)
+    check_model_type(getattr(model_or_dir.config, "model_type", None), "the model")
     return model_or_dir
 
 
@@ -136,13 +181,18 @@ def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
 
 
 def build_hf_model(full: dict, cfg: GPTConfig, eod_id: Optional[int] = None, where: str = "the model"):
-    """A ``GPT2LMHeadModel`` holding the tnlg full state dict ``full``."""
-    from transformers import GPT2LMHeadModel
-    hf = GPT2LMHeadModel(hf_config_from(cfg, eod_id))
+    """The Hugging Face model of ``cfg``'s class (``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
+    ``Qwen2ForCausalLM``) holding the tnlg full state dict ``full``."""
+    import transformers
+    kind = hf_kind(cfg)
+    hf = getattr(transformers, _CLASSES[kind])(hf_config_from(cfg, eod_id))
     missing, unexpected = hf.load_state_dict(tnlg_to_hf_state_dict(full, cfg), strict=False)
     missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))]
+    if kind != "gpt2" and not cfg.untie_embeddings_and_output_weights:
+        missing = [m for m in missing if m != "lm_head.weight"]  # tied: the embedding
     if missing or unexpected:
-        raise UserError(f"{where} does not map onto GPT-2: missing {missing[:4]}, unexpected {unexpected[:4]}.")
+        raise UserError(f"{where} does not map onto {_CLASSES[kind]}: missing {missing[:4]}, unexpected "
+                        f"{unexpected[:4]}.")
     return hf
 
 
@@ -190,7 +240,8 @@ def write_hf_folder(hf, out_dir: str, tokenizer=None) -> str:
         raise _not_empty(out)
     files = tokenizer
     if tokenizer is not None and not isinstance(tokenizer, dict):
-        files = hf_tokenizer_files(tokenizer, hf.config.n_positions)
+        files = hf_tokenizer_files(tokenizer, getattr(hf.config, "n_positions", None)
+                                   or hf.config.max_position_embeddings)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = temporary_name(out)
     try:

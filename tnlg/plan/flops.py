@@ -3,7 +3,10 @@
 FLOPs (Narayanan et al. 2021, eq. 3, counting the full ``s^2`` attention as that
 paper does, with ``V`` the padded vocabulary that is really multiplied). A forward
 pass over ``B`` sequences costs per layer ``8Bsh^2`` (QKV, projection) ``+ 4Bshf``
-(MLP) ``+ 4Bs^2h`` (scores, weighted sum), and ``2BshV`` for the logits. Training is
+(MLP) ``+ 4Bs^2h`` (scores, weighted sum), and ``2BshV`` for the logits. The Llama family: the
+keys and values of ``G`` groups of width ``d`` cost ``4Bsh Gd`` instead of ``4Bsh^2`` (QKV and projection
+``4Bsh^2 + 4BshGd``), SwiGLU's three matrices ``6Bshf``; RMSNorm and rope are elementwise (not counted,
+as LayerNorm is not). Training is
 forward + backward (2x forward); full recomputation adds one forward of the layers,
 selective recomputation (Korthikanti et al. 2022) one forward of the attention core
 (``4Bs^2h`` per layer: scores and weighted sum):
@@ -60,7 +63,9 @@ def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, N
     recomputed forward) and for the logits, which a pipeline's stages sum over their own layers."""
     s, h, f = config.seq_length, config.hidden_size, config.ffn_hidden_size
     core_fwd = 4 * s * s * h
-    layer_fwd = 8 * s * h * h + 4 * s * h * f + core_fwd
+    kv = config.kv_groups * config.head_dim  # the key (and the value) width: h without grouped queries
+    mats = 3 if config.swiglu else 2        # SwiGLU: gate, up and down
+    layer_fwd = 4 * s * h * h + 4 * s * h * kv + 2 * mats * s * h * f + core_fwd
     extra = {None: 0, "full": layer_fwd, "selective": core_fwd}[recompute_granularity(recompute)]
     return 3 * layer_fwd + extra, 3 * 2 * s * h * vocab
 
@@ -76,8 +81,12 @@ def rank_flops_imbalance(config: GPTConfig, tp: int) -> float:
     """Largest TP rank's share of the layer FLOPs over the mean share (1.0 when heads split evenly)."""
     s, h, a = config.seq_length, config.hidden_size, config.num_attention_heads
     heads, ffn = config.heads_per_rank(tp), config.ffn_per_rank(tp)
-    # per token and layer: attention (8h^2 + 4sh) scales with heads, MLP 4hf with columns
-    work = [(8 * h * h + 4 * s * h) * hr / a + 4 * h * fr for hr, fr in zip(heads, ffn)]
+    kv = [len(g) * config.head_dim for g in config.kv_groups_per_rank(tp)] if config.kv_groups < a else \
+        [hr * config.head_dim for hr in heads]
+    mats = 3 if config.swiglu else 2
+    # per token and layer: queries, output and core (4h^2 + 4sh) scale with heads, keys and values (4 h kv)
+    # with the rank's KV heads, the MLP (2 mats h f) with columns
+    work = [(4 * h * h + 4 * s * h) * hr / a + 4 * h * k + 2 * mats * h * fr for hr, k, fr in zip(heads, kv, ffn)]
     return max(work) * tp / sum(work)
 
 

@@ -31,6 +31,12 @@ output 2 bytes per score, ``a s^2 b / t`` scores). With heads split unevenly the
 largest rank holds ``a_r`` of ``a`` heads and ``f_r`` of ``f`` MLP columns, so its
 share is ``8 a_r/a + 16 f_r/f`` and ``5 a_r s / h``.
 
+The Llama family: RMSNorm keeps its 16-bit input as LayerNorm does (``tnlg.model._RMSNorm``) and rope keeps
+no more than the rotated queries and keys (the ``cos``/``sin`` tables are ``s d`` per sequence); grouped-query
+attention's keys and values are read by every query head of the group, which the attention core keeps at
+the queries' width (``8`` unchanged); SwiGLU keeps the fc output (gate and up, ``2 f``), silu's output
+and the product, ``8 s b f_r`` bytes, where GELU keeps ``4 s b f_r`` (``16 s b h`` at ``f = 4h``).
+
 Sequence parallelism (section 4.2.2) splits the replicated ``10 s b h`` over the
 sequence: rank ``r`` keeps ``10 s_r b h`` for its ``s_r`` positions (the column layers
 store only the shard of their input and all-gather it again in backward), so with
@@ -201,7 +207,10 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     hidden_masks = config.hidden_dropout > 0
     # LayerNorm / QKV / fc inputs (8), two dropout masks (2)
     replicated = (8 + (2 if hidden_masks else 0)) * s_r * b * h * scale
-    split = s * b * h * (8 * heads_r / a + 16 * ffn_r / f) * scale  # Q, K, V, proj input; fc and GeLU outputs
+    # Q, K, V (the keys and values each query head reads: as wide as Q with grouped queries too), the
+    # projection input; the MLP's fc and GeLU outputs (4 bytes per column), SwiGLU's gate and up, silu
+    # and product (8)
+    split = (s * b * h * 8 * heads_r / a + (8 if config.swiglu else 4) * s * b * ffn_r) * scale
     if attention == "math":  # softmax output (2), dropout mask (1) and dropout output (2) per score
         core = (5 if config.attention_dropout > 0 else 2) * heads_r * s * s * b * scale
     else:  # the kernel's output and its fp32 log-sum-exp

@@ -13,6 +13,7 @@ one clear error naming the argument.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -209,12 +210,29 @@ def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
     return dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tokenizer.get("path"))
 
 
+# the GPTConfig fields whose non-default values (the Llama family's) Megatron conversion does not carry yet
+_NOT_CARRIED = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+                "group_query_attention", "num_query_groups", "add_bias_linear", "add_qkv_bias")
+
+
+def _check_exportable(cfg: GPTConfig) -> None:
+    """One :class:`UserError` naming the architecture fields a Megatron export would lose."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    set_ = [f"{n}={getattr(cfg, n)!r}" for n in _NOT_CARRIED if getattr(cfg, n) != defaults[n]]
+    if set_:
+        raise UserError(f"the checkpoint's model sets {', '.join(set_)}; tnlg's Megatron export carries GPT-2-style "
+                        "models (learned positions, LayerNorm, GELU, full multi-head attention, biases) only, so "
+                        "rope, RMSNorm, SwiGLU, grouped-query attention and bias-free models are not exported yet "
+                        "(export them with --to hf instead). Nothing was written.")
+
+
 def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
              fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None) -> argparse.Namespace:
     """The ``args`` a Megatron-LM run needs to rebuild ``cfg`` at TP ``tp`` x PP ``pp`` (what
     ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
     checkpoint's recorded one, named in Megatron's tokenizer arguments."""
     import torch
+    _check_exportable(cfg)
     divisible = cfg.make_vocab_size_divisible_by
     return argparse.Namespace(**_tokenizer_args(tokenizer), **dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,

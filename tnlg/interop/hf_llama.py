@@ -1,0 +1,161 @@
+"""Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` <-> tnlg full state dicts and configs.
+
+Layouts (transformers' module names on the left): ``q_proj`` ``[H d, h]`` is tnlg's ``attn.c_q.weight``
+under grouped-query attention; ``k_proj`` / ``v_proj`` ``[G d, h]`` together are ``attn.c_kv.weight``
+``[G, 2, d, h]`` (group, then key / value); with ``G = H`` the three are tnlg's fused ``attn.c_attn.weight``,
+rows ``[head][q, k, v][d]``. ``gate_proj`` and ``up_proj`` are ``mlp.c_fc.weight`` ``[2, f, h]`` (gate
+first), ``down_proj`` ``mlp.c_proj.weight``, ``o_proj`` ``attn.c_proj.weight``; ``input_layernorm``,
+``post_attention_layernorm`` and ``model.norm`` are ``ln_1``, ``ln_2`` and ``ln_f``; ``embed_tokens`` is
+``transformer.wte`` and ``lm_head`` is ``lm_head`` (untied), or the embedding (tied). Qwen2 adds the
+query/key/value biases (``add_qkv_bias``). Rope is transformers' default (rotate-half, ``rope_theta``);
+a scaled rope (``rope_type`` other than ``default``) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import GPTConfig
+from ..errors import UserError
+
+__all__ = ["LLAMA_TYPES", "hf_kind", "config_from_llama", "llama_config_from", "llama_to_tnlg", "tnlg_to_llama"]
+
+LLAMA_TYPES = ("llama", "qwen2")
+_LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
+          "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight"}
+
+
+def hf_kind(cfg: GPTConfig) -> str:
+    """The Hugging Face ``model_type`` whose class is this architecture: ``gpt2``, ``llama`` or ``qwen2``;
+    a :class:`UserError` for a mix that none of them is."""
+    gpt2 = (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
+            and not cfg.swiglu and cfg.add_bias_linear and cfg.kv_groups == cfg.num_attention_heads)
+    if gpt2:
+        return "gpt2"
+    llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
+             and not cfg.add_bias_linear and cfg.rotary_percent == 1.0)
+    if llama:
+        return "qwen2" if cfg.add_qkv_bias else "llama"
+    raise UserError("this model has no Hugging Face class: GPT2LMHeadModel is learned positions, LayerNorm, GELU, "
+                    "full multi-head attention and biases; LlamaForCausalLM is rope over whole heads, RMSNorm, "
+                    "SwiGLU and no biases (Qwen2ForCausalLM: plus QKV biases); this one is "
+                    f"position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
+                    f"swiglu={cfg.swiglu}, add_bias_linear={cfg.add_bias_linear}, "
+                    f"rotary_percent={cfg.rotary_percent}. Nothing was written.")
+
+
+def _rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        raise UserError(f"the Hugging Face {hf_config.model_type} config scales rope (rope_type {kind!r}); tnlg's "
+                        "rope is the unscaled default (rope_theta only). Nothing was written.")
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def config_from_llama(hf_config, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a ``LlamaConfig`` / ``Qwen2Config``."""
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if head_dim * heads != hf_config.hidden_size:
+        raise UserError(f"the Hugging Face config has head_dim {head_dim} x {heads} heads != hidden_size "
+                        f"{hf_config.hidden_size}; tnlg needs head_dim = hidden_size / heads. Nothing was written.")
+    if getattr(hf_config, "hidden_act", "silu") != "silu" or getattr(hf_config, "mlp_bias", False):
+        raise UserError(f"the Hugging Face {hf_config.model_type} config has hidden_act "
+                        f"{getattr(hf_config, 'hidden_act', None)!r} / mlp_bias {getattr(hf_config, 'mlp_bias', False)}"
+                        "; tnlg's SwiGLU is silu without MLP biases. Nothing was written.")
+    qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
+                  seq_length=hf_config.max_position_embeddings, vocab_size=hf_config.vocab_size,
+                  ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=float(hf_config.rms_norm_eps),
+                  init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+                  position_embedding_type="rope", rotary_base=_rope_theta(hf_config), normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, add_qkv_bias=qkv_bias,
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
+                  group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
+                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
+    """The ``LlamaConfig`` / ``Qwen2Config`` of ``cfg`` (``kind``: :func:`hf_kind`)."""
+    import transformers
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                  num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.seq_length,
+                  rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rotary_base, hidden_act="silu",
+                  tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+                  attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+                  bos_token_id=eod_id, eos_token_id=eod_id)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def _per_head(q, k, v, heads: int) -> torch.Tensor:
+    """``[H d, ...]`` queries, keys, values -> tnlg's fused rows ``[head][q, k, v][d]``."""
+    return torch.stack([t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)], dim=1).flatten(0, 2)
+
+
+def llama_to_tnlg(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """tnlg's full state dict of a Llama/Qwen2 state dict."""
+    out, attn = {}, {}
+    for name, t in hf_sd.items():
+        t = t.detach().float()
+        if name == "model.embed_tokens.weight":
+            out["transformer.wte.weight"] = t
+        elif name == "model.norm.weight":
+            out["transformer.ln_f.weight"] = t
+        elif name == "lm_head.weight":
+            if cfg.untie_embeddings_and_output_weights:
+                out["lm_head.weight"] = t
+        elif name.startswith("model.layers.") and not name.endswith("rotary_emb.inv_freq"):
+            _, _, i, rest = name.split(".", 3)
+            if rest in _LAYER:
+                out[f"transformer.h.{i}.{_LAYER[rest]}"] = t
+            else:
+                attn.setdefault(i, {})[rest] = t
+    heads, groups = cfg.num_attention_heads, cfg.kv_groups
+    for i, p in attn.items():
+        pre = f"transformer.h.{i}."
+        out[pre + "mlp.c_fc.weight"] = torch.stack([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            q, k, v = (p[f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+            if groups == heads:
+                out[pre + f"attn.c_attn.{kind}"] = _per_head(q, k, v, heads)
+            else:
+                kv = torch.stack([k.reshape(groups, -1, *k.shape[1:]), v.reshape(groups, -1, *v.shape[1:])], dim=1)
+                out[pre + f"attn.c_q.{kind}"], out[pre + f"attn.c_kv.{kind}"] = q, kv
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def tnlg_to_llama(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """A Llama/Qwen2 state dict of tnlg's full state dict (the inverse of :func:`llama_to_tnlg`)."""
+    back = {v: k for k, v in _LAYER.items()}
+    out = {"model.embed_tokens.weight": full["transformer.wte.weight"], "model.norm.weight": full["transformer.ln_f.weight"],
+           "lm_head.weight": full.get("lm_head.weight", full["transformer.wte.weight"])}
+    heads = cfg.num_attention_heads
+    for name, t in full.items():
+        if not name.startswith("transformer.h."):
+            continue
+        _, _, i, rest = name.split(".", 3)
+        pre = f"model.layers.{i}."
+        kind = rest.rsplit(".", 1)[1]
+        if rest in back:
+            out[pre + back[rest]] = t
+        elif rest == "mlp.c_fc.weight":
+            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = t[0], t[1]
+        elif rest.startswith("attn.c_attn."):
+            q, k, v = t.reshape(heads, 3, -1, *t.shape[1:]).unbind(1)
+            for x, y in zip("qkv", (q, k, v)):
+                out[pre + f"self_attn.{x}_proj.{kind}"] = y.flatten(0, 1)
+        elif rest.startswith("attn.c_q."):
+            out[pre + f"self_attn.q_proj.{kind}"] = t
+        elif rest.startswith("attn.c_kv."):
+            out[pre + f"self_attn.k_proj.{kind}"] = t[:, 0].flatten(0, 1)
+            out[pre + f"self_attn.v_proj.{kind}"] = t[:, 1].flatten(0, 1)
+    return {n: t.contiguous() for n, t in out.items()}
