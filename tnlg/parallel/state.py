@@ -54,6 +54,7 @@ class ParallelState:
     pp_size: int = 1
     pp_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+
     @property
     def rank(self) -> int:
         """Global rank in the TP-contiguous layout (TP innermost, then DP, then PP)."""
