@@ -102,7 +102,7 @@ def test_resumed_metrics_hold_each_iteration_once(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"iteration": 8, "lo')  # torn last line
     f = _open_metrics(str(path), 4)
     for i in range(5, 9):
-        f.write(json.dumps(dict(iteration=i, loss=1.0)) + "\n")
+        f.write((json.dumps(dict(iteration=i, loss=1.0)) + "\n").encode())  # (unbuffered bytes: one record per call)
     f.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r.get("split"), r["iteration"]) for r in lines] == \
