@@ -144,7 +144,7 @@ def main() -> int:
             n_tokens = timed("raw_1thread", lambda: sum(map(len, tok.sp.encode(docs, num_threads=1))))
             timed("raw_all_threads", lambda: sum(map(len, tok.sp.encode(docs, num_threads=0))))
             for w in (1, 2):  # includes the input checks and writing the files
-                timed(f"workers_{w}", lambda: preprocess([path], os.path.join(tmp, f"out{w}"), tok, workers=w,
+                timed(f"workers_{w}", lambda w=w: preprocess([path], os.path.join(tmp, f"out{w}"), tok, workers=w,
                                                          progress=False)["tokens"])
         results["tokens"] = n_tokens
         results["tokens_per_s"] = {k: max(v) for k, v in rates.items()}

@@ -80,7 +80,7 @@ def measure(generators: dict, o, vocab: int, device) -> dict:
             jobs[name, "prefix_1", cache] = (lambda g=gen, c=cache: g(long_prompt, 1, c), o.repeats)
             jobs[name, "prefix_n", cache] = (lambda g=gen, c=cache: g(long_prompt, 1 + o.extra, c), reps)
     first = {name: gen(prompt, 16, True) for name, gen in generators.items()}  # warm-up, and the tokens
-    for name, gen in generators.items():
+    for gen in generators.values():
         gen(long_prompt, 2, False)
     best = {}
     for trial in range(max(o.repeats, o.repeats_no_cache)):

@@ -256,10 +256,13 @@ def summarise(raw: dict) -> dict:
 
 
 def print_table(rows: dict) -> None:
-    cell = lambda row, fw: (f"{row[fw]['median_ms']:8.0f} {row[fw]['fastest_ms']:8.0f}" if fw in row
-                            else f"{'n/a':>8} {'n/a':>8}")
-    ratio = lambda row, k: (f"{row[k]['median_ms']:5.2f} {row[k]['fastest_ms']:5.2f}" if k in row
-                            else f"{'n/a':>5} {'n/a':>5}")
+    def cell(row, fw):
+        return (f"{row[fw]['median_ms']:8.0f} {row[fw]['fastest_ms']:8.0f}" if fw in row
+                else f"{'n/a':>8} {'n/a':>8}")
+
+    def ratio(row, k):
+        return (f"{row[k]['median_ms']:5.2f} {row[k]['fastest_ms']:5.2f}" if k in row
+                else f"{'n/a':>5} {'n/a':>5}")
     print(f"\n{'config':<14} {'tnlg med / fastest':>17} | {'megatron-core':>17} | {'transformers':>17} | "
           f"{'tnlg/mcore':>11} | {'tnlg/hf':>11}   (ms per step; ratios median, fastest)")
     for key, row in rows.items():

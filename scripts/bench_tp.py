@@ -352,11 +352,11 @@ def bench_worker(ps: ParallelState, a: dict, impls: list, dtypes: list) -> dict:
                 run, single, key = runners.get(impl), impl in SINGLE, f"{impl}/{d}"
                 sync = None if single else dist.barrier
                 if r == 0:
-                    got = segment(single, lambda: run.warmup(d, a["warmup"]))
+                    got = segment(single, lambda run=run, d=d: run.warmup(d, a["warmup"]))
                     if got is not None and d == "fp32":
                         checks[impl] = got
 
-                def timed():  # the matmul peak right before the steps, in the same configuration
+                def timed(run=run, d=d, sync=sync):  # the matmul peak right before the steps, in the same configuration
                     peak = matmul_times(_DT[d], a["peak_n"], a["peak_reps"], sync)
                     return peak, other_load.measure(lambda: run.times(d, a["iters"], sync))
 

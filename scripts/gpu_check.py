@@ -480,7 +480,7 @@ def section_i(args, ps, out, workdir):
     for _ in range(args.steps):
         timer.time(tnlg_step)
     rows["tnlg"] = timer.times
-    del engine
+    engine = None  # tnlg_step's closure holds it too: free the model before megatron-core's run
     sec.close()
     step, layer_spec, keep = _megatron_gpt(cfg, ps, micro)
     timer = StepTimer(ps.device)

@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 import torch
+from torch.multiprocessing.spawn import ProcessException
 
 from tests.tiny import tiny_options
 from tnlg import checkpoint as ck
@@ -24,7 +25,7 @@ from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
-from tnlg.runtime.spawn import run_distributed
+from tnlg.runtime.spawn import WorkerError, run_distributed
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())
@@ -128,7 +129,7 @@ def killed(dirs):
         mp.setenv("PYTHONPATH", os.pathsep.join([os.path.join(os.path.dirname(__file__), "fault_injection"),
                                                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                  os.environ.get("PYTHONPATH", "")]))
-        with pytest.raises(Exception):
+        with pytest.raises((WorkerError, ProcessException)):  # a worker's error, or one killed
             _spawn(2, [("train", o)])
     return dict(path=d, iterations=ck.list_iterations(d), latest=ck.read_latest(d),
                 leftovers=sorted(n for n in os.listdir(d) if ".tmp" in n))

@@ -26,7 +26,7 @@ def reference_norm() -> float:
 def _local_pieces(ps: ParallelState):
     """This rank's TP shard of every gradient, as ZeRO-1 would hold it: a disjoint 1/dp slice."""
     out = []
-    for t, (shape, sharded, dim) in zip(full_grads(), SPECS):
+    for t, (_shape, sharded, dim) in zip(full_grads(), SPECS):
         if sharded:
             t = t.chunk(ps.tp_size, dim=dim)[ps.tp_rank]
         flat = t.reshape(-1)

@@ -7,7 +7,6 @@ own name mapping, not tnlg.interop's."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest

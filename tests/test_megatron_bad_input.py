@@ -452,7 +452,7 @@ def test_rank_files_without_floating_point_weights(megatron_ckpts, tmp_path):
     for case in ("one", "all"):
         src = _copy(megatron_ckpts / "legacy", tmp_path / case)
 
-        def to_int(state):
+        def to_int(state, case=case):
             for name, value in state["model"].items():
                 if isinstance(value, torch.Tensor) and (case == "all" or name.endswith("final_layernorm.bias")):
                     state["model"][name] = value.to(torch.int64)
@@ -482,7 +482,7 @@ def test_small_files_that_would_exhaust_memory(megatron_ckpts, tmp_path):
     for case in ("shared", "cycle", "layers"):
         src = _copy(megatron_ckpts / "legacy", tmp_path / case)
 
-        def edit(state):
+        def edit(state, case=case):
             if case == "shared":
                 node = {"leaf": torch.zeros(1)}
                 for _ in range(40):

@@ -89,7 +89,7 @@ def _layout_body(_ps, layouts, documents: bool):
         chunks = chunk_layers(layers, pp, virtual)
         mine = [r for c, r in enumerate(chunks) if c % pp == ps.pp_rank]
         model = StageModel(_config(layers, **dict(extra[0] if extra else {})), ps, mine, device="meta")
-        out.append(_train(model, ps, zero, lambda mod, m: Pipeline(mod, m, schedule), documents))
+        out.append(_train(model, ps, zero, lambda mod, m, schedule=schedule: Pipeline(mod, m, schedule), documents))
     return out
 
 

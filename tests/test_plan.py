@@ -237,7 +237,8 @@ def test_search_table_tnlg_17b_states_heads_and_every_stage(capsys):
     smallest footprint with the reason; heads and model states as computed by hand."""
     table = search_table(capsys, "--preset", "tnlg-17b", "--world-size", "256", "--gpu-memory", "32GB",
                          "--global-batch-size", "512")
-    gb = lambda n: f"{n / 1e9:,.2f}"
+    def gb(n):
+        return f"{n / 1e9:,.2f}"
     for tp in (1, 2, 4, 8, 16):
         dp, psi = 256 // tp, tnlg_largest_rank_params(tp)
         for stage in range(4):

@@ -116,7 +116,9 @@ def _plan_total(name, tp, dp, precision, micro, accum, recompute, extra=()):
     import argparse
 
     from tnlg.commands.plan import add_arguments, run
-    import contextlib, io, json
+    import contextlib
+    import io
+    import json
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--preset", name, "--tp", str(tp), "--dp", str(dp), "--zero-stage", "1", "--precision", precision,

@@ -289,7 +289,7 @@ def test_layouts_match_single_process_adamw(world, layouts, refs):
     results = run_distributed(_body, world, 1, layouts, _kinds(), timeout_s=120)
     _check(results, layouts, refs)
     # measured ZeRO memory: per-rank optimizer state within 10% of (this TP shard's total) / dp
-    for i, (kind, tp, dp, stage, accum, mb, _) in enumerate(layouts):
+    for i, (kind, tp, dp, stage, _accum, _mb, _) in enumerate(layouts):
         if kind == "gpt" and stage >= 1 and dp > 1:
             for tp_rank in range(tp):
                 with torch.device("meta"):

@@ -127,8 +127,8 @@ def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None
                        last: Optional[int] = None) -> list[int]:
     """Layers per pipeline stage: ``first``/``last`` fixed where given, the rest as even as possible,
     larger first. A clear :class:`UserError` when a stage would get no layer."""
-    fixed = {0: first, stages - 1: last} if stages > 1 else {}
-    fixed = {s: n for s, n in fixed.items() if n is not None}
+    given = {0: first, stages - 1: last} if stages > 1 else {}
+    fixed = {s: n for s, n in given.items() if n is not None}
     what = (f"{num_layers} layers over --pipeline-model-parallel-size {stages}"
             + "".join(f", {'first' if s == 0 else 'last'} stage {n}" for s, n in sorted(fixed.items())))
     free = [s for s in range(stages) if s not in fixed]
@@ -152,8 +152,8 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-ARCH = dict(arch=True)             # recorded in checkpoints, compared on load
-MODEL = dict(arch=True, pretrain=True)  # ... and a ``tnlg pretrain`` model option
+ARCH: dict[str, Any] = dict(arch=True)           # recorded in checkpoints, compared on load
+MODEL: dict[str, Any] = dict(arch=True, pretrain=True)  # ... and a ``tnlg pretrain`` model option
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -321,7 +321,10 @@ class GPTConfig:
     @property
     def kv_groups(self) -> int:
         """Key/value heads: ``num_query_groups`` with grouped-query attention, else one per head."""
-        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+        if self.group_query_attention:
+            assert self.num_query_groups is not None  # __post_init__ refuses GQA without it
+            return self.num_query_groups
+        return self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -345,12 +348,14 @@ class GPTConfig:
 
     def max_tensor_parallel_size(self) -> int:
         """Largest TP the model allows: every rank needs at least one head (and one MLP column)."""
+        assert self.ffn_hidden_size is not None  # __post_init__ sets it
         return min(self.num_attention_heads, self.ffn_hidden_size)
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise a ``ValueError`` naming the largest valid TP when ``tp`` cannot split this model."""
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor-parallel size must be a positive integer, got {tp!r}.")
+        assert self.ffn_hidden_size is not None  # __post_init__ sets it
         if tp > self.num_attention_heads:
             raise ValueError(
                 f"tensor-parallel size {tp} is larger than num_attention_heads={self.num_attention_heads}: "
@@ -367,6 +372,7 @@ class GPTConfig:
 
     def ffn_per_rank(self, tp: int) -> list[int]:
         self.check_tensor_parallel(tp)
+        assert self.ffn_hidden_size is not None  # __post_init__ sets it
         return partition_sizes(self.ffn_hidden_size, tp)
 
     def padded_vocab_size(self, tp: int) -> int:

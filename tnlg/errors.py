@@ -16,7 +16,7 @@ class UserError(ValueError):
 
 def agreed(exc: BaseException) -> BaseException:
     """``exc``, marked as raised on every rank alike (rank 0 alone prints it)."""
-    exc.agreed = True
+    exc.agreed = True  # type: ignore[attr-defined]  # a marker on any exception
     return exc
 
 

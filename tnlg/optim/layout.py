@@ -91,7 +91,7 @@ def plan_flat_layout(numels: Sequence[int], shards: int, bucket_numel: int) -> F
         raise ValueError(f"shards must be >= 1, got {shards}.")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}.")
-    buckets, offsets = [], []
+    buckets, offsets = list[Bucket](), list[int]()
     start = 0
     cur_params: list[int] = []
     cur_offsets: list[int] = []

@@ -18,8 +18,12 @@ V100), which a checkpoint's device-to-host copies cross; copies into pageable me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
+
+if TYPE_CHECKING:  # the annotations only: torch is imported where it is used
+    import torch
 
 __all__ = ["GPU", "GPUS", "gpu", "attention_kernel"]
 

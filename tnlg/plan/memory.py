@@ -199,7 +199,6 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     s, b, h, a, l = config.seq_length, micro_batch, config.hidden_size, config.num_attention_heads, config.num_layers
     heads_r = max(config.heads_per_rank(tp))
     ffn_r = max(config.ffn_per_rank(tp))
-    f = config.ffn_hidden_size
     scale = 2 if precision == "fp32" else 1
     if attention not in ("math", "fused"):
         raise UserError(f"attention kernel {attention!r} is not one of math, fused.")

@@ -70,7 +70,7 @@ def chunks_in_flight(schedule: str, stages: int, micro_batches: int, rank: int, 
 def parameter_table(config: GPTConfig, tp: int) -> tuple[list[int], dict[str, int]]:
     """TP rank 0's parameters per transformer layer, and of the embeddings / final LayerNorm / LM head."""
     from ..model import GPT  # deferred: imports torch
-    per_layer, ends = [0] * config.num_layers, {}
+    per_layer, ends = [0] * config.num_layers, dict[str, int]()
     for name, spec in GPT.describe(config, tp).items():
         n = math.prod(spec.local_shape(0))
         if name.startswith("transformer.h."):

@@ -57,8 +57,11 @@ def _parameters(p: dict, tp: int) -> list[str]:
 def _memory(m: dict, lay: dict) -> list[str]:
     stage = lay["zero_stage"]
     dp = lay.get("gradient_reduction_ranks", lay["dp"])  # with context parallelism: DP x CP
-    split = lambda on: f"/ {dp} {'DP x CP' if dp != lay['dp'] else 'DP'} ranks" if on and dp > 1 else ""
-    row = lambda label, value, note="": f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
+    def split(on: bool) -> str:
+        return f"/ {dp} {'DP x CP' if dp != lay['dp'] else 'DP'} ranks" if on and dp > 1 else ""
+
+    def row(label: str, value: float, note: str = "") -> str:
+        return f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
     lines = ["Memory per GPU, largest rank (GB = 1e9 bytes)",
              f"  model states: {m['model_states_formula']}",
              row(f"parameters ({lay['precision']})", m["params"], split(stage >= 3)),

@@ -70,7 +70,8 @@ def _rates(n: int, reps: int) -> tuple[float, float]:
             t = time.perf_counter()
             torch.mm(a, b)
             best[dtype] = min(best[dtype], time.perf_counter() - t)
-    return tuple(2.0 * n ** 3 / max(best[d], 1e-9) / 1e9 for d in (torch.float32, torch.bfloat16))
+    f32, bf16 = (2.0 * n ** 3 / max(best[d], 1e-9) / 1e9 for d in (torch.float32, torch.bfloat16))
+    return f32, bf16
 
 
 @functools.lru_cache(maxsize=None)
