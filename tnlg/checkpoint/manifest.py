@@ -384,12 +384,15 @@ def _check_values(meta: dict, path: str) -> None:
             raise UserError(f"{path!r} is corrupt: the parameter {name!r} is {_shown(rec)}, not a mapping; the "
                             f"checkpoint cannot be used.")
         _check_record(rec, _PARAM, f"the parameter {name!r}: ", path)
-        for key in ("shape", "sizes"):
-            dims = rec.get(key) or []
-            if not all(_whole(d) and d < 2**40 for d in dims) or len(dims) > 8 or math.prod(dims) >= 2**48:
-                raise UserError(f"{path!r} is corrupt: the parameter {name!r} has {key} {_shown(dims)}, not a "
-                                f"list of at most 8 sizes whose product is a tensor's size; the checkpoint cannot "
-                                f"be used.")
+        shape, sizes = rec.get("shape") or [], rec.get("sizes") or []
+        if not all(_whole(d) and d < 2**40 for d in shape) or len(shape) > 8 or math.prod(shape) >= 2**48:
+            raise UserError(f"{path!r} is corrupt: the parameter {name!r} has shape {_shown(shape)}, not a list of "
+                            f"at most 8 sizes whose product is a tensor's size; the checkpoint cannot be used.")
+        # sizes: the split dimension's part on each tensor-parallel rank (one per rank, adding up to that dimension)
+        if not all(_whole(d) and d < 2**40 for d in sizes) or len(sizes) > 2**16 or sum(sizes) >= 2**40:
+            raise UserError(f"{path!r} is corrupt: the parameter {name!r} has sizes {_shown(sizes)}, not a list of "
+                            f"each tensor-parallel rank's part (at most 65536 whole numbers); the checkpoint cannot "
+                            f"be used.")
     for name, rec in (meta.get("optim_files") or {}).items():
         if isinstance(rec, dict):
             _check_record(rec, _OPTIM_FILE, f"the optimizer file {name!r}: ", path)
