@@ -65,7 +65,7 @@ LOAD_CODE = ("import torch; torch.set_num_threads(1); a = torch.randn({n}, {n});
 
 
 def megatron_available() -> bool:
-    return importlib.util.find_spec("megatron.core") is not None
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
 # ---------------------------------------------------------------------------- the three steps

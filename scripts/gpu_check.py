@@ -534,7 +534,7 @@ def main(argv=None) -> int:
     for name, letters, fn in sections:
         if not set(letters) & set(args.sections):
             continue
-        if name == "i" and importlib.util.find_spec("megatron.core") is None:
+        if name == "i" and (importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None):
             out["skipped_i"] = "megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)"
             continue
         if name in ("f", "g") and device.type != "cuda":

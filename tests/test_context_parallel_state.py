@@ -19,9 +19,9 @@ def _megatron(tp, cp, dp, pp):
             "pp_group": gen.get_ranks("pp"), "dp_cp_group": gen.get_ranks("dp-cp")}
 
 
+@pytest.mark.needs_package("megatron.core")
 @pytest.mark.parametrize("tp,cp,dp,pp", LAYOUTS)
 def test_groups_are_megatron_cores(tp, cp, dp, pp):
-    pytest.importorskip("megatron.core")
     ours = {key: sorted(map(sorted, ranks)) for key, _, ranks in group_ranks(tp, dp, pp, cp)}
     for key, ranks in _megatron(tp, cp, dp, pp).items():
         if key in ours:
@@ -50,6 +50,7 @@ def _live(_ps):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_package("megatron.core")
 def test_a_live_state_at_tp2_cp2_dp2():
     mega = _megatron(2, 2, 2, 1)
     for r, got in enumerate(run_distributed(_live, 8, 1, timeout_s=120)):

@@ -262,7 +262,8 @@ _REPORTS = {"metrics": (lambda m: ["--metrics-file", str(m / "metrics.jsonl")], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("output", list(_REPORTS))
+@pytest.mark.parametrize("output", [pytest.param(o, marks=pytest.mark.needs_package("tensorboard")) if o == "tensorboard"
+                                    else o for o in _REPORTS])
 def test_a_full_disk_under_the_runs_reports_ends_in_one_message(tmp_path, output):
     """rank 0's metrics file, TensorBoard's events, the loss plot and the log lines (standard output
     redirected to a file) on a real, nearly full tmpfs, the checkpoints elsewhere: the run ends in one

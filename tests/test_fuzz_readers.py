@@ -264,7 +264,11 @@ COUNTS = {"meta": 600, "jsonl": 600, "txt": 500, "parquet": 500, "datasets": 600
 
 # ---------------------------------------------------------------- the tests
 
-@pytest.mark.parametrize("reader", list(READERS))
+_NEEDS = {"parquet": ("pyarrow",), "datasets": ("pyarrow", "datasets")}  # optional packages of a reader
+
+
+@pytest.mark.parametrize("reader", [pytest.param(r, marks=pytest.mark.needs_package(*_NEEDS[r])) if r in _NEEDS
+                                    else r for r in READERS])
 def test_mutated_files_end_in_success_or_one_paragraph(tmp_path, reader):
     seed_dir = READERS[reader]["seed"](tmp_path)
     work = tmp_path / "work"
