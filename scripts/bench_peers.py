@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 import warnings
+from unittest import mock
 
 import _bench
 import torch
@@ -208,17 +209,10 @@ def start_load(n: int) -> list[subprocess.Popen]:
 def omp_environment(framework: str, omp_default: bool):
     """The spawned workers' OpenMP wait settings: tnlg's as ``tnlg`` sets them
     (:func:`tnlg.runtime.threads.set_wait_policy`, unless ``--omp-default``), the others' as the user's."""
-    saved = {k: os.environ.get(k) for k in WAIT_VARIABLES}
-    if framework == "tnlg" and not omp_default:
-        set_wait_policy()
-    try:
+    with mock.patch.dict(os.environ):  # the environment as it was, afterwards
+        if framework == "tnlg" and not omp_default:
+            set_wait_policy()
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_rounds(a, frameworks) -> dict:
