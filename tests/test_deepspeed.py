@@ -20,7 +20,7 @@ from tnlg.errors import UserError
 from tnlg.runtime.spawn import run_distributed
 from tnlg.commands.pretrain_args import resolve
 
-from .test_train import _assert_same, _run
+from .test_train import _assert_same, _reference_run, _run
 
 
 needs_deepspeed = pytest.mark.needs_package("deepspeed")  # skipped without it, naming the install command
@@ -31,11 +31,22 @@ def _need_deepspeed():
                                                    "(pip install --no-build-isolation \"deepspeed>=0.14\")")
 
 
+DEEPSPEED_RTOL = 1e-5  # DeepSpeed sums its flattened fp32 gradient buckets in its own order
+
+
 @pytest.fixture(scope="module")
 def reference():
-    """One process, our plain AdamW path (TP=1, DP=1, ZeRO 0), the global batch in one micro batch."""
+    """The independent reference of test_train (tests/reference_gpt.py and torch's AdamW, each global
+    batch in one micro batch), its tolerances the measured noise floor but at least DEEPSPEED_RTOL
+    relative for losses and gradient norms: DeepSpeed reduces and norms its gradients in its own
+    bucket order, so its fp32 rounding differs from ours (1.09e-6 relative on the first step's norm
+    on a 2-core AMD EPYC, 2026-12-02)."""
     _need_deepspeed()
-    return _run(1, 1, 0)
+    ref = _reference_run()
+    tol = ref["tolerances"]
+    ref["tolerances"] = dict(tol, loss=max(tol["loss"], DEEPSPEED_RTOL),
+                             grad_norm=max(tol["grad_norm"], DEEPSPEED_RTOL))
+    return ref
 
 
 # ----------------------------------------------------------------------------- options (no DeepSpeed needed)
