@@ -145,7 +145,7 @@ def layouts():
     found = run_distributed(_layouts, 2, 1, [(1, 2, False, None), (1, 2, False, "full"), (1, 2, False, "selective")],
                             (), True, timeout_s=300)[0]
     found.update(run_distributed(_layouts, 4, 1, [(1, 4, False, None), (2, 2, True, None), (1, 2, False, None)],
-                                 [(2, 2, "1f1b")], timeout_s=240)[0])
+                                 [(2, 2, "1f1b"), (2, 2, "gpipe")], timeout_s=300)[0])
     return found
 
 
@@ -167,15 +167,16 @@ def test_generation_at_cp_above_1_is_refused(layouts):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("decoder", list(DECODERS))
-def test_pipelined_losses_equal_cp_1(micro_reference, layouts, decoder, documents):
-    """CP 2 x PP 2 (1F1B, two micro batches per iteration): CP 1's losses without a pipeline (with
-    documents the EOD targets are masked, so the chunks and micro batches count different tokens), and the
-    trained model's validation loss."""
+def test_pipelined_losses_equal_cp_1(micro_reference, layouts, decoder, documents, schedule):
+    """CP 2 x PP 2 (two micro batches per iteration): CP 1's losses without a pipeline (with documents the
+    EOD targets are masked, so the chunks and micro batches count different tokens), and the trained
+    model's validation loss."""
     ref = micro_reference[(decoder, documents)]
     assert ref[-1] < ref[0]  # it trains
-    torch.testing.assert_close(torch.tensor(layouts[(decoder, "pp", 2, 2, "1f1b")][documents]),
+    torch.testing.assert_close(torch.tensor(layouts[(decoder, "pp", 2, 2, schedule)][documents]),
                                torch.tensor(ref), rtol=1e-5, atol=1e-5)
 
 
@@ -188,3 +189,17 @@ def test_compiled_blocks_give_cp_1s_losses(reference, layouts):
                                rtol=1e-5, atol=1e-5)
     assert layouts["graph breaks"] and all("ring_attention" in reason for reason in layouts["graph breaks"]), \
         layouts["graph breaks"]
+
+
+def _tp_cp_pp(_ps):
+    from tnlg.parallel.state import init_parallel
+    ps = init_parallel(2, context_parallel_size=2, pipeline_parallel_size=2)
+    return _train_micro(ps, GPTConfig(**LLAMA, sequence_parallel=True), _data(True, True))
+
+
+@pytest.mark.slow
+def test_tp_cp_pp_with_sequence_parallelism_equals_cp_1(micro_reference):
+    """TP 2 + SP x CP 2 x PP 2 (8 processes; the Llama decoder, documents): the activations between stages
+    are this TP rank's share of this CP rank's positions; CP 1's losses and validation loss."""
+    got = run_distributed(_tp_cp_pp, 8, 2, timeout_s=300)[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(micro_reference[("llama", True)]), rtol=1e-5, atol=1e-5)
