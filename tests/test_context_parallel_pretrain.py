@@ -1,4 +1,4 @@
-"""``tnlg pretrain --context-parallel-size``: the tiny run's losses equal CP 1's, its checkpoints do not
+"""``tnlg pretrain --context-parallel-size``: the tiny run's losses equal CP 1's (also at CP 2 x PP 2), its checkpoints do not
 depend on CP (a CP 2 run resumed at CP 1 and at TP 1 x CP 4 continues CP 1's trajectory), validation
 gives CP 1's loss, and the layouts CP cannot run are one paragraph before any process starts."""
 
@@ -35,6 +35,9 @@ def test_cp_runs_and_resumes_on_cp_1s_trajectory(tmp_path):
     cp2, cp2_valid = _run(2, context_parallel_size=2, hidden_dropout=0.0)
     torch.testing.assert_close(torch.tensor(cp2), torch.tensor(ref), rtol=1e-5, atol=1e-5)
     assert ref_valid is not None and cp2_valid == pytest.approx(ref_valid, rel=1e-5)
+    piped, piped_valid = _run(4, context_parallel_size=2, pipeline_model_parallel_size=2, hidden_dropout=0.0)
+    torch.testing.assert_close(torch.tensor(piped), torch.tensor(ref), rtol=1e-5, atol=1e-5)  # CP 2 x PP 2
+    assert piped_valid == pytest.approx(ref_valid, rel=1e-5)
     save = str(tmp_path / "cp2")
     first, _ = _run(2, tmp=True, context_parallel_size=2, hidden_dropout=0.0, train_iters=3, save=save,
                     save_interval=3)
@@ -46,10 +49,11 @@ def test_cp_runs_and_resumes_on_cp_1s_trajectory(tmp_path):
                                    msg=lambda m, c=cp: f"resumed at CP {c}: {m}")
     by_cp = run_distributed(_eval_body, 4, 1, save, timeout_s=240)[0]
     assert by_cp[2] == pytest.approx(by_cp[1], rel=1e-6) and by_cp[4] == pytest.approx(by_cp[1], rel=1e-6)
+    assert by_cp[(2, 2)] == pytest.approx(by_cp[1], rel=1e-6)  # CP 2 x PP 2
 
 
 def _eval_body(_ps, ckpt):
-    """``tnlg eval --task loss`` of the checkpoint at CP 1 (DP 4), CP 2 (x DP 2) and CP 4, with documents."""
+    """``tnlg eval --task loss`` of the checkpoint at CP 1 (DP 4), CP 2 (x DP 2), CP 4 and CP 2 x PP 2, with documents."""
     import argparse
 
     from tests.tiny import tiny_settings
@@ -58,22 +62,20 @@ def _eval_body(_ps, ckpt):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = {}
-    for cp in (1, 2, 4):
-        ps = init_parallel(1, context_parallel_size=cp)
+    for cp, pp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        ps = init_parallel(1, context_parallel_size=cp, pipeline_parallel_size=pp)
         args = parser.parse_args(["--task", "loss", "--checkpoint", ckpt, "--input", tiny_settings()["data_path"][0],
-                                  "--cp", str(cp), "--eval-samples", "8", "--micro-batch-size", "2",
+                                  "--cp", str(cp), "--pp", str(pp), "--eval-samples", "8", "--micro-batch-size", "2",
                                   "--reset-position-ids", "--reset-attention-mask"])
         _precheck(args)
-        out[cp] = evaluate(args, ps)["loss"]
+        out[cp if pp == 1 else (cp, pp)] = evaluate(args, ps)["loss"]
     return out
 
 
 @pytest.mark.parametrize("extra,match", [
     (dict(context_parallel_size=3), r"2 x CP must divide --seq-length 16"),
     (dict(context_parallel_size=2, attention_dropout=0.1), r"does not run with --attention-dropout 0.1"),
-    (dict(context_parallel_size=2, pipeline_model_parallel_size=2), r"does not run with --pipeline-model-parallel"),
-    (dict(context_parallel_size=2, compile=True), r"does not run with --compile"),
-], ids=["length", "attention-dropout", "pipeline", "compile"])
+], ids=["length", "attention-dropout"])
 def test_what_cp_cannot_run_is_one_paragraph(extra, match):
     with pytest.raises(UserError, match=match):
         tiny_options(4, **dict(RUN, **extra)).check(4)

@@ -95,10 +95,10 @@ def _precheck(args) -> None:
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    if args.cp < 1 or (args.cp > 1 and (args.task != "loss" or args.pp > 1)):
-        raise UserError(f"--context-parallel-size {args.cp}: context parallelism evaluates --task loss at "
-                        f"--pp 1 (the window and example tasks score sequences of any length; generation and "
-                        f"pipelines do not run with CP); got --task {args.task}, --pp {args.pp}.")
+    if args.cp < 1 or (args.cp > 1 and args.task != "loss"):
+        raise UserError(f"--context-parallel-size {args.cp}: context parallelism evaluates --task loss only (the "
+                        f"window and example tasks score sequences of any length; generation does not run with "
+                        f"CP); got --task {args.task}.")
     if args.cp > 1 and args.seq_length is not None and args.seq_length % (2 * args.cp):
         raise UserError(f"--context-parallel-size {args.cp}: each sample is cut into 2 x {args.cp} equal chunks, "
                         f"so 2 x CP must divide --seq-length {args.seq_length}.")

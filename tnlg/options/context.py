@@ -23,11 +23,9 @@ def check_context_parallel_options(o) -> None:
                         f"sizes up to 8 for {s} tokens: {valid}; or a --seq-length that is a multiple of {2 * cp}.")
     refused = [(par.zero_impl == "deepspeed", "--zero-impl deepspeed (DeepSpeed's engine does not reduce "
                 "gradients over DP x CP); use --zero-impl tnlg (ZeRO 0-3)"),
-               (par.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (the pipeline schedules "
-                "do not carry CP chunks yet); use --pp 1"),
                (o.model.attention_dropout > 0, f"--attention-dropout {o.model.attention_dropout:g} (the ring "
-                "attention has no dropout); use --attention-dropout 0"),
-               (o.precision.compile, "--compile (the ring's autograd function is not compiled yet); drop --compile")]
+                "attention has no dropout: CP 1 draws its masks inside the fused attention kernel over the whole "
+                "[s, s] score matrix, which the ring's blocks cannot draw alike); use --attention-dropout 0")]
     for on, what in refused:
         if on:
             raise UserError(f"--context-parallel-size {cp} does not run with {what}.")

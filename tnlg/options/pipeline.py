@@ -96,7 +96,7 @@ def _check_world(par, schedule, world_size: int) -> None:
     pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
     micro, gbs = schedule.micro_batch_size, schedule.global_batch_size
     check_pipeline_world(pp, tp, world_size)
-    dp = max(1, world_size // (tp * pp))
+    dp = max(1, world_size // (tp * pp * par.context_parallel_size))  # (CP ranks read the same samples)
     if gbs is None or gbs % (micro * dp):
         return  # the global-batch check says it
     check_micro_batches(pp, gbs, micro, dp, par.pipeline_schedule)

@@ -41,7 +41,9 @@ gets LSE ``-inf`` there (it always sees itself in its own block, so the merge st
 **Kernels.** On CPU a block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (it returns the
 output and an fp32 LSE; its backward takes the output and LSE) and its backward op; elsewhere a
 block is computed in fp32 maths with an explicit LSE (exact, but ``[b, H, n, m]`` scores per
-block: a fused CUDA kernel hook-up is future work). Attention dropout is not supported in the ring.
+block: a fused CUDA kernel hook-up is future work). Attention dropout is not supported in the ring
+(docs/context_parallel.md says why). Under ``--compile`` :func:`ring_attention` is left out of the
+compiled graphs (``torch.compiler.disable``: one graph break per block), so its P2P runs eager.
 
 **Why not torch's own.** ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13)
 was tried on gloo on CPU: its SDPA dispatcher only knows the CUDA kernels (flash, efficient,
@@ -296,6 +298,7 @@ def _add_heads(acc: torch.Tensor, g: torch.Tensor, index: Optional[torch.Tensor]
         acc.index_add_(1, index, g)
 
 
+@torch.compiler.disable  # under --compile: one graph break, the ring (P2P, which Dynamo does not trace) runs eager
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                    doc_ids: Optional[torch.Tensor] = None,
                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:

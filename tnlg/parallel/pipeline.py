@@ -108,9 +108,11 @@ class PipelineChunk(nn.Module):
         the last position only; ``sequence_parallel=False``: activations ``[b, s, h]`` whatever the
         config says (the forward-only passes, whose batches vary in length)."""
         stage, cfg = self.stage, self.stage.config
-        # sequence parallelism (training: every sample has seq_length positions): the activations between
-        # stages are this rank's positions, sequence-first [s_r, b, h], as between the GPT's TP regions
-        sp = stage.sequence_split(cfg.seq_length, not sequence_parallel or kv_cache is not None or last_only)
+        # sequence parallelism (training: every sample has seq_length positions, of which this CP rank holds
+        # seq_length / cp): the activations between stages are this rank's positions, sequence-first
+        # [s_r, b, h], as between the GPT's TP regions
+        sp = stage.sequence_split(cfg.seq_length // stage.ps.cp_size,
+                                  not sequence_parallel or kv_cache is not None or last_only)
         offset = kv_cache.length if kv_cache is not None else 0
         seq = x.shape[1] if self.first or sp is None else sum(sp)  # ([b, s] tokens, [b, s, h] or [s_r, b, h])
         rotary = stage.rotary(seq, position_ids, offset, x.device)

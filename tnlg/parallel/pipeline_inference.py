@@ -63,8 +63,9 @@ def model_device(model) -> torch.device:
 
 
 def stage_rank(ps: ParallelState, pp_rank: int) -> int:
-    """The global rank of pipeline stage ``pp_rank`` with this rank's ``(dp_rank, tp_rank)``."""
-    return ps.rank + (pp_rank - ps.pp_rank) * ps.dp_size * ps.tp_size
+    """The global rank of pipeline stage ``pp_rank`` with this rank's ``(dp_rank, cp_rank, tp_rank)`` (stages
+    are ``dp x cp x tp`` ranks apart: :class:`~tnlg.parallel.state.ParallelState`'s order)."""
+    return ps.rank + (pp_rank - ps.pp_rank) * ps.dp_size * ps.cp_size * ps.tp_size
 
 
 def from_last_stage(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:

@@ -14,7 +14,10 @@ through the vocab-parallel cross-entropy (3 small all-reduces over TP), multipli
 engine's factor (``loss_scale / m``) before backward, so the gradients are those of the
 mean over micro batches exactly as without a pipeline (``scale_grads=False``: torch does not
 divide again). :meth:`Pipeline.run` returns the mean of the unscaled micro-batch losses on the
-last stage.
+last stage. With context parallelism every micro batch is this CP rank's two chunks, the activations
+between stages are its chunks' (``pp_group`` holds one CP rank's stages), and a micro batch's loss is
+the token-weighted mean over the whole sequence (:func:`~tnlg.parallel.context.context_parallel_mean`:
+one ``[sum, tokens]`` all-reduce over the CP group per micro batch, on the last stage).
 
 Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
 ``[b, s, h]`` activation per micro batch and stage boundary in forward and of its gradient in
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from .context import context_parallel_mean
 from .pipeline import StageModel
 from .stage_progress import RecordedStage
 from .vocab import vocab_parallel_cross_entropy
@@ -88,7 +92,10 @@ class Pipeline:
         the engine's factor; the unscaled value is kept for :meth:`run`."""
         labels, mask = target[:, 0], target[:, 1].to(torch.float32)
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.model.config.vocab_size)
-        loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        if self.ps.cp_size > 1:  # over the whole sequence: every CP rank's chunks of this micro batch
+            loss = context_parallel_mean(losses, mask, self.ps.cp_group, self.ps.cp_size)
+        else:
+            loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
         self._losses.append(loss.detach().float())
         return loss * self._factor
 

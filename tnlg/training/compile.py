@@ -7,7 +7,9 @@ the stage's chunks, forward and backward per micro batch, as eager blocks). The 
 identical, so one compiled graph serves them all (recompiled only for a new shape), and the model
 code stays plain. The collectives inside a block (the TP all-reduces of ``g``, the
 sequence-parallel gathers) are traced as they are; the pipeline's point-to-point sends and receives
-are outside the blocks, in torch's schedule.
+are outside the blocks, in torch's schedule. Context parallelism's ring attention (P2P over the CP
+group, which Dynamo does not trace) is excluded from compilation (``torch.compiler.disable``): each
+block's graph breaks there once and the ring runs eager, forward and backward.
 
 Dropout: Inductor's own random numbers differ from eager's, and hidden dropout on the
 replicated residual stream must draw the same mask on every TP rank, so
