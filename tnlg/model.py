@@ -335,18 +335,21 @@ class ParallelAttention(nn.Module):
             kv_cache.v[self.layer_idx][:, :, start:start + s] = v
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
-        dropout = self.dropout if self.training else 0.0
-        gqa = self.grouped and self.native_gqa and dropout == 0.0  # the core reads the groups itself
-        if self.grouped and self.cp_group is None and not gqa:  # each query head gets its group's keys, values
-            index = self._kv_index.get(k.device)
-            if index is None:
-                index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
         kv_len = k.shape[2]
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
         if attention_mask is not None and attention_mask.dim() == 3:
             attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
+        dropout = self.dropout if self.training else 0.0
+        # the core reads the groups itself (CUDA: flash or math only, so not with a mask, which would lose
+        # the memory-efficient kernel; the CPU's flash kernel takes masks)
+        gqa = self.grouped and self.native_gqa and dropout == 0.0 and (attention_mask is None
+                                                                       or x.device.type == "cpu")
+        if self.grouped and self.cp_group is None and not gqa:  # each query head gets its group's keys, values
+            index = self._kv_index.get(k.device)
+            if index is None:
+                index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
         # one new token after a cache sees every cached key: neither a mask nor causality applies
         causal = attention_mask is None and kv_len == s
         if self.recompute_core and self.training and torch.is_grad_enabled():
