@@ -223,3 +223,28 @@ def test_llama_bad_input_is_one_paragraph():
         with pytest.raises(UserError) as e:
             tiny_options(1, train_iters=5, **over)
         assert words in str(e.value) and "\n" not in str(e.value), (over, str(e.value))
+
+
+def test_checkpoint_info_shows_the_llama_architecture(tmp_path, capsys):
+    """`tnlg checkpoint info` of a converted LlamaForCausalLM folder shows every architecture field
+    GPTConfig declares, with the values transformers' config gives."""
+    import dataclasses
+
+    from tnlg.cli import main
+    from tnlg.interop.hf_checkpoint import hf_to_checkpoint
+    hf = random_llama("llama")
+    hf.save_pretrained(tmp_path / "in")
+    hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "ck"))
+    assert main(["checkpoint", "info", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    c = hf.config
+    for want in (f"num_layers={c.num_hidden_layers}", f"hidden_size={c.hidden_size}",
+                 f"num_attention_heads={c.num_attention_heads}", f"num_query_groups={c.num_key_value_heads}",
+                 f"ffn_hidden_size={c.intermediate_size}", f"rotary_base={float(c.rope_parameters['rope_theta'])}"
+                 if hasattr(c, "rope_parameters") else f"rotary_base={float(c.rope_theta)}",
+                 f"layernorm_epsilon={c.rms_norm_eps}", "position_embedding_type=rope", "normalization=RMSNorm",
+                 "swiglu=True", "group_query_attention=True", "add_bias_linear=False",
+                 "untie_embeddings_and_output_weights=True"):
+        assert want in out, (want, out)
+    arch = [f.name for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch")]
+    assert len(arch) >= 20 and all(f"{name}=" in out for name in arch), out
