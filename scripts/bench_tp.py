@@ -9,6 +9,8 @@ no embedding, no LM head), each timed in fp32 and under bf16 autocast:
 * ``tnlg-tp2-sp`` the same with sequence parallelism (each rank feeds and gets its half of the
   sequence; docs/sequence_parallel.md);
 * ``hf-gpt2``   ``transformers`` ``GPT2Block`` (SDPA attention), one process, ``--threads``;
+* ``hf-llama``  (``--arch llama``: rope, RMSNorm, SwiGLU, ``--groups`` KV groups, no biases, in place of
+  GPT-2's blocks) ``transformers`` ``LlamaForCausalLM``'s decoder layers (SDPA), one process, ``--threads``;
 * ``dtensor-tp2`` a plain-torch block stack (fused QKV laid out per head) split with
   ``torch.distributed.tensor.parallel.parallelize_module`` (Colwise/RowwiseParallel), 2 x 1 thread.
 
@@ -35,6 +37,7 @@ the machine's CPU time that other processes used while a row's steps ran.
     python scripts/bench_tp.py                    # about 2 minutes on 2 idle cores
     python scripts/bench_tp.py --wait-idle 900    # on a shared machine: wait for a quiet moment first
     python scripts/bench_tp.py --layers 1 --hidden 128 --heads 4 --seq 64 --rounds 1   # smoke test, seconds
+    python scripts/bench_tp.py --arch llama       # the Llama shape: the same dims, tnlg vs LlamaForCausalLM
 """
 
 from __future__ import annotations
