@@ -9,6 +9,8 @@ no embedding, no LM head), each timed in fp32 and under bf16 autocast:
 * ``tnlg-tp2-sp`` the same with sequence parallelism (each rank feeds and gets its half of the
   sequence; docs/sequence_parallel.md);
 * ``hf-gpt2``   ``transformers`` ``GPT2Block`` (SDPA attention), one process, ``--threads``;
+* ``hf-llama``  (``--arch llama``: rope, RMSNorm, SwiGLU, ``--groups`` KV groups, no biases, in place of
+  GPT-2's blocks) ``transformers`` ``LlamaForCausalLM``'s decoder layers (SDPA), one process, ``--threads``;
 * ``dtensor-tp2`` a plain-torch block stack (fused QKV laid out per head) split with
   ``torch.distributed.tensor.parallel.parallelize_module`` (Colwise/RowwiseParallel), 2 x 1 thread.
 
@@ -35,6 +37,7 @@ the machine's CPU time that other processes used while a row's steps ran.
     python scripts/bench_tp.py                    # about 2 minutes on 2 idle cores
     python scripts/bench_tp.py --wait-idle 900    # on a shared machine: wait for a quiet moment first
     python scripts/bench_tp.py --layers 1 --hidden 128 --heads 4 --seq 64 --rounds 1   # smoke test, seconds
+    python scripts/bench_tp.py --arch llama       # the Llama shape: the same dims, tnlg vs LlamaForCausalLM
 """
 
 from __future__ import annotations
@@ -57,24 +60,35 @@ from tnlg.model import GPT
 from tnlg.parallel.state import ParallelState
 from tnlg.runtime.spawn import run_distributed
 
-IMPLS = ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2")
+IMPLS = ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2", "hf-llama")
+ARCH_IMPLS = {"gpt2": ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-gpt2", "dtensor-tp2"),
+              "llama": ("tnlg-tp1", "tnlg-tp2", "tnlg-tp2-sp", "hf-llama")}
 DTYPES = ("fp32", "bf16")
 CHECK_TOKENS = 8  # output / input-grad rows compared across implementations (fp32 only)
 
 
 # ---------------------------------------------------------------------------- model pieces
 def make_config(a) -> GPTConfig:
-    """Blocks only: the vocabulary is tiny because the embedding is never applied."""
+    """Blocks only: the vocabulary is tiny because the embedding is never applied. ``--arch llama``:
+    rope, RMSNorm, SwiGLU (Megatron's default ffn ``int(8h/3/64)*64``), ``--groups`` KV groups, no biases,
+    untied (the same dims otherwise)."""
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+                 num_query_groups=a["groups"], add_bias_linear=False, untie_embeddings_and_output_weights=True)
     return GPTConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                      seq_length=a["seq"], vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0,
-                     seed=a["seed"])
+                     seed=a["seed"], **(llama if a["arch"] == "llama" else {}))
 
 
 def flops_per_iter(a) -> float:
-    """Forward+backward matmul FLOPs of the block stack (see the module docstring)."""
+    """Forward+backward matmul FLOPs of the block stack (see the module docstring; Llama: queries and
+    output ``2 h^2``, keys and values ``2 h G d``, SwiGLU's three ``h f`` matrices)."""
     b, s, h, l = a["batch"], a["seq"], a["hidden"], a["layers"]
-    f = 4 * h
-    return 3.0 * l * (2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h)
+    if a["arch"] == "llama":
+        cfg = make_config(a)
+        weights = 2 * h * h + 2 * h * cfg.kv_groups * cfg.head_dim + 3 * h * cfg.ffn_hidden_size
+    else:
+        weights = 4 * h * h + 2 * h * (4 * h)
+    return 3.0 * l * (2 * b * s * weights + 4 * b * s * s * h)
 
 
 def make_input(a):
@@ -161,6 +175,26 @@ def hf_stack(cfg: GPTConfig, full: dict) -> nn.ModuleList:
     return model.transformer.h
 
 
+def hf_llama_stack(cfg: GPTConfig, full: dict, x: torch.Tensor) -> tuple[nn.ModuleList, dict]:
+    """transformers' ``LlamaForCausalLM`` layers (SDPA attention: ``enable_gqa`` without a mask) with
+    tnlg's weights, and the keyword arguments its model gives every layer: the rotary ``position_embeddings``
+    of ``model.rotary_emb`` (as ``LlamaModel.forward`` computes them, from the fp32 hidden states)."""
+    import transformers
+
+    from tnlg.interop.hf_llama import llama_config_from, tnlg_to_llama
+    transformers.logging.set_verbosity_error()
+    hf_cfg = llama_config_from(cfg, "llama")
+    hf_cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    missing, unexpected = model.load_state_dict(tnlg_to_llama(full, cfg), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"HF weight mismatch: missing {missing}, unexpected {unexpected}")
+    positions = torch.arange(x.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        pe = model.model.rotary_emb(x.detach(), positions)
+    return model.model.layers, dict(position_embeddings=pe)
+
+
 # ---------------------------------------------------------------------------- timing
 def matmul_times(dtype: torch.dtype, n: int, reps: int, sync=None) -> list[float]:
     """Seconds of ``reps`` ``n x n`` matmuls at ``dtype`` with the current thread count (after one warm-up)."""
@@ -180,9 +214,10 @@ def matmul_times(dtype: torch.dtype, n: int, reps: int, sync=None) -> list[float
 class Runner:
     """One implementation's block stack and its forward+backward step on the shared input."""
 
-    def __init__(self, stack: nn.Module, x: torch.Tensor, gy: torch.Tensor):
+    def __init__(self, stack: nn.Module, x: torch.Tensor, gy: torch.Tensor, block_kwargs=None):
         self.stack, self.x, self.gy = stack, x, gy
         self.params = list(stack.parameters())
+        self.kw = block_kwargs or {}  # what every block is called with besides its input (rope's angles)
 
     def step(self, dtype_name: str) -> torch.Tensor:
         self.x.grad = None
@@ -191,7 +226,7 @@ class Runner:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16"):
             y = self.x
             for block in self.stack:
-                y = block(y)
+                y = block(y, **self.kw)
         y.backward(self.gy.to(y.dtype))
         return y
 
@@ -253,6 +288,12 @@ def tnlg_stack(cfg: GPTConfig, ps: ParallelState) -> nn.ModuleList:
     return GPT(cfg, ps).train().transformer.h
 
 
+def tnlg_block_kwargs(cfg: GPTConfig, seq: int) -> dict:
+    """Rope's angles for every block (the model computes them once per forward), or nothing."""
+    angles = GPT(cfg, ParallelState.single(), device="meta").rotary(seq, None, device=torch.device("cpu"))
+    return {} if angles is None else dict(rotary=angles)
+
+
 class SequenceParallelRunner(Runner):
     """tnlg blocks with sequence parallelism (``tnlg-tp2-sp``): each rank feeds its positions of the
     input, sequence-first ``[s / 2, b, h]`` as the model's embedding gives them, and gets its
@@ -268,7 +309,7 @@ class SequenceParallelRunner(Runner):
         start = sum(self.sp[:ps.tp_rank])
         shard = x.detach()[:, start:start + self.sp[ps.tp_rank]].clone().requires_grad_(True)
         super().__init__(tnlg_stack(dataclasses.replace(cfg, sequence_parallel=True), ps), shard,
-                         gy[:, start:start + self.sp[ps.tp_rank]].contiguous())
+                         gy[:, start:start + self.sp[ps.tp_rank]].contiguous(), tnlg_block_kwargs(cfg, x.shape[1]))
 
     def step(self, dtype_name: str) -> torch.Tensor:
         self.x.grad = None
@@ -277,7 +318,7 @@ class SequenceParallelRunner(Runner):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16"):
             y = self.x.transpose(0, 1).contiguous()  # (the leaf stays batch-first for the checks)
             for block in self.stack:
-                y = block(y, sp=self.sp)
+                y = block(y, sp=self.sp, **self.kw)
             y = y.transpose(0, 1)
         y.backward(self.gy.to(y.dtype))
         return y
@@ -296,7 +337,7 @@ def dtensor_stack(cfg: GPTConfig, tp_size: int) -> nn.Sequential:
     return stack
 
 
-SINGLE = ("tnlg-tp1", "hf-gpt2")  # one process with --threads threads (rank 0; rank 1 waits)
+SINGLE = ("tnlg-tp1", "hf-gpt2", "hf-llama")  # one process with --threads threads (rank 0; rank 1 waits)
 _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -314,18 +355,21 @@ def bench_worker(ps: ParallelState, a: dict, impls: list, dtypes: list) -> dict:
     cfg = make_config(a)
     x, gy = make_input(a)
     x.requires_grad_(True)
-    runners = {}
+    runners, kw = {}, tnlg_block_kwargs(cfg, a["seq"])
     for impl in impls:
         if impl == "tnlg-tp2":
-            runners[impl] = Runner(tnlg_stack(cfg, ps), x, gy)
+            runners[impl] = Runner(tnlg_stack(cfg, ps), x, gy, kw)
         elif impl == "tnlg-tp2-sp":
             runners[impl] = SequenceParallelRunner(cfg, ps, x, gy)
         elif impl == "dtensor-tp2":
             runners[impl] = Runner(dtensor_stack(cfg, ps.tp_size), x, gy)
         elif rank0 and impl == "tnlg-tp1":
-            runners[impl] = Runner(tnlg_stack(cfg, ParallelState.single()), x, gy)
+            runners[impl] = Runner(tnlg_stack(cfg, ParallelState.single()), x, gy, kw)
         elif rank0 and impl == "hf-gpt2":
             runners[impl] = Runner(hf_stack(cfg, full_weights(cfg)).train(), x, gy)
+        elif rank0 and impl == "hf-llama":
+            layers, hf_kw = hf_llama_stack(cfg, full_weights(cfg), x)
+            runners[impl] = Runner(layers.train(), x, gy, hf_kw)
     times = {f"{i}/{d}": [] for i in impls for d in dtypes}
     cpu = {key: [] for key in times}
     other = {key: [0.0, 0.0] for key in times}  # other processes' CPU seconds, wall seconds
@@ -394,6 +438,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _bench.add_shape_arguments(p, layers=2, hidden=1024, heads=16, seq=512)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--arch", choices=tuple(ARCH_IMPLS), default="gpt2",
+                   help="gpt2 (default) or llama: rope, RMSNorm, SwiGLU, --groups KV groups, no biases; "
+                        "the default --impls follow (llama: hf-llama, no dtensor-tp2)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="--arch llama: key/value groups (default heads / 4)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of the single-process rows")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per row (first round only)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over all rows")
@@ -401,7 +450,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-n", type=int, default=2048, help="size of the square matmul for the peak")
     p.add_argument("--peak-reps", type=int, default=2, help="peak matmuls per row and round")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {', '.join(DTYPES)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    p.add_argument("--impls", default=None, help=f"comma list of {', '.join(IMPLS)} (default: the --arch's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json-out", default="runs/bench_tp.json")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
@@ -409,11 +458,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "of the CPUs (over 5 s windows)")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
-    args.impls = [i for i in args.impls.split(",") if i]
-    bad = [d for d in args.dtypes if d not in DTYPES] + [i for i in args.impls if i not in IMPLS]
+    valid = ARCH_IMPLS[args.arch]
+    args.impls = list(valid) if args.impls is None else [i for i in args.impls.split(",") if i]
+    bad = [d for d in args.dtypes if d not in DTYPES] + [i for i in args.impls if i not in valid]
     if bad or not args.dtypes or not args.impls:
         raise UserError(f"unknown or empty --dtypes/--impls entries {bad}: valid dtypes are {', '.join(DTYPES)}, "
-                        f"valid implementations {', '.join(IMPLS)} (comma-separated).")
+                        f"valid implementations for --arch {args.arch} {', '.join(valid)} (comma-separated).")
+    check_groups(args)
     for name in ("layers", "hidden", "heads", "seq", "batch", "threads", "warmup", "rounds", "iters",
                  "peak_n", "peak_reps"):
         if getattr(args, name) < 1:
@@ -424,6 +475,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UserError(f"--hidden {args.hidden} must divide by --heads {args.heads}, and --heads by 2 (TP=2 "
                         f"with DTensor needs the same whole heads on each rank); e.g. --hidden 1024 --heads 16.")
     return args
+
+
+def check_groups(args) -> None:
+    """``--groups``: only with ``--arch llama`` (default heads / 4), dividing the heads."""
+    if args.arch != "llama":
+        if args.groups is not None:
+            raise UserError(f"--groups {args.groups} is for --arch llama (grouped-query attention); "
+                            f"--arch {args.arch} has full multi-head attention.")
+        return
+    if args.groups is None:
+        args.groups = max(1, args.heads // 4)
+    if args.groups < 1 or args.heads % args.groups:
+        raise UserError(f"--groups {args.groups} must be a positive divisor of --heads {args.heads} "
+                        f"(e.g. --groups {max(1, args.heads // 4)}).")
 
 
 def build_rows(a: dict, impls, dtypes, times: dict, cpu: dict, peaks: dict, checks: dict,
@@ -454,7 +519,7 @@ def build_rows(a: dict, impls, dtypes, times: dict, cpu: dict, peaks: dict, chec
 def main(argv=None) -> int:
     args = parse_args(argv)
     a = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "batch", "threads", "warmup",
-                                       "rounds", "iters", "peak_n", "peak_reps", "seed")}
+                                       "rounds", "iters", "peak_n", "peak_reps", "seed", "arch", "groups")}
     skipped = skip_slow_bf16(args)  # AVX2-only CPUs: bf16 rows would run for hours; name them and go on
     if not args.dtypes:
         return 0
@@ -471,12 +536,17 @@ def main(argv=None) -> int:
         _bench.machine_info(date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                             transformers=_bench.package_version("transformers"), cores=os.cpu_count()),
         threads_single_process=args.threads, threads_per_rank_tp2=1,
-        dims=dict(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden,
-                  seq=args.seq, batch=args.batch),
-        applied="transformer blocks only (no embedding, LM head or final LayerNorm); dropout 0; train mode; "
+        arch=args.arch, dims=dict(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                  ffn=make_config(a).ffn_hidden_size, seq=args.seq, batch=args.batch,
+                                  kv_groups=make_config(a).kv_groups),
+        applied="transformer blocks only (no embedding, LM head or final norm; rope's angles computed once "
+                "per runner, as each model does once per forward); dropout 0; train mode; "
                 "fp32 weights, bf16 rows under torch.autocast('cpu', torch.bfloat16)",
-        flop_formula="3 * l * (2*B*s*(4h^2 + 2h*f) + 4*B*s^2*h) = 72 B s l h^2 (1 + s/(6h)) for f = 4h "
-                     "(Narayanan et al. 2021, eq. 3, without the vocabulary term; causal mask not discounted)",
+        flop_formula=("3 * l * (2*B*s*(4h^2 + 2h*f) + 4*B*s^2*h) = 72 B s l h^2 (1 + s/(6h)) for f = 4h "
+                      "(Narayanan et al. 2021, eq. 3, without the vocabulary term; causal mask not discounted)"
+                      if args.arch == "gpt2" else
+                      "3 * l * (2*B*s*(2h^2 + 2h*G*d + 3h*f) + 4*B*s^2*h) (queries and output, G KV groups of "
+                      "head dim d, SwiGLU's three matrices; causal mask not discounted)"),
         flops_per_iter=flops_per_iter(a), warmup=args.warmup, rounds=args.rounds, iters_per_round=args.iters,
         peak_matmul_flops_per_s={k: 2.0 * args.peak_n ** 3 / statistics.median(v) for k, v in peaks.items()},
         peak_matmul_n=args.peak_n,
@@ -531,7 +601,8 @@ def summary(rows) -> dict:
                                        ("tp2sp_over_tp1", "tnlg-tp2-sp", "tnlg-tp1", 0.97 if d == "fp32" else 0.95),
                                        ("tp2sp_over_tp2", "tnlg-tp2-sp", "tnlg-tp2", 1.0),
                                        ("tp2_over_dtensor", "tnlg-tp2", "dtensor-tp2", 1.0),
-                                       ("tp1_over_hf", "tnlg-tp1", "hf-gpt2", 1.0)):
+                                       ("tp1_over_hf", "tnlg-tp1", "hf-gpt2", 1.0),
+                                       ("tp1_over_hf", "tnlg-tp1", "hf-llama", 1.0)):
             if (num, d) in by and (den, d) in by:
                 ratio = by[(num, d)] / by[(den, d)]
                 out[f"{d}_{name}"] = dict(ratio=ratio, target=target, met=ratio >= target)
@@ -540,8 +611,8 @@ def summary(rows) -> dict:
 
 def format_table(report) -> str:
     d = report["dims"]
-    lines = [f"GPT block stack fwd+bwd: {d['layers']} layers, hidden {d['hidden']}, {d['heads']} heads, "
-             f"ffn {d['ffn']}, seq {d['seq']}, batch {d['batch']}; torch {report['torch']}; "
+    lines = [f"{report.get('arch', 'gpt2')} block stack fwd+bwd: {d['layers']} layers, hidden {d['hidden']}, "
+             f"{d['heads']} heads ({d.get('kv_groups', d['heads'])} KV groups), ffn {d['ffn']}, seq {d['seq']}, batch {d['batch']}; torch {report['torch']}; "
              f"{report['cores']} cores ({report['cpu']}); {report['flops_per_iter'] / 1e9:.1f} GFLOP/iter; "
              f"median of {report['rounds']} x {report['iters_per_round']} steps",
              "| impl | dtype | procs x threads | ms/iter (median) | ms/iter (min) | CPU ms/iter | tokens/s "

@@ -22,9 +22,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
-def _hf_case(kind: str):
+def _hf_case(kind: str, **shape):
     """A random HF model, its logits, loss gradients (tnlg names) and greedy continuation of two prompts."""
-    hf = random_llama(kind)
+    hf = random_llama(kind, **shape)
     cfg = hf.config
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
@@ -87,26 +87,34 @@ def _check_case(ps, case, what: str):
     cache = KVCache(model, 1, 8)
     ranges = cfg.kv_groups_per_rank(ps.tp_size)
     assert cache.k[0].shape[1] == len(ranges[ps.tp_rank]), f"{what}: the cache holds this rank's groups"
+    return model.transformer["h"][0].attn.native_gqa
 
 
-def _body(ps, llama, qwen):
+def _body(ps, llama, qwen, eight_heads):
     states = _states(ps, (1, 2, 3, 4))
     for tp, state in states.items():
         if state is not None:
-            _check_case(state, llama, f"Llama at TP {tp}")
+            # 6 heads over 2 groups: every rank's heads read their groups in SDPA itself (enable_gqa)
+            assert _check_case(state, llama, f"Llama at TP {tp}"), f"TP {tp}: keys and values were copied"
     if states[2] is not None:
         _check_case(states[2], qwen, "Qwen2 at TP 2")
+    if states[3] is not None:
+        # 8 heads over 2 groups at TP 3: the middle rank's heads 3, 4, 5 read groups 0, 1, 1, a pattern
+        # enable_gqa cannot express; its keys and values are copied to its heads (the others' are not)
+        native = _check_case(states[3], eight_heads, "8 heads, 2 groups at TP 3")
+        assert native == (states[3].tp_rank != 1), (states[3].tp_rank, native)
     return True
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return _hf_case("llama"), _hf_case("qwen2")
+    return _hf_case("llama"), _hf_case("qwen2"), _hf_case("llama", hidden=64, heads=8)
 
 
 def test_logits_gradients_and_greedy_tokens_equal_transformers_llama_at_tp_1_2_3_4(cases):
     """6 heads, 2 KV groups: TP 3 gives the middle rank both groups, TP 4 shares each group between ranks;
-    logits, every gradient and greedy generation equal transformers' (Qwen2's QKV biases at TP 2 too)."""
+    logits, every gradient and greedy generation equal transformers' (Qwen2's QKV biases at TP 2 too; 8
+    heads over 2 groups at TP 3, where one rank's heads split 1:2 between its groups)."""
     assert run_distributed(_body, 4, 1, *cases, timeout_s=240) == [True] * 4
 
 
@@ -215,3 +223,28 @@ def test_llama_bad_input_is_one_paragraph():
         with pytest.raises(UserError) as e:
             tiny_options(1, train_iters=5, **over)
         assert words in str(e.value) and "\n" not in str(e.value), (over, str(e.value))
+
+
+def test_checkpoint_info_shows_the_llama_architecture(tmp_path, capsys):
+    """`tnlg checkpoint info` of a converted LlamaForCausalLM folder shows every architecture field
+    GPTConfig declares, with the values transformers' config gives."""
+    import dataclasses
+
+    from tnlg.cli import main
+    from tnlg.interop.hf_checkpoint import hf_to_checkpoint
+    hf = random_llama("llama")
+    hf.save_pretrained(tmp_path / "in")
+    hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "ck"))
+    assert main(["checkpoint", "info", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    c = hf.config
+    for want in (f"num_layers={c.num_hidden_layers}", f"hidden_size={c.hidden_size}",
+                 f"num_attention_heads={c.num_attention_heads}", f"num_query_groups={c.num_key_value_heads}",
+                 f"ffn_hidden_size={c.intermediate_size}", f"rotary_base={float(c.rope_parameters['rope_theta'])}"
+                 if hasattr(c, "rope_parameters") else f"rotary_base={float(c.rope_theta)}",
+                 f"layernorm_epsilon={c.rms_norm_eps}", "position_embedding_type=rope", "normalization=RMSNorm",
+                 "swiglu=True", "group_query_attention=True", "add_bias_linear=False",
+                 "untie_embeddings_and_output_weights=True"):
+        assert want in out, (want, out)
+    arch = [f.name for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch")]
+    assert len(arch) >= 20 and all(f"{name}=" in out for name in arch), out

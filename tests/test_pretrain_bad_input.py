@@ -110,3 +110,23 @@ def test_load_root_not_writable_is_refused_before_start(tmp_path, capsys):
         assert "not writable" in capsys.readouterr().err
     finally:
         root.chmod(0o700)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--group-query-attention", "--num-query-groups", "3"], "num_query_groups=3 (--num-query-groups) does not divide"),
+    (["--swiglu", "--ffn-hidden-size", "3", "--nproc-per-node", "4", "--tensor-model-parallel-size", "4"],
+     "larger than ffn_hidden_size=3; the largest valid tensor-parallel size is 3"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0.0"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1], got 1.5"),
+    (["--position-embedding-type", "learned_absolute", "--rotary-base", "500000"],
+     "but position_embedding_type='learned_absolute'; give --position-embedding-type rope"),
+    (["--position-embedding-type", "none", "--rotary-percent", "0.5"], "but position_embedding_type='none'"),
+], ids=["groups-not-dividing-heads", "swiglu-ffn-below-tp", "rotary-percent-0", "rotary-percent-1.5",
+        "rotary-base-with-learned-positions", "rotary-percent-without-positions"])
+def test_llama_flag_errors(capsys, tmp_path, argv, needle):
+    """The Llama family's flags: one paragraph naming the value and what is valid, before any process
+    starts, nothing created."""
+    err = _err(capsys, ["--nproc-per-node", "1", *argv, "--train-iters", "1", "--save", str(tmp_path / "s")])
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "s").exists()

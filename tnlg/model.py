@@ -290,6 +290,11 @@ class ParallelAttention(nn.Module):
             index = [(first + i) // per_group - ranges[ps.tp_rank].start for i in range(self.local_heads)]
             self.kv_index = tuple(index)  # (a tuple, not a buffer: a meta-built model materialises parameters only)
             self._kv_index: dict = {}
+            # SDPA's enable_gqa maps query head i to key/value head i // (heads_r / kv_r): where this rank's
+            # index is that pattern, keys and values enter the core as kv_r heads, not copied to heads_r
+            ratio = self.local_heads // self.local_kv
+            self.native_gqa = self.kv_index == tuple(i // ratio for i in range(self.local_heads)) and \
+                ratio * self.local_kv == self.local_heads
         else:  # every rank's rows of the fused QKV weight (whole heads)
             self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
                                                sequence_parallel=sp, device=device, init_method=init,
@@ -330,42 +335,50 @@ class ParallelAttention(nn.Module):
             kv_cache.v[self.layer_idx][:, :, start:start + s] = v
             k = kv_cache.k[self.layer_idx][:, :, :start + s]
             v = kv_cache.v[self.layer_idx][:, :, :start + s]
-        if self.grouped and self.cp_group is None:  # each query head reads its group's keys and values
-            index = self._kv_index.get(k.device)
-            if index is None:
-                index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
         kv_len = k.shape[2]
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
         if attention_mask is not None and attention_mask.dim() == 3:
             attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
         dropout = self.dropout if self.training else 0.0
+        # the core reads the groups itself (CUDA: flash or math only, so not with a mask, which would lose
+        # the memory-efficient kernel; the CPU's flash kernel takes masks)
+        gqa = self.grouped and self.native_gqa and dropout == 0.0 and (attention_mask is None
+                                                                       or x.device.type == "cpu")
+        if self.grouped and self.cp_group is None and not gqa:  # each query head gets its group's keys, values
+            index = self._kv_index.get(k.device)
+            if index is None:
+                index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
         # one new token after a cache sees every cached key: neither a mask nor causality applies
         causal = attention_mask is None and kv_len == s
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
             # (this module replays the dropout stream itself, so checkpoint need not stash RNG states)
             state = self.tp_random.snapshot() if dropout else None
-            y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, use_reentrant=False,
+            y = checkpoint(self._core, q, k, v, attention_mask, causal, dropout, state, gqa, use_reentrant=False,
                            preserve_rng_state=False)
         else:
-            y = self._core(q, k, v, attention_mask, causal, dropout)
+            y = self._core(q, k, v, attention_mask, causal, dropout, gqa=gqa)
         if sp is None:
             return self.c_proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim),
                                sequence_parallel=False)
         return self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim),
                            sequence_parallel=True, sequence_sizes=sp, synced_bias=synced_bias)
 
-    def _core(self, q, k, v, attention_mask, causal: bool, dropout: float, tp_rng_state=None):
+    def _core(self, q, k, v, attention_mask, causal: bool, dropout: float, tp_rng_state=None, gqa: bool = False):
         """``softmax(q k^T / sqrt(d) + mask) v`` with attention dropout; ``tp_rng_state`` replays a
-        recomputation's dropout masks. With context parallelism: the ring over the CP group, ``attention_mask``
+        recomputation's dropout masks; ``gqa``: ``k``, ``v`` hold the rank's KV groups ``[b, kv_r, s, d]``
+        (SDPA's ``enable_gqa``; CPU's flash kernel and CUDA's flash and math take it, no copy). With context parallelism: the ring over the CP group, ``attention_mask``
         the whole sequence's document ids ``[b, s]`` or ``None`` (:mod:`tnlg.parallel.context`)."""
         if self.cp_group is not None:
             # (GQA: the ring carries this rank's K/V groups; kv_index maps each query head to its group)
             return ring_attention(q, k, v, self.cp_group, doc_ids=attention_mask,
                                   kv_heads=self.kv_index if self.grouped else None)
         if dropout == 0.0:
+            if gqa:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal,
+                                                      enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
         with self.tp_random.replay(tp_rng_state):  # heads differ per rank: masks too
             return self.tp_random.attention(q, k, v, attention_mask, dropout, causal)

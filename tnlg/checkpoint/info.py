@@ -3,11 +3,13 @@ read from its metadata alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 
+from ..config import GPTConfig, arch_fields
 from ..errors import UserError
 from . import files as F
 from .manifest import Manifest, OptimizerState, Schedule
@@ -45,9 +47,7 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
         f"iteration    {m.iteration} ({m.consumed_samples} samples consumed)",
         f"layout       {_layout(m)}",
-        f"model        {n_params:,} parameters: " + ", ".join(
-            f"{k}={m.config.get(k)}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                           "ffn_hidden_size", "vocab_size", "hidden_dropout", "attention_dropout")),
+        f"model        {n_params:,} parameters: {_architecture(m.config)}",
         f"optimizer    {_optimizer(m.optimizer)}",
         f"tokenizer    {_tokenizer(m.tokenizer)}",
     ]
@@ -66,6 +66,14 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
     print("\n".join(lines), file=out)
     return 1 if bad else 0
+
+
+def _architecture(config: dict) -> str:
+    """Every architecture field :class:`~tnlg.config.GPTConfig` declares, as the checkpoint records it; a
+    field declared after the checkpoint was written shows its default (what that checkpoint's model was)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    return ", ".join(f"{k}={config[k]}" if k in config else f"{k}={defaults[k]} (not recorded: the default)"
+                     for k in arch_fields())
 
 
 def _stages(m: Manifest, iter_dir: str) -> str:
