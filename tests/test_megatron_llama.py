@@ -65,6 +65,11 @@ def imported(runs, tmp_path_factory):
             ckpts.append(path)
     keys.append(("tp2", "transformer-engine"))
     ckpts.append(megatron_to_checkpoint(str(tmp / "megatron"), str(tmp / "tnlg")))
+    from tnlg.cli import main  # the command line, in this process: the Qwen2 legacy files to tnlg TP 2 files
+    assert main(["convert", "--from", "megatron", str(runs["qwen-tp1"][1] / "legacy"), "--to", str(tmp / "cli"),
+                 "--tp", "2"]) == 0
+    keys.append(("qwen-tp1", "tnlg convert --tp 2"))
+    ckpts.append(str(tmp / "cli"))
     logits = _logits_at(ckpts, SPEC, TNLG_TPS)
     return {key: {tp: logits[tp][i] for tp in TNLG_TPS} for i, key in enumerate(keys)}
 
@@ -120,9 +125,13 @@ def test_export_loads_into_megatron_with_the_same_logits(runs, exported):
         assert args["padded_vocab_size"] == R.padded(spec)
 
 
-def test_export_at_a_tp_megatron_cannot_split_the_groups(runs, tmp_path):
+def test_export_at_a_tp_megatron_cannot_split_the_groups(runs, tmp_path, capsys):
+    from tnlg.cli import main
     with pytest.raises(UserError, match=r"num_query_groups \(2\).*valid TP sizes.*\[1, 2\]"):
         checkpoint_to_megatron(runs["tp2"][3]["torch_dist"], str(tmp_path / "out"), tp=4)
+    assert main(["convert", "--from", runs["tp2"][3]["torch_dist"], "--to", "megatron", str(tmp_path / "out"),
+                 "--tp", "4"]) == 2
+    assert "valid TP sizes for a Megatron export of this model: [1, 2]" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
 
 
