@@ -50,11 +50,25 @@ def padded(spec: dict) -> int:
     return -(-spec["vocab"] // m) * m
 
 
+def _llama_args(spec: dict) -> dict:
+    """The Megatron-LM flags of ``spec["llama"]`` (a Llama-family run: ``--position-embedding-type rope
+    --rotary-base B --rotary-percent P --normalization RMSNorm --norm-epsilon E --swiglu
+    --group-query-attention --num-query-groups G --disable-bias-linear [--add-qkv-bias]`` and an untied
+    output layer), as ``pretrain_gpt.py`` saves them."""
+    ll = spec.get("llama")
+    if not ll:
+        return {}
+    return dict(position_embedding_type="rope", rotary_base=ll["rotary_base"], rotary_percent=ll["rotary_percent"],
+                normalization="RMSNorm", norm_epsilon=ll["eps"], layernorm_epsilon=ll["eps"], swiglu=True,
+                group_query_attention=True, num_query_groups=ll["groups"], add_bias_linear=False,
+                add_qkv_bias=ll["qkv_bias"], rotary_interleaved=False, use_rope_scaling=False, openai_gelu=False)
+
+
 def megatron_args(spec: dict) -> argparse.Namespace:
     """The saved args of a Megatron-LM run of this shape (the fields ``pretrain_gpt.py`` records
     that describe the model), with some of the objects real args hold (an enum, a path)."""
     from megatron.core.transformer.enums import AttnBackend
-    return argparse.Namespace(
+    return argparse.Namespace(**{**dict(
         num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
         num_attention_heads=spec["heads"], kv_channels=spec["hidden"] // spec["heads"], num_query_groups=None,
         group_query_attention=False, seq_length=spec["seq"], max_position_embeddings=spec["seq"],
@@ -68,18 +82,23 @@ def megatron_args(spec: dict) -> argparse.Namespace:
         params_dtype=torch.float32, ckpt_format="torch_dist", data_parallel_size=spec.get("dp", 1),
         world_size=spec["tp"] * spec["pp"] * spec.get("dp", 1), overlap_grad_reduce=bool(spec.get("bucket")),
         ddp_bucket_size=spec.get("bucket"), ddp_num_buckets=None, ddp_pad_buckets_for_high_nccl_busbw=False,
-        overlap_param_gather_with_optimizer_step=False, accumulate_allreduce_grads_in_fp32=False)
+        overlap_param_gather_with_optimizer_step=False, accumulate_allreduce_grads_in_fp32=False), **_llama_args(spec)})
 
 
 def _config(spec: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
     kw = dict(activation_func=openai_gelu) if spec["openai_gelu"] else {}
+    ll = spec.get("llama")
+    if ll:  # Megatron-LM's TransformerConfig of the Llama flags (core_transformer_config_from_args)
+        kw = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  bias_activation_fusion=False, num_query_groups=ll["groups"], add_bias_linear=False,
+                  add_qkv_bias=ll["qkv_bias"])
     if spec.get("bf16"):
         kw.update(bf16=True, params_dtype=torch.bfloat16)
     return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
                              num_attention_heads=spec["heads"], use_cpu_initialization=True, hidden_dropout=0.0,
-                             attention_dropout=0.0, layernorm_epsilon=1e-5,
+                             attention_dropout=0.0, layernorm_epsilon=ll["eps"] if ll else 1e-5,
                              pipeline_dtype=torch.bfloat16 if spec.get("bf16") else torch.float32,
                              tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"], **kw)
 
@@ -88,9 +107,12 @@ def build_model(spec: dict, pre: bool = True, post: bool = True):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     torch.manual_seed(1234)
-    return GPTModel(_config(spec), get_gpt_layer_local_spec(), vocab_size=padded(spec),
-                    max_sequence_length=spec["seq"], pre_process=pre, post_process=post,
-                    share_embeddings_and_output_weights=not spec["untie"])
+    ll = spec.get("llama")
+    rope = dict(position_embedding_type="rope", rotary_base=ll["rotary_base"],
+                rotary_percent=ll["rotary_percent"]) if ll else {}
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm" if ll else None)
+    return GPTModel(_config(spec), layer_spec, vocab_size=padded(spec), max_sequence_length=spec["seq"],
+                    pre_process=pre, post_process=post, share_embeddings_and_output_weights=not spec["untie"], **rope)
 
 
 @torch.no_grad()

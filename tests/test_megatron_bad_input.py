@@ -116,9 +116,9 @@ def test_missing_args(megatron_ckpts, fmt, tmp_path):
     _refused(src, tmp_path, "no 'num_layers'")
 
 
-@pytest.mark.parametrize("name,value", [("swiglu", True), ("position_embedding_type", "rope"),
-                                        ("normalization", "RMSNorm"), ("num_experts", 8),
-                                        ("group_query_attention", True), ("add_bias_linear", False)])
+@pytest.mark.parametrize("name,value", [("num_experts", 8), ("multi_latent_attention", True), ("squared_relu", True),
+                                        ("position_embedding_type", "yarn"), ("normalization", "LayerNorm1p"),
+                                        ("use_rope_scaling", True)])
 def test_unsupported_architecture_names_the_argument(megatron_ckpts, name, value, tmp_path):
     src = _copy(megatron_ckpts / "torch_dist", tmp_path / "src")
     _edit_args(src, "torch_dist", lambda s: setattr(s["args"], name, value))

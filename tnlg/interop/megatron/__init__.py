@@ -1,11 +1,12 @@
 """Megatron-LM GPT checkpoints in and out (docs/megatron.md).
 
 * :func:`megatron_to_checkpoint`: a Megatron-LM checkpoint (``torch_dist`` or legacy per-rank files,
-  any TP x PP, megatron-core or legacy names) -> a tnlg checkpoint (:mod:`.importer`);
+  any TP x PP, megatron-core or legacy names; GPT-2-style models and the Llama family: rope, RMSNorm,
+  SwiGLU, grouped-query attention, bias flags) -> a tnlg checkpoint (:mod:`.importer`);
 * :func:`checkpoint_to_megatron`: a tnlg checkpoint -> a Megatron-LM checkpoint root (:mod:`.exporter`).
 
 Modules: :mod:`.safe_load` (unpickling without running code), :mod:`.args` (saved args <->
-:class:`~tnlg.config.GPTConfig`), :mod:`.names` (names and QKV layouts), :mod:`.legacy` and
+:class:`~tnlg.config.GPTConfig`), :mod:`.names` (names, QKV, grouped-query and SwiGLU layouts), :mod:`.legacy` and
 :mod:`.torch_dist` (the two formats). No collectives: all of it runs in one process.
 """
 

@@ -1,13 +1,15 @@
 """Megatron-LM's saved ``args`` <-> :class:`tnlg.config.GPTConfig`.
 
 A Megatron checkpoint carries the ``argparse.Namespace`` of the run that wrote it (``args``);
-the architecture comes from there (argument names of ``megatron/training/arguments.py``):
-``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``,
-``max_position_embeddings`` (the learned positions: tnlg's ``seq_length``), ``padded_vocab_size``
-and ``make_vocab_size_divisible_by``, ``layernorm_epsilon``, ``openai_gelu`` and
-``untie_embeddings_and_output_weights``. Arguments that describe an architecture tnlg does not
-model (rotary positions, SwiGLU, RMSNorm, grouped-query attention, experts, ...) are refused,
-one clear error naming the argument.
+the architecture comes from there. The mapping is read from :class:`~tnlg.config.GPTConfig`'s
+declarations: every architecture field is the Megatron argument its declaration names (``megatron``,
+default the field's name: ``position_embedding_type``, ``rotary_base``, ``rotary_percent``,
+``normalization``, ``norm_epsilon``, ``swiglu``, ``group_query_attention``, ``num_query_groups``,
+``add_bias_linear``, ``add_qkv_bias``, ``untie_embeddings_and_output_weights``, ``max_position_embeddings``
+for tnlg's ``seq_length``, ...); an argument a run did not save has Megatron-LM's default
+(:data:`_MEGATRON_DEFAULTS` where it differs from tnlg's). Arguments that describe an architecture tnlg
+does not model (experts, multi-latent attention, squared ReLU, QK norms, scaled or interleaved rope,
+...) are refused, one clear error naming the argument.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ...config import GPTConfig, padded_vocab_size
+from ...config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, padded_vocab_size
 from ...errors import UserError
 from .safe_load import shown
 
@@ -27,19 +29,15 @@ __all__ = ["MegatronLayout", "check_sizes", "or_default", "whole", "check_suppor
 # (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
 # Megatron-LM's default, which is the supported value
 _MUST_BE = (
-    ("position_embedding_type", "learned_absolute", "rotary or other position embeddings"),
-    ("use_rotary_position_embeddings", False, "rotary position embeddings"),
-    ("swiglu", False, "a SwiGLU MLP"),
     ("squared_relu", False, "a squared-ReLU MLP"),
-    ("normalization", "LayerNorm", "another normalisation than LayerNorm"),
     ("apply_layernorm_1p", False, "LayerNorm weights stored as weight - 1 (layernorm 1p)"),
-    ("group_query_attention", False, "grouped-query attention"),
     ("multi_latent_attention", False, "multi-latent attention"),
     ("num_experts", None, "a mixture of experts"),
-    ("add_bias_linear", True, "linear layers without biases"),
     ("qk_layernorm", False, "LayerNorms on queries and keys"),
+    ("rotary_interleaved", False, "interleaved (GPT-J style) rotary embeddings"),
+    ("use_rope_scaling", False, "Llama 3.1's scaled rope"),
+    ("rotary_seq_len_interpolation_factor", None, "rope with position interpolation"),
     ("apply_residual_connection_post_layernorm", False, "the residual taken after the LayerNorm"),
-    ("add_position_embedding", True, "no position embedding"),
     ("num_layers_per_virtual_pipeline_stage", None, "an interleaved (virtual) pipeline schedule's layout"),
     ("virtual_pipeline_model_parallel_size", None, "an interleaved (virtual) pipeline schedule's layout"),
     ("decoder_first_pipeline_num_layers", None, "an uneven pipeline split"),
@@ -50,6 +48,15 @@ _MUST_BE = (
     ("expert_model_parallel_size", 1, "expert parallelism"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
 )
+
+# the values tnlg models of Megatron arguments that select among several (one clear error for the others)
+_CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalization", NORMALIZATIONS))
+
+# Megatron-LM's defaults where they differ from GPTConfig's (an argument an older run did not save)
+_MEGATRON_DEFAULTS = dict(openai_gelu=False, hidden_dropout=0.1, attention_dropout=0.1)
+# GPTConfig's architecture fields read otherwise than by their declared argument (config_from_args)
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+_DERIVED = ("vocab_size", "ffn_hidden_size", "seq_length", "num_query_groups", "layernorm_epsilon")
 
 # tokenizers whose size Megatron computes from a fixed vocabulary
 _TOKENIZER_SIZES = {"GPT2BPETokenizer": 50257}
@@ -131,15 +138,47 @@ def check_supported(args, where: str) -> None:
                             "model "
                             f"(it supports {name}={supported!r}: a GPT-2-style model with learned positions, "
                             "LayerNorm, GELU and biases). Nothing was written.")
+    for name, valid in _CHOICES:
+        value = _plain(args, name, where)
+        if value is not None and value not in valid:
+            raise UserError(f"{where}: the checkpoint's args set {name}={shown(value)}, which tnlg does not model "
+                            f"(it models {name} {' or '.join(map(repr, valid))}). Nothing was written.")
+    if _plain(args, "add_position_embedding", where) is False and _position_type(args, where) == "learned_absolute":
+        raise UserError(f"{where}: the checkpoint's args set add_position_embedding=False with learned_absolute "
+                        "positions (a model without positions); tnlg reads it as position_embedding_type='none' only "
+                        "when the args say so. Nothing was written.")
     kv = _arg(args, "kv_channels")
     heads, hidden = _required(args, "num_attention_heads", where), _required(args, "hidden_size", where)
     if kv is not None and kv * heads != hidden:
         raise UserError(f"{where}: the checkpoint's args set kv_channels={kv} with {heads} heads, so the attention "
                         f"width {kv * heads} differs from hidden_size={hidden}; tnlg needs kv_channels = hidden_size / "
                         "num_attention_heads. Nothing was written.")
-    if _arg(args, "num_query_groups") not in (None, heads) and _plain(args, "group_query_attention", where):
-        raise UserError(f"{where}: num_query_groups={args.num_query_groups}: grouped-query attention is not "
-                        "modelled by tnlg. Nothing was written.")
+
+
+def _position_type(args, where: str) -> str:
+    """``position_embedding_type``, ``rope`` for an older run's ``use_rotary_position_embeddings``."""
+    if _plain(args, "use_rotary_position_embeddings", where):
+        return "rope"
+    return _plain(args, "position_embedding_type", where) or "learned_absolute"
+
+
+def _declared(args, where: str) -> dict:
+    """GPTConfig's architecture fields from the arguments their declarations name (Megatron's defaults
+    for those not saved); the fields of :data:`_DERIVED` are left to :func:`config_from_args`."""
+    out = {}
+    for f in dataclasses.fields(GPTConfig):
+        if not f.metadata.get("arch") or f.name in _DERIVED:
+            continue
+        value = _plain(args, f.metadata.get("megatron", f.name), where)
+        if value is None:
+            value = _required(args, f.name, where) if f.name in _REQUIRED else _MEGATRON_DEFAULTS.get(f.name, f.default)
+        if isinstance(f.default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif isinstance(value, float) and value.is_integer() and isinstance(f.default, int):
+            value = int(value)  # an older run's integral float (check_sizes has checked the sizes)
+        out[f.name] = value
+    out["position_embedding_type"] = _position_type(args, where)
+    return out
 
 
 def known_vocab_size(args) -> Optional[int]:
@@ -176,25 +215,23 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
                         "argparse.Namespace. Nothing was written.")
     check_sizes(args, where)
     check_supported(args, where)
-    hidden = int(_required(args, "hidden_size", where))
     padded = int(_required(args, "padded_vocab_size", where))
     vocab = vocab_size or known_vocab_size(args) or padded
     if vocab > padded:
         raise UserError(f"{where}: the tokenizer has {vocab} tokens but the checkpoint's embedding only "
                         f"{padded} rows (padded_vocab_size); it is not this model's tokenizer. Nothing was written.")
+    gqa = bool(_plain(args, "group_query_attention", where))
+    eps = _plain(args, "norm_epsilon", where)
     try:
         return GPTConfig(
-            num_layers=int(_required(args, "num_layers", where)), hidden_size=hidden,
-            num_attention_heads=int(_required(args, "num_attention_heads", where)),
+            **_declared(args, where), vocab_size=int(vocab),
+            ffn_hidden_size=int(ffn) if isinstance(ffn := _arg(args, "ffn_hidden_size"), (int, float)) and ffn else None,
             seq_length=int(_arg(args, "max_position_embeddings") or _required(args, "seq_length", where)),
-            vocab_size=int(vocab), ffn_hidden_size=int(_arg(args, "ffn_hidden_size") or 4 * hidden),
-            hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
-            attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
+            num_query_groups=int(_required(args, "num_query_groups", where)) if gqa else None,
+            layernorm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
             init_method_std=float(_arg(args, "init_method_std", 0.02)),
-            layernorm_epsilon=float(_arg(args, "layernorm_epsilon", 1e-5)),
             make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
-            seed=int(_arg(args, "seed", 1234)), openai_gelu=bool(_arg(args, "openai_gelu", False)),
-            untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)))
+            seed=int(_arg(args, "seed", 1234)))
     except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
         raise UserError(f"{where}: the saved args do not describe a valid model: {str(exc)[:300]} Nothing was "
                         "written.") from None
@@ -210,20 +247,16 @@ def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
     return dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tokenizer.get("path"))
 
 
-# the GPTConfig fields whose non-default values (the Llama family's) Megatron conversion does not carry yet
-_NOT_CARRIED = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
-                "group_query_attention", "num_query_groups", "add_bias_linear", "add_qkv_bias")
-
-
-def _check_exportable(cfg: GPTConfig) -> None:
-    """One :class:`UserError` naming the architecture fields a Megatron export would lose."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    set_ = [f"{n}={getattr(cfg, n)!r}" for n in _NOT_CARRIED if getattr(cfg, n) != defaults[n]]
-    if set_:
-        raise UserError(f"the checkpoint's model sets {', '.join(set_)}; tnlg's Megatron export carries GPT-2-style "
-                        "models (learned positions, LayerNorm, GELU, full multi-head attention, biases) only, so "
-                        "rope, RMSNorm, SwiGLU, grouped-query attention and bias-free models are not exported yet "
-                        "(export them with --to hf instead). Nothing was written.")
+def _declared_args(cfg: GPTConfig) -> dict:
+    """The Megatron arguments of ``cfg``'s architecture fields, under their declared names (and the
+    older names Megatron-LM also reads: ``layernorm_epsilon``, ``use_rotary_position_embeddings``,
+    ``add_position_embedding``)."""
+    out = {f.metadata.get("megatron", f.name): getattr(cfg, f.name)
+           for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch") and f.name != "vocab_size"}
+    out.update(layernorm_epsilon=cfg.layernorm_epsilon, num_query_groups=cfg.kv_groups,
+               use_rotary_position_embeddings=cfg.position_embedding_type == "rope",
+               add_position_embedding=cfg.position_embedding_type == "learned_absolute")
+    return out
 
 
 def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
@@ -232,19 +265,11 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
     ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
     checkpoint's recorded one, named in Megatron's tokenizer arguments."""
     import torch
-    _check_exportable(cfg)
     divisible = cfg.make_vocab_size_divisible_by
-    return argparse.Namespace(**_tokenizer_args(tokenizer), **dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim, num_query_groups=cfg.num_attention_heads,
-        group_query_attention=False, seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
-        position_embedding_type="learned_absolute", add_position_embedding=True, use_rotary_position_embeddings=False,
-        add_bias_linear=True, add_qkv_bias=True, swiglu=False, normalization="LayerNorm", apply_layernorm_1p=False,
-        layernorm_epsilon=cfg.layernorm_epsilon, openai_gelu=cfg.openai_gelu, squared_relu=False,
-        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+    return argparse.Namespace(**_tokenizer_args(tokenizer), **_declared_args(cfg), **dict(
+        kv_channels=cfg.head_dim, seq_length=cfg.seq_length, apply_layernorm_1p=False, squared_relu=False,
         vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
         padded_vocab_size=padded_vocab_size(cfg.vocab_size, tp, divisible),
-        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, seed=cfg.seed,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=1, context_parallel_size=1,

@@ -32,7 +32,8 @@ from ...errors import UserError
 from ...io import fsync_dir, temporary_name
 from .args import args_for
 from .legacy import local_extra_state, write_rank_files
-from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
+from .names import (CORE_LAYER_PREFIX, GLOBAL_ROLES, VOCAB_PARAMS, Role, global_roles, layer_roles, qkv_from_tnlg,
+                    swiglu_shard, tnlg_name)
 from .torch_dist import TorchDistWriter
 
 __all__ = ["checkpoint_to_megatron", "check_megatron_layout", "FORMATS"]
@@ -50,6 +51,12 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
         raise UserError(f"--tp {tp}: Megatron-LM needs num_attention_heads ({cfg.num_attention_heads}) to be a "
                         f"multiple of tensor_model_parallel_size ({tp}); valid TP sizes for this model: {valid}. "
                         "Nothing was written.")
+    if cfg.kv_groups % tp:
+        valid = [t for t in divisors(cfg.kv_groups) if cfg.ffn_hidden_size % t == 0]
+        raise UserError(f"--tp {tp}: Megatron-LM needs num_query_groups ({cfg.kv_groups}) to be a multiple of "
+                        f"tensor_model_parallel_size ({tp}) (each rank holds whole key/value groups; tnlg itself runs "
+                        f"this model at any TP, Megatron does not); valid TP sizes for a Megatron export of this "
+                        f"model: {valid}. Nothing was written.")
     if cfg.ffn_hidden_size % tp:
         raise UserError(f"--tp {tp}: Megatron-LM splits ffn_hidden_size ({cfg.ffn_hidden_size}) evenly over TP; {tp} "
                         "does not divide it. Nothing was written.")
@@ -67,11 +74,17 @@ class _Full:
         self.cfg, self.padded = cfg, padded
 
     def __call__(self, role: Role, layer: Optional[int]) -> torch.Tensor:
-        name = tnlg_name(role, layer)
-        if role.tnlg == "lm_head.weight" and not self.cfg.untie_embeddings_and_output_weights:
+        if role.take in ("q", "kv"):  # grouped-query attention: Megatron's linear_qkv of c_q and c_kv
+            q = tnlg_name(role, layer).replace(".c_kv.", ".c_q.")
+            return qkv_from_tnlg(self._read(q), self._read(q.replace(".c_q.", ".c_kv.")), self.cfg)
+        t = self._read(tnlg_name(role, layer))
+        return t.flatten(0, 1) if role.take == "swiglu" else t  # [2, f, h] -> [gate; up]
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and not self.cfg.untie_embeddings_and_output_weights:
             name = "transformer.wte.weight"  # a tied head: the embedding
         t = self.reader.tensor(name, name, self.targets[name])
-        if role.tnlg in VOCAB_PARAMS and self.padded > t.shape[0]:  # Megatron's padding rows: zeros
+        if name in VOCAB_PARAMS and self.padded > t.shape[0]:  # Megatron's padding rows: zeros
             t = torch.cat([t, t.new_zeros(self.padded - t.shape[0], *t.shape[1:])])
         return t
 
@@ -81,18 +94,21 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -
     per_stage = cfg.num_layers // pp
 
     def shard(x: torch.Tensor, role: Role) -> torch.Tensor:
+        if role.take == "swiglu":
+            return swiglu_shard(x, tp, t)  # this rank's [gate_r; up_r]
         return x if role.split is None else x.chunk(tp, dim=role.split)[t].clone()
 
     out: dict = {}
+    first, last = global_roles(cfg)
     if p == 0:
-        for role in GLOBAL_ROLES[:2]:
+        for role in first:
             out[role.core[0]] = shard(full(role, None), role)
     for j in range(per_stage):
-        for role in LAYER_ROLES:
+        for role in _megatron_layer_roles(cfg):
             out[f"{CORE_LAYER_PREFIX}{j}.{role.core[0]}"] = shard(full(role, p * per_stage + j), role)
     out.update(local_extra_state(range(per_stage)))
     if p == pp - 1:
-        for role in GLOBAL_ROLES[2:4]:
+        for role in last[:(1 if cfg.normalization == "RMSNorm" else 2)]:
             out[role.core[0]] = shard(full(role, None), role)
         if cfg.untie_embeddings_and_output_weights or pp > 1:  # a tied head's copy on the last stage
             out[GLOBAL_ROLES[4].core[0]] = shard(full(GLOBAL_ROLES[4], None), GLOBAL_ROLES[4])
@@ -102,17 +118,21 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -
 
 def _write_torch_dist(iter_dir: str, full: _Full, cfg: GPTConfig, common: dict) -> None:
     writer = TorchDistWriter(iter_dir, cfg.num_layers)
-    for role in GLOBAL_ROLES[:2]:
+    first, last = global_roles(cfg)
+    for role in first:
         writer.add(role, None, full(role, None))
     for i in range(cfg.num_layers):
-        for role in LAYER_ROLES:
+        for role in _megatron_layer_roles(cfg):
             writer.add(role, i, full(role, i))
         writer.add_extra_states(i)
-    for role in GLOBAL_ROLES[2:4]:
+    for role in last:
         writer.add(role, None, full(role, None))
-    if cfg.untie_embeddings_and_output_weights:
-        writer.add(GLOBAL_ROLES[4], None, full(GLOBAL_ROLES[4], None))
     writer.close(common)
+
+
+def _megatron_layer_roles(cfg: GPTConfig) -> list[Role]:
+    """One role per Megatron tensor of a layer (grouped-query attention's c_q and c_kv are one linear_qkv)."""
+    return [r for r in layer_roles(cfg) if r.take != "kv"]
 
 
 def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1) -> str:

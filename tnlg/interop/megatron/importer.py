@@ -32,7 +32,7 @@ from ...config import GPTConfig
 from ...errors import UserError
 from .args import config_from_args, layout_of, or_default, whole
 from .legacy import LegacySource, first_file, is_legacy
-from .names import GLOBAL_ROLES, LAYER_ROLES, VOCAB_PARAMS, Role, tnlg_name
+from .names import VOCAB_PARAMS, Role, global_roles, is_gpt2_layout, layer_roles, megatron_shape, tnlg_name, to_tnlg
 from .optimizer import optimizer_record, read_optimizer, schedule_position, schedule_record
 from .safe_load import load_pt
 from .torch_dist import TorchDistSource, is_torch_dist
@@ -99,20 +99,20 @@ def open_megatron(path: str, vocab_size: Optional[int] = None):
 def _roles(cfg: GPTConfig, last_stage: int):
     """``(role, layer, pipeline stage)`` of every tnlg parameter, in tnlg's order (a layer's stage
     follows from its index: ``None``)."""
-    for role in GLOBAL_ROLES[:2]:
+    first, last = global_roles(cfg)
+    for role in first:
         yield role, None, 0
     for i in range(cfg.num_layers):
-        for role in LAYER_ROLES:
+        for role in layer_roles(cfg):
             yield role, i, None
-    for role in GLOBAL_ROLES[2:4]:
+    for role in last:
         yield role, None, last_stage
-    if cfg.untie_embeddings_and_output_weights:
-        yield GLOBAL_ROLES[4], None, last_stage
 
 
 def _to_tnlg(t: torch.Tensor, role: Role, cfg: GPTConfig) -> torch.Tensor:
-    """Megatron's full tensor in tnlg's layout: the padded vocabulary rows dropped (QKV needs nothing)."""
-    return t[:cfg.vocab_size] if role.tnlg in VOCAB_PARAMS else t
+    """Megatron's full tensor in tnlg's layout: the padded vocabulary rows dropped, grouped-query QKV
+    and SwiGLU's fc1 rearranged (:func:`.names.to_tnlg`; full multi-head QKV needs nothing)."""
+    return t[:cfg.vocab_size] if role.tnlg in VOCAB_PARAMS else to_tnlg(role, t, cfg)
 
 
 class _Tensors(Mapping):
@@ -170,12 +170,21 @@ def _check_tensors(source, cfg: GPTConfig, prefix: str = "") -> None:
             raise UserError(f"{where} has no {f'{prefix}* tensor' if prefix else 'tensor'} for {what}; it does not "
                             f"match its args ({source.format} format, names of megatron-core's local or "
                             "Transformer Engine spec or of the legacy model). Nothing was written.")
-        want = specs[tnlg_name(role, layer)].shape
+        want = megatron_shape(role, cfg, specs[tnlg_name(role, layer)].shape)
         if role.tnlg in VOCAB_PARAMS:  # with Megatron's padding rows
             want = (source.layout.padded_vocab_size, *want[1:])
         if shape != want:
             raise UserError(f"{where}: {tnlg_name(role, layer)} has shape {shape} but its args give {want}. Nothing "
                             "was written.")
+
+
+def _family(cfg: GPTConfig) -> str:
+    """The non-GPT-2 features of ``cfg`` in Megatron's flags, for messages."""
+    return ", ".join(f for f, on in (
+        (f"--position-embedding-type {cfg.position_embedding_type}", cfg.position_embedding_type != "learned_absolute"),
+        ("--normalization RMSNorm", cfg.normalization == "RMSNorm"), ("--swiglu", cfg.swiglu),
+        (f"--group-query-attention --num-query-groups {cfg.num_query_groups}", cfg.group_query_attention),
+        ("--disable-bias-linear", not cfg.add_bias_linear)) if on) or "GPT-2-style"
 
 
 def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Optional[int] = None,
@@ -190,6 +199,11 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     except ValueError as exc:
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
     _check_tensors(source, cfg)
+    if with_optimizer and not is_gpt2_layout(cfg):
+        raise UserError(f"--with-optimizer: the Megatron checkpoint's model ({_family(cfg)}) converts with its "
+                        "weights, but its Adam state is read for GPT-2-style models (learned positions, LayerNorm, "
+                        "GELU, multi-head attention, biases) only; convert without --with-optimizer (training then "
+                        "starts fresh Adam moments). Nothing was written.")
     dtype = source.dtype
     opt = read_optimizer(source, common, dtype != torch.float32, cfg) if with_optimizer else None
     states = (opt.states if opt else None) or source  # where the Adam states are read

@@ -20,7 +20,7 @@ import torch
 
 from ...errors import UserError
 from .args import MegatronLayout
-from .names import CORE_LAYER_PREFIX, LEGACY_LAYER_PREFIXES, LOCAL_EXTRA_STATE, Role, qkv_to_current
+from .names import CORE_LAYER_PREFIX, LEGACY_LAYER_PREFIXES, LOCAL_EXTRA_STATE, Role, qkv_to_current, swiglu_join
 from .safe_load import load_pt
 
 __all__ = ["FILE", "rank_dir", "is_legacy", "first_file", "LegacySource", "write_rank_files", "local_extra_state"]
@@ -200,7 +200,8 @@ class LegacySource:
     def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
                prefix: str = "") -> Optional[torch.Tensor]:
         """The full tensor of ``role`` (of global ``layer``; globals of pipeline ``stage``; ``prefix``: its
-        optimizer state of that kind), TP shards concatenated, QKV in ``[heads, 3, hn]`` order; ``None``
+        optimizer state of that kind), TP shards concatenated (SwiGLU's as ``[gate; up]``), QKV in
+        ``[heads, 3, hn]`` order; ``None``
         where the checkpoint has none (a tied output layer)."""
         shards = self._shards(role, layer, stage, prefix)
         if shards is None:
@@ -210,6 +211,8 @@ class LegacySource:
             if role.tnlg.startswith("attn.c_attn"):
                 value = qkv_to_current(value, self.layout.checkpoint_version if legacy else 3.0, self.heads_per_rank)
             out.append(value)
+        if role.take == "swiglu":  # each rank's [gate_r; up_r] -> [gate; up]
+            return swiglu_join(out)
         return out[0].clone() if len(out) == 1 else torch.cat(out, dim=role.split)
 
     def layers(self) -> int:

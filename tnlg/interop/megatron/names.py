@@ -18,6 +18,17 @@ One row per tnlg parameter role: how Megatron splits it over TP (``split``: 0 co
 
 Transformer Engine's ``_extra_state`` entries (FP8 scaling state) hold no weights and are ignored.
 
+The Llama family (:func:`layer_roles`, :func:`global_roles` list the tensors a configuration has):
+RMSNorm has no bias; rope no position embedding; ``--disable-bias-linear`` no linear biases (QKV's
+kept with ``--add-qkv-bias``). Grouped-query attention (``G`` groups of ``q = H / G`` heads): Megatron's
+``linear_qkv`` rows are ``[G, q + 2, hn]`` (per group its query heads, then its key, then its value;
+``G % TP == 0``, so each rank's shard is whole groups and the shards concatenate), tnlg's ``attn.c_q``
+``[H hn]`` and ``attn.c_kv`` ``[G, 2, hn]`` (roles with ``take`` ``"q"`` / ``"kv"``, both read from
+``linear_qkv``). SwiGLU: Megatron's ``linear_fc1`` holds ``[gate_r; up_r]`` per TP rank; its
+``torch_dist`` tensor is ``[gate; up]`` ``[2 f, h]`` (``apply_swiglu_sharded_factory``), which is
+tnlg's ``mlp.c_fc.weight`` ``[2, f, h]`` flattened (``take="swiglu"``); the legacy files' per-rank
+halves are paired by :func:`swiglu_join` / :func:`swiglu_shard`.
+
 QKV rows (``checkpoint_version`` of the legacy checkpoint; ``megatron/training/checkpointing.py``,
 ``fix_query_key_value_ordering``), per TP rank with ``np`` heads of ``hn`` rows:
 version 0 ``[3, np, hn]``, version 1.0 ``[np, hn, 3]``, version >= 2.0 ``[np, 3, hn]``. megatron-core
@@ -33,7 +44,8 @@ from typing import Optional
 import torch
 
 __all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
-           "VOCAB_PARAMS", "tnlg_name", "qkv_to_current"]
+           "VOCAB_PARAMS", "tnlg_name", "qkv_to_current", "layer_roles", "global_roles", "megatron_shape",
+           "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard", "is_gpt2_layout"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class Role:
     split: Optional[int]
     core: tuple[str, ...]      # megatron-core names (local spec first, then Transformer Engine)
     legacy: tuple[str, ...]    # legacy names
+    take: Optional[str] = None  # how tnlg's tensor is laid out in Megatron's: "q", "kv" (of linear_qkv), "swiglu"
 
     @property
     def dist_key(self) -> str:
@@ -108,3 +121,95 @@ def qkv_to_current(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
     if version == 1.0:
         return t.reshape(heads, -1, 3, *rest).transpose(1, 2).reshape(t.shape)
     raise ValueError(f"checkpoint_version {version} has no known QKV order (0, 1.0, or 2.0 and later)")
+
+
+def _gqa(role: Role, take: str) -> Role:
+    """The grouped-query role ``take`` (``"q"``/``"kv"``) of the fused QKV ``role`` (Megatron's ``linear_qkv``)."""
+    part = "c_q" if take == "q" else "c_kv"
+    return Role(role.tnlg.replace("c_attn", part), role.split, role.core, role.legacy, take)
+
+
+def _has(role: Role, cfg) -> bool:
+    """Whether the configuration has this layer role's tensor (the model's biases and norms)."""
+    name = role.tnlg
+    if name.endswith("ln_1.bias") or name.endswith("ln_2.bias"):
+        return cfg.normalization == "LayerNorm"
+    if name == "attn.c_attn.bias":
+        return cfg.qkv_bias
+    if name.endswith(".bias"):
+        return cfg.add_bias_linear
+    return True
+
+
+def layer_roles(cfg) -> tuple[Role, ...]:
+    """The roles of one transformer layer of ``cfg`` (a :class:`~tnlg.config.GPTConfig`), in tnlg's order;
+    grouped-query attention gives two roles (``c_q``, ``c_kv``) per Megatron ``linear_qkv`` tensor."""
+    out: list[Role] = []
+    for role in LAYER_ROLES:
+        if not _has(role, cfg):
+            continue
+        if role.tnlg.startswith("attn.c_attn") and cfg.kv_groups != cfg.num_attention_heads:
+            out += [_gqa(role, "q"), _gqa(role, "kv")]
+        elif role.tnlg.startswith("mlp.c_fc") and cfg.swiglu:
+            out.append(Role(role.tnlg, role.split, role.core, role.legacy, "swiglu"))
+        else:
+            out.append(role)
+    return tuple(out)
+
+
+def global_roles(cfg) -> tuple[tuple[Role, ...], tuple[Role, ...]]:
+    """``(first stage's, last stage's)`` roles outside the layers: the embedding (and learned positions);
+    the final norm's weight (and LayerNorm's bias) and an untied output layer."""
+    first = GLOBAL_ROLES[:2] if cfg.position_embedding_type == "learned_absolute" else GLOBAL_ROLES[:1]
+    last = GLOBAL_ROLES[2:4] if cfg.normalization == "LayerNorm" else GLOBAL_ROLES[2:3]
+    return first, last + ((GLOBAL_ROLES[4],) if cfg.untie_embeddings_and_output_weights else ())
+
+
+def is_gpt2_layout(cfg) -> bool:
+    """Whether every Megatron tensor of ``cfg`` is one tnlg tensor of the same shape (GPT-2's layout)."""
+    first, last = global_roles(cfg)
+    return layer_roles(cfg) == LAYER_ROLES and len(first) == 2 and len(last) >= 2
+
+
+def megatron_shape(role: Role, cfg, shape: tuple) -> tuple:
+    """The full shape of Megatron's tensor for the role whose tnlg tensor has ``shape``."""
+    if role.take in ("q", "kv"):
+        rows = (cfg.num_attention_heads + 2 * cfg.kv_groups) * cfg.head_dim
+        return (rows, *shape[(1 if role.take == "q" else 3):])
+    if role.take == "swiglu":
+        return (2 * shape[1], *shape[2:])
+    return tuple(shape)
+
+
+def _grouped(t: torch.Tensor, cfg) -> torch.Tensor:
+    """Megatron's ``linear_qkv`` rows ``[(H + 2G) hn, ...]`` as ``[G, q + 2, hn, ...]``."""
+    return t.reshape(cfg.kv_groups, cfg.num_attention_heads // cfg.kv_groups + 2, cfg.head_dim, *t.shape[1:])
+
+
+def to_tnlg(role: Role, t: torch.Tensor, cfg) -> torch.Tensor:
+    """Megatron's full tensor of ``role`` in tnlg's layout (``take``; others unchanged)."""
+    if role.take == "q":  # [G, q, hn, ...] -> [H hn, ...]
+        return _grouped(t, cfg)[:, :-2].flatten(0, 2)
+    if role.take == "kv":  # [G, 2, hn, ...]
+        return _grouped(t, cfg)[:, -2:].clone()
+    if role.take == "swiglu":  # [gate; up] -> [2, f, ...]
+        return t.reshape(2, -1, *t.shape[1:])
+    return t
+
+
+def qkv_from_tnlg(q: torch.Tensor, kv: torch.Tensor, cfg) -> torch.Tensor:
+    """Megatron's ``linear_qkv`` ``[(H + 2G) hn, ...]`` of tnlg's ``c_q`` ``[H hn, ...]`` and ``c_kv``
+    ``[G, 2, hn, ...]`` (the inverse of :func:`to_tnlg`)."""
+    per = q.reshape(cfg.kv_groups, cfg.num_attention_heads // cfg.kv_groups, cfg.head_dim, *q.shape[1:])
+    return torch.cat([per, kv], dim=1).flatten(0, 2)
+
+
+def swiglu_join(shards: list) -> torch.Tensor:
+    """The TP shards of a SwiGLU ``linear_fc1`` (each ``[gate_r; up_r]``) as ``[gate; up]``."""
+    halves = [s.reshape(2, -1, *s.shape[1:]) for s in shards]
+    return torch.cat(halves, dim=1).flatten(0, 1)
+
+
+def swiglu_shard(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s ``[gate_r; up_r]`` of a SwiGLU ``linear_fc1`` ``[gate; up]`` (:func:`swiglu_join`'s inverse)."""
+    return t.reshape(2, -1, *t.shape[1:]).chunk(tp, dim=1)[rank].flatten(0, 1).clone()
