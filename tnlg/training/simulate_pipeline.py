@@ -9,9 +9,10 @@ this process, under ``FakeTensorMode`` and torch's fake process group (as
 2. ``forward (1F1B)`` and ``backward (1F1B)``: the ``m`` micro batches in Megatron's 1F1B order for this stage (``min(P - i - 1, m)``
    warm-up forwards, then one forward and one backward at a time, then the cool-down backwards), so that
    ``min(P - i, m)`` micro batches' activations are held at once, as on the real stage. Each forward is the
-   stage's chunk under autocast; on a stage after the first its input is a fresh tensor of the boundary's
-   shape (the receive buffer), on the last stage the loss is the vocab-parallel cross-entropy, and a stage
-   before the last takes a fresh tensor of its output's shape as the gradient (the received gradient);
+   stage's chunk under autocast; as in torch's ``PipelineStage``, a stage after the first reads its input
+   from one of ``m`` receive buffers of the boundary's shape, a stage before the last its output's gradient
+   from one of ``m`` gradient buffers (both kept for the whole step), and a micro batch's output is kept
+   until its backward; on the last stage the loss is the vocab-parallel cross-entropy;
 3. ``grad sync``, ``norm`` and ``optimizer``, as without a pipeline, plus the tied embedding's gradient
    all-reduce over the first and last stage.
 
@@ -65,43 +66,54 @@ def _fake_stage_world(tp: int, pp: int, dp: int, stage: int):
         dist.destroy_process_group()
 
 
-def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One micro batch through ``chunk`` under autocast: ``(loss or output, the receive buffer or None)``."""
+def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, received: Optional[torch.Tensor]):
+    """One micro batch through ``chunk`` under autocast, from the tokens on the first stage, else from
+    ``received`` (the receive buffer): ``(what backward starts from, the chunk's output)``."""
     from ..parallel.vocab import vocab_parallel_cross_entropy
     from .step import autocast_to
-    s, dev = config.seq_length, ps.device
-    tokens = torch.randint(0, config.vocab_size, (micro_batch, s), device=dev)
-    received = None
-    if not ps.is_first_stage:  # the activation from the previous stage, in the training dtype
-        received = torch.empty(micro_batch, s, config.hidden_size, dtype=dtype or torch.float32, device=dev,
-                               requires_grad=True)
-    with autocast_to(dtype, dev):
-        out = chunk(tokens if received is None else received)
-        if ps.is_last_stage:
-            out = vocab_parallel_cross_entropy(out, tokens, ps, config.vocab_size).mean()
-    return out, received
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+    x = tokens if received is None else received.detach().requires_grad_()  # torch's stage input
+    with autocast_to(dtype, ps.device):
+        out = chunk(x)
+        if not ps.is_last_stage:
+            return out, out
+        return vocab_parallel_cross_entropy(out, tokens, ps, config.vocab_size).mean(), out
+
+
+def _receive_buffers(ps, config: GPTConfig, micro_batch: int, micro_batches: int, dtype) -> list:
+    """torch's ``PipelineStage`` buffers: one ``[b, s, h]`` per micro batch for the activation it receives
+    (all stages but the first) and one for the gradient (all but the last), kept for the whole run."""
+    shape, dt = (micro_batch, config.seq_length, config.hidden_size), dtype or torch.float32
+    make = [torch.empty(shape, dtype=dt, device=ps.device) for _ in range(micro_batches)]
+    inputs = None if ps.is_first_stage else make
+    grads = None if ps.is_last_stage else [torch.empty(shape, dtype=dt, device=ps.device)
+                                            for _ in range(micro_batches)]
+    return [inputs, grads]
 
 
 def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_batch: int, micro_batches: int,
                   dtype) -> None:
     """The stage's micro batches in 1F1B order (module docstring), inside ``engine.backward_all``: each forward
-    a phase ``forward (1F1B)``, each backward a phase ``backward (1F1B)`` (merged by :func:`_merge`)."""
+    a phase ``forward (1F1B)``, each backward a phase ``backward (1F1B)`` (merged by :func:`_merge`). As in
+    torch's stage, a micro batch's output is kept until its backward (the last stage's logits too)."""
     from ..parallel.pipeline_schedule import tie_embedding_grads
     chunk, held = engine.model.chunk(0), {}
 
     def run(factor: float) -> None:
+        with tracker.phase("forward (1F1B)"):
+            inputs, grads = _receive_buffers(ps, config, micro_batch, micro_batches, dtype)
         for kind, k in one_f_one_b(ps.pp_size, ps.pp_rank, micro_batches):
             if kind == "F":
                 with tracker.phase("forward (1F1B)"):
-                    held[k] = _micro_forward(chunk, ps, config, micro_batch, dtype)[0]
+                    held[k] = _micro_forward(chunk, ps, config, micro_batch, dtype, inputs and inputs[k])
                 continue
             with tracker.phase("backward (1F1B)"):
-                out = held.pop(k)
+                start, out = held.pop(k)
                 if ps.is_last_stage:
-                    (out * factor).backward()
+                    (start * factor).backward()
                 else:  # the gradient received from the next stage
-                    out.backward(torch.empty_like(out))
-                del out
+                    start.backward(grads[k])
+                del start, out
         with tracker.phase("backward (1F1B)"):
             tie_embedding_grads(engine.model, engine.grad_view)
     engine.backward_all(run)
