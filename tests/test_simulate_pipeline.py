@@ -89,3 +89,43 @@ def test_stage_simulation_refuses_bad_input():
         simulate_stage(GPTConfig(**CFG), 1, 1, 1, 0)
     with pytest.raises(UserError, match="stage 2"):
         simulate_stage(GPTConfig(**CFG), 1, 2, 2, 0, zero_stage=2)
+
+
+def _plan(argv):
+    import argparse
+    import contextlib
+    import io
+    import json
+
+    from tnlg.commands.plan import add_arguments, run
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(parser.parse_args(argv))
+    return json.loads(out.getvalue())
+
+
+SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "200", "--world-size", "2", "--pp", "2", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--zero-stage", "1", "--bf16", "--simulate", "--json"]
+
+
+def test_plan_pp_simulate_reports_first_and_last_stage_and_the_larger():
+    """`tnlg plan --pp 2 --simulate` runs both stages instead of refusing; each stage's model states are the
+    planner's for that stage (to the bucket padding) and the larger peak is named."""
+    plan = _plan(SHAPE)["pipeline"]
+    sims = plan["simulation"]["stages"]
+    assert [s["stage"] for s in sims] == [0, 1] and [s["in_flight"] for s in sims] == [2, 1]
+    for s in sims:
+        states = s["model_states"]
+        assert states["param_bytes"] + states["grad_bytes"] + states["optim_bytes"] == pytest.approx(
+            plan["stages"][s["stage"]]["model_states"], rel=0.02)
+    assert plan["simulation"]["larger"] == max(sims, key=lambda s: s["peak_bytes"])["stage"]
+
+
+def test_plan_pp_simulate_refuses_the_interleaved_schedule():
+    argv = [a for a in SHAPE if a not in ("--json",)]
+    with pytest.raises(UserError, match="interleaved schedule is not simulated"):
+        _plan(argv[:-1] + ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1",
+                           "--simulate"])
