@@ -59,6 +59,43 @@ def test_fake_run_counts_what_the_real_run_counts(precision, accum, tmp_path):
     assert fake["save"]["peak_bytes"] - fake["save"]["live_start_bytes"] < 2 ** 14
 
 
+# a few million parameters (5.3M), so that the setup's transient copies would show beside the states
+MID = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=8192)
+
+
+def _real_rank(ps, save_dir):
+    """One real iteration on this gloo rank under the tracker: its phases, the engine's report and the
+    largest parameter's element count."""
+    torch.manual_seed(0)
+    tracker, memory = tracked_iteration(GPTConfig(**MID), ps, zero_stage=1, precision="bf16", micro_batch=2,
+                                        accum=2, save_dir=save_dir)
+    return [ph.as_dict() for ph in tracker.phases], memory
+
+
+@pytest.mark.slow
+def test_two_rank_real_run_equals_the_simulation_phase_by_phase(tmp_path):
+    """bf16, ZeRO-1 over two real gloo processes (each owns half of the optimizer states): rank 0's live
+    and peak bytes by kind equal the simulation's of rank 0 of the same layout exactly, in every phase,
+    setup and save included; and setup holds no more than the final model states plus one parameter's
+    fp32 initial value (the meta-built model costs nothing)."""
+    from tnlg.runtime.spawn import run_distributed
+    real, memory = run_distributed(_real_rank, 2, 1, str(tmp_path), timeout_s=300)[0]
+    sim = simulate(GPTConfig(**MID), 1, 2, zero_stage=1, precision="bf16", micro_batch=2, accum=2, gpu="h100",
+                   gpu_kernels=False)
+    assert [p["name"] for p in real] == [p["name"] for p in sim["phases"]]
+    for r, f in zip(real, sim["phases"]):
+        for k in ("live_start", "peak_bytes", "peak_by_kind"):
+            assert r[k] == f[k], (r["name"], k, r[k], f[k])
+    # the states: 16-bit parameters and gradients of every element, fp32 master and moments of the half owned
+    # (the ZeRO paper's 4 Psi + 12 Psi / Nd at Nd = 2; the buckets' padding adds a little)
+    params = tracker_params(GPTConfig(**MID))
+    numel, largest = sum(p.numel() for p in params), 4 * max(p.numel() for p in params)
+    states = memory["param_bytes"] + memory["grad_bytes"] + memory["optim_bytes"]
+    assert states == pytest.approx(4 * numel + 12 * numel / 2, rel=1e-3), (states, numel)
+    setup = real[0]
+    assert states <= setup["peak_bytes"] <= states + largest, (setup["peak_bytes"], states, largest)
+
+
 def _tensor_bytes(root) -> list[int]:
     """The data bytes of every tensor in the safetensors files of the checkpoint under ``root``."""
     from tnlg.checkpoint.stream import SafetensorsReader

@@ -19,7 +19,7 @@ from ..plan.memory import ACTIVATION_FORMULA, MODEL_STATE_FORMULA, PRECISIONS, c
 from ..plan.pipeline import format_pipeline, pipeline_plan, pipeline_time
 from ..plan.pipeline_search import check_search_pipeline, format_pipeline_search, search_pipelines
 from ..plan.planner import Hardware, Layout, Model, plan_layout, smallest_tp
-from ..plan.report import format_plan, format_search, format_simulation, search_head
+from ..plan.report import format_plan, format_search, format_simulation, format_stage_simulations, search_head
 from ..plan.search import search_layouts
 from ..plan.units import parse_bytes, parse_count
 
@@ -373,13 +373,14 @@ def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
 
 def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) -> dict:
     """``tnlg plan --pp``'s per-stage plan and step time; a clear error for what it does not cover."""
-    for is_set, what in ((model.abstract, "--params (an abstract model has no layers to split: give --preset or "
-                                          "the shape flags)"),
-                         (args.simulate, "--simulate (it simulates one rank of a layout without a pipeline)")):
-        if is_set:
-            raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take {what}.")
+    if model.abstract:
+        raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take --params (an abstract "
+                        f"model has no layers to split: give --preset or the shape flags).")
     pp, c = args.pp, model.config
     virtual = _virtual_stages(args, c)
+    if args.simulate and virtual > 1:
+        raise UserError("--simulate runs a pipeline stage in the 1f1b order, one model chunk per rank; the "
+                        "interleaved schedule is not simulated. Drop --simulate, or plan --pipeline-schedule 1f1b.")
     check_stage_count(pp, c.num_layers)
     m = check_micro_batches(pp, layout.batch, layout.micro_batch, layout.dp, args.pipeline_schedule)
     plan = pipeline_plan(c, layout.tp, pp, layout.dp, layout.zero_stage, layout.precision, layout.micro_batch, m,
@@ -387,7 +388,22 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
     plan["gpus"] = pp * layout.world_size
     plan["time"] = pipeline_time(c, plan, hw, layout.tp, layout.dp, layout.zero_stage, layout.precision,
                                  layout.micro_batch, layout.recompute, train_tokens)
+    if args.simulate:
+        plan["simulation"] = _stage_simulations(model, layout, pp, m, args.gpu or "h100")
     return plan
+
+
+def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int, gpu_name: str) -> dict:
+    """:func:`tnlg.training.simulate_pipeline.simulate_stage` of the first and the last stage; the larger peak."""
+    from dataclasses import replace
+
+    from ..training.simulate_pipeline import simulate_stage
+    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+                     recompute_activations=False)
+    sims = [simulate_stage(config, layout.tp, pp, layout.dp, stage, zero_stage=layout.zero_stage,
+                           precision=layout.precision, micro_batch=layout.micro_batch, micro_batches=micro_batches,
+                           grads_fp32=layout.grads_fp32, gpu=gpu_name) for stage in (0, pp - 1)]
+    return dict(stages=sims, larger=max(sims, key=lambda s: s["peak_bytes"])["stage"])
 
 
 def _check_interleaved_flags(args) -> None:
@@ -482,7 +498,9 @@ def run(args) -> int:
         elif args.pipeline_schedule != "1f1b" or args.layers_per_chunk is not None:
             raise UserError("--pipeline-schedule and --num-layers-per-virtual-pipeline-stage describe a pipeline: "
                             "give --pipeline-model-parallel-size P > 1 with them, or drop them.")
-        if args.simulate:
+        if args.simulate and args.pp > 1:
+            text += "\n\n" + format_stage_simulations(result["pipeline"])
+        elif args.simulate:
             result["simulation"] = _simulation(model, layout, args.gpu or "h100")
             text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])
     if args.json:

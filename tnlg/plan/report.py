@@ -6,7 +6,7 @@ from collections import Counter
 
 from .units import GB, format_count
 
-__all__ = ["format_plan", "format_search", "format_simulation", "heads_compact", "search_head"]
+__all__ = ["format_plan", "format_search", "format_simulation", "format_stage_simulations", "heads_compact", "search_head"]
 
 
 def _gb(n: float) -> str:
@@ -223,22 +223,50 @@ def format_search(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _phase_rows(phases: list[dict]) -> list[str]:
+    """One line per simulated phase: bytes live at the start and at the peak (by kind), traffic, FLOPs,
+    collectives and predicted time."""
+    lines = [f"  {'phase':<24}{'start GB':>9}{'peak GB':>9}{'acts':>7}{'temps':>7}{'TFLOP':>8}{'read GB':>9}"
+             f"{'write GB':>9}  {'comm GB (group)':<22}{'ms':>8}"]
+    for p in phases:
+        k = p["peak_by_kind"]
+        comm = ", ".join(f"{v / 1e9:.2f} ({g})" for g, v in p["comm_bytes"].items() if v) or "-"
+        name = p["name"] + (f" x{p['count']}" if p.get("count", 1) > 1 else "")
+        lines.append(f"  {name:<24}{_gb(p['live_start_bytes']):>9}{_gb(p['peak_bytes']):>9}"
+                     f"{_gb(k.get('activations', 0)):>7}{_gb(k.get('temporaries', 0)):>7}{p['flops'] / 1e12:>8.1f}"
+                     f"{p['read_bytes'] / 1e9:>9.1f}{p['written_bytes'] / 1e9:>9.1f}  {comm:<22}"
+                     f"{p['total_s'] * 1e3:>8.1f}")
+    return lines
+
+
+def format_stage_simulations(plan: dict) -> str:
+    """``--pp P --simulate``: the first and the last stage's simulated phases, each stage's peak beside the
+    planner's total for that stage, and which is larger."""
+    sims = plan["simulation"]
+    lines = []
+    for sim in sims["stages"]:
+        planned = plan["stages"][sim["stage"]]["total"]
+        diff = (planned - sim["peak_bytes"]) / sim["peak_bytes"]
+        lines += [f"Simulation of pipeline stage {sim['stage']}'s first rank ({sim['simulated_in_s']:.0f} s on fake "
+                  f"tensors; 1F1B order, {sim['in_flight']} micro batches in flight; GB = 1e9 bytes)",
+                  *_phase_rows(sim["phases"]),
+                  f"  peak of stage {sim['stage']}      {_gb(sim['peak_bytes'])} GB in {sim['peak_phase']} (planner: "
+                  f"{_gb(planned)} GB, {diff:+.1%}); setup {_gb(sim['setup_peak_bytes'])} GB", ""]
+    top = next(s for s in sims["stages"] if s["stage"] == sims["larger"])
+    lines += [f"  the larger: stage {top['stage']}, {_gb(top['peak_bytes'])} GB",
+              "  note: torch's schedule is not run (its point-to-point warm-up reads data a fake process group does "
+              "not move): its 1F1B order is; send/recv traffic and the checkpoint save are not simulated"]
+    return "\n".join(lines)
+
+
 def format_simulation(sim: dict, planned_total: float) -> str:
     """The simulation's table: per phase bytes live at the start and at the peak (by kind), traffic,
     FLOPs, collectives and predicted time; then the step's peak beside the planner's total."""
     lay = sim["layout"]
     lines = [f"Simulation of rank 0 ({sim['simulated_in_s']:.0f} s on fake tensors; GB = 1e9 bytes; "
              f"accumulation micro steps counted x{lay['accum'] - 1})" if lay["accum"] > 1 else
-             f"Simulation of rank 0 ({sim['simulated_in_s']:.0f} s on fake tensors; GB = 1e9 bytes)",
-             f"  {'phase':<24}{'start GB':>9}{'peak GB':>9}{'acts':>7}{'temps':>7}{'TFLOP':>8}{'read GB':>9}"
-             f"{'write GB':>9}  {'comm GB (group)':<22}{'ms':>8}"]
-    for p in sim["phases"]:
-        k = p["peak_by_kind"]
-        comm = ", ".join(f"{v / 1e9:.2f} ({g})" for g, v in p["comm_bytes"].items() if v) or "-"
-        lines.append(f"  {p['name']:<24}{_gb(p['live_start_bytes']):>9}{_gb(p['peak_bytes']):>9}"
-                     f"{_gb(k.get('activations', 0)):>7}{_gb(k.get('temporaries', 0)):>7}{p['flops'] / 1e12:>8.1f}"
-                     f"{p['read_bytes'] / 1e9:>9.1f}{p['written_bytes'] / 1e9:>9.1f}  {comm:<22}"
-                     f"{p['total_s'] * 1e3:>8.1f}")
+             f"Simulation of rank 0 ({sim['simulated_in_s']:.0f} s on fake tensors; GB = 1e9 bytes)"]
+    lines += _phase_rows(sim["phases"])
     diff = (planned_total - sim["peak_bytes"]) / sim["peak_bytes"]
     lines += [f"  peak per rank          {_gb(sim['peak_bytes'])} GB in {sim['peak_phase']} (planner: "
               f"{_gb(planned_total)} GB, {diff:+.1%})",

@@ -6,7 +6,9 @@ tensors or on fake ones (``FakeTensorMode``: shapes without memory, which is how
 :mod:`tnlg.training.simulate` runs a 17B rank on a laptop). Per operator it records
 
 * the storages it creates, alive until the last reference to them goes (weak references
-  to the storage, so views, autograd's saved tensors and in-place results are counted once);
+  to the storage, so views, autograd's saved tensors and in-place results are counted once),
+  except on the meta device (shapes without memory in a real run too: a model built there
+  costs nothing until the engine materialises it, and its operators launch no kernel);
   each belongs to a *kind*: storages that existed before are counted only once
   :meth:`StepTracker.register`\\ ed (``parameters``, ``gradients``, ``master``, ``adam``),
   new ones are ``activations`` when created in a phase named ``forward*``, else ``temporaries``;
@@ -120,7 +122,7 @@ class StepTracker(TorchDispatchMode):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         for t in ([tensors] if isinstance(tensors, torch.Tensor) or tensors is None else tensors):
-            if t is not None:
+            if t is not None and t.device.type != "meta":
                 self._add(t.untyped_storage(), kind)
 
     def live_by_kind(self) -> dict[str, int]:
@@ -157,13 +159,16 @@ class StepTracker(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         seen = {StorageWeakRef(t.untyped_storage()).cdata for t in inputs}
         for t in outputs:
+            if t.device.type == "meta":  # shapes only: a meta-device model holds no memory
+                continue
             st = t.untyped_storage()
             key = StorageWeakRef(st).cdata
             if key not in seen and key not in self.live:
                 self._add(st, self._new_kind)
                 self.largest_new[t.dtype] = max(self.largest_new.get(t.dtype, 0), t.numel())
         self._update_peak()
-        if ph is not None:
+        on_device = [t for t in inputs + outputs if t.device.type != "meta"]
+        if ph is not None and (on_device or not inputs + outputs):
             self._account(ph, func, args, kwargs, out, inputs, outputs)
         return out
 

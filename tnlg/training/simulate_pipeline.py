@@ -1,0 +1,202 @@
+"""Simulate one pipeline stage's training step at full size on fake tensors (``tnlg plan --pp P --simulate``).
+
+:func:`simulate_stage` runs, for the first rank of pipeline stage ``i`` of a ``PP x TP x DP`` layout, in
+this process, under ``FakeTensorMode`` and torch's fake process group (as
+:mod:`tnlg.training.simulate` does for a layout without a pipeline), tnlg's own code of that stage:
+
+1. ``setup``: the :class:`~tnlg.parallel.pipeline.StageModel` of the stage built on the meta device and
+   materialised into the engine (:func:`tnlg.optim.build_engine`);
+2. ``forward (1F1B)`` and ``backward (1F1B)``: the ``m`` micro batches in Megatron's 1F1B order for this stage (``min(P - i - 1, m)``
+   warm-up forwards, then one forward and one backward at a time, then the cool-down backwards), so that
+   ``min(P - i, m)`` micro batches' activations are held at once, as on the real stage. Each forward is the
+   stage's chunk under autocast; as in torch's ``PipelineStage``, a stage after the first reads its input
+   from one of ``m`` receive buffers of the boundary's shape, a stage before the last its output's gradient
+   from one of ``m`` gradient buffers (both kept for the whole step), and a micro batch's output is kept
+   until its backward; on the last stage the loss is the vocab-parallel cross-entropy;
+3. ``grad sync``, ``norm`` and ``optimizer``, as without a pipeline, plus the tied embedding's gradient
+   all-reduce over the first and last stage.
+
+What is not run: torch's schedule itself (``torch.distributed.pipelining``): its point-to-point warm-up
+and metadata exchange read data that a fake process group does not move, so the order of its 1F1B
+schedule is reproduced here instead, and the send/recv traffic is not counted. Nor is the checkpoint save:
+its check that every parameter of the model is held by some stage gathers every stage's records, which
+a fake process group does not exchange. Interleaved schedules are not simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import GPTConfig
+from ..errors import UserError
+from ..plan.tracker import StepTracker
+from .simulate import _DTYPES, _gpu_kernels, _register_engine, check_layout, predict_time
+
+__all__ = ["simulate_stage", "one_f_one_b"]
+
+
+def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Megatron's non-interleaved 1F1B order on ``stage``: ``("F", k)`` / ``("B", k)`` for micro batch ``k``."""
+    warmup = min(stages - stage - 1, micro_batches)
+    order = [("F", k) for k in range(warmup)]
+    for k in range(warmup, micro_batches):
+        order += [("F", k), ("B", k - warmup)]
+    return order + [("B", k) for k in range(micro_batches - warmup, micro_batches)]
+
+
+@contextlib.contextmanager
+def _fake_stage_world(tp: int, pp: int, dp: int, stage: int):
+    """The first rank of pipeline stage ``stage`` of a ``pp x tp x dp`` world whose collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..parallel.state import init_parallel
+    if dist.is_initialized():
+        raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
+                        "this process already has one.")
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * dp, world_size=pp * tp * dp)
+    try:
+        yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, received: Optional[torch.Tensor]):
+    """One micro batch through ``chunk`` under autocast, from the tokens on the first stage, else from
+    ``received`` (the receive buffer): ``(what backward starts from, the chunk's output)``."""
+    from ..parallel.vocab import vocab_parallel_cross_entropy
+    from .step import autocast_to
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+    x = tokens if received is None else received.detach().requires_grad_()  # torch's stage input
+    with autocast_to(dtype, ps.device):
+        out = chunk(x)
+        if not ps.is_last_stage:
+            return out, out
+        return vocab_parallel_cross_entropy(out, tokens, ps, config.vocab_size).mean(), out
+
+
+def _receive_buffers(ps, config: GPTConfig, micro_batch: int, micro_batches: int, dtype) -> list:
+    """torch's ``PipelineStage`` buffers: one ``[b, s, h]`` per micro batch for the activation it receives
+    (all stages but the first) and one for the gradient (all but the last), kept for the whole run."""
+    shape, dt = (micro_batch, config.seq_length, config.hidden_size), dtype or torch.float32
+    make = [torch.empty(shape, dtype=dt, device=ps.device) for _ in range(micro_batches)]
+    inputs = None if ps.is_first_stage else make
+    grads = None if ps.is_last_stage else [torch.empty(shape, dtype=dt, device=ps.device)
+                                            for _ in range(micro_batches)]
+    return [inputs, grads]
+
+
+def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_batch: int, micro_batches: int,
+                  dtype) -> None:
+    """The stage's micro batches in 1F1B order (module docstring), inside ``engine.backward_all``: each forward
+    a phase ``forward (1F1B)``, each backward a phase ``backward (1F1B)`` (merged by :func:`_merge`). As in
+    torch's stage, a micro batch's output is kept until its backward (the last stage's logits too)."""
+    from ..parallel.pipeline_schedule import tie_embedding_grads
+    chunk, held = engine.model.chunk(0), {}
+
+    def run(factor: float) -> None:
+        with tracker.phase("forward (1F1B)"):
+            inputs, grads = _receive_buffers(ps, config, micro_batch, micro_batches, dtype)
+        for kind, k in one_f_one_b(ps.pp_size, ps.pp_rank, micro_batches):
+            if kind == "F":
+                with tracker.phase("forward (1F1B)"):
+                    held[k] = _micro_forward(chunk, ps, config, micro_batch, dtype, inputs and inputs[k])
+                continue
+            with tracker.phase("backward (1F1B)"):
+                start, out = held.pop(k)
+                if ps.is_last_stage:
+                    (start * factor).backward()
+                else:  # the gradient received from the next stage
+                    start.backward(grads[k])
+                del start, out
+        with tracker.phase("backward (1F1B)"):
+            tie_embedding_grads(engine.model, engine.grad_view)
+    engine.backward_all(run)
+
+
+def _merge(phases: list[dict]) -> list[dict]:
+    """Phases of one name as one, in first-seen order: the first's live bytes at the start, the highest peak
+    (with its kinds), FLOPs, bytes, communication and times summed."""
+    out: dict[str, dict] = {}
+    for p in phases:
+        m = out.get(p["name"])
+        if m is None:
+            out[p["name"]] = dict(p, comm_bytes=dict(p["comm_bytes"]), count=1)
+            continue
+        if p["peak_bytes"] > m["peak_bytes"]:
+            m.update(peak_bytes=p["peak_bytes"], peak_by_kind=p["peak_by_kind"])
+        for k in ("flops", "read_bytes", "written_bytes", "ops", "compute_s", "comm_s", "total_s", "count"):
+            m[k] += p.get(k, 1)
+        for g, n in p["comm_bytes"].items():
+            m["comm_bytes"][g] = m["comm_bytes"].get(g, 0) + n
+    return list(out.values())
+
+
+def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, micro_batch: int,
+                   micro_batches: int, grads_fp32: bool, bucket_size_mb: float,
+                   clip_grad: float) -> tuple[StepTracker, dict]:
+    """The stage's iteration under a :class:`StepTracker`, phase by phase (module docstring)."""
+    from ..optim import build_engine
+    from ..optim.clip import clip_coefficient, global_norm, squared_sums
+    from ..parallel.pipeline import StageModel, chunk_layers
+    dtype = _DTYPES[precision]
+    tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp", ps.pp_group: "pp"})
+    with tracker:
+        with tracker.phase("setup"):
+            chunks = [chunk_layers(config.num_layers, ps.pp_size)[ps.pp_rank]]
+            engine = build_engine(StageModel(config, ps, chunks, device="meta"), ps, zero_stage,
+                                  grad_accum_steps=micro_batches, param_dtype=dtype,
+                                  accumulate_grads_in_fp32=grads_fp32, bucket_size_mb=bucket_size_mb,
+                                  clip_grad=clip_grad)
+        _register_engine(tracker, engine)
+        engine.zero_grad()
+        _run_schedule(tracker, engine, ps, config, micro_batch, micro_batches, dtype)
+        b = engine.backend
+        with tracker.phase("grad sync"):
+            b.finish_grad_sync()
+        with tracker.phase("norm"):
+            sh, rep = squared_sums(b.grad_pieces())
+            norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
+        with tracker.phase("optimizer"):
+            b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        memory = engine.memory_report()
+        engine.close()
+    return tracker, memory
+
+
+def simulate_stage(config: GPTConfig, tp: int, pp: int, dp: int, stage: int, *, zero_stage: int = 1,
+                   precision: str = "bf16", micro_batch: int = 1, micro_batches: int = 1, grads_fp32: bool = False,
+                   gpu: str = "h100", bucket_size_mb: float = 25.0, clip_grad: float = 1.0) -> dict:
+    """Simulate one iteration of pipeline stage ``stage``'s first rank (module docstring): its phases
+    (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches)
+    if not (isinstance(pp, int) and pp > 1 and 0 <= stage < pp):
+        raise UserError(f"--simulate of a pipeline stage needs --pp > 1 and a stage in 0..pp-1, got pp {pp!r}, "
+                        f"stage {stage!r}.")
+    started = time.perf_counter()
+    with _fake_stage_world(tp, pp, dp, stage) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        tracker, memory = _tracked_stage(config, ps, zero_stage=zero_stage, precision=precision,
+                                         micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32,
+                                         bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
+    phases = _merge([dict(ph.as_dict(), **_time(ph, g, tp, dp)) for ph in tracker.phases])
+    step = phases[1:]
+    top = max(step, key=lambda p: p["peak_bytes"])
+    return dict(stage=stage, layout=dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, precision=precision,
+                                         micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32),
+                gpu=g.name, phases=phases, peak_bytes=top["peak_bytes"], peak_phase=top["name"],
+                setup_peak_bytes=phases[0]["peak_bytes"], model_states=memory,
+                in_flight=min(pp - stage, micro_batches),
+                simulated_in_s=round(time.perf_counter() - started, 2))
+
+
+def _time(phase, g, tp: int, dp: int) -> dict:
+    """:func:`tnlg.training.simulate.predict_time` of one phase (phases of one name are merged after)."""
+    return predict_time([phase], g, tp, dp)[phase.name]
