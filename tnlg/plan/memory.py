@@ -33,8 +33,10 @@ share is ``8 a_r/a + 16 f_r/f`` and ``5 a_r s / h``.
 
 The Llama family: RMSNorm keeps its 16-bit input as LayerNorm does (``tnlg.model._RMSNorm``) and rope keeps
 no more than the rotated queries and keys (the ``cos``/``sin`` tables are ``s d`` per sequence); grouped-query
-attention's keys and values are read by every query head of the group, which the attention core keeps at
-the queries' width (``8`` unchanged); SwiGLU keeps the fc output (gate and up, ``2 f``), silu's output
+attention's keys and values are counted at the queries' width (``8`` unchanged): exact where the rank copies
+its groups to its heads (uneven splits, attention dropout), an upper bound of ``4 s b (h - g d) / t`` bytes
+per layer (``g`` KV groups of ``d`` channels) where SDPA reads the groups themselves (``enable_gqa``; the
+llama3-8b plan stays within 5% of the simulation, tests/test_simulate.py); SwiGLU keeps the fc output (gate and up, ``2 f``), silu's output
 and the product, ``8 s b f_r`` bytes, where GELU keeps ``4 s b f_r`` (``16 s b h`` at ``f = 4h``).
 
 Sequence parallelism (section 4.2.2) splits the replicated ``10 s b h`` over the
