@@ -505,3 +505,45 @@ def test_small_files_that_would_exhaust_memory(megatron_ckpts, tmp_path):
     assert "nests dicts more than 16 deep" in lines[0] and "holds one dict in two places (or inside itself)" in lines[1]
     assert "num_layers is 10000000" in lines[2], lines[2]
     assert not any((tmp_path / f"out_{c}").exists() for c in ("shared", "cycle", "layers"))
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles an enum member as ``getattr(cls, name)``, as Python 3.12+ (and some 3.11 builds, 3.11.2
+    among them) do, whatever the Python running the test; ``_GetattrOf`` as a getattr of its choosing."""
+
+    def reducer_override(self, obj):
+        import enum
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, _GetattrOf):
+            return getattr, (obj.cls, obj.name)
+        return NotImplemented
+
+
+class _GetattrOf:
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+
+def _save_index_by_name(d, meta):
+    with open(d / ".metadata", "wb") as f:
+        _EnumsByName(f, protocol=4).dump(meta)
+
+
+def test_an_index_that_pickles_enums_by_name_is_read(megatron_ckpts, tmp_path):
+    """torch_dist indexes written where enums pickle by name (getattr of the index's own
+    ``_MEM_FORMAT_ENCODING``) convert like the fixture; a getattr of anything else is refused as code."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    src, d = _dist(megatron_ckpts, tmp_path)
+    meta = _index(d)
+    _save_index_by_name(d, meta)
+    with open(d / ".metadata", "rb") as f:
+        assert b"getattr" in f.read()  # the test would prove nothing if this pickled by value
+    assert os.path.isdir(megatron_to_checkpoint(str(src), str(tmp_path / "ok")))
+    for cls, name in ((Metadata, "__reduce__"), (torch.Size, "count")):
+        src, d = _dist(megatron_ckpts, tmp_path, f"evil-{name}")
+        meta = _index(d)
+        meta.planner_data = _GetattrOf(cls, name)
+        _save_index_by_name(d, meta)
+        msg = _refused(src, tmp_path, r"asks to run code when it is unpickled \(it calls builtins\.getattr\)")
+        assert "Nothing was written" in msg

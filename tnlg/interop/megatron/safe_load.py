@@ -19,6 +19,7 @@ Megatron-LM writes three kinds of pickles: the legacy per-rank ``model_optim_rng
 from __future__ import annotations
 
 import argparse
+import enum
 import io
 import pickle
 import re
@@ -194,7 +195,17 @@ class _DCPUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         key = (module, name)
         if key in self.classes:
             return self.classes[key]
+        if key == ("builtins", "getattr"):  # how Python 3.12+ (and some 3.11 builds) pickle an enum member
+            return self._enum_member
         raise _Refused(f"{module}.{name}")
+
+    def _enum_member(self, cls, name):
+        """``getattr(cls, name)`` only where ``cls`` is one of the index's own enums and ``name`` one of its
+        members (``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``): any other use of getattr is refused."""
+        if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in self.classes.values()
+                and isinstance(name, str) and name in cls.__members__):
+            return cls[name]
+        raise _Refused("builtins.getattr")
 
 
 class _Refused(pickle.UnpicklingError):
