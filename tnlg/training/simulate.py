@@ -196,6 +196,19 @@ def _register_engine(tracker: StepTracker, engine) -> None:
     tracker.register([b.exp_avg, b.exp_avg_sq], "adam")
 
 
+def _sync_norm_and_step(tracker, engine, ps, clip_grad: float) -> None:
+    """The step's phases after the last backward, as the trainer runs them: grad sync, norm, optimizer."""
+    from ..optim.clip import clip_coefficient, global_norm, squared_sums
+    b = engine.backend
+    with tracker.phase("grad sync"):
+        b.finish_grad_sync()
+    with tracker.phase("norm"):
+        sh, rep = squared_sums(b.grad_pieces())
+        norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
+    with tracker.phase("optimizer"):
+        b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+
+
 def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
              micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
              bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True) -> dict:
@@ -226,7 +239,6 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
     Returns the tracker and the engine's memory report."""
     from ..model import GPT
     from ..optim import build_engine
-    from ..optim.clip import clip_coefficient, global_norm, squared_sums
     from .step import forward_loss
     dtype, micro_steps = _DTYPES[precision], min(accum, 2)
     tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp"})
@@ -246,14 +258,7 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
             with tracker.phase("backward" + tag):
                 engine.backward(loss)
                 del loss, batch, tokens
-        b = engine.backend
-        with tracker.phase("grad sync"):
-            b.finish_grad_sync()
-        with tracker.phase("norm"):
-            sh, rep = squared_sums(b.grad_pieces())
-            norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
-        with tracker.phase("optimizer"):
-            b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        _sync_norm_and_step(tracker, engine, ps, clip_grad)
         if save_dir is not None:
             from ..checkpoint.saving import save
             with tracker.phase("save"):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..config import GPTConfig
 from ..errors import UserError
 from ..plan.tracker import StepTracker
-from .simulate import _DTYPES, _gpu_kernels, _register_engine, check_layout, predict_time
+from .simulate import _DTYPES, _gpu_kernels, _register_engine, _sync_norm_and_step, check_layout, predict_time
 
 __all__ = ["simulate_stage", "one_f_one_b"]
 
@@ -142,7 +142,6 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
                    clip_grad: float) -> tuple[StepTracker, dict]:
     """The stage's iteration under a :class:`StepTracker`, phase by phase (module docstring)."""
     from ..optim import build_engine
-    from ..optim.clip import clip_coefficient, global_norm, squared_sums
     from ..parallel.pipeline import StageModel, chunk_layers
     dtype = _DTYPES[precision]
     tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp", ps.pp_group: "pp"})
@@ -156,14 +155,7 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
         _register_engine(tracker, engine)
         engine.zero_grad()
         _run_schedule(tracker, engine, ps, config, micro_batch, micro_batches, dtype)
-        b = engine.backend
-        with tracker.phase("grad sync"):
-            b.finish_grad_sync()
-        with tracker.phase("norm"):
-            sh, rep = squared_sums(b.grad_pieces())
-            norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
-        with tracker.phase("optimizer"):
-            b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        _sync_norm_and_step(tracker, engine, ps, clip_grad)
         memory = engine.memory_report()
         engine.close()
     return tracker, memory
