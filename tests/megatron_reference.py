@@ -162,7 +162,9 @@ def _leave() -> None:
 
 
 def save_both_formats(model, spec: dict, root: str) -> None:
-    """Megatron's own writers: ``root/torch_dist`` and ``root/legacy`` checkpoint roots."""
+    """Megatron's own writers: ``root/torch_dist`` and ``root/legacy`` checkpoint roots (and, where
+    ``spec["singleton_shards"]``, ``root/torch_dist_singleton``: the ``torch_dist`` save with megatron-core's
+    ``singleton_local_shards`` metadata, which keys SwiGLU's fc1 as ``<key>_w`` and ``<key>_v``)."""
     from megatron.core import dist_checkpointing, parallel_state
     t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     name = "mp_rank_%02d" % t if spec["pp"] == 1 else "mp_rank_%02d_%03d" % (t, p)
@@ -175,9 +177,18 @@ def save_both_formats(model, spec: dict, root: str) -> None:
         os.makedirs(dist_dir, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(dict(_common(spec), model=model.sharded_state_dict()), dist_dir)
+    fmts = ["legacy", "torch_dist"]
+    if spec.get("singleton_shards"):  # SwiGLU's fc1 as two tensors, <key>_w (gates) and <key>_v (ups)
+        fmts.append("torch_dist_singleton")
+        single_dir = os.path.join(root, "torch_dist_singleton", "iter_0000007")
+        if dist.get_rank() == 0:
+            os.makedirs(single_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(dict(_common(spec), model=model.sharded_state_dict(
+            metadata=dict(singleton_local_shards=True))), single_dir)
     dist.barrier()
     if dist.get_rank() == 0:
-        for fmt in ("legacy", "torch_dist"):
+        for fmt in fmts:
             with open(os.path.join(root, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("7")
     _leave()

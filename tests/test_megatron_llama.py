@@ -41,13 +41,13 @@ def _tokens(spec):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Megatron's reference runs (Llama at Megatron TP 2, Qwen2 at TP 1), each saved by its own code in
-    both formats and converted to tnlg: per name, ``(spec, root, logits, {fmt: tnlg checkpoint})``."""
+    both formats (the Llama run also with ``singleton_local_shards``: SwiGLU's fc1 as ``_w``/``_v`` keys) and converted to tnlg: per name, ``(spec, root, logits, {fmt: tnlg checkpoint})``."""
     out = {}
-    for name, spec in (("tp2", dict(SPEC, tp=2)), ("qwen-tp1", dict(QWEN, tp=1))):
+    for name, spec in (("tp2", dict(SPEC, tp=2, singleton_shards=True)), ("qwen-tp1", dict(QWEN, tp=1))):
         root = tmp_path_factory.mktemp(f"megatron_{name}")
         ref = run_distributed(R.save_reference, spec["tp"], 1, spec, str(root), _tokens(spec), timeout_s=240)[0]
-        converted = {fmt: megatron_to_checkpoint(str(root / fmt), str(root / f"tnlg_{fmt}"))
-                     for fmt in ("legacy", "torch_dist")}
+        fmts = ("legacy", "torch_dist") + (("torch_dist_singleton",) if spec.get("singleton_shards") else ())
+        converted = {fmt: megatron_to_checkpoint(str(root / fmt), str(root / f"tnlg_{fmt}")) for fmt in fmts}
         out[name] = spec, root, ref, converted
     return out
 

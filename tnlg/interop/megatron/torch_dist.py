@@ -89,33 +89,72 @@ class TorchDistSource:
                             "bfloat16), so the checkpoint is damaged or not a GPT's. Nothing was written.")
         return md
 
+    def _parts(self, role: Role, layer: Optional[int], prefix: str = "") -> Optional[list[tuple[str, bool]]]:
+        """Where ``role``'s tensor (of ``layer``) is in the index, as ``(key, stacked)`` pairs joined on the row
+        axis; ``None`` where it is not. megatron-core saves a layer's tensor in one of two ways:
+
+        * stacked (the default): one key ``decoder.layers.<name>`` of shape ``[L, ...]``, layer ``l`` its slice;
+        * per layer (``non_homogeneous_layers``, which the ``singleton_local_shards`` metadata implies):
+          ``decoder.layers.<l>.<name>``;
+
+        and SwiGLU's fc1 either as one key or, under ``singleton_local_shards``
+        (``apply_swiglu_sharded_factory``), as ``<key>_w`` (every rank's gate rows) and ``<key>_v`` (their up
+        rows), which joined on the row axis are the one-key save's ``[gate; up]``."""
+        keys = [(_key(role, layer, prefix), layer is not None)]
+        if layer is not None:
+            keys.append((f"{prefix}{CORE_LAYER_PREFIX}{layer}.{role.dist_key}", False))
+        for key, stacked in keys:
+            if self._metadata(key) is not None:
+                return [(key, stacked)]
+            if role.take == "swiglu":
+                mw, mv = self._metadata(key + "_w"), self._metadata(key + "_v")
+                if mw is not None and mv is not None:
+                    if list(mw.size) != list(mv.size) or mw.properties.dtype != mv.properties.dtype:
+                        raise UserError(
+                            f"{self.iter_dir!r}: SwiGLU's {key + '_w'!r} and {key + '_v'!r} (the gate and up halves "
+                            f"of one fc1) have shapes {list(mw.size)} and {list(mv.size)} ({mw.properties.dtype}, "
+                            f"{mv.properties.dtype}); they must be equal. The checkpoint is damaged. Nothing was "
+                            "written.")
+                    return [(key + "_w", stacked), (key + "_v", stacked)]
+        return None
+
     def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
               prefix: str = "") -> Optional[tuple[int, ...]]:
         """The full shape of ``role`` (from the index); ``None`` where the checkpoint has none."""
-        md = self._metadata(_key(role, layer, prefix))
-        if md is None:
+        parts = self._parts(role, layer, prefix)
+        if parts is None:
             return None
-        return tuple(md.size[1:] if layer is not None else md.size)
+        sizes = [list(self.meta.state_dict_metadata[k].size[1 if stacked else 0:]) for k, stacked in parts]
+        return (sum(s[0] for s in sizes), *sizes[0][1:])
 
     def layers(self) -> Optional[int]:
-        """How many layers the store's stacked layer tensors hold (from the index; ``None``: none)."""
+        """How many layers the store holds (from the index: the stacked layer tensors' first axis, or the
+        per-layer keys' count; ``None``: none)."""
         md = self._metadata(_key(LAYER_ROLES[0], 0))
-        return None if md is None or not len(md.size) else int(md.size[0])
+        if md is not None:
+            return int(md.size[0]) if len(md.size) else None
+        n = 0
+        while self._metadata(f"{CORE_LAYER_PREFIX}{n}.{LAYER_ROLES[0].dist_key}") is not None:
+            n += 1
+        return n or None
 
     def tensor(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
                prefix: str = "") -> Optional[torch.Tensor]:
         """The full tensor of ``role`` (of ``layer``; with ``prefix``, an optimizer state of it);
         ``None`` where the checkpoint has none."""
-        key = _key(role, layer, prefix)
-        md = self._metadata(key)
-        if md is None:
+        parts = self._parts(role, layer, prefix)
+        if parts is None:
             return None
-        size = list(md.size)
-        lo = [0] * len(size)
-        if layer is not None:
-            lo[0], size[0] = layer, 1
-        out = self.region(key, lo, size)
-        return out[0] if layer is not None else out
+        out = []
+        for key, stacked in parts:
+            size = list(self.meta.state_dict_metadata[key].size)
+            lo = [0] * len(size)
+            if stacked:
+                assert layer is not None  # only a layer's tensor is stacked
+                lo[0], size[0] = layer, 1
+            t = self.region(key, lo, size)
+            out.append(t[0] if stacked else t)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def region(self, key: str, lo: list, size: list) -> torch.Tensor:
         """The box ``[lo, lo + size)`` of the tensor ``key``, assembled from the chunks that overlap it
