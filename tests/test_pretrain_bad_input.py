@@ -115,7 +115,7 @@ def test_load_root_not_writable_is_refused_before_start(tmp_path, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--group-query-attention", "--num-query-groups", "3"], "num_query_groups=3 (--num-query-groups) does not divide"),
     (["--swiglu", "--ffn-hidden-size", "3", "--nproc-per-node", "4", "--tensor-model-parallel-size", "4"],
-     "larger than ffn_hidden_size=3; the largest valid tensor-parallel size is 3"),
+     "larger than ffn_hidden_size=3 (--ffn-hidden-size: with --swiglu the width of each of the gate and up"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0.0"),
     (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1], got 1.5"),
     (["--position-embedding-type", "learned_absolute", "--rotary-base", "500000"],

@@ -363,8 +363,11 @@ class GPTConfig:
                 f"attention is {self.num_attention_heads} (heads are split as evenly as possible, so "
                 f"any size from 1 to {self.num_attention_heads} works).")
         if tp > self.ffn_hidden_size:
-            raise ValueError(f"tensor-parallel size {tp} is larger than ffn_hidden_size={self.ffn_hidden_size}; "
-                             f"the largest valid tensor-parallel size is {self.max_tensor_parallel_size()}.")
+            what = " (--ffn-hidden-size: with --swiglu the width of each of the gate and up projections, whose " \
+                   "columns a rank holds in pairs)" if self.swiglu else " (--ffn-hidden-size)"
+            raise ValueError(f"tensor-parallel size {tp} is larger than ffn_hidden_size={self.ffn_hidden_size}{what}: "
+                             f"every rank needs at least one MLP column. The largest valid tensor-parallel size is "
+                             f"{self.max_tensor_parallel_size()}; or give an --ffn-hidden-size of at least {tp}.")
 
     def heads_per_rank(self, tp: int) -> list[int]:
         self.check_tensor_parallel(tp)
