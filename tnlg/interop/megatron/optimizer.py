@@ -26,6 +26,10 @@ What is read (megatron-core 0.16.1's writers):
   each successful step adds the global batch size) divided by ``global_batch_size``; without a
   scheduler state, the checkpoint's iteration.
 
+Every layout above is read for each model the weights convert for: GPT-2-style and the Llama family
+(the bucket layouts' parameter order from the model's own tensors: :func:`~.buckets.stage_roles`;
+the states rearranged into tnlg's layout as the weights are, being elementwise with them).
+
 Refused (one :class:`UserError` naming it): the distributed optimizer's other layouts
 (``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
 save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
