@@ -6,9 +6,11 @@ output layer, at Megatron TP 2, and with Qwen2's QKV biases at Megatron TP 1, ra
 formats. The converted tnlg checkpoints must give Megatron's logits at tnlg TP 1, 2 and 4 (TP 4 shares
 each KV group between two ranks, which Megatron cannot run); a Transformer Engine spec's names import
 alike; the checkpoint exported back to Megatron (torch_dist and legacy, TP 1 and 2) must load into
-GPTModel and give the same logits, with the args a Megatron run of those flags saves. Bad input: a
-Megatron export at a TP that does not divide the groups, the Adam state of such a checkpoint, and an
-architecture still unsupported (experts).
+GPTModel and give the same logits, with the args a Megatron run of those flags saves. The Adam state
+(``--with-optimizer``): the Llama run trained by megatron-core's two optimizers at TP 2 and saved in
+every layout tnlg reads imports Megatron's moments bit for bit, and a tnlg step from it is Megatron's
+next step. Bad input: a Megatron export at a TP that does not divide the groups, ``--with-optimizer``
+on a checkpoint without Adam state, and an architecture still unsupported (experts).
 """
 
 import os
@@ -25,6 +27,7 @@ from tnlg.runtime.spawn import run_distributed  # noqa: E402
 
 from . import megatron_reference as R  # noqa: E402
 from .test_megatron_checkpoint import _logits_at, _megatron_loads, _rewrite_legacy, _to_transformer_engine  # noqa: E402
+from .test_megatron_optimizer import SAVES, STEPS, _imported, _tnlg_step  # noqa: E402
 
 LLAMA = dict(groups=2, rotary_base=500000.0, rotary_percent=0.5, eps=1e-6, qkv_bias=False)
 SPEC = dict(layers=2, hidden=32, heads=4, ffn=48, seq=16, vocab=100, divisible=8, pp=1, openai_gelu=False,
@@ -135,8 +138,94 @@ def test_export_at_a_tp_megatron_cannot_split_the_groups(runs, tmp_path, capsys)
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_adam_state_of_a_llama_checkpoint_is_refused(runs, tmp_path):
-    with pytest.raises(UserError, match="--with-optimizer.*--swiglu.*without --with-optimizer"):
+# --------------------------------------------------------------------------- the Adam state (--with-optimizer)
+
+# the Llama run trained by megatron-core's Adam at Megatron TP 2: a vocabulary Megatron does not pad at TP 2
+# (112 = 7 x 8 x 2; its padding rows would take part in its softmax and the steps would differ)
+ADAM_SPEC = dict(SPEC, tp=2, vocab=112)
+
+
+def _adam_tokens():
+    return torch.randint(0, ADAM_SPEC["vocab"], (2, ADAM_SPEC["seq"]), generator=torch.Generator().manual_seed(0))
+
+
+def _tnlg_steps(ps, paths: list, lr: float, tokens: torch.Tensor) -> list:
+    """Worker (1 process): tnlg's step from each imported checkpoint (:func:`_tnlg_step`), one after the other."""
+    return [_tnlg_step(ps, path, lr, tokens) for path in paths]
+
+
+@pytest.fixture(scope="module")
+def adam(tmp_path_factory):
+    """megatron-core's Llama-spec GPTModel (4 heads, 2 KV groups, SwiGLU, RMSNorm, rope, no biases, untied)
+    at Megatron TP 2 trained two Adam steps by each optimizer and saved in each layout (the
+    non-distributed optimizer in torch_dist and the legacy files; the distributed one in fully_reshardable,
+    dp_reshardable and distrib_optim.pt), then one step more; each save imported at tnlg TP 2 with its
+    optimizer, and tnlg's step from each import (one process for all). Returns Megatron's per-rank
+    results, the imports and tnlg's steps by save."""
+    root = tmp_path_factory.mktemp("megatron_llama_adam")
+    ref = run_distributed(R.train_and_save, 2, 1, ADAM_SPEC, str(root), _adam_tokens(), STEPS, timeout_s=600)
+    converted = {k: megatron_to_checkpoint(str(root / k), str(root / f"tnlg_{k}"), tp_size=2, with_optimizer=True)
+                 for k, _ in SAVES}
+    steps = run_distributed(_tnlg_steps, 1, 1, [converted[k] for k, _ in SAVES], ref[0]["distributed"]["lr"],
+                            _adam_tokens(), timeout_s=600)[0]
+    return ref, converted, dict(zip((k for k, _ in SAVES), steps))
+
+
+def _from_megatron(ranks: list) -> dict:
+    """tnlg name -> the tensor in tnlg's layout, from Megatron's TP ranks' tensors by local-spec name
+    (``ranks[t][name]``), laid out here from megatron-core's own layouts: ``linear_qkv`` rows are per KV
+    group ``[its q query heads; its key; its value]`` (tnlg: the queries ``c_q [H hn, h]``, the keys and
+    values ``c_kv [G, 2, hn, h]``); a rank's SwiGLU ``linear_fc1`` is ``[gate_r; up_r]`` (tnlg: ``c_fc
+    [2, f, h]``, all gates then all ups); the vocabulary is split by rows, row-parallel layers by columns."""
+    heads, groups, hn = ADAM_SPEC["heads"], LLAMA["groups"], ADAM_SPEC["hidden"] // ADAM_SPEC["heads"]
+    cat = lambda name, dim: torch.cat([r[name] for r in ranks], dim=dim)  # noqa: E731
+    out = {"transformer.wte.weight": cat("embedding.word_embeddings.weight", 0),
+           "lm_head.weight": cat("output_layer.weight", 0),
+           "transformer.ln_f.weight": ranks[0]["decoder.final_layernorm.weight"]}
+    for i in range(ADAM_SPEC["layers"]):
+        meg, ours = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        qkv = cat(meg + "self_attention.linear_qkv.weight", 0).reshape(groups, heads // groups + 2, hn, -1)
+        fc1 = [r[meg + "mlp.linear_fc1.weight"].reshape(2, -1, ADAM_SPEC["hidden"]) for r in ranks]
+        out.update({ours + "ln_1.weight": ranks[0][meg + "input_layernorm.weight"],
+                    ours + "attn.c_q.weight": qkv[:, :-2].reshape(heads * hn, -1),
+                    ours + "attn.c_kv.weight": qkv[:, -2:],
+                    ours + "attn.c_proj.weight": cat(meg + "self_attention.linear_proj.weight", 1),
+                    ours + "ln_2.weight": ranks[0][meg + "pre_mlp_layernorm.weight"],
+                    ours + "mlp.c_fc.weight": torch.cat(fc1, dim=1),
+                    ours + "mlp.c_proj.weight": cat(meg + "mlp.linear_fc2.weight", 1)})
+    return out
+
+
+@pytest.mark.parametrize("save,kind", SAVES)
+def test_the_adam_state_of_a_llama_checkpoint_is_megatrons_parameter_by_parameter(adam, save, kind):
+    """Every layout's import holds, for every parameter, the moments of Megatron's optimizer object (in
+    tnlg's layout: grouped QKV and SwiGLU's fc1 rearranged as the weights are), bit for bit, and Adam's step."""
+    ref, converted, _ = adam
+    meta, (_, states) = _imported(converted[save])
+    assert meta["optimizer"]["present"] and meta["optimizer"]["num_steps"] == STEPS
+    assert meta["schedule"]["num_steps"] == STEPS
+    for k in ("exp_avg", "exp_avg_sq"):
+        want = _from_megatron([{n: m[k] for n, m in r[kind]["moments"].items()} for r in ref])
+        assert set(states) == set(want)
+        for name, t in want.items():
+            assert states[name][k].dtype == torch.float32 and torch.equal(states[name][k], t), (save, name, k)
+    assert all("master" not in st for st in states.values())  # an fp32 run: its master is its weights
+
+
+@pytest.mark.parametrize("save,kind", SAVES)
+def test_a_tnlg_step_from_a_llama_import_is_megatrons_next_step(adam, save, kind):
+    ref, _, steps = adam
+    assert ref[0][kind]["lr"] == ref[0]["distributed"]["lr"]  # both optimizers' schedules at the same point
+    before, after, params = steps[save]
+    assert (before, after) == (STEPS, STEPS + 1)
+    want = _from_megatron([r[kind]["params"] for r in ref])
+    assert set(params) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(params[name], t, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{save}, {n}: {m}")
+
+
+def test_a_llama_checkpoint_without_adam_state_is_refused_with_optimizer(runs, tmp_path):
+    with pytest.raises(UserError, match="holds no optimizer state .* Convert without --with-optimizer"):
         megatron_to_checkpoint(str(runs["tp2"][1] / "torch_dist"), str(tmp_path / "out"), with_optimizer=True)
     assert not os.path.exists(tmp_path / "out")
 

@@ -38,10 +38,10 @@ from typing import Optional
 import torch
 
 from ...errors import UserError
-from .names import GLOBAL_ROLES, LAYER_ROLES, Role
+from .names import GLOBAL_ROLES, LAYER_ROLES, Role, global_roles, layer_roles, swiglu_join
 
-__all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_rank", "stage_layouts",
-           "shifted_by_padding"]
+__all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_rank", "span_key", "stage_roles",
+           "stage_layouts", "shifted_by_padding"]
 
 _PARAM_ALIGN = 64
 _LAYER_ORDER = (*LAYER_ROLES[0:2], *LAYER_ROLES[4:6], *LAYER_ROLES[2:4], *LAYER_ROLES[6:])  # names.py: qkv, proj
@@ -117,31 +117,47 @@ def layout_of_rank(params: list, size: Optional[int], dp: int, high_busbw: bool 
     return BucketLayout(spans, tuple(e - s for s, e in bounds), tuple(unpadded))
 
 
+def span_key(role: Role, layer) -> tuple:
+    """The key of a parameter's :class:`Span`: the Megatron tensor (its local-spec name; grouped-query
+    attention's ``c_q`` and ``c_kv`` roles share ``linear_qkv``'s) and its layer (``"copy"``: the last
+    stage's copy of a tied embedding)."""
+    return role.core[0], layer
+
+
+def stage_roles(cfg) -> tuple[tuple[Role, ...], tuple[Role, ...], tuple[Role, ...]]:
+    """``(first stage's, each layer's, last stage's)`` roles of ``cfg``'s Megatron tensors, one per tensor,
+    in megatron-core GPTModel's ``named_parameters()`` order: the embeddings (learned positions only with
+    them); per layer its input norm, the attention's output projection before its QKV (``Attention``
+    registers ``linear_proj``, then ``SelfAttention`` its ``linear_qkv``), the pre-MLP norm and the two
+    MLP layers, weight before bias (the biases and LayerNorm's bias only where ``cfg`` has them); then the
+    final norm and an untied output layer. Grouped-query attention's ``c_q`` / ``c_kv`` roles are one
+    tensor (one is kept); SwiGLU's fc1 keeps its ``take`` (its TP shards pair as ``[gate_r; up_r]``)."""
+    by_tensor = {r.core: r for r in layer_roles(cfg)}
+    layer = tuple(by_tensor[r.core] for r in _LAYER_ORDER if r.core in by_tensor)
+    first, last = global_roles(cfg)
+    return first, layer, last
+
+
 def _stage_params(source, cfg, stage: int) -> list:
     """``(key, numel on one TP rank, shared_embedding)`` of pipeline ``stage``'s parameters in megatron-core
-    GPTModel's ``named_parameters()`` order: the embeddings, per layer its LayerNorm, the attention's
-    output projection before its QKV (``Attention`` registers ``linear_proj``, then ``SelfAttention`` its
-    ``linear_qkv``), the second LayerNorm and the two MLP layers (weight before bias), then the final
-    LayerNorm and the output layer; ``key``: ``(role, layer)``, the last stage's copy of a tied
-    embedding ``(role, "copy")``. (A model whose order differs is refused by the stores' checks where
-    the sizes tell it.)"""
+    GPTModel's ``named_parameters()`` order (:func:`stage_roles`); ``key``: :func:`span_key`. (A model
+    whose order differs is refused by the stores' checks where the sizes tell it.)"""
     tp, pp = source.layout.tp, source.layout.pp
     tied = not cfg.untie_embeddings_and_output_weights
     per = cfg.num_layers // pp
+    first, layer_order, last = stage_roles(cfg)
     entries = []
     if stage == 0:
-        entries += [(GLOBAL_ROLES[0], None, stage, tied and pp > 1), (GLOBAL_ROLES[1], None, stage, False)]
-    entries += [(role, i, None, False) for i in range(stage * per, (stage + 1) * per) for role in _LAYER_ORDER]
+        entries += [(role, None, stage, tied and pp > 1 and role is GLOBAL_ROLES[0]) for role in first]
+    entries += [(role, i, None, False) for i in range(stage * per, (stage + 1) * per) for role in layer_order]
     if stage == pp - 1:
-        entries += [(GLOBAL_ROLES[2], None, stage, False), (GLOBAL_ROLES[3], None, stage, False)]
-        if not tied:
-            entries.append((GLOBAL_ROLES[4], None, stage, False))
-        elif pp > 1:  # the last stage's copy of the embedding: a bucket of its own
+        entries += [(role, None, stage, False) for role in last]
+        if tied and pp > 1:  # the last stage's copy of the embedding: a bucket of its own
             entries.append((GLOBAL_ROLES[0], "copy", 0, True))
     out = []
     for role, layer, at, shared in entries:
         numel = math.prod(source.shape(role, None if layer == "copy" else layer, at))
-        out.append(((role.tnlg, layer), numel // (tp if role.split is not None else 1), shared))
+        out.append((span_key(role, layer), numel // (tp if role.split is not None else 1), shared))
     return out
 
 
@@ -198,7 +214,7 @@ class BucketStates:
 
     def _span(self, role: Role, layer: Optional[int], stage: Optional[int]):
         p = stage if layer is None else layer // self.per_stage
-        return p, self.stages[p].spans.get((role.tnlg, layer))
+        return p, self.stages[p].spans.get(span_key(role, layer))
 
     def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None, prefix: str = ""):
         if prefix and self._span(role, layer, stage)[1] is None:
@@ -216,6 +232,8 @@ class BucketStates:
         if role.split is not None:
             shape[role.split] //= ranks
         parts = [self.store.flat(t, p, prefix, self.stages[p], span).reshape(shape) for t in range(ranks)]
+        if role.take == "swiglu":  # each rank's [gate_r; up_r] -> [gate; up]
+            return swiglu_join(parts)
         return parts[0] if ranks == 1 else torch.cat(parts, dim=role.split)
 
     @property

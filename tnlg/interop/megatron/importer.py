@@ -32,7 +32,7 @@ from ...config import GPTConfig
 from ...errors import UserError
 from .args import config_from_args, layout_of, or_default, whole
 from .legacy import LegacySource, first_file, is_legacy
-from .names import VOCAB_PARAMS, Role, global_roles, is_gpt2_layout, layer_roles, megatron_shape, tnlg_name, to_tnlg
+from .names import VOCAB_PARAMS, Role, global_roles, layer_roles, megatron_shape, tnlg_name, to_tnlg
 from .optimizer import optimizer_record, read_optimizer, schedule_position, schedule_record
 from .safe_load import load_pt
 from .torch_dist import TorchDistSource, is_torch_dist
@@ -178,15 +178,6 @@ def _check_tensors(source, cfg: GPTConfig, prefix: str = "") -> None:
                             "was written.")
 
 
-def _family(cfg: GPTConfig) -> str:
-    """The non-GPT-2 features of ``cfg`` in Megatron's flags, for messages."""
-    return ", ".join(f for f, on in (
-        (f"--position-embedding-type {cfg.position_embedding_type}", cfg.position_embedding_type != "learned_absolute"),
-        ("--normalization RMSNorm", cfg.normalization == "RMSNorm"), ("--swiglu", cfg.swiglu),
-        (f"--group-query-attention --num-query-groups {cfg.num_query_groups}", cfg.group_query_attention),
-        ("--disable-bias-linear", not cfg.add_bias_linear)) if on) or "GPT-2-style"
-
-
 def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Optional[int] = None,
                            tokenizer=None, with_optimizer: bool = False) -> str:
     """Convert the Megatron checkpoint at ``path`` into a new tnlg checkpoint ``dst`` at TP ``tp_size``.
@@ -199,11 +190,6 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     except ValueError as exc:
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
     _check_tensors(source, cfg)
-    if with_optimizer and not is_gpt2_layout(cfg):
-        raise UserError(f"--with-optimizer: the Megatron checkpoint's model ({_family(cfg)}) converts with its "
-                        "weights, but its Adam state is read for GPT-2-style models (learned positions, LayerNorm, "
-                        "GELU, multi-head attention, biases) only; convert without --with-optimizer (training then "
-                        "starts fresh Adam moments). Nothing was written.")
     dtype = source.dtype
     opt = read_optimizer(source, common, dtype != torch.float32, cfg) if with_optimizer else None
     states = (opt.states if opt else None) or source  # where the Adam states are read

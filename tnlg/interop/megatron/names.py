@@ -45,7 +45,7 @@ import torch
 
 __all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
            "VOCAB_PARAMS", "tnlg_name", "qkv_to_current", "layer_roles", "global_roles", "megatron_shape",
-           "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard", "is_gpt2_layout"]
+           "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard"]
 
 
 @dataclass(frozen=True)
@@ -163,12 +163,6 @@ def global_roles(cfg) -> tuple[tuple[Role, ...], tuple[Role, ...]]:
     first = GLOBAL_ROLES[:2] if cfg.position_embedding_type == "learned_absolute" else GLOBAL_ROLES[:1]
     last = GLOBAL_ROLES[2:4] if cfg.normalization == "LayerNorm" else GLOBAL_ROLES[2:3]
     return first, last + ((GLOBAL_ROLES[4],) if cfg.untie_embeddings_and_output_weights else ())
-
-
-def is_gpt2_layout(cfg) -> bool:
-    """Whether every Megatron tensor of ``cfg`` is one tnlg tensor of the same shape (GPT-2's layout)."""
-    first, last = global_roles(cfg)
-    return layer_roles(cfg) == LAYER_ROLES and len(first) == 2 and len(last) >= 2
 
 
 def megatron_shape(role: Role, cfg, shape: tuple) -> tuple:

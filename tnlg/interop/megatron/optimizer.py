@@ -26,6 +26,10 @@ What is read (megatron-core 0.16.1's writers):
   each successful step adds the global batch size) divided by ``global_batch_size``; without a
   scheduler state, the checkpoint's iteration.
 
+Every layout above is read for each model the weights convert for: GPT-2-style and the Llama family
+(the bucket layouts' parameter order from the model's own tensors: :func:`~.buckets.stage_roles`;
+the states rearranged into tnlg's layout as the weights are, being elementwise with them).
+
 Refused (one :class:`UserError` naming it): the distributed optimizer's other layouts
 (``dp_zero_gather_scatter``, ``fully_sharded_model_space``, ``fsdp_dtensor``); a ``fully_reshardable``
 save whose states megatron-core 0.16.1 misplaced (padded buckets: :func:`_check_fully_reshardable`);
@@ -45,8 +49,7 @@ import torch
 
 from ...errors import UserError
 from .bucket_files import DISTRIB_OPTIM, DcpBuckets, LegacyBuckets
-from .buckets import BucketStates, shifted_by_padding, stage_layouts
-from .names import GLOBAL_ROLES, LAYER_ROLES
+from .buckets import BucketStates, shifted_by_padding, span_key, stage_layouts, stage_roles
 from .safe_load import shown
 
 __all__ = ["MegatronOptimizer", "read_optimizer", "legacy_states", "schedule_position", "schedule_record",
@@ -182,7 +185,8 @@ def _check_fully_reshardable(source, cfg, args, where: str) -> None:
     """megatron-core 0.16.1 misplaces the states of a ``fully_reshardable`` save whose gradient buckets
     are padded (:func:`~.buckets.shifted_by_padding`): the fp32 master of the most misplaced parameter
     must be its weight (exactly; rounded to the weights' dtype in a 16-bit run), else the save is refused."""
-    roles = {r.tnlg: r for r in (*LAYER_ROLES, *GLOBAL_ROLES)}
+    first, layer_order, last = stage_roles(cfg)
+    roles = {span_key(r, None)[0]: r for r in (*first, *layer_order, *last)}
     for p, layout in enumerate(stage_layouts(source, cfg, args, where)):
         key = shifted_by_padding(layout)
         if key is None:
@@ -193,7 +197,7 @@ def _check_fully_reshardable(source, cfg, args, where: str) -> None:
         if master is not None and not torch.equal(master.to(weight.dtype), weight):
             raise UserError(
                 f"{where} holds the distributed optimizer's 'fully_reshardable' layout, but its states are "
-                f"misplaced: the saved fp32 master of {key[0]}{'' if layer is None else f' of layer {layer}'} is not "
+                f"misplaced: the saved fp32 master of {role.tnlg}{'' if layer is None else f' of layer {layer}'} is not "
                 "that parameter's weights. megatron-core 0.16.1 writes this layout wrong when its gradient buckets "
                 "are padded (--overlap-grad-reduce with several buckets; its log warns 'param range exceeds "
                 "unpadded buffer'): each parameter's states are cut at its offset in the padded buffer from the "
