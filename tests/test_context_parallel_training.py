@@ -86,6 +86,7 @@ def _train_micro(ps, cfg: GPTConfig, data: list[dict], schedule: str = "1f1b") -
     model = GPT(cfg, ps, device="meta") if ps.pp_size == 1 else StageModel(cfg, ps, chunks, device="meta")
     engine = build_engine(model, ps.for_gradients(), 1, lr=1e-2, clip_grad=1.0, grad_accum_steps=m)
     pipeline, losses = Pipeline(engine.model, m, schedule) if ps.pp_size > 1 else None, []
+    assert pipeline is None or len(pipeline.model.chunk_ranges) == virtual  # (interleaved: two stages a rank)
     for step, batch in enumerate(data):
         mine = {k: v[ps.dp_rank * per_dp:(ps.dp_rank + 1) * per_dp] for k, v in batch.items()}
         micro = [context_parallel_batch({k: v[j * MICRO:(j + 1) * MICRO] for k, v in mine.items()}, ps)

@@ -2,8 +2,9 @@
 (logits, gradients, greedy generation) at TP 1, 2, 3 and 4 with 6 heads and 2 key/value groups (TP 3:
 a rank holds both groups its heads span; TP 4: groups shared by several ranks), and a plain ``torch.nn``
 Llama trained with ``torch.optim.AdamW`` (tests/llama_reference.py) over five steps at TP 1, TP 2 with
-sequence parallelism, TP 3, PP 2 and TP 2 x DP 2 with ZeRO 1. The weights reach tnlg through the test's
-own name mapping, not tnlg.interop's."""
+sequence parallelism, TP 3, PP 2 and TP 2 x DP 2 with ZeRO 1, and with one K/V group shared by both TP
+ranks at TP 2 x DP 2 under ZeRO 2 and 3; checkpoints holding shared groups resharded (TP 3 and TP 2 to
+TP 1 and 4). The weights reach tnlg through the test's own name mapping, not tnlg.interop's."""
 
 from __future__ import annotations
 
