@@ -202,14 +202,15 @@ class ReferenceLlama(nn.Module):
 
 
 def train_llama_reference(model: ReferenceLlama, batches, *, lr, min_lr, warmup, decay, style, weight_decay,
-                          betas, eps, clip_grad) -> dict:
+                          betas, eps, clip_grad, snapshot_after: int = 0) -> dict:
     """One ``torch.optim.AdamW`` step per global batch (decay on matrices), the global norm clipped;
-    the losses and the norms before clipping."""
+    the losses and the norms before clipping; with ``snapshot_after`` ``k``, also ``state``: a copy of the
+    model's state dict after ``k`` steps (what a checkpoint of iteration ``k`` holds)."""
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([dict(params=matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)],
                             lr=0.0, betas=betas, eps=eps)
-    losses, norms = [], []
+    losses, norms, state = [], [], None
     for step, batch in enumerate(batches):
         loss = F.cross_entropy(model(batch["tokens"]).flatten(0, 1), batch["labels"].flatten())
         opt.zero_grad()
@@ -221,4 +222,6 @@ def train_llama_reference(model: ReferenceLlama, batches, *, lr, min_lr, warmup,
             group["lr"] = megatron_lr(step, lr, min_lr, warmup, decay, style)
         opt.step()
         losses.append(loss.item())
-    return dict(losses=losses, grad_norms=norms)
+        if step + 1 == snapshot_after:
+            state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return dict(losses=losses, grad_norms=norms, state=state)

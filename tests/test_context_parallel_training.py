@@ -20,6 +20,7 @@ from tnlg.config import GPTConfig
 from tnlg.runtime.spawn import run_distributed
 
 STEPS, BATCH, SEQ, MICRO = 5, 4, 16, 2  # (MICRO: the pipeline's micro batch)
+VIRTUAL, INTERLEAVED_LAYERS = 2, 4  # the interleaved schedule: 2 model chunks per pipeline rank, of 1 layer each
 GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=97)
 # the Llama family: rope, RMSNorm, SwiGLU, grouped-query attention (6 heads, 2 K/V groups: uneven at TP 2... 4)
 LLAMA = dict(GPT2, hidden_size=48, num_attention_heads=6, position_embedding_type="rope", normalization="RMSNorm",
@@ -68,8 +69,9 @@ def _train(ps, cfg: GPTConfig, data: list[dict], compiled: bool = False) -> list
 def _train_micro(ps, cfg: GPTConfig, data: list[dict], schedule: str = "1f1b") -> list[float]:
     """As :func:`_train` in ``MICRO``-sample micro batches through tnlg's training step; at PP > 1 through the
     pipeline (each stage's micro batches are this CP rank's chunks, the schedule's loss is the whole
-    sequence's, the gradients are reduced over DP x CP); then the loss of the trained model over the batch's
-    samples (:func:`tnlg.eval.loss.dataset_loss`, validation's). The reference: one process, the plain GPT."""
+    sequence's, the gradients are reduced over DP x CP; ``interleaved``: ``VIRTUAL`` model chunks per
+    pipeline rank); then the loss of the trained model over the batch's samples
+    (:func:`tnlg.eval.loss.dataset_loss`, validation's). The reference: one process, the plain GPT."""
     from tnlg.eval.loss import dataset_loss
     from tnlg.model import GPT
     from tnlg.optim import build_engine
@@ -79,10 +81,12 @@ def _train_micro(ps, cfg: GPTConfig, data: list[dict], schedule: str = "1f1b") -
     from tnlg.training.step import train_step
     per_dp = BATCH // ps.dp_size
     m = per_dp // MICRO  # micro batches per iteration
-    model = (GPT(cfg, ps, device="meta") if ps.pp_size == 1 else
-             StageModel(cfg, ps, [chunk_layers(cfg.num_layers, ps.pp_size)[ps.pp_rank]], device="meta"))
+    virtual = VIRTUAL if schedule == "interleaved" else 1
+    chunks = [r for c, r in enumerate(chunk_layers(cfg.num_layers, ps.pp_size, virtual)) if c % ps.pp_size == ps.pp_rank]
+    model = GPT(cfg, ps, device="meta") if ps.pp_size == 1 else StageModel(cfg, ps, chunks, device="meta")
     engine = build_engine(model, ps.for_gradients(), 1, lr=1e-2, clip_grad=1.0, grad_accum_steps=m)
     pipeline, losses = Pipeline(engine.model, m, schedule) if ps.pp_size > 1 else None, []
+    assert pipeline is None or len(pipeline.model.chunk_ranges) == virtual  # (interleaved: two stages a rank)
     for step, batch in enumerate(data):
         mine = {k: v[ps.dp_rank * per_dp:(ps.dp_rank + 1) * per_dp] for k, v in batch.items()}
         micro = [context_parallel_batch({k: v[j * MICRO:(j + 1) * MICRO] for k, v in mine.items()}, ps)
@@ -105,7 +109,8 @@ def _layouts(_ps, layouts, pipelined=(), compiled=False):
     for cp, pp, schedule in pipelined:  # CP x PP (tp 1)
         ps = init_parallel(context_parallel_size=cp, pipeline_parallel_size=pp)
         for name, fields in DECODERS.items():
-            out[(name, "pp", cp, pp, schedule)] = {docs: _train_micro(ps, GPTConfig(**fields), _data(docs, docs), schedule)
+            cfg = GPTConfig(**_pipelined(fields, schedule))
+            out[(name, "pp", cp, pp, schedule)] = {docs: _train_micro(ps, cfg, _data(docs, docs), schedule)
                                                    for docs in (False, True)}
     if compiled:  # the last layout's state
         from torch._dynamo.utils import counters
@@ -132,12 +137,19 @@ def reference():
             for name, fields in DECODERS.items() for docs in (False, True)}
 
 
+def _pipelined(fields: dict, schedule: str) -> dict:
+    """The decoder's fields for ``schedule``: ``INTERLEAVED_LAYERS`` layers for the interleaved one."""
+    return dict(fields, num_layers=INTERLEAVED_LAYERS) if schedule == "interleaved" else fields
+
+
 @pytest.fixture(scope="module")
 def micro_reference():
-    """CP 1, no pipeline, the same micro batches (each micro batch's mean, averaged: Megatron's)."""
+    """CP 1, no pipeline, the same micro batches (each micro batch's mean, averaged: Megatron's); by
+    decoder, documents and layers (2, and the interleaved schedule's 4)."""
     from tnlg.parallel.state import ParallelState
-    return {(name, docs): _train_micro(ParallelState.single(), GPTConfig(**fields), _data(docs, docs))
-            for name, fields in DECODERS.items() for docs in (False, True)}
+    return {(name, docs, layers): _train_micro(ParallelState.single(), GPTConfig(**dict(fields, num_layers=layers)),
+                                               _data(docs, docs))
+            for name, fields in DECODERS.items() for docs in (False, True) for layers in (2, INTERLEAVED_LAYERS)}
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +157,7 @@ def layouts():
     found = run_distributed(_layouts, 2, 1, [(1, 2, False, None), (1, 2, False, "full"), (1, 2, False, "selective")],
                             (), True, timeout_s=300)[0]
     found.update(run_distributed(_layouts, 4, 1, [(1, 4, False, None), (2, 2, True, None), (1, 2, False, None)],
-                                 [(2, 2, "1f1b"), (2, 2, "gpipe")], timeout_s=300)[0])
+                                 [(2, 2, "1f1b"), (2, 2, "gpipe"), (2, 2, "interleaved")], timeout_s=300)[0])
     return found
 
 
@@ -167,14 +179,15 @@ def test_generation_at_cp_above_1_is_refused(layouts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 @pytest.mark.parametrize("decoder", list(DECODERS))
 def test_pipelined_losses_equal_cp_1(micro_reference, layouts, decoder, documents, schedule):
     """CP 2 x PP 2 (two micro batches per iteration): CP 1's losses without a pipeline (with documents the
     EOD targets are masked, so the chunks and micro batches count different tokens), and the trained
-    model's validation loss."""
-    ref = micro_reference[(decoder, documents)]
+    model's validation loss; interleaved: 4 layers, 2 model chunks per pipeline rank (virtual stages 0, 2
+    on the first rank, 1, 3 on the second), each chunk's ring over its stage's CP group."""
+    ref = micro_reference[(decoder, documents, GPTConfig(**_pipelined(DECODERS[decoder], schedule)).num_layers)]
     assert ref[-1] < ref[0]  # it trains
     torch.testing.assert_close(torch.tensor(layouts[(decoder, "pp", 2, 2, schedule)][documents]),
                                torch.tensor(ref), rtol=1e-5, atol=1e-5)
@@ -202,4 +215,5 @@ def test_tp_cp_pp_with_sequence_parallelism_equals_cp_1(micro_reference):
     """TP 2 + SP x CP 2 x PP 2 (8 processes; the Llama decoder, documents): the activations between stages
     are this TP rank's share of this CP rank's positions; CP 1's losses and validation loss."""
     got = run_distributed(_tp_cp_pp, 8, 2, timeout_s=300)[0]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(micro_reference[("llama", True)]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(micro_reference[("llama", True, 2)]), rtol=1e-5,
+                               atol=1e-5)

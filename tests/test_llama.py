@@ -2,8 +2,9 @@
 (logits, gradients, greedy generation) at TP 1, 2, 3 and 4 with 6 heads and 2 key/value groups (TP 3:
 a rank holds both groups its heads span; TP 4: groups shared by several ranks), and a plain ``torch.nn``
 Llama trained with ``torch.optim.AdamW`` (tests/llama_reference.py) over five steps at TP 1, TP 2 with
-sequence parallelism, TP 3, PP 2 and TP 2 x DP 2 with ZeRO 1. The weights reach tnlg through the test's
-own name mapping, not tnlg.interop's."""
+sequence parallelism, TP 3, PP 2 and TP 2 x DP 2 with ZeRO 1, and with one K/V group shared by both TP
+ranks at TP 2 x DP 2 under ZeRO 2 and 3; checkpoints holding shared groups resharded (TP 3 and TP 2 to
+TP 1 and 4). The weights reach tnlg through the test's own name mapping, not tnlg.interop's."""
 
 from __future__ import annotations
 
@@ -128,71 +129,196 @@ def test_the_kv_groups_each_rank_holds():
 
 
 # ------------------------------------------------------------------ training against the plain torch.nn Llama
-STEPS = 5
+STEPS, SAVED = 5, 3  # five steps; the runs that save write iteration 3, which other layouts resume
 LLAMA_FLAGS = dict(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2,
                    ffn_hidden_size=64, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                    add_bias_linear=False, untie_embeddings_and_output_weights=True)
 
 
-def _options(world, **over):
+def _options(world, groups=2, load=None, **over):
+    """The run's options at ``groups`` K/V groups (6 query heads); ``load`` set after resolve (an earlier
+    run of the same spawn, or another spawn, writes it)."""
     from tests.tiny import tiny_options
-    return tiny_options(world, **{**dict(micro_batch_size=4, global_batch_size=8, train_iters=STEPS, lr=3e-3,
-                                         min_lr=3e-4, lr_warmup_iters=2, lr_decay_style="linear", weight_decay=0.1,
-                                         clip_grad=0.5, hidden_dropout=0.0, attention_dropout=0.0, log_interval=100),
-                                  **LLAMA_FLAGS, **over})
-
-
-def _train_body(_ps, o):
-    from tests.training import train_with_params
-    out = train_with_params(o)
-    return dict(losses=out["losses"], grad_norms=out["grad_norms"])
+    o = tiny_options(world, **{**dict(micro_batch_size=4, global_batch_size=8, train_iters=STEPS, lr=3e-3,
+                                      min_lr=3e-4, lr_warmup_iters=2, lr_decay_style="linear", weight_decay=0.1,
+                                      clip_grad=0.5, hidden_dropout=0.0, attention_dropout=0.0, log_interval=100),
+                               **LLAMA_FLAGS, "num_query_groups": groups, **over})
+    o.checkpoint.load = load
+    return o
 
 
 @pytest.fixture(scope="module")
 def llama_reference_run():
-    """The reference trajectory: tnlg's initial weights (TP 1 full state dict) and samples, then the plain
-    torch.nn Llama and torch's AdamW, each global batch in one micro batch."""
+    """The reference trajectories, by K/V groups (2, and 1: every TP rank shares the one group): tnlg's
+    initial weights (TP 1 full state dict) and samples, then the plain torch.nn Llama and torch's AdamW,
+    each global batch in one micro batch; ``state``: the reference's weights after ``SAVED`` steps."""
     from tnlg.data.tokenizer import load_tokenizer
     from tnlg.model import GPT
     from tnlg.options import model_config
     from tnlg.parallel.sharding import full_state_dict
     from tnlg.training.setup import build_datasets
-    o = _options(1, micro_batch_size=8)
-    tokenizer = load_tokenizer(o.data.tokenizer_model)
-    cfg = model_config(o, tokenizer.vocab_size)
-    tnlg_model = GPT(cfg)
-    ref = ReferenceLlama(cfg.num_layers, cfg.hidden_size, 6, 2, 64, tokenizer.vocab_size).load_tnlg(
-        full_state_dict(tnlg_model, tnlg_model.ps))
-    train_ds, _ = build_datasets(o, cfg, tokenizer)
-    batches = [{k: torch.stack([train_ds[j][k] for j in range(i * 8, (i + 1) * 8)]) for k in ("tokens", "labels")}
-               for i in range(STEPS)]
-    s = o.schedule
-    return train_llama_reference(ref, batches, lr=s.lr, min_lr=s.min_lr, warmup=s.lr_warmup_iters, decay=STEPS,
-                                 style=s.lr_decay_style, weight_decay=s.weight_decay,
-                                 betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, clip_grad=s.clip_grad)
+    out = {}
+    for groups in (2, 1):
+        o = _options(1, groups, micro_batch_size=8)
+        tokenizer = load_tokenizer(o.data.tokenizer_model)
+        cfg = model_config(o, tokenizer.vocab_size)
+        tnlg_model = GPT(cfg)
+        ref = ReferenceLlama(cfg.num_layers, cfg.hidden_size, 6, groups, 64, tokenizer.vocab_size).load_tnlg(
+            full_state_dict(tnlg_model, tnlg_model.ps))
+        train_ds, _ = build_datasets(o, cfg, tokenizer)
+        batches = [{k: torch.stack([train_ds[j][k] for j in range(i * 8, (i + 1) * 8)]) for k in ("tokens", "labels")}
+                   for i in range(STEPS)]
+        s = o.schedule
+        out[groups] = train_llama_reference(ref, batches, lr=s.lr, min_lr=s.min_lr, warmup=s.lr_warmup_iters,
+                                            decay=STEPS, style=s.lr_decay_style, weight_decay=s.weight_decay,
+                                            betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
+                                            clip_grad=s.clip_grad, snapshot_after=SAVED)
+        ref.load_state_dict(out[groups]["state"])  # back to iteration SAVED: what the checkpoints hold
+        out[groups]["model"] = ref
+    return out
 
 
-LAYOUTS = {"TP 1": (1, dict(tensor_model_parallel_size=1, zero_stage=0, micro_batch_size=8)),
+# name: (processes, options, K/V groups). One K/V group over TP 2: both TP ranks hold (and sum the
+# gradient of) the same group, under ZeRO 2 and ZeRO 3 (FSDP2 shards its one row over DP 2)
+LAYOUTS = {"TP 1": (1, dict(tensor_model_parallel_size=1, zero_stage=0, micro_batch_size=8), 2),
            "TP 2 + SP": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, zero_stage=0,
-                                 micro_batch_size=8)),
-           "TP 3": (3, dict(tensor_model_parallel_size=3, zero_stage=0, micro_batch_size=8)),
+                                 micro_batch_size=8), 2),
+           "TP 3": (3, dict(tensor_model_parallel_size=3, zero_stage=0, micro_batch_size=8), 2),
            "PP 2": (2, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, zero_stage=0,
-                            micro_batch_size=4)),
-           "TP 2 x DP 2 ZeRO 1": (4, dict(tensor_model_parallel_size=2, zero_stage=1, micro_batch_size=4))}
+                            micro_batch_size=4), 2),
+           "TP 2 x DP 2 ZeRO 1": (4, dict(tensor_model_parallel_size=2, zero_stage=1, micro_batch_size=4), 2),
+           "TP 2 x DP 2 ZeRO 2, 1 KV group": (4, dict(tensor_model_parallel_size=2, zero_stage=2,
+                                                      micro_batch_size=4), 1),
+           "TP 2 x DP 2 ZeRO 3, 1 KV group": (4, dict(tensor_model_parallel_size=2, zero_stage=3,
+                                                      micro_batch_size=4), 1)}
+# the layouts that save iteration SAVED, and where it is resumed (the TP 1 resumes run in the test's process)
+SAVES = {"TP 3": "tp3", "TP 2 x DP 2 ZeRO 2, 1 KV group": "tp2_1group"}
+RESUMES = {("tp3", "TP 2 x DP 2 ZeRO 3"): (4, dict(tensor_model_parallel_size=2, zero_stage=3, micro_batch_size=4), 2),
+           ("tp2_1group", "TP 4"): (4, dict(tensor_model_parallel_size=4, zero_stage=0, micro_batch_size=8), 1)}
+
+
+def _runs_body(_ps, tasks):
+    """Each task ``(key, options, inference TP or None)`` in turn: a run's losses and gradient norms, or the
+    logits of a checkpoint loaded at that TP (every run joins its own process groups)."""
+    from tnlg.training import train
+    out = {}
+    for key, o, tp in tasks:
+        if tp is None:
+            s = train(o)
+            out[key] = dict(losses=s["losses"], grad_norms=s["grad_norms"])
+        else:
+            out[key] = _logits(o, tp)
+    return out
+
+
+def _logits(path: str, tp: int) -> torch.Tensor:
+    """The full logits of ``TOKENS`` from checkpoint ``path`` loaded at TP ``tp`` (collective over the world
+    when it has several processes)."""
+    import torch.distributed as dist
+
+    from tnlg.checkpoint import load_for_inference
+    from tnlg.parallel.state import ParallelState, init_parallel
+    from tnlg.parallel.vocab import gather_logits
+    ps = init_parallel(tp) if dist.is_initialized() else ParallelState.single()
+    model, _ = load_for_inference(path, ps)
+    with torch.no_grad():
+        return gather_logits(model(TOKENS), ps, model.config.vocab_size)
+
+
+TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory):
+    """Every layout's run, one spawn per world size (a spawn runs its layouts in turn): ``get(world)``. The
+    4-process spawn also resumes the TP 3 checkpoint (world 3's) and loads both checkpoints at TP 4."""
+    root, done = tmp_path_factory.mktemp("llama_ckpt"), {}
+
+    def get(world: int) -> dict:
+        if world in done:
+            return done[world]
+        if world == 4:
+            get(3)
+        tasks = []
+        for name, (w, over, groups) in LAYOUTS.items():
+            if w == world:
+                save = dict(save=str(root / SAVES[name]), save_interval=SAVED) if name in SAVES else {}
+                tasks.append((name, _options(w, groups, **over, **save), None))
+        if world == 4:
+            for (ck, name), (w, over, groups) in RESUMES.items():
+                tasks.append(((ck, name), _options(w, groups, load=_saved(root, ck), **over), None))
+            tasks += [((ck, "logits at TP 4"), _saved(root, ck), 4) for ck in SAVES.values()]
+        done[world] = run_distributed(_runs_body, world, 1, tasks, timeout_s=300)[0]
+        done[world]["root"] = root
+        return done[world]
+    return get
+
+
+def _saved(root, ck: str) -> str:
+    from tnlg.checkpoint import files as F
+    return str(root / ck / F.iter_dir_name(SAVED))
+
+
+def _follows(got: dict, ref: dict, first: int, what) -> None:
+    """Losses and gradient norms (the norm counts a shared KV group once) of steps ``first``... within 1e-5."""
+    ref = dict(losses=ref["losses"], grad_norms=ref["grad_norms"])
+    assert len(got["losses"]) == STEPS - first, (what, got)
+    for i, (loss, norm) in enumerate(zip(got["losses"], got["grad_norms"]), first):
+        assert math.isclose(loss, ref["losses"][i], rel_tol=1e-5), (what, i, got, ref)
+        assert math.isclose(norm, ref["grad_norms"][i], rel_tol=1e-5), (what, i, got, ref)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[] if k == "TP 3" else [pytest.mark.slow])
                                     for k in LAYOUTS])
-def test_training_follows_the_plain_torch_llama(llama_reference_run, layout):
-    """Five AdamW steps: the losses and gradient norms (the norm counts a shared KV group once) of the
-    reference, within 1e-5 relative."""
-    world, over = LAYOUTS[layout]
-    got = run_distributed(_train_body, world, over["tensor_model_parallel_size"], _options(world, **over),
-                          timeout_s=180)[0]
-    ref = llama_reference_run
-    for i in range(STEPS):
-        assert math.isclose(got["losses"][i], ref["losses"][i], rel_tol=1e-5), (layout, i, got, ref)
-        assert math.isclose(got["grad_norms"][i], ref["grad_norms"][i], rel_tol=1e-5), (layout, i, got, ref)
+def test_training_follows_the_plain_torch_llama(llama_reference_run, llama_runs, layout):
+    """Five AdamW steps: the losses and gradient norms of the reference, within 1e-5 relative."""
+    world, _, groups = LAYOUTS[layout]
+    _follows(llama_runs(world)[layout], llama_reference_run[groups], 0, layout)
+
+
+@pytest.mark.slow
+def test_checkpoints_with_shared_kv_groups_reshard(llama_reference_run, llama_runs):
+    """Iteration 3 of TP 3 (6 heads, 2 groups: the middle rank spans both) and of TP 2 x DP 2 ZeRO 2 with one
+    group (both TP ranks hold it) store each holder's copy, and the copies are equal (weights and Adam
+    moments); loaded at TP 1 and TP 4 (and offline resharded, `tnlg convert --tp`, TP 3 -> 4 -> 1) the
+    logits are the plain torch.nn Llama's after 3 steps, and the resumed steps 4 and 5 (at TP 2 x DP 2
+    ZeRO 3 / TP 4, and TP 1) the reference's losses and gradient norms: a shared group's gradient is
+    summed over its holders once, and counted in the norm once."""
+    from tnlg import checkpoint as ck
+    from tnlg.checkpoint import files as F
+    from tnlg.checkpoint.offline import reshard_checkpoint
+    from tnlg.checkpoint.reshard import OptimReader, ShardReader
+    from tnlg.training import train
+    runs = llama_runs(4)
+    root = runs["root"]
+    groups_of = {"tp3": 2, "tp2_1group": 1}
+    for key, (_, _, groups) in RESUMES.items():
+        _follows(runs[key], llama_reference_run[groups], SAVED, key)
+    for name, groups in groups_of.items():
+        path, ref = _saved(root, name), llama_reference_run[groups]
+        meta = ck.read_meta(path)
+        tp = int(meta["layout"]["tp"])
+        model, optim = ShardReader(path, meta, F.model_file), OptimReader(path, meta)
+        ranges = GPTConfig.from_dict(meta["config"]).kv_groups_per_rank(tp)
+        for key in [k for k in meta["params"] if k.endswith("attn.c_kv.weight")]:
+            rows = {}  # group -> [(TP rank, its stored rows of the group)]
+            for r in range(tp):
+                w, m = model._whole(r, key, key), optim._whole(r, f"{key}.exp_avg_sq", key)
+                for i, g in enumerate(ranges[r]):
+                    rows.setdefault(g, []).append((r, w[i], m[i]))
+            # TP 3 over 2 groups: ranks 0, 1 hold group 0 and ranks 1, 2 group 1; TP 2 over 1: both hold it
+            assert {g: [r for r, *_ in c] for g, c in rows.items()} == ({0: [0, 1], 1: [1, 2]} if groups == 2
+                                                                          else {0: [0, 1]}), (name, rows)
+            for g, copies in rows.items():
+                for r, w, m in copies[1:]:
+                    assert torch.equal(w, copies[0][1]) and torch.equal(m, copies[0][2]), (name, key, g, r)
+        want = ref["model"](TOKENS).detach()
+        tp4 = reshard_checkpoint(path, str(root / f"{name}_tp4"), 4)  # offline: the shared copies re-sliced
+        for what, logits in (("TP 1", _logits(path, 1)), ("TP 4", runs[(name, "logits at TP 4")]),
+                             ("offline TP 4 at TP 1", _logits(tp4, 1))):
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m, w=f"{name} {what}": f"{w}: {m}")
+        got = train(_options(1, groups, load=path, micro_batch_size=8, tensor_model_parallel_size=1, zero_stage=0))
+        _follows(got, ref, SAVED, (name, "TP 1"))
 
 
 @pytest.mark.parametrize("name,published", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248)])
