@@ -68,8 +68,9 @@ _RING = {"allreduce": lambda n: 2 * (n - 1) / n, "reducescatter": lambda n: (n -
 
 
 def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision: str, gpu_name: str,
-                 micro_batch: int, accum: int) -> GPU:
-    """A clear :class:`UserError` for a layout the simulation cannot run; the :class:`GPU` otherwise."""
+                 micro_batch: int, accum: int, *, fsdp: bool = False) -> GPU:
+    """A clear :class:`UserError` for a layout the simulation cannot run; the :class:`GPU` otherwise.
+    ``fsdp``: ZeRO stages 2 and 3 (FSDP2) are simulated too (a pipeline stage's simulation runs them)."""
     g = lookup_gpu(gpu_name)
     for name, v in (("--tensor-model-parallel-size", tp), ("--data-parallel-size", dp),
                     ("--micro-batch-size", micro_batch), ("gradient accumulation steps", accum)):
@@ -81,9 +82,12 @@ def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision
         raise UserError(f"--simulate: {err}") from None
     if precision not in _DTYPES:
         raise UserError(f"--simulate: --precision {precision!r} is not one of {', '.join(_DTYPES)}.")
-    if zero_stage not in (0, 1):
+    if fsdp and zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--simulate: --zero-stage {zero_stage!r} is not a ZeRO stage; valid: 0, 1, 2, 3.")
+    if not fsdp and zero_stage not in (0, 1):
         raise UserError(f"--simulate runs ZeRO stages 0 and 1 (tnlg's flat buffers); stage {zero_stage} "
-                        f"(FSDP2) is not simulated yet. Plan it without --simulate, or simulate --zero-stage 1.")
+                        f"(FSDP2) is not simulated yet without a pipeline (tnlg plan --pp P --simulate runs it). Plan it without --simulate, "
+                        f"or simulate --zero-stage 1.")
     return g
 
 
@@ -190,6 +194,11 @@ def _save_on_fake_tensors(host_copies: list):
 
 def _register_engine(tracker: StepTracker, engine) -> None:
     b = engine.backend
+    if not hasattr(b, "param_buffer"):  # FSDP2 (ZeRO 2/3): the local shards; gradients appear in backward
+        tracker.register([p.to_local() for p in b.params], "parameters")
+        tracker.register([m for m in b.master if m is not None], "master")
+        tracker.register(b.exp_avg + b.exp_avg_sq, "adam")
+        return
     tracker.register(b.param_buffer, "parameters")
     tracker.register(b.grad_buffer, "gradients")
     tracker.register(b.master, "master")

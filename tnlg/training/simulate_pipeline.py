@@ -66,6 +66,26 @@ def _fake_stage_world(tp: int, pp: int, dp: int, stage: int):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _fsdp_mesh_on_real_ranks():
+    """For the duration, ``DeviceMesh.from_group`` (FSDP2's mesh of the DP group, ZeRO 2/3) runs outside the
+    fake tensor mode: it builds the mesh from a tensor of the group's ranks, which it reads back, and a fake
+    tensor has no values to read."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    real = DeviceMesh.from_group
+
+    def from_group(*args, **kwargs):
+        with unset_fake_temporarily():
+            return real(*args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.from_group = staticmethod(real)  # type: ignore[method-assign]
+
+
 def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, received: Optional[torch.Tensor]):
     """One micro batch through ``chunk`` under autocast, from the tokens on the first stage, else from
     ``received`` (the receive buffer): ``(what backward starts from, the chunk's output)``."""
@@ -97,7 +117,8 @@ def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_bat
     a phase ``forward (1F1B)``, each backward a phase ``backward (1F1B)`` (merged by :func:`_merge`). As in
     torch's stage, a micro batch's output is kept until its backward (the last stage's logits too)."""
     from ..parallel.pipeline_schedule import tie_embedding_grads
-    chunk, held = engine.model.chunk(0), {}
+    fsdp = getattr(engine.model, "pipeline_chunks", None)  # ZeRO 2/3: the FSDP2 module the stage runs
+    chunk, held = (fsdp[0] if fsdp else engine.model.chunk(0)), {}
 
     def run(factor: float) -> None:
         with tracker.phase("forward (1F1B)"):
@@ -108,15 +129,39 @@ def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_bat
                     held[k] = _micro_forward(chunk, ps, config, micro_batch, dtype, inputs and inputs[k])
                 continue
             with tracker.phase("backward (1F1B)"):
+                if fsdp:
+                    _no_sync(chunk)
                 start, out = held.pop(k)
                 if ps.is_last_stage:
                     (start * factor).backward()
                 else:  # the gradient received from the next stage
                     start.backward(grads[k])
                 del start, out
+        if fsdp:
+            with tracker.phase("grad sync"):
+                _reduce_grad(chunk)
         with tracker.phase("backward (1F1B)"):
             tie_embedding_grads(engine.model, engine.grad_view)
     engine.backward_all(run)
+
+
+def _no_sync(chunk) -> None:
+    """What torch's ``PipelineStage.backward_maybe_with_nosync`` sets on an FSDP2 module before every micro
+    batch's backward: no reduce-scatter, no reshard after backward (the unsharded parameters and the
+    accumulated unsharded gradients stay for the rest of the step)."""
+    chunk.set_is_last_backward(False)
+    chunk.set_reshard_after_backward(False)
+    chunk.set_requires_gradient_sync(False)
+
+
+def _reduce_grad(chunk) -> None:
+    """torch's ``PipelineStage.perform_reduce_grad`` (its own code, on an object holding the stage's module):
+    after the last backward, FSDP2's post-backward of every parameter group, which reduce-scatters the
+    accumulated gradients over DP and reshards the parameters."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=chunk), 1)  # type: ignore[arg-type]
 
 
 def _merge(phases: list[dict]) -> list[dict]:
@@ -141,6 +186,8 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
                    micro_batches: int, grads_fp32: bool, bucket_size_mb: float,
                    clip_grad: float) -> tuple[StepTracker, dict]:
     """The stage's iteration under a :class:`StepTracker`, phase by phase (module docstring)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from ..optim import build_engine
     from ..parallel.pipeline import StageModel, chunk_layers
     dtype = _DTYPES[precision]
@@ -148,7 +195,11 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
     with tracker:
         with tracker.phase("setup"):
             chunks = [chunk_layers(config.num_layers, ps.pp_size)[ps.pp_rank]]
-            engine = build_engine(StageModel(config, ps, chunks, device="meta"), ps, zero_stage,
+            with unset_fake_temporarily():  # a meta-device build holds nothing; FSDP2 takes real meta parameters
+                model = StageModel(config, ps, chunks, device="meta")
+                if dtype is not None and zero_stage >= 2:
+                    model.to(dtype)  # FSDPZero's own cast, here where no fake tensor takes part
+            engine = build_engine(model, ps, zero_stage,
                                   grad_accum_steps=micro_batches, param_dtype=dtype,
                                   accumulate_grads_in_fp32=grads_fp32, bucket_size_mb=bucket_size_mb,
                                   clip_grad=clip_grad)
@@ -167,13 +218,13 @@ def simulate_stage(config: GPTConfig, tp: int, pp: int, dp: int, stage: int, *, 
     """Simulate one iteration of pipeline stage ``stage``'s first rank (module docstring): its phases
     (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches)
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches, fsdp=True)
     if not (isinstance(pp, int) and pp > 1 and 0 <= stage < pp):
         raise UserError(f"--simulate of a pipeline stage needs --pp > 1 and a stage in 0..pp-1, got pp {pp!r}, "
                         f"stage {stage!r}.")
     started = time.perf_counter()
     with _fake_stage_world(tp, pp, dp, stage) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
-            warnings.catch_warnings():
+            _fsdp_mesh_on_real_ranks(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = _tracked_stage(config, ps, zero_stage=zero_stage, precision=precision,
                                          micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32,
