@@ -26,6 +26,25 @@ receives (all chunks but the model's first) and one for the gradient (all but th
 each for the whole run (the stage's first layer saves that buffer as its input, so one ``s b h``
 of each micro batch in flight is counted twice: under 1/30 of a layer's activations).
 
+ZeRO 2 and 3 (FSDP2, :mod:`tnlg.optim.fsdp`) under torch's schedules: before every micro batch's backward
+torch's ``PipelineStage`` turns FSDP2's gradient reduce-scatter *and its reshard after backward* off, and
+after the last backward (``perform_reduce_grad``) reduce-scatters the accumulated gradients once and
+reshards. So a stage of ``Psi`` parameters (TP rank 0) holds for the whole schedule its accumulated
+*unsharded* 16-bit gradients (``2 Psi``) and its unsharded parameters: ZeRO 2 gathers them in the first
+forward and keeps them to the end of the step; ZeRO 3 frees each unit's after its forward, gathers it again
+in each backward and keeps it from there to the unit's next forward, so through every backward and the
+cool-down the whole stage is gathered again (:func:`pipeline_state_bytes`):
+
+    ZeRO 2 and 3 in a pipeline: 2 Psi/Nd (shard) + 2 Psi (unsharded) + 2 Psi (gradients) + 12 Psi/Nd
+
+that is ZeRO 1's ``4 Psi + 12 Psi/Nd`` plus the shard: no saving over ZeRO 1 in a pipeline (the gradient
+shards, ``2 Psi/Nd``, replace the unsharded gradients after the step's reduce-scatter; ZeRO 3's all-gather
+buffers, one unit at a time, are not counted). Traffic over DP per step (:func:`tnlg.plan.flops.dp_traffic_units`):
+ZeRO 2 one all-gather and one reduce-scatter (``2 Psi``, as ZeRO 0/1); ZeRO 3 ``m + 1`` all-gathers per model
+chunk (a unit is gathered by each forward that follows a forward or starts the step, and by each backward that
+follows a forward: for any order of ``m`` forwards and ``m`` backwards starting with a forward and ending with
+a backward that is ``m + 1``) and one reduce-scatter, ``(m + 2) Psi``.
+
 Bubble: a rank idles ``(P - 1) / v`` of a micro batch's forward + backward per step (Narayanan et
 al. 2021: interleaving makes the bubble time ``v`` times smaller), so the idle fraction of the step
 is ``(P - 1) / (v m + P - 1)``: ``(P - 1) / (m + P - 1)`` for 1F1B and GPipe. Point-to-point: one
@@ -34,7 +53,8 @@ is ``(P - 1) / (v m + P - 1)``: ``(P - 1) / (m + P - 1)`` for 1F1B and GPipe. Po
 Time (:func:`pipeline_time`, the planner's model without a pipeline applied to the slowest stage):
 per micro batch the slowest rank's FLOPs over ``tp x --gpu-tflops x --mfu`` (x the uneven-heads
 factor) + its TP all-reduces + its sends (``2 v``, one fewer on each end stage); a step is ``m + (P - 1) / v`` of those, plus the
-DP gradient traffic of the heaviest stage, with no overlap (pessimistic, as without a pipeline).
+DP traffic of the heaviest stage (its gradients; at ZeRO 3 also the ``m + 1`` all-gathers per chunk, which
+run inside the schedule), with no overlap (pessimistic, as without a pipeline).
 """
 
 from __future__ import annotations
@@ -47,8 +67,8 @@ from .flops import iteration_time, rank_flops_imbalance, training_flops_per_sequ
 from .memory import PRECISIONS, activation_bytes, gpu_attention, model_state_bytes
 from .units import GB
 
-__all__ = ["bubble_fraction", "chunks_in_flight", "parameter_table", "pipeline_plan", "pipeline_time",
-           "format_pipeline"]
+__all__ = ["bubble_fraction", "chunks_in_flight", "parameter_table", "pipeline_plan", "pipeline_state_bytes",
+           "pipeline_time", "format_pipeline"]
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
@@ -87,6 +107,21 @@ def _rank_parameters(config: GPTConfig, table: tuple, layers, first: bool, last:
     return sum(per_layer[i] for i in layers) + sum(ends[k] for k in extra)  # one stage: one embedding
 
 
+def pipeline_state_bytes(psi: int, dp: int, zero_stage: int, precision: str, *, grads_fp32: bool = False,
+                         virtual: int = 1) -> dict:
+    """Model states of a pipeline rank of ``psi`` parameters at its peak under torch's schedules (module
+    docstring): :func:`.memory.model_state_bytes` of tnlg's engine at ZeRO 0/1 (and at any stage with one DP
+    rank, where the engine runs the flat stage-0 path); at ZeRO 2/3 the shard, the unsharded parameters and
+    the accumulated unsharded gradients the schedule keeps until the step's reduce-scatter."""
+    states = model_state_bytes(psi, dp, zero_stage, precision, grads_fp32=grads_fp32, engine=True)
+    if zero_stage < 2 or dp == 1:
+        return states
+    p_bytes, g_bytes, _ = PRECISIONS[precision]
+    params, grads = p_bytes * (psi + psi / dp), g_bytes * psi
+    states.update(params=round(params), grads=round(grads), total=round(params + grads + states["optimizer"]))
+    return states
+
+
 def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int, precision: str, micro_batch: int,
                   micro_batches: int, recompute=None, schedule: str = "1f1b", virtual: int = 1,
                   first: Optional[int] = None, last: Optional[int] = None, *, grads_fp32: bool = False,
@@ -119,7 +154,7 @@ def pipeline_plan(config: GPTConfig, tp: int, pp: int, dp: int, zero_stage: int,
                        + (embed_mask * min(held, micro_batches) if is_first else 0)
                        + ((act["outside"] - embed_mask) * last_mbs if is_last else 0))
         buffers = micro_batches * boundary * (2 * len(chunks) - is_first - is_last)
-        states = model_state_bytes(params, dp, zero_stage, precision, grads_fp32=grads_fp32, engine=True)["total"]
+        states = pipeline_state_bytes(params, dp, zero_stage, precision, grads_fp32=grads_fp32)["total"]
         stages.append(dict(stage=i, layers=len(layers), params=params, in_flight=held, model_states=states,
                            activations=round(activations), buffers=buffers,
                            total=states + round(activations) + buffers))
@@ -151,7 +186,8 @@ def pipeline_time(config: GPTConfig, plan: dict, hw, tp: int, dp: int, zero_stag
         sends = 2 * v - (s["stage"] == 0) - (s["stage"] == pp - 1)  # activations forward, gradients back
         slots.append(t["compute_s"] + t["tp_comm_s"] + sends * plan["boundary_bytes"] / p2p_bw)
     psi = max(s["params"] for s in plan["stages"])
-    dp_s = iteration_time(flops=0.0, gpus=1, dp=dp, psi=psi, tokens_per_dp_rank=0, layers=0, **common)["dp_comm_s"]
+    dp_s = iteration_time(flops=0.0, gpus=1, dp=dp, psi=psi, tokens_per_dp_rank=0, layers=0,
+                          pipeline_micro_batches=m, **common)["dp_comm_s"]
     step = (m + (pp - 1) / v) * max(slots) + dp_s
     tokens = m * micro_batch * dp * config.seq_length
     model_flops = tokens / config.seq_length * (config.num_layers * training_flops_per_sequence(config, False, vocab)[0]

@@ -3,8 +3,9 @@
 Candidates: every PP that divides the GPU count and is at most the layer count (or the one ``--pp``
 given), every TP from 1 to the largest valid TP (the head count, or the MLP width if smaller)
 that divides GPUs / PP, uneven head splits included and marked; DP = GPUs / (TP x PP) must divide
-the global batch. Per layout ZeRO stages 0 and 1 (Megatron's pipelines run these; tnlg's also run
-ZeRO 2/3, not searched yet) with recomputation off and on, at the largest micro batch that leaves
+the global batch. Per layout ZeRO stages 0 to 3 (tnlg's pipelines run all four; under torch's schedules
+ZeRO 2 and 3 keep the stage's unsharded parameters and gradients through the step, so they never fit
+where ZeRO 1 does not, and ZeRO 3 all-gathers per micro batch: :mod:`.pipeline`) with recomputation off and on, at the largest micro batch that leaves
 at least PP micro batches per step (and, interleaved, a whole number of rounds) and whose heaviest pipeline rank fits the GPU:
 its model states + activations in flight + receive buffers (:func:`.pipeline.pipeline_plan`),
 what the planner counts without a pipeline beside what the schedule adds. Time, throughput and
@@ -62,12 +63,12 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
 
 def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global_batch: int, precision: str,
                    train_tokens, schedule: str, virtual: int) -> tuple[list[dict], dict]:
-    """At one (TP, PP, DP): per ZeRO stage (0, 1) and recomputation the largest micro batch that fits;
+    """At one (TP, PP, DP): per ZeRO stage (0-3) and recomputation the largest micro batch that fits;
     and the smallest footprint (ZeRO 1, recomputation on, micro batch 1) with why it does not fit."""
     c, local = model.config, global_batch // dp
     table = parameter_table(c, tp)
     fit, smallest = [], None
-    for zero in (0, 1):
+    for zero in range(4):
         for recompute in (False, True):
             for mb in [b for b in reversed(divisors(local)) if local // b >= pp]:
                 m = local // mb
@@ -131,7 +132,7 @@ def format_pipeline_search(result: dict, without: dict | None = None) -> str:
     nothing fits; ``without``: the PP = 1 search, for the line naming the fastest of all."""
     sched = (f"interleaved, {result['layers_per_chunk']} layers per chunk" if result["layers_per_chunk"]
              else "1f1b")
-    lines = [f"with a pipeline (PP > 1, {sched}; ZeRO 0 and 1, the stages pipelines run): per TP x PP the fastest "
+    lines = [f"with a pipeline (PP > 1, {sched}; ZeRO 0-3, where 2 and 3 keep the stage's unsharded parameters and gradients): per TP x PP the fastest "
              f"layout that fits, fastest first; m: micro batches per step; memory: the heaviest pipeline rank's "
              f"model states, activations in flight and receive buffers (--json lists every fitting layout)",
              "", PIPELINE_HEADER]

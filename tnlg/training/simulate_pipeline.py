@@ -16,6 +16,13 @@ this process, under ``FakeTensorMode`` and torch's fake process group (as
 3. ``grad sync``, ``norm`` and ``optimizer``, as without a pipeline, plus the tied embedding's gradient
    all-reduce over the first and last stage.
 
+ZeRO 2 and 3 (FSDP2): the stage runs the engine's FSDP2 module of its chunk (as torch's ``PipelineStage``
+does); before each micro batch's backward the flags torch's stage sets (no gradient reduce-scatter, no
+reshard after backward), and after the last backward torch's own ``perform_reduce_grad`` (phase ``grad
+sync``: the accumulated gradients reduce-scattered over DP, the parameters resharded). The model is built
+on the meta device outside the fake mode (FSDP2 shards real meta parameters, then materialises its shards
+as fake tensors) and FSDP2's DP mesh is built outside it too (:func:`_fsdp_mesh_on_real_ranks`).
+
 What is not run: torch's schedule itself (``torch.distributed.pipelining``): its point-to-point warm-up
 and metadata exchange read data that a fake process group does not move, so the order of its 1F1B
 schedule is reproduced here instead, and the send/recv traffic is not counted. Nor is the checkpoint save:
@@ -79,11 +86,11 @@ def _fsdp_mesh_on_real_ranks():
         with unset_fake_temporarily():
             return real(*args, **kwargs)
 
-    DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
+    DeviceMesh.from_group = staticmethod(from_group)
     try:
         yield
     finally:
-        DeviceMesh.from_group = staticmethod(real)  # type: ignore[method-assign]
+        DeviceMesh.from_group = staticmethod(real)
 
 
 def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, received: Optional[torch.Tensor]):
