@@ -58,17 +58,18 @@ def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, 
 
 
 @contextlib.contextmanager
-def _fake_stage_world(tp: int, pp: int, dp: int, stage: int):
-    """The first rank of pipeline stage ``stage`` of a ``pp x tp x dp`` world whose collectives do nothing."""
+def _fake_stage_world(tp: int, pp: int, dp: int, stage: int, cp: int = 1):
+    """The first rank of pipeline stage ``stage`` of a ``tp x cp x pp x dp`` world whose collectives (and the
+    ring's sends) do nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..parallel.state import init_parallel
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * dp, world_size=pp * tp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * cp * dp, world_size=pp * tp * cp * dp)
     try:
-        yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp)
     finally:
         dist.destroy_process_group()
 
@@ -98,7 +99,7 @@ def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, receiv
     ``received`` (the receive buffer): ``(what backward starts from, the chunk's output)``."""
     from ..parallel.vocab import vocab_parallel_cross_entropy
     from .step import autocast_to
-    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length // ps.cp_size), device=ps.device)
     x = tokens if received is None else received.detach().requires_grad_()  # torch's stage input
     with autocast_to(dtype, ps.device):
         out = chunk(x)
@@ -110,7 +111,7 @@ def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, receiv
 def _receive_buffers(ps, config: GPTConfig, micro_batch: int, micro_batches: int, dtype) -> list:
     """torch's ``PipelineStage`` buffers: one ``[b, s, h]`` per micro batch for the activation it receives
     (all stages but the first) and one for the gradient (all but the last), kept for the whole run."""
-    shape, dt = (micro_batch, config.seq_length, config.hidden_size), dtype or torch.float32
+    shape, dt = (micro_batch, config.seq_length // ps.cp_size, config.hidden_size), dtype or torch.float32
     make = [torch.empty(shape, dtype=dt, device=ps.device) for _ in range(micro_batches)]
     inputs = None if ps.is_first_stage else make
     grads = None if ps.is_last_stage else [torch.empty(shape, dtype=dt, device=ps.device)
@@ -198,7 +199,8 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
     from ..optim import build_engine
     from ..parallel.pipeline import StageModel, chunk_layers
     dtype = _DTYPES[precision]
-    tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp", ps.pp_group: "pp"})
+    grad_ps = ps.for_gradients()  # the engine reduces over DP x CP
+    tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.pp_group: "pp", ps.cp_group: "cp"})
     with tracker:
         with tracker.phase("setup"):
             chunks = [chunk_layers(config.num_layers, ps.pp_size)[ps.pp_rank]]
@@ -206,14 +208,14 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
                 model = StageModel(config, ps, chunks, device="meta")
                 if dtype is not None and zero_stage >= 2:
                     model.to(dtype)  # FSDPZero's own cast, here where no fake tensor takes part
-            engine = build_engine(model, ps, zero_stage,
+            engine = build_engine(model, grad_ps, zero_stage,
                                   grad_accum_steps=micro_batches, param_dtype=dtype,
                                   accumulate_grads_in_fp32=grads_fp32, bucket_size_mb=bucket_size_mb,
                                   clip_grad=clip_grad)
         _register_engine(tracker, engine)
         engine.zero_grad()
         _run_schedule(tracker, engine, ps, config, micro_batch, micro_batches, dtype)
-        _sync_norm_and_step(tracker, engine, ps, clip_grad)
+        _sync_norm_and_step(tracker, engine, grad_ps, clip_grad)
         memory = engine.memory_report()
         engine.close()
     return tracker, memory
@@ -221,32 +223,30 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
 
 def simulate_stage(config: GPTConfig, tp: int, pp: int, dp: int, stage: int, *, zero_stage: int = 1,
                    precision: str = "bf16", micro_batch: int = 1, micro_batches: int = 1, grads_fp32: bool = False,
-                   gpu: str = "h100", bucket_size_mb: float = 25.0, clip_grad: float = 1.0) -> dict:
+                   gpu: str = "h100", bucket_size_mb: float = 25.0, clip_grad: float = 1.0, cp: int = 1) -> dict:
     """Simulate one iteration of pipeline stage ``stage``'s first rank (module docstring): its phases
-    (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report."""
+    (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report.
+    ``cp``: context-parallel ranks; the stage runs CP rank 0's ``s / cp`` positions (the ring's sends to the
+    fake group), its engine reduces over DP x CP."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches, fsdp=True)
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches, fsdp=True, cp=cp)
     if not (isinstance(pp, int) and pp > 1 and 0 <= stage < pp):
         raise UserError(f"--simulate of a pipeline stage needs --pp > 1 and a stage in 0..pp-1, got pp {pp!r}, "
                         f"stage {stage!r}.")
     started = time.perf_counter()
-    with _fake_stage_world(tp, pp, dp, stage) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
+    with _fake_stage_world(tp, pp, dp, stage, cp) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
             _fsdp_mesh_on_real_ranks(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = _tracked_stage(config, ps, zero_stage=zero_stage, precision=precision,
                                          micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32,
                                          bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
-    phases = _merge([dict(ph.as_dict(), **_time(ph, g, tp, dp)) for ph in tracker.phases])
+    phases = _merge([dict(ph.as_dict(), **predict_time([ph], g, tp, dp * cp, cp=cp)[ph.name])
+                     for ph in tracker.phases])
     step = phases[1:]
     top = max(step, key=lambda p: p["peak_bytes"])
-    return dict(stage=stage, layout=dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, precision=precision,
+    return dict(stage=stage, layout=dict(tp=tp, cp=cp, pp=pp, dp=dp, zero_stage=zero_stage, precision=precision,
                                          micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32),
                 gpu=g.name, phases=phases, peak_bytes=top["peak_bytes"], peak_phase=top["name"],
                 setup_peak_bytes=phases[0]["peak_bytes"], model_states=memory,
                 in_flight=min(pp - stage, micro_batches),
                 simulated_in_s=round(time.perf_counter() - started, 2))
-
-
-def _time(phase, g, tp: int, dp: int) -> dict:
-    """:func:`tnlg.training.simulate.predict_time` of one phase (phases of one name are merged after)."""
-    return predict_time([phase], g, tp, dp)[phase.name]
