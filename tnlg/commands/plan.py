@@ -92,10 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "--data-parallel-size is given)")
     _add_pipeline_arguments(lay)
     lay.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None,
-                     help="context-parallel ranks splitting each sequence (the world is TP x CP x DP; 2 x CP must "
-                          "divide --seq-length): activations per rank, the ring's traffic and time "
-                          "(docs/context_parallel.md); with --search only this CP (default: --search adds the "
-                          "fastest layout of every CP > 1)")
+                     help="context-parallel ranks splitting each sequence (the world is TP x CP x PP x DP; 2 x CP must "
+                          "divide --seq-length): activations per rank (per pipeline stage with --pp), the ring's "
+                          "traffic and time (docs/context_parallel.md); with --simulate a CP rank on fake tensors; "
+                          "with --search only this CP (default: --search adds the fastest layout of every CP > 1 "
+                          "and lays CP with the pipelines)")
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -162,7 +163,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
                           "engine, forward and backward of the micro batches, gradient reduction, norm, AdamW) "
                           "on fake tensors with a fake process group: per phase the bytes live and at the peak by "
                           "kind, FLOPs, bytes read and written, collective bytes per group, and the predicted step "
-                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; about a minute at 17B)")
+                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; about a minute at 17B)")
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
