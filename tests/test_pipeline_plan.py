@@ -185,27 +185,28 @@ def test_search_ranks_only_pipeline_layouts_whose_heaviest_stage_fits(capsys):
     assert [r["tokens_per_s"] for r in rows] == sorted((r["tokens_per_s"] for r in rows), reverse=True)
     c = GPTConfig.preset("gpt2-xl")
     for r in rows:
-        assert r["tp"] * r["pp"] * r["dp"] == 8 and r["pp"] > 1 and r["zero_stage"] in (0, 1, 2, 3)
+        assert r["tp"] * r["cp"] * r["pp"] * r["dp"] == 8 and r["pp"] > 1 and r["zero_stage"] in (0, 1, 2, 3)
         assert r["micro_batch"] * r["micro_batches"] * r["dp"] == 16 and r["micro_batches"] >= r["pp"]
         assert r["total"] <= mem
         # the heaviest stage's model states by hand: its parameters from the stage module tnlg builds,
         # 2 + 2 + 12 bytes each (fp16 with fp32 master weights and Adam), the 12 split over DP at ZeRO 1; at
         # ZeRO 2/3 over DP > 1 torch's schedule keeps the unsharded parameters and gradients beside the
-        # 16-bit shard (one DP rank: the flat stage-0 path)
-        i, zero, dp = r["heaviest_stage"], r["zero_stage"], r["dp"]
+        # 16-bit shard (one DP rank: the flat stage-0 path); with context parallelism ZeRO spans DP x CP
+        i, zero, dp = r["heaviest_stage"], r["zero_stage"], r["dp"] * r["cp"]
         ps = ParallelState(tp_size=r["tp"], pp_rank=i, pp_size=r["pp"], device=torch.device("meta"), virtual=True)
         params = sum(p.numel() for p in StageModel(c, ps, [chunk_layers(48, r["pp"])[i]], device="meta").parameters())
         per = 4 + 12 / (dp if zero else 1) + (2 / dp if zero >= 2 and dp > 1 else 0)
         assert r["model_states"] == round(per * params)
-    ranked = {(r["tp"], r["pp"]) for r in rows}
-    for r in unfit:  # nothing fits at this (TP, PP): its smallest footprint is over the GPU, and it is not ranked
-        assert (r["tp"], r["pp"]) not in ranked and r["total"] > mem and "does NOT fit" not in r["reason"]
+    ranked = {(r["tp"], r["cp"], r["pp"]) for r in rows}
+    for r in unfit:  # nothing fits at this (TP, CP, PP): its smallest footprint is over the GPU, and it is not ranked
+        assert (r["tp"], r["cp"], r["pp"]) not in ranked and r["total"] > mem and "does NOT fit" not in r["reason"]
         assert (r["zero_stage"], r["recompute"], r["micro_batch"]) == (1, True, 1)
     capsys.readouterr()
     assert _plan(["--search", "--preset", "gpt2-xl", "--world-size", "8", "--global-batch-size", "16",
                   "--gpu-memory", "6GB"]) == 0
     text = capsys.readouterr().out
-    assert "fastest with a pipeline: TP %d x PP %d x DP %d" % (rows[0]["tp"], rows[0]["pp"], rows[0]["dp"]) in text
+    cp = "CP %d x " % rows[0]["cp"] if rows[0]["cp"] > 1 else ""
+    assert "fastest with a pipeline: TP %d x %sPP %d x DP %d" % (rows[0]["tp"], cp, rows[0]["pp"], rows[0]["dp"]) in text
     assert text.count("does NOT fit: model states alone") + text.count("even at micro batch 1") >= len(unfit)
 
 
@@ -289,14 +290,15 @@ def test_search_lists_zero_2_and_3_pipeline_layouts_with_their_stage_memory(caps
     rows = res["pipelines"]["layouts"]
     c = GPTConfig.preset("gpt2-medium")
     assert {2, 3} <= {r["zero_stage"] for r in rows if r["dp"] > 1}
+    assert {1, 2} <= {r["cp"] for r in rows}  # CP laid out with the pipelines
     for r in rows:
         if r["zero_stage"] < 2:
             continue
         plan = pipeline_plan(c, r["tp"], r["pp"], r["dp"], r["zero_stage"], "fp16", r["micro_batch"],
-                             r["micro_batches"], r["recompute"])
+                             r["micro_batches"], r["recompute"], cp=r["cp"])
         assert r["total"] == plan["stages"][r["heaviest_stage"]]["total"]
         one = pipeline_plan(c, r["tp"], r["pp"], r["dp"], 1, "fp16", r["micro_batch"], r["micro_batches"],
-                            r["recompute"])
+                            r["recompute"], cp=r["cp"])
         assert r["total"] >= one["stages"][one["heaviest"]]["total"]
     capsys.readouterr()
     assert _plan(["--search", "--preset", "gpt2-medium", "--world-size", "8", "--global-batch-size", "32",
