@@ -24,6 +24,11 @@ collective returns at once), watched by :class:`tnlg.plan.tracker.StepTracker`:
    is the host copies at the GPU's PCIe bandwidth (the file system's time is not predicted),
    and it is not part of the step time.
 
+Context parallelism (``cp > 1``): rank 0 is CP rank 0 of a ``TP x CP x DP`` world; its micro batches are its
+two chunks of each sequence (``s / C`` positions, global positions from the model), the ring attention's
+sends and receives go to the fake group (each hop counted under ``cp``; a hop's time is its send at NVLink's
+bandwidth when TP x CP fits in a node), and the engine reduces over DP x CP (``ps.for_gradients()``).
+
 The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
 that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
 inputs without a mask runs as CUDA's flash attention kernel does (its fake implementation:

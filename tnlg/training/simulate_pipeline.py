@@ -25,7 +25,8 @@ as fake tensors) and FSDP2's DP mesh is built outside it too (:func:`_fsdp_mesh_
 
 What is not run: torch's schedule itself (``torch.distributed.pipelining``): its point-to-point warm-up
 and metadata exchange read data that a fake process group does not move, so the order of its 1F1B
-schedule is reproduced here instead, and the send/recv traffic is not counted. Nor is the checkpoint save:
+schedule is reproduced here instead, and its send/recv traffic between stages is not counted (the CP ring's,
+with ``cp > 1``, is). Nor is the checkpoint save:
 its check that every parameter of the model is held by some stage gathers every stage's records, which
 a fake process group does not exchange. Interleaved schedules are not simulated.
 """
