@@ -185,24 +185,28 @@ def test_search_ranks_only_pipeline_layouts_whose_heaviest_stage_fits(capsys):
     assert [r["tokens_per_s"] for r in rows] == sorted((r["tokens_per_s"] for r in rows), reverse=True)
     c = GPTConfig.preset("gpt2-xl")
     for r in rows:
-        assert r["tp"] * r["pp"] * r["dp"] == 8 and r["pp"] > 1 and r["zero_stage"] in (0, 1)
+        assert r["tp"] * r["cp"] * r["pp"] * r["dp"] == 8 and r["pp"] > 1 and r["zero_stage"] in (0, 1, 2, 3)
         assert r["micro_batch"] * r["micro_batches"] * r["dp"] == 16 and r["micro_batches"] >= r["pp"]
         assert r["total"] <= mem
         # the heaviest stage's model states by hand: its parameters from the stage module tnlg builds,
-        # 2 + 2 + 12 bytes each (fp16 with fp32 master weights and Adam), the 12 split over DP at ZeRO 1
-        i = r["heaviest_stage"]
+        # 2 + 2 + 12 bytes each (fp16 with fp32 master weights and Adam), the 12 split over DP at ZeRO 1; at
+        # ZeRO 2/3 over DP > 1 torch's schedule keeps the unsharded parameters and gradients beside the
+        # 16-bit shard (one DP rank: the flat stage-0 path); with context parallelism ZeRO spans DP x CP
+        i, zero, dp = r["heaviest_stage"], r["zero_stage"], r["dp"] * r["cp"]
         ps = ParallelState(tp_size=r["tp"], pp_rank=i, pp_size=r["pp"], device=torch.device("meta"), virtual=True)
         params = sum(p.numel() for p in StageModel(c, ps, [chunk_layers(48, r["pp"])[i]], device="meta").parameters())
-        assert r["model_states"] == round((4 + 12 / (r["dp"] if r["zero_stage"] else 1)) * params)
-    ranked = {(r["tp"], r["pp"]) for r in rows}
-    for r in unfit:  # nothing fits at this (TP, PP): its smallest footprint is over the GPU, and it is not ranked
-        assert (r["tp"], r["pp"]) not in ranked and r["total"] > mem and "does NOT fit" not in r["reason"]
+        per = 4 + 12 / (dp if zero else 1) + (2 / dp if zero >= 2 and dp > 1 else 0)
+        assert r["model_states"] == round(per * params)
+    ranked = {(r["tp"], r["cp"], r["pp"]) for r in rows}
+    for r in unfit:  # nothing fits at this (TP, CP, PP): its smallest footprint is over the GPU, and it is not ranked
+        assert (r["tp"], r["cp"], r["pp"]) not in ranked and r["total"] > mem and "does NOT fit" not in r["reason"]
         assert (r["zero_stage"], r["recompute"], r["micro_batch"]) == (1, True, 1)
     capsys.readouterr()
     assert _plan(["--search", "--preset", "gpt2-xl", "--world-size", "8", "--global-batch-size", "16",
                   "--gpu-memory", "6GB"]) == 0
     text = capsys.readouterr().out
-    assert "fastest with a pipeline: TP %d x PP %d x DP %d" % (rows[0]["tp"], rows[0]["pp"], rows[0]["dp"]) in text
+    cp = "CP %d x " % rows[0]["cp"] if rows[0]["cp"] > 1 else ""
+    assert "fastest with a pipeline: TP %d x %sPP %d x DP %d" % (rows[0]["tp"], cp, rows[0]["pp"], rows[0]["dp"]) in text
     assert text.count("does NOT fit: model states alone") + text.count("even at micro batch 1") >= len(unfit)
 
 
@@ -261,6 +265,45 @@ def test_pipeline_time_is_m_plus_p_minus_1_slots_of_the_slowest_stage():
     slot = (2 * layer + 3 * 2 * s * h * v_pad) / (100e12 * 0.5)  # the last stage: 2 layers and the logits
     t = pipeline_time(cfg, pipeline_plan(cfg, 1, 4, 1, 0, "fp16", 1, 16), hw, 1, 1, 0, "fp16", 1, False)
     assert t["time_per_iteration_s"] == pytest.approx((16 + 3) * slot, rel=1e-6)
+
+
+def test_pipeline_dp_traffic_per_zero_stage():
+    """DP traffic of the heaviest stage per step: ZeRO 0-2 two stage's worth of 16-bit parameters (all-reduce;
+    reduce-scatter + all-gather; ZeRO 2's one gather in the first forward and one reduce-scatter), ZeRO 3
+    m + 1 all-gathers (a unit gathered again in each backward after a forward, kept to its next forward) and one
+    reduce-scatter: (m + 2), each x (DP - 1) / DP, at the intra-node bandwidth (TP x DP = a node)."""
+    from tnlg.plan.planner import Hardware
+    cfg, hw, m, dp = GPTConfig.preset("gpt2-medium"), Hardware(), 8, 4
+    for zero, units in ((0, 2), (1, 2), (2, 2), (3, m + 2)):
+        plan = pipeline_plan(cfg, 2, 2, dp, zero, "bf16", 1, m)
+        psi = max(s["params"] for s in plan["stages"])
+        t = pipeline_time(cfg, plan, hw, 2, dp, zero, "bf16", 1, False)
+        assert t["dp_comm_s"] == pytest.approx(units * psi * 2 * (dp - 1) / dp / (hw.intra_node_gbps * 1e9))
+
+
+def test_search_lists_zero_2_and_3_pipeline_layouts_with_their_stage_memory(capsys):
+    """--search tries ZeRO 0-3 for every pipeline layout; a ZeRO 2/3 row's memory is pipeline_plan's at its
+    layout, and it never holds less than ZeRO 1 at the same micro batch (torch's schedule keeps the stage's
+    unsharded parameters and gradients), so the fastest layout is never a ZeRO 2/3 one that ZeRO 1 beats."""
+    res = _search(capsys, "--preset", "gpt2-medium", "--world-size", "8", "--global-batch-size", "32",
+                  "--gpu-memory", "80GB", "--pp", "2")
+    rows = res["pipelines"]["layouts"]
+    c = GPTConfig.preset("gpt2-medium")
+    assert {2, 3} <= {r["zero_stage"] for r in rows if r["dp"] > 1}
+    assert {1, 2} <= {r["cp"] for r in rows}  # CP laid out with the pipelines
+    for r in rows:
+        if r["zero_stage"] < 2:
+            continue
+        plan = pipeline_plan(c, r["tp"], r["pp"], r["dp"], r["zero_stage"], "fp16", r["micro_batch"],
+                             r["micro_batches"], r["recompute"], cp=r["cp"])
+        assert r["total"] == plan["stages"][r["heaviest_stage"]]["total"]
+        one = pipeline_plan(c, r["tp"], r["pp"], r["dp"], 1, "fp16", r["micro_batch"], r["micro_batches"],
+                            r["recompute"], cp=r["cp"])
+        assert r["total"] >= one["stages"][one["heaviest"]]["total"]
+    capsys.readouterr()
+    assert _plan(["--search", "--preset", "gpt2-medium", "--world-size", "8", "--global-batch-size", "32",
+                  "--gpu-memory", "80GB", "--pp", "2"]) == 0
+    assert "ZeRO 0-3" in capsys.readouterr().out
 
 
 def test_a_pipeline_plan_leads_with_the_layout_asked_for(capsys):

@@ -87,8 +87,32 @@ def test_one_f_one_b_holds_pp_minus_stage_micro_batches():
 def test_stage_simulation_refuses_bad_input():
     with pytest.raises(UserError, match="needs --pp > 1"):
         simulate_stage(GPTConfig(**CFG), 1, 1, 1, 0)
-    with pytest.raises(UserError, match="stage 2"):
-        simulate_stage(GPTConfig(**CFG), 1, 2, 2, 0, zero_stage=2)
+    with pytest.raises(UserError, match="4 is not a ZeRO stage"):
+        simulate_stage(GPTConfig(**CFG), 1, 2, 2, 0, zero_stage=4)
+
+
+def test_planner_zero_2_and_3_stages_against_the_simulation():
+    """ZeRO 2/3 (FSDP2) in a pipeline, run on fake tensors as torch's schedule runs them (no reduce-scatter and
+    no reshard after each micro batch's backward, one reduce-scatter after the last). ZeRO 2: the stage's peak
+    is ZeRO 1's plus the 16-bit parameter shard, in the simulation as in the planner, to the byte. ZeRO 3:
+    the planner (ZeRO 2's accounting: the whole stage gathered again in each backward and kept) within 6% of
+    the simulated peak (measured -4.8% on the first stage, whose all-gather buffers it does not count, and
+    -1.0% on the last). The all-gathers: ZeRO 2 once per step, ZeRO 3 m + 1 times, on every stage."""
+    from tnlg.plan.pipeline import pipeline_plan
+    cfg = GPTConfig(**CFG)
+    sims = {z: [simulate_stage(cfg, 1, 2, 2, st, zero_stage=z, precision="bf16", micro_batch=MICRO,
+                               micro_batches=M) for st in (0, 1)] for z in (1, 2, 3)}
+    plans = {z: pipeline_plan(cfg, 1, 2, 2, z, "bf16", MICRO, M)["stages"] for z in (1, 2, 3)}
+    for st in (0, 1):
+        sim_extra = sims[2][st]["peak_bytes"] - sims[1][st]["peak_bytes"]
+        # 2 bytes x Psi / DP 2: the shard ZeRO 2 keeps beside the unsharded parameters
+        assert sim_extra == plans[2][st]["total"] - plans[1][st]["total"] == plans[2][st]["params"]
+        assert plans[3][st]["total"] == pytest.approx(sims[3][st]["peak_bytes"], rel=0.06)
+        stage_bytes = plans[1][st]["params"] * 2  # the stage's parameters in bf16 (TP 1, DP 2)
+        for z, gathers in ((2, 1), (3, M + 1)):
+            gathered = sum(p["comm_bytes"].get("dp", 0) for p in sims[z][st]["phases"]
+                           if p["name"].startswith(("forward", "backward")))
+            assert gathered == gathers * stage_bytes * 3 // 2  # each gather: its full output + this rank's half
 
 
 def _plan(argv):

@@ -92,10 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "--data-parallel-size is given)")
     _add_pipeline_arguments(lay)
     lay.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None,
-                     help="context-parallel ranks splitting each sequence (the world is TP x CP x DP; 2 x CP must "
-                          "divide --seq-length): activations per rank, the ring's traffic and time "
-                          "(docs/context_parallel.md); with --search only this CP (default: --search adds the "
-                          "fastest layout of every CP > 1)")
+                     help="context-parallel ranks splitting each sequence (the world is TP x CP x PP x DP; 2 x CP must "
+                          "divide --seq-length): activations per rank (per pipeline stage with --pp), the ring's "
+                          "traffic and time (docs/context_parallel.md); with --simulate a CP rank on fake tensors; "
+                          "with --search only this CP (default: --search adds the fastest layout of every CP > 1 "
+                          "and lays CP with the pipelines)")
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -162,7 +163,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
                           "engine, forward and backward of the micro batches, gradient reduction, norm, AdamW) "
                           "on fake tensors with a fake process group: per phase the bytes live and at the peak by "
                           "kind, FLOPs, bytes read and written, collective bytes per group, and the predicted step "
-                          "time and MFU on --gpu (ZeRO stages 0 and 1; about a minute at 17B)")
+                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; about a minute at 17B)")
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
@@ -293,8 +294,14 @@ def _layout(args, model: Model) -> Layout:
 
 
 def _pipeline_dp(args, tp: int, model: Model) -> int:
-    """DP of ``--world-size`` at ``--pp`` and ``--tp``: the world is PP x TP x DP; a clear error otherwise."""
-    world, pp, dp = args.world_size, args.pp, args.dp
+    """DP of ``--world-size`` at ``--pp``, ``--tp`` (and ``--cp``): the world is PP x TP x CP x DP; a clear
+    error otherwise."""
+    world, pp, dp, cp = args.world_size, args.pp, args.dp, args.cp or 1
+    if cp > 1 and (world < 1 or world % (pp * tp * cp)):
+        raise UserError(f"--world-size {world} is not a multiple of --pipeline-model-parallel-size {pp} x "
+                        f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} = {pp * tp * cp}: the "
+                        f"world is TP x CP x PP x DP, every group complete. Valid CP sizes at PP {pp} x TP {tp}: "
+                        f"{[c for c in divisors(world // (pp * tp)) if model.config.seq_length % (2 * c) == 0] if world % (pp * tp) == 0 else 'none'}.")
     if world < 1 or world % (pp * tp):
         limit = model.config.max_tensor_parallel_size()
         pairs = [(p, t) for p in divisors(world) if p <= model.config.num_layers
@@ -304,11 +311,15 @@ def _pipeline_dp(args, tp: int, model: Model) -> int:
                         f"and tensor-parallel group complete. Valid pipeline sizes at --tp {tp}: "
                         f"{[p for p, t in pairs if t == tp] or 'none'}; valid (PP, TP) pairs for {world} GPUs: "
                         f"{', '.join(map(str, pairs[:12]))}{', ...' if len(pairs) > 12 else ''}.")
-    if dp is not None and dp * tp * pp != world:
+    if cp > 1 and dp is not None and dp * tp * pp * cp != world:
+        raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} x --context-parallel-size "
+                        f"{cp} x --pipeline-model-parallel-size {pp} = {dp * tp * pp * cp} is not --world-size "
+                        f"{world}; give one of the two or make them agree (DP = {world // (tp * pp * cp)}).")
+    if cp == 1 and dp is not None and dp * tp * pp != world:
         raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} x "
                         f"--pipeline-model-parallel-size {pp} = {dp * tp * pp} is not --world-size {world}; give "
                         f"one of the two or make them agree (DP = {world // (tp * pp)}).")
-    return world // (tp * pp)
+    return world // (tp * pp * cp)
 
 
 def _context_world(args) -> int:
@@ -321,11 +332,8 @@ def _context_world(args) -> int:
 
 
 def _context(args, model: Model, layout: Layout, hw: Hardware, train_tokens, result: dict) -> tuple[dict, str]:
-    """``--context-parallel-size C > 1``: the plan of one CP rank, and its CP lines."""
-    for on, what in ((args.pp > 1, "--pipeline-model-parallel-size > 1"), (args.simulate, "--simulate")):
-        if on:
-            raise UserError(f"tnlg plan --context-parallel-size {args.cp} does not take {what} yet; plan CP with "
-                            f"PP 1 and no simulation.")
+    """``--context-parallel-size C > 1``: the plan of one CP rank (with ``--pp``, of the whole model on one
+    stage), and its CP lines."""
     plan = context_plan(model, layout, hw, args.cp, train_tokens, params=result["parameters"])
     plan["tp_needed"] = result.get("tp_needed")
     return plan, format_plan(plan) + "\n\n" + format_context(plan)
@@ -357,7 +365,7 @@ def _check_simulate_flags(args, model: Model) -> None:
                         "--params), and no --search.")
 
 
-def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
+def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dict:
     """:func:`tnlg.training.simulate.simulate` for this layout (rank 0), without the per-operator lists."""
     from dataclasses import replace
 
@@ -366,7 +374,7 @@ def _simulation(model: Model, layout: Layout, gpu_name: str) -> dict:
                      recompute_activations=False)
     accum = layout.batch // (layout.micro_batch * layout.dp)
     sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
-                   micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name)
+                   micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name, cp=cp)
     sim.pop("ops")
     return sim
 
@@ -383,17 +391,19 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
                         "interleaved schedule is not simulated. Drop --simulate, or plan --pipeline-schedule 1f1b.")
     check_stage_count(pp, c.num_layers)
     m = check_micro_batches(pp, layout.batch, layout.micro_batch, layout.dp, args.pipeline_schedule)
+    cp = args.cp or 1
     plan = pipeline_plan(c, layout.tp, pp, layout.dp, layout.zero_stage, layout.precision, layout.micro_batch, m,
-                         layout.recompute, args.pipeline_schedule, virtual, grads_fp32=layout.grads_fp32)
-    plan["gpus"] = pp * layout.world_size
+                         layout.recompute, args.pipeline_schedule, virtual, grads_fp32=layout.grads_fp32, cp=cp)
+    plan["gpus"] = pp * cp * layout.world_size
     plan["time"] = pipeline_time(c, plan, hw, layout.tp, layout.dp, layout.zero_stage, layout.precision,
                                  layout.micro_batch, layout.recompute, train_tokens)
     if args.simulate:
-        plan["simulation"] = _stage_simulations(model, layout, pp, m, args.gpu or "h100")
+        plan["simulation"] = _stage_simulations(model, layout, pp, m, args.gpu or "h100", cp)
     return plan
 
 
-def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int, gpu_name: str) -> dict:
+def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int, gpu_name: str,
+                       cp: int = 1) -> dict:
     """:func:`tnlg.training.simulate_pipeline.simulate_stage` of the first and the last stage; the larger peak."""
     from dataclasses import replace
 
@@ -402,7 +412,7 @@ def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int
                      recompute_activations=False)
     sims = [simulate_stage(config, layout.tp, pp, layout.dp, stage, zero_stage=layout.zero_stage,
                            precision=layout.precision, micro_batch=layout.micro_batch, micro_batches=micro_batches,
-                           grads_fp32=layout.grads_fp32, gpu=gpu_name) for stage in (0, pp - 1)]
+                           grads_fp32=layout.grads_fp32, gpu=gpu_name, cp=cp) for stage in (0, pp - 1)]
     return dict(stages=sims, larger=max(sims, key=lambda s: s["peak_bytes"])["stage"])
 
 
@@ -434,12 +444,13 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     flat = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)  # checks model, world
     if source is not None:
         flat["source"] = source
+    if args.cp is not None:
+        check_context_parallel(model.config, args.cp)
+        _context_world(args)
     if args.cp != 1 and args.pp in (None, 1):
-        if args.cp is not None:
-            check_context_parallel(model.config, args.cp)
         flat["context_parallel"] = search_context_parallel(model, args.world_size, hw, batch, args.precision,
                                                            train_tokens, [args.cp] if args.cp else None)
-        if args.pp == 1 or args.cp is not None:
+        if args.pp == 1:
             return flat, format_search(flat) + "\n\n" + format_context_search(flat["context_parallel"])
     if args.pp == 1:
         return flat, format_search(flat)
@@ -448,9 +459,13 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
         raise UserError("--search ranks the 1f1b and interleaved schedules (GPipe holds every micro batch's "
                         "activations, so it fits nowhere 1F1B does not); drop --pipeline-schedule gpipe.")
     _check_interleaved_flags(args)
+    # CP with the pipelines: the one --cp given, else 1 and every CP that divides the GPUs and whose 2 x CP
+    # chunks divide the sequence
+    cps = [args.cp] if args.cp is not None else [n for n in divisors(args.world_size)
+                                                 if model.config.seq_length % (2 * n) == 0 or n == 1]
     flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp,
-                                         args.layers_per_chunk)
-    if args.pp is not None:  # one PP > 1: the pipeline table alone
+                                         args.layers_per_chunk, cps)
+    if args.pp is not None and "context_parallel" not in flat:  # one PP > 1: the pipeline table alone
         return flat, "\n".join(search_head(flat)) + "\n\n" + format_pipeline_search(flat["pipelines"])
     text = format_search(flat) + "\n\n" + format_pipeline_search(flat["pipelines"], without=flat)
     if "context_parallel" in flat:
@@ -491,7 +506,8 @@ def run(args) -> int:
         if args.pp > 1:
             result["pipeline"] = _pipeline(args, model, layout, hw, train_tokens)
             # the layout asked for first; the table of the whole model on one stage after it
-            text = (f"per pipeline stage (PP {args.pp} x TP {layout.tp} x DP {layout.dp} = "
+            cp_part = f"CP {args.cp} x " if (args.cp or 1) > 1 else ""
+            text = (f"per pipeline stage (PP {args.pp} x TP {layout.tp} x {cp_part}DP {layout.dp} = "
                     f"{result['pipeline']['gpus']} GPUs; the table below is the whole model on one stage):\n"
                     + format_pipeline(result["pipeline"]) + "\n\nthe whole model on one stage, without a pipeline:\n"
                     + text)
@@ -501,7 +517,7 @@ def run(args) -> int:
         if args.simulate and args.pp > 1:
             text += "\n\n" + format_stage_simulations(result["pipeline"])
         elif args.simulate:
-            result["simulation"] = _simulation(model, layout, args.gpu or "h100")
+            result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1)
             text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")

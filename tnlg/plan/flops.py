@@ -25,17 +25,20 @@ overlap with compute (pessimistic): Megatron TP all-reduces of ``[b, s, h]`` (tw
 layer forward, two backward, two more in a recomputed forward; one each way for the
 vocab-parallel embedding and output layer), ring all-reduce moving ``2 (t-1)/t`` of the
 data per GPU; DP gradient traffic ``2 Psi`` (ZeRO stages 0-2) or ``3 Psi`` (stage 3) in
-16-bit, times ``(Nd-1)/Nd``. A group that spans nodes runs at the inter-node bandwidth.
+16-bit, times ``(Nd-1)/Nd`` (:func:`dp_traffic_units`). Under a pipeline schedule with ``m`` micro
+batches ZeRO 3 moves ``(m + 2) Psi``: torch's schedules keep a unit gathered from its backward to its next
+forward, so each model chunk is all-gathered ``m + 1`` times (:mod:`.pipeline`; with ``v`` chunks of
+``Psi / v`` each, ``(m + 1) Psi`` in all), then reduce-scattered once; ZeRO 2 gathers once and reduce-scatters once, ``2 Psi``. A group that spans nodes runs at the inter-node bandwidth.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 from ..config import GPTConfig
 from .memory import recompute_granularity
 
-__all__ = ["flops_per_iteration", "training_flops_per_sequence", "reference_flops", "rank_flops_imbalance", "iteration_time",
+__all__ = ["dp_traffic_units", "flops_per_iteration", "training_flops_per_sequence", "reference_flops", "rank_flops_imbalance", "iteration_time",
            "FLOPS_FORMULA"]
 
 FLOPS_FORMULA = {
@@ -90,20 +93,33 @@ def rank_flops_imbalance(config: GPTConfig, tp: int) -> float:
     return max(work) * tp / sum(work)
 
 
+def dp_traffic_units(zero_stage: int, pipeline_micro_batches: Optional[int] = None) -> int:
+    """Multiples of ``Psi`` (x bytes per gradient x ``(Nd-1)/Nd``) a rank moves over DP per iteration: 2 at
+    ZeRO 0-2 (all-reduce; reduce-scatter + all-gather), 3 at ZeRO 3 (two all-gathers, a reduce-scatter); under
+    a pipeline schedule of ``pipeline_micro_batches`` micro batches, ZeRO 3's ``m + 2`` (module
+    docstring)."""
+    if zero_stage != 3:
+        return 2
+    return 3 if pipeline_micro_batches is None else pipeline_micro_batches + 2
+
+
 def iteration_time(*, flops: float, gpus: int, gpu_tflops: float, mfu: float, imbalance: float,
                    tp: int, dp: int, zero_stage: int, psi: int, tokens_per_dp_rank: int,
                    hidden: int, layers: int, recompute: bool, act_bytes: int, grad_bytes: int,
-                   gpus_per_node: int, intra_gbps: float, inter_gbps: float) -> dict:
+                   gpus_per_node: int, intra_gbps: float, inter_gbps: float,
+                   pipeline_micro_batches: Optional[int] = None) -> dict:
     """Seconds per iteration: compute (with the uneven-rank factor), TP and DP communication.
 
-    ``tokens_per_dp_rank`` is ``global_batch * seq / dp``; bandwidths are per GPU in GB/s.
+    ``tokens_per_dp_rank`` is ``global_batch * seq / dp``; bandwidths are per GPU in GB/s;
+    ``pipeline_micro_batches``: the DP traffic of one pipeline stage (:func:`dp_traffic_units`).
     """
     compute = flops / (gpus * gpu_tflops * 1e12 * mfu) * imbalance
     tp_bw = (intra_gbps if tp <= gpus_per_node else inter_gbps) * 1e9
     dp_bw = (intra_gbps if tp * dp <= gpus_per_node else inter_gbps) * 1e9
     n_allreduce = layers * (6 if recompute else 4) + 2
     tp_bytes = (tokens_per_dp_rank * hidden * act_bytes * n_allreduce * 2 * (tp - 1) / tp) if tp > 1 else 0.0
-    dp_bytes = ((3 if zero_stage == 3 else 2) * psi * grad_bytes * (dp - 1) / dp) if dp > 1 else 0.0
+    units = dp_traffic_units(zero_stage, pipeline_micro_batches)
+    dp_bytes = (units * psi * grad_bytes * (dp - 1) / dp) if dp > 1 else 0.0
     tp_time, dp_time = tp_bytes / tp_bw, dp_bytes / dp_bw
     return {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_s": dp_time,
             "tp_comm_bytes": round(tp_bytes), "dp_comm_bytes": round(dp_bytes),

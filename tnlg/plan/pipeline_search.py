@@ -1,10 +1,12 @@
-"""``--search`` with pipelines: every TP x PP x DP layout (PP > 1) of a world size that fits, fastest first.
+"""``--search`` with pipelines: every TP x CP x PP x DP layout (PP > 1) of a world size that fits, fastest first.
 
 Candidates: every PP that divides the GPU count and is at most the layer count (or the one ``--pp``
 given), every TP from 1 to the largest valid TP (the head count, or the MLP width if smaller)
-that divides GPUs / PP, uneven head splits included and marked; DP = GPUs / (TP x PP) must divide
-the global batch. Per layout ZeRO stages 0 and 1 (Megatron's pipelines run these; tnlg's also run
-ZeRO 2/3, not searched yet) with recomputation off and on, at the largest micro batch that leaves
+that divides GPUs / (PP x CP), uneven head splits included and marked, per context-parallel size CP (1,
+or each of ``cps``: ``2 CP`` dividing the sequence; :func:`.pipeline.pipeline_plan` of one CP rank); DP =
+GPUs / (TP x CP x PP) must divide the global batch. Per layout ZeRO stages 0 to 3 (tnlg's pipelines run all four; under torch's schedules
+ZeRO 2 and 3 keep the stage's unsharded parameters and gradients through the step, so they never fit
+where ZeRO 1 does not, and ZeRO 3 all-gathers per micro batch: :mod:`.pipeline`) with recomputation off and on, at the largest micro batch that leaves
 at least PP micro batches per step (and, interleaved, a whole number of rounds) and whose heaviest pipeline rank fits the GPU:
 its model states + activations in flight + receive buffers (:func:`.pipeline.pipeline_plan`),
 what the planner counts without a pipeline beside what the schedule adds. Time, throughput and
@@ -27,8 +29,9 @@ __all__ = ["search_pipelines", "format_pipeline_search", "check_search_pipeline"
 
 def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, precision: str = "fp16",
                      train_tokens: int | None = None, pp: int | None = None,
-                     layers_per_chunk: int | None = None) -> dict:
-    """Every fitting TP x PP x DP layout with PP > 1 (``pp``: only that one) as a JSON-ready dict."""
+                     layers_per_chunk: int | None = None, cps: list[int] | None = None) -> dict:
+    """Every fitting TP x CP x PP x DP layout with PP > 1 (``pp``: only that one; ``cps``: the CP sizes, default
+    1) as a JSON-ready dict."""
     c = model.config
     schedule = "interleaved" if layers_per_chunk else "1f1b"
     sizes = [pp] if pp is not None else [p for p in divisors(gpus) if 1 < p <= c.num_layers]
@@ -41,19 +44,20 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
                                                  f"{c.num_layers / p:g} layers per stage"))
                 continue
             virtual = c.num_layers // (p * layers_per_chunk)
-        for tp in [t for t in divisors(gpus // p) if t <= c.max_tensor_parallel_size()]:
-            dp = gpus // (p * tp)
-            reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
-                      f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
-                      if global_batch // dp < p else None)
-            if reason:
-                skipped.append(dict(tp=tp, pp=p, dp=dp, reason=reason))
-                continue
-            fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
-                                           schedule, virtual)
-            rows += fit
-            if not fit:
-                not_fitting.append(smallest)
+        for cp in [n for n in (cps or [1]) if (gpus // p) % n == 0 and c.seq_length % (2 * n) == 0]:
+            for tp in [t for t in divisors(gpus // (p * cp)) if t <= c.max_tensor_parallel_size()]:
+                dp = gpus // (p * tp * cp)
+                reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
+                          f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
+                          if global_batch // dp < p else None)
+                if reason:
+                    skipped.append(dict(tp=tp, pp=p, dp=dp, cp=cp, reason=reason))
+                    continue
+                fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
+                                               schedule, virtual, cp)
+                rows += fit
+                if not fit:
+                    not_fitting.append(smallest)
     rows.sort(key=lambda r: -r["tokens_per_s"])
     return {"gpus": gpus, "global_batch": global_batch, "precision": precision, "schedule": schedule,
             "layers_per_chunk": layers_per_chunk, "layouts": rows, "not_fitting": not_fitting, "skipped": skipped,
@@ -61,19 +65,20 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
 
 
 def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global_batch: int, precision: str,
-                   train_tokens, schedule: str, virtual: int) -> tuple[list[dict], dict]:
-    """At one (TP, PP, DP): per ZeRO stage (0, 1) and recomputation the largest micro batch that fits;
+                   train_tokens, schedule: str, virtual: int, cp: int = 1) -> tuple[list[dict], dict]:
+    """At one (TP, PP, DP): per ZeRO stage (0-3) and recomputation the largest micro batch that fits;
     and the smallest footprint (ZeRO 1, recomputation on, micro batch 1) with why it does not fit."""
     c, local = model.config, global_batch // dp
     table = parameter_table(c, tp)
     fit, smallest = [], None
-    for zero in (0, 1):
+    for zero in range(4):
         for recompute in (False, True):
             for mb in [b for b in reversed(divisors(local)) if local // b >= pp]:
                 m = local // mb
                 if schedule == "interleaved" and m % max(1, m // pp):
                     continue  # torch's interleaved schedule runs whole rounds
-                plan = pipeline_plan(c, tp, pp, dp, zero, precision, mb, m, recompute, schedule, virtual, table=table)
+                plan = pipeline_plan(c, tp, pp, dp, zero, precision, mb, m, recompute, schedule, virtual, table=table,
+                                     cp=cp)
                 row = _row(model, hw, plan, tp, pp, dp, zero, recompute, mb, precision, train_tokens)
                 if row["total"] <= hw.gpu_memory:
                     fit.append(row)
@@ -95,7 +100,7 @@ def _row(model: Model, hw: Hardware, plan: dict, tp: int, pp: int, dp: int, zero
     heavy = plan["stages"][plan["heaviest"]]
     t = pipeline_time(c, plan, hw, tp, dp, zero, precision, mb, recompute, train_tokens)
     heads = c.heads_per_rank(tp)
-    return {"tp": tp, "pp": pp, "dp": dp, "schedule": plan["schedule"], "virtual": plan["virtual"],
+    return {"tp": tp, "cp": plan["cp"], "pp": pp, "dp": dp, "schedule": plan["schedule"], "virtual": plan["virtual"],
             "zero_stage": zero, "recompute": recompute, "micro_batch": mb, "micro_batches": plan["micro_batches"],
             "bubble": plan["bubble"], "heads_per_rank": heads, "uneven": len(set(heads)) > 1,
             "heaviest_stage": heavy["stage"], "model_states": heavy["model_states"],
@@ -105,7 +110,7 @@ def _row(model: Model, hw: Hardware, plan: dict, tp: int, pp: int, dp: int, zero
             "model_flops_utilization": t["model_flops_utilization"], "train_days": t["train_days"]}
 
 
-PIPELINE_HEADER = (f"{'tp':>3} {'pp':>3} {'dp':>4} {'heads':>8} {'zero':>4} {'recomp':>6} {'mb':>3} {'m':>4} "
+PIPELINE_HEADER = (f"{'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'heads':>8} {'zero':>4} {'recomp':>6} {'mb':>3} {'m':>4} "
                    f"{'bubble':>6} {'states GB':>9} {'acts GB':>8} {'bufs GB':>7} {'total GB':>8} {'s/iter':>7} "
                    f"{'tokens/s':>9} {'TFLOP/s':>7} {'days':>6}  note")
 
@@ -120,7 +125,7 @@ def _pipeline_row(r: dict) -> str:
         note = f"heaviest stage {r['heaviest_stage']}"
     if r["uneven"]:
         note += "; uneven heads"
-    return (f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {heads_compact(r['heads_per_rank']):>8} {r['zero_stage']:>4} "
+    return (f"{r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['dp']:>4} {heads_compact(r['heads_per_rank']):>8} {r['zero_stage']:>4} "
             f"{'on' if r['recompute'] else 'off':>6} {r['micro_batch']:>3} {r['micro_batches']:>4} "
             f"{r['bubble']:>6.1%} {r['model_states'] / GB:>9,.2f} {r['activations'] / GB:>8,.2f} "
             f"{r['buffers'] / GB:>7,.2f} {r['total'] / GB:>8,.2f} {timing}  {note}")
@@ -131,16 +136,16 @@ def format_pipeline_search(result: dict, without: dict | None = None) -> str:
     nothing fits; ``without``: the PP = 1 search, for the line naming the fastest of all."""
     sched = (f"interleaved, {result['layers_per_chunk']} layers per chunk" if result["layers_per_chunk"]
              else "1f1b")
-    lines = [f"with a pipeline (PP > 1, {sched}; ZeRO 0 and 1, the stages pipelines run): per TP x PP the fastest "
+    lines = [f"with a pipeline (PP > 1, {sched}; ZeRO 0-3, where 2 and 3 keep the stage's unsharded parameters and gradients): per TP x CP x PP the fastest "
              f"layout that fits, fastest first; m: micro batches per step; memory: the heaviest pipeline rank's "
              f"model states, activations in flight and receive buffers (--json lists every fitting layout)",
              "", PIPELINE_HEADER]
     best, seen = [], set()
     for r in result["layouts"]:
-        if (r["tp"], r["pp"]) not in seen:
-            seen.add((r["tp"], r["pp"]))
+        if (r["tp"], r["cp"], r["pp"]) not in seen:
+            seen.add((r["tp"], r["cp"], r["pp"]))
             best.append(r)
-    lines += [_pipeline_row(r) for r in best + sorted(result["not_fitting"], key=lambda r: (r["pp"], r["tp"]))]
+    lines += [_pipeline_row(r) for r in best + sorted(result["not_fitting"], key=lambda r: (r["pp"], r["cp"], r["tp"]))]
     b = result["fastest"]
     if b is None:
         lines += ["", "No pipeline layout fits."]
@@ -150,13 +155,14 @@ def format_pipeline_search(result: dict, without: dict | None = None) -> str:
             lines.append("fastest of all: the layout without a pipeline above")
         elif without is not None:
             lines.append("fastest of all: this pipeline layout")
-    lines += [f"skipped {'TP %d x ' % s['tp'] if 'tp' in s else ''}PP {s['pp']}{' x DP %d' % s['dp'] if 'dp' in s else ''}"
+    lines += [f"skipped {'TP %d x ' % s['tp'] if 'tp' in s else ''}{'CP %d x ' % s['cp'] if s.get('cp', 1) > 1 else ''}PP {s['pp']}{' x DP %d' % s['dp'] if 'dp' in s else ''}"
               f": {s['reason']}" for s in result["skipped"]]
     return "\n".join(lines)
 
 
 def _describe(r: dict) -> str:
-    return (f"TP {r['tp']} x PP {r['pp']} x DP {r['dp']}, ZeRO {r['zero_stage']}, recomputation "
+    cp = f"CP {r['cp']} x " if r["cp"] > 1 else ""
+    return (f"TP {r['tp']} x {cp}PP {r['pp']} x DP {r['dp']}, ZeRO {r['zero_stage']}, recomputation "
             f"{'on' if r['recompute'] else 'off'}, micro batch {r['micro_batch']} x {r['micro_batches']} per step, "
             f"bubble {r['bubble']:.1%} ({r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops_per_gpu']:.1f} model "
             f"TFLOP/s per GPU)")

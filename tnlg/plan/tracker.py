@@ -17,6 +17,11 @@ tensors or on fake ones (``FakeTensorMode``: shapes without memory, which is how
   arguments its schema marks written; nothing for views and for ``empty``), FLOPs
   (``torch.utils.flop_counter``'s formulas: matmuls, convolutions, attention), and for collectives (``c10d`` operators) the payload bytes per process group.
 
+A storage resized in place (FSDP2 frees an unsharded parameter with ``untyped_storage().resize_(0)``
+and grows it again before the all-gather's copy-out writes it; the resize itself dispatches no operator)
+is counted at its current size: every sweep reads the sizes again, and an operator's output that lives
+already is re-read when the operator writes it.
+
 Phases (:meth:`StepTracker.phase`) give per phase the bytes live at the start and the peak,
 by kind. Peaks are exact: the live set is swept whenever an allocation could set a new
 peak. Slow (a Python call per operator): for measurements, never for timed runs.
@@ -30,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -102,6 +107,17 @@ class StepTracker(TorchDispatchMode):
                 del self.live[key]
                 self.current[kind] -= n
                 self.total -= n
+            else:
+                self._resized(key)
+
+    def _resized(self, key: int) -> None:
+        """Count a live storage at its current size (resized in place since it was counted)."""
+        ref, n, kind = self.live[key]
+        now = torch.UntypedStorage._new_with_weak_ptr(key).nbytes()
+        if now != n:
+            self.live[key] = (ref, now, kind)
+            self.current[kind] += now - n
+            self.total += now - n
 
     def _add(self, st, kind: str) -> None:
         ref = StorageWeakRef(st)
@@ -121,8 +137,8 @@ class StepTracker(TorchDispatchMode):
         """Count the storages of ``tensors`` (a tensor or an iterable, ``None`` skipped) as ``kind``."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        for t in ([tensors] if isinstance(tensors, torch.Tensor) or tensors is None else tensors):
-            if t is not None and t.device.type != "meta":
+        for t in _tensors([tensors] if isinstance(tensors, torch.Tensor) or tensors is None else list(tensors)):
+            if t.device.type != "meta":
                 self._add(t.untyped_storage(), kind)
 
     def live_by_kind(self) -> dict[str, int]:
@@ -155,8 +171,7 @@ class StepTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         ph = self._phase
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         seen = {StorageWeakRef(t.untyped_storage()).cdata for t in inputs}
         for t in outputs:
             if t.device.type == "meta":  # shapes only: a meta-device model holds no memory
@@ -166,6 +181,8 @@ class StepTracker(TorchDispatchMode):
             if key not in seen and key not in self.live:
                 self._add(st, self._new_kind)
                 self.largest_new[t.dtype] = max(self.largest_new.get(t.dtype, 0), t.numel())
+            elif key in self.live and not self.live[key][0].expired():
+                self._resized(key)  # written into: grown again since it was counted?
         self._update_peak()
         on_device = [t for t in inputs + outputs if t.device.type != "meta"]
         if ph is not None and (on_device or not inputs + outputs):
@@ -200,13 +217,27 @@ class StepTracker(TorchDispatchMode):
         return "unknown"
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    """The plain tensors of ``tree``: a wrapper subclass (a ``DTensor``: FSDP2's sharded parameters and
+    gradients) by the tensors inside it, which hold its memory (its own storage is a full-size stand-in
+    with no data)."""
+    out: list[torch.Tensor] = []
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += _tensors([getattr(t, n) for n in names])
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an in-place or ``out=`` operator writes (its schema's mutable arguments)."""
     out = []
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-            out += [t for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+            out += _tensors(v)
     return out
 
 

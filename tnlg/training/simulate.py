@@ -24,6 +24,11 @@ collective returns at once), watched by :class:`tnlg.plan.tracker.StepTracker`:
    is the host copies at the GPU's PCIe bandwidth (the file system's time is not predicted),
    and it is not part of the step time.
 
+Context parallelism (``cp > 1``): rank 0 is CP rank 0 of a ``TP x CP x DP`` world; its micro batches are its
+two chunks of each sequence (``s / C`` positions, global positions from the model), the ring attention's
+sends and receives go to the fake group (each hop counted under ``cp``; a hop's time is its send at NVLink's
+bandwidth when TP x CP fits in a node), and the engine reduces over DP x CP (``ps.for_gradients()``).
+
 The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
 that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
 inputs without a mask runs as CUDA's flash attention kernel does (its fake implementation:
@@ -64,12 +69,17 @@ __all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 _RING = {"allreduce": lambda n: 2 * (n - 1) / n, "reducescatter": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n}
+         "allgather": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a hop: its send
 
 
 def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision: str, gpu_name: str,
-                 micro_batch: int, accum: int) -> GPU:
-    """A clear :class:`UserError` for a layout the simulation cannot run; the :class:`GPU` otherwise."""
+                 micro_batch: int, accum: int, *, fsdp: bool = False, cp: int = 1) -> GPU:
+    """A clear :class:`UserError` for a layout the simulation cannot run; the :class:`GPU` otherwise.
+    ``fsdp``: ZeRO stages 2 and 3 (FSDP2) are simulated too (a pipeline stage's simulation runs them);
+    ``cp``: context-parallel ranks (``2 cp`` must divide the sequence)."""
+    if not isinstance(cp, int) or cp < 1 or config.seq_length % (2 * cp):
+        raise UserError(f"--simulate: --context-parallel-size {cp!r} must be a positive integer with 2 x CP "
+                        f"dividing --seq-length {config.seq_length}.")
     g = lookup_gpu(gpu_name)
     for name, v in (("--tensor-model-parallel-size", tp), ("--data-parallel-size", dp),
                     ("--micro-batch-size", micro_batch), ("gradient accumulation steps", accum)):
@@ -81,24 +91,28 @@ def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision
         raise UserError(f"--simulate: {err}") from None
     if precision not in _DTYPES:
         raise UserError(f"--simulate: --precision {precision!r} is not one of {', '.join(_DTYPES)}.")
-    if zero_stage not in (0, 1):
+    if fsdp and zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--simulate: --zero-stage {zero_stage!r} is not a ZeRO stage; valid: 0, 1, 2, 3.")
+    if not fsdp and zero_stage not in (0, 1):
         raise UserError(f"--simulate runs ZeRO stages 0 and 1 (tnlg's flat buffers); stage {zero_stage} "
-                        f"(FSDP2) is not simulated yet. Plan it without --simulate, or simulate --zero-stage 1.")
+                        f"(FSDP2) is not simulated yet without a pipeline (tnlg plan --pp P --simulate runs it). Plan it without --simulate, "
+                        f"or simulate --zero-stage 1.")
     return g
 
 
 @contextlib.contextmanager
-def _fake_world(tp: int, dp: int):
-    """Rank 0 of a ``tp x dp`` world whose collectives do nothing: its :class:`ParallelState`."""
+def _fake_world(tp: int, dp: int, cp: int = 1):
+    """Rank 0 of a ``tp x cp x dp`` world whose collectives (and point-to-point sends, the ring's) do nothing:
+    its :class:`ParallelState`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..parallel.state import init_parallel
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * dp)
     try:
-        yield init_parallel(tensor_parallel_size=tp)
+        yield init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
     finally:
         dist.destroy_process_group()
 
@@ -190,6 +204,11 @@ def _save_on_fake_tensors(host_copies: list):
 
 def _register_engine(tracker: StepTracker, engine) -> None:
     b = engine.backend
+    if not hasattr(b, "param_buffer"):  # FSDP2 (ZeRO 2/3): the local shards; gradients appear in backward
+        tracker.register([p.to_local() for p in b.params], "parameters")
+        tracker.register([m for m in b.master if m is not None], "master")
+        tracker.register(b.exp_avg + b.exp_avg_sq, "adam")
+        return
     tracker.register(b.param_buffer, "parameters")
     tracker.register(b.grad_buffer, "gradients")
     tracker.register(b.master, "master")
@@ -211,16 +230,18 @@ def _sync_norm_and_step(tracker, engine, ps, clip_grad: float) -> None:
 
 def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
              micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
-             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True) -> dict:
+             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True, cp: int = 1) -> dict:
     """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction.
-    ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run)."""
+    ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run).
+    ``cp``: context-parallel ranks; rank 0 runs its two chunks of each sequence (``s / cp`` positions)
+    through the ring attention, whose sends and receives go to the fake group (counted as ``cp`` traffic)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum)
-    layout = dict(tp=tp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum, cp=cp)
+    layout = dict(tp=tp, cp=cp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
                   grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb)
     started = time.perf_counter()
     host_copies: list[int] = []
-    with _fake_world(tp, dp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
+    with _fake_world(tp, dp, cp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
             _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), \
             _save_on_fake_tensors(host_copies), tempfile.TemporaryDirectory(prefix="tnlg-simulate-") as save_dir, \
             warnings.catch_warnings():
@@ -236,21 +257,25 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
                       clip_grad: float = 1.0, save_dir: Optional[str] = None) -> tuple[StepTracker, dict]:
     """One iteration of tnlg's code on ``ps`` under a :class:`StepTracker`, phase by phase (module
     docstring), and with ``save_dir`` a checkpoint of it saved there; real or fake tensors alike.
-    Returns the tracker and the engine's memory report."""
+    Returns the tracker and the engine's memory report. With context parallelism (``ps.cp_size > 1``) the
+    micro batches are this CP rank's ``s / C`` positions and the engine reduces over DP x CP
+    (``ps.for_gradients()``), as ``tnlg pretrain`` builds it."""
     from ..model import GPT
     from ..optim import build_engine
     from .step import forward_loss
     dtype, micro_steps = _DTYPES[precision], min(accum, 2)
-    tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp"})
+    grad_ps = ps.for_gradients()
+    tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.cp_group: "cp"})
     with tracker:
         with tracker.phase("setup"):
-            engine = build_engine(GPT(config, ps, device="meta"), ps, zero_stage, grad_accum_steps=micro_steps,
+            engine = build_engine(GPT(config, ps, device="meta"), grad_ps, zero_stage, grad_accum_steps=micro_steps,
                                   param_dtype=dtype, accumulate_grads_in_fp32=grads_fp32,
                                   bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
         _register_engine(tracker, engine)
         engine.zero_grad()
         for i in range(micro_steps):
-            tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+            tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length // ps.cp_size),
+                                   device=ps.device)  # (this CP rank's chunks: the model takes their positions)
             batch = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(tokens.shape, device=ps.device))
             tag = " (accumulation)" if i < micro_steps - 1 else ""
             with tracker.phase("forward" + tag):
@@ -258,12 +283,12 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
             with tracker.phase("backward" + tag):
                 engine.backward(loss)
                 del loss, batch, tokens
-        _sync_norm_and_step(tracker, engine, ps, clip_grad)
+        _sync_norm_and_step(tracker, engine, grad_ps, clip_grad)
         if save_dir is not None:
             from ..checkpoint.saving import save
             with tracker.phase("save"):
                 save(save_dir, iteration=1, consumed_samples=micro_batch * accum * ps.dp_size, model=engine.model,
-                     engine=engine, ps=ps, config=config)
+                     engine=engine, ps=grad_ps, config=config)
         memory = engine.memory_report()
         engine.close()
     return tracker, memory
@@ -274,16 +299,20 @@ def _comm_time(op, group_size: int, gbps: float) -> float:
     return op.comm_bytes * _RING.get(kind, _RING["allreduce"])(max(group_size, 2)) / (gbps * 1e9)
 
 
-def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8) -> dict:
-    """Seconds per phase on GPU ``g`` (module docstring): compute, memory-bound, communication."""
+def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8, cp: int = 1) -> dict:
+    """Seconds per phase on GPU ``g`` (module docstring): compute, memory-bound, communication. ``dp``: the
+    gradient group's size (DP x CP with context parallelism); the CP ring's sends at NVLink's bandwidth when
+    TP x CP fits in a node, else the network's (not overlapped with compute here)."""
     flops_s, bytes_s = g.flops_16bit * g.matmul_efficiency, g.memory_bps * g.memory_efficiency
     dp_gbps = g.nvlink_gbps if tp * dp <= gpus_per_node else g.network_gbps
+    cp_gbps = g.nvlink_gbps if tp * cp <= gpus_per_node else g.network_gbps
     out = {}
     for ph in phases:
         compute = comm = 0.0
         for op in ph.ops:
             if op.comm_bytes:
-                size, gbps = (tp, g.nvlink_gbps) if op.group == "tp" else (dp, dp_gbps)
+                size, gbps = ((tp, g.nvlink_gbps) if op.group == "tp" else (cp, cp_gbps) if op.group == "cp"
+                              else (dp, dp_gbps))
                 comm += _comm_time(op, size, gbps)
             elif op.name not in ALLOCATIONS:  # an allocation launches no kernel
                 compute += max(op.flops / flops_s, op.bytes / bytes_s, g.kernel_floor_s)
@@ -303,13 +332,14 @@ def _save_phase(d: dict, g: GPU, host_copies: list[int]) -> None:
 def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memory: dict, wall: float,
             host_copies: list[int]) -> dict:
     from ..plan.flops import flops_per_iteration
-    times = predict_time(tracker.phases, g, layout["tp"], layout["dp"])
+    cp = layout.get("cp", 1)
+    times = predict_time(tracker.phases, g, layout["tp"], layout["dp"] * cp, cp=cp)
     accum = layout["accum"]
     step = sum(t["total_s"] * (accum - 1 if name.endswith("(accumulation)") else 1)
                for name, t in times.items() if name not in ("setup", "save"))
-    tokens = layout["micro_batch"] * accum * config.seq_length
+    tokens = layout["micro_batch"] * accum * config.seq_length // cp
     model_flops = flops_per_iteration(config, layout["micro_batch"] * accum, None,
-                                      config.padded_vocab_size(layout["tp"])) / layout["tp"]
+                                      config.padded_vocab_size(layout["tp"])) / (layout["tp"] * cp)
     phases = []
     for ph in tracker.phases:
         d = ph.as_dict()

@@ -16,9 +16,17 @@ this process, under ``FakeTensorMode`` and torch's fake process group (as
 3. ``grad sync``, ``norm`` and ``optimizer``, as without a pipeline, plus the tied embedding's gradient
    all-reduce over the first and last stage.
 
+ZeRO 2 and 3 (FSDP2): the stage runs the engine's FSDP2 module of its chunk (as torch's ``PipelineStage``
+does); before each micro batch's backward the flags torch's stage sets (no gradient reduce-scatter, no
+reshard after backward), and after the last backward torch's own ``perform_reduce_grad`` (phase ``grad
+sync``: the accumulated gradients reduce-scattered over DP, the parameters resharded). The model is built
+on the meta device outside the fake mode (FSDP2 shards real meta parameters, then materialises its shards
+as fake tensors) and FSDP2's DP mesh is built outside it too (:func:`_fsdp_mesh_on_real_ranks`).
+
 What is not run: torch's schedule itself (``torch.distributed.pipelining``): its point-to-point warm-up
 and metadata exchange read data that a fake process group does not move, so the order of its 1F1B
-schedule is reproduced here instead, and the send/recv traffic is not counted. Nor is the checkpoint save:
+schedule is reproduced here instead, and its send/recv traffic between stages is not counted (the CP ring's,
+with ``cp > 1``, is). Nor is the checkpoint save:
 its check that every parameter of the model is held by some stage gathers every stage's records, which
 a fake process group does not exchange. Interleaved schedules are not simulated.
 """
@@ -51,19 +59,40 @@ def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, 
 
 
 @contextlib.contextmanager
-def _fake_stage_world(tp: int, pp: int, dp: int, stage: int):
-    """The first rank of pipeline stage ``stage`` of a ``pp x tp x dp`` world whose collectives do nothing."""
+def _fake_stage_world(tp: int, pp: int, dp: int, stage: int, cp: int = 1):
+    """The first rank of pipeline stage ``stage`` of a ``tp x cp x pp x dp`` world whose collectives (and the
+    ring's sends) do nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..parallel.state import init_parallel
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * dp, world_size=pp * tp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * cp * dp, world_size=pp * tp * cp * dp)
     try:
-        yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fsdp_mesh_on_real_ranks():
+    """For the duration, ``DeviceMesh.from_group`` (FSDP2's mesh of the DP group, ZeRO 2/3) runs outside the
+    fake tensor mode: it builds the mesh from a tensor of the group's ranks, which it reads back, and a fake
+    tensor has no values to read."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    real = DeviceMesh.from_group
+
+    def from_group(*args, **kwargs):
+        with unset_fake_temporarily():
+            return real(*args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(from_group)
+    try:
+        yield
+    finally:
+        DeviceMesh.from_group = staticmethod(real)
 
 
 def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, received: Optional[torch.Tensor]):
@@ -71,7 +100,7 @@ def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, receiv
     ``received`` (the receive buffer): ``(what backward starts from, the chunk's output)``."""
     from ..parallel.vocab import vocab_parallel_cross_entropy
     from .step import autocast_to
-    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length), device=ps.device)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length // ps.cp_size), device=ps.device)
     x = tokens if received is None else received.detach().requires_grad_()  # torch's stage input
     with autocast_to(dtype, ps.device):
         out = chunk(x)
@@ -83,7 +112,7 @@ def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, receiv
 def _receive_buffers(ps, config: GPTConfig, micro_batch: int, micro_batches: int, dtype) -> list:
     """torch's ``PipelineStage`` buffers: one ``[b, s, h]`` per micro batch for the activation it receives
     (all stages but the first) and one for the gradient (all but the last), kept for the whole run."""
-    shape, dt = (micro_batch, config.seq_length, config.hidden_size), dtype or torch.float32
+    shape, dt = (micro_batch, config.seq_length // ps.cp_size, config.hidden_size), dtype or torch.float32
     make = [torch.empty(shape, dtype=dt, device=ps.device) for _ in range(micro_batches)]
     inputs = None if ps.is_first_stage else make
     grads = None if ps.is_last_stage else [torch.empty(shape, dtype=dt, device=ps.device)
@@ -97,7 +126,8 @@ def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_bat
     a phase ``forward (1F1B)``, each backward a phase ``backward (1F1B)`` (merged by :func:`_merge`). As in
     torch's stage, a micro batch's output is kept until its backward (the last stage's logits too)."""
     from ..parallel.pipeline_schedule import tie_embedding_grads
-    chunk, held = engine.model.chunk(0), {}
+    fsdp = getattr(engine.model, "pipeline_chunks", None)  # ZeRO 2/3: the FSDP2 module the stage runs
+    chunk, held = (fsdp[0] if fsdp else engine.model.chunk(0)), {}
 
     def run(factor: float) -> None:
         with tracker.phase("forward (1F1B)"):
@@ -108,15 +138,39 @@ def _run_schedule(tracker: StepTracker, engine, ps, config: GPTConfig, micro_bat
                     held[k] = _micro_forward(chunk, ps, config, micro_batch, dtype, inputs and inputs[k])
                 continue
             with tracker.phase("backward (1F1B)"):
+                if fsdp:
+                    _no_sync(chunk)
                 start, out = held.pop(k)
                 if ps.is_last_stage:
                     (start * factor).backward()
                 else:  # the gradient received from the next stage
                     start.backward(grads[k])
                 del start, out
+        if fsdp:
+            with tracker.phase("grad sync"):
+                _reduce_grad(chunk)
         with tracker.phase("backward (1F1B)"):
             tie_embedding_grads(engine.model, engine.grad_view)
     engine.backward_all(run)
+
+
+def _no_sync(chunk) -> None:
+    """What torch's ``PipelineStage.backward_maybe_with_nosync`` sets on an FSDP2 module before every micro
+    batch's backward: no reduce-scatter, no reshard after backward (the unsharded parameters and the
+    accumulated unsharded gradients stay for the rest of the step)."""
+    chunk.set_is_last_backward(False)
+    chunk.set_reshard_after_backward(False)
+    chunk.set_requires_gradient_sync(False)
+
+
+def _reduce_grad(chunk) -> None:
+    """torch's ``PipelineStage.perform_reduce_grad`` (its own code, on an object holding the stage's module):
+    after the last backward, FSDP2's post-backward of every parameter group, which reduce-scatters the
+    accumulated gradients over DP and reshards the parameters."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=chunk), 1)  # type: ignore[arg-type]
 
 
 def _merge(phases: list[dict]) -> list[dict]:
@@ -141,21 +195,28 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
                    micro_batches: int, grads_fp32: bool, bucket_size_mb: float,
                    clip_grad: float) -> tuple[StepTracker, dict]:
     """The stage's iteration under a :class:`StepTracker`, phase by phase (module docstring)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from ..optim import build_engine
     from ..parallel.pipeline import StageModel, chunk_layers
     dtype = _DTYPES[precision]
-    tracker = StepTracker({ps.tp_group: "tp", ps.dp_group: "dp", ps.pp_group: "pp"})
+    grad_ps = ps.for_gradients()  # the engine reduces over DP x CP
+    tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.pp_group: "pp", ps.cp_group: "cp"})
     with tracker:
         with tracker.phase("setup"):
             chunks = [chunk_layers(config.num_layers, ps.pp_size)[ps.pp_rank]]
-            engine = build_engine(StageModel(config, ps, chunks, device="meta"), ps, zero_stage,
+            with unset_fake_temporarily():  # a meta-device build holds nothing; FSDP2 takes real meta parameters
+                model = StageModel(config, ps, chunks, device="meta")
+                if dtype is not None and zero_stage >= 2:
+                    model.to(dtype)  # FSDPZero's own cast, here where no fake tensor takes part
+            engine = build_engine(model, grad_ps, zero_stage,
                                   grad_accum_steps=micro_batches, param_dtype=dtype,
                                   accumulate_grads_in_fp32=grads_fp32, bucket_size_mb=bucket_size_mb,
                                   clip_grad=clip_grad)
         _register_engine(tracker, engine)
         engine.zero_grad()
         _run_schedule(tracker, engine, ps, config, micro_batch, micro_batches, dtype)
-        _sync_norm_and_step(tracker, engine, ps, clip_grad)
+        _sync_norm_and_step(tracker, engine, grad_ps, clip_grad)
         memory = engine.memory_report()
         engine.close()
     return tracker, memory
@@ -163,32 +224,30 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
 
 def simulate_stage(config: GPTConfig, tp: int, pp: int, dp: int, stage: int, *, zero_stage: int = 1,
                    precision: str = "bf16", micro_batch: int = 1, micro_batches: int = 1, grads_fp32: bool = False,
-                   gpu: str = "h100", bucket_size_mb: float = 25.0, clip_grad: float = 1.0) -> dict:
+                   gpu: str = "h100", bucket_size_mb: float = 25.0, clip_grad: float = 1.0, cp: int = 1) -> dict:
     """Simulate one iteration of pipeline stage ``stage``'s first rank (module docstring): its phases
-    (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report."""
+    (live, peak by kind, time on ``gpu``), the peak outside setup and its phase, and the engine's report.
+    ``cp``: context-parallel ranks; the stage runs CP rank 0's ``s / cp`` positions (the ring's sends to the
+    fake group), its engine reduces over DP x CP."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches)
+    g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, micro_batches, fsdp=True, cp=cp)
     if not (isinstance(pp, int) and pp > 1 and 0 <= stage < pp):
         raise UserError(f"--simulate of a pipeline stage needs --pp > 1 and a stage in 0..pp-1, got pp {pp!r}, "
                         f"stage {stage!r}.")
     started = time.perf_counter()
-    with _fake_stage_world(tp, pp, dp, stage) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
-            warnings.catch_warnings():
+    with _fake_stage_world(tp, pp, dp, stage, cp) as ps, FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernels(), \
+            _fsdp_mesh_on_real_ranks(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = _tracked_stage(config, ps, zero_stage=zero_stage, precision=precision,
                                          micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32,
                                          bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
-    phases = _merge([dict(ph.as_dict(), **_time(ph, g, tp, dp)) for ph in tracker.phases])
+    phases = _merge([dict(ph.as_dict(), **predict_time([ph], g, tp, dp * cp, cp=cp)[ph.name])
+                     for ph in tracker.phases])
     step = phases[1:]
     top = max(step, key=lambda p: p["peak_bytes"])
-    return dict(stage=stage, layout=dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, precision=precision,
+    return dict(stage=stage, layout=dict(tp=tp, cp=cp, pp=pp, dp=dp, zero_stage=zero_stage, precision=precision,
                                          micro_batch=micro_batch, micro_batches=micro_batches, grads_fp32=grads_fp32),
                 gpu=g.name, phases=phases, peak_bytes=top["peak_bytes"], peak_phase=top["name"],
                 setup_peak_bytes=phases[0]["peak_bytes"], model_states=memory,
                 in_flight=min(pp - stage, micro_batches),
                 simulated_in_s=round(time.perf_counter() - started, 2))
-
-
-def _time(phase, g, tp: int, dp: int) -> dict:
-    """:func:`tnlg.training.simulate.predict_time` of one phase (phases of one name are merged after)."""
-    return predict_time([phase], g, tp, dp)[phase.name]
