@@ -231,6 +231,32 @@ def test_rope_and_swiglu_kernels_equal_the_formulas_with_their_gradients(rotary_
                                rtol=1e-12, atol=1e-12)
 
 
+def test_a_llama_block_traces_into_one_graph_with_the_eager_gradients():
+    """``--compile``: Dynamo traces a whole Llama block (rope and SwiGLU fall back to their formulas, whose
+    ``out=`` kernels it cannot trace), and the traced block (``aot_eager``: no C++ toolchain needed) gives
+    the eager output and input gradient."""
+    import torch._dynamo as dynamo
+
+    from tnlg.model import GPT
+    cfg = GPTConfig(num_layers=1, hidden_size=48, num_attention_heads=6, seq_length=16, vocab_size=100,
+                    hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+                    normalization="RMSNorm", swiglu=True, group_query_attention=True, num_query_groups=2,
+                    add_bias_linear=False)
+    model = GPT(cfg)
+    block, rotary = model.transformer.h[0], model.rotary(16, None)
+    x = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def run(fn):
+        y = fn(x, None, None, None, rotary)
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+        return y.detach(), gx
+    explained = dynamo.explain(block)(x, None, None, None, rotary)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    dynamo.reset()
+    for got, want in zip(run(torch.compile(block, backend="aot_eager")), run(block)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("name,published", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248)])
 def test_the_llama_presets_have_the_published_parameter_counts(name, published):
     """The formula, the layers' description (tnlg.parameter_counts) and the numel of the model built on the

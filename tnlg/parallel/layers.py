@@ -383,7 +383,12 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation of the fused gate/up output ``y`` ``[..., 2 f]`` (gate first): ``silu(gate) * up``,
-    ``[..., f]``, in ``y``'s dtype (under autocast as well: silu and the product are not autocast ops)."""
+    ``[..., f]``, in ``y``'s dtype (under autocast as well: silu and the product are not autocast ops). Under
+    ``torch.compile`` the formula itself (Dynamo does not trace ``out=`` into strided views; the compiler
+    fuses the kernels)."""
+    if torch.compiler.is_compiling():
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
     with torch.autocast(device_type=y.device.type, enabled=False):
         return _SwiGLU.apply(y)
 

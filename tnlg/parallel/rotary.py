@@ -79,7 +79,11 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[b, heads, s, d]`` and keys ``[b, kv_heads, s, d]`` (the same dtype) rotated over their first
     ``cos.shape[-1]`` dimensions by the angles ``(cos, sin)`` (:func:`rotary_angles`, cast once to their
-    dtype); the rest pass unchanged. The products run in that dtype, as :func:`rotate`'s."""
+    dtype); the rest pass unchanged. The products run in that dtype, as :func:`rotate`'s. Under
+    ``torch.compile`` it is :func:`rotate` (Dynamo does not trace ``out=`` into strided views, and the
+    compiler fuses the formula's kernels itself)."""
+    if torch.compiler.is_compiling():
+        return rotate(q, cos, sin), rotate(k, cos, sin)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         return _Rotate.apply(q, k, cos, sin)
