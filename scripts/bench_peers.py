@@ -1,10 +1,18 @@
 #!/usr/bin/env python
-"""tnlg side by side with megatron-core's ``GPTModel`` and transformers' GPT-2: one training step each.
+"""tnlg side by side with megatron-core's ``GPTModel`` and transformers (GPT-2 or Llama): one training step each.
 
 The same shape (default: 6 layers, hidden 512, 8 heads, seq 256, vocab 8192, micro batch 4), the same
-initialisation statistics (normal, std 0.02, zero biases, unit LayerNorms; megatron-core and tnlg both
-scale the output projections by ``1/sqrt(2 l)``), the same tokens and AdamW (lr 1e-4, betas 0.9/0.95,
-eps 1e-8, weight decay 0.1, no clipping). One step = forward + mean cross-entropy + backward +
+initialisation statistics (normal, std 0.02, zero biases, unit norms; the output projections scaled by
+``1/sqrt(2 l)``: megatron-core and tnlg do it, transformers' GPT-2 too, and its Llama is scaled so after
+its init), the same tokens and AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1, no clipping).
+
+``--arch llama`` (default ``gpt2``) trains the Llama shape instead: the same dims with rope (base 10000,
+every dimension rotated), RMSNorm (eps 1e-5), SwiGLU (Megatron's default ffn ``int(8h/3/64)*64``: 1344 at
+hidden 512), grouped-query attention with ``--groups`` KV groups (default 2), no linear biases and an
+untied output layer: tnlg's ``GPTConfig`` with Megatron's flags, megatron-core's ``GPTModel`` with the
+``TransformerConfig`` Megatron-LM makes of them (``normalization="RMSNorm"``, ``gated_linear_unit``, silu,
+``num_query_groups``, ``add_bias_linear=False``, ``position_embedding_type="rope"``; local spec) and
+transformers' ``LlamaForCausalLM`` (SDPA attention). One step = forward + mean cross-entropy + backward +
 optimizer step, each framework through its own training path:
 
 * ``tnlg``: ``GPT`` in its data-parallel engine (``build_engine``, ZeRO 0 at DP 1); ``16-bit`` is
@@ -14,8 +22,8 @@ optimizer step, each framework through its own training path:
   Megatron's ``--bf16``: bf16 parameters in ``Float16Module``, an fp32 master in its optimizer. It runs
   on the CPU with gloo after the patches of ``tests/megatron_reference.py``; under
   ``torch.autocast("cpu")`` its linear layers' ``custom_fwd/custom_bwd`` are re-wrapped for ``"cpu"``;
-* ``hf``: ``transformers.GPT2LMHeadModel`` (SDPA attention) with ``torch.optim.AdamW``, TP 1 only and
-  no 16-bit path of its own (``n/a``).
+* ``hf``: ``transformers.GPT2LMHeadModel`` (``--arch llama``: ``LlamaForCausalLM``; SDPA attention) with
+  ``torch.optim.AdamW``, TP 1 only and no 16-bit path of its own (``n/a``).
 
 Configurations: ``fp32``, ``bf16`` (fp32 parameters, ``torch.autocast("cpu", bfloat16)``) and
 ``16-bit`` (each framework's own), at TP 1 (one process, 2 threads) and TP 2 (2 gloo ranks, 1 thread
@@ -35,6 +43,7 @@ for comparison). The JSON records each measurement's setting.
     python scripts/bench_peers.py                         # about 5 minutes on 2 idle cores
     python scripts/bench_peers.py --competing-load 2      # both cores kept busy by others
     python scripts/bench_peers.py --tiny                  # seconds: a smoke test
+    python scripts/bench_peers.py --arch llama            # the Llama shape (8 heads, 2 KV groups)
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from tnlg.errors import UserError
 from tnlg.runtime.threads import WAIT_VARIABLES, set_wait_policy
 
 FRAMEWORKS = ("tnlg", "megatron", "hf")
+ARCHS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16", "16-bit")
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOAD_SIZE = 512  # the competing processes' square fp32 matmul
@@ -79,14 +89,22 @@ def _autocast(spec: dict):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["precision"] != "fp32")
 
 
-def tnlg_step(ps, spec: dict):
+def tnlg_config(spec: dict):
+    """tnlg's ``GPTConfig`` of the spec: GPT-2's decoder, or with ``arch == "llama"`` Megatron's Llama flags
+    (rope, RMSNorm, SwiGLU, ``groups`` KV groups, no biases, untied); dropout 0."""
     from tnlg.config import GPTConfig
+    llama = dict(position_embedding_type="rope", rotary_base=10000.0, normalization="RMSNorm", layernorm_epsilon=1e-5,
+                 swiglu=True, group_query_attention=True, num_query_groups=spec["groups"], add_bias_linear=False,
+                 untie_embeddings_and_output_weights=True)
+    return GPTConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
+                     seq_length=spec["seq"], vocab_size=spec["vocab"], hidden_dropout=0.0, attention_dropout=0.0,
+                     seed=spec["seed"], **(llama if spec["arch"] == "llama" else {}))
+
+
+def tnlg_step(ps, spec: dict):
     from tnlg.model import GPT
     from tnlg.optim import build_engine
-    cfg = GPTConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
-                    seq_length=spec["seq"], vocab_size=spec["vocab"], hidden_dropout=0.0, attention_dropout=0.0,
-                    seed=spec["seed"])
-    model = GPT(cfg, ps, device="meta")  # materialised by the engine, as tnlg pretrain does
+    model = GPT(tnlg_config(spec), ps, device="meta")  # materialised by the engine, as tnlg pretrain does
     engine = build_engine(model, ps, 0, clip_grad=0.0, lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
                           weight_decay=ADAMW["weight_decay"],
                           param_dtype=torch.bfloat16 if spec["precision"] == "16-bit" else None)
@@ -102,22 +120,39 @@ def tnlg_step(ps, spec: dict):
     return step
 
 
-def hf_step(ps, spec: dict):
+def hf_model(spec: dict):
+    """transformers' ``GPT2LMHeadModel``, or ``LlamaForCausalLM`` of tnlg's Llama config (its output and down
+    projections scaled by ``1/sqrt(2 l)`` after transformers' init, as GPT-2's, megatron-core's and tnlg's
+    are), SDPA attention, train mode."""
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
     transformers.logging.set_verbosity_error()
     torch.manual_seed(spec["seed"])
+    if spec["arch"] == "llama":
+        from tnlg.interop.hf_llama import llama_config_from
+        cfg = llama_config_from(tnlg_config(spec), "llama")
+        cfg._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                    w.mul_(1.0 / (2.0 * spec["layers"]) ** 0.5)
+        return model.train()
     cfg = GPT2Config(vocab_size=spec["vocab"], n_positions=spec["seq"], n_embd=spec["hidden"],
                      n_layer=spec["layers"], n_head=spec["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=None, eos_token_id=None)
     cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(cfg).train()
+    return GPT2LMHeadModel(cfg).train()
+
+
+def hf_step(ps, spec: dict):
+    model = hf_model(spec)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     tok = _tokens(spec)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with _autocast(spec):  # (GPT-2 shifts the labels itself: s - 1 predicted positions)
+        with _autocast(spec):  # (transformers shifts the labels itself: s - 1 predicted positions)
             loss = model(input_ids=tok[:, :-1], labels=tok[:, :-1]).loss
         loss.backward()
         opt.step()
@@ -134,9 +169,12 @@ def _megatron_parts(spec: dict):
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=1)
     sixteen = spec["precision"] == "16-bit"
-    mspec = dict(layers=spec["layers"], hidden=spec["hidden"], ffn=4 * spec["hidden"], heads=spec["heads"],
-                 seq=spec["seq"], vocab=spec["vocab"], divisible=128, tp=spec["tp"], pp=1, untie=False,
-                 openai_gelu=True, bf16=sixteen)
+    llama = spec["arch"] == "llama"
+    mspec = dict(layers=spec["layers"], hidden=spec["hidden"], ffn=tnlg_config(spec).ffn_hidden_size,
+                 heads=spec["heads"], seq=spec["seq"], vocab=spec["vocab"], divisible=128, tp=spec["tp"], pp=1,
+                 untie=llama, openai_gelu=not llama, bf16=sixteen)
+    if llama:  # Megatron-LM's --position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention
+        mspec["llama"] = dict(groups=spec["groups"], rotary_base=10000.0, rotary_percent=1.0, eps=1e-5, qkv_bias=False)
     return mr.build_model(mspec), sixteen
 
 
@@ -223,7 +261,7 @@ def run_rounds(a, frameworks) -> dict:
             for fw in runs_of(precision, tp, frameworks):
                 spec = dict(framework=fw, precision=precision, tp=tp, layers=a.layers, hidden=a.hidden,
                             heads=a.heads, seq=a.seq, vocab=a.vocab, batch=a.micro_batch, seed=1234,
-                            warmup=a.warmup, steps=a.steps)
+                            warmup=a.warmup, steps=a.steps, arch=a.arch, groups=a.groups)
                 with omp_environment(fw, a.omp_default):
                     out = run_distributed(measure, tp, tp, spec, timeout_s=a.timeout, threads=2 if tp == 1 else 1)[0]
                 out["env"] = {k: os.environ.get(k) for k in WAIT_VARIABLES}
@@ -249,7 +287,7 @@ def summarise(raw: dict) -> dict:
     return rows
 
 
-def print_table(rows: dict) -> None:
+def print_table(rows: dict, a) -> None:
     def cell(row, fw):
         return (f"{row[fw]['median_ms']:8.0f} {row[fw]['fastest_ms']:8.0f}" if fw in row
                 else f"{'n/a':>8} {'n/a':>8}")
@@ -257,7 +295,10 @@ def print_table(rows: dict) -> None:
     def ratio(row, k):
         return (f"{row[k]['median_ms']:5.2f} {row[k]['fastest_ms']:5.2f}" if k in row
                 else f"{'n/a':>5} {'n/a':>5}")
-    print(f"\n{'config':<14} {'tnlg med / fastest':>17} | {'megatron-core':>17} | {'transformers':>17} | "
+    shape = (f"{a.arch}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads"
+             + (f" ({a.groups} KV groups)" if a.arch == "llama" else "") + f", seq {a.seq}, vocab {a.vocab}, "
+             f"micro batch {a.micro_batch}")
+    print(f"\n{shape}\n{'config':<14} {'tnlg med / fastest':>17} | {'megatron-core':>17} | {'transformers':>17} | "
           f"{'tnlg/mcore':>11} | {'tnlg/hf':>11}   (ms per step; ratios median, fastest)")
     for key, row in rows.items():
         print(f"{key:<14} {cell(row, 'tnlg')} | {cell(row, 'megatron')} | {cell(row, 'hf')} | "
@@ -267,6 +308,10 @@ def print_table(rows: dict) -> None:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _bench.add_shape_arguments(p, layers=6, hidden=512, heads=8, seq=256)
+    p.add_argument("--arch", choices=ARCHS, default="gpt2",
+                   help="gpt2 (default) or llama: rope, RMSNorm, SwiGLU, --groups KV groups, no biases, untied")
+    p.add_argument("--groups", type=int, default=None,
+                   help="--arch llama: key/value groups (default 2; megatron-core at TP 2 needs them even)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, a fresh process each (default 3)")
@@ -294,7 +339,25 @@ def parse(argv=None):
         raise UserError(f"--competing-load must be 0 or more processes, got {a.competing_load}.")
     if a.hidden % a.heads or a.heads % 2:
         raise UserError(f"--hidden ({a.hidden}) must divide by --heads ({a.heads}), and the heads by TP 2.")
+    check_groups(a)
     return a
+
+
+def check_groups(a) -> None:
+    """``--groups``: only with ``--arch llama`` (default 2), dividing the heads, and even where megatron-core
+    runs at TP 2 (it needs ``num_query_groups % tp == 0``)."""
+    if a.arch != "llama":
+        if a.groups is not None:
+            raise UserError(f"--groups {a.groups} is for --arch llama (grouped-query attention); --arch {a.arch} "
+                            f"has full multi-head attention.")
+        return
+    if a.groups is None:
+        a.groups = 2
+    if a.groups < 1 or a.heads % a.groups:
+        raise UserError(f"--groups {a.groups} must be a positive divisor of --heads {a.heads} (e.g. --groups 2).")
+    if "megatron" in a.frameworks and 2 in a.tp and a.groups % 2:
+        raise UserError(f"--groups {a.groups} is odd: megatron-core splits the KV groups over TP 2 only when "
+                        f"they divide by 2; pass an even --groups, --tp 1, or --frameworks without megatron.")
 
 
 def main() -> int:
@@ -312,7 +375,7 @@ def main() -> int:
             proc.terminate()
             proc.wait()
     rows = summarise(raw)
-    print_table(rows)
+    print_table(rows, a)
     info = _bench.machine_info(args=vars(a), megatron_core=_bench.package_version("megatron-core"),
                                transformers=_bench.package_version("transformers"),
                                load_average=open("/proc/loadavg").read().split()[:3],

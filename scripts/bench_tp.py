@@ -38,6 +38,12 @@ the machine's CPU time that other processes used while a row's steps ran.
     python scripts/bench_tp.py --wait-idle 900    # on a shared machine: wait for a quiet moment first
     python scripts/bench_tp.py --layers 1 --hidden 128 --heads 4 --seq 64 --rounds 1   # smoke test, seconds
     python scripts/bench_tp.py --arch llama       # the Llama shape: the same dims, tnlg vs LlamaForCausalLM
+    python scripts/bench_tp.py --arch llama --profile 12   # per-operator self CPU time of one step instead
+
+``--profile N`` times nothing: in one process with ``--threads`` threads it runs ``--warmup`` steps of each
+single-process row (tnlg TP 1 and the transformers blocks), then one step of each under ``torch.profiler``,
+per dtype, and prints each row's N operators with the most self CPU time (the per-operator split moves
+less with other processes' load than the wall time of the step).
 """
 
 from __future__ import annotations
@@ -433,6 +439,45 @@ def merge_ranks(results: list) -> tuple[dict, dict, dict]:
     return times, cpu, peaks
 
 
+def profile_rows(a: dict, impls, dtypes, top: int) -> dict:
+    """``--profile``: per dtype and single-process row, the ``top`` operators by self CPU time of one step
+    (after ``a["warmup"]`` steps), ``{key: [(op, self_ms, calls), ...]}``, and each step's total self CPU ms."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.set_num_threads(a["threads"])
+    cfg = make_config(a)
+    x, gy = make_input(a)
+    x.requires_grad_(True)
+    runners = {}
+    for impl in impls:
+        if impl == "tnlg-tp1":
+            runners[impl] = Runner(tnlg_stack(cfg, ParallelState.single()), x, gy, tnlg_block_kwargs(cfg, a["seq"]))
+        elif impl == "hf-gpt2":
+            runners[impl] = Runner(hf_stack(cfg, full_weights(cfg)).train(), x, gy)
+        elif impl == "hf-llama":
+            layers, hf_kw = hf_llama_stack(cfg, full_weights(cfg), x)
+            runners[impl] = Runner(layers.train(), x, gy, hf_kw)
+    out: dict = {}
+    for d in dtypes:
+        for run in runners.values():
+            run.warmup(d, a["warmup"])
+        for impl, run in runners.items():  # (one after the other, each right after the other's warm-up)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run.step(d)
+            events = prof.key_averages()
+            ops = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in events), key=lambda t: -t[1])
+            out[f"{impl}/{d}"] = dict(total_self_ms=sum(t[1] for t in ops), top=ops[:top])
+    return out
+
+
+def format_profile(prof: dict, a: dict) -> str:
+    lines = [f"{a['arch']} block stack, one fwd+bwd step under torch.profiler, {a['threads']} threads; "
+             f"self CPU ms (calls)"]
+    for key, p in prof.items():
+        lines.append(f"{key}: total self CPU {p['total_self_ms']:.0f} ms")
+        lines += [f"  {op:<58} {ms:8.1f} ({n})" for op, ms, n in p["top"]]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- driver
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -453,6 +498,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default=None, help=f"comma list of {', '.join(IMPLS)} (default: the --arch's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json-out", default="runs/bench_tp.json")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead of timing: the N operators with the most self CPU time in one step of each "
+                        "single-process row (torch.profiler), per dtype")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="on a shared machine: first wait up to SECONDS until other processes use under 10%% "
                         "of the CPUs (over 5 s windows)")
@@ -469,6 +517,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "peak_n", "peak_reps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if args.profile < 0:
+        raise UserError(f"--profile must be 0 (time the rows) or a number of operators to list, got {args.profile}.")
     if args.wait_idle < 0:
         raise UserError(f"--wait-idle must be >= 0 seconds, got {args.wait_idle}.")
     if args.hidden % args.heads or args.heads % 2:
@@ -522,6 +572,15 @@ def main(argv=None) -> int:
                                        "rounds", "iters", "peak_n", "peak_reps", "seed", "arch", "groups")}
     skipped = skip_slow_bf16(args)  # AVX2-only CPUs: bf16 rows would run for hours; name them and go on
     if not args.dtypes:
+        return 0
+    if args.profile:
+        single = [i for i in args.impls if i in SINGLE]
+        prof = profile_rows(a, single, args.dtypes, args.profile)
+        print(format_profile(prof, a))
+        _bench.write_json(args.json_out, dict(_bench.machine_info(
+            date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"), cores=os.cpu_count(),
+            transformers=_bench.package_version("transformers")), arch=args.arch, threads=args.threads,
+            loadavg=os.getloadavg(), profile=prof))
         return 0
     waited = 0.0
     if args.wait_idle:

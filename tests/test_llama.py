@@ -321,6 +321,68 @@ def test_checkpoints_with_shared_kv_groups_reshard(llama_reference_run, llama_ru
         _follows(got, ref, SAVED, (name, "TP 1"))
 
 
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rope_and_swiglu_kernels_equal_the_formulas_with_their_gradients(rotary_dim):
+    """The attention's rope (queries and keys rotated together, no concatenated halves) and SwiGLU's activation
+    (both halves' gradients written into one tensor) against the formulas written out here with autograd:
+    rotate-half over the first ``rotary_dim`` dimensions (the rest unchanged), per-sequence positions, the
+    inputs as the projections leave them (permuted views, keys interleaved with values); ``silu(gate) * up``."""
+    from tnlg.parallel.layers import swiglu
+    from tnlg.parallel.rotary import rotate_qk
+    g = torch.Generator().manual_seed(3)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 0, 1, 2, 3]])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    theta = positions.double()[..., None] * inv                                  # [b, s, r/2]
+    cos, sin = theta.cos().repeat(1, 1, 2)[:, None], theta.sin().repeat(1, 1, 2)[:, None]
+
+    def reference(x):
+        r, half = rotary_dim, rotary_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
+        return torch.cat([x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:],
+                          rest], dim=-1)
+    q = torch.randn(2, 5, 3, 16, generator=g, dtype=torch.float64).permute(0, 2, 1, 3).requires_grad_()
+    kv = torch.randn(2, 5, 2, 2, 16, generator=g, dtype=torch.float64).requires_grad_()
+    k = kv[:, :, :, 0].permute(0, 2, 1, 3)
+    got, want = rotate_qk(q, k, cos, sin), (reference(q), reference(k))
+    grads = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (q, kv), grads), torch.autograd.grad(want, (q, kv), grads)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    y = torch.randn(2, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    out, ref = swiglu(y), F.silu(y[..., :6]) * y[..., 6:]
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(out, y, gy)[0], torch.autograd.grad(ref, y, gy)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_a_llama_block_traces_into_one_graph_with_the_eager_gradients():
+    """``--compile``: Dynamo traces a whole Llama block (rope and SwiGLU fall back to their formulas, whose
+    ``out=`` kernels it cannot trace), and the traced block (``aot_eager``: no C++ toolchain needed) gives
+    the eager output and input gradient."""
+    import torch._dynamo as dynamo
+
+    from tnlg.model import GPT
+    cfg = GPTConfig(num_layers=1, hidden_size=48, num_attention_heads=6, seq_length=16, vocab_size=100,
+                    hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+                    normalization="RMSNorm", swiglu=True, group_query_attention=True, num_query_groups=2,
+                    add_bias_linear=False)
+    model = GPT(cfg)
+    block, rotary = model.transformer.h[0], model.rotary(16, None)
+    x = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def run(fn):
+        y = fn(x, None, None, None, rotary)
+        (gx,) = torch.autograd.grad(y.square().sum(), x)
+        return y.detach(), gx
+    explained = dynamo.explain(block)(x, None, None, None, rotary)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    dynamo.reset()
+    for got, want in zip(run(torch.compile(block, backend="aot_eager")), run(block)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("name,published", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248)])
 def test_the_llama_presets_have_the_published_parameter_counts(name, published):
     """The formula, the layers' description (tnlg.parameter_counts) and the numel of the model built on the

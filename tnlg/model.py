@@ -64,8 +64,9 @@ from .config import GPTConfig, stage_parts
 from .parallel.context import context_parallel_mean, context_positions, ring_attention
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
 from .parallel.layers import (ColumnParallelLinear, GatedColumnParallelLinear, KVGroupParallelLinear,
-                              RowParallelLinear, VocabParallelEmbedding, column_parallel_linear)
-from .parallel.rotary import rotary_angles, rotate
+                              RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
+                              column_parallel_linears)
+from .parallel.rotary import rotary_angles, rotate_qk
 from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_to_sequence_parallel, sequence_sizes
 from .parallel.random import TPRandom
 from .parallel.sharding import ShardSpec, mark_replicated
@@ -250,10 +251,12 @@ class ParallelAttention(nn.Module):
     ``[head][q, k, v][head_dim]``), so a contiguous split gives whole heads. Grouped-query attention
     (``cfg.kv_groups < heads``) has the queries ``c_q`` (split by heads as ever) and the keys and values
     ``c_kv`` (:class:`~tnlg.parallel.layers.KVGroupParallelLinear`: the KV groups this rank's heads use,
-    shared groups replicated on their holders), applied in one matmul; each query head then reads its
-    group's keys and values. Rope (``position_embedding_type="rope"``) rotates queries and keys at the
-    tokens' positions (``rotary``: the angles, :func:`tnlg.parallel.rotary.rotary_angles`) before the
-    cache and the core.
+    shared groups replicated on their holders), applied after one ``f`` in two matmuls (sequence-parallel:
+    one gathering matmul of the two weights concatenated; :func:`~tnlg.parallel.layers.column_parallel_linears`);
+    each query head then reads its group's keys and values. Rope (``position_embedding_type="rope"``)
+    rotates queries and keys at the tokens' positions (``rotary``: the angles,
+    :func:`tnlg.parallel.rotary.rotary_angles`; :func:`~tnlg.parallel.rotary.rotate_qk`) before the cache
+    and the core.
 
     Forward: ``f`` before QKV (identity), ``g`` after the output projection
     (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
@@ -305,21 +308,17 @@ class ParallelAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, sp: Optional[tuple[int, ...]]):
         """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
-        if self.grouped:
-            kv_w, kv_b = self.c_kv.weights()
-            w = torch.cat([self.c_q.weight, kv_w])
-            b = None if kv_b is None else torch.cat([self.c_q.bias, kv_b])
-            qkv = column_parallel_linear(x, w, b, self.c_q.ps, sp)
-        else:
-            qkv = self.c_attn(x, sequence_parallel=sp is not None, sequence_sizes=sp)
-        lead = qkv.shape[:2]  # [b, s] or, sequence-parallel, [s (all positions), b]
         order = (0, 2, 1, 3) if sp is None else (1, 2, 0, 3)  # -> [b, heads, s, hd]
-        if not self.grouped:
-            q, k, v = qkv.view(*lead, self.local_heads, 3, self.head_dim).unbind(dim=3)
-        else:
-            q, kv = qkv.split([self.local_heads * self.head_dim, 2 * self.local_kv * self.head_dim], dim=-1)
+        if self.grouped:  # the queries and the rank's KV groups from one f (no concatenated weight)
+            q, kv = column_parallel_linears(x, [(self.c_q.weight, self.c_q.bias), self.c_kv.weights()],
+                                            self.c_q.ps, sp)
+            lead = q.shape[:2]  # [b, s] or, sequence-parallel, [s (all positions), b]
             q = q.view(*lead, self.local_heads, self.head_dim)
             k, v = kv.view(*lead, self.local_kv, 2, self.head_dim).unbind(dim=3)
+        else:
+            qkv = self.c_attn(x, sequence_parallel=sp is not None, sequence_sizes=sp)
+            lead = qkv.shape[:2]
+            q, k, v = qkv.view(*lead, self.local_heads, 3, self.head_dim).unbind(dim=3)
         return tuple(t.permute(*order) for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -328,7 +327,7 @@ class ParallelAttention(nn.Module):
         q, k, v = self._qkv(x, sp)
         b, s = q.shape[0], q.shape[2]
         if rotary is not None:  # (cos, sin) of the tokens' positions
-            q, k = rotate(q, *rotary), rotate(k, *rotary)
+            q, k = rotate_qk(q, k, *rotary)
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[self.layer_idx][:, :, start:start + s] = k

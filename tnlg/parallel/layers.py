@@ -38,7 +38,7 @@ from .sharding import ShardSpec
 from .state import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
-           "GatedColumnParallelLinear", "KVGroupParallelLinear"]
+           "column_parallel_linears", "GatedColumnParallelLinear", "KVGroupParallelLinear", "swiglu"]
 
 DEFAULT_INIT = init_normal(0.02)
 
@@ -121,6 +121,27 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         bias = None if bias is None else bias.to(dt)
     with torch.autocast(device_type=x.device.type, enabled=False):
         return _LinearWithSequenceGather.apply(x, weight, bias, ps, tuple(sequence_sizes))
+
+
+def column_parallel_linears(x: torch.Tensor, layers: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]],
+                            ps: ParallelState, sequence_sizes: Optional[Sequence[int]] = None) -> list[torch.Tensor]:
+    """:func:`column_parallel_linear` of one input with several ``(weight, bias)`` pairs (grouped-query
+    attention's queries and keys/values), with the communication of ONE column layer: one ``f`` (backward:
+    one all-reduce of the summed input gradient), or sequence-parallel one all-gather of the input.
+
+    Without sequence parallelism the input is cast once (under autocast) and each weight applied in its own
+    matmul, so no concatenated weight is built each step (its copy forward, the split of its output
+    gradient backward); the backward adds the input gradients before ``f``. Sequence-parallel, the weights
+    are concatenated for the one gathering matmul (:class:`_LinearWithSequenceGather`) and its output split."""
+    if sequence_sizes is None or ps.tp_size == 1:
+        if torch.is_autocast_enabled(x.device.type):  # one cast, not one per matmul
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = copy_to_tp(x, ps)
+        return [F.linear(x, w, b) for w, b in layers]
+    weights, biases = [w for w, _ in layers], [b for _, b in layers]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    y = column_parallel_linear(x, torch.cat(weights), bias, ps, sequence_sizes)
+    return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 
 class _ParallelLinear(SelfInitializing, nn.Module):
@@ -334,8 +355,42 @@ class GatedColumnParallelLinear(ColumnParallelLinear):
         if sp:
             sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
         bias = None if self.bias is None else self.bias.flatten()
-        gate, up = column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes).chunk(2, dim=-1)
+        return swiglu(column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of the fused output ``y = [gate | up]`` (last dim), whose backward writes both
+    halves' gradients straight into one ``[..., 2 f]`` tensor, the fused matmul's output gradient: no
+    ``cat`` of the two halves' gradients (autograd's ``chunk`` backward), and one kernel fewer. Keeps what
+    autograd would (``y`` and ``silu(gate)``: ``3 f`` per token); the same kernels and so the same numbers."""
+
+    @staticmethod
+    def forward(ctx, y):
+        f = y.shape[-1] // 2
+        s = F.silu(y[..., :f])
+        ctx.save_for_backward(y, s)
+        return s * y[..., f:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, s = ctx.saved_tensors
+        f = s.shape[-1]
+        grad_y = torch.empty_like(y, memory_format=torch.contiguous_format)
+        torch.mul(grad, s, out=grad_y[..., f:])                                              # d up
+        torch.ops.aten.silu_backward.grad_input(grad * y[..., f:], y[..., :f], grad_input=grad_y[..., :f])  # d gate
+        return grad_y
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation of the fused gate/up output ``y`` ``[..., 2 f]`` (gate first): ``silu(gate) * up``,
+    ``[..., f]``, in ``y``'s dtype (under autocast as well: silu and the product are not autocast ops). Under
+    ``torch.compile`` the formula itself (Dynamo does not trace ``out=`` into strided views; the compiler
+    fuses the kernels)."""
+    if torch.compiler.is_compiling():
+        gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
+    with torch.autocast(device_type=y.device.type, enabled=False):
+        return _SwiGLU.apply(y)
 
 
 class _SumOverHolders(torch.autograd.Function):
@@ -371,8 +426,8 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
     neither divides, a rank holds the two groups its heads span. The gradient of a shared group is summed
     over its holders (:class:`_SumOverHolders`: one all-reduce over TP of a ``[G, 2, d, h]`` buffer in
     backward, only on layouts that share a group); initialisation draws the full weight and slices it,
-    so every holder starts from the same rows. The attention applies :meth:`weights` in one matmul with
-    the queries (no communication of its own in forward).
+    so every holder starts from the same rows. The attention applies :meth:`weights` beside the queries,
+    after the same ``f`` (:func:`column_parallel_linears`; no communication of its own in forward).
     """
 
     def __init__(self, in_features: int, groups: int, head_dim: int, ps: ParallelState,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["inverse_frequencies", "rotary_angles", "rotate", "apply_rotary"]
+__all__ = ["inverse_frequencies", "rotary_angles", "rotate", "rotate_qk", "apply_rotary"]
 
 
 def inverse_frequencies(rotary_dim: int, base: float, device=None) -> torch.Tensor:
@@ -39,9 +39,61 @@ def rotary_angles(position_ids: torch.Tensor, rotary_dim: int, base: float) -> t
     return emb.cos(), emb.sin()
 
 
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> None:
+    """``out[..., :r] = x[..., :r] * cos + sign * rotate_half(x[..., :r]) * sin`` (``r = cos.shape[-1]``) in three
+    kernels, no temporaries: ``sign = 1`` is the rotation, ``sign = -1`` its transpose (the backward; the angles
+    repeat over the two halves, so ``sin``'s halves are interchangeable)."""
+    r = cos.shape[-1]
+    half = r // 2
+    torch.mul(x[..., :r], cos, out=out[..., :r])
+    out[..., :half].addcmul_(x[..., half:r], sin[..., :half], value=-sign)   # - x2 sin  (forward)
+    out[..., half:r].addcmul_(x[..., :half], sin[..., half:r], value=sign)   # + x1 sin
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    out = torch.empty_like(x)  # (x's layout: a permuted view of the projection gives a permuted output)
+    _rotate_into(out, x, cos, sin, sign)
+    if cos.shape[-1] < x.shape[-1]:  # the dimensions past rotary_dim pass unchanged
+        out[..., cos.shape[-1]:].copy_(x[..., cos.shape[-1]:])
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """Rope on the queries and the keys together: forward ``x cos + rotate_half(x) sin``, backward the
+    transpose ``g cos - rotate_half(g) sin`` (a rotation by ``-theta``), each in three kernels per tensor
+    (no ``cat`` of the rotated halves, no negated copy). Keeps only ``cos`` and ``sin`` for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotated(q, cos, sin, 1.0), _rotated(k, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        cos, sin = ctx.saved_tensors
+        return (None if gq is None else _rotated(gq, cos, sin, -1.0),
+                None if gk is None else _rotated(gk, cos, sin, -1.0), None, None)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[b, heads, s, d]`` and keys ``[b, kv_heads, s, d]`` (the same dtype) rotated over their first
+    ``cos.shape[-1]`` dimensions by the angles ``(cos, sin)`` (:func:`rotary_angles`, cast once to their
+    dtype); the rest pass unchanged. The products run in that dtype, as :func:`rotate`'s. Under
+    ``torch.compile`` it is :func:`rotate` (Dynamo does not trace ``out=`` into strided views, and the
+    compiler fuses the formula's kernels itself)."""
+    if torch.compiler.is_compiling():
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        return _Rotate.apply(q, k, cos, sin)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` dimensions of ``x`` ``[b, heads, s, head_dim]`` by the angles
-    ``(cos, sin)`` (:func:`rotary_angles`); the rest pass unchanged. The result has ``x``'s dtype."""
+    ``(cos, sin)`` (:func:`rotary_angles`); the rest pass unchanged. The result has ``x``'s dtype.
+    The formula as written (``cat`` of the rotated halves), differentiable by autograd: the reference
+    :func:`rotate_qk` (what the attention runs) is tested against."""
     r = cos.shape[-1]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x_rot, x_pass = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
