@@ -68,19 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "memory per GPU (ZeRO stages, activations), FLOPs, time per iteration and days, or "
                           "--search for every layout that fits.")
     parser.epilog = EPILOG
-    m = parser.add_argument_group("model (a preset, shape flags, or --params)")
-    m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields. "
-                                    f"{' and '.join(RECIPES)} also bring their published layout and batch "
-                                    f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
-                                    f"512, fp16); layout flags override those")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--seq-length", type=int, help="sequence length (default: the preset's, else 1024)")
-    m.add_argument("--vocab-size", type=int, help="vocabulary before padding (default: the preset's, else 50257)")
-    m.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size)")
-    m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
-                                    "1000000): model states and 6N FLOPs per token only")
+    _add_model_arguments(parser)
     lay = parser.add_argument_group("layout")
     lay.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
                      help="tensor-parallel size (default: the preset's recipe, else 1); any size up to the head "
@@ -123,6 +111,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--formula-counts", action="store_true",
                      help="count per-rank parameters by formula instead of meta-device builds (faster)")
     _add_simulation_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's flags: a preset, the shape flags, or an abstract --params."""
+    m = parser.add_argument_group("model (a preset, shape flags, or --params)")
+    m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields. "
+                                    f"{' and '.join(RECIPES)} also bring their published layout and batch "
+                                    f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
+                                    f"512, fp16); layout flags override those")
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--seq-length", type=int, help="sequence length (default: the preset's, else 1024)")
+    m.add_argument("--vocab-size", type=int, help="vocabulary before padding (default: the preset's, else 50257)")
+    m.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size)")
+    m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
+                                    "1000000): model states and 6N FLOPs per token only")
 
 
 def _add_pipeline_arguments(lay) -> None:
