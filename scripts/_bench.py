@@ -93,3 +93,18 @@ def run(main: Callable[[], int]) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_groups(args, default: int) -> None:
+    """``--groups`` (key/value groups): only with ``--arch llama`` (``default`` where not given), a positive
+    divisor of ``--heads``. Sets ``args.groups``."""
+    if args.arch != "llama":
+        if args.groups is not None:
+            raise UserError(f"--groups {args.groups} is for --arch llama (grouped-query attention); "
+                            f"--arch {args.arch} has full multi-head attention.")
+        return
+    if args.groups is None:
+        args.groups = default
+    if args.groups < 1 or args.heads % args.groups:
+        raise UserError(f"--groups {args.groups} must be a positive divisor of --heads {args.heads} "
+                        f"(e.g. --groups {default}).")

@@ -344,17 +344,11 @@ def parse(argv=None):
 
 
 def check_groups(a) -> None:
-    """``--groups``: only with ``--arch llama`` (default 2), dividing the heads, and even where megatron-core
-    runs at TP 2 (it needs ``num_query_groups % tp == 0``)."""
+    """``--groups`` (:func:`_bench.check_groups`, default 2), and even where megatron-core runs at TP 2
+    (it needs ``num_query_groups % tp == 0``)."""
+    _bench.check_groups(a, default=2)
     if a.arch != "llama":
-        if a.groups is not None:
-            raise UserError(f"--groups {a.groups} is for --arch llama (grouped-query attention); --arch {a.arch} "
-                            f"has full multi-head attention.")
         return
-    if a.groups is None:
-        a.groups = 2
-    if a.groups < 1 or a.heads % a.groups:
-        raise UserError(f"--groups {a.groups} must be a positive divisor of --heads {a.heads} (e.g. --groups 2).")
     if "megatron" in a.frameworks and 2 in a.tp and a.groups % 2:
         raise UserError(f"--groups {a.groups} is odd: megatron-core splits the KV groups over TP 2 only when "
                         f"they divide by 2; pass an even --groups, --tp 1, or --frameworks without megatron.")

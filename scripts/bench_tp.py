@@ -512,7 +512,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad or not args.dtypes or not args.impls:
         raise UserError(f"unknown or empty --dtypes/--impls entries {bad}: valid dtypes are {', '.join(DTYPES)}, "
                         f"valid implementations for --arch {args.arch} {', '.join(valid)} (comma-separated).")
-    check_groups(args)
+    _bench.check_groups(args, default=max(1, args.heads // 4))
     for name in ("layers", "hidden", "heads", "seq", "batch", "threads", "warmup", "rounds", "iters",
                  "peak_n", "peak_reps"):
         if getattr(args, name) < 1:
@@ -525,20 +525,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UserError(f"--hidden {args.hidden} must divide by --heads {args.heads}, and --heads by 2 (TP=2 "
                         f"with DTensor needs the same whole heads on each rank); e.g. --hidden 1024 --heads 16.")
     return args
-
-
-def check_groups(args) -> None:
-    """``--groups``: only with ``--arch llama`` (default heads / 4), dividing the heads."""
-    if args.arch != "llama":
-        if args.groups is not None:
-            raise UserError(f"--groups {args.groups} is for --arch llama (grouped-query attention); "
-                            f"--arch {args.arch} has full multi-head attention.")
-        return
-    if args.groups is None:
-        args.groups = max(1, args.heads // 4)
-    if args.groups < 1 or args.heads % args.groups:
-        raise UserError(f"--groups {args.groups} must be a positive divisor of --heads {args.heads} "
-                        f"(e.g. --groups {max(1, args.heads // 4)}).")
 
 
 def build_rows(a: dict, impls, dtypes, times: dict, cpu: dict, peaks: dict, checks: dict,
