@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tnlg.optim import mixed_adamw
 from tnlg.optim.mixed_adamw import CHUNK, adamw_16bit_, adamw_update, _scalars
 from tnlg.plan.tracker import StepTracker
 
@@ -32,7 +33,15 @@ def _state(n: int, seed: int):
     (torch.float16, 0.1, 0.5, 1024.0),    # fp16 gradients of a loss scaled by 1024, unscaled in the pass
     (torch.float32, 0.1, 0.8, 1.0),       # fp32 gradients (accumulated in fp32) into a 16-bit parameter
 ])
-def test_the_one_pass_update_is_torch_adamw_on_fp32_copies(grad_dtype, weight_decay, clip, loss_scale):
+@pytest.mark.parametrize("kernel", ["fused CPU", "eager composite"])
+def test_the_one_pass_update_is_torch_adamw_on_fp32_copies(grad_dtype, weight_decay, clip, loss_scale, kernel,
+                                                           monkeypatch):
+    """Both CPU implementations against the single-tensor ``torch.optim.AdamW``. The fused CPU kernel
+    computes ``beta1 * m + (1 - beta1) * g`` where the reference lerps, so the moments agree to fp32
+    rounding of their own scale (a few ulps of ``max |m|``), not elementwise relative to entries
+    that cancel to near zero."""
+    monkeypatch.setattr(mixed_adamw, "_cpu_fused_ok", kernel == "fused CPU")
+    monkeypatch.setattr(mixed_adamw, "CPU_CHUNK", 1 << 14)  # several fused chunks and a ragged end
     n = CHUNK + 1234  # more than one eager chunk, and a ragged end
     param, master, m, v = _state(n, 0)
     ref = torch.nn.Parameter(master.clone())
@@ -49,8 +58,8 @@ def test_the_one_pass_update_is_torch_adamw_on_fp32_copies(grad_dtype, weight_de
         opt.step()
         st = opt.state[ref]
         torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-6, atol=1e-9)
-        torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+        for ours, theirs in ((m, st["exp_avg"]), (v, st["exp_avg_sq"])):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=4e-7 * float(theirs.abs().max()))
         assert torch.equal(param, master.bfloat16())
 
 

@@ -21,8 +21,18 @@ of the arithmetic, :func:`adamw_update`:
   generates for the CPU: one kernel, 30 bytes per element by Inductor's count, which charges the
   written-only 16-bit parameter as read too; the code loads 14 bytes and stores 14). If the
   compiler fails, the eager composite runs, with a warning saying why;
-* elsewhere (CPU), eagerly, in chunks of ``2^16`` elements, so that its fp32 temporaries stay
-  a quarter of a megabyte whatever the run's length.
+* CPU: torch's own fused CPU AdamW (``torch._fused_adamw_``, the kernel behind
+  ``torch.optim.AdamW(fused=True)``) in chunks of ``2^20`` elements: each chunk's gradient is
+  copied into one fp32 buffer of 4 MiB (the kernel takes the gradient in the master's dtype), the
+  kernel updates master and moments in one vectorised pass with the gradient factor as its
+  ``grad_scale``, and the chunk of the master is rounded into the 16-bit parameter while it is
+  still in cache. Measured on the 2-core AMD EPYC (avx512_bf16) on 2026-12-02 for a 23M-element
+  bf16 run: 11.7 ms against 70 ms for the eager composite in ``2^16`` chunks (10 pointwise
+  passes) and 38 ms for a whole-run upcast, fused step and copy back. Inductor's single kernel
+  would be the minimum of bytes, but a compile per process costs seconds on the CPU, which every
+  short CPU run and test would pay;
+* elsewhere, and wherever the fused CPU kernel is missing or fails: the eager composite, in
+  chunks of ``2^16`` elements, so that its fp32 temporaries stay a quarter of a megabyte.
 
 The arithmetic is ``torch.optim.AdamW``'s (its single-tensor implementation, decoupled weight
 decay, bias correction from the step count): ``tests/test_mixed_adamw.py`` checks it against
@@ -37,9 +47,10 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["adamw_16bit_", "adamw_update", "CHUNK"]
+__all__ = ["adamw_16bit_", "adamw_update", "CHUNK", "CPU_CHUNK"]
 
-CHUNK = 1 << 16  # elements per eager pass (the CPU and the no-compiler fallback)
+CHUNK = 1 << 16  # elements per eager pass (the fallback)
+CPU_CHUNK = 1 << 20  # elements per fused CPU pass (one 4 MiB fp32 gradient buffer)
 
 
 def adamw_update(param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -101,6 +112,45 @@ def _adamw_16bit_cuda(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay
                       grad_factor) -> None:
     _fused(param, master, exp_avg, exp_avg_sq, grad, *_scalars(lr, weight_decay, beta1, beta2, eps, step,
                                                                grad_factor))
+
+
+_cpu_fused_ok = hasattr(torch, "_fused_adamw_")
+
+
+@adamw_16bit_.register_kernel("cpu")
+def _adamw_16bit_cpu(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
+                     grad_factor) -> None:
+    global _cpu_fused_ok
+    scalars = _scalars(lr, weight_decay, beta1, beta2, eps, step, grad_factor)
+    if _cpu_fused_ok:
+        try:
+            return _cpu_fused(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps,
+                              step, grad_factor)
+        except (RuntimeError, NotImplementedError) as err:  # this torch's CPU kernel refuses: the composite
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            warnings.warn(f"torch's fused CPU AdamW failed ({type(err).__name__}: {first}); the 16-bit "
+                          f"optimizer step runs its eager composite (same arithmetic, slower).")
+            _cpu_fused_ok = False
+    _eager(param, master, exp_avg, exp_avg_sq, grad, *scalars)
+
+
+def _cpu_fused(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
+               grad_factor) -> None:
+    """The CPU kernel (module docstring): per chunk, gradient into the fp32 buffer, torch's fused
+    AdamW on master and moments (step count and ``1 / grad_factor`` as the tensors it reads), the
+    master's chunk rounded into ``param``."""
+    n = master.numel()
+    buf = torch.empty(min(n, CPU_CHUNK), dtype=torch.float32)
+    steps = [torch.tensor(float(step))]
+    scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor)
+    for lo in range(0, n, CPU_CHUNK):
+        hi = min(n, lo + CPU_CHUNK)
+        g = buf[:hi - lo]
+        g.copy_(grad[lo:hi])
+        torch._fused_adamw_([master[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps, lr=lr,
+                            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                            maximize=False, grad_scale=scale)
+        param[lo:hi].copy_(master[lo:hi])
 
 
 @adamw_16bit_.register_fake
