@@ -6,6 +6,8 @@ against megatron-core), then damaged or given args of architectures tnlg does no
 one that is valid in an older file format (torch < 1.6, not a zip archive).
 """
 
+import argparse
+import datetime
 import io
 import os
 import pickle
@@ -547,3 +549,30 @@ def test_an_index_that_pickles_enums_by_name_is_read(megatron_ckpts, tmp_path):
         _save_index_by_name(d, meta)
         msg = _refused(src, tmp_path, r"asks to run code when it is unpickled \(it calls builtins\.getattr\)")
         assert "Nothing was written" in msg
+
+
+class _PickledAsGetattr:
+    """Stands for an enum member as Python 3.12+ and some 3.11 builds pickle it: ``getattr(cls, name)``
+    (Megatron's ``args`` hold enums such as ``AttnBackend``); here on ``datetime.timezone``, a skipped module."""
+
+    def __reduce__(self):
+        return (getattr, (datetime.timezone, "utc"))
+
+
+class _GetattrOnAClass:
+    def __reduce__(self):
+        return (getattr, (argparse.Namespace, "__init__"))
+
+
+def test_an_enum_pickled_as_getattr_loads_inert_and_any_other_getattr_is_refused(tmp_path):
+    """A legacy Megatron file written under Python 3.11.2 pickles its args' enums through
+    ``builtins.getattr``; it loads (the member an inert record, the weights intact), while a getattr on
+    anything but an inert record is refused as code."""
+    from tnlg.interop.megatron.safe_load import load_pt
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": argparse.Namespace(attention_backend=_PickledAsGetattr()), "w": torch.ones(3)}, path)
+    loaded = load_pt(str(path), "Megatron checkpoint file")
+    assert torch.equal(loaded["w"], torch.ones(3)) and "skipped" in repr(loaded["args"].attention_backend)
+    torch.save({"x": _GetattrOnAClass()}, path)
+    with pytest.raises(UserError, match="asks to run code"):
+        load_pt(str(path), "Megatron checkpoint file")

@@ -105,6 +105,8 @@ def _allow(allowed: dict, name: str, path: str, what: str) -> None:
     """Admit global ``name``: ``argparse.Namespace`` as itself, a skippable one inert, else refuse."""
     if name == "argparse.Namespace":
         allowed[name] = argparse.Namespace
+    elif name == "builtins.getattr":  # how Python 3.12+ and some 3.11 builds pickle an enum member
+        allowed[name] = (_enum_member(path, what), name)
     elif runs_code(name):
         raise _code(path, what, name)
     elif name.startswith(_SKIPPED_MODULES):
@@ -113,6 +115,20 @@ def _allow(allowed: dict, name: str, path: str, what: str) -> None:
         raise UserError(f"{what} {path!r} holds an object of {name[:80]}, which a Megatron checkpoint does not need "
                         "and tnlg does not unpickle (only argparse.Namespace and Megatron's own records are read, "
                         "without running code). Nothing was written.")
+
+
+def _enum_member(path: str, what: str):
+    """The ``getattr`` a ``.pt`` file may call: on an inert record's class (a skipped enum, such as
+    Megatron's ``AttnBackend`` in ``args``), giving an inert record, or for a member of an enum the
+    loader already admits, giving that member; any other call is refused as code."""
+    def member(cls, name):
+        if isinstance(cls, type) and issubclass(cls, Skipped) and isinstance(name, str):
+            return Skipped.standing_for(f"{cls.skipped_name}.{name[:80]}")()
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+            return cls.__members__[name]  # an enum the loader already admits (torch's own): its member, no code
+        raise _code(path, what, f"builtins.getattr on {shown(cls)}")
+    member.__module__, member.__qualname__ = "builtins", "getattr"
+    return member
 
 
 def load_pt(path: str, what: str) -> dict:
