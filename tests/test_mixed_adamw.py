@@ -105,3 +105,27 @@ def test_compiled_update_is_one_kernel_with_the_operators_bytes(monkeypatch):
     assert code[0].count('extern "C"') == 1  # one kernel in the generated module
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_fused_chunk_that_fails_hands_that_chunk_and_the_rest_to_the_composite(monkeypatch):
+    """torch's fused CPU kernel refusing the third chunk: the chunks before it are updated once (by it),
+    that one and the rest by the eager composite, with one warning; the result is the composite's alone."""
+    monkeypatch.setattr(mixed_adamw, "_cpu_fused_ok", True)
+    monkeypatch.setattr(mixed_adamw, "CPU_CHUNK", 1 << 12)
+    n = 5 * (1 << 12) + 77
+    ours, ref = _state(n, 0), _state(n, 0)
+    grad = torch.randn(n).bfloat16()
+    real, calls = torch._fused_adamw_, []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("not for this dtype")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", refusing)
+    with pytest.warns(UserWarning, match="fused CPU AdamW failed"):
+        adamw_16bit_(*ours, grad, 1e-3, 0.1, *BETAS, EPS, 2, 0.5)
+    assert len(calls) == 3 and mixed_adamw._cpu_fused_ok is False
+    adamw_update(*ref, grad, *_scalars(1e-3, 0.1, *BETAS, EPS, 2, 0.5))  # the reference: one eager update
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=4e-7 * float(b.float().abs().max()))

@@ -77,6 +77,13 @@ def _eager(param, master, exp_avg, exp_avg_sq, grad, *scalars) -> None:
         adamw_update(param[lo:hi], master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], *scalars)
 
 
+def _warn_eager(what: str, err: BaseException, cost: str) -> None:
+    """Say once that the eager composite replaces a fused path, and why (the error's first line)."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    warnings.warn(f"{what} ({type(err).__name__}: {first}); the 16-bit optimizer step runs its eager composite "
+                  f"(same arithmetic, {cost}).")
+
+
 _compiled: Optional[Callable] = None
 
 
@@ -89,9 +96,7 @@ def _fused(*args) -> None:
         try:
             return _compiled(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure: the same arithmetic, eagerly
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            warnings.warn(f"the fused 16-bit AdamW could not be compiled ({type(err).__name__}: {first}); "
-                          f"the optimizer step runs its eager composite (same arithmetic, more memory traffic).")
+            _warn_eager("the fused 16-bit AdamW could not be compiled", err, "more memory traffic")
             _compiled = _eager
     _eager(*args)
 
@@ -120,37 +125,31 @@ _cpu_fused_ok = hasattr(torch, "_fused_adamw_")
 @adamw_16bit_.register_kernel("cpu")
 def _adamw_16bit_cpu(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
                      grad_factor) -> None:
+    """The CPU kernel (module docstring): per chunk, the gradient into one fp32 buffer, torch's fused
+    AdamW on master and moments (the step count and ``1 / grad_factor`` as the tensors it reads), the
+    master's chunk rounded into ``param``. If torch's kernel refuses a chunk, that chunk and the rest
+    run the eager composite (the chunks before it are updated once, not twice)."""
     global _cpu_fused_ok
-    scalars = _scalars(lr, weight_decay, beta1, beta2, eps, step, grad_factor)
+    scalars = _scalars(lr, weight_decay, beta1, beta2, eps, step, grad_factor)  # also checks the step count
+    n, lo = master.numel(), 0
     if _cpu_fused_ok:
+        buf = torch.empty(min(n, CPU_CHUNK), dtype=torch.float32)
+        steps = [torch.tensor(float(step))]
+        scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor)
         try:
-            return _cpu_fused(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps,
-                              step, grad_factor)
+            for lo in range(0, n, CPU_CHUNK):
+                hi = min(n, lo + CPU_CHUNK)
+                g = buf[:hi - lo]
+                g.copy_(grad[lo:hi])
+                torch._fused_adamw_([master[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps, lr=lr,
+                                    beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                                    maximize=False, grad_scale=scale)
+                param[lo:hi].copy_(master[lo:hi])
+            return
         except (RuntimeError, NotImplementedError) as err:  # this torch's CPU kernel refuses: the composite
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            warnings.warn(f"torch's fused CPU AdamW failed ({type(err).__name__}: {first}); the 16-bit "
-                          f"optimizer step runs its eager composite (same arithmetic, slower).")
+            _warn_eager("torch's fused CPU AdamW failed", err, "slower")
             _cpu_fused_ok = False
-    _eager(param, master, exp_avg, exp_avg_sq, grad, *scalars)
-
-
-def _cpu_fused(param, master, exp_avg, exp_avg_sq, grad, lr, weight_decay, beta1, beta2, eps, step,
-               grad_factor) -> None:
-    """The CPU kernel (module docstring): per chunk, gradient into the fp32 buffer, torch's fused
-    AdamW on master and moments (step count and ``1 / grad_factor`` as the tensors it reads), the
-    master's chunk rounded into ``param``."""
-    n = master.numel()
-    buf = torch.empty(min(n, CPU_CHUNK), dtype=torch.float32)
-    steps = [torch.tensor(float(step))]
-    scale = None if grad_factor == 1.0 else torch.tensor(1.0 / grad_factor)
-    for lo in range(0, n, CPU_CHUNK):
-        hi = min(n, lo + CPU_CHUNK)
-        g = buf[:hi - lo]
-        g.copy_(grad[lo:hi])
-        torch._fused_adamw_([master[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [], steps, lr=lr,
-                            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                            maximize=False, grad_scale=scale)
-        param[lo:hi].copy_(master[lo:hi])
+    _eager(param[lo:], master[lo:], exp_avg[lo:], exp_avg_sq[lo:], grad[lo:], *scalars)
 
 
 @adamw_16bit_.register_fake
