@@ -23,6 +23,7 @@ import enum
 import io
 import pickle
 import re
+from typing import Optional
 
 import torch
 
@@ -106,7 +107,7 @@ def _allow(allowed: dict, name: str, path: str, what: str) -> None:
     if name == "argparse.Namespace":
         allowed[name] = argparse.Namespace
     elif name == "builtins.getattr":  # how Python 3.12+ and some 3.11 builds pickle an enum member
-        allowed[name] = (_enum_member(path, what), name)
+        allowed[name] = (_safe_getattr(path, what), name)
     elif runs_code(name):
         raise _code(path, what, name)
     elif name.startswith(_SKIPPED_MODULES):
@@ -117,15 +118,24 @@ def _allow(allowed: dict, name: str, path: str, what: str) -> None:
                         "without running code). Nothing was written.")
 
 
-def _enum_member(path: str, what: str):
+def _member_of(cls: object, name: object) -> Optional[enum.Enum]:
+    """``getattr(cls, name)`` where ``cls`` is an enum and ``name`` one of its members, else None: all a
+    pickle's ``builtins.getattr`` may do here (how Python 3.12+ and some 3.11 builds pickle a member)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    return None
+
+
+def _safe_getattr(path: str, what: str):
     """The ``getattr`` a ``.pt`` file may call: on an inert record's class (a skipped enum, such as
     Megatron's ``AttnBackend`` in ``args``), giving an inert record, or for a member of an enum the
     loader already admits, giving that member; any other call is refused as code."""
     def member(cls, name):
         if isinstance(cls, type) and issubclass(cls, Skipped) and isinstance(name, str):
             return Skipped.standing_for(f"{cls.skipped_name}.{name[:80]}")()
-        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-            return cls.__members__[name]  # an enum the loader already admits (torch's own): its member, no code
+        found = _member_of(cls, name)  # a member of an enum the loader already admits (torch's own)
+        if found is not None:
+            return found
         raise _code(path, what, f"builtins.getattr on {shown(cls)}")
     member.__module__, member.__qualname__ = "builtins", "getattr"
     return member
@@ -218,10 +228,10 @@ class _DCPUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _enum_member(self, cls, name):
         """``getattr(cls, name)`` only where ``cls`` is one of the index's own enums and ``name`` one of its
         members (``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT``): any other use of getattr is refused."""
-        if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in self.classes.values()
-                and isinstance(name, str) and name in cls.__members__):
-            return cls[name]
-        raise _Refused("builtins.getattr")
+        member = _member_of(cls, name) if cls in self.classes.values() else None
+        if member is None:
+            raise _Refused("builtins.getattr")
+        return member
 
 
 class _Refused(pickle.UnpicklingError):
