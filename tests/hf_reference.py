@@ -98,7 +98,7 @@ def _forward_backward(ps, cfg, weights, tokens, labels):
 def check_against_hf(world: int, tp: int, ref: HFReference, tol: float) -> None:
     """tnlg at ``world`` processes and TP ``tp`` gives the reference's logits, loss and gradients; the
     replicated parameters' gradients are bit-identical on every rank of a TP group."""
-    from tnlg.runtime.spawn import run_distributed
+    from .pool import run_distributed
     results = run_distributed(_forward_backward, world, tp, ref.cfg, ref.weights, ref.tokens, ref.labels)
     for res in results:
         torch.testing.assert_close(res["logits"], ref.logits, atol=tol, rtol=tol)

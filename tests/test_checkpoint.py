@@ -25,7 +25,8 @@ from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
-from tnlg.runtime.spawn import WorkerError, run_distributed
+from tnlg.runtime.spawn import WorkerError
+from .pool import run_distributed
 
 # bf16 matmuls must run near the fp32 rate (AVX-512 BF16/AMX, or a GPU); on an AVX2-only CPU they are ~100x slower
 needs_fast_bf16 = pytest.mark.skipif(not fast_bf16_cpu(), reason=bf16_skip_reason())

@@ -14,7 +14,7 @@ import torch
 
 from tnlg import checkpoint as ck
 from tnlg.config import GPTConfig
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoint_v1")
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from tnlg.optim.clip import clip_coefficient, clip_grad_norm_, global_norm, squared_sums
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 # (shape, tp_sharded, split dim)
 SPECS = [((8, 6), True, 0), ((6, 8), True, 1), ((8,), True, 0), ((6,), False, None), ((5, 6), False, None)]

@@ -17,7 +17,7 @@ import torch
 from tnlg.config import GPTConfig
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 from tnlg.training import compile as compile_module
 from tnlg.training.compile import compile_blocks
 

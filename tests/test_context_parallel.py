@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tnlg.parallel.context import (chunk_positions, check_context_parallel_length, document_ids,
                                    gather_from_context_parallel, ring_attention, split_for_context_parallel)
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

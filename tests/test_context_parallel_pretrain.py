@@ -9,7 +9,7 @@ import torch
 
 from tests.tiny import tiny_options
 from tnlg.errors import UserError
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 RUN = dict(train_iters=6, lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, hidden_dropout=0.0, attention_dropout=0.0, eval_interval=3,
            eval_iters=1, split="80,20,0", reset_position_ids=True, reset_attention_mask=True)

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tnlg.parallel.state import ParallelState, _check_layout, group_ranks
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 LAYOUTS = [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 4, 1, 2), (1, 1, 2, 2)]
 

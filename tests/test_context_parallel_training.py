@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tnlg.config import GPTConfig
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 STEPS, BATCH, SEQ, MICRO = 5, 4, 16, 2  # (MICRO: the pipeline's micro batch)
 VIRTUAL, INTERLEAVED_LAYERS = 2, 4  # the interleaved schedule: 2 model chunks per pipeline rank, of 1 layer each

@@ -22,7 +22,7 @@ import torch
 from tnlg.config import GPTConfig
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=96)
 

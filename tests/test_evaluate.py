@@ -25,7 +25,7 @@ from tnlg.eval import (build_eval_dataset, count_original_tokens, dataset_loss, 
                        read_lambada_texts, read_wikitext, split_last_word, wikitext_detokenizer, wikitext_perplexity)
 from tnlg.model import GPT
 from tnlg.parallel.sharding import load_full_state_dict
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 SEQ, STRIDE, VOCAB = 32, 8, 128
 WORDS = ("the a of and to in game was it is he she his her war army city king river ship first new "

@@ -26,7 +26,9 @@ from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.runtime.spawn import run_distributed
+from tnlg.runtime.spawn import run_distributed as run_fresh
+
+from .pool import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,21 +175,30 @@ def test_failures_on_some_ranks_are_raised_on_every_rank_naming_each():
 
 
 def _fails_on_rank_1_while_rank_0_waits(ps, in_collective):
-    """Rank 1 raises a user error at once; rank 0 sits in a barrier, or computes for 50 s before one."""
+    """Rank 1 raises a user error at once; rank 0 sits in a barrier, or computes for 900 s before one."""
     if ps.rank == 1:
         raise UserError("the data of rank 1 cannot be read")
     if not in_collective:
-        time.sleep(50)
+        time.sleep(900)
     torch.distributed.barrier()
 
 
+def _ranks(ps):
+    return ps.rank
+
+
+@pytest.mark.parametrize("harness", ["fresh", "pool"])
 @pytest.mark.parametrize("in_collective", [True, False])
-def test_harness_stops_every_rank_as_soon_as_one_fails(in_collective):
-    """run_distributed does not wait for the process-group timeout (60 s here) nor for a busy rank: the
-    failing rank's exit stops the others, and its traceback is what is raised."""
+def test_harness_stops_every_rank_as_soon_as_one_fails(in_collective, harness):
+    """Neither harness (new processes per call, or the tests' worker pool) waits for the process-group
+    timeout nor for a busy rank (900 s each here): the failing rank's error stops the others, and its
+    traceback is what is raised. The bound is a third of the wait, so it holds on a loaded machine
+    (starting two processes there takes seconds, not minutes); the pool then serves the next call."""
     from tnlg.runtime.spawn import WorkerError
+    run = run_fresh if harness == "fresh" else run_distributed
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed:") as info:
-        run_distributed(_fails_on_rank_1_while_rank_0_waits, 2, 1, in_collective, timeout_s=60)
-    assert time.monotonic() - t0 < 30
+        run(_fails_on_rank_1_while_rank_0_waits, 2, 1, in_collective, timeout_s=900)
+    assert time.monotonic() - t0 < 300
     assert "UserError: the data of rank 1 cannot be read" in str(info.value)
+    assert run(_ranks, 2, 1) == [0, 1]

@@ -16,7 +16,7 @@ from tnlg.generation import generate_ids
 from tnlg.model import GPT
 from tnlg.interop.hf import from_hf
 from tnlg.parallel.sharding import load_full_state_dict
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 VOCAB, SEQ, EOD = 100, 48, 99
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3], [40, 2, 40, 2, 40, 2, 7, 77]]

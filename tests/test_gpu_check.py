@@ -24,7 +24,10 @@ def test_gpu_check_tiny_runs_every_section(tmp_path):
         assert res[key]["left_after_close_bytes"] == 0 and "baseline_bytes" in res[key], key
     assert all(v > 0 for dtype in ("bf16", "fp32") for v in res["e_peak"][dtype]["tflops"])
     assert "skipped_f" in res and "skipped_g" in res  # no CUDA here
-    assert res["h_mixed_adamw"]["max_abs_diff_vs_eager"] == 0.0  # on the CPU the operator runs the eager composite
+    # the operator against its eager composite: on the CPU its kernel is torch's fused CPU AdamW, which rounds
+    # differently (``beta1 * m + (1 - beta1) * g`` where the composite lerps): fp32 rounding of values of order 1
+    # (2.9e-11 seen), far below one step's update (lr 1e-4)
+    assert res["h_mixed_adamw"]["max_abs_diff_vs_eager"] < 1e-6
     assert "(a) bf16 step" in r.stdout and "(d) tnlg-17b slice" in r.stdout and "(e) measured peak" in r.stdout
     try:  # megatron-core beside tnlg, or said to be missing
         import megatron.core  # noqa: F401

@@ -11,7 +11,7 @@ from tnlg.config import padded_vocab_size, partition_sizes
 from tnlg.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                            vocab_parallel_cross_entropy)
 from tnlg.parallel.sharding import shard_of
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 from .conftest import LAYOUTS
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tnlg.config import GPTConfig
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 from .llama_reference import ReferenceLlama, random_llama, tnlg_config_kwargs, tnlg_weights_from_hf, train_llama_reference
 

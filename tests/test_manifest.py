@@ -22,7 +22,7 @@ import torch
 
 from tnlg import checkpoint as ck
 from tnlg.config import GPTConfig
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "meta_json")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import torch
 from tests.tiny import tiny_options
 from tnlg.config import GPTConfig
 from tnlg.plan.flops import flops_per_iteration, reference_flops
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 from tnlg.training.throughput import iteration_flops, measure_peak_tflops
 
 

@@ -22,7 +22,8 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline, tie_embedding_grads
 from tnlg.parallel.sharding import full_state_dict, gather_full
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.runtime.spawn import run_distributed, run_tnlg
+from tnlg.runtime.spawn import run_tnlg
+from .pool import run_distributed
 from tnlg.training.step import train_step
 
 MICRO, GLOBAL, STEPS, SEQ = 2, 8, 5, 8

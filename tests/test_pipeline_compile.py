@@ -19,7 +19,7 @@ from tnlg.optim import build_engine
 from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.state import init_parallel
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 from tnlg.training.compile import compile_blocks
 from tnlg.training.step import train_step
 

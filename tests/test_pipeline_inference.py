@@ -22,7 +22,8 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_inference import forward_logits
 from tnlg.parallel.sharding import load_full_state_dict
 from tnlg.parallel.vocab import gather_logits
-from tnlg.runtime.spawn import run_distributed, run_tnlg
+from tnlg.runtime.spawn import run_tnlg
+from .pool import run_distributed
 
 from tests.test_generate import EOD, PROMPTS, SAMPLING, VOCAB
 from tests.test_generate import _hf_model as _generate_hf_model

@@ -16,7 +16,7 @@ from tnlg.parallel.state import ParallelState
 from tnlg.commands.plan import add_arguments, run
 from tnlg.plan.counts import parameter_counts
 from tnlg.plan.pipeline import bubble_fraction, chunks_in_flight, pipeline_plan, pipeline_time
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 
 def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_and_interleaving_divides_its_time_by_v():

@@ -22,7 +22,7 @@ from tnlg.parallel.pipeline import StageModel, chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.sharding import gather_full
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 from tnlg.training.step import train_step
 
 from .test_pipeline import (GLOBAL, LRS, MICRO, STEPS as STEPS_FP32, TINY_BUCKET_MB, _config, _micro_batches,

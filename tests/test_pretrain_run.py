@@ -32,7 +32,7 @@ def _train_body(ps, o):
 def test_eval_iters_zero_runs_without_validation(capfd, tmp_path):
     """``--eval-iters 0`` runs without validation and says so once (it used to be accepted, then crash with a
     TypeError formatting the missing validation loss)."""
-    from tnlg.runtime.spawn import run_distributed
+    from .pool import run_distributed
     o = tiny_options(1, **ONE_PROCESS, train_iters=3, eval_interval=2, eval_iters=0,
                      metrics_file=str(tmp_path / "m.jsonl"))
     assert run_distributed(_train_body, 1, 1, o, timeout_s=120)[0] == (None, None, 3)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.tiny import resolve_flags, tiny_flags
 from tnlg import checkpoint as ck
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,7 @@ from tnlg.parallel.mappings import (copy_to_tp_coalesced, gather_from_sequence_p
 from tnlg.plan.memory import activation_bytes
 from tnlg.parallel.sharding import gather_full, load_full_state_dict, shard_of
 from tnlg.parallel.vocab import gather_logits
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 GRANULARITIES = (None, "selective", "full")

@@ -78,7 +78,7 @@ def test_two_rank_real_run_equals_the_simulation_phase_by_phase(tmp_path):
     and peak bytes by kind equal the simulation's of rank 0 of the same layout exactly, in every phase,
     setup and save included; and setup holds no more than the final model states plus one parameter's
     fp32 initial value (the meta-built model costs nothing)."""
-    from tnlg.runtime.spawn import run_distributed
+    from .pool import run_distributed
     real, memory = run_distributed(_real_rank, 2, 1, str(tmp_path), timeout_s=300)[0]
     sim = simulate(GPTConfig(**MID), 1, 2, zero_stage=1, precision="bf16", micro_batch=2, accum=2, gpu="h100",
                    gpu_kernels=False)

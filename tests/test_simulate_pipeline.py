@@ -49,7 +49,7 @@ def _real_stage(ps):
 
 @pytest.mark.slow
 def test_stage_simulation_matches_a_real_two_stage_pipeline():
-    from tnlg.runtime.spawn import run_distributed
+    from .pool import run_distributed
     real = run_distributed(_pp2_worker, 2, 1, timeout_s=300)
     for stage, r in enumerate(real):
         sim = simulate_stage(GPTConfig(**CFG), 1, 2, 1, stage, zero_stage=1, precision="bf16", micro_batch=MICRO,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 from tnlg.commands.pretrain_args import resolve
 
 from .reference_gpt import ReferenceGPT, train_reference

@@ -23,7 +23,7 @@ from tnlg.optim import DataParallelBackend, build_engine, partition_report, plan
 from tnlg.parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from tnlg.parallel.sharding import gather_full, mark_replicated, mark_sharded
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.runtime.spawn import run_distributed
+from .pool import run_distributed
 
 try:
     from tnlg.model import GPT

@@ -43,7 +43,7 @@ output and an fp32 LSE; its backward takes the output and LSE) and its backward 
 block is computed in fp32 maths with an explicit LSE (exact, but ``[b, H, n, m]`` scores per
 block: a fused CUDA kernel hook-up is future work). Attention dropout is not supported in the ring
 (docs/context_parallel.md says why). Under ``--compile`` :func:`ring_attention` is left out of the
-compiled graphs (``torch.compiler.disable``: one graph break per block), so its P2P runs eager.
+compiled graphs (``torch.compiler.disable``, applied when traced: one graph break per block), so its P2P runs eager.
 
 **Why not torch's own.** ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13)
 was tried on gloo on CPU: its SDPA dispatcher only knows the CUDA kernels (flash, efficient,
@@ -298,10 +298,21 @@ def _add_heads(acc: torch.Tensor, g: torch.Tensor, index: Optional[torch.Tensor]
         acc.index_add_(1, index, g)
 
 
-@torch.compiler.disable  # under --compile: one graph break, the ring (P2P, which Dynamo does not trace) runs eager
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                    doc_ids: Optional[torch.Tensor] = None,
                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:
+    """:func:`_ring_attention`, run eager under ``torch.compile`` (one graph break: Dynamo does not trace the
+    ring's P2P). The exclusion is applied when Dynamo traces this call, not by a decorator at import:
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (about 1.3 CPU-s), which a process that never
+    compiles should not pay."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_ring_attention)(q, k, v, group, doc_ids, kv_heads)
+    return _ring_attention(q, k, v, group, doc_ids, kv_heads)
+
+
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
+                    doc_ids: Optional[torch.Tensor] = None,
+                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence: ``[b, H, 2c, d]``.
 
     ``q`` ``[b, H, 2c, d]``, ``k``/``v`` ``[b, G, 2c, d]``: this rank's two chunks (module docstring).

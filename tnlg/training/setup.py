@@ -4,7 +4,7 @@ pipeline schedule and the datasets (the learning-rate schedule: :meth:`tnlg.opti
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,11 @@ from ..optim import build_engine as build_tnlg_engine
 from ..options import Options, ParallelOptions, PrecisionOptions
 from ..options.pipeline import virtual_stages
 from ..parallel.pipeline import StageModel, chunk_layers
-from ..parallel.pipeline_schedule import Pipeline
 from ..parallel.state import ParallelState
 from ..runtime.launch import join
+
+if TYPE_CHECKING:  # torch's pipelining imports torch._dynamo (1.3 CPU-s): loaded only by a pipeline's run
+    from ..parallel.pipeline_schedule import Pipeline
 
 __all__ = ["init_run", "precision", "build_engine", "build_pipeline", "build_datasets"]
 
@@ -73,7 +75,10 @@ def stage_chunks(par: ParallelOptions, cfg: GPTConfig, ps: ParallelState) -> lis
 
 def build_pipeline(par: ParallelOptions, model, ps: ParallelState, accum: int) -> Optional[Pipeline]:
     """The pipeline schedule of ``accum`` micro batches over the engine's stage model; ``None`` at PP 1."""
-    return Pipeline(model, accum, par.pipeline_schedule) if ps.pp_size > 1 else None
+    if ps.pp_size == 1:
+        return None
+    from ..parallel.pipeline_schedule import Pipeline
+    return Pipeline(model, accum, par.pipeline_schedule)
 
 
 def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:

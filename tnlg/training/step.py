@@ -26,7 +26,6 @@ import torch
 
 from ..data.sampler import collate
 from ..parallel.mappings import all_reduce
-from ..parallel.pipeline_schedule import tie_embedding_grads
 
 __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
 
@@ -86,6 +85,8 @@ def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Opti
     """Every micro batch through the pipeline's schedule under autocast to ``autocast`` (the stages'
     forward as without a pipeline: the activations sent between stages come out in the training
     dtype); the mean micro-batch loss on every stage."""
+    # (imported here: torch's pipelining imports torch._dynamo, 1.3 CPU-s a process without a pipeline skips)
+    from ..parallel.pipeline_schedule import tie_embedding_grads
     out: list = [None]
 
     def run(factor: float) -> None:
