@@ -13,7 +13,9 @@ What a body sees is what a fresh worker gives it:
   ``timeout_s``, and destroyed after it); the world group is the pool's;
 - torch's default generator at the seed a new process starts with, ``threads`` intra-op threads, fp32 as
   the default dtype, gradients enabled, the environment and working directory as the worker started;
-- its own children (writer processes a body leaves behind) terminated when it ends.
+- its own children (writer processes a body leaves behind) terminated when it ends;
+- what it writes to file descriptors 1 and 2 written by the parent to its own once the call ends (rank by
+  rank), so ``capfd`` reads it as it read a fresh worker's output.
 
 A call that fails on any rank ends the whole pool at once (its peers may sit in a collective): the
 error comes back with every failing rank's traceback and the next call starts a new pool; so does a
@@ -26,11 +28,13 @@ faults, signals, exits and launchers use fresh processes anyway (they do not com
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -59,6 +63,31 @@ def _reset(base_seed: int, threads: int, environ: dict, cwd: str) -> None:
         os.chdir(cwd)
 
 
+@contextlib.contextmanager
+def _captured(folder: str, rank: int):
+    """The call's writes to file descriptors 1 and 2 (Python's and C's), into ``output`` once it ends: a
+    test reads a fresh worker's output with ``capfd``, whose redirection a pool started earlier does not
+    inherit, so the parent writes it to its own descriptors (:meth:`_Pool.run`)."""
+    output: list[bytes] = []
+    files = [open(os.path.join(folder, f"fd{fd}_rank{rank}"), "w+b") for fd in (1, 2)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    try:
+        yield output
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old, f in zip((1, 2), saved, files):
+            os.dup2(old, fd)
+            os.close(old)
+            f.seek(0)
+            output.append(f.read())
+            f.close()
+
+
 def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
     """A pool worker: join the pool's group, then run calls until told to stop (``None``)."""
     import torch
@@ -79,11 +108,12 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
         fn, tp, args, timeout_s, threads = task
         _reset(base_seed, threads, environ, cwd)
         groups = set(dist.distributed_c10d._world.pg_map)
-        try:
-            ps = init_parallel(tensor_parallel_size=tp, timeout=timedelta(seconds=timeout_s))
-            reply: tuple = ("ok", fn(ps, *args))
-        except BaseException:  # noqa: BLE001 - report every failure to the parent
-            reply = ("error", traceback.format_exc())
+        with _captured(os.path.dirname(rdzv), rank) as output:
+            try:
+                ps = init_parallel(tensor_parallel_size=tp, timeout=timedelta(seconds=timeout_s))
+                reply: tuple = ("ok", fn(ps, *args))
+            except BaseException:  # noqa: BLE001 - report every failure to the parent
+                reply = ("error", traceback.format_exc())
         for child in mp.active_children():
             child.terminate()
         intact = dist.is_initialized() and dist.group.WORLD is world
@@ -91,9 +121,9 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
             for group in set(dist.distributed_c10d._world.pg_map) - groups:
                 dist.destroy_process_group(group)
         try:
-            payload = pickle.dumps(reply + (intact,))
+            payload = pickle.dumps(reply + (intact, output))
         except Exception:  # noqa: BLE001 - an unpicklable result is the body's error, reported as one
-            payload = pickle.dumps(("error", traceback.format_exc(), intact))
+            payload = pickle.dumps(("error", traceback.format_exc(), intact, output))
         conn.send_bytes(payload)
         if not intact or reply[0] != "ok":  # the parent ends this pool; a failed rank's peers may be inside a
             leave(1, destroy=False)        # collective, and destroying the groups could block
@@ -147,6 +177,10 @@ class _Pool:
                                                   "without replying", False)
             if deadline is None and any(r[0] != "ok" for r in replies.values()):
                 deadline = time.monotonic() + _GRACE_S
+        for rank in sorted(replies):  # what each rank printed, as a fresh worker's output would have reached us
+            for fd, data in zip((1, 2), replies[rank][3] if len(replies[rank]) > 3 else ()):
+                if data:
+                    os.write(fd, data)
         errors = [f"rank {rank} failed:\n{replies[rank][1]}" for rank in sorted(replies) if replies[rank][0] != "ok"]
         if errors:
             raise WorkerError("\n".join(errors))
