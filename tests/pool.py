@@ -63,6 +63,25 @@ def _reset(base_seed: int, threads: int, environ: dict, cwd: str) -> None:
         os.chdir(cwd)
 
 
+def _forget_meshes() -> None:
+    """Drop DTensor's caches (FSDP2's ZeRO 2/3): they key on a ``DeviceMesh``, whose equality ignores its
+    process groups, and keep the first equal mesh they saw, so a later call's equal mesh would reach a
+    destroyed group by its name ("Could not resolve the process group registered under the name ...")."""
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None:
+        redistribute._gen_transform_infos.cache_clear()
+        redistribute.clear_redistribute_planner_cache()
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is not None:
+        propagator = api.DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
+        import torch
+        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:  # the dispatch fast path's own cache (C++)
+            clear_native()
+
+
 @contextlib.contextmanager
 def _captured(folder: str, rank: int):
     """The call's writes to file descriptors 1 and 2 (Python's and C's), into ``output`` once it ends: a
@@ -120,6 +139,7 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
         if intact and reply[0] == "ok":
             for group in set(dist.distributed_c10d._world.pg_map) - groups:
                 dist.destroy_process_group(group)
+            _forget_meshes()
         try:
             payload = pickle.dumps(reply + (intact, output))
         except Exception:  # noqa: BLE001 - an unpicklable result is the body's error, reported as one

@@ -89,8 +89,9 @@ def _tasks(ps, tasks):
     return out
 
 
-def _spawn(world, tasks):
-    return run_distributed(_tasks, world, 1, tasks, timeout_s=180)[0]
+def _spawn(world, tasks, fresh=False):
+    """``fresh``: new processes (the fault injection's sitecustomize is read when a process starts)."""
+    return run_distributed(_tasks, world, 1, tasks, timeout_s=180, fresh=fresh)[0]
 
 
 # --------------------------------------------------------------------------- fixtures (spawns)
@@ -131,7 +132,7 @@ def killed(dirs):
                                                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                  os.environ.get("PYTHONPATH", "")]))
         with pytest.raises((WorkerError, ProcessException)):  # a worker's error, or one killed
-            _spawn(2, [("train", o)])
+            _spawn(2, [("train", o)], fresh=True)
     return dict(path=d, iterations=ck.list_iterations(d), latest=ck.read_latest(d),
                 leftovers=sorted(n for n in os.listdir(d) if ".tmp" in n))
 
