@@ -53,6 +53,24 @@ OPTIONAL_PACKAGES = {
 }
 
 
+# The quick tier (``-m quick``): every test that is not marked slow, except those of these modules, whose
+# tests compile, start fresh processes (faults, signals, launchers, fuzzers under resource limits) or run
+# megatron-core, DeepSpeed or a benchmark's smoke run. The README states its time; .ci/run runs it first.
+NOT_QUICK = {"test_bench_peers", "test_checkpoint", "test_compile", "test_deepspeed", "test_failures",
+             "test_fuzz_megatron", "test_fuzz_readers", "test_gpu_check", "test_hang", "test_imports",
+             "test_megatron_bad_input", "test_megatron_checkpoint", "test_megatron_llama",
+             "test_megatron_model_options", "test_megatron_optimizer", "test_megatron_resume", "test_memory_scale",
+             "test_pipeline_compile", "test_pipeline_precision", "test_stop_signals"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the quick tier (``NOT_QUICK``)."""
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        if item.get_closest_marker("slow") is None and module not in NOT_QUICK:
+            item.add_marker(pytest.mark.quick)
+
+
 def pytest_addoption(parser):
     parser.addoption("--require-optional", action="store_true",
                      help="a test marked needs_package whose package is missing fails instead of skipping "
