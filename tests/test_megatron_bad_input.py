@@ -235,6 +235,69 @@ def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
     refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
     (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
     refused(src, "distrib_optim.pt' cannot be loaded .* damaged, truncated")
+    for rank in ("mp_rank_00", "mp_rank_01"):  # a buffer that is a list, not the dict of the states
+        torch.save({"buckets_coalesced": True, 0: {(torch.float32, torch.float32): [torch.zeros(3)]}},
+                   src / "iter_0000003" / rank / "distrib_optim.pt")
+    refused(src, "distrib_optim.pt': its buffer holds a list, not megatron-core's dict of the states")
+
+
+@pytest.mark.parametrize("name,value", [("ddp_num_buckets", "x"), ("data_parallel_size", "two"),
+                                        ("ddp_bucket_size", 2.5), ("world_size", [2])])
+def test_bucket_arguments_that_are_no_whole_numbers(megatron_ckpts, tmp_path, name, value):
+    """The distributed optimizer's bucket layout comes from the saved args: a count or size that is no
+    whole number is one paragraph naming it."""
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "src")
+
+    def edit(state):
+        args = state["args"]
+        args.use_distributed_optimizer, args.overlap_grad_reduce = True, True
+        if name == "world_size":
+            args.data_parallel_size = None
+        setattr(args, name, value)
+        state["optimizer"] = dict(param_groups=[dict(step=1)])
+    _edit_args(src, "legacy", edit)
+    with pytest.raises(UserError, match=f"the saved args' {name} is {value!r}|the saved args' {name} is a list") as info:
+        megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def _with_adam_states(d):
+    """Give the torch_dist fixture in ``d`` the model-space Adam states of a non-distributed optimizer
+    (``optimizer.state.exp_avg.<key>``, ``exp_avg_sq``: each a copy of the weight's record and bytes, step 3)."""
+    import copy
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    meta = _index(d)
+    for key, md in list(meta.state_dict_metadata.items()):
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        for kind in ("exp_avg", "exp_avg_sq"):
+            meta.state_dict_metadata[f"optimizer.state.{kind}.{key}"] = copy.deepcopy(md)
+            for k in [k for k in meta.storage_data if k.fqn == key]:
+                meta.storage_data[MetadataIndex(f"optimizer.state.{kind}.{key}", k.offset)] = meta.storage_data[k]
+    _save_index(d, meta)
+    common = torch.load(d / "common.pt", weights_only=False)
+    common["optimizer"] = dict(common_step=3)
+    torch.save(common, d / "common.pt")
+
+
+def test_non_finite_adam_states_or_weights_are_refused_naming_the_tensor(megatron_ckpts, tmp_path):
+    """--with-optimizer on Adam moments holding NaN or inf is one paragraph naming the state and the
+    tensor, and so is a weight holding them; nothing is written. The same checkpoint with finite states
+    converts."""
+    src, d = _dist(megatron_ckpts, tmp_path, "finite")
+    _with_adam_states(d)
+    assert os.path.isdir(megatron_to_checkpoint(str(src), str(tmp_path / "ok"), with_optimizer=True))
+    for name, state in (("moment", "exp_avg_sq"), ("first_moment", "exp_avg"), ("weight", None)):
+        src, d = _dist(megatron_ckpts, tmp_path, name)
+        _with_adam_states(d)
+        bad = torch.ones(32)
+        bad[3], bad[7] = float("nan"), float("inf")
+        _set_chunks(d, _LN_F if state is None else f"optimizer.state.{state}.{_LN_F}", [((0,), (32,), bad)])
+        kind = "" if state is None else f"Adam state {state} of "
+        with pytest.raises(UserError, match=f"the {kind}{_LN_F} \\(tnlg's transformer.ln_f.weight\\) holds NaN or infinite "
+                                            "values") as info:
+            megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+        assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- hostile files: the torch_dist index
