@@ -76,6 +76,7 @@ class NonFiniteParameters(UserError):
     """A save refused on every rank alike: a parameter holds NaN or inf (training has diverged), so the
     checkpoint was not written and the previous one stays the latest."""
 
+
 def _tmp_name(iteration: int) -> str:
     return F.iter_dir_name(iteration) + ".tmp"
 

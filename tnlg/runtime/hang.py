@@ -112,10 +112,10 @@ def _group_words(group, frames_locals: list[dict], fallback: str = "a process gr
     except Exception:  # noqa: BLE001
         default = None
     name = "the default (world) group" if group is None or group is default else None
-    for ps in _states(frames_locals):  # a ParallelState in some frame names the group
-        for attr, words in _GROUP_NAMES.items():
-            if group is not None and getattr(ps, attr, None) is group:
-                name = f"the {words} group"
+    named = [words for ps in _states(frames_locals) for attr, words in _GROUP_NAMES.items()
+             if group is not None and getattr(ps, attr, None) is group]
+    if named:  # a ParallelState in some frame names the group (the first of its names: DP before DP x CP)
+        name = f"the {named[0]} group"
     if name is None:
         name = fallback
     return name + (f" (ranks {', '.join(map(str, ranks))})" if ranks else "")
