@@ -5,7 +5,8 @@ tests/test_fuzz_megatron.py, under a memory limit).
 and ``torch_dist`` (``torch_dist/``) Megatron checkpoint. For each reader (``legacy``: the rank file;
 ``index``: the ``.metadata`` index; ``chunks``: the ``.distcp`` data file) COUNT mutated checkpoints are
 made in WORK, one at a time (the same files for the same seed): truncations, byte flips, type swaps, deep
-nesting, shared and cyclic object graphs, huge sizes, ``../`` and absolute names, globals that run code.
+nesting, shared and cyclic object graphs, huge sizes, ``../`` and absolute names, globals that run code,
+model choices tnlg does not compute in the args, and indexes whose keys share one record of repeated chunks.
 Each is read by the importer; an outcome is good when it is a success or one :class:`UserError` paragraph
 (one line, no torch advice, no allocation failure, nothing written). It is bad when anything else is
 raised, when a file outside the checkpoint is opened (an audit hook watches every ``open``; a valid data
@@ -123,7 +124,10 @@ _ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "max_position_embeddings", "seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
          "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "consumed_train_samples", "layernorm_epsilon",
          "hidden_dropout", "tokenizer_type", "untie_embeddings_and_output_weights", "swiglu", "num_query_groups",
-         "normalization", "global_batch_size", "lr", "train_iters", "lr_decay_style", "init_method_std")
+         "normalization", "global_batch_size", "lr", "train_iters", "lr_decay_style", "init_method_std",
+         # megatron-core's model choices tnlg refuses unless at the value it models (core_fields.py)
+         "layernorm_zero_centered_gamma", "apply_layernorm_1p", "window_size", "no_rope_freq", "qk_l2_norm",
+         "softmax_type", "glu_linear_offset", "activation_func_clamp_value", "gated_linear_unit")
 _TOP = ("iteration", "checkpoint_version", "args", "model", "optimizer", "rng_state")
 
 
@@ -192,7 +196,7 @@ def _odd_size(size, rng: random.Random):
 def mutate_index(meta, rng: random.Random, canary: str) -> str:
     """One structural change of a ``torch.distributed.checkpoint`` Metadata (in place)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-    op = rng.choice(["path", "path", "span", "size", "chunk", "chunk", "dtype", "storage", "entry", "evil"])
+    op = rng.choice(["path", "path", "span", "size", "chunk", "chunk", "dtype", "storage", "entry", "evil", "share"])
     storage, mds = meta.storage_data, meta.state_dict_metadata
     k = rng.choice(list(storage))
     key = rng.choice([n for n, md in mds.items() if hasattr(md, "size")])
@@ -247,6 +251,13 @@ def mutate_index(meta, rng: random.Random, canary: str) -> str:
         else:
             mds[key] = odd_value(rng, canary)
         return f"entry {key}"
+    if op == "share":  # many keys sharing one record whose chunk list repeats one chunk (the check stays linear)
+        keys, copies = rng.choice([(3000, 3000), (200, 20000), (20000, 200)])
+        md.chunks = [md.chunks[0]] * copies
+        for i in range(keys):
+            mds[f"{key}.shared{i}"] = md
+            storage[MetadataIndex(f"{key}.shared{i}", md.chunks[0].offsets)] = storage[k]
+        return f"{keys} keys share {key}'s record of {copies} equal chunks"
     meta.planner_data = Evil()
     return "code in the index"
 

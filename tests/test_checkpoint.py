@@ -360,6 +360,22 @@ def test_save_layout_same_iteration_twice_and_keep_last(tmp_path):
     assert os.path.isdir(os.path.join(root, "iter_0000009.tmp")), "a folder the save did not write was deleted"
 
 
+def test_parameters_that_are_not_finite_are_not_saved(tmp_path):
+    """A parameter holding NaN (or inf) is found as the weights stream: the save is refused naming it, its
+    folder is removed and the previous checkpoint stays the latest."""
+    cfg, model, engine, ps = _tiny()
+    root = str(tmp_path / "c")
+    ck.save(root, iteration=2, consumed_samples=16, model=model, engine=engine, ps=ps, config=cfg)
+    for bad in (float("nan"), float("inf")):
+        with torch.no_grad():
+            model.transformer.h[1].mlp.c_fc.weight.view(-1)[5] = bad
+        with pytest.raises(ck.NonFiniteParameters, match="parameter transformer.h.1.mlp.c_fc.weight .*holds NaN or "
+                                                         "infinite values; the checkpoint of iteration 3 was not "
+                                                         "written"):
+            ck.save(root, iteration=3, consumed_samples=24, model=model, engine=engine, ps=ps, config=cfg)
+        assert ck.read_latest(root) == 2 and sorted(os.listdir(root)) == sorted([ck.LATEST, ck.iter_dir_name(2)])
+
+
 def test_saving_an_iteration_again_replaces_the_older_save(tmp_path, capsys):
     """A run rolled back to an earlier checkpoint that reaches an iteration again
     replaces the older save of that iteration (atomically, with a log line), never discards the new one."""

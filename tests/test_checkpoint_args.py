@@ -139,3 +139,40 @@ def test_resume_with_only_the_save_folder_continues_exactly(tmp_path, corpus):
     assert "resumed from run/iter_0000004 at iteration 4 (" in out, out[-3000:]
     _pretrain([*flags, "--train-iters", "8", "--save", "reference"], tmp_path)
     assert _losses(tmp_path / "run" / "metrics.jsonl") == _losses(tmp_path / "reference" / "metrics.jsonl")
+
+
+def test_a_converted_checkpoint_gives_its_model_and_tokenizer(tmp_path, corpus):
+    """A checkpoint ``tnlg convert`` wrote (from Megatron-LM, with the built-in tokenizer) records no run
+    options: --use-checkpoint-args takes its model shape from its architecture record and its tokenizer
+    from its tokenizer record, and the resume checks accept the run (they compare that architecture);
+    only the data is given."""
+    from tnlg.checkpoint.reshard import slice_full, targets_for
+    from tnlg.checkpoint.saving import write_offline
+    from tnlg.config import GPTConfig
+    from tnlg.data.tokenizer import load_tokenizer
+    from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import full_state_dict
+    from tnlg.parallel.state import ParallelState
+    from tnlg.training.checkpointing import check_resume
+    prefix, tok = corpus
+    tokenizer = load_tokenizer(tok)
+    cfg = GPTConfig(num_layers=3, hidden_size=48, num_attention_heads=6, seq_length=32,
+                    vocab_size=tokenizer.vocab_size, swiglu=True, normalization="RMSNorm",
+                    position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    full = full_state_dict(GPT(cfg), ParallelState.single())
+    meta = dict(format="tnlg.checkpoint/2", iteration=5, consumed_samples=0, config=cfg.to_dict(), options={},
+                data=None, tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False),
+                schedule=None)
+    targets = targets_for(cfg, 1, 0)
+    src = write_offline(str(tmp_path / "trained"), meta, 1,
+                        lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    checkpoint_to_megatron(src, str(tmp_path / "megatron"), fmt="torch_dist", tp=1)
+    converted = megatron_to_checkpoint(str(tmp_path / "megatron"), str(tmp_path / "converted"), tokenizer=tokenizer)
+    o = _resolved(["--load", converted, "--use-checkpoint-args", "--data-path", prefix, "--train-iters", "8"],
+                  world=1)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "swiglu", "normalization",
+                 "position_embedding_type", "add_bias_linear", "untie_embeddings_and_output_weights"):
+        assert o.flat()[name] == getattr(cfg, name), name
+    assert o.data.tokenizer_model == "builtin" and len(o.checkpoint_args["taken"]) > 10
+    check_resume(o)  # the architecture and tokenizer match: not refused

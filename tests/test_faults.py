@@ -237,6 +237,20 @@ def test_nan_on_one_rank_stops_every_rank_once_and_is_not_restarted(reference, t
     _resumes_exactly(reference, tmp_path, root)
 
 
+@pytest.mark.slow
+def test_parameters_that_are_not_finite_are_never_saved(reference, tmp_path):
+    """An update that leaves a parameter NaN at iteration 4 (its loss was finite): the save of iteration 4
+    is refused on every rank alike, the run stops with exit status 1 naming the last (finite)
+    checkpoint, iteration 2, which stays the latest and resumes exactly; not restarted."""
+    root = _fresh_root(reference, tmp_path)
+    status, log, took = _run(tmp_path, _argv(root, max_restarts=2), TNLG_TEST_NAN_PARAM_AFTER="4:0")
+    assert status == 1 and took < EXIT_WITHIN_S, (status, took, log[-3000:])
+    _one_message(log, "the model's parameters are not finite after iteration 4")
+    assert "holds NaN or infinite values" in log and "The last checkpoint is iteration 2" in log, log[-3000:]
+    assert log.count("resumed from") == 1, log[-3000:]
+    _resumes_exactly(reference, tmp_path, root)
+
+
 def _nearly_full_tmpfs(mnt, free_kib: int) -> None:
     """Mount a 256 KiB tmpfs on ``mnt`` and fill it but ``free_kib`` KiB (skip where that is not allowed)."""
     if os.geteuid() != 0:

@@ -57,6 +57,34 @@ def test_timeout_names_the_collective_group_caller_and_missing_rank():
     assert "(The error was: " in text and ".cc:" not in text
 
 
+def _ring_hang_body(ps):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tnlg.parallel.context import ring_attention
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S))  # a CP group of the two ranks
+    if ps.rank == 1:  # the hung rank: it never sends its key/value block
+        time.sleep(TIMEOUT_S + 4)
+        return None
+    q = k = v = torch.ones(1, 2, 4, 8)
+    try:
+        ring_attention(q, k, v, group)
+    except RuntimeError as exc:
+        return _reported(exc)
+    raise AssertionError("the ring with a missing rank returned")
+
+
+def test_a_hang_in_the_ring_attention_names_the_ring_and_the_context_parallel_group():
+    """The ring's K/V exchange waits on requests of batch_isend_irecv (no torch.distributed frame): the
+    report names the ring, its neighbours and the CP group, not "a collective"."""
+    (status, text), _ = run_distributed(_ring_hang_body, 2, 1, timeout_s=TIMEOUT_S)
+    assert status == 1 and text.count("\n") == 1 and "Traceback" not in text, text
+    assert ("the ring attention's exchange of key/value blocks (sent to rank 1, received from rank 1) over the "
+            "context-parallel group (ranks 0, 1), called from tnlg/parallel/context.py:") in text, text
+    assert "a collective timed out" in text and ": a collective over" not in text
+
+
 def test_message_has_iteration_checkpoint_and_resume(tmp_path):
     hang = Hang(error="Timed out waiting 60000ms for recv operation to complete", collective="all_reduce",
                 group="the tensor-parallel group (ranks 2, 3)", caller="tnlg/parallel/mappings.py:70 (all_reduce)",

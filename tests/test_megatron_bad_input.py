@@ -235,6 +235,69 @@ def test_with_optimizer_refuses_what_it_cannot_read(megatron_ckpts, tmp_path):
     refused(src, "param group 0 has 2 parameters but the model has 10 of its kind")
     (src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
     refused(src, "distrib_optim.pt' cannot be loaded .* damaged, truncated")
+    for rank in ("mp_rank_00", "mp_rank_01"):  # a buffer that is a list, not the dict of the states
+        torch.save({"buckets_coalesced": True, 0: {(torch.float32, torch.float32): [torch.zeros(3)]}},
+                   src / "iter_0000003" / rank / "distrib_optim.pt")
+    refused(src, "distrib_optim.pt': its buffer holds a list, not megatron-core's dict of the states")
+
+
+@pytest.mark.parametrize("name,value", [("ddp_num_buckets", "x"), ("data_parallel_size", "two"),
+                                        ("ddp_bucket_size", 2.5), ("world_size", [2])])
+def test_bucket_arguments_that_are_no_whole_numbers(megatron_ckpts, tmp_path, name, value):
+    """The distributed optimizer's bucket layout comes from the saved args: a count or size that is no
+    whole number is one paragraph naming it."""
+    src = _copy(megatron_ckpts / "legacy", tmp_path / "src")
+
+    def edit(state):
+        args = state["args"]
+        args.use_distributed_optimizer, args.overlap_grad_reduce = True, True
+        if name == "world_size":
+            args.data_parallel_size = None
+        setattr(args, name, value)
+        state["optimizer"] = dict(param_groups=[dict(step=1)])
+    _edit_args(src, "legacy", edit)
+    with pytest.raises(UserError, match=f"the saved args' {name} is {value!r}|the saved args' {name} is a list") as info:
+        megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def _with_adam_states(d):
+    """Give the torch_dist fixture in ``d`` the model-space Adam states of a non-distributed optimizer
+    (``optimizer.state.exp_avg.<key>``, ``exp_avg_sq``: each a copy of the weight's record and bytes, step 3)."""
+    import copy
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    meta = _index(d)
+    for key, md in list(meta.state_dict_metadata.items()):
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        for kind in ("exp_avg", "exp_avg_sq"):
+            meta.state_dict_metadata[f"optimizer.state.{kind}.{key}"] = copy.deepcopy(md)
+            for k in [k for k in meta.storage_data if k.fqn == key]:
+                meta.storage_data[MetadataIndex(f"optimizer.state.{kind}.{key}", k.offset)] = meta.storage_data[k]
+    _save_index(d, meta)
+    common = torch.load(d / "common.pt", weights_only=False)
+    common["optimizer"] = dict(common_step=3)
+    torch.save(common, d / "common.pt")
+
+
+def test_non_finite_adam_states_or_weights_are_refused_naming_the_tensor(megatron_ckpts, tmp_path):
+    """--with-optimizer on Adam moments holding NaN or inf is one paragraph naming the state and the
+    tensor, and so is a weight holding them; nothing is written. The same checkpoint with finite states
+    converts."""
+    src, d = _dist(megatron_ckpts, tmp_path, "finite")
+    _with_adam_states(d)
+    assert os.path.isdir(megatron_to_checkpoint(str(src), str(tmp_path / "ok"), with_optimizer=True))
+    for name, state in (("moment", "exp_avg_sq"), ("first_moment", "exp_avg"), ("weight", None)):
+        src, d = _dist(megatron_ckpts, tmp_path, name)
+        _with_adam_states(d)
+        bad = torch.ones(32)
+        bad[3], bad[7] = float("nan"), float("inf")
+        _set_chunks(d, _LN_F if state is None else f"optimizer.state.{state}.{_LN_F}", [((0,), (32,), bad)])
+        kind = "" if state is None else f"Adam state {state} of "
+        with pytest.raises(UserError, match=f"the {kind}{_LN_F} \\(tnlg's transformer.ln_f.weight\\) holds NaN or infinite "
+                                            "values") as info:
+            megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+        assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- hostile files: the torch_dist index
@@ -371,8 +434,10 @@ def test_a_damaged_index_is_one_paragraph(megatron_ckpts, tmp_path, case, match)
         elif case == "wrong rank":  # its storage recorded under another shard's offsets
             key = next(k for k in meta.storage_data if k.fqn == _LN_F)
             meta.storage_data[MetadataIndex(_LN_F, torch.Size([16]))] = meta.storage_data.pop(key)
-        elif case == "outside its tensor":
+        elif case == "outside its tensor":  # its storage moved along
             mds[_LN_F].chunks[0].offsets = torch.Size([8])
+            key = next(k for k in meta.storage_data if k.fqn == _LN_F)
+            meta.storage_data[MetadataIndex(_LN_F, torch.Size([8]))] = meta.storage_data.pop(key)
         elif case == "short storage":
             _chunk_of(meta, _LN_F).length = 100
     src = _edit_index(megatron_ckpts, tmp_path, case.replace(" ", "_"), edit)
@@ -382,6 +447,80 @@ def test_a_damaged_index_is_one_paragraph(megatron_ckpts, tmp_path, case, match)
         full = _weight(megatron_ckpts, _LN_F)
         _set_chunks(src / "iter_0000003", _LN_F, [((0,), (32,), full.to(torch.int64))], dtype=torch.int64)
     _refused(src, tmp_path, match)
+
+
+def _shared_record(meta, keys: int, copies: int, chunk_type=None, distinct: bool = False):
+    """``keys`` extra keys sharing one record (one tensor of 4 elements) whose chunk list repeats one chunk
+    ``copies`` times (``distinct``: ``copies`` equal chunk objects), each key with a storage entry (all one
+    shared record of the fixture's bytes): a pickle of O(keys + copies) bytes."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+    make = chunk_type or ChunkStorageMetadata
+    offsets, sizes = torch.Size([0]), torch.Size([4])
+    one = make(offsets=offsets, sizes=sizes)
+    chunks = [make(offsets=offsets, sizes=sizes) for _ in range(copies)] if distinct else [one] * copies
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=sizes, chunks=chunks)
+    info = _chunk_of(meta, _LN_F)  # 32 float32 elements: room for 4
+    for i in range(keys):
+        meta.state_dict_metadata[f"shared.{i}"] = md
+        meta.storage_data[MetadataIndex(f"shared.{i}", offsets)] = info
+    return meta
+
+
+_SHARED = """
+import resource, sys, time
+from tnlg.errors import UserError
+from tnlg.interop.megatron import megatron_to_checkpoint
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+start = time.perf_counter()
+try:
+    megatron_to_checkpoint(sys.argv[1], sys.argv[2])
+    outcome = "converted"
+except UserError as exc:
+    outcome = "refused: " + str(exc)
+print(f"{time.perf_counter() - start:.2f} {outcome}")
+"""
+
+
+def test_an_index_of_keys_sharing_one_record_of_repeated_chunks_is_read_in_linear_time(megatron_ckpts, tmp_path):
+    """8,000 keys share one record whose chunk list repeats one chunk 40,000 times (an index under 1 MB;
+    checked key by key and chunk by chunk that is 3.2 x 10^8 chunk checks): converted or refused within
+    10 s under a 2 GiB address-space cap, in a child process."""
+    src, d = _dist(megatron_ckpts, tmp_path)
+    _save_index(d, _shared_record(_index(d), 8_000, 40_000))
+    assert (d / ".metadata").stat().st_size < 1 << 20
+    r = subprocess.run([sys.executable, "-c", _SHARED, str(src), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    seconds, outcome = r.stdout.split(" ", 1)
+    assert float(seconds) < 10 and outcome.strip() == "converted", r.stdout
+
+
+def test_the_index_check_reads_each_chunk_object_once(megatron_ckpts, tmp_path):
+    """The work of the index check grows with the index, not with keys x chunks: the chunk objects read
+    (their offsets looked up) for 10 times as many keys and chunks grow 10-fold at most (a check of
+    every chunk of every key grows 100-fold), whether the list repeats one chunk or holds equal ones."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from tnlg.interop.megatron.torch_dist_index import check_index
+
+    class Counted(ChunkStorageMetadata):
+        reads = 0
+
+        def __getattribute__(self, name):
+            if name == "offsets":
+                Counted.reads += 1
+            return super().__getattribute__(name)
+
+    _, d = _dist(megatron_ckpts, tmp_path)
+    for distinct in (False, True):
+        reads = []
+        for n in (100, 1000):
+            meta = _shared_record(_index(d), n, n, Counted, distinct)
+            Counted.reads = 0
+            _, _, chunks = check_index(meta, str(d), "idx")
+            assert chunks[f"shared.{n - 1}"] == (((0,), (4,)),)  # one distinct chunk
+            reads.append(Counted.reads)
+        assert reads[0] <= 2 * 100 + 1 and reads[1] <= 10 * reads[0] + 10, (distinct, reads)
 
 
 @pytest.mark.parametrize("case,match", [

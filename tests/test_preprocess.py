@@ -263,3 +263,18 @@ def test_the_tokenizer_is_recorded_beside_the_data_and_a_mismatch_is_refused(tmp
     os.remove(prefix + SIDECAR_SUFFIX)  # as Megatron writes it: accepted, with a note
     note = check_sidecar(prefix, load_tokenizer(toks[1]))
     assert note.startswith(f"note: {prefix} has no {SIDECAR_SUFFIX}") and "\n" not in note
+
+
+@pytest.mark.parametrize("record", [{"kind": "sentencepiece", "vocab_size": 300, "sha256": 5},
+                                    {"kind": "sentencepiece", "vocab_size": "x", "sha256": "ab"},
+                                    {"kind": 3, "vocab_size": 300, "sha256": "ab"},
+                                    {"kind": "gpt2bpe", "vocab_size": 300, "sha256": [1, 2]}])
+def test_a_tokenizer_record_of_other_types_is_one_paragraph(tmp_path, record):
+    """A tokenizer record beside the data whose values are of other types (a number for the sha256) is
+    refused as not a record tnlg writes, in one paragraph naming the file."""
+    from tnlg.data.fingerprint import SIDECAR_SUFFIX, check_sidecar
+    prefix = str(tmp_path / "d_text_document")
+    Path(prefix + SIDECAR_SUFFIX).write_text(json.dumps(record))
+    with pytest.raises(UserError, match="is not a tokenizer record written by `tnlg preprocess`") as info:
+        check_sidecar(prefix, load_tokenizer("builtin"))
+    assert "\n" not in str(info.value) and prefix + SIDECAR_SUFFIX in str(info.value)

@@ -103,6 +103,26 @@ if _NAN_SPEC and "RANK" in os.environ:
 
     _nan_loop.train_step = _nan_train_step
 
+# ``TNLG_TEST_NAN_PARAM_AFTER=N:RANK`` puts a NaN into that rank's word embeddings after iteration N's step (its
+# loss was finite), as an update that overflows does: the checkpoint of iteration N must not be written.
+_NAN_PARAM_SPEC = os.environ.get("TNLG_TEST_NAN_PARAM_AFTER")
+
+if _NAN_PARAM_SPEC and "RANK" in os.environ:
+    import torch
+    from tnlg.training import loop as _nanp_loop
+
+    _nanp_iteration, _, _nanp_rank = _NAN_PARAM_SPEC.partition(":")
+    _nanp_train_step = _nanp_loop.train_step
+
+    def _nan_param_train_step(model, *args, iteration, ps, **kwargs):
+        out = _nanp_train_step(model, *args, iteration=iteration, ps=ps, **kwargs)
+        if (iteration, ps.rank) == (int(_nanp_iteration), int(_nanp_rank or 0)):
+            with torch.no_grad():
+                model.transformer.wte.weight.view(-1)[0] = float("nan")
+        return out
+
+    _nanp_loop.train_step = _nan_param_train_step
+
 # ``TNLG_TEST_ENOSPC_AT=N:RANK`` makes that rank's checkpoint writes of iteration N fail as a full disk
 # does (``OSError(ENOSPC)`` from the first tensor written), the other ranks' writes succeed.
 _ENOSPC_SPEC = os.environ.get("TNLG_TEST_ENOSPC_AT")

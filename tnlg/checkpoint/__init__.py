@@ -25,9 +25,9 @@ are safetensors, RNG files are read with ``torch.load(weights_only=True)``.
 from .files import FORMAT, LATEST, has_checkpoint, iter_dir_name, list_iterations, read_latest, read_meta, resolve
 from .loading import load, load_for_inference, read_states
 from .manifest import Manifest
-from .saving import save, write_offline
+from .saving import NonFiniteParameters, save, write_offline
 from .signals import StopOnSignal
 
 __all__ = ["save", "load", "load_for_inference", "write_offline", "read_states", "has_checkpoint", "Manifest",
            "read_meta", "resolve", "read_latest", "list_iterations", "iter_dir_name", "StopOnSignal",
-           "FORMAT", "LATEST"]
+           "FORMAT", "LATEST", "NonFiniteParameters"]

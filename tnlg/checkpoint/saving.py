@@ -26,7 +26,11 @@ Order of events (a crash at any point leaves the previous checkpoint intact and
 2. every rank streams its files and computes their SHA-256; an I/O error (disk full, EIO,
    permissions) is kept, not raised, and the rank keeps joining the collectives of the
    writes (ZeRO-3's all-gathers); the ranks then agree: any rank's error is raised on every
-   rank, naming the rank, the file and the free space, after rank 0 removed ``iter_N.tmp``;
+   rank, naming the rank, the file and the free space, after rank 0 removed ``iter_N.tmp``.
+   A parameter that is not finite (NaN or inf: training diverged) is such an error of the rank
+   that writes it, found as the weights stream (one parameter's flags at a time, no collective of
+   its own: the same agreement carries it), raised as :class:`NonFiniteParameters`: a checkpoint
+   whose parameters are not finite is never written, nor named the latest;
 3. ``all_gather_object`` of (size, checksum, pieces) per file and of each rank's stage; rank 0 writes ``meta.json``
    (the manifest), renames ``iter_N.tmp`` to ``iter_N`` (an existing ``iter_N``, from a run
    that was rolled back, is swapped out atomically and removed, and the log says so),
@@ -63,7 +67,15 @@ from .rng import capture
 from .stages import assign_stages, chunk_layers_of, stage_record, stored_names
 from .stream import StreamWriter
 
-__all__ = ["save", "write_offline", "commit"]
+__all__ = ["save", "write_offline", "commit", "NonFiniteParameters"]
+
+_NOT_FINITE = "holds NaN or infinite values"  # in the message of a rank whose parameter is not finite
+
+
+class NonFiniteParameters(UserError):
+    """A save refused on every rank alike: a parameter holds NaN or inf (training has diverged), so the
+    checkpoint was not written and the previous one stays the latest."""
+
 
 def _tmp_name(iteration: int) -> str:
     return F.iter_dir_name(iteration) + ".tmp"
@@ -160,6 +172,10 @@ class _SaveFailure:
             if self.ps.rank == 0 and tmp is not None:
                 F.remove_tree(tmp)
             latest = _quiet_latest(self.root)
+            if _NOT_FINITE in str(exc):
+                raise agreed(NonFiniteParameters(
+                    f"{exc}; the checkpoint of iteration {self.iteration} was not written (a run continued from it "
+                    "would compute nothing but NaN)")) from None
             raise agreed(UserError(
                 f"{exc} The checkpoint of iteration {self.iteration} was not written; "
                 + (f"the latest checkpoint in {self.root} is still iteration {latest}." if latest is not None
@@ -201,6 +217,9 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     stream = None
     out = {}
     for name, tensor in engine.param_tensors(names):
+        if writes and failure.ok and not bool(torch.isfinite(tensor).all()):  # one parameter's flags at a time
+            stage = "" if tag.get("pp_rank") is None else f", pipeline stage {tag['pp_rank']}"
+            failure.error = UserError(f"parameter {name} (TP rank {ps.tp_rank}{stage}) {_NOT_FINITE}")
         if writes and failure.ok:
             with failure.guard(path):
                 if stream is None:

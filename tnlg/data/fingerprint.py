@@ -47,6 +47,19 @@ def _describe(fp: dict) -> str:
     return f"{fp['kind']}, {fp['vocab_size']} tokens, sha256 {sha[:16]}..."
 
 
+def _wrong_value(recorded: dict) -> Optional[str]:
+    """What is wrong with a record's values (``None``: each of the type :func:`fingerprint` writes): ``kind``
+    a string, ``vocab_size`` a whole number, ``sha256`` a hex string or a list of them (or null)."""
+    sha = recorded["sha256"]
+    if not isinstance(recorded["kind"], str):
+        return f"its kind is {type(recorded['kind']).__name__}, not a string"
+    if not isinstance(recorded["vocab_size"], int) or isinstance(recorded["vocab_size"], bool):
+        return f"its vocab_size is {type(recorded['vocab_size']).__name__}, not a whole number"
+    if not (sha is None or isinstance(sha, str) or (isinstance(sha, list) and all(isinstance(x, str) for x in sha))):
+        return f"its sha256 is {sha!r:.40}, not a SHA-256 hex string or a list of them"
+    return None
+
+
 def check_sidecar(prefix: str, tokenizer, flag: str = "--tokenizer-model") -> Optional[str]:
     """``None`` when ``prefix``'s sidecar names ``tokenizer``; a one-line note when there is no sidecar;
     a :class:`UserError` naming both tokenizers when they differ (or when the sidecar is unreadable)."""
@@ -58,9 +71,12 @@ def check_sidecar(prefix: str, tokenizer, flag: str = "--tokenizer-model") -> Op
         with open(path, encoding="utf-8") as f:
             recorded = json.load(f)
         recorded = {k: recorded[k] for k in _KEYS}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is not a tokenizer record written by `tnlg preprocess` ({e}); delete it to "
-                        f"use {prefix} without the check, or preprocess the data again.") from None
+        wrong = _wrong_value(recorded)
+        if wrong:
+            raise ValueError(wrong)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise UserError(f"{path} is not a tokenizer record written by `tnlg preprocess` ({str(e)[:200]}); delete "
+                        f"it to use {prefix} without the check, or preprocess the data again.") from None
     given = fingerprint(tokenizer)
     if recorded != given:
         raise UserError(f"dataset {prefix} was tokenized with another tokenizer ({_describe(recorded)}, recorded "

@@ -1,6 +1,8 @@
 """``--use-checkpoint-args`` (Megatron-LM's flag): the options a checkpoint recorded, taken for this run.
 
-Every checkpoint records its run's options (``meta.json``, ``"options"``). With the flag, a run takes
+Every checkpoint records its run's options (``meta.json``, ``"options"``; one ``tnlg convert`` wrote records
+none, and its model shape and tokenizer are read from its architecture and tokenizer records instead:
+:func:`_from_manifest`). With the flag, a run takes
 from the checkpoint that ``--load`` names (else the one ``--save`` holds) what the run is: the model
 shape, the data and tokenizer, the layout (TP, sequence parallelism, PP with its pipeline schedule and
 layer split, ZeRO), the schedule (batch, run
@@ -36,6 +38,8 @@ TAKEN = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if 
 _PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                   "decoder_last_pipeline_num_layers")
 _TOGETHER = (("bf16", "fp16"), ("recompute_activations", "recompute_granularity"), _PIPELINE_ONLY)
+# architecture-record fields that are no choice of the model (how the run that wrote it ran)
+_NOT_FROM_CONFIG = ("sequence_parallel", "recompute_activations", "recompute_granularity", "seed")
 
 
 def checkpoint_args(said: dict) -> tuple[dict, dict]:
@@ -52,7 +56,8 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
         raise UserError(f"--use-checkpoint-args takes the model, data, tokenizer, layout and schedule from a "
                         f"checkpoint, but {held}. Give --load DIR (a checkpoint root or an iter_* folder), or a "
                         f"--save DIR that holds a checkpoint; or drop --use-checkpoint-args and give the options.")
-    recorded = read_meta(iter_dir).get("options") or {}
+    meta = read_meta(iter_dir)
+    recorded = {**_from_manifest(meta), **(meta.get("options") or {})}
     builtin = bool(recorded.get("builtin_job")) and said.get("data_path") is None and said.get("preset") is None
     skip = {n for group in _TOGETHER if any(n in said for n in group) for n in group}
     if said.get("pipeline_model_parallel_size") == 1:
@@ -62,6 +67,24 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
     values = {n: recorded[n] for n in TAKEN if n in recorded and n not in skip}
     overrides = [(flag_of(n), values[n], said[n]) for n in values if n in said and said[n] != values[n]]
     return values, dict(path=iter_dir, builtin_job=builtin, taken=sorted(values), overrides=overrides)
+
+
+def _from_manifest(meta: dict) -> dict:
+    """The options a checkpoint's manifest implies beside its recorded run options: its model shape (the
+    architecture record, ``config``) and its tokenizer (``tokenizer``: a SentencePiece model's path, or a
+    GPT-2 BPE vocab.json with its merges.txt beside it). A checkpoint ``tnlg convert`` wrote records no
+    run options (no run made it): these are what ``--use-checkpoint-args`` takes from it; a trained
+    checkpoint's recorded options say the same and take precedence."""
+    config, tok = meta.get("config"), meta.get("tokenizer")
+    config, tok = (config if isinstance(config, dict) else {}), (tok if isinstance(tok, dict) else {})
+    out = {n: v for n, v in config.items() if n in TAKEN and n not in _NOT_FROM_CONFIG}
+    if tok.get("kind") == "sentencepiece" and isinstance(tok.get("path"), str):
+        out["tokenizer_model"] = "builtin" if tok.get("builtin") else tok["path"]
+    elif tok.get("kind") == "gpt2bpe" and isinstance(tok.get("vocab_file"), str) and isinstance(
+            tok.get("merges_file"), str) and os.path.join(os.path.dirname(tok["vocab_file"]), "merges.txt") == \
+            tok["merges_file"]:
+        out["tokenizer_model"] = tok["vocab_file"]  # (vocab.json with merges.txt beside it)
+    return out
 
 
 def describe(info: Optional[dict]) -> list[str]:

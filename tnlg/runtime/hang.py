@@ -58,7 +58,10 @@ _PEER_TEXT = ("connection closed by peer", "connection reset by peer", "broken p
 _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "barrier", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
                 "all_gather_object", "broadcast_object_list", "send", "recv", "monitored_barrier"}
-_GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel", "pp_group": "pipeline"}
+_GROUP_NAMES = {"tp_group": "tensor-parallel", "dp_group": "data-parallel", "pp_group": "pipeline",
+                "cp_group": "context-parallel", "dp_cp_group": "data-parallel x context-parallel",
+                "embedding_group": "embedding (first and last pipeline stage)"}
+_RING = os.path.join("parallel", "context.py")  # the ring attention: its K/V exchange waits on its requests
 _P2P_WAIT = (os.path.join("distributed", "pipelining", "schedules.py"), "_wait_batch_p2p")  # torch's schedules
 _PROGRESS = "tnlg.parallel.stage_progress"  # imported by a process that built a pipeline
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tnlg/
@@ -91,7 +94,13 @@ def is_collective_timeout(exc: BaseException) -> bool:
     return any(t in text for t in _TIMEOUT_TEXT)
 
 
-def _group_words(group, frames_locals: list[dict]) -> Optional[str]:
+def _states(frames_locals: list[dict]) -> list:
+    """The ParallelStates the frames hold: a ``ps`` local, or a method's ``self.ps`` (the model's)."""
+    found = [loc.get("ps") for loc in frames_locals] + [getattr(loc.get("self"), "ps", None) for loc in frames_locals]
+    return [ps for ps in found if ps is not None]
+
+
+def _group_words(group, frames_locals: list[dict], fallback: str = "a process group") -> Optional[str]:
     import torch.distributed as dist
 
     try:
@@ -103,13 +112,12 @@ def _group_words(group, frames_locals: list[dict]) -> Optional[str]:
     except Exception:  # noqa: BLE001
         default = None
     name = "the default (world) group" if group is None or group is default else None
-    for loc in frames_locals:  # a ParallelState in some frame names the group
-        ps = loc.get("ps")
-        for attr, words in _GROUP_NAMES.items():
-            if group is not None and ps is not None and getattr(ps, attr, None) is group:
-                name = f"the {words} group"
+    named = [words for ps in _states(frames_locals) for attr, words in _GROUP_NAMES.items()
+             if group is not None and getattr(ps, attr, None) is group]
+    if named:  # a ParallelState in some frame names the group (the first of its names: DP before DP x CP)
+        name = f"the {named[0]} group"
     if name is None:
-        name = "a process group"
+        name = fallback
     return name + (f" (ranks {', '.join(map(str, ranks))})" if ranks else "")
 
 
@@ -162,7 +170,23 @@ def describe(exc: BaseException) -> Hang:
             if last_tnlg is not None:
                 rel = os.path.relpath(last_tnlg[0], os.path.dirname(_PACKAGE))
                 hang.caller = f"{rel}:{last_tnlg[1]} ({last_tnlg[2]})"
+    if hang.collective is None:
+        _ring_words(hang, frames, all_locals)
     return hang
+
+
+def _ring_words(hang: Hang, frames: list, all_locals: list[dict]) -> None:
+    """A hang inside the ring attention (the wait on its K/V exchange, a request of ``batch_isend_irecv``,
+    which leaves no ``torch.distributed`` frame): the ring named, with its neighbours and the CP group."""
+    for f, lineno in reversed(frames):
+        ring = f.f_locals.get("ring")
+        if os.path.abspath(f.f_code.co_filename).endswith(_RING) and hasattr(ring, "group"):
+            hang.collective = (f"the ring attention's exchange of key/value blocks (sent to rank "
+                               f"{getattr(ring, 'next', '?')}, received from rank {getattr(ring, 'prev', '?')})")
+            hang.group = _group_words(ring.group, all_locals, fallback="the context-parallel group")
+            if hang.caller is None:
+                hang.caller = f"tnlg/parallel/context.py:{lineno} ({f.f_code.co_name})"
+            return
 
 
 def enable_flight_recorder(dump_dir: str) -> str:

@@ -21,6 +21,7 @@ from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
 from ..options import Options
 from ..parallel.state import ParallelState, from_rank0
+from .step import TrainingDiverged
 
 __all__ = ["Checkpointer", "stop_on_signals", "check_resume"]
 
@@ -122,13 +123,20 @@ class Checkpointer:
 
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
         """Save when due (the interval, the last iteration, a stop signal); return how the run stopped when
-        a signal stops it here, else ``None``. Collective: the signal check and the save."""
+        a signal stops it here, else ``None``. Collective: the signal check and the save. Parameters that
+        are not finite are never saved: :class:`~.step.TrainingDiverged` on every rank alike (the loop then
+        names the last checkpoint, which is finite)."""
         c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
         saving = bool(c.save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
         if saving:
-            ckpt.save(c.save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
-                      schedule_steps=self.schedule_steps, **self._state)
+            try:
+                ckpt.save(c.save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
+                          schedule_steps=self.schedule_steps, **self._state)
+            except ckpt.NonFiniteParameters as exc:  # every rank alike: the loop stops as on a NaN loss
+                raise TrainingDiverged(f"the model's parameters are not finite after iteration {iteration}: {exc}. "
+                                       "Lower --lr, raise --lr-warmup-iters, or check the data (or the "
+                                       "checkpoint this run started from).") from None
             self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
         if not signum:
             return None

@@ -9,7 +9,7 @@ default the field's name: ``position_embedding_type``, ``rotary_base``, ``rotary
 for tnlg's ``seq_length``, ...); an argument a run did not save has Megatron-LM's default
 (:data:`_MEGATRON_DEFAULTS` where it differs from tnlg's). Arguments that describe an architecture tnlg
 does not model (experts, multi-latent attention, squared ReLU, QK norms, scaled or interleaved rope,
-...) are refused, one clear error naming the argument.
+sliding windows, ...: :data:`.core_fields.REFUSED`) are refused, one clear error naming the argument.
 """
 
 from __future__ import annotations
@@ -21,33 +21,11 @@ from typing import Optional
 
 from ...config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, padded_vocab_size
 from ...errors import UserError
+from .core_fields import check_refused
 from .safe_load import shown
 
 __all__ = ["MegatronLayout", "check_sizes", "or_default", "whole", "check_supported", "known_vocab_size", "layout_of",
            "config_from_args", "args_for"]
-
-# (argument, the value tnlg models, what the argument selects otherwise); a missing argument has
-# Megatron-LM's default, which is the supported value
-_MUST_BE = (
-    ("squared_relu", False, "a squared-ReLU MLP"),
-    ("apply_layernorm_1p", False, "LayerNorm weights stored as weight - 1 (layernorm 1p)"),
-    ("multi_latent_attention", False, "multi-latent attention"),
-    ("num_experts", None, "a mixture of experts"),
-    ("qk_layernorm", False, "LayerNorms on queries and keys"),
-    ("rotary_interleaved", False, "interleaved (GPT-J style) rotary embeddings"),
-    ("use_rope_scaling", False, "Llama 3.1's scaled rope"),
-    ("rotary_seq_len_interpolation_factor", None, "rope with position interpolation"),
-    ("apply_residual_connection_post_layernorm", False, "the residual taken after the LayerNorm"),
-    ("num_layers_per_virtual_pipeline_stage", None, "an interleaved (virtual) pipeline schedule's layout"),
-    ("virtual_pipeline_model_parallel_size", None, "an interleaved (virtual) pipeline schedule's layout"),
-    ("decoder_first_pipeline_num_layers", None, "an uneven pipeline split"),
-    ("decoder_last_pipeline_num_layers", None, "an uneven pipeline split"),
-    ("account_for_embedding_in_pipeline_split", False, "an uneven pipeline split"),
-    ("account_for_loss_in_pipeline_split", False, "an uneven pipeline split"),
-    ("context_parallel_size", 1, "context parallelism"),
-    ("expert_model_parallel_size", 1, "expert parallelism"),
-    ("mtp_num_layers", None, "multi-token prediction layers"),
-)
 
 # the values tnlg models of Megatron arguments that select among several (one clear error for the others)
 _CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalization", NORMALIZATIONS))
@@ -131,13 +109,12 @@ def _required(args, name: str, where: str):
 
 def check_supported(args, where: str) -> None:
     """One :class:`UserError` naming the first argument that selects an architecture tnlg does not model."""
-    for name, supported, what in _MUST_BE:
-        value = _plain(args, name, where)  # None: not set (an older Megatron), so its default
-        if value is not None and value != supported and not (supported is None and value == 0):
-            raise UserError(f"{where}: the checkpoint's args set {name}={shown(value)}, {what}, which tnlg does not "
-                            "model "
-                            f"(it supports {name}={supported!r}: a GPT-2-style model with learned positions, "
-                            "LayerNorm, GELU and biases). Nothing was written.")
+    check_refused(args, where)
+    glu, swiglu = _plain(args, "gated_linear_unit", where), bool(_plain(args, "swiglu", where))
+    if glu is not None and bool(glu) != swiglu:
+        raise UserError(f"{where}: the checkpoint's args set gated_linear_unit={glu!r} with swiglu={swiglu!r}; "
+                        "Megatron-LM then gates the MLP with another activation than SiLU (or not at all), which "
+                        "tnlg does not compute (it models gated_linear_unit equal to swiglu). Nothing was written.")
     for name, valid in _CHOICES:
         value = _plain(args, name, where)
         if value is not None and value not in valid:

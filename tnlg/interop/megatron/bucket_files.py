@@ -14,7 +14,7 @@ import re
 import torch
 
 from ...errors import UserError
-from .safe_load import load_pt
+from .safe_load import load_pt, shown
 
 __all__ = ["DcpBuckets", "LegacyBuckets", "STATES", "DISTRIB_OPTIM"]
 
@@ -58,7 +58,7 @@ class DcpBuckets:
             if tuple(sizes) != layout.unpadded:
                 raise _mismatch(where, f"model-parallel rank {rank}'s {state!r} buckets hold {sizes} elements, the "
                                        f"layout of its parameters gives {list(layout.unpadded)}")
-        starts = [{int(c.offsets[0]) for c in meta[self._key(rank, b, "exp_avg")].chunks}
+        starts = [{int(offsets[0]) for offsets, _ in self.source.chunks[self._key(rank, b, "exp_avg")]}
                   for b in range(len(layout.unpadded))]
         for (name, layer), span in layout.spans.items():  # every parameter begins a piece (of its first DP rank)
             if span.offset not in starts[span.bucket]:
@@ -97,6 +97,9 @@ class LegacyBuckets:
                                    "({'buckets_coalesced': True, 0: {dtype: {...}}}; older Megatron versions wrote "
                                    "other layouts)")
         tensors = next(iter(state[0].values()))
+        if not isinstance(tensors, dict):
+            raise _mismatch(where, f"{path!r}: its buffer holds {shown(tensors)}, not megatron-core's dict of the "
+                                   f"states {', '.join(map(repr, STATES))} (each a flat tensor)")
         for s in STATES:
             got = tensors.get(s)
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != (sum(layout.unpadded),):

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from ...errors import UserError
+from .args import whole
 from .names import GLOBAL_ROLES, LAYER_ROLES, Role, global_roles, layer_roles, swiglu_join
 
 __all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_rank", "span_key", "stage_roles",
@@ -69,16 +70,18 @@ class BucketLayout:
         return sum(self.unpadded[:span.bucket]) + span.offset
 
 
-def bucket_size(args, rank_numel: int, dp: Optional[int], pp_rank: int) -> Optional[int]:
+def bucket_size(args, rank_numel: int, dp: Optional[int], pp_rank: int,
+                where: str = "Megatron checkpoint") -> Optional[int]:
     """The ``bucket_size`` megatron-core's DDP used on this rank (module docstring); ``None``: one
-    bucket. ``dp`` is needed only for the default size (``None`` where the args do not say it)."""
+    bucket. ``dp`` is needed only for the default size (``None`` where the args do not say it). A
+    saved count or size that is no whole number is one :class:`UserError` naming it."""
     arg = lambda name: getattr(args, name, None)  # noqa: E731
     if not arg("overlap_grad_reduce") or pp_rank > 0 or arg("overlap_param_gather_with_optimizer_step"):
         return None
     if arg("ddp_num_buckets"):
-        return rank_numel // int(arg("ddp_num_buckets"))
+        return rank_numel // whole(arg("ddp_num_buckets"), "the saved args' ddp_num_buckets", where, 1, 1 << 40)
     if arg("ddp_bucket_size"):
-        return int(arg("ddp_bucket_size"))
+        return whole(arg("ddp_bucket_size"), "the saved args' ddp_bucket_size", where, 1, 1 << 62)
     return max(_DEFAULT_MIN, _DEFAULT_PER_DP * dp) if dp else None
 
 
@@ -161,22 +164,26 @@ def _stage_params(source, cfg, stage: int) -> list:
     return out
 
 
-def _data_parallel_size(args, tp: int, pp: int) -> Optional[int]:
+def _data_parallel_size(args, tp: int, pp: int, where: str) -> Optional[int]:
+    """The run's DP size: ``data_parallel_size``, else ``world_size / (TP x PP)``; ``None`` where neither
+    is saved (each a whole number, else one :class:`UserError` naming it)."""
     dp = getattr(args, "data_parallel_size", None)
     if dp is None and getattr(args, "world_size", None):
-        dp = int(args.world_size) // (tp * pp)
-    return int(dp) if dp else None
+        dp = whole(args.world_size, "the saved args' world_size", where, 1, 1 << 40) // (tp * pp)
+    elif dp is not None:
+        dp = whole(dp, "the saved args' data_parallel_size", where, 0, 1 << 40)
+    return dp or None
 
 
 def stage_layouts(source, cfg, args, where: str) -> list:
     """The :class:`BucketLayout` of each pipeline stage's model-parallel ranks (a stage's TP ranks hold
     parameters of the same sizes), from the saved ``args``."""
     tp, pp = source.layout.tp, source.layout.pp
-    dp = _data_parallel_size(args, tp, pp)
+    dp = _data_parallel_size(args, tp, pp, where)
     out = []
     for p in range(pp):
         params = _stage_params(source, cfg, p)
-        size = bucket_size(args, sum(n for _, n, _ in params), dp, p)
+        size = bucket_size(args, sum(n for _, n, _ in params), dp, p, where)
         if size is None and p == 0 and getattr(args, "overlap_grad_reduce", False) and not (
                 getattr(args, "overlap_param_gather_with_optimizer_step", False)):
             raise UserError(f"{where}: the args set --overlap-grad-reduce without --ddp-bucket-size, so the "

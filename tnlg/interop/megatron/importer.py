@@ -14,7 +14,8 @@ its LR schedule's position (the manifest's ``schedule.num_steps``: ``tnlg pretra
 schedule there). With ``with_optimizer`` it also holds the Adam state (:mod:`.optimizer`): the moments,
 the fp32 master of a 16-bit run and Adam's step count, as one piece per parameter and TP rank;
 without it, training starts fresh Adam moments (bias correction from step 1). The states are
-streamed like the weights: one tensor at a time.
+streamed like the weights: one tensor at a time. A weight or state that holds NaN or inf is refused,
+naming it (what is written so far is removed).
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ class _Tensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         role, layer, stage = self.where[name]
         full = self.source.tensor(role, layer, stage, prefix=self.prefix)
+        if not bool(torch.isfinite(full).all()):  # (one tensor's flags at a time)
+            kind = f"Adam state {self.prefix.rstrip('.').rsplit('.', 1)[-1]} of " if self.prefix else ""
+            raise UserError(f"Megatron checkpoint {self.source.iter_dir!r}: the {kind}{role.dist_key}"
+                            f"{'' if layer is None else f' of layer {layer}'} (tnlg's {name}) holds NaN or infinite "
+                            "values; a model converted from it would compute nothing but NaN (a run that diverged "
+                            "saved it: convert an earlier iteration"
+                            + (", or without --with-optimizer: fresh Adam moments)" if self.prefix else ")")
+                            + ". Nothing was written.")
         return slice_full(_to_tnlg(full, role, self.cfg).to(self.dtype), self.targets[name])
 
     def __iter__(self):

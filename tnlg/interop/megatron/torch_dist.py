@@ -75,7 +75,7 @@ class TorchDistSource:
             raise UserError(f"{iter_dir!r} says it is a torch_dist checkpoint (metadata.json) but has no .metadata "
                             "index; it is incomplete. Nothing was written.")
         self.meta = load_dcp_metadata(index)
-        self.storage, self.paths = check_index(self.meta, iter_dir, index)
+        self.storage, self.paths, self.chunks = check_index(self.meta, iter_dir, index)  # chunks: distinct, by key
 
     def _metadata(self, key: str):
         """The index's record of tensor ``key`` (``None``: none), its element type a float one."""
@@ -167,22 +167,22 @@ class TorchDistSource:
                             f"{list(md.size)} in the torch_dist index; the checkpoint does not match its args. Nothing "
                             "was written.")
         out = torch.empty(size, dtype=md.properties.dtype)
-        for chunk in md.chunks:
-            a = [max(o, l) for o, l in zip(chunk.offsets, lo)]
-            b = [min(o + s, l + n) for o, s, l, n in zip(chunk.offsets, chunk.sizes, lo, size)]
+        for offsets, sizes in self.chunks[key]:
+            a = [max(o, l) for o, l in zip(offsets, lo)]
+            b = [min(o + s, l + n) for o, s, l, n in zip(offsets, sizes, lo, size)]
             if any(x >= y for x, y in zip(a, b)):
                 continue
-            info = self.storage[(key, tuple(chunk.offsets))]
+            info = self.storage[(key, offsets)]
             what = f"torch_dist tensor {key!r}"
             data = load_chunk(self.paths[info.relative_path], info.offset, info.length, what)
             if not isinstance(data, torch.Tensor) or data.dtype != md.properties.dtype or (
-                    tuple(data.shape) != tuple(chunk.sizes)):
+                    tuple(data.shape) != sizes):
                 got = (f"a {data.dtype} tensor of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor)
                        else f"a {type(data).__name__}")
-                raise UserError(f"{what}: the chunk at {tuple(chunk.offsets)} in {info.relative_path!r} holds {got}, "
-                                f"the index gives a {md.properties.dtype} tensor of shape {tuple(chunk.sizes)}; the "
+                raise UserError(f"{what}: the chunk at {offsets} in {info.relative_path!r} holds {got}, "
+                                f"the index gives a {md.properties.dtype} tensor of shape {sizes}; the "
                                 "checkpoint is damaged. Nothing was written.")
-            src = data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, chunk.offsets))]
+            src = data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offsets))]
             out[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))] = src
             del data
         return out

@@ -1,0 +1,136 @@
+"""Every field of the installed megatron-core's ``TransformerConfig`` is placed: honoured (tnlg computes
+what Megatron computes with it), inert (it does not change what the saved model computes) or refused
+by name when a checkpoint's args set it to a value that selects another model. A field a later
+megatron-core adds fails the walk until it is placed.
+
+The refusals are checked on the saved args alone and once through the importer, on a ``torch_dist``
+checkpoint written by tnlg's exporter whose ``common.pt`` args are edited (megatron-core itself is only
+needed for its ``TransformerConfig``: the args of a run that saved every field at megatron-core's own
+defaults must convert to the model the plain args describe).
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+
+from tnlg.checkpoint.files import FORMAT
+from tnlg.checkpoint.reshard import slice_full, targets_for
+from tnlg.checkpoint.saving import write_offline
+from tnlg.config import GPTConfig
+from tnlg.errors import UserError
+from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
+from tnlg.interop.megatron.args import args_for, config_from_args
+from tnlg.interop.megatron.core_fields import HONOURED, INERT, REFUSED, inert_fields
+from tnlg.model import GPT
+from tnlg.parallel.sharding import full_state_dict
+from tnlg.parallel.state import ParallelState
+
+CFG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32)
+WHERE = "Megatron checkpoint 'x'"
+
+# what a Megatron-LM 0.16.1 run saves for each choice that converted with exit 0 into another model
+MODEL_CHANGING = [("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True), ("window_size", [8, 0]),
+                  ("window_size", (8, 0)), ("no_rope_freq", 4), ("no_rope_freq", [0, 1]), ("qk_l2_norm", True),
+                  ("softmax_type", "off-by-one"), ("softmax_type", "learnable"), ("glu_linear_offset", 1.0),
+                  ("activation_func_clamp_value", 7.0), ("softmax_scale", 0.5), ("attention_output_gate", True),
+                  ("num_moe_experts", 8), ("experimental_attention_variant", "dsa"),
+                  ("gated_linear_unit", True)]
+
+
+def _transformer_config_fields() -> list[str]:
+    core = pytest.importorskip("megatron.core.transformer.transformer_config")
+    return [f.name for f in dataclasses.fields(core.TransformerConfig)]
+
+
+def test_every_transformer_config_field_is_placed_once():
+    inert = inert_fields()
+    tables = {"honoured": set(HONOURED), "inert": set(inert), "refused": set(REFUSED)}
+    for a in tables:
+        for b in tables:
+            assert a == b or not tables[a] & tables[b], f"{sorted(tables[a] & tables[b])} are both {a} and {b}"
+    assert sum(len(names) for names, _ in INERT) == len(inert), "a field is listed twice as inert"
+    fields = _transformer_config_fields()
+    unplaced = [f for f in fields if not any(f in t for t in tables.values())]
+    assert not unplaced, (f"megatron-core's TransformerConfig has fields tnlg has not placed (honoured, inert or "
+                          f"refused in tnlg/interop/megatron/core_fields.py): {unplaced}")
+    stale = sorted((set(HONOURED) | set(inert)) - set(fields))
+    assert not stale, f"honoured or inert names that are no TransformerConfig field (misspelt?): {stale}"
+    assert all(why.strip() for why in inert.values())
+
+
+def _args(**changes) -> argparse.Namespace:
+    args = args_for(CFG, tp=1, pp=1, iteration=3)
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_the_args_of_every_field_at_megatron_cores_default_convert():
+    """A run that saved all of TransformerConfig's fields (megatron-core's own defaults, the plain
+    args' values where they describe the model) converts to the model the plain args describe."""
+    core = pytest.importorskip("megatron.core.transformer.transformer_config")
+    tc = core.TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+    saved = {f.name: getattr(tc, f.name) for f in dataclasses.fields(tc)}
+    args = argparse.Namespace(**{**saved, **vars(args_for(CFG, tp=1, pp=1, iteration=3))})
+    assert args.softmax_type == "vanilla" and args.glu_linear_offset == 0.0 and args.window_size is None
+    assert config_from_args(args, WHERE) == CFG
+
+
+@pytest.mark.parametrize("name,value", MODEL_CHANGING, ids=lambda v: str(v))
+def test_a_model_changing_field_is_refused_by_name(name, value):
+    with pytest.raises(UserError) as info:
+        config_from_args(_args(**{name: value}), WHERE)
+    msg = str(info.value)
+    assert f"{name}=" in msg and "Nothing was written" in msg and "\n" not in msg, msg
+
+
+def _other(valid: tuple):
+    """A value other than the ones tnlg models: the opposite bool, another number or string, a tuple."""
+    if True in valid or False in valid:
+        return not valid[0]
+    if valid and isinstance(valid[0], str):
+        return valid[0] + "-other"
+    if valid and isinstance(valid[0], (int, float)):
+        return valid[0] + 3
+    return (4, 0)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_every_refused_choice_is_refused_under_each_of_its_names(field):
+    entry = REFUSED[field]
+    for name in entry.names:
+        with pytest.raises(UserError, match=f"{name}=.*which tnlg does not model"):
+            config_from_args(_args(**{name: _other(entry.valid)}), WHERE)
+        if entry.valid:
+            config_from_args(_args(**{name: entry.valid[0]}), WHERE)  # the value tnlg models converts
+
+
+@pytest.fixture(scope="module")
+def torch_dist_ckpt(tmp_path_factory):
+    full = full_state_dict(GPT(CFG), ParallelState.single())
+    meta = dict(format=FORMAT, iteration=3, consumed_samples=0, config=CFG.to_dict(), options={}, data=None,
+                tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
+    root = tmp_path_factory.mktemp("core_fields")
+    targets = targets_for(CFG, 1, 0)
+    ckpt = write_offline(str(root / "tnlg"), meta, 1,
+                         lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    return checkpoint_to_megatron(ckpt, str(root / "torch_dist"), fmt="torch_dist", tp=1)
+
+
+@pytest.mark.parametrize("name,value", MODEL_CHANGING[:8], ids=lambda v: str(v))
+def test_the_importer_refuses_them_and_writes_nothing(torch_dist_ckpt, tmp_path, name, value):
+    src = tmp_path / "iter_0000003"  # an iteration folder is a source too
+    shutil.copytree(torch_dist_ckpt, src)
+    common = src / "common.pt"
+    assert os.path.isfile(common)
+    state = torch.load(common, weights_only=False)
+    setattr(state["args"], name, value)
+    torch.save(state, common)
+    with pytest.raises(UserError, match=f"{name}=") as info:
+        megatron_to_checkpoint(str(src), str(tmp_path / "out"))
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
