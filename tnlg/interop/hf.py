@@ -18,6 +18,7 @@ ids tnlg's tokenizer gives, with the end-of-document token as ``bos``/``eos`` (d
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from typing import Optional
@@ -32,9 +33,10 @@ from ..io import fsync_dir, give_umask_mode, temporary_name
 from ..parallel.pipeline_inference import inference_model
 from ..parallel.sharding import full_state_dict, load_full_state_dict
 from ..parallel.state import ParallelState
+from .hf_fields import check_fields
 from .hf_llama import LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_to_tnlg, tnlg_to_llama
 
-__all__ = ["from_hf", "to_hf", "config_from_hf", "check_model_type", "hf_folder_type", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
+__all__ = ["from_hf", "to_hf", "config_from_hf", "check_model_type", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
            "build_hf_model", "write_hf_folder"]
 
 _TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
@@ -53,21 +55,10 @@ def check_model_type(model_type, where: str) -> str:
     return model_type
 
 
-def hf_folder_type(folder: str) -> str:
-    """The checked ``model_type`` of a ``save_pretrained`` folder's ``config.json``."""
-    import json
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise UserError(f"Hugging Face folder {folder!r}: {path!r} cannot be read as JSON ({exc}).") from None
-    return check_model_type(model_type, f"Hugging Face folder {folder!r}")
-
-
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
     """The :class:`GPTConfig` of a GPT-2, Llama or Qwen2 config (``model_type`` picks)."""
     kind = check_model_type(getattr(hf_config, "model_type", None), "the model")
+    check_fields(hf_config, kind, "the Hugging Face model")
     if kind in LLAMA_TYPES:
         return config_from_llama(hf_config, **overrides)
     return _config_from_gpt2(hf_config, **overrides)
@@ -152,28 +143,34 @@ def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]
     return out
 
 
-def _load_hf_model(model_or_dir):
-    if isinstance(model_or_dir, (str, os.PathLike)):
-        if not os.path.isdir(model_or_dir):
-            raise UserError(f"Hugging Face model folder {str(model_or_dir)!r} does not exist; give a folder "
-                            f"written by save_pretrained (config.json + model.safetensors).")
-        import transformers
-        cls = getattr(transformers, _CLASSES[hf_folder_type(os.fspath(model_or_dir))])
-        return cls.from_pretrained(model_or_dir, local_files_only=True)
-    check_model_type(getattr(model_or_dir.config, "model_type", None), "the model")
-    return model_or_dir
+def _hf_model_state(model) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """tnlg's config and full state dict of a ``transformers`` model object (its config checked as a
+    folder's is); an ``lm_head`` unlike the embedding is read untied, whatever the config says."""
+    cfg = config_from_hf(model.config)
+    sd = model.state_dict()
+    embed = "transformer.wte.weight" if hf_kind(cfg) == "gpt2" else "model.embed_tokens.weight"
+    if (not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in sd
+            and not torch.equal(sd["lm_head.weight"], sd[embed])):
+        cfg = config_from_hf(model.config, untie_embeddings_and_output_weights=True)
+    return cfg, hf_to_tnlg_state_dict(sd, cfg)
 
 
 def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
-    """A TP-sharded :class:`tnlg.GPT` with the weights of a GPT-2 model or folder (``overrides``: other
-    :class:`~tnlg.config.GPTConfig` fields); at ``ps.pp_size > 1`` this pipeline stage's
+    """A TP-sharded :class:`tnlg.GPT` with the weights of a ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
+    ``Qwen2ForCausalLM`` object or ``save_pretrained`` folder (read by :func:`tnlg.interop.hf_reader.read_hf_folder`:
+    exactly the model transformers computes from it, or one paragraph); ``overrides``: other
+    :class:`~tnlg.config.GPTConfig` fields (how it runs). At ``ps.pp_size > 1`` this pipeline stage's
     :class:`~tnlg.parallel.pipeline.StageModel` (its layers, by the GPT's names). Each rank keeps its
     slice; no communication."""
     ps = ps or ParallelState.single()
-    hf = _load_hf_model(model_or_dir)
-    cfg = config_from_hf(hf.config, **overrides)
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        from .hf_reader import read_hf_folder  # it reads through this module's mappings
+        cfg, full = read_hf_folder(os.fspath(model_or_dir))
+    else:
+        cfg, full = _hf_model_state(model_or_dir)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
     model = inference_model(cfg, ps)
-    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
     if ps.pp_size > 1:  # this stage's parameters only (a name the stage lacks is still a mismatch)
         full = {name: full[name] for name, _ in model.named_parameters() if name in full}
     load_full_state_dict(model, full, ps)
