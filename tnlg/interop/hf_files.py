@@ -90,10 +90,10 @@ def _check_entry(folder: str, file: str, name: str, info, data_size: int) -> Ent
     if (not isinstance(shape, list) or len(shape) > 8
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
         raise _bad(folder, f"{where} has shape {shown(shape)}; a shape is a list of non-negative integers.")
-    ok = (isinstance(offsets, list) and len(offsets) == 2
-          and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets))
     size = math.prod(shape) * DTYPES[dtype].itemsize
-    if not ok or not 0 <= offsets[0] <= offsets[1] <= data_size or offsets[1] - offsets[0] != size:
+    pair = offsets if isinstance(offsets, list) and len(offsets) == 2 else [-1, -1]
+    begin, end = (o if isinstance(o, int) and not isinstance(o, bool) else -1 for o in pair)
+    if not 0 <= begin <= end <= data_size or end - begin != size:
         raise _bad(folder, f"{where} ({dtype} {shape}, {size} bytes) has data_offsets {shown(offsets)} in a data "
                    f"section of {data_size} bytes; the file is damaged or truncated.")
     return Entry(file, dtype, tuple(shape))

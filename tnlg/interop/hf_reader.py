@@ -114,7 +114,7 @@ def _check_layers(folder: str, kind: str, raw: dict, names) -> None:
         raise _bad(folder, f"config.json's {key} is {shown(claimed)}; it must be a positive integer (the "
                    f"weight files hold {len(held)} layers).")
     if held != list(range(claimed)):
-        some = held if len(held) <= 6 else held[:3] + ["..."] + held[-2:]
+        some: list = held if len(held) <= 6 else [*held[:3], "...", *held[-2:]]
         raise _bad(folder, f"config.json's {key} is {claimed}, but the weight files hold layers {some}; every "
                    f"layer 0 .. {claimed - 1} must be in the files (transformers would initialise a missing one "
                    "at random).")
