@@ -90,7 +90,8 @@ def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
     from transformers import GPT2Config
     return GPT2Config(bos_token_id=eod_id, eos_token_id=eod_id,
                       n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
-                      n_positions=cfg.seq_length, vocab_size=cfg.vocab_size, n_inner=cfg.ffn_hidden_size,
+                      n_positions=cfg.seq_length, vocab_size=cfg.vocab_size,
+                      n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
                       resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
                       attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
                       initializer_range=cfg.init_method_std,
