@@ -48,7 +48,7 @@ _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qw
 
 def check_model_type(model_type, where: str) -> str:
     """``model_type`` when tnlg reads it (``gpt2``, ``llama``, ``qwen2``), else one :class:`UserError`."""
-    if model_type not in _CLASSES:
+    if not isinstance(model_type, str) or model_type not in _CLASSES:
         raise UserError(f"{where} is a Hugging Face {model_type!r} model (config.json's model_type); tnlg reads "
                         "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama') and "
                         "Qwen2ForCausalLM ('qwen2', Llama with QKV biases) folders. Nothing was loaded or written.")

@@ -208,7 +208,10 @@ def check_fields(c, kind: str, where: str) -> None:
     if getattr(c, "quantization_config", None) is not None:
         wrong.append("quantization_config is set (quantized weights and their scales are not read; give the "
                      "unquantized model)")
-    if kind != "gpt2" and rope_type(c) != "default":
+    rope = getattr(c, "rope_parameters", None)
+    if kind != "gpt2" and not (isinstance(rope, dict) and positive(rope.get("rope_theta")) is None):
+        wrong.append(f"rope_parameters {_shown(rope)} must hold a positive rope_theta")
+    elif kind != "gpt2" and rope_type(c) != "default":
         wrong.append(f"rope_parameters has rope_type {_shown(rope_type(c))}: scaled rope (llama3, yarn, linear, "
                      "dynamic, longrope) is not supported yet; tnlg's rope is the default (rope_theta only)")
     if not wrong:  # the refused fields' tests need valid counts

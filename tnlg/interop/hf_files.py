@@ -3,8 +3,9 @@
 
 Which files, in transformers' order: ``model.safetensors``, else ``model.safetensors.index.json`` and the
 shards its ``weight_map`` names, else ``pytorch_model.bin``, else ``pytorch_model.bin.index.json`` and its
-shards. A shard is named by a plain file name in the folder (no ``/``, no ``..``); links are followed
-(the Hugging Face cache's snapshot folders are links into its ``blobs``).
+shards. A shard is named by a plain file name in the folder (no ``/``, no ``..``). A file that is a link
+must resolve inside the folder, or, for a folder of the Hugging Face cache (``.../snapshots/REV``, whose
+files are links into the repository's ``blobs``), inside that ``blobs`` folder (:func:`inside`).
 
 A safetensors file is checked from its header before any tensor is read (:func:`_safetensors_header`): the
 8-byte length within the file and at most 100 MiB, JSON of ``{name: {dtype, shape, data_offsets}}``, every
@@ -30,7 +31,7 @@ import torch
 from ..errors import UserError
 from .megatron.safe_load import reason, runs_code, shown
 
-__all__ = ["SAFETENSORS", "SAFETENSORS_INDEX", "BIN", "BIN_INDEX", "Entry", "WeightFiles", "weight_files"]
+__all__ = ["SAFETENSORS", "SAFETENSORS_INDEX", "BIN", "BIN_INDEX", "Entry", "WeightFiles", "weight_files", "inside"]
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -53,6 +54,20 @@ def _bad(folder: str, what: str) -> UserError:
     return UserError(f"Hugging Face folder {folder!r}: {what} {_NOTHING}")
 
 
+def inside(folder: str, name: str) -> str:
+    """``folder/name``, refused in one paragraph when it resolves outside the folder (a link out), except
+    into the ``blobs`` of the Hugging Face cache repository a ``snapshots/REV`` folder belongs to."""
+    path = os.path.join(folder, name)
+    real, home = os.path.realpath(path), os.path.realpath(folder)
+    roots = [home]
+    if os.path.basename(os.path.dirname(home)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(home)), "blobs"))
+    if not any(real.startswith(root + os.sep) for root in roots):
+        raise _bad(folder, f"{name} is a link to {real!r}, outside the folder; tnlg reads a folder's own files "
+                   "(or, in the Hugging Face cache, its blobs).")
+    return path
+
+
 def _shard_name(folder: str, index: str, name) -> str:
     if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
             or len(name) > 255):
@@ -63,7 +78,7 @@ def _shard_name(folder: str, index: str, name) -> str:
 
 def _read_index(folder: str, index: str) -> dict[str, str]:
     """``{tensor name: shard file name}`` of an ``*.index.json``."""
-    path = os.path.join(folder, index)
+    path = inside(folder, index)
     try:
         if os.path.getsize(path) > MAX_INDEX:
             raise ValueError(f"{os.path.getsize(path)} bytes, more than {MAX_INDEX}")
@@ -84,7 +99,7 @@ def _check_entry(folder: str, file: str, name: str, info, data_size: int) -> Ent
     if not isinstance(info, dict):
         raise _bad(folder, f"{where} is described by {shown(info)}, not a record of dtype, shape, data_offsets.")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _bad(folder, f"{where} has dtype {shown(dtype)}; tnlg reads floating-point weights stored as "
                    f"{', '.join(DTYPES)} (a quantized or integer tensor is not one).")
     if (not isinstance(shape, list) or len(shape) > 8
@@ -101,15 +116,16 @@ def _check_entry(folder: str, file: str, name: str, info, data_size: int) -> Ent
 
 def _safetensors_header(folder: str, file: str) -> dict[str, Entry]:
     """Every tensor of one safetensors file, from its checked header (module docstring)."""
-    path = os.path.join(folder, file)
+    path = inside(folder, file)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 2 <= n <= min(MAX_HEADER, size - 8):
-                raise _bad(folder, f"{file} is not a safetensors file: its header length is {n} bytes in a file "
-                           f"of {size} bytes (at most {MAX_HEADER} and inside the file).")
+                raise _bad(folder, f"{file} is not a safetensors file: its header length is "
+                           f"{n if n <= 2**64 // 2 else 'over 2^63'} bytes in a file of {size} bytes (at most "
+                           f"{MAX_HEADER} and inside the file).")
             header = json.loads(f.read(n))
     except UserError:
         raise
@@ -123,7 +139,7 @@ def _safetensors_header(folder: str, file: str) -> dict[str, Entry]:
 
 def _load_bin(folder: str, file: str) -> dict:
     """A ``pytorch_model.bin`` (module docstring): ``{name: tensor}``, nothing unpickled but tensors."""
-    path = os.path.join(folder, file)
+    path = inside(folder, file)
     try:
         globs = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         zipped = True

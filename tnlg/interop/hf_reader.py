@@ -36,7 +36,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 from .hf import check_model_type, config_from_hf, hf_to_tnlg_state_dict
 from .hf_fields import check_counts, check_fields
-from .hf_files import WeightFiles, weight_files
+from .hf_files import WeightFiles, inside, weight_files
 from .megatron.safe_load import reason, shown
 
 __all__ = ["HFFolder", "check_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
@@ -66,7 +66,7 @@ def _bad(folder: str, what: str) -> UserError:
 
 
 def _raw_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
+    path = inside(folder, "config.json")
     try:
         if os.path.getsize(path) > 16 * 2**20:
             raise ValueError(f"{os.path.getsize(path)} bytes; a config is a few kB")
@@ -113,7 +113,7 @@ def _check_layers(folder: str, kind: str, raw: dict, names) -> None:
     if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
         raise _bad(folder, f"config.json's {key} is {shown(claimed)}; it must be a positive integer (the "
                    f"weight files hold {len(held)} layers).")
-    if held != list(range(claimed)):
+    if len(held) != claimed or held != list(range(claimed)):
         some: list = held if len(held) <= 6 else [*held[:3], "...", *held[-2:]]
         raise _bad(folder, f"config.json's {key} is {claimed}, but the weight files hold layers {some}; every "
                    f"layer 0 .. {claimed - 1} must be in the files (transformers would initialise a missing one "
@@ -133,8 +133,12 @@ def _hf_config(folder: str, kind: str, raw: dict):
 def _expected(kind: str, hf_config) -> dict[str, tuple]:
     """Every tensor name and shape transformers' class holds for ``hf_config`` (built on ``meta``)."""
     import transformers
-    with torch.device("meta"):
-        model = getattr(transformers, MODEL_CLASSES[kind])(hf_config)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, MODEL_CLASSES[kind])(hf_config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a model of (sizes past 2^63, ...)
+        raise UserError(f"config.json describes a {MODEL_CLASSES[kind]} that transformers cannot build "
+                        f"({reason(exc)}). {_NOTHING}") from None
     return {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
 
