@@ -34,7 +34,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
-from .hf import check_model_type, config_from_hf, hf_to_tnlg_state_dict
+from .hf_mapping import check_model_type, config_from_hf, hf_to_tnlg_state_dict
 from .hf_fields import check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
 from .megatron.safe_load import reason, shown
