@@ -221,11 +221,10 @@ def check_fields(c, kind: str, where: str) -> None:
                 continue
             told.add(why)
             if why is _WINDOW:
-                wrong.append(f"use_sliding_window {c.use_sliding_window!r} with sliding_window "
-                             f"{_shown(c.sliding_window)} on layers {_shown(window_layers(c))} (of "
-                             f"{c.num_hidden_layers}; layer_types / max_window_layers "
-                             f"{_shown(c.max_window_layers)}) < max_position_embeddings {c.max_position_embeddings}: "
-                             + why)
+                wrong.append(f"use_sliding_window {c.use_sliding_window!r}: sliding_window {_shown(c.sliding_window)} "
+                             f"(shorter than max_position_embeddings {c.max_position_embeddings}) on layers "
+                             f"{_shown(window_layers(c))} of {c.num_hidden_layers} (layer_types / max_window_layers "
+                             f"{_shown(c.max_window_layers)}): " + why)
             else:
                 wrong.append(f"{name} {_shown(getattr(c, name, None))}: {why}")
     if wrong:
