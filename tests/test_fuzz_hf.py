@@ -1,8 +1,8 @@
 """Fuzzing the Hugging Face folder reader (``tnlg.interop.hf_reader.read_hf_folder``, what ``tnlg convert
 --from hf``, ``tnlg.load`` and ``tnlg generate`` read a folder with).
 
-Seeded random mutations of three valid tiny folders (one ``model.safetensors``; two safetensors shards
-behind ``model.safetensors.index.json``; one ``pytorch_model.bin``): ``config.json`` with a value swapped
+Seeded random mutations of four valid tiny folders (a Llama in one ``model.safetensors``, in safetensors
+shards behind ``model.safetensors.index.json``, and in one ``pytorch_model.bin``; a tied GPT-2): ``config.json`` with a value swapped
 for another type, size or nesting (tests/test_fuzz_readers.py's JSON mutations); a safetensors header
 with a dtype, shape or byte range swapped, its length field replaced (0, 2^62, past the file), or the
 header's JSON mutated; the index's JSON mutated or a shard name replaced by ``../canary``, an absolute
@@ -136,6 +136,7 @@ def child(seeds: list[str], work: str, n: int, seed: int) -> dict:
 def _seeds(tmp_path) -> list[str]:
     import torch
 
+    from .hf_reference import random_gpt2
     from .llama_reference import random_llama
     hf = random_llama("llama", layers=2, hidden=24, heads=4, groups=2, ffn=32, vocab=40, seq=16)
     hf.save_pretrained(tmp_path / "single")
@@ -143,12 +144,13 @@ def _seeds(tmp_path) -> list[str]:
     os.makedirs(tmp_path / "bin")
     (tmp_path / "bin" / "config.json").write_bytes((tmp_path / "single" / "config.json").read_bytes())
     torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
-    for name in ("single", "sharded"):
+    random_gpt2(40, 16, n_embd=24, n_head=4, n_layer=2).save_pretrained(tmp_path / "gpt2")
+    for name in ("single", "sharded", "gpt2"):
         gen = tmp_path / name / "generation_config.json"
         if gen.exists():
             gen.unlink()
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
-    return [str(tmp_path / n) for n in ("single", "sharded", "bin")]
+    return [str(tmp_path / n) for n in ("single", "sharded", "bin", "gpt2")]
 
 
 @pytest.mark.usefixtures("one_thread")
