@@ -269,14 +269,17 @@ def test_a_layer_count_bomb_is_refused_at_once_under_a_2_gib_cap(folders, tmp_pa
     assert took < 60
 
 
-def test_generate_refuses_a_folder_before_any_worker_starts(folders, tmp_path, capsys, monkeypatch):
-    """At `tnlg generate --tp 2` the refusal comes from the launcher (it used to come from the workers,
-    after launch and after the weights were read)."""
-    import tnlg.commands.generate as generate
-    monkeypatch.setattr(generate, "run_command", lambda *a, **k: pytest.fail("workers were started"))
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_generate_and_eval_refuse_a_folder_before_any_worker_starts(folders, tmp_path, capsys, monkeypatch, command):
+    """At `tnlg generate --tp 2` (and eval) the refusal comes from the launcher (it used to come from the
+    workers, after launch and after the weights were read)."""
+    import importlib
+    module = importlib.import_module(f"tnlg.commands.{command}")
+    monkeypatch.setattr(module, "run_command", lambda *a, **k: pytest.fail("workers were started"))
     folder = _copy(folders, "llama_bias", tmp_path)
+    (tmp_path / "text.txt").write_text("To be, or not to be: that is the question.\n")
+    what = ["--prompt", "To be"] if command == "generate" else ["--task", "text", "--input", str(tmp_path / "text.txt")]
     capsys.readouterr()
-    code = main(["generate", "--checkpoint", str(folder), "--tp", "2", "--tokenizer-model", "builtin",
-                 "--prompt", "To be"])
+    code = main([command, "--checkpoint", str(folder), "--tp", "2", "--tokenizer-model", "builtin", *what])
     err = capsys.readouterr().err
     assert code == 2 and "attention_bias True" in err and "Traceback" not in err, err
