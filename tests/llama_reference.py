@@ -30,9 +30,10 @@ LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weig
 
 
 def random_llama(kind: str = "llama", layers=2, hidden=48, heads=6, groups=2, ffn=64, vocab=100, seq=32,
-                 theta=10000.0, seed=0):
+                 theta=10000.0, seed=0, **config):
     """A random ``LlamaForCausalLM`` (``kind="qwen2"``: ``Qwen2ForCausalLM``, QKV biases), fp32, untied,
-    weights sharpened so attention is far from uniform (queries and keys swapped would show)."""
+    weights sharpened so attention is far from uniform (queries and keys swapped would show); ``config``:
+    further config fields (or other values of those set here)."""
     import transformers
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
@@ -40,10 +41,11 @@ def random_llama(kind: str = "llama", layers=2, hidden=48, heads=6, groups=2, ff
                   rms_norm_eps=1e-5, rope_theta=theta, tie_word_embeddings=False, hidden_act="silu",
                   attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
     if kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=False, **common))
+        common.update(dict(use_sliding_window=False), **config)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=False, mlp_bias=False,
-                                                                       **common))
+        common.update(dict(attention_bias=False, mlp_bias=False), **config)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):

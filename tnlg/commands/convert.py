@@ -1,7 +1,9 @@
 """``tnlg convert`` (Hugging Face / Megatron-LM <-> tnlg checkpoints, offline resharding) and ``tnlg checkpoint info``.
 
 * ``tnlg convert --from hf DIR --to CKPT [--tokenizer-model M] [--tensor-model-parallel-size N]``:
-  a ``GPT2LMHeadModel`` folder (``save_pretrained``) -> a tnlg checkpoint at
+  a ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` folder (``save_pretrained``; read as
+  :mod:`tnlg.interop.hf_reader` reads it: exactly the model transformers computes, or one paragraph before
+  anything is written) -> a tnlg checkpoint at
   iteration 0 with no optimizer state (training from it starts a fresh
   optimizer); ``M`` is recorded as the checkpoint's tokenizer.
 * ``tnlg convert --from CKPT --to hf DIR [--tokenizer-model M | --no-tokenizer]``: GPT-2
@@ -62,10 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
     parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
-                        help="'hf DIR' (a GPT2LMHeadModel save_pretrained folder), 'megatron DIR' (a Megatron-LM "
+                        help="'hf DIR' (a GPT-2, Llama or Qwen2 save_pretrained folder), 'megatron DIR' (a Megatron-LM "
                         "checkpoint root or iter_* folder, torch_dist or legacy) or a tnlg checkpoint")
     parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
-                        help="'hf DIR' (GPT-2 format, safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
+                        help="'hf DIR' (the architecture's class: GPT-2, Llama or Qwen2; safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
                         "root) or a new tnlg checkpoint directory")
     parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
                         "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "

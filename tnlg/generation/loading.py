@@ -21,7 +21,8 @@ from ..checkpoint import load_for_inference, resolve
 from ..checkpoint.manifest import Manifest
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
-from ..interop.hf import from_hf, hf_folder_type
+from ..interop.hf import from_hf
+from ..interop.hf_reader import check_hf_folder
 from ..parallel.state import ParallelState
 
 __all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
@@ -44,14 +45,15 @@ def hf_tokenizer_spec(path: str) -> Optional[str]:
 
 
 def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True):
-    """Checks that need no model, run before any process starts: the checkpoint exists and
+    """Checks that need no model, run before any process starts: the checkpoint exists, a Hugging Face
+    folder is one tnlg reads exactly (:func:`tnlg.interop.hf_reader.check_hf_folder`), and
     (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
     tokenizer, or ``None``."""
     if not os.path.exists(checkpoint):
         raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama or Qwen2 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
-    if is_hf_folder(checkpoint):
-        hf_folder_type(checkpoint)  # a model_type tnlg reads (gpt2, llama, qwen2), or one paragraph
+    if is_hf_folder(checkpoint):  # config.json and the weight files' headers: exactly what transformers
+        check_hf_folder(checkpoint)  # computes, or one paragraph (no tensor data read, no worker started)
     if tokenizer_model:
         return load_tokenizer(tokenizer_model)
     if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
+"""Hugging Face GPT-2, Llama and Qwen2 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
 the weights mapped by :mod:`tnlg.interop.hf`, the tokenizer by :mod:`tnlg.data.hf_tokenizer`. No
 collectives; one process."""
 
@@ -16,16 +16,17 @@ from ..config import GPTConfig
 from ..data.hf_tokenizer import hf_tokenizer_files
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
-from .hf import _load_hf_model, build_hf_model, config_from_hf, hf_to_tnlg_state_dict, write_hf_folder
+from .hf import build_hf_model, write_hf_folder
+from .hf_reader import read_hf_folder
 
 __all__ = ["hf_to_checkpoint", "checkpoint_to_hf"]
 
 
 def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
-    """A ``GPT2LMHeadModel`` folder -> a tnlg checkpoint (iteration 0, weights only) at TP ``tp_size``."""
-    hf = _load_hf_model(hf_dir)
-    cfg = config_from_hf(hf.config)
-    full = hf_to_tnlg_state_dict(hf.state_dict(), cfg)
+    """A ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` folder -> a tnlg checkpoint
+    (iteration 0, weights only) at TP ``tp_size``; the folder is read by
+    :func:`tnlg.interop.hf_reader.read_hf_folder` (exactly what transformers computes, or one paragraph)."""
+    cfg, full = read_hf_folder(hf_dir)  # every check before anything is written
     tok = None
     if tokenizer_model:
         tok = load_tokenizer(tokenizer_model)

@@ -1,0 +1,83 @@
+"""Every field of transformers' GPT2Config, LlamaConfig and Qwen2Config, as the installed transformers
+declares it, is honoured, ignored (it does not change the logits) or refused at the values that change
+the model; a round trip through a tnlg checkpoint writes back the honoured fields unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tnlg.errors import UserError
+from tnlg.interop.hf_fields import HONOURED, IGNORED, REFUSED, check_fields
+
+from .hf_reference import random_gpt2
+from .llama_reference import random_llama
+
+transformers = pytest.importorskip("transformers")
+CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+
+
+def _declared(kind: str) -> set:
+    """The fields the installed transformers declares for the class: its defaults' keys, its attribute
+    map's names, and the fields every PretrainedConfig has."""
+    cls = getattr(transformers, CONFIGS[kind])
+    return set(cls().to_dict()) | set(cls.attribute_map) | set(transformers.PretrainedConfig().to_dict())
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_every_declared_field_is_in_exactly_one_list(kind):
+    lists = {"honoured": HONOURED[kind], "ignored": IGNORED[kind], "refused": REFUSED[kind]}
+    unlisted = sorted(f for f in _declared(kind) if not any(f in fields for fields in lists.values()))
+    assert not unlisted, f"{CONFIGS[kind]} fields in no list (docs/hf.md): {unlisted}"
+    twice = sorted(f for f in _declared(kind) if sum(f in fields for fields in lists.values()) > 1)
+    assert not twice, twice
+    assert all(isinstance(why, str) and why for why in IGNORED[kind].values())
+
+
+SMALL = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=32)
+REFUSED_VALUES = [("gpt2", "scale_attn_weights", False), ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+                  ("gpt2", "add_cross_attention", True), ("llama", "attention_bias", True),
+                  ("llama", "mlp_bias", True), ("llama", "hidden_act", "gelu"), ("llama", "head_dim", 16),
+                  ("qwen2", "hidden_act", "relu"), ("qwen2", "head_dim", 4), ("qwen2", "use_sliding_window", True),
+                  ("qwen2", "layer_types", ["sliding_attention", "full_attention"])]
+
+
+def _config(kind, **fields):
+    cls = getattr(transformers, CONFIGS[kind])
+    if kind == "gpt2":
+        return cls(n_layer=2, n_embd=48, n_head=6, n_positions=32, vocab_size=100, **fields)
+    if kind == "qwen2" and "use_sliding_window" in fields:
+        fields.update(sliding_window=8, max_window_layers=1)
+    return cls(**SMALL, **fields)
+
+
+@pytest.mark.parametrize("kind,field,value", REFUSED_VALUES)
+def test_a_refused_field_is_accepted_at_its_default_and_refused_by_name_otherwise(kind, field, value):
+    assert set(f for k, f, _ in REFUSED_VALUES if k == kind) >= set(REFUSED[kind]) - {"sliding_window",
+                                                                                      "max_window_layers"}
+    check_fields(_config(kind), kind, "the model")
+    with pytest.raises(UserError) as err:
+        check_fields(_config(kind, **{field: value}), kind, "the model")
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind,n_inner", [("gpt2", None), ("gpt2", 96), ("llama", None), ("qwen2", None)])
+def test_a_round_trip_writes_back_every_honoured_field(tmp_path, kind, n_inner):
+    """hf -> tnlg checkpoint -> hf leaves config.json's honoured (architectural) fields equal (GPT-2's
+    n_inner null, the default width, stays null)."""
+    from tnlg.interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
+    if kind == "gpt2":
+        model = random_gpt2(100, 32, n_layer=2, n_inner=n_inner, layer_norm_epsilon=1e-6, activation_function="gelu",
+                            tie_word_embeddings=False)
+    else:
+        model = random_llama(kind, rope_theta=5e5, rms_norm_eps=1e-6, attention_dropout=0.1,
+                             initializer_range=0.03, tie_word_embeddings=kind == "qwen2")
+    model.save_pretrained(tmp_path / "in")
+    hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "ck"))
+    checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "out"), with_tokenizer=False)
+    before, after = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("in", "out"))
+    read = sorted(f for f in HONOURED[kind] if f in before)
+    assert len(read) >= 11
+    assert {f: after.get(f) for f in read} == {f: before[f] for f in read}

@@ -1,0 +1,231 @@
+"""Every field of the Hugging Face config classes tnlg reads (``GPT2Config``, ``LlamaConfig``,
+``Qwen2Config``), in one of three lists (docs/hf.md's table):
+
+* :data:`HONOURED`: the field sets what tnlg computes exactly as it sets transformers' logits (the
+  :class:`~tnlg.config.GPTConfig` field it becomes); an invalid value (a count that is not a positive
+  integer, ...) is refused.
+* :data:`IGNORED`: the field does not change the logits of the causal-LM forward (generation defaults,
+  token ids, what ``forward`` returns, the dtype transformers would load in, ...), each with its reason.
+* :data:`REFUSED`: the field is accepted only at values that leave the model one tnlg computes (its
+  default, or one with the same effect); any other value is refused in one paragraph naming the field
+  and value, because honouring it would change the model's computation (not supported yet).
+
+``tests/test_hf_fields.py`` walks each class's fields as the installed transformers declares them and
+fails on a field in none of the lists, so a field a later transformers adds cannot slip through.
+Keys a config class does not declare are kept by transformers as attributes its model never reads,
+except those in :data:`UNDECLARED` (read by the loading code or by ``getattr`` in the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..config import boolean, fraction, optional_positive_int, positive, positive_int
+from ..errors import UserError
+
+__all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "UNDECLARED", "check_counts", "check_fields", "rope_type",
+           "window_layers"]
+
+_NOT_READ = "not read by the causal LM's forward"
+COMMON_IGNORED = {
+    "transformers_version": "provenance", "_name_or_path": "provenance",
+    "architectures": "the class is chosen by model_type, as AutoModelForCausalLM chooses it",
+    "output_hidden_states": "what forward returns besides the logits",
+    "output_attentions": "what forward returns besides the logits",
+    "return_dict": "what forward returns besides the logits",
+    "dtype": "the dtype transformers loads into; tnlg reads the weights to fp32 and runs at its own precision",
+    "chunk_size_feed_forward": _NOT_READ + " (its feed-forward is not chunked)",
+    "is_encoder_decoder": _NOT_READ + " (generate() alone reads it)",
+    "id2label": "sequence-classification heads only", "label2id": "sequence-classification heads only",
+    "problem_type": "sequence-classification heads only",
+    "use_cache": "keeps keys and values for generation; the same logits",
+    "pad_token_id": "a token id (tokenizer and generation)", "bos_token_id": "a token id (tokenizer and generation)",
+    "eos_token_id": "a token id (tokenizer and generation)",
+}
+
+HONOURED = {
+    "gpt2": {
+        "model_type": "picks GPT2LMHeadModel", "vocab_size": "vocab_size", "n_positions": "seq_length",
+        "max_position_embeddings": "seq_length (n_positions' other name)", "n_embd": "hidden_size",
+        "hidden_size": "hidden_size (n_embd's other name)", "n_layer": "num_layers",
+        "num_hidden_layers": "num_layers (n_layer's other name)", "n_head": "num_attention_heads",
+        "num_attention_heads": "num_attention_heads (n_head's other name)",
+        "n_inner": "ffn_hidden_size (null: 4 x n_embd)", "layer_norm_epsilon": "layernorm_epsilon",
+        "activation_function": "openai_gelu: gelu_new / gelu_pytorch_tanh (tanh form) or gelu (exact); others refused",
+        "tie_word_embeddings": "untie_embeddings_and_output_weights (a file whose lm_head differs from the "
+                               "embedding loads untied, as transformers keeps them apart)",
+        "resid_pdrop": "hidden_dropout (training only)", "attn_pdrop": "attention_dropout (training only)",
+        "embd_pdrop": "training only; tnlg's embedding dropout is hidden_dropout (written back as such)",
+        "initializer_range": "init_method_std (initialisation only)",
+    },
+    "llama": {
+        "model_type": "picks LlamaForCausalLM", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+        "intermediate_size": "ffn_hidden_size", "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_attention_heads",
+        "num_key_value_heads": "num_query_groups (grouped-query attention when fewer than the heads)",
+        "max_position_embeddings": "seq_length", "rms_norm_eps": "layernorm_epsilon (RMSNorm)",
+        "rope_parameters": "rotary_base (rope_theta); a rope_type other than default is refused by name",
+        "tie_word_embeddings": "untie_embeddings_and_output_weights (a file whose lm_head differs from the "
+                               "embedding loads untied, as transformers keeps them apart)",
+        "attention_dropout": "attention_dropout (training only)",
+        "initializer_range": "init_method_std (initialisation only)",
+    },
+}
+HONOURED["qwen2"] = dict(HONOURED["llama"], model_type="picks Qwen2ForCausalLM (biases on Q, K, V: add_qkv_bias)")
+
+IGNORED = {
+    "gpt2": dict(COMMON_IGNORED, **{
+        f"summary_{x}": "GPT2DoubleHeadsModel's multiple-choice head only"
+        for x in ("type", "use_proj", "activation", "proj_to_labels", "first_dropout")},
+        reorder_and_upcast_attn="computes the attention scores in fp32, scaled first: rounding only"),
+    "llama": dict(COMMON_IGNORED, pretraining_tp="not read by LlamaForCausalLM in transformers 5 (it once "
+                  "split the matmuls, changing rounding only)"),
+    "qwen2": dict(COMMON_IGNORED),
+}
+
+
+# --------------------------------------------------------------------------- refusals
+# Each refused field: (accepts(config) -> bool, why the other values are refused).
+
+def _hidden_over_heads(c) -> bool:
+    head_dim = getattr(c, "head_dim", None)
+    heads = c.num_attention_heads
+    return head_dim is None or (isinstance(heads, int) and heads > 0 and head_dim * heads == c.hidden_size)
+
+
+def rope_type(c) -> Any:
+    """The ``rope_type`` of a Llama/Qwen2 config (``default`` when it sets none)."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+
+
+def window_layers(c) -> list[int]:
+    """The layers whose attention a Qwen2 config's sliding window changes: as ``Qwen2Attention`` reads it,
+    a layer whose ``layer_types`` entry is ``sliding_attention`` gets ``sliding_window`` (set only when
+    ``use_sliding_window``; ``layer_types`` defaults to the layers from ``max_window_layers`` on), and the
+    window ``w`` (a query attends to the ``w`` latest positions) changes the logits only when a sequence
+    can be longer than ``w``: ``w < max_position_embeddings``, tnlg's longest sequence. A sliding layer
+    without a window (``layer_types`` given, ``use_sliding_window`` false) fails in transformers itself,
+    so it counts too."""
+    kinds = getattr(c, "layer_types", None) or []
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+    window = getattr(c, "sliding_window", None)
+    if not sliding or (isinstance(window, int) and not isinstance(window, bool)
+                       and window >= c.max_position_embeddings):
+        return []
+    return sliding
+
+
+def _no_window(c) -> bool:
+    return not window_layers(c)
+
+
+_EQUAL_HEADS = ("head_dim must be hidden_size / num_attention_heads (or unset): tnlg's heads split the width "
+                "evenly (a head_dim apart from it, as in Qwen3 or Mistral-Nemo, is not supported yet)")
+_WINDOW = ("a sliding window that some layer applies within max_position_embeddings is not supported yet "
+           "(tnlg attends to every earlier position)")
+REFUSED: dict[str, dict[str, tuple[Callable, str]]] = {
+    "gpt2": {
+        "scale_attn_weights": (lambda c: c.scale_attn_weights is True, "tnlg scales the attention scores by "
+                               "1/sqrt(head_dim); scale_attn_weights false (no scaling) is not supported yet"),
+        "scale_attn_by_inverse_layer_idx": (lambda c: c.scale_attn_by_inverse_layer_idx is False,
+                                            "dividing layer i's attention scores by i + 1 is not supported yet"),
+        "add_cross_attention": (lambda c: c.add_cross_attention is False, "cross-attention (an encoder's "
+                                "states) is not part of a causal LM tnlg runs"),
+    },
+    "llama": {
+        "attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported yet "
+                           "(tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)"),
+        "mlp_bias": (lambda c: c.mlp_bias is False, "biases on the SwiGLU MLP are not supported yet"),
+        "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
+        "head_dim": (_hidden_over_heads, _EQUAL_HEADS),
+    },
+    "qwen2": {
+        "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
+        "use_sliding_window": (_no_window, _WINDOW), "sliding_window": (_no_window, _WINDOW),
+        "max_window_layers": (_no_window, _WINDOW), "layer_types": (_no_window, _WINDOW),
+        "head_dim": (_hidden_over_heads, _EQUAL_HEADS),  # undeclared, but read by getattr
+    },
+}
+
+# keys the classes do not declare that transformers reads all the same, and what tnlg does with them
+UNDECLARED = {
+    "quantization_config": "refused: quantized weights (and their scales) are not read",
+    "head_dim": "Qwen2's attention reads it by getattr: refused unless hidden_size / num_attention_heads",
+    "rope_scaling": "rope_parameters' old name (transformers moves it there): as rope_parameters",
+    "rope_theta": "rope_parameters' old place (transformers moves it there): as rope_parameters",
+    "torch_dtype": "dtype's old name: ignored as dtype",
+    "auto_map": "ignored: tnlg never runs code from a folder (model_type picks transformers' own class)",
+}
+
+
+# --------------------------------------------------------------------------- checks
+
+def _counts(kind: str) -> dict[str, Callable]:
+    if kind == "gpt2":
+        return dict(vocab_size=positive_int, n_positions=positive_int, n_embd=positive_int, n_layer=positive_int,
+                    n_head=positive_int, n_inner=optional_positive_int, layer_norm_epsilon=positive,
+                    resid_pdrop=fraction, attn_pdrop=fraction, embd_pdrop=fraction, initializer_range=positive,
+                    tie_word_embeddings=boolean)
+    return dict(vocab_size=positive_int, hidden_size=positive_int, intermediate_size=positive_int,
+                num_hidden_layers=positive_int, num_attention_heads=positive_int, num_key_value_heads=positive_int,
+                max_position_embeddings=positive_int, rms_norm_eps=positive, initializer_range=positive,
+                attention_dropout=fraction, tie_word_embeddings=boolean)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_ALIASES = {"max_position_embeddings": "n_positions", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+            "num_attention_heads": "n_head"}  # GPT2Config's attribute_map
+
+
+def check_counts(raw: dict, kind: str, where: str) -> None:
+    """Refuse, in one paragraph, ``config.json`` values of the honoured counts and rates that are not valid
+    (checked on the JSON, before transformers' config class divides by them)."""
+    checks = _counts(kind)
+    wrong = []
+    for key, value in raw.items():
+        name = _ALIASES.get(key, key) if kind == "gpt2" else key
+        must = checks[name](value) if name in checks else None
+        if must:
+            wrong.append(f"{key} {_shown(value)} must {must}")
+    if wrong:
+        raise UserError(f"{where}: config.json has {'; '.join(wrong)}. Nothing was loaded or written.")
+
+
+def check_fields(c, kind: str, where: str) -> None:
+    """Refuse, in one paragraph naming every offending field and value, a config (transformers' object of
+    the class ``kind`` picks) with an honoured field whose value is invalid, a quantization, or a refused
+    field at a value tnlg does not compute. ``where`` names the folder or model."""
+    wrong = [f"{name} {_shown(getattr(c, name, None))} must {must}" for name, check in _counts(kind).items()
+             if (must := check(getattr(c, name, None)))]
+    if kind != "gpt2" and not wrong and c.num_attention_heads % c.num_key_value_heads:
+        wrong.append(f"num_key_value_heads {c.num_key_value_heads} must divide num_attention_heads "
+                     f"{c.num_attention_heads}")
+    if getattr(c, "quantization_config", None) is not None:
+        wrong.append("quantization_config is set (quantized weights and their scales are not read; give the "
+                     "unquantized model)")
+    rope = getattr(c, "rope_parameters", None)
+    if kind != "gpt2" and not (isinstance(rope, dict) and positive(rope.get("rope_theta")) is None):
+        wrong.append(f"rope_parameters {_shown(rope)} must hold a positive rope_theta")
+    elif kind != "gpt2" and rope_type(c) != "default":
+        wrong.append(f"rope_parameters has rope_type {_shown(rope_type(c))}: scaled rope (llama3, yarn, linear, "
+                     "dynamic, longrope) is not supported yet; tnlg's rope is the default (rope_theta only)")
+    if not wrong:  # the refused fields' tests need valid counts
+        told = set()
+        for name, (accepts, why) in REFUSED[kind].items():
+            if accepts(c) or why in told:
+                continue
+            told.add(why)
+            if why is _WINDOW:
+                wrong.append(f"use_sliding_window {c.use_sliding_window!r}: sliding_window {_shown(c.sliding_window)} "
+                             f"(shorter than max_position_embeddings {c.max_position_embeddings}) on layers "
+                             f"{_shown(window_layers(c))} of {c.num_hidden_layers} (layer_types / max_window_layers "
+                             f"{_shown(c.max_window_layers)}): " + why)
+            else:
+                wrong.append(f"{name} {_shown(getattr(c, name, None))}: {why}")
+    if wrong:
+        raise UserError(f"{where}: config.json has {'; '.join(wrong)}. Nothing was loaded or written.")

@@ -1,0 +1,127 @@
+"""Hugging Face configs and state dicts <-> tnlg's: ``GPT2LMHeadModel`` here, ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` in :mod:`tnlg.interop.hf_llama`. ``config.json``'s ``model_type`` picks the class read
+(:func:`check_model_type`); the architecture picks the class written (:func:`~.hf_llama.hf_kind`).
+
+GPT-2 stores linear weights as ``Conv1D`` (``[in, out]``, transposed) and its fused QKV as ``[q | k | v]``
+over all heads, where tnlg lays QKV out per head (``[head][q, k, v][head_dim]``) so a contiguous TP split
+gives whole heads. No collectives, no files: :mod:`tnlg.interop.hf_reader` reads folders,
+:mod:`tnlg.interop.hf` builds models and writes folders.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import GPTConfig
+from ..errors import UserError
+from .hf_fields import check_fields
+from .hf_llama import LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_to_tnlg, tnlg_to_llama
+
+__all__ = ["CLASSES", "check_model_type", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict",
+           "tnlg_to_hf_state_dict"]
+
+_TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def check_model_type(model_type, where: str) -> str:
+    """``model_type`` when tnlg reads it (``gpt2``, ``llama``, ``qwen2``), else one :class:`UserError`."""
+    if not isinstance(model_type, str) or model_type not in CLASSES:
+        raise UserError(f"{where} is a Hugging Face {model_type!r} model (config.json's model_type); tnlg reads "
+                        "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama') and "
+                        "Qwen2ForCausalLM ('qwen2', Llama with QKV biases) folders. Nothing was loaded or written.")
+    return model_type
+
+
+def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a GPT-2, Llama or Qwen2 config (``model_type`` picks)."""
+    kind = check_model_type(getattr(hf_config, "model_type", None), "the model")
+    check_fields(hf_config, kind, "the Hugging Face model")
+    if kind in LLAMA_TYPES:
+        return config_from_llama(hf_config, **overrides)
+    return _config_from_gpt2(hf_config, **overrides)
+
+
+def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
+    act = getattr(hf_config, "activation_function", "gelu_new")
+    if act not in _TANH_GELU + _EXACT_GELU:
+        raise UserError(f"GPT-2 activation {act!r} is not supported; tnlg has GELU in tanh form (activation_function "
+                        f"{' or '.join(map(repr, _TANH_GELU))}) or exact ({' or '.join(map(repr, _EXACT_GELU))}).")
+    fields = dict(openai_gelu=act in _TANH_GELU,
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
+                  num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
+                  num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
+                  vocab_size=hf_config.vocab_size, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
+                  hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
+                  layernorm_epsilon=hf_config.layer_norm_epsilon, init_method_std=hf_config.initializer_range)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
+    """The Hugging Face config of ``cfg``'s class (GPT-2, Llama or Qwen2: :func:`~.hf_llama.hf_kind`);
+    ``bos``/``eos`` are the end-of-document id (GPT-2 uses ``<|endoftext|>`` for both), or unset without
+    a tokenizer (GPT-2's default 50256 is outside most tnlg vocabularies)."""
+    kind = hf_kind(cfg)
+    if kind != "gpt2":
+        return llama_config_from(cfg, kind, eod_id)
+    from transformers import GPT2Config
+    return GPT2Config(bos_token_id=eod_id, eos_token_id=eod_id,
+                      n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
+                      n_positions=cfg.seq_length, vocab_size=cfg.vocab_size,
+                      n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+                      resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+                      attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
+                      initializer_range=cfg.init_method_std,
+                      activation_function=_TANH_GELU[0] if cfg.openai_gelu else _EXACT_GELU[0],
+                      tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
+
+
+def _qkv_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[3h, ...]`` rows in ``[q|k|v]`` order -> per-head ``[head][q,k,v][hd]`` order."""
+    rest = t.shape[1:]
+    return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def _qkv_from_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    rest = t.shape[1:]
+    return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    if hf_kind(cfg) != "gpt2":
+        return llama_to_tnlg(hf_sd, cfg)
+    out = {}
+    for name, t in hf_sd.items():
+        if name == "lm_head.weight" and cfg.untie_embeddings_and_output_weights:
+            out[name] = t.detach().float().contiguous()
+            continue
+        if not name.startswith("transformer.") or name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # a tied lm_head is wte; attn.bias is GPT-2's causal-mask buffer
+        t = t.detach().float()
+        if name.endswith(_CONV1D):
+            t = t.t()
+        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            t = _qkv_to_per_head(t, cfg.num_attention_heads)
+        out[name] = t.contiguous()
+    return out
+
+
+def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    if hf_kind(cfg) != "gpt2":
+        return tnlg_to_llama(full, cfg)
+    out = {}
+    for name, t in full.items():
+        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            t = _qkv_from_per_head(t, cfg.num_attention_heads)
+        if name.endswith(_CONV1D):
+            t = t.t()
+        out[name] = t.contiguous()
+    if not cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out

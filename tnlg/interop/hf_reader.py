@@ -1,0 +1,200 @@
+"""Reading a Hugging Face ``save_pretrained`` folder into tnlg: the rule is that a folder either loads
+into exactly the model transformers computes from it, or is refused in one paragraph naming what is
+unsupported, before anything is written (docs/hf.md, "What tnlg reads").
+
+:func:`check_hf_folder` decides from ``config.json`` and the weight files' headers alone (no tensor data;
+the launcher of ``tnlg generate`` / ``tnlg eval`` calls it before any worker starts), in this order:
+
+1. ``config.json``: JSON of at most 16 MiB, a ``model_type`` tnlg reads; a scaled rope or a
+   ``quantization_config`` refused by name.
+2. The weight files (:func:`tnlg.interop.hf_files.weight_files`): every tensor's name, dtype and shape.
+3. The layer count ``config.json`` claims against the layers the files hold, before transformers builds
+   the config (a 20,000-layer claim in a 2-layer folder is refused at once, not built).
+4. transformers' own config class built from the JSON (its defaults and checks), then every field
+   checked (:func:`tnlg.interop.hf_fields.check_fields`: honoured, ignored or refused) and mapped to a
+   :class:`~tnlg.config.GPTConfig`.
+5. The names and shapes transformers' class expects (the model built on the ``meta`` device, no memory)
+   against the files': a tensor the files lack (which ``from_pretrained`` would initialise at random), one
+   the model has no place for, or one of another shape is refused, naming it. Names saved without the
+   base model's prefix (``h.0...`` for ``transformer.h.0...``, as in OpenAI's GPT-2 folder) are read
+   with it, as transformers reads them.
+
+:func:`read_hf_folder` then reads the tensors. A tied config (``tie_word_embeddings``) whose files hold an
+``lm_head.weight`` unlike the embedding loads untied, as transformers 5 does ("will NOT tie them").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import NamedTuple
+
+import torch
+
+from ..config import GPTConfig
+from ..errors import UserError
+from .hf_mapping import check_model_type, config_from_hf, hf_to_tnlg_state_dict
+from .hf_fields import check_counts, check_fields
+from .hf_files import WeightFiles, inside, weight_files
+from .megatron.safe_load import reason, shown
+
+__all__ = ["HFFolder", "check_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
+
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PREFIX = {"gpt2": "transformer", "llama": "model", "qwen2": "model"}
+_LAYER_KEYS = {"gpt2": ("n_layer", "num_hidden_layers"), "llama": ("num_hidden_layers",),
+               "qwen2": ("num_hidden_layers",)}
+# tensors old files hold that transformers skips (GPT-2's causal-mask buffers, Llama's rope frequencies)
+_SKIPPED = re.compile(r"\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
+_NOTHING = "Nothing was loaded or written."
+
+
+class HFFolder(NamedTuple):
+    """A checked folder: its class (``model_type``), transformers' config, tnlg's config, the weight
+    files, and the file name of each tensor under the name transformers' model gives it."""
+    kind: str
+    hf_config: object
+    cfg: GPTConfig
+    files: WeightFiles
+    names: dict
+
+
+def _bad(folder: str, what: str) -> UserError:
+    return UserError(f"Hugging Face folder {folder!r}: {what} {_NOTHING}")
+
+
+def _raw_config(folder: str) -> dict:
+    path = inside(folder, "config.json")
+    try:
+        if os.path.getsize(path) > 16 * 2**20:
+            raise ValueError(f"{os.path.getsize(path)} bytes; a config is a few kB")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _bad(folder, f"config.json cannot be read as JSON ({reason(exc)}).") from None
+    if not isinstance(raw, dict):
+        raise _bad(folder, f"config.json holds a {type(raw).__name__}, not a record of fields.")
+    return raw
+
+
+def _refused_by_name(folder: str, raw: dict) -> None:
+    """What is refused by name before transformers reads the config: quantization and scaled rope."""
+    if raw.get("quantization_config") is not None:
+        method = raw["quantization_config"]
+        method = method.get("quant_method") if isinstance(method, dict) else method
+        raise _bad(folder, f"config.json has a quantization_config (quant_method {str(method)[:40]!r}): quantized "
+                   "weights and their scales are not read by tnlg; give the unquantized model.")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(key)
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+        if kind not in (None, "default"):
+            raise _bad(folder, f"config.json's {key} has rope_type {str(kind)[:40]!r}: scaled rope (llama3, yarn, "
+                       "linear, dynamic, longrope) is not supported yet; tnlg's rope is the default (rope_theta "
+                       "only).")
+
+
+def _prefixed(kind: str, names) -> dict:
+    """``{transformers' name: file's name}``: names saved without the base model's prefix get it."""
+    prefix = _PREFIX[kind] + "."
+    if any(n.startswith(prefix) for n in names):
+        return {n: n for n in names}
+    return {(n if n == "lm_head.weight" else prefix + n): n for n in names}
+
+
+def _check_layers(folder: str, kind: str, raw: dict, names) -> None:
+    """The layer count ``config.json`` claims (or the class's default) against the layers in the files."""
+    import transformers
+    key = next((k for k in _LAYER_KEYS[kind] if k in raw), _LAYER_KEYS[kind][0])
+    claimed = raw.get(key, getattr(getattr(transformers, CONFIG_CLASSES[kind]), key, None))
+    pattern = re.compile(rf"^{_PREFIX[kind]}\.{'h' if kind == 'gpt2' else 'layers'}\.(\d{{1,9}})\.")
+    held = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
+    if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
+        raise _bad(folder, f"config.json's {key} is {shown(claimed)}; it must be a positive integer (the "
+                   f"weight files hold {len(held)} layers).")
+    if len(held) != claimed or held != list(range(claimed)):
+        some: list = held if len(held) <= 6 else [*held[:3], "...", *held[-2:]]
+        raise _bad(folder, f"config.json's {key} is {claimed}, but the weight files hold layers {some}; every "
+                   f"layer 0 .. {claimed - 1} must be in the files (transformers would initialise a missing one "
+                   "at random).")
+
+
+def _hf_config(folder: str, kind: str, raw: dict):
+    """transformers' config object of ``raw`` (its defaults, its own checks), or one paragraph."""
+    import transformers
+    cls = getattr(transformers, CONFIG_CLASSES[kind])
+    try:
+        return cls.from_dict(dict(raw))
+    except Exception as exc:  # noqa: BLE001 - transformers' checks raise many kinds; each is a bad field
+        raise _bad(folder, f"config.json is not a valid {cls.__name__} ({reason(exc)}).") from None
+
+
+def _expected(kind: str, hf_config) -> dict[str, tuple]:
+    """Every tensor name and shape transformers' class holds for ``hf_config`` (built on ``meta``)."""
+    import transformers
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, MODEL_CLASSES[kind])(hf_config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a model of (sizes past 2^63, ...)
+        raise UserError(f"config.json describes a {MODEL_CLASSES[kind]} that transformers cannot build "
+                        f"({reason(exc)}). {_NOTHING}") from None
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
+
+
+def _compare(folder: str, kind: str, cfg: GPTConfig, expected: dict, files: WeightFiles, names: dict) -> None:
+    present = {n for n in names if not _SKIPPED.search(n)}
+    optional = {"lm_head.weight"} if not cfg.untie_embeddings_and_output_weights else set()
+    missing = sorted(set(expected) - present - optional)
+    unexpected = sorted(present - set(expected))
+    wrong = [f"{n} {list(files.entries[names[n]].shape)} (the config gives {list(expected[n])})"
+             for n in sorted(present & set(expected)) if files.entries[names[n]].shape != expected[n]]
+    told = []
+    if missing:
+        told.append(f"{len(missing)} tensors the model needs are not in the files ({', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''}; transformers would initialise them at random)")
+    if unexpected:
+        told.append(f"{len(unexpected)} tensors have no place in the model the config describes "
+                    f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''})")
+    if wrong:
+        told.append(f"{len(wrong)} tensors have another shape: {'; '.join(wrong[:3])}")
+    if told:
+        raise _bad(folder, f"its weight files do not match config.json's {MODEL_CLASSES[kind]}: {'; '.join(told)}.")
+
+
+def check_hf_folder(folder: str) -> HFFolder:
+    """The checked folder (module docstring, steps 1-5), from ``config.json`` and the weight files'
+    headers; no tensor data is read (a ``.bin`` is memory-mapped)."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise UserError(f"Hugging Face model folder {folder!r} does not exist; give a folder written by "
+                        "save_pretrained (config.json + model.safetensors).")
+    raw = _raw_config(folder)
+    kind = check_model_type(raw.get("model_type"), f"Hugging Face folder {folder!r}")
+    _refused_by_name(folder, raw)
+    files = weight_files(folder)
+    names = _prefixed(kind, files.entries)
+    _check_layers(folder, kind, raw, names)
+    where = f"Hugging Face folder {folder!r}"
+    check_counts(raw, kind, where)
+    hf_config = _hf_config(folder, kind, raw)
+    check_fields(hf_config, kind, where)
+    try:
+        cfg = config_from_hf(hf_config)
+    except ValueError as exc:  # GPTConfig's checks across fields (heads dividing the width, ...)
+        raise _bad(folder, f"config.json describes a model tnlg cannot build: {exc}") from None
+    _compare(folder, kind, cfg, _expected(kind, hf_config), files, names)
+    return HFFolder(kind, hf_config, cfg, files, names)
+
+
+def read_hf_folder(folder: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """tnlg's config and full state dict of a checked folder (:func:`check_hf_folder`), every tensor read
+    from the files; a tied config whose ``lm_head.weight`` differs from the embedding loads untied."""
+    found = check_hf_folder(folder)
+    hf_sd = {n: found.files.tensor(f) for n, f in found.names.items() if not _SKIPPED.search(n)}
+    cfg = found.cfg
+    embed = "transformer.wte.weight" if found.kind == "gpt2" else "model.embed_tokens.weight"
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in hf_sd:
+        if not torch.equal(hf_sd["lm_head.weight"].float(), hf_sd[embed].float()):
+            cfg = config_from_hf(found.hf_config, untie_embeddings_and_output_weights=True)
+    return cfg, hf_to_tnlg_state_dict(hf_sd, cfg)
