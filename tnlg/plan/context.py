@@ -55,10 +55,11 @@ def check_context_parallel(config: GPTConfig, cp: int) -> None:
 
 
 def _kv_heads_per_rank(config: GPTConfig, tp: int) -> int:
-    """K/V heads on the largest TP rank (the query heads' groups; all heads without GQA)."""
-    heads_r = max(config.heads_per_rank(tp))
-    groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
-    return min(heads_r, -(-heads_r * groups // config.num_attention_heads))
+    """K/V heads the largest TP rank holds and sends round the ring: its key/value groups
+    (:meth:`GPTConfig.kv_groups_per_rank`, the function the model builds its K/V projection from; one group
+    per head without GQA). A group shared by several ranks counts on each: 8 heads, 2 groups at TP 3 hold
+    groups [0], [0, 1], [1], so the largest rank holds 2."""
+    return max(len(groups) for groups in config.kv_groups_per_rank(tp))
 
 
 def context_activation_bytes(config: GPTConfig, tp: int, cp: int, micro_batch: int, recompute,
