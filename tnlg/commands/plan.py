@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from ..config import PRESETS, GPTConfig, divisors
+from ..config import PRESETS, GPTConfig, arch_fields, divisors, flag_of
 from ..errors import UserError
+from ..options.fields import add_options, check_declared
 from ..options.pipeline import check_micro_batches, check_stage_count
 from ..options.recipes import RECIPES
 from ..plan.context import (check_context_parallel, context_plan, format_context, format_context_search,
@@ -31,7 +32,10 @@ TNLG_TOKENS = 300_000 * 512 * 1024  # T-NLG recipe: 300k steps x batch 512 x seq
 RECIPE_GPUS = {"tnlg-17b": 256, "megatron-8.3b": 512}
 # layout fields a recipe brings, and their defaults without one
 LAYOUT_DEFAULTS = dict(tp=1, zero_stage=0, micro_batch_size=1, precision="fp16")
-SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size")
+# what --help says of the model flags' defaults (the others: GPTConfig's, which a preset overrides)
+_MODEL_DEFAULTS = dict(num_layers="the preset's; required without one", hidden_size="the preset's; required "
+                       "without one", num_attention_heads="the preset's; required without one",
+                       seq_length="the preset's, else 1024", vocab_size="the preset's, else 50257")
 
 EPILOG = f"""\
 How the numbers are computed (all stated again in the output):
@@ -114,18 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model's flags: a preset, the shape flags, or an abstract --params."""
+    """The model's flags: a preset, every architecture field of :class:`GPTConfig` (declared there, as
+    ``tnlg pretrain``'s), or an abstract --params."""
     m = parser.add_argument_group("model (a preset, shape flags, or --params)")
     m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields. "
                                     f"{' and '.join(RECIPES)} also bring their published layout and batch "
                                     f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
                                     f"512, fp16); layout flags override those")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--seq-length", type=int, help="sequence length (default: the preset's, else 1024)")
-    m.add_argument("--vocab-size", type=int, help="vocabulary before padding (default: the preset's, else 50257)")
-    m.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size)")
+    add_options(m, GPTConfig, {}, names=arch_fields(), defaults=_MODEL_DEFAULTS)
     m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
                                     "1000000): model states and 6N FLOPs per token only")
 
@@ -172,15 +172,22 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
+def _model_fields(args) -> dict:
+    """The architecture fields given as flags (by field name), each checked by its declaration."""
+    fields = {name: getattr(args, name) for name in arch_fields() if hasattr(args, name)}
+    check_declared(GPTConfig, fields)
+    return fields
+
+
 def _model(args) -> Model:
-    shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    fields = _model_fields(args)
+    shape_given = [f for f in fields if f != "seq_length"]
     if args.params is not None:
         if args.preset or shape_given:
             raise UserError("--params describes an abstract model; it cannot be combined with --preset or "
-                            f"shape flags (got {', '.join('--' + f.replace('_', '-') for f in shape_given) or '--preset'}).")
+                            f"shape flags (got {', '.join(flag_of(f) for f in shape_given) or '--preset'}).")
         return Model(name=f"{parse_count(args.params):.3g} parameters", params=parse_count(args.params),
-                     seq_length=args.seq_length or 1024)
-    fields = {f: getattr(args, f) for f in SHAPE_FLAGS + ("seq_length",) if getattr(args, f) is not None}
+                     seq_length=fields.get("seq_length", 1024))
     try:
         if args.preset:
             return Model(name=args.preset, config=GPTConfig.preset(args.preset, **fields))
@@ -188,7 +195,7 @@ def _model(args) -> Model:
         if missing:
             raise UserError("give a model: --preset NAME (" + ", ".join(PRESETS) + "), or the shape flags "
                             "--num-layers, --hidden-size and --num-attention-heads (missing: "
-                            + ", ".join("--" + f.replace("_", "-") for f in missing) + "), or --params N.")
+                            + ", ".join(flag_of(f) for f in missing) + "), or --params N.")
         fields.setdefault("seq_length", 1024)
         fields.setdefault("vocab_size", 50257)
         return Model(name="custom", config=GPTConfig(**fields))

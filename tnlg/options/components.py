@@ -14,7 +14,7 @@ from typing import Optional
 from ..config import LR_DECAY_STYLES, GPTConfig, pretrain_fields
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
-from .fields import flag_of, option
+from .fields import check_declared, flag_of, option
 
 __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
            "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
@@ -34,11 +34,7 @@ def _model_options() -> type:
         specs.append((f.name, hints[f.name], dataclasses.field(default=default, metadata=meta)))
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            wrong = f.metadata["check"](getattr(self, f.name)) if f.metadata.get("check") else None
-            if wrong:
-                flag = (f.metadata["flags"] or (f.metadata["negative"] or flag_of(f.name),))[0]
-                raise UserError(f"{flag} must {wrong}, got {getattr(self, f.name)!r}.")
+        check_declared(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     return dataclasses.make_dataclass("ModelOptions", specs, namespace={
         "__post_init__": __post_init__, "__module__": __name__,
