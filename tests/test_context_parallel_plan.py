@@ -91,8 +91,8 @@ def test_the_cli_plans_one_cp_rank_and_searches_cp(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--cp", "3", "--world-size", "16", "--tp", "1"], r"--context-parallel-size 3 does not divide --world-size 16"),
     (["--cp", "3", "--seq-length", "1000"], r"2 x CP must divide --seq-length 1000.*Valid CP sizes"),
-    (["--cp", "4", "--pp", "4", "--world-size", "8"], r"--world-size 8 is not a multiple of "
-                                                      r"--pipeline-model-parallel-size 4 x .* --context-parallel-size 4"),
+    (["--cp", "4", "--pp", "4", "--world-size", "8"], r"--context-parallel-size 4 does not divide --world-size 8 / "
+                                                      r"\(TP 1 x PP 4\) = 2: .* Valid context-parallel sizes .*: \[1, 2\]"),
     (["--cp", "4", "--pp", "2", "--world-size", "16", "--dp", "4"], r"is not --world-size 16.*\(DP = 2\)"),
     (["--cp", "3", "--search", "--world-size", "12", "--pp", "2"], r"2 x CP must divide --seq-length 1024"),
 ])

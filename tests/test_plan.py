@@ -381,7 +381,7 @@ def test_parse_sizes():
     (["--params", "7.5x"], "'7.5x'"),
     (["--params", "1e9", "--preset", "tiny"], "--params"),
     (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--world-size", "256"], "DP = 64"),
-    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--global-batch-size", "12"], "multiple of"),
+    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--global-batch-size", "12"], "Valid global batch sizes: 8, 16"),
     (["--preset", "no-such-model"], "valid presets"),
     (["--preset", "tiny", "--precision", "fp8"], "fp16, bf16, fp32"),
     (["--preset", "tiny", "--mfu", "1.5"], "--mfu"),

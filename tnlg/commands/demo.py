@@ -14,13 +14,13 @@ import argparse
 import sys
 
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
 from ..runtime.launch import join, launcher_world_size, relaunch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=int, default=2, help="local processes to launch (default 2)")
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=2,
-                   help="tensor-parallel size (default 2; must divide --nproc-per-node)")
+    add_layout_arguments(p, dict(nproc=2, tp=2), help=dict(nproc="default 2", tp="default 2; must divide "
+                                                           "--nproc-per-node"))
 
 
 def _config():
@@ -75,9 +75,9 @@ def _compare(results, cfg) -> bool:
 def run(args) -> int:
     world = launcher_world_size()
     nproc = args.nproc_per_node if world is None else world
-    if nproc < 1 or args.tp < 1 or nproc % args.tp:
-        what = "--nproc-per-node" if world is None else "the processes torchrun started,"
-        raise UserError(f"--tensor-model-parallel-size {args.tp} must be a positive divisor of {what} {nproc}.")
+    check_positive(nproc=nproc)
+    ParallelDims.of(World(nproc, f"--nproc-per-node {nproc}") if world is None else
+                    World.processes(world, " torchrun started"), args.tp)
     cfg = _config()
     try:
         cfg.check_tensor_parallel(args.tp)

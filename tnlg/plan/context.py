@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, check_context_sequence, check_positive
 from .counts import parameter_report
 from .flops import flops_per_iteration, iteration_time, rank_flops_imbalance
 from .memory import PRECISIONS, activation_bytes, fsdp_shard_numel, model_state_bytes
@@ -44,14 +45,8 @@ RING_FORMULA = ("ring per layer and micro batch: K/V = 2*(s/C)*b*g_r*d elements;
 
 def check_context_parallel(config: GPTConfig, cp: int) -> None:
     """A :class:`UserError` unless ``cp`` is a positive integer and ``2 cp`` divides the sequence."""
-    if not isinstance(cp, int) or cp < 1:
-        raise UserError(f"--context-parallel-size must be a positive integer, got {cp!r}.")
-    s = config.seq_length
-    if s % (2 * cp):
-        valid = [c for c in range(1, s // 2 + 1) if s % (2 * c) == 0][:12]
-        raise UserError(f"--context-parallel-size {cp}: the sequence of {s} tokens is cut into 2 x {cp} = {2 * cp} "
-                        f"equal chunks, so 2 x CP must divide --seq-length {s}. Valid CP sizes for {s} tokens: "
-                        f"{valid}{' ...' if len(valid) == 12 else ''}.")
+    check_positive(cp=cp)
+    check_context_sequence(cp, config.seq_length)
 
 
 def _kv_heads_per_rank(config: GPTConfig, tp: int) -> int:
@@ -164,11 +159,9 @@ def search_context_parallel(model: Model, gpus: int, hw: Hardware, global_batch:
     c = model.config
     cps = cps or [n for n in range(2, gpus + 1) if gpus % n == 0 and c.seq_length % (2 * n) == 0]
     rows, unfit = [], []
-    for cp in cps:
-        for tp in range(1, min(c.max_tensor_parallel_size(), gpus // cp) + 1):
-            dp = gpus // (cp * tp)
-            if gpus % (cp * tp) or global_batch % dp:
-                continue
+    for dims in ParallelDims.every(gpus, cps=cps, max_tp=c.max_tensor_parallel_size()):
+        tp, dp, cp = dims.tp, dims.dp, dims.cp
+        if not global_batch % dp:
             params = parameter_report(c, tp, use_meta=False)
             for stage in range(4):
                 row = _largest_fitting(model, Layout(tp=tp, dp=dp, zero_stage=stage, global_batch=global_batch,

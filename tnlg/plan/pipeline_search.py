@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..config import divisors
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from .pipeline import parameter_table, pipeline_plan, pipeline_time
 from .planner import Hardware, Model
 from .report import heads_compact
@@ -44,20 +45,20 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
                                                  f"{c.num_layers / p:g} layers per stage"))
                 continue
             virtual = c.num_layers // (p * layers_per_chunk)
-        for cp in [n for n in (cps or [1]) if (gpus // p) % n == 0 and c.seq_length % (2 * n) == 0]:
-            for tp in [t for t in divisors(gpus // (p * cp)) if t <= c.max_tensor_parallel_size()]:
-                dp = gpus // (p * tp * cp)
-                reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
-                          f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
-                          if global_batch // dp < p else None)
-                if reason:
-                    skipped.append(dict(tp=tp, pp=p, dp=dp, cp=cp, reason=reason))
-                    continue
-                fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
-                                               schedule, virtual, cp)
-                rows += fit
-                if not fit:
-                    not_fitting.append(smallest)
+        fitting_cps = [n for n in (cps or [1]) if c.seq_length % (2 * n) == 0]
+        for dims in ParallelDims.every(gpus, [p], fitting_cps, max_tp=c.max_tensor_parallel_size()):
+            tp, dp, cp = dims.tp, dims.dp, dims.cp
+            reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
+                      f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
+                      if global_batch // dp < p else None)
+            if reason:
+                skipped.append(dict(tp=tp, pp=p, dp=dp, cp=cp, reason=reason))
+                continue
+            fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
+                                           schedule, virtual, cp)
+            rows += fit
+            if not fit:
+                not_fitting.append(smallest)
     rows.sort(key=lambda r: -r["tokens_per_s"])
     return {"gpus": gpus, "global_batch": global_batch, "precision": precision, "schedule": schedule,
             "layers_per_chunk": layers_per_chunk, "layouts": rows, "not_fitting": not_fitting, "skipped": skipped,

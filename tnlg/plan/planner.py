@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, check_positive
 from .counts import abstract_parameter_report, parameter_report, rank_counts_formula
 from .flops import (ABSTRACT_FLOPS_FORMULA, FLOPS_FORMULA, flops_per_iteration, iteration_time,
                     rank_flops_imbalance)
@@ -64,6 +65,11 @@ class Layout:
     grads_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
 
     @property
+    def dims(self) -> ParallelDims:
+        """The TP x DP sizes (CP and PP are planned beside: :mod:`.context`, :mod:`.pipeline`)."""
+        return ParallelDims(tp=self.tp, dp=self.dp)
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.dp
 
@@ -86,23 +92,16 @@ class Hardware:
 
 def check_layout(model: Model, layout: Layout) -> None:
     """Raise :class:`UserError` for a layout that cannot run, naming what would be valid."""
-    for name in ("tp", "dp", "micro_batch"):
-        if getattr(layout, name) < 1:
-            flag = {"tp": "--tensor-model-parallel-size", "dp": "--data-parallel-size",
-                    "micro_batch": "--micro-batch-size"}[name]
-            raise UserError(f"{flag} must be a positive integer, got {getattr(layout, name)}.")
+    check_positive(tp=layout.tp, dp=layout.dp)
+    if layout.micro_batch < 1:
+        raise UserError(f"--micro-batch-size must be a positive integer, got {layout.micro_batch}.")
     check_zero_and_precision(layout.zero_stage, layout.precision)
     if not model.abstract:
         try:
             model.config.check_tensor_parallel(layout.tp)
         except ValueError as err:
             raise UserError(str(err)) from None
-    per_step = layout.micro_batch * layout.dp
-    if layout.batch % per_step:
-        raise UserError(
-            f"--global-batch-size {layout.batch} is not a multiple of micro batch x data-parallel size = "
-            f"{layout.micro_batch} x {layout.dp} = {per_step}: every DP rank must run a whole number of "
-            f"micro batches. Valid global batch sizes: {per_step}, {2 * per_step}, {4 * per_step}, ...")
+    layout.dims.micro_batches(layout.batch, layout.micro_batch)
 
 
 def _params(model: Model, tp: int, use_meta: bool) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from .counts import parameter_report
 from .planner import Hardware, Layout, Model, plan_layout
 from .units import GB
@@ -39,10 +40,8 @@ def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, pre
         raise UserError(f"--world-size must be a positive number of GPUs, got {gpus}.")
     c = model.config
     rows, not_fitting, skipped = [], [], []
-    for tp in range(1, min(c.max_tensor_parallel_size(), gpus) + 1):
-        if gpus % tp:
-            continue
-        dp = gpus // tp
+    for dims in ParallelDims.every(gpus, max_tp=c.max_tensor_parallel_size()):
+        tp, dp = dims.tp, dims.dp
         if global_batch % dp:
             skipped.append({"tp": tp, "dp": dp, "reason": f"DP {dp} does not divide the global batch {global_batch}"})
             continue

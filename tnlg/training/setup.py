@@ -34,8 +34,9 @@ def init_run(o: Options) -> tuple[ParallelState, int]:
               context_parallel_size=par.context_parallel_size)
     if sch.global_batch_size is None:  # Megatron's default, when resolve did not know the layout
         sch.global_batch_size = sch.micro_batch_size * ps.dp_size
-    o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
-    return ps, sch.global_batch_size // (sch.micro_batch_size * ps.dp_size)
+    dims = o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
+    assert dims is not None and dims.dp == ps.dp_size  # (the groups were made from the same sizes)
+    return ps, dims.micro_batches(sch.global_batch_size, sch.micro_batch_size)
 
 
 def precision(p: PrecisionOptions) -> Optional[torch.dtype]:
