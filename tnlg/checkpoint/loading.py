@@ -187,7 +187,8 @@ class _LoadPlan:
     rng_states: dict                     # RNG file name -> its states, read
 
 
-def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> _LoadPlan:
+def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str,
+          must_match: tuple[str, ...]) -> _LoadPlan:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
@@ -198,7 +199,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
         if name not in manifest.files:
             raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
     F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
-    check_compatible(manifest, iter_dir, config, options, tokenizer, origin)
+    check_compatible(manifest, iter_dir, config, options, tokenizer, origin, must_match)
     targets = targets_for(config, ps.tp_size, ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
@@ -214,7 +215,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
-         origin: str = "--load", missing_ok: bool = False) -> Optional[dict]:
+         origin: str = "--load", missing_ok: bool = False, must_match: tuple[str, ...] = ()) -> Optional[dict]:
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
     Returns ``dict(iteration, consumed_samples, path, schedule_steps)`` (the LR schedule's position:
@@ -222,6 +223,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     re-sliced for this TP size, the optimizer state re-partitioned for this DP size and ZeRO stage, the step
     count and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
     ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
+    ``options`` and ``must_match``: the run's options and the names of those that must be the checkpoint's
+    (:func:`tnlg.checkpoint.compat.check_compatible`).
 
     Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
     (:func:`_agreed_iteration`); one all_gather_object of each rank's outcome (any rank's error is
@@ -233,7 +236,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
         if os.path.isdir(load_dir):
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         return None
-    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin), iter_dir)
+    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin, must_match),
+                        iter_dir)
     for note in notes:
         _log(ps, note)
     _load_tensors(engine, plan, config, ps)

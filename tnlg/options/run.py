@@ -15,11 +15,14 @@ from .context import check_context_parallel_options
 from .parallel_dims import ParallelDims, World
 from .pipeline import check_pipeline, virtual_stages
 
-__all__ = ["Options", "OPTION_NAMES", "option_defaults", "model_config"]
+__all__ = ["Options", "OPTION_NAMES", "MUST_MATCH", "option_defaults", "model_config"]
 
 # every option's name -> the component that holds it
 _OWNER = {f.name: attr for attr, cls, _ in COMPONENTS for f in option_fields(cls)}
 OPTION_NAMES = tuple(_OWNER)
+# the options marked must_match (tnlg.options.DataOptions): they define the samples, so a resumed run gives the
+# checkpoint's (handed to tnlg.checkpoint as data: the checkpoint package does not import the options)
+MUST_MATCH = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
 
 def option_defaults() -> dict:

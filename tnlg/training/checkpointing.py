@@ -19,7 +19,7 @@ from .. import checkpoint as ckpt
 from ..checkpoint.files import check_files, lock_root
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
-from ..options import Options
+from ..options import MUST_MATCH, Options
 from ..parallel.state import ParallelState, from_rank0
 
 __all__ = ["Checkpointer", "stop_on_signals", "check_resume"]
@@ -47,7 +47,7 @@ def check_resume(o: Options) -> None:
         return
     meta = ckpt.read_meta(iter_dir)
     tokenizer = load_tokenizer(o.data.tokenizer_model)
-    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin)
+    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin, MUST_MATCH)
     check_files(iter_dir, meta, ("model", "optim", "rng"))
 
 
@@ -111,7 +111,8 @@ class Checkpointer:
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         c = self.o.checkpoint
         load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
-        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, **self._state) if load_dir else None
+        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, must_match=MUST_MATCH,
+                          **self._state) if load_dir else None
         self.claim_save_root()
         if state is None:
             return 0, 0
