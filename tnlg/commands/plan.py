@@ -265,7 +265,7 @@ def _layout(args, model: Model) -> Layout:
     check_positive(tp=args.tp)
     if not model.abstract:
         try:
-            model.config.check_tensor_parallel(args.tp)
+            model.shape.check_tensor_parallel(args.tp)
         except ValueError as err:
             raise UserError(str(err)) from None
     dims = _dims(args, model)
@@ -333,7 +333,7 @@ def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dic
     from dataclasses import replace
 
     from ..training.simulate import simulate
-    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+    config = replace(model.shape, recompute_granularity="full" if layout.recompute else None,
                      recompute_activations=False)
     accum = layout.batch // (layout.micro_batch * layout.dp)
     sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
@@ -347,7 +347,7 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
     if model.abstract:
         raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take --params (an abstract "
                         f"model has no layers to split: give --preset or the shape flags).")
-    pp, c = args.pp, model.config
+    pp, c = args.pp, model.shape
     virtual = _virtual_stages(args, c)
     if args.simulate and virtual > 1:
         raise UserError("--simulate runs a pipeline stage in the 1f1b order, one model chunk per rank; the "
@@ -372,7 +372,7 @@ def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int
     from dataclasses import replace
 
     from ..training.simulate_pipeline import simulate_stage
-    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+    config = replace(model.shape, recompute_granularity="full" if layout.recompute else None,
                      recompute_activations=False)
     sims = [simulate_stage(config, layout.tp, pp, layout.dp, stage, zero_stage=layout.zero_stage,
                            precision=layout.precision, micro_batch=layout.micro_batch, micro_batches=micro_batches,
@@ -402,7 +402,7 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     if source is not None:
         flat["source"] = source
     if args.cp is not None:
-        check_context_parallel(model.config, args.cp)
+        check_context_parallel(model.shape, args.cp)
         ParallelDims.of(World.gpus(args.world_size), cp=args.cp)
     if args.cp != 1 and args.pp in (None, 1):
         flat["context_parallel"] = search_context_parallel(model, args.world_size, hw, batch, args.precision,
@@ -419,7 +419,7 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     # CP with the pipelines: the one --cp given, else 1 and every CP that divides the GPUs and whose 2 x CP
     # chunks divide the sequence
     cps = [args.cp] if args.cp is not None else [n for n in divisors(args.world_size)
-                                                 if model.config.seq_length % (2 * n) == 0 or n == 1]
+                                                 if model.shape.seq_length % (2 * n) == 0 or n == 1]
     flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp,
                                          args.layers_per_chunk, cps)
     if args.pp is not None and "context_parallel" not in flat:  # one PP > 1: the pipeline table alone

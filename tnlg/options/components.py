@@ -9,7 +9,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import LR_DECAY_STYLES, GPTConfig, pretrain_fields
 from ..errors import UserError
@@ -43,7 +43,15 @@ def _model_options() -> type:
                    ":class:`tnlg.config.GPTConfig`."})
 
 
-ModelOptions = _model_options()
+if TYPE_CHECKING:
+    class ModelOptions:
+        """What the type checker sees of the dataclass made below: GPTConfig's ``pretrain`` fields."""
+
+        def __init__(self, **fields: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    ModelOptions = _model_options()
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
@@ -27,10 +27,11 @@ MUST_MATCH = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls
 
 def option_defaults() -> dict:
     """Every option's default (``--preset`` and ``--config``: None)."""
-    out = dict(preset=None, config=None)
+    out: dict[str, Any] = dict(preset=None, config=None)
     for _, cls, _ in COMPONENTS:
         for f in option_fields(cls):
-            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            factory = f.default_factory
+            out[f.name] = factory() if f.default is dataclasses.MISSING and callable(factory) else f.default
     return out
 
 
@@ -99,6 +100,7 @@ class Options:
             return None
         dims = self.dims(world_size)
         micro, gbs = self.schedule.micro_batch_size, self.schedule.global_batch_size
+        assert gbs is not None  # (the default, micro batch x DP, is set once the layout is known)
         if dims.pp > 1:
             dims.pipeline_micro_batches(gbs, micro, self.parallel.pipeline_schedule)
         else:

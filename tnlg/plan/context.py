@@ -102,7 +102,7 @@ def context_plan(model: Model, layout: Layout, hw: Hardware, cp: int, train_toke
     if model.abstract:
         raise UserError("--context-parallel-size needs a model shape (--preset or shape flags): the activations "
                         "and the ring's traffic depend on the sequence, heads and hidden size.")
-    c = model.config
+    c = model.shape
     check_context_parallel(c, cp)
     check_layout(model, layout)
     params = params if params is not None else parameter_report(c, layout.tp, use_meta=False)
@@ -156,9 +156,10 @@ def _compute(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware, trai
 def search_context_parallel(model: Model, gpus: int, hw: Hardware, global_batch: int, precision: str = "fp16",
                             train_tokens: Optional[int] = None, cps: Optional[list[int]] = None) -> dict:
     """Every (CP > 1, TP, ZeRO stage, recomputation) on ``gpus`` GPUs with its largest micro batch that fits."""
-    c = model.config
+    c = model.shape
     cps = cps or [n for n in range(2, gpus + 1) if gpus % n == 0 and c.seq_length % (2 * n) == 0]
-    rows, unfit = [], []
+    rows: list[dict] = []
+    unfit: list[dict] = []
     for dims in ParallelDims.every(gpus, cps=cps, max_tp=c.max_tensor_parallel_size()):
         tp, dp, cp = dims.tp, dims.dp, dims.cp
         if not global_batch % dp:
@@ -176,12 +177,13 @@ def search_context_parallel(model: Model, gpus: int, hw: Hardware, global_batch:
 def _largest_fitting(model, base: Layout, hw, cp, train_tokens, params) -> dict:
     plan = None
     for recompute in (False, True):
-        for mb in _divisors_desc(base.global_batch // base.dp):
+        for mb in _divisors_desc(base.batch // base.dp):
             plan = context_plan(model, dataclasses.replace(base, recompute=recompute, micro_batch=mb), hw, cp,
                                 train_tokens, params)
             if plan["memory"]["fits"]:
                 return dict(_row(plan, params), cp=cp, world_size=plan["layout"]["world_size"],
                             mfu=plan["compute"]["model_flops_utilization"])
+    assert plan is not None  # (every batch has a divisor: the loop ran)
     return dict(_row(plan, params), cp=cp, reason=_why_not(plan["memory"]),
                 mfu=plan["compute"]["model_flops_utilization"])
 

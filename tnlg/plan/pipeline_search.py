@@ -17,6 +17,8 @@ with the reason, so no layout that does not fit is ranked and every (TP, PP) is 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..config import divisors
 from ..errors import UserError
 from ..options.parallel_dims import ParallelDims
@@ -33,7 +35,7 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
                      layers_per_chunk: int | None = None, cps: list[int] | None = None) -> dict:
     """Every fitting TP x CP x PP x DP layout with PP > 1 (``pp``: only that one; ``cps``: the CP sizes, default
     1) as a JSON-ready dict."""
-    c = model.config
+    c = model.shape
     schedule = "interleaved" if layers_per_chunk else "1f1b"
     sizes = [pp] if pp is not None else [p for p in divisors(gpus) if 1 < p <= c.num_layers]
     rows, not_fitting, skipped = [], [], []
@@ -66,10 +68,10 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
 
 
 def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global_batch: int, precision: str,
-                   train_tokens, schedule: str, virtual: int, cp: int = 1) -> tuple[list[dict], dict]:
+                   train_tokens, schedule: str, virtual: int, cp: int = 1) -> tuple[list[dict], Optional[dict]]:
     """At one (TP, PP, DP): per ZeRO stage (0-3) and recomputation the largest micro batch that fits;
     and the smallest footprint (ZeRO 1, recomputation on, micro batch 1) with why it does not fit."""
-    c, local = model.config, global_batch // dp
+    c, local = model.shape, global_batch // dp
     table = parameter_table(c, tp)
     fit, smallest = [], None
     for zero in range(4):
@@ -97,7 +99,7 @@ def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global
 
 def _row(model: Model, hw: Hardware, plan: dict, tp: int, pp: int, dp: int, zero: int, recompute: bool, mb: int,
          precision: str, train_tokens) -> dict:
-    c = model.config
+    c = model.shape
     heavy = plan["stages"][plan["heaviest"]]
     t = pipeline_time(c, plan, hw, tp, dp, zero, precision, mb, recompute, train_tokens)
     heads = c.heads_per_rank(tp)
@@ -173,7 +175,7 @@ def check_search_pipeline(model: Model, gpus: int, pp: int | None) -> None:
     """A clear :class:`UserError` for a ``--pp`` the search cannot lay out on ``gpus`` GPUs."""
     if pp is None or pp == 1:
         return
-    c = model.config
+    c = model.shape
     valid = [p for p in divisors(gpus) if p <= c.num_layers]
     if pp < 1 or gpus % pp or pp > c.num_layers:
         raise UserError(f"--pipeline-model-parallel-size {pp} cannot lay out {c.num_layers} layers on --world-size "
