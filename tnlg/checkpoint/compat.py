@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ..config import GPTConfig, arch_fields, flag_of
 from ..data.gpt_dataset import parse_data_path
@@ -46,7 +46,7 @@ def options_record(o) -> dict:
     ``tnlg checkpoint info`` shows)."""
     if o is None:
         return {}
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in sorted(_by_name(o).items()):
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
@@ -68,7 +68,7 @@ def data_record(o) -> Optional[dict]:
     prefixes, weights = parse_data_path(data_path)
     files = []
     for p in prefixes:
-        rec = dict(prefix=os.path.realpath(p))
+        rec: dict[str, Any] = dict(prefix=os.path.realpath(p))
         for ext in ("idx", "bin"):
             path = f"{p}.{ext}"
             rec[f"{ext}_bytes"] = os.path.getsize(path) if os.path.isfile(path) else None
@@ -116,7 +116,7 @@ def check_compatible(meta, where: str, config: GPTConfig, options,
     whose ``flat()`` gives them: :class:`tnlg.options.Options`), and ``must_match`` the names of those that
     define the samples (:data:`tnlg.options.MUST_MATCH`), which must be the checkpoint's."""
     manifest = Manifest.of(meta)
-    saved_cfg = {**_LATER_FIELDS, **manifest.config}
+    saved_cfg = {**_LATER_FIELDS, **(manifest.config or {})}
     have = config.to_dict()
     diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
              for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]

@@ -28,7 +28,7 @@ from ..parallel.pipeline_inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
-from .manifest import Layout, Manifest
+from .manifest import Layout, Manifest, need
 from .pieces import OptimPiece
 from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, targets_for
 from .rng import restore
@@ -56,7 +56,7 @@ def read_states(iter_dir: str, meta, config: GPTConfig, tp_size: int, tp_rank: i
     states = None
     if optimizer and manifest.has_optimizer:
         opt = OptimReader(iter_dir, manifest)
-        step = int(manifest.optimizer.num_steps)
+        step = int(need(manifest.optimizer.num_steps, "optimizer.num_steps"))
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if opt.has_master else ())
         states = {n: dict({k: opt.tensor(f"{n}.{k}", n, targets[n]) for k in kinds}, step=step) for n in names}
     return params, states
@@ -129,12 +129,14 @@ def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
     sees that directory with the same manifest (a stale cache of a shared filesystem shows another
     one), so no two ranks ever load different iterations, and none skips the collectives of a load.
     Collective: one broadcast, one all_gather_object (the check's outcome)."""
-    error, choice, notes = None, None, []
+    error: Optional[BaseException] = None
+    choice: Optional[tuple[str, str]] = None
+    notes: list[str] = []
     if ps.rank == 0:
         try:
             if not (missing_ok and not os.path.isdir(load_dir)):
-                choice = F.resolve(load_dir, origin, notes)
-                choice = None if choice is None else (choice, F.meta_digest(choice))
+                found = F.resolve(load_dir, origin, notes)
+                choice = None if found is None else (found, F.meta_digest(found))
         except UserError as exc:
             error = exc
         except OSError as exc:
@@ -206,7 +208,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
     targets = {n: t for n, t in targets.items() if n in mine}
     owned = engine.owned_pieces()
     pieces = None if owned is None else [OptimPiece.of(pc) for pc in owned]
-    same_tp = int(manifest.layout.tp) == ps.tp_size
+    same_tp = int(need(manifest.layout.tp, "layout.tp")) == ps.tp_size
     needed = _files_to_read(manifest, targets, pieces if same_tp else None, True)
     F.verify_checksums(iter_dir, manifest, needed | rng.files)  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
@@ -270,7 +272,7 @@ def _load_optimizer_counters(engine, plan: _LoadPlan, ps: ParallelState) -> None
         _log(ps, f"note: {plan.iter_dir!r} holds no optimizer state (a converted model); the optimizer starts "
                  f"fresh.")
         return
-    engine.num_steps = int(opt.num_steps)
+    engine.num_steps = int(need(opt.num_steps, "optimizer.num_steps"))
     if engine.loss_scaler is not None and opt.loss_scaler:
         engine.loss_scaler.load_state_dict(opt.loss_scaler)
 
@@ -296,7 +298,7 @@ def _restore_rng(model, ps: ParallelState, config: GPTConfig, plan: _LoadPlan) -
     restore(plan.rng_states[rng.shared])
     restored_tp = rng.tp is not None and restore(plan.rng_states[rng.tp], model.tp_random, shared=False)
     if not restored_tp:
-        model.tp_random.seed(config.seed + int(plan.manifest.iteration), ps.tp_rank)
+        model.tp_random.seed(config.seed + int(need(plan.manifest.iteration, "iteration")), ps.tp_rank)
         _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
                  f"{rng.why or 'the saved one is from another device type'}; dropout masks after the resume "
                  f"differ from an uninterrupted run at the old layout.")
@@ -313,8 +315,9 @@ def _stream_into(engine, plan: _LoadPlan) -> None:
     reader = ShardReader(plan.iter_dir, plan.manifest, F.model_file)
     opt = OptimReader(plan.iter_dir, plan.manifest) if plan.manifest.has_optimizer else None
     stored_master = opt is not None and opt.has_master
+    pieces = plan.pieces or []  # (called with the engine's pieces: _load_tensors)
     by_name: dict[str, list[OptimPiece]] = {}
-    for pc in plan.pieces:
+    for pc in pieces:
         by_name.setdefault(pc.name, []).append(pc)
     for name in engine.param_names:
         value = reader.tensor(name, name, plan.targets[name])
@@ -327,7 +330,7 @@ def _stream_into(engine, plan: _LoadPlan) -> None:
         del value
     if opt is None:
         return
-    for pc in plan.pieces:
+    for pc in pieces:
         if pc.length > 0:
             _load_piece(opt, pc, plan.targets[pc.name], stored_master)
     if stored_master and not engine.has_master:
@@ -343,7 +346,8 @@ def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: b
         m = opt.piece(pc.name, "master", target, pc.lo, pc.length)
         if pc.master is not None:
             pc.master.copy_(m)
-        pc.param.copy_(m)
+        if pc.param is not None:  # (an engine's piece always views its parameter)
+            pc.param.copy_(m)
 
 
 @dataclass
@@ -360,7 +364,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _In
     the files this rank reads, the tokenizer. No communication."""
     manifest = Manifest.read(iter_dir)
     F.check_files(iter_dir, manifest, ("model",))
-    cfg = GPTConfig.from_dict(manifest.config)
+    cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     try:
         cfg.check_tensor_parallel(ps.tp_size)
     except ValueError as exc:
