@@ -47,8 +47,15 @@ def _rank_report(ps, cfg):
     logits = gather_logits(model(tokens), ps, cfg.vocab_size)
     loss = model(tokens, labels=tokens.roll(-1, 1))
     loss.backward()
-    grads = {n: gather_full(p.grad, p, ps) for n, p in model.named_parameters()}
+    grads = {n: gather_full(_grad(p), p, ps) for n, p in model.named_parameters()}
     return "\n".join(lines), logits.detach(), loss.item(), grads
+
+
+def _grad(p):
+    """``p.grad`` after the reference's backward (every parameter of the model takes part in the loss)."""
+    if p.grad is None:
+        raise AssertionError("a parameter of the one-process model has no gradient after backward")
+    return p.grad
 
 
 def _compare(results, cfg) -> bool:
@@ -64,7 +71,7 @@ def _compare(results, cfg) -> bool:
     ref_loss.backward()
     worst_logit = max((r[1] - ref_logits).abs().max().item() for r in results)
     worst_loss = max(abs(r[2] - ref_loss.item()) for r in results)
-    worst_grad = max((r[3][n] - gather_full(p.grad, p, ref.ps)).abs().max().item()
+    worst_grad = max((r[3][n] - gather_full(_grad(p), p, ref.ps)).abs().max().item()
                      for r in results for n, p in ref.named_parameters())
     ok = max(worst_logit, worst_loss, worst_grad) < 1e-5
     print(f"\nagainst one process: max |logit diff| {worst_logit:.2e}, |loss diff| {worst_loss:.2e}, "

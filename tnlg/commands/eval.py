@@ -160,16 +160,19 @@ def evaluate(args, ps) -> dict:
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
     path = args.input[0]
-    if args.task == "text":
+    if args.task == "text":  # (the tokenizer is resolved above for every task but loss)
+        assert tokenizer is not None
         out = text_perplexity(model, read_text_files(args.input, tokenizer), args.input,
                               stride=args.overlapping_eval, seq_length=seq, pad_id=tokenizer.eod_id, **common)
     elif args.task == "wikitext":
+        assert tokenizer is not None
         tokens, n_orig = read_wikitext(path, tokenizer, args.detokenize)
         out = wikitext_perplexity(model, tokens, n_orig, stride=args.overlapping_eval, seq_length=seq,
                                   pad_id=tokenizer.eod_id, **common)
         out.update(detokenize=args.detokenize, adjusted_ppl_divides_by=f"{WORD_COUNT} - 1",
                    caveat=wikitext_caveat(path, check_text_file(path)))
     elif args.task == "lambada":
+        assert tokenizer is not None
         examples, truncated = lambada_examples(read_lambada_texts(path), tokenizer, args.strict, seq, path=path)
         out = lambada_accuracy(model, examples, pad_id=tokenizer.eod_id, strict=args.strict, **common)
         out["truncated_contexts"] = truncated

@@ -88,6 +88,7 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
     status, ps = launch_or_init(command, add_arguments, args)
     if status is not None:
         return status
+    assert ps is not None  # (launch_or_init gives a status or this rank's state)
     try:
         result = work(ps)
     except BaseException:
