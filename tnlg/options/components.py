@@ -171,6 +171,13 @@ class DataOptions:
             from ..data.gpt_dataset import normalize_data_path
             self.data_path = normalize_data_path(self.data_path)
 
+    def tokenizer_path(self) -> str:
+        """``--tokenizer-model`` of a run that trains (``--data-path`` requires it; the built-in job's is set
+        when its corpus is prepared)."""
+        if self.tokenizer_model is None:
+            raise UserError("training needs --tokenizer-model (the tokenizer the data was preprocessed with).")
+        return self.tokenizer_model
+
     def check_files(self) -> None:
         """The datasets and the tokenizer can be read (reads their headers; imports the data modules)."""
         if self.data_path is not None:

@@ -46,7 +46,7 @@ def check_resume(o: Options) -> None:
     if iter_dir is None:
         return
     meta = ckpt.read_meta(iter_dir)
-    tokenizer = load_tokenizer(o.data.tokenizer_model)
+    tokenizer = load_tokenizer(o.data.tokenizer_path())
     check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin, MUST_MATCH)
     check_files(iter_dir, meta, ("model", "optim", "rng"))
 
@@ -126,9 +126,10 @@ class Checkpointer:
         a signal stops it here, else ``None``. Collective: the signal check and the save."""
         c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
-        saving = bool(c.save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
-        if saving:
-            ckpt.save(c.save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
+        save = c.save
+        saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
+        if saving and save:
+            ckpt.save(save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
                       schedule_steps=self.schedule_steps, **self._state)
             self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
         if not signum:

@@ -195,11 +195,12 @@ def _save_on_fake_tensors(host_copies: list):
         object_list[:] = [obj] * len(object_list)
 
     real_writer, real_capture, real_gather = saving.StreamWriter, saving.capture, dist.all_gather_object
-    saving.StreamWriter, saving.capture, dist.all_gather_object = CountedWriter, capture, all_gather_object
+    # patched for the simulation only, restored below (mypy refuses assigning to a class name)
+    saving.StreamWriter, saving.capture, dist.all_gather_object = CountedWriter, capture, all_gather_object  # type: ignore[misc]
     try:
         yield
     finally:
-        saving.StreamWriter, saving.capture, dist.all_gather_object = real_writer, real_capture, real_gather
+        saving.StreamWriter, saving.capture, dist.all_gather_object = real_writer, real_capture, real_gather  # type: ignore[misc]
 
 
 def _register_engine(tracker: StepTracker, engine) -> None:
