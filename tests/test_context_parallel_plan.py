@@ -91,8 +91,8 @@ def test_the_cli_plans_one_cp_rank_and_searches_cp(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--cp", "3", "--world-size", "16", "--tp", "1"], r"--context-parallel-size 3 does not divide --world-size 16"),
     (["--cp", "3", "--seq-length", "1000"], r"2 x CP must divide --seq-length 1000.*Valid CP sizes"),
-    (["--cp", "4", "--pp", "4", "--world-size", "8"], r"--world-size 8 is not a multiple of "
-                                                      r"--pipeline-model-parallel-size 4 x .* --context-parallel-size 4"),
+    (["--cp", "4", "--pp", "4", "--world-size", "8"], r"--context-parallel-size 4 does not divide --world-size 8 / "
+                                                      r"\(TP 1 x PP 4\) = 2: .* Valid context-parallel sizes .*: \[1, 2\]"),
     (["--cp", "4", "--pp", "2", "--world-size", "16", "--dp", "4"], r"is not --world-size 16.*\(DP = 2\)"),
     (["--cp", "3", "--search", "--world-size", "12", "--pp", "2"], r"2 x CP must divide --seq-length 1024"),
 ])
@@ -165,3 +165,27 @@ def test_planner_against_the_simulation_of_a_cp_rank(cp):
     beyond = stage["peak_bytes"] - stage["setup_peak_bytes"]
     assert planned["total"] - planned["model_states"] - acts["ring_working"] < beyond
     assert beyond < planned["total"] - planned["model_states"]
+
+
+@pytest.mark.parametrize("heads,groups,tp", [(8, 2, 3), (28, 4, 8)])
+def test_ring_kv_heads_are_what_the_largest_rank_of_the_model_holds(heads, groups, tp):
+    """Grouped-query attention on an uneven split: a rank holds every key/value group one of its query heads
+    reads (8 heads, 2 groups, TP 3: groups [0], [0, 1], [1]). Each TP rank's model is built on the meta device
+    and its K/V projection read; the ring's K/V bytes are those of the largest rank's groups."""
+    import torch
+
+    from tnlg.model import GPT
+    from tnlg.parallel.state import ParallelState
+    d, cp, seq = 8, 2, 64
+    cfg = GPTConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, group_query_attention=True,
+                    num_query_groups=groups, seq_length=seq, vocab_size=64)
+    held = []
+    for rank in range(tp):
+        with torch.device("meta"):
+            model = GPT(cfg, ParallelState(tp_rank=rank, tp_size=tp, virtual=True))
+        kv = dict(model.named_parameters())["transformer.h.0.attn.c_kv.weight"]  # [groups held, K and V, d, h]
+        assert tuple(kv.shape[1:]) == (2, d, heads * d)
+        held.append(kv.shape[0])
+    assert max(held) == 2
+    ring = ring_traffic(cfg, tp, cp, 1, "bf16", False, micro_batches=1, hw=HW)
+    assert ring["forward_bytes_per_layer"] == (cp - 1) * 2 * (seq // cp) * max(held) * d * 2

@@ -97,6 +97,6 @@ def test_what_cp_cannot_run_is_one_paragraph(extra, match):
 
 
 def test_a_cp_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(UserError, match=r"--context-parallel-size 4 x --pipeline-model-parallel-size 1 does not "
-                                        r"divide the 6 processes"):
+    with pytest.raises(UserError, match=r"--context-parallel-size 4 does not divide the 6 processes: .* Valid "
+                                        r"context-parallel sizes .*: \[1, 2\]"):
         tiny_options(6, **dict(RUN, context_parallel_size=4, tensor_model_parallel_size=1)).check(6)

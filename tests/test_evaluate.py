@@ -441,7 +441,8 @@ def test_cli_bad_inputs(hf_folder, tmp_path, capsys):
     _expect_error(capsys, ["eval", "--task", "wikitext", *base[1:], str(text), "--overlapping-eval", "65"],
                   "overlapping-eval")
     _expect_error(capsys, ["eval", "--task", "wikitext", *base[1:], str(text), "--tp", "2",
-                           "--nproc-per-node", "3"], "multiple of")
+                           "--nproc-per-node", "3"], "--tensor-model-parallel-size 2 does not divide --nproc-per-node 3",
+                  "Valid tensor-parallel sizes for 3 processes: [1, 3]")
     # no tokenizer anywhere: an HF folder without vocab.json + merges.txt and no --tokenizer-model
     bare = tmp_path / "bare"
     bare.mkdir()

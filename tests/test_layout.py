@@ -122,3 +122,11 @@ def test_the_graph_sees_relative_and_function_level_imports():
     assert "tnlg.training.checkpointing" in GRAPH["tnlg.commands.pretrain"]  # inside a function
     assert "tnlg.parallel.state" in GRAPH["tnlg.model"]
     assert os.path.basename(MODULES["tnlg.cli"]) == "cli.py"
+
+
+def test_checkpoints_take_the_run_options_as_data():
+    """The checkpoint package records and compares a run's options without importing them: the options
+    (what a command resolves) sit above what they configure, and are handed to the checkpoint as values."""
+    wrong = sorted(f"{m} imports {t}" for m, ts in GRAPH.items() if m.startswith("tnlg.checkpoint")
+                   for t in ts if t == "tnlg.options" or t.startswith("tnlg.options."))
+    assert not wrong, wrong

@@ -236,7 +236,7 @@ def test_ranks_map_to_pp_dp_tp_with_tp_innermost():
 def test_a_pipeline_size_that_does_not_divide_the_world_is_refused():
     from tnlg.parallel.state import _check_layout
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide .* Valid pipeline-parallel "
-                                         r"sizes at tensor-parallel size 2: \[1, 2, 4, 8\]"):
+                                         r"sizes at TP 2 on 16 processes: \[1, 2, 4, 8\]"):
         _check_layout(16, 2, 3)
 
 

@@ -179,12 +179,13 @@ def test_eval_and_generate_commands_at_pp2_match_pp1_from_a_folder_and_a_pp1_tnl
 def test_a_pipeline_layout_that_cannot_run_is_one_paragraph_before_any_process_starts(cli_folder, capfd):
     common = ["--checkpoint", cli_folder, "--tokenizer-model", "builtin", "--prompt", "To be"]
     for argv, needle in [(["--pp", "3", "--nproc-per-node", "4"],
-                          "--pipeline-model-parallel-size 3 does not divide the 4 processes / TP 1 = 4; valid "
-                          "pipeline sizes at --tp 1 on 4 processes: [1, 2, 4]"),
+                          "--pipeline-model-parallel-size 3 does not divide the 4 processes: every pipeline must "
+                          "be complete (the world is TP x CP x DP x PP). Valid pipeline-parallel sizes at TP 1 on 4 "
+                          "processes: [1, 2, 4]"),
                          (["--pp", "8"], f"--pipeline-model-parallel-size 8 is more stages than the model's "
                                          f"{LAYERS} layers; every stage needs at least one layer: valid sizes are 1 "
                                          f"to {LAYERS}"),
-                         (["--pp", "0"], "--pipeline-model-parallel-size must be >= 1, got 0")]:
+                         (["--pp", "0"], "--pipeline-model-parallel-size must be a positive integer, got 0")]:
         assert main(["generate", *common, *argv]) == 2
         err = capfd.readouterr().err
         assert needle in err and "Traceback" not in err, err

@@ -222,8 +222,10 @@ def test_search_at_one_pipeline_size_and_interleaved(capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--search", "--world-size", "8", "--pp", "3"], "Valid pipeline sizes for 8 GPUs and 12 layers: [1, 2, 4, 8]"),
     (["--search", "--world-size", "32", "--pp", "16"], "every stage needs at least one layer"),
-    (["--pp", "3", "--tp", "2", "--world-size", "8"], "--world-size 8 is not a multiple of "
-                                                      "--pipeline-model-parallel-size 3 x --tensor-model-parallel-size 2"),
+    (["--pp", "3", "--tp", "2", "--world-size", "8"], "--pipeline-model-parallel-size 3 does not divide --world-size "
+                                                      "8 / TP 2 = 4: every pipeline must be complete (the world is TP "
+                                                      "x CP x DP x PP). Valid pipeline-parallel sizes at TP 2 on 8 GPUs: "
+                                                      "[1, 2, 4]"),
     (["--pp", "2", "--tp", "2", "--dp", "4", "--world-size", "8"], "(DP = 2)"),
     (["--pp", "13", "--dp", "1", "--global-batch-size", "16"], "more stages than the model's 12 layers"),
     (["--pp", "4", "--dp", "1", "--global-batch-size", "16", "--pipeline-schedule", "interleaved",

@@ -381,7 +381,7 @@ def test_parse_sizes():
     (["--params", "7.5x"], "'7.5x'"),
     (["--params", "1e9", "--preset", "tiny"], "--params"),
     (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--world-size", "256"], "DP = 64"),
-    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--global-batch-size", "12"], "multiple of"),
+    (["--preset", "tnlg-17b", "--tp", "4", "--dp", "8", "--global-batch-size", "12"], "Valid global batch sizes: 8, 16"),
     (["--preset", "no-such-model"], "valid presets"),
     (["--preset", "tiny", "--precision", "fp8"], "fp16, bf16, fp32"),
     (["--preset", "tiny", "--mfu", "1.5"], "--mfu"),
@@ -407,3 +407,43 @@ def test_pretrains_precision_flags(capsys):
                        ((*base, "--bf16", "--precision", "fp32"), "--precision says fp32")):
         assert main(["plan", *bad]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_every_architecture_field_of_the_model_config_is_a_plan_flag():
+    """``tnlg plan`` takes the model's shape as ``tnlg pretrain`` does: a flag for every field a checkpoint
+    records as architecture, under the declaration's spelling."""
+    import argparse
+
+    from tnlg.commands.plan import add_arguments
+    from tnlg.config import arch_fields
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    dests = {a.dest for a in p._actions}
+    assert set(arch_fields()) <= dests, sorted(set(arch_fields()) - dests)
+    for flag in ("--num-query-groups", "--group-query-attention", "--swiglu", "--normalization",
+                 "--position-embedding-type", "--rotary-base", "--disable-bias-linear",
+                 "--untie-embeddings-and-output-weights"):
+        assert flag in p._option_string_actions, flag
+
+
+def test_a_llama_from_flags_counts_what_transformers_builds(capsys):
+    """A Llama-family model described by flags alone (GQA, SwiGLU, RMSNorm, rope, no biases, untied head):
+    its parameter total is that of transformers' ``LlamaForCausalLM`` of the same shape (built on the meta
+    device), and a bad architecture value is one paragraph naming the flag."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    ref = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in LlamaForCausalLM(ref).parameters())
+    plan = plan_json(capsys, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+                     "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "160",
+                     "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+                     "--untie-embeddings-and-output-weights", "--vocab-size", "1000", "--seq-length", "128",
+                     "--tp", "3")
+    assert plan["parameters"]["total"] == expected
+    assert "--num-query-groups must be a positive integer (or unset), got 0" in plan_error(
+        capsys, "--preset", "llama-tiny", "--num-query-groups", "0")
+    assert "--rotary-percent must be in (0, 1], got 0.0" in plan_error(capsys, "--preset", "llama-tiny",
+                                                                        "--rotary-percent", "0")

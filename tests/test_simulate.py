@@ -197,7 +197,7 @@ def test_planner_peak_is_the_simulated_peak(name, tp, dp, precision, micro, accu
     (["--preset", "gpt2-medium", "--simulate", "--gpu", "x100"], "--gpu 'x100' is not a GPU the simulation knows"),
     (["--preset", "gpt2-medium", "--gpu", "h100"], "add --simulate"),
     (["--preset", "tnlg-17b", "--world-size", "100", "--tp", "8", "--simulate"],
-     "--world-size 100 is not divisible by --tensor-model-parallel-size 8"),
+     "--tensor-model-parallel-size 8 does not divide --world-size 100"),
     (["--params", "1e9", "--simulate"], "--simulate runs one layout of a shaped model"),
 ])
 def test_plan_simulate_bad_input_is_one_paragraph(argv, message):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tnlg.config import GPTConfig, partition_sizes
 from tnlg.errors import UserError
 from tnlg.optim import DataParallelBackend, build_engine, partition_report, plan_flat_layout
+from tnlg.optim.backend import PipelineBackend
 from tnlg.parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from tnlg.parallel.sharding import gather_full, mark_replicated, mark_sharded
 from tnlg.parallel.state import ParallelState, init_parallel
@@ -385,7 +386,7 @@ def test_protocol_errors_and_stage_fallback():
     tokens, labels = toy_data(1)[0]
     engine = build_engine(ToyTP(ps), ps, zero_stage=3, grad_accum_steps=2)
     assert engine.impl == "flat"  # one DP rank: nothing to shard
-    assert isinstance(engine.backend, DataParallelBackend)
+    assert isinstance(engine.backend, DataParallelBackend) and isinstance(engine.backend, PipelineBackend)
     assert engine.hyperparameters()["betas"] == [0.9, 0.95] and engine.param_dtype == torch.float32
     engine.backward(engine.model(tokens, labels))
     with pytest.raises(RuntimeError, match="grad_accum_steps"):

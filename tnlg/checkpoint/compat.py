@@ -24,25 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Iterable, Optional
 
-from ..config import GPTConfig, arch_fields
+from ..config import GPTConfig, arch_fields, flag_of
 from ..data.gpt_dataset import parse_data_path
 from ..data.indexed import dataset_prefix
 from ..errors import UserError
-from ..options import COMPONENTS
-from ..options.fields import flag_of, option_fields
 from .manifest import Manifest
 
-__all__ = ["ARCH_FIELDS", "DATA_OPTIONS", "options_record", "data_record", "check_compatible"]
+__all__ = ["ARCH_FIELDS", "options_record", "data_record", "check_compatible"]
 
 ARCH_FIELDS = arch_fields()  # declared in GPTConfig
 # an architecture field a checkpoint does not record was added after it was written: it has the default,
 # which is what that checkpoint's model was (tanh GELU, tied output layer, learned positions, LayerNorm, ...)
 _LATER_FIELDS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in ARCH_FIELDS
                  and f.default is not dataclasses.MISSING}
-# the options marked must_match (tnlg.options.DataOptions): they define the samples
-DATA_OPTIONS = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
 
 def options_record(o) -> dict:
@@ -50,7 +46,7 @@ def options_record(o) -> dict:
     ``tnlg checkpoint info`` shows)."""
     if o is None:
         return {}
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in sorted(_by_name(o).items()):
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
@@ -61,7 +57,7 @@ def options_record(o) -> dict:
 
 def _by_name(o) -> dict:
     """Every option of ``o`` (:class:`tnlg.options.Options`, or any namespace) by its name."""
-    return o.flat() if hasattr(o, "flat") else vars(o)
+    return o.flat() if hasattr(o, "flat") else dict(o) if isinstance(o, dict) else vars(o)
 
 
 def data_record(o) -> Optional[dict]:
@@ -72,7 +68,7 @@ def data_record(o) -> Optional[dict]:
     prefixes, weights = parse_data_path(data_path)
     files = []
     for p in prefixes:
-        rec = dict(prefix=os.path.realpath(p))
+        rec: dict[str, Any] = dict(prefix=os.path.realpath(p))
         for ext in ("idx", "bin"):
             path = f"{p}.{ext}"
             rec[f"{ext}_bytes"] = os.path.getsize(path) if os.path.isfile(path) else None
@@ -113,12 +109,14 @@ def _data_differences(saved: dict, now: dict) -> list[str]:
 
 
 def check_compatible(meta, where: str, config: GPTConfig, options,
-                     tokenizer, origin: str = "--load") -> None:
+                     tokenizer, origin: str = "--load", must_match: Iterable[str] = ()) -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
     checkpoint (``meta``: its :class:`~.manifest.Manifest` or dict) and this run (``config``, ``options``,
-    ``tokenizer``)."""
+    ``tokenizer``). The options come as data: ``options`` by name (a mapping, a namespace, or an object
+    whose ``flat()`` gives them: :class:`tnlg.options.Options`), and ``must_match`` the names of those that
+    define the samples (:data:`tnlg.options.MUST_MATCH`), which must be the checkpoint's."""
     manifest = Manifest.of(meta)
-    saved_cfg = {**_LATER_FIELDS, **manifest.config}
+    saved_cfg = {**_LATER_FIELDS, **(manifest.config or {})}
     have = config.to_dict()
     diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
              for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
@@ -126,7 +124,7 @@ def check_compatible(meta, where: str, config: GPTConfig, options,
     saved_opts = manifest.options or {}
     if options is not None:
         now_opts = _by_name(options)
-        for k in DATA_OPTIONS:
+        for k in must_match:
             if k in saved_opts and k in now_opts and saved_opts[k] != now_opts[k]:
                 diffs.append(f"{flag_of(k)} {saved_opts[k]!r} in the checkpoint vs {now_opts[k]!r} now")
         saved_data, now_data = manifest.data, data_record(options)

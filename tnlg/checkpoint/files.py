@@ -182,7 +182,7 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     # (or the pointer names a directory that is gone). Resume from the newest complete iteration.
     complete = complete_iterations(path)
     if not complete:
-        why = ("is missing" if latest is None else
+        why = ("is missing" if d is None else
                f"points at iteration {latest}, but {d!r} " +
                (f"has no {META}" if os.path.isdir(d) else "does not exist"))
         raise UserError(f"{what} {path!r}: {LATEST} {why}, and none of the iteration directories there "

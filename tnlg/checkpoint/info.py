@@ -47,7 +47,7 @@ def info(path: str, as_json: bool = False, out=None) -> int:
         f"iterations   {iterations} in {root} (latest pointer: {F.read_latest(root)})",
         f"iteration    {m.iteration} ({m.consumed_samples} samples consumed)",
         f"layout       {_layout(m)}",
-        f"model        {n_params:,} parameters: {_architecture(m.config)}",
+        f"model        {n_params:,} parameters: {_architecture(m.config or {})}",
         f"optimizer    {_optimizer(m.optimizer)}",
         f"tokenizer    {_tokenizer(m.tokenizer)}",
     ]
@@ -82,7 +82,7 @@ def _stages(m: Manifest, iter_dir: str) -> str:
         return describe_stages(m)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):
         raise UserError(f"{os.path.join(iter_dir, 'meta.json')!r} is corrupt: its 'pipeline' entry "
-                        f"{json.dumps(m.pipeline.to_dict())[:80]} is not a list of each stage's layers; the "
+                        f"{json.dumps(m.pipeline.to_dict() if m.pipeline else None)[:80]} is not a list of each stage's layers; the "
                         f"checkpoint cannot be used.") from None
 
 

@@ -28,7 +28,7 @@ from ..parallel.pipeline_inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
-from .manifest import Layout, Manifest
+from .manifest import Layout, Manifest, need
 from .pieces import OptimPiece
 from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, targets_for
 from .rng import restore
@@ -56,7 +56,7 @@ def read_states(iter_dir: str, meta, config: GPTConfig, tp_size: int, tp_rank: i
     states = None
     if optimizer and manifest.has_optimizer:
         opt = OptimReader(iter_dir, manifest)
-        step = int(manifest.optimizer.num_steps)
+        step = int(need(manifest.optimizer.num_steps, "optimizer.num_steps"))
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if opt.has_master else ())
         states = {n: dict({k: opt.tensor(f"{n}.{k}", n, targets[n]) for k in kinds}, step=step) for n in names}
     return params, states
@@ -129,12 +129,14 @@ def _agreed_iteration(load_dir: str, origin: str, ps: ParallelState,
     sees that directory with the same manifest (a stale cache of a shared filesystem shows another
     one), so no two ranks ever load different iterations, and none skips the collectives of a load.
     Collective: one broadcast, one all_gather_object (the check's outcome)."""
-    error, choice, notes = None, None, []
+    error: Optional[BaseException] = None
+    choice: Optional[tuple[str, str]] = None
+    notes: list[str] = []
     if ps.rank == 0:
         try:
             if not (missing_ok and not os.path.isdir(load_dir)):
-                choice = F.resolve(load_dir, origin, notes)
-                choice = None if choice is None else (choice, F.meta_digest(choice))
+                found = F.resolve(load_dir, origin, notes)
+                choice = None if found is None else (found, F.meta_digest(found))
         except UserError as exc:
             error = exc
         except OSError as exc:
@@ -187,7 +189,8 @@ class _LoadPlan:
     rng_states: dict                     # RNG file name -> its states, read
 
 
-def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str) -> _LoadPlan:
+def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str,
+          must_match: tuple[str, ...]) -> _LoadPlan:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
@@ -198,14 +201,14 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
         if name not in manifest.files:
             raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
     F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
-    check_compatible(manifest, iter_dir, config, options, tokenizer, origin)
+    check_compatible(manifest, iter_dir, config, options, tokenizer, origin, must_match)
     targets = targets_for(config, ps.tp_size, ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
     targets = {n: t for n, t in targets.items() if n in mine}
     owned = engine.owned_pieces()
     pieces = None if owned is None else [OptimPiece.of(pc) for pc in owned]
-    same_tp = int(manifest.layout.tp) == ps.tp_size
+    same_tp = int(need(manifest.layout.tp, "layout.tp")) == ps.tp_size
     needed = _files_to_read(manifest, targets, pieces if same_tp else None, True)
     F.verify_checksums(iter_dir, manifest, needed | rng.files)  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
@@ -214,7 +217,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
-         origin: str = "--load", missing_ok: bool = False) -> Optional[dict]:
+         origin: str = "--load", missing_ok: bool = False, must_match: tuple[str, ...] = ()) -> Optional[dict]:
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
     Returns ``dict(iteration, consumed_samples, path, schedule_steps)`` (the LR schedule's position:
@@ -222,6 +225,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     re-sliced for this TP size, the optimizer state re-partitioned for this DP size and ZeRO stage, the step
     count and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
     ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
+    ``options`` and ``must_match``: the run's options and the names of those that must be the checkpoint's
+    (:func:`tnlg.checkpoint.compat.check_compatible`).
 
     Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
     (:func:`_agreed_iteration`); one all_gather_object of each rank's outcome (any rank's error is
@@ -233,7 +238,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
         if os.path.isdir(load_dir):
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         return None
-    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin), iter_dir)
+    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin, must_match),
+                        iter_dir)
     for note in notes:
         _log(ps, note)
     _load_tensors(engine, plan, config, ps)
@@ -266,7 +272,7 @@ def _load_optimizer_counters(engine, plan: _LoadPlan, ps: ParallelState) -> None
         _log(ps, f"note: {plan.iter_dir!r} holds no optimizer state (a converted model); the optimizer starts "
                  f"fresh.")
         return
-    engine.num_steps = int(opt.num_steps)
+    engine.num_steps = int(need(opt.num_steps, "optimizer.num_steps"))
     if engine.loss_scaler is not None and opt.loss_scaler:
         engine.loss_scaler.load_state_dict(opt.loss_scaler)
 
@@ -292,7 +298,7 @@ def _restore_rng(model, ps: ParallelState, config: GPTConfig, plan: _LoadPlan) -
     restore(plan.rng_states[rng.shared])
     restored_tp = rng.tp is not None and restore(plan.rng_states[rng.tp], model.tp_random, shared=False)
     if not restored_tp:
-        model.tp_random.seed(config.seed + int(plan.manifest.iteration), ps.tp_rank)
+        model.tp_random.seed(config.seed + int(need(plan.manifest.iteration, "iteration")), ps.tp_rank)
         _log(ps, f"note: the per-TP-rank dropout RNG was reseeded from (seed + iteration, tp rank) because "
                  f"{rng.why or 'the saved one is from another device type'}; dropout masks after the resume "
                  f"differ from an uninterrupted run at the old layout.")
@@ -309,8 +315,9 @@ def _stream_into(engine, plan: _LoadPlan) -> None:
     reader = ShardReader(plan.iter_dir, plan.manifest, F.model_file)
     opt = OptimReader(plan.iter_dir, plan.manifest) if plan.manifest.has_optimizer else None
     stored_master = opt is not None and opt.has_master
+    pieces = plan.pieces or []  # (called with the engine's pieces: _load_tensors)
     by_name: dict[str, list[OptimPiece]] = {}
-    for pc in plan.pieces:
+    for pc in pieces:
         by_name.setdefault(pc.name, []).append(pc)
     for name in engine.param_names:
         value = reader.tensor(name, name, plan.targets[name])
@@ -323,7 +330,7 @@ def _stream_into(engine, plan: _LoadPlan) -> None:
         del value
     if opt is None:
         return
-    for pc in plan.pieces:
+    for pc in pieces:
         if pc.length > 0:
             _load_piece(opt, pc, plan.targets[pc.name], stored_master)
     if stored_master and not engine.has_master:
@@ -339,7 +346,8 @@ def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: b
         m = opt.piece(pc.name, "master", target, pc.lo, pc.length)
         if pc.master is not None:
             pc.master.copy_(m)
-        pc.param.copy_(m)
+        if pc.param is not None:  # (an engine's piece always views its parameter)
+            pc.param.copy_(m)
 
 
 @dataclass
@@ -356,7 +364,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _In
     the files this rank reads, the tokenizer. No communication."""
     manifest = Manifest.read(iter_dir)
     F.check_files(iter_dir, manifest, ("model",))
-    cfg = GPTConfig.from_dict(manifest.config)
+    cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     try:
         cfg.check_tensor_parallel(ps.tp_size)
     except ValueError as exc:

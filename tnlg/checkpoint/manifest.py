@@ -24,10 +24,21 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping, Optional, Union
+from typing import ClassVar, Mapping, Optional, TypeVar, Union
 
 from ..errors import UserError
 from ..io import unsafe_name
+
+T = TypeVar("T")
+
+
+def need(value: Optional[T], what: str) -> T:
+    """``value``, which a manifest records; one clear error naming the entry where it is missing (a
+    ``meta.json`` written by hand, or by a writer that left it out)."""
+    if value is None:
+        raise UserError(f"the checkpoint's manifest (meta.json) records no {what}; a tnlg checkpoint records it, "
+                        f"so this one is incomplete. Point at an intact checkpoint.")
+    return value
 
 __all__ = ["FORMAT", "READABLE_FORMATS", "META", "Manifest", "Layout", "OptimizerState", "Schedule", "RngLayout",
            "Pipeline", "OptimFile", "CONVERTED_KEYS"]
@@ -275,7 +286,7 @@ class Manifest(_Record):
         optimizer's step count (0 without one)."""
         if self.schedule is not None and self.schedule.num_steps is not None:
             return int(self.schedule.num_steps)
-        return int(self.optimizer.num_steps) if self.has_optimizer else 0
+        return int(need(self.optimizer.num_steps, "optimizer.num_steps")) if self.has_optimizer else 0
 
     def stage_of(self, name: str) -> Optional[int]:
         """The pipeline stage whose files hold parameter ``name`` (``None``: a checkpoint saved at PP 1)."""

@@ -13,7 +13,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 from . import files as F
 from .loading import read_states
-from .manifest import Manifest
+from .manifest import Manifest, need
 from .saving import write_offline
 
 __all__ = ["open_source", "reshard_checkpoint", "write_converted"]
@@ -34,13 +34,13 @@ def open_source(path: str) -> tuple[str, Manifest, GPTConfig]:
         raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
     manifest = Manifest.read(iter_dir)
     F.check_files(iter_dir, manifest)
-    return iter_dir, manifest, GPTConfig.from_dict(manifest.config)
+    return iter_dir, manifest, GPTConfig.from_dict(need(manifest.config, "config"))
 
 
 def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
     """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
     iter_dir, manifest, cfg = open_source(path)
-    src_tp = int(manifest.layout.tp)
+    src_tp = int(need(manifest.layout.tp, "layout.tp"))
     tp_size = tp_size or src_tp
     try:
         cfg.check_tensor_parallel(tp_size)

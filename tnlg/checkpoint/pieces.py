@@ -41,6 +41,10 @@ class OptimPiece:
     def hi(self) -> int:
         return self.lo + self.length
 
-    def state(self, kind: str) -> Optional[torch.Tensor]:
-        """The 1-D state ``kind`` (one of :data:`STATE_KINDS`) of this range."""
-        return getattr(self, kind)
+    def state(self, kind: str) -> torch.Tensor:
+        """The 1-D state ``kind`` (one of :data:`STATE_KINDS`) of this range (an engine's piece views all of
+        them; a ``ValueError`` where it does not: a bug, not input)."""
+        t = getattr(self, kind)
+        if t is None:
+            raise ValueError(f"optimizer piece {self.name}[{self.lo}:{self.hi}] holds no {kind!r} view.")
+        return t

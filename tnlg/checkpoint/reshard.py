@@ -28,7 +28,7 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 from ..model import GPT
-from .manifest import Manifest
+from .manifest import Manifest, need
 from .stream import SafetensorsReader
 
 __all__ = ["partition_info", "source_tp_ranks", "targets_for", "full_targets", "param_records", "names_for_rank",
@@ -91,7 +91,7 @@ class ShardReader:
 
     def __init__(self, iter_dir: str, meta, file_of):
         self.iter_dir, self.meta, self.file_of = iter_dir, Manifest.of(meta), file_of
-        self.src_tp = int(self.meta.layout.tp)
+        self.src_tp = int(need(self.meta.layout.tp, "layout.tp"))
         self._open: dict[str, object] = {}
 
     def _file(self, tp_rank: int, name: str):

@@ -49,7 +49,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -246,7 +246,7 @@ def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict)
     return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
 
 
-def _write_pieces(tmp: str, pieces: list[OptimPiece], tp_rank: int, dp_rank: int, tag: dict,
+def _write_pieces(tmp: str, pieces: Sequence[OptimPiece], tp_rank: int, dp_rank: int, tag: dict,
                   kinds=None) -> dict[str, _Written]:
     """One ``optim_[ppYY_]tpXX_dpZZZ`` file of flat pieces (``exp_avg``/``exp_avg_sq``/optional ``master``
     of each), streamed; returns ``{file: record}`` (the stage in ``tag["pp_rank"]`` at PP > 1). ``kinds``:

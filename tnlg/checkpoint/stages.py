@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import UserError
-from .manifest import Manifest, Pipeline
+from .manifest import Manifest, Pipeline, need
 
 __all__ = ["chunk_layers_of", "stored_names", "stage_record", "assign_stages", "saved_stage", "describe_stages"]
 
@@ -77,8 +77,9 @@ def saved_stage(manifest: Manifest, pp_rank: int) -> tuple[int, list]:
     every layer); ``[]`` for a stage it does not have."""
     pipe = manifest.pipeline
     if not pipe:
-        return 1, [list(range(int(manifest.config["num_layers"])))] if pp_rank == 0 else []
-    return int(pipe.pp), (pipe.stages[pp_rank] if pp_rank < len(pipe.stages) else [])
+        return 1, [list(range(int(need(manifest.config, "config")["num_layers"])))] if pp_rank == 0 else []
+    stages = need(pipe.stages, "pipeline.stages")
+    return int(need(pipe.pp, "pipeline.pp")), (stages[pp_rank] if pp_rank < len(stages) else [])
 
 
 def describe_stages(manifest: Manifest) -> str:
@@ -86,13 +87,14 @@ def describe_stages(manifest: Manifest) -> str:
     pipe = manifest.pipeline
     if not pipe:
         return "PP=1"
-    last = len(pipe.stages) - 1
+    stages = need(pipe.stages, "pipeline.stages")
+    last = len(stages) - 1
 
     def span(layers: list[int]) -> str:
         return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
 
     parts = []
-    for r, chunks in enumerate(pipe.stages):
+    for r, chunks in enumerate(stages):
         ends = [what for what, yes in (("embedding", r == 0), ("LM head", r == last)) if yes]
         parts.append(f"stage {r} layers {', '.join(span(c) for c in chunks)}"
                      + (f" (+ {' and '.join(ends)})" if ends else ""))

@@ -75,7 +75,7 @@ class StreamWriter:
                              f"expected {want_key!r} {tuple(shape)} {dtype}.")
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         if t.numel():
-            self._write(memoryview(t.view(torch.uint8).numpy()))
+            self._write(memoryview(t.view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer only for Python >= 3.12
         self.next += 1
 
     def close(self) -> tuple[int, str]:
@@ -140,7 +140,7 @@ class SafetensorsReader:
         if out.numel():
             with open(self.path, "rb") as f:
                 f.seek(self.data_start + e["data_offsets"][0] + first_row * row_numel * elem)
-                view = memoryview(out.view(torch.uint8).numpy())
+                view = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]  # (as above)
                 if f.readinto(view) != len(view):
                     raise ValueError(f"{self.path!r} is truncated inside tensor {key!r}")
         return out.view([rows] + shape[1:]) if shape else out.view([])

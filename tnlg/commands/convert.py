@@ -36,6 +36,7 @@ import os
 import sys
 
 from ..errors import UserError
+from ..options.parallel_dims import add_layout_arguments, check_positive
 
 __all__ = ["add_arguments", "run"]
 
@@ -74,12 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(SentencePiece .model, a folder with GPT-2 vocab.json + merges.txt, or 'builtin')")
     parser.add_argument("--no-tokenizer", action="store_true", help="with --to hf: write the weights and config "
                         "only, without the checkpoint's tokenizer")
-    parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
-                        help="TP size of the written checkpoint (default: the source's; 1 from hf or megatron; "
-                        "with --to megatron: Megatron's TP, which sets its vocabulary padding)")
-    parser.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
-                        help="with --to megatron: pipeline stages of the written checkpoint (default 1); a tnlg "
-                        "checkpoint needs none (it loads at any --pp)")
+    add_layout_arguments(parser, dict(tp=None, pp=None), help=dict(
+        tp="of the written checkpoint (default: the source's; 1 from hf or megatron; with --to megatron: "
+           "Megatron's TP, which sets its vocabulary padding)",
+        pp="with --to megatron: of the written checkpoint (default 1); a tnlg checkpoint needs none (it loads "
+           "at any --pp)"))
     parser.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "legacy"],
                         help="with --to megatron: Megatron's --ckpt-format torch_dist (default) or the legacy "
                         "per-rank files (--ckpt-format torch)")
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         return info(args.path, as_json=args.json)
     src_kind, src = _endpoint(args.src, "--from")
     dst_kind, dst = _endpoint(args.dst, "--to")
-    if args.tp is not None and args.tp < 1:
-        raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {args.tp}.")
+    if args.tp is not None:
+        check_positive(tp=args.tp)
     if src_kind != "ckpt" and dst_kind != "ckpt":
         raise UserError(f"--from {src_kind} --to {dst_kind} converts nothing directly; one side must be a tnlg "
                         "checkpoint (convert through one).")
@@ -169,9 +169,10 @@ def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str
             raise UserError(f"{flag} applies to {which} only{why}.")
     if given("vocab_size") and args.tokenizer_model:
         raise UserError("--vocab-size and --tokenizer-model both give the vocabulary size; pass one.")
-    for name, flag in (("vocab_size", "--vocab-size"), ("pp", "--pipeline-model-parallel-size")):
-        if given(name) and args.__dict__[name] < 1:
-            raise UserError(f"{flag} must be a positive integer, got {args.__dict__[name]}.")
+    if given("vocab_size") and args.vocab_size < 1:
+        raise UserError(f"--vocab-size must be a positive integer, got {args.vocab_size}.")
+    if given("pp"):
+        check_positive(pp=args.pp)
 
 
 def _megatron(args: argparse.Namespace, src_kind: str, src: str, dst: str) -> str:

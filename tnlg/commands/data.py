@@ -219,8 +219,8 @@ def _run_data(args) -> int:
               f"{int(lengths.min()) if len(ds) else 0}/{float(lengths.mean()) if len(ds) else 0:.1f}/"
               f"{int(lengths.max()) if len(ds) else 0}")
         if args.tokenizer_model and ds.num_documents:
-            tok = load_tokenizer(args.tokenizer_model)
-            print(repr(tok.decode(ds.document(0)[:64].tolist())))
+            tokenizer = load_tokenizer(args.tokenizer_model)
+            print(repr(tokenizer.decode(ds.document(0)[:64].tolist())))
         return 0
     print("tnlg data: choose an action: prepare, info (see tnlg data --help)", file=sys.stderr)
     return 2

@@ -14,13 +14,13 @@ import argparse
 import sys
 
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
 from ..runtime.launch import join, launcher_world_size, relaunch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=int, default=2, help="local processes to launch (default 2)")
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=2,
-                   help="tensor-parallel size (default 2; must divide --nproc-per-node)")
+    add_layout_arguments(p, dict(nproc=2, tp=2), help=dict(nproc="default 2", tp="default 2; must divide "
+                                                           "--nproc-per-node"))
 
 
 def _config():
@@ -47,8 +47,15 @@ def _rank_report(ps, cfg):
     logits = gather_logits(model(tokens), ps, cfg.vocab_size)
     loss = model(tokens, labels=tokens.roll(-1, 1))
     loss.backward()
-    grads = {n: gather_full(p.grad, p, ps) for n, p in model.named_parameters()}
+    grads = {n: gather_full(_grad(p), p, ps) for n, p in model.named_parameters()}
     return "\n".join(lines), logits.detach(), loss.item(), grads
+
+
+def _grad(p):
+    """``p.grad`` after the reference's backward (every parameter of the model takes part in the loss)."""
+    if p.grad is None:
+        raise AssertionError("a parameter of the one-process model has no gradient after backward")
+    return p.grad
 
 
 def _compare(results, cfg) -> bool:
@@ -64,7 +71,7 @@ def _compare(results, cfg) -> bool:
     ref_loss.backward()
     worst_logit = max((r[1] - ref_logits).abs().max().item() for r in results)
     worst_loss = max(abs(r[2] - ref_loss.item()) for r in results)
-    worst_grad = max((r[3][n] - gather_full(p.grad, p, ref.ps)).abs().max().item()
+    worst_grad = max((r[3][n] - gather_full(_grad(p), p, ref.ps)).abs().max().item()
                      for r in results for n, p in ref.named_parameters())
     ok = max(worst_logit, worst_loss, worst_grad) < 1e-5
     print(f"\nagainst one process: max |logit diff| {worst_logit:.2e}, |loss diff| {worst_loss:.2e}, "
@@ -75,9 +82,9 @@ def _compare(results, cfg) -> bool:
 def run(args) -> int:
     world = launcher_world_size()
     nproc = args.nproc_per_node if world is None else world
-    if nproc < 1 or args.tp < 1 or nproc % args.tp:
-        what = "--nproc-per-node" if world is None else "the processes torchrun started,"
-        raise UserError(f"--tensor-model-parallel-size {args.tp} must be a positive divisor of {what} {nproc}.")
+    check_positive(nproc=nproc)
+    ParallelDims.of(World(nproc, f"--nproc-per-node {nproc}") if world is None else
+                    World.processes(world, " torchrun started"), args.tp)
     cfg = _config()
     try:
         cfg.check_tensor_parallel(args.tp)

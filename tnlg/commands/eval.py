@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..errors import UserError
+from ..options.parallel_dims import add_layout_arguments, check_context_sequence, check_positive
 from .inference import add_common_arguments, print_table, run_command
 
 TASKS = ("wikitext", "lambada", "loss", "text")
@@ -51,9 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "text: one or more text files (the files may also follow the options, without --input)")
     p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
     add_common_arguments(p)
-    p.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1, metavar="C",
-                   help="--task loss only: each sample split over C ranks in 2 x C chunks, attention by a ring "
-                        "(default 1; docs/context_parallel.md); TP x CP x PP must divide the processes")
+    add_layout_arguments(p, dict(cp=1), metavar=dict(cp="C"), help=dict(
+        cp="--task loss only (default 1); TP x CP x PP must divide the processes"))
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
                         "sample (loss); default the model's seq_length")
@@ -95,13 +95,13 @@ def _precheck(args) -> None:
     for name in ("micro_batch_size", "overlapping_eval"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    if args.cp < 1 or (args.cp > 1 and args.task != "loss"):
+    check_positive(cp=args.cp)
+    if args.cp > 1 and args.task != "loss":
         raise UserError(f"--context-parallel-size {args.cp}: context parallelism evaluates --task loss only (the "
                         f"window and example tasks score sequences of any length; generation does not run with "
                         f"CP); got --task {args.task}.")
-    if args.cp > 1 and args.seq_length is not None and args.seq_length % (2 * args.cp):
-        raise UserError(f"--context-parallel-size {args.cp}: each sample is cut into 2 x {args.cp} equal chunks, "
-                        f"so 2 x CP must divide --seq-length {args.seq_length}.")
+    if args.cp > 1 and args.seq_length is not None:
+        check_context_sequence(args.cp, args.seq_length, "each sample")
     if args.eval_samples < 0:
         raise UserError(f"--eval-samples must be >= 0 (0: one pass over the split), got {args.eval_samples}.")
     if args.seq_length is not None and args.seq_length < 1:
@@ -153,24 +153,26 @@ def evaluate(args, ps) -> dict:
             if note and ps.rank == 0:
                 print(note, file=sys.stderr, flush=True)  # stdout may be --json
     seq = args.seq_length or model.config.seq_length
-    if ps.cp_size > 1 and seq % (2 * ps.cp_size):
-        raise UserError(f"--context-parallel-size {ps.cp_size}: 2 x CP must divide the sequence length {seq}; "
-                        f"give --seq-length, a multiple of {2 * ps.cp_size}.")
+    if ps.cp_size > 1:
+        check_context_sequence(ps.cp_size, seq, "each sample")
     if seq > model.config.seq_length:
         raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
     path = args.input[0]
-    if args.task == "text":
+    if args.task == "text":  # (the tokenizer is resolved above for every task but loss)
+        assert tokenizer is not None
         out = text_perplexity(model, read_text_files(args.input, tokenizer), args.input,
                               stride=args.overlapping_eval, seq_length=seq, pad_id=tokenizer.eod_id, **common)
     elif args.task == "wikitext":
+        assert tokenizer is not None
         tokens, n_orig = read_wikitext(path, tokenizer, args.detokenize)
         out = wikitext_perplexity(model, tokens, n_orig, stride=args.overlapping_eval, seq_length=seq,
                                   pad_id=tokenizer.eod_id, **common)
         out.update(detokenize=args.detokenize, adjusted_ppl_divides_by=f"{WORD_COUNT} - 1",
                    caveat=wikitext_caveat(path, check_text_file(path)))
     elif args.task == "lambada":
+        assert tokenizer is not None
         examples, truncated = lambada_examples(read_lambada_texts(path), tokenizer, args.strict, seq, path=path)
         out = lambada_accuracy(model, examples, pad_id=tokenizer.eod_id, strict=args.strict, **common)
         out["truncated_contexts"] = truncated

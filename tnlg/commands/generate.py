@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional
 
 from ..errors import UserError
 from .inference import add_common_arguments, run_command
@@ -62,7 +61,7 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
-def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
+def _generate_here(args, ps, prompts: list[str]) -> dict:
     import torch.distributed as dist
 
     from ..generation import continuation_text, generate_ids
@@ -85,7 +84,7 @@ def _generate_here(args, ps, prompts: list[str]) -> Optional[dict]:
     results = [{"prompt": p, "text": continuation_text(tokenizer, i, n, args.stop_at_eod), "tokens": n}
                for p, i, n in zip(mine, ids, new)]
     if ps.dp_size > 1:  # every rank holds its group's results: take those of the first stage's TP rank 0
-        gathered = [None] * ps.world_size
+        gathered: list = [None] * ps.world_size
         dist.all_gather_object(gathered, results)
         results = [r for rank in range(0, ps.dp_size * ps.tp_size, ps.tp_size) for r in gathered[rank]]
     n_tokens = sum(len(r["tokens"]) for r in results)

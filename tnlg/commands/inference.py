@@ -15,8 +15,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..errors import UserError
-from ..options.pipeline import check_pipeline_world, check_stage_count
+from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
+from ..options.pipeline import check_stage_count
 from ..runtime.launch import check_nodes, join, launcher_world_size, relaunch
 
 if TYPE_CHECKING:
@@ -29,14 +29,11 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-model", metavar="M",
                    help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
                         "GPT-2 vocab.json + merges.txt, or 'builtin'")
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel size (default 1); must divide the number of processes")
-    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1, metavar="P",
-                   help="pipeline stages (default 1): the layers split as evenly as possible over P stages, "
-                        "each holding its layers' weights and KV cache; P x TP must divide the processes")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="local processes to launch (default: TP x PP); the extra factor is data "
-                        "parallelism. Not needed under torchrun, which sets the world")
+    add_layout_arguments(p, dict(tp=1, pp=1, nproc=None), metavar=dict(tp="N", pp="P", nproc="N"), help=dict(
+        tp="default 1; must divide the number of processes",
+        pp="default 1; the layers split as evenly as possible over P stages, each holding its layers' weights "
+           "and KV cache; P x TP must divide the processes",
+        nproc="default: TP x PP; the extra factor is data parallelism"))
     p.add_argument("--nnodes", type=int, default=1, metavar="N",
                    help="nodes of the job, each running this command with --nproc-per-node (default 1); needs "
                         "--rdzv-endpoint")
@@ -54,9 +51,8 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
     ``(None, ps)`` to run here: under torchrun/elastic (joining its process group) or as
     the only process (CUDA when available). The layout (TP, PP against the processes and the
     checkpoint's layers) is checked first, before any process starts."""
-    for flag, value in (("--tensor-model-parallel-size", args.tp), ("--pipeline-model-parallel-size", args.pp)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}.")
+    cp = getattr(args, "cp", 1)
+    check_positive(tp=args.tp, pp=args.pp, cp=cp)
     import torch
 
     from ..generation.loading import checkpoint_num_layers
@@ -66,33 +62,19 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         check_stage_count(args.pp, layers)
     world = launcher_world_size()
     if world is None:
-        nproc = args.nproc_per_node or args.tp * args.pp * getattr(args, "cp", 1)
-        if nproc < 1 or nproc % args.tp:
-            raise UserError(f"--nproc-per-node {nproc} must be a positive multiple of "
-                            f"--tensor-model-parallel-size {args.tp} (each TP group needs {args.tp} processes).")
-        check_pipeline_world(args.pp, args.tp, nproc * args.nnodes)
-        _check_context_world(args, nproc * args.nnodes)
+        nproc = args.nproc_per_node or args.tp * args.pp * cp
+        check_positive(nproc=nproc)
+        ParallelDims.of(World(nproc, f"--nproc-per-node {nproc}"), args.tp)  # a TP group on one node
+        nodes = f" (--nproc-per-node {nproc} x --nnodes {args.nnodes})" if args.nnodes > 1 else ""
+        ParallelDims.of(World(nproc * args.nnodes, f"the {nproc * args.nnodes} processes{nodes}"), args.tp,
+                        args.pp, cp)
         check_nodes(args.nnodes, args.rdzv_endpoint)
         status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
             return status, None
         return None, ParallelState.single("cuda" if torch.cuda.is_available() else "cpu")
-    if world % args.tp:
-        raise UserError(f"--tensor-model-parallel-size {args.tp} does not divide the {world} processes "
-                        "torchrun started.")
-    check_pipeline_world(args.pp, args.tp, world)
-    _check_context_world(args, world)
-    return None, join(args.tp, pipeline_parallel_size=args.pp, context_parallel_size=getattr(args, "cp", 1))
-
-
-def _check_context_world(args, world: int) -> None:
-    """``--context-parallel-size`` (``tnlg eval``'s) must divide the processes TP x PP leave."""
-    cp = getattr(args, "cp", 1)
-    rest = world // (args.tp * args.pp) if world % (args.tp * args.pp) == 0 else 0
-    if cp > 1 and (rest == 0 or rest % cp):
-        raise UserError(f"--context-parallel-size {cp} does not divide the {world} processes / (TP {args.tp} x PP "
-                        f"{args.pp}); the world is TP x CP x DP x PP: give {args.tp * args.pp * cp} processes "
-                        f"(or a multiple) with --nproc-per-node.")
+    ParallelDims.of(World.processes(world, " torchrun started"), args.tp, args.pp, cp)
+    return None, join(args.tp, pipeline_parallel_size=args.pp, context_parallel_size=cp)
 
 
 def run_command(command: str, add_arguments, args, work: Callable[["ParallelState"], dict],
@@ -106,6 +88,7 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
     status, ps = launch_or_init(command, add_arguments, args)
     if status is not None:
         return status
+    assert ps is not None  # (launch_or_init gives a status or this rank's state)
     try:
         result = work(ps)
     except BaseException:

@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 
-from ..config import PRESETS, GPTConfig, divisors
+from ..config import PRESETS, GPTConfig, arch_fields, divisors, flag_of
 from ..errors import UserError
-from ..options.pipeline import check_micro_batches, check_stage_count
+from ..options.fields import add_options, check_declared
+from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
+from ..options.pipeline import check_stage_count, interleaved_chunks
 from ..options.recipes import RECIPES
 from ..plan.context import (check_context_parallel, context_plan, format_context, format_context_search,
                             search_context_parallel)
@@ -31,7 +33,10 @@ TNLG_TOKENS = 300_000 * 512 * 1024  # T-NLG recipe: 300k steps x batch 512 x seq
 RECIPE_GPUS = {"tnlg-17b": 256, "megatron-8.3b": 512}
 # layout fields a recipe brings, and their defaults without one
 LAYOUT_DEFAULTS = dict(tp=1, zero_stage=0, micro_batch_size=1, precision="fp16")
-SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size")
+# what --help says of the model flags' defaults (the others: GPTConfig's, which a preset overrides)
+_MODEL_DEFAULTS = dict(num_layers="the preset's; required without one", hidden_size="the preset's; required "
+                       "without one", num_attention_heads="the preset's; required without one",
+                       seq_length="the preset's, else 1024", vocab_size="the preset's, else 50257")
 
 EPILOG = f"""\
 How the numbers are computed (all stated again in the output):
@@ -70,21 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     _add_model_arguments(parser)
     lay = parser.add_argument_group("layout")
-    lay.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int,
-                     help="tensor-parallel size (default: the preset's recipe, else 1); any size up to the head "
-                          "count")
-    lay.add_argument("--data-parallel-size", "--dp", dest="dp", type=int,
-                     help="data-parallel size (default: world size / TP, or 1)")
+    add_layout_arguments(lay, dict(tp=None, dp=None), help=dict(tp="default: the preset's recipe, else 1",
+                                                                dp="default: world size / (TP x CP x PP), or 1"))
     lay.add_argument("--world-size", type=int, help="number of GPUs = TP x DP (with --search: the GPUs to use; "
                                                     "default: the preset's recipe, e.g. 256 for tnlg-17b, unless "
                                                     "--data-parallel-size is given)")
     _add_pipeline_arguments(lay)
-    lay.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None,
-                     help="context-parallel ranks splitting each sequence (the world is TP x CP x PP x DP; 2 x CP must "
-                          "divide --seq-length): activations per rank (per pipeline stage with --pp), the ring's "
-                          "traffic and time (docs/context_parallel.md); with --simulate a CP rank on fake tensors; "
-                          "with --search only this CP (default: --search adds the fastest layout of every CP > 1 "
-                          "and lays CP with the pipelines)")
+    add_layout_arguments(lay, dict(cp=None), help=dict(
+        cp="the world is TP x CP x PP x DP; 2 x CP must divide --seq-length: activations per rank (per pipeline "
+           "stage with --pp), the ring's traffic and time; with --simulate a CP rank on fake tensors; with --search "
+           "only this CP (default: --search adds the fastest layout of every CP > 1 and lays CP with the "
+           "pipelines)"))
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -114,28 +115,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model's flags: a preset, the shape flags, or an abstract --params."""
+    """The model's flags: a preset, every architecture field of :class:`GPTConfig` (declared there, as
+    ``tnlg pretrain``'s), or an abstract --params."""
     m = parser.add_argument_group("model (a preset, shape flags, or --params)")
     m.add_argument("--preset", help=f"named model shape: {', '.join(PRESETS)}; shape flags override its fields. "
                                     f"{' and '.join(RECIPES)} also bring their published layout and batch "
                                     f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
                                     f"512, fp16); layout flags override those")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--seq-length", type=int, help="sequence length (default: the preset's, else 1024)")
-    m.add_argument("--vocab-size", type=int, help="vocabulary before padding (default: the preset's, else 50257)")
-    m.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size)")
+    add_options(m, GPTConfig, {}, names=arch_fields(), defaults=_MODEL_DEFAULTS)
     m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
                                     "1000000): model states and 6N FLOPs per token only")
 
 
 def _add_pipeline_arguments(lay) -> None:
     """``--pp`` and its schedule (Megatron's names)."""
-    lay.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int,
-                     help="pipeline stages (the world is PP x TP x DP): adds the per-stage parameters, model "
-                     "states, activations in flight, receive buffers, the bubble and the step time "
-                     "(docs/pipeline.md); with --search only this PP (default: --search ranks PP 1 and every PP > 1)")
+    add_layout_arguments(lay, dict(pp=None), help=dict(
+        pp="adds the per-stage parameters, model states, activations in flight, receive buffers, the bubble and "
+           "the step time (docs/pipeline.md); with --search only this PP (default: --search ranks PP 1 and every "
+           "PP > 1)"))
     lay.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b",
                      help="with --pp: the schedule whose activations in flight and bubble are counted (default "
                           "1f1b; interleaved needs --num-layers-per-virtual-pipeline-stage)")
@@ -172,15 +169,22 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
+def _model_fields(args) -> dict:
+    """The architecture fields given as flags (by field name), each checked by its declaration."""
+    fields = {name: getattr(args, name) for name in arch_fields() if hasattr(args, name)}
+    check_declared(GPTConfig, fields)
+    return fields
+
+
 def _model(args) -> Model:
-    shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    fields = _model_fields(args)
+    shape_given = [f for f in fields if f != "seq_length"]
     if args.params is not None:
         if args.preset or shape_given:
             raise UserError("--params describes an abstract model; it cannot be combined with --preset or "
-                            f"shape flags (got {', '.join('--' + f.replace('_', '-') for f in shape_given) or '--preset'}).")
+                            f"shape flags (got {', '.join(flag_of(f) for f in shape_given) or '--preset'}).")
         return Model(name=f"{parse_count(args.params):.3g} parameters", params=parse_count(args.params),
-                     seq_length=args.seq_length or 1024)
-    fields = {f: getattr(args, f) for f in SHAPE_FLAGS + ("seq_length",) if getattr(args, f) is not None}
+                     seq_length=fields.get("seq_length", 1024))
     try:
         if args.preset:
             return Model(name=args.preset, config=GPTConfig.preset(args.preset, **fields))
@@ -188,7 +192,7 @@ def _model(args) -> Model:
         if missing:
             raise UserError("give a model: --preset NAME (" + ", ".join(PRESETS) + "), or the shape flags "
                             "--num-layers, --hidden-size and --num-attention-heads (missing: "
-                            + ", ".join("--" + f.replace("_", "-") for f in missing) + "), or --params N.")
+                            + ", ".join(flag_of(f) for f in missing) + "), or --params N.")
         fields.setdefault("seq_length", 1024)
         fields.setdefault("vocab_size", 50257)
         return Model(name="custom", config=GPTConfig(**fields))
@@ -258,82 +262,36 @@ def _recipe_note(preset: str, taken: dict) -> str:
 
 def _layout(args, model: Model) -> Layout:
     check_zero_and_precision(args.zero_stage, args.precision)
-    tp = args.tp
-    if tp < 1:
-        raise UserError(f"--tensor-model-parallel-size must be a positive integer, got {tp}.")
+    check_positive(tp=args.tp)
     if not model.abstract:
         try:
-            model.config.check_tensor_parallel(tp)
+            model.shape.check_tensor_parallel(args.tp)
         except ValueError as err:
             raise UserError(str(err)) from None
-    dp = args.dp
-    if args.world_size is not None and args.pp > 1:
-        dp = _pipeline_dp(args, tp, model)
-    elif args.world_size is not None:
-        world = _context_world(args)
-        if "world_size" in (args.recipe_layout or {}) and world % tp:
-            valid = [t for t in divisors(world) if t <= model.config.max_tensor_parallel_size()]
-            raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} GPUs of the {args.preset} "
-                            f"recipe: every tensor-parallel group must be complete. Valid tensor-parallel sizes for "
-                            f"{world} GPUs: {valid}; or give --world-size or --data-parallel-size for another "
-                            f"GPU count.")
-        if world < 1 or world % tp:
-            limit = model.config.max_tensor_parallel_size() if not model.abstract else world
-            valid = [t for t in divisors(world) if t <= limit]
-            raise UserError(f"--world-size {world} is not divisible by --tensor-model-parallel-size {tp}: every "
-                            f"tensor-parallel group must be complete. Valid tensor-parallel sizes for {world} "
-                            f"GPUs: {valid}.")
-        if dp is not None and dp * tp != world:
-            raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} = {dp * tp} is not "
-                            f"--world-size {world}; give one of the two or make them agree (DP = {world // tp}).")
-        dp = world // tp
-    dp = 1 if dp is None else dp
-    if dp < 1:
-        raise UserError(f"--data-parallel-size must be a positive integer, got {dp}.")
+    dims = _dims(args, model)
     if args.grads_fp32 and (args.precision == "fp32" or args.zero_stage >= 2):
         raise UserError("--accumulate-allreduce-grads-in-fp32 applies to --precision fp16/bf16 at ZeRO stages 0 "
                         "and 1 (as in tnlg pretrain).")
-    return Layout(tp=tp, dp=dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
+    return Layout(tp=dims.tp, dp=dims.dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
                   global_batch=args.global_batch_size, recompute=args.recompute_activations,
                   precision=args.precision, grads_fp32=args.grads_fp32)
 
 
-def _pipeline_dp(args, tp: int, model: Model) -> int:
-    """DP of ``--world-size`` at ``--pp``, ``--tp`` (and ``--cp``): the world is PP x TP x CP x DP; a clear
-    error otherwise."""
-    world, pp, dp, cp = args.world_size, args.pp, args.dp, args.cp or 1
-    if cp > 1 and (world < 1 or world % (pp * tp * cp)):
-        raise UserError(f"--world-size {world} is not a multiple of --pipeline-model-parallel-size {pp} x "
-                        f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} = {pp * tp * cp}: the "
-                        f"world is TP x CP x PP x DP, every group complete. Valid CP sizes at PP {pp} x TP {tp}: "
-                        f"{[c for c in divisors(world // (pp * tp)) if model.config.seq_length % (2 * c) == 0] if world % (pp * tp) == 0 else 'none'}.")
-    if world < 1 or world % (pp * tp):
-        limit = model.config.max_tensor_parallel_size()
-        pairs = [(p, t) for p in divisors(world) if p <= model.config.num_layers
-                 for t in divisors(world // p) if t <= limit] if world >= 1 else []
-        raise UserError(f"--world-size {world} is not a multiple of --pipeline-model-parallel-size {pp} x "
-                        f"--tensor-model-parallel-size {tp} = {pp * tp}: the world is PP x TP x DP, every pipeline "
-                        f"and tensor-parallel group complete. Valid pipeline sizes at --tp {tp}: "
-                        f"{[p for p, t in pairs if t == tp] or 'none'}; valid (PP, TP) pairs for {world} GPUs: "
-                        f"{', '.join(map(str, pairs[:12]))}{', ...' if len(pairs) > 12 else ''}.")
-    if cp > 1 and dp is not None and dp * tp * pp * cp != world:
-        raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} x --context-parallel-size "
-                        f"{cp} x --pipeline-model-parallel-size {pp} = {dp * tp * pp * cp} is not --world-size "
-                        f"{world}; give one of the two or make them agree (DP = {world // (tp * pp * cp)}).")
-    if cp == 1 and dp is not None and dp * tp * pp != world:
-        raise UserError(f"--data-parallel-size {dp} x --tensor-model-parallel-size {tp} x "
-                        f"--pipeline-model-parallel-size {pp} = {dp * tp * pp} is not --world-size {world}; give "
-                        f"one of the two or make them agree (DP = {world // (tp * pp)}).")
-    return world // (tp * pp * cp)
-
-
-def _context_world(args) -> int:
-    """The GPUs of one context-parallel rank's layout: ``--world-size`` / CP (a clear error if CP does not divide it)."""
-    cp = args.cp or 1
-    if cp < 1 or args.world_size % cp:
-        raise UserError(f"--context-parallel-size {cp} does not divide --world-size {args.world_size}: the world is "
-                        f"TP x CP x DP. Valid CP sizes for {args.world_size} GPUs: {divisors(args.world_size)}.")
-    return args.world_size // cp
+def _dims(args, model: Model) -> ParallelDims:
+    """The layout's sizes: on ``--world-size`` (or the recipe's GPUs) as :class:`ParallelDims` checks them,
+    listing the sizes the model allows; without a world, ``--data-parallel-size`` (default 1) sets it."""
+    cp = 1 if args.cp is None else args.cp
+    if args.world_size is None:
+        dp = 1 if args.dp is None else args.dp
+        check_positive(tp=args.tp, pp=args.pp, cp=cp, dp=dp)
+        return ParallelDims(tp=args.tp, cp=cp, dp=dp, pp=args.pp)
+    words = (f"the {args.world_size} GPUs of the {args.preset} recipe (give --world-size or --data-parallel-size "
+             f"for another GPU count)" if "world_size" in (args.recipe_layout or {}) else None)
+    c = model.config
+    return ParallelDims.of(World.gpus(args.world_size, words), args.tp, args.pp, cp, args.dp,
+                           max_tp=None if c is None else c.max_tensor_parallel_size(),
+                           max_pp=None if c is None else c.num_layers,
+                           cp_fits=None if c is None else lambda n: c.seq_length % (2 * n) == 0)
 
 
 def _context(args, model: Model, layout: Layout, hw: Hardware, train_tokens, result: dict) -> tuple[dict, str]:
@@ -375,7 +333,7 @@ def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dic
     from dataclasses import replace
 
     from ..training.simulate import simulate
-    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+    config = replace(model.shape, recompute_granularity="full" if layout.recompute else None,
                      recompute_activations=False)
     accum = layout.batch // (layout.micro_batch * layout.dp)
     sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
@@ -389,17 +347,18 @@ def _pipeline(args, model: Model, layout: Layout, hw: Hardware, train_tokens) ->
     if model.abstract:
         raise UserError(f"tnlg plan --pipeline-model-parallel-size {args.pp} does not take --params (an abstract "
                         f"model has no layers to split: give --preset or the shape flags).")
-    pp, c = args.pp, model.config
+    pp, c = args.pp, model.shape
     virtual = _virtual_stages(args, c)
     if args.simulate and virtual > 1:
         raise UserError("--simulate runs a pipeline stage in the 1f1b order, one model chunk per rank; the "
                         "interleaved schedule is not simulated. Drop --simulate, or plan --pipeline-schedule 1f1b.")
     check_stage_count(pp, c.num_layers)
-    m = check_micro_batches(pp, layout.batch, layout.micro_batch, layout.dp, args.pipeline_schedule)
     cp = args.cp or 1
+    dims = ParallelDims(tp=layout.tp, cp=cp, dp=layout.dp, pp=pp, vp=virtual)
+    m = dims.pipeline_micro_batches(layout.batch, layout.micro_batch, args.pipeline_schedule)
     plan = pipeline_plan(c, layout.tp, pp, layout.dp, layout.zero_stage, layout.precision, layout.micro_batch, m,
                          layout.recompute, args.pipeline_schedule, virtual, grads_fp32=layout.grads_fp32, cp=cp)
-    plan["gpus"] = pp * cp * layout.world_size
+    plan["gpus"] = dims.world
     plan["time"] = pipeline_time(c, plan, hw, layout.tp, layout.dp, layout.zero_stage, layout.precision,
                                  layout.micro_batch, layout.recompute, train_tokens)
     if args.simulate:
@@ -413,7 +372,7 @@ def _stage_simulations(model: Model, layout: Layout, pp: int, micro_batches: int
     from dataclasses import replace
 
     from ..training.simulate_pipeline import simulate_stage
-    config = replace(model.config, recompute_granularity="full" if layout.recompute else None,
+    config = replace(model.shape, recompute_granularity="full" if layout.recompute else None,
                      recompute_activations=False)
     sims = [simulate_stage(config, layout.tp, pp, layout.dp, stage, zero_stage=layout.zero_stage,
                            precision=layout.precision, micro_batch=layout.micro_batch, micro_batches=micro_batches,
@@ -431,15 +390,8 @@ def _check_interleaved_flags(args) -> None:
 def _virtual_stages(args, config: GPTConfig) -> int:
     """Model chunks per pipeline rank of ``--num-layers-per-virtual-pipeline-stage`` (1 without)."""
     _check_interleaved_flags(args)
-    n, pp, layers = args.layers_per_chunk, args.pp, config.num_layers
-    if n is None:
-        return 1
-    if layers % pp or (layers // pp) % n:
-        valid = divisors(layers // pp) if layers % pp == 0 else []
-        raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {layers / pp:g} layers per "
-                        f"stage ({layers} layers / --pp {pp}); valid: "
-                        f"{valid or f'none: the interleaved schedule needs --pp dividing {layers}'}.")
-    return layers // (pp * n)
+    n = args.layers_per_chunk
+    return 1 if n is None else interleaved_chunks(n, args.pp, config.num_layers)
 
 
 def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) -> tuple[dict, str]:
@@ -450,8 +402,8 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     if source is not None:
         flat["source"] = source
     if args.cp is not None:
-        check_context_parallel(model.config, args.cp)
-        _context_world(args)
+        check_context_parallel(model.shape, args.cp)
+        ParallelDims.of(World.gpus(args.world_size), cp=args.cp)
     if args.cp != 1 and args.pp in (None, 1):
         flat["context_parallel"] = search_context_parallel(model, args.world_size, hw, batch, args.precision,
                                                            train_tokens, [args.cp] if args.cp else None)
@@ -467,7 +419,7 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     # CP with the pipelines: the one --cp given, else 1 and every CP that divides the GPUs and whose 2 x CP
     # chunks divide the sequence
     cps = [args.cp] if args.cp is not None else [n for n in divisors(args.world_size)
-                                                 if model.config.seq_length % (2 * n) == 0 or n == 1]
+                                                 if model.shape.seq_length % (2 * n) == 0 or n == 1]
     flat["pipelines"] = search_pipelines(model, args.world_size, hw, batch, args.precision, train_tokens, args.pp,
                                          args.layers_per_chunk, cps)
     if args.pp is not None and "context_parallel" not in flat:  # one PP > 1: the pipeline table alone

@@ -105,7 +105,10 @@ def _run(args) -> int:
             print(note, flush=True)  # the workers see a --save and say nothing of it
         if not hasattr(args, "nproc_per_node"):
             extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
-        return relaunch("pretrain", add_arguments, args, nproc, extra=extra, max_restarts=o.parallel.max_restarts or 0)
+        status = relaunch("pretrain", add_arguments, args, nproc, extra=extra,
+                          max_restarts=o.parallel.max_restarts or 0)
+        assert status is not None  # (not under a launcher: relaunch starts the workers and returns their status)
+        return status
     notes = ([note] if note else []) + data_notes + describe(o.checkpoint_args)  # (a launcher said none of these)
     if notes and is_rank0():
         print("\n".join(notes), flush=True)

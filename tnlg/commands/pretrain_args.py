@@ -20,6 +20,7 @@ from ..options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Opt
 from ..options.checks import is_int
 from ..options.fields import add_options, option_fields, shown
 from ..options.recipes import RECIPES
+from ..options.parallel_dims import data_parallel_size
 from ..options.recorded import checkpoint_args
 
 __all__ = ["add_arguments", "resolve", "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
@@ -177,13 +178,11 @@ def _batch_defaults(opts: dict, said: set, world_size: int | None) -> None:
     """Megatron's global batch default (micro batch x DP); and when only the global batch is set, the
     largest micro batch up to the default that divides it over DP (never an error about a flag the user
     did not give)."""
-    tp, micro, gbs = opts["tensor_model_parallel_size"], opts["micro_batch_size"], opts["global_batch_size"]
-    pp = opts.get("pipeline_model_parallel_size", 1)
-    pp *= opts.get("context_parallel_size", 1) if is_int(opts.get("context_parallel_size", 1)) else 1  # (CP: as PP)
-    if world_size is None or not (is_int(tp) and tp > 0 and is_int(pp) and pp > 0 and world_size % (tp * pp) == 0
-                                  and is_int(micro) and micro > 0):
+    micro, gbs = opts["micro_batch_size"], opts["global_batch_size"]
+    dp = data_parallel_size(world_size, opts["tensor_model_parallel_size"], opts.get("pipeline_model_parallel_size", 1),
+                            opts.get("context_parallel_size", 1))  # (CP ranks read the same samples)
+    if dp is None or not (is_int(micro) and micro > 0):
         return
-    dp = world_size // (tp * pp)
     if gbs is None:
         opts["global_batch_size"] = micro * dp
     elif "micro_batch_size" not in said and is_int(gbs) and gbs > 0 and gbs % (micro * dp) and gbs % dp == 0:

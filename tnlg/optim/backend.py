@@ -102,3 +102,15 @@ class DataParallelBackend(Protocol):
 
     def close(self) -> None:
         """Release hooks and buffers that outlive the object otherwise (DeepSpeed's engine)."""
+
+
+@runtime_checkable
+class PipelineBackend(DataParallelBackend, Protocol):
+    """A backend a pipeline schedule drives (tnlg's flat ZeRO and FSDP2, not DeepSpeed's): the gradient
+    reduction switched on for the last backward only, and each gradient the optimizer steps as a view."""
+
+    def set_sync(self, is_last: bool) -> None:
+        """Reduce gradients over DP in the next backward only when ``is_last``."""
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """The gradient of parameter ``name`` the optimizer steps, as a view."""

@@ -178,8 +178,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, ps: Par
     (missing = replicated, which is only right when ``ps.tp_size == 1``).
     Collectives: see :func:`global_norm`.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [_local(p.grad) for p in params]
+    pairs = [(p, p.grad) for p in parameters if p.grad is not None]
+    params, grads = [p for p, _ in pairs], [_local(g) for _, g in pairs if g is not None]
     # a shared key/value group (rows several TP ranks hold) counts once, on the lowest rank holding it
     counted = [g.reshape(-1)[uncounted_elements(p, ps.tp_rank):] for g, p in zip(grads, params)]
     sh, rep = squared_sums((g, bool(getattr(p, "tp_sharded", False))) for g, p in zip(counted, params))

@@ -48,7 +48,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,7 +108,7 @@ def _import_deepspeed(ps: ParallelState):
         # that only DeepSpeed *inference* uses; training collectives go through torch.distributed (gloo).
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm.torch is torch itself
         if hasattr(ds_torch_comm, "build_shm_op"):
-            ds_torch_comm.build_shm_op = lambda: None
+            ds_torch_comm.build_shm_op = lambda: None  # type: ignore[attr-defined]  # (hasattr above: some versions lack it)
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines would bury our log
     # DeepSpeed calls collectives torch has renamed; the warning (once per call) is not the user's to act on
     warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
@@ -285,7 +285,8 @@ class DeepSpeedBackend:
         states = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         if self.zero_stage == 3:
-            param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.params)
+            param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()  # type: ignore[attr-defined]
+                              for p in self.params)  # (DeepSpeed's ZeRO-3 partition, set on each parameter)
         else:
             param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         numel = sum(math.prod(s) for s in self.param_shapes().values())
@@ -320,15 +321,16 @@ def build_deepspeed_engine(model: nn.Module, ps: ParallelState, zero_stage: int 
     tp_group, dp_group = real_groups(ps)
     for n, p in named:
         flag = is_tp_sharded(n, p, ps)
-        p.model_parallel = flag           # what DeepSpeed's norm reads (is_model_parallel_parameter)
-        p.tensor_model_parallel = flag
+        # what DeepSpeed's norm reads (is_model_parallel_parameter); attributes torch's stubs do not know
+        p.model_parallel = flag  # type: ignore[attr-defined]
+        p.tensor_model_parallel = flag  # type: ignore[attr-defined]
     decay = [p for n, p in named if decay_fn(n, p)]
     no_decay = [p for n, p in named if not decay_fn(n, p)]
     groups = [dict(params=g, weight_decay=wd) for g, wd in ((decay, float(weight_decay)), (no_decay, 0.0)) if g]
-    optimizer = torch.optim.AdamW(groups, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
+    optimizer = torch.optim.AdamW(groups, lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                                   foreach=False)
     bucket = max(1, int(bucket_size_mb * MiB) // next(iter(named))[1].element_size())
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": int(micro_batch_size),
         "gradient_accumulation_steps": int(grad_accum_steps),
         "gradient_clipping": float(clip_grad) if clip_grad > 0 else 0.0,

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..parallel.state import ParallelState
-from .backend import DataParallelBackend
+from .backend import DataParallelBackend, PipelineBackend
 from .fsdp import FSDPZero
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
@@ -145,15 +145,23 @@ class Engine:
         factor = 1.0 / self.grad_accum_steps
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.scale
-        self.backend.set_sync(False)
+        backend = self._pipeline_backend()
+        backend.set_sync(False)
         run(factor)
-        self.backend.set_sync(True)  # step's finish_grad_sync launches every bucket's reduction
+        backend.set_sync(True)  # step's finish_grad_sync launches every bucket's reduction
         self._micro = self.grad_accum_steps
 
     def grad_view(self, name: str) -> torch.Tensor:
         """The gradient of parameter ``name`` the optimizer steps, as a view: into the flat buffer (stages 0/1),
         or this rank's FSDP shard of it after the reduce-scatter (stages 2/3)."""
-        return self.backend.grad_view(name)
+        return self._pipeline_backend().grad_view(name)
+
+    def _pipeline_backend(self) -> PipelineBackend:
+        """The backend as a pipeline drives it; a clear error for one that cannot (DeepSpeed's)."""
+        if not isinstance(self.backend, PipelineBackend):
+            raise UserError(f"a pipeline schedule runs with tnlg's ZeRO (--zero-impl tnlg), not with the "
+                            f"{self.backend.impl} backend.")
+        return self.backend
 
     def step(self, lr: Optional[float] = None, loss: Optional[torch.Tensor] = None) -> dict:
         """Finish the gradient reduction, clip, update; returns ``grad_norm`` (before clipping, unscaled),
@@ -344,6 +352,7 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     init_fn = init_fn or getattr(model, "initial_shard", None)
     kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn, param_dtype=param_dtype,
               init_fn=init_fn)
+    backend: DataParallelBackend
     if fsdp:
         backend = FSDPZero(model, ps, zero_stage, **kw)
     else:

@@ -38,7 +38,7 @@ parameters are copied onto FSDP's sharded parameters, which FSDP creates anew.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -51,12 +51,24 @@ from .sharded_adamw import Run, ShardedAdamW
 from .sharded_backend import ShardedBackend
 from .zero import default_decay
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["FSDPZero", "fsdp_units"]
+
+
+def _dt(t: Optional[torch.Tensor]) -> "DTensor":
+    """``t``, a parameter ``fully_shard`` made a DTensor, or its gradient (torch's stubs keep both typed as
+    plain tensors); a ``TypeError`` for anything else (a bug, not input)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        raise TypeError(f"expected a DTensor (a parameter FSDP2 shards, or its gradient), got {type(t).__name__}.")
+    return t
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """Modules wrapped as their own FSDP unit: the elements of every ``nn.ModuleList``."""
-    units = []
+    units: list[nn.Module] = []
     for m in model.modules():
         if isinstance(m, nn.ModuleList):
             units.extend(m)
@@ -72,10 +84,10 @@ class ChunkModules(nn.Module):
     reduction off for every micro batch's backward and reduce-scatters the accumulated gradients once,
     after the last (``PipelineStage.perform_reduce_grad``)."""
 
-    def __init__(self, chunk: nn.Module):
+    def __init__(self, chunk: Any):  # a PipelineChunk (its stage, layers, first/last and forward are read)
         super().__init__()
         t = chunk.stage.transformer
-        self.chunk = chunk  # registers no parameters itself
+        self.chunk: Any = chunk  # registers no parameters itself
         self.blocks = nn.ModuleList(t.h[str(i)] for i in chunk.layers)
         stage = chunk.stage
         ends = [stage.lm_head if n == "lm_head" else t[n]
@@ -84,7 +96,7 @@ class ChunkModules(nn.Module):
             self.add_module(f"end{i}", m)
 
     @property
-    def stage(self) -> nn.Module:
+    def stage(self) -> Any:
         """The chunk's :class:`~tnlg.parallel.pipeline.StageModel` (what a pipeline stage's record names)."""
         return self.chunk.stage
 
@@ -102,7 +114,8 @@ def fsdp_roots(model: nn.Module) -> list[nn.Module]:
     :class:`ChunkModules` per model chunk (the stage model's own forward never runs)."""
     if not hasattr(model, "chunk_ranges"):
         return [model]
-    return [ChunkModules(model.chunk(k)) for k in range(len(model.chunk_ranges))]
+    stage: Any = model  # a StageModel: its chunks
+    return [ChunkModules(stage.chunk(k)) for k in range(len(stage.chunk_ranges))]
 
 
 class FSDPZero(ShardedBackend):
@@ -111,6 +124,7 @@ class FSDPZero(ShardedBackend):
     impl = "fsdp"
     grads_sharded_over_dp = True
     pieces_sharded_over_dp = True
+    params: list["DTensor"]  # (fully_shard's parameters)
 
     def __init__(self, model: nn.Module, ps: ParallelState, stage: int, *, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay: float = 0.0, decay_fn: Callable[[str, torch.Tensor], bool] = default_decay,
@@ -143,7 +157,7 @@ class FSDPZero(ShardedBackend):
                 copy_tp_attributes(originals[n], p)
         self.names = [n for n, _ in named]
         self._index = {n: i for i, n in enumerate(self.names)}
-        self.params = [p for _, p in named]
+        self.params = [_dt(p) for _, p in named]
         self.dtype = self.params[0].dtype
         self.tp_sharded = [flags[n] for n in self.names]
         # what the gradient norm counts: all but the last pipeline stage's copy of the tied embedding
@@ -160,6 +174,7 @@ class FSDPZero(ShardedBackend):
 
         ps = self.ps
         mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
+        assert ps.dp_group is not None  # (__init__ refuses a DP of one rank)
         self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
         self.roots = fsdp_roots(model)
         for root in self.roots:
@@ -167,7 +182,9 @@ class FSDPZero(ShardedBackend):
                 fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
             fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
         if self.roots[0] is not model:
-            model.pipeline_chunks = self.roots  # what the pipeline's stages run (tnlg.parallel.pipeline_schedule)
+            # what the pipeline's stages run (tnlg.parallel.pipeline_schedule); a plain attribute, which
+            # nn.Module's stubs type as a tensor or a module
+            model.pipeline_chunks = self.roots  # type: ignore[assignment]
         self.model = model
         self.materialized = ps.device.type != "meta"
         if any(p.device.type == "meta" for _, p in before) and self.materialized:
@@ -177,7 +194,8 @@ class FSDPZero(ShardedBackend):
                 root.to_empty(device=ps.device)
             with torch.no_grad():
                 for (n, orig), (_, p) in zip(before, model.named_parameters()):
-                    p.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), p))
+                    local = _dt(p)
+                    local.to_local().copy_(self._local_of(init_fn(n, orig).to(p.dtype), local))
 
     def _build_optimizer(self, betas, eps: float, weight_decay: float) -> None:
         """Adam moments (and the fp32 master of 16-bit parameters) of the local shards, and
@@ -185,8 +203,11 @@ class FSDPZero(ShardedBackend):
         are upcast at a time); gradients are attached at each step."""
         self.exp_avg = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p.to_local(), dtype=torch.float32) for p in self.params]
-        self.master = [None if p.dtype == torch.float32 else p.to_local().detach().float() for p in self.params]
-        self.runs, groups, size = [], [[]], 0
+        self.master: list[Optional[torch.Tensor]] = [None if p.dtype == torch.float32 else
+                                                     p.to_local().detach().float() for p in self.params]
+        self.runs: list[Run] = []
+        groups: list[list[Run]] = [[]]
+        size = 0
         for p, m, v, mst, d in zip(self.params, self.exp_avg, self.exp_avg_sq, self.master, self.decay):
             local = p.to_local()
             run = Run(target=(local if mst is None else mst).view(-1), grad=None, exp_avg=m.view(-1),
@@ -202,7 +223,9 @@ class FSDPZero(ShardedBackend):
     # ----------------------------------------------------------------- gradient sync
     def set_sync(self, is_last: bool) -> None:
         """Reduce-scatter gradients only in the last micro step's backward."""
+        from torch.distributed.fsdp import FSDPModule
         for root in self.roots:
+            assert isinstance(root, FSDPModule)  # (fully_shard made it one)
             root.set_requires_gradient_sync(is_last)
 
     def finish_grad_sync(self) -> None:
@@ -210,7 +233,7 @@ class FSDPZero(ShardedBackend):
 
     def _local_grads(self):
         for p in self.params:
-            yield None if p.grad is None else p.grad.to_local()
+            yield None if p.grad is None else _dt(p.grad).to_local()
 
     def grad_pieces(self):
         dp, rank = self.ps.dp_size, self.ps.dp_rank
@@ -223,14 +246,14 @@ class FSDPZero(ShardedBackend):
 
     def grad_view(self, name: str) -> torch.Tensor:
         """This rank's shard of parameter ``name``'s gradient (after the reduce-scatter), a view."""
-        return self.params[self._index[name]].grad.to_local()
+        return _dt(self.params[self._index[name]].grad).to_local()
 
     @torch.no_grad()
     def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:
         """AdamW on ``grad_factor`` times the local shards' gradients (unused parameters, without a
         gradient, are skipped as ``torch.optim`` skips them)."""
         for p, run in zip(self.params, self.runs):
-            run.grad = None if p.grad is None else p.grad.to_local().view(-1)
+            run.grad = None if p.grad is None else _dt(p.grad).to_local().view(-1)
         self.optimizer.step(lr, grad_factor)
         for run in self.runs:
             run.grad = None
@@ -254,7 +277,7 @@ class FSDPZero(ShardedBackend):
             run.grad = None
 
     # ----------------------------------------------------------------- state exchange (checkpoints)
-    def _local_of(self, full: torch.Tensor, p) -> torch.Tensor:
+    def _local_of(self, full: torch.Tensor, p: "DTensor") -> torch.Tensor:
         """This rank's FSDP shard of a (TP-shard) tensor; local slicing, no communication."""
         from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements,
@@ -286,7 +309,7 @@ class FSDPZero(ShardedBackend):
     @torch.no_grad()
     def load_param(self, name: str, value: torch.Tensor) -> None:
         """Keep this rank's shard of a full (over DP) value; no communication."""
-        p = self._checked(name, value)
+        p = _dt(self._checked(name, value))
         p.to_local().copy_(self._local_of(value.to(p.dtype), p))
 
     @torch.no_grad()

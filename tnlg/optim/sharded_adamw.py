@@ -35,7 +35,7 @@ a checkpoint).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,7 @@ class Run:
     """One contiguous owned range with one weight-decay setting: views of the same length."""
 
     target: torch.Tensor          # what AdamW updates: the fp32 master, or the parameter itself
-    grad: torch.Tensor            # its gradient (16-bit or fp32 for a master)
+    grad: Optional[torch.Tensor]  # its gradient (16-bit or fp32 for a master); None between steps
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: bool
@@ -78,14 +78,17 @@ class ShardedAdamW:
     def _add_torch_adamw(self, runs: list[Run]) -> None:
         """``torch.optim.AdamW`` over parameters that are views of the runs' targets, the moments views
         of theirs (placed into its state before the first step)."""
-        decay, no_decay, params = [], [], []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        params: list[nn.Parameter] = []
         for r in runs:
             p = nn.Parameter(r.target, requires_grad=False)  # a view: updates write through
             params.append(p)
             (decay if r.decay else no_decay).append(p)
         device = runs[0].target.device
-        groups_kw = [dict(params=decay, weight_decay=self.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        opt_kw = dict(lr=0.0, betas=self.betas, eps=self.eps)
+        groups_kw: list[dict[str, Any]] = [dict(params=decay, weight_decay=self.weight_decay),
+                                           dict(params=no_decay, weight_decay=0.0)]
+        opt_kw: dict[str, Any] = dict(lr=0.0, betas=self.betas, eps=self.eps)
         try:
             opt = torch.optim.AdamW(groups_kw, fused=True, **opt_kw)
         except RuntimeError:  # no fused kernel for this device in this torch
@@ -119,7 +122,7 @@ class ShardedAdamW:
                     p.grad.mul_(grad_factor)
             for g in opt.param_groups:
                 g["lr"] = lr
-            opt.grad_scale = scale
+            opt.grad_scale = scale  # type: ignore[attr-defined]  # torch's fused AdamW reads it; its stubs omit it
             opt.step()
             for p in params:
                 p.grad = None

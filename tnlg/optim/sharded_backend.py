@@ -20,7 +20,7 @@ gradients are sharded, one over TP of the sharded sum; the one host read of the 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,26 @@ class ShardedBackend:
 
     ps: ParallelState
     names: list[str]
-    params: list[torch.Tensor]
+    params: Sequence[torch.Tensor]
     _index: dict[str, int]
+    grads_sharded_over_dp: bool   # every DP rank holds a different part of the gradients (the norm's sum)
+    pieces_sharded_over_dp: bool  # ... of the optimizer states
+
+    # each backend's own (FlatZero, FSDPZero): the reduction, the gradients it owns, its AdamW, its pieces
+    def set_sync(self, is_last: bool) -> None:
+        raise NotImplementedError
+
+    def finish_grad_sync(self) -> None:
+        raise NotImplementedError
+
+    def grad_pieces(self) -> Iterable[tuple[torch.Tensor, bool]]:
+        raise NotImplementedError
+
+    def adam_step(self, lr: float, grad_factor: float = 1.0) -> None:
+        raise NotImplementedError
+
+    def owned_pieces(self) -> list[dict]:
+        raise NotImplementedError
 
     def backward(self, loss: torch.Tensor, factor: float, is_last: bool) -> None:
         """Backward of ``loss * factor``; the backend's gradient reduction runs only when ``is_last``."""

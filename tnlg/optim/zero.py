@@ -340,8 +340,8 @@ class FlatZero(ShardedBackend):
     @torch.no_grad()
     def refresh_master(self) -> None:
         """Copy the owned parameter slices into the fp32 master."""
-        if self.master is not None:
-            for v in self.shards_views:
+        for v in self.shards_views:
+            if v.master is not None:  # (every view has one when the backend keeps a master)
                 v.master.copy_(v.param)
 
     def memory_report(self) -> dict:

@@ -4,8 +4,8 @@ fields (:mod:`.fields`). Torch-free: the ``--help`` path imports it."""
 
 from .components import (COMPONENTS, DEFAULT_NPROC, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
-from .run import OPTION_NAMES, Options, model_config, option_defaults
+from .run import MUST_MATCH, OPTION_NAMES, Options, model_config, option_defaults
 
 __all__ = ["Options", "ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
-           "LoggingOptions", "CheckpointOptions", "COMPONENTS", "OPTION_NAMES", "DEFAULT_NPROC", "option_defaults",
+           "LoggingOptions", "CheckpointOptions", "COMPONENTS", "OPTION_NAMES", "MUST_MATCH", "DEFAULT_NPROC", "option_defaults",
            "model_config"]

@@ -9,12 +9,13 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import LR_DECAY_STYLES, GPTConfig, pretrain_fields
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
-from .fields import flag_of, option
+from .fields import check_declared, flag_of, option
+from .parallel_dims import FLAGS, check_positive
 
 __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
            "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
@@ -34,11 +35,7 @@ def _model_options() -> type:
         specs.append((f.name, hints[f.name], dataclasses.field(default=default, metadata=meta)))
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            wrong = f.metadata["check"](getattr(self, f.name)) if f.metadata.get("check") else None
-            if wrong:
-                flag = (f.metadata["flags"] or (f.metadata["negative"] or flag_of(f.name),))[0]
-                raise UserError(f"{flag} must {wrong}, got {getattr(self, f.name)!r}.")
+        check_declared(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     return dataclasses.make_dataclass("ModelOptions", specs, namespace={
         "__post_init__": __post_init__, "__module__": __name__,
@@ -46,7 +43,15 @@ def _model_options() -> type:
                    ":class:`tnlg.config.GPTConfig`."})
 
 
-ModelOptions = _model_options()
+if TYPE_CHECKING:
+    class ModelOptions:
+        """What the type checker sees of the dataclass made below: GPTConfig's ``pretrain`` fields."""
+
+        def __init__(self, **fields: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    ModelOptions = _model_options()
 
 
 @dataclass
@@ -96,13 +101,14 @@ class ScheduleOptions:
 
 @dataclass
 class ParallelOptions:
-    """The layout: TP inside groups, ZeRO data parallelism across them, and the local processes."""
-    tensor_model_parallel_size: int = option(1, flags=("--tensor-model-parallel-size", "--tp"),
+    """The layout: TP inside groups, ZeRO data parallelism across them, and the local processes (checked
+    against the processes by :class:`~tnlg.options.parallel_dims.ParallelDims`, whose flags these are)."""
+    tensor_model_parallel_size: int = option(1, flags=FLAGS["tp"],
                                              help="TP size (any size up to the head count)")
-    pipeline_model_parallel_size: int = option(1, flags=("--pipeline-model-parallel-size", "--pp"),
+    pipeline_model_parallel_size: int = option(1, flags=FLAGS["pp"],
                                                help="pipeline stages: the layers split over this many ranks "
                                                "(world = PP x TP x DP); see docs/pipeline.md for what runs with it")
-    context_parallel_size: int = option(1, flags=("--context-parallel-size", "--cp"),
+    context_parallel_size: int = option(1, flags=FLAGS["cp"],
                                         help="context-parallel ranks: each sequence split into 2 x CP chunks, "
                                         "attention by a ring (world = TP x CP x DP; docs/context_parallel.md)")
     pipeline_schedule: str = option("1f1b", choices=["1f1b", "gpipe", "interleaved"],
@@ -122,7 +128,7 @@ class ParallelOptions:
     zero_impl: str = option("tnlg", choices=["tnlg", "deepspeed"], help="ZeRO implementation: tnlg (our own "
                             "for 0/1, FSDP2 for 2/3) or deepspeed (DeepSpeed's ZeRO 1-3 over our DP group; "
                             "optional: pip install --no-build-isolation \"deepspeed>=0.14\")")
-    nproc_per_node: Optional[int] = option(None, help="launch this many local processes (torch's elastic "
+    nproc_per_node: Optional[int] = option(None, flags=FLAGS["nproc"], help="launch this many local processes (torch's elastic "
                                            "launcher) unless already under torchrun",
                                            every=f"one per GPU when GPUs are present, else {DEFAULT_NPROC}")
     max_restarts: int = option(0, help="with --nproc-per-node: restart the group this many times after a "
@@ -131,7 +137,8 @@ class ParallelOptions:
     bucket_size_mb: float = option(25.0, cli=False)  # gradient bucket size (config file only)
 
     def __post_init__(self):
-        positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        check_positive(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
+                       cp=self.context_parallel_size)
         optional_positive_int(self, "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                               "decoder_last_pipeline_num_layers")
         if self.pipeline_schedule not in ("1f1b", "gpipe", "interleaved"):
@@ -163,6 +170,13 @@ class DataOptions:
         if self.data_path is not None:  # X.bin, X.idx and X all mean the dataset X: recorded as X
             from ..data.gpt_dataset import normalize_data_path
             self.data_path = normalize_data_path(self.data_path)
+
+    def tokenizer_path(self) -> str:
+        """``--tokenizer-model`` of a run that trains (``--data-path`` requires it; the built-in job's is set
+        when its corpus is prepared)."""
+        if self.tokenizer_model is None:
+            raise UserError("training needs --tokenizer-model (the tokenizer the data was preprocessed with).")
+        return self.tokenizer_model
 
     def check_files(self) -> None:
         """The datasets and the tokenizer can be read (reads their headers; imports the data modules)."""

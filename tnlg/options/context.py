@@ -6,6 +6,7 @@ Torch-free (read at option resolution, before any process starts).
 from __future__ import annotations
 
 from ..errors import UserError
+from .parallel_dims import check_context_sequence
 
 __all__ = ["check_context_parallel_options"]
 
@@ -15,12 +16,7 @@ def check_context_parallel_options(o) -> None:
     par, cp = o.parallel, o.parallel.context_parallel_size
     if cp == 1:
         return
-    s = o.model.seq_length
-    if s % (2 * cp):
-        valid = [c for c in range(1, 9) if s % (2 * c) == 0]
-        raise UserError(f"--context-parallel-size {cp}: each sequence is cut into 2 x {cp} = {2 * cp} equal chunks "
-                        f"(rank r holds chunks r and {2 * cp - 1}-r), so 2 x CP must divide --seq-length {s}. Valid CP "
-                        f"sizes up to 8 for {s} tokens: {valid}; or a --seq-length that is a multiple of {2 * cp}.")
+    check_context_sequence(cp, o.model.seq_length)
     refused = [(par.zero_impl == "deepspeed", "--zero-impl deepspeed (DeepSpeed's engine does not reduce "
                 "gradients over DP x CP); use --zero-impl tnlg (ZeRO 0-3)"),
                (o.model.attention_dropout > 0, f"--attention-dropout {o.model.attention_dropout:g} (the ring "

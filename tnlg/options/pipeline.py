@@ -1,17 +1,16 @@
 """The checks of ``--pipeline-model-parallel-size`` and its companions, before any process does work.
 
 Torch-free (``tnlg pretrain --help`` and option checks import this): the layer split is checked
-with the same arithmetic :mod:`tnlg.parallel.pipeline` uses.
+with the same arithmetic :mod:`tnlg.parallel.pipeline` uses. The stages against the processes, and the
+micro batches against the stages, are the layout's (:class:`tnlg.options.parallel_dims.ParallelDims`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..config import divisors, stage_layer_counts
 from ..errors import UserError
 
-__all__ = ["check_pipeline", "check_micro_batches", "check_pipeline_world", "check_stage_count", "virtual_stages", "UNSUPPORTED"]
+__all__ = ["check_pipeline", "check_stage_count", "interleaved_chunks", "virtual_stages", "UNSUPPORTED"]
 
 # what --pp > 1 does not run with yet: (is it set in the run's Options?, what to write)
 UNSUPPORTED = (
@@ -27,9 +26,9 @@ def virtual_stages(par, num_layers: int) -> int:
     return 1 if par.pipeline_schedule != "interleaved" or n is None else num_layers // (pp * n)
 
 
-def check_pipeline(o, world_size: Optional[int]) -> None:
-    """A clear :class:`UserError` for a pipeline layout of options ``o`` (:class:`~tnlg.options.Options`)
-    that cannot run (``world_size``: when known)."""
+def check_pipeline(o) -> None:
+    """A clear :class:`UserError` for a pipeline of options ``o`` (:class:`~tnlg.options.Options`) that
+    cannot run: its flags without stages, what it does not run with, its layer split."""
     par = o.parallel
     pp = par.pipeline_model_parallel_size
     extras = [flag for flag, set_ in (("--pipeline-schedule " + par.pipeline_schedule,
@@ -49,8 +48,17 @@ def check_pipeline(o, world_size: Optional[int]) -> None:
                         f"DP and recomputation, with checkpoints, validation and the final sample "
                         f"(docs/pipeline.md); drop those options or use --pp 1.")
     _check_layers(par, o.model.num_layers)
-    if world_size is not None:
-        _check_world(par, o.schedule, world_size)
+
+
+def interleaved_chunks(n: int, pp: int, layers: int) -> int:
+    """Model chunks per pipeline rank of the interleaved schedule, ``layers / (pp x n)`` for ``n`` layers
+    per chunk; one message when ``n`` does not divide the layers per stage (``tnlg plan``'s check too)."""
+    if layers % pp or (layers // pp) % n:
+        valid = divisors(layers // pp) if layers % pp == 0 else []
+        raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {layers / pp:g} layers per "
+                        f"stage ({layers} layers / --pp {pp}); valid: "
+                        f"{valid or f'none: the interleaved schedule needs --pp dividing {layers}'}.")
+    return layers // (pp * n)
 
 
 def check_stage_count(pp: int, layers: int) -> None:
@@ -70,49 +78,9 @@ def _check_layers(par, layers: int) -> None:
         if par.decoder_first_pipeline_num_layers or par.decoder_last_pipeline_num_layers:
             raise UserError("--decoder-first/last-pipeline-num-layers is not supported with the interleaved "
                             "schedule yet (its chunks are equal); drop it or use --pipeline-schedule 1f1b.")
-        if layers % pp or (layers // pp) % n:
-            per = layers / pp
-            valid = divisors(layers // pp) if layers % pp == 0 else []
-            raise UserError(f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per:g} layers per "
-                            f"stage ({layers} layers / --pp {pp}); valid: "
-                            f"{valid if valid else f'none: the interleaved schedule needs --pp dividing {layers}'}.")
+        interleaved_chunks(n, pp, layers)
     elif n is not None:
         raise UserError(f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not "
                         f"--pipeline-schedule {par.pipeline_schedule}; drop one of them.")
     if par.pipeline_schedule != "interleaved":
         stage_layer_counts(layers, pp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-
-
-def check_pipeline_world(pp: int, tp: int, world_size: int) -> None:
-    """The stages must divide the processes TP leaves (a TP that does not divide them is said elsewhere)."""
-    if world_size % tp == 0 and (world_size // tp) % pp:
-        rest = world_size // tp
-        valid = divisors(rest)
-        raise UserError(f"--pipeline-model-parallel-size {pp} does not divide the {world_size} processes / TP {tp} "
-                        f"= {rest}; valid pipeline sizes at --tp {tp} on {world_size} processes: {valid}.")
-
-
-def _check_world(par, schedule, world_size: int) -> None:
-    pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
-    micro, gbs = schedule.micro_batch_size, schedule.global_batch_size
-    check_pipeline_world(pp, tp, world_size)
-    dp = max(1, world_size // (tp * pp * par.context_parallel_size))  # (CP ranks read the same samples)
-    if gbs is None or gbs % (micro * dp):
-        return  # the global-batch check says it
-    check_micro_batches(pp, gbs, micro, dp, par.pipeline_schedule)
-
-
-def check_micro_batches(pp: int, gbs: int, micro: int, dp: int, schedule: str) -> int:
-    """The micro batches per step ``gbs / (micro x dp)`` (which divides); a clear :class:`UserError` where the
-    schedule cannot run them (also ``tnlg plan --pp``'s check)."""
-    m = gbs // (micro * dp)
-    if m < pp:
-        raise UserError(f"{m} micro batch(es) per step (--global-batch-size {gbs} / (--micro-batch-size {micro} x "
-                        f"data-parallel size {dp})) is fewer than the {pp} pipeline stages; the schedule needs at "
-                        f"least one micro batch per stage. Give --global-batch-size {pp * micro * dp} or more.")
-    rounds = max(1, m // pp)
-    if schedule == "interleaved" and m % rounds:
-        raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
-                        f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
-                        f"--global-batch-size {rounds * pp * micro * dp} or {(rounds + 1) * pp * micro * dp}.")
-    return m

@@ -4,29 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from ..config import GPTConfig, divisors
+from ..config import GPTConfig
 from ..errors import UserError
 from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
 from .context import check_context_parallel_options
-from .pipeline import check_pipeline
+from .parallel_dims import ParallelDims, World
+from .pipeline import check_pipeline, virtual_stages
 
-__all__ = ["Options", "OPTION_NAMES", "option_defaults", "model_config"]
+__all__ = ["Options", "OPTION_NAMES", "MUST_MATCH", "option_defaults", "model_config"]
 
 # every option's name -> the component that holds it
 _OWNER = {f.name: attr for attr, cls, _ in COMPONENTS for f in option_fields(cls)}
 OPTION_NAMES = tuple(_OWNER)
+# the options marked must_match (tnlg.options.DataOptions): they define the samples, so a resumed run gives the
+# checkpoint's (handed to tnlg.checkpoint as data: the checkpoint package does not import the options)
+MUST_MATCH = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.metadata["must_match"])
 
 
 def option_defaults() -> dict:
     """Every option's default (``--preset`` and ``--config``: None)."""
-    out = dict(preset=None, config=None)
+    out: dict[str, Any] = dict(preset=None, config=None)
     for _, cls, _ in COMPONENTS:
         for f in option_fields(cls):
-            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            factory = f.default_factory
+            out[f.name] = factory() if f.default is dataclasses.MISSING and callable(factory) else f.default
     return out
 
 
@@ -86,29 +91,30 @@ class Options:
         self.checkpoint.check_load()
         self.logging.check_loggers()
 
-    def check_layout(self, world_size: Optional[int]) -> None:
-        """The pipeline's layout and, on ``world_size`` processes (when known), TP, PP and the global batch
-        against them: at resolve, and again once the processes joined (a layout resolve did not know)."""
-        check_pipeline(self, world_size)
+    def check_layout(self, world_size: Optional[int]) -> Optional[ParallelDims]:
+        """The pipeline's layout and, on ``world_size`` processes (when known), the parallel sizes and the
+        global batch against them: at resolve, and again once the processes joined (a layout resolve did not
+        know). Returns the layout on ``world_size`` (``None`` when unknown)."""
+        check_pipeline(self)
         if world_size is None:
-            return
-        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+            return None
+        dims = self.dims(world_size)
         micro, gbs = self.schedule.micro_batch_size, self.schedule.global_batch_size
-        if world_size % tp:
-            valid = divisors(world_size)
-            raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world_size} processes; "
-                            f"valid sizes for {world_size} processes: {valid}.")
-        cp = self.parallel.context_parallel_size
-        if (world_size // tp) % (pp * cp):
-            raise UserError(f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} does not divide "
-                            f"the {world_size} processes / --tensor-model-parallel-size {tp} = {world_size // tp}: "
-                            f"the world is TP x CP x DP x PP. Valid CP sizes here: {divisors(world_size // (tp * pp))}.")
-        dp = world_size // (tp * pp * cp)  # (check_pipeline: PP divides the rest)
-        if gbs % (micro * dp):
-            raise UserError(
-                f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x data-parallel size "
-                f"{dp} (= {micro * dp}); the global batch is micro batch x DP x accumulation steps. Try "
-                f"--global-batch-size {max(1, gbs // (micro * dp)) * micro * dp}.")
+        assert gbs is not None  # (the default, micro batch x DP, is set once the layout is known)
+        if dims.pp > 1:
+            dims.pipeline_micro_batches(gbs, micro, self.parallel.pipeline_schedule)
+        else:
+            dims.micro_batches(gbs, micro)
+        return dims
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """This run's layout on ``world_size`` processes: one message for a size that does not fit, listing
+        the sizes that would (TP up to the head count, CP whose 2 x CP chunks divide the sequence)."""
+        par, m = self.parallel, self.model
+        return ParallelDims.of(World.processes(world_size), par.tensor_model_parallel_size,
+                               par.pipeline_model_parallel_size, par.context_parallel_size,
+                               vp=virtual_stages(par, m.num_layers), max_tp=m.num_attention_heads,
+                               cp_fits=lambda c: m.seq_length % (2 * c) == 0)
 
 
 def model_config(o: Options, vocab_size: int) -> GPTConfig:

@@ -37,8 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import divisors
 from ..errors import UserError, agreed
+from ..options.parallel_dims import ParallelDims, World
 
 __all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
            "agree_on_failure", "from_rank0"]
@@ -70,14 +70,18 @@ class ParallelState:
     dp_cp_group: Optional[dist.ProcessGroup] = None
 
     @property
+    def dims(self) -> ParallelDims:
+        """The layout's sizes (:class:`~tnlg.options.parallel_dims.ParallelDims`)."""
+        return ParallelDims(tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, pp=self.pp_size)
+
+    @property
     def rank(self) -> int:
         """Global rank in the TP-contiguous layout (TP innermost, then CP, then DP, then PP)."""
-        return ((self.pp_rank * self.dp_size + self.dp_rank) * self.cp_size + self.cp_rank) * self.tp_size \
-            + self.tp_rank
+        return self.dims.rank(tp=self.tp_rank, cp=self.cp_rank, dp=self.dp_rank, pp=self.pp_rank)
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.tp_size * self.cp_size * self.dp_size
+        return self.dims.world
 
     def for_gradients(self) -> "ParallelState":
         """The state the data-parallel engine reduces gradients over: DP x CP as its "DP" (every CP rank
@@ -166,28 +170,11 @@ def _device_for_backend(backend: str) -> torch.device:
 
 
 def _check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                  context_parallel_size: int = 1) -> None:
-    _check_divides("tensor_parallel_size", tensor_parallel_size, world_size, f"the world size {world_size}",
-                   "every tensor-parallel group", f"Valid tensor-parallel sizes for {world_size} processes")
-    rest = world_size // tensor_parallel_size
-    if context_parallel_size != 1:
-        _check_divides("context_parallel_size", context_parallel_size, rest,
-                       f"world size / tensor-parallel size = {world_size} / {tensor_parallel_size} = {rest}",
-                       "every context-parallel group",
-                       f"Valid context-parallel sizes at tensor-parallel size {tensor_parallel_size}")
-        rest //= context_parallel_size
-    _check_divides("pipeline_parallel_size", pipeline_parallel_size, rest,
-                   f"world size / tensor-parallel size = {world_size} / {tensor_parallel_size} = {rest}",
-                   "every pipeline", f"Valid pipeline-parallel sizes at tensor-parallel size {tensor_parallel_size}")
-
-
-def _check_divides(name: str, size, total: int, what: str, complete: str, valid: str) -> None:
-    """``size`` a positive integer dividing ``total`` (``what``), else one message listing the valid sizes."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name} must be a positive integer, got {size!r}.")
-    if total % size != 0:
-        raise ValueError(f"{name}={size} does not divide {what}: {complete} must be complete. {valid}: "
-                         f"{divisors(total)}.")
+                  context_parallel_size: int = 1) -> ParallelDims:
+    """The layout of these sizes on ``world_size`` processes (:meth:`ParallelDims.of`: one message naming the
+    size that does not fit and the valid ones; a :class:`UserError`, so a ``ValueError``)."""
+    return ParallelDims.of(World(world_size, f"the world size {world_size}", keyword=True), tensor_parallel_size,
+                           pipeline_parallel_size, context_parallel_size)
 
 
 def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
@@ -229,13 +216,10 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
         backend = backend or ("nccl" if pick_device(device).type == "cuda" else "gloo")
         return ParallelState(device=_device_for_backend(backend))
 
-    _check_layout(world, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
-    dp = world // (tp * pp * cp)
-    groups = _new_groups(rank, tp, dp, pp, timeout, cp)
-    return ParallelState(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // (tp * cp) % dp, dp_size=dp,
-                         pp_rank=rank // (tp * cp * dp), pp_size=pp, cp_rank=rank // tp % cp, cp_size=cp, **groups,
-                         device=_device_for_backend(backend))
+    dims = _check_layout(world, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+    groups = _new_groups(rank, dims.tp, dims.dp, dims.pp, timeout, dims.cp)
+    return ParallelState(tp_size=dims.tp, dp_size=dims.dp, pp_size=dims.pp, cp_size=dims.cp,
+                         **dims.coordinates(rank), **groups, device=_device_for_backend(backend))
 
 
 def _new_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta, cp: int = 1) -> dict:
@@ -255,8 +239,10 @@ def _new_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta, cp: in
 
 def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> list[tuple[str, int, list[list[int]]]]:
     """``(group name, size, every group's ranks)`` in creation order (``new_group`` is called in this order)."""
+    dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=pp)
+
     def at(p, d, t, c=0):
-        return ((p * dp + d) * cp + c) * tp + t
+        return dims.rank(tp=t, cp=c, dp=d, pp=p)
     every = [(p, d, c) for p in range(pp) for d in range(dp) for c in range(cp)]
     layouts = [("tp_group", tp, [[at(p, d, t, c) for t in range(tp)] for p, d, c in every]),
                ("dp_group", dp, [[at(p, d, t, c) for d in range(dp)] for p in range(pp) for c in range(cp)

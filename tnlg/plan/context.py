@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, check_context_sequence, check_positive
 from .counts import parameter_report
 from .flops import flops_per_iteration, iteration_time, rank_flops_imbalance
 from .memory import PRECISIONS, activation_bytes, fsdp_shard_numel, model_state_bytes
@@ -44,21 +45,16 @@ RING_FORMULA = ("ring per layer and micro batch: K/V = 2*(s/C)*b*g_r*d elements;
 
 def check_context_parallel(config: GPTConfig, cp: int) -> None:
     """A :class:`UserError` unless ``cp`` is a positive integer and ``2 cp`` divides the sequence."""
-    if not isinstance(cp, int) or cp < 1:
-        raise UserError(f"--context-parallel-size must be a positive integer, got {cp!r}.")
-    s = config.seq_length
-    if s % (2 * cp):
-        valid = [c for c in range(1, s // 2 + 1) if s % (2 * c) == 0][:12]
-        raise UserError(f"--context-parallel-size {cp}: the sequence of {s} tokens is cut into 2 x {cp} = {2 * cp} "
-                        f"equal chunks, so 2 x CP must divide --seq-length {s}. Valid CP sizes for {s} tokens: "
-                        f"{valid}{' ...' if len(valid) == 12 else ''}.")
+    check_positive(cp=cp)
+    check_context_sequence(cp, config.seq_length)
 
 
 def _kv_heads_per_rank(config: GPTConfig, tp: int) -> int:
-    """K/V heads on the largest TP rank (the query heads' groups; all heads without GQA)."""
-    heads_r = max(config.heads_per_rank(tp))
-    groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
-    return min(heads_r, -(-heads_r * groups // config.num_attention_heads))
+    """K/V heads the largest TP rank holds and sends round the ring: its key/value groups
+    (:meth:`GPTConfig.kv_groups_per_rank`, the function the model builds its K/V projection from; one group
+    per head without GQA). A group shared by several ranks counts on each: 8 heads, 2 groups at TP 3 hold
+    groups [0], [0, 1], [1], so the largest rank holds 2."""
+    return max(len(groups) for groups in config.kv_groups_per_rank(tp))
 
 
 def context_activation_bytes(config: GPTConfig, tp: int, cp: int, micro_batch: int, recompute,
@@ -106,7 +102,7 @@ def context_plan(model: Model, layout: Layout, hw: Hardware, cp: int, train_toke
     if model.abstract:
         raise UserError("--context-parallel-size needs a model shape (--preset or shape flags): the activations "
                         "and the ring's traffic depend on the sequence, heads and hidden size.")
-    c = model.config
+    c = model.shape
     check_context_parallel(c, cp)
     check_layout(model, layout)
     params = params if params is not None else parameter_report(c, layout.tp, use_meta=False)
@@ -160,14 +156,13 @@ def _compute(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware, trai
 def search_context_parallel(model: Model, gpus: int, hw: Hardware, global_batch: int, precision: str = "fp16",
                             train_tokens: Optional[int] = None, cps: Optional[list[int]] = None) -> dict:
     """Every (CP > 1, TP, ZeRO stage, recomputation) on ``gpus`` GPUs with its largest micro batch that fits."""
-    c = model.config
+    c = model.shape
     cps = cps or [n for n in range(2, gpus + 1) if gpus % n == 0 and c.seq_length % (2 * n) == 0]
-    rows, unfit = [], []
-    for cp in cps:
-        for tp in range(1, min(c.max_tensor_parallel_size(), gpus // cp) + 1):
-            dp = gpus // (cp * tp)
-            if gpus % (cp * tp) or global_batch % dp:
-                continue
+    rows: list[dict] = []
+    unfit: list[dict] = []
+    for dims in ParallelDims.every(gpus, cps=cps, max_tp=c.max_tensor_parallel_size()):
+        tp, dp, cp = dims.tp, dims.dp, dims.cp
+        if not global_batch % dp:
             params = parameter_report(c, tp, use_meta=False)
             for stage in range(4):
                 row = _largest_fitting(model, Layout(tp=tp, dp=dp, zero_stage=stage, global_batch=global_batch,
@@ -182,12 +177,13 @@ def search_context_parallel(model: Model, gpus: int, hw: Hardware, global_batch:
 def _largest_fitting(model, base: Layout, hw, cp, train_tokens, params) -> dict:
     plan = None
     for recompute in (False, True):
-        for mb in _divisors_desc(base.global_batch // base.dp):
+        for mb in _divisors_desc(base.batch // base.dp):
             plan = context_plan(model, dataclasses.replace(base, recompute=recompute, micro_batch=mb), hw, cp,
                                 train_tokens, params)
             if plan["memory"]["fits"]:
                 return dict(_row(plan, params), cp=cp, world_size=plan["layout"]["world_size"],
                             mfu=plan["compute"]["model_flops_utilization"])
+    assert plan is not None  # (every batch has a divisor: the loop ran)
     return dict(_row(plan, params), cp=cp, reason=_why_not(plan["memory"]),
                 mfu=plan["compute"]["model_flops_utilization"])
 

@@ -54,6 +54,7 @@ def parameter_counts(config: GPTConfig, tp_size: int = 1) -> dict:
             numel = math.prod(spec.local_shape(r))
             n += numel
             if spec.sharded:
+                assert spec.dim is not None  # (a sharded spec names its dimension)
                 start, rows = spec.start(r), spec.sizes[r]
                 real = max(0, min(spec.shape[spec.dim], start + rows) - start)  # not vocabulary padding
                 n_unpadded += numel // rows * real if rows else 0
@@ -63,8 +64,10 @@ def parameter_counts(config: GPTConfig, tp_size: int = 1) -> dict:
         per_rank.append(dict(params=n, params_unpadded=n_unpadded, replicated=n_rep))
     replicated = per_rank[0]["replicated"]
     # key/value groups several TP ranks hold (shared slices): their extra copies are not more parameters
-    copies = sum((sum(sp.sizes) - sp.shape[sp.dim]) * math.prod(sp.shape) // sp.shape[sp.dim]
-                 for sp in specs if sp.sharded and sp.offsets)
+    copies = 0
+    for sp in specs:
+        if sp.sharded and sp.offsets and sp.dim is not None:
+            copies += (sum(sp.sizes) - sp.shape[sp.dim]) * math.prod(sp.shape) // sp.shape[sp.dim]
     extra = replicated * (tp_size - 1) + copies
     return dict(total=sum(r["params_unpadded"] for r in per_rank) - extra,
                 total_padded=sum(r["params"] for r in per_rank) - extra,

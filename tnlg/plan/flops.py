@@ -65,6 +65,7 @@ def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, N
     """Executed FLOPs of one sequence's forward and backward: per transformer layer (with the
     recomputed forward) and for the logits, which a pipeline's stages sum over their own layers."""
     s, h, f = config.seq_length, config.hidden_size, config.ffn_hidden_size
+    assert f is not None  # (GPTConfig.__post_init__ sets it)
     core_fwd = 4 * s * s * h
     kv = config.kv_groups * config.head_dim  # the key (and the value) width: h without grouped queries
     mats = 3 if config.swiglu else 2        # SwiGLU: gate, up and down

@@ -212,11 +212,14 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     # projection input; the MLP's fc and GeLU outputs (4 bytes per column), SwiGLU's gate and up, silu
     # and product (8)
     split = (s * b * h * 8 * heads_r / a + (8 if config.swiglu else 4) * s * b * ffn_r) * scale
+    core: float
     if attention == "math":  # softmax output (2), dropout mask (1) and dropout output (2) per score
         core = (5 if config.attention_dropout > 0 else 2) * heads_r * s * s * b * scale
     else:  # the kernel's output and its fp32 log-sum-exp
         core = (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
     per_layer = replicated + split + core
+    layers: float
+    working: float
     if granularity == "full":  # (+ SP: the gathered input of a column layer and its gradient, full length)
         layers, working = 2 * s_r * b * h * l * scale, per_layer + (4 * s * b * h * scale if s_r != s else 0)
     elif granularity == "selective":

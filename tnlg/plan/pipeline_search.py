@@ -17,8 +17,11 @@ with the reason, so no layout that does not fit is ranked and every (TP, PP) is 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..config import divisors
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from .pipeline import parameter_table, pipeline_plan, pipeline_time
 from .planner import Hardware, Model
 from .report import heads_compact
@@ -32,7 +35,7 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
                      layers_per_chunk: int | None = None, cps: list[int] | None = None) -> dict:
     """Every fitting TP x CP x PP x DP layout with PP > 1 (``pp``: only that one; ``cps``: the CP sizes, default
     1) as a JSON-ready dict."""
-    c = model.config
+    c = model.shape
     schedule = "interleaved" if layers_per_chunk else "1f1b"
     sizes = [pp] if pp is not None else [p for p in divisors(gpus) if 1 < p <= c.num_layers]
     rows, not_fitting, skipped = [], [], []
@@ -44,20 +47,20 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
                                                  f"{c.num_layers / p:g} layers per stage"))
                 continue
             virtual = c.num_layers // (p * layers_per_chunk)
-        for cp in [n for n in (cps or [1]) if (gpus // p) % n == 0 and c.seq_length % (2 * n) == 0]:
-            for tp in [t for t in divisors(gpus // (p * cp)) if t <= c.max_tensor_parallel_size()]:
-                dp = gpus // (p * tp * cp)
-                reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
-                          f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
-                          if global_batch // dp < p else None)
-                if reason:
-                    skipped.append(dict(tp=tp, pp=p, dp=dp, cp=cp, reason=reason))
-                    continue
-                fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
-                                               schedule, virtual, cp)
-                rows += fit
-                if not fit:
-                    not_fitting.append(smallest)
+        fitting_cps = [n for n in (cps or [1]) if c.seq_length % (2 * n) == 0]
+        for dims in ParallelDims.every(gpus, [p], fitting_cps, max_tp=c.max_tensor_parallel_size()):
+            tp, dp, cp = dims.tp, dims.dp, dims.cp
+            reason = (f"DP {dp} does not divide the global batch {global_batch}" if global_batch % dp else
+                      f"{global_batch // dp} sequences per DP rank are fewer than the {p} stages"
+                      if global_batch // dp < p else None)
+            if reason:
+                skipped.append(dict(tp=tp, pp=p, dp=dp, cp=cp, reason=reason))
+                continue
+            fit, smallest = _search_layout(model, hw, tp, p, dp, global_batch, precision, train_tokens,
+                                           schedule, virtual, cp)
+            rows += fit
+            if not fit:
+                not_fitting.append(smallest)
     rows.sort(key=lambda r: -r["tokens_per_s"])
     return {"gpus": gpus, "global_batch": global_batch, "precision": precision, "schedule": schedule,
             "layers_per_chunk": layers_per_chunk, "layouts": rows, "not_fitting": not_fitting, "skipped": skipped,
@@ -65,10 +68,10 @@ def search_pipelines(model: Model, gpus: int, hw: Hardware, global_batch: int, p
 
 
 def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global_batch: int, precision: str,
-                   train_tokens, schedule: str, virtual: int, cp: int = 1) -> tuple[list[dict], dict]:
+                   train_tokens, schedule: str, virtual: int, cp: int = 1) -> tuple[list[dict], Optional[dict]]:
     """At one (TP, PP, DP): per ZeRO stage (0-3) and recomputation the largest micro batch that fits;
     and the smallest footprint (ZeRO 1, recomputation on, micro batch 1) with why it does not fit."""
-    c, local = model.config, global_batch // dp
+    c, local = model.shape, global_batch // dp
     table = parameter_table(c, tp)
     fit, smallest = [], None
     for zero in range(4):
@@ -96,7 +99,7 @@ def _search_layout(model: Model, hw: Hardware, tp: int, pp: int, dp: int, global
 
 def _row(model: Model, hw: Hardware, plan: dict, tp: int, pp: int, dp: int, zero: int, recompute: bool, mb: int,
          precision: str, train_tokens) -> dict:
-    c = model.config
+    c = model.shape
     heavy = plan["stages"][plan["heaviest"]]
     t = pipeline_time(c, plan, hw, tp, dp, zero, precision, mb, recompute, train_tokens)
     heads = c.heads_per_rank(tp)
@@ -172,7 +175,7 @@ def check_search_pipeline(model: Model, gpus: int, pp: int | None) -> None:
     """A clear :class:`UserError` for a ``--pp`` the search cannot lay out on ``gpus`` GPUs."""
     if pp is None or pp == 1:
         return
-    c = model.config
+    c = model.shape
     valid = [p for p in divisors(gpus) if p <= c.num_layers]
     if pp < 1 or gpus % pp or pp > c.num_layers:
         raise UserError(f"--pipeline-model-parallel-size {pp} cannot lay out {c.num_layers} layers on --world-size "

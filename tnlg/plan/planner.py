@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims, check_positive
 from .counts import abstract_parameter_report, parameter_report, rank_counts_formula
 from .flops import (ABSTRACT_FLOPS_FORMULA, FLOPS_FORMULA, flops_per_iteration, iteration_time,
                     rank_flops_imbalance)
@@ -34,15 +35,26 @@ class Model:
         return self.config is None
 
     @property
+    def shape(self) -> GPTConfig:
+        """The config of a shaped model; a :class:`UserError` for the abstract one (it has no layers or heads)."""
+        if self.config is None:
+            raise UserError(f"{self.name}: an abstract model (--params) has no layers, heads or sequence to plan "
+                            f"this by; give --preset or the shape flags.")
+        return self.config
+
+    @property
     def total_params(self) -> int:
-        return self.params if self.abstract else self.config.num_parameters_formula()
+        if self.config is not None:
+            return self.config.num_parameters_formula()
+        assert self.params is not None  # (a model is a shape or a parameter count)
+        return self.params
 
     @property
     def seq(self) -> int:
-        return self.seq_length if self.abstract else self.config.seq_length
+        return self.seq_length if self.config is None else self.config.seq_length
 
     def describe(self) -> dict:
-        if self.abstract:
+        if self.config is None:
             return {"name": self.name, "kind": "abstract", "params": self.params, "seq_length": self.seq_length}
         c = self.config
         return {"name": self.name, "kind": "shape", "num_layers": c.num_layers, "hidden_size": c.hidden_size,
@@ -62,6 +74,11 @@ class Layout:
     recompute: bool = False
     precision: str = "fp16"
     grads_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The TP x DP sizes (CP and PP are planned beside: :mod:`.context`, :mod:`.pipeline`)."""
+        return ParallelDims(tp=self.tp, dp=self.dp)
 
     @property
     def world_size(self) -> int:
@@ -86,34 +103,27 @@ class Hardware:
 
 def check_layout(model: Model, layout: Layout) -> None:
     """Raise :class:`UserError` for a layout that cannot run, naming what would be valid."""
-    for name in ("tp", "dp", "micro_batch"):
-        if getattr(layout, name) < 1:
-            flag = {"tp": "--tensor-model-parallel-size", "dp": "--data-parallel-size",
-                    "micro_batch": "--micro-batch-size"}[name]
-            raise UserError(f"{flag} must be a positive integer, got {getattr(layout, name)}.")
+    check_positive(tp=layout.tp, dp=layout.dp)
+    if layout.micro_batch < 1:
+        raise UserError(f"--micro-batch-size must be a positive integer, got {layout.micro_batch}.")
     check_zero_and_precision(layout.zero_stage, layout.precision)
     if not model.abstract:
         try:
-            model.config.check_tensor_parallel(layout.tp)
+            model.shape.check_tensor_parallel(layout.tp)
         except ValueError as err:
             raise UserError(str(err)) from None
-    per_step = layout.micro_batch * layout.dp
-    if layout.batch % per_step:
-        raise UserError(
-            f"--global-batch-size {layout.batch} is not a multiple of micro batch x data-parallel size = "
-            f"{layout.micro_batch} x {layout.dp} = {per_step}: every DP rank must run a whole number of "
-            f"micro batches. Valid global batch sizes: {per_step}, {2 * per_step}, {4 * per_step}, ...")
+    layout.dims.micro_batches(layout.batch, layout.micro_batch)
 
 
 def _params(model: Model, tp: int, use_meta: bool) -> dict:
-    if model.abstract:
-        return abstract_parameter_report(model.params, tp)
+    if model.config is None:
+        return abstract_parameter_report(model.total_params, tp)
     return parameter_report(model.config, tp, use_meta=use_meta)
 
 
 def _memory(model: Model, layout: Layout, psi: int, hw: Hardware) -> dict:
     # a shaped model is planned for tnlg's engine; the abstract one is the ZeRO paper's (Table 1)
-    shard_psi = (fsdp_shard_numel(model.config, layout.tp, layout.dp)
+    shard_psi = (fsdp_shard_numel(model.shape, layout.tp, layout.dp)
                  if not model.abstract and layout.zero_stage >= 2 and layout.dp > 1 else None)
     states = model_state_bytes(psi, layout.dp, layout.zero_stage, layout.precision, grads_fp32=layout.grads_fp32,
                                engine=not model.abstract, shard_psi=shard_psi)
@@ -126,8 +136,8 @@ def _memory(model: Model, layout: Layout, psi: int, hw: Hardware) -> dict:
                    activations=0, activations_note="abstract model: no shape, activations not counted")
     else:
         kernel = gpu_attention(layout.precision)
-        no_rc = activation_bytes(model.config, layout.tp, layout.micro_batch, False, layout.precision, attention=kernel)
-        rc = activation_bytes(model.config, layout.tp, layout.micro_batch, True, layout.precision, attention=kernel)
+        no_rc = activation_bytes(model.shape, layout.tp, layout.micro_batch, False, layout.precision, attention=kernel)
+        rc = activation_bytes(model.shape, layout.tp, layout.micro_batch, True, layout.precision, attention=kernel)
         out.update(activations_formula=ACTIVATION_FORMULA, activations_no_recompute=no_rc,
                    activations_recompute=rc, activations=(rc if layout.recompute else no_rc)["total"])
     out["total"] = out["model_states"] + out["activations"]
@@ -139,11 +149,11 @@ def _memory(model: Model, layout: Layout, psi: int, hw: Hardware) -> dict:
 def _compute(model: Model, layout: Layout, psi: int, hw: Hardware, train_tokens: Optional[int]) -> dict:
     B, s = layout.batch, model.seq
     if model.abstract:
-        per_token = (8 if layout.recompute else 6) * model.params
-        flops, model_flops = float(per_token * B * s), float(6 * model.params * B * s)
+        per_token = (8 if layout.recompute else 6) * model.total_params
+        flops, model_flops = float(per_token * B * s), float(6 * model.total_params * B * s)
         formula, imbalance, hidden, layers = ABSTRACT_FLOPS_FORMULA[layout.recompute], 1.0, 0, 0
     else:
-        c = model.config
+        c = model.shape
         vocab = c.padded_vocab_size(layout.tp)
         flops = flops_per_iteration(c, B, layout.recompute, vocab)
         model_flops = flops_per_iteration(c, B, False, vocab)
@@ -184,7 +194,7 @@ def plan_layout(model: Model, layout: Layout, hw: Hardware, train_tokens: Option
     layout_d.update(global_batch=layout.batch, world_size=layout.world_size,
                     grad_accumulation_steps=layout.batch // (layout.micro_batch * layout.dp))
     if not model.abstract:
-        heads = model.config.num_attention_heads
+        heads = model.shape.num_attention_heads
         layout_d["megatron_can_run"] = heads % layout.tp == 0
     return {"model": model.describe(), "layout": layout_d, "hardware": asdict(hw), "parameters": params,
             "memory": _memory(model, layout, psi, hw), "compute": _compute(model, layout, psi, hw, train_tokens)}
@@ -199,9 +209,9 @@ def smallest_tp(model: Model, layout: Layout, hw: Hardware, *, zero_stage: int =
     keeps TPs that divide the heads (what Megatron accepts); ``divides`` keeps TPs that
     divide a world size. Uses the per-rank formula. ``None`` when no TP is enough.
     """
-    c = model.config
+    c = model.shape
     for tp in range(1, c.max_tensor_parallel_size() + 1):
-        if even_only and (c.num_attention_heads % tp or c.ffn_hidden_size % tp):
+        if even_only and (c.num_attention_heads % tp or max(c.ffn_per_rank(tp)) != min(c.ffn_per_rank(tp))):
             continue
         if divides is not None and divides % tp:
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from .counts import parameter_report
 from .planner import Hardware, Layout, Model, plan_layout
 from .units import GB
@@ -37,12 +38,10 @@ def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, pre
                         "tensor-parallel sizes and the activation memory, are unknown.")
     if gpus < 1:
         raise UserError(f"--world-size must be a positive number of GPUs, got {gpus}.")
-    c = model.config
+    c = model.shape
     rows, not_fitting, skipped = [], [], []
-    for tp in range(1, min(c.max_tensor_parallel_size(), gpus) + 1):
-        if gpus % tp:
-            continue
-        dp = gpus // tp
+    for dims in ParallelDims.every(gpus, max_tp=c.max_tensor_parallel_size()):
+        tp, dp = dims.tp, dims.dp
         if global_batch % dp:
             skipped.append({"tp": tp, "dp": dp, "reason": f"DP {dp} does not divide the global batch {global_batch}"})
             continue
@@ -65,7 +64,7 @@ def _search_tp(model: Model, base: Layout, hw: Hardware, train_tokens: int | Non
     per ZeRO stage where nothing fits, its smallest footprint (micro batch 1, recomputation on)
     with the reason."""
     fit, unfit = [], []
-    local = base.global_batch // base.dp
+    local = base.batch // base.dp
     for stage in range(4):
         found = False
         for recompute in (False, True):

@@ -19,7 +19,7 @@ from .. import checkpoint as ckpt
 from ..checkpoint.files import check_files, lock_root
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
-from ..options import Options
+from ..options import MUST_MATCH, Options
 from ..parallel.state import ParallelState, from_rank0
 from .step import TrainingDiverged
 
@@ -47,8 +47,8 @@ def check_resume(o: Options) -> None:
     if iter_dir is None:
         return
     meta = ckpt.read_meta(iter_dir)
-    tokenizer = load_tokenizer(o.data.tokenizer_model)
-    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin)
+    tokenizer = load_tokenizer(o.data.tokenizer_path())
+    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin, MUST_MATCH)
     check_files(iter_dir, meta, ("model", "optim", "rng"))
 
 
@@ -112,7 +112,8 @@ class Checkpointer:
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         c = self.o.checkpoint
         load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
-        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, **self._state) if load_dir else None
+        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, must_match=MUST_MATCH,
+                          **self._state) if load_dir else None
         self.claim_save_root()
         if state is None:
             return 0, 0
@@ -128,10 +129,11 @@ class Checkpointer:
         names the last checkpoint, which is finite)."""
         c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
-        saving = bool(c.save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
-        if saving:
+        save = c.save
+        saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
+        if saving and save:
             try:
-                ckpt.save(c.save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
+                ckpt.save(save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
                           schedule_steps=self.schedule_steps, **self._state)
             except ckpt.NonFiniteParameters as exc:  # every rank alike: the loop stops as on a NaN loss
                 raise TrainingDiverged(f"the model's parameters are not finite after iteration {iteration}: {exc}. "

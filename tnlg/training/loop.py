@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -21,9 +21,11 @@ from ..data.sampler import MegatronPretrainingSampler
 from ..data.tokenizer import load_tokenizer
 from ..errors import agreed
 from ..generation import generate
+from ..config import GPTConfig
 from ..options import Options, model_config
 from ..parallel.context import context_parallel_batch
 from ..parallel.random import seed_everything
+from ..parallel.state import ParallelState
 from .checkpointing import Checkpointer, stop_on_signals
 from .loggers import build_loggers, run_name
 from .metrics import Metrics
@@ -44,11 +46,14 @@ def train(o: Options) -> dict:
 
 class Trainer:
     """One run: :meth:`train` builds everything, then runs the loop. Afterwards ``engine`` (and its
-    ``model``), ``config`` and ``ps`` are the trained run's."""
+    ``model``), ``config`` and ``ps`` are the trained run's (set by :meth:`train`)."""
+    engine: Any  # tnlg's Engine, or DeepSpeed's adapter
+    model: torch.nn.Module
+    config: GPTConfig
+    ps: ParallelState
 
     def __init__(self, o: Options):
         self.o = o
-        self.engine = self.model = self.config = self.ps = None
 
     def train(self) -> dict:
         """Returns a summary: per-iteration ``losses`` and ``grad_norms``, the first and last validation loss,
@@ -67,7 +72,7 @@ class Trainer:
         o = self.o
         self.ps, self.accum = ps, accum = init_run(o)
         seed_everything(o.data.seed)
-        self.tokenizer = load_tokenizer(o.data.tokenizer_model)
+        self.tokenizer = load_tokenizer(o.data.tokenizer_path())
         self.config = cfg = model_config(o, self.tokenizer.vocab_size)
         self.autocast = precision(o.precision)
         self.engine = build_engine(o, cfg, ps, accum)
@@ -87,9 +92,11 @@ class Trainer:
         o, ps, model, engine = self.o, self.ps, self.model, self.engine
         iteration, consumed = self.checkpointer.resume()
         metrics = self._metrics(resumed_at=iteration)
-        summary = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
+        summary: dict[str, Any] = dict(first_valid_loss=None, last_valid_loss=None, losses=[], grad_norms=[])
         if self.validation.enabled and iteration == 0:
             summary["first_valid_loss"] = metrics.validation(0, self.validation.loss())
+        iters, gbs = o.schedule.train_iters, o.schedule.global_batch_size
+        assert iters is not None and gbs is not None  # (ScheduleOptions requires the one; init_run sets the other)
         sampler = iter(MegatronPretrainingSampler(len(self.train_ds), consumed, o.schedule.micro_batch_size,
                                                   ps.dp_rank, ps.dp_size))
         model.train()
@@ -97,18 +104,18 @@ class Trainer:
             stopped = self.checkpointer.before_training(iteration)  # collective: a signal during start-up
             if stopped:
                 summary["interrupted"] = stopped
-            while not stopped and iteration < o.schedule.train_iters:
+            while not stopped and iteration < iters:
                 t0 = time.perf_counter()
                 lr = self.schedule.lr(self.checkpointer.schedule_steps)
                 batches = (context_parallel_batch(next_batch(self.train_ds, sampler, ps.device), ps)
                            for _ in range(self.accum))  # (this CP rank's chunks; the batch itself at CP 1)
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
                                         iteration=iteration + 1, pipeline=self.pipeline)
-                iteration, consumed = iteration + 1, consumed + o.schedule.global_batch_size
+                iteration, consumed = iteration + 1, consumed + gbs
                 metrics.iteration(iteration, consumed, loss, lr, info, time.perf_counter() - t0)
                 summary["losses"].append(loss)
                 summary["grad_norms"].append(info["grad_norm"])
-                last = iteration == o.schedule.train_iters
+                last = iteration == iters
                 if self.validation.due(iteration, last):
                     summary["last_valid_loss"] = metrics.validation(iteration, self.validation.loss())
                 stopped = self.checkpointer.after_step(iteration, consumed, last)  # collective
@@ -127,21 +134,22 @@ class Trainer:
             summary.setdefault("interrupted", self.checkpointer.forced_stop(iteration))
         return summary
 
-    def _diverged(self, exc: TrainingDiverged) -> TrainingDiverged:
+    def _diverged(self, exc: TrainingDiverged) -> BaseException:
         """The divergence as every rank reports it: the last checkpoint named, marked agreed (rank 0 prints
         it, no traceback) with exit status 1; tnlg's launcher does not restart it (it would diverge again)."""
         save = self.o.checkpoint.save
         last = last_checkpoint(save)
         where = (f" The last checkpoint is iteration {last} in {save}." if last is not None
                  else " No checkpoint was saved.")
-        out = agreed(TrainingDiverged(f"{exc}{where}"))
+        out = TrainingDiverged(f"{exc}{where}")
         out.tnlg_status = 1
-        return out
+        return agreed(out)
 
     def _metrics(self, resumed_at: int) -> Metrics:
         """The run's log and metrics file, announced by the run's header line."""
         o, ps, cfg = self.o, self.ps, self.config
         sch, gbs, save = o.schedule, o.schedule.global_batch_size, o.checkpoint.save
+        assert sch.train_iters is not None and gbs is not None  # (required; set by init_run)
         vocab = cfg.padded_vocab_size(ps.tp_size)
         # model FLOPs (MFU: what the model needs) and executed FLOPs (HFU: + what is recomputed)
         metrics = Metrics(o.logging, ps, train_iters=sch.train_iters, flops=iteration_flops(cfg, gbs, False, vocab),

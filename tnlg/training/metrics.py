@@ -140,7 +140,7 @@ class Metrics:
             return
         self.file.close()
         self.file = None
-        if self.logging.plot:
+        if self.logging.plot and self.path is not None:  # (the file is the path's)
             try:
                 plot_loss(self.path, title=self.title)
             except OSError as exc:

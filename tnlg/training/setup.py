@@ -4,7 +4,7 @@ pipeline schedule and the datasets (the learning-rate schedule: :meth:`tnlg.opti
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,9 @@ def init_run(o: Options) -> tuple[ParallelState, int]:
               context_parallel_size=par.context_parallel_size)
     if sch.global_batch_size is None:  # Megatron's default, when resolve did not know the layout
         sch.global_batch_size = sch.micro_batch_size * ps.dp_size
-    o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
-    return ps, sch.global_batch_size // (sch.micro_batch_size * ps.dp_size)
+    dims = o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
+    assert dims is not None and dims.dp == ps.dp_size  # (the groups were made from the same sizes)
+    return ps, dims.micro_batches(sch.global_batch_size, sch.micro_batch_size)
 
 
 def precision(p: PrecisionOptions) -> Optional[torch.dtype]:
@@ -51,6 +52,9 @@ def build_engine(o: Options, cfg: GPTConfig, ps: ParallelState, accum: int):
     sch, par, prec = o.schedule, o.parallel, o.precision
     autocast = precision(prec)
     scaler = DynamicLossScaler() if prec.fp16 else None
+    build: Callable[..., Any]
+    model: torch.nn.Module
+    extra: dict[str, Any]
     if par.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups (fp32 params)
         from ..optim.deepspeed_engine import build_deepspeed_engine as build
         model, extra = GPT(cfg, ps), dict(micro_batch_size=sch.micro_batch_size)
@@ -85,6 +89,7 @@ def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:
     """``(train, valid)``: Megatron's blended datasets of ``--data-path`` (rank 0 builds missing index
     files; the others wait at a barrier), sized for the run's batches and validations."""
     d, gbs, iters, log = o.data, o.schedule.global_batch_size, o.schedule.train_iters, o.logging
+    assert gbs is not None and iters is not None and d.data_path is not None  # (init_run; required; pretrain)
     evals = (iters // log.eval_interval + 1) * log.eval_iters * gbs if log.eval_interval else 0
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else None
     train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(

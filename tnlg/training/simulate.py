@@ -61,6 +61,7 @@ import torch.distributed as dist
 from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from ..plan.gpus import GPU
 from ..plan.gpus import gpu as lookup_gpu
 from ..plan.tracker import ALLOCATIONS, StepTracker
@@ -110,7 +111,7 @@ def _fake_world(tp: int, dp: int, cp: int = 1):
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ParallelDims(tp=tp, cp=cp, dp=dp).world)
     try:
         yield init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
     finally:
@@ -195,11 +196,12 @@ def _save_on_fake_tensors(host_copies: list):
         object_list[:] = [obj] * len(object_list)
 
     real_writer, real_capture, real_gather = saving.StreamWriter, saving.capture, dist.all_gather_object
-    saving.StreamWriter, saving.capture, dist.all_gather_object = CountedWriter, capture, all_gather_object
+    # patched for the simulation only, restored below (mypy refuses assigning to a class name)
+    saving.StreamWriter, saving.capture, dist.all_gather_object = CountedWriter, capture, all_gather_object  # type: ignore[misc]
     try:
         yield
     finally:
-        saving.StreamWriter, saving.capture, dist.all_gather_object = real_writer, real_capture, real_gather
+        saving.StreamWriter, saving.capture, dist.all_gather_object = real_writer, real_capture, real_gather  # type: ignore[misc]
 
 
 def _register_engine(tracker: StepTracker, engine) -> None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..options.parallel_dims import ParallelDims
 from ..plan.tracker import StepTracker
 from .simulate import _DTYPES, _gpu_kernels, _register_engine, _sync_norm_and_step, check_layout, predict_time
 
@@ -68,7 +69,8 @@ def _fake_stage_world(tp: int, pp: int, dp: int, stage: int, cp: int = 1):
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
-    dist.init_process_group("fake", store=FakeStore(), rank=stage * tp * cp * dp, world_size=pp * tp * cp * dp)
+    dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=pp)
+    dist.init_process_group("fake", store=FakeStore(), rank=dims.rank(pp=stage), world_size=dims.world)
     try:
         yield init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp)
     finally:

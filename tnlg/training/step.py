@@ -31,7 +31,8 @@ __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "tra
 
 
 class TrainingDiverged(RuntimeError):
-    pass
+    """The DP-reduced loss is not finite; ``tnlg_status``: the exit status once every rank agreed on it."""
+    tnlg_status: Optional[int] = None
 
 
 def next_batch(dataset, sampler, device: torch.device) -> dict:

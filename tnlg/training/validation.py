@@ -25,8 +25,9 @@ __all__ = ["evaluate", "validation_samples", "Validation"]
 def validation_samples(dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState) -> int:
     """How many samples a validation reads: the first ``--eval-iters`` global batches, whole micro batches
     on every DP rank (0: fewer than one micro batch per rank)."""
-    need = sch.micro_batch_size * ps.dp_size
-    return min(len(dataset), log.eval_iters * sch.global_batch_size) // need * need
+    need, gbs = sch.micro_batch_size * ps.dp_size, sch.global_batch_size
+    assert gbs is not None  # (set once the layout is known: resolve, init_run)
+    return min(len(dataset), log.eval_iters * gbs) // need * need
 
 
 def evaluate(model, dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState,
