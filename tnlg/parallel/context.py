@@ -298,15 +298,26 @@ def _add_heads(acc: torch.Tensor, g: torch.Tensor, index: Optional[torch.Tensor]
         acc.index_add_(1, index, g)
 
 
+_EXCLUDED: list = []  # torch.compiler.disable(_ring_attention), made once by exclude_ring_from_compile
+
+
+def exclude_ring_from_compile() -> None:
+    """Make the ring's form excluded from compilation (``torch.compiler.disable``, which imports
+    ``torch._dynamo``: about 1.3 CPU-s a process that never compiles should not pay). Called where compilation
+    starts (:func:`tnlg.training.compile.compile_blocks`), before anything is traced."""
+    if not _EXCLUDED:
+        _EXCLUDED.append(torch.compiler.disable(_ring_attention, reason="the ring's P2P runs eager"))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                    doc_ids: Optional[torch.Tensor] = None,
                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:
-    """:func:`_ring_attention`, run eager under ``torch.compile`` (one graph break: Dynamo does not trace the
-    ring's P2P). The exclusion is applied when Dynamo traces this call, not by a decorator at import:
-    ``torch.compiler.disable`` imports ``torch._dynamo`` (about 1.3 CPU-s), which a process that never
-    compiles should not pay."""
+    """:func:`_ring_attention`, run eager under ``torch.compile``: one graph break, as Dynamo does not trace the
+    ring's P2P (after :func:`exclude_ring_from_compile`; a compilation that did not call it breaks twice, at
+    the ``disable`` made while tracing and at the ring)."""
     if torch.compiler.is_compiling():
-        return torch.compiler.disable(_ring_attention)(q, k, v, group, doc_ids, kv_heads)
+        excluded = _EXCLUDED[0] if _EXCLUDED else torch.compiler.disable(_ring_attention)
+        return excluded(q, k, v, group, doc_ids, kv_heads)
     return _ring_attention(q, k, v, group, doc_ids, kv_heads)
 
 

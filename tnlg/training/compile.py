@@ -8,7 +8,7 @@ identical, so one compiled graph serves them all (recompiled only for a new shap
 code stays plain. The collectives inside a block (the TP all-reduces of ``g``, the
 sequence-parallel gathers) are traced as they are; the pipeline's point-to-point sends and receives
 are outside the blocks, in torch's schedule. Context parallelism's ring attention (P2P over the CP
-group, which Dynamo does not trace) is excluded from compilation (``torch.compiler.disable``): each
+group, which Dynamo does not trace) is excluded from compilation (``torch.compiler.disable``, made here, not at import): each
 block's graph breaks there once and the ring runs eager, forward and backward.
 
 Dropout: Inductor's own random numbers differ from eager's, and hidden dropout on the
@@ -53,6 +53,8 @@ def compile_blocks(model: nn.Module, device: torch.device) -> Optional[str]:
         return problem
     import torch._inductor.config as inductor_config
     inductor_config.fallback_random = True  # dropout draws as eager does (module docstring)
+    from ..parallel.context import exclude_ring_from_compile
+    exclude_ring_from_compile()
     from ..model import Block
     for m in model.modules():
         if isinstance(m, Block):
