@@ -247,6 +247,30 @@ def test_convert_to_hf_tokenizer_errors(checkpoints, tmp_path, capsys):
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
+def test_convert_to_hf_without_tokenizers_refuses_before_writing(checkpoints, tmp_path):
+    """The base install has neither transformers nor tokenizers: an export from a checkpoint that records a
+    SentencePiece tokenizer is refused in one paragraph naming the install command, before anything is written
+    (it used to convert the model, then end in a ModuleNotFoundError traceback). The missing package is
+    simulated by a sitecustomize of this test's own that makes ``import tokenizers`` fail."""
+    import subprocess
+    import sys
+
+    from tnlg.runtime.spawn import checkout_env
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['tokenizers'] = None  # import tokenizers fails\n")
+    env = checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), env.get("PYTHONPATH", "")])
+    out_dir = tmp_path / "exported"
+    for extra in ([], ["--no-tokenizer"]):  # transformers' GPT-2 class does not import without it either
+        done = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", checkpoints["with_tok"], "--to", "hf",
+                               str(out_dir), *extra], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "tokenizers" in done.stderr and 'pip install "transformers>=4.40" "tokenizers>=0.15"' in done.stderr
+        assert not out_dir.exists() and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
 # ----------------------------------------------------------------------------- never delete
 
 def _tiny_model(vocab=4096):

@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
     _fresh_destination(dst)
+    if "hf" in (src_kind, dst_kind):
+        check_hf_packages(f"tnlg convert --from {src_kind if src_kind != 'ckpt' else 'CKPT'} --to "
+                          f"{dst_kind if dst_kind != 'ckpt' else 'CKPT'}")
     from ..checkpoint.offline import reshard_checkpoint
     from ..interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     if "megatron" in (src_kind, dst_kind):
@@ -148,6 +151,22 @@ def run(args: argparse.Namespace) -> int:
         out = reshard_checkpoint(src, dst, args.tp)
     print(f"wrote {out}")
     return 0
+
+
+HF_PACKAGES = ("transformers", "tokenizers")
+HF_INSTALL = 'pip install "transformers>=4.40" "tokenizers>=0.15"'
+
+
+def check_hf_packages(what: str) -> None:
+    """A Hugging Face folder is read and written through ``transformers`` (whose model classes need
+    ``tokenizers`` to import) and its tokenizer written with ``tokenizers``: optional packages, not in the
+    base install. Refused in one paragraph naming the install command, before anything is read or written."""
+    import importlib.util
+    missing = [name for name in HF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"{what} needs the optional package(s) {' and '.join(missing)}, which are not installed "
+                        f"(a Hugging Face folder is read and written through transformers, and its tokenizer with "
+                        f"tokenizers): {HF_INSTALL}. Nothing was written.")
 
 
 _PP_ANY = (": a tnlg checkpoint is one layout for every pipeline split (a run loads each parameter by name from "
