@@ -373,3 +373,35 @@ def test_the_readmes_load_snippet_runs_as_written(hf_folder, tmp_path, monkeypat
         want = hf(scope["tokens"]).logits
     assert scope["logits"].shape == want.shape
     torch.testing.assert_close(scope["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_and_generate_refuse_another_tokenizer_than_the_checkpoints(tmp_path, capsys):
+    """A checkpoint records the tokenizer it was trained with; ``--tokenizer-model`` of another one with the same
+    vocabulary size (other ids for other words) is refused by both commands before any process starts, naming
+    both; a copy of the recorded file elsewhere (same contents) is accepted."""
+    import shutil
+
+    from tnlg.data.corpus import corpus_documents
+    from tnlg.data.tokenizer import train_sentencepiece
+    works = sorted(corpus_documents(), key=lambda doc: -len(doc[1]))[:2]  # two works: two tokenizers
+    models = {}
+    for name, (_, work) in zip("ab", works):
+        text = tmp_path / f"{name}.txt"
+        text.write_text(work[:100000])
+        models[name] = str(train_sentencepiece([text], 400, tmp_path / name))
+    hf_dir, ckpt = tmp_path / "hf", str(tmp_path / "ckpt")
+    random_gpt2(400, 16).save_pretrained(hf_dir)
+    assert main(["convert", "--from", "hf", str(hf_dir), "--to", ckpt, "--tokenizer-model", models["a"]]) == 0
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("To be, or not to be")
+    capsys.readouterr()
+    for argv in (["generate", "--prompt", "To be", "--max-new-tokens", "2"],
+                 ["eval", "--task", "text", "--input", str(prompt)]):
+        assert main(argv + ["--checkpoint", ckpt, "--tokenizer-model", models["b"]]) == 2, argv
+        err = capsys.readouterr().err
+        assert "another tokenizer" in err and models["a"] in err and models["b"] in err, err
+        assert len(err.strip().splitlines()) == 1
+    copy = tmp_path / "elsewhere.model"
+    shutil.copy(models["a"], copy)
+    assert main(["generate", "--prompt", "To be", "--max-new-tokens", "2", "--checkpoint", ckpt, "--tokenizer-model",
+                 str(copy), "--json"]) == 0
