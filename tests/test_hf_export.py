@@ -165,13 +165,14 @@ def _tnlg_generate(ckpt, prompts, new, extra=()):
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "gpt2bpe"])
-def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, capfd):
+def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, capfd, monkeypatch):
     """tnlg checkpoint -> `tnlg generate` greedy; `tnlg convert --to hf`; then AutoTokenizer +
     GPT2LMHeadModel.generate from that folder give the same tokens and text, and the export
-    printed no transformers warning (bos/eos are the EOD id, inside the vocabulary)."""
+    printed no transformers warning (bos/eos are the EOD id, inside the vocabulary). docs/hf.md's snippet,
+    run as written on that folder, prints exactly `tnlg generate`'s text (it dropped the first space)."""
     tokenizer = "builtin" if kind == "sentencepiece" else str(_gpt2_folder(tmp_path / "gpt2", texts[-2:]))
     tok = load_tokenizer(tokenizer)
-    hf_in, ckpt, out = str(tmp_path / "hf_in"), str(tmp_path / "ckpt"), str(tmp_path / "hf_out")
+    hf_in, ckpt, out = str(tmp_path / "hf_in"), str(tmp_path / "ckpt"), str(tmp_path / "gpt-out")
     _hf_model(tok.vocab_size + 3).save_pretrained(hf_in)  # a vocabulary larger than the tokenizer's is fine
     assert main(["convert", "--from", "hf", hf_in, "--to", ckpt, "--tokenizer-model", tokenizer]) == 0
     prompts = ["To be, or not to be", "  O Romeo,\nRomeo!", "Of Man's first disobedience 🎭"]
@@ -195,6 +196,20 @@ def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, c
             # the continuation is the rest of the whole sequence's decoding, as tnlg generate prints it
             assert hf_tok.decode(enc["input_ids"][0].tolist() + body) == prompt + ref["text"]
     assert len(set(sum((r["tokens"] for r in want), []))) > 5  # not one token repeated
+    readme = (__import__("pathlib").Path(__file__).parent.parent / "docs" / "hf.md").read_text()
+    snippet = next(s for s in __import__("re").findall(r"```python\n(.*?)```", readme, __import__("re").S)
+                   if "AutoTokenizer.from_pretrained(\"gpt-out/\")" in s)
+    # its prompt, or one whose continuation starts with a space (where decoding the new ids alone goes wrong)
+    candidates = ["To be, or not to be", "The", "And so", "Now is the winter", "What", "O", "My lord"]
+    runs = _tnlg_generate(ckpt, candidates, 40)
+    prompt, text = next(((p, r["text"]) for p, r in zip(candidates, runs) if r["text"].startswith(" ")),
+                        (candidates[0], runs[0]["text"]))
+    assert kind != "sentencepiece" or text.startswith(" ")
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), torch.no_grad():
+        exec(compile(snippet.replace('"To be, or not to be"', json.dumps(prompt)), "docs/hf.md", "exec"), {})
+    assert printed.getvalue() == text + "\n"
     # and tnlg reads the folder back: GPT-2 BPE through vocab.json + merges.txt, SentencePiece through tokenizer.model
     again = _tnlg_generate(out, prompts, new, [] if kind == "gpt2bpe" else ["--tokenizer-model", out])
     assert [r["tokens"] for r in again] == [r["tokens"] for r in want]
