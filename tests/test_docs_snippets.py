@@ -36,6 +36,7 @@ def _model_snippet(ps, code: str) -> dict:
             "sum": float(scope["logits"].double().sum())}
 
 
+@pytest.mark.slow  # two processes build GPT-2 small (124M parameters): about 15 s idle
 def test_readmes_model_snippet_runs_under_two_processes_and_its_plain_process_comment_holds():
     """``init_parallel(tensor_parallel_size=2)`` on two processes (what torchrun gives it) builds GPT-2 small
     at TP 2: the full-vocabulary logits on both ranks; in a plain process that call is refused, and the
