@@ -139,3 +139,14 @@ def test_resume_with_only_the_save_folder_continues_exactly(tmp_path, corpus):
     assert "resumed from run/iter_0000004 at iteration 4 (" in out, out[-3000:]
     _pretrain([*flags, "--train-iters", "8", "--save", "reference"], tmp_path)
     assert _losses(tmp_path / "run" / "metrics.jsonl") == _losses(tmp_path / "reference" / "metrics.jsonl")
+
+
+def test_an_override_of_an_unset_option_reads_as_typed():
+    """An option the checkpoint left unset (``None``: its default applies) reads "(not set)" in the override
+    note, not ``--lr-decay-iters None`` (which no command line could give)."""
+    from tnlg.options.recorded import describe
+    lines = describe({"taken": ["lr_decay_iters"], "path": "ckpt/iter_0000004",
+                      "overrides": [("--lr-decay-iters", None, 500), ("--data-path", ["a", "b"], None)]})
+    assert lines[1] == "note: --lr-decay-iters 500 given, overriding the checkpoint's --lr-decay-iters (not set)"
+    assert lines[2] == "note: --data-path (not set) given, overriding the checkpoint's --data-path a b"
+    assert "None" not in " ".join(lines)

@@ -1,6 +1,8 @@
 """Generation against `transformers` generate (greedy, same weights) and seeded sampling across TP sizes."""
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -405,3 +407,23 @@ def test_eval_and_generate_refuse_another_tokenizer_than_the_checkpoints(tmp_pat
     shutil.copy(models["a"], copy)
     assert main(["generate", "--prompt", "To be", "--max-new-tokens", "2", "--checkpoint", ckpt, "--tokenizer-model",
                  str(copy), "--json"]) == 0
+
+
+def test_eval_and_generate_say_what_they_load_before_the_result(tmp_path, capsys, monkeypatch):
+    """On a terminal, rank 0 says what takes the seconds before the result (loading, resharding from the saved
+    layout, the time it took); eval's table names a CP size above 1. Nothing of it on stdout."""
+    from tnlg.commands.eval import _rows
+    hf_dir, ckpt = tmp_path / "hf", str(tmp_path / "ckpt")
+    random_gpt2(4096, 16).save_pretrained(hf_dir)
+    assert main(["convert", "--from", "hf", str(hf_dir), "--to", ckpt, "--tokenizer-model", "builtin",
+                 "--tp", "2"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["generate", "--checkpoint", ckpt, "--prompt", "To be", "--max-new-tokens", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["new_tokens"] == 2
+    assert re.search(r"tnlg generate: loading .*iter_0000000 for TP 1 \(resharded from TP 2; every file's SHA-256 "
+                     r"checked\) \.\.\.\ntnlg generate: loaded in [0-9.]+ s; generating for 1 prompt", err), err
+    rows = dict(_rows({"task": "loss", "loss": 1.0, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+                       "pipeline_model_parallel_size": 1, "context_parallel_size": 2, "seconds": 1.0}))
+    assert rows["context parallel"] == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..errors import UserError
@@ -73,6 +74,9 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         check_pipeline_world(args.pp, args.tp, nproc * args.nnodes)
         _check_context_world(args, nproc * args.nnodes)
         check_nodes(args.nnodes, args.rdzv_endpoint)
+        if nproc > 1 and sys.stderr.isatty():
+            print(f"tnlg {command}: starting {nproc} processes (each imports torch, then joins the others) ...",
+                  file=sys.stderr, flush=True)
         status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
             return status, None
@@ -119,6 +123,13 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
         else:
             show(result)
     return 0
+
+
+def step_note(command: str, ps: "ParallelState", message: str) -> None:
+    """One line on rank 0's stderr, on a terminal only (stdout may be --json; a log file gets the result): what
+    a command is doing in the seconds before its result (loading, resharding)."""
+    if ps.rank == 0 and sys.stderr.isatty():
+        print(f"tnlg {command}: {message}", file=sys.stderr, flush=True)
 
 
 def print_table(title: str, rows: list[tuple[str, object]]) -> None:

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..interop.hf import from_hf, hf_folder_type
 from ..parallel.state import ParallelState
 
-__all__ = ["is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
+__all__ = ["is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
            "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
@@ -76,6 +76,24 @@ def recorded_tokenizer(checkpoint: str) -> Optional[dict]:
         return None if iter_dir is None else Manifest.read(iter_dir).tokenizer
     except (UserError, OSError, ValueError):
         return None
+
+
+def loading_note(checkpoint: str, ps: ParallelState) -> str:
+    """What loading ``checkpoint`` for ``ps`` does, in words (the commands print it before the seconds it takes):
+    the iteration and the layout it was saved at, resliced for this one."""
+    here = f"TP {ps.tp_size}" + (f" x PP {ps.pp_size}" if ps.pp_size > 1 else "")
+    if is_hf_folder(checkpoint):
+        return f"loading the Hugging Face folder {checkpoint!r}, each rank its slice for {here}"
+    try:
+        iter_dir = resolve(checkpoint, "checkpoint")
+        layout = Manifest.read(iter_dir).layout if iter_dir else None
+    except (UserError, OSError, ValueError):
+        layout = None
+    if layout is None or layout.tp is None:
+        return f"loading checkpoint {checkpoint!r} for {here}"
+    saved = f"TP {layout.tp}" + (f" x PP {layout.pp_size}" if layout.pp_size > 1 else "")
+    how = "its shards as saved" if (layout.tp, layout.pp_size) == (ps.tp_size, 1) else f"resharded from {saved}"
+    return f"loading {iter_dir} for {here} ({how}; every file's SHA-256 checked)"
 
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
