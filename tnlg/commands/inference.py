@@ -107,11 +107,16 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
     stops the other ranks: one every rank raised alike (a checkpoint that cannot be loaded) is
     printed by rank 0, one rank's own error names that rank."""
     from ..parallel.state import destroy_parallel, is_distributed
-    status, ps = launch_or_init(command, add_arguments, args)
+    try:
+        status, ps = launch_or_init(command, add_arguments, args)
+    except KeyboardInterrupt:
+        return interrupted(command, None)
     if status is not None:
         return status
     try:
         result = work(ps)
+    except KeyboardInterrupt:
+        return interrupted(command, ps)
     except BaseException:
         if not is_distributed():  # with several ranks, a peer may sit in a collective: the groups stay
             destroy_parallel()
@@ -123,6 +128,21 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
         else:
             show(result)
     return 0
+
+
+def interrupted(command: str, ps: Optional["ParallelState"]) -> int:
+    """Ctrl-C (SIGINT, to every process of the terminal's group; the launcher forwards it too): one line from
+    rank 0 (or the only process), exit status 130, no traceback on any rank. Nothing was written: these
+    commands only read. A rank of several leaves at once, its groups not torn down (a peer may sit in a
+    collective)."""
+    from ..parallel.state import destroy_parallel, is_distributed
+    if ps is None or ps.rank == 0:
+        print(f"tnlg {command}: interrupted (Ctrl-C); nothing was written.", file=sys.stderr, flush=True)
+    if ps is not None and is_distributed():
+        from ..runtime.process_exit import leave
+        leave(130, destroy=False)
+    destroy_parallel()
+    return 130
 
 
 def step_note(command: str, ps: "ParallelState", message: str) -> None:
