@@ -218,8 +218,6 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
-    from ..errors import UserError
     from torch.distributed.launcher.api import elastic_launch
 
     child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
@@ -250,9 +248,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         print(f"tnlg {command}: worker rank {rank} {_how_it_ended(first.exitcode)}.", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
     except RendezvousConnectionError as err:
-        raise UserError(f"tnlg {command}: this node's launcher could not reach the rendezvous at {endpoint} "
-                        f"({err.__cause__ or err}). Check that --rdzv-endpoint names the first node's address and a "
-                        "port it can listen on, and that the first node's command runs.") from None
+        raise _unreachable(command, endpoint, err) from None
     except SignalException as err:
         # the workers got the signal once, finished their iteration and rank 0 said where things stand
         return 128 + int(err.sigval)
@@ -267,6 +263,14 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _unreachable(command: str, endpoint: str, err: BaseException):
+    """The one paragraph for a rendezvous this node's launcher cannot reach (instead of torch's frames)."""
+    from ..errors import UserError
+    return UserError(f"tnlg {command}: this node's launcher could not reach the rendezvous at {endpoint} "
+                     f"({err.__cause__ or err}). Check that --rdzv-endpoint names the first node's address and a "
+                     "port it can listen on, and that the first node's command runs.")
 
 
 def _workers_env(endpoint: str, rdzv_endpoint: Optional[str]) -> list[str]:
