@@ -1,7 +1,7 @@
-"""The Python snippets of the README and docs/eval.md run as written: each is read from the page and executed,
+"""The Python snippets of the README, docs/eval.md and docs/hf.md run as written: each is read from the page and executed,
 in the situation its comments name (two processes for ``init_parallel(tensor_parallel_size=2)``, a fresh
 interpreter with nothing but ``import tnlg`` for ``tnlg.interop.hf``). (The ``tnlg.load`` snippet is checked
-against transformers' logits in tests/test_generate.py, docs/hf.md's in tests/test_hf_export.py.)"""
+against transformers' logits in tests/test_generate.py, docs/hf.md's decoding in tests/test_hf_export.py.)"""
 
 from __future__ import annotations
 
@@ -84,3 +84,24 @@ def test_eval_docs_generation_snippet_runs_as_written_after_a_plain_import(tmp_p
     assert done.returncode == 0, done.stderr
     printed = done.stdout.strip().splitlines()
     assert len(printed) == 2 and printed[0].startswith("[") and printed[1].startswith("[[")
+
+
+def test_hf_docs_export_snippet_runs_as_written(tmp_path, monkeypatch):
+    """docs/hf.md's two ``tnlg.interop.hf.to_hf`` lines (each an alternative: with the built-in tokenizer, and
+    weights and config only), each run in a folder of its own after a plain ``import tnlg``: the folders are
+    what transformers loads."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import tnlg
+    code = snippet("docs/hf.md", "tnlg.interop.hf.to_hf(model")
+    model = tnlg.GPT(tnlg.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                    vocab_size=4096), tnlg.init_parallel())
+    lines = [line for line in code.splitlines() if line.strip()]
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        (tmp_path / str(i)).mkdir()
+        monkeypatch.chdir(tmp_path / str(i))
+        exec(compile(line, "docs/hf.md", "exec"), {"tnlg": tnlg, "model": model})
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(i) / "gpt-out")
+        assert hf.config.vocab_size == 4096
+        assert (tmp_path / str(i) / "gpt-out" / "tokenizer.json").exists() == (i == 0)
