@@ -23,10 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# the OpenMP wait settings as the user started the benchmark: `import tnlg` (next line) sets GOMP_SPINCOUNT when
+# neither is set, and a benchmark that runs a peer "as it ships" gives it these instead (user_wait_environment)
+USER_WAIT_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
 from tnlg.errors import UserError  # noqa: E402
 from tnlg.io import atomic_write  # noqa: E402
 
-__all__ = ["ROOT", "package_version", "cpu_name", "cpu_flags", "machine_info", "write_json", "add_shape_arguments",
+__all__ = ["ROOT", "USER_WAIT_ENV", "user_wait_environment", "package_version", "cpu_name", "cpu_flags", "machine_info", "write_json", "add_shape_arguments",
            "run"]
 
 
@@ -83,6 +87,16 @@ def add_shape_arguments(p: argparse.ArgumentParser, *, layers: int, hidden: int,
     p.add_argument("--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})")
     p.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
     p.add_argument(seq_flag, type=int, default=seq, help=f"sequence length (default {seq})")
+
+
+def user_wait_environment() -> None:
+    """Put this process's OpenMP wait variables back as the user started it (processes started after this call
+    inherit them): what tnlg's import set is taken out."""
+    for name, value in USER_WAIT_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def run(main: Callable[[], int]) -> None:

@@ -248,6 +248,7 @@ def omp_environment(framework: str, omp_default: bool):
     """The spawned workers' OpenMP wait settings: tnlg's as ``tnlg`` sets them
     (:func:`tnlg.runtime.threads.set_wait_policy`, unless ``--omp-default``), the others' as the user's."""
     with mock.patch.dict(os.environ):  # the environment as it was, afterwards
+        _bench.user_wait_environment()  # (importing tnlg set GOMP_SPINCOUNT in this process)
         if framework == "tnlg" and not omp_default:
             set_wait_policy()
         yield
@@ -264,7 +265,7 @@ def run_rounds(a, frameworks) -> dict:
                             warmup=a.warmup, steps=a.steps, arch=a.arch, groups=a.groups)
                 with omp_environment(fw, a.omp_default):
                     out = run_distributed(measure, tp, tp, spec, timeout_s=a.timeout, threads=2 if tp == 1 else 1)[0]
-                out["env"] = {k: os.environ.get(k) for k in WAIT_VARIABLES}
+                    out["env"] = {k: os.environ.get(k) for k in WAIT_VARIABLES}  # what the workers had
                 raw.setdefault(f"{precision} TP {tp}", {}).setdefault(fw, []).append(out)
                 print(f"round {r + 1}: {precision} TP {tp} {fw}: "
                       + " ".join(f"{t * 1e3:.0f}" for t in out["times"]) + " ms", flush=True)

@@ -2,7 +2,9 @@ import importlib.util
 import os
 
 import pytest
-import torch
+
+import tnlg  # noqa: F401  (before torch: the OpenMP wait setting the command gives, tnlg/__init__.py)
+import torch  # noqa: E402,I001
 
 torch.set_num_threads(1)  # spawned ranks share the 2 cores; keep the parent off them
 

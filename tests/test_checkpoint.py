@@ -504,6 +504,10 @@ def test_config_conflict_is_clear_error(trained, tmp_path):
     # auto-resume from --save: the same check, naming --save
     _expect_error(_options(1, hidden_size=64, save=root), root,
                   "found in --save.*hidden_size 32 in the checkpoint vs 64")
+    # a dropout rate is a training setting, not the architecture: named with the flag that resumes
+    _expect_error(_options(1, hidden_dropout=0.0, load=root, save=root), root,
+                  r"hidden_dropout 0.1 in the checkpoint vs 0.0 now \(a training setting, not the architecture.*"
+                  r"give --hidden-dropout 0.1, or --use-checkpoint-args[^.]*\)\. Flags that define")
 
 
 @pytest.mark.parametrize("damage,match", [
@@ -515,9 +519,15 @@ def test_config_conflict_is_clear_error(trained, tmp_path):
     ("no_meta", "has no meta.json"),
 ])
 def test_damaged_checkpoint_is_clear_error(trained, tmp_path, damage, match):
+    """Each damage is one paragraph naming it; a damaged shard's also names the earlier complete iterations
+    beside it and the ``--load`` that resumes from the newest (an intact copy here stands for iteration 1)."""
     root = str(tmp_path / "c")
     shutil.copytree(trained, root)
     it = os.path.join(root, "iter_0000002")
+    if damage in ("missing_shard", "truncated_shard", "bit_flip"):
+        shutil.copytree(it, os.path.join(root, "iter_0000001"))
+        match += (".*Earlier complete iterations in .*: iter_0000001; --load " + re.escape(os.path.join(root, "iter_0000001"))
+                  + " resumes from the newest of them")
     if damage == "missing_shard":
         os.remove(os.path.join(it, "optim_tp00_dp000.safetensors"))
     elif damage == "bit_flip":  # same size: only the checksum can tell

@@ -176,3 +176,14 @@ def test_a_converted_checkpoint_gives_its_model_and_tokenizer(tmp_path, corpus):
         assert o.flat()[name] == getattr(cfg, name), name
     assert o.data.tokenizer_model == "builtin" and len(o.checkpoint_args["taken"]) > 10
     check_resume(o)  # the architecture and tokenizer match: not refused
+
+
+def test_an_override_of_an_unset_option_reads_as_typed():
+    """An option the checkpoint left unset (``None``: its default applies) reads "(not set)" in the override
+    note, not ``--lr-decay-iters None`` (which no command line could give)."""
+    from tnlg.options.recorded import describe
+    lines = describe({"taken": ["lr_decay_iters"], "path": "ckpt/iter_0000004",
+                      "overrides": [("--lr-decay-iters", None, 500), ("--data-path", ["a", "b"], None)]})
+    assert lines[1] == "note: --lr-decay-iters 500 given, overriding the checkpoint's --lr-decay-iters (not set)"
+    assert lines[2] == "note: --data-path (not set) given, overriding the checkpoint's --data-path a b"
+    assert "None" not in " ".join(lines)

@@ -182,3 +182,15 @@ def test_help_describes_each_command_as_the_readmes_capabilities_table():
         assert said in COMMANDS[command][1], f"tnlg {command}'s description lacks {said!r}: {COMMANDS[command][1]}"
     named = {c for r in rows for c in COMMANDS if f"`tnlg {c}" in r or f"tnlg {c}`" in r or f", {c}" in r}
     assert named >= {"pretrain", "preprocess", "convert", "eval", "generate", "plan", "train-tokenizer", "data"}
+
+
+def test_convert_help_names_every_hugging_face_class_it_reads_and_writes(capsys):
+    """``tnlg convert --help`` names each Hugging Face class the interop reads and writes (it said GPT-2 only,
+    while Llama and Qwen2 folders convert both ways)."""
+    from tnlg.interop.hf import _CLASSES
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for cls in _CLASSES.values():
+        assert cls in out, cls
+    assert "Hugging Face GPT-2 folders" not in out

@@ -1,6 +1,8 @@
 """Generation against `transformers` generate (greedy, same weights) and seeded sampling across TP sizes."""
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -373,3 +375,55 @@ def test_the_readmes_load_snippet_runs_as_written(hf_folder, tmp_path, monkeypat
         want = hf(scope["tokens"]).logits
     assert scope["logits"].shape == want.shape
     torch.testing.assert_close(scope["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_and_generate_refuse_another_tokenizer_than_the_checkpoints(tmp_path, capsys):
+    """A checkpoint records the tokenizer it was trained with; ``--tokenizer-model`` of another one with the same
+    vocabulary size (other ids for other words) is refused by both commands before any process starts, naming
+    both; a copy of the recorded file elsewhere (same contents) is accepted."""
+    import shutil
+
+    from tnlg.data.corpus import corpus_documents
+    from tnlg.data.tokenizer import train_sentencepiece
+    works = sorted(corpus_documents(), key=lambda doc: -len(doc[1]))[:2]  # two works: two tokenizers
+    models = {}
+    for name, (_, work) in zip("ab", works):
+        text = tmp_path / f"{name}.txt"
+        text.write_text(work[:100000])
+        models[name] = str(train_sentencepiece([text], 400, tmp_path / name))
+    hf_dir, ckpt = tmp_path / "hf", str(tmp_path / "ckpt")
+    random_gpt2(400, 16).save_pretrained(hf_dir)
+    assert main(["convert", "--from", "hf", str(hf_dir), "--to", ckpt, "--tokenizer-model", models["a"]]) == 0
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("To be, or not to be")
+    capsys.readouterr()
+    for argv in (["generate", "--prompt", "To be", "--max-new-tokens", "2"],
+                 ["eval", "--task", "text", "--input", str(prompt)]):
+        assert main(argv + ["--checkpoint", ckpt, "--tokenizer-model", models["b"]]) == 2, argv
+        err = capsys.readouterr().err
+        assert "another tokenizer" in err and models["a"] in err and models["b"] in err, err
+        assert len(err.strip().splitlines()) == 1
+    copy = tmp_path / "elsewhere.model"
+    shutil.copy(models["a"], copy)
+    assert main(["generate", "--prompt", "To be", "--max-new-tokens", "2", "--checkpoint", ckpt, "--tokenizer-model",
+                 str(copy), "--json"]) == 0
+
+
+def test_eval_and_generate_say_what_they_load_before_the_result(tmp_path, capsys, monkeypatch):
+    """On a terminal, rank 0 says what takes the seconds before the result (loading, resharding from the saved
+    layout, the time it took); eval's table names a CP size above 1. Nothing of it on stdout."""
+    from tnlg.commands.eval import _rows
+    hf_dir, ckpt = tmp_path / "hf", str(tmp_path / "ckpt")
+    random_gpt2(4096, 16).save_pretrained(hf_dir)
+    assert main(["convert", "--from", "hf", str(hf_dir), "--to", ckpt, "--tokenizer-model", "builtin",
+                 "--tp", "2"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["generate", "--checkpoint", ckpt, "--prompt", "To be", "--max-new-tokens", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["new_tokens"] == 2
+    assert re.search(r"tnlg generate: loading .*iter_0000000 for TP 1 \(resharded from TP 2; every file's SHA-256 "
+                     r"checked\) \.\.\.\ntnlg generate: loaded in [0-9.]+ s; generating for 1 prompt", err), err
+    rows = dict(_rows({"task": "loss", "loss": 1.0, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+                       "pipeline_model_parallel_size": 1, "context_parallel_size": 2, "seconds": 1.0}))
+    assert rows["context parallel"] == 2

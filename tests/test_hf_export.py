@@ -165,13 +165,14 @@ def _tnlg_generate(ckpt, prompts, new, extra=()):
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "gpt2bpe"])
-def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, capfd):
+def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, capfd, monkeypatch):
     """tnlg checkpoint -> `tnlg generate` greedy; `tnlg convert --to hf`; then AutoTokenizer +
     GPT2LMHeadModel.generate from that folder give the same tokens and text, and the export
-    printed no transformers warning (bos/eos are the EOD id, inside the vocabulary)."""
+    printed no transformers warning (bos/eos are the EOD id, inside the vocabulary). docs/hf.md's snippet,
+    run as written on that folder, prints exactly `tnlg generate`'s text (it dropped the first space)."""
     tokenizer = "builtin" if kind == "sentencepiece" else str(_gpt2_folder(tmp_path / "gpt2", texts[-2:]))
     tok = load_tokenizer(tokenizer)
-    hf_in, ckpt, out = str(tmp_path / "hf_in"), str(tmp_path / "ckpt"), str(tmp_path / "hf_out")
+    hf_in, ckpt, out = str(tmp_path / "hf_in"), str(tmp_path / "ckpt"), str(tmp_path / "gpt-out")
     _hf_model(tok.vocab_size + 3).save_pretrained(hf_in)  # a vocabulary larger than the tokenizer's is fine
     assert main(["convert", "--from", "hf", hf_in, "--to", ckpt, "--tokenizer-model", tokenizer]) == 0
     prompts = ["To be, or not to be", "  O Romeo,\nRomeo!", "Of Man's first disobedience 🎭"]
@@ -195,6 +196,20 @@ def test_exported_folder_alone_reproduces_tnlg_generate(kind, texts, tmp_path, c
             # the continuation is the rest of the whole sequence's decoding, as tnlg generate prints it
             assert hf_tok.decode(enc["input_ids"][0].tolist() + body) == prompt + ref["text"]
     assert len(set(sum((r["tokens"] for r in want), []))) > 5  # not one token repeated
+    readme = (__import__("pathlib").Path(__file__).parent.parent / "docs" / "hf.md").read_text()
+    snippet = next(s for s in __import__("re").findall(r"```python\n(.*?)```", readme, __import__("re").S)
+                   if "AutoTokenizer.from_pretrained(\"gpt-out/\")" in s)
+    # its prompt, or one whose continuation starts with a space (where decoding the new ids alone goes wrong)
+    candidates = ["To be, or not to be", "The", "And so", "Now is the winter", "What", "O", "My lord"]
+    runs = _tnlg_generate(ckpt, candidates, 40)
+    prompt, text = next(((p, r["text"]) for p, r in zip(candidates, runs) if r["text"].startswith(" ")),
+                        (candidates[0], runs[0]["text"]))
+    assert kind != "sentencepiece" or text.startswith(" ")
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), torch.no_grad():
+        exec(compile(snippet.replace('"To be, or not to be"', json.dumps(prompt)), "docs/hf.md", "exec"), {})
+    assert printed.getvalue() == text + "\n"
     # and tnlg reads the folder back: GPT-2 BPE through vocab.json + merges.txt, SentencePiece through tokenizer.model
     again = _tnlg_generate(out, prompts, new, [] if kind == "gpt2bpe" else ["--tokenizer-model", out])
     assert [r["tokens"] for r in again] == [r["tokens"] for r in want]
@@ -245,6 +260,30 @@ def test_convert_to_hf_tokenizer_errors(checkpoints, tmp_path, capsys):
         assert __import__("re").search(match, capsys.readouterr().err), (argv, match)
         assert not (tmp_path / "o").exists()
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_convert_to_hf_without_tokenizers_refuses_before_writing(checkpoints, tmp_path):
+    """The base install has neither transformers nor tokenizers: an export from a checkpoint that records a
+    SentencePiece tokenizer is refused in one paragraph naming the install command, before anything is written
+    (it used to convert the model, then end in a ModuleNotFoundError traceback). The missing package is
+    simulated by a sitecustomize of this test's own that makes ``import tokenizers`` fail."""
+    import subprocess
+    import sys
+
+    from tnlg.runtime.spawn import checkout_env
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['tokenizers'] = None  # import tokenizers fails\n")
+    env = checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), env.get("PYTHONPATH", "")])
+    out_dir = tmp_path / "exported"
+    for extra in ([], ["--no-tokenizer"]):  # transformers' GPT-2 class does not import without it either
+        done = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", checkpoints["with_tok"], "--to", "hf",
+                               str(out_dir), *extra], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "tokenizers" in done.stderr and 'pip install "transformers>=4.40" "tokenizers>=0.15"' in done.stderr
+        assert not out_dir.exists() and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
 # ----------------------------------------------------------------------------- never delete

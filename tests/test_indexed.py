@@ -266,3 +266,21 @@ def test_gpt_dataset_pickles_without_its_arrays(tmp_path):
     again = pickle.loads(blob)
     assert len(again) == len(ds) and all(again[i]["tokens"].tolist() == ds[i]["tokens"].tolist()
                                          for i in range(0, len(ds), 97))
+
+
+def test_a_prefix_naming_no_dataset_lists_the_datasets_in_its_folder(tmp_path):
+    """``--data-path data/py`` beside ``data/py_text_document.bin/.idx`` names that prefix (and only whole
+    pairs); a folder without pairs or one that does not exist says so."""
+    import re
+    for name in ("py_text_document.bin", "py_text_document.idx", "lonely.bin", "other_text_document.idx",
+                 "other_text_document.bin"):
+        (tmp_path / name).write_bytes(b"")
+    want = f"Datasets in {str(tmp_path)!r}: {str(tmp_path / 'other_text_document')!r}, " \
+           f"{str(tmp_path / 'py_text_document')!r}."
+    with pytest.raises(UserError, match=re.escape(want)):
+        IndexedDataset(str(tmp_path / "py"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no dataset"):
+        IndexedDataset(str(tmp_path / "empty" / "py"))
+    with pytest.raises(UserError, match="does not exist"):
+        IndexedDataset(str(tmp_path / "absent" / "py"))

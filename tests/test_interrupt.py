@@ -202,3 +202,54 @@ def test_sighup_to_one_process_saves_like_ctrl_c(tmp_path):
     assert rc == 128 + signal.SIGHUP, out[-3000:]
     n, m, folder, saved, *_ = _message(out, signal.SIGHUP)
     assert saved and n == m and ck.list_iterations(str(save)) == [n] and folder == str(save)
+
+
+def test_ctrl_c_on_a_two_process_eval_exits_130_with_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the process group) on `tnlg eval --nproc-per-node 2` while both ranks evaluate: exit
+    status 130 and one line from rank 0, no traceback on any rank (each rank used to print its
+    KeyboardInterrupt traceback). stderr is a terminal here, so the ranks say when they evaluate."""
+    import pty
+
+    from tests.hf_reference import random_gpt2
+    from tnlg.cli import main
+    from tnlg.data.corpus import corpus_documents
+    random_gpt2(4096, 16).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"),
+                 "--tokenizer-model", "builtin"]) == 0
+    text = tmp_path / "long.txt"
+    text.write_text("".join(t for _, t in corpus_documents())[:400000])
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "tnlg", "eval", "--task", "text", "--checkpoint",
+                             str(tmp_path / "ckpt"), "--nproc-per-node", "2", "--micro-batch-size", "1",
+                             "--overlapping-eval", "8", str(text)], cwd=str(tmp_path), env=checkout_env(),
+                            stdout=subprocess.PIPE, stderr=slave, text=True, start_new_session=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # the terminal closed: every process that held it has ended
+                return
+            if not data:
+                return
+            chunks.append(data)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        _wait_for(lambda: b"evaluating --task text" in b"".join(chunks), proc, [])
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    os.close(master)
+    err = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    assert rc == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    after = err.split("evaluating --task text", 1)[1].strip().splitlines()
+    assert after == ["tnlg eval: interrupted (Ctrl-C); nothing was written."], err[-3000:]
+    assert proc.stdout.read() == ""

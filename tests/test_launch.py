@@ -320,3 +320,16 @@ def test_a_single_node_job_listens_on_loopback_only(tmp_path):
     seen = [tuple(x) for x in job["seen"]]
     assert len(seen) >= 2, seen  # the store, and gloo's sockets
     assert all(_on_loopback(addr) for addr, _ in seen), seen
+
+
+def test_an_rdzv_endpoint_whose_host_does_not_resolve_is_one_paragraph():
+    """``--rdzv-endpoint nonexistent.invalid:29555`` is refused before any launcher starts, in one paragraph
+    naming the host (it used to end after a minute of retries in Python and C++ frames); a host that
+    resolves passes."""
+    from tnlg.errors import UserError
+    from tnlg.runtime.launch import check_nodes
+    with pytest.raises(UserError, match=r"the host 'nonexistent\.invalid' does not resolve.*e\.g\. node0:29500") as e:
+        check_nodes(2, "nonexistent.invalid:29555")
+    assert "\n" not in str(e.value)
+    check_nodes(2, "127.0.0.1:29555")
+    check_nodes(2, "localhost:29555")

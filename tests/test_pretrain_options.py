@@ -190,3 +190,30 @@ def test_default_process_count_is_one_per_gpu(monkeypatch):
     assert default_nproc() == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_nproc() == 4
+
+
+def test_help_and_readme_say_which_presets_run_the_builtin_job(capsys):
+    """--preset llama-tiny without --data-path runs the built-in job (its tuned values), another preset does not;
+    --help and the README say exactly that (they used to say "neither --data-path nor --preset")."""
+    import pathlib
+    assert resolve_flags(["--preset", "llama-tiny"], 4).builtin_job is True
+    assert resolve_flags(["--preset", "tiny", "--train-iters", "5"], 4).builtin_job is False
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Without --data-path (and without --preset, or with the CPU-sized --preset llama-tiny): the built-in" in out
+    assert "neither --data-path nor --preset" not in out
+    readme = " ".join((pathlib.Path(__file__).parent.parent / "README.md").read_text().split())
+    assert "neither `--data-path` nor `--preset`" not in readme
+    assert "without `--data-path` and with no `--preset` or the CPU-sized `--preset llama-tiny`" in readme
+
+
+def test_help_says_how_the_sample_at_the_end_is_drawn(capsys):
+    """The end-of-run sample's top-k and temperature (the values the loop uses) are in --help."""
+    from tnlg.options.components import SAMPLE_TEMPERATURE, SAMPLE_TOP_K
+    from tnlg.training import loop
+    assert (loop.SAMPLE_TOP_K, loop.SAMPLE_TEMPERATURE) == (SAMPLE_TOP_K, SAMPLE_TEMPERATURE) == (40, 0.8)
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "drawn with top-k 40, temperature 0.8 and the run's --seed" in out

@@ -218,3 +218,34 @@ def test_train_gpt2_bpe_bad_input(tmp_path, capsys):
         assert main(args + argv) == 2
         assert match in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+
+
+def test_train_tokenizer_notes_code_that_would_be_mostly_single_spaces(tmp_path, capsys):
+    """On indented code the default SentencePiece options make a large share of the tokens the single-space
+    piece; train-tokenizer says so, naming ``allow_whitespace_only_pieces``, which takes fewer tokens and still
+    round-trips. Prose gets no note."""
+    import glob
+
+    import sentencepiece as spm
+    files = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]:  # the standard library
+        files.append(tmp_path / (os.path.basename(path) + ".txt"))
+        files[-1].write_text(open(path, encoding="utf-8", errors="replace").read())
+    prose = tmp_path / "prose.txt"
+    prose.write_text(max((t for _, t in corpus_documents()), key=len)[:300000])
+    runs = {}
+    for name, inputs, extra in (("code", files, []), ("code_ws", files, ["--option", "allow_whitespace_only_pieces=true"]),
+                                ("prose", [prose], [])):
+        capsys.readouterr()
+        assert main(["train-tokenizer", "--input", *map(str, inputs), "--vocab-size", "1000", "--output-prefix",
+                     str(tmp_path / name), *extra]) == 0
+        runs[name] = capsys.readouterr().err
+    assert "single-space piece" in runs["code"] and "--option allow_whitespace_only_pieces=true" in runs["code"]
+    assert "note:" not in runs["code_ws"] and "note:" not in runs["prose"]
+    texts = [f.read_text() for f in files]
+    counts = {}
+    for name in ("code", "code_ws"):
+        sp = spm.SentencePieceProcessor(model_file=str(tmp_path / f"{name}.model"))
+        assert all(sp.decode(sp.encode(t)) == t for t in texts)
+        counts[name] = sum(len(sp.encode(t)) for t in texts)
+    assert counts["code_ws"] < 0.8 * counts["code"], counts

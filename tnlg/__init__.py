@@ -2,14 +2,67 @@
 
 The public names below are imported on first use (PEP 562), so ``import tnlg``
 and ``tnlg --help`` do not pay for importing torch.
+
+``import tnlg`` before ``import torch`` gives torch's OpenMP threads the short wait the ``tnlg`` command
+gives them (``GOMP_SPINCOUNT=1000`` unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set): libgomp reads
+it once, when torch loads it, and with its default spin-wait a step is several times slower on a busy
+machine (:mod:`tnlg.runtime.threads` has the measurements). Imported after torch, tnlg cannot change it
+any more and says so in one warning.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# OpenMP's wait policy; its one home: tnlg.runtime.threads re-exports these for the command line
+SPIN_COUNT = "1000"  # libgomp's own spin count for an oversubscribed team
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+LATE_IMPORT_WARNING = (
+    "torch was imported before tnlg, so its OpenMP threads spin-wait (libgomp's default, read when torch "
+    "loaded it), which makes a step several times slower on a busy machine: import tnlg before torch, or set "
+    "GOMP_SPINCOUNT=1000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before Python starts.")
+
+
+def set_wait_policy(env=None) -> bool:
+    """Set ``GOMP_SPINCOUNT`` in ``env`` (default: this process's environment) unless one of
+    :data:`WAIT_VARIABLES` is set there already. Returns whether it set it. For this process's own
+    environment it has effect only before ``import torch`` (later, only on processes started after it)."""
+    target = os.environ if env is None else env
+    if any(name in target for name in WAIT_VARIABLES):
+        return False
+    target["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return True
+
+
+def spinning_libgomp_loaded() -> bool:
+    """Whether this process has loaded GNU OpenMP (torch's CPU wheels bring it) without a wait setting of
+    the user's: its threads then spin the default 300,000 iterations. Linux only (``/proc/self/maps``)."""
+    if any(name in os.environ for name in WAIT_VARIABLES):
+        return False
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def _apply_wait_policy() -> None:
+    """Before torch: set the policy. After torch (whose libgomp has read its settings at load): a warning,
+    once, when its threads spin; measured, a ``GOMP_SPINCOUNT`` set after ``import torch`` changes nothing,
+    even before the first parallel region."""
+    if "torch" not in sys.modules:
+        set_wait_policy()
+    elif spinning_libgomp_loaded():
+        warnings.warn(LATE_IMPORT_WARNING, RuntimeWarning, stacklevel=3)
+
+
+_apply_wait_policy()
 
 # public name -> submodule that defines it
 _EXPORTS = {
@@ -32,8 +85,15 @@ _SUBMODULES = ("checkpoint", "commands", "data", "eval", "generation", "interop"
                "plan", "runtime", "training")
 
 
+# the modules of a subpackage that the docs reach as ``tnlg.PACKAGE.MODULE.name`` after a plain ``import tnlg``
+# (the subpackage's ``__init__`` does not import them), imported with it
+_SUBMODULE_PARTS = {"interop": ("hf", "megatron")}
+
+
 def __getattr__(name: str):
     if name in _SUBMODULES:
+        for part in _SUBMODULE_PARTS.get(name, ()):
+            importlib.import_module(f".{name}.{part}", __name__)  # binds itself on the subpackage
         return importlib.import_module(f".{name}", __name__)  # binds itself on the package
     module = _EXPORTS.get(name)
     if module is None:

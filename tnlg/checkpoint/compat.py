@@ -4,7 +4,8 @@ Must match the checkpoint (else a :class:`UserError` naming every difference):
 
 * the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
   ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
-  ``layernorm_epsilon``, the dropout rates, the GELU form, whether the output layer is untied, and the
+  ``layernorm_epsilon``, the dropout rates (training settings, not the shape, named as such in the
+  error: a resume keeps them), the GELU form, whether the output layer is untied, and the
   Llama family's choices (positions, normalisation, SwiGLU, KV groups, biases): every field
   :class:`~tnlg.config.GPTConfig` declares ``arch``;
 * the data: the ``--data-path`` datasets (same files: same resolved prefix, or
@@ -108,6 +109,18 @@ def _data_differences(saved: dict, now: dict) -> list[str]:
     return out
 
 
+# recorded and compared with the architecture, but not the model's shape: rates that only training uses
+TRAINING_FIELDS = ("hidden_dropout", "attention_dropout")
+
+
+def _arch_difference(name: str, saved, now) -> str:
+    if name not in TRAINING_FIELDS:
+        return f"{name} {saved!r} in the checkpoint vs {now!r} now"
+    return (f"{name} {saved!r} in the checkpoint vs {now!r} now (a training setting, not the architecture, which "
+            f"a resume keeps so that it continues the same run: give {flag_of(name)} {saved!r}, or "
+            f"--use-checkpoint-args, which takes it from the checkpoint)")
+
+
 def check_compatible(meta, where: str, config: GPTConfig, options,
                      tokenizer, origin: str = "--load", must_match: Iterable[str] = ()) -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
@@ -118,9 +131,9 @@ def check_compatible(meta, where: str, config: GPTConfig, options,
     manifest = Manifest.of(meta)
     saved_cfg = {**_LATER_FIELDS, **(manifest.config or {})}
     have = config.to_dict()
-    diffs = [f"{k} {saved_cfg.get(k)!r} in the checkpoint vs {have[k]!r} now"
-             for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
-    arch = bool(diffs)
+    changed = [k for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
+    diffs = [_arch_difference(k, saved_cfg[k], have[k]) for k in changed]
+    arch = any(k not in TRAINING_FIELDS for k in changed)
     saved_opts = manifest.options or {}
     if options is not None:
         now_opts = _by_name(options)

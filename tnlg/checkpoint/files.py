@@ -32,7 +32,7 @@ from .manifest import FORMAT, META, READABLE_FORMATS, Manifest
 
 __all__ = ["FORMAT", "LATEST", "META", "iter_dir_name", "stage_tag", "model_file", "optim_file", "rng_file",
            "read_latest", "write_latest", "list_iterations", "has_checkpoint", "resolve", "read_meta",
-           "check_files", "verify_checksums", "meta_digest", "complete_iterations", "last_checkpoint",
+           "check_files", "earlier_iterations", "verify_checksums", "meta_digest", "complete_iterations", "last_checkpoint",
            "remove_tree", "remove_debris", "trash_name", "make_save_dir", "is_ours", "is_tnlg_iteration", "exchange",
            "lock_root", "LOCK", "MARKER", "READABLE_FORMATS"]
 
@@ -211,21 +211,38 @@ def meta_digest(iter_dir: str) -> str:
     return file_sha256(path)
 
 
-def check_files(iter_dir: str, meta, kinds: tuple[str, ...] = ("model", "optim", "rng")) -> None:
+def check_files(iter_dir: str, meta, kinds: tuple[str, ...] = ("model", "optim", "rng"), hint: bool = True) -> None:
     """Every file of the manifest (a :class:`Manifest` or its dict; of the given kinds) exists with its
-    recorded size, else a :class:`UserError` naming the first missing or truncated one."""
+    recorded size, else a :class:`UserError` naming the first missing or truncated one (and, with ``hint``,
+    the earlier complete iterations that would resume: :func:`earlier_iterations`)."""
     for name, size in sorted(Manifest.of(meta).files.items()):
         if not name.startswith(kinds):
             continue
         path = os.path.join(iter_dir, name)
         if not os.path.isfile(path):
             raise UserError(f"checkpoint {iter_dir!r} is missing {name!r} (listed in its {META}); it was "
-                            f"copied incompletely or damaged. Nothing was loaded.")
+                            f"copied incompletely or damaged. Nothing was loaded."
+                            + (earlier_iterations(iter_dir) if hint else ""))
         have = os.path.getsize(path)
         if have != size:
             raise UserError(f"checkpoint file {path!r} has {have} bytes but {size} were written "
                             f"({'truncated' if have < size else 'changed'}); it was copied incompletely or "
-                            f"damaged. Nothing was loaded.")
+                            f"damaged. Nothing was loaded." + (earlier_iterations(iter_dir) if hint else ""))
+
+
+def earlier_iterations(iter_dir: str) -> str:
+    """The sentence that ends the error of a damaged iteration directory ``ROOT/iter_N``: the complete
+    iterations before N in ROOT (their files all of their recorded sizes) and the ``--load`` that resumes
+    from the newest of them; or that there is none. Empty when ``iter_dir`` is not an ``iter_*`` directory."""
+    root, name = os.path.split(os.path.normpath(iter_dir))
+    match = ITER_RE.match(name)
+    if not match:
+        return ""
+    earlier = [it for it in complete_iterations(root) if it < int(match.group(1))]
+    if not earlier:
+        return f" {root!r} holds no earlier complete iteration to resume from."
+    return (f" Earlier complete iterations in {root!r}: {', '.join(iter_dir_name(it) for it in earlier)}; "
+            f"--load {os.path.join(root, iter_dir_name(earlier[-1]))} resumes from the newest of them.")
 
 
 def verify_checksums(iter_dir: str, meta, names) -> None:
@@ -236,8 +253,8 @@ def verify_checksums(iter_dir: str, meta, names) -> None:
         if name in sums and file_sha256(os.path.join(iter_dir, name)) != sums[name]:
             raise UserError(f"checkpoint file {os.path.join(iter_dir, name)!r} does not match the SHA-256 "
                             f"recorded when it was written (a bit flip or a partial copy with the right size); "
-                            f"it cannot be trusted. Nothing was loaded. Use another iteration or copy the "
-                            f"file again.")
+                            f"it cannot be trusted. Nothing was loaded. Copy the file again, or resume from an "
+                            f"earlier iteration." + earlier_iterations(iter_dir))
 
 
 def complete_iterations(root: str) -> list[int]:
@@ -247,7 +264,7 @@ def complete_iterations(root: str) -> list[int]:
     for it in list_iterations(root):
         d = os.path.join(root, iter_dir_name(it))
         try:
-            check_files(d, Manifest.read(d), ("model", "optim", "rng"))
+            check_files(d, Manifest.read(d), ("model", "optim", "rng"), hint=False)
         except UserError:
             continue
         out.append(it)

@@ -28,6 +28,7 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 from ..model import GPT
+from .files import earlier_iterations
 from .manifest import Manifest, need
 from .stream import SafetensorsReader
 
@@ -104,7 +105,7 @@ class ShardReader:
                 self._open[fname] = SafetensorsReader(path)
             except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
                 raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or "
-                                f"truncated. Nothing was loaded.") from None
+                                f"truncated. Nothing was loaded." + earlier_iterations(self.iter_dir)) from None
         return self._open[fname], fname
 
     def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str) -> torch.Tensor:
@@ -245,7 +246,7 @@ class OptimReader(ShardReader):
                 self._files[fname] = SafetensorsReader(path)
             except Exception as exc:  # noqa: BLE001
                 raise UserError(f"checkpoint file {path!r} cannot be read ({exc}); it is damaged or truncated. "
-                                f"Nothing was loaded.") from None
+                                f"Nothing was loaded." + earlier_iterations(self.iter_dir)) from None
         return self._files[fname]
 
     def _src_numel(self, tp_rank: int, name: str) -> int:

@@ -6,9 +6,9 @@
   anything is written) -> a tnlg checkpoint at
   iteration 0 with no optimizer state (training from it starts a fresh
   optimizer); ``M`` is recorded as the checkpoint's tokenizer.
-* ``tnlg convert --from CKPT --to hf DIR [--tokenizer-model M | --no-tokenizer]``: GPT-2
-  format (``config.json`` + ``model.safetensors``), loadable with
-  ``GPT2LMHeadModel.from_pretrained``, plus the checkpoint's tokenizer (or ``M``) in the
+* ``tnlg convert --from CKPT --to hf DIR [--tokenizer-model M | --no-tokenizer]``: the model's
+  Hugging Face class (GPT-2, or Llama / Qwen2 for a Llama-family checkpoint: ``config.json`` +
+  ``model.safetensors``), loadable with ``AutoModelForCausalLM.from_pretrained``, plus the checkpoint's tokenizer (or ``M``) in the
   form ``AutoTokenizer.from_pretrained`` loads (docs/hf.md).
 * ``tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N``:
   rewrite the shards for TP size N (weights and optimizer state; RNG of DP rank 0).
@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print meta.json plus file sizes as JSON")
         return
     parser.description = (
-        "Convert between Hugging Face GPT-2 folders and tnlg checkpoints, or reshard a checkpoint offline.\n\n"
+        "Convert between Hugging Face folders (GPT-2, Llama and Qwen2: GPT2LMHeadModel, LlamaForCausalLM, "
+        "Qwen2ForCausalLM) or Megatron-LM checkpoints and tnlg checkpoints, or reshard a checkpoint offline. "
+        "--to hf writes the checkpoint's own family (a Llama-family checkpoint: Llama, or Qwen2 when its QKV "
+        "projections have biases).\n\n"
         "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
         "  tnlg convert --from CKPT --to hf HF_DIR [--tokenizer-model M | --no-tokenizer]\n"
         "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n"
@@ -65,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
     parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
-                        help="'hf DIR' (a GPT-2, Llama or Qwen2 save_pretrained folder), 'megatron DIR' (a Megatron-LM "
+                        help="'hf DIR' (a save_pretrained folder of GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM), 'megatron DIR' (a Megatron-LM "
                         "checkpoint root or iter_* folder, torch_dist or legacy) or a tnlg checkpoint")
     parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
-                        help="'hf DIR' (the architecture's class: GPT-2, Llama or Qwen2; safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
+                        help="'hf DIR' (the model's Hugging Face format: GPT-2, Llama or Qwen2; safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
                         "root) or a new tnlg checkpoint directory")
     parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
                         "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "
@@ -134,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
     _fresh_destination(dst)
+    if "hf" in (src_kind, dst_kind):
+        check_hf_packages(f"tnlg convert --from {src_kind if src_kind != 'ckpt' else 'CKPT'} --to "
+                          f"{dst_kind if dst_kind != 'ckpt' else 'CKPT'}")
     from ..checkpoint.offline import reshard_checkpoint
     from ..interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     if "megatron" in (src_kind, dst_kind):
@@ -150,6 +156,22 @@ def run(args: argparse.Namespace) -> int:
         out = reshard_checkpoint(src, dst, args.tp)
     print(f"wrote {out}")
     return 0
+
+
+HF_PACKAGES = ("transformers", "tokenizers")
+HF_INSTALL = 'pip install "transformers>=4.40" "tokenizers>=0.15"'
+
+
+def check_hf_packages(what: str) -> None:
+    """A Hugging Face folder is read and written through ``transformers`` (whose model classes need
+    ``tokenizers`` to import) and its tokenizer written with ``tokenizers``: optional packages, not in the
+    base install. Refused in one paragraph naming the install command, before anything is read or written."""
+    import importlib.util
+    missing = [name for name in HF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"{what} needs the optional package(s) {' and '.join(missing)}, which are not installed "
+                        f"(a Hugging Face folder is read and written through transformers, and its tokenizer with "
+                        f"tokenizers): {HF_INSTALL}. Nothing was written.")
 
 
 _PP_ANY = (": a tnlg checkpoint is one layout for every pipeline split (a run loads each parameter by name from "

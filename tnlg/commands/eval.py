@@ -9,7 +9,7 @@ import time
 
 from ..errors import UserError
 from ..options.parallel_dims import add_layout_arguments, check_context_sequence, check_positive
-from .inference import add_common_arguments, print_table, run_command
+from .inference import add_common_arguments, print_table, run_command, step_note
 
 TASKS = ("wikitext", "lambada", "loss", "text")
 
@@ -139,9 +139,11 @@ def evaluate(args, ps) -> dict:
     from ..eval.loss import build_eval_dataset, dataset_loss
     from ..eval.text import read_text_files, text_perplexity
     from ..eval.wikitext import WORD_COUNT, check_text_file, read_wikitext, wikitext_caveat, wikitext_perplexity
-    from ..generation.loading import check_tokenizer_fits, load_model, resolve_tokenizer
+    from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
+    step_note("eval", ps, loading_note(args.checkpoint, ps) + " ...")
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    step_note("eval", ps, f"loaded in {time.time() - start:.1f} s; evaluating --task {args.task}")
     tokenizer = None
     if args.task != "loss" or args.tokenizer_model or spec is not None or args.eod_mask_loss or \
             args.reset_position_ids or args.reset_attention_mask:  # the loss task needs it for eod only
@@ -218,6 +220,8 @@ def _rows(result: dict) -> list[tuple[str, object]]:
     for f in result.get("files", []) if len(result.get("files", [])) > 1 else []:
         rows.append((f"  {f['path']}", f"ppl {f['ppl']:.6g} over {f['num_targets']:,} targets"))
     rows.append(("tensor/data parallel", f"{result['tensor_model_parallel_size']} x {result['data_parallel_size']}"))
+    if result.get("context_parallel_size", 1) > 1:
+        rows.append(("context parallel", result["context_parallel_size"]))
     if result["pipeline_model_parallel_size"] > 1:
         rows.append(("pipeline stages", result["pipeline_model_parallel_size"]))
     rows.append(("seconds", result["seconds"]))

@@ -10,7 +10,7 @@ import sys
 import time
 
 from ..errors import UserError
-from .inference import add_common_arguments, run_command
+from .inference import add_common_arguments, run_command, step_note
 
 EPILOG = """\
 Prompts are left-padded into batches (--micro-batch-size) with an attention mask and
@@ -65,9 +65,11 @@ def _generate_here(args, ps, prompts: list[str]) -> dict:
     import torch.distributed as dist
 
     from ..generation import continuation_text, generate_ids
-    from ..generation.loading import check_tokenizer_fits, load_model, resolve_tokenizer
+    from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
+    step_note("generate", ps, loading_note(args.checkpoint, ps) + " ...")
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    step_note("generate", ps, f"loaded in {time.time() - start:.1f} s; generating for {len(prompts)} prompt(s)")
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
     check_tokenizer_fits(tokenizer, model)
     # data parallelism: each TP group takes a contiguous share of the prompts

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
@@ -69,6 +70,9 @@ def launch_or_init(command: str, add_arguments, args) -> tuple[Optional[int], Op
         ParallelDims.of(World(nproc * args.nnodes, f"the {nproc * args.nnodes} processes{nodes}"), args.tp,
                         args.pp, cp)
         check_nodes(args.nnodes, args.rdzv_endpoint)
+        if nproc > 1 and sys.stderr.isatty():
+            print(f"tnlg {command}: starting {nproc} processes (each imports torch, then joins the others) ...",
+                  file=sys.stderr, flush=True)
         status = relaunch(command, add_arguments, args, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
         if status is not None:
             return status, None
@@ -85,12 +89,17 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
     stops the other ranks: one every rank raised alike (a checkpoint that cannot be loaded) is
     printed by rank 0, one rank's own error names that rank."""
     from ..parallel.state import destroy_parallel, is_distributed
-    status, ps = launch_or_init(command, add_arguments, args)
+    try:
+        status, ps = launch_or_init(command, add_arguments, args)
+    except KeyboardInterrupt:
+        return interrupted(command, None)
     if status is not None:
         return status
     assert ps is not None  # (launch_or_init gives a status or this rank's state)
     try:
         result = work(ps)
+    except KeyboardInterrupt:
+        return interrupted(command, ps)
     except BaseException:
         if not is_distributed():  # with several ranks, a peer may sit in a collective: the groups stay
             destroy_parallel()
@@ -102,6 +111,28 @@ def run_command(command: str, add_arguments, args, work: Callable[["ParallelStat
         else:
             show(result)
     return 0
+
+
+def interrupted(command: str, ps: Optional["ParallelState"]) -> int:
+    """Ctrl-C (SIGINT, to every process of the terminal's group; the launcher forwards it too): one line from
+    rank 0 (or the only process), exit status 130, no traceback on any rank. Nothing was written: these
+    commands only read. A rank of several leaves at once, its groups not torn down (a peer may sit in a
+    collective)."""
+    from ..parallel.state import destroy_parallel, is_distributed
+    if ps is None or ps.rank == 0:
+        print(f"tnlg {command}: interrupted (Ctrl-C); nothing was written.", file=sys.stderr, flush=True)
+    if ps is not None and is_distributed():
+        from ..runtime.process_exit import leave
+        leave(130, destroy=False)
+    destroy_parallel()
+    return 130
+
+
+def step_note(command: str, ps: "ParallelState", message: str) -> None:
+    """One line on rank 0's stderr, on a terminal only (stdout may be --json; a log file gets the result): what
+    a command is doing in the seconds before its result (loading, resharding)."""
+    if ps.rank == 0 and sys.stderr.isatty():
+        print(f"tnlg {command}: {message}", file=sys.stderr, flush=True)
 
 
 def print_table(title: str, rows: list[tuple[str, object]]) -> None:

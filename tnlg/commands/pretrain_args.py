@@ -2,7 +2,8 @@
 
 The options are typed dataclasses (:mod:`tnlg.options`); the parser, the config-file keys and
 :data:`DEFAULTS` are read from their fields. Precedence, lowest first: defaults (Megatron-LM's; the
-built-in job's tuned :data:`BUILTIN_JOB` values when neither ``--data-path`` nor ``--preset`` is given)
+built-in job's tuned :data:`BUILTIN_JOB` values without ``--data-path`` and with no ``--preset`` or a
+:data:`BUILTIN_SHAPES` one)
 < ``--preset`` (model shape and recipe) < ``--config FILE`` (TOML or YAML; keys are flag names with
 ``_`` or ``-``) < flags given on the command line; with ``--use-checkpoint-args`` the options the
 checkpoint recorded come between the preset and the config file (:mod:`tnlg.options.recorded`).
@@ -58,14 +59,19 @@ BUILTIN_SHAPES = (None, "llama-tiny")
 _MODEL_KEYS = tuple(f.name for f in option_fields(ModelOptions))
 
 
+def _builtin_presets() -> str:
+    return " or ".join(f"--preset {name}" for name in BUILTIN_SHAPES if name)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Pretrain a GPT with tensor parallelism (TP) inside groups of processes and ZeRO data parallelism "
-        "(DP) across them. Without --data-path and --preset: the built-in job, a small GPT on the built-in "
+        "(DP) across them. Without --data-path (and without --preset, or with the CPU-sized "
+        f"{_builtin_presets()}): the built-in job, a small GPT (or that preset's shape) on the built-in "
         "Shakespeare+Milton corpus, TP=2 x DP=2, ZeRO stage 1, 4 local gloo processes, a few minutes on 2 "
         "CPU cores.\n\n"
         "Defaults: the values marked 'built-in job' below are tuned for that job and apply to it only; any "
-        "other run (--data-path or --preset) gets Megatron-LM's defaults where it says nothing: no warmup, "
+        "other run (--data-path, or another --preset) gets Megatron-LM's defaults where it says nothing: no warmup, "
         "decay over --train-iters (which it must give), linear decay to --min-lr 0, Adam beta2 0.999, "
         "dropout 0.1, TP 1, global batch = micro batch x DP, validation of 100 batches every 1000 "
         "iterations. A recipe (--preset tnlg-17b, megatron-8.3b) brings its own values.\n\n"
@@ -133,7 +139,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
     ``world_size`` is the number of processes when known (under torchrun, or from
     ``--nproc-per-node``); layout checks and the defaults that follow the layout
     (global batch = micro batch x DP) need it. ``o.builtin_job`` says whether the
-    built-in job's defaults applied (neither ``--data-path`` nor ``--preset``).
+    built-in job's defaults applied (no ``--data-path``; no ``--preset``, or one of :data:`BUILTIN_SHAPES`).
     """
     given = {k: v for k, v in vars(args).items() if k not in ("command",)}
     from_file = _read_config_file(given["config"]) if given.get("config") else {}

@@ -6,6 +6,8 @@ its model file(s) (their contents, not their paths). ``tnlg pretrain`` and ``tnl
 compare it with the tokenizer they were given and refuse a mismatch, naming both: two tokenizers
 with the same vocabulary size would otherwise train on ids that mean other words, silently.
 Data without a sidecar (written by Megatron, or by an older tnlg) is accepted with a one-line note.
+A checkpoint records its tokenizer's :meth:`Tokenizer.describe` in ``meta.json``: ``tnlg eval`` and
+``tnlg generate`` compare a ``--tokenizer-model`` with it the same way (:func:`check_recorded`).
 No collectives.
 """
 
@@ -18,7 +20,7 @@ from typing import Optional
 from ..errors import UserError
 from ..io import atomic_write
 
-__all__ = ["SIDECAR_SUFFIX", "sidecar_path", "fingerprint", "write_sidecar", "check_sidecar"]
+__all__ = ["SIDECAR_SUFFIX", "sidecar_path", "fingerprint", "write_sidecar", "check_sidecar", "check_recorded"]
 
 SIDECAR_SUFFIX = ".tnlg-tokenizer.json"
 _KEYS = ("kind", "vocab_size", "sha256")
@@ -84,3 +86,22 @@ def check_sidecar(prefix: str, tokenizer, flag: str = "--tokenizer-model") -> Op
                         f"token ids would mean other words. Pass the tokenizer the data was preprocessed with, or "
                         f"preprocess the data again with this one.")
     return None
+
+
+def check_recorded(recorded: Optional[dict], tokenizer, where: str, flag: str = "--tokenizer-model") -> None:
+    """A :class:`UserError` naming both when ``tokenizer`` is not the one ``recorded`` (a checkpoint's
+    record of the tokenizer it was trained with: a :meth:`Tokenizer.describe`) by kind, vocabulary size or
+    file contents; nothing when they agree or when there is no record with a checksum to compare."""
+    if not recorded or not recorded.get("sha256"):
+        return
+    saved = {"kind": recorded.get("kind"), "vocab_size": recorded.get("vocab_size"), "sha256": recorded["sha256"]}
+    given = fingerprint(tokenizer)
+    if saved["vocab_size"] is None:  # an older record without the size: compare what it has
+        given["vocab_size"] = None
+    if saved == given:
+        return
+    name = recorded.get("path") or recorded.get("vocab_file") or "?"
+    raise UserError(f"{where} was trained with another tokenizer ({_describe(saved)}: {name!r}, recorded in the "
+                    f"checkpoint) than {flag} {tokenizer.describe().get('path') or tokenizer.describe().get('vocab_file')!r} "
+                    f"({_describe(given)}): its token ids would mean other words. Leave out {flag} to use the "
+                    f"checkpoint's own tokenizer, or pass a copy of that file.")

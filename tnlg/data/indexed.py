@@ -86,6 +86,21 @@ def dataset_prefix(path: Union[str, Path]) -> str:
     return p[:-4] if p.endswith((".bin", ".idx")) else p
 
 
+def prefixes_beside(prefix: str, most: int = 10) -> str:
+    """A sentence naming the datasets (``.bin`` + ``.idx`` pairs, by prefix) in ``prefix``'s folder, for the
+    error of a prefix that names none: ``--data-path data/py`` beside ``data/py_text_document.bin/.idx``."""
+    folder = os.path.dirname(os.fspath(prefix)) or "."
+    if not os.path.isdir(folder):
+        return f"The folder {folder!r} does not exist."
+    names = set(os.listdir(folder))
+    found = sorted(os.path.join(os.path.dirname(os.fspath(prefix)), n[:-4]) for n in names
+                   if n.endswith(".idx") and n[:-4] + ".bin" in names)
+    if not found:
+        return f"{folder!r} holds no dataset (no .bin + .idx pair)."
+    more = f" and {len(found) - most} more" if len(found) > most else ""
+    return f"Datasets in {folder!r}: {', '.join(repr(f) for f in found[:most])}{more}."
+
+
 class IndexedDataset:
     """Read-only view of a ``.bin``/``.idx`` pair; both files are memory-mapped, neither is read.
 
@@ -121,7 +136,7 @@ class IndexedDataset:
         have_idx, have_bin = os.path.isfile(idx_path), os.path.isfile(bin_path)
         if not have_idx and not have_bin:
             raise UserError(f"no indexed dataset at {prefix!r}: neither {idx_path!r} nor {bin_path!r} "
-                            "exists. Pass the prefix without .bin/.idx, e.g. "
+                            f"exists. {prefixes_beside(prefix)} Pass the prefix without .bin/.idx, e.g. "
                             "'data/my-corpus_text_document' (see `tnlg preprocess`).")
         if not have_idx or not have_bin:
             present, missing = (bin_path, idx_path) if have_bin else (idx_path, bin_path)

@@ -35,7 +35,7 @@ from .paths import TOKENIZER_MODEL
 
 __all__ = [
     "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "load_tokenizer",
-    "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path",
+    "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path", "space_piece_share",
     "SentencePieceModel", "read_sentencepiece_model",
 ]
 
@@ -415,3 +415,25 @@ def train_sentencepiece(inputs: Sequence[Union[str, Path]], vocab_size: int, out
     atomic_write(model_path, model_bytes, durable=False)
     atomic_write(str(out) + ".vocab", vocab_lines.encode("utf-8"), durable=False)
     return model_path
+
+
+def space_piece_share(model_path: Union[str, Path], inputs: Sequence[Union[str, Path]],
+                      json_keys: Sequence[str] = ("text",), max_chars: int = 1_000_000) -> float:
+    """The share of a SentencePiece model's tokens that are the single-space piece ``▁``, on the first
+    ``max_chars`` characters of ``inputs``' training lines. Indented code under the default trainer options
+    (no whitespace-only pieces beyond one space) spends a large share of its tokens on it: 40.8% on a corpus
+    of the standard library's Python files (docs/data.md)."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    space, total, seen = sp.piece_to_id("\u2581"), 0, 0
+    if sp.id_to_piece(space) != "\u2581":
+        return 0.0
+    count = 0
+    for line in _iter_training_lines(inputs, json_keys):
+        ids = sp.encode(line)
+        count += sum(1 for i in ids if i == space)
+        total += len(ids)
+        seen += len(line)
+        if seen >= max_chars:
+            break
+    return count / total if total else 0.0

@@ -5,7 +5,8 @@
   ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout; at ``--pp P``
   this stage's layers only (:func:`tnlg.parallel.pipeline_inference.inference_model`).
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
-* :func:`precheck_checkpoint`, :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the
+* :func:`precheck_checkpoint` (a ``--tokenizer-model`` against the checkpoint's recorded tokenizer too,
+  :func:`tnlg.data.fingerprint.check_recorded`), :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the
   launching process checks from the checkpoint's metadata before any worker starts.
 
 Starting the processes is the commands' part (:mod:`tnlg.commands.inference`).
@@ -19,13 +20,14 @@ from typing import Optional
 
 from ..checkpoint import load_for_inference, resolve
 from ..checkpoint.manifest import Manifest
+from ..data.fingerprint import check_recorded
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
 from ..interop.hf_reader import check_hf_folder
 from ..parallel.state import ParallelState
 
-__all__ = ["is_hf_folder", "hf_tokenizer_spec", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
+__all__ = ["is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
            "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
@@ -55,11 +57,45 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
     if is_hf_folder(checkpoint):  # config.json and the weight files' headers: exactly what transformers
         check_hf_folder(checkpoint)  # computes, or one paragraph (no tensor data read, no worker started)
     if tokenizer_model:
-        return load_tokenizer(tokenizer_model)
+        tokenizer = load_tokenizer(tokenizer_model)
+        check_recorded(recorded_tokenizer(checkpoint), tokenizer, f"checkpoint {checkpoint!r}")
+        return tokenizer
     if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:
         raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=" (a Hugging Face folder needs vocab.json "
                                                                    "+ merges.txt beside config.json)"))
     return None
+
+
+def recorded_tokenizer(checkpoint: str) -> Optional[dict]:
+    """The tokenizer a tnlg checkpoint was trained with, its ``meta.json`` record (a :meth:`Tokenizer.describe`;
+    no model read); ``None`` for a Hugging Face folder (whose tokenizer files are a default, which
+    ``--tokenizer-model`` may replace), a checkpoint that records none, or metadata that cannot be read here
+    (the workers report that)."""
+    if is_hf_folder(checkpoint):
+        return None
+    try:
+        iter_dir = resolve(checkpoint, "checkpoint")
+        return None if iter_dir is None else Manifest.read(iter_dir).tokenizer
+    except (UserError, OSError, ValueError):
+        return None
+
+
+def loading_note(checkpoint: str, ps: ParallelState) -> str:
+    """What loading ``checkpoint`` for ``ps`` does, in words (the commands print it before the seconds it takes):
+    the iteration and the layout it was saved at, resliced for this one."""
+    here = f"TP {ps.tp_size}" + (f" x PP {ps.pp_size}" if ps.pp_size > 1 else "")
+    if is_hf_folder(checkpoint):
+        return f"loading the Hugging Face folder {checkpoint!r}, each rank its slice for {here}"
+    try:
+        iter_dir = resolve(checkpoint, "checkpoint")
+        layout = Manifest.read(iter_dir).layout if iter_dir else None
+    except (UserError, OSError, ValueError):
+        layout = None
+    if layout is None or layout.tp is None:
+        return f"loading checkpoint {checkpoint!r} for {here}"
+    saved = f"TP {layout.tp}" + (f" x PP {layout.pp_size}" if layout.pp_size > 1 else "")
+    how = "its shards as saved" if (layout.tp, layout.pp_size) == (ps.tp_size, 1) else f"resharded from {saved}"
+    return f"loading {iter_dir} for {here} ({how}; every file's SHA-256 checked)"
 
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:

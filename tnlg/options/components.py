@@ -240,6 +240,11 @@ class PrecisionOptions:
                             "gradients are fp32 already.")
 
 
+# how the sample at the end of a run is drawn (tnlg.training.loop), said in --help
+SAMPLE_TOP_K = 40
+SAMPLE_TEMPERATURE = 0.8
+
+
 @dataclass
 class LoggingOptions:
     """The log, validation, metrics and the sample at the end."""
@@ -249,7 +254,9 @@ class LoggingOptions:
     metrics_file: Optional[str] = option(None, help="JSON Lines metrics (default SAVE/metrics.jsonl)")
     plot: bool = option(True, negative="--no-plot", help="no loss-curve PNG at the end")
     peak_tflops: Optional[float] = option(None, help="per-rank peak for MFU (default: measured at start)")
-    sample_prompt: str = option("", help="prompt of the sample printed at the end ('' for none)", every="none")
+    sample_prompt: str = option("", help=f"prompt of the sample printed at the end ('' for none), drawn with "
+                                         f"top-k {SAMPLE_TOP_K}, temperature {SAMPLE_TEMPERATURE} and the run's "
+                                         f"--seed", every="none")
     sample_tokens: int = option(48)
     tensorboard_dir: Optional[str] = option(None, help="write TensorBoard event files here (rank 0): the scalars "
                                             "of metrics.jsonl; needs the tensorboard package")

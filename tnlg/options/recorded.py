@@ -99,5 +99,7 @@ def describe(info: Optional[dict]) -> list[str]:
 
 
 def _typed(value) -> str:
-    """A value as it is typed on the command line."""
+    """A value as it is typed on the command line (``None``: not set, the option's default applies)."""
+    if value is None:
+        return "(not set)"
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

@@ -103,6 +103,13 @@ def check_nodes(nnodes: int, rdzv_endpoint: Optional[str]) -> None:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (a port 1-65535 on the host of "
                             "the first node, which every node reaches), e.g. node0:29500.")
+        try:
+            socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as err:
+            raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r}: the host {host!r} does not resolve to an address "
+                            f"here ({getattr(err, 'strerror', None) or err}). Give the first node's host name or IP "
+                            "address as every node reaches it, the same on every node, e.g. node0:29500 or "
+                            "10.0.0.1:29500.") from None
 
 
 def endpoint_store(endpoint: str):
@@ -210,6 +217,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         return None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
 
     child_args = ["-m", "tnlg", command, *argv]  # exactly as given; under the launcher N is not read again
@@ -239,6 +247,8 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         rank, first = err.get_first_failure()  # the root cause, not the peers it took down
         print(f"tnlg {command}: worker rank {rank} {_how_it_ended(first.exitcode)}.", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
+    except RendezvousConnectionError as err:
+        raise _unreachable(command, endpoint, err) from None
     except SignalException as err:
         # the workers got the signal once, finished their iteration and rank 0 said where things stand
         return 128 + int(err.sigval)
@@ -253,6 +263,14 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         if _in_main_thread():
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _unreachable(command: str, endpoint: str, err: BaseException):
+    """The one paragraph for a rendezvous this node's launcher cannot reach (instead of torch's frames)."""
+    from ..errors import UserError
+    return UserError(f"tnlg {command}: this node's launcher could not reach the rendezvous at {endpoint} "
+                     f"({err.__cause__ or err}). Check that --rdzv-endpoint names the first node's address and a "
+                     "port it can listen on, and that the first node's command runs.")
 
 
 def _workers_env(endpoint: str, rdzv_endpoint: Optional[str]) -> list[str]:

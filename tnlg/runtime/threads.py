@@ -17,33 +17,29 @@ the attention kernel, and the fix is the setting libgomp itself uses when it kno
 ``GOMP_SPINCOUNT=1000``, which still spins for a few microseconds between back-to-back regions on a quiet
 machine.
 
-libgomp reads its environment once, when it is loaded (at ``import torch``), so
-:func:`set_wait_policy` must run before torch is imported: ``tnlg``'s command line does it first thing,
-and the launcher's workers inherit it. A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left
-alone. Other OpenMP runtimes (Intel's ``KMP_BLOCKTIME``, LLVM's) do not read ``GOMP_SPINCOUNT``.
+libgomp reads its environment once, when it is loaded (at ``import torch``), so the setting must come
+before torch is imported. ``import tnlg`` does it (:func:`tnlg.set_wait_policy`, in the package's
+``__init__``, so that a user's script that imports tnlg first gets it), the ``tnlg`` command line too, and
+the launcher's workers inherit it. A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone.
+Other OpenMP runtimes (Intel's ``KMP_BLOCKTIME``, LLVM's) do not read ``GOMP_SPINCOUNT``.
+
+After ``import torch`` nothing applies any more, measured (2026-12-04, the 2-core AMD EPYC, 2 threads, 300 adds of
+200k floats per round, 2 busy-loop processes): ``GOMP_SPINCOUNT=1000`` set before ``import torch`` gave
+rounds of 36-40 ms every time; set after ``import torch`` but before the first parallel region, rounds of
+3 ms (spinning, when the other thread is on a core) to 936 ms (when it is not), the same as not setting it
+(3-1343 ms). libgomp's spin count is a hidden variable of a stripped library, with no API. So a tnlg
+imported after torch warns once (:data:`tnlg.LATE_IMPORT_WARNING`) when libgomp is loaded and neither
+variable is set, naming what to do.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import MutableMapping, Optional
 
-__all__ = ["SPIN_COUNT", "WAIT_VARIABLES", "set_wait_policy", "torch_loaded"]
+from .. import LATE_IMPORT_WARNING, SPIN_COUNT, WAIT_VARIABLES, set_wait_policy, spinning_libgomp_loaded
 
-SPIN_COUNT = "1000"  # libgomp's own spin count for an oversubscribed team
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def set_wait_policy(env: Optional[MutableMapping[str, str]] = None) -> bool:
-    """Set ``GOMP_SPINCOUNT`` in ``env`` (default: this process's environment) unless one of
-    :data:`WAIT_VARIABLES` is set there already. Returns whether it set it. For this process's own
-    environment it has effect only before ``import torch`` (later, only on processes started after it)."""
-    target = os.environ if env is None else env
-    if any(name in target for name in WAIT_VARIABLES):
-        return False
-    target["GOMP_SPINCOUNT"] = SPIN_COUNT
-    return True
+__all__ = ["SPIN_COUNT", "WAIT_VARIABLES", "LATE_IMPORT_WARNING", "set_wait_policy", "spinning_libgomp_loaded",
+           "torch_loaded"]
 
 
 def torch_loaded() -> bool:

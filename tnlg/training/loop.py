@@ -23,6 +23,7 @@ from ..errors import agreed
 from ..generation import generate
 from ..config import GPTConfig
 from ..options import Options, model_config
+from ..options.components import SAMPLE_TEMPERATURE, SAMPLE_TOP_K
 from ..parallel.context import context_parallel_batch
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
@@ -193,7 +194,7 @@ class Trainer:
             return None
         self.model.eval()
         text = generate(self.model, self.tokenizer, [log.sample_prompt], max_new_tokens=log.sample_tokens,
-                        greedy=False, temperature=0.8, top_k=40, seed=self.o.data.seed)[0]
+                        greedy=False, temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=self.o.data.seed)[0]
         self._log(f"sample:\n{log.sample_prompt}{text}")
         return text
 
