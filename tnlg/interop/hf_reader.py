@@ -34,6 +34,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from .hf_mapping import CLASSES as MODEL_CLASSES
 from .hf_mapping import check_model_type, config_from_hf, hf_to_tnlg_state_dict
 from .hf_fields import check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
@@ -42,7 +43,7 @@ from .megatron.safe_load import reason, shown
 __all__ = ["HFFolder", "check_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
 
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
-MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# MODEL_CLASSES: hf_mapping.CLASSES, the transformers class of each model_type tnlg reads and writes
 _PREFIX = {"gpt2": "transformer", "llama": "model", "qwen2": "model"}
 _LAYER_KEYS = {"gpt2": ("n_layer", "num_hidden_layers"), "llama": ("num_hidden_layers",),
                "qwen2": ("num_hidden_layers",)}
