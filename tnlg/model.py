@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, stage_parts
-from .parallel.context import context_parallel_mean, context_positions, ring_attention
+from .parallel.context import context_positions, ring_attention
 from .parallel.initialization import InitMethod, SelfInitializing, init_normal, init_ones, init_zeros
 from .parallel.layers import (ColumnParallelLinear, GatedColumnParallelLinear, KVGroupParallelLinear,
                               RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
@@ -71,7 +71,8 @@ from .parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_scatter_
 from .parallel.random import TPRandom
 from .parallel.sharding import ShardSpec, mark_replicated
 from .parallel.state import ParallelState
-from .parallel.vocab import gather_logits, vocab_parallel_cross_entropy
+from .parallel.loss import loss_sum, normalised_loss
+from .parallel.vocab import gather_logits
 
 __all__ = ["DecoderBase", "GPT", "KVCache", "gather_logits"]  # gather_logits: defined in parallel.vocab
 
@@ -630,9 +631,11 @@ class GPT(DecoderBase):
     ``model(tokens)`` returns this rank's vocabulary shard of the logits
     ``[b, s, V_pad / tp]`` (use :func:`gather_logits` for the full ones);
     ``model(tokens, labels=labels)`` returns the mean loss (fp32) through the
-    vocab-parallel cross-entropy. ``labels`` are aligned with ``tokens``
+    vocab-parallel cross-entropy (:func:`tnlg.parallel.loss.loss_sum`). ``labels`` are aligned with ``tokens``
     (``tokens = sample[:-1]``, ``labels = sample[1:]``); the model does not shift.
-    ``loss_mask`` (same shape, 0/1) excludes targets from the mean. ``last_only``
+    ``loss_mask`` (same shape, 0/1) excludes targets from the mean; ``loss_divisor`` divides the sum
+    instead of the micro batch's token count (the per-token normalisation,
+    :func:`tnlg.parallel.loss.per_token_divisor`). ``last_only``
     computes the logits of the last position only (generation).
 
     ``config.sequence_parallel`` (with TP > 1) splits the activations between the TP regions
@@ -669,7 +672,7 @@ class GPT(DecoderBase):
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
-                last_only: bool = False):
+                last_only: bool = False, loss_divisor: Optional[torch.Tensor] = None):
         if last_only and labels is not None:
             raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
         if self.ps.cp_size > 1 and (kv_cache is not None or last_only):
@@ -692,13 +695,8 @@ class GPT(DecoderBase):
             loss_mask = None if loss_mask is None else loss_mask.t()
         if labels is None:
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.config.vocab_size)
-        if self.ps.cp_size > 1:  # the token-weighted mean over the whole sequence (every CP rank's chunks)
-            return context_parallel_mean(losses, loss_mask, self.ps.cp_group, self.ps.cp_size)
-        if loss_mask is None:
-            return losses.mean()
-        loss_mask = loss_mask.to(losses.dtype)
-        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        total, count = loss_sum(logits, labels, loss_mask, self.ps, self.config.vocab_size)
+        return normalised_loss(total, count, loss_divisor)
 
 
 @functools.lru_cache(maxsize=32)

@@ -67,8 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["chunk_positions", "split_for_context_parallel", "gather_from_context_parallel", "document_ids",
-           "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_mean",
-           "context_parallel_batch"]
+           "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_batch"]
 
 
 # ----------------------------------------------------------------------------------------- chunks
@@ -338,24 +337,6 @@ def _single(q, k, v, doc_ids, index) -> torch.Tensor:
 def context_positions(local_len: int, ps, device=None) -> torch.Tensor:
     """``[1, 2c]`` global positions of this CP rank's ``local_len = 2c`` tokens (``ps``: its parallel state)."""
     return chunk_positions(local_len * ps.cp_size, ps.cp_size, ps.cp_rank, device).unsqueeze(0)
-
-
-def context_parallel_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor], group: dist.ProcessGroup,
-                          cp_size: int) -> torch.Tensor:
-    """The token-weighted mean loss over the whole sequence, from this CP rank's per-token ``losses``.
-
-    Its value is the mean over every CP rank's tokens (one all-reduce of ``[sum, count]`` over the CP
-    group, no gradient), the same on every rank and equal to CP 1's. Its gradient is that of
-    ``cp * local_sum / global_count``: the engine averages gradients over DP x CP, which divides by ``cp``
-    again, so the reduced gradient is that of the whole sequence's mean (as Megatron scales by CP size).
-    """
-    mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(losses.dtype)
-    local = (losses * mask).sum()
-    totals = torch.stack([local.detach(), mask.sum()]).float()
-    dist.all_reduce(totals, group=group)
-    count = totals[1].clamp(min=1.0)
-    scaled = local * cp_size / count
-    return scaled + (totals[0] / count - scaled).detach()
 
 
 def context_parallel_batch(batch: dict, ps) -> dict:
