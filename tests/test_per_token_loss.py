@@ -39,7 +39,8 @@ def _step(ps, per_token: bool, sequence_parallel: bool = False) -> tuple[float, 
     from tnlg.model import GPT
     from tnlg.optim import build_engine
     from tnlg.parallel.context import context_parallel_batch
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.pipeline_schedule import Pipeline
     from tnlg.training.step import train_step
     cfg = GPTConfig(**FIELDS, sequence_parallel=sequence_parallel)

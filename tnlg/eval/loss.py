@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..parallel.context import context_parallel_batch
 from ..parallel.loss import loss_sum
 from ..parallel.mappings import all_reduce
-from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
+from ..model.inference import forward_logits, from_last_stage, model_device
 from .batches import eval_mode, micro_batches
 
 __all__ = ["build_eval_dataset", "dataset_loss"]

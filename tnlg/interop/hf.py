@@ -29,7 +29,7 @@ from ..data.hf_tokenizer import hf_tokenizer_files
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..io import fsync_dir, give_umask_mode, temporary_name
-from ..parallel.pipeline_inference import inference_model
+from ..model.inference import inference_model
 from ..parallel.sharding import full_state_dict, load_full_state_dict
 from ..parallel.state import ParallelState
 from .hf_llama import LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_to_tnlg, tnlg_to_llama
@@ -167,7 +167,7 @@ def _load_hf_model(model_or_dir):
 def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
     """A TP-sharded :class:`tnlg.GPT` with the weights of a GPT-2 model or folder (``overrides``: other
     :class:`~tnlg.config.GPTConfig` fields); at ``ps.pp_size > 1`` this pipeline stage's
-    :class:`~tnlg.parallel.pipeline.StageModel` (its layers, by the GPT's names). Each rank keeps its
+    :class:`~tnlg.model.stage.StageModel` (its layers, by the GPT's names). Each rank keeps its
     slice; no communication."""
     ps = ps or ParallelState.single()
     hf = _load_hf_model(model_or_dir)

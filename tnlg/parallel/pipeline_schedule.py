@@ -1,6 +1,6 @@
 """One iteration's micro batches through the pipeline: torch's schedules over tnlg's stages.
 
-:class:`Pipeline` wraps this rank's :class:`~tnlg.parallel.pipeline.StageModel` chunks in
+:class:`Pipeline` wraps this rank's :class:`~tnlg.model.stage.StageModel` chunks in
 ``torch.distributed.pipelining.PipelineStage`` s over ``ps.pp_group`` and runs one of torch's
 schedules on them: ``1f1b`` (``Schedule1F1B``, the default, Megatron's non-interleaved
 schedule), ``gpipe`` (``ScheduleGPipe``: every forward, then every backward) or ``interleaved``
@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .loss import loss_sum, normalised_loss
-from .pipeline import StageModel
 from .stage_progress import RecordedStage
 
 __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
@@ -69,9 +68,10 @@ class _Stage(RecordedStage):
 
 
 class Pipeline:
-    """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model``."""
+    """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model`` (a
+    :class:`tnlg.model.stage.StageModel`, which this library module does not import: the model sits above it)."""
 
-    def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
+    def __init__(self, model, micro_batches: int, schedule: str = "1f1b"):
         ps, v = model.ps, len(model.chunk_ranges)
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
         # the chunks' modules: FSDP2's engine (ZeRO 2/3) leaves its sharded ones in ``model.pipeline_chunks``
@@ -114,7 +114,7 @@ class Pipeline:
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None
 
 
-def tie_embedding_grads(model: StageModel, grad_of: Callable[[str], torch.Tensor]) -> None:
+def tie_embedding_grads(model, grad_of: Callable[[str], torch.Tensor]) -> None:
     """Sum the word embedding's gradient of the first and the last stage on both (one all-reduce over
     the embedding group, Megatron's), so that the tied copies take the same update; nothing for untied
     embeddings, at PP 1 or on the middle stages. ``grad_of(name)``: the gradient the engine steps."""
