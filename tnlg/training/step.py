@@ -107,7 +107,8 @@ def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Opti
 
     def run(factor: float) -> None:
         with autocast_to(autocast, ps.device):
-            out[0] = pipeline.run(batches, factor, divisor)
+            extra = () if divisor is None else (divisor,)  # (the per-token normalisation's divisor)
+            out[0] = pipeline.run(batches, factor, *extra)
         tie_embedding_grads(pipeline.model, engine.grad_view)
     engine.backward_all(run)
     mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)
