@@ -60,7 +60,7 @@ backward ``C - 1`` exchanges of the same and ``C`` of the fp32 dK/dV. None at ``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -285,8 +285,8 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, doc_ids, index):
         if pending is not None:
             _wait(pending[1])
             kv = pending[0]
-    _wait(dkv_pending[1])
-    dkv = dkv_pending[0]
+    dkv, works = cast(tuple, dkv_pending)  # (the loop ran: C > 1 steps)
+    _wait(works)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

@@ -35,7 +35,7 @@ FSDP2 modules the engine left in ``model.pipeline_chunks`` (:class:`tnlg.optim.f
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,8 +76,9 @@ class Pipeline:
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
         # the chunks' modules: FSDP2's engine (ZeRO 2/3) leaves its sharded ones in ``model.pipeline_chunks``
         chunks = getattr(model, "pipeline_chunks", None) or [model.chunk(k) for k in range(v)]
-        stages = [_Stage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
-                                group=ps.pp_group) for k in range(v)]
+        stages: list[Any] = [_Stage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+                                          group=ps.pp_group) for k in range(v)]
+        self.schedule: Any
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
         else:
@@ -85,7 +86,9 @@ class Pipeline:
                 raise ValueError(f"schedule {schedule!r} runs one stage per rank, got {v} chunks.")
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             self.schedule = cls(stages[0], micro_batches, loss_fn=self._loss, scale_grads=False)
-        self._factor, self._losses, self._divisor = 1.0, [], None
+        self._factor = 1.0
+        self._losses: list[torch.Tensor] = []
+        self._divisor: Optional[torch.Tensor] = None
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro batch's loss (``target``: labels and mask stacked) as the GPT's forward gives it
