@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pipeline bubble and activation memory per stage, measured, against the planner (``tnlg.plan.pipeline``).
 
-tnlg's pipeline (:class:`tnlg.parallel.pipeline.StageModel` under :class:`tnlg.parallel.pipeline_schedule.
+tnlg's pipeline (:class:`tnlg.model.stage.StageModel` under :class:`tnlg.parallel.pipeline_schedule.
 Pipeline`, i.e. torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) runs a GPT whose step is
 compute-bound on a CPU (16 layers, hidden 256, 8 heads, seq 256, vocab 128: the embedding and LM head
 are cheap, every stage costs the same) on gloo processes with one thread each, at every layout of
@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.state import init_parallel
 from tnlg.plan.measure import AllocationTracker
 from tnlg.plan.pipeline import bubble_fraction, pipeline_plan

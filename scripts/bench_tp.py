@@ -49,6 +49,7 @@ less with other processes' load than the wall time of the step).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import os
 import statistics
@@ -295,9 +296,11 @@ def tnlg_stack(cfg: GPTConfig, ps: ParallelState) -> nn.ModuleList:
 
 
 def tnlg_block_kwargs(cfg: GPTConfig, seq: int) -> dict:
-    """Rope's angles for every block (the model computes them once per forward), or nothing."""
+    """What every block takes besides its input: the forward's context, with rope's angles (the model
+    computes them once per forward) or none."""
+    from tnlg.model import ForwardContext
     angles = GPT(cfg, ParallelState.single(), device="meta").rotary(seq, None, device=torch.device("cpu"))
-    return {} if angles is None else dict(rotary=angles)
+    return dict(ctx=ForwardContext(rotary=angles))
 
 
 class SequenceParallelRunner(Runner):
@@ -308,8 +311,6 @@ class SequenceParallelRunner(Runner):
     small all-reduce (the gradients of the block's LayerNorm weights and biases and projection biases)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, x: torch.Tensor, gy: torch.Tensor):
-        import dataclasses
-
         from tnlg.parallel.mappings import sequence_sizes
         self.sp = sequence_sizes(x.shape[1], ps.tp_size)
         start = sum(self.sp[:ps.tp_rank])
@@ -324,7 +325,7 @@ class SequenceParallelRunner(Runner):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16"):
             y = self.x.transpose(0, 1).contiguous()  # (the leaf stays batch-first for the checks)
             for block in self.stack:
-                y = block(y, sp=self.sp, **self.kw)
+                y = block(y, ctx=dataclasses.replace(self.kw["ctx"], sp=self.sp))
             y = y.transpose(0, 1)
         y.backward(self.gy.to(y.dtype))
         return y

@@ -82,7 +82,7 @@ def test_broken_toolchain_stays_eager_and_says_why(monkeypatch):
 def test_16bit_layernorm_in_kernel_path_matches_the_fp32_path(monkeypatch):
     """The CUDA path of the 16-bit LayerNorm (16-bit tensors straight into the kernel) gives the fp32
     path's output and gradients within bf16 rounding; run here on the CPU's kernels by taking that path."""
-    import tnlg.model as model_module
+    import tnlg.model.norms as model_module
     from tnlg.model import LayerNorm
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(4, 8, 64, generator=g).bfloat16()

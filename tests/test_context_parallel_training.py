@@ -76,7 +76,8 @@ def _train_micro(ps, cfg: GPTConfig, data: list[dict], schedule: str = "1f1b") -
     from tnlg.model import GPT
     from tnlg.optim import build_engine
     from tnlg.parallel.context import context_parallel_batch
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.pipeline_schedule import Pipeline
     from tnlg.training.step import train_step
     per_dp = BATCH // ps.dp_size

@@ -174,7 +174,8 @@ def _pipeline(ps_unused, micro_batches: int):
     from datetime import timedelta
 
     from tnlg.config import GPTConfig
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.pipeline_schedule import Pipeline
     from tnlg.parallel.state import init_parallel
     ps = init_parallel(1, pipeline_parallel_size=2, timeout=timedelta(seconds=TIMEOUT_S))

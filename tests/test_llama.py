@@ -363,20 +363,20 @@ def test_a_llama_block_traces_into_one_graph_with_the_eager_gradients():
     the eager output and input gradient."""
     import torch._dynamo as dynamo
 
-    from tnlg.model import GPT
+    from tnlg.model import GPT, ForwardContext
     cfg = GPTConfig(num_layers=1, hidden_size=48, num_attention_heads=6, seq_length=16, vocab_size=100,
                     hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
                     normalization="RMSNorm", swiglu=True, group_query_attention=True, num_query_groups=2,
                     add_bias_linear=False)
     model = GPT(cfg)
-    block, rotary = model.transformer.h[0], model.rotary(16, None)
+    block, ctx = model.transformer.h[0], ForwardContext(rotary=model.rotary(16, None))
     x = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
     def run(fn):
-        y = fn(x, None, None, None, rotary)
+        y = fn(x, ctx)
         (gx,) = torch.autograd.grad(y.square().sum(), x)
         return y.detach(), gx
-    explained = dynamo.explain(block)(x, None, None, None, rotary)
+    explained = dynamo.explain(block)(x, ctx)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     dynamo.reset()
     for got, want in zip(run(torch.compile(block, backend="aot_eager")), run(block)):

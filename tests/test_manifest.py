@@ -87,7 +87,8 @@ def write_plain(tmp: str) -> str:
 
 def _pipeline_body(_ps, root: str):
     from tnlg.optim import build_engine
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.state import init_parallel
     ps = init_parallel(1, pipeline_parallel_size=2)
     cfg = _config(num_layers=4, hidden_dropout=0.0, attention_dropout=0.0)

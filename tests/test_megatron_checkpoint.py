@@ -221,7 +221,7 @@ def test_export_at_pp_2_loads_every_stage(pipeline_run, exported_at_pp_2, fmt):
 
 def _pipeline_logits(model, ps, tokens):
     """tnlg's logits through its pipeline (the last stage's, full vocabulary; ``None`` on the others)."""
-    from tnlg.parallel.pipeline_inference import forward_logits
+    from tnlg.model.inference import forward_logits
     model.eval()
     with torch.no_grad():
         local = forward_logits(model, tokens)
@@ -238,7 +238,8 @@ def _resume_train_save_at_pp_2(_ps, imported: str, save_root: str, tokens: torch
     from tnlg import checkpoint as ck
     from tnlg.config import GPTConfig
     from tnlg.optim import build_engine
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.pipeline_schedule import Pipeline
     from tnlg.parallel.state import init_parallel
     from tnlg.training.step import train_step

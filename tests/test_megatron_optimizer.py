@@ -274,7 +274,8 @@ def _resumed_at_pp_2(_ps, path: str):
     the imported checkpoint loaded by name; returns each stage's weights, moments and Adam step."""
     from tnlg import checkpoint as ck
     from tnlg.optim import build_engine
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.state import init_parallel
     ps = init_parallel(1, pipeline_parallel_size=2)
     cfg = GPTConfig.from_dict(read_meta(path)["config"])

@@ -18,7 +18,8 @@ from tnlg.data.gpt_dataset import _make_item
 from tnlg.errors import UserError
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline, tie_embedding_grads
 from tnlg.parallel.sharding import full_state_dict, gather_full
 from tnlg.parallel.state import ParallelState, init_parallel

@@ -29,7 +29,8 @@ import torch
 from tnlg import checkpoint as ck
 from tnlg.model import GPT
 from tnlg.optim import build_engine
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.sharding import gather_full, shard_of
 from tnlg.parallel.state import ParallelState, init_parallel

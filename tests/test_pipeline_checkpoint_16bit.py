@@ -18,7 +18,8 @@ import torch.distributed as dist
 from tnlg import checkpoint as ck
 from tnlg.model import GPT
 from tnlg.optim import DynamicLossScaler, build_engine
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.sharding import gather_full
 from tnlg.parallel.state import init_parallel

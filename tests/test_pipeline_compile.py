@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tnlg.optim import build_engine
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline
 from tnlg.parallel.state import init_parallel
 from .pool import run_distributed

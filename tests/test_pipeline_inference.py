@@ -18,8 +18,9 @@ from tnlg.cli import main
 from tnlg.eval import dataset_loss, lambada_accuracy, wikitext_perplexity
 from tnlg.generation import generate_ids
 from tnlg.interop.hf import from_hf
-from tnlg.parallel.pipeline import StageModel, chunk_layers
-from tnlg.parallel.pipeline_inference import forward_logits
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
+from tnlg.model.inference import forward_logits
 from tnlg.parallel.sharding import load_full_state_dict
 from tnlg.parallel.vocab import gather_logits
 from tnlg.runtime.spawn import run_tnlg

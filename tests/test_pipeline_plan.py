@@ -11,7 +11,8 @@ import torch
 
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
-from tnlg.parallel.pipeline import StageModel, chunk_layers
+from tnlg.model.stage import StageModel
+from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.state import ParallelState
 from tnlg.commands.plan import add_arguments, run
 from tnlg.plan.counts import parameter_counts

@@ -23,7 +23,8 @@ def _real_stage(ps):
     """This rank's stage of a real bf16 ZeRO-1 pipeline step under the tracker: the bytes live after setup
     and the peak while the schedule runs."""
     from tnlg.optim import build_engine
-    from tnlg.parallel.pipeline import StageModel, chunk_layers
+    from tnlg.model.stage import StageModel
+    from tnlg.parallel.pipeline import chunk_layers
     from tnlg.parallel.pipeline_schedule import Pipeline
     from tnlg.plan.tracker import StepTracker
     from tnlg.training.step import _pipeline_backward

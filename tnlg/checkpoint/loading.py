@@ -24,7 +24,7 @@ import torch
 from ..config import GPTConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError, agreed
-from ..parallel.pipeline_inference import inference_model
+from ..model.inference import inference_model
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
@@ -388,7 +388,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _In
 def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
     """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
     process) with the checkpoint's weights, in eval mode; at ``ps.pp_size > 1`` this pipeline stage's
-    :class:`~tnlg.parallel.pipeline.StageModel` (its layers, loaded by the GPT's names).
+    :class:`~tnlg.model.stage.StageModel` (its layers, loaded by the GPT's names).
 
     ``path`` is a checkpoint root (its ``latest`` iteration, else the newest complete one) or an
     ``iter_*`` directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if given, else

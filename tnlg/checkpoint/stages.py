@@ -1,6 +1,6 @@
 """Pipeline stages in a checkpoint: which stage stores each parameter, and what a save records of them.
 
-At PP > 1 each pipeline rank holds a :class:`tnlg.parallel.pipeline.StageModel`, a subset of the
+At PP > 1 each pipeline rank holds a :class:`tnlg.model.stage.StageModel`, a subset of the
 GPT's parameters under the GPT's names; with tied embeddings the last stage also holds a copy of
 ``transformer.wte.weight`` (marked ``pipeline_duplicate``), equal to the first stage's by
 construction (their gradients are all-reduced before every step). A save stores every parameter

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
-from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
+from ..model.inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_argmax
 from .batches import eval_mode, micro_batches
 

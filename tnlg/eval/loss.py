@@ -18,9 +18,9 @@ from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.indexed import IndexedDataset
 from ..errors import UserError
 from ..parallel.context import context_parallel_batch
+from ..parallel.loss import loss_sum
 from ..parallel.mappings import all_reduce
-from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
-from ..parallel.vocab import vocab_parallel_cross_entropy
+from ..model.inference import forward_logits, from_last_stage, model_device
 from .batches import eval_mode, micro_batches
 
 __all__ = ["build_eval_dataset", "dataset_loss"]
@@ -63,8 +63,9 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
     """Token-mean loss (over ``loss_mask``) of a dataset's samples, and ``exp(min(20, loss))``.
 
     Samples are spread over DP ranks (``i % dp_size``). Collectives: the model's TP
-    all-reduces (through a pipeline also its sends between stages) and, on the last stage, the
-    cross-entropy's three ``[b, s]`` all-reduces per batch, then one float64 all-reduce of
+    all-reduces (through a pipeline also its sends between stages) and, on the last stage,
+    :func:`tnlg.parallel.loss.loss_sum`'s per batch (the cross-entropy's three ``[b, s]`` all-reduces over
+    TP; with CP one ``[sum, tokens]`` all-reduce over the CP group), then one float64 all-reduce of
     ``[loss sum, token count]`` over DP (through a pipeline, then broadcast from the last stage).
     """
     ps = model.ps
@@ -83,12 +84,10 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
                                     attention_mask=batch.get("attention_mask"))
             if logits is None:  # a pipeline stage before the last
                 continue
-            losses = vocab_parallel_cross_entropy(logits, batch["labels"], ps, model.config.vocab_size)
-            mask = batch["loss_mask"].double()
-            sums[0] += (losses.double() * mask).sum()
-            sums[1] += mask.sum()
-    if ps.cp_size > 1:  # every CP rank's chunks of the same samples
-        sums = all_reduce(sums, ps.cp_group)
+            # (with CP, over every CP rank's chunks of the same samples)
+            total, count = loss_sum(logits, batch["labels"], batch["loss_mask"], ps, model.config.vocab_size,
+                                    dtype=torch.float64)
+            sums += torch.stack([total, count])
     from_last_stage(all_reduce(sums, ps.dp_group), ps)
     tokens = int(sums[1])
     loss = float(sums[0]) / max(tokens, 1)

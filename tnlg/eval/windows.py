@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
-from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
+from ..model.inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import vocab_parallel_cross_entropy
 from .batches import eval_mode, micro_batches
 
@@ -42,7 +42,7 @@ def window_loss_sums(model, streams: Sequence[Sequence[int]], seq: int, stride: 
 
     Windows (of all streams together) are spread over data-parallel ranks (``window % dp_size``);
     within a TP group (and a pipeline group) every rank runs the same windows. Collectives: per forward
-    the model's TP all-reduces (and, through a pipeline, :func:`~tnlg.parallel.pipeline_inference.forward_logits`'
+    the model's TP all-reduces (and, through a pipeline, :func:`~tnlg.model.inference.forward_logits`'
     sends) and, on the last stage, the vocab-parallel cross-entropy's three ``[b, seq]`` all-reduces; at the end
     one float64 all-reduce of the ``[streams]`` sums over DP and, through a pipeline, their broadcast from the
     last stage. Every rank returns the same figures.

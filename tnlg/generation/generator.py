@@ -21,10 +21,10 @@ and whatever else is in the batch; the chosen ids are then broadcast from TP ran
 so every TP rank feeds the same token. Collectives per new token: the model's TP
 all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
 
-Pipeline parallelism (``model`` a :class:`~tnlg.parallel.pipeline.StageModel`, e.g. from
+Pipeline parallelism (``model`` a :class:`~tnlg.model.stage.StageModel`, e.g. from
 :func:`tnlg.checkpoint.load_for_inference` at ``PP > 1``): each stage keeps the KV cache of its
 own layers, the hidden state of each new position goes stage to stage, the last stage chooses
-the token as above and broadcasts it to every stage (:mod:`tnlg.parallel.pipeline_inference`);
+the token as above and broadcasts it to every stage (:mod:`tnlg.model.inference`);
 every rank of the job returns the same ids, the same as without a pipeline.
 """
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..model import KVCache
-from ..parallel.pipeline_inference import forward_logits, from_last_stage, model_device
+from ..model.inference import forward_logits, from_last_stage, model_device
 from ..parallel.vocab import full_vocab_candidates, vocab_parallel_argmax, vocab_parallel_topk
 from .sampling import make_generators, sample_from_candidates
 

@@ -3,7 +3,7 @@
 * :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
   with :func:`tnlg.interop.hf.from_hf`) or a tnlg checkpoint (through
   ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout; at ``--pp P``
-  this stage's layers only (:func:`tnlg.parallel.pipeline_inference.inference_model`).
+  this stage's layers only (:func:`tnlg.model.inference.inference_model`).
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
 * :func:`precheck_checkpoint` (a ``--tokenizer-model`` against the checkpoint's recorded tokenizer too,
   :func:`tnlg.data.fingerprint.check_recorded`), :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the

@@ -26,7 +26,7 @@ from ..data.hf_tokenizer import hf_tokenizer_files
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..io import fsync_dir, give_umask_mode, temporary_name
-from ..parallel.pipeline_inference import inference_model
+from ..model.inference import inference_model
 from ..parallel.sharding import full_state_dict, load_full_state_dict
 from ..parallel.state import ParallelState
 from .hf_llama import hf_kind
@@ -54,7 +54,7 @@ def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
     ``Qwen2ForCausalLM`` object or ``save_pretrained`` folder (read by :func:`tnlg.interop.hf_reader.read_hf_folder`:
     exactly the model transformers computes from it, or one paragraph); ``overrides``: other
     :class:`~tnlg.config.GPTConfig` fields (how it runs). At ``ps.pp_size > 1`` this pipeline stage's
-    :class:`~tnlg.parallel.pipeline.StageModel` (its layers, by the GPT's names). Each rank keeps its
+    :class:`~tnlg.model.stage.StageModel` (its layers, by the GPT's names). Each rank keeps its
     slice; no communication."""
     ps = ps or ParallelState.single()
     if isinstance(model_or_dir, (str, os.PathLike)):

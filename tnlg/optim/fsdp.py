@@ -76,7 +76,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 class ChunkModules(nn.Module):
-    """One pipeline chunk (:class:`tnlg.parallel.pipeline.PipelineChunk`) as FSDP2 needs it: a module that
+    """One pipeline chunk (:class:`tnlg.model.stage.PipelineChunk`) as FSDP2 needs it: a module that
     registers every module the chunk runs (its blocks, in an ``nn.ModuleList``: one FSDP unit each; the
     embeddings on the first stage, the final LayerNorm and the LM head on the last), so that
     ``fully_shard`` on it gathers their parameters around the chunk's forward; its forward is the chunk's.
@@ -97,7 +97,7 @@ class ChunkModules(nn.Module):
 
     @property
     def stage(self) -> Any:
-        """The chunk's :class:`~tnlg.parallel.pipeline.StageModel` (what a pipeline stage's record names)."""
+        """The chunk's :class:`~tnlg.model.stage.StageModel` (what a pipeline stage's record names)."""
         return self.chunk.stage
 
     @property

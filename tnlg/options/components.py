@@ -71,6 +71,8 @@ class ScheduleOptions:
     adam_beta1: float = option(0.9)
     adam_beta2: float = option(0.999)
     adam_eps: float = option(1e-8)
+    calculate_per_token_loss: bool = option(False, help="the loss is the global batch's token sum over its "
+                                            "counted tokens, not the mean of the micro batches' means")
 
     def __post_init__(self):
         if self.train_iters is None:

@@ -60,15 +60,15 @@ backward ``C - 1`` exchanges of the same and ``C`` of the fp32 dK/dV. None at ``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["chunk_positions", "split_for_context_parallel", "gather_from_context_parallel", "document_ids",
-           "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_mean",
-           "context_parallel_batch"]
+           "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_batch",
+           "RingAttention", "context_parallel_attention", "TokenPositions"]
 
 
 # ----------------------------------------------------------------------------------------- chunks
@@ -285,8 +285,8 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, doc_ids, index):
         if pending is not None:
             _wait(pending[1])
             kv = pending[0]
-    _wait(dkv_pending[1])
-    dkv = dkv_pending[0]
+    dkv, works = cast(tuple, dkv_pending)  # (the loop ran: C > 1 steps)
+    _wait(works)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -362,22 +362,54 @@ def context_positions(local_len: int, ps, device=None) -> torch.Tensor:
     return chunk_positions(local_len * ps.cp_size, ps.cp_size, ps.cp_rank, device).unsqueeze(0)
 
 
-def context_parallel_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor], group: dist.ProcessGroup,
-                          cp_size: int) -> torch.Tensor:
-    """The token-weighted mean loss over the whole sequence, from this CP rank's per-token ``losses``.
+class RingAttention:
+    """The attention core of a layer under context parallelism (swapped into the layer's core slot when the
+    model is built, :func:`context_parallel_attention`): :func:`ring_attention` over the CP group, with the
+    whole sequence's document ids ``[b, s]`` as the mask (or ``None``: causal). GQA: the ring carries this
+    rank's K/V groups and ``kv_heads`` maps each query head to its group. Attention dropout is not run in the
+    ring (the options refuse it with CP, docs/context_parallel.md)."""
 
-    Its value is the mean over every CP rank's tokens (one all-reduce of ``[sum, count]`` over the CP
-    group, no gradient), the same on every rank and equal to CP 1's. Its gradient is that of
-    ``cp * local_sum / global_count``: the engine averages gradients over DP x CP, which divides by ``cp``
-    again, so the reduced gradient is that of the whole sequence's mean (as Megatron scales by CP size).
-    """
-    mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(losses.dtype)
-    local = (losses * mask).sum()
-    totals = torch.stack([local.detach(), mask.sum()]).float()
-    dist.all_reduce(totals, group=group)
-    count = totals[1].clamp(min=1.0)
-    scaled = local * cp_size / count
-    return scaled + (totals[0] / count - scaled).detach()
+    def __init__(self, group: dist.ProcessGroup, kv_heads: Optional[Sequence[int]] = None):
+        self.group, self.kv_heads = group, kv_heads
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask, dropout: float):
+        """The keys and values as they are (the ring reads the groups itself)."""
+        return k, v, False
+
+    def __call__(self, q, k, v, attention_mask, causal: bool, dropout: float, gqa: bool = False,
+                 tp_rng_state=None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, doc_ids=attention_mask, kv_heads=self.kv_heads)
+
+
+def context_parallel_attention(ps, kv_heads: Optional[Sequence[int]] = None) -> Optional[RingAttention]:
+    """The attention core a layer takes under context parallelism (``ps.cp_size > 1``): :class:`RingAttention`
+    over the CP group; ``None`` at CP 1 (the layer keeps its local core)."""
+    return RingAttention(ps.cp_group, kv_heads) if ps.cp_size > 1 else None
+
+
+class TokenPositions:
+    """The positions of a forward's tokens when the caller gives none: ``offset .. offset + s - 1`` (``[1, s]``),
+    or with context parallelism the global positions of this CP rank's two chunks (:func:`context_positions`).
+    Chosen when the model is built; :meth:`check` refuses incremental decoding under CP."""
+
+    def __init__(self, ps):
+        self.ps = ps if ps.cp_size > 1 else None
+
+    def check(self, incremental: bool) -> None:
+        """``ValueError`` for generation (a KV cache, ``last_only``) under context parallelism."""
+        if incremental and self.ps is not None:
+            raise ValueError("generation (a KV cache, last_only) does not run with context parallelism: load the "
+                             "model at context parallel size 1 to generate.")
+
+    def local_length(self, seq_length: int) -> int:
+        """The tokens of a ``seq_length`` training sample this rank holds (its CP share)."""
+        return seq_length // (1 if self.ps is None else self.ps.cp_size)
+
+    def __call__(self, seq_len: int, offset: int = 0, device=None) -> torch.Tensor:
+        if self.ps is not None:  # this CP rank's two chunks: their global positions
+            return context_positions(seq_len, self.ps, device)
+        return torch.arange(offset, offset + seq_len, device=device).unsqueeze(0)
+
 
 
 def context_parallel_batch(batch: dict, ps) -> dict:

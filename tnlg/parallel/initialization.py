@@ -15,7 +15,7 @@ tensor: :func:`init_normal`, :func:`init_zeros`, :func:`init_ones`.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -93,6 +93,6 @@ class SelfInitializing:
     def reset_parameters(self) -> None:
         """Write every parameter of this module (not its children) from :meth:`initial_shard`; those on
         the meta device are left for a data-parallel engine to materialise. No communication."""
-        for name, p in nn.Module.named_parameters(self, recurse=False):
+        for name, p in nn.Module.named_parameters(cast(nn.Module, self), recurse=False):
             if p.device.type != "meta":
                 p.copy_(self.initial_shard(name))

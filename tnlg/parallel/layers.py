@@ -25,7 +25,7 @@ it off for incremental decoding).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -55,7 +55,7 @@ def _split_sizes(n: int, sizes: Optional[Sequence[int]], tp: int, what: str) -> 
     return sizes
 
 
-def _build(module: nn.Module, specs: dict[str, Optional[ShardSpec]], ps: ParallelState, init_method: InitMethod,
+def _build(module: SelfInitializing, specs: Mapping[str, Optional[ShardSpec]], ps: ParallelState, init_method: InitMethod,
            seed: int, init_key: str, device, dtype) -> None:
     """Create ``module``'s parameters from their specs (``None``: absent, e.g. no bias), marked, and
     initialise them: ``init_method`` for the weight, zeros for the bias."""
@@ -139,7 +139,7 @@ def column_parallel_linears(x: torch.Tensor, layers: Sequence[tuple[torch.Tensor
         x = copy_to_tp(x, ps)
         return [F.linear(x, w, b) for w, b in layers]
     weights, biases = [w for w, _ in layers], [b for _, b in layers]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    bias = None if any(b is None for b in biases) else torch.cat(cast(list, biases))
     y = column_parallel_linear(x, torch.cat(weights), bias, ps, sequence_sizes)
     return list(y.split([w.shape[0] for w in weights], dim=-1))
 
@@ -150,6 +150,8 @@ class _ParallelLinear(SelfInitializing, nn.Module):
     built from ``describe`` and initialised."""
 
     split_dim: int
+    weight: torch.Tensor  # (set by _build from the layer's description)
+    bias: Optional[torch.Tensor]
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool,
                  partition_sizes: Optional[Sequence[int]], sequence_parallel: bool, device, dtype,
@@ -293,6 +295,8 @@ class VocabParallelEmbedding(SelfInitializing, nn.Module):
     up by valid ids.
     """
 
+    weight: torch.Tensor  # (set by _build from the layer's description)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, padded_size: int,
                  device=None, dtype=None, init_method: InitMethod = DEFAULT_INIT, seed: int = 0, init_key: str = ""):
         super().__init__()
@@ -429,6 +433,9 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
     so every holder starts from the same rows. The attention applies :meth:`weights` beside the queries,
     after the same ``f`` (:func:`column_parallel_linears`; no communication of its own in forward).
     """
+
+    weight: torch.Tensor  # (set by _build from the layer's description)
+    bias: Optional[torch.Tensor]
 
     def __init__(self, in_features: int, groups: int, head_dim: int, ps: ParallelState,
                  group_ranges: Sequence[range], bias: bool = True, device=None, dtype=None,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -244,7 +244,7 @@ def sequence_all_gather(x: torch.Tensor, ps: ParallelState, sizes: Sequence[int]
     if sizes[r] < n:
         buf[r * n + sizes[r]:(r + 1) * n].zero_()
     if _use_p2p(ps.tp_group):
-        works = [dist.broadcast(buf[k * n:(k + 1) * n], src=dist.get_global_rank(ps.tp_group, k),
+        works = [dist.broadcast(buf[k * n:(k + 1) * n], src=dist.get_global_rank(cast(dist.ProcessGroup, ps.tp_group), k),
                                 group=ps.tp_group, async_op=True) for k in range(t)]
     else:
         works = [all_gather_flat(buf, buf[r * n:(r + 1) * n].clone(), ps.tp_group, async_op=True)]
@@ -285,7 +285,7 @@ def sequence_reduce_scatter(x: torch.Tensor, ps: ParallelState, sizes: Sequence[
         recv = [buf.new_empty((n,) + tuple(buf.shape[1:])) for _ in peers]
         ops = []
         for k, into in zip(peers, recv):
-            peer = dist.get_global_rank(ps.tp_group, k)
+            peer = dist.get_global_rank(cast(dist.ProcessGroup, ps.tp_group), k)
             ops.append(dist.P2POp(dist.isend, buf[k * n:(k + 1) * n], peer, group=ps.tp_group))
             ops.append(dist.P2POp(dist.irecv, into, peer, group=ps.tp_group))
         works = dist.batch_isend_irecv(ops)

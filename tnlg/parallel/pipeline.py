@@ -1,4 +1,4 @@
-"""Pipeline stages of the GPT: which layers each stage holds, and the module of one rank's stages.
+"""Pipeline stages of the GPT: which layers each stage holds.
 
 The split (Megatron's, :func:`tnlg.config.stage_layer_counts`): the ``L`` transformer layers go over ``P`` stages as evenly as possible,
 larger stages first (78 layers over 4 stages: 20, 20, 19, 19); ``first``/``last``
@@ -8,42 +8,17 @@ With ``v`` virtual stages per rank (interleaved 1F1B, ``--num-layers-per-virtual
 n``: ``v = L / (P n)``) the model is cut into ``P v`` chunks of ``n`` layers; chunk ``c`` runs on
 pipeline rank ``c % P`` (Megatron's order: rank 0 holds chunks 0, P, 2P, ...).
 
-:class:`StageModel` is what one rank trains: the layers of its chunks, plus the word and position
-embeddings on the first stage and the final LayerNorm and LM head on the last, built from the GPT's
-own pieces (:mod:`tnlg.model`) under the GPT's parameter names (``transformer.h.<global index>``),
-so every parameter is initialised exactly as the PP=1 model's of that name and a stage's
-parameters are a subset of the PP=1 model's. With tied input/output embeddings the last stage holds
-its own copy of ``transformer.wte.weight`` (the LM head): the copies start equal and stay equal
-because their gradients are all-reduced over the embedding group (first and last stage) before
-the optimizer step (:mod:`tnlg.parallel.pipeline_schedule`); the last stage's copy is marked
-``pipeline_duplicate`` so the gradient norm counts it once.
-
-Collectives of a chunk's forward and backward: the TP collectives of the GPT's layers (the
-embedding's all-reduce, two per block, the LM head's ``f``; with sequence parallelism the GPT's
-reduce-scatters and all-gathers instead, and the activations sent between stages are this rank's
-positions ``[s_r, b, h]``); none across stages (the schedule sends activations and gradients
-point-to-point).
-
-Documents (``--reset-position-ids``, ``--reset-attention-mask``): a chunk takes the micro batch's
-``position_ids`` and ``attention_mask`` as keyword arguments. torch's schedules (2.13) hand the
-keyword arguments of ``schedule.step`` to every stage, split into micro batches as the inputs
-are, while only the activation travels between stages; every pipeline rank reads the same batch,
-so each stage gets its micro batch's mask from its own copy: no extra send per boundary, and no
-second stage output (the tokens) from which every stage would rebuild the mask.
+The module of one rank's stages, built from the GPT's own pieces, is
+:class:`tnlg.model.stage.StageModel`; torch's schedules run it (:mod:`.pipeline_schedule`).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
-import torch.nn as nn
+from ..config import stage_layer_counts
 
-from ..config import GPTConfig, stage_layer_counts, stage_parts
-from ..model import DecoderBase, KVCache
-from .state import ParallelState
-
-__all__ = ["chunk_layers", "StageModel", "PipelineChunk"]
+__all__ = ["chunk_layers"]
 
 
 def chunk_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional[int] = None,
@@ -55,72 +30,3 @@ def chunk_layers(num_layers: int, stages: int, virtual: int = 1, first: Optional
         counts = [num_layers // (stages * virtual)] * (stages * virtual)
     starts = [sum(counts[:c]) for c in range(len(counts))]
     return [range(a, a + n) for a, n in zip(starts, counts)]
-
-
-class StageModel(DecoderBase):
-    """The layers of one pipeline rank's chunks (``chunks``: their global layer indices, this rank's
-    in order), with the embeddings on the first stage and ``ln_f`` + LM head on the last.
-
-    Parameter names are the GPT's; :meth:`chunk` gives the module each pipeline stage runs."""
-
-    def __init__(self, config: GPTConfig, ps: ParallelState, chunks: list[range], device=None):
-        super().__init__(config, ps)
-        self.chunk_ranges = list(chunks)
-        tied = not config.untie_embeddings_and_output_weights
-        parts: dict = dict(h=nn.ModuleDict({str(i): self.part(f"h.{i}", device)
-                                            for r in self.chunk_ranges for i in r}))
-        names = stage_parts(config, ps.is_first_stage, ps.is_last_stage)
-        parts.update((name, self.part(name, device)) for name in names if name != "lm_head")
-        self.transformer = nn.ModuleDict(parts)
-        if "lm_head" in names:
-            self.lm_head = self.part("lm_head", device)
-        if ps.is_last_stage and tied and not ps.is_first_stage:
-            self.transformer.wte.weight.pipeline_duplicate = True  # the first stage's copy is the one counted
-
-    def chunk(self, k: int) -> "PipelineChunk":
-        """The module of this rank's ``k``-th chunk (global chunk ``k * P + pp_rank``)."""
-        c = k * self.ps.pp_size + self.ps.pp_rank
-        return PipelineChunk(self, self.chunk_ranges[k], first=c == 0,
-                             last=c == self.ps.pp_size * len(self.chunk_ranges) - 1)
-
-
-class PipelineChunk(nn.Module):
-    """One pipeline stage's forward over the :class:`StageModel`'s modules (it registers none itself,
-    so the engine sees each parameter once): tokens ``[b, s]`` -> hidden ``[b, s, h]`` on the first
-    stage, hidden -> hidden in the middle, hidden -> this rank's vocabulary shard of the logits
-    ``[b, s, V_pad / tp]`` on the last. Training's schedule (torch's ``PipelineStage``) calls it with
-    the activation and the documents' keyword arguments; the forward-only passes
-    (:func:`tnlg.parallel.pipeline_inference.forward_logits`) also with a KV cache."""
-
-    def __init__(self, stage: StageModel, layers: range, first: bool, last: bool):
-        super().__init__()
-        object.__setattr__(self, "stage", stage)  # not a submodule: its parameters belong to the StageModel
-        self.layers, self.first, self.last = layers, first, last
-
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
-                last_only: bool = False, sequence_parallel: bool = True) -> torch.Tensor:
-        """``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` ``[b, s, s]`` (every stage): a
-        micro batch's per-document positions and block-diagonal mask (``--reset-position-ids`` /
-        ``--reset-attention-mask``), as the GPT takes them; ``None``: causal, positions from 0 (from
-        the cache's length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its
-        ``length`` is advanced by the caller, once every chunk has run); ``last_only``: the logits of
-        the last position only; ``sequence_parallel=False``: activations ``[b, s, h]`` whatever the
-        config says (the forward-only passes, whose batches vary in length)."""
-        stage, cfg = self.stage, self.stage.config
-        # sequence parallelism (training: every sample has seq_length positions, of which this CP rank holds
-        # seq_length / cp): the activations between stages are this rank's positions, sequence-first
-        # [s_r, b, h], as between the GPT's TP regions
-        sp = stage.sequence_split(cfg.seq_length // stage.ps.cp_size,
-                                  not sequence_parallel or kv_cache is not None or last_only)
-        offset = kv_cache.length if kv_cache is not None else 0
-        seq = x.shape[1] if self.first or sp is None else sum(sp)  # ([b, s] tokens, [b, s, h] or [s_r, b, h])
-        rotary = stage.rotary(seq, position_ids, offset, x.device)
-        if self.first:
-            x = stage.embed(x, position_ids, sp, offset)
-        for i in self.layers:
-            x = stage.transformer.h[str(i)](x, attention_mask, kv_cache, sp, rotary)
-        if not self.last:
-            return x
-        logits = stage.head(x, sp, last_only)
-        return logits if sp is None else logits.transpose(0, 1)

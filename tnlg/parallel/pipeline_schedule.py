@@ -1,6 +1,6 @@
 """One iteration's micro batches through the pipeline: torch's schedules over tnlg's stages.
 
-:class:`Pipeline` wraps this rank's :class:`~tnlg.parallel.pipeline.StageModel` chunks in
+:class:`Pipeline` wraps this rank's :class:`~tnlg.model.stage.StageModel` chunks in
 ``torch.distributed.pipelining.PipelineStage`` s over ``ps.pp_group`` and runs one of torch's
 schedules on them: ``1f1b`` (``Schedule1F1B``, the default, Megatron's non-interleaved
 schedule), ``gpipe`` (``ScheduleGPipe``: every forward, then every backward) or ``interleaved``
@@ -9,15 +9,16 @@ schedule), ``gpipe`` (``ScheduleGPipe``: every forward, then every backward) or 
 micro batches are the equal row blocks of the concatenated local batch, activations and their
 gradients go point-to-point between neighbouring stages.
 
-The loss is the GPT's: on the last stage each micro batch's mean over its loss-mask tokens
-through the vocab-parallel cross-entropy (3 small all-reduces over TP), multiplied by the
+The loss is the GPT's (:mod:`tnlg.parallel.loss`): on the last stage each micro batch's mean over its
+loss-mask tokens (or, per-token, its sum over the global batch's count) through the vocab-parallel
+cross-entropy (3 small all-reduces over TP), multiplied by the
 engine's factor (``loss_scale / m``) before backward, so the gradients are those of the
 mean over micro batches exactly as without a pipeline (``scale_grads=False``: torch does not
 divide again). :meth:`Pipeline.run` returns the mean of the unscaled micro-batch losses on the
 last stage. With context parallelism every micro batch is this CP rank's two chunks, the activations
 between stages are its chunks' (``pp_group`` holds one CP rank's stages), and a micro batch's loss is
-the token-weighted mean over the whole sequence (:func:`~tnlg.parallel.context.context_parallel_mean`:
-one ``[sum, tokens]`` all-reduce over the CP group per micro batch, on the last stage).
+over the whole sequence (:func:`~tnlg.parallel.loss.loss_sum`: one ``[sum, tokens]`` all-reduce over the
+CP group per micro batch, on the last stage).
 
 Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
 ``[b, s, h]`` activation per micro batch and stage boundary in forward and of its gradient in
@@ -34,16 +35,14 @@ FSDP2 modules the engine left in ``model.pipeline_chunks`` (:class:`tnlg.optim.f
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from .context import context_parallel_mean
-from .pipeline import StageModel
+from .loss import loss_sum, normalised_loss
 from .stage_progress import RecordedStage
-from .vocab import vocab_parallel_cross_entropy
 
 __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
 
@@ -69,15 +68,17 @@ class _Stage(RecordedStage):
 
 
 class Pipeline:
-    """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model``."""
+    """The schedule of ``micro_batches`` micro batches over this rank's stages of ``model`` (a
+    :class:`tnlg.model.stage.StageModel`, which this library module does not import: the model sits above it)."""
 
-    def __init__(self, model: StageModel, micro_batches: int, schedule: str = "1f1b"):
+    def __init__(self, model, micro_batches: int, schedule: str = "1f1b"):
         ps, v = model.ps, len(model.chunk_ranges)
         self.model, self.ps, self.micro_batches = model, ps, micro_batches
         # the chunks' modules: FSDP2's engine (ZeRO 2/3) leaves its sharded ones in ``model.pipeline_chunks``
         chunks = getattr(model, "pipeline_chunks", None) or [model.chunk(k) for k in range(v)]
-        stages = [_Stage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
-                                group=ps.pp_group) for k in range(v)]
+        stages: list[Any] = [_Stage(chunks[k], k * ps.pp_size + ps.pp_rank, ps.pp_size * v, ps.device,
+                                          group=ps.pp_group) for k in range(v)]
+        self.schedule: Any
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss, scale_grads=False)
         else:
@@ -85,22 +86,22 @@ class Pipeline:
                 raise ValueError(f"schedule {schedule!r} runs one stage per rank, got {v} chunks.")
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             self.schedule = cls(stages[0], micro_batches, loss_fn=self._loss, scale_grads=False)
-        self._factor, self._losses = 1.0, []
+        self._factor = 1.0
+        self._losses: list[torch.Tensor] = []
+        self._divisor: Optional[torch.Tensor] = None
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A micro batch's mean loss over its loss-mask tokens (``target``: labels and mask stacked), times
-        the engine's factor; the unscaled value is kept for :meth:`run`."""
-        labels, mask = target[:, 0], target[:, 1].to(torch.float32)
-        losses = vocab_parallel_cross_entropy(logits, labels, self.ps, self.model.config.vocab_size)
-        if self.ps.cp_size > 1:  # over the whole sequence: every CP rank's chunks of this micro batch
-            loss = context_parallel_mean(losses, mask, self.ps.cp_group, self.ps.cp_size)
-        else:
-            loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        """A micro batch's loss (``target``: labels and mask stacked) as the GPT's forward gives it
+        (:func:`~tnlg.parallel.loss.loss_sum`, normalised by :func:`~tnlg.parallel.loss.normalised_loss`),
+        times the engine's factor; the unscaled value is kept for :meth:`run`."""
+        labels, mask = target[:, 0], target[:, 1]
+        loss = normalised_loss(*loss_sum(logits, labels, mask, self.ps, self.model.config.vocab_size), self._divisor)
         self._losses.append(loss.detach().float())
         return loss * self._factor
 
-    def run(self, batches: list[dict], factor: float) -> Optional[torch.Tensor]:
-        """Forward and backward of every micro batch (the loss multiplied by ``factor`` before backward);
+    def run(self, batches: list[dict], factor: float, divisor: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Forward and backward of every micro batch (the loss multiplied by ``factor`` before backward;
+        ``divisor``: the per-token normalisation's, :func:`~tnlg.parallel.loss.per_token_divisor`);
         the mean micro-batch loss on the last stage, ``None`` on the others."""
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} micro batches, got {len(batches)}.")
@@ -109,14 +110,14 @@ class Pipeline:
                                          else torch.ones_like(b["labels"])], dim=1) for b in batches])
         documents = {k: torch.cat([b[k] for b in batches]) for k in ("position_ids", "attention_mask")
                      if k in batches[0]}
-        self._factor, self._losses = factor, []
+        self._factor, self._losses, self._divisor = factor, [], divisor
         self.schedule.step(tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
         # the last m calls are the micro batches' (torch's first step also calls the loss once on a
         # stand-in output to learn the gradient's metadata)
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None
 
 
-def tie_embedding_grads(model: StageModel, grad_of: Callable[[str], torch.Tensor]) -> None:
+def tie_embedding_grads(model, grad_of: Callable[[str], torch.Tensor]) -> None:
     """Sum the word embedding's gradient of the first and the last stage on both (one all-reduce over
     the embedding group, Megatron's), so that the tied copies take the same update; nothing for untied
     embeddings, at PP 1 or on the middle stages. ``grad_of(name)``: the gradient the engine steps."""

@@ -183,7 +183,7 @@ def _tp_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """The forward recomputed from ``state`` (the same masks) and differentiated by autograd."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with _drawing_from(q.device, state, []), _autograd_inside_an_operator(), torch.enable_grad():
-        out = _sdpa(*leaves, attn_mask, dropout_p, is_causal)
+        out = _sdpa(leaves[0], leaves[1], leaves[2], attn_mask, dropout_p, is_causal)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

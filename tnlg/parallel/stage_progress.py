@@ -98,7 +98,7 @@ class StageProgress:
 
 
 class RecordedStage(PipelineStage):
-    """torch's ``PipelineStage`` over a :class:`~tnlg.parallel.pipeline.PipelineChunk`, noting its receives
+    """torch's ``PipelineStage`` over a :class:`~tnlg.model.stage.PipelineChunk`, noting its receives
     and actions in this process's :class:`StageProgress` (the same arguments as ``PipelineStage``)."""
 
     def __init__(self, submodule, stage_index: int, num_stages: int, device, **kwargs):

@@ -115,8 +115,8 @@ def _check_targets(target: torch.Tensor, vocab_size: int) -> None:
     if target.numel() == 0 or is_fake(target):  # a fake-tensor simulation has no ids to check
         return
     if target.device.type == "cpu" and not torch.compiler.is_compiling():
-        lo, hi = torch.aminmax(target)
-        lo, hi = int(lo), int(hi)  # host memory: no device synchronisation
+        lo_t, hi_t = torch.aminmax(target)
+        lo, hi = int(lo_t), int(hi_t)  # host memory: no device synchronisation
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}); labels must be "

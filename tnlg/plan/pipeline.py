@@ -3,7 +3,7 @@
 Per pipeline rank ``i`` of ``P`` (TP rank 0, the largest shard): its parameters from the GPT's own
 description of every shard (:meth:`tnlg.GPT.describe`), filtered to the rank's layers, plus the
 embeddings on the first stage and the final LayerNorm and LM head (the tied embedding's copy) on
-the last, exactly what :class:`tnlg.parallel.pipeline.StageModel` builds; model states from
+the last, exactly what :class:`tnlg.model.stage.StageModel` builds; model states from
 :func:`.memory.model_state_bytes` (tnlg's engine, as the planner counts them without a pipeline).
 
 Activations: a rank holds the activations of the (chunk, micro batch) pairs whose forward has

@@ -2,7 +2,7 @@
 
 Every transformer block (:class:`tnlg.model.Block`) of the model is compiled in place
 (``nn.Module.compile``): the GPT's ``nn.ModuleList`` of blocks, and a pipeline stage's
-(:class:`tnlg.parallel.pipeline.StageModel`, whose blocks torch's pipeline schedules run through
+(:class:`tnlg.model.stage.StageModel`, whose blocks torch's pipeline schedules run through
 the stage's chunks, forward and backward per micro batch, as eager blocks). The blocks are
 identical, so one compiled graph serves them all (recompiled only for a new shape), and the model
 code stays plain. The collectives inside a block (the TP all-reduces of ``g``, the

@@ -111,7 +111,8 @@ class Trainer:
                 batches = (context_parallel_batch(next_batch(self.train_ds, sampler, ps.device), ps)
                            for _ in range(self.accum))  # (this CP rank's chunks; the batch itself at CP 1)
                 loss, info = train_step(model, engine, batches, lr, autocast=self.autocast, ps=ps,
-                                        iteration=iteration + 1, pipeline=self.pipeline)
+                                        iteration=iteration + 1, pipeline=self.pipeline,
+                                        per_token_loss=o.schedule.calculate_per_token_loss)
                 iteration, consumed = iteration + 1, consumed + gbs
                 metrics.iteration(iteration, consumed, loss, lr, info, time.perf_counter() - t0)
                 summary["losses"].append(loss)

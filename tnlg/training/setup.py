@@ -17,7 +17,8 @@ from ..optim import DynamicLossScaler
 from ..optim import build_engine as build_tnlg_engine
 from ..options import Options, ParallelOptions, PrecisionOptions
 from ..options.pipeline import virtual_stages
-from ..parallel.pipeline import StageModel, chunk_layers
+from ..model.stage import StageModel
+from ..parallel.pipeline import chunk_layers
 from ..parallel.state import ParallelState
 from ..runtime.launch import join
 

@@ -4,7 +4,7 @@
 this process, under ``FakeTensorMode`` and torch's fake process group (as
 :mod:`tnlg.training.simulate` does for a layout without a pipeline), tnlg's own code of that stage:
 
-1. ``setup``: the :class:`~tnlg.parallel.pipeline.StageModel` of the stage built on the meta device and
+1. ``setup``: the :class:`~tnlg.model.stage.StageModel` of the stage built on the meta device and
    materialised into the engine (:func:`tnlg.optim.build_engine`);
 2. ``forward (1F1B)`` and ``backward (1F1B)``: the ``m`` micro batches in Megatron's 1F1B order for this stage (``min(P - i - 1, m)``
    warm-up forwards, then one forward and one backward at a time, then the cool-down backwards), so that
@@ -200,7 +200,8 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..optim import build_engine
-    from ..parallel.pipeline import StageModel, chunk_layers
+    from ..model.stage import StageModel
+    from ..parallel.pipeline import chunk_layers
     dtype = _DTYPES[precision]
     grad_ps = ps.for_gradients()  # the engine reduces over DP x CP
     tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.pp_group: "pp", ps.cp_group: "cp"})

@@ -15,6 +15,10 @@ micro batches go through its schedule in one ``engine.backward_all`` (gradients 
 once, at the step), the tied embedding's gradient is summed over the first and last stage, and
 the loss (the last stage's mean over micro batches) is summed over the pipeline group, so every
 rank reports the same loss as without a pipeline.
+
+``--calculate-per-token-loss`` (Megatron's): each micro batch's loss is its sum divided by
+``N / (k * dp)``, ``N`` the global batch's counted tokens (:func:`tnlg.parallel.loss.per_token_divisor`),
+so the same averaging over micro batches and DP yields ``sum / N`` as the loss and its gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..data.sampler import collate
+from ..parallel.loss import per_token_divisor
 from ..parallel.mappings import all_reduce
 
 __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
@@ -46,16 +51,23 @@ def autocast_to(dtype: Optional[torch.dtype], device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def forward_loss(model, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
-    """The model's mean loss over the batch's loss-mask tokens, under autocast to ``autocast`` (None: fp32)."""
+def forward_loss(model, batch: dict, autocast: Optional[torch.dtype],
+                 divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's loss of the batch under autocast to ``autocast`` (None: fp32): the mean over its loss-mask
+    tokens, or with ``divisor`` (:func:`~tnlg.parallel.loss.per_token_divisor`) its sum divided by it."""
+    extra = {} if divisor is None else dict(loss_divisor=divisor)
     with autocast_to(autocast, batch["tokens"].device):
         return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask"),
-                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"))
+                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"), **extra)
 
 
 def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autocast: Optional[torch.dtype],
-               ps, iteration: int, pipeline=None) -> tuple[float, dict]:
+               ps, iteration: int, pipeline=None, per_token_loss: bool = False) -> tuple[float, dict]:
     """Train one iteration (number ``iteration``) on ``micro_batches``; return ``(loss, engine.step's info)``.
+
+    ``per_token_loss`` (``--calculate-per-token-loss``): the loss is the global batch's sum over the
+    tokens counted in it (:mod:`tnlg.parallel.loss`), not the mean of the micro batches' means; the
+    count is all-reduced over DP x CP before the first forward.
 
     Collectives: the model's TP all-reduces, the engine's gradient reduction over DP (last micro
     batch), one all-reduce of the loss over DP, and the engine step's (norm, parameter all-gather);
@@ -63,15 +75,19 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     first and last stage and one all-reduce of the loss over the pipeline group.
     """
     engine.zero_grad()
+    divisor = None
+    if per_token_loss:  # (every micro batch's loss mask first: the global batch's token count)
+        micro_batches = list(micro_batches)
+        divisor = per_token_divisor(micro_batches, ps)
     if pipeline is None:
         losses = []
         for batch in micro_batches:
-            loss = forward_loss(model, batch, autocast)
+            loss = forward_loss(model, batch, autocast, divisor)
             engine.backward(loss)
             losses.append(loss.detach().float())
         mean = torch.stack(losses).mean().reshape(1)
     else:
-        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps, autocast)
+        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps, autocast, divisor)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
     loss = info.pop("loss")
@@ -82,7 +98,8 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     return loss, info
 
 
-def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Optional[torch.dtype]) -> torch.Tensor:
+def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Optional[torch.dtype],
+                       divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every micro batch through the pipeline's schedule under autocast to ``autocast`` (the stages'
     forward as without a pipeline: the activations sent between stages come out in the training
     dtype); the mean micro-batch loss on every stage."""
@@ -92,7 +109,8 @@ def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Opti
 
     def run(factor: float) -> None:
         with autocast_to(autocast, ps.device):
-            out[0] = pipeline.run(batches, factor)
+            extra = () if divisor is None else (divisor,)  # (the per-token normalisation's divisor)
+            out[0] = pipeline.run(batches, factor, *extra)
         tie_embedding_grads(pipeline.model, engine.grad_view)
     engine.backward_all(run)
     mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)

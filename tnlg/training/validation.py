@@ -35,8 +35,8 @@ def evaluate(model, dataset, log: LoggingOptions, sch: ScheduleOptions, ps: Para
     """Token-weighted loss over the validation samples (``None``: no validation possible). Collective:
     the model's TP collectives per batch (the same number of batches on every DP rank) and one
     all-reduce of ``[loss sum, tokens]`` over DP. Through a pipeline (``model`` a stage's
-    :class:`~tnlg.parallel.pipeline.StageModel`) each batch runs forward only, stage to stage
-    (:func:`tnlg.parallel.pipeline_inference.forward_logits`), the last stage computes the loss and
+    :class:`~tnlg.model.stage.StageModel`) each batch runs forward only, stage to stage
+    (:func:`tnlg.model.inference.forward_logits`), the last stage computes the loss and
     broadcasts the sums over the pipeline group, so every rank reports the loss of the run without one."""
     if dataset is None or log.eval_iters == 0:
         return None

@@ -1,25 +1,25 @@
 """Forward-only passes through a pipeline: validation, ``tnlg eval`` and generation with a KV cache per stage.
 
-At ``PP > 1`` a rank's model is a :class:`~tnlg.parallel.pipeline.StageModel` (the GPT's parameter
+At ``PP > 1`` a rank's model is a :class:`~tnlg.model.stage.StageModel` (the GPT's parameter
 names, this rank's layers). :func:`forward_logits` runs one batch through every stage: the first
 stage embeds the tokens, each stage runs its layers and sends the hidden state ``[b, s, h]`` to the
 rank of the next model chunk (``dist.send``/``dist.recv`` over ``pp_group``), the last stage applies
 ``ln_f`` and the LM head and returns this rank's vocabulary shard of the logits; the other stages
-return ``None``. Each chunk runs :class:`~tnlg.parallel.pipeline.PipelineChunk`'s forward, the one
-training's schedule runs, with the stage's KV cache when decoding. Whatever the last stage computes
+return ``None``. Each chunk runs :class:`~tnlg.model.stage.PipelineChunk`'s forward (the decoder's one
+forward over the chunk's layers), the one training's schedule runs, with the stage's KV cache when decoding. Whatever the last stage computes
 from them (a loss sum, a correct count, the next token) reaches every stage through
 :func:`from_last_stage` (one broadcast over ``pp_group``), so every rank reports the same figures as
 without a pipeline. A plain :class:`tnlg.GPT` goes through the same calls unchanged (its forward; no
 pipeline communication), which is how the evaluation and generation code serves both.
 
 Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
-(a :class:`tnlg.model.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
+(a :class:`tnlg.model.attention.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
 stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
 every stage, which all feed it next. Per new token: the layers' TP collectives, one send/recv per
 stage boundary, the sampler's TP collectives on the last stage, one broadcast of ``[b]`` ids over PP.
 
 Why not torch's schedules (``torch.distributed.pipelining``, used for training in
-:mod:`.pipeline_schedule`): their eval path (``_PipelineSchedule.eval``, ``step`` without backward)
+:mod:`tnlg.parallel.pipeline_schedule`): their eval path (``_PipelineSchedule.eval``, ``step`` without backward)
 exists, but a schedule fixes its micro-batch count at construction and its stages fix the micro
 batch's shapes at their first step (and infer them again whenever training and evaluation
 alternate), and the loss function returns one scalar per micro batch. Evaluation batches vary
@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
-from ..model import GPT
-from .pipeline import StageModel, chunk_layers
-from .state import ParallelState
+from ..parallel.pipeline import chunk_layers
+from ..parallel.state import ParallelState
+from .decoder import GPT
+from .stage import StageModel
 
 __all__ = ["forward_logits", "from_last_stage", "inference_model", "model_device", "stage_rank"]
 

@@ -1,0 +1,216 @@
+"""The decoder's self-attention over this rank's heads, its KV cache, and the attention core in a slot.
+
+:class:`ParallelAttention` projects this rank's heads (column-parallel QKV, row-parallel output), rotates
+queries and keys (rope), writes and reads the KV cache, and hands ``q``, ``k``, ``v`` to its **core**,
+an object chosen when the layer is built (megatron-core's ``SelfAttentionSubmodules.core_attention``
+slot; torchtitan's ``apply_cp_to_attention_module``): :class:`LocalAttention` (SDPA over the local
+sequence, with attention dropout drawn from this TP rank's generator when the config has dropout), or
+with context parallelism :class:`tnlg.parallel.context.RingAttention` (the ring over the CP group).
+The forward itself has no branch on the parallel layout: the activation layout is the
+:class:`~tnlg.model.forward.ForwardContext`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, cast
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..config import GPTConfig
+from ..parallel.context import context_parallel_attention
+from ..parallel.layers import ColumnParallelLinear, KVGroupParallelLinear, RowParallelLinear, column_parallel_linears
+from ..parallel.random import TPRandom
+from ..parallel.rotary import rotate_qk
+from ..parallel.state import ParallelState
+from .forward import ForwardContext
+from .init_methods import init_methods, join_key
+
+__all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention"]
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding, this rank's key/value heads only
+    (its query heads' without grouped-query attention; with it, the rank's KV groups: ``G`` heads in
+    all, not ``H``).
+
+    ``k[layer]``/``v[layer]`` are ``[batch, local_kv_heads, max_len, head_dim]`` (global layer index;
+    ``None`` for the layers of other pipeline stages when ``model`` is a pipeline rank's
+    :class:`~tnlg.model.stage.StageModel`); ``length`` is the number of positions already written.
+    Keys are stored rotated (rope), as transformers stores them.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, dtype=None, device=None):
+        cfg, ps = cast(GPTConfig, model.config), cast(ParallelState, model.ps)
+        like = next(model.parameters())  # (the GPT's and a stage's parameters share one dtype and device)
+        shape = (batch_size, local_kv_heads(cfg, ps.tp_size, ps.tp_rank), max_len, cfg.head_dim)
+        ranges = getattr(model, "chunk_ranges", [range(cfg.num_layers)])
+        mine = {i for r in ranges for i in r}
+
+        def cache():
+            return [torch.zeros(shape, dtype=dtype or like.dtype, device=device or like.device) if i in mine
+                    else None for i in range(cfg.num_layers)]
+        self.k, self.v = cache(), cache()
+        self.max_len = max_len
+        self.length = 0
+
+
+def local_kv_heads(cfg: GPTConfig, tp: int, tp_rank: int) -> int:
+    """Key/value heads TP rank ``tp_rank`` computes: its query heads', or its KV groups."""
+    if cfg.kv_groups == cfg.num_attention_heads:
+        return cfg.heads_per_rank(tp)[tp_rank]
+    return len(cfg.kv_groups_per_rank(tp)[tp_rank])
+
+class LocalAttention:
+    """The attention core over the whole local sequence: ``softmax(q k^T / sqrt(d) + mask) v`` by SDPA, or with
+    attention dropout (training) by this TP rank's generator (heads differ per rank, so do the masks;
+    :meth:`TPRandom.attention`). Grouped-query attention: each query head reads its group's keys and values
+    (``kv_index``: the rank's KV group of each local head), copied to the query heads, or read in place by
+    SDPA's ``enable_gqa`` where the index is SDPA's pattern (``native_gqa``; CUDA: flash or math only, so not
+    with a mask, which would lose the memory-efficient kernel; the CPU's flash kernel takes masks)."""
+
+    def __init__(self, tp_random: TPRandom, kv_index: Optional[tuple[int, ...]] = None, native_gqa: bool = False):
+        self.tp_random, self.kv_index, self.native_gqa = tp_random, kv_index, native_gqa
+        self._kv_index: dict = {}  # (per device: a meta-built model materialises parameters only)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                    dropout: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``k``, ``v`` as the kernel takes them, and whether it reads the groups itself (``enable_gqa``)."""
+        if self.kv_index is None:
+            return k, v, False
+        gqa = self.native_gqa and dropout == 0.0 and (attention_mask is None or k.device.type == "cpu")
+        if gqa:
+            return k, v, True
+        index = self._kv_index.get(k.device)
+        if index is None:
+            index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
+        return k.index_select(1, index), v.index_select(1, index), False
+
+    def __call__(self, q, k, v, attention_mask, causal: bool, dropout: float, gqa: bool = False,
+                 tp_rng_state=None) -> torch.Tensor:
+        """``tp_rng_state`` replays a recomputation's dropout masks."""
+        if dropout == 0.0:
+            if gqa:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal,
+                                                      enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
+        with self.tp_random.replay(tp_rng_state):
+            return self.tp_random.attention(q, k, v, attention_mask, dropout, causal)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with this rank's heads (column-parallel QKV, row-parallel output).
+
+    Full multi-head attention keeps the fused QKV weight ``c_attn`` laid out per head (rows
+    ``[head][q, k, v][head_dim]``), so a contiguous split gives whole heads. Grouped-query attention
+    (``cfg.kv_groups < heads``) has the queries ``c_q`` (split by heads as ever) and the keys and values
+    ``c_kv`` (:class:`~tnlg.parallel.layers.KVGroupParallelLinear`: the KV groups this rank's heads use,
+    shared groups replicated on their holders), applied after one ``f`` in two matmuls (sequence-parallel:
+    one gathering matmul of the two weights concatenated; :func:`~tnlg.parallel.layers.column_parallel_linears`);
+    each query head then reads its group's keys and values. Rope (``position_embedding_type="rope"``)
+    rotates queries and keys at the tokens' positions (the context's ``rotary``: the angles,
+    :func:`tnlg.parallel.rotary.rotary_angles`; :func:`~tnlg.parallel.rotary.rotate_qk`) before the cache
+    and the core.
+
+    Forward: ``f`` before QKV (identity), ``g`` after the output projection
+    (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
+    groups held by several ranks, one all-reduce of each shared group's weight gradient over its holders.
+    Sequence-parallel (the context's ``sp``: every rank's positions): forward all-gather of the input
+    along the sequence and reduce-scatter of the output; backward all-gather of the output
+    gradient, all-gather of the input again and reduce-scatter of the input gradient. With ``recompute_granularity ==
+    "selective"`` the attention core (softmax, dropout, ``A V``) runs again in backward.
+    """
+
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
+                 init_key: str = ""):
+        super().__init__()
+        heads = cfg.heads_per_rank(ps.tp_size)
+        self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
+        self.dropout = cfg.attention_dropout
+        self.tp_random = tp_random
+        self.recompute_core = cfg.effective_recompute_granularity == "selective"
+        self.grouped = cfg.kv_groups != cfg.num_attention_heads
+        self.local_kv = local_kv_heads(cfg, ps.tp_size, ps.tp_rank)
+        sp, (init, scaled_init) = cfg.sequence_parallel, init_methods(cfg)
+        d, h, bias = cfg.head_dim, cfg.hidden_size, cfg.qkv_bias
+        if self.grouped:  # queries by heads, keys/values by the groups those heads use
+            ranges = cfg.kv_groups_per_rank(ps.tp_size)
+            self.c_q = ColumnParallelLinear(h, cfg.num_attention_heads * d, ps, bias=bias,
+                                            partition_sizes=[d * n for n in heads], sequence_parallel=sp,
+                                            device=device, init_method=init, seed=cfg.seed,
+                                            init_key=join_key(init_key, "c_q"))
+            self.c_kv = KVGroupParallelLinear(h, cfg.kv_groups, d, ps, ranges, bias=bias, device=device,
+                                              init_method=init, seed=cfg.seed, init_key=join_key(init_key, "c_kv"))
+            first = sum(heads[:ps.tp_rank])  # each local head's group, as an index into the rank's groups
+            per_group = cfg.num_attention_heads // cfg.kv_groups
+            index = [(first + i) // per_group - ranges[ps.tp_rank].start for i in range(self.local_heads)]
+            self.kv_index = tuple(index)  # (a tuple, not a buffer: a meta-built model materialises parameters only)
+            # SDPA's enable_gqa maps query head i to key/value head i // (heads_r / kv_r): where this rank's
+            # index is that pattern, keys and values enter the core as kv_r heads, not copied to heads_r
+            ratio = self.local_heads // self.local_kv
+            self.native_gqa = self.kv_index == tuple(i // ratio for i in range(self.local_heads)) and \
+                ratio * self.local_kv == self.local_heads
+        else:  # every rank's rows of the fused QKV weight (whole heads)
+            self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
+                                               sequence_parallel=sp, device=device, init_method=init,
+                                               seed=cfg.seed, init_key=join_key(init_key, "c_attn"))
+        self.c_proj = RowParallelLinear(h, h, ps, bias=cfg.add_bias_linear, input_is_parallel=True,
+                                        partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
+                                        init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
+        # the attention core: the ring over the CP group with context parallelism, else SDPA over the local sequence
+        kv_heads = self.kv_index if self.grouped else None
+        self.core = context_parallel_attention(ps, kv_heads) or \
+            LocalAttention(tp_random, kv_heads, self.grouped and self.native_gqa)
+
+    def _qkv(self, x: torch.Tensor, ctx: ForwardContext):
+        """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
+        if self.grouped:  # the queries and the rank's KV groups from one f (no concatenated weight)
+            q_weight, q_bias = cast(torch.Tensor, self.c_q.weight), cast(Optional[torch.Tensor], self.c_q.bias)
+            q, kv = column_parallel_linears(x, [(q_weight, q_bias),
+                                                self.c_kv.weights()],
+                                            self.c_q.ps, ctx.sp)
+            lead = q.shape[:2]  # [b, s] or, sequence-parallel, [s (all positions), b]
+            q = q.view(*lead, self.local_heads, self.head_dim)
+            k, v = kv.view(*lead, self.local_kv, 2, self.head_dim).unbind(dim=3)
+        else:
+            qkv = self.c_attn(x, sequence_parallel=ctx.sequence_parallel, sequence_sizes=ctx.sp)
+            lead = qkv.shape[:2]
+            q, k, v = qkv.view(*lead, self.local_heads, 3, self.head_dim).unbind(dim=3)
+        return tuple(ctx.heads_first(t) for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``synced_bias``: the output projection's bias already through the block's coalesced ``f``."""
+        q, k, v = self._qkv(x, ctx)
+        s = q.shape[2]
+        if ctx.rotary is not None:  # (cos, sin) of the tokens' positions
+            q, k = rotate_qk(q, k, *ctx.rotary)
+        if ctx.kv_cache is not None:
+            k, v = self._cached(ctx.kv_cache, k, v)
+        kv_len, attention_mask = k.shape[2], ctx.attention_mask
+        if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
+            attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
+        if attention_mask is not None and attention_mask.dim() == 3:
+            attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
+        dropout = self.dropout if self.training else 0.0
+        k, v, gqa = self.core.keys_values(k, v, attention_mask, dropout)
+        # one new token after a cache sees every cached key: neither a mask nor causality applies
+        causal = attention_mask is None and kv_len == s
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
+            # (the core replays the dropout stream itself, so checkpoint need not stash RNG states)
+            state = self.tp_random.snapshot() if dropout else None
+            y = checkpoint(self.core, q, k, v, attention_mask, causal, dropout, gqa, state, use_reentrant=False,
+                           preserve_rng_state=False)
+        else:
+            y = self.core(q, k, v, attention_mask, causal, dropout, gqa)
+        return self.c_proj(ctx.tokens_first(y), sequence_parallel=ctx.sequence_parallel, sequence_sizes=ctx.sp,
+                           synced_bias=synced_bias)
+
+    def _cached(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new keys and values written into the cache after its ``length`` positions; every position's."""
+        start, s = cache.length, k.shape[2]
+        cache.k[self.layer_idx][:, :, start:start + s] = k
+        cache.v[self.layer_idx][:, :, start:start + s] = v
+        return cache.k[self.layer_idx][:, :, :start + s], cache.v[self.layer_idx][:, :, :start + s]

@@ -1,0 +1,87 @@
+"""The language-model loss in one place: a micro batch's masked loss sum and token count, and its normalisation.
+
+:func:`loss_sum` is the one function that turns this rank's logit shard into ``(sum of token losses,
+number of tokens counted)`` for a micro batch (the vocab-parallel cross-entropy, the ``loss_mask``
+applied, and with context parallelism both summed over the CP group); the GPT's forward with
+``labels``, the pipeline schedule's last stage, and evaluation all call it.
+
+:func:`normalised_loss` is the one choice of normalisation (docs/formulas.md, "Loss normalisation"):
+
+* **per micro batch** (Megatron's default; ``divisor=None``): ``sum / count``, the mean over the micro
+  batch's counted tokens; the engine averages these means over the ``k`` micro batches and over DP;
+* **per token** (Megatron's ``--calculate-per-token-loss``): the whole global batch's sum divided by
+  the number of tokens counted in it (``N``, over every micro batch and every DP, CP and PP rank).
+  The count is known from the loss masks before any forward (:func:`per_token_divisor`: one
+  all-reduce over DP x CP per step); each micro batch's loss is ``sum / (N / (k * dp))``, so that the
+  engine's averaging (``1 / k`` over micro batches, ``1 / (dp * cp)`` over DP x CP, with each CP rank's
+  gradient being ``cp`` times its local part, below) leaves the gradient of ``sum_all / N``, and the
+  logged mean of the micro batches' values over ``k`` and DP is ``sum_all / N`` itself.
+
+**Context parallelism.** Each CP rank holds two chunks of every sequence. The returned sum's value is
+the whole sequence's (one all-reduce of ``[sum, count]`` over the CP group, no gradient), the same
+on every CP rank; its gradient is that of ``cp * local_sum`` (what a differentiable all-reduce whose
+backward sums every rank's equal upstream gradient gives, without the backward collective). The
+engine averages gradients over DP x CP, which divides by ``cp`` again, so the reduced gradient is
+that of the whole sequence's loss (as Megatron scales by the CP size).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .state import ParallelState
+from .vocab import vocab_parallel_cross_entropy
+
+__all__ = ["loss_sum", "normalised_loss", "per_token_divisor", "tokens_counted"]
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ps: ParallelState,
+             vocab_size: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the token losses, tokens counted)`` of a micro batch, both ``dtype`` scalars.
+
+    ``logits``: this rank's vocabulary shard ``[*, V_pad / tp]``; ``labels`` and ``loss_mask`` (0/1,
+    ``None``: every token counts) ``[*]``, in the logits' layout. Collectives: the cross-entropy's three
+    ``[*]`` all-reduces over TP; with CP one all-reduce of ``[sum, count]`` over the CP group (module
+    docstring: the sum's value is the whole sequence's, its gradient ``cp`` times this rank's part)."""
+    losses = vocab_parallel_cross_entropy(logits, labels, ps, vocab_size).to(dtype)
+    mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(dtype)
+    local, count = (losses * mask).sum(), mask.sum()
+    if ps.cp_size == 1:
+        return local, count
+    totals = torch.stack([local.detach(), count])
+    dist.all_reduce(totals, group=ps.cp_group)
+    if not local.requires_grad:
+        return totals[0], totals[1]
+    scaled = local * ps.cp_size
+    return scaled + (totals[0] - scaled).detach(), totals[1]
+
+
+def normalised_loss(total: torch.Tensor, count: torch.Tensor, divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The micro batch's loss to back-propagate and log: ``total / count`` (its mean over the counted
+    tokens; 0 when none is counted) with ``divisor`` ``None``, else ``total / divisor``
+    (:func:`per_token_divisor`: the per-token normalisation)."""
+    return total / (count.clamp(min=1.0) if divisor is None else divisor)
+
+
+def tokens_counted(batch: dict) -> torch.Tensor:
+    """The tokens a micro batch's loss counts (fp32 scalar): its loss mask's sum, else every label."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return torch.tensor(float(batch["labels"].numel()), device=batch["labels"].device)
+    return mask.to(torch.float32).sum()
+
+
+def per_token_divisor(batches: Iterable[dict], ps: ParallelState) -> torch.Tensor:
+    """``N / (k * dp)``: the per-token normalisation's divisor of each of this rank's ``k`` micro batches,
+    ``N`` the tokens counted in the whole global batch (at least 1). ``batches``: this rank's micro
+    batches of the step (this CP rank's chunks at CP > 1; every pipeline stage reads the same ones).
+    Collective: one all-reduce of the count over DP x CP (:meth:`ParallelState.for_gradients`'s group)."""
+    batches = list(batches)
+    count = torch.stack([tokens_counted(b) for b in batches]).sum()
+    group = ps.for_gradients().dp_group
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count.clamp(min=1.0) / (len(batches) * ps.dp_size)
