@@ -207,6 +207,13 @@ def _prepare(root: str, tmp: str, ps: ParallelState, iteration: int) -> None:
     failure.agree(tmp if failure.error is None else None)
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite; a fake tensor (``plan --simulate`` saves on them) has no values
+    to check and counts as finite."""
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t) or bool(torch.isfinite(t).all())
+
+
 def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict, failure: _SaveFailure) -> dict:
     """DP rank 0 of each TP rank streams its TP shard of the weights (stage 3: every DP rank joins
     each parameter's all-gather, also after a write failed). Returns ``{file: record}`` for the files
@@ -217,7 +224,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     stream = None
     out = {}
     for name, tensor in engine.param_tensors(names):
-        if writes and failure.ok and not bool(torch.isfinite(tensor).all()):  # one parameter's flags at a time
+        if writes and failure.ok and not _finite(tensor):  # one parameter's flags at a time
             stage = "" if tag.get("pp_rank") is None else f", pipeline stage {tag['pp_rank']}"
             failure.error = UserError(f"parameter {name} (TP rank {ps.tp_rank}{stage}) {_NOT_FINITE}")
         if writes and failure.ok:
