@@ -103,12 +103,15 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-# the library's own order, lowest first: a package imports only from those before it (and from itself)
-LIBRARY_ORDER = ["tnlg.errors", "tnlg.io", "tnlg.config", "tnlg.parallel", "tnlg.model"]
+# the library's own order, lowest first: a package imports only from those before it (and from itself). The
+# parallel layout's sizes, rank order and checks (options.parallel_dims: torch-free, for the commands' flags)
+# sit below parallel, whose process groups follow that rank order; they import only what comes before them.
+LIBRARY_ORDER = ["tnlg.errors", "tnlg.io", "tnlg.config", "tnlg.options.parallel_dims", "tnlg.parallel", "tnlg.model"]
 
 
 def _package(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    """The entry of LIBRARY_ORDER a module belongs to (a module named there, else its top-level package)."""
+    return module if module in LIBRARY_ORDER else ".".join(module.split(".")[:2])
 
 
 def test_the_library_imports_downwards():

@@ -237,6 +237,6 @@ def test_mixture_of_experts_is_refused(runs, tmp_path):
     state = torch.load(common, weights_only=False)
     state["args"].num_experts = 4
     torch.save(state, common)
-    with pytest.raises(UserError, match="num_experts=4, a mixture of experts, which tnlg does not model"):
+    with pytest.raises(UserError, match=r"num_experts=4 \(megatron-core's num_moe_experts\), a mixture of experts, which tnlg does not model"):
         megatron_to_checkpoint(str(src), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
