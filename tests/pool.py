@@ -12,7 +12,7 @@ What a body sees is what a fresh worker gives it:
 - a fresh :class:`ParallelState` (its TP/DP/PP/CP subgroups are created for the call, with the call's
   ``timeout_s``, and destroyed after it); the world group is the pool's;
 - torch's default generator at the seed a new process starts with, ``threads`` intra-op threads, fp32 as
-  the default dtype, gradients enabled, the environment and working directory as the worker started;
+  the default dtype, gradients enabled, the parent's environment and working directory at the call;
 - its own children (writer processes a body leaves behind) terminated when it ends;
 - what it writes to file descriptors 1 and 2 written by the parent to its own once the call ends (rank by
   rank), so ``capfd`` reads it as it read a fresh worker's output.
@@ -51,6 +51,8 @@ _GRACE_S = 2.0  # after the first failing rank, how long the others' tracebacks 
 
 
 def _reset(base_seed: int, threads: int, environ: dict, cwd: str) -> None:
+    """The state a fresh worker starts with: the start seed, ``threads``, fp32, gradients on, and the parent's
+    environment and working directory as they are at the call (a spawned worker inherits them)."""
     import torch
     torch.manual_seed(base_seed)
     torch.set_num_threads(threads)
@@ -119,13 +121,13 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=WORLD_TIMEOUT_S))
     world = dist.group.WORLD
-    base_seed, environ, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()
+    base_seed = torch.initial_seed()
     while True:
         task = pickle.loads(conn.recv_bytes())
         if task is None:
             break
-        fn, tp, args, timeout_s, threads = task
-        _reset(base_seed, threads, environ, cwd)
+        fn, tp, args, timeout_s, threads, environ, cwd = task
+        _reset(base_seed, threads, dict(environ, LOCAL_WORLD_SIZE=str(world_size)), cwd)
         groups = set(dist.distributed_c10d._world.pg_map)
         with _captured(os.path.dirname(rdzv), rank) as output:
             try:
@@ -169,7 +171,7 @@ class _Pool:
 
     def run(self, fn: Callable, tp: int, args: tuple, timeout_s: float, threads: int) -> tuple[list, bool]:
         """The call's per-rank replies; ``bool``: the pool can take another call."""
-        task = pickle.dumps((fn, tp, args, timeout_s, threads))
+        task = pickle.dumps((fn, tp, args, timeout_s, threads, dict(os.environ), os.getcwd()))
         for conn in self.conns:
             conn.send_bytes(task)
         replies: dict[int, tuple] = {}
