@@ -82,11 +82,8 @@ def child(seeds: list[str], work: str, n: int, seed: int) -> dict:
     import random
     import resource
     import shutil
-    import time
-    import traceback
 
-    from tests.test_fuzz_readers import _watch_opens
-    from tnlg.errors import UserError
+    from tests.test_fuzz_readers import _watch_opens, judge
     from tnlg.interop.hf_reader import read_hf_folder
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
     resource.setrlimit(resource.RLIMIT_CPU, (CHILD_TIMEOUT_S, CHILD_TIMEOUT_S))
@@ -111,23 +108,7 @@ def child(seeds: list[str], work: str, n: int, seed: int) -> dict:
             data = f.read()
         with open(path, "wb") as f:
             f.write(_mutate(rng, name, data))
-        t0 = time.monotonic()
-        try:
-            read_hf_folder(case)
-            counts["ok"] += 1
-        except UserError as err:
-            counts["user_error"] += 1
-            if "\n" in str(err):
-                failures.append(f"#{i} {name}: a message of several lines: {str(err)[:300]!r}")
-        except BaseException as err:  # noqa: BLE001 - what the test is looking for
-            failures.append(f"#{i} {name}: {type(err).__name__}: {str(err)[:200]}\n"
-                            + "".join(traceback.format_exc(limit=-4))[-1500:])
-        took = time.monotonic() - t0
-        if took > PER_CASE_S:
-            failures.append(f"#{i} {name}: took {took:.1f} s")
-        if seen:
-            failures.append(f"#{i} {name}: opened {sorted(set(seen))} outside the folder")
-            seen.clear()
+        judge(lambda: read_hf_folder(case), f"#{i} {name}", counts, failures, seen, PER_CASE_S)
     return dict(counts, failures=failures[:20], n_failures=len(failures))
 
 

@@ -158,15 +158,39 @@ def _read_manifest(target: str) -> None:
     info(target, as_json=True, out=io.StringIO())
 
 
+def judge(read, label: str, counts: dict, failures: list, seen: list, limit_s: float) -> None:
+    """Read one mutated case (``read()``): a success or one :class:`UserError` paragraph is counted in
+    ``counts``; anything else, a message of several lines, a read over ``limit_s`` or a file opened outside
+    the case (``seen``, :func:`_watch_opens`) is a failure named by ``label``."""
+    import time
+    import traceback
+
+    from tnlg.errors import UserError
+    t0 = time.monotonic()
+    try:
+        read()
+        counts["ok"] += 1
+    except UserError as err:
+        counts["user_error"] += 1
+        if "\n" in str(err):
+            failures.append(f"{label}: a message of several lines: {str(err)[:300]!r}")
+    except BaseException as err:  # noqa: BLE001 - what the test is looking for
+        failures.append(f"{label}: {type(err).__name__}: {str(err)[:200]}\n"
+                        + "".join(traceback.format_exc(limit=-4))[-1500:])
+    took = time.monotonic() - t0
+    if took > limit_s:
+        failures.append(f"{label}: took {took:.1f} s")
+    if seen:
+        failures.append(f"{label}: opened {sorted(set(seen))} outside the folder")
+        seen.clear()
+
+
 def child(reader: str, seed_dir: str, work: str, n: int, seed: int) -> dict:
     """Run ``n`` mutations of ``reader``'s seed in ``work``; the summary of what each ended in."""
     import random
     import resource
     import shutil
-    import time
-    import traceback
 
-    from tnlg.errors import UserError
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
     resource.setrlimit(resource.RLIMIT_CPU, (CHILD_TIMEOUT_S, CHILD_TIMEOUT_S))
     sys.setrecursionlimit(10000)  # what a deep structure meets, as in any program that raised it
@@ -194,23 +218,8 @@ def child(reader: str, seed_dir: str, work: str, n: int, seed: int) -> dict:
         with open(path, "wb") as f:
             f.write(_mutation(rng, data, name.endswith((".json", ".jsonl")), spec["names"]))
         target = os.path.join(case, spec["target"]) if spec["target"] else case
-        t0 = time.monotonic()
-        try:
-            _read_manifest(target) if reader == "meta" else _read_documents(target, sp)
-            counts["ok"] += 1
-        except UserError as err:
-            counts["user_error"] += 1
-            if "\n" in str(err):
-                failures.append(f"#{i} {name}: a message of several lines: {str(err)[:300]!r}")
-        except BaseException as err:  # noqa: BLE001 - what the test is looking for
-            failures.append(f"#{i} {name}: {type(err).__name__}: {str(err)[:200]}\n"
-                            + "".join(traceback.format_exc(limit=-4))[-1500:])
-        took = time.monotonic() - t0
-        if took > PER_FILE_S:
-            failures.append(f"#{i} {name}: took {took:.1f} s")
-        if seen:
-            failures.append(f"#{i} {name}: opened {sorted(set(seen))} outside the folder")
-            seen.clear()
+        judge(lambda target=target: _read_manifest(target) if reader == "meta" else _read_documents(target, sp),
+              f"#{i} {name}", counts, failures, seen, PER_FILE_S)
     return dict(counts, failures=failures[:20], n_failures=len(failures))
 
 
