@@ -1,12 +1,5 @@
-"""Pipeline stages of the GPT: the module of one rank's stages (the layer split: :func:`tnlg.parallel.pipeline.chunk_layers`).
-
-The split (Megatron's, :func:`tnlg.config.stage_layer_counts`): the ``L`` transformer layers go over ``P`` stages as evenly as possible,
-larger stages first (78 layers over 4 stages: 20, 20, 19, 19); ``first``/``last``
-(``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) fix the layers
-of the stages that also hold the embedding and the LM head, the rest go evenly over the others.
-With ``v`` virtual stages per rank (interleaved 1F1B, ``--num-layers-per-virtual-pipeline-stage
-n``: ``v = L / (P n)``) the model is cut into ``P v`` chunks of ``n`` layers; chunk ``c`` runs on
-pipeline rank ``c % P`` (Megatron's order: rank 0 holds chunks 0, P, 2P, ...).
+"""Pipeline stages of the GPT: the module of one rank's stages. Which layers each chunk holds and which
+rank runs it is the layer split of :mod:`tnlg.parallel.pipeline` (:func:`~tnlg.parallel.pipeline.chunk_layers`).
 
 :class:`StageModel` is what one rank trains: the layers of its chunks, plus the word and position
 embeddings on the first stage and the final LayerNorm and LM head on the last, built from the GPT's
