@@ -146,27 +146,17 @@ def test_a_converted_checkpoint_gives_its_model_and_tokenizer(tmp_path, corpus):
     options: --use-checkpoint-args takes its model shape from its architecture record and its tokenizer
     from its tokenizer record, and the resume checks accept the run (they compare that architecture);
     only the data is given."""
-    from tnlg.checkpoint.reshard import slice_full, targets_for
-    from tnlg.checkpoint.saving import write_offline
+    from tests.fresh_checkpoint import fresh_checkpoint
     from tnlg.config import GPTConfig
     from tnlg.data.tokenizer import load_tokenizer
     from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
-    from tnlg.model import GPT
-    from tnlg.parallel.sharding import full_state_dict
-    from tnlg.parallel.state import ParallelState
     from tnlg.training.checkpointing import check_resume
     prefix, tok = corpus
     tokenizer = load_tokenizer(tok)
     cfg = GPTConfig(num_layers=3, hidden_size=48, num_attention_heads=6, seq_length=32,
                     vocab_size=tokenizer.vocab_size, swiglu=True, normalization="RMSNorm",
                     position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True)
-    full = full_state_dict(GPT(cfg), ParallelState.single())
-    meta = dict(format="tnlg.checkpoint/2", iteration=5, consumed_samples=0, config=cfg.to_dict(), options={},
-                data=None, tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False),
-                schedule=None)
-    targets = targets_for(cfg, 1, 0)
-    src = write_offline(str(tmp_path / "trained"), meta, 1,
-                        lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    src = fresh_checkpoint(str(tmp_path / "trained"), cfg, iteration=5)
     checkpoint_to_megatron(src, str(tmp_path / "megatron"), fmt="torch_dist", tp=1)
     converted = megatron_to_checkpoint(str(tmp_path / "megatron"), str(tmp_path / "converted"), tokenizer=tokenizer)
     o = _resolved(["--load", converted, "--use-checkpoint-args", "--data-path", prefix, "--train-iters", "8"],

@@ -15,14 +15,9 @@ import sys
 
 import pytest
 
-from tnlg.checkpoint.files import FORMAT
-from tnlg.checkpoint.reshard import slice_full, targets_for
-from tnlg.checkpoint.saving import write_offline
+from tests.fresh_checkpoint import fresh_checkpoint
 from tnlg.config import GPTConfig
 from tnlg.interop.megatron import checkpoint_to_megatron
-from tnlg.model import GPT
-from tnlg.parallel.sharding import full_state_dict
-from tnlg.parallel.state import ParallelState
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MEMORY = 3 << 30  # the child's address space (torch alone maps about 0.7 GB)
@@ -32,13 +27,8 @@ MEMORY = 3 << 30  # the child's address space (torch alone maps about 0.7 GB)
 def base(tmp_path_factory):
     """A valid legacy and torch_dist Megatron checkpoint of a tiny model (TP 1)."""
     cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32)
-    full = full_state_dict(GPT(cfg), ParallelState.single())
-    meta = dict(format=FORMAT, iteration=3, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
-                tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
     root = tmp_path_factory.mktemp("fuzz_base")
-    targets = targets_for(cfg, 1, 0)
-    ckpt = write_offline(str(root / "tnlg"), meta, 1,
-                         lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    ckpt = fresh_checkpoint(str(root / "tnlg"), cfg)
     for fmt in ("legacy", "torch_dist"):
         checkpoint_to_megatron(ckpt, str(root / fmt), fmt=fmt, tp=1)
     return root

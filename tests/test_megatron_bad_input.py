@@ -18,27 +18,16 @@ import sys
 import pytest
 import torch
 
-from tnlg.checkpoint.files import FORMAT
-from tnlg.checkpoint.reshard import slice_full, targets_for
-from tnlg.checkpoint.saving import write_offline
+from tests.fresh_checkpoint import fresh_checkpoint
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
-from tnlg.model import GPT
-from tnlg.parallel.sharding import full_state_dict
-from tnlg.parallel.state import ParallelState
 
 
 @pytest.fixture(scope="module")
 def tnlg_ckpt(tmp_path_factory):
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
-    full = full_state_dict(GPT(cfg), ParallelState.single())
-    meta = dict(format=FORMAT, iteration=3, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
-                tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
-    root = tmp_path_factory.mktemp("tnlg") / "ckpt"
-    targets = targets_for(cfg, 1, 0)
-    return write_offline(str(root), meta, 1, lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names},
-                                                                None))
+    return fresh_checkpoint(str(tmp_path_factory.mktemp("tnlg") / "ckpt"), cfg)
 
 
 @pytest.fixture(scope="module")

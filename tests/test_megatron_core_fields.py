@@ -17,17 +17,12 @@ import shutil
 import pytest
 import torch
 
-from tnlg.checkpoint.files import FORMAT
-from tnlg.checkpoint.reshard import slice_full, targets_for
-from tnlg.checkpoint.saving import write_offline
+from tests.fresh_checkpoint import fresh_checkpoint
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
 from tnlg.interop.megatron.args import args_for, config_from_args
 from tnlg.interop.megatron.core_fields import HONOURED, INERT, REFUSED, inert_fields
-from tnlg.model import GPT
-from tnlg.parallel.sharding import full_state_dict
-from tnlg.parallel.state import ParallelState
 
 CFG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32)
 WHERE = "Megatron checkpoint 'x'"
@@ -112,13 +107,8 @@ def test_every_refused_choice_is_refused_under_each_of_its_names(field):
 
 @pytest.fixture(scope="module")
 def torch_dist_ckpt(tmp_path_factory):
-    full = full_state_dict(GPT(CFG), ParallelState.single())
-    meta = dict(format=FORMAT, iteration=3, consumed_samples=0, config=CFG.to_dict(), options={}, data=None,
-                tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
     root = tmp_path_factory.mktemp("core_fields")
-    targets = targets_for(CFG, 1, 0)
-    ckpt = write_offline(str(root / "tnlg"), meta, 1,
-                         lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    ckpt = fresh_checkpoint(str(root / "tnlg"), CFG)
     return checkpoint_to_megatron(ckpt, str(root / "torch_dist"), fmt="torch_dist", tp=1)
 
 
