@@ -67,7 +67,7 @@ from .rng import capture
 from .stages import assign_stages, chunk_layers_of, stage_record, stored_names
 from .stream import StreamWriter
 
-__all__ = ["save", "write_offline", "commit", "NonFiniteParameters"]
+__all__ = ["save", "write_offline", "commit", "NonFiniteParameters", "all_finite"]
 
 _NOT_FINITE = "holds NaN or infinite values"  # in the message of a rank whose parameter is not finite
 
@@ -207,7 +207,7 @@ def _prepare(root: str, tmp: str, ps: ParallelState, iteration: int) -> None:
     failure.agree(tmp if failure.error is None else None)
 
 
-def _finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of ``t`` is finite, read from its minimum and maximum (NaN and inf reach them): one
     ``aminmax`` pass and two host reads, not a flag per element. ``plan --simulate`` saves on fake tensors,
     which have no value to read: they count as finite (the host reads of a real run only, as the
@@ -229,7 +229,7 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     stream = None
     out = {}
     for name, tensor in engine.param_tensors(names):
-        if writes and failure.ok and not _finite(tensor):  # one parameter's flags at a time
+        if writes and failure.ok and not all_finite(tensor):  # one parameter at a time: its min and max
             stage = "" if tag.get("pp_rank") is None else f", pipeline stage {tag['pp_rank']}"
             failure.error = UserError(f"parameter {name} (TP rank {ps.tp_rank}{stage}) {_NOT_FINITE}")
         if writes and failure.ok:

@@ -28,7 +28,7 @@ import torch
 
 from ...checkpoint.manifest import CONVERTED_KEYS, FORMAT, Layout, Manifest, OptimizerState, Schedule
 from ...checkpoint.reshard import slice_full, targets_for
-from ...checkpoint.saving import write_offline
+from ...checkpoint.saving import all_finite, write_offline
 from ...config import GPTConfig
 from ...errors import UserError
 from .args import config_from_args, layout_of, or_default, whole
@@ -128,7 +128,7 @@ class _Tensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         role, layer, stage = self.where[name]
         full = self.source.tensor(role, layer, stage, prefix=self.prefix)
-        if not bool(torch.isfinite(full).all()):  # (one tensor's flags at a time)
+        if not all_finite(full):  # (its min and max: not a flag per element)
             kind = f"Adam state {self.prefix.rstrip('.').rsplit('.', 1)[-1]} of " if self.prefix else ""
             raise UserError(f"Megatron checkpoint {self.source.iter_dir!r}: the {kind}{role.dist_key}"
                             f"{'' if layer is None else f' of layer {layer}'} (tnlg's {name}) holds NaN or infinite "
