@@ -234,3 +234,31 @@ def test_reported_attention_kernel_is_the_one_sdpa_runs(dropout):
         F.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
     ran_flash = any("flash_attention" in n for n in ops.names)
     assert attention_kernel(torch.device("cpu"), torch.float32, 4, 8, 16, dropout) == ("flash" if ran_flash else "math")
+
+
+def _held_by_another_thread(ps):
+    """A collective's input that another thread drops 50 ms after the caller's last reference (as gloo's
+    worker thread does after waking ``wait()``), then the next phase's live bytes."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from tnlg.plan.tracker import StepTracker
+    tracker = StepTracker()
+    with tracker:
+        with tracker.phase("reduce"):
+            t = torch.ones(2, dtype=torch.float64) * 1
+            dist.all_reduce(t)
+            keep = [t]
+            threading.Thread(target=lambda: (time.sleep(0.05), keep.clear())).start()
+            del t
+        with tracker.phase("next"):
+            pass
+    return tracker.phases[1].live_start["temporaries"]
+
+
+def test_a_collectives_input_still_held_by_a_worker_thread_is_waited_for():
+    """The live bytes at a phase's start do not depend on when a worker thread drops its reference."""
+    from .pool import run_distributed
+    assert run_distributed(_held_by_another_thread, 2, 1) == [0, 0]

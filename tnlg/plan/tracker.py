@@ -30,10 +30,12 @@ peak. Slow (a Python call per operator): for measurements, never for timed runs.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -99,6 +101,7 @@ class StepTracker(TorchDispatchMode):
         self._phase: Optional[Phase] = None
         self._new_kind = "temporaries"
         self.largest_new: dict[torch.dtype, int] = {}  # the most elements of a new storage, per dtype
+        self._in_flight: set[int] = set()  # new temporaries a real collective read (see _settle)
 
     # ------------------------------------------------------------------ bookkeeping
     def _sweep(self) -> None:
@@ -145,6 +148,22 @@ class StepTracker(TorchDispatchMode):
         self._sweep()
         return dict(self.current)
 
+    def _settle(self, limit_s: float = 0.25) -> None:
+        """Wait (at most ``limit_s``) until the new temporaries that real collectives read are freed.
+        gloo's worker thread wakes the caller of ``wait()`` before it drops its own reference to the
+        work and the tensors in it (and dropping them needs the GIL), so right after a collective its
+        input can outlive the caller's last reference for a moment: the bytes live at a phase's start
+        would depend on thread scheduling (the gradient norm's two fp64 sums, counted or not under
+        load). A temporary that Python code still holds costs this wait once. Fake tensors have no
+        worker thread and are never waited for."""
+        deadline = time.monotonic() + limit_s
+        while self._in_flight:
+            self._in_flight = {k for k in self._in_flight if k in self.live and not self.live[k][0].expired()}
+            if not self._in_flight or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)  # releases the GIL for the worker thread
+        self._in_flight.clear()
+
     def _update_peak(self) -> None:
         ph = self._phase
         if ph is not None and self.total > ph.peak:
@@ -155,6 +174,7 @@ class StepTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def phase(self, name: str):
         """Everything inside is phase ``name``; new storages are ``activations`` in a ``forward*`` phase."""
+        self._settle()
         ph = Phase(name, self.live_by_kind())
         ph.peak, ph.peak_by_kind = self.total, dict(self.current)
         outer, self._phase = self._phase, ph
@@ -192,6 +212,10 @@ class StepTracker(TorchDispatchMode):
     def _account(self, ph: Phase, func, args, kwargs, out, inputs, outputs) -> None:
         name = func.__name__.split(".")[0]
         if func.namespace == "c10d":
+            for t in inputs:
+                entry = self.live.get(StorageWeakRef(t.untyped_storage()).cdata)
+                if entry is not None and entry[2] == "temporaries" and not isinstance(t, FakeTensor):
+                    self._in_flight.add(StorageWeakRef(t.untyped_storage()).cdata)
             payload = sum(_nbytes(t) for t in inputs)
             group = self._group_of(args)
             ph.comm[group] = ph.comm.get(group, 0) + payload

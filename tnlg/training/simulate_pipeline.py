@@ -202,6 +202,8 @@ def _tracked_stage(config: GPTConfig, ps, *, zero_stage: int, precision: str, mi
     from ..optim import build_engine
     from ..model.stage import StageModel
     from ..parallel.pipeline import chunk_layers
+    from ..parallel.pipeline_schedule import tie_embedding_grads  # noqa: F401  (imported here, untracked:
+    # torch.distributed.pipelining creates a tensor at import, which would count as a live temporary)
     dtype = _DTYPES[precision]
     grad_ps = ps.for_gradients()  # the engine reduces over DP x CP
     tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.pp_group: "pp", ps.cp_group: "cp"})
