@@ -1,0 +1,415 @@
+"""Fine-tuning data: prompt/completion and chat rows become samples whose token layout is built here
+independently from the tokenizer itself; packed sequences keep samples apart (a packed sample's logits
+and per-token loss equal the sample run alone, on the real model, with rope and learned positions);
+the loss mask counts exactly the completion and the end-of-document id; truncation, skips, chat
+templates (an HF folder's, with and without generation blocks, and the built-in one) and every bad
+input's paragraph."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tnlg.data.sft import build_sft_datasets, pack
+from tnlg.data.tokenizer import Tokenizer, load_tokenizer
+from tnlg.errors import UserError
+
+SEQ = 48
+PAIRS = [("What is the capital of France?", "Paris."), ("2 + 2 =", " 4, as everyone knows"),
+         ("Translate 'cat' to German:", "Katze"), ("Say hello", "hello there, friend, how are you today?"),
+         ("", "an empty prompt is allowed"), ("Short", "x")]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin")
+
+
+def _jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def _pc(pairs, key="completion"):
+    return [{"prompt": p, key: c} for p, c in pairs]
+
+
+def _build(path, tok, seq=SEQ, **kw):
+    kw.setdefault("train_samples", 1)
+    kw.setdefault("valid_samples", 0)
+    kw.setdefault("seed", 0)
+    return build_sft_datasets(str(path), None, tok, seq, **kw)
+
+
+def _expected_sample(tok, prompt, completion):
+    """Independent construction: the tokenizer's ids of each text, the end-of-document id last."""
+    p, c = tok.encode(prompt), tok.encode(completion)
+    return p + c + [tok.eod_id], [0] * len(p) + [1] * (len(c) + 1)
+
+
+def _expected_item(samples, seq, pad):
+    """The item of ``samples`` (ids, counted) packed in order, built position by position."""
+    tokens, labels, mask, pos, doc = [], [], [], [], []
+    for k, (ids, counted) in enumerate(samples):
+        for j, t in enumerate(ids):
+            tokens.append(t)
+            labels.append(ids[j + 1] if j + 1 < len(ids) else None)
+            mask.append(counted[j + 1] if j + 1 < len(ids) else 0)
+            pos.append(j)
+            doc.append(k)
+    n = len(tokens)
+    stream = tokens + [pad] * (seq + 1 - n)
+    labels = [(stream + [pad])[i + 1] if lab is None else lab for i, lab in enumerate(labels)] + [pad] * (seq + 1 - n)
+    mask += [0] * (seq + 1 - n)
+    pos += list(range(seq + 1 - n))
+    doc += [-1] * (seq + 1 - n)
+    att = [[doc[i] == doc[j] and j <= i for j in range(seq)] for i in range(seq)]
+    return dict(tokens=stream[:seq], labels=labels[:seq], loss_mask=mask[:seq], position_ids=pos[:seq],
+                attention_mask=att)
+
+
+def _as_lists(item):
+    return {k: v.tolist() for k, v in item.items()}
+
+
+def _all_items(ds, count):
+    return [ds[i] for i in range(count)]
+
+
+# ----------------------------------------------------------------------------------- token layout
+
+def test_unpacked_items_are_the_tokenizers_ids_with_the_completion_counted(tmp_path, tok):
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS[:3], "response"))
+    ds, _, report = _build(path, tok, packing=False, train_samples=3)
+    items = sorted((_as_lists(ds[i]) for i in range(3)), key=lambda it: it["tokens"])
+    want = sorted((_expected_item([_expected_sample(tok, p, c)], SEQ, tok.eod_id) for p, c in PAIRS[:3]),
+                  key=lambda it: it["tokens"])
+    assert items == want
+    assert report.line() == (f"3 samples into 3 sequences, {sum(len(tok.encode(c)) + 1 for _, c in PAIRS[:3])} "
+                             "counted tokens, 0 truncated, 0 skipped")
+    for it in items:  # the padding: never counted, its own block
+        n = sum(1 for x in it["position_ids"] if x == 0)
+        assert n == 2 and it["loss_mask"][-1] == 0
+
+
+def test_packed_sequence_layout_and_first_fit(tmp_path, tok):
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    ds, _, report = _build(path, tok, train_samples=50, seed=3)
+    samples = [_expected_sample(tok, p, c) for p, c in PAIRS]
+    lengths = [len(s[0]) for s in samples]
+    bins, room = [], []  # first fit, in order, written out plainly
+    for k, n in enumerate(lengths):
+        b = next((i for i, r in enumerate(room) if r >= n), None)
+        if b is None:
+            bins.append([])
+            room.append(SEQ + 1)
+            b = len(bins) - 1
+        bins[b].append(k)
+        room[b] -= n
+    assert len(bins) < len(PAIRS) and any(len(b) > 1 for b in bins)  # the test does pack
+    want = sorted((_expected_item([samples[k] for k in b], SEQ, tok.eod_id) for b in bins),
+                  key=lambda it: it["tokens"])
+    items = [_as_lists(it) for it in _all_items(ds, 50)]
+    assert sorted(items[:len(bins)], key=lambda it: it["tokens"]) == want  # one epoch: each sequence once
+    assert report.sequences == len(bins) and report.samples == len(PAIRS)
+    assert report.counted_tokens == sum(sum(c[1:]) for _, c in samples)  # a first token is no target
+    for e in range(1, 50 // len(bins)):  # every epoch is each sequence once, in its own order
+        epoch = items[e * len(bins):(e + 1) * len(bins)]
+        assert sorted(epoch, key=lambda it: it["tokens"]) == want
+    orders = [[it["tokens"] for it in items[e * len(bins):(e + 1) * len(bins)]] for e in range(4)]
+    assert len({str(o) for o in orders}) > 1
+    again, _, _ = _build(path, tok, train_samples=50, seed=3)
+    assert all(torch.equal(again[i]["tokens"], ds[i]["tokens"]) for i in range(50))
+
+
+def test_pack_is_first_fit_in_order():
+    assert pack([5, 4, 3, 2, 6], 8) == [[0, 2], [1, 3], [4]]
+    assert pack([8, 1, 8], 8) == [[0], [1], [2]]
+    assert pack([3, 3], 8, packing=False) == [[0], [1]]
+
+
+def test_loss_mask_counts_exactly_the_completion_and_eod(tmp_path, tok):
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    ds, _, _ = _build(path, tok, train_samples=len(PAIRS), packing=False)
+    got = sorted(it["labels"][it["loss_mask"] > 0].tolist() for it in _all_items(ds, len(PAIRS)))
+    # the completion and eod; with an empty prompt the completion's first token has nothing to be predicted from
+    assert got == sorted((tok.encode(c) + [tok.eod_id])[0 if tok.encode(p) else 1:] for p, c in PAIRS)
+    ds2, _, rep2 = _build(path, tok, train_samples=len(PAIRS), packing=False, loss_on_prompt=True)
+    got = sorted(it["labels"][it["loss_mask"] > 0].tolist() for it in _all_items(ds2, len(PAIRS)))
+    assert got == sorted((tok.encode(p) + tok.encode(c) + [tok.eod_id])[1:] for p, c in PAIRS)
+    assert rep2.counted_tokens == sum(len(x) for x in got)
+
+
+def test_truncated_and_skipped_samples_are_counted(tmp_path, tok):
+    long_prompt = "word " * 40
+    rows = _pc([("Q", "a " * 60), (long_prompt, "answer"), ("Q", "fine")])
+    path = _jsonl(tmp_path / "a.jsonl", rows)
+    seq = 16
+    assert len(tok.encode(long_prompt)) >= seq + 1 and len(tok.encode("a " * 60)) > seq
+    ds, _, report = _build(path, tok, seq=seq, train_samples=2, packing=False)
+    assert (report.samples, report.sequences, report.truncated, report.skipped) == (3, 2, 1, 1)
+    ids, counted = _expected_sample(tok, "Q", "a " * 60)
+    want = _expected_item([(ids[:seq + 1], counted[:seq + 1])], seq, tok.eod_id)
+    assert _as_lists(ds[0]) == want or _as_lists(ds[1]) == want
+    assert report.counted_tokens == sum(counted[1:seq + 1]) + len(tok.encode("fine")) + 1
+
+
+# ----------------------------------------------------------------------------------- the model
+
+def _model(position):
+    from tnlg import GPT, GPTConfig
+    torch.manual_seed(0)
+    extra = dict(normalization="RMSNorm", swiglu=True) if position == "rope" else {}
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=4096 + 64,
+                    position_embedding_type=position, hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize("position", ["learned_absolute", "rope"])
+def test_packed_samples_give_the_logits_and_loss_of_each_sample_alone(tmp_path, tok, position):
+    model = _model(position)
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    ds, _, report = _build(path, tok, train_samples=report_len(path, tok))
+    unpacked, _, _ = _build(path, tok, train_samples=len(PAIRS), packing=False)
+    alone = {}
+    for p, c in PAIRS:
+        ids, counted = _expected_sample(tok, p, c)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0]  # the sample alone: no mask, default positions
+        alone[tuple(ids)] = (logits, counted)
+    seen, total, count = 0, 0.0, 0
+    for it in _all_items(ds, report.sequences):
+        with torch.no_grad():
+            logits = model(it["tokens"][None], position_ids=it["position_ids"][None],
+                           attention_mask=it["attention_mask"][None])[0]
+        starts = (it["position_ids"] == 0).nonzero().flatten().tolist() + [SEQ]
+        for a, b in zip(starts, starts[1:]):
+            key = tuple(it["tokens"][a:b].tolist())
+            if it["loss_mask"][a:b].sum() == 0:
+                continue  # the padding
+            ref = alone[key] if key in alone else alone[key + (tok.eod_id,)]
+            torch.testing.assert_close(logits[a:b], ref[0][:b - a], rtol=0, atol=1e-6)
+            seen += 1
+        losses = F.cross_entropy(logits.float(), it["labels"], reduction="none")
+        total += float((losses * it["loss_mask"]).sum())
+        count += int(it["loss_mask"].sum())
+    assert seen == len(PAIRS)
+    u_total, u_count = 0.0, 0
+    for it in _all_items(unpacked, len(PAIRS)):
+        with torch.no_grad():
+            logits = model(it["tokens"][None], position_ids=it["position_ids"][None],
+                           attention_mask=it["attention_mask"][None])[0]
+        losses = F.cross_entropy(logits.float(), it["labels"], reduction="none")
+        u_total += float((losses * it["loss_mask"]).sum())
+        u_count += int(it["loss_mask"].sum())
+    assert count == u_count == report.counted_tokens
+    assert abs(total / count - u_total / u_count) < 1e-6
+
+
+def report_len(path, tok) -> int:
+    return _build(path, tok)[2].sequences
+
+
+# ----------------------------------------------------------------------------------- chat templates
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+        {"role": "assistant", "content": "Goodbye."}]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}[A] {% generation %}{{ m['content'] }}"
+              "{{ eos_token }}{% endgeneration %}{% else %}[{{ m['role'] }}] {{ m['content'] }}\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}[A] {% endif %}")
+
+
+def _only_item(path, tok, **kw):
+    ds, _, report = _build(path, tok, packing=False, **kw)
+    it = ds[0]
+    n = int((it["position_ids"] == 0).nonzero().flatten()[1]) if (it["position_ids"] == 0).sum() > 1 else SEQ
+    return it, n, report
+
+
+def _check_layout(it, segments, tok, seq):
+    """``segments``: (text or None for the eod, counted) written out by the test."""
+    ids, counted = [], []
+    for text, c in segments:
+        part = [tok.eod_id] if text is None else tok.encode(text)
+        ids += part
+        counted += [int(c)] * len(part)
+    assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
+
+
+def test_builtin_chat_template(tmp_path, tok):
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    it, _, report = _only_item(path, tok, seq=96)
+    _check_layout(it, [("<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n", 0), ("Hello.", 1), (None, 1),
+                       ("<|user|>\nBye?\n<|assistant|>\n", 0), ("Goodbye.", 1), (None, 1)], tok, 96)
+    assert report.template == "the built-in chat template"
+
+
+def _hf_folder(tmp_path, tok, template):
+    from tnlg.data.hf_tokenizer import hf_tokenizer_files
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for name, data in hf_tokenizer_files(tok, 64).items():
+        (folder / name).write_bytes(data)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("template", ["turn_by_turn", "generation"])
+def test_hf_folder_chat_template(tmp_path, tok, template):
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, tok, CHATML if template == "turn_by_turn" else GENERATION)
+    folder_tok = load_tokenizer(str(folder))
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    it, _, report = _only_item(path, folder_tok, seq=96)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    rendered = hf.apply_chat_template(CHAT, tokenize=False)
+    if template == "turn_by_turn":
+        segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", 0),
+                ("Hello.<|im_end|>\n", 1),
+                ("<|im_start|>user\nBye?<|im_end|>\n<|im_start|>assistant\n", 0), ("Goodbye.<|im_end|>\n", 1), (None, 1)]
+        assert "".join(t for t, _ in segs if t) == rendered
+    else:
+        segs = [("[system] Be brief.\n[user] Hi!\n[A] ", 0), ("Hello.", 1), (None, 1),
+                ("[user] Bye?\n[A] ", 0), ("Goodbye.", 1), (None, 1)]
+        assert "".join(t or "</s>" for t, _ in segs) == rendered
+    _check_layout(it, segs, folder_tok, 96)
+    assert report.template == f"the chat template of {folder / 'tokenizer_config.json'}"
+
+
+def test_hf_folder_without_a_template_uses_the_builtin(tmp_path, tok):
+    folder = _hf_folder(tmp_path, tok, None)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}])
+    it, _, report = _only_item(path, load_tokenizer(str(folder)), seq=64)
+    _check_layout(it, [("<|user|>\nHi!\n<|assistant|>\n", 0), ("Hello.", 1), (None, 1)], tok, 64)
+    assert report.template == "the built-in chat template"
+
+
+@pytest.mark.needs_package("pyarrow")
+def test_parquet_rows_read_like_jsonl(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = _pc(PAIRS)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pc.parquet")
+    pq.write_table(pa.Table.from_pylist([{"messages": CHAT}, {"messages": CHAT[1:3]}]), tmp_path / "chat.parquet")
+    _jsonl(tmp_path / "pc.jsonl", rows)
+    _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": CHAT[1:3]}])
+    for name in ("pc", "chat"):
+        a, _, ra = _build(tmp_path / f"{name}.parquet", tok, seq=96, train_samples=4)
+        b, _, rb = _build(tmp_path / f"{name}.jsonl", tok, seq=96, train_samples=4)
+        assert ra.line() == rb.line()
+        assert all(_as_lists(a[i]) == _as_lists(b[i]) for i in range(4))
+
+
+@pytest.mark.needs_package("datasets")
+def test_datasets_folder_rows_read_like_jsonl(tmp_path, tok):
+    import datasets
+    rows = [{"messages": CHAT}, {"messages": CHAT[1:3]}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "chat_ds"))
+    a, _, ra = _build(tmp_path / "chat_ds", tok, seq=96, train_samples=2)
+    b, _, rb = _build(_jsonl(tmp_path / "chat.jsonl", rows), tok, seq=96, train_samples=2)
+    assert ra.line() == rb.line() and all(_as_lists(a[i]) == _as_lists(b[i]) for i in range(2))
+
+
+def test_cache_tokenizes_once(tmp_path, tok, monkeypatch):
+    import tnlg.data.sft as sft
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    first, _, r1 = _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
+    assert len(os.listdir(tmp_path / "cache")) == 1
+    calls = []
+    monkeypatch.setattr(sft, "tokenize_segments", lambda *a, **k: calls.append(1))
+    again, _, r2 = _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"),
+                          barrier=lambda: calls.append("barrier"))
+    assert calls == ["barrier"] and r1.line() == r2.line()
+    assert all(_as_lists(first[i]) == _as_lists(again[i]) for i in range(6))
+
+
+def test_validation_split_and_report_line(tmp_path, tok):
+    train = _jsonl(tmp_path / "t.jsonl", _pc(PAIRS))
+    valid = _jsonl(tmp_path / "v.jsonl", _pc(PAIRS[:2]))
+    tr, va, report = build_sft_datasets(train, valid, tok, SEQ, train_samples=7, valid_samples=3, seed=1)
+    assert (len(tr), len(va)) == (7, 3)
+    assert report.valid is not None and report.valid.samples == 2
+    assert report.line().startswith(f"{len(PAIRS)} samples into {report.sequences} sequences, ")
+    assert "(validation: 2 samples into 1 sequences," in report.line()
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+BAD_ROWS = [
+    ({"text": "plain"}, ["bad.jsonl:2", "'text'", '"prompt"', '"completion"', '"messages"']),
+    ({"prompt": "q"}, ["bad.jsonl:2", "without a completion"]),
+    ({"prompt": "q", "completion": ""}, ["bad.jsonl:2", "'completion' is empty"]),
+    ({"prompt": "q", "completion": 3}, ["bad.jsonl:2", "int, not a string"]),
+    ({"prompt": "q", "completion": "a", "response": "b"}, ["both 'completion' and 'response'"]),
+    ({"messages": [{"role": "robot", "content": "x"}]}, ["bad.jsonl:2", "'robot'", "['system', 'user', 'assistant']"]),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, ["turn 0 is 'assistant' where 'user' is due"]),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+     ["turn 1 is 'user' where 'assistant' is due"]),
+    ({"messages": [{"role": "user", "content": "a"}]}, ["ends with 'user'", "must end with an assistant turn"]),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},
+     ["turn 1 (assistant) is empty"]),
+    ({"messages": []}, ["'messages' is empty"]),
+    ("{not json", ["bad.jsonl:2", "malformed JSON"]),
+]
+
+
+@pytest.mark.parametrize("row,words", BAD_ROWS, ids=[w[-1][:30] for _, w in BAD_ROWS])
+def test_bad_rows_are_one_paragraph_naming_file_and_line(tmp_path, tok, row, words):
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "completion": "row"}, row])
+    with pytest.raises(UserError) as err:
+        _build(path, tok)
+    text = str(err.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_empty_file_and_no_usable_sample(tmp_path, tok):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(UserError, match="has no rows"):
+        _build(empty, tok)
+    path = _jsonl(tmp_path / "long.jsonl", _pc([("word " * 40, "a")]))
+    with pytest.raises(UserError, match="no usable sample.*all skipped"):
+        _build(path, tok, seq=8)
+    with pytest.raises(UserError, match="does not exist"):
+        _build(tmp_path / "missing.jsonl", tok)
+
+
+class _OtherTokenizer(Tokenizer):
+    kind = "other"
+    _vocab, _eod = 300, 0
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def describe(self):
+        return {"kind": "other", "path": None, "sha256": None}
+
+
+def test_messages_need_a_template_where_no_builtin_applies(tmp_path, tok):
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(UserError, match="need a chat template.*has none"):
+        _build(path, _OtherTokenizer())
+    pc = _jsonl(tmp_path / "pc.jsonl", _pc(PAIRS[:1]))  # prompt/completion rows need none
+    assert _build(pc, _OtherTokenizer(), seq=80)[2].samples == 1
+
+
+def test_a_template_that_fails_is_one_paragraph(tmp_path, tok):
+    pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, tok, "{{ raise_exception('no system turns please') }}")
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(UserError, match="failed on a conversation.*no system turns please"):
+        _build(path, load_tokenizer(str(folder)))

@@ -1,0 +1,217 @@
+"""Chat templates for ``messages`` rows: a conversation -> text segments, each trained on or not
+(docs/finetune.md, "Chat templates").
+
+A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is ``None`` for the
+end-of-document id. Each text segment is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries
+fall on segment boundaries, as a prompt/completion sample's prompt and completion are encoded apart.
+
+* **An HF tokenizer folder's template**: when the folder the tokenizer's files lie in has
+  ``chat_template.jinja`` or a ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
+  ``{"name", "template"}`` of which ``default`` is taken), the conversation is rendered by transformers'
+  own renderer with ``bos_token``/``eos_token`` from ``tokenizer_config.json`` (else the end-of-document
+  token's text). The assistant spans: a template's ``{% generation %}`` blocks where it has them;
+  otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
+  ``< i`` with the generation prompt to the end of the rendering of turns ``<= i`` (whatever the template
+  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on). The text of
+  ``eos_token`` in the rendering becomes the end-of-document id.
+* **The built-in template** (every tnlg tokenizer, SentencePiece or GPT-2 BPE, whose folder has no
+  template): each turn is ``<|role|>\\n`` then its content, then ``\\n`` after a system or user turn and
+  the end-of-document id after an assistant turn; the assistant's content and that id are trained on.
+  The text before an assistant turn (``...<|user|>\\n{user}\\n<|assistant|>\\n``) is encoded as one text,
+  the assistant's content as another, as a prompt and its completion.
+
+Every sample ends with the end-of-document id (appended, trained on, when the rendering does not end
+with it). No collectives; transformers is imported only for a folder's template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..errors import UserError
+
+__all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments"]
+
+Segment = tuple[Optional[str], bool]  # (text, or None for the end-of-document id; counted)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A folder's Jinja template (``source`` its file) or the built-in one (``text`` None)."""
+
+    source: str
+    text: Optional[str] = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def describe(self) -> str:
+        return "the built-in chat template" if self.text is None else f"the chat template of {self.source}"
+
+
+BUILTIN = ChatTemplate("builtin")
+
+
+def _folder(tokenizer) -> Optional[str]:
+    spec = tokenizer.describe() if hasattr(tokenizer, "describe") else {}
+    path = spec.get("path") or spec.get("vocab_file")
+    return os.path.dirname(os.fspath(path)) if path else None
+
+
+def _eod_text(tokenizer) -> str:
+    if hasattr(tokenizer, "sp"):
+        return str(tokenizer.sp.id_to_piece(tokenizer.eod_id))
+    return str(getattr(tokenizer, "EOD_TOKEN", "") or tokenizer.decode([tokenizer.eod_id]))
+
+
+def _token_text(value, fallback: str) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else fallback
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is not readable JSON ({str(err)[:200]}); the chat template of `messages` rows is "
+                        "read from it. Fix or remove the file.") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not an object; fix or remove the file.")
+    return config
+
+
+def _pick(value, path: str) -> Optional[str]:
+    """A ``chat_template`` value: a string, or the ``default`` of a list of named templates."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise UserError(f"the chat_template of {path} is neither a string nor a list of named templates with a "
+                    f"'default' one; fix it, or remove it to use the built-in template.")
+
+
+def chat_template_for(tokenizer) -> ChatTemplate:
+    """The folder's template of ``tokenizer`` (a tnlg :class:`~tnlg.data.tokenizer.Tokenizer`), else the
+    built-in one; a :class:`UserError` for a tokenizer tnlg has no built-in template for."""
+    folder = _folder(tokenizer)
+    config_path = os.path.join(folder, "tokenizer_config.json") if folder else ""
+    config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
+    jinja = os.path.join(folder, "chat_template.jinja") if folder else ""
+    text, source = None, None
+    if jinja and os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            text, source = f.read(), jinja
+    elif config:
+        text, source = _pick(config.get("chat_template"), config_path), config_path
+    if text:
+        eod = _eod_text(tokenizer)
+        return ChatTemplate(str(source), text, _token_text(config.get("bos_token"), eod),
+                            _token_text(config.get("eos_token"), eod))
+    if getattr(tokenizer, "kind", None) not in ("sentencepiece", "gpt2bpe"):
+        raise UserError(f"`messages` rows need a chat template, and tokenizer {tokenizer!r} has none (no "
+                        f"chat_template.jinja or chat_template in tokenizer_config.json in {folder!r}) and is not a "
+                        "SentencePiece or GPT-2 BPE tokenizer, for which tnlg has a built-in one. Add a template "
+                        "to the tokenizer folder or write the rows as prompt/completion.")
+    return BUILTIN
+
+
+def _builtin(messages: Sequence[tuple[str, str]]) -> list[Segment]:
+    out: list[Segment] = []
+    for role, content in messages:
+        if role == "assistant":
+            out += [(content, True), (None, True)]
+        else:
+            out.append((f"<|{role}|>\n{content}\n", False))
+        if role == "user":
+            out.append(("<|assistant|>\n", False))
+    return out
+
+
+def _render(template: ChatTemplate, messages, generation_prompt: bool = False, spans: bool = False
+            ) -> tuple[str, list]:
+    """The rendering and (with ``spans``) the character spans of the ``{% generation %}`` blocks."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        raise UserError(f"{template.describe()} is a Jinja template, rendered by transformers' renderer, which is "
+                        "not installed: pip install transformers.") from None
+    chat = [{"role": r, "content": c} for r, c in messages]
+    try:
+        result: tuple = render_jinja_template(  # type: ignore[assignment]  # annotated str, returns a pair
+            [chat], chat_template=template.text, return_assistant_tokens_mask=spans,
+            add_generation_prompt=generation_prompt, bos_token=template.bos_token, eos_token=template.eos_token)
+    except Exception as err:  # noqa: BLE001 - a user's template: its syntax errors and raise_exception()
+        raise UserError(f"{template.describe()} failed on a conversation with roles {[r for r, _ in messages]}: "
+                        f"{type(err).__name__}: {str(err)[:300]}. Fix the template or the rows.") from None
+    rendered, indices = result
+    return str(rendered[0]), list(indices[0] if indices else [])
+
+
+def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendering and the character spans trained on (see the module docstring)."""
+    assert template.text is not None
+    if _GENERATION.search(template.text):
+        text, spans = _render(template, messages, spans=True)
+        return text, [(int(a), int(b)) for a, b in spans]
+    text, _ = _render(template, messages)
+    spans = []
+    for i, (role, _) in enumerate(messages):
+        if role != "assistant":
+            continue
+        before, _ = _render(template, messages[:i], generation_prompt=True)
+        through, _ = _render(template, messages[:i + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise UserError(f"{where}: {template.describe()} renders the first turns of this conversation "
+                            f"differently alone than inside the whole (turn {i}), so the assistant turns cannot be "
+                            "found by rendering turn by turn; give the template {% generation %} blocks around "
+                            "the assistant text.")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def _split_eos(text: str, counted: bool, eos: str) -> list[Segment]:
+    if not eos:
+        return [(text, counted)] if text else []
+    out: list[Segment] = []
+    for k, part in enumerate(text.split(eos)):
+        if k:
+            out.append((None, counted))
+        if part:
+            out.append((part, counted))
+    return out
+
+
+def _merge(segs: list[Segment]) -> list[Segment]:
+    """Neighbouring texts of the same kind joined, so they are encoded as one text."""
+    out: list[Segment] = []
+    for text, counted in segs:
+        if out and text is not None and out[-1][0] is not None and out[-1][1] == counted:
+            out[-1] = (str(out[-1][0]) + text, counted)
+        else:
+            out.append((text, counted))
+    return out
+
+
+def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
+    """The conversation's segments ``(text or None for the end-of-document id, counted)``, ending with the
+    end-of-document id."""
+    if template.text is None:
+        return _merge(_builtin(messages))
+    text, spans = _assistant_spans(template, list(messages), where)
+    out: list[Segment] = []
+    at = 0
+    for a, b in sorted(spans):
+        out += _split_eos(text[at:a], False, template.eos_token) + _split_eos(text[max(a, at):b], True, template.eos_token)
+        at = max(at, b)
+    out += _split_eos(text[at:], False, template.eos_token)
+    if not out or out[-1][0] is not None:
+        out.append((None, True))
+    return _merge(out)

@@ -1,0 +1,302 @@
+"""Fine-tuning data: rows -> token samples with a loss mask -> sequences packed without cross-sample
+attention (docs/finetune.md).
+
+**A sample** is token ids and, per token, whether it is *counted* as a target. Prompt/completion: the
+tokenizer's ids of the prompt, then of the completion, then the end-of-document id, each text encoded
+on its own exactly as ``tnlg preprocess`` encodes a document (``Tokenizer.encode_batch``, no BOS); the
+completion's tokens and the end-of-document id are counted (every token with ``loss_on_prompt``).
+``messages``: the segments of :mod:`tnlg.data.chat`, each text encoded on its own.
+
+**Lengths.** A sequence holds ``seq_length + 1`` tokens (inputs ``[:-1]``, labels ``[1:]``). A longer
+sample is cut to its first ``seq_length + 1`` tokens (*truncated*); one with no counted target left
+after the cut (its prompt fills the sequence) is *skipped*; both are counted in :class:`SFTReport`.
+
+**Packing** (greedy first fit, in the rows' order): each sample goes into the first sequence with room
+for all its tokens (samples are never split); a sequence holds samples whose lengths sum to at most
+``seq_length + 1``. Without packing each sample is a sequence of its own. The rest of a sequence is
+padding (the end-of-document id).
+
+**An item** (:meth:`SFTDataset.__getitem__`), as ``GPTDataset``'s with ``--reset-position-ids
+--reset-attention-mask``: ``tokens``/``labels`` (the stream shifted by one), ``loss_mask`` 1 where the
+label is a counted token of the same sample (so a sample's last token never predicts the next sample's
+first, and padding never counts), ``position_ids`` restarting at 0 at each sample (and at the padding),
+``attention_mask`` ``[s, s]`` block-causal, True where attention is allowed: each sample and the padding
+is its own block. So a packed sample's logits are those of the sample alone.
+
+**Order.** ``__len__`` is the number of sequences the run draws; epoch ``e`` visits every sequence once
+in an order drawn from ``(seed, e)``; every rank builds the same.
+
+**Tokenized once per process**, or with ``cache_dir`` once: an ``.npz`` of the tokenized rows keyed by
+the file (path, size, modification time), the tokenizer's fingerprint, the template and
+``loss_on_prompt``; rank 0 writes it while the others wait at ``barrier`` and then read it. Rows are
+read and checked by every rank first, so bad input is raised alike everywhere before anyone waits.
+No collectives besides ``barrier``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from ..io import atomic_output
+from .chat import ChatTemplate, chat_template_for, segments
+from .fingerprint import fingerprint
+from .sft_rows import SFTRow, read_rows
+
+__all__ = ["SFTReport", "SFTSamples", "SFTDataset", "build_sft_datasets", "tokenize_rows", "tokenize_segments", "fit_samples",
+           "pack", "sequence_item", "CACHE_VERSION"]
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class SFTReport:
+    """What one split became: rows read, sequences, counted target tokens, truncated and skipped samples."""
+
+    samples: int
+    sequences: int
+    counted_tokens: int
+    truncated: int
+    skipped: int
+    template: Optional[str] = None  # the chat template used, when rows had messages
+    valid: Optional["SFTReport"] = field(default=None, repr=False)
+
+    def line(self) -> str:
+        text = (f"{self.samples} samples into {self.sequences} sequences, {self.counted_tokens} counted tokens, "
+                f"{self.truncated} truncated, {self.skipped} skipped")
+        if self.valid is not None:
+            text += f" (validation: {self.valid.line()})"
+        return text
+
+
+@dataclass
+class SFTSamples:
+    """Samples flat: ``ids`` and ``counted`` of every token, sample ``k`` at ``offsets[k]:offsets[k + 1]``."""
+
+    ids: np.ndarray  # int64
+    counted: np.ndarray  # bool
+    offsets: np.ndarray  # int64, len = samples + 1
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sample(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        return self.ids[a:b], self.counted[a:b]
+
+
+# --------------------------------------------------------------------------------------- tokenizing
+
+def _row_segments(row: SFTRow, template: Optional[ChatTemplate]) -> list[tuple[Optional[str], bool]]:
+    if row.messages is None:
+        return [(row.prompt, False), (row.completion, True), (None, True)]
+    assert template is not None
+    return segments(row.messages, template, row.where)
+
+
+def tokenize_rows(rows: Sequence[SFTRow], tokenizer, template: Optional[ChatTemplate],
+                  loss_on_prompt: bool = False) -> SFTSamples:
+    """Every row's ids and counted flags (see the module docstring)."""
+    return tokenize_segments([_row_segments(r, template) for r in rows], tokenizer, loss_on_prompt)
+
+
+def tokenize_segments(per_row: Sequence[Sequence[tuple[Optional[str], bool]]], tokenizer,
+                      loss_on_prompt: bool = False) -> SFTSamples:
+    """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``."""
+    texts = [t for segs in per_row for t, _ in segs if t is not None]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    ids: list[int] = []
+    counted: list[bool] = []
+    offsets = [0]
+    eod = int(tokenizer.eod_id)
+    for segs in per_row:
+        for text, count in segs:
+            part = [eod] if text is None else list(next(encoded))
+            ids += part
+            counted += [count or loss_on_prompt] * len(part)
+        offsets.append(len(ids))
+    return SFTSamples(np.asarray(ids, dtype=np.int64), np.asarray(counted, dtype=bool),
+                      np.asarray(offsets, dtype=np.int64))
+
+
+def fit_samples(samples: SFTSamples, seq_length: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:
+    """Samples cut to ``seq_length + 1`` tokens; ``(kept samples, truncated, skipped)``. A sample is skipped
+    when no token after its first is counted within the cut."""
+    keep, truncated, skipped = [], 0, 0
+    for k in range(len(samples)):
+        ids, counted = samples.sample(k)
+        if len(ids) > seq_length + 1:
+            ids, counted = ids[:seq_length + 1], counted[:seq_length + 1]
+            if counted[1:].any():
+                truncated += 1
+        if not counted[1:].any():
+            skipped += 1
+            continue
+        keep.append((ids, counted))
+    return keep, truncated, skipped
+
+
+# --------------------------------------------------------------------------------------- packing
+
+def pack(lengths: Sequence[int], capacity: int, packing: bool = True) -> list[list[int]]:
+    """Greedy first fit in order: sample ``k`` joins the first sequence whose lengths leave room for it
+    (at most ``capacity`` in all), else starts a new one. Without ``packing``, one sample per sequence."""
+    if not packing:
+        return [[k] for k in range(len(lengths))]
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    room = np.full(2 * size, capacity, dtype=np.int64)  # a max tree over each sequence's free room
+    bins: list[list[int]] = []
+    for k, n in enumerate(lengths):
+        node = 1
+        while node < size:  # the leftmost leaf with room >= n (unopened sequences have full room)
+            node = 2 * node if room[2 * node] >= n else 2 * node + 1
+        b = node - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(k)
+        room[node] -= n
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def sequence_item(samples: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: int, pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """One sequence of packed samples as a training item (the layout of the module docstring)."""
+    stream = np.full(seq_length + 1, pad_id, dtype=np.int64)
+    target = np.zeros(seq_length + 1, dtype=np.float32)  # target[p]: the token at p is a counted label
+    block = np.full(seq_length + 1, len(samples), dtype=np.int64)
+    position = np.zeros(seq_length + 1, dtype=np.int64)
+    at = 0
+    for k, (ids, counted) in enumerate(samples):
+        n = len(ids)
+        stream[at:at + n] = ids
+        target[at + 1:at + n] = counted[1:]  # a sample's first token is no target of the one before it
+        block[at:at + n] = k
+        position[at:at + n] = np.arange(n)
+        at += n
+    if at > seq_length + 1:
+        raise ValueError(f"samples of {at} tokens do not fit a sequence of {seq_length + 1}")
+    position[at:] = np.arange(seq_length + 1 - at)
+    blocks = torch.from_numpy(block[:-1])
+    mask = torch.ones(seq_length, seq_length, dtype=torch.bool).tril_() & (blocks[:, None] == blocks[None, :])
+    return {"tokens": torch.from_numpy(stream[:-1].copy()), "labels": torch.from_numpy(stream[1:].copy()),
+            "loss_mask": torch.from_numpy(target[1:].copy()), "position_ids": torch.from_numpy(position[:-1].copy()),
+            "attention_mask": mask}
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """``num_samples`` items cycling epochs of the packed sequences, each epoch in a fresh order drawn from
+    ``(seed, epoch)``."""
+
+    def __init__(self, samples: list[tuple[np.ndarray, np.ndarray]], sequences: list[list[int]], seq_length: int,
+                 pad_id: int, num_samples: int, seed: int):
+        self.samples, self.sequences = samples, sequences
+        self.seq_length, self.pad_id, self.seed = seq_length, int(pad_id), int(seed)
+        self.num_samples = int(num_samples)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._orders[epoch] = rng.permutation(len(self.sequences))
+        return self._orders[epoch]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"index {i} out of range for {self.num_samples} sequences")
+        epoch, k = divmod(int(i), len(self.sequences))
+        chosen = self.sequences[int(self.order(epoch)[k])]
+        return sequence_item([self.samples[j] for j in chosen], self.seq_length, self.pad_id)
+
+    def __repr__(self) -> str:
+        return f"SFTDataset({len(self.samples)} samples in {len(self.sequences)} sequences, {self.num_samples} drawn)"
+
+
+# --------------------------------------------------------------------------------------- building
+
+def _stamp(path: str) -> list:
+    """``[name, size, modification time]`` of the file, or of every file of a folder."""
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+    return [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+
+
+def _cache_key(path: str, tokenizer, template: Optional[ChatTemplate], loss_on_prompt: bool) -> str:
+    what = {"version": CACHE_VERSION, "files": _stamp(path),
+            "tokenizer": fingerprint(tokenizer), "loss_on_prompt": loss_on_prompt,
+            "template": None if template is None else [template.source, template.text, template.eos_token]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _tokenized(path: str, rows: list[SFTRow], tokenizer, template, loss_on_prompt: bool,
+               cache_dir: Optional[str], barrier: Optional[Callable[[], None]]) -> SFTSamples:
+    """The rows tokenized, through the ``cache_dir`` cache when one is given (rank 0 writes it). Every rank
+    renders the conversations first, so a template's error is raised alike everywhere."""
+    per_row = [_row_segments(r, template) for r in rows]
+    if not cache_dir:
+        return tokenize_segments(per_row, tokenizer, loss_on_prompt)
+    file = os.path.join(cache_dir, f"sft-{_cache_key(path, tokenizer, template, loss_on_prompt)}.npz")
+    if not os.path.isfile(file) and (_rank() == 0 or barrier is None):
+        samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
+        os.makedirs(cache_dir, exist_ok=True)
+        with atomic_output(file, "wb", durable=False) as f:
+            np.savez(f, ids=samples.ids, counted=samples.counted, offsets=samples.offsets)
+    if barrier is not None:
+        barrier()
+    with np.load(file) as z:
+        return SFTSamples(z["ids"], z["counted"], z["offsets"])
+
+
+def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: int, packing: bool,
+                 loss_on_prompt: bool, cache_dir: Optional[str], barrier) -> tuple[SFTDataset, SFTReport]:
+    rows = read_rows(path)
+    template = chat_template_for(tokenizer) if any(r.messages is not None for r in rows) else None
+    samples = _tokenized(path, rows, tokenizer, template, loss_on_prompt, cache_dir, barrier)
+    kept, truncated, skipped = fit_samples(samples, seq_length)
+    if not kept:
+        raise UserError(f"fine-tuning data {path!r} has no usable sample: its {len(rows)} rows were all skipped, "
+                        f"their prompts filling --seq-length {seq_length} with no completion token left. Use a "
+                        "longer --seq-length or shorter prompts.")
+    sequences = pack([len(ids) for ids, _ in kept], seq_length + 1, packing)
+    counted = sum(int(c[1:].sum()) for _, c in kept)
+    report = SFTReport(len(rows), len(sequences), counted, truncated, skipped,
+                       None if template is None else template.describe())
+    return SFTDataset(kept, sequences, seq_length, tokenizer.eod_id, num_samples, seed), report
+
+
+def build_sft_datasets(train_path: str, valid_path: Optional[str], tokenizer, seq_length: int, *,
+                       train_samples: int, valid_samples: int, seed: int, packing: bool = True,
+                       loss_on_prompt: bool = False, cache_dir: Optional[str] = None,
+                       barrier: Optional[Callable[[], None]] = None
+                       ) -> tuple[SFTDataset, Optional[SFTDataset], SFTReport]:
+    """The training and (with ``valid_path``) validation datasets of fine-tuning rows, and the report of what
+    the rows became (its :meth:`SFTReport.line`; the validation split's in ``report.valid``). Every rank
+    builds the same; bad rows are one :class:`UserError` naming file and line."""
+    if seq_length < 1:
+        raise UserError(f"--seq-length {seq_length} must be at least 1.")
+    train, report = _build_split(train_path, tokenizer, seq_length, train_samples, seed, packing, loss_on_prompt,
+                                 cache_dir, barrier)
+    valid = None
+    if valid_path:
+        valid, report.valid = _build_split(valid_path, tokenizer, seq_length, valid_samples, seed, packing,
+                                           loss_on_prompt, cache_dir, barrier)
+    return train, valid, report
