@@ -31,6 +31,27 @@ def tok():
     return load_tokenizer("builtin")
 
 
+@pytest.fixture(scope="module")
+def gpt2_tok(tmp_path_factory):
+    """A tiny GPT-2 byte-level BPE folder (the byte alphabet, a few merges, <|endoftext|>)."""
+    pytest.importorskip("tokenizers")
+    from tests.hf_reference import bytes_to_unicode
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("an", "d"), ("Ġ", "and")]
+    vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    vocab["<|endoftext|>"] = len(vocab)
+    d = tmp_path_factory.mktemp("gpt2")
+    (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (d / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    return load_tokenizer(str(d))
+
+
+@pytest.fixture(params=["sentencepiece", "gpt2bpe"])
+def any_tok(request, tok):
+    return tok if request.param == "sentencepiece" else request.getfixturevalue("gpt2_tok")
+
+
 def _jsonl(path, rows) -> str:
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
@@ -174,48 +195,58 @@ def _model(position):
 
 
 @pytest.mark.parametrize("position", ["learned_absolute", "rope"])
-def test_packed_samples_give_the_logits_and_loss_of_each_sample_alone(tmp_path, tok, position):
+def test_packed_samples_give_the_logits_of_each_sample_alone(tmp_path, tok, position):
     model = _model(position)
     path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
-    ds, _, report = _build(path, tok, train_samples=report_len(path, tok))
-    unpacked, _, _ = _build(path, tok, train_samples=len(PAIRS), packing=False)
+    ds, _, report = _build(path, tok, train_samples=len(PAIRS))
     alone = {}
     for p, c in PAIRS:
-        ids, counted = _expected_sample(tok, p, c)
+        ids, _ = _expected_sample(tok, p, c)
         with torch.no_grad():
-            logits = model(torch.tensor([ids]))[0]  # the sample alone: no mask, default positions
-        alone[tuple(ids)] = (logits, counted)
-    seen, total, count = 0, 0.0, 0
+            alone[tuple(ids)] = model(torch.tensor([ids]))[0]  # the sample alone: no mask, default positions
+    seen = 0
     for it in _all_items(ds, report.sequences):
         with torch.no_grad():
             logits = model(it["tokens"][None], position_ids=it["position_ids"][None],
                            attention_mask=it["attention_mask"][None])[0]
         starts = (it["position_ids"] == 0).nonzero().flatten().tolist() + [SEQ]
         for a, b in zip(starts, starts[1:]):
-            key = tuple(it["tokens"][a:b].tolist())
             if it["loss_mask"][a:b].sum() == 0:
                 continue  # the padding
-            ref = alone[key] if key in alone else alone[key + (tok.eod_id,)]
-            torch.testing.assert_close(logits[a:b], ref[0][:b - a], rtol=0, atol=1e-6)
+            key = tuple(it["tokens"][a:b].tolist())
+            ref = alone[key] if key in alone else alone[key + (tok.eod_id,)]  # a last eod is only a label
+            torch.testing.assert_close(logits[a:b], ref[:b - a], rtol=0, atol=1e-6)
             seen += 1
-        losses = F.cross_entropy(logits.float(), it["labels"], reduction="none")
-        total += float((losses * it["loss_mask"]).sum())
-        count += int(it["loss_mask"].sum())
-    assert seen == len(PAIRS)
-    u_total, u_count = 0.0, 0
-    for it in _all_items(unpacked, len(PAIRS)):
-        with torch.no_grad():
-            logits = model(it["tokens"][None], position_ids=it["position_ids"][None],
-                           attention_mask=it["attention_mask"][None])[0]
-        losses = F.cross_entropy(logits.float(), it["labels"], reduction="none")
-        u_total += float((losses * it["loss_mask"]).sum())
-        u_count += int(it["loss_mask"].sum())
-    assert count == u_count == report.counted_tokens
-    assert abs(total / count - u_total / u_count) < 1e-6
+    assert seen == len(PAIRS) and report.sequences < len(PAIRS)
 
 
-def report_len(path, tok) -> int:
-    return _build(path, tok)[2].sequences
+def _per_token_loss_and_grads(model, items):
+    """Sum of the counted token losses over all ``items`` (one batch) / their count, and its gradients."""
+    model.zero_grad()
+    batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    logits = model(batch["tokens"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"])
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
+    count = batch["loss_mask"].sum()
+    loss = (losses * batch["loss_mask"].flatten()).sum() / count
+    loss.backward()
+    return float(loss.detach()), int(count), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("position", ["learned_absolute", "rope"])
+def test_packed_and_unpacked_take_the_same_per_token_loss_and_gradients(tmp_path, tok, position):
+    model = _model(position).train()  # no dropout in the tiny config
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    packed, _, report = _build(path, tok, train_samples=len(PAIRS))
+    unpacked, _, unpacked_report = _build(path, tok, packing=False, train_samples=len(PAIRS))
+    assert report.sequences < unpacked_report.sequences == len(PAIRS)
+    loss_p, count_p, grads_p = _per_token_loss_and_grads(model, _all_items(packed, report.sequences))
+    loss_u, count_u, grads_u = _per_token_loss_and_grads(model, _all_items(unpacked, len(PAIRS)))
+    assert count_p == count_u == report.counted_tokens
+    assert abs(loss_p - loss_u) < 1e-6
+    for name, g in grads_u.items():
+        torch.testing.assert_close(grads_p[name], g, rtol=0, atol=1e-6, msg=name)
+
+
 
 
 # ----------------------------------------------------------------------------------- chat templates
@@ -232,9 +263,7 @@ GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}[A] {% ge
 
 def _only_item(path, tok, **kw):
     ds, _, report = _build(path, tok, packing=False, **kw)
-    it = ds[0]
-    n = int((it["position_ids"] == 0).nonzero().flatten()[1]) if (it["position_ids"] == 0).sum() > 1 else SEQ
-    return it, n, report
+    return ds[0], report
 
 
 def _check_layout(it, segments, tok, seq):
@@ -247,11 +276,12 @@ def _check_layout(it, segments, tok, seq):
     assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
 
 
-def test_builtin_chat_template(tmp_path, tok):
+def test_builtin_chat_template(tmp_path, any_tok):
+    tok = any_tok
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    it, _, report = _only_item(path, tok, seq=96)
+    it, report = _only_item(path, tok, seq=160)
     _check_layout(it, [("<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n", 0), ("Hello.", 1), (None, 1),
-                       ("<|user|>\nBye?\n<|assistant|>\n", 0), ("Goodbye.", 1), (None, 1)], tok, 96)
+                       ("<|user|>\nBye?\n<|assistant|>\n", 0), ("Goodbye.", 1), (None, 1)], tok, 160)
     assert report.template == "the built-in chat template"
 
 
@@ -269,12 +299,13 @@ def _hf_folder(tmp_path, tok, template):
 
 
 @pytest.mark.parametrize("template", ["turn_by_turn", "generation"])
-def test_hf_folder_chat_template(tmp_path, tok, template):
+def test_hf_folder_chat_template(tmp_path, any_tok, template):
     transformers = pytest.importorskip("transformers")
-    folder = _hf_folder(tmp_path, tok, CHATML if template == "turn_by_turn" else GENERATION)
+    folder = _hf_folder(tmp_path, any_tok, CHATML if template == "turn_by_turn" else GENERATION)
     folder_tok = load_tokenizer(str(folder))
+    assert folder_tok.kind == any_tok.kind
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    it, _, report = _only_item(path, folder_tok, seq=96)
+    it, report = _only_item(path, folder_tok, seq=200)
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     rendered = hf.apply_chat_template(CHAT, tokenize=False)
     if template == "turn_by_turn":
@@ -285,15 +316,16 @@ def test_hf_folder_chat_template(tmp_path, tok, template):
     else:
         segs = [("[system] Be brief.\n[user] Hi!\n[A] ", 0), ("Hello.", 1), (None, 1),
                 ("[user] Bye?\n[A] ", 0), ("Goodbye.", 1), (None, 1)]
-        assert "".join(t or "</s>" for t, _ in segs) == rendered
-    _check_layout(it, segs, folder_tok, 96)
+        assert "".join(t or hf.eos_token for t, _ in segs) == rendered
+        assert hf.eos_token == ("</s>" if any_tok.kind == "sentencepiece" else "<|endoftext|>")
+    _check_layout(it, segs, folder_tok, 200)
     assert report.template == f"the chat template of {folder / 'tokenizer_config.json'}"
 
 
 def test_hf_folder_without_a_template_uses_the_builtin(tmp_path, tok):
     folder = _hf_folder(tmp_path, tok, None)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}])
-    it, _, report = _only_item(path, load_tokenizer(str(folder)), seq=64)
+    it, report = _only_item(path, load_tokenizer(str(folder)), seq=64)
     _check_layout(it, [("<|user|>\nHi!\n<|assistant|>\n", 0), ("Hello.", 1), (None, 1)], tok, 64)
     assert report.template == "the built-in chat template"
 
