@@ -5,7 +5,8 @@ Modules: :mod:`~tnlg.data.tokenizer` (SentencePiece, GPT-2 BPE, training),
 :mod:`~tnlg.data.preprocess` (text -> .bin/.idx), :mod:`~tnlg.data.gpt_dataset`
 (samples, splits, blending, cached indices), :mod:`~tnlg.data.sampler`
 (data-parallel micro batches), :mod:`~tnlg.data.corpus` (the built-in corpus),
-:mod:`~tnlg.data.inputs` (reading .jsonl/.txt inputs), :mod:`~tnlg.data.paths` (where the
+:mod:`~tnlg.data.inputs` (reading .jsonl/.txt inputs), :mod:`~tnlg.data.sft` (fine-tuning rows
+packed into sequences; rows in :mod:`~tnlg.data.sft_rows`, chat templates in :mod:`~tnlg.data.chat`), :mod:`~tnlg.data.paths` (where the
 shipped files and the cache live) and :mod:`~tnlg.commands.data` (the data subcommands).
 Imports flow one way: paths, inputs, indexed <- tokenizer <- preprocess <- corpus <- cli;
 gpt_dataset <- indexed, paths.
@@ -23,6 +24,7 @@ _EXPORTS = {
     "build_train_valid_test_datasets": "gpt_dataset",
     "MegatronPretrainingSampler": "sampler", "collate": "sampler",
     "default_dataset": "corpus",
+    "build_sft_datasets": "sft", "SFTReport": "sft",
 }
 
 __all__ = sorted(_EXPORTS)
