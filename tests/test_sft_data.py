@@ -151,6 +151,16 @@ def test_packed_sequence_layout_and_first_fit(tmp_path, tok):
     assert all(torch.equal(again[i]["tokens"], ds[i]["tokens"]) for i in range(50))
 
 
+def test_context_parallel_reads_each_packed_sample_as_a_document(tmp_path, tok):
+    from tnlg.parallel.context import document_ids
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    ds, _, report = _build(path, tok, train_samples=len(PAIRS))
+    for it in _all_items(ds, report.sequences):
+        pos = it["position_ids"].tolist()
+        starts = [p - pos[p] for p in range(SEQ)]  # where each position's sample (or the padding) starts
+        assert document_ids(it["attention_mask"]).tolist() == [starts]
+
+
 def test_pack_is_first_fit_in_order():
     assert pack([5, 4, 3, 2, 6], 8) == [[0, 2], [1, 3], [4]]
     assert pack([8, 1, 8], 8) == [[0], [1], [2]]
