@@ -105,7 +105,7 @@ LAYOUTS = {1: [("tp1", [])], 2: [("tp2-sp", ["--tp", "2", "--sequence-parallel"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per model kind: the reference losses and tnlg's per layout (packed and not)."""
-    from tnlg.data.corpus import builtin_tokenizer_path
+    from tnlg.data.tokenizer import builtin_tokenizer_path
     from tnlg.data.tokenizer import load_tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     tok_path = builtin_tokenizer_path()
