@@ -17,7 +17,6 @@ import torch
 
 from .pool import run_distributed
 
-pytestmark = pytest.mark.needs_package("transformers")
 
 ROWS = [("The king said:", " Long live the queen of all the land."), ("Q: what is two and two?", " Four."),
         ("Translate: good night", " Gute Nacht, mein Freund, gute Nacht."), ("Name a colour.", " Red."),
@@ -152,6 +151,7 @@ def _packed_sequences(tok_path, rows) -> int:
     return report.sequences
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_fine_tuning_losses_equal_the_transformers_reference_at_every_layout(runs, kind):
     ref, got = runs[kind]
@@ -162,6 +162,7 @@ def test_fine_tuning_losses_equal_the_transformers_reference_at_every_layout(run
         assert losses == pytest.approx(ref, abs=1e-5), (kind, name, losses, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_mean_of_micro_batch_means_would_differ(runs, kind):
     """The completions' lengths differ: without the per-token loss the first step's loss is another number."""
