@@ -7,7 +7,7 @@ speaker, and the question; the completion is the third speech's speaker::
     {"prompt": "Nurse.\\nPeace, I have done. ...\\n\\nLady Capulet.\\nMarry, ...\\n\\nJuliet?\\n...", ...}
 
     prompt:      <speaker A>.\\n<speech>\\n\\n<speaker B>.\\n<speech>\\n\\n<speech>\\nWho speaks?
-    completion:  " <speaker C>"
+    completion:  "<speaker C>"
 
 Scored by exact match after SQuAD's normalisation and ROUGE (``tnlg eval --task generate``). The train rows come
 from the works ``tnlg pretrain``'s built-in job trains on (its first 44), the valid and test rows from the five
@@ -47,7 +47,7 @@ def rows_of(text: str, max_chars: int) -> list[dict]:
     for (a, sa), (b, sb), (c, sc) in zip(sp, sp[1:], sp[2:]):
         prompt = f"{a}.\n{sa}\n\n{b}.\n{sb}\n\n{sc}\nWho speaks?"
         if len(prompt) <= max_chars:
-            out.append(dict(prompt=prompt, completion=f" {c}"))
+            out.append(dict(prompt=prompt, completion=c))  # (no leading space: SentencePiece adds its own)
     return out
 
 
