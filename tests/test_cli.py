@@ -73,7 +73,7 @@ def test_package_names_still_resolve():
     (["preprocess", "--workerz", "2"], "tnlg preprocess: error: unrecognized argument: --workerz; did you mean "
                                        "--workers?"),
     # a mistyped subcommand or choice: the closest valid ones
-    (["pretrian"], "tnlg: error: argument COMMAND: invalid choice: 'pretrian' (choose from 'pretrain', 'demo', "
+    (["pretrian"], "tnlg: error: argument COMMAND: invalid choice: 'pretrian' (choose from 'pretrain', 'finetune', 'demo', "
                    "'plan', 'train-tokenizer', 'preprocess', 'data', 'convert', 'checkpoint', 'eval', 'generate'); "
                    "did you mean pretrain?"),
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "

@@ -38,6 +38,8 @@ from .runtime.threads import set_wait_policy
 COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("tnlg.commands.pretrain",
                  "pretrain a GPT: TP x PP x DP with ZeRO 0-3 (no other arguments: the built-in small job)"),
+    "finetune": ("tnlg.commands.finetune", "fine-tune a pretrained model (tnlg, Hugging Face or Megatron-LM) on "
+                                           "prompt/completion or chat rows, the loss on the completions"),
     "demo": ("tnlg.commands.demo", "tensor-parallel demo: per-rank shards checked against one process"),
     "plan": ("tnlg.commands.plan", "memory, FLOPs and layout planner (ZeRO stages, activations, --search)"),
     "train-tokenizer": ("tnlg.commands.data", "train a SentencePiece BPE tokenizer (exact round trip by default)"),

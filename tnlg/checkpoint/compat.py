@@ -122,16 +122,20 @@ def _arch_difference(name: str, saved, now) -> str:
 
 
 def check_compatible(meta, where: str, config: GPTConfig, options,
-                     tokenizer, origin: str = "--load", must_match: Iterable[str] = ()) -> None:
+                     tokenizer, origin: str = "--load", must_match: Iterable[str] = (),
+                     weights_only: bool = False) -> None:
     """Raise one :class:`UserError` listing every model- or data-defining difference between the
     checkpoint (``meta``: its :class:`~.manifest.Manifest` or dict) and this run (``config``, ``options``,
     ``tokenizer``). The options come as data: ``options`` by name (a mapping, a namespace, or an object
     whose ``flat()`` gives them: :class:`tnlg.options.Options`), and ``must_match`` the names of those that
-    define the samples (:data:`tnlg.options.MUST_MATCH`), which must be the checkpoint's."""
+    define the samples (:data:`tnlg.options.MUST_MATCH`), which must be the checkpoint's. ``weights_only``
+    (fine-tuning from it, ``--finetune``): the architecture and the tokenizer only; how the checkpoint's run
+    trained (dropout, :data:`TRAINING_FIELDS`) and its data may differ."""
     manifest = Manifest.of(meta)
     saved_cfg = {**_LATER_FIELDS, **(manifest.config or {})}
     have = config.to_dict()
-    changed = [k for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]]
+    changed = [k for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]
+               and not (weights_only and k in TRAINING_FIELDS)]
     diffs = [_arch_difference(k, saved_cfg[k], have[k]) for k in changed]
     arch = any(k not in TRAINING_FIELDS for k in changed)
     saved_opts = manifest.options or {}
@@ -155,6 +159,11 @@ def check_compatible(meta, where: str, config: GPTConfig, options,
         return
     hint = (" (found in --save and resumed automatically: use another --save directory to start a new run)"
             if origin == "--save" else "")
+    if weights_only:
+        raise UserError(f"checkpoint {where!r} ({origin}, whose weights this run fine-tunes) does not match this "
+                        f"run: " + "; ".join(diffs) + ". Fine-tuning takes the model's shape and tokenizer from "
+                        "the checkpoint: drop the model flags that differ (or give the checkpoint's values), "
+                        "and give the tokenizer it was trained with. Nothing was loaded or written.")
     raise UserError(
         f"checkpoint {where!r}{hint} does not match this run: " + "; ".join(diffs) + ". "
         + ("It was saved from a different architecture. " if arch else "")

@@ -190,18 +190,19 @@ class _LoadPlan:
 
 
 def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str,
-          must_match: tuple[str, ...]) -> _LoadPlan:
+          must_match: tuple[str, ...], weights_only: bool = False) -> _LoadPlan:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
     manifest = Manifest.read(iter_dir)
-    rng = _rng_plan(manifest, ps, chunk_layers_of(engine.model, config.num_layers))
+    rng = _RngPlan() if weights_only else _rng_plan(manifest, ps, chunk_layers_of(engine.model, config.num_layers))
     F.check_files(iter_dir, manifest, ("model",) + (("optim",) if manifest.has_optimizer else ()))
     for name in rng.files:
         if name not in manifest.files:
             raise UserError(f"checkpoint {iter_dir!r} has no RNG file {name!r} in its manifest.")
     F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
-    check_compatible(manifest, iter_dir, config, options, tokenizer, origin, must_match)
+    check_compatible(manifest, iter_dir, config, None if weights_only else options, tokenizer, origin,
+                     () if weights_only else must_match, weights_only=weights_only)
     targets = targets_for(config, ps.tp_size, ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
@@ -217,7 +218,8 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
-         origin: str = "--load", missing_ok: bool = False, must_match: tuple[str, ...] = ()) -> Optional[dict]:
+         origin: str = "--load", missing_ok: bool = False, must_match: tuple[str, ...] = (),
+         weights_only: bool = False) -> Optional[dict]:
     """Resume from ``load_dir`` (a checkpoint root, following ``latest``, or an ``iter_*`` directory).
 
     Returns ``dict(iteration, consumed_samples, path, schedule_steps)`` (the LR schedule's position:
@@ -226,7 +228,10 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     count and loss scaler, and the RNG states (see :mod:`tnlg.checkpoint.rng`).
     ``missing_ok``: a ``load_dir`` that does not exist is no checkpoint (``--save`` of a new run).
     ``options`` and ``must_match``: the run's options and the names of those that must be the checkpoint's
-    (:func:`tnlg.checkpoint.compat.check_compatible`).
+    (:func:`tnlg.checkpoint.compat.check_compatible`). ``weights_only`` (fine-tuning, ``--finetune``): the
+    weights alone (a 16-bit run's exact fp32 master where the checkpoint stores one), checked against the
+    architecture and tokenizer only; no Adam moments, step count, loss scaler or RNG state; the returned
+    position is iteration 0 with nothing consumed.
 
     Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
     (:func:`_agreed_iteration`); one all_gather_object of each rank's outcome (any rank's error is
@@ -238,11 +243,14 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
         if os.path.isdir(load_dir):
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         return None
-    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin, must_match),
-                        iter_dir)
+    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin, must_match,
+                                      weights_only), iter_dir)
     for note in notes:
         _log(ps, note)
-    _load_tensors(engine, plan, config, ps)
+    _load_tensors(engine, plan, config, ps, weights_only)
+    if weights_only:
+        _note_resharding(plan.manifest.layout, ps)
+        return dict(iteration=0, consumed_samples=0, path=iter_dir, schedule_steps=0)
     _load_optimizer_counters(engine, plan, ps)
     _note_resharding(plan.manifest.layout, ps)
     _restore_rng(model, ps, config, plan)
@@ -251,17 +259,18 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
                 schedule_steps=manifest.schedule_steps)
 
 
-def _load_tensors(engine, plan: _LoadPlan, config: GPTConfig, ps: ParallelState) -> None:
+def _load_tensors(engine, plan: _LoadPlan, config: GPTConfig, ps: ParallelState, weights_only: bool = False) -> None:
     """The weights and optimizer states into the engine: streamed into its buffers (:func:`_stream_into`), or
-    for an engine without the piece API (DeepSpeed) as whole per-parameter states."""
+    for an engine without the piece API (DeepSpeed) as whole per-parameter states. ``weights_only``: the
+    weights (from the fp32 master where stored), no moments."""
     if plan.pieces is not None:
-        _stream_into(engine, plan)
+        _stream_into(engine, plan, weights_only)
         return
     params, states = read_states(plan.iter_dir, plan.manifest, config, ps.tp_size, ps.tp_rank, engine.param_names)
     if states is not None and all("master" in st for st in states.values()):
         params = {n: states[n]["master"] for n in params}  # a 16-bit run's exact fp32 weights
     engine.load_model_state_by_param(params)
-    if states is not None:
+    if states is not None and not weights_only:
         engine.load_optimizer_state_by_param(states)
 
 
@@ -305,7 +314,7 @@ def _restore_rng(model, ps: ParallelState, config: GPTConfig, plan: _LoadPlan) -
 
 
 @torch.no_grad()
-def _stream_into(engine, plan: _LoadPlan) -> None:
+def _stream_into(engine, plan: _LoadPlan, weights_only: bool = False) -> None:
     """Load weights one parameter at a time and optimizer states one owned piece at a time, straight
     into the engine's buffers: no more than one parameter's TP shard of extra memory.
 
@@ -332,15 +341,15 @@ def _stream_into(engine, plan: _LoadPlan) -> None:
         return
     for pc in pieces:
         if pc.length > 0:
-            _load_piece(opt, pc, plan.targets[pc.name], stored_master)
+            _load_piece(opt, pc, plan.targets[pc.name], stored_master, moments=not weights_only)
     if stored_master and not engine.has_master:
         engine.gather_params()  # fp32 parameters took the exact stored master on their owned slices
 
 
-def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: bool) -> None:
-    """One owned piece's moments and, where the checkpoint stores it, its fp32 master (into the master and the
-    parameter)."""
-    for k in ("exp_avg", "exp_avg_sq"):
+def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: bool, moments: bool = True) -> None:
+    """One owned piece's moments (unless ``moments`` is false) and, where the checkpoint stores it, its fp32
+    master (into the master and the parameter)."""
+    for k in ("exp_avg", "exp_avg_sq") if moments else ():
         pc.state(k).copy_(opt.piece(pc.name, k, target, pc.lo, pc.length))
     if stored_master:
         m = opt.piece(pc.name, "master", target, pc.lo, pc.length)

@@ -91,10 +91,12 @@ def _run(args) -> int:
         world = nproc
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
-    if o.data.data_path is None:  # the built-in corpus: prepared here once, found by the workers
+    data_notes: list[str] = []
+    if o.data.sft_data_path is not None:  # fine-tuning rows: read by the workers (tnlg.data.sft)
+        pass
+    elif o.data.data_path is None:  # the built-in corpus: prepared here once, found by the workers
         prefix, tok = default_dataset()
         o.data.data_path, o.data.tokenizer_model = [prefix], o.data.tokenizer_model or tok
-        data_notes = []
     else:
         data_notes = _check_data_tokenizer(o)  # a mismatch refused here, before any worker starts
     if nproc is not None and nproc > 1 and not under_launcher():

@@ -146,7 +146,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
     said = {**from_file, **given}  # what the user set, in a file or on the command line
     recorded, info = checkpoint_args(said) if said.get("use_checkpoint_args") else ({}, None)
     preset = said.get("preset")
-    builtin = info["builtin_job"] if info else preset in BUILTIN_SHAPES and said.get("data_path") is None
+    builtin = info["builtin_job"] if info else (preset in BUILTIN_SHAPES and said.get("data_path") is None
+                                                and said.get("sft_data_path") is None)
     opts = dict(DEFAULTS)
     if builtin:
         opts.update(BUILTIN_JOB)

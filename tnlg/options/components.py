@@ -167,8 +167,27 @@ class DataOptions:
     eod_mask_loss: bool = option(False, must_match=True)
     reset_position_ids: bool = option(False, must_match=True)
     reset_attention_mask: bool = option(False, must_match=True)
+    sft_data_path: Optional[str] = option(None, help="fine-tuning rows instead of --data-path: a JSONL or Parquet "
+                                          "file or a datasets folder of {prompt, completion} or {messages} rows "
+                                          "(docs/finetune.md); the loss counts the completions", must_match=True)
+    sft_valid_data_path: Optional[str] = option(None, help="fine-tuning rows to validate on (the completions' "
+                                                "per-token loss)", every="none: no validation",
+                                                must_match=True)
+    packing: bool = option(True, negative="--no-packing", flags=("--packing",), must_match=True,
+                           help="with --sft-data-path: one sample per sequence, padded (padding never "
+                                "counted); by default samples are packed into sequences, each seeing only "
+                                "itself, its positions restarting at 0")
+    sft_loss_on_prompt: bool = option(False, must_match=True, help="with --sft-data-path: the loss counts the "
+                                      "prompts' tokens too")
 
     def __post_init__(self):
+        if self.data_path is not None and self.sft_data_path is not None:
+            raise UserError(f"--data-path {' '.join(self.data_path)} and --sft-data-path {self.sft_data_path!r} "
+                            f"both give the training data; give one: --data-path for pretraining documents "
+                            f"(tnlg preprocess), --sft-data-path for prompt/completion or chat rows.")
+        if self.sft_valid_data_path is not None and self.sft_data_path is None:
+            raise UserError(f"--sft-valid-data-path {self.sft_valid_data_path!r} needs --sft-data-path (the "
+                            f"fine-tuning rows to train on).")
         if self.data_path is not None:  # X.bin, X.idx and X all mean the dataset X: recorded as X
             from ..data.gpt_dataset import normalize_data_path
             self.data_path = normalize_data_path(self.data_path)
@@ -191,6 +210,14 @@ class DataOptions:
             if self.tokenizer_model is None:
                 raise UserError("--data-path needs --tokenizer-model (the tokenizer the data was preprocessed "
                                 "with).")
+        for flag, path in (("--sft-data-path", self.sft_data_path), ("--sft-valid-data-path",
+                                                                     self.sft_valid_data_path)):
+            if path is not None and not os.path.exists(path):
+                raise UserError(f"{flag} {path!r} does not exist; give a JSONL or Parquet file or a datasets "
+                                f"folder of fine-tuning rows.")
+        if self.sft_data_path is not None and self.tokenizer_model is None:
+            raise UserError("--sft-data-path needs --tokenizer-model (or a --load checkpoint that records its "
+                            "tokenizer).")
         if self.tokenizer_model is not None:
             from ..data.tokenizer import load_tokenizer
             load_tokenizer(self.tokenizer_model)  # refuses a missing or unreadable tokenizer with a clear error
@@ -328,6 +355,9 @@ class CheckpointOptions:
     load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
                                  "iter_* directory); without --save, later checkpoints go into the same root")
     keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
+    finetune: bool = option(False, help="start from the weights of --load only (Megatron's --finetune): "
+                            "iteration 0, a new optimizer and LR schedule, the RNGs seeded; a --save that "
+                            "already holds this run's checkpoint resumes it instead")
     use_checkpoint_args: bool = option(False, help="take the model shape, data, tokenizer, layout (TP, ZeRO), "
                                        "schedule, precision and intervals from the options the checkpoint "
                                        "recorded (--load, else --save; not paths, process count or device); "
@@ -335,6 +365,10 @@ class CheckpointOptions:
 
     def __post_init__(self):
         optional_positive_int(self, "save_interval", "keep_last")
+        if self.finetune and self.load is None:
+            raise UserError("--finetune starts from the weights of a checkpoint, but no --load is given. Give "
+                            "--load DIR (a tnlg checkpoint; `tnlg finetune` also takes a Hugging Face folder or "
+                            "a Megatron-LM checkpoint).")
 
     def check_load(self) -> None:
         if self.load is not None and not os.path.isdir(self.load):

@@ -29,7 +29,7 @@ from .fields import flag_of, option_fields
 __all__ = ["TAKEN", "THIS_LAUNCH", "checkpoint_args", "describe"]
 
 # where this launch reads and writes, and how it runs on this machine, whatever the checkpoint's did
-THIS_LAUNCH = ("save", "load", "use_checkpoint_args", "metrics_file", "plot", "data_cache_path", "tensorboard_dir",
+THIS_LAUNCH = ("save", "load", "finetune", "use_checkpoint_args", "metrics_file", "plot", "data_cache_path", "tensorboard_dir",
                "wandb_project", "wandb_exp_name", "wandb_save_dir", "nproc_per_node", "max_restarts",
                "distributed_timeout_minutes", "device", "peak_tflops")
 TAKEN = tuple(f.name for _, cls, _ in COMPONENTS for f in option_fields(cls) if f.name not in THIS_LAUNCH)

@@ -23,7 +23,7 @@ from ..options import MUST_MATCH, Options
 from ..parallel.state import ParallelState, from_rank0
 from .step import TrainingDiverged
 
-__all__ = ["Checkpointer", "stop_on_signals", "check_resume"]
+__all__ = ["Checkpointer", "stop_on_signals", "check_resume", "source"]
 
 
 def check_resume(o: Options) -> None:
@@ -40,16 +40,30 @@ def check_resume(o: Options) -> None:
     c = o.checkpoint
     if c.save:
         lock_root(os.path.abspath(c.save), probe=True)
-    load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
-    if not load_dir or (not c.load and not os.path.isdir(load_dir)):
+    load_dir, origin, weights_only = source(o)
+    if not load_dir or (origin == "--save" and not os.path.isdir(load_dir)):
         return
     iter_dir = ckpt.resolve(load_dir, origin)
     if iter_dir is None:
         return
     meta = ckpt.read_meta(iter_dir)
     tokenizer = load_tokenizer(o.data.tokenizer_path())
-    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), o, tokenizer, origin, MUST_MATCH)
-    check_files(iter_dir, meta, ("model", "optim", "rng"))
+    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), None if weights_only else o, tokenizer,
+                     origin, () if weights_only else MUST_MATCH, weights_only=weights_only)
+    check_files(iter_dir, meta, ("model",) if weights_only else ("model", "optim", "rng"))
+
+
+def source(o: Options) -> tuple[Optional[str], str, bool]:
+    """``(folder, its flag, weights only)``: what a run starts from. ``--load``, else ``--save`` (a run's
+    own checkpoints, for elastic restarts and resuming). With ``--finetune``, a ``--save`` that holds a
+    checkpoint is this fine-tuning run's own and is resumed whole; otherwise ``--load``'s weights alone."""
+    from ..checkpoint.files import last_checkpoint
+    c = o.checkpoint
+    if c.finetune:
+        if c.save and os.path.isdir(c.save) and last_checkpoint(c.save) is not None:
+            return c.save, "--save", False
+        return c.load, "--load", True
+    return (c.load, "--load", False) if c.load else (c.save, "--save", False)
 
 
 @contextlib.contextmanager
@@ -110,15 +124,17 @@ class Checkpointer:
 
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
-        c = self.o.checkpoint
-        load_dir, origin = (c.load, "--load") if c.load else (c.save, "--save")
-        state = ckpt.load(load_dir, origin=origin, missing_ok=not c.load, must_match=MUST_MATCH,
-                          **self._state) if load_dir else None
+        load_dir, origin, weights_only = source(self.o)
+        state = ckpt.load(load_dir, origin=origin, missing_ok=origin == "--save", must_match=MUST_MATCH,
+                          weights_only=weights_only, **self._state) if load_dir else None
         self.claim_save_root()
         if state is None:
             return 0, 0
         iteration, consumed = state["iteration"], state["consumed_samples"]
         self._steps_before_moments = state["schedule_steps"] - self._state["engine"].num_steps
+        if weights_only:
+            self.log(f"fine-tuning the weights of {state['path']}: iteration 0, a new optimizer and LR schedule")
+            return 0, 0
         self.log(f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
         return iteration, consumed
 

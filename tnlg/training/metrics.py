@@ -96,6 +96,8 @@ class Metrics:
                    peak_tflops=self.peak, peak_memory_bytes=peak_memory_bytes(self.ps.device))
         if info.get("loss_scale") is not None:
             rec["loss_scale"] = info["loss_scale"]
+        if info.get("counted_tokens") is not None:  # (--calculate-per-token-loss: the loss's denominator)
+            rec["counted_tokens"] = info["counted_tokens"]
         first = iteration == self.resumed_at + 1
         if first and self.resumed_at > 0:
             rec["resumed_from"] = self.resumed_at

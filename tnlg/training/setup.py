@@ -90,9 +90,12 @@ def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:
     """``(train, valid)``: Megatron's blended datasets of ``--data-path`` (rank 0 builds missing index
     files; the others wait at a barrier), sized for the run's batches and validations."""
     d, gbs, iters, log = o.data, o.schedule.global_batch_size, o.schedule.train_iters, o.logging
-    assert gbs is not None and iters is not None and d.data_path is not None  # (init_run; required; pretrain)
+    assert gbs is not None and iters is not None  # (init_run; required)
     evals = (iters // log.eval_interval + 1) * log.eval_iters * gbs if log.eval_interval else 0
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else None
+    if d.sft_data_path is not None:
+        return _sft_datasets(o, cfg, tokenizer, iters * gbs, log.eval_iters * gbs, barrier)
+    assert d.data_path is not None  # (pretrain)
     train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(
         d.data_path, d.split, cfg.seq_length, (iters * gbs, evals, log.eval_iters * gbs), d.seed,
         cache_dir=d.data_cache_path, eod_id=tokenizer.eod_id, eod_mask_loss=d.eod_mask_loss,
@@ -100,4 +103,18 @@ def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:
         vocab_size=tokenizer.vocab_size, barrier=barrier)
     if train_ds is None:
         raise UserError(f"--split {d.split!r} leaves no documents for training.")
+    return train_ds, valid_ds
+
+
+def _sft_datasets(o: Options, cfg: GPTConfig, tokenizer, train_samples: int, valid_samples: int, barrier) -> tuple:
+    """``(train, valid)`` of fine-tuning rows (:mod:`tnlg.data.sft`); rank 0 says how the samples were packed."""
+    from ..data.sft import build_sft_datasets
+    d = o.data
+    assert d.sft_data_path is not None
+    train_ds, valid_ds, report = build_sft_datasets(
+        d.sft_data_path, d.sft_valid_data_path, tokenizer, cfg.seq_length, train_samples=train_samples,
+        valid_samples=valid_samples, seed=d.seed, packing=d.packing, loss_on_prompt=d.sft_loss_on_prompt,
+        cache_dir=d.data_cache_path, barrier=barrier)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(report.line(), flush=True)
     return train_ds, valid_ds

@@ -75,10 +75,10 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     first and last stage and one all-reduce of the loss over the pipeline group.
     """
     engine.zero_grad()
-    divisor = None
+    divisor, k = None, 0
     if per_token_loss:  # (every micro batch's loss mask first: the global batch's token count)
         micro_batches = list(micro_batches)
-        divisor = per_token_divisor(micro_batches, ps)
+        divisor, k = per_token_divisor(micro_batches, ps), len(micro_batches)
     if pipeline is None:
         losses = []
         for batch in micro_batches:
@@ -90,6 +90,8 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
         mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps, autocast, divisor)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
+    if divisor is not None:  # (computed before the forward: reading it now costs no wait)
+        info["counted_tokens"] = round(float(divisor) * k * ps.dp_size)
     loss = info.pop("loss")
     if not math.isfinite(loss):
         raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration}; stopping without "
