@@ -12,6 +12,7 @@ import torch
 
 from tests.hf_reference import random_gpt2
 from tnlg.cli import main
+from tnlg.eval.porter import porter_stem
 from tnlg.eval.scoring import exact_match, mean_scores, normalize_answer, rouge_f, score_example, token_f1
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,6 +28,9 @@ TEXTS = ["", "   ", "The cat sat on the mat.", "the cat, the CAT; the cat!", "A 
 RELATED = [("the cat sat on the mat", "on the mat the cat sat down"), ("a b c d e f", "a b x c d y e f"),
            ("police killed the gunman", "the gunman police killed"), ("x y x y x y", "y x y"),
            ("Über straße façade", "über strasse façade"), ("one two three two one", "two one two three")]
+STEMMED = [("The cats were running quickly", "a cat runs quick"), ("generously hopeful relations", "generous hope "
+           "relational"), ("Conditional probabilities", "conditions of probability"), ("skies lying", "sky lie"),
+           ("he has its bus", "he ha it bu")]  # words of 3 letters are not stemmed
 PAIRS = [(r, p) for r in TEXTS for p in TEXTS[::3]] + [(TEXTS[i], TEXTS[i + 1]) for i in range(len(TEXTS) - 1)] + \
     RELATED + [(p, r) for r, p in RELATED]
 
@@ -85,20 +89,54 @@ def test_exact_match_and_f1_are_squads():
     assert exact_match("The Cat!", "cat") == 1.0 and token_f1("", "") == 0.0  # v1.1: nothing shared scores 0
 
 
+# stems and suffixes that reach every rule of the Porter stemmer's steps (and nltk's departures), combined
+STEMS = ["h", "y", "yy", "ay", "by", "tr", "oat", "troubl", "priv", "conflat", "hop", "fil", "fall", "hiss", "fizz",
+         "happ", "sk", "enjo", "relat", "condit", "val", "hesit", "digit", "conform", "radic", "differ", "vil",
+         "analog", "vietnam", "predic", "oper", "feud", "decis", "hope", "call", "form", "sensit", "sensib", "tripl",
+         "electr", "good", "reviv", "allow", "infer", "airlin", "gyroscop", "adjust", "defens", "irrit", "replac",
+         "depend", "adopt", "homolog", "commun", "activ", "angular", "effect", "bowdl", "prob", "rat", "ceas",
+         "control", "rol", "a", "e", "io", "xy", "qwx", "bb", "ab", "gen", "oy", "uy", "9x", "x1y", "d", "l", "t"]
+SUFFIXES = ["", "s", "es", "ies", "sses", "ss", "ed", "ied", "eed", "ing", "y", "ational", "tional", "enci", "anci",
+            "izer", "bli", "abli", "alli", "entli", "eli", "ousli", "ization", "ation", "ator", "alism", "iveness",
+            "fulness", "ousness", "aliti", "iviti", "biliti", "fulli", "logi", "icate", "ative", "alize", "iciti",
+            "ical", "ful", "ness", "al", "ance", "ence", "er", "ic", "able", "ible", "ant", "ement", "ment", "ent",
+            "sion", "tion", "ion", "ou", "ism", "ate", "iti", "ous", "ive", "ize", "e", "ll", "lled", "lling", "tted",
+            "zzed", "ssing", "yy", "ying", "yed"]
+WORDS = ["caresses", "ponies", "ties", "cats", "feed", "agreed", "plastered", "bled", "motoring", "sing", "skies",
+         "dying", "lying", "news", "innings", "outings", "cannings", "howe", "proceed", "exceed", "succeeded",
+         "generously", "hopefully", "archaeology", "syzygy", "toy", "trees", "ivy", "orrery", "oaten", "by", "y"]
+
+
+@pytest.mark.needs_package("rouge_score")
+def test_porter_stem_is_nltks():
+    """rouge_score's stemmer is nltk's PorterStemmer(): equal on every stem + suffix (+ suffix) combination,
+    the paper's examples and random letter strings."""
+    from nltk.stem import porter
+    import random
+    rng = random.Random(0)
+    words = set(WORDS) | {s + a + b for s in STEMS for a in SUFFIXES for b in ("", "ing", "ness")}
+    words |= {"".join(rng.choice("aeiouybcdlmnrstxwz") for _ in range(rng.randint(1, 12))) for _ in range(2000)}
+    nltk_stem = porter.PorterStemmer().stem
+    wrong = [(w, porter_stem(w), nltk_stem(w)) for w in sorted(words) if porter_stem(w) != nltk_stem(w)]
+    assert not wrong, wrong[:20]
+    assert len({porter_stem(w) for w in words}) < len(words) - 2000  # it does conflate
+
+
 @pytest.mark.needs_package("rouge_score")
 @pytest.mark.parametrize("several", [False, True])
-def test_rouge_is_rouge_scores(several):
-    """Every pair's F-measure equals rouge_score's without stemming, float for float; with several references
-    the best (score_multi); the mean over the examples is numpy's mean of rouge_score's figures."""
+@pytest.mark.parametrize("stem", [False, True])
+def test_rouge_is_rouge_scores(several, stem):
+    """Every pair's F-measure equals rouge_score's, with and without stemming, float for float; with several
+    references the best (score_multi); the mean over the examples is numpy's mean of rouge_score's figures."""
     from rouge_score import rouge_scorer
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=stem)
     ours, theirs = [], []
-    for reference, prediction in PAIRS:
+    for reference, prediction in PAIRS + STEMMED * stem:
         refs = [reference, "the cat sat on a mat", prediction[:len(prediction) // 2]] if several else reference
         want = scorer.score_multi(refs, prediction) if several else scorer.score(reference, prediction)
-        got = rouge_f(refs, prediction)
+        got = rouge_f(refs, prediction, use_stemmer=stem)
         assert got == {k: v.fmeasure for k, v in want.items()}, (refs, prediction)
-        ours.append(score_example(refs, prediction))
+        ours.append(score_example(refs, prediction, use_stemmer=stem))
         theirs.append(want)
     assert sum(0 < s["rougeL"] < 1 for s in ours) > 20 and sum(0 < s["rouge2"] < 1 for s in ours) > 10
     means = mean_scores(ours)
@@ -207,12 +245,15 @@ def test_predictions_equal_transformers_greedy_at_tp2(exported, tmp_path, capfd)
 
 
 @pytest.mark.needs_package("rouge_score")
-def test_printed_rouge_is_rouge_scores_on_the_written_predictions(exported, tmp_path, capfd):
+@pytest.mark.parametrize("stem", [False, True])
+def test_printed_rouge_is_rouge_scores_on_the_written_predictions(exported, tmp_path, capfd, stem):
     from rouge_score import rouge_scorer
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=stem)
     preds = str(tmp_path / "p.jsonl")
     result = _run(capfd, ["eval", "--task", "generate", "--data", exported["data"], "--checkpoint", exported["hf"],
-                          "--tokenizer-model", exported["hf"], "--max-new-tokens", str(NEW), "--predictions-file", preds, "--json"])
+                          "--tokenizer-model", exported["hf"], "--max-new-tokens", str(NEW), "--predictions-file",
+                          preds, "--json"] + ["--rouge-use-stemmer"] * stem)
+    assert result["rouge_use_stemmer"] is stem
     rows = [json.loads(line) for line in open(preds, encoding="utf-8")]
     for k in ("rouge1", "rouge2", "rougeL"):
         per_row = [(scorer.score if isinstance(r["reference"], str) else scorer.score_multi)(

@@ -18,8 +18,9 @@ EPILOG = """\
             tokenized as `tnlg preprocess` tokenizes a document, the KV cache, TP and PP as
             `tnlg generate --greedy`, stopping after the end-of-document id (not part of the
             prediction) or --max-new-tokens. Scores (fractions, means over the rows): ROUGE-1,
-            ROUGE-2, ROUGE-L F-measure equal to rouge_score's RougeScorer(use_stemmer=False)
-            (no stemming), SQuAD v1.1 exact match and token F1 (best reference of several).
+            ROUGE-2, ROUGE-L F-measure equal to rouge_score's RougeScorer(use_stemmer=False),
+            or use_stemmer=True with --rouge-use-stemmer (nltk's Porter stemmer, reproduced),
+            SQuAD v1.1 exact match and token F1 (best reference of several).
             --predictions-file F writes one JSON object per row: prompt, reference, prediction,
             tokens and the row's scores.
 
@@ -30,6 +31,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generate")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate per prompt at most (default 64; fewer where seq_length ends)")
+    g.add_argument("--rouge-use-stemmer", action="store_true",
+                   help="Porter-stem ROUGE's tokens longer than 3 characters, as rouge_score's use_stemmer=True "
+                        "(default off, as rouge_score's default; PEGASUS-style summarization scores stem)")
     g.add_argument("--predictions-file", metavar="F",
                    help="write the predictions and each row's scores here (JSON Lines; replaced if it exists)")
 
@@ -100,16 +104,17 @@ def evaluate_generate(args, ps) -> dict:
         gathered: list = [None] * ps.world_size
         dist.all_gather_object(gathered, preds)
         preds = [p for rank in range(0, ps.dp_size * ps.tp_size, ps.tp_size) for p in gathered[rank]]
-    objects, means = scored_rows(rows, preds)
+    objects, means = scored_rows(rows, preds, args.rouge_use_stemmer)
     if ps.rank == 0 and args.predictions_file:
         _write_predictions(args.predictions_file, objects)
     return {"task": "generate", **means, "cut_by_seq_length": sum(p["cut_by_seq_length"] for p in preds),
             "new_tokens": sum(len(p["tokens"]) for p in preds), "max_new_tokens": args.max_new_tokens,
+            "rouge_use_stemmer": args.rouge_use_stemmer,
             "predictions_file": args.predictions_file, "checkpoint": args.checkpoint, "input": args.input[0],
             "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
             "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size,
             "seconds": round(time.time() - start, 3)}
 
 
-LABELS = ["rouge1", "rouge2", "rougeL", "exact_match", "f1", "count", "new_tokens", "max_new_tokens",
-          "cut_by_seq_length", "predictions_file"]
+LABELS = ["rouge1", "rouge2", "rougeL", "rouge_use_stemmer", "exact_match", "f1", "count", "new_tokens",
+          "max_new_tokens", "cut_by_seq_length", "predictions_file"]

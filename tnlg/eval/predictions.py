@@ -50,13 +50,14 @@ def greedy_predictions(model, tokenizer, prompts: Sequence[str], max_new_tokens:
             for p, n in zip(ids, new)]
 
 
-def scored_rows(rows: Sequence[CompletionRow], predictions: Sequence[dict]) -> tuple[list[dict], dict]:
+def scored_rows(rows: Sequence[CompletionRow], predictions: Sequence[dict],
+                use_stemmer: bool = False) -> tuple[list[dict], dict]:
     """The predictions file's objects (prompt, reference, prediction, tokens, the row's scores) and the
-    mean scores with the count of rows."""
+    mean scores with the count of rows (``use_stemmer``: ROUGE's Porter stemming)."""
     out = []
     for row, pred in zip(rows, predictions):
         reference = row.references[0] if len(row.references) == 1 else list(row.references)
         out.append({"line": row.line, "prompt": row.prompt, "reference": reference,
                     "prediction": pred["prediction"], "tokens": pred["tokens"],
-                    **score_example(row.references, pred["prediction"])})
+                    **score_example(row.references, pred["prediction"], use_stemmer)})
     return out, {**mean_scores(out), "count": len(out)}

@@ -1,12 +1,12 @@
 """Scores of generated text against references: ROUGE-1, ROUGE-2, ROUGE-L F-measure and SQuAD's exact
 match and token F1 (pure Python, no dependency; the formulas are in docs/eval.md).
 
-* ROUGE reproduces ``rouge_score.rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)``
+* ROUGE reproduces ``rouge_score.rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=...)``
   exactly: its tokenizer (lower-case, every run of characters outside ``[a-z0-9]`` a separator, so accented
-  and other non-ASCII letters separate words too), n-gram overlap with counts clipped by the reference's,
-  ROUGE-L from the longest common subsequence of the two token lists; ``P``, ``R`` and
-  ``F = 2PR / (P + R)`` (0 when ``P + R = 0``) computed in the same order, so the floats are equal. No
-  stemming: ``rouge_score``'s ``use_stemmer=True`` is nltk's Porter stemmer, which tnlg does not reproduce.
+  and other non-ASCII letters separate words too; with ``use_stemmer`` the tokens longer than 3 characters
+  through nltk's Porter stemmer, reproduced by :mod:`.porter`), n-gram overlap with counts clipped by the
+  reference's, ROUGE-L from the longest common subsequence of the two token lists; ``P``, ``R`` and
+  ``F = 2PR / (P + R)`` (0 when ``P + R = 0``) computed in the same order, so the floats are equal.
   Several references: per ROUGE type the best F over them (``RougeScorer.score_multi``).
 * Exact match and token F1 are the official SQuAD v1.1 script's (``normalize_answer``: lower-case, drop
   ``string.punctuation``, drop the words a/an/the, collapse whitespace; F1 from the multiset of common
@@ -20,7 +20,10 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from functools import lru_cache
 from typing import Sequence, Union
+
+from .porter import porter_stem
 
 __all__ = ["ROUGE_TYPES", "rouge_tokens", "rouge_f", "normalize_answer", "exact_match", "token_f1",
            "score_example", "mean_scores", "SCORE_KEYS"]
@@ -35,10 +38,16 @@ _PUNCTUATION = frozenset(string.punctuation)
 References = Union[str, Sequence[str]]
 
 
-def rouge_tokens(text: str) -> list[str]:
-    """``rouge_score``'s tokens of ``text`` without stemming: lower-cased, split at every run of characters
-    other than ``a-z`` and ``0-9``, empty pieces dropped."""
-    return _NON_ALPHANUMERIC.sub(" ", text.lower()).split()
+_stem = lru_cache(maxsize=1 << 16)(porter_stem)
+
+
+def rouge_tokens(text: str, use_stemmer: bool = False) -> list[str]:
+    """``rouge_score``'s tokens of ``text``: lower-cased, split at every run of characters other than ``a-z``
+    and ``0-9``; with ``use_stemmer`` each token longer than 3 characters Porter-stemmed; empty ones dropped."""
+    tokens = _NON_ALPHANUMERIC.sub(" ", text.lower()).split()
+    if use_stemmer:
+        tokens = [t for t in (_stem(t) if len(t) > 3 else t for t in tokens) if t]
+    return tokens
 
 
 def _f_measure(precision: float, recall: float) -> float:
@@ -75,12 +84,12 @@ def _as_list(references: References) -> list[str]:
     return [references] if isinstance(references, str) else list(references)
 
 
-def rouge_f(references: References, prediction: str) -> dict[str, float]:
+def rouge_f(references: References, prediction: str, use_stemmer: bool = False) -> dict[str, float]:
     """ROUGE-1, ROUGE-2 and ROUGE-L F-measure of ``prediction``; with several references the best of each."""
-    pred = rouge_tokens(prediction)
+    pred = rouge_tokens(prediction, use_stemmer)
     best = dict.fromkeys(ROUGE_TYPES, 0.0)
     for i, reference in enumerate(_as_list(references)):
-        ref = rouge_tokens(reference)
+        ref = rouge_tokens(reference, use_stemmer)
         scores = {"rouge1": _ngram_f(ref, pred, 1), "rouge2": _ngram_f(ref, pred, 2), "rougeL": _lcs_f(ref, pred)}
         best = scores if i == 0 else {k: max(best[k], scores[k]) for k in ROUGE_TYPES}
     return best
@@ -113,11 +122,11 @@ def token_f1(references: References, prediction: str) -> float:
     return max(_f1(r, prediction) for r in _as_list(references))
 
 
-def score_example(references: References, prediction: str) -> dict[str, float]:
-    """Every score of one example (:data:`SCORE_KEYS`)."""
+def score_example(references: References, prediction: str, use_stemmer: bool = False) -> dict[str, float]:
+    """Every score of one example (:data:`SCORE_KEYS`); ``use_stemmer`` for ROUGE only."""
     if not _as_list(references):
         raise ValueError("an example needs at least one reference")
-    return {**rouge_f(references, prediction), "exact_match": exact_match(references, prediction),
+    return {**rouge_f(references, prediction, use_stemmer), "exact_match": exact_match(references, prediction),
             "f1": token_f1(references, prediction)}
 
 
