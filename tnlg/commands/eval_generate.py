@@ -44,7 +44,7 @@ def precheck_generate(args) -> None:
     from ..eval.completion_rows import read_completion_rows
     from ..data.tokenizer import load_tokenizer
     from ..generation.loading import precheck_checkpoint, recorded_tokenizer
-    from .generate import _precheck_prompt_lengths
+    from .generate import precheck_prompt_lengths
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     if args.seq_length is not None:
@@ -64,7 +64,7 @@ def precheck_generate(args) -> None:
     recorded = None if tokenizer is not None else recorded_tokenizer(args.checkpoint)
     if recorded is not None:  # a tnlg checkpoint's own tokenizer (the workers load the same)
         tokenizer = load_tokenizer(recorded)
-    _precheck_prompt_lengths(args.checkpoint, tokenizer, [r.prompt for r in rows])
+    precheck_prompt_lengths(args.checkpoint, tokenizer, [r.prompt for r in rows])
 
 
 def _write_predictions(path: str, objects: list[dict]) -> None:
