@@ -50,6 +50,7 @@ OPTIONAL_PACKAGES = {
     "wandb": 'pip install -e ".[loggers]"',
     "pyarrow": 'pip install -e ".[parquet]"',
     "datasets": "pip install datasets",
+    "rouge_score": 'pip install -e ".[eval]"',
     "megatron.core": "pip install --no-deps megatron-core==0.16.1 && pip install numpy packaging psutil",
     "deepspeed": 'pip install --no-build-isolation "deepspeed>=0.14"',
 }

@@ -79,7 +79,7 @@ def test_package_names_still_resolve():
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "
                          "'info'); did you mean prepare?"),
     (["eval", "--task", "wikitxt"], "tnlg eval: error: argument --task: invalid choice: 'wikitxt' (choose from "
-                                    "'wikitext', 'lambada', 'loss', 'text'); did you mean wikitext?"),
+                                    "'wikitext', 'lambada', 'loss', 'text', 'generate'); did you mean wikitext?"),
     # other parse errors: the same two lines, no usage block
     (["pretrain", "--hidden-size", "abc"], "tnlg pretrain: error: argument --hidden-size: invalid int value: "
                                            "'abc'"),
@@ -161,6 +161,7 @@ README_CAPABILITIES = [
     ("resharding", "convert", "reshard"), ("WikiText ppl", "eval", "WikiText perplexity"),
     ("LAMBADA", "eval", "LAMBADA accuracy"), ("dataset loss", "eval", "dataset loss"),
     ("perplexity of any text files", "eval", "perplexity of text files"),
+    ("generation scored with ROUGE-1/2/L", "eval", "generation scored with ROUGE"),
     ("TP x PP generation with a KV cache", "generate", "TP x PP text generation with a KV cache"),
     ("memory / FLOPs / layout planner", "plan", "memory, FLOPs and layout planner"),
     ("tokenizers (SentencePiece", "train-tokenizer", "SentencePiece"),

@@ -49,7 +49,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "convert Hugging Face GPT-2 and Megatron-LM <-> tnlg checkpoints; reshard a checkpoint offline"),
     "checkpoint": ("tnlg.commands.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
     "eval": ("tnlg.commands.eval", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss, "
-                                   "perplexity of text files (text)"),
+                                   "perplexity of text files (text), generation scored with ROUGE, exact "
+                                   "match and F1 (generate)"),
     "generate": ("tnlg.commands.generate", "TP x PP text generation with a KV cache (greedy, top-k, top-p)"),
 }
 

@@ -1,5 +1,5 @@
-"""``tnlg eval``: WikiText perplexity, LAMBADA accuracy, or dataset loss of a checkpoint (the library:
-:mod:`tnlg.eval`). Torch is imported only when the command runs, so ``--help`` answers without it."""
+"""``tnlg eval``: WikiText perplexity, LAMBADA accuracy, dataset loss, or generation scored with ROUGE and
+exact match (:mod:`.eval_generate`) of a checkpoint (the library: :mod:`tnlg.eval`). Torch is imported only when the command runs, so ``--help`` answers without it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import time
 
 from ..errors import UserError
 from ..options.parallel_dims import add_layout_arguments, check_context_sequence, check_positive
+from . import eval_generate
 from .inference import add_common_arguments, print_table, run_command, step_note
 
-TASKS = ("wikitext", "lambada", "loss", "text")
+TASKS = ("wikitext", "lambada", "loss", "text", "generate")
 
 EPILOG = """\
 tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
@@ -34,22 +35,24 @@ tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
             whole text, and the context as the tokens before them.
   loss      token-mean loss over the samples of a PREFIX.bin/.idx dataset, built like
             pretraining builds them (--split, --eval-split, --seed).
-
+{generate}
 examples:
   tnlg eval --task wikitext --checkpoint gpt2/ --input wiki.test.raw --detokenize wikitext
   tnlg eval --task lambada --strict --checkpoint gpt2/ --input lambada_test.jsonl --json
   tnlg eval --task text --checkpoint runs/gpt notes.txt essay.txt
+  tnlg eval --task generate --checkpoint runs/sft --data test.jsonl --predictions-file preds.jsonl --json
   torchrun --nproc-per-node 4 -m tnlg eval --task wikitext --tp 4 --checkpoint runs/ckpt --input f.txt
   tnlg eval --task lambada --pp 2 --tp 2 --checkpoint gpt2/ --input lambada_test.jsonl   # 4 processes
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = EPILOG
+    p.epilog = EPILOG.replace("{generate}\n", eval_generate.EPILOG)
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
-    p.add_argument("--input", "--valid-data", dest="input", nargs="+", metavar="FILE",
+    p.add_argument("--input", "--valid-data", "--data", dest="input", nargs="+", metavar="FILE",
                    help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx); "
-                        "text: one or more text files (the files may also follow the options, without --input)")
+                        "text: one or more text files (the files may also follow the options, without --input); "
+                        "generate: a .jsonl file of prompt/completion rows")
     p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
     add_common_arguments(p)
     add_layout_arguments(p, dict(cp=1), metavar=dict(cp="C"), help=dict(
@@ -63,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--detokenize", choices=("none", "wikitext"), default="none",
                    help="apply Megatron's WikiText detokenizer before tokenizing (default none; Megatron "
                         "applies it when the file name contains 'wiki')")
+    eval_generate.add_generate_arguments(p)
     g = p.add_argument_group("lambada")
     g.add_argument("--strict", action="store_true",
                    help="strict last-word targets (whole last word, possibly several tokens; see below)")
@@ -106,6 +110,8 @@ def _precheck(args) -> None:
         raise UserError(f"--eval-samples must be >= 0 (0: one pass over the split), got {args.eval_samples}.")
     if args.seq_length is not None and args.seq_length < 1:
         raise UserError(f"--seq-length must be >= 1, got {args.seq_length}.")
+    if args.task == "generate":
+        return eval_generate.precheck_generate(args)
     if args.task == "text":
         for path in args.input:
             check_text_file(path)
@@ -199,6 +205,7 @@ _LABELS = {
                  "token_ratio", "seq_length", "stride", "windows", "detokenize"],
     "lambada": ["accuracy", "correct", "num_examples", "strict", "truncated_contexts"],
     "loss": ["loss", "ppl", "num_tokens", "num_samples", "eval_split", "split", "seq_length"],
+    "generate": eval_generate.LABELS,
     "text": ["val_loss", "ppl", "total_loss", "num_targets", "num_tokenized_tokens", "num_files", "seq_length",
              "stride", "windows"],
 }
@@ -236,4 +243,5 @@ def run(args) -> int:
             print(f"note: {result['caveat']}")
 
     _precheck(args)
-    return run_command("eval", add_arguments, args, lambda ps: evaluate(args, ps), show)
+    work = eval_generate.evaluate_generate if args.task == "generate" else evaluate
+    return run_command("eval", add_arguments, args, lambda ps: work(args, ps), show)

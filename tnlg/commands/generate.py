@@ -96,7 +96,7 @@ def _generate_here(args, ps, prompts: list[str]) -> dict:
             "data_parallel_size": ps.dp_size, "seconds": round(time.time() - start, 3)}
 
 
-def _precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
+def precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
     """Refuse prompts longer than ``seq_length`` before any process starts, where the checkpoint's
     metadata and tokenizer can be read without the model (the workers check again regardless)."""
     from ..data.tokenizer import load_tokenizer
@@ -130,5 +130,5 @@ def run(args) -> int:
         raise UserError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
     prompts = _read_prompts(args)
     tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model)
-    _precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
+    precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
     return run_command("generate", add_arguments, args, lambda ps: _generate_here(args, ps, prompts), show)

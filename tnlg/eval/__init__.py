@@ -1,11 +1,13 @@
 """Zero-shot evaluation as Megatron defines it: WikiText perplexity, LAMBADA accuracy, dataset loss;
-and the perplexity of any text files.
+the perplexity of any text files; generation scored with ROUGE, exact match and token F1.
 
 Modules: :mod:`.windows` (overlapping-window scoring of token streams), :mod:`.wikitext`
 (WikiText perplexity, the WikiText detokeniser), :mod:`.text` (token-weighted perplexity of text files),
 :mod:`.lambada` (strict / non-strict last-word accuracy), :mod:`.loss` (loss over a
-``.bin/.idx`` dataset), :mod:`.batches` (the loop they share). Models and tokenizers come from
-:mod:`tnlg.generation.loading`; the ``tnlg eval`` command is :mod:`tnlg.commands.eval`.
+``.bin/.idx`` dataset), :mod:`.batches` (the loop they share); for ``--task generate``
+:mod:`.completion_rows` (the prompt/completion rows), :mod:`.predictions` (greedy predictions and their
+scores), :mod:`.scoring` (ROUGE, exact match, token F1) and :mod:`.porter` (rouge_score's stemmer).
+Models and tokenizers come from :mod:`tnlg.generation.loading`; the ``tnlg eval`` command is :mod:`tnlg.commands.eval`.
 """
 
 from .lambada import lambada_accuracy, lambada_examples, read_lambada_texts, split_last_word
