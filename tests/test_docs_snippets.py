@@ -105,3 +105,13 @@ def test_hf_docs_export_snippet_runs_as_written(tmp_path, monkeypatch):
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(i) / "gpt-out")
         assert hf.config.vocab_size == 4096
         assert (tmp_path / str(i) / "gpt-out" / "tokenizer.json").exists() == (i == 0)
+
+
+def test_the_docs_modules_are_attributes_whatever_imported_their_package_first():
+    """``tnlg.interop.hf`` after another module of the package was imported on its own (as a command does):
+    the docs' ``tnlg.interop.hf.to_hf`` must not depend on which test or command ran first."""
+    code = ("import tnlg.interop.hf_fields, tnlg; assert callable(tnlg.interop.hf.to_hf); "
+            "assert tnlg.interop.megatron.checkpoint_to_megatron")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=checkout_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -85,15 +85,10 @@ _SUBMODULES = ("checkpoint", "commands", "data", "eval", "generation", "interop"
                "plan", "runtime", "training")
 
 
-# the modules of a subpackage that the docs reach as ``tnlg.PACKAGE.MODULE.name`` after a plain ``import tnlg``
-# (the subpackage's ``__init__`` does not import them), imported with it
-_SUBMODULE_PARTS = {"interop": ("hf", "megatron")}
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        for part in _SUBMODULE_PARTS.get(name, ()):
-            importlib.import_module(f".{name}.{part}", __name__)  # binds itself on the subpackage
+    if name in _SUBMODULES:  # (tnlg.interop.hf & co: the subpackage's own __getattr__)
         return importlib.import_module(f".{name}", __name__)  # binds itself on the package
     module = _EXPORTS.get(name)
     if module is None:
