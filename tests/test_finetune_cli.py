@@ -65,3 +65,11 @@ def test_without_load_or_rows_it_says_what_it_needs(base, tmp_path):
                            "--train-iters", 2, cwd=tmp_path))
     assert "--finetune starts from the weights of a checkpoint, but no --load is given" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_use_checkpoint_args_is_refused_with_what_to_do_instead(base, tmp_path):
+    ckpt, rows = base
+    err = _paragraph(_tnlg("finetune", "--load", ckpt, "--sft-data-path", rows, "--use-checkpoint-args",
+                           "--train-iters", 2, cwd=tmp_path))
+    assert "To resume a fine-tuning run, give the same command again" in err
+    assert not (tmp_path / "runs").exists()

@@ -74,6 +74,11 @@ def prepare(args: argparse.Namespace) -> None:
     if getattr(args, "sft_data_path", None) is None and getattr(args, "data_path", None) is None:
         raise UserError("tnlg finetune needs --sft-data-path: a JSONL or Parquet file or a datasets folder of "
                         "{\"prompt\", \"completion\"} or {\"messages\"} rows (docs/finetune.md).")
+    if getattr(args, "use_checkpoint_args", False):
+        raise UserError("tnlg finetune takes the model's shape and tokenizer from --load already, and the run's own "
+                        "options from the command line; --use-checkpoint-args would take the pretraining run's data "
+                        "and schedule. To resume a fine-tuning run, give the same command again (its --save holds "
+                        "the checkpoint), or `tnlg pretrain --save DIR --use-checkpoint-args`.")
     if not hasattr(args, "save"):
         args.save = _new_folder()
         print(f"note: no --save: this fine-tuning run saves its checkpoints, metrics.jsonl and loss plot in "
