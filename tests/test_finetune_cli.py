@@ -73,3 +73,25 @@ def test_use_checkpoint_args_is_refused_with_what_to_do_instead(base, tmp_path):
                            "--train-iters", 2, cwd=tmp_path))
     assert "To resume a fine-tuning run, give the same command again" in err
     assert not (tmp_path / "runs").exists()
+
+
+def _losses(folder):
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_megatron_checkpoint_fine_tunes_as_the_tnlg_checkpoint_it_was_exported_from(base, tmp_path):
+    """`--load` of a Megatron-LM checkpoint is converted into SAVE/base before the run and trains exactly as the
+    tnlg checkpoint it came from."""
+    ckpt, rows = base
+    meg = tmp_path / "megatron"
+    proc = _tnlg("convert", "--from", ckpt, "--to", "megatron", meg, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    common = ["--sft-data-path", rows, "--train-iters", 3, "--micro-batch-size", 2, "--global-batch-size", 4,
+              "--nproc-per-node", 1, "--eval-interval", 0, "--no-plot", "--lr", "1e-3"]
+    for name, load in (("from-tnlg", ckpt), ("from-megatron", meg)):
+        extra = ["--tokenizer-model", "builtin"] if name == "from-megatron" else []
+        proc = _tnlg("finetune", "--load", load, *extra, *common, "--save", tmp_path / name, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "converted --load" in proc.stdout and (tmp_path / "from-megatron" / "base").is_dir()
+    assert _losses(tmp_path / "from-megatron") == pytest.approx(_losses(tmp_path / "from-tnlg"), abs=1e-6)

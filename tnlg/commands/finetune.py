@@ -110,10 +110,11 @@ def _kind(path: str) -> str:
                         f"Megatron-LM checkpoint.")
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf"
-    iter_dir = resolve(path, "--load")
-    if iter_dir is not None and os.path.isfile(os.path.join(iter_dir, META)):
+    if os.path.isfile(os.path.join(path, META)) or any(
+            os.path.isfile(os.path.join(path, d, META)) for d in os.listdir(path) if d.startswith("iter_")):
+        resolve(path, "--load")  # a tnlg root: its pointer and iterations checked (one paragraph if broken)
         return "ckpt"
-    return "megatron"
+    return "megatron"  # (Megatron-LM's layout: the same pointer file, iter_* folders without meta.json)
 
 
 def _as_tnlg_checkpoint(args: argparse.Namespace) -> str:
