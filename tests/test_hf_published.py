@@ -36,6 +36,7 @@ MODELS = {  # name -> (kind, config fields)
     "both_biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "gpt2-layer-idx": ("gpt2", dict(scale_attn_by_inverse_layer_idx=True)),
     "gpt2-unscaled": ("gpt2", dict(scale_attn_weights=False)),
+    "gpt2-upcast": ("gpt2", dict(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
 }
 
 
@@ -60,11 +61,12 @@ def folders(tmp_path_factory):
     return tokens, out
 
 
-def _logits(ps, paths: dict, tokens) -> dict:
+def _logits(ps, paths: dict, tokens, sequence_parallel: bool = False) -> dict:
     from tnlg.interop.hf import from_hf
     from tnlg.model import gather_logits
     with torch.no_grad():
-        return {name: gather_logits(from_hf(path, ps)(tokens), ps, VOCAB) for name, path in paths.items()}
+        return {name: gather_logits(from_hf(path, ps, sequence_parallel=sequence_parallel)(tokens), ps, VOCAB)
+                for name, path in paths.items()}
 
 
 def test_each_published_config_loads_with_transformers_logits_at_tp_1(folders):
@@ -75,11 +77,16 @@ def test_each_published_config_loads_with_transformers_logits_at_tp_1(folders):
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_each_published_config_loads_with_transformers_logits_at_tp_2(folders):
+def _tp_2(ps, paths: dict, tokens) -> dict:
+    return {sp: _logits(ps, paths, tokens, sp) for sp in (False, True)}
+
+
+def test_each_published_config_loads_with_transformers_logits_at_tp_2_with_and_without_sp(folders):
     tokens, models = folders
-    for rank in run_distributed(_logits, 2, 2, {n: p for n, (p, _) in models.items()}, tokens):
-        for name, (_, ref) in models.items():
-            torch.testing.assert_close(rank[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+    for rank in run_distributed(_tp_2, 2, 2, {n: p for n, (p, _) in models.items()}, tokens):
+        for sp in (False, True):
+            for name, (_, ref) in models.items():
+                torch.testing.assert_close(rank[sp][name], ref, rtol=1e-5, atol=1e-5, msg=f"{name} sp={sp}")
 
 
 def test_greedy_generation_past_the_original_length_matches_transformers(folders):
@@ -92,7 +99,7 @@ def test_greedy_generation_past_the_original_length_matches_transformers(folders
         want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 10, dtype=torch.long),
                            max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)[0, 10:].tolist()
     got = generate_ids(from_hf(folders[1]["llama3.1"][0]), [prompt], 30, greedy=True, stop_at_eod=False)[0]
-    assert got == want
+    assert len(want) == 30 and got == want
 
 
 def test_packed_documents_take_their_own_positions_under_llama3_rope(folders):
@@ -113,39 +120,46 @@ def test_packed_documents_take_their_own_positions_under_llama3_rope(folders):
     torch.testing.assert_close(got[:, cut:], want, rtol=1e-5, atol=1e-5)
 
 
-def _cp_losses(_ps, path: str, batch: dict) -> dict:
+CP_MODELS = ("llama3.1", "yarn", "gpt2-layer-idx")
+
+
+def _cp_losses(_ps, paths: dict, batch: dict) -> dict:
     from tnlg.interop.hf_reader import read_hf_folder
     from tnlg.model import GPT
     from tnlg.parallel.context import context_parallel_batch
     from tnlg.parallel.sharding import load_full_state_dict
     from tnlg.parallel.state import init_parallel
-    cfg, full = read_hf_folder(path)
     out = {}
     for cp in (1, 2):
         ps = init_parallel(context_parallel_size=cp)
-        model = GPT(cfg, ps)
-        load_full_state_dict(model, full, ps)
-        for docs in (False, True):
-            mine = {k: v for k, v in batch.items() if docs or k in ("tokens", "labels", "loss_mask")}
-            mine = context_parallel_batch(mine, ps)
-            with torch.no_grad():
-                out[(cp, docs)] = float(model(mine["tokens"], labels=mine["labels"], loss_mask=mine["loss_mask"],
-                                              position_ids=mine.get("position_ids"),
-                                              attention_mask=mine.get("attention_mask")))
+        for name, path in paths.items():
+            cfg, full = read_hf_folder(path)
+            model = GPT(cfg, ps)
+            load_full_state_dict(model, full, ps)
+            for docs in (False, True):
+                mine = {k: v for k, v in batch.items() if docs or k in ("tokens", "labels", "loss_mask")}
+                mine = context_parallel_batch(mine, ps)
+                with torch.no_grad():
+                    out[(name, cp, docs)] = float(model(mine["tokens"], labels=mine["labels"],
+                                                        loss_mask=mine["loss_mask"],
+                                                        position_ids=mine.get("position_ids"),
+                                                        attention_mask=mine.get("attention_mask")))
     return out
 
 
-def test_context_parallel_loss_equals_cp_1_under_llama3_rope(folders):
-    """CP 2 (global positions past the original length on the second rank's chunks; with documents, positions
-    restarting per document) gives CP 1's loss."""
+def test_context_parallel_loss_equals_cp_1(folders):
+    """CP 2 (the ring; global positions past the original length on the second rank's chunks; with documents,
+    positions restarting per document) gives CP 1's loss: llama3 and yarn rope, GPT-2's per-layer scaling."""
     from tnlg.data.gpt_dataset import _make_item
     samples = torch.randint(1, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     samples[0, 13] = samples[1, 30] = 0
     items = [_make_item(s, 0, False, True, True) for s in samples]
     batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-    for rank in run_distributed(_cp_losses, 2, 1, folders[1]["llama3.1"][0], batch):
-        for docs in (False, True):
-            assert rank[(2, docs)] == pytest.approx(rank[(1, docs)], rel=1e-6, abs=1e-6)
+    paths = {name: folders[1][name][0] for name in CP_MODELS}
+    for rank in run_distributed(_cp_losses, 2, 1, paths, batch):
+        for name in CP_MODELS:
+            for docs in (False, True):
+                assert rank[(name, 2, docs)] == pytest.approx(rank[(name, 1, docs)], rel=1e-6, abs=1e-6), name
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "yarn-mscale", "dynamic", "both_biases", "attention_bias",
@@ -159,3 +173,23 @@ def test_a_round_trip_leaves_the_architectural_fields_equal(folders, tmp_path, n
     keys = ("rope_parameters", "attention_bias", "mlp_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
             "model_type", "max_position_embeddings", "n_positions", "tie_word_embeddings")
     assert {k: after.get(k) for k in keys} == {k: before.get(k) for k in keys}
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "linear", "dynamic", "yarn", "yarn-mscale"])
+def test_the_inverse_frequencies_are_transformers_own(folders, name):
+    """tnlg's inverse frequencies and cos/sin factor are bit for bit ``ROPE_INIT_FUNCTIONS``' (dynamic: also for a
+    forward longer than ``max_position_embeddings``, which transformers computes from the longest position)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from tnlg.interop.hf_reader import check_hf_folder
+    from tnlg.parallel.rotary import scaled_frequencies
+    found = check_hf_folder(folders[1][name][0])
+    hf_config, cfg = found.hf_config, found.cfg
+    init = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]]
+    for seq_len in (None, torch.tensor(SEQ), torch.tensor(3 * SEQ + 5)):
+        want = init(hf_config, None, seq_len=seq_len)
+        got = scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling, seq_len=seq_len)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1], (name, seq_len)
+    if name == "dynamic":  # (the longer forward's frequencies are the grown base's, not the default's)
+        assert not torch.equal(scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling,
+                                                  seq_len=torch.tensor(3 * SEQ))[0],
+                               scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, None)[0])

@@ -170,7 +170,7 @@ _ROPE_CHECKS: dict[str, Callable] = dict(factor=positive, low_freq_factor=positi
                                          truncate=boolean)
 
 
-def _rope_wrong(rope: dict, kind) -> list[str]:
+def _rope_wrong(rope: Any, kind) -> list[str]:
     """What is wrong with a ``rope_parameters`` of a valid ``rope_theta``: a ``rope_type`` tnlg does not
     compute, a scaled type's value that is not valid, or a ``partial_rotary_factor`` (read by the scaled
     types' frequencies, not by Llama's rotation, which then fails)."""
