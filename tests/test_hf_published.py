@@ -193,3 +193,13 @@ def test_the_inverse_frequencies_are_transformers_own(folders, name):
         assert not torch.equal(scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling,
                                                   seq_len=torch.tensor(3 * SEQ))[0],
                                scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, None)[0])
+
+
+@pytest.mark.parametrize("name", ["attention_bias", "mlp_bias", "both_biases"])
+def test_the_planner_counts_the_biases_transformers_holds(folders, name):
+    import tnlg
+    from tnlg.interop.hf import from_hf
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders[1][name][0])
+    model = from_hf(folders[1][name][0])
+    want = sum(p.numel() for p in hf.parameters())
+    assert tnlg.parameter_counts(model.config, 1)["total"] == want == model.config.num_parameters_formula()
