@@ -123,6 +123,21 @@ def test_packed_documents_take_their_own_positions_under_llama3_rope(folders):
 CP_MODELS = ("llama3.1", "yarn", "gpt2-layer-idx")
 
 
+def _cp_and_pp(ps, paths: dict, batch: dict, tokens) -> dict:
+    """CP 1 and 2's losses, then PP 2's logits (the last stage's; layer indices global on each stage)."""
+    from tnlg.interop.hf import from_hf
+    from tnlg.model import gather_logits
+    from tnlg.model.inference import forward_logits
+    from tnlg.parallel.state import init_parallel
+    out = _cp_losses(ps, paths, batch)
+    ps = init_parallel(1, pipeline_parallel_size=2)
+    for name, path in paths.items():
+        with torch.no_grad():
+            logits = forward_logits(from_hf(path, ps), tokens)
+        out[("pp", name)] = None if logits is None else gather_logits(logits, ps, VOCAB)
+    return out
+
+
 def _cp_losses(_ps, paths: dict, batch: dict) -> dict:
     from tnlg.interop.hf_reader import read_hf_folder
     from tnlg.model import GPT
@@ -147,19 +162,24 @@ def _cp_losses(_ps, paths: dict, batch: dict) -> dict:
     return out
 
 
-def test_context_parallel_loss_equals_cp_1(folders):
+def test_context_parallel_loss_equals_cp_1_and_pp_2_gives_transformers_logits(folders):
     """CP 2 (the ring; global positions past the original length on the second rank's chunks; with documents,
-    positions restarting per document) gives CP 1's loss: llama3 and yarn rope, GPT-2's per-layer scaling."""
+    positions restarting per document) gives CP 1's loss; PP 2 transformers' logits: llama3 and yarn rope,
+    GPT-2's per-layer scaling (the second stage's layers scaled by their global index)."""
     from tnlg.data.gpt_dataset import _make_item
     samples = torch.randint(1, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     samples[0, 13] = samples[1, 30] = 0
     items = [_make_item(s, 0, False, True, True) for s in samples]
     batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
     paths = {name: folders[1][name][0] for name in CP_MODELS}
-    for rank in run_distributed(_cp_losses, 2, 1, paths, batch):
+    results = run_distributed(_cp_and_pp, 2, 1, paths, batch, folders[0])
+    for rank in results:
         for name in CP_MODELS:
             for docs in (False, True):
                 assert rank[(name, 2, docs)] == pytest.approx(rank[(name, 1, docs)], rel=1e-6, abs=1e-6), name
+    for name in CP_MODELS:
+        assert results[0][("pp", name)] is None
+        torch.testing.assert_close(results[1][("pp", name)], folders[1][name][1], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "yarn-mscale", "dynamic", "both_biases", "attention_bias",
