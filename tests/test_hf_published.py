@@ -89,17 +89,36 @@ def test_each_published_config_loads_with_transformers_logits_at_tp_2_with_and_w
                 torch.testing.assert_close(rank[sp][name], ref, rtol=1e-5, atol=1e-5, msg=f"{name} sp={sp}")
 
 
-def test_greedy_generation_past_the_original_length_matches_transformers(folders):
-    """llama3 rope, the KV cache from a 10-token prompt to position 40 (the original length is 16)."""
+@pytest.mark.parametrize("name", ["llama3.1", "yarn", "gpt2-layer-idx"])
+def test_greedy_generation_past_the_original_length_matches_transformers(folders, name):
+    """Scaled rope (the KV cache from a 10-token prompt to position 40; the original length is 16) and GPT-2's
+    per-layer scaling: transformers' greedy tokens."""
     from tnlg.generation.generator import generate_ids
     from tnlg.interop.hf import from_hf
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folders[1]["llama3.1"][0]).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders[1][name][0]).eval()
+    hf.generation_config.eos_token_id = None  # (30 tokens whatever they are, as tnlg's stop_at_eod=False)
     prompt = folders[0][0, :10].tolist()
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 10, dtype=torch.long),
-                           max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)[0, 10:].tolist()
-    got = generate_ids(from_hf(folders[1]["llama3.1"][0]), [prompt], 30, greedy=True, stop_at_eod=False)[0]
+                           max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 10:].tolist()
+    got = generate_ids(from_hf(folders[1][name][0]), [prompt], 30, greedy=True, stop_at_eod=False)[0]
     assert len(want) == 30 and got == want
+
+
+def test_an_older_folder_spelling_rope_scaling_with_type_loads_the_same_model(folders, tmp_path):
+    """``rope_scaling`` with ``type`` and a top-level ``rope_theta`` (folders written before transformers 5)."""
+    import shutil
+    from tnlg.interop.hf import from_hf
+    path, ref = folders[1]["linear"]
+    shutil.copytree(path, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=10000.0)
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        got = from_hf(str(tmp_path / "old"))(folders[0])[..., :VOCAB]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert from_hf(str(tmp_path / "old")).config.rope_scaling_factor == 4.0
 
 
 def test_packed_documents_take_their_own_positions_under_llama3_rope(folders):
