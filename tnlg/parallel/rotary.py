@@ -183,8 +183,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out if x_pass is None else torch.cat((out, x_pass), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, rotary_dim: int, base: float,
+                 scaling: Optional[dict] = None) -> torch.Tensor:
     """``x`` ``[b, heads, s, head_dim]`` rotated at ``position_ids`` (``[b, s]`` or ``[s]``: every token's
-    global position) over its first ``rotary_dim`` dimensions with base ``base``."""
-    cos, sin = rotary_angles(position_ids, rotary_dim, base)
+    global position) over its first ``rotary_dim`` dimensions with base ``base`` (and ``scaling``:
+    :func:`scaled_frequencies`)."""
+    cos, sin = rotary_angles(position_ids, rotary_dim, base, scaling)
     return rotate(x, cos, sin)
