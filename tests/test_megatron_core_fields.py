@@ -170,3 +170,22 @@ def test_a_model_no_megatron_argument_carries_is_refused_on_export(fields, named
     with pytest.raises(UserError, match=named) as info:
         args_for(cfg, tp=1, pp=1, iteration=3)
     assert "\n" not in str(info.value)
+
+
+def test_a_llama3_rope_checkpoint_goes_to_megatron_and_back(tmp_path):
+    """A tnlg checkpoint with megatron-core's llama3 scaling exports with ``use_rope_scaling`` and
+    ``rope_scaling_factor`` and imports back to the same config; another original length is refused before
+    anything is written."""
+    from tnlg.checkpoint.offline import open_source
+    cfg = dataclasses.replace(ROPE, rope_scaling_type="llama3", rope_scaling_factor=32.0,
+                              rope_original_max_position=8192)
+    ckpt = fresh_checkpoint(str(tmp_path / "tnlg"), cfg)
+    out = checkpoint_to_megatron(ckpt, str(tmp_path / "meg"), fmt="torch_dist", tp=1)
+    args = torch.load(os.path.join(out, "common.pt"), weights_only=False)["args"]
+    assert args.use_rope_scaling is True and args.rope_scaling_factor == 32.0
+    back = megatron_to_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"))
+    assert open_source(back)[2] == cfg
+    other = fresh_checkpoint(str(tmp_path / "other"), dataclasses.replace(cfg, rope_original_max_position=16))
+    with pytest.raises(UserError, match="rope_original_max_position=16"):
+        checkpoint_to_megatron(other, str(tmp_path / "no"), fmt="torch_dist", tp=1)
+    assert not (tmp_path / "no").exists()
