@@ -242,3 +242,37 @@ def test_the_planner_counts_the_biases_transformers_holds(folders, name):
     model = from_hf(folders[1][name][0])
     want = sum(p.numel() for p in hf.parameters())
     assert tnlg.parameter_counts(model.config, 1)["total"] == want == model.config.num_parameters_formula()
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "yarn", "yarn-mscale", "attention_bias", "mlp_bias", "gpt2-layer-idx",
+                                  "gpt2-unscaled"])
+def test_training_gradients_are_transformers_own(folders, name):
+    """The loss and every weight's gradient (the test's own mapping of transformers' names) at TP 1 within 1e-5."""
+    from tnlg.interop.hf_reader import read_hf_folder
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import load_full_state_dict
+    from tnlg.parallel.state import ParallelState
+    from .hf_reference import tnlg_weights_from_hf as gpt2_weights
+    from .llama_reference import tnlg_weights_from_hf as llama_weights
+    path = folders[1][name][0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    tokens = folders[0]
+    labels = torch.roll(tokens, -1, 1)
+    loss = torch.nn.functional.cross_entropy(hf(tokens).logits.reshape(-1, VOCAB), labels.reshape(-1))
+    loss.backward()
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    cfg, full = read_hf_folder(path)
+    model = GPT(cfg, ParallelState.single())
+    load_full_state_dict(model, full, ParallelState.single())
+    got = model(tokens, labels=labels)
+    got.backward()
+    c = hf.config
+    want = gpt2_weights(grads, c.n_head) if MODELS[name][0] == "gpt2" else \
+        llama_weights(grads, c.num_attention_heads, c.num_key_value_heads)
+    torch.testing.assert_close(got, loss, rtol=1e-5, atol=1e-5)
+    mine = {n: p.grad for n, p in model.named_parameters()}
+    assert set(mine) == set(want)
+    for n, g in want.items():
+        padded = n.endswith("wte.weight") or n == "lm_head.weight"  # (the vocabulary's padded rows: no gradient)
+        torch.testing.assert_close(mine[n][:g.shape[0]] if padded else mine[n], g, rtol=1e-5, atol=1e-5,
+                                   msg=f"{name}: {n}")
