@@ -97,7 +97,8 @@ def tnlg_weights_from_hf(named: dict, heads: int, groups: int) -> dict[str, torc
         pre = f"transformer.h.{i}."
         for kind in ("weight", "bias"):  # (mlp_bias: gate and up biases [2, f] as the weights)
             if f"mlp.gate_proj.{kind}" in p:
-                out[pre + f"mlp.c_fc.{kind}"] = torch.stack([p.pop(f"mlp.gate_proj.{kind}"), p.pop(f"mlp.up_proj.{kind}")])
+                gate, up = p.pop(f"mlp.gate_proj.{kind}"), p.pop(f"mlp.up_proj.{kind}")
+                out[pre + f"mlp.c_fc.{kind}"] = torch.stack([gate, up])
         for kind in ("weight", "bias"):
             if f"self_attn.q_proj.{kind}" not in p:
                 continue

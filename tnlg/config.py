@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Optional
 from .errors import UserError
 
 __all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES",
-           "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES", "ROPE_SCALING_TYPES", "NORMALIZATIONS", "arch_fields", "pretrain_fields",
+           "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "arch_fields", "pretrain_fields",
            "stage_parts", "group_ranges", "LLAMA", "option", "flag_of",
-           "option_fields"]
+           "option_fields", "ROPE_SCALING_TYPES"]
 
 # ----------------------------------------------------------------- declarations
 # A declared field carries its flag, help and check in its metadata; GPTConfig declares the model's fields
@@ -372,11 +372,12 @@ class GPTConfig:
                  and getattr(self, f.name) != f.default]
         if kind != "none" and self.position_embedding_type != "rope":
             raise ValueError(f"rope_scaling_type={kind!r} (--rope-scaling-type) scales rotary embeddings, but "
-                             f"position_embedding_type={self.position_embedding_type!r}; give --position-embedding-type "
-                             "rope with it, or drop it.")
+                             f"position_embedding_type={self.position_embedding_type!r}; give "
+                             "--position-embedding-type rope with it, or drop it.")
         if kind == "none" and given:
             raise ValueError(f"{', '.join(given)} set a rope scaling, but rope_scaling_type is 'none'; give "
-                             f"--rope-scaling-type (one of {', '.join(ROPE_SCALING_TYPES[1:])}) with them, or drop them.")
+                             f"--rope-scaling-type (one of {', '.join(ROPE_SCALING_TYPES[1:])}) with them, or drop "
+                             "them.")
         if kind == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError(f"llama3 rope needs rope_high_freq_factor ({self.rope_high_freq_factor}) greater than "
                              f"rope_low_freq_factor ({self.rope_low_freq_factor}): the frequencies between the two "

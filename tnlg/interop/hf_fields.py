@@ -24,7 +24,8 @@ from ..config import boolean, fraction, optional_positive, optional_positive_int
 from ..errors import UserError
 from .hf_llama import ROPE_KEYS
 
-__all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "ROPE_TYPES", "UNDECLARED", "check_counts", "check_fields", "rope_type",
+__all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "ROPE_TYPES", "UNDECLARED", "check_counts",
+           "check_fields", "rope_type",
            "window_layers"]
 
 _NOT_READ = "not read by the causal LM's forward"

@@ -24,7 +24,8 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 
-__all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from", "llama_to_tnlg", "tnlg_to_llama"]
+__all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from",
+           "llama_to_tnlg", "tnlg_to_llama"]
 
 LLAMA_TYPES = ("llama", "qwen2")
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",

@@ -24,8 +24,8 @@ from ...errors import UserError
 from .core_fields import check_refused
 from .safe_load import shown
 
-__all__ = ["MegatronLayout", "MEGATRON_LLAMA3", "check_megatron_expressible", "check_sizes", "or_default", "whole", "check_supported", "known_vocab_size", "layout_of",
-           "config_from_args", "args_for"]
+__all__ = ["MegatronLayout", "MEGATRON_LLAMA3", "check_megatron_expressible", "check_sizes", "or_default", "whole",
+           "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
 
 # the values tnlg models of Megatron arguments that select among several (one clear error for the others)
 _CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalization", NORMALIZATIONS))
@@ -171,8 +171,8 @@ def _rope_scaling(args, where: str) -> dict:
     factor = _plain(args, "rope_scaling_factor", where)
     factor = 8.0 if factor is None else factor  # (Megatron-LM's default)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise UserError(f"{where}: the checkpoint's args set use_rope_scaling with rope_scaling_factor={shown(factor)}, "
-                        "not a positive number. Nothing was written.")
+        raise UserError(f"{where}: the checkpoint's args set use_rope_scaling with rope_scaling_factor="
+                        f"{shown(factor)}, not a positive number. Nothing was written.")
     return dict(rope_scaling_type="llama3", rope_scaling_factor=float(factor), **MEGATRON_LLAMA3)
 
 
@@ -183,7 +183,8 @@ def check_megatron_expressible(cfg: GPTConfig) -> None:
     llama3 = cfg.rope_scaling_type == "llama3" and all(getattr(cfg, k) == v for k, v in MEGATRON_LLAMA3.items())
     rope = set(MEGATRON_LLAMA3) | {"rope_scaling_type", "rope_scaling_factor"}
     off = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(GPTConfig)
-           if f.metadata.get("megatron") == "" and getattr(cfg, f.name) != f.default and not (llama3 and f.name in rope)]
+           if f.metadata.get("megatron") == "" and getattr(cfg, f.name) != f.default
+           and not (llama3 and f.name in rope)]
     if off:
         raise UserError(f"the model sets {', '.join(off)}, which no Megatron-LM argument carries (megatron-core "
                         "scales rope as Llama 3.1 with low_freq_factor 1, high_freq_factor 4 and original length "
