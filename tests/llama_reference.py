@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from .reference_gpt import fuse_per_head_qkv, megatron_lr, split_per_head_qkv
 
 LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
-         "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight"}
+         "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight",
+         "self_attn.o_proj.bias": "attn.c_proj.bias", "mlp.down_proj.bias": "mlp.c_proj.bias"}  # (Llama's biases)
 
 
 def random_llama(kind: str = "llama", layers=2, hidden=48, heads=6, groups=2, ffn=64, vocab=100, seq=32,
@@ -94,7 +95,10 @@ def tnlg_weights_from_hf(named: dict, heads: int, groups: int) -> dict[str, torc
                 attn.setdefault(i, {})[rest] = t
     for i, p in attn.items():
         pre = f"transformer.h.{i}."
-        out[pre + "mlp.c_fc.weight"] = torch.stack([p.pop("mlp.gate_proj.weight"), p.pop("mlp.up_proj.weight")])
+        for kind in ("weight", "bias"):  # (mlp_bias: gate and up biases [2, f] as the weights)
+            if f"mlp.gate_proj.{kind}" in p:
+                gate, up = p.pop(f"mlp.gate_proj.{kind}"), p.pop(f"mlp.up_proj.{kind}")
+                out[pre + f"mlp.c_fc.{kind}"] = torch.stack([gate, up])
         for kind in ("weight", "bias"):
             if f"self_attn.q_proj.{kind}" not in p:
                 continue

@@ -37,9 +37,7 @@ def test_every_declared_field_is_in_exactly_one_list(kind):
 
 SMALL = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=32)
-REFUSED_VALUES = [("gpt2", "scale_attn_weights", False), ("gpt2", "scale_attn_by_inverse_layer_idx", True),
-                  ("gpt2", "add_cross_attention", True), ("llama", "attention_bias", True),
-                  ("llama", "mlp_bias", True), ("llama", "hidden_act", "gelu"), ("llama", "head_dim", 16),
+REFUSED_VALUES = [("gpt2", "add_cross_attention", True), ("llama", "hidden_act", "gelu"), ("llama", "head_dim", 16),
                   ("qwen2", "hidden_act", "relu"), ("qwen2", "head_dim", 4), ("qwen2", "use_sliding_window", True),
                   ("qwen2", "layer_types", ["sliding_attention", "full_attention"])]
 

@@ -109,7 +109,7 @@ def test_missing_args(megatron_ckpts, fmt, tmp_path):
 
 @pytest.mark.parametrize("name,value", [("num_experts", 8), ("multi_latent_attention", True), ("squared_relu", True),
                                         ("position_embedding_type", "yarn"), ("normalization", "LayerNorm1p"),
-                                        ("use_rope_scaling", True)])
+                                        ("rotary_seq_len_interpolation_factor", 4.0)])
 def test_unsupported_architecture_names_the_argument(megatron_ckpts, name, value, tmp_path):
     src = _copy(megatron_ckpts / "torch_dist", tmp_path / "src")
     _edit_args(src, "torch_dist", lambda s: setattr(s["args"], name, value))

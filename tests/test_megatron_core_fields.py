@@ -124,3 +124,68 @@ def test_the_importer_refuses_them_and_writes_nothing(torch_dist_ckpt, tmp_path,
     with pytest.raises(UserError, match=f"{name}=") as info:
         megatron_to_checkpoint(str(src), str(tmp_path / "out"))
     assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- Llama 3.1's --use-rope-scaling
+
+ROPE = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=16, vocab_size=32,
+                 position_embedding_type="rope", rotary_base=500000.0, normalization="RMSNorm", swiglu=True,
+                 add_bias_linear=False)
+
+
+def test_use_rope_scaling_reads_as_megatron_cores_llama3_frequencies():
+    """``--use-rope-scaling --rope-scaling-factor 8`` converts to the inverse frequencies megatron-core's own
+    ``RotaryEmbedding`` computes (its fixed low/high frequency factors and original length), and back."""
+    rotary = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    from tnlg.parallel.rotary import scaled_frequencies
+    for factor in (8.0, 32.0):
+        cfg = config_from_args(_args_of(ROPE, use_rope_scaling=True, rope_scaling_factor=factor), WHERE)
+        assert cfg.rope_scaling_type == "llama3" and cfg.rope_scaling_factor == factor
+        want = rotary.RotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=500000, rope_scaling=True,
+                                      rope_scaling_factor=factor, use_cpu_initialization=True).inv_freq
+        got, attention = scaled_frequencies(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling)
+        assert not torch.equal(got, scaled_frequencies(32, 500000.0, None)[0])  # (the scaling changes them)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert attention == 1.0
+        back = args_for(cfg, tp=1, pp=1, iteration=3)
+        assert back.use_rope_scaling is True and back.rope_scaling_factor == factor
+        assert config_from_args(back, WHERE) == cfg
+    assert not args_for(ROPE, tp=1, pp=1, iteration=3).use_rope_scaling
+
+
+def _args_of(cfg, **changes) -> argparse.Namespace:
+    args = args_for(cfg, tp=1, pp=1, iteration=3)
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(rope_scaling_type="llama3", rope_scaling_factor=8.0, rope_original_max_position=16),
+     "rope_original_max_position=16"),
+    (dict(rope_scaling_type="yarn", rope_scaling_factor=4.0), "rope_scaling_type='yarn'"),
+    (dict(add_attn_bias=True), "add_attn_bias=True")])
+def test_a_model_no_megatron_argument_carries_is_refused_on_export(fields, named):
+    cfg = dataclasses.replace(ROPE, **fields)
+    with pytest.raises(UserError, match=named) as info:
+        args_for(cfg, tp=1, pp=1, iteration=3)
+    assert "\n" not in str(info.value)
+
+
+def test_a_llama3_rope_checkpoint_goes_to_megatron_and_back(tmp_path):
+    """A tnlg checkpoint with megatron-core's llama3 scaling exports with ``use_rope_scaling`` and
+    ``rope_scaling_factor`` and imports back to the same config; another original length is refused before
+    anything is written."""
+    from tnlg.checkpoint.offline import open_source
+    cfg = dataclasses.replace(ROPE, rope_scaling_type="llama3", rope_scaling_factor=32.0,
+                              rope_original_max_position=8192)
+    ckpt = fresh_checkpoint(str(tmp_path / "tnlg"), cfg)
+    out = checkpoint_to_megatron(ckpt, str(tmp_path / "meg"), fmt="torch_dist", tp=1)
+    args = torch.load(os.path.join(out, "common.pt"), weights_only=False)["args"]
+    assert args.use_rope_scaling is True and args.rope_scaling_factor == 32.0
+    back = megatron_to_checkpoint(str(tmp_path / "meg"), str(tmp_path / "back"))
+    assert open_source(back)[2] == cfg
+    other = fresh_checkpoint(str(tmp_path / "other"), dataclasses.replace(cfg, rope_original_max_position=16))
+    with pytest.raises(UserError, match="rope_original_max_position=16"):
+        checkpoint_to_megatron(other, str(tmp_path / "no"), fmt="torch_dist", tp=1)
+    assert not (tmp_path / "no").exists()

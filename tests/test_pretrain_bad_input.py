@@ -121,8 +121,15 @@ def test_load_root_not_writable_is_refused_before_start(tmp_path, capsys):
     (["--position-embedding-type", "learned_absolute", "--rotary-base", "500000"],
      "but position_embedding_type='learned_absolute'; give --position-embedding-type rope"),
     (["--position-embedding-type", "none", "--rotary-percent", "0.5"], "but position_embedding_type='none'"),
+    (["--rope-scaling-type", "llama3", "--rope-scaling-factor", "8"], "rope_scaling_type='llama3' "
+     "(--rope-scaling-type) scales rotary embeddings, but position_embedding_type='learned_absolute'"),
+    (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "rope_scaling_factor set a rope scaling, "
+     "but rope_scaling_type is 'none'"),
+    (["--position-embedding-type", "rope", "--rope-scaling-type", "llama3", "--rope-low-freq-factor", "4"],
+     "llama3 rope needs rope_high_freq_factor (4.0) greater than rope_low_freq_factor (4.0)"),
 ], ids=["groups-not-dividing-heads", "swiglu-ffn-below-tp", "rotary-percent-0", "rotary-percent-1.5",
-        "rotary-base-with-learned-positions", "rotary-percent-without-positions"])
+        "rotary-base-with-learned-positions", "rotary-percent-without-positions", "rope-scaling-without-rope",
+        "rope-factor-without-scaling", "llama3-frequency-factors"])
 def test_llama_flag_errors(capsys, tmp_path, argv, needle):
     """The Llama family's flags: one paragraph naming the value and what is valid, before any process
     starts, nothing created."""

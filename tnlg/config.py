@@ -20,7 +20,7 @@ from .errors import UserError
 __all__ = ["GPTConfig", "divisors", "partition_sizes", "stage_layer_counts", "padded_vocab_size", "PRESETS", "RECOMPUTE_GRANULARITIES",
            "LR_DECAY_STYLES", "POSITION_EMBEDDING_TYPES", "NORMALIZATIONS", "arch_fields", "pretrain_fields",
            "stage_parts", "group_ranges", "LLAMA", "option", "flag_of",
-           "option_fields"]
+           "option_fields", "ROPE_SCALING_TYPES"]
 
 # ----------------------------------------------------------------- declarations
 # A declared field carries its flag, help and check in its metadata; GPTConfig declares the model's fields
@@ -90,6 +90,10 @@ def positive(v) -> Optional[str]:
     return None if ok else "be a positive number"
 
 
+def optional_positive(v) -> Optional[str]:
+    return None if v is None or positive(v) is None else "be a positive number (or unset)"
+
+
 def boolean(v) -> Optional[str]:
     return None if isinstance(v, bool) else "be True or False"
 
@@ -155,6 +159,9 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 ARCH: dict[str, Any] = dict(arch=True)           # recorded in checkpoints, compared on load
 MODEL: dict[str, Any] = dict(arch=True, pretrain=True)  # ... and a ``tnlg pretrain`` model option
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+# rope's scalings, transformers' rope_type names (docs/llama.md: the inverse frequencies of each)
+ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+NO_MEGATRON: dict[str, Any] = dict(megatron="")  # a field no Megatron-LM argument carries (export: default only)
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
@@ -258,6 +265,29 @@ class GPTConfig:
                                 "(transformers' rope_theta)", **MODEL)
     rotary_percent: float = option(1.0, check=in_unit_interval, help="with rope: the share of each head's "
                                    "dimensions rotated", **MODEL)
+    rope_scaling_type: str = option("none", check=one_of(*ROPE_SCALING_TYPES), choices=list(ROPE_SCALING_TYPES),
+                                    help="with rope: scaled rotary frequencies, transformers' rope_type (linear, "
+                                    "dynamic, yarn, llama3: docs/llama.md); none: unscaled", **MODEL, **NO_MEGATRON)
+    rope_scaling_factor: float = option(1.0, check=positive, help="with --rope-scaling-type: its factor",
+                                        **MODEL, **NO_MEGATRON)
+    rope_low_freq_factor: float = option(1.0, check=positive, help="llama3 rope: low_freq_factor", **MODEL,
+                                         **NO_MEGATRON)
+    rope_high_freq_factor: float = option(4.0, check=positive, help="llama3 rope: high_freq_factor", **MODEL,
+                                          **NO_MEGATRON)
+    rope_original_max_position: Optional[int] = option(
+        None, check=optional_positive_int, every="the sequence length", help="llama3 and yarn rope: the "
+        "pretraining length (original_max_position_embeddings)", **MODEL, **NO_MEGATRON)
+    rope_beta_fast: float = option(32.0, check=positive, help="yarn rope: beta_fast", **MODEL, **NO_MEGATRON)
+    rope_beta_slow: float = option(1.0, check=positive, help="yarn rope: beta_slow", **MODEL, **NO_MEGATRON)
+    rope_mscale: Optional[float] = option(None, check=optional_positive, help="yarn rope: mscale", **MODEL,
+                                          **NO_MEGATRON)
+    rope_mscale_all_dim: Optional[float] = option(None, check=optional_positive, help="yarn rope: mscale_all_dim",
+                                                  **MODEL, **NO_MEGATRON)
+    rope_attention_factor: Optional[float] = option(
+        None, check=optional_positive, every="from the factor (and mscale)", help="yarn rope: the factor on cos "
+        "and sin (attention_factor)", **MODEL, **NO_MEGATRON)
+    rope_truncate: bool = option(True, check=boolean, negative="--no-rope-truncate", help="yarn rope: round the "
+                                 "correction range to whole dimensions (truncate)", **MODEL, **NO_MEGATRON)
     normalization: str = option("LayerNorm", check=one_of(*NORMALIZATIONS), choices=list(NORMALIZATIONS),
                                 help="LayerNorm (GPT-2) or RMSNorm (Llama: no mean, no bias)", **MODEL)
     swiglu: bool = option(False, check=boolean, help="SwiGLU MLP: silu(x W_gate) * (x W_up), then the down "
@@ -272,6 +302,18 @@ class GPTConfig:
                                    help="--disable-bias-linear: no bias in any linear layer (Llama)", **MODEL)
     add_qkv_bias: bool = option(False, check=boolean, help="biases on the query/key/value projections even "
                                 "with --disable-bias-linear (Qwen2)", **MODEL)
+    add_attn_bias: bool = option(False, check=boolean, help="biases on the query/key/value and attention output "
+                                 "projections even with --disable-bias-linear (Llama's attention_bias)", **MODEL,
+                                 **NO_MEGATRON)
+    add_mlp_bias: bool = option(False, check=boolean, help="biases on the MLP's projections even with "
+                                "--disable-bias-linear (Llama's mlp_bias)", **MODEL, **NO_MEGATRON)
+    scale_attn_weights: bool = option(True, check=boolean, negative="--no-scale-attn-weights",
+                                      help="divide the attention scores by sqrt(head_dim); "
+                                      "--no-scale-attn-weights: no scaling (GPT-2's scale_attn_weights false)",
+                                      **MODEL, **NO_MEGATRON)
+    scale_attn_by_inverse_layer_idx: bool = option(False, check=boolean, help="divide layer i's attention "
+                                                   "scores (0-based i) by i + 1 as well (GPT-2's field)", **MODEL,
+                                                   **NO_MEGATRON)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -313,10 +355,64 @@ class GPTConfig:
                              f"(--rotary-base / --rotary-percent) set rotary embeddings, but "
                              f"position_embedding_type={self.position_embedding_type!r}; give "
                              "--position-embedding-type rope with them, or drop them.")
+        self._check_rope_scaling()
         if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise ValueError(f"rotary_percent={self.rotary_percent} of head_dim={self.head_dim} rotates "
                              f"{self.head_dim * self.rotary_percent:g} dimensions; rope needs an even number "
                              "of at least 2 (rotate-half pairs dimension i with i + rotated / 2).")
+
+    _ROPE_SCALING_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                            "rope_original_max_position", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                            "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate")
+
+    def _check_rope_scaling(self) -> None:
+        """A scaling needs rope; its fields need a scaling; llama3's two frequency factors must differ."""
+        kind = self.rope_scaling_type
+        given = [f.name for f in dataclasses.fields(self) if f.name in self._ROPE_SCALING_FIELDS
+                 and getattr(self, f.name) != f.default]
+        if kind != "none" and self.position_embedding_type != "rope":
+            raise ValueError(f"rope_scaling_type={kind!r} (--rope-scaling-type) scales rotary embeddings, but "
+                             f"position_embedding_type={self.position_embedding_type!r}; give "
+                             "--position-embedding-type rope with it, or drop it.")
+        if kind == "none" and given:
+            raise ValueError(f"{', '.join(given)} set a rope scaling, but rope_scaling_type is 'none'; give "
+                             f"--rope-scaling-type (one of {', '.join(ROPE_SCALING_TYPES[1:])}) with them, or drop "
+                             "them.")
+        if kind == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"llama3 rope needs rope_high_freq_factor ({self.rope_high_freq_factor}) greater than "
+                             f"rope_low_freq_factor ({self.rope_low_freq_factor}): the frequencies between the two "
+                             "wavelengths are interpolated.")
+
+    @property
+    def rope_scaling(self) -> Optional[dict]:
+        """The rope scaling :mod:`tnlg.parallel.rotary` computes (``None``: unscaled): its ``type`` and
+        parameters, the original length resolved (default ``seq_length``, as transformers'), and
+        ``max_position`` (``seq_length``, transformers' ``max_position_embeddings``)."""
+        if self.position_embedding_type != "rope" or self.rope_scaling_type == "none":
+            return None
+        return dict(type=self.rope_scaling_type, factor=self.rope_scaling_factor,
+                    low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                    original_max_position=self.rope_original_max_position or self.seq_length,
+                    beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow, mscale=self.rope_mscale,
+                    mscale_all_dim=self.rope_mscale_all_dim, attention_factor=self.rope_attention_factor,
+                    truncate=self.rope_truncate, max_position=self.seq_length)
+
+    def attention_score_scale(self, layer: int) -> float:
+        """What layer ``layer`` (0-based) multiplies its attention scores by on top of ``1 / sqrt(head_dim)``:
+        ``sqrt(head_dim)`` without ``scale_attn_weights`` (no scaling at all), divided by ``layer + 1`` with
+        ``scale_attn_by_inverse_layer_idx`` (GPT-2's two fields); 1.0 for every other model."""
+        scale = 1.0 if self.scale_attn_weights else math.sqrt(self.head_dim)
+        return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
+
+    @property
+    def attn_out_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.add_bias_linear or self.add_attn_bias
+
+    @property
+    def mlp_biases(self) -> bool:
+        """Whether the MLP's projections have biases."""
+        return self.add_bias_linear or self.add_mlp_bias
 
     @property
     def kv_groups(self) -> int:
@@ -334,7 +430,7 @@ class GPTConfig:
     @property
     def qkv_bias(self) -> bool:
         """Whether the query/key/value projections have biases."""
-        return self.add_bias_linear or self.add_qkv_bias
+        return self.add_bias_linear or self.add_qkv_bias or self.add_attn_bias
 
     @property
     def effective_recompute_granularity(self) -> Optional[str]:
@@ -404,7 +500,7 @@ class GPTConfig:
         biases, the learned position embedding ``s h`` (if any) and the final norm. GPT-2:
         ``l (2h + h + 2h + h) + s h + 2h``."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length
-        per_layer = 2 * self.norm_parameters() + (2 * h if self.add_bias_linear else 0)
+        per_layer = 2 * self.norm_parameters() + (h if self.attn_out_bias else 0) + (h if self.mlp_biases else 0)
         positions = s * h if self.position_embedding_type == "learned_absolute" else 0
         return l * per_layer + positions + self.norm_parameters()
 
@@ -426,7 +522,7 @@ class GPTConfig:
         shard_rows = padded_vocab_size(vocab, tp, self.make_vocab_size_divisible_by) // tp
         replicated = self.replicated_parameters()
         tables = 2 if self.untie_embeddings_and_output_weights else 1  # embedding (+ output layer)
-        mats, bias = (2 if self.swiglu else 1), (1 if self.add_bias_linear else 0)
+        mats, bias = (2 if self.swiglu else 1), (1 if self.mlp_biases else 0)
         out = []
         for r, (heads, groups, ffn) in enumerate(zip(self.heads_per_rank(tp), self.kv_groups_per_rank(tp),
                                                      self.ffn_per_rank(tp))):

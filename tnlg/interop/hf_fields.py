@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..config import boolean, fraction, optional_positive_int, positive, positive_int
+from ..config import boolean, fraction, optional_positive, optional_positive_int, positive, positive_int
 from ..errors import UserError
+from .hf_llama import ROPE_KEYS
 
-__all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "UNDECLARED", "check_counts", "check_fields", "rope_type",
+__all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "ROPE_TYPES", "UNDECLARED", "check_counts",
+           "check_fields", "rope_type",
            "window_layers"]
 
 _NOT_READ = "not read by the causal LM's forward"
@@ -57,6 +59,8 @@ HONOURED = {
         "resid_pdrop": "hidden_dropout (training only)", "attn_pdrop": "attention_dropout (training only)",
         "embd_pdrop": "training only; tnlg's embedding dropout is hidden_dropout (written back as such)",
         "initializer_range": "init_method_std (initialisation only)",
+        "scale_attn_weights": "scale_attn_weights (false: the scores are not divided by sqrt(head_dim))",
+        "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx (layer i's scores divided by i + 1)",
     },
     "llama": {
         "model_type": "picks LlamaForCausalLM", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
@@ -64,7 +68,8 @@ HONOURED = {
         "num_attention_heads": "num_attention_heads",
         "num_key_value_heads": "num_query_groups (grouped-query attention when fewer than the heads)",
         "max_position_embeddings": "seq_length", "rms_norm_eps": "layernorm_epsilon (RMSNorm)",
-        "rope_parameters": "rotary_base (rope_theta); a rope_type other than default is refused by name",
+        "rope_parameters": "rotary_base (rope_theta) and the rope_* fields of rope_type linear, dynamic, yarn or "
+                           "llama3 (docs/llama.md); another rope_type (longrope, ...) is refused by name",
         "tie_word_embeddings": "untie_embeddings_and_output_weights (a file whose lm_head differs from the "
                                "embedding loads untied, as transformers keeps them apart)",
         "attention_dropout": "attention_dropout (training only)",
@@ -72,6 +77,8 @@ HONOURED = {
     },
 }
 HONOURED["qwen2"] = dict(HONOURED["llama"], model_type="picks Qwen2ForCausalLM (biases on Q, K, V: add_qkv_bias)")
+HONOURED["llama"].update(attention_bias="add_attn_bias: biases on q/k/v and o_proj (with mlp_bias: add_bias_linear)",
+                         mlp_bias="add_mlp_bias: biases on gate/up/down (with attention_bias: add_bias_linear)")
 
 IGNORED = {
     "gpt2": dict(COMMON_IGNORED, **{
@@ -126,17 +133,10 @@ _WINDOW = ("a sliding window that some layer applies within max_position_embeddi
            "(tnlg attends to every earlier position)")
 REFUSED: dict[str, dict[str, tuple[Callable, str]]] = {
     "gpt2": {
-        "scale_attn_weights": (lambda c: c.scale_attn_weights is True, "tnlg scales the attention scores by "
-                               "1/sqrt(head_dim); scale_attn_weights false (no scaling) is not supported yet"),
-        "scale_attn_by_inverse_layer_idx": (lambda c: c.scale_attn_by_inverse_layer_idx is False,
-                                            "dividing layer i's attention scores by i + 1 is not supported yet"),
         "add_cross_attention": (lambda c: c.add_cross_attention is False, "cross-attention (an encoder's "
                                 "states) is not part of a causal LM tnlg runs"),
     },
     "llama": {
-        "attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported yet "
-                           "(tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)"),
-        "mlp_bias": (lambda c: c.mlp_bias is False, "biases on the SwiGLU MLP are not supported yet"),
         "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
         "head_dim": (_hidden_over_heads, _EQUAL_HEADS),
     },
@@ -160,6 +160,41 @@ UNDECLARED = {
 
 
 # --------------------------------------------------------------------------- checks
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# each scaled type's keys: (check, whether transformers needs the key); yarn's factor may be missing
+# (max_position_embeddings / original_max_position_embeddings), its other keys have defaults
+_ROPE_CHECKS: dict[str, Callable] = dict(factor=positive, low_freq_factor=positive, high_freq_factor=positive,
+                                         original_max_position_embeddings=positive_int, beta_fast=optional_positive,
+                                         beta_slow=optional_positive, mscale=optional_positive,
+                                         mscale_all_dim=optional_positive, attention_factor=optional_positive,
+                                         truncate=boolean)
+
+
+def _rope_wrong(rope: Any, kind) -> list[str]:
+    """What is wrong with a ``rope_parameters`` of a valid ``rope_theta``: a ``rope_type`` tnlg does not
+    compute, a scaled type's value that is not valid, or a ``partial_rotary_factor`` (read by the scaled
+    types' frequencies, not by Llama's rotation, which then fails)."""
+    if kind not in ROPE_TYPES:
+        return [f"rope_parameters has rope_type {_shown(kind)}: tnlg computes rope_type {', '.join(ROPE_TYPES)} "
+                "(longrope and the others are not supported yet)"]
+    if kind == "default":
+        return []
+    optional = {"truncate"} | ({"factor"} if kind == "yarn" else set())
+    wrong = []
+    for key in ROPE_KEYS[kind]:
+        value = rope.get(key)
+        must = None if value is None and key in optional else _ROPE_CHECKS[key](value)
+        if must:
+            wrong.append(f"rope_parameters' {key} {_shown(value)} must {must}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        wrong.append(f"rope_parameters' partial_rotary_factor {_shown(rope['partial_rotary_factor'])} must be 1.0 "
+                     f"(a {kind} rope over part of each head is not computed by Llama's attention)")
+    if kind == "llama3" and not wrong and rope["high_freq_factor"] <= rope["low_freq_factor"]:
+        wrong.append(f"rope_parameters' high_freq_factor {rope['high_freq_factor']} must be greater than its "
+                     f"low_freq_factor {rope['low_freq_factor']}")
+    return wrong
+
 
 def _counts(kind: str) -> dict[str, Callable]:
     if kind == "gpt2":
@@ -211,9 +246,8 @@ def check_fields(c, kind: str, where: str) -> None:
     rope = getattr(c, "rope_parameters", None)
     if kind != "gpt2" and not (isinstance(rope, dict) and positive(rope.get("rope_theta")) is None):
         wrong.append(f"rope_parameters {_shown(rope)} must hold a positive rope_theta")
-    elif kind != "gpt2" and rope_type(c) != "default":
-        wrong.append(f"rope_parameters has rope_type {_shown(rope_type(c))}: scaled rope (llama3, yarn, linear, "
-                     "dynamic, longrope) is not supported yet; tnlg's rope is the default (rope_theta only)")
+    elif kind != "gpt2":
+        wrong += _rope_wrong(rope, rope_type(c))
     if not wrong:  # the refused fields' tests need valid counts
         told = set()
         for name, (accepts, why) in REFUSED[kind].items():

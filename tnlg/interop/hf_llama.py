@@ -7,12 +7,16 @@ rows ``[head][q, k, v][d]``. ``gate_proj`` and ``up_proj`` are ``mlp.c_fc.weight
 first), ``down_proj`` ``mlp.c_proj.weight``, ``o_proj`` ``attn.c_proj.weight``; ``input_layernorm``,
 ``post_attention_layernorm`` and ``model.norm`` are ``ln_1``, ``ln_2`` and ``ln_f``; ``embed_tokens`` is
 ``transformer.wte`` and ``lm_head`` is ``lm_head`` (untied), or the embedding (tied). Qwen2 adds the
-query/key/value biases (``add_qkv_bias``). Rope is transformers' default (rotate-half, ``rope_theta``);
-a scaled rope (``rope_type`` other than ``default``) is refused.
+query/key/value biases (``add_qkv_bias``); a Llama's ``attention_bias`` (q/k/v and ``o_proj``) is
+``add_attn_bias``, its ``mlp_bias`` (gate/up/down) ``add_mlp_bias``, both ``add_bias_linear``. Rope is
+rotate-half with ``rope_theta``, scaled by ``rope_parameters``' ``rope_type`` (``linear``, ``dynamic``,
+``yarn``, ``llama3``: the ``rope_*`` fields of :class:`~tnlg.config.GPTConfig`; others are refused by
+:mod:`.hf_fields`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -20,11 +24,13 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 
-__all__ = ["LLAMA_TYPES", "hf_kind", "config_from_llama", "llama_config_from", "llama_to_tnlg", "tnlg_to_llama"]
+__all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from",
+           "llama_to_tnlg", "tnlg_to_llama"]
 
 LLAMA_TYPES = ("llama", "qwen2")
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
-          "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight"}
+          "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight",
+          "self_attn.o_proj.bias": "attn.c_proj.bias", "mlp.down_proj.bias": "mlp.c_proj.bias"}
 
 
 def hf_kind(cfg: GPTConfig) -> str:
@@ -34,25 +40,68 @@ def hf_kind(cfg: GPTConfig) -> str:
             and not cfg.swiglu and cfg.add_bias_linear and cfg.kv_groups == cfg.num_attention_heads)
     if gpt2:
         return "gpt2"
+    gpt2_only = not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx
     llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
-             and not cfg.add_bias_linear and cfg.rotary_percent == 1.0)
-    if llama:
-        return "qwen2" if cfg.add_qkv_bias else "llama"
+             and cfg.rotary_percent == 1.0 and not gpt2_only)
+    if llama:  # Qwen2: biases on q/k/v alone; Llama: none, or attention_bias / mlp_bias
+        return "qwen2" if cfg.add_qkv_bias and not (cfg.attn_out_bias or cfg.mlp_biases) else "llama"
     raise UserError("this model has no Hugging Face class: GPT2LMHeadModel is learned positions, LayerNorm, GELU, "
                     "full multi-head attention and biases; LlamaForCausalLM is rope over whole heads, RMSNorm, "
-                    "SwiGLU and no biases (Qwen2ForCausalLM: plus QKV biases); this one is "
+                    "SwiGLU, no biases or attention_bias / mlp_bias, attention scaled by 1/sqrt(head_dim) "
+                    "(Qwen2ForCausalLM: QKV biases alone); this one is "
                     f"position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
                     f"swiglu={cfg.swiglu}, add_bias_linear={cfg.add_bias_linear}, "
-                    f"rotary_percent={cfg.rotary_percent}. Nothing was written.")
+                    f"rotary_percent={cfg.rotary_percent}, scale_attn_weights={cfg.scale_attn_weights}, "
+                    f"scale_attn_by_inverse_layer_idx={cfg.scale_attn_by_inverse_layer_idx}. Nothing was written.")
 
 
-def _rope_theta(hf_config) -> float:
+# transformers' rope_parameters key -> GPTConfig field, per rope_type (what its ROPE_INIT_FUNCTIONS read)
+ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"}, "dynamic": {"factor": "rope_scaling_factor"},
+             "llama3": {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                        "high_freq_factor": "rope_high_freq_factor",
+                        "original_max_position_embeddings": "rope_original_max_position"},
+             "yarn": {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position",
+                      "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+                      "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor",
+                      "truncate": "rope_truncate"}}
+
+
+def _rope_fields(hf_config) -> dict:
+    """GPTConfig's rope fields of ``rope_parameters`` (the type checked by :mod:`.hf_fields`). Values
+    transformers reads as ``x or default`` (yarn's betas) take the default; yarn without a factor gets
+    ``max_position_embeddings / original_max_position_embeddings``, as transformers computes it."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in (None, "default"):
-        raise UserError(f"the Hugging Face {hf_config.model_type} config scales rope (rope_type {kind!r}); tnlg's "
-                        "rope is the unscaled default (rope_theta only). Nothing was written.")
-    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    out: dict = dict(rotary_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))))
+    if kind in (None, "default"):
+        return out
+    out["rope_scaling_type"] = kind
+    for key, field in ROPE_KEYS[kind].items():
+        value = rope.get(key)
+        if key in ("beta_fast", "beta_slow"):
+            value = value or None
+        if value is not None:
+            out[field] = value if key in ("truncate", "original_max_position_embeddings") else float(value)
+    if kind == "yarn" and rope.get("factor") is None:
+        out["rope_scaling_factor"] = hf_config.max_position_embeddings / out["rope_original_max_position"]
+    return out
+
+
+def rope_parameters_of(cfg: GPTConfig) -> dict:
+    """transformers' ``rope_parameters`` of ``cfg`` (the inverse of :func:`_rope_fields`): the type's keys,
+    defaults left out where transformers has the same default."""
+    out: dict = dict(rope_type="default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
+                     rope_theta=cfg.rotary_base)
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    for key, field in ROPE_KEYS.get(cfg.rope_scaling_type, {}).items():
+        value = getattr(cfg, field)
+        if key == "original_max_position_embeddings":
+            value = value or cfg.seq_length
+        elif value is None or (key not in ("factor", "low_freq_factor", "high_freq_factor")
+                               and value == defaults[field]):
+            continue
+        out[key] = value
+    return out
 
 
 def config_from_llama(hf_config, **overrides) -> GPTConfig:
@@ -63,17 +112,20 @@ def config_from_llama(hf_config, **overrides) -> GPTConfig:
     if head_dim * heads != hf_config.hidden_size:
         raise UserError(f"the Hugging Face config has head_dim {head_dim} x {heads} heads != hidden_size "
                         f"{hf_config.hidden_size}; tnlg needs head_dim = hidden_size / heads. Nothing was written.")
-    if getattr(hf_config, "hidden_act", "silu") != "silu" or getattr(hf_config, "mlp_bias", False):
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"the Hugging Face {hf_config.model_type} config has hidden_act "
-                        f"{getattr(hf_config, 'hidden_act', None)!r} / mlp_bias {getattr(hf_config, 'mlp_bias', False)}"
-                        "; tnlg's SwiGLU is silu without MLP biases. Nothing was written.")
-    qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+                        f"{getattr(hf_config, 'hidden_act', None)!r}; tnlg's SwiGLU is silu. Nothing was written.")
+    llama = hf_config.model_type == "llama"  # (Qwen2 never reads attention_bias or mlp_bias)
+    attn_bias = llama and getattr(hf_config, "attention_bias", False) is True
+    mlp_bias = llama and getattr(hf_config, "mlp_bias", False) is True
+    every = attn_bias and mlp_bias  # biases on every linear layer: Megatron's add_bias_linear
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
                   seq_length=hf_config.max_position_embeddings, vocab_size=hf_config.vocab_size,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=float(hf_config.rms_norm_eps),
                   init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
-                  position_embedding_type="rope", rotary_base=_rope_theta(hf_config), normalization="RMSNorm",
-                  swiglu=True, add_bias_linear=False, add_qkv_bias=qkv_bias,
+                  position_embedding_type="rope", normalization="RMSNorm", **_rope_fields(hf_config),
+                  swiglu=True, add_bias_linear=every, add_qkv_bias=not llama, add_attn_bias=attn_bias and not every,
+                  add_mlp_bias=mlp_bias and not every,
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
                   attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0)
@@ -87,13 +139,13 @@ def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                   num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.seq_length,
-                  rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rotary_base, hidden_act="silu",
+                  rms_norm_eps=cfg.layernorm_epsilon, rope_parameters=rope_parameters_of(cfg), hidden_act="silu",
                   tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
                   attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
                   bos_token_id=eod_id, eos_token_id=eod_id)
     if kind == "qwen2":
         return transformers.Qwen2Config(use_sliding_window=False, **common)
-    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    return transformers.LlamaConfig(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_biases, **common)
 
 
 def _per_head(q, k, v, heads: int) -> torch.Tensor:
@@ -122,7 +174,8 @@ def llama_to_tnlg(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     heads, groups = cfg.num_attention_heads, cfg.kv_groups
     for i, p in attn.items():
         pre = f"transformer.h.{i}."
-        out[pre + "mlp.c_fc.weight"] = torch.stack([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+        for kind in ("weight", "bias") if cfg.mlp_biases else ("weight",):
+            out[pre + f"mlp.c_fc.{kind}"] = torch.stack([p[f"mlp.gate_proj.{kind}"], p[f"mlp.up_proj.{kind}"]])
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = (p[f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             if groups == heads:
@@ -147,8 +200,8 @@ def tnlg_to_llama(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
         kind = rest.rsplit(".", 1)[1]
         if rest in back:
             out[pre + back[rest]] = t
-        elif rest == "mlp.c_fc.weight":
-            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = t[0], t[1]
+        elif rest.startswith("mlp.c_fc."):
+            out[pre + f"mlp.gate_proj.{kind}"], out[pre + f"mlp.up_proj.{kind}"] = t[0], t[1]
         elif rest.startswith("attn.c_attn."):
             q, k, v = t.reshape(heads, 3, -1, *t.shape[1:]).unbind(1)
             for x, y in zip("qkv", (q, k, v)):

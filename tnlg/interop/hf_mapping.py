@@ -58,7 +58,9 @@ def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
                   num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
                   vocab_size=hf_config.vocab_size, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
                   hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
-                  layernorm_epsilon=hf_config.layer_norm_epsilon, init_method_std=hf_config.initializer_range)
+                  layernorm_epsilon=hf_config.layer_norm_epsilon, init_method_std=hf_config.initializer_range,
+                  scale_attn_weights=hf_config.scale_attn_weights,
+                  scale_attn_by_inverse_layer_idx=hf_config.scale_attn_by_inverse_layer_idx)
     fields.update(overrides)
     return GPTConfig(**fields)
 
@@ -79,7 +81,9 @@ def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
                       attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
                       initializer_range=cfg.init_method_std,
                       activation_function=_TANH_GELU[0] if cfg.openai_gelu else _EXACT_GELU[0],
-                      tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
+                      tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+                      scale_attn_weights=cfg.scale_attn_weights,
+                      scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx)
 
 
 def _qkv_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 from .hf_mapping import CLASSES as MODEL_CLASSES
 from .hf_mapping import check_model_type, config_from_hf, hf_to_tnlg_state_dict
-from .hf_fields import check_counts, check_fields
+from .hf_fields import ROPE_TYPES, check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
 from .megatron.safe_load import reason, shown
 
@@ -81,7 +81,8 @@ def _raw_config(folder: str) -> dict:
 
 
 def _refused_by_name(folder: str, raw: dict) -> None:
-    """What is refused by name before transformers reads the config: quantization and scaled rope."""
+    """What is refused by name before transformers reads the config: quantization and a rope_type tnlg does
+    not compute."""
     if raw.get("quantization_config") is not None:
         method = raw["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -90,10 +91,10 @@ def _refused_by_name(folder: str, raw: dict) -> None:
     for key in ("rope_parameters", "rope_scaling"):
         rope = raw.get(key)
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-        if kind not in (None, "default"):
-            raise _bad(folder, f"config.json's {key} has rope_type {str(kind)[:40]!r}: scaled rope (llama3, yarn, "
-                       "linear, dynamic, longrope) is not supported yet; tnlg's rope is the default (rope_theta "
-                       "only).")
+        if kind is not None and kind not in ROPE_TYPES:
+            raise _bad(folder, f"config.json's {key} has rope_type {str(kind)[:40]!r}, which tnlg does not compute "
+                       f"(longrope and the others are not supported yet); tnlg computes rope_type "
+                       f"{', '.join(ROPE_TYPES)}.")
 
 
 def _prefixed(kind: str, names) -> dict:

@@ -129,6 +129,9 @@ class ParallelAttention(nn.Module):
         heads = cfg.heads_per_rank(ps.tp_size)
         self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
         self.dropout = cfg.attention_dropout
+        # GPT-2's scale_attn_weights / scale_attn_by_inverse_layer_idx: a factor on the queries, so every core
+        # (SDPA, the dropout stream, the ring and its backward) applies it with its own 1 / sqrt(d)
+        self.score_scale = cfg.attention_score_scale(layer_idx)
         self.tp_random = tp_random
         self.recompute_core = cfg.effective_recompute_granularity == "selective"
         self.grouped = cfg.kv_groups != cfg.num_attention_heads
@@ -156,7 +159,7 @@ class ParallelAttention(nn.Module):
             self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
                                                sequence_parallel=sp, device=device, init_method=init,
                                                seed=cfg.seed, init_key=join_key(init_key, "c_attn"))
-        self.c_proj = RowParallelLinear(h, h, ps, bias=cfg.add_bias_linear, input_is_parallel=True,
+        self.c_proj = RowParallelLinear(h, h, ps, bias=cfg.attn_out_bias, input_is_parallel=True,
                                         partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
         # the attention core: the ring over the CP group with context parallelism, else SDPA over the local sequence
@@ -186,6 +189,8 @@ class ParallelAttention(nn.Module):
         s = q.shape[2]
         if ctx.rotary is not None:  # (cos, sin) of the tokens' positions
             q, k = rotate_qk(q, k, *ctx.rotary)
+        if self.score_scale != 1.0:  # the scores q k^T scaled as the config says (GPT-2's fields)
+            q = q * self.score_scale
         if ctx.kv_cache is not None:
             k, v = self._cached(ctx.kv_cache, k, v)
         kv_len, attention_mask = k.shape[2], ctx.attention_mask

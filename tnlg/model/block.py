@@ -47,10 +47,10 @@ class ParallelMLP(nn.Module):
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.swiglu = cfg.swiglu
         fc = GatedColumnParallelLinear if cfg.swiglu else ColumnParallelLinear
-        self.c_fc = fc(cfg.hidden_size, ffn, ps, bias=cfg.add_bias_linear, partition_sizes=sizes,
+        self.c_fc = fc(cfg.hidden_size, ffn, ps, bias=cfg.mlp_biases, partition_sizes=sizes,
                        sequence_parallel=sp, device=device, init_method=init, seed=cfg.seed,
                        init_key=join_key(init_key, "c_fc"))
-        self.c_proj = RowParallelLinear(ffn, cfg.hidden_size, ps, bias=cfg.add_bias_linear,
+        self.c_proj = RowParallelLinear(ffn, cfg.hidden_size, ps, bias=cfg.mlp_biases,
                                         partition_sizes=sizes, sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
 

@@ -197,7 +197,7 @@ class DecoderBase(nn.Module):
             return None
         if position_ids is None:
             position_ids = self.positions(seq_len, offset, device)
-        return rotary_angles(position_ids, cfg.rotary_dim, cfg.rotary_base)
+        return rotary_angles(position_ids, cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling)
 
     def head(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``ln_f`` and the parallel LM head (tied to the embedding, or untied): this rank's vocabulary

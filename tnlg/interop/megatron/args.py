@@ -24,8 +24,8 @@ from ...errors import UserError
 from .core_fields import check_refused
 from .safe_load import shown
 
-__all__ = ["MegatronLayout", "check_sizes", "or_default", "whole", "check_supported", "known_vocab_size", "layout_of",
-           "config_from_args", "args_for"]
+__all__ = ["MegatronLayout", "MEGATRON_LLAMA3", "check_megatron_expressible", "check_sizes", "or_default", "whole",
+           "check_supported", "known_vocab_size", "layout_of", "config_from_args", "args_for"]
 
 # the values tnlg models of Megatron arguments that select among several (one clear error for the others)
 _CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalization", NORMALIZATIONS))
@@ -144,8 +144,8 @@ def _declared(args, where: str) -> dict:
     for those not saved); the fields of :data:`_DERIVED` are left to :func:`config_from_args`."""
     out = {}
     for f in dataclasses.fields(GPTConfig):
-        if not f.metadata.get("arch") or f.name in _DERIVED:
-            continue
+        if not f.metadata.get("arch") or f.name in _DERIVED or f.metadata.get("megatron") == "":
+            continue  # (a field no Megatron argument carries keeps its default; the rope scaling: _rope_scaling)
         value = _plain(args, f.metadata.get("megatron", f.name), where)
         if value is None:
             value = _required(args, f.name, where) if f.name in _REQUIRED else _MEGATRON_DEFAULTS.get(f.name, f.default)
@@ -155,7 +155,41 @@ def _declared(args, where: str) -> dict:
             value = int(value)  # an older run's integral float (check_sizes has checked the sizes)
         out[f.name] = value
     out["position_embedding_type"] = _position_type(args, where)
+    out.update(_rope_scaling(args, where))
     return out
+
+
+# megatron-core's RotaryEmbedding._apply_scaling: Llama 3.1's scaling with these fixed (only the factor is an argument)
+MEGATRON_LLAMA3 = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
+
+
+def _rope_scaling(args, where: str) -> dict:
+    """``--use-rope-scaling --rope-scaling-factor F`` (megatron-core 0.16.1: Llama 3.1's scaling, low / high
+    frequency factors 1 and 4, original length 8192) as GPTConfig's llama3 rope fields."""
+    if not _plain(args, "use_rope_scaling", where):
+        return {}
+    factor = _plain(args, "rope_scaling_factor", where)
+    factor = 8.0 if factor is None else factor  # (Megatron-LM's default)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise UserError(f"{where}: the checkpoint's args set use_rope_scaling with rope_scaling_factor="
+                        f"{shown(factor)}, not a positive number. Nothing was written.")
+    return dict(rope_scaling_type="llama3", rope_scaling_factor=float(factor), **MEGATRON_LLAMA3)
+
+
+def check_megatron_expressible(cfg: GPTConfig) -> None:
+    """One :class:`UserError` when Megatron-LM's arguments cannot carry ``cfg``: a field no Megatron argument
+    carries (``megatron=""`` in its declaration) away from its default, except Llama 3.1's rope scaling
+    with megatron-core's fixed frequency factors and length (``--use-rope-scaling``)."""
+    llama3 = cfg.rope_scaling_type == "llama3" and all(getattr(cfg, k) == v for k, v in MEGATRON_LLAMA3.items())
+    rope = set(MEGATRON_LLAMA3) | {"rope_scaling_type", "rope_scaling_factor"}
+    off = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(GPTConfig)
+           if f.metadata.get("megatron") == "" and getattr(cfg, f.name) != f.default
+           and not (llama3 and f.name in rope)]
+    if off:
+        raise UserError(f"the model sets {', '.join(off)}, which no Megatron-LM argument carries (megatron-core "
+                        "scales rope as Llama 3.1 with low_freq_factor 1, high_freq_factor 4 and original length "
+                        "8192 only, --use-rope-scaling, and has no attention-only or MLP-only biases nor GPT-2's "
+                        "attention scalings); a Megatron run would compute another model. Nothing was written.")
 
 
 def known_vocab_size(args) -> Optional[int]:
@@ -230,6 +264,9 @@ def _declared_args(cfg: GPTConfig) -> dict:
     ``add_position_embedding``)."""
     out = {f.metadata.get("megatron", f.name): getattr(cfg, f.name)
            for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch") and f.name != "vocab_size"}
+    out = {k: v for k, v in out.items() if k}  # (the fields no Megatron argument carries: "")
+    out.update(use_rope_scaling=cfg.rope_scaling_type == "llama3",
+               rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_type == "llama3" else 8.0)
     out.update(layernorm_epsilon=cfg.layernorm_epsilon, num_query_groups=cfg.kv_groups,
                use_rotary_position_embeddings=cfg.position_embedding_type == "rope",
                add_position_embedding=cfg.position_embedding_type == "learned_absolute")
@@ -242,6 +279,7 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
     ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
     checkpoint's recorded one, named in Megatron's tokenizer arguments."""
     import torch
+    check_megatron_expressible(cfg)
     divisible = cfg.make_vocab_size_divisible_by
     return argparse.Namespace(**_tokenizer_args(tokenizer), **_declared_args(cfg), **dict(
         kv_channels=cfg.head_dim, seq_length=cfg.seq_length, apply_layernorm_1p=False, squared_relu=False,

@@ -15,7 +15,8 @@ until it is placed):
   compute, and :func:`check_refused` names it in one paragraph before anything is written.
 
 :data:`REFUSED` also holds Megatron-LM arguments that are no ``TransformerConfig`` field but select the
-model (``squared_relu``, ``use_rope_scaling``, ...). A saved value of ``None`` is an argument the run
+model (``squared_relu``, ...); :data:`HONOURED_ARGS` those tnlg reads (``use_rope_scaling``).
+A saved value of ``None`` is an argument the run
 did not save: Megatron's default, which tnlg models.
 """
 
@@ -26,7 +27,7 @@ from typing import NamedTuple
 from ...errors import UserError
 from .safe_load import shown
 
-__all__ = ["HONOURED", "INERT", "REFUSED", "Refused", "inert_fields", "check_refused"]
+__all__ = ["HONOURED", "HONOURED_ARGS", "INERT", "REFUSED", "Refused", "inert_fields", "check_refused"]
 
 # field -> where tnlg reads it (the saved argument(s) and what it becomes)
 HONOURED: dict[str, str] = {
@@ -50,6 +51,13 @@ HONOURED: dict[str, str] = {
     "fp16": "the weights' element type, read from the tensors themselves",
     "bf16": "the weights' element type, read from the tensors themselves",
     "params_dtype": "the weights' element type, read from the tensors themselves",
+}
+
+# Megatron-LM arguments that are no TransformerConfig field but that tnlg reads (:mod:`.args`)
+HONOURED_ARGS: dict[str, str] = {
+    "use_rope_scaling": "rope_scaling_type llama3 (low/high frequency factors 1 and 4, original length 8192: "
+                        "megatron-core's RotaryEmbedding._apply_scaling), with rope_scaling_factor",
+    "rope_scaling_factor": "rope_scaling_factor (read with use_rope_scaling; Megatron-LM's default 8)",
 }
 
 # (fields, why none of them changes what the saved model computes)
@@ -186,7 +194,6 @@ REFUSED: dict[str, Refused] = {
     # Megatron-LM arguments that are no TransformerConfig field
     "squared_relu": _r("squared_relu", (False,), "a squared-ReLU MLP"),
     "quick_geglu": _r("quick_geglu", (False,), "a quick-GELU gated MLP"),
-    "use_rope_scaling": _r("use_rope_scaling", (False,), "Llama 3.1's scaled rope"),
     "rotary_seq_len_interpolation_factor": _r("rotary_seq_len_interpolation_factor", (1, 1.0),
                                               "rope with position interpolation"),
     "num_layers_per_virtual_pipeline_stage": _r("num_layers_per_virtual_pipeline_stage", (),
