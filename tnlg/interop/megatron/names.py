@@ -79,6 +79,8 @@ LAYER_ROLES: tuple[Role, ...] = (
     *_ln("ln_1", "input_layernorm", "self_attention.linear_qkv.layer_norm", "input_layernorm"),
     *_linear("attn.c_attn", 0, "self_attention.linear_qkv",
              ("self_attention.query_key_value", "attention.query_key_value"), 0),
+    *(Role(f"attn.{x}_norm.{p}", None, (f"self_attention.{x}_layernorm.{p}",), (f"self_attention.{x}_layernorm.{p}",))
+      for x in "qk" for p in ("weight", "bias")),  # qk_layernorm (megatron-core only: both specs' name)
     *_linear("attn.c_proj", 1, "self_attention.linear_proj", ("self_attention.dense", "attention.dense"), None),
     *_ln("ln_2", "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm", "post_attention_layernorm"),
     *_linear("mlp.c_fc", 0, "mlp.linear_fc1", ("mlp.dense_h_to_4h",), 0),
@@ -132,6 +134,8 @@ def _gqa(role: Role, take: str) -> Role:
 def _has(role: Role, cfg) -> bool:
     """Whether the configuration has this layer role's tensor (the model's biases and norms)."""
     name = role.tnlg
+    if name.startswith(("attn.q_norm.", "attn.k_norm.")):
+        return cfg.qk_layernorm and (name.endswith(".weight") or cfg.normalization == "LayerNorm")
     if name.endswith("ln_1.bias") or name.endswith("ln_2.bias"):
         return cfg.normalization == "LayerNorm"
     if name == "attn.c_attn.bias":
