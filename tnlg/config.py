@@ -285,7 +285,7 @@ class GPTConfig:
                                            "--window-size w-1 0)", **MODEL)
     window_layers: Optional[list[int]] = option(None, check=lambda v: None if v is None or (
         isinstance(v, list) and all(x in (0, 1) and not isinstance(x, bool) for x in v))
-        else "be a list of 0 / 1 per layer (or unset)", every="every layer", cli=False,
+        else "be a list of 0 / 1 per layer (or unset)", every="every layer", metavar="0|1",
         help="with --sliding-window: 1 for each layer that slides, 0 for one that attends to every earlier "
         "position (Megatron's --window-attn-skip-freq list)", **MODEL)
 
