@@ -95,7 +95,7 @@ def test_published_attention_variants_give_transformers_logits_at_tp_1_and_2(fol
     for tp in (1, 2):
         got = run_distributed(_logits, tp, tp, paths, _tokens())[0]
         for name, (_, ref) in folders.items():
-            torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} TP {tp}: {m}")
+            torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=(name, tp): f"{k}: {m}")
 
 
 def test_the_window_and_the_qk_norm_change_the_logits(folders):

@@ -249,8 +249,9 @@ def _mask_for(ring: _Ring, j: int, rows: slice, cols: slice, doc_ids: Optional[t
     if doc_ids is None and ring.window is None:
         return None
     pos_q, pos_k = ring.positions[ring.rank][rows], ring.positions[j][cols]
-    docs = (None, None) if doc_ids is None else (doc_ids[:, pos_q], doc_ids[:, pos_k])
-    return _block_mask(pos_q, pos_k, *docs, window=ring.window)
+    if doc_ids is None:
+        return _block_mask(pos_q, pos_k, None, None, window=ring.window)
+    return _block_mask(pos_q, pos_k, doc_ids[:, pos_q], doc_ids[:, pos_k], window=ring.window)
 
 
 def _outside(mask: Optional[torch.Tensor]) -> bool:
