@@ -348,7 +348,7 @@ class GPTConfig:
             raise ValueError(f"window_layers={layers} (--window-layers) is given without sliding_window "
                              "(--sliding-window W): give the window, or drop the layer list.")
         if layers is not None and len(layers) != self.num_layers:
-            raise ValueError(f"window_layers has {len(layers)} entries for num_layers={self.num_layers}: give one "
+            raise ValueError(f"window_layers (--window-layers) has {len(layers)} entries for num_layers={self.num_layers}: give one "
                              "0 (full attention) or 1 (sliding) per layer.")
 
     def layer_window(self, layer: int) -> Optional[int]:
