@@ -1,5 +1,6 @@
 """Training with sliding windows and Qwen3's attention: the same losses (fp32, 1e-5) over 5 optimizer steps at
-TP 1, TP 2 + sequence parallelism, CP 2 and PP 2, and the ring skipping the blocks outside the window.
+TP 1, TP 2 + sequence parallelism, TP 4 + SP (uneven heads, each KV group shared by two ranks: their QK norm
+gradients summed over TP), CP 2 and PP 2, and the ring skipping the blocks outside the window.
 
 Two decoders (the Llama family of tests/test_context_parallel_training.py: 6 heads over 2 KV groups): one
 with a window of 3 on every layer, shorter than a CP 2 chunk (16 / 4 = 4 positions), and one with Qwen3's
@@ -44,15 +45,17 @@ def _transformers_loss(cfg: GPTConfig, batch: dict) -> float:
 
 def _layouts(_ps, world: int) -> dict:
     """Worker: every decoder trained at this world's layouts (1: TP 1, the pipeline's reference and
-    transformers' first loss; 2: TP 2 + SP, CP 2, PP 2), on plain samples and with documents."""
+    transformers' first loss; 2: TP 2 + SP, CP 2, PP 2; 4: TP 4 + SP), on plain samples and with documents."""
     from tnlg.parallel.state import init_parallel
     out: dict = {}
-    layouts = [(1, 1, False)] if world == 1 else [(2, 1, True), (1, 2, False)]
+    layouts = {1: [(1, 1, False)], 2: [(2, 1, True), (1, 2, False)], 4: [(4, 1, True)]}[world]
     for tp, cp, sp in layouts:
         ps = init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
         for name, fields in DECODERS.items():
             cfg = GPTConfig(**fields, sequence_parallel=sp)
             out[(name, tp, cp)] = {docs: _train(ps, cfg, _data(docs)) for docs in (False, True)}
+    if world == 4:
+        return out
     ps = init_parallel(pipeline_parallel_size=world)
     for name, fields in DECODERS.items():
         out[(name, "pp", world)] = {docs: _train_micro(ps, GPTConfig(**fields), _data(docs, docs))
@@ -66,7 +69,7 @@ def _layouts(_ps, world: int) -> dict:
 def layouts():
     """Every layout's losses: one launch per world size."""
     out = {}
-    for world in (1, 2):
+    for world in (1, 2, 4):
         out.update(run_distributed(_layouts, world, 1, world, timeout_s=300)[0])
     return out
 
@@ -76,7 +79,7 @@ def test_tp_sp_and_cp_train_as_one_process(layouts, name):
     reference = layouts[(name, 1, 1)]
     assert reference[False][0] == pytest.approx(layouts[(name, "transformers")], rel=1e-5)
     assert reference[False][-1] < reference[False][0] - 0.5  # it trains
-    for key in ((name, 2, 1), (name, 1, 2)):
+    for key in ((name, 2, 1), (name, 4, 1), (name, 1, 2)):
         for docs in (False, True):
             torch.testing.assert_close(torch.tensor(layouts[key][docs]), torch.tensor(reference[docs]), **TOL,
                                        msg=lambda m, key=key, docs=docs: f"{key} documents={docs}: {m}")

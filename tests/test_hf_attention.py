@@ -4,7 +4,8 @@ layer, Qwen2's and Qwen3's per layer from ``layer_types``).
 
 Each reference is transformers' ``MistralForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM`` on
 random weights saved with ``save_pretrained``; tnlg reads the folder and must give its logits (fp32, 1e-5)
-at TP 1 and TP 2 (6 heads over 2 KV groups: uneven at TP 4, kept at TP 2), its greedy tokens (the KV cache
+at TP 1, 2 and 4 (6 heads over 2 KV groups: uneven at TP 4, each group shared by two ranks), its greedy
+tokens (the KV cache
 past the window), and write the folder back with the same architectural fields.
 """
 
@@ -88,11 +89,11 @@ def _logits(ps, folders: dict, tokens: torch.Tensor) -> dict:
     return out
 
 
-def test_published_attention_variants_give_transformers_logits_at_tp_1_and_2(folders):
+def test_published_attention_variants_give_transformers_logits_at_tp_1_2_and_4(folders):
     """Mistral's window, Mistral-Nemo's head width, Qwen3 (untied, tied, with per-layer windows) and
-    Qwen2's per-layer window: tnlg's logits are transformers' at TP 1 and 2."""
+    Qwen2's per-layer window: tnlg's logits are transformers' at TP 1, 2 and 4."""
     paths = {name: folder for name, (folder, _) in folders.items()}
-    for tp in (1, 2):
+    for tp in (1, 2, 4):
         got = run_distributed(_logits, tp, tp, paths, _tokens())[0]
         for name, (_, ref) in folders.items():
             torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=(name, tp): f"{k}: {m}")
