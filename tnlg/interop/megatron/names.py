@@ -79,12 +79,13 @@ LAYER_ROLES: tuple[Role, ...] = (
     *_ln("ln_1", "input_layernorm", "self_attention.linear_qkv.layer_norm", "input_layernorm"),
     *_linear("attn.c_attn", 0, "self_attention.linear_qkv",
              ("self_attention.query_key_value", "attention.query_key_value"), 0),
-    *(Role(f"attn.{x}_norm.{p}", None, (f"self_attention.{x}_layernorm.{p}",), (f"self_attention.{x}_layernorm.{p}",))
-      for x in "qk" for p in ("weight", "bias")),  # qk_layernorm (megatron-core only: both specs' name)
     *_linear("attn.c_proj", 1, "self_attention.linear_proj", ("self_attention.dense", "attention.dense"), None),
     *_ln("ln_2", "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm", "post_attention_layernorm"),
     *_linear("mlp.c_fc", 0, "mlp.linear_fc1", ("mlp.dense_h_to_4h",), 0),
     *_linear("mlp.c_proj", 1, "mlp.linear_fc2", ("mlp.dense_4h_to_h",), None),
+    # qk_layernorm (megatron-core only; both specs' name), last so that the indices above stay
+    *(Role(f"attn.{x}_norm.{p}", None, (f"self_attention.{x}_layernorm.{p}",), (f"self_attention.{x}_layernorm.{p}",))
+      for x in "qk" for p in ("weight", "bias")),
 )
 CORE_LAYER_PREFIX = "decoder.layers."
 LEGACY_LAYER_PREFIXES = ("language_model.encoder.layers.", "language_model.transformer.layers.")
