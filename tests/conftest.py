@@ -61,7 +61,7 @@ OPTIONAL_PACKAGES = {
 # megatron-core, DeepSpeed or a benchmark's smoke run. The README states its time; .ci/run runs it first.
 NOT_QUICK = {"test_bench_peers", "test_checkpoint", "test_compile", "test_deepspeed", "test_failures",
              "test_fuzz_megatron", "test_fuzz_readers", "test_gpu_check", "test_hang", "test_imports",
-             "test_megatron_bad_input", "test_megatron_checkpoint", "test_megatron_llama",
+             "test_megatron_attention", "test_megatron_bad_input", "test_megatron_checkpoint", "test_megatron_llama",
              "test_megatron_model_options", "test_megatron_optimizer", "test_megatron_resume", "test_memory_scale",
              "test_pipeline_compile", "test_pipeline_precision", "test_stop_signals"}
 

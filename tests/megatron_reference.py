@@ -42,6 +42,13 @@ def _patch_cuda_calls() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self  # the tied embedding's all-reduce between stages
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tu
+
+    def sliding_window_mask(sq, skv, window_size):  # megatron-core's own, on the CPU
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+    fused_softmax.get_sliding_window_causal_mask = tu.get_sliding_window_causal_mask = sliding_window_mask
 
 
 def padded(spec: dict) -> int:
@@ -54,14 +61,16 @@ def _llama_args(spec: dict) -> dict:
     """The Megatron-LM flags of ``spec["llama"]`` (a Llama-family run: ``--position-embedding-type rope
     --rotary-base B --rotary-percent P --normalization RMSNorm --norm-epsilon E --swiglu
     --group-query-attention --num-query-groups G --disable-bias-linear [--add-qkv-bias]`` and an untied
-    output layer), as ``pretrain_gpt.py`` saves them."""
+    output layer; ``spec["attn"]``: ``--kv-channels``, ``--qk-layernorm``, ``--window-size`` and
+    ``--window-attn-skip-freq``), as ``pretrain_gpt.py`` saves them."""
     ll = spec.get("llama")
     if not ll:
         return {}
     return dict(position_embedding_type="rope", rotary_base=ll["rotary_base"], rotary_percent=ll["rotary_percent"],
                 normalization="RMSNorm", norm_epsilon=ll["eps"], layernorm_epsilon=ll["eps"], swiglu=True,
                 group_query_attention=True, num_query_groups=ll["groups"], add_bias_linear=False,
-                add_qkv_bias=ll["qkv_bias"], rotary_interleaved=False, use_rope_scaling=False, openai_gelu=False)
+                add_qkv_bias=ll["qkv_bias"], rotary_interleaved=False, use_rope_scaling=False, openai_gelu=False,
+                **spec.get("attn", {}))
 
 
 def megatron_args(spec: dict) -> argparse.Namespace:
@@ -94,6 +103,7 @@ def _config(spec: dict):
         kw = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                   bias_activation_fusion=False, num_query_groups=ll["groups"], add_bias_linear=False,
                   add_qkv_bias=ll["qkv_bias"])
+        kw.update(spec.get("attn", {}))  # kv_channels, qk_layernorm, window_size, window_attn_skip_freq
     if spec.get("bf16"):
         kw.update(bf16=True, params_dtype=torch.bfloat16)
     return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
@@ -110,7 +120,8 @@ def build_model(spec: dict, pre: bool = True, post: bool = True):
     ll = spec.get("llama")
     rope = dict(position_embedding_type="rope", rotary_base=ll["rotary_base"],
                 rotary_percent=ll["rotary_percent"]) if ll else {}
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm" if ll else None)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm" if ll else None,
+                                          qk_layernorm=spec.get("attn", {}).get("qk_layernorm", False))
     return GPTModel(_config(spec), layer_spec, vocab_size=padded(spec), max_sequence_length=spec["seq"],
                     pre_process=pre, post_process=post, share_embeddings_and_output_weights=not spec["untie"], **rope)
 

@@ -1,4 +1,5 @@
-"""Every field of transformers' GPT2Config, LlamaConfig and Qwen2Config, as the installed transformers
+"""Every field of transformers' GPT2Config, LlamaConfig, Qwen2Config, MistralConfig and Qwen3Config, as the
+installed transformers
 declares it, is honoured, ignored (it does not change the logits) or refused at the values that change
 the model; a round trip through a tnlg checkpoint writes back the honoured fields unchanged."""
 
@@ -15,7 +16,8 @@ from .hf_reference import random_gpt2
 from .llama_reference import random_llama
 
 transformers = pytest.importorskip("transformers")
-CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+           "qwen3": "Qwen3Config"}
 
 
 def _declared(kind: str) -> set:
@@ -37,24 +39,22 @@ def test_every_declared_field_is_in_exactly_one_list(kind):
 
 SMALL = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=32)
-REFUSED_VALUES = [("gpt2", "add_cross_attention", True), ("llama", "hidden_act", "gelu"), ("llama", "head_dim", 16),
-                  ("qwen2", "hidden_act", "relu"), ("qwen2", "head_dim", 4), ("qwen2", "use_sliding_window", True),
-                  ("qwen2", "layer_types", ["sliding_attention", "full_attention"])]
+REFUSED_VALUES = [("gpt2", "add_cross_attention", True), ("llama", "hidden_act", "gelu"),
+                  ("qwen2", "hidden_act", "relu"), ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
+                  ("mistral", "hidden_act", "gelu"), ("qwen3", "hidden_act", "gelu"), ("qwen3", "attention_bias", True),
+                  ("qwen3", "layer_types", ["full_attention", "sliding_attention"])]
 
 
 def _config(kind, **fields):
     cls = getattr(transformers, CONFIGS[kind])
     if kind == "gpt2":
         return cls(n_layer=2, n_embd=48, n_head=6, n_positions=32, vocab_size=100, **fields)
-    if kind == "qwen2" and "use_sliding_window" in fields:
-        fields.update(sliding_window=8, max_window_layers=1)
     return cls(**SMALL, **fields)
 
 
 @pytest.mark.parametrize("kind,field,value", REFUSED_VALUES)
 def test_a_refused_field_is_accepted_at_its_default_and_refused_by_name_otherwise(kind, field, value):
-    assert set(f for k, f, _ in REFUSED_VALUES if k == kind) >= set(REFUSED[kind]) - {"sliding_window",
-                                                                                      "max_window_layers"}
+    assert set(f for k, f, _ in REFUSED_VALUES if k == kind) >= set(REFUSED[kind])
     check_fields(_config(kind), kind, "the model")
     with pytest.raises(UserError) as err:
         check_fields(_config(kind, **{field: value}), kind, "the model")

@@ -44,12 +44,12 @@ def test_an_hf_folder_of_another_model_type_is_refused_before_anything_is_writte
     from tnlg.generation.loading import precheck_checkpoint
     from tnlg.interop.hf_checkpoint import hf_to_checkpoint
     os.makedirs(tmp_path / "m")
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma"}))
     for call in (lambda: hf_to_checkpoint(str(tmp_path / "m"), str(tmp_path / "ck")),
                  lambda: precheck_checkpoint(str(tmp_path / "m"), None)):
         with pytest.raises(UserError) as e:
             call()
-        assert "'mistral'" in str(e.value) and "LlamaForCausalLM" in str(e.value) and "\n" not in str(e.value)
+        assert "'gemma'" in str(e.value) and "LlamaForCausalLM" in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "ck")
 
 

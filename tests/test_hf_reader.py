@@ -124,7 +124,7 @@ def test_sharded_bin_and_prefixless_folders_load_exactly(folders, tmp_path):
 
 # ----------------------------------------------------------------------------- Qwen2's sliding window
 
-WINDOW_CASES = {  # config fields -> whether the window changes the logits of a 32-token sequence
+WINDOW_CASES = {  # config fields -> whether the window changes the logits of a 32-token sequence (or cannot run)
     "window 8 from layer 1": (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), True),
     "layer_types naming layer 0": (dict(use_sliding_window=True, sliding_window=8,
                                         layer_types=["sliding_attention", "full_attention"]), True),
@@ -137,22 +137,21 @@ WINDOW_CASES = {  # config fields -> whether the window changes the logits of a 
 
 
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
-def test_qwen2_sliding_window_is_refused_exactly_where_it_changes_the_logits(folders, tmp_path, capsys, case):
+def test_qwen2_sliding_window_loads_with_transformers_logits(folders, tmp_path, capsys, case):
     """The window applies where transformers' Qwen2 applies it (layer_types, else the layers from
-    max_window_layers on, with use_sliding_window) and only when it is shorter than max_position_embeddings
-    (32 here): refused then; otherwise the folder loads with transformers' logits at 32 tokens."""
+    max_window_layers on, with use_sliding_window): the folder loads with transformers' logits at 32 tokens;
+    a layer marked sliding without a window (which transformers cannot run) is refused by name."""
     fields, applies = WINDOW_CASES[case]
     folder = _copy(folders, "qwen2", tmp_path)
     _edit_config(folder, **{"layer_types": ..., **fields})  # save_pretrained wrote the default's layer_types
-    if applies:
-        err = _assert_refused(capsys, tmp_path, folder, "use_sliding_window", "sliding window", "not supported yet")
-        assert "max_position_embeddings 32" in err
+    if case == "sliding layer, no window":
+        _assert_refused(capsys, tmp_path, folder, "layer_types", "use_sliding_window False", "sliding_attention")
     else:
         _assert_loads_exactly(folder, 32)
 
 
-def test_the_refused_window_does_change_transformers_logits(folders, tmp_path):
-    """The refusals above are not spurious: transformers' logits with the window differ from full attention."""
+def test_the_window_does_change_transformers_logits(folders, tmp_path):
+    """The windows above are not inert: transformers' logits with the window differ from full attention."""
     tokens = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(1))
     full = _reference_logits(folders / "qwen2", tokens)
     folder = _copy(folders, "qwen2", tmp_path)
@@ -165,8 +164,8 @@ def test_the_refused_window_does_change_transformers_logits(folders, tmp_path):
 def test_fields_that_change_the_model_are_refused_by_name(folders, tmp_path, capsys):
     cases = [("llama", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
               ("quantization_config", "'fp8'")),
-             ("llama", dict(head_dim=16), ("head_dim 16", "not supported yet")),
-             ("qwen2", dict(head_dim=16), ("head_dim 16",)),
+             ("llama", dict(head_dim=16), ("another shape",)),  # (the files' heads are hidden / heads wide)
+             ("qwen2", dict(head_dim=16), ("another shape",)),
              ("llama", dict(hidden_act="gelu"), ("hidden_act 'gelu'",)),
              ("gpt2", dict(activation_function="relu"), ("'relu'",))]
     for rope in ("longrope", "proportional"):

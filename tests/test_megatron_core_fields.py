@@ -28,8 +28,8 @@ CFG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=
 WHERE = "Megatron checkpoint 'x'"
 
 # what a Megatron-LM 0.16.1 run saves for each choice that converted with exit 0 into another model
-MODEL_CHANGING = [("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True), ("window_size", [8, 0]),
-                  ("window_size", (8, 0)), ("no_rope_freq", 4), ("no_rope_freq", [0, 1]), ("qk_l2_norm", True),
+MODEL_CHANGING = [("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True), ("window_size", [8, 2]),
+                  ("window_size", (8, 1)), ("window_size", (-1, 4)), ("no_rope_freq", 4), ("no_rope_freq", [0, 1]), ("qk_l2_norm", True),
                   ("softmax_type", "off-by-one"), ("softmax_type", "learnable"), ("glu_linear_offset", 1.0),
                   ("activation_func_clamp_value", 7.0), ("softmax_scale", 0.5), ("attention_output_gate", True),
                   ("num_moe_experts", 8), ("experimental_attention_variant", "dsa"),
@@ -74,6 +74,23 @@ def test_the_args_of_every_field_at_megatron_cores_default_convert():
     args = argparse.Namespace(**{**saved, **vars(args_for(CFG, tp=1, pp=1, iteration=3))})
     assert args.softmax_type == "vanilla" and args.glu_linear_offset == 0.0 and args.window_size is None
     assert config_from_args(args, WHERE) == CFG
+
+
+def test_head_width_qk_norm_and_sliding_windows_convert_both_ways():
+    """kv_channels apart from hidden / heads, qk_layernorm and a causal window_size (left, 0) with
+    window_attn_skip_freq (an integer: every N-th layer full; a list: 1 per sliding layer) are read as
+    tnlg's fields and written back as Megatron saves them."""
+    wide = GPTConfig(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
+                     kv_channels=12, qk_layernorm=True, sliding_window=5, window_layers=[1, 0, 1, 1])
+    args = args_for(wide, tp=1, pp=1, iteration=3)
+    assert (args.kv_channels, args.qk_layernorm, args.window_size, args.window_attn_skip_freq) == \
+        (12, True, (4, 0), [1, 0, 1, 1])
+    assert config_from_args(args, WHERE) == wide
+    every_second = config_from_args(_args(num_layers=4, window_size=(3, 0), window_attn_skip_freq=2), WHERE)
+    assert (every_second.sliding_window, every_second.window_layers) == (4, [1, 0, 1, 0])
+    assert config_from_args(_args(window_size=[7, 0]), WHERE).layer_window(1) == 8
+    assert config_from_args(_args(window_size=(-1, 0)), WHERE) == CFG
+    assert config_from_args(_args(kv_channels=8), WHERE) == CFG  # hidden / heads: the default width
 
 
 @pytest.mark.parametrize("name,value", MODEL_CHANGING, ids=lambda v: str(v))

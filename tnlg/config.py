@@ -314,8 +314,26 @@ class GPTConfig:
     scale_attn_by_inverse_layer_idx: bool = option(False, check=boolean, help="divide layer i's attention "
                                                    "scores (0-based i) by i + 1 as well (GPT-2's field)", **MODEL,
                                                    **NO_MEGATRON)
+    kv_channels: Optional[int] = option(None, check=optional_positive_int, every="hidden size / heads",
+                                        help="the width of every attention head (transformers' head_dim): "
+                                        "queries, keys and values are heads x kv-channels wide, which need not be "
+                                        "the hidden size (Mistral-Nemo, Qwen3)", **MODEL)
+    qk_layernorm: bool = option(False, check=boolean, help="normalise each head's queries and keys (the "
+                                "--normalization kind over kv-channels, one weight shared by the heads) before "
+                                "rope (Qwen3)", **MODEL)
+    sliding_window: Optional[int] = option(None, check=optional_positive_int, every="none: every earlier position",
+                                           help="sliding-window attention: a query at position p attends to the "
+                                           "keys p - w + 1 .. p (transformers' sliding_window w; Megatron's "
+                                           "--window-size w-1 0)", **MODEL)
+    window_layers: Optional[list[int]] = option(None, check=lambda v: None if v is None or (
+        isinstance(v, list) and all(x in (0, 1) and not isinstance(x, bool) for x in v))
+        else "be a list of 0 / 1 per layer (or unset)", every="every layer", metavar="0|1",
+        help="with --sliding-window: 1 for each layer that slides, 0 for one that attends to every earlier "
+        "position (Megatron's --window-attn-skip-freq list)", **MODEL)
 
     def __post_init__(self):
+        if isinstance(self.window_layers, tuple):  # (GPT.describe keys its cache by a tuple of the fields)
+            self.window_layers = list(self.window_layers)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
                                     and isinstance(self.hidden_size, int) and self.hidden_size >= 48
@@ -326,6 +344,10 @@ class GPTConfig:
             if wrong:
                 raise ValueError(f"GPTConfig.{f.name} must {wrong}, got {getattr(self, f.name)!r}.")
         self._check_shape()
+        self._check_window()
+        if isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int) and \
+                self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            self.kv_channels = None  # the default width, written one way (configs that compute alike compare equal)
         if self.recompute_activations and self.recompute_granularity == "selective":
             raise ValueError("GPTConfig.recompute_activations=True means full recomputation (every block), which "
                              "contradicts recompute_granularity='selective' (the attention core only); set one "
@@ -333,12 +355,13 @@ class GPTConfig:
 
     def _check_shape(self) -> None:
         """The checks across fields: heads divide the width, groups divide the heads, rope's share."""
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             near = sorted(divisors(self.hidden_size), key=lambda d: abs(d - self.num_attention_heads))[:4]
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: every head needs the same width. Head counts that "
-                f"divide {self.hidden_size} near {self.num_attention_heads}: {sorted(near)}.")
+                f"divide {self.hidden_size} near {self.num_attention_heads}: {sorted(near)}; or give the head width "
+                f"itself (kv_channels, --kv-channels).")
         heads, groups = self.num_attention_heads, self.num_query_groups
         if groups is not None and not self.group_query_attention:
             raise ValueError(f"num_query_groups={groups} (--num-query-groups) is given without "
@@ -413,6 +436,28 @@ class GPTConfig:
     def mlp_biases(self) -> bool:
         """Whether the MLP's projections have biases."""
         return self.add_bias_linear or self.add_mlp_bias
+    def _check_window(self) -> None:
+        """The sliding window's layers: one entry per layer, and only with a window."""
+        layers = self.window_layers
+        if layers is not None and self.sliding_window is None:
+            raise ValueError(f"window_layers={layers} (--window-layers) is given without sliding_window "
+                             "(--sliding-window W): give the window, or drop the layer list.")
+        if layers is not None and len(layers) != self.num_layers:
+            raise ValueError(f"window_layers (--window-layers) has {len(layers)} entries for num_layers={self.num_layers}: give one "
+                             "0 (full attention) or 1 (sliding) per layer.")
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer ``layer`` (0-based): ``sliding_window`` where it slides, else ``None``
+        (every earlier position)."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_width(self) -> int:
+        """The queries' (and the attention output's) width, ``heads x head_dim``: the hidden size unless
+        ``kv_channels`` sets another head width."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_groups(self) -> int:
@@ -440,7 +485,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """The width of one head: ``kv_channels``, else ``hidden_size / num_attention_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def max_tensor_parallel_size(self) -> int:
         """Largest TP the model allows: every rank needs at least one head (and one MLP column)."""
@@ -482,7 +528,8 @@ class GPTConfig:
         ``l (4h^2 + 2 h f + 9h + f) + (V + s) h`` (+ 2h for the final LayerNorm; + V h for an
         untied output layer).
         With f = 4h this is ``12 l h^2 + 13 l h + (V + s) h``. The Llama family (RMSNorm, rope, SwiGLU,
-        ``G`` KV groups of width ``d``, no biases, untied): ``l (2h^2 + 4 G d h + 3 h f + 2h) + 2 V h + h``.
+        ``a`` heads and ``G`` KV groups of width ``d``, no biases, untied): ``l (2 a d h + 2 G d h + 3 h f + 2h) + 2 V h + h``
+        (``a d = h`` unless ``kv_channels`` sets ``d``; ``qk_layernorm`` adds ``2 d`` per layer).
         (The TP=1 case of :meth:`parameters_per_rank`.)"""
         total = self.parameters_per_rank(1, vocab_size)[0]["params_unpadded"]
         return total - (0 if final_layernorm else self.norm_parameters())
@@ -495,12 +542,20 @@ class GPTConfig:
         """Parameters of one normalisation: LayerNorm's weight and bias, RMSNorm's weight."""
         return (1 if self.normalization == "RMSNorm" else 2) * self.hidden_size
 
+    def qk_norm_parameters(self) -> int:
+        """Parameters of one layer's query and key norms (``qk_layernorm``): two norms of ``head_dim``."""
+        if not self.qk_layernorm:
+            return 0
+        return 2 * (1 if self.normalization == "RMSNorm" else 2) * self.head_dim
+
     def replicated_parameters(self) -> int:
         """Parameters every TP rank holds in full: per layer two norms and (with biases) the two row-parallel
-        biases, the learned position embedding ``s h`` (if any) and the final norm. GPT-2:
+        biases, the query and key norms of ``head_dim`` (``qk_layernorm``), the learned position embedding
+        ``s h`` (if any) and the final norm. GPT-2:
         ``l (2h + h + 2h + h) + s h + 2h``."""
         l, h, s = self.num_layers, self.hidden_size, self.seq_length
-        per_layer = 2 * self.norm_parameters() + (h if self.attn_out_bias else 0) + (h if self.mlp_biases else 0)
+        per_layer = (2 * self.norm_parameters() + (h if self.attn_out_bias else 0) + (h if self.mlp_biases else 0)
+                     + self.qk_norm_parameters())
         positions = s * h if self.position_embedding_type == "learned_absolute" else 0
         return l * per_layer + positions + self.norm_parameters()
 
@@ -528,7 +583,7 @@ class GPTConfig:
                                                      self.ffn_per_rank(tp))):
             width = heads * d
             qkv_rows = width + (2 * heads * d if self.kv_groups == self.num_attention_heads
-                                else 2 * len(groups) * d)
+                                else 2 * len(groups) * d)  # (width: heads x head_dim, not always h / tp)
             attn = qkv_rows * h + (qkv_rows if self.qkv_bias else 0) + width * h
             mlp = mats * ffn * h + bias * mats * ffn + ffn * h
             sharded = l * (attn + mlp)

@@ -1,5 +1,5 @@
 """Every field of the Hugging Face config classes tnlg reads (``GPT2Config``, ``LlamaConfig``,
-``Qwen2Config``), in one of three lists (docs/hf.md's table):
+``Qwen2Config``, ``MistralConfig``, ``Qwen3Config``), in one of three lists (docs/hf.md's table):
 
 * :data:`HONOURED`: the field sets what tnlg computes exactly as it sets transformers' logits (the
   :class:`~tnlg.config.GPTConfig` field it becomes); an invalid value (a count that is not a positive
@@ -25,8 +25,7 @@ from ..errors import UserError
 from .hf_llama import ROPE_KEYS
 
 __all__ = ["COMMON_IGNORED", "HONOURED", "IGNORED", "REFUSED", "ROPE_TYPES", "UNDECLARED", "check_counts",
-           "check_fields", "rope_type",
-           "window_layers"]
+           "check_fields", "rope_type"]
 
 _NOT_READ = "not read by the causal LM's forward"
 COMMON_IGNORED = {
@@ -76,7 +75,20 @@ HONOURED = {
         "initializer_range": "init_method_std (initialisation only)",
     },
 }
-HONOURED["qwen2"] = dict(HONOURED["llama"], model_type="picks Qwen2ForCausalLM (biases on Q, K, V: add_qkv_bias)")
+HONOURED["llama"]["head_dim"] = "kv_channels (the width of every head; null: hidden_size / num_attention_heads)"
+_WINDOWS = {
+    "use_sliding_window": "without it transformers drops sliding_window (no layer slides)",
+    "sliding_window": "sliding_window w (the query at p sees the keys p - w + 1 .. p) on the sliding layers",
+    "layer_types": "window_layers: the layers marked sliding_attention slide (the rest attend to every earlier "
+                   "position)"}
+HONOURED["qwen2"] = dict(HONOURED["llama"], model_type="picks Qwen2ForCausalLM (biases on Q, K, V: add_qkv_bias)",
+                         **_WINDOWS)
+HONOURED["mistral"] = dict(HONOURED["llama"], model_type="picks MistralForCausalLM",
+                           sliding_window="sliding_window w on every layer (the query at p sees the keys "
+                           "p - w + 1 .. p); null: none")
+HONOURED["qwen3"] = dict(HONOURED["llama"], model_type="picks Qwen3ForCausalLM (q_norm, k_norm: qk_layernorm)",
+                         **_WINDOWS)
+# (Llama's own: Qwen2, Mistral and Qwen3 declare no mlp_bias, and Qwen3's attention_bias is refused)
 HONOURED["llama"].update(attention_bias="add_attn_bias: biases on q/k/v and o_proj (with mlp_bias: add_bias_linear)",
                          mlp_bias="add_mlp_bias: biases on gate/up/down (with attention_bias: add_bias_linear)")
 
@@ -88,17 +100,16 @@ IGNORED = {
     "llama": dict(COMMON_IGNORED, pretraining_tp="not read by LlamaForCausalLM in transformers 5 (it once "
                   "split the matmuls, changing rounding only)"),
     "qwen2": dict(COMMON_IGNORED),
+    "mistral": dict(COMMON_IGNORED),
 }
+_MAX_WINDOW_LAYERS = ("read by the config class alone, to fill layer_types when it is not given (layers from "
+                      "max_window_layers on slide); tnlg reads layer_types")
+IGNORED["qwen2"]["max_window_layers"] = _MAX_WINDOW_LAYERS
+IGNORED["qwen3"] = dict(COMMON_IGNORED, max_window_layers=_MAX_WINDOW_LAYERS)
 
 
 # --------------------------------------------------------------------------- refusals
 # Each refused field: (accepts(config) -> bool, why the other values are refused).
-
-def _hidden_over_heads(c) -> bool:
-    head_dim = getattr(c, "head_dim", None)
-    heads = c.num_attention_heads
-    return head_dim is None or (isinstance(heads, int) and heads > 0 and head_dim * heads == c.hidden_size)
-
 
 def rope_type(c) -> Any:
     """The ``rope_type`` of a Llama/Qwen2 config (``default`` when it sets none)."""
@@ -106,31 +117,15 @@ def rope_type(c) -> Any:
     return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
 
 
-def window_layers(c) -> list[int]:
-    """The layers whose attention a Qwen2 config's sliding window changes: as ``Qwen2Attention`` reads it,
-    a layer whose ``layer_types`` entry is ``sliding_attention`` gets ``sliding_window`` (set only when
-    ``use_sliding_window``; ``layer_types`` defaults to the layers from ``max_window_layers`` on), and the
-    window ``w`` (a query attends to the ``w`` latest positions) changes the logits only when a sequence
-    can be longer than ``w``: ``w < max_position_embeddings``, tnlg's longest sequence. A sliding layer
-    without a window (``layer_types`` given, ``use_sliding_window`` false) fails in transformers itself,
-    so it counts too."""
+def _windowed_layers_have_a_window(c) -> bool:
+    """A layer that ``layer_types`` marks ``sliding_attention`` needs a window (``use_sliding_window`` with
+    ``sliding_window``): without one transformers' attention has none to apply."""
     kinds = getattr(c, "layer_types", None) or []
-    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
-    window = getattr(c, "sliding_window", None)
-    if not sliding or (isinstance(window, int) and not isinstance(window, bool)
-                       and window >= c.max_position_embeddings):
-        return []
-    return sliding
+    return "sliding_attention" not in kinds or getattr(c, "sliding_window", None) is not None
 
 
-def _no_window(c) -> bool:
-    return not window_layers(c)
-
-
-_EQUAL_HEADS = ("head_dim must be hidden_size / num_attention_heads (or unset): tnlg's heads split the width "
-                "evenly (a head_dim apart from it, as in Qwen3 or Mistral-Nemo, is not supported yet)")
-_WINDOW = ("a sliding window that some layer applies within max_position_embeddings is not supported yet "
-           "(tnlg attends to every earlier position)")
+_NO_WINDOW = ("a layer marked sliding_attention needs use_sliding_window true and a sliding_window (transformers "
+              "has no window to apply without them)")
 REFUSED: dict[str, dict[str, tuple[Callable, str]]] = {
     "gpt2": {
         "add_cross_attention": (lambda c: c.add_cross_attention is False, "cross-attention (an encoder's "
@@ -138,20 +133,26 @@ REFUSED: dict[str, dict[str, tuple[Callable, str]]] = {
     },
     "llama": {
         "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
-        "head_dim": (_hidden_over_heads, _EQUAL_HEADS),
     },
     "qwen2": {
         "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
-        "use_sliding_window": (_no_window, _WINDOW), "sliding_window": (_no_window, _WINDOW),
-        "max_window_layers": (_no_window, _WINDOW), "layer_types": (_no_window, _WINDOW),
-        "head_dim": (_hidden_over_heads, _EQUAL_HEADS),  # undeclared, but read by getattr
+    },
+    "mistral": {
+        "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
+    },
+    "qwen3": {
+        "hidden_act": (lambda c: c.hidden_act == "silu", "tnlg's SwiGLU gates with silu"),
+        "attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported yet "
+                           "(tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)"),
     },
 }
+HONOURED["qwen2"]["layer_types"] = HONOURED["qwen3"]["layer_types"] = _WINDOWS["layer_types"] + "; " + _NO_WINDOW
+HONOURED["qwen2"]["head_dim"] = "kv_channels (undeclared by Qwen2Config; its attention reads it by getattr)"
 
 # keys the classes do not declare that transformers reads all the same, and what tnlg does with them
 UNDECLARED = {
     "quantization_config": "refused: quantized weights (and their scales) are not read",
-    "head_dim": "Qwen2's attention reads it by getattr: refused unless hidden_size / num_attention_heads",
+    "head_dim": "Qwen2's attention reads it by getattr: kv_channels, as Llama's head_dim",
     "rope_scaling": "rope_parameters' old name (transformers moves it there): as rope_parameters",
     "rope_theta": "rope_parameters' old place (transformers moves it there): as rope_parameters",
     "torch_dtype": "dtype's old name: ignored as dtype",
@@ -205,7 +206,8 @@ def _counts(kind: str) -> dict[str, Callable]:
     return dict(vocab_size=positive_int, hidden_size=positive_int, intermediate_size=positive_int,
                 num_hidden_layers=positive_int, num_attention_heads=positive_int, num_key_value_heads=positive_int,
                 max_position_embeddings=positive_int, rms_norm_eps=positive, initializer_range=positive,
-                attention_dropout=fraction, tie_word_embeddings=boolean)
+                attention_dropout=fraction, tie_word_embeddings=boolean, head_dim=optional_positive_int,
+                sliding_window=optional_positive_int)
 
 
 def _shown(value) -> str:
@@ -254,12 +256,9 @@ def check_fields(c, kind: str, where: str) -> None:
             if accepts(c) or why in told:
                 continue
             told.add(why)
-            if why is _WINDOW:
-                wrong.append(f"use_sliding_window {c.use_sliding_window!r}: sliding_window {_shown(c.sliding_window)} "
-                             f"(shorter than max_position_embeddings {c.max_position_embeddings}) on layers "
-                             f"{_shown(window_layers(c))} of {c.num_hidden_layers} (layer_types / max_window_layers "
-                             f"{_shown(c.max_window_layers)}): " + why)
-            else:
-                wrong.append(f"{name} {_shown(getattr(c, name, None))}: {why}")
+            wrong.append(f"{name} {_shown(getattr(c, name, None))}: {why}")
+        if kind in ("qwen2", "qwen3") and not _windowed_layers_have_a_window(c):
+            wrong.append(f"layer_types {_shown(c.layer_types)} with use_sliding_window "
+                         f"{_shown(getattr(c, 'use_sliding_window', None))}: {_NO_WINDOW}")
     if wrong:
         raise UserError(f"{where}: config.json has {'; '.join(wrong)}. Nothing was loaded or written.")

@@ -12,6 +12,12 @@ query/key/value biases (``add_qkv_bias``); a Llama's ``attention_bias`` (q/k/v a
 rotate-half with ``rope_theta``, scaled by ``rope_parameters``' ``rope_type`` (``linear``, ``dynamic``,
 ``yarn``, ``llama3``: the ``rope_*`` fields of :class:`~tnlg.config.GPTConfig`; others are refused by
 :mod:`.hf_fields`).
+
+``MistralForCausalLM`` is Llama with a sliding window on every layer (``sliding_window``: tnlg's); its
+``head_dim`` (as Llama's and Qwen2's) is tnlg's ``kv_channels``. ``Qwen3ForCausalLM`` adds ``q_norm`` /
+``k_norm`` (``attn.q_norm.weight`` / ``attn.k_norm.weight``: ``qk_layernorm``) and, like Qwen2, a window
+on the layers ``layer_types`` marks ``sliding_attention`` (tnlg's ``window_layers``; transformers sets
+the window only with ``use_sliding_window``).
 """
 
 from __future__ import annotations
@@ -27,31 +33,44 @@ from ..errors import UserError
 __all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from",
            "llama_to_tnlg", "tnlg_to_llama"]
 
-LLAMA_TYPES = ("llama", "qwen2")
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
           "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight",
-          "self_attn.o_proj.bias": "attn.c_proj.bias", "mlp.down_proj.bias": "mlp.c_proj.bias"}
+          "self_attn.o_proj.bias": "attn.c_proj.bias", "mlp.down_proj.bias": "mlp.c_proj.bias",
+          "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight"}
 
 
 def hf_kind(cfg: GPTConfig) -> str:
-    """The Hugging Face ``model_type`` whose class is this architecture: ``gpt2``, ``llama`` or ``qwen2``;
-    a :class:`UserError` for a mix that none of them is."""
+    """The Hugging Face ``model_type`` whose class is this architecture: ``gpt2``, ``llama``, ``qwen2``
+    (QKV biases), ``qwen3`` (QK norm) or ``mistral`` (a sliding window on every layer); a :class:`UserError`
+    for a mix that none of them is."""
+    plain = cfg.kv_channels is None and not cfg.qk_layernorm and cfg.sliding_window is None
     gpt2 = (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu and cfg.add_bias_linear and cfg.kv_groups == cfg.num_attention_heads)
-    if gpt2:
+    if gpt2 and plain:
         return "gpt2"
     gpt2_only = not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx
     llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
              and cfg.rotary_percent == 1.0 and not gpt2_only)
-    if llama:  # Qwen2: biases on q/k/v alone; Llama: none, or attention_bias / mlp_bias
-        return "qwen2" if cfg.add_qkv_bias and not (cfg.attn_out_bias or cfg.mlp_biases) else "llama"
+    every_layer = cfg.window_layers is None or all(cfg.window_layers)
+    biased = cfg.attn_out_bias or cfg.mlp_biases  # a Llama's attention_bias / mlp_bias (Llama's class alone)
+    if llama and cfg.qk_layernorm and not cfg.add_qkv_bias and not biased:
+        return "qwen3"
+    if llama and not cfg.qk_layernorm and cfg.add_qkv_bias and not biased:
+        return "qwen2"
+    if llama and not cfg.qk_layernorm and (cfg.sliding_window is None or (every_layer and not biased)):
+        return "llama" if cfg.sliding_window is None else "mistral"
     raise UserError("this model has no Hugging Face class: GPT2LMHeadModel is learned positions, LayerNorm, GELU, "
                     "full multi-head attention and biases; LlamaForCausalLM is rope over whole heads, RMSNorm, "
                     "SwiGLU, no biases or attention_bias / mlp_bias, attention scaled by 1/sqrt(head_dim) "
-                    "(Qwen2ForCausalLM: QKV biases alone); this one is "
+                    "(Qwen2ForCausalLM: QKV biases alone; Qwen3ForCausalLM: QK norm; MistralForCausalLM: a sliding "
+                    "window on every layer; per-layer windows: Qwen2's or Qwen3's); this one is "
                     f"position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
-                    f"swiglu={cfg.swiglu}, add_bias_linear={cfg.add_bias_linear}, "
-                    f"rotary_percent={cfg.rotary_percent}, scale_attn_weights={cfg.scale_attn_weights}, "
+                    f"swiglu={cfg.swiglu}, add_bias_linear={cfg.add_bias_linear}, add_qkv_bias={cfg.add_qkv_bias}, "
+                    f"add_attn_bias={cfg.add_attn_bias}, add_mlp_bias={cfg.add_mlp_bias}, "
+                    f"qk_layernorm={cfg.qk_layernorm}, rotary_percent={cfg.rotary_percent}, "
+                    f"kv_channels={cfg.kv_channels}, sliding_window={cfg.sliding_window}, "
+                    f"window_layers={cfg.window_layers}, scale_attn_weights={cfg.scale_attn_weights}, "
                     f"scale_attn_by_inverse_layer_idx={cfg.scale_attn_by_inverse_layer_idx}. Nothing was written.")
 
 
@@ -109,13 +128,11 @@ def config_from_llama(hf_config, **overrides) -> GPTConfig:
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    if head_dim * heads != hf_config.hidden_size:
-        raise UserError(f"the Hugging Face config has head_dim {head_dim} x {heads} heads != hidden_size "
-                        f"{hf_config.hidden_size}; tnlg needs head_dim = hidden_size / heads. Nothing was written.")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"the Hugging Face {hf_config.model_type} config has hidden_act "
                         f"{getattr(hf_config, 'hidden_act', None)!r}; tnlg's SwiGLU is silu. Nothing was written.")
-    llama = hf_config.model_type == "llama"  # (Qwen2 never reads attention_bias or mlp_bias)
+    llama = hf_config.model_type == "llama"  # (Qwen2 and Mistral never read attention_bias or mlp_bias; Qwen3's
+    # attention_bias is refused by .hf_fields)
     attn_bias = llama and getattr(hf_config, "attention_bias", False) is True
     mlp_bias = llama and getattr(hf_config, "mlp_bias", False) is True
     every = attn_bias and mlp_bias  # biases on every linear layer: Megatron's add_bias_linear
@@ -124,13 +141,28 @@ def config_from_llama(hf_config, **overrides) -> GPTConfig:
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=float(hf_config.rms_norm_eps),
                   init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
                   position_embedding_type="rope", normalization="RMSNorm", **_rope_fields(hf_config),
-                  swiglu=True, add_bias_linear=every, add_qkv_bias=not llama, add_attn_bias=attn_bias and not every,
+                  swiglu=True, add_bias_linear=every, add_qkv_bias=hf_config.model_type == "qwen2", add_attn_bias=attn_bias and not every,
                   add_mlp_bias=mlp_bias and not every,
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
-                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0)
+                  attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
+                  kv_channels=head_dim, qk_layernorm=hf_config.model_type == "qwen3", **_window(hf_config))
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def _window(hf_config) -> dict:
+    """tnlg's ``sliding_window`` and ``window_layers`` of a config: Mistral's window on every layer; Qwen2's
+    and Qwen3's on the layers ``layer_types`` marks ``sliding_attention`` (the window transformers keeps only
+    with ``use_sliding_window``; a sliding layer without one is refused by the field checks)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "mistral" or window is None:
+        return dict(sliding_window=window if hf_config.model_type == "mistral" else None)
+    kinds = list(getattr(hf_config, "layer_types", None) or [])
+    layers = [1 if k == "sliding_attention" else 0 for k in kinds]
+    if not any(layers):
+        return dict(sliding_window=None)
+    return dict(sliding_window=window, window_layers=None if all(layers) else layers)
 
 
 def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
@@ -143,8 +175,17 @@ def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
                   tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
                   attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
                   bos_token_id=eod_id, eos_token_id=eod_id)
-    if kind == "qwen2":
-        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if cfg.kv_channels is not None or kind != "qwen2":  # (Qwen2 reads an undeclared head_dim by getattr)
+        common.update(head_dim=cfg.head_dim)
+    if kind in ("qwen2", "qwen3"):
+        kinds = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.num_layers)]
+        window = dict(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                      layer_types=kinds)
+        if kind == "qwen2":
+            return transformers.Qwen2Config(**window, **common)
+        return transformers.Qwen3Config(attention_bias=False, **window, **common)
+    if kind == "mistral":
+        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **common)
     return transformers.LlamaConfig(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_biases, **common)
 
 

@@ -26,15 +26,18 @@ _TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def check_model_type(model_type, where: str) -> str:
     """``model_type`` when tnlg reads it (``gpt2``, ``llama``, ``qwen2``), else one :class:`UserError`."""
     if not isinstance(model_type, str) or model_type not in CLASSES:
         raise UserError(f"{where} is a Hugging Face {model_type!r} model (config.json's model_type); tnlg reads "
-                        "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama') and "
-                        "Qwen2ForCausalLM ('qwen2', Llama with QKV biases) folders. Nothing was loaded or written.")
+                        "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama'), "
+                        "Qwen2ForCausalLM ('qwen2', Llama with QKV biases), MistralForCausalLM ('mistral', Llama "
+                        "with a sliding window) and Qwen3ForCausalLM ('qwen3', Llama with QK norm) folders. "
+                        "Nothing was loaded or written.")
     return model_type
 
 

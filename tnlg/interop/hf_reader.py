@@ -42,11 +42,12 @@ from .megatron.safe_load import reason, shown
 
 __all__ = ["HFFolder", "check_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
 
-CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+                  "qwen3": "Qwen3Config"}
 # MODEL_CLASSES: hf_mapping.CLASSES, the transformers class of each model_type tnlg reads and writes
-_PREFIX = {"gpt2": "transformer", "llama": "model", "qwen2": "model"}
+_PREFIX = {"gpt2": "transformer", "llama": "model", "qwen2": "model", "mistral": "model", "qwen3": "model"}
 _LAYER_KEYS = {"gpt2": ("n_layer", "num_hidden_layers"), "llama": ("num_hidden_layers",),
-               "qwen2": ("num_hidden_layers",)}
+               "qwen2": ("num_hidden_layers",), "mistral": ("num_hidden_layers",), "qwen3": ("num_hidden_layers",)}
 # tensors old files hold that transformers skips (GPT-2's causal-mask buffers, Llama's rope frequencies)
 _SKIPPED = re.compile(r"\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
 _NOTHING = "Nothing was loaded or written."

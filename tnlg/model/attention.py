@@ -22,13 +22,15 @@ from torch.utils.checkpoint import checkpoint
 from ..config import GPTConfig
 from ..parallel.context import context_parallel_attention
 from ..parallel.layers import ColumnParallelLinear, KVGroupParallelLinear, RowParallelLinear, column_parallel_linears
+from ..parallel.mappings import copy_to_tp_coalesced
 from ..parallel.random import TPRandom
 from ..parallel.rotary import rotate_qk
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
+from .norms import head_norm, norm_parameters
 
-__all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention"]
+__all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask"]
 
 
 class KVCache:
@@ -62,6 +64,15 @@ def local_kv_heads(cfg: GPTConfig, tp: int, tp_rank: int) -> int:
     if cfg.kv_groups == cfg.num_attention_heads:
         return cfg.heads_per_rank(tp)[tp_rank]
     return len(cfg.kv_groups_per_rank(tp)[tp_rank])
+
+def window_mask(s: int, kv_len: int, window: int, device=None) -> torch.Tensor:
+    """``[s, kv_len]`` bool (True = may attend) of sliding-window causal attention for the last ``s`` of
+    ``kv_len`` positions: the query at position ``p`` sees the keys ``p - window + 1 .. p`` (transformers'
+    ``sliding_window``; Megatron-core's ``window_size=(window - 1, 0)``)."""
+    q = torch.arange(kv_len - s, kv_len, device=device)[:, None]
+    k = torch.arange(kv_len, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
 
 class LocalAttention:
     """The attention core over the whole local sequence: ``softmax(q k^T / sqrt(d) + mask) v`` by SDPA, or with
@@ -112,7 +123,13 @@ class ParallelAttention(nn.Module):
     each query head then reads its group's keys and values. Rope (``position_embedding_type="rope"``)
     rotates queries and keys at the tokens' positions (the context's ``rotary``: the angles,
     :func:`tnlg.parallel.rotary.rotary_angles`; :func:`~tnlg.parallel.rotary.rotate_qk`) before the cache
-    and the core.
+    and the core. The heads are ``head_dim`` wide (``kv_channels``), so the queries and the output
+    projection's input are ``heads x head_dim``, which need not be the hidden size. ``qk_layernorm``
+    normalises each head's queries and keys over ``head_dim`` before rope (``q_norm``, ``k_norm``: one
+    weight shared by every head, replicated over TP; each rank normalises its own heads, so the weights
+    enter through ``f``: one coalesced all-reduce of their gradients over TP in backward). A layer with a
+    sliding window (:meth:`~tnlg.config.GPTConfig.layer_window`) adds :func:`window_mask` to its mask
+    (with context parallelism the ring applies the window itself and skips the blocks outside it).
 
     Forward: ``f`` before QKV (identity), ``g`` after the output projection
     (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
@@ -128,6 +145,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         heads = cfg.heads_per_rank(ps.tp_size)
         self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
+        self.window = cfg.layer_window(layer_idx)
         self.dropout = cfg.attention_dropout
         # GPT-2's scale_attn_weights / scale_attn_by_inverse_layer_idx: a factor on the queries, so every core
         # (SDPA, the dropout stream, the ring and its backward) applies it with its own 1 / sqrt(d)
@@ -156,16 +174,20 @@ class ParallelAttention(nn.Module):
             self.native_gqa = self.kv_index == tuple(i // ratio for i in range(self.local_heads)) and \
                 ratio * self.local_kv == self.local_heads
         else:  # every rank's rows of the fused QKV weight (whole heads)
-            self.c_attn = ColumnParallelLinear(h, 3 * h, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
+            self.c_attn = ColumnParallelLinear(h, 3 * cfg.attention_width, ps, bias=bias, partition_sizes=[3 * d * n for n in heads],
                                                sequence_parallel=sp, device=device, init_method=init,
                                                seed=cfg.seed, init_key=join_key(init_key, "c_attn"))
-        self.c_proj = RowParallelLinear(h, h, ps, bias=cfg.attn_out_bias, input_is_parallel=True,
+        self.c_proj = RowParallelLinear(cfg.attention_width, h, ps, bias=cfg.attn_out_bias, input_is_parallel=True,
                                         partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
         # the attention core: the ring over the CP group with context parallelism, else SDPA over the local sequence
+        if cfg.qk_layernorm:  # one norm of head_dim each for every head's queries and keys
+            self.q_norm = head_norm(cfg, ps, join_key(init_key, "q_norm"), device)
+            self.k_norm = head_norm(cfg, ps, join_key(init_key, "k_norm"), device)
         kv_heads = self.kv_index if self.grouped else None
-        self.core = context_parallel_attention(ps, kv_heads) or \
-            LocalAttention(tp_random, kv_heads, self.grouped and self.native_gqa)
+        ring = context_parallel_attention(ps, kv_heads, self.window)
+        self.core = ring or LocalAttention(tp_random, kv_heads, self.grouped and self.native_gqa)
+        self.local_window = self.window if ring is None else None  # (the ring applies its window itself)
 
     def _qkv(self, x: torch.Tensor, ctx: ForwardContext):
         """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
@@ -183,10 +205,23 @@ class ParallelAttention(nn.Module):
             q, k, v = qkv.view(*lead, self.local_heads, 3, self.head_dim).unbind(dim=3)
         return tuple(ctx.heads_first(t) for t in (q, k, v))
 
+    def _normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk_layernorm``: every head's queries and keys normalised over ``head_dim`` (the weights through
+        one coalesced ``f`` at TP > 1: each rank's gradient holds its own heads' share)."""
+        params = [p for norm in (self.q_norm, self.k_norm) for p in norm_parameters(norm)]
+        ps = self.c_proj.ps
+        if ps.tp_size > 1:
+            params = list(copy_to_tp_coalesced(params, ps))
+        half = len(params) // 2
+        return (self.q_norm(q, synced=tuple(params[:half])).to(q.dtype),
+                self.k_norm(k, synced=tuple(params[half:])).to(k.dtype))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``synced_bias``: the output projection's bias already through the block's coalesced ``f``."""
         q, k, v = self._qkv(x, ctx)
         s = q.shape[2]
+        if hasattr(self, "q_norm"):
+            q, k = self._normed_qk(q, k)
         if ctx.rotary is not None:  # (cos, sin) of the tokens' positions
             q, k = rotate_qk(q, k, *ctx.rotary)
         if self.score_scale != 1.0:  # the scores q k^T scaled as the config says (GPT-2's fields)
@@ -194,6 +229,9 @@ class ParallelAttention(nn.Module):
         if ctx.kv_cache is not None:
             k, v = self._cached(ctx.kv_cache, k, v)
         kv_len, attention_mask = k.shape[2], ctx.attention_mask
+        if self.local_window is not None and kv_len > self.local_window:  # (else the window changes nothing)
+            window = window_mask(s, kv_len, self.local_window, x.device)
+            attention_mask = window if attention_mask is None else attention_mask & window
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
             attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
         if attention_mask is not None and attention_mask.dim() == 3:

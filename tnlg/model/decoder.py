@@ -248,7 +248,8 @@ class GPT(DecoderBase):
         reshard from it, the planner counts from it): read from the layers themselves, built for a
         virtual TP rank on the meta device (nothing allocated; each parameter's mark holds every rank's
         size), once per configuration and TP size."""
-        return dict(_shard_specs(dataclasses.astuple(config), tp_size))
+        fields = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(config))  # (hashable)
+        return dict(_shard_specs(fields, tp_size))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

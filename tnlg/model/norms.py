@@ -20,7 +20,7 @@ from ..parallel.mappings import copy_to_tp_coalesced
 from ..parallel.sharding import mark_replicated
 from ..parallel.state import ParallelState
 
-__all__ = ["LayerNorm", "RMSNorm", "make_norm", "norm_parameters"]
+__all__ = ["LayerNorm", "RMSNorm", "make_norm", "head_norm", "norm_parameters"]
 
 
 def _layer_norm_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -145,6 +145,12 @@ def make_norm(cfg: GPTConfig, ps: ParallelState, init_key: str, device=None) -> 
     """The configured normalisation of width ``hidden_size``: :class:`LayerNorm` or :class:`RMSNorm`."""
     cls = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
     return cls(cfg.hidden_size, cfg.layernorm_epsilon, device=device, ps=ps, init_key=init_key)
+
+
+def head_norm(cfg: GPTConfig, ps: ParallelState, init_key: str, device=None) -> nn.Module:
+    """The configured normalisation of width ``head_dim`` (``qk_layernorm``'s query and key norms)."""
+    cls = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return cls(cfg.head_dim, cfg.layernorm_epsilon, device=device, ps=ps, init_key=init_key)
 
 
 def norm_parameters(norm: nn.Module) -> list[torch.Tensor]:

@@ -56,7 +56,7 @@ def add_options(group, cls, builtin: dict, names: Optional[Iterable[str]] = None
             continue
         if many:
             kw["nargs"] = "+"
-        elif typ in (int, float):
+        if typ in (int, float):  # (a list of numbers: each one)
             kw["type"] = typ
         for k in ("choices", "metavar"):
             if m.get(k) is not None:

@@ -33,6 +33,10 @@ K/V blocks go round again (``C - 1`` hops) and with each travels an fp32 dK/dV a
 which every rank adds its contribution (``C`` hops: after the last it is back at its owner). Each
 hop is overlapped with the next block's compute.
 
+**Sliding windows.** A layer with a window ``w`` masks every block to ``pos_q - pos_k < w`` as well; a
+block none of whose queries sees any of its keys (all ``w`` or more positions behind) is skipped, not
+computed and masked: its K/V are only passed on (and, in backward, its dK/dV accumulator).
+
 **Documents** (``--reset-attention-mask``): ``doc_ids`` ``[b, s]`` gives the document of every
 position of the whole sequence (``b * s`` integers, which every rank of the group holds); a block
 then gets the mask ``pos_q >= pos_k and doc_q == doc_k``. A query row that sees no key of a block
@@ -120,10 +124,15 @@ def document_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------- one block
 
-def _block_mask(pos_q, pos_k, doc_q, doc_k) -> torch.Tensor:
-    """``[b, 1, n, m]`` bool: causal by global position, within one document."""
-    causal = pos_q[:, None] >= pos_k[None, :]
-    return (causal & (doc_q[:, :, None] == doc_k[:, None, :])).unsqueeze(1)
+def _block_mask(pos_q, pos_k, doc_q, doc_k, window: Optional[int] = None) -> torch.Tensor:
+    """``[b, 1, n, m]`` bool (``[1, 1, n, m]`` without documents): causal by global position, within one
+    document (``doc_q``/``doc_k`` ``None``: one document), and with ``window`` within the sliding window
+    (the query at ``p`` sees the keys ``p - window + 1 .. p``)."""
+    mask = pos_q[:, None] >= pos_k[None, :]
+    if window is not None:
+        mask = mask & (pos_q[:, None] - pos_k[None, :] < window)
+    mask = mask[None] if doc_q is None else mask & (doc_q[:, :, None] == doc_k[:, None, :])
+    return mask.unsqueeze(1)
 
 
 def _block_forward(q, k, v, causal: bool, mask: Optional[torch.Tensor]):
@@ -183,8 +192,9 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, mask: Optional[torch.T
 class _Ring:
     """This rank's place in the CP group: neighbours (global ranks) and the block schedule."""
 
-    def __init__(self, group: dist.ProcessGroup, seq_len: int, device):
+    def __init__(self, group: dist.ProcessGroup, seq_len: int, device, window: Optional[int] = None):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.window = window
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.c = seq_len // (2 * self.size)
@@ -215,11 +225,11 @@ def _expand(t: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """The ring of the module docstring; ``forward(q [b,H,2c,d], k, v [b,G,2c,d], group, doc_ids, index)``."""
+    """The ring of the module docstring; ``forward(q [b,H,2c,d], k, v [b,G,2c,d], group, doc_ids, index, window)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, doc_ids, index):
-        ring = _Ring(group, q.shape[2] * dist.get_world_size(group), q.device)
+    def forward(ctx, q, k, v, group, doc_ids, index, window):
+        ring = _Ring(group, q.shape[2] * dist.get_world_size(group), q.device, window)
         with torch.autocast(device_type=q.device.type, enabled=False):
             out, lse = _ring_forward(ring, q, k, v, doc_ids, index)
         ctx.save_for_backward(q, k, v, out, lse, doc_ids, index)
@@ -231,14 +241,23 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, doc_ids, index = ctx.saved_tensors
         with torch.autocast(device_type=q.device.type, enabled=False):
             dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, doc_ids, index)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _mask_for(ring: _Ring, j: int, rows: slice, cols: slice, doc_ids: Optional[torch.Tensor]):
-    if doc_ids is None:
+    """The block's mask (documents, sliding window), or ``None`` where causality alone applies."""
+    if doc_ids is None and ring.window is None:
         return None
     pos_q, pos_k = ring.positions[ring.rank][rows], ring.positions[j][cols]
-    return _block_mask(pos_q, pos_k, doc_ids[:, pos_q], doc_ids[:, pos_k])
+    if doc_ids is None:
+        return _block_mask(pos_q, pos_k, None, None, window=ring.window)
+    return _block_mask(pos_q, pos_k, doc_ids[:, pos_q], doc_ids[:, pos_k], window=ring.window)
+
+
+def _outside(mask: Optional[torch.Tensor]) -> bool:
+    """Whether no query of the block sees any of its keys (wholly outside the window, or other documents):
+    the block is skipped, its K/V only passed on."""
+    return mask is not None and not bool(mask.any())
 
 
 def _ring_forward(ring: _Ring, q, k, v, doc_ids, index):
@@ -249,8 +268,13 @@ def _ring_forward(ring: _Ring, q, k, v, doc_ids, index):
     for step in range(ring.size):
         pending = ring.exchange(kv) if step + 1 < ring.size else None
         j, rows, cols, causal = ring.block(step)
-        kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
         mask = _mask_for(ring, j, rows, cols, doc_ids)
+        if _outside(mask):
+            if pending is not None:
+                _wait(pending[1])
+                kv = pending[0]
+            continue
+        kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
         o, l_blk = _block_forward(q[:, :, rows].contiguous(), kb, vb, causal and mask is None, mask)
         new = torch.logaddexp(lse[:, :, rows], l_blk)
         out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
@@ -271,15 +295,18 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, doc_ids, index):
     for step in range(ring.size):
         pending = ring.exchange(kv) if step + 1 < ring.size else None
         j, rows, cols, causal = ring.block(step)
-        kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
         mask = _mask_for(ring, j, rows, cols, doc_ids)
-        gq, gk, gv = _block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb, vb, out[:, :, rows],
-                                     lse[:, :, rows], causal and mask is None, mask)
-        dq[:, :, rows] += gq.float()
+        grads = None
+        if not _outside(mask):
+            kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
+            gq, gk, gv = _block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb, vb, out[:, :, rows],
+                                         lse[:, :, rows], causal and mask is None, mask)
+            dq[:, :, rows] += gq.float()
+            grads = (gk, gv)
         if dkv_pending is not None:  # the accumulator of block j, from the previous rank
             _wait(dkv_pending[1])
             dkv = dkv_pending[0]
-        for slot, g in ((0, gk), (1, gv)):
+        for slot, g in enumerate(grads or ()):
             _add_heads(dkv[slot][:, :, cols], g.float(), index)
         dkv_pending = ring.exchange(dkv)
         if pending is not None:
@@ -311,25 +338,29 @@ def exclude_ring_from_compile() -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                    doc_ids: Optional[torch.Tensor] = None,
-                   kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:
+                   kv_heads: Optional[Sequence[int] | torch.Tensor] = None,
+                   window: Optional[int] = None) -> torch.Tensor:
     """:func:`_ring_attention`, run eager under ``torch.compile``: one graph break, as Dynamo does not trace the
     ring's P2P (after :func:`exclude_ring_from_compile`; a compilation that did not call it breaks twice, at
     the ``disable`` made while tracing and at the ring)."""
     if torch.compiler.is_compiling():
         excluded = _EXCLUDED[0] if _EXCLUDED else torch.compiler.disable(_ring_attention)
-        return excluded(q, k, v, group, doc_ids, kv_heads)
-    return _ring_attention(q, k, v, group, doc_ids, kv_heads)
+        return excluded(q, k, v, group, doc_ids, kv_heads, window)
+    return _ring_attention(q, k, v, group, doc_ids, kv_heads, window)
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                     doc_ids: Optional[torch.Tensor] = None,
-                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None) -> torch.Tensor:
+                    kv_heads: Optional[Sequence[int] | torch.Tensor] = None,
+                    window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence: ``[b, H, 2c, d]``.
 
     ``q`` ``[b, H, 2c, d]``, ``k``/``v`` ``[b, G, 2c, d]``: this rank's two chunks (module docstring).
     ``doc_ids`` ``[b, s]`` (whole sequence): attention stays inside a document. ``kv_heads`` (length
     ``H``): the K/V head of each query head; default ``H // G`` consecutive query heads per K/V head
-    (transformers' ``repeat_kv``). ``group`` ``None`` or of one rank: plain causal SDPA.
+    (transformers' ``repeat_kv``). ``window``: a sliding window (the query at ``p`` sees the keys
+    ``p - window + 1 .. p``), in every block's mask; a block wholly outside it (or outside the documents) is
+    skipped, its K/V only passed on. ``group`` ``None`` or of one rank: plain causal SDPA.
     """
     h, g = q.shape[1], k.shape[1]
     index = None
@@ -340,19 +371,19 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Op
         raise ValueError(f"doc_ids must be the whole sequence's integer document ids [b, s] (document_ids() of a "
                          f"[b, s, s] mask), got {tuple(doc_ids.shape)} {doc_ids.dtype}.")
     if group is None or dist.get_world_size(group) == 1:
-        return _single(q, k, v, doc_ids, index)
+        return _single(q, k, v, doc_ids, index, window)
     if doc_ids is not None:
         doc_ids = doc_ids.to(q.device)
-    return _RingAttention.apply(q, k, v, group, doc_ids, index)
+    return _RingAttention.apply(q, k, v, group, doc_ids, index, window)
 
 
-def _single(q, k, v, doc_ids, index) -> torch.Tensor:
+def _single(q, k, v, doc_ids, index, window: Optional[int] = None) -> torch.Tensor:
     """CP 1: the whole sequence is local."""
     k, v = _expand(k, index), _expand(v, index)
-    if doc_ids is None:
+    if doc_ids is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     pos = torch.arange(q.shape[2], device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_block_mask(pos, pos, doc_ids, doc_ids))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_block_mask(pos, pos, doc_ids, doc_ids, window))
 
 
 # ----------------------------------------------------------------------------------------- model and data
@@ -366,11 +397,13 @@ class RingAttention:
     """The attention core of a layer under context parallelism (swapped into the layer's core slot when the
     model is built, :func:`context_parallel_attention`): :func:`ring_attention` over the CP group, with the
     whole sequence's document ids ``[b, s]`` as the mask (or ``None``: causal). GQA: the ring carries this
-    rank's K/V groups and ``kv_heads`` maps each query head to its group. Attention dropout is not run in the
+    rank's K/V groups and ``kv_heads`` maps each query head to its group. ``window``: the layer's sliding
+    window (blocks outside it skipped). Attention dropout is not run in the
     ring (the options refuse it with CP, docs/context_parallel.md)."""
 
-    def __init__(self, group: dist.ProcessGroup, kv_heads: Optional[Sequence[int]] = None):
-        self.group, self.kv_heads = group, kv_heads
+    def __init__(self, group: dist.ProcessGroup, kv_heads: Optional[Sequence[int]] = None,
+                 window: Optional[int] = None):
+        self.group, self.kv_heads, self.window = group, kv_heads, window
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask, dropout: float):
         """The keys and values as they are (the ring reads the groups itself)."""
@@ -378,13 +411,15 @@ class RingAttention:
 
     def __call__(self, q, k, v, attention_mask, causal: bool, dropout: float, gqa: bool = False,
                  tp_rng_state=None) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, doc_ids=attention_mask, kv_heads=self.kv_heads)
+        return ring_attention(q, k, v, self.group, doc_ids=attention_mask, kv_heads=self.kv_heads,
+                              window=self.window)
 
 
-def context_parallel_attention(ps, kv_heads: Optional[Sequence[int]] = None) -> Optional[RingAttention]:
+def context_parallel_attention(ps, kv_heads: Optional[Sequence[int]] = None,
+                               window: Optional[int] = None) -> Optional[RingAttention]:
     """The attention core a layer takes under context parallelism (``ps.cp_size > 1``): :class:`RingAttention`
-    over the CP group; ``None`` at CP 1 (the layer keeps its local core)."""
-    return RingAttention(ps.cp_group, kv_heads) if ps.cp_size > 1 else None
+    over the CP group (with the layer's sliding ``window``); ``None`` at CP 1 (the layer keeps its local core)."""
+    return RingAttention(ps.cp_group, kv_heads, window) if ps.cp_size > 1 else None
 
 
 class TokenPositions:

@@ -6,7 +6,10 @@ pass over ``B`` sequences costs per layer ``8Bsh^2`` (QKV, projection) ``+ 4Bshf
 (MLP) ``+ 4Bs^2h`` (scores, weighted sum), and ``2BshV`` for the logits. The Llama family: the
 keys and values of ``G`` groups of width ``d`` cost ``4Bsh Gd`` instead of ``4Bsh^2`` (QKV and projection
 ``4Bsh^2 + 4BshGd``), SwiGLU's three matrices ``6Bshf``; RMSNorm and rope are elementwise (not counted,
-as LayerNorm is not). Training is
+as LayerNorm is not). Heads of width ``d`` apart from ``h / a`` (``kv_channels``): the queries and the
+projection cost ``4Bsh ad`` and the core ``4Bs^2 ad``. A sliding window ``w < s`` lets each query see ``w``
+keys: its layers' core costs ``4Bs w ad`` (the per-layer figure is the mean over the layers). QK norm is
+elementwise. Training is
 forward + backward (2x forward); full recomputation adds one forward of the layers,
 selective recomputation (Korthikanti et al. 2022) one forward of the attention core
 (``4Bs^2h`` per layer: scores and weighted sum):
@@ -66,10 +69,12 @@ def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, N
     recomputed forward) and for the logits, which a pipeline's stages sum over their own layers."""
     s, h, f = config.seq_length, config.hidden_size, config.ffn_hidden_size
     assert f is not None  # (GPTConfig.__post_init__ sets it)
-    core_fwd = 4 * s * s * h
+    width, l = config.attention_width, config.num_layers  # the queries' width: h unless kv_channels sets it
+    seen = sum(min(config.layer_window(i) or s, s) for i in range(l))  # keys a query sees, over the layers
+    core_fwd = round(4 * s * seen * width / l)
     kv = config.kv_groups * config.head_dim  # the key (and the value) width: h without grouped queries
     mats = 3 if config.swiglu else 2        # SwiGLU: gate, up and down
-    layer_fwd = 4 * s * h * h + 4 * s * h * kv + 2 * mats * s * h * f + core_fwd
+    layer_fwd = 4 * s * h * width + 4 * s * h * kv + 2 * mats * s * h * f + core_fwd
     extra = {None: 0, "full": layer_fwd, "selective": core_fwd}[recompute_granularity(recompute)]
     return 3 * layer_fwd + extra, 3 * 2 * s * h * vocab
 
@@ -90,7 +95,8 @@ def rank_flops_imbalance(config: GPTConfig, tp: int) -> float:
     mats = 3 if config.swiglu else 2
     # per token and layer: queries, output and core (4h^2 + 4sh) scale with heads, keys and values (4 h kv)
     # with the rank's KV heads, the MLP (2 mats h f) with columns
-    work = [(4 * h * h + 4 * s * h) * hr / a + 4 * h * k + 2 * mats * h * fr for hr, k, fr in zip(heads, kv, ffn)]
+    width = config.attention_width
+    work = [(4 * h * width + 4 * s * width) * hr / a + 4 * h * k + 2 * mats * h * fr for hr, k, fr in zip(heads, kv, ffn)]
     return max(work) * tp / sum(work)
 
 

@@ -206,5 +206,5 @@ def _attention_kernel(cfg, ps, autocast) -> str:
     if ps.cp_size > 1:
         return f"ring over {ps.cp_size} context-parallel ranks (docs/context_parallel.md)"
     heads = cfg.num_attention_heads // ps.tp_size or 1
-    return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.hidden_size // cfg.num_attention_heads,
+    return attention_kernel(ps.device, autocast or torch.float32, heads, cfg.head_dim,
                             cfg.seq_length, cfg.attention_dropout)

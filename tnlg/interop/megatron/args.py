@@ -9,7 +9,12 @@ default the field's name: ``position_embedding_type``, ``rotary_base``, ``rotary
 for tnlg's ``seq_length``, ...); an argument a run did not save has Megatron-LM's default
 (:data:`_MEGATRON_DEFAULTS` where it differs from tnlg's). Arguments that describe an architecture tnlg
 does not model (experts, multi-latent attention, squared ReLU, QK norms, scaled or interleaved rope,
-sliding windows, ...: :data:`.core_fields.REFUSED`) are refused, one clear error naming the argument.
+...: :data:`.core_fields.REFUSED`) are refused, one clear error naming the argument.
+
+Sliding windows: Megatron's ``window_size`` ``(left, right)`` lets the query at ``p`` see the keys
+``p - left .. p + right`` (``-1``: unbounded); tnlg's ``sliding_window`` ``w`` is ``(w - 1, 0)``.
+``window_attn_skip_freq`` picks the sliding layers: an integer ``N`` makes every ``N``-th layer (1-based)
+full, a list holds 1 for each sliding layer (tnlg's ``window_layers``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ _CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalizati
 _MEGATRON_DEFAULTS = dict(openai_gelu=False, hidden_dropout=0.1, attention_dropout=0.1)
 # GPTConfig's architecture fields read otherwise than by their declared argument (config_from_args)
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
-_DERIVED = ("vocab_size", "ffn_hidden_size", "seq_length", "num_query_groups", "layernorm_epsilon")
+_DERIVED = ("vocab_size", "ffn_hidden_size", "seq_length", "num_query_groups", "layernorm_epsilon", "sliding_window",
+            "window_layers")
 
 # tokenizers whose size Megatron computes from a fixed vocabulary
 _TOKENIZER_SIZES = {"GPT2BPETokenizer": 50257}
@@ -124,12 +130,33 @@ def check_supported(args, where: str) -> None:
         raise UserError(f"{where}: the checkpoint's args set add_position_embedding=False with learned_absolute "
                         "positions (a model without positions); tnlg reads it as position_embedding_type='none' only "
                         "when the args say so. Nothing was written.")
-    kv = _arg(args, "kv_channels")
-    heads, hidden = _required(args, "num_attention_heads", where), _required(args, "hidden_size", where)
-    if kv is not None and kv * heads != hidden:
-        raise UserError(f"{where}: the checkpoint's args set kv_channels={kv} with {heads} heads, so the attention "
-                        f"width {kv * heads} differs from hidden_size={hidden}; tnlg needs kv_channels = hidden_size / "
-                        "num_attention_heads. Nothing was written.")
+    _window(args, where)
+
+
+def _window(args, where: str) -> dict:
+    """tnlg's ``sliding_window`` and ``window_layers`` of the saved ``window_size`` and
+    ``window_attn_skip_freq`` (module docstring), or one :class:`UserError` for a window tnlg does not compute
+    (one that looks ahead)."""
+    size, freq = _arg(args, "window_size"), _arg(args, "window_attn_skip_freq")
+    if size is None:
+        return dict(sliding_window=None, window_layers=None)
+    ok = isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                    and x >= -1 for x in size)
+    if ok and tuple(size) == (-1, 0):  # unbounded on the left: plain causal attention
+        return dict(sliding_window=None, window_layers=None)
+    if not ok or size[1] != 0 or size[0] == -1:
+        raise UserError(f"{where}: the checkpoint's args set window_size={shown(size)}; tnlg computes causal sliding "
+                        "windows, window_size (left, 0) with left >= 0 (a query sees itself and the left positions "
+                        "before it). Nothing was written.")
+    layers = _arg(args, "num_layers")
+    if freq is None:
+        return dict(sliding_window=size[0] + 1, window_layers=None)
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0 and isinstance(layers, int):
+        return dict(sliding_window=size[0] + 1, window_layers=[int((i + 1) % freq != 0) for i in range(layers)])
+    if isinstance(freq, (list, tuple)) and len(freq) == layers and all(x in (0, 1) for x in freq):
+        return dict(sliding_window=size[0] + 1, window_layers=[int(x) for x in freq])
+    raise UserError(f"{where}: the checkpoint's args set window_attn_skip_freq={shown(freq)}, which is neither a "
+                    f"positive integer nor a list of 0 / 1 per layer ({shown(layers)} layers). Nothing was written.")
 
 
 def _position_type(args, where: str) -> str:
@@ -242,7 +269,7 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
             layernorm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
             init_method_std=float(_arg(args, "init_method_std", 0.02)),
             make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
-            seed=int(_arg(args, "seed", 1234)))
+            seed=int(_arg(args, "seed", 1234)), **_window(args, where))
     except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
         raise UserError(f"{where}: the saved args do not describe a valid model: {str(exc)[:300]} Nothing was "
                         "written.") from None
@@ -262,12 +289,14 @@ def _declared_args(cfg: GPTConfig) -> dict:
     """The Megatron arguments of ``cfg``'s architecture fields, under their declared names (and the
     older names Megatron-LM also reads: ``layernorm_epsilon``, ``use_rotary_position_embeddings``,
     ``add_position_embedding``)."""
-    out = {f.metadata.get("megatron", f.name): getattr(cfg, f.name)
-           for f in dataclasses.fields(GPTConfig) if f.metadata.get("arch") and f.name != "vocab_size"}
+    out = {f.metadata.get("megatron", f.name): getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)
+           if f.metadata.get("arch") and f.name not in ("vocab_size", "sliding_window", "window_layers")}
     out = {k: v for k, v in out.items() if k}  # (the fields no Megatron argument carries: "")
+    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
     out.update(use_rope_scaling=cfg.rope_scaling_type == "llama3",
                rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_type == "llama3" else 8.0)
-    out.update(layernorm_epsilon=cfg.layernorm_epsilon, num_query_groups=cfg.kv_groups,
+    out.update(kv_channels=cfg.head_dim, window_size=window, window_attn_skip_freq=cfg.window_layers,
+               layernorm_epsilon=cfg.layernorm_epsilon, num_query_groups=cfg.kv_groups,
                use_rotary_position_embeddings=cfg.position_embedding_type == "rope",
                add_position_embedding=cfg.position_embedding_type == "learned_absolute")
     return out
@@ -282,7 +311,7 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
     check_megatron_expressible(cfg)
     divisible = cfg.make_vocab_size_divisible_by
     return argparse.Namespace(**_tokenizer_args(tokenizer), **_declared_args(cfg), **dict(
-        kv_channels=cfg.head_dim, seq_length=cfg.seq_length, apply_layernorm_1p=False, squared_relu=False,
+        seq_length=cfg.seq_length, apply_layernorm_1p=False, squared_relu=False,
         vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible,
         padded_vocab_size=padded_vocab_size(cfg.vocab_size, tp, divisible),
         init_method_std=cfg.init_method_std, seed=cfg.seed,

@@ -45,7 +45,8 @@ __all__ = ["Span", "BucketLayout", "BucketStates", "bucket_size", "layout_of_ran
            "stage_layouts", "shifted_by_padding"]
 
 _PARAM_ALIGN = 64
-_LAYER_ORDER = (*LAYER_ROLES[0:2], *LAYER_ROLES[4:6], *LAYER_ROLES[2:4], *LAYER_ROLES[6:])  # names.py: qkv, proj
+# megatron-core's registration order: input_layernorm, linear_proj, linear_qkv, q/k_layernorm, then the MLP's
+_LAYER_ORDER = (*LAYER_ROLES[0:2], *LAYER_ROLES[4:6], *LAYER_ROLES[2:4], *LAYER_ROLES[12:], *LAYER_ROLES[6:12])
 _DEFAULT_MIN, _DEFAULT_PER_DP = 40_000_000, 1_000_000
 
 

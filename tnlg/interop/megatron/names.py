@@ -83,6 +83,9 @@ LAYER_ROLES: tuple[Role, ...] = (
     *_ln("ln_2", "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm", "post_attention_layernorm"),
     *_linear("mlp.c_fc", 0, "mlp.linear_fc1", ("mlp.dense_h_to_4h",), 0),
     *_linear("mlp.c_proj", 1, "mlp.linear_fc2", ("mlp.dense_4h_to_h",), None),
+    # qk_layernorm (megatron-core only; both specs' name), last so that the indices above stay
+    *(Role(f"attn.{x}_norm.{p}", None, (f"self_attention.{x}_layernorm.{p}",), (f"self_attention.{x}_layernorm.{p}",))
+      for x in "qk" for p in ("weight", "bias")),
 )
 CORE_LAYER_PREFIX = "decoder.layers."
 LEGACY_LAYER_PREFIXES = ("language_model.encoder.layers.", "language_model.transformer.layers.")
@@ -132,6 +135,8 @@ def _gqa(role: Role, take: str) -> Role:
 def _has(role: Role, cfg) -> bool:
     """Whether the configuration has this layer role's tensor (the model's biases and norms)."""
     name = role.tnlg
+    if name.startswith(("attn.q_norm.", "attn.k_norm.")):
+        return cfg.qk_layernorm and (name.endswith(".weight") or cfg.normalization == "LayerNorm")
     if name.endswith("ln_1.bias") or name.endswith("ln_2.bias"):
         return cfg.normalization == "LayerNorm"
     if name == "attn.c_attn.bias":
