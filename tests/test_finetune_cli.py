@@ -95,3 +95,15 @@ def test_a_megatron_checkpoint_fine_tunes_as_the_tnlg_checkpoint_it_was_exported
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "converted --load" in proc.stdout and (tmp_path / "from-megatron" / "base").is_dir()
     assert _losses(tmp_path / "from-megatron") == pytest.approx(_losses(tmp_path / "from-tnlg"), abs=1e-6)
+
+
+def test_a_bad_row_is_one_paragraph_before_any_worker_starts(base, tmp_path):
+    ckpt, rows = base
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(rows.read_text() + json.dumps(dict(prompt="no completion here")) + "\n")
+    proc = _tnlg("finetune", "--load", ckpt, "--sft-data-path", bad, "--train-iters", 2, "--save", tmp_path / "ft",
+                 "--nproc-per-node", 2, cwd=tmp_path)
+    err = _paragraph(proc)
+    assert "bad.jsonl:9:" in err and "without a completion" in err and err.startswith("tnlg finetune: error:"), err
+    assert "rank" not in err.lower() and "launch" not in proc.stdout.lower(), proc.stdout + err
+    assert not (tmp_path / "ft").exists()

@@ -92,14 +92,14 @@ def _run(args) -> int:
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
     data_notes: list[str] = []
-    if o.data.sft_data_path is not None:  # fine-tuning rows: read by the workers (tnlg.data.sft)
-        pass
-    elif o.data.data_path is None:  # the built-in corpus: prepared here once, found by the workers
+    if o.data.data_path is not None:
+        data_notes = _check_data_tokenizer(o)  # a mismatch refused here, before any worker starts
+    elif o.data.sft_data_path is None:  # the built-in corpus: prepared here once, found by the workers
         prefix, tok = default_dataset()
         o.data.data_path, o.data.tokenizer_model = [prefix], o.data.tokenizer_model or tok
-    else:
-        data_notes = _check_data_tokenizer(o)  # a mismatch refused here, before any worker starts
     if nproc is not None and nproc > 1 and not under_launcher():
+        if o.data.sft_data_path is not None:
+            _check_sft_data(o)  # a bad row or template: one paragraph here, before any worker starts
         check_resume(o)  # a checkpoint that does not match: reported here, before any worker starts
         extra = []
         if not hasattr(args, "save") and o.checkpoint.save is not None and o.checkpoint.load is None:
@@ -138,6 +138,18 @@ def _check_data_tokenizer(o) -> list[str]:
     tokenizer = load_tokenizer(o.data.tokenizer_model)
     notes = [check_sidecar(p, tokenizer) for p in parse_data_path(o.data.data_path)[0]]
     return [n for n in notes if n]
+
+
+def _check_sft_data(o) -> None:
+    """The fine-tuning rows read, rendered, tokenized and packed once in the launching process (each worker
+    does it again, or reads the cache): every bad row, template or length is refused before any worker starts."""
+    from ..data.sft import build_sft_datasets
+    from ..data.tokenizer import load_tokenizer
+    d = o.data
+    assert d.sft_data_path is not None
+    build_sft_datasets(d.sft_data_path, d.sft_valid_data_path, load_tokenizer(d.tokenizer_path()),
+                       o.model.seq_length, train_samples=1, valid_samples=1, seed=d.seed, packing=d.packing,
+                       loss_on_prompt=d.sft_loss_on_prompt)
 
 
 def _checkpoint_root(path: str) -> str:
