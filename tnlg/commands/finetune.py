@@ -2,7 +2,7 @@
 
 A fine-tuning run is a ``tnlg pretrain`` run whose options say so, resolved here in the launching process:
 
-* ``--load`` names the starting weights: a tnlg checkpoint, a Hugging Face folder (GPT-2, Llama, Qwen2: read
+* ``--load`` names the starting weights: a tnlg checkpoint, a Hugging Face folder (GPT-2, Llama, Qwen2, Mistral, Qwen3: read
   exactly or refused, :mod:`tnlg.interop.hf_reader`) or a Megatron-LM checkpoint. A foreign one is converted
   once, before any worker starts, into ``SAVE/base`` (a tnlg checkpoint at TP 1, weights only: any layout loads
   it), which the run then loads.
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "means (tnlg pretrain's default) instead of the per-token mean over the global batch")
     p.description = (
         "Fine-tune a pretrained model on prompt/completion or chat rows (docs/finetune.md): --load a tnlg "
-        "checkpoint, a Hugging Face folder (GPT-2, Llama, Qwen2) or a Megatron-LM checkpoint, and give "
+        "checkpoint, a Hugging Face folder (GPT-2, Llama, Qwen2, Mistral, Qwen3) or a Megatron-LM checkpoint, and give "
         "--sft-data-path ROWS (JSONL, Parquet or a datasets folder). The model's shape and tokenizer are the "
         "checkpoint's; the run starts at iteration 0 with a new optimizer and LR schedule (Megatron's "
         "--finetune), the loss counts the completions only (--sft-loss-on-prompt: every token), normalised per "

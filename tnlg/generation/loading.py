@@ -52,7 +52,7 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
     (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
     tokenizer, or ``None``."""
     if not os.path.exists(checkpoint):
-        raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama or Qwen2 folder "
+        raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama, Qwen2, Mistral or Qwen3 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
     if is_hf_folder(checkpoint):  # config.json and the weight files' headers: exactly what transformers
         check_hf_folder(checkpoint)  # computes, or one paragraph (no tensor data read, no worker started)

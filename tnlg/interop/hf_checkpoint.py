@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2, Llama and Qwen2 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
+"""Hugging Face GPT-2, Llama, Qwen2, Mistral and Qwen3 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
 the weights mapped by :mod:`tnlg.interop.hf`, the tokenizer by :mod:`tnlg.data.hf_tokenizer`. No
 collectives; one process."""
 

@@ -42,7 +42,7 @@ def check_model_type(model_type, where: str) -> str:
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """The :class:`GPTConfig` of a GPT-2, Llama or Qwen2 config (``model_type`` picks)."""
+    """The :class:`GPTConfig` of a GPT-2, Llama, Qwen2, Mistral or Qwen3 config (``model_type`` picks)."""
     kind = check_model_type(getattr(hf_config, "model_type", None), "the model")
     check_fields(hf_config, kind, "the Hugging Face model")
     if kind in LLAMA_TYPES:
@@ -69,7 +69,7 @@ def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
 
 
 def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
-    """The Hugging Face config of ``cfg``'s class (GPT-2, Llama or Qwen2: :func:`~.hf_llama.hf_kind`);
+    """The Hugging Face config of ``cfg``'s class (GPT-2, Llama, Qwen2, Mistral or Qwen3: :func:`~.hf_llama.hf_kind`);
     ``bos``/``eos`` are the end-of-document id (GPT-2 uses ``<|endoftext|>`` for both), or unset without
     a tokenizer (GPT-2's default 50256 is outside most tnlg vocabularies)."""
     kind = hf_kind(cfg)
