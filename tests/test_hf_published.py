@@ -89,6 +89,14 @@ def test_each_published_config_loads_with_transformers_logits_at_tp_2_with_and_w
                 torch.testing.assert_close(rank[sp][name], ref, rtol=1e-5, atol=1e-5, msg=f"{name} sp={sp}")
 
 
+def test_each_published_config_loads_with_transformers_logits_at_tp_4(folders):
+    """Four ranks: the query heads split unevenly where they do not divide, the KV groups shared (GQA ratio kept)."""
+    tokens, models = folders
+    for rank in run_distributed(_logits, 4, 4, {n: p for n, (p, _) in models.items()}, tokens):
+        for name, (_, ref) in models.items():
+            torch.testing.assert_close(rank[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("name", ["llama3.1", "yarn", "linear", "dynamic", "gpt2-layer-idx"])
 def test_greedy_generation_past_the_original_length_matches_transformers(folders, name):
     """Scaled rope (the KV cache from a 10-token prompt to position 40; the original length is 16) and GPT-2's
