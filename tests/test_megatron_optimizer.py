@@ -61,7 +61,8 @@ def trained(tmp_path_factory):
 def _megatron_names():
     """tnlg name -> (megatron-core local-spec name, TP split dimension) of every parameter of SPEC."""
     out = {tnlg_name(role, i): (f"decoder.layers.{i}.{role.core[0]}", role.split)
-           for i in range(SPEC["layers"]) for role in LAYER_ROLES}
+           for i in range(SPEC["layers"]) for role in LAYER_ROLES
+           if not role.tnlg.startswith(("attn.q_norm.", "attn.k_norm."))}  # (SPEC has no QK norm)
     out.update({tnlg_name(role, None): (role.core[0], role.split) for role in GLOBAL_ROLES})
     return out
 
