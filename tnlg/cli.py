@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     Parser.argv = argv
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser, with the closest valid flags (exits 2)
-        _innermost(parser, args).unrecognized(extra)
+        innermost = _innermost(parser, args)
+        assert isinstance(innermost, Parser)  # (subparsers are made by add_subparsers: the parent's class)
+        innermost.unrecognized(extra)
     if args.command is None:
         parser.print_help()
         return 2
@@ -167,17 +169,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _failed(report(args.command, _disk_full(err), 2, False))  # a write no closer handler took
     except RuntimeError as err:
-        if getattr(err, "tnlg_status", None) is not None:  # a stop every rank agreed on (a diverged loss)
-            return _failed(report(args.command, str(err), err.tnlg_status, is_agreed(err)))
+        agreed_status = getattr(err, "tnlg_status", None)
+        if agreed_status is not None:  # a stop every rank agreed on (a diverged loss)
+            return _failed(report(args.command, str(err), agreed_status, is_agreed(err)))
         peer = stopped_by_peer()  # this rank's collective failed because another rank failed and said so
         if peer is not None:
             return _failed(peer)
         if not hasattr(command, "hang_resume"):  # a hung collective: one message naming it, no traceback per rank
             raise
         from .runtime.hang import report as report_hang
-        status = report_hang(err, args.command, resume=command.hang_resume(args))
-        if status is None:
+        hang_status = report_hang(err, args.command, resume=command.hang_resume(args))
+        if hang_status is None:
             raise
+        status = hang_status
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: its group cannot be torn down (a peer is gone)
             leave(status, destroy=False)
         return status

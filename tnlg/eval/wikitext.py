@@ -118,7 +118,7 @@ def check_text_file(path: str) -> str:
 def perplexity_figures(total_loss: float, num_tokenized: int, num_original: int) -> dict:
     """``val_loss``, ``ppl`` and the word-level adjusted ``ppl`` from the summed loss."""
     val_loss = total_loss / (num_tokenized - 1)
-    out = {"total_loss": total_loss, "num_tokenized_tokens": num_tokenized, "num_original_tokens": num_original,
+    out: dict[str, Optional[float]] = {"total_loss": total_loss, "num_tokenized_tokens": num_tokenized, "num_original_tokens": num_original,
            "num_targets": num_tokenized - 1, "val_loss": val_loss, "ppl": math.exp(min(20.0, val_loss))}
     if num_original > 1:
         ratio = (num_tokenized - 1) / (num_original - 1)

@@ -114,7 +114,9 @@ def _checkpoint_size(checkpoint: str, hf_keys: tuple, key: str) -> Optional[int]
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
             return int(next(config[k] for k in hf_keys if k in config))
-        return int(Manifest.read(resolve(checkpoint, "checkpoint")).config[key])
+        iter_dir = resolve(checkpoint, "checkpoint")
+        config = Manifest.read(iter_dir).config if iter_dir is not None else None
+        return None if config is None else int(config[key])
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None
 

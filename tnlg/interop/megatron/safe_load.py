@@ -208,13 +208,13 @@ def _dcp_classes() -> dict[tuple[str, str], object]:
     return out
 
 
-class _DCPUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _DCPUnpickler(pickle._Unpickler):
     """Python's own unpickler (its memo is a dict: a crafted memo index allocates nothing), reading from
     the file's bytes in memory (a crafted length reads what is there), giving only the index's classes."""
 
     classes: dict = {}
     # BYTEARRAY8 allocates the length it reads before reading it; an index holds no bytearray
-    dispatch = {k: v for k, v in pickle._Unpickler.dispatch.items()  # type: ignore[attr-defined]
+    dispatch = {k: v for k, v in pickle._Unpickler.dispatch.items()
                 if k not in (pickle.BYTEARRAY8[0], pickle.NEXT_BUFFER[0], pickle.READONLY_BUFFER[0])}
 
     def find_class(self, module: str, name: str):
