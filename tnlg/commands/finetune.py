@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 from ..errors import UserError
 from ..runtime.launch import under_launcher
@@ -80,7 +79,7 @@ def prepare(args: argparse.Namespace) -> None:
                         "and schedule. To resume a fine-tuning run, give the same command again (its --save holds "
                         "the checkpoint), or `tnlg pretrain --save DIR --use-checkpoint-args`.")
     if not hasattr(args, "save"):
-        args.save = _new_folder()
+        args.save = pretrain.new_run_folder("finetune", "tnlg finetune")
         print(f"note: no --save: this fine-tuning run saves its checkpoints, metrics.jsonl and loss plot in "
               f"{args.save} (--save DIR chooses the folder).", flush=True)
     args.load = _as_tnlg_checkpoint(args)
@@ -89,16 +88,6 @@ def prepare(args: argparse.Namespace) -> None:
     if not hasattr(args, "calculate_per_token_loss"):
         args.calculate_per_token_loss = True
     _PREPARED.add(id(args))
-
-
-def _new_folder() -> str:
-    if under_launcher():
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        if not run_id or run_id == "none":
-            raise UserError("tnlg finetune under this launcher needs --save DIR: the launcher sets no run id "
-                            "(TORCHELASTIC_RUN_ID), so the processes cannot agree on a new folder.")
-        return os.path.join("runs", f"finetune-{run_id}")
-    return os.path.join("runs", time.strftime("finetune-%Y%m%d-%H%M%S"))
 
 
 def _kind(path: str) -> str:

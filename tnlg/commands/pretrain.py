@@ -21,7 +21,7 @@ from ..options.recorded import describe
 from ..runtime.launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
 from .pretrain_args import DEFAULT_NPROC, add_arguments, resolve
 
-__all__ = ["add_arguments", "preflight", "run", "hang_resume", "resume_command", "default_nproc"]
+__all__ = ["add_arguments", "preflight", "run", "hang_resume", "resume_command", "default_nproc", "new_run_folder"]
 
 
 def run(args) -> int:
@@ -175,7 +175,7 @@ def _choose_save(o: Options, args) -> Optional[str]:
         return (f"note: no --save: checkpoints, metrics.jsonl and the loss plot go back into {root}, the "
                 f"checkpoint root --load reads from (--save DIR writes elsewhere).")
     if o.builtin_job:
-        c.save = _builtin_folder()
+        c.save = new_run_folder("pretrain", "the built-in job")
         return (f"note: the built-in job saves its checkpoints, metrics.jsonl and loss plot in {c.save} "
                 f"(--save DIR chooses the folder).")
     return ("note: no --save: this run writes no checkpoint"
@@ -183,15 +183,16 @@ def _choose_save(o: Options, args) -> Optional[str]:
             + "; its training is lost when it ends. Pass --save DIR to keep it.")
 
 
-def _builtin_folder() -> str:
-    """A new folder for the built-in job: one name for every process of the run."""
+def new_run_folder(kind: str, what: str) -> str:
+    """A new folder ``runs/KIND-DATE-TIME`` for a run without ``--save`` (``what``: the run, as errors name it):
+    one name for every process of the run."""
     if under_launcher():  # each process would read its own clock: use the launcher's run id
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if not run_id or run_id == "none":
-            raise UserError("the built-in job under this launcher needs --save DIR: the launcher sets no run id "
+            raise UserError(f"{what} under this launcher needs --save DIR: the launcher sets no run id "
                             "(TORCHELASTIC_RUN_ID), so the processes cannot agree on a new folder.")
-        return os.path.join("runs", f"pretrain-{run_id}")
-    return os.path.join("runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
+        return os.path.join("runs", f"{kind}-{run_id}")
+    return os.path.join("runs", time.strftime(f"{kind}-%Y%m%d-%H%M%S"))
 
 
 def resume_command(args, o: Options) -> str:
