@@ -174,3 +174,35 @@ def test_layers_initialise_themselves_tp_invariantly(tp):
                 assert torch.equal(p, shard_of(full, p, r)), f"{cls.__name__}.{name} tp={tp} rank {r}"
             described = {n: s for n, s in cls.describe(*describe_args).items() if s is not None}
             assert {n: ShardSpec.of(p) for n, p in layer.named_parameters()} == described, cls.__name__
+
+
+def test_split_marks_read_back_through_one_spec():
+    """The marks a spec writes read back as the same spec, travel onto a re-created parameter only when copied,
+    and give each rank's rows: a padded split (5 rows as 3 + 3, the last one a zero row) and an overlapping one
+    (8 rows held as rows 0-3, 2-5 and 4-7: the gradient norm counts rows 0-3, 4-5 and 6-7, each once). A
+    parameter marked ``tp_sharded`` alone is counted whole by the norm."""
+    from tnlg.parallel import ParallelState
+    from tnlg.parallel.sharding import (ShardSpec, copy_tp_attributes, counted_rows, full_shape, gather_full,
+                                        is_tp_sharded, shard_of, uncounted_elements)
+
+    full = torch.arange(16.0).reshape(8, 2)
+    shared = ShardSpec((8, 2), 0, (4, 4, 4), (0, 2, 4))
+    p = shared.parameter(1)
+    assert ShardSpec.of(p) == shared and full_shape(p) == (8, 2) and is_tp_sharded("w", p, ParallelState.single())
+    assert ShardSpec.of(copy_tp_attributes(p, nn.Parameter(p.detach().clone()))) == shared
+    assert ShardSpec.of(nn.Parameter(p.detach().clone())) == ShardSpec((4, 2))  # an uncopied re-wrap is unmarked
+    assert [counted_rows(p, r) for r in range(3)] == [(0, 4), (2, 4), (2, 4)]
+    assert [uncounted_elements(p, r) for r in range(3)] == [0, 4, 4]
+    assert torch.equal(shard_of(full, p, 1), full[2:6]) and torch.equal(shard_of(full, p, 2), full[4:8])
+
+    padded = ShardSpec((5, 2), 0, (3, 3)).parameter(1)
+    assert full_shape(padded) == (5, 2) and counted_rows(padded, 1) == (0, 3) and uncounted_elements(padded, 1) == 0
+    assert torch.equal(shard_of(full[:5], padded, 1), torch.cat([full[3:5], torch.zeros(1, 2)]))
+    whole = ShardSpec((5, 2), 0, (6,)).parameter(0)  # TP 1: the one shard holds a padding row, gathered away
+    assert torch.equal(gather_full(torch.cat([full[:5], torch.zeros(1, 2)]), whole, ParallelState.single()), full[:5])
+    replicated = ShardSpec((5, 2)).parameter(0)
+    assert ShardSpec.of(replicated) == ShardSpec((5, 2)) and counted_rows(replicated, 0) == (0, 0)
+    assert shard_of(full, replicated, 0) is full
+    flagged = nn.Parameter(torch.zeros(4, 2))
+    flagged.tp_sharded = True  # the flag alone (all the gradient norm reads): nothing left out, no other mark asked
+    assert is_tp_sharded("w", flagged, ParallelState.single()) and uncounted_elements(flagged, 0) == 0

@@ -14,7 +14,12 @@ Every parameter of a TP model carries the attributes named in :data:`TP_ATTRS`:
 
 Layers set them (:func:`mark_sharded`, :func:`mark_replicated`); initialisation,
 checkpoints, resharding, the data-parallel engines and the planner read them through
-the helpers here, so there is one definition of a split.
+the helpers here, so there is one definition of a split. The marks are plain attributes of the tensor (so they
+travel with it, and :func:`copy_tp_attributes` moves them onto a re-created parameter); torch's stubs do not
+declare them, so the helpers here read each through one typed accessor (``_sharded``, ``_dim``, ``_sizes``,
+``_full_size``, ``_offsets``), and :meth:`ShardSpec.of` reads them all into a frozen spec. A parameter may carry
+``tp_sharded`` alone (the gradient norm needs no more); a reader that needs a mark it lacks raises
+``AttributeError``.
 
 A *full state dict* maps every parameter name to the tensor TP=1 would hold, without
 vocabulary padding. It does not depend on the TP size, so it is the exchange format
@@ -25,7 +30,7 @@ for Hugging Face conversion and checkpoint resharding (:func:`full_state_dict`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -67,13 +72,13 @@ class ShardSpec:
     def local_shape(self, tp_rank: int) -> tuple[int, ...]:
         """The shape of TP rank ``tp_rank``'s shard."""
         shape = list(self.shape)
-        if self.sharded:
+        if self.dim is not None:
             shape[self.dim] = self.sizes[tp_rank]
         return tuple(shape)
 
     def mark(self, param: nn.Parameter) -> nn.Parameter:
         """Set ``param``'s sharding attributes (:data:`TP_ATTRS`) from this spec."""
-        if not self.sharded:
+        if self.dim is None:
             return mark_replicated(param)
         return mark_sharded(param, self.dim, self.sizes, self.shape[self.dim], self.offsets)
 
@@ -84,26 +89,56 @@ class ShardSpec:
     @classmethod
     def of(cls, param: torch.Tensor) -> "ShardSpec":
         """The spec a marked parameter carries."""
-        if not getattr(param, "tp_sharded", False):
+        if not _sharded(param):
             return cls(tuple(param.shape))
-        return cls(full_shape(param), int(param.partition_dim), tuple(int(s) for s in param.partition_sizes),
-                   tuple(int(o) for o in getattr(param, "partition_offsets", ()) or ()))
+        return cls(full_shape(param), _dim(param), _sizes(param), _offsets(param))
 
     def record(self, tp_rank: int) -> dict:
         """The JSON record checkpoints keep (``shape``, ``local``, ``sharded``; for a split parameter
         ``dim``, ``sizes`` and ``full_size``)."""
         rec = dict(shape=list(self.shape), local=list(self.local_shape(tp_rank)), sharded=self.sharded)
-        if self.sharded:
+        if self.dim is not None:
             rec.update(dim=self.dim, sizes=list(self.sizes), full_size=self.shape[self.dim])
             if self.offsets:
                 rec["offsets"] = list(self.offsets)
         return rec
 
 
+def _mark(param: torch.Tensor, key: str) -> Any:
+    return getattr(param, key)
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    """The ``tp_sharded`` mark (``False`` when absent)."""
+    return bool(getattr(param, "tp_sharded", False))
+
+
+def _dim(param: torch.Tensor) -> int:
+    return int(_mark(param, "partition_dim"))
+
+
+def _sizes(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in _mark(param, "partition_sizes"))
+
+
+def _full_size(param: torch.Tensor) -> int:
+    return int(_mark(param, "full_size"))
+
+
+def _offsets(param: torch.Tensor) -> tuple[int, ...]:
+    """The ``partition_offsets`` mark (``()`` when absent: slices back to back)."""
+    return tuple(int(o) for o in getattr(param, "partition_offsets", ()) or ())
+
+
+def _set_marks(param: nn.Parameter, **marks: object) -> nn.Parameter:
+    for key, value in marks.items():
+        setattr(param, key, value)
+    return param
+
+
 def mark_replicated(param: nn.Parameter) -> nn.Parameter:
     """Mark ``param`` as replicated over the TP group (every rank holds the full tensor)."""
-    param.tp_sharded = False
-    return param
+    return _set_marks(param, tp_sharded=False)
 
 
 def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size: int,
@@ -111,25 +146,21 @@ def mark_sharded(param: nn.Parameter, dim: int, sizes: Sequence[int], full_size:
     """Mark ``param`` as this rank's shard along ``dim``; ``sizes``: every rank's size along it
     (their sum may exceed ``full_size`` by padding); ``offsets``: where each slice starts, for slices
     that may overlap (default: back to back)."""
-    param.tp_sharded = True
-    param.partition_dim = dim
-    param.partition_sizes = tuple(sizes)
-    param.full_size = full_size
-    param.partition_offsets = tuple(offsets)
-    return param
+    return _set_marks(param, tp_sharded=True, partition_dim=dim, partition_sizes=tuple(sizes), full_size=full_size,
+                      partition_offsets=tuple(offsets))
 
 
 def _starts(param: torch.Tensor) -> list[int]:
-    offsets, sizes = getattr(param, "partition_offsets", ()) or (), param.partition_sizes
+    offsets, sizes = _offsets(param), _sizes(param)
     return list(offsets) if offsets else [sum(sizes[:r]) for r in range(len(sizes))]
 
 
 def uncounted_elements(param: torch.Tensor, tp_rank: int) -> int:
     """How many leading elements of TP rank ``tp_rank``'s flattened slice the gradient norm leaves out
     (rows a lower rank holds too, :func:`counted_rows`; split along dim 0 only); 0 for every other parameter."""
-    if not getattr(param, "partition_offsets", ()):
+    if not _offsets(param):
         return 0
-    if param.partition_dim != 0:
+    if _dim(param) != 0:
         raise ValueError("a shared (overlapping) slice must be split along dim 0.")
     lo, _ = counted_rows(param, tp_rank)
     return lo * (param.numel() // max(1, int(param.shape[0])))
@@ -138,11 +169,11 @@ def uncounted_elements(param: torch.Tensor, tp_rank: int) -> int:
 def counted_rows(param: torch.Tensor, tp_rank: int) -> tuple[int, int]:
     """The part ``[lo, hi)`` along ``partition_dim`` of TP rank ``tp_rank``'s slice that it counts in the
     gradient norm: all of it, but for a shared slice (``partition_offsets``) only what no lower rank holds."""
-    size = int(param.partition_sizes[tp_rank]) if getattr(param, "tp_sharded", False) else 0
-    if not getattr(param, "partition_offsets", ()):
+    size = _sizes(param)[tp_rank] if _sharded(param) else 0
+    if not _offsets(param):
         return 0, size
-    starts = _starts(param)
-    below = max((starts[r] + param.partition_sizes[r] for r in range(tp_rank)), default=0)
+    starts, sizes = _starts(param), _sizes(param)
+    below = max((starts[r] + sizes[r] for r in range(tp_rank)), default=0)
     return min(size, max(0, below - starts[tp_rank])), size
 
 
@@ -171,38 +202,38 @@ def copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """Shape of the full (unsplit, unpadded) tensor this parameter is a shard of."""
     shape = list(param.shape)
-    if getattr(param, "tp_sharded", False):
-        shape[param.partition_dim] = param.full_size
+    if _sharded(param):
+        shape[_dim(param)] = _full_size(param)
     return tuple(shape)
 
 
 def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
     """This rank's shard of a full tensor: slice along ``partition_dim``, zero-padding if needed.
     No communication."""
-    if not getattr(param, "tp_sharded", False):
+    if not _sharded(param):
         return full
-    dim, sizes = param.partition_dim, param.partition_sizes
-    start = _starts(param)[tp_rank]
-    padded_total = max(a + n for a, n in zip(_starts(param), sizes))
+    dim, sizes, starts = _dim(param), _sizes(param), _starts(param)
+    padded_total = max(a + n for a, n in zip(starts, sizes))
     if full.shape[dim] < padded_total:  # padded rows (vocabulary): zeros beyond full_size
         pad_shape = list(full.shape)
         pad_shape[dim] = padded_total - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.narrow(dim, start, sizes[tp_rank])
+    return full.narrow(dim, starts[tp_rank], sizes[tp_rank])
 
 
 def gather_full(shard: torch.Tensor, param: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """The full tensor of a (possibly split) parameter: all-gather over TP along its
     ``partition_dim`` (uneven sizes allowed), padding removed. Collective over TP."""
-    if not getattr(param, "tp_sharded", False):
+    if not _sharded(param):
         return shard
+    dim = _dim(param)
     if ps.tp_size > 1:
-        shard = all_gather_uneven(shard.detach(), param.partition_sizes, param.partition_dim, ps.tp_group)
-        if getattr(param, "partition_offsets", ()):  # overlapping slices: each rank's rows no lower rank has
-            dim, pieces = param.partition_dim, shard.split(list(param.partition_sizes), param.partition_dim)
+        shard = all_gather_uneven(shard.detach(), _sizes(param), dim, ps.tp_group)
+        if _offsets(param):  # overlapping slices: each rank's rows no lower rank has
+            pieces = shard.split(list(_sizes(param)), dim)
             shard = torch.cat([p.narrow(dim, lo, hi - lo) for r, p in enumerate(pieces)
                                for lo, hi in [counted_rows(param, r)]], dim)
-    return shard.narrow(param.partition_dim, 0, param.full_size)
+    return shard.narrow(dim, 0, _full_size(param))
 
 
 @torch.no_grad()
