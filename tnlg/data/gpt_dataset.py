@@ -44,7 +44,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Protocol, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 def parse_split(split: Union[str, Sequence[float]]) -> list[float]:
     """``"949,50,1"`` (or ``"949/50/1"``, or numbers) -> three weights summing to 1; missing parts are 0."""
     raw = split
+    parts: Sequence[Union[str, float]]
     if isinstance(split, str):
         parts = [p for p in split.replace("/", ",").split(",") if p.strip() != ""]
     else:
@@ -417,9 +418,9 @@ class GPTDataset(torch.utils.data.Dataset):
                 mn = int(t.min()) if mn is None else min(mn, int(t.min()))
         return mx, mn
 
-    def _first_out_of_vocab(self) -> tuple[int, int]:
-        """``(unit, token id)`` of the first token outside ``[0, vocab_size)`` in this split."""
-        v, tokens, units = self.vocab_size, self.indexed._tokens, self.units
+    def _first_out_of_vocab(self, v: int) -> tuple[int, int]:
+        """``(unit, token id)`` of the first token outside ``[0, v)`` (``v``: the vocabulary size) in this split."""
+        tokens, units = self.indexed._tokens, self.units
         if self.indexed.contiguous:
             a, b = self._span()
             step = 1 << 24
@@ -444,7 +445,7 @@ class GPTDataset(torch.utils.data.Dataset):
             return
         if self.meta["max_token"] < self.vocab_size and self.meta["min_token"] >= 0:
             return
-        u, bad = self._first_out_of_vocab()
+        u, bad = self._first_out_of_vocab(self.vocab_size)
         where = f"document {u}" if self.units.are_documents else f"sequence {u}"
         raise UserError(f"{where} of {self.indexed.path_prefix!r} holds token id {bad}, outside the "
                         f"vocabulary of {self.vocab_size} tokens (valid ids 0..{self.vocab_size - 1}). "
@@ -499,7 +500,7 @@ def _make_item(sample: torch.Tensor, eod_id: Optional[int], eod_mask_loss: bool,
         loss_mask[labels == eod_id] = 0.0
     item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
     if reset_position_ids or reset_attention_mask:
-        is_eod = tokens == eod_id
+        is_eod = cast(torch.Tensor, tokens == eod_id)  # (eod_id is set: GPTDataset checks it for these flags)
         # segment of each position: number of end-of-document tokens strictly before it
         seg = torch.zeros(seq, dtype=torch.int64)
         seg[1:] = torch.cumsum(is_eod[:-1].to(torch.int64), 0)
@@ -539,10 +540,18 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     return o[order], r[order]
 
 
+class SizedDataset(Protocol):
+    """A map-style dataset with a length (what :class:`BlendedDataset` draws from)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]: ...
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` by ``weights`` (see :func:`blending_indices`)."""
 
-    def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float], size: int):
+    def __init__(self, datasets: Sequence[SizedDataset], weights: Sequence[float], size: int):
         self.datasets = list(datasets)
         self.weights = [float(w) / sum(weights) for w in weights]
         self.size = int(size)
@@ -614,12 +623,12 @@ def build_train_valid_test_datasets(
         return out
 
     if barrier is None:
-        return tuple(make())  # type: ignore[return-value]
+        return tuple(make())
     result = make() if is_builder else None
     barrier()
     if result is None:
         result = make()
-    return tuple(result)  # type: ignore[return-value]
+    return tuple(result)
 
 
 def _build_split(name: str, parts: list, weights: Optional[list[float]], num_samples: int, opts: dict):

@@ -119,7 +119,9 @@ def _sentencepiece_normalizer(m, user: list):
     from tokenizers import Regex, normalizers
 
     space = "▁" if m.escape_whitespaces else " "
-    steps = [normalizers.Precompiled(m.precompiled_charsmap)] if m.precompiled_charsmap else []
+    steps: list[normalizers.Normalizer] = []
+    if m.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(m.precompiled_charsmap))
     if m.remove_extra_whitespaces:
         steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
     if m.escape_whitespaces:

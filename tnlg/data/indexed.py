@@ -350,11 +350,10 @@ class IndexedDatasetBuilder:
         self._lengths: list[np.ndarray] = []
         self._doc_idx: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
         self._num_seqs = 0
+        self._range: Optional[tuple[int, int]] = None
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             self._range = (int(info.min), int(info.max))
-        else:
-            self._range = None
 
     def __enter__(self) -> "IndexedDatasetBuilder":
         return self
@@ -390,12 +389,12 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens, lengths: Sequence[int]) -> None:
         """Append one document whose ``tokens`` form sequences of ``lengths``."""
         arr = self._as_array(tokens)
-        lengths = np.asarray(lengths, dtype=np.int32).reshape(-1)
-        if int(lengths.sum()) != arr.size:
-            raise ValueError(f"sequence lengths sum to {int(lengths.sum())} but the document has {arr.size} tokens")
+        sizes = np.asarray(lengths, dtype=np.int32).reshape(-1)
+        if int(sizes.sum()) != arr.size:
+            raise ValueError(f"sequence lengths sum to {int(sizes.sum())} but the document has {arr.size} tokens")
         self._file.write(arr.tobytes(order="C"))
-        self._lengths.append(lengths)
-        self._num_seqs += len(lengths)
+        self._lengths.append(sizes)
+        self._num_seqs += len(sizes)
         self.end_document()
 
     def add_documents(self, tokens, doc_lengths: Sequence[int]) -> None:

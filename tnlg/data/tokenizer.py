@@ -26,7 +26,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from ..errors import UserError
 from ..io import atomic_write, file_sha256
@@ -121,7 +121,7 @@ class SentencePieceTokenizer(Tokenizer):
                             "as the end-of-document token. Retrain with the default eos_id=2.")
         self._eod = int(eos)
         self._vocab = int(self.sp.get_piece_size())
-        self._sha = None
+        self._sha: Optional[str] = None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -194,7 +194,7 @@ class GPT2BPETokenizer(Tokenizer):
         self.tok = tok
         self._vocab = len(vocab)
         self._eod = int(vocab[self.EOD_TOKEN])
-        self._sha = None
+        self._sha: Optional[list[str]] = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -318,6 +318,7 @@ def _proto_fields(buf: bytes) -> Iterator[tuple[int, Any]]:
     while i < len(buf):
         key, i = _varint(buf, i)
         number, wire = key >> 3, key & 7
+        value: Union[int, bytes]
         if wire == 0:
             value, i = _varint(buf, i)
         elif wire == 2:
@@ -343,7 +344,9 @@ def read_sentencepiece_model(model: Union[str, Path, bytes]) -> SentencePieceMod
     escape_whitespaces 5).
     """
     data = model if isinstance(model, bytes) else Path(model).read_bytes()
-    pieces, trainer, norm = [], {}, {}
+    pieces: list[tuple[str, float, int]] = []
+    trainer: dict[int, Any] = {}
+    norm: dict[int, Any] = {}
     try:
         for number, value in _proto_fields(data):
             if number == 1:
