@@ -23,7 +23,7 @@ the window only with ``use_sliding_window``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -168,19 +168,20 @@ def _window(hf_config) -> dict:
 def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
     """The ``LlamaConfig`` / ``Qwen2Config`` of ``cfg`` (``kind``: :func:`hf_kind`)."""
     import transformers
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.seq_length,
-                  rms_norm_eps=cfg.layernorm_epsilon, rope_parameters=rope_parameters_of(cfg), hidden_act="silu",
-                  tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
-                  attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-                  bos_token_id=eod_id, eos_token_id=eod_id)
+    common: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.layernorm_epsilon, rope_parameters=rope_parameters_of(cfg), hidden_act="silu",
+        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+        attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+        bos_token_id=eod_id, eos_token_id=eod_id)
     if cfg.kv_channels is not None or kind != "qwen2":  # (Qwen2 reads an undeclared head_dim by getattr)
         common.update(head_dim=cfg.head_dim)
     if kind in ("qwen2", "qwen3"):
         kinds = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.num_layers)]
-        window = dict(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                      layer_types=kinds)
+        window: dict[str, Any] = dict(use_sliding_window=cfg.sliding_window is not None,
+                                      sliding_window=cfg.sliding_window, layer_types=kinds)
         if kind == "qwen2":
             return transformers.Qwen2Config(**window, **common)
         return transformers.Qwen3Config(attention_bias=False, **window, **common)
@@ -196,7 +197,8 @@ def _per_head(q, k, v, heads: int) -> torch.Tensor:
 
 def llama_to_tnlg(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """tnlg's full state dict of a Llama/Qwen2 state dict."""
-    out, attn = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    attn: dict[str, dict[str, torch.Tensor]] = {}  # layer number -> its attention and MLP projections by name
     for name, t in hf_sd.items():
         t = t.detach().float()
         if name == "model.embed_tokens.weight":

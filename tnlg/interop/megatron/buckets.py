@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union, cast
 
 import torch
 
@@ -150,7 +150,7 @@ def _stage_params(source, cfg, stage: int) -> list:
     tied = not cfg.untie_embeddings_and_output_weights
     per = cfg.num_layers // pp
     first, layer_order, last = stage_roles(cfg)
-    entries = []
+    entries: list[tuple[Role, Union[int, str, None], Optional[int], bool]] = []  # role, layer/"copy", stage, shared
     if stage == 0:
         entries += [(role, None, stage, tied and pp > 1 and role is GLOBAL_ROLES[0]) for role in first]
     entries += [(role, i, None, False) for i in range(stage * per, (stage + 1) * per) for role in layer_order]
@@ -221,7 +221,7 @@ class BucketStates:
                 store.check(t, p, stage, where)
 
     def _span(self, role: Role, layer: Optional[int], stage: Optional[int]):
-        p = stage if layer is None else layer // self.per_stage
+        p = cast(int, stage) if layer is None else layer // self.per_stage  # (a global role names its stage)
         return p, self.stages[p].spans.get(span_key(role, layer))
 
     def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None, prefix: str = ""):
@@ -242,7 +242,7 @@ class BucketStates:
         parts = [self.store.flat(t, p, prefix, self.stages[p], span).reshape(shape) for t in range(ranks)]
         if role.take == "swiglu":  # each rank's [gate_r; up_r] -> [gate; up]
             return swiglu_join(parts)
-        return parts[0] if ranks == 1 else torch.cat(parts, dim=role.split)
+        return parts[0] if ranks == 1 or role.split is None else torch.cat(parts, dim=role.split)
 
     @property
     def dtype(self):

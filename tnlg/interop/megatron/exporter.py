@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ...checkpoint import files as F
-from ...checkpoint.manifest import Manifest
+from ...checkpoint.manifest import Manifest, need
 from ...checkpoint.reshard import ShardReader, full_targets
 from ...config import GPTConfig, divisors, padded_vocab_size
 from ...errors import UserError
@@ -51,13 +51,15 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
         raise UserError(f"--tp {tp}: Megatron-LM needs num_attention_heads ({cfg.num_attention_heads}) to be a "
                         f"multiple of tensor_model_parallel_size ({tp}); valid TP sizes for this model: {valid}. "
                         "Nothing was written.")
+    ffn = cfg.ffn_hidden_size
+    assert ffn is not None  # GPTConfig.__post_init__ sets it
     if cfg.kv_groups % tp:
-        valid = [t for t in divisors(cfg.kv_groups) if cfg.ffn_hidden_size % t == 0]
+        valid = [t for t in divisors(cfg.kv_groups) if ffn % t == 0]
         raise UserError(f"--tp {tp}: Megatron-LM needs num_query_groups ({cfg.kv_groups}) to be a multiple of "
                         f"tensor_model_parallel_size ({tp}) (each rank holds whole key/value groups; tnlg itself runs "
                         f"this model at any TP, Megatron does not); valid TP sizes for a Megatron export of this "
                         f"model: {valid}. Nothing was written.")
-    if cfg.ffn_hidden_size % tp:
+    if ffn % tp:
         raise UserError(f"--tp {tp}: Megatron-LM splits ffn_hidden_size ({cfg.ffn_hidden_size}) evenly over TP; {tp} "
                         "does not divide it. Nothing was written.")
     if cfg.num_layers % pp:
@@ -146,11 +148,11 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
     manifest = Manifest.read(iter_dir)
     F.check_files(iter_dir, manifest, ("model",))
     F.verify_checksums(iter_dir, manifest, {n for n in manifest.files if n.startswith("model")})
-    cfg = GPTConfig.from_dict(manifest.config)
+    cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     check_megatron_layout(cfg, tp, pp)
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
-    dtype = getattr(torch, manifest.layout.param_dtype)
-    iteration = int(manifest.iteration)
+    dtype = getattr(torch, need(manifest.layout.param_dtype, "layout.param_dtype"))
+    iteration = int(need(manifest.iteration, "iteration"))
     args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer)
     common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
     full = _Full(iter_dir, manifest, cfg, padded)

@@ -79,7 +79,7 @@ def first_file(iter_dir: str) -> str:
         if os.path.isfile(path):
             return path
     dirs = sorted(n for n in os.listdir(iter_dir) if _RANK_RE.match(n))
-    if any(_RANK_RE.match(n).group(3) for n in dirs):
+    if any(m.group(3) for m in map(_RANK_RE.match, dirs) if m):
         raise UserError(f"{iter_dir!r} is an expert-parallel checkpoint ({dirs[0]}): mixtures of experts are not "
                         "modelled by tnlg. Nothing was written.")
     raise UserError(f"{iter_dir!r} has rank folders {dirs[:4]} but no {os.path.join(rank_dir(0, 0, 1), FILE)!r}: "
@@ -161,9 +161,9 @@ class LegacySource:
         return None, False
 
     def _shards(self, role: Role, layer: Optional[int], stage: Optional[int],
-                kind: str = "") -> Optional[list[torch.Tensor]]:
-        """Every TP rank's (memory-mapped) tensor of ``role`` (``kind``: its optimizer state of that kind),
-        QKV reordered lazily by :meth:`tensor`."""
+                kind: str = "") -> Optional[list[tuple[torch.Tensor, bool]]]:
+        """Every TP rank's (memory-mapped) tensor of ``role`` and whether it was found under a legacy name
+        (``kind``: its optimizer state of that kind), QKV reordered lazily by :meth:`tensor`."""
         if layer is not None:
             stage, layer = divmod(layer, self.per_stage)
         shards = []
@@ -213,7 +213,7 @@ class LegacySource:
             out.append(value)
         if role.take == "swiglu":  # each rank's [gate_r; up_r] -> [gate; up]
             return swiglu_join(out)
-        return out[0].clone() if len(out) == 1 else torch.cat(out, dim=role.split)
+        return out[0].clone() if len(out) == 1 or role.split is None else torch.cat(out, dim=role.split)
 
     def layers(self) -> int:
         """How many layers the files hold: the layer numbers of the first stage's file, times the stages."""
