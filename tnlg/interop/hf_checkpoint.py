@@ -5,6 +5,7 @@ collectives; one process."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -17,7 +18,8 @@ from ..data.hf_tokenizer import hf_tokenizer_files
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from .hf import build_hf_model, write_hf_folder
-from .hf_reader import read_hf_folder
+from .hf_mapping import TNLG_DTYPE
+from .hf_reader import HFTensors, open_hf_folder
 
 __all__ = ["hf_to_checkpoint", "checkpoint_to_hf"]
 
@@ -25,26 +27,43 @@ __all__ = ["hf_to_checkpoint", "checkpoint_to_hf"]
 def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
     """A ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` folder -> a tnlg checkpoint
     (iteration 0, weights only) at TP ``tp_size``; the folder is read by
-    :func:`tnlg.interop.hf_reader.read_hf_folder` (exactly what transformers computes, or one paragraph)."""
-    cfg, full = read_hf_folder(hf_dir)  # every check before anything is written
+    :func:`tnlg.interop.hf_reader.open_hf_folder` (exactly what transformers computes, or one paragraph).
+    Each rank's shard of each tensor is built when written, from only the Hugging Face tensors it is made
+    of, and let go: the process holds about one full tnlg tensor and its shard at a time, never the model."""
+    cfg, tensors = open_hf_folder(hf_dir)  # every check before anything is written
     tok = None
     if tokenizer_model:
         tok = load_tokenizer(tokenizer_model)
         if tok.vocab_size > cfg.vocab_size:
             raise UserError(f"--tokenizer-model {tokenizer_model!r} has {tok.vocab_size} tokens but the model's "
                             f"vocabulary has {cfg.vocab_size}; it is not this model's tokenizer.")
-    dtype = next(iter(full.values())).dtype
     manifest = Manifest(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
                         tokenizer=None if tok is None else tok.describe(),
-                        layout=Layout(param_dtype=str(dtype).replace("torch.", "")), optimizer=OptimizerState(),
+                        layout=Layout(param_dtype=str(TNLG_DTYPE).replace("torch.", "")), optimizer=OptimizerState(),
                         schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__,
                         key_order=CONVERTED_KEYS)
 
     def shard(r, names):
-        targets = targets_for(cfg, tp_size, r)
-        return {n: slice_full(full[n], targets[n]) for n in names}, None
+        return _Shard(tensors, targets_for(cfg, tp_size, r)), None
 
     return write_converted(dst, manifest, cfg, tp_size, shard)
+
+
+class _Shard(Mapping):
+    """One TP rank's shards, each sliced (:func:`~tnlg.checkpoint.reshard.slice_full`) from its full tensor
+    (read and built by ``tensors``) when looked up: :func:`write_converted` looks each up once."""
+
+    def __init__(self, tensors: HFTensors, targets: dict[str, dict]):
+        self.tensors, self.targets = tensors, targets
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return slice_full(self.tensors[name], self.targets[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.targets)
+
+    def __len__(self) -> int:
+        return len(self.targets)
 
 
 def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:

@@ -23,7 +23,8 @@ the window only with ``use_sliding_window``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,7 +32,7 @@ from ..config import GPTConfig
 from ..errors import UserError
 
 __all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from",
-           "llama_to_tnlg", "tnlg_to_llama"]
+           "llama_recipes", "tnlg_to_llama"]
 
 LLAMA_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
@@ -195,42 +196,55 @@ def _per_head(q, k, v, heads: int) -> torch.Tensor:
     return torch.stack([t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)], dim=1).flatten(0, 2)
 
 
-def llama_to_tnlg(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """tnlg's full state dict of a Llama/Qwen2 state dict."""
-    out: dict[str, torch.Tensor] = {}
-    attn: dict[str, dict[str, torch.Tensor]] = {}  # layer number -> its attention and MLP projections by name
-    for name, t in hf_sd.items():
-        t = t.detach().float()
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _stacked(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.stack(ts)
+
+
+def _grouped_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[G d, ...]`` keys and values -> tnlg's ``attn.c_kv`` ``[G, 2, d, ...]``."""
+    return torch.stack([k.reshape(groups, -1, *k.shape[1:]), v.reshape(groups, -1, *v.shape[1:])], dim=1)
+
+
+def llama_recipes(hf_names, cfg: GPTConfig) -> dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]]:
+    """``{tnlg name: (the Hugging Face names it is built from, the function of their tensors that builds it)}``
+    of a Llama/Qwen2 state dict holding ``hf_names`` (:func:`tnlg.interop.hf_mapping.tnlg_recipes`)."""
+    out: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]] = {}
+    fused: list[str] = []  # layers whose attention / MLP tensors are fused
+    for name in hf_names:
         if name == "model.embed_tokens.weight":
-            out["transformer.wte.weight"] = t
+            out["transformer.wte.weight"] = ((name,), _same)
         elif name == "model.norm.weight":
-            out["transformer.ln_f.weight"] = t
+            out["transformer.ln_f.weight"] = ((name,), _same)
         elif name == "lm_head.weight":
             if cfg.untie_embeddings_and_output_weights:
-                out["lm_head.weight"] = t
+                out["lm_head.weight"] = ((name,), _same)
         elif name.startswith("model.layers.") and not name.endswith("rotary_emb.inv_freq"):
             _, _, i, rest = name.split(".", 3)
             if rest in _LAYER:
-                out[f"transformer.h.{i}.{_LAYER[rest]}"] = t
-            else:
-                attn.setdefault(i, {})[rest] = t
+                out[f"transformer.h.{i}.{_LAYER[rest]}"] = ((name,), _same)
+            elif i not in fused:
+                fused.append(i)
     heads, groups = cfg.num_attention_heads, cfg.kv_groups
-    for i, p in attn.items():
-        pre = f"transformer.h.{i}."
+    for i in fused:
+        pre, hf = f"transformer.h.{i}.", f"model.layers.{i}."
         for kind in ("weight", "bias") if cfg.mlp_biases else ("weight",):
-            out[pre + f"mlp.c_fc.{kind}"] = torch.stack([p[f"mlp.gate_proj.{kind}"], p[f"mlp.up_proj.{kind}"]])
+            out[pre + f"mlp.c_fc.{kind}"] = ((hf + f"mlp.gate_proj.{kind}", hf + f"mlp.up_proj.{kind}"), _stacked)
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            q, k, v = (p[f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+            q, k, v = (hf + f"self_attn.{x}_proj.{kind}" for x in "qkv")
             if groups == heads:
-                out[pre + f"attn.c_attn.{kind}"] = _per_head(q, k, v, heads)
+                out[pre + f"attn.c_attn.{kind}"] = ((q, k, v), functools.partial(_per_head, heads=heads))
             else:
-                kv = torch.stack([k.reshape(groups, -1, *k.shape[1:]), v.reshape(groups, -1, *v.shape[1:])], dim=1)
-                out[pre + f"attn.c_q.{kind}"], out[pre + f"attn.c_kv.{kind}"] = q, kv
-    return {n: t.contiguous() for n, t in out.items()}
+                out[pre + f"attn.c_q.{kind}"] = ((q,), _same)
+                out[pre + f"attn.c_kv.{kind}"] = ((k, v), functools.partial(_grouped_kv, groups=groups))
+    return out
 
 
 def tnlg_to_llama(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """A Llama/Qwen2 state dict of tnlg's full state dict (the inverse of :func:`llama_to_tnlg`)."""
+    """A Llama/Qwen2 state dict of tnlg's full state dict (the inverse of :func:`llama_recipes`)."""
     back = {v: k for k, v in _LAYER.items()}
     out = {"model.embed_tokens.weight": full["transformer.wte.weight"], "model.norm.weight": full["transformer.ln_f.weight"],
            "lm_head.weight": full.get("lm_head.weight", full["transformer.wte.weight"])}

@@ -10,22 +10,25 @@ gives whole heads. No collectives, no files: :mod:`tnlg.interop.hf_reader` reads
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
 from .hf_fields import check_fields
-from .hf_llama import LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_to_tnlg, tnlg_to_llama
+from .hf_llama import (LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_recipes,
+                       tnlg_to_llama)
 
-__all__ = ["CLASSES", "check_model_type", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict",
-           "tnlg_to_hf_state_dict"]
+__all__ = ["CLASSES", "TNLG_DTYPE", "Recipe", "check_model_type", "config_from_hf", "hf_config_from", "tnlg_recipes",
+           "build_tensor", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict"]
 
 _TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+TNLG_DTYPE = torch.float32  # every tensor a Hugging Face model converts to (a bf16 folder's too)
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -100,23 +103,47 @@ def _qkv_from_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
 
 
-def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+class Recipe(NamedTuple):
+    """How one tnlg tensor is built: the Hugging Face tensors it is made of (the names transformers' model
+    gives them) and the function of those tensors, each as :data:`TNLG_DTYPE`, that builds it
+    (:func:`build_tensor`)."""
+    sources: tuple[str, ...]
+    build: Callable[..., torch.Tensor]
+
+
+def _gpt2_tensor(t: torch.Tensor, conv1d: bool, heads: Optional[int]) -> torch.Tensor:
+    """One GPT-2 tensor in tnlg's layout: a ``Conv1D`` weight transposed, the fused QKV per head."""
+    t = t.t() if conv1d else t
+    return t if heads is None else _qkv_to_per_head(t, heads)
+
+
+def tnlg_recipes(hf_names, cfg: GPTConfig) -> dict[str, Recipe]:
+    """``{tnlg name: its Recipe}`` of a Hugging Face state dict holding ``hf_names``: the one name mapping
+    both :func:`hf_to_tnlg_state_dict` (every tensor at hand) and :class:`tnlg.interop.hf_reader.HFTensors`
+    (each read from the files when looked up) build with. A tied ``lm_head`` and GPT-2's causal-mask
+    buffers are no tnlg tensor."""
     if hf_kind(cfg) != "gpt2":
-        return llama_to_tnlg(hf_sd, cfg)
+        return {n: Recipe(*r) for n, r in llama_recipes(hf_names, cfg).items()}
     out = {}
-    for name, t in hf_sd.items():
+    for name in hf_names:
         if name == "lm_head.weight" and cfg.untie_embeddings_and_output_weights:
-            out[name] = t.detach().float().contiguous()
-            continue
-        if not name.startswith("transformer.") or name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # a tied lm_head is wte; attn.bias is GPT-2's causal-mask buffer
-        t = t.detach().float()
-        if name.endswith(_CONV1D):
-            t = t.t()
-        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            t = _qkv_to_per_head(t, cfg.num_attention_heads)
-        out[name] = t.contiguous()
+            out[name] = Recipe((name,), functools.partial(_gpt2_tensor, conv1d=False, heads=None))
+        elif name.startswith("transformer.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
+            qkv = name.endswith(("attn.c_attn.weight", "attn.c_attn.bias"))
+            out[name] = Recipe((name,), functools.partial(_gpt2_tensor, conv1d=name.endswith(_CONV1D),
+                                                          heads=cfg.num_attention_heads if qkv else None))
     return out
+
+
+def build_tensor(recipe: Recipe, tensors) -> torch.Tensor:
+    """The tnlg tensor ``recipe`` builds from ``tensors`` (its sources' tensors, in order): contiguous,
+    :data:`TNLG_DTYPE`."""
+    return recipe.build(*(t.detach().to(TNLG_DTYPE) for t in tensors)).contiguous()
+
+
+def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """tnlg's full state dict of a Hugging Face state dict (:func:`tnlg_recipes`)."""
+    return {n: build_tensor(r, [hf_sd[s] for s in r.sources]) for n, r in tnlg_recipes(hf_sd, cfg).items()}
 
 
 def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:

@@ -19,8 +19,10 @@ the launcher of ``tnlg generate`` / ``tnlg eval`` calls it before any worker sta
    base model's prefix (``h.0...`` for ``transformer.h.0...``, as in OpenAI's GPT-2 folder) are read
    with it, as transformers reads them.
 
-:func:`read_hf_folder` then reads the tensors. A tied config (``tie_word_embeddings``) whose files hold an
-``lm_head.weight`` unlike the embedding loads untied, as transformers 5 does ("will NOT tie them").
+:func:`open_hf_folder` then gives tnlg's state dict lazily (:class:`HFTensors`: each tnlg tensor read and
+built from its own Hugging Face tensors when looked up; ``tnlg convert`` writes shards from it one tensor
+at a time), :func:`read_hf_folder` all of it at once. A tied config (``tie_word_embeddings``) whose files
+hold an ``lm_head.weight`` unlike the embedding loads untied, as transformers 5 does ("will NOT tie them").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -35,12 +38,12 @@ import torch
 from ..config import GPTConfig
 from ..errors import UserError
 from .hf_mapping import CLASSES as MODEL_CLASSES
-from .hf_mapping import check_model_type, config_from_hf, hf_to_tnlg_state_dict
+from .hf_mapping import build_tensor, check_model_type, config_from_hf, tnlg_recipes
 from .hf_fields import ROPE_TYPES, check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
 from .megatron.safe_load import reason, shown
 
-__all__ = ["HFFolder", "check_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
+__all__ = ["HFFolder", "HFTensors", "check_hf_folder", "open_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
 
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
                   "qwen3": "Qwen3Config"}
@@ -190,14 +193,52 @@ def check_hf_folder(folder: str) -> HFFolder:
     return HFFolder(kind, hf_config, cfg, files, names)
 
 
-def read_hf_folder(folder: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """tnlg's config and full state dict of a checked folder (:func:`check_hf_folder`), every tensor read
-    from the files; a tied config whose ``lm_head.weight`` differs from the embedding loads untied."""
+class HFTensors(Mapping):
+    """tnlg's full state dict of a checked folder, built lazily: looking a name up reads only the Hugging
+    Face tensors it is made of (:func:`~.hf_mapping.tnlg_recipes`; a safetensors or zip ``.bin`` file is
+    memory-mapped) and builds the tnlg tensor from them, which the caller holds or lets go. Iterating
+    gives the names without reading anything."""
+
+    def __init__(self, found: HFFolder, cfg: GPTConfig):
+        self.found = found
+        self.recipes = tnlg_recipes([n for n in found.names if not _SKIPPED.search(n)], cfg)
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        """One tensor of the files, by the name transformers' model gives it."""
+        return self.found.files.tensor(self.found.names[hf_name])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        recipe = self.recipes[name]
+        return build_tensor(recipe, [self.read(s) for s in recipe.sources])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.recipes)
+
+    def __len__(self) -> int:
+        return len(self.recipes)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values (compared in their own dtype when they share one: no copy)."""
+    return torch.equal(a, b) if a.dtype == b.dtype else torch.equal(a.float(), b.float())
+
+
+def open_hf_folder(folder: str) -> tuple[GPTConfig, HFTensors]:
+    """tnlg's config and lazy full state dict (:class:`HFTensors`) of a checked folder
+    (:func:`check_hf_folder`); a tied config whose ``lm_head.weight`` differs from the embedding loads
+    untied (those two tensors alone are read to tell)."""
     found = check_hf_folder(folder)
-    hf_sd = {n: found.files.tensor(f) for n, f in found.names.items() if not _SKIPPED.search(n)}
     cfg = found.cfg
     embed = "transformer.wte.weight" if found.kind == "gpt2" else "model.embed_tokens.weight"
-    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in hf_sd:
-        if not torch.equal(hf_sd["lm_head.weight"].float(), hf_sd[embed].float()):
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in found.names:
+        head, wte = (found.files.tensor(found.names[n]) for n in ("lm_head.weight", embed))
+        if not _same_values(head, wte):
             cfg = config_from_hf(found.hf_config, untie_embeddings_and_output_weights=True)
-    return cfg, hf_to_tnlg_state_dict(hf_sd, cfg)
+    return cfg, HFTensors(found, cfg)
+
+
+def read_hf_folder(folder: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """tnlg's config and full state dict of a checked folder (:func:`open_hf_folder`), every tensor read
+    from the files and held."""
+    cfg, tensors = open_hf_folder(folder)
+    return cfg, dict(tensors)
