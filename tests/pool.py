@@ -12,7 +12,8 @@ What a body sees is what a fresh worker gives it:
 - a fresh :class:`ParallelState` (its TP/DP/PP/CP subgroups are created for the call, with the call's
   ``timeout_s``, and destroyed after it); the world group is the pool's;
 - torch's default generator at the seed a new process starts with, ``threads`` intra-op threads, fp32 as
-  the default dtype, gradients enabled, the parent's environment and working directory at the call;
+  the default dtype, gradients enabled, no compiled code (``torch._dynamo.reset()`` when an earlier call
+  compiled), the parent's environment and working directory at the call;
 - its own children (writer processes a body leaves behind) terminated when it ends;
 - what it writes to file descriptors 1 and 2 written by the parent to its own once the call ends (rank by
   rank), so ``capfd`` reads it as it read a fresh worker's output.
@@ -58,6 +59,9 @@ def _reset(base_seed: int, threads: int, environ: dict, cwd: str) -> None:
     torch.set_num_threads(threads)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # an earlier call's compiled code, guards and counters (a fresh worker has none)
+        dynamo.reset()
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)

@@ -132,18 +132,16 @@ def test_a_locked_save_root_refuses_a_second_job_before_any_worker_starts(tmp_pa
     held = F.lock_root(str(save))  # the first job
     try:
         from tests.tiny import tiny_flags
-        t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "2",
                                *tiny_flags(num_layers=1, train_iters=2, save=str(save))],
                               cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-        took = time.monotonic() - t0
     finally:
         held.close()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"is in use by another tnlg job (pid {os.getpid()} on " in proc.stderr, proc.stderr
     assert "parameters on this rank" not in proc.stdout  # no worker started
-    assert took < 30 and sorted(os.listdir(save)) == [F.LOCK]
+    assert sorted(os.listdir(save)) == [F.LOCK]  # (no wall-time bound: the output says no worker started)
 
 
 def test_rank_started_by_hand_prints_its_own_option_error(tmp_path):

@@ -161,6 +161,9 @@ def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
     out = "".join(lines)
     assert stopped is not None and proc.returncode != 0
     assert "Traceback" not in out and "pair closure" not in out, out
+    # the stopped worker was continued when the agent closed it, so its SIGTERM ended it at once: the agent
+    # did not sit out its 30 s grace and then SIGKILL it
+    assert "Unable to shutdown process" not in out, out
     # rank 0 either times out itself or sees a peer that timed out first close its connection
     msgs = [ln for ln in lines if "tnlg pretrain: a collective " in ln]
     assert len(msgs) == 1, out

@@ -30,11 +30,17 @@ worker (each runs in its own session, so a terminal's Ctrl-C reaches only the
 launcher), which stops at the end of its iteration and reports on rank 0; the
 launcher then returns ``128 + signal`` without a traceback. A SIGKILL cannot be forwarded: each worker
 ends by itself when this process dies (:mod:`tnlg.runtime.orphans`).
+
+When the job ends (a failure, a hang report) the agent closes the workers still alive with SIGTERM and
+waits up to 30 s before SIGKILL. A stopped worker (SIGSTOP, Ctrl-Z of its own terminal) would act on
+that SIGTERM only once continued, so the launch would sit out the whole 30 s: as a shell does for a
+stopped job it kills, the launcher continues (SIGCONT) each worker the agent closes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -233,9 +239,10 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
     store, endpoint = endpoint_store(rdzv_endpoint) if rdzv_endpoint else loopback_store()
     workers_env = _workers_env(endpoint, rdzv_endpoint)
     config = _launch_config(nproc, nnodes, endpoint, bool(rdzv_endpoint), status_dir, max_restarts)
-    quiet = _QuietLines(status_file)
+    quiet, wake = _QuietLines(status_file), _ContinueClosedWorkers()
     loggers = [logging.getLogger(n) for n in _ELASTIC_LOGGERS]
     for lg in loggers:
+        lg.addFilter(wake)
         lg.addFilter(quiet)
     try:
         elastic_launch(config, sys.executable)(*child_args)
@@ -259,6 +266,7 @@ def maybe_launch(command: str, argv: list[str], nproc: int, max_restarts: int = 
         del store
         shutil.rmtree(status_dir, ignore_errors=True)
         for lg in loggers:
+            lg.removeFilter(wake)
             lg.removeFilter(quiet)
         if _in_main_thread():
             for s, h in handlers.items():
@@ -340,6 +348,21 @@ class _QuietLines(logging.Filter):
             return False
         return not (("failed (exitcode" in msg or "failed" in msg.lower() and "worker" in msg.lower())
                     and os.path.exists(self.status_file))
+
+
+class _ContinueClosedWorkers(logging.Filter):
+    """Sends SIGCONT to each worker the agent closes, when it says so ("Sending process PID closing signal
+    SIGTERM", or "Closing process PID via signal ..." for workers started as functions, logged just before
+    the signal): a stopped worker then acts on the SIGTERM at once instead of after the agent's 30 s grace
+    and SIGKILL. Passes every line on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(("Sending process", "Closing process")) and record.args:
+            pid = record.args[0] if isinstance(record.args, tuple) else None
+            if isinstance(pid, int):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
+        return True
 
 
 def _in_main_thread() -> bool:
