@@ -237,10 +237,15 @@ class Runner:
         y.backward(self.gy.to(y.dtype))
         return y
 
+    @staticmethod
+    def first_tokens(t: torch.Tensor) -> torch.Tensor:
+        """The first sample's first ``CHECK_TOKENS`` rows of a batch-first ``[b, s, h]`` tensor."""
+        return t[0, :CHECK_TOKENS]
+
     def warmup(self, dtype_name: str, steps: int):
         """Warm-up steps; returns the first step's outputs and input gradients of the first tokens."""
         y = self.step(dtype_name)
-        check = (y[0, :CHECK_TOKENS].detach().float().clone(), self.x.grad[0, :CHECK_TOKENS].clone())
+        check = (self.first_tokens(y).detach().float().clone(), self.first_tokens(self.x.grad).clone())
         for _ in range(steps - 1):
             self.step(dtype_name)
         return check
@@ -289,8 +294,22 @@ class OtherLoad:
 
 
 # ---------------------------------------------------------------------------- implementations
+class SequenceFirstRunner(Runner):
+    """tnlg blocks (``tnlg-tp1``, ``tnlg-tp2``): the decoder's activations are sequence-first, so the input
+    leaf and the output gradient are the shared ones transposed, ``[s, b, h]``, as the model's embedding
+    gives them (the copy is made once, outside the timed steps)."""
+
+    def __init__(self, stack: nn.Module, x: torch.Tensor, gy: torch.Tensor, block_kwargs=None):
+        leaf = x.detach().transpose(0, 1).contiguous().requires_grad_(True)
+        super().__init__(stack, leaf, gy.transpose(0, 1).contiguous(), block_kwargs)
+
+    @staticmethod
+    def first_tokens(t: torch.Tensor) -> torch.Tensor:
+        return t[:CHECK_TOKENS, 0]
+
+
 def tnlg_stack(cfg: GPTConfig, ps: ParallelState) -> nn.ModuleList:
-    """tnlg blocks (TP-invariant init from ``cfg.seed``): per block 2 all-reduces of [b, s, h]
+    """tnlg blocks (TP-invariant init from ``cfg.seed``): per block 2 all-reduces of [s, b, h]
     in forward and 2 in backward when ``ps.tp_size > 1``."""
     return GPT(cfg, ps).train().transformer.h
 
@@ -365,13 +384,13 @@ def bench_worker(ps: ParallelState, a: dict, impls: list, dtypes: list) -> dict:
     runners, kw = {}, tnlg_block_kwargs(cfg, a["seq"])
     for impl in impls:
         if impl == "tnlg-tp2":
-            runners[impl] = Runner(tnlg_stack(cfg, ps), x, gy, kw)
+            runners[impl] = SequenceFirstRunner(tnlg_stack(cfg, ps), x, gy, kw)
         elif impl == "tnlg-tp2-sp":
             runners[impl] = SequenceParallelRunner(cfg, ps, x, gy)
         elif impl == "dtensor-tp2":
             runners[impl] = Runner(dtensor_stack(cfg, ps.tp_size), x, gy)
         elif rank0 and impl == "tnlg-tp1":
-            runners[impl] = Runner(tnlg_stack(cfg, ParallelState.single()), x, gy, kw)
+            runners[impl] = SequenceFirstRunner(tnlg_stack(cfg, ParallelState.single()), x, gy, kw)
         elif rank0 and impl == "hf-gpt2":
             runners[impl] = Runner(hf_stack(cfg, full_weights(cfg)).train(), x, gy)
         elif rank0 and impl == "hf-llama":
@@ -451,7 +470,8 @@ def profile_rows(a: dict, impls, dtypes, top: int) -> dict:
     runners = {}
     for impl in impls:
         if impl == "tnlg-tp1":
-            runners[impl] = Runner(tnlg_stack(cfg, ParallelState.single()), x, gy, tnlg_block_kwargs(cfg, a["seq"]))
+            runners[impl] = SequenceFirstRunner(tnlg_stack(cfg, ParallelState.single()), x, gy,
+                                                tnlg_block_kwargs(cfg, a["seq"]))
         elif impl == "hf-gpt2":
             runners[impl] = Runner(hf_stack(cfg, full_weights(cfg)).train(), x, gy)
         elif impl == "hf-llama":

@@ -370,7 +370,7 @@ def test_a_llama_block_traces_into_one_graph_with_the_eager_gradients():
                     add_bias_linear=False)
     model = GPT(cfg)
     block, ctx = model.transformer.h[0], ForwardContext(rotary=model.rotary(16, None))
-    x = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(16, 2, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)  # [s, b, h]
 
     def run(fn):
         y = fn(x, ctx)

@@ -154,3 +154,13 @@ def test_plan_pp_simulate_refuses_the_interleaved_schedule():
     with pytest.raises(UserError, match="interleaved schedule is not simulated"):
         _plan(argv[:-1] + ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1",
                            "--simulate"])
+
+
+def test_a_sequence_parallel_stage_simulates_with_its_ranks_positions():
+    """With sequence parallelism a stage receives this rank's positions ``[s / t, b, h]`` (the decoder's
+    sequence-first layout): the stage after the first simulates at TP 2, its model states are those of
+    the run without it, and the activations it holds at its peak are fewer."""
+    cfg, sp_cfg = GPTConfig(**CFG), GPTConfig(**CFG, sequence_parallel=True)
+    off, on = (simulate_stage(c, 2, 2, 1, 1, micro_batch=MICRO, micro_batches=2) for c in (cfg, sp_cfg))
+    assert on["setup_peak_bytes"] == off["setup_peak_bytes"]
+    assert on["peak_bytes"] - on["setup_peak_bytes"] < off["peak_bytes"] - off["setup_peak_bytes"]

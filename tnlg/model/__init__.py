@@ -1,10 +1,15 @@
 """The GPT-2 decoder (and the Llama family), tensor-parallel (Megatron paper, section 3), nanoGPT-style names.
 
-Per transformer block and per pass, TP communication is two all-reduces of a
-``[batch, seq, hidden]`` tensor (one after attention, one after the MLP) in
+**The activation layout** is one, Megatron's: sequence-first ``[s, b, h]`` inside the decoder, from the
+embedding (which looks up the transposed tokens) through every block to the head, whose logits are
+``[s, b, V_pad / tp]``; the loss reads the labels transposed, and the logits leave the decoder batch-first
+``[b, s, V_pad / tp]`` (a transposed view) where it hands them out (:mod:`.forward`).
+
+Per transformer block and per pass, TP communication is two all-reduces of an
+``[s, b, h]`` tensor (one after attention, one after the MLP) in
 forward and two in backward (the ``f`` operators at the input of each half).
 The embedding adds one all-reduce, the LM head one in backward, and the
-vocab-parallel cross-entropy three small ``[batch, seq]`` all-reduces.
+vocab-parallel cross-entropy three small ``[s, b]`` all-reduces.
 
 Attention heads are split over TP ranks as evenly as possible (sizes differ by
 at most one, :func:`tnlg.config.partition_sizes`), so 28 heads run at TP=8 or
@@ -25,10 +30,9 @@ biases zeros, LayerNorm weights ones.
 
 Sequence parallelism (``config.sequence_parallel``, Korthikanti et al. 2022; docs/sequence_parallel.md):
 between the TP regions the activations are this rank's positions of the sequence,
-sequence-first ``[s_r, b, h]`` (Megatron's layout, so the collectives need no transposed
-copies; :func:`tnlg.parallel.mappings.sequence_sizes`, uneven when TP does not divide
-``s``), so LayerNorm, dropout and the residual adds run on ``1/t`` of the tokens. Without
-it the activations are batch-first ``[b, s, h]``.
+``[s_r, b, h]`` in the same sequence-first layout (so the collectives split along dim 0 with no
+transposed copies; :func:`tnlg.parallel.mappings.sequence_sizes`, uneven when TP does not divide
+``s``), so LayerNorm, dropout and the residual adds run on ``1/t`` of the tokens.
 Per block and pass the two all-reduces become two all-gathers (before QKV and fc) and two
 reduce-scatters (after the output projections) in forward, and the reverse in backward,
 plus one more all-gather per column layer in backward (only the shard of its input is

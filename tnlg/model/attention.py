@@ -132,7 +132,7 @@ class ParallelAttention(nn.Module):
     (with context parallelism the ring applies the window itself and skips the blocks outside it).
 
     Forward: ``f`` before QKV (identity), ``g`` after the output projection
-    (all-reduce of ``[b, s, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
+    (all-reduce of ``[s, b, h]``). Backward: the reverse (one all-reduce in ``f``), plus, for key/value
     groups held by several ranks, one all-reduce of each shared group's weight gradient over its holders.
     Sequence-parallel (the context's ``sp``: every rank's positions): forward all-gather of the input
     along the sequence and reduce-scatter of the output; backward all-gather of the output
@@ -196,7 +196,7 @@ class ParallelAttention(nn.Module):
             q, kv = column_parallel_linears(x, [(q_weight, q_bias),
                                                 self.c_kv.weights()],
                                             self.c_q.ps, ctx.sp)
-            lead = q.shape[:2]  # [b, s] or, sequence-parallel, [s (all positions), b]
+            lead = q.shape[:2]  # [s, b] (sequence-parallel: all positions, after the all-gather)
             q = q.view(*lead, self.local_heads, self.head_dim)
             k, v = kv.view(*lead, self.local_kv, 2, self.head_dim).unbind(dim=3)
         else:

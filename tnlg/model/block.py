@@ -1,6 +1,6 @@
 """The decoder's transformer block: pre-norm attention and MLP with residual dropout, and its recomputation.
 
-Per block and pass, TP communication is two all-reduces of a ``[b, s, h]`` tensor (one after attention,
+Per block and pass, TP communication is two all-reduces of an ``[s, b, h]`` tensor (one after attention,
 one after the MLP) in forward and two in backward (the ``f`` operators at the input of each half);
 sequence-parallel, two all-gathers and two reduce-scatters instead (the package docstring,
 :mod:`tnlg.model`). The layout of ``x`` is the :class:`~tnlg.model.forward.ForwardContext`'s.
@@ -33,7 +33,7 @@ class ParallelMLP(nn.Module):
     ``config.openai_gelu=False``), or with ``config.swiglu`` SwiGLU, ``silu(x W_gate) * (x W_up)``, whose
     gate and up projections are one column-parallel matmul (:class:`~tnlg.parallel.layers.GatedColumnParallelLinear`).
 
-    Forward: ``f`` (identity) then ``g`` (all-reduce of ``[b, s, h]``); backward: one all-reduce.
+    Forward: ``f`` (identity) then ``g`` (all-reduce of ``[s, b, h]``); backward: one all-reduce.
     Sequence-parallel (the context's ``sp``): all-gather before ``c_fc``, reduce-scatter after ``c_proj``
     (backward: all-gather, all-gather again, reduce-scatter).
     """
@@ -72,8 +72,8 @@ def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_sp
 class Block(nn.Module):
     """Pre-norm transformer block (LayerNorm or RMSNorm); optional activation checkpointing (recompute in backward).
 
-    ``x`` is ``[b, s, h]``, or sequence-parallel this rank's positions ``[s_r, b, h]`` (the
-    :class:`~tnlg.model.forward.ForwardContext` says which)."""
+    ``x`` is sequence-first ``[s, b, h]``, sequence-parallel this rank's positions ``[s_r, b, h]`` (the
+    :class:`~tnlg.model.forward.ForwardContext`'s ``sp`` says which)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
                  init_key: str = ""):

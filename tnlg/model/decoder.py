@@ -145,10 +145,10 @@ class DecoderBase(nn.Module):
             sequence_parallel: bool = True) -> tuple[torch.Tensor, ForwardContext]:
         """The decoder's one forward: the blocks ``layers``, after the embedding when ``first`` (``x``: tokens
         ``[b, s]``), before ``ln_f`` and the LM head when ``last`` (the output: this rank's vocabulary shard of
-        the logits, ``[b, s, V_pad / tp]``, ``[b, 1, ...]`` with ``last_only``); else hidden states in and
-        out: ``[b, s, h]``, or sequence-parallel this rank's positions ``[s_r, b, h]`` (logits ``[s, b, ...]``;
-        the returned context's :meth:`~ForwardContext.batch_first` turns them). The whole GPT is
-        ``run(tokens, range(L))``; a pipeline chunk runs its layers.
+        the logits, sequence-first ``[s, b, V_pad / tp]``, ``[1, b, ...]`` with ``last_only``; the returned
+        context's :meth:`~ForwardContext.batch_first` turns them); else hidden states in and out,
+        sequence-first ``[s, b, h]`` (sequence-parallel this rank's positions ``[s_r, b, h]``). The whole GPT
+        is ``run(tokens, range(L))``; a pipeline chunk runs its layers.
 
         ``position_ids`` ``[b, s]`` and ``attention_mask`` ``[b, s, s]`` (with CP the whole sequence's document
         ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (from the cache's
@@ -161,7 +161,7 @@ class DecoderBase(nn.Module):
         self.positions.check(incremental)
         n = x.shape[1] if first else self.positions.local_length(self.config.seq_length)
         sp = self.sequence_split(n, incremental or not sequence_parallel)
-        s = x.shape[1] if first or sp is None else sum(sp)  # ([b, s] tokens, [b, s, h] or [s_r, b, h])
+        s = x.shape[1] if first else x.shape[0] if sp is None else sum(sp)  # ([b, s] tokens, [s, b, h], [s_r, b, h])
         offset = self.start_position(s, kv_cache)
         if position_ids is None:
             position_ids = self.positions(s, offset, x.device)
@@ -173,20 +173,21 @@ class DecoderBase(nn.Module):
         return (self.head(x, ctx) if last else x), ctx
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, sp: Optional[tuple[int, ...]]) -> torch.Tensor:
-        """Word plus (learned) position embeddings, then dropout: ``[b, s, h]``, or with ``sp`` (every rank's
-        positions) this rank's positions ``[s_r, b, h]``. Collectives: the word embedding's all-reduce over TP;
-        with ``sp`` a reduce-scatter of the partial word embeddings instead, to which each rank adds its
-        positions' (backward: an all-gather)."""
+        """Word plus (learned) position embeddings, then dropout, sequence-first: the tokens ``[b, s]`` are
+        looked up transposed (``tokens.t()``: no copy of the activations) into ``[s, b, h]``, or with ``sp``
+        (every rank's positions) this rank's positions ``[s_r, b, h]``. Collectives: the word embedding's
+        all-reduce over TP; with ``sp`` a reduce-scatter of the partial word embeddings instead, to which each
+        rank adds its positions' (backward: an all-gather)."""
         t = self.transformer
         wte, drop = cast(VocabParallelEmbedding, t["wte"]), cast(nn.Dropout, t["drop"])
-        wpe = t["wpe"] if "wpe" in t else None
+        positions = t["wpe"](position_ids).transpose(0, 1) if "wpe" in t else None  # [s, b or 1, h]
         if sp is None:
-            x = wte(tokens)
-            return drop(x if wpe is None else x + wpe(position_ids))
-        positions = None if wpe is None else wpe(position_ids).transpose(0, 1)
-        x = reduce_scatter_to_sequence_parallel(wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
-                                                replicated=positions)
-        return _dropout(drop, x, self.tp_random, True)
+            x = wte(tokens.t())
+            x = x if positions is None else x + positions
+        else:
+            x = reduce_scatter_to_sequence_parallel(wte.local_lookup(tokens.t()), self.ps, sp, inplace=True,
+                                                    replicated=positions)
+        return _dropout(drop, x, self.tp_random, sp is not None)
 
     def rotary(self, seq_len: int, position_ids: Optional[torch.Tensor], offset: int = 0, device=None):
         """Rope's ``(cos, sin)`` (fp32 ``[b, 1, s, rotary_dim]``) at ``position_ids`` (``None``: the default
@@ -201,13 +202,12 @@ class DecoderBase(nn.Module):
 
     def head(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``ln_f`` and the parallel LM head (tied to the embedding, or untied): this rank's vocabulary
-        shard of the logits, ``[b, s, V_pad / tp]`` (``[b, 1, ...]`` with ``last_only``: the next token's),
-        or sequence-parallel sequence-first ``[s, b, V_pad / tp]``. Collectives: ``f`` (backward: an
-        all-reduce over TP); sequence-parallel an all-gather of the sequence instead (backward: a
-        reduce-scatter)."""
+        shard of the logits, sequence-first ``[s, b, V_pad / tp]`` (``[1, b, ...]`` with ``last_only``: the
+        next token's). Collectives: ``f`` (backward: an all-reduce over TP); sequence-parallel an all-gather
+        of the sequence instead (backward: a reduce-scatter)."""
         x = self.transformer["ln_f"](x, ctx.sequence_parallel)
         if ctx.last_only:  # generation needs only the next token's logits
-            x = x[:, -1:]
+            x = x[-1:]
         if not ctx.sequence_parallel:
             return F.linear(copy_to_tp(x, self.ps), self.output_weight)
         return column_parallel_linear(x, self.output_weight, None, self.ps, ctx.sp)
@@ -217,7 +217,8 @@ class GPT(DecoderBase):
     """GPT-2 decoder whose weights are split over ``ps.tp_group``.
 
     ``model(tokens)`` returns this rank's vocabulary shard of the logits
-    ``[b, s, V_pad / tp]`` (use :func:`gather_logits` for the full ones);
+    ``[b, s, V_pad / tp]`` (use :func:`gather_logits` for the full ones): a batch-first view of the
+    decoder's sequence-first ``[s, b, V_pad / tp]`` (:mod:`tnlg.model.forward`);
     ``model(tokens, labels=labels)`` returns the mean loss (fp32) through the
     vocab-parallel cross-entropy (:func:`tnlg.parallel.loss.loss_sum`). ``labels`` are aligned with ``tokens``
     (``tokens = sample[:-1]``, ``labels = sample[1:]``); the model does not shift.
@@ -270,7 +271,7 @@ class GPT(DecoderBase):
             kv_cache.length += tokens.shape[1]
         if labels is None:
             return ctx.batch_first(logits)
-        # sequence-parallel, the loss is computed sequence-first, as the logits come
+        # the loss is computed sequence-first, as the logits come
         mask = None if loss_mask is None else ctx.like_head(loss_mask)
         total, count = loss_sum(logits, ctx.like_head(labels), mask, self.ps, self.config.vocab_size)
         return normalised_loss(total, count, loss_divisor)

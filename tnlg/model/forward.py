@@ -4,12 +4,17 @@ The decoder (:meth:`tnlg.model.decoder.DecoderBase.run`) builds it from the call
 model's settings, and every block, its attention and its MLP read it, instead of a tuple of parallel
 sizes and per-call arguments passed through each layer's signature.
 
-**The activation layout.** Without sequence parallelism the activations between the TP regions are
-batch-first ``[b, s, h]``. With it (``sp``: every TP rank's number of positions,
-:func:`tnlg.parallel.mappings.sequence_sizes`) they are this rank's positions, sequence-first
-``[s_r, b, h]`` (Megatron's layout: the collectives need no transposed copies), and inside the TP
-regions (after the all-gather) the whole sequence, sequence-first ``[s, b, ...]``. The context's
-methods turn between those and the attention core's ``[b, heads, s, d]``, so no layer branches on it.
+**The activation layout.** Inside the decoder the activations are always sequence-first, Megatron's
+layout: ``[s, b, h]`` between the TP regions from the embedding (which looks up ``tokens.t()``) through
+every block to the head, whose logits are ``[s, b, V_pad / tp]``. With sequence parallelism (``sp``:
+every TP rank's number of positions, :func:`tnlg.parallel.mappings.sequence_sizes`) the same layout
+holds this rank's positions, ``[s_r, b, h]``, and inside the TP regions (after the all-gather) the whole
+sequence, ``[s, b, ...]``: the collectives split and gather along dim 0 with no transposed copy. ``sp``
+decides only the collectives (whether the linears all-gather and reduce-scatter along the sequence, and
+the sizes), never the layout. The context's methods turn between the layout and the attention core's
+``[b, heads, s, d]``, read ``[b, s]`` labels and loss masks in the head's layout (:meth:`like_head`), and
+give the logits batch-first ``[b, s, ...]`` (a transposed view, :meth:`batch_first`) at the one place
+the decoder hands them out.
 """
 
 from __future__ import annotations
@@ -41,26 +46,28 @@ class ForwardContext:
 
     @property
     def sequence_parallel(self) -> bool:
-        """Whether the activations between the TP regions are this rank's positions ``[s_r, b, h]``."""
+        """Whether the activations between the TP regions are this rank's positions only (``[s_r, b, h]``):
+        the linears all-gather and reduce-scatter along the sequence."""
         return self.sp is not None
 
-    def heads_first(self, t: torch.Tensor) -> torch.Tensor:
-        """``[b, s, heads, d]`` (or sequence-parallel ``[s, b, heads, d]``) -> ``[b, heads, s, d]`` (a view)."""
-        return t.permute(1, 2, 0, 3) if self.sp is not None else t.permute(0, 2, 1, 3)
+    @staticmethod
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        """``[s, b, heads, d]`` -> the attention core's ``[b, heads, s, d]`` (a view)."""
+        return t.permute(1, 2, 0, 3)
 
-    def tokens_first(self, y: torch.Tensor) -> torch.Tensor:
-        """The attention core's ``[b, heads, s, d]`` -> ``[b, s, heads * d]`` (sequence-parallel
-        ``[s, b, heads * d]``), the row-parallel projection's input."""
+    @staticmethod
+    def tokens_first(y: torch.Tensor) -> torch.Tensor:
+        """The attention core's ``[b, heads, s, d]`` -> ``[s, b, heads * d]``, the row-parallel projection's input."""
         b, heads, s, d = y.shape
-        if self.sp is not None:
-            return y.permute(2, 0, 1, 3).reshape(s, b, heads * d)
-        return y.transpose(1, 2).reshape(b, s, heads * d)
+        return y.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
-    def batch_first(self, t: torch.Tensor) -> torch.Tensor:
-        """The head's output (sequence-parallel ``[s, b, ...]``) batch-first ``[b, s, ...]`` (a view);
-        ``[b, s]`` labels or masks the other way round, :meth:`like_head`."""
-        return t.transpose(0, 1) if self.sp is not None else t
+    @staticmethod
+    def batch_first(t: torch.Tensor) -> torch.Tensor:
+        """The head's sequence-first output ``[s, b, ...]`` batch-first ``[b, s, ...]`` (a view); ``[b, s]``
+        labels or masks the other way round, :meth:`like_head`."""
+        return t.transpose(0, 1)
 
-    def like_head(self, t: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` labels or a loss mask in the head's layout (sequence-first when sequence-parallel)."""
-        return t.t() if self.sp is not None else t
+    @staticmethod
+    def like_head(t: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` labels or a loss mask in the head's sequence-first layout ``[s, b]`` (a view)."""
+        return t.t()

@@ -2,7 +2,8 @@
 
 At ``PP > 1`` a rank's model is a :class:`~tnlg.model.stage.StageModel` (the GPT's parameter
 names, this rank's layers). :func:`forward_logits` runs one batch through every stage: the first
-stage embeds the tokens, each stage runs its layers and sends the hidden state ``[b, s, h]`` to the
+stage embeds the tokens, each stage runs its layers and sends the hidden state ``[s, b, h]`` (the
+decoder's sequence-first layout, :mod:`tnlg.model.forward`) to the
 rank of the next model chunk (``dist.send``/``dist.recv`` over ``pp_group``), the last stage applies
 ``ln_f`` and the LM head and returns this rank's vocabulary shard of the logits; the other stages
 return ``None``. Each chunk runs :class:`~tnlg.model.stage.PipelineChunk`'s forward (the decoder's one
@@ -13,7 +14,7 @@ without a pipeline. A plain :class:`tnlg.GPT` goes through the same calls unchan
 pipeline communication), which is how the evaluation and generation code serves both.
 
 Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
-(a :class:`tnlg.model.attention.KVCache` of the stage's model); every new token's hidden state ``[b, 1, h]`` goes
+(a :class:`tnlg.model.attention.KVCache` of the stage's model); every new token's hidden state ``[1, b, h]`` goes
 stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
 every stage, which all feed it next. Per new token: the layers' TP collectives, one send/recv per
 stage boundary, the sampler's TP collectives on the last stage, one broadcast of ``[b]`` ids over PP.
@@ -29,7 +30,7 @@ generation feeds each token back to the first stage with a cache that grows; no 
 that. The pass here has no schedule of its own, but consecutive batches still overlap: a stage
 starts the next batch as soon as the next stage has received the previous one.
 
-Sequence parallelism is not used in these passes (the activations are ``[b, s, h]`` on every TP rank;
+Sequence parallelism is not used in these passes (the activations are ``[s, b, h]`` on every TP rank;
 same numbers, more activation memory), as the GPT's own incremental decoding does.
 """
 
@@ -85,7 +86,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
 
     Every stage of a pipeline group calls it with the same ``tokens`` (their shape sizes the hidden
     states received) and arguments. Collectives: the layers' TP collectives, and at PP > 1 one
-    send/recv of ``[b, s, h]`` per model-chunk boundary (chunk ``c`` to chunk ``c + 1``, on rank
+    send/recv of ``[s, b, h]`` per model-chunk boundary (chunk ``c`` to chunk ``c + 1``, on rank
     ``(c + 1) % P``)."""
     if not isinstance(model, StageModel):
         return model(tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache,
@@ -97,7 +98,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     chunks, x, logits = ps.pp_size * len(model.chunk_ranges), tokens, None
     for k, c in enumerate(range(ps.pp_rank, chunks, ps.pp_size)):  # this rank's model chunks, in pipeline order
         if c > 0 and ps.pp_size > 1:
-            x = torch.empty(b, s, cfg.hidden_size, dtype=p.dtype, device=p.device)
+            x = torch.empty(s, b, cfg.hidden_size, dtype=p.dtype, device=p.device)  # (sequence-first)
             dist.recv(x, src=stage_rank(ps, (c - 1) % ps.pp_size), group=ps.pp_group)
         x = model.chunk(k)(x, position_ids, attention_mask, kv_cache, last_only, sequence_parallel=False)
         if c == chunks - 1:

@@ -13,9 +13,9 @@ the optimizer step (:mod:`tnlg.parallel.pipeline_schedule`); the last stage's co
 
 Collectives of a chunk's forward and backward: the TP collectives of the GPT's layers (the
 embedding's all-reduce, two per block, the LM head's ``f``; with sequence parallelism the GPT's
-reduce-scatters and all-gathers instead, and the activations sent between stages are this rank's
-positions ``[s_r, b, h]``); none across stages (the schedule sends activations and gradients
-point-to-point).
+reduce-scatters and all-gathers instead); none across stages (the schedule sends activations and
+gradients point-to-point). The activations sent between stages are the decoder's, sequence-first
+``[s, b, h]`` (with sequence parallelism this rank's positions ``[s_r, b, h]``).
 
 Documents (``--reset-position-ids``, ``--reset-attention-mask``): a chunk takes the micro batch's
 ``position_ids`` and ``attention_mask`` as keyword arguments. torch's schedules (2.13) hand the
@@ -70,9 +70,10 @@ class StageModel(DecoderBase):
 
 class PipelineChunk(nn.Module):
     """One pipeline stage's forward over the :class:`StageModel`'s modules (it registers none itself,
-    so the engine sees each parameter once): tokens ``[b, s]`` -> hidden ``[b, s, h]`` on the first
-    stage, hidden -> hidden in the middle, hidden -> this rank's vocabulary shard of the logits
-    ``[b, s, V_pad / tp]`` on the last. Training's schedule (torch's ``PipelineStage``) calls it with
+    so the engine sees each parameter once): tokens ``[b, s]`` -> hidden ``[s, b, h]`` (sequence-first,
+    :mod:`tnlg.model.forward`) on the first stage, hidden -> hidden in the middle, hidden -> this rank's
+    vocabulary shard of the logits on the last, handed out batch-first ``[b, s, V_pad / tp]`` (a
+    transposed view). Training's schedule (torch's ``PipelineStage``) calls it with
     the activation and the documents' keyword arguments; the forward-only passes
     (:func:`tnlg.model.inference.forward_logits`) also with a KV cache."""
 
@@ -92,9 +93,9 @@ class PipelineChunk(nn.Module):
         ``--reset-attention-mask``), as the GPT takes them; ``None``: causal, positions from 0 (from
         the cache's length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its
         ``length`` is advanced by the caller, once every chunk has run); ``last_only``: the logits of
-        the last position only; ``sequence_parallel=False``: activations ``[b, s, h]`` whatever the
-        config says (the forward-only passes, whose batches vary in length). Sequence-parallel
-        training: the activations between stages are this rank's positions, sequence-first
+        the last position only; ``sequence_parallel=False``: every TP rank holds the whole sequence
+        ``[s, b, h]`` whatever the config says (the forward-only passes, whose batches vary in length).
+        Sequence-parallel training: the activations between stages are this rank's positions
         ``[s_r, b, h]``, as between the GPT's TP regions."""
         out, ctx = self.stage.run(x, self.layers, self.first, self.last, position_ids=position_ids,
                                   attention_mask=attention_mask, kv_cache=kv_cache, last_only=last_only,

@@ -21,7 +21,7 @@ over the whole sequence (:func:`~tnlg.parallel.loss.loss_sum`: one ``[sum, token
 CP group per micro batch, on the last stage).
 
 Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
-``[b, s, h]`` activation per micro batch and stage boundary in forward and of its gradient in
+``[s, b, h]`` activation (the decoder's sequence-first layout) per micro batch and stage boundary in forward and of its gradient in
 backward; then :func:`tie_embedding_grads`, one all-reduce of the word embedding's gradient over
 the embedding group (first and last stage, tied embeddings only), in the gradient buffer's dtype
 (16 bits under ``--bf16``/``--fp16``, fp32 with ``--accumulate-allreduce-grads-in-fp32``; at ZeRO 2/3

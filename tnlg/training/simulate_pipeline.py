@@ -112,9 +112,14 @@ def _micro_forward(chunk, ps, config: GPTConfig, micro_batch: int, dtype, receiv
 
 
 def _receive_buffers(ps, config: GPTConfig, micro_batch: int, micro_batches: int, dtype) -> list:
-    """torch's ``PipelineStage`` buffers: one ``[b, s, h]`` per micro batch for the activation it receives
+    """torch's ``PipelineStage`` buffers: one ``[s, b, h]`` (the decoder's sequence-first activation; with
+    sequence parallelism this rank's positions ``[s_r, b, h]``) per micro batch for the activation it receives
     (all stages but the first) and one for the gradient (all but the last), kept for the whole run."""
-    shape, dt = (micro_batch, config.seq_length // ps.cp_size, config.hidden_size), dtype or torch.float32
+    from ..parallel.mappings import sequence_sizes
+    s = config.seq_length // ps.cp_size
+    if config.sequence_parallel and 1 < ps.tp_size <= s:  # (the model's sequence split, DecoderBase.sequence_split)
+        s = sequence_sizes(s, ps.tp_size)[ps.tp_rank]
+    shape, dt = (s, micro_batch, config.hidden_size), dtype or torch.float32
     make = [torch.empty(shape, dtype=dt, device=ps.device) for _ in range(micro_batches)]
     inputs = None if ps.is_first_stage else make
     grads = None if ps.is_last_stage else [torch.empty(shape, dtype=dt, device=ps.device)
