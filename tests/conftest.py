@@ -66,27 +66,12 @@ NOT_QUICK = {"test_bench_peers", "test_checkpoint", "test_compile", "test_deepsp
              "test_pipeline_compile", "test_pipeline_precision", "test_stop_signals"}
 
 
-# The modules whose tests take longest in all (end-to-end runs, faults, resumes, shared launches), run first in
-# this order: under pytest-xdist (``-n 2 --dist loadfile``, as .ci/run runs) a long module taken last would
-# leave the other worker idle until it ends. The order changes no test's outcome (each module is independent).
-LONGEST_FIRST = ["test_pretrain_e2e", "test_faults", "test_pipeline_inference", "test_interrupt",
-                 "test_context_parallel_training", "test_megatron_checkpoint", "test_checkpoint", "test_resume",
-                 "test_megatron_optimizer", "test_failures", "test_compile", "test_hang", "test_megatron_bad_input",
-                 "test_pipeline", "test_finetune", "test_launch", "test_fuzz_megatron", "test_pipeline_compile"]
-
-
-def _module(item) -> str:
-    return item.module.__name__.rpartition(".")[2] if item.module is not None else ""
-
-
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (``NOT_QUICK``); put the ``LONGEST_FIRST`` modules first (a stable sort: every
-    other test keeps its place)."""
+    """Mark the quick tier (``NOT_QUICK``)."""
     for item in items:
-        if item.get_closest_marker("slow") is None and _module(item) not in NOT_QUICK:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        if item.get_closest_marker("slow") is None and module not in NOT_QUICK:
             item.add_marker(pytest.mark.quick)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))
 
 
 def pytest_addoption(parser):
