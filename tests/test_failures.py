@@ -200,3 +200,23 @@ def test_harness_stops_every_rank_as_soon_as_one_fails(in_collective, harness):
     assert time.monotonic() - t0 < 300
     assert "UserError: the data of rank 1 cannot be read" in str(info.value)
     assert run(_ranks, 2, 1) == [0, 1]
+
+
+def test_an_rng_file_on_a_full_disk_fails_with_the_oserror_the_save_guards(tmp_path):
+    """torch.save straight into a file raises a RuntimeError from its zip writer when the disk fills (no errno,
+    not caught by the save's guard: a traceback on that rank); the RNG file is serialised in memory first, so
+    the full disk is an OSError (ENOSPC)."""
+    from tnlg.checkpoint.saving import _write_rng
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(OSError) as info:
+            _write_rng(str(mnt), "rng.pt", {"state": torch.zeros(100_000)})
+        assert info.value.errno == errno.ENOSPC
+        assert os.listdir(mnt) == []  # nothing half-written
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -45,6 +45,7 @@ failed never leaves the others waiting for the process-group timeout.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import time
@@ -280,8 +281,12 @@ def _write_pieces(tmp: str, pieces: Sequence[OptimPiece], tp_rank: int, dp_rank:
 def _write_rng(tmp: str, name: str, state) -> dict[str, _Written]:
     """One RNG file, written atomically and durably; returns ``{file: record}``."""
     path = os.path.join(tmp, name)
+    # serialised in memory first (a few kB): writing to a full disk then fails in ``f.write`` with the OSError
+    # (ENOSPC) the save's guard turns into one message, where torch's zip writer raises a RuntimeError
+    buf = io.BytesIO()
+    torch.save(state, buf)
     with atomic_output(path, "wb") as f:
-        torch.save(state, f)
+        f.write(buf.getbuffer())
     return {name: _Written(os.path.getsize(path), file_sha256(path))}
 
 
