@@ -29,6 +29,7 @@ from tnlg.errors import UserError
 from tnlg.runtime.spawn import run_distributed as run_fresh
 
 from .pool import run_distributed
+from .tmpfs import mount_tmpfs, unmount
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,16 +208,12 @@ def test_an_rng_file_on_a_full_disk_fails_with_the_oserror_the_save_guards(tmp_p
     not caught by the save's guard: a traceback on that rank); the RNG file is serialised in memory first, so
     the full disk is an OSError (ENOSPC)."""
     from tnlg.checkpoint.saving import _write_rng
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
+    mount_tmpfs(mnt, "64k")
     try:
         with pytest.raises(OSError) as info:
             _write_rng(str(mnt), "rng.pt", {"state": torch.zeros(100_000)})
         assert info.value.errno == errno.ENOSPC
         assert os.listdir(mnt) == []  # nothing half-written
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(mnt)

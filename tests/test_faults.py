@@ -25,6 +25,7 @@ import time
 import pytest
 
 from tnlg import checkpoint as ck
+from .tmpfs import mount_tmpfs, unmount
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INJECT = os.path.join(ROOT, "tests", "fault_injection")
@@ -187,12 +188,8 @@ def test_disk_full_on_one_rank_mid_save_keeps_the_previous_checkpoint(reference,
 
 @pytest.mark.slow
 def test_real_disk_full_on_a_small_tmpfs(reference, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
+    mount_tmpfs(mnt, "3m")
     try:
         root = mnt / "save"
         shutil.copytree(reference["start"], root)  # ~1.8 MiB: a second checkpoint does not fit
@@ -209,7 +206,7 @@ def test_real_disk_full_on_a_small_tmpfs(reference, tmp_path):
         moved = tmp_path / "moved"
         shutil.copytree(root, moved)  # the previous checkpoint, where there is room, resumes exactly
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(mnt)
     _resumes_exactly(reference, tmp_path, moved)
 
 
@@ -253,11 +250,7 @@ def test_parameters_that_are_not_finite_are_never_saved(reference, tmp_path):
 
 def _nearly_full_tmpfs(mnt, free_kib: int) -> None:
     """Mount a 256 KiB tmpfs on ``mnt`` and fill it but ``free_kib`` KiB (skip where that is not allowed)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
+    mount_tmpfs(mnt, "256k")
     (mnt / "spare").write_bytes(b"\0" * 1024 * free_kib)
     with open(mnt / "filler", "wb", buffering=0) as f:
         try:
@@ -294,7 +287,7 @@ def test_a_full_disk_under_the_runs_reports_ends_in_one_message(tmp_path, output
             proc = subprocess.run([sys.executable, "-m", "tnlg", "pretrain", *argv], cwd=str(tmp_path), env=env,
                                   stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(mnt)
     log = proc.stderr
     assert proc.returncode == 2, log[-3000:]
     assert log.count("tnlg pretrain: error") == 1 and f"{what}: could not write" in log, log[-3000:]
