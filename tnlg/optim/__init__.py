@@ -3,7 +3,7 @@ clipping across TP and DP, Megatron's LR schedule, and the fp16 loss scaler.
 
 The engine in layers (docs/zero.md): ``layout`` (shapes only) -> ``bucket_comm`` and
 ``grad_buffer`` (gradients, bucket hooks, their DP collectives) -> ``sharded_adamw``
-(``torch.optim.AdamW`` on owned slices) -> the backends ``zero.FlatZero`` (stages 0/1),
+(torch's functional AdamW on owned slices) -> the backends ``zero.FlatZero`` (stages 0/1),
 ``fsdp.FSDPZero`` (2/3) and ``deepspeed_engine.DeepSpeedBackend`` (optional), each a
 ``backend.DataParallelBackend`` -> ``engine.Engine``, what the training loop drives."""
 

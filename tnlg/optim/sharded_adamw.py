@@ -1,14 +1,17 @@
-"""``torch.optim.AdamW`` on the slices of parameters this rank owns (ZeRO's partitioned optimizer).
+"""torch's AdamW on the slices of parameters this rank owns (ZeRO's partitioned optimizer).
 
 A ZeRO engine owns flat pieces of its parameters (a slice of every bucket at stage 1, FSDP
 shards at stages 2/3, everything at stage 0). :class:`ShardedAdamW` runs PyTorch's own
 AdamW on those pieces instead of re-implementing the update:
 
-* each contiguous *run* of an owned slice with one weight-decay setting becomes an
-  ``nn.Parameter`` that is a **view** of the engine's storage (the fp32 master for 16-bit
-  training, else the parameter buffer itself), so the update writes straight into it;
-* the Adam moments are views of the engine's flat ``exp_avg``/``exp_avg_sq`` buffers, placed
-  into the optimizer's state before the first step (torch initialises only empty state), so
+* each contiguous *run* of an owned slice with one weight-decay setting is a **view** of the
+  engine's storage (the fp32 master for 16-bit training, else the parameter buffer itself),
+  updated in place by torch's functional AdamW (``torch.optim.adamw.adamw``, the function
+  ``torch.optim.AdamW.step`` calls with its parameter groups' settings): the ``torch.optim.AdamW``
+  object itself is not built, because its methods import ``torch._dynamo`` on first call (about
+  1 CPU-s for every worker that starts; ``tests/test_imports.py``) and hold nothing the engine
+  does not hold already;
+* the Adam moments are views of the engine's flat ``exp_avg``/``exp_avg_sq`` buffers, so
   checkpoints and the planner see one flat buffer per moment;
 * the optimizer is stepped one *group* at a time (a bucket of the flat layout, or a chunk of
   FSDP shards of about a bucket's size);
@@ -35,10 +38,10 @@ a checkpoint).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-import torch.nn as nn
+from torch.optim.adamw import adamw
 
 from .mixed_adamw import adamw_16bit_
 
@@ -67,45 +70,21 @@ class ShardedAdamW:
         self.mixed_steps = [0] * len(self.mixed)
         self.groups = [[r for r in g if r.param is None] for g in groups]
         self.groups = [g for g in self.groups if g]
-        self.optimizers: list[torch.optim.AdamW] = []
-        self.params: list[list[nn.Parameter]] = []
-        for runs in self.groups:
-            self._add_torch_adamw(runs)
-        self.fused = bool(self.optimizers) and all(o.defaults.get("fused") for o in self.optimizers)
-        device = self.groups[0][0].target.device if self.groups else torch.device("cpu")
+        runs = [r for g in self.groups for r in g]
+        self.fused = bool(runs) and all(_fused_kernel_for(r.target) for r in runs)
+        device = runs[0].target.device if runs else torch.device("cpu")
+        # each run's step count, a tensor as torch's AdamW keeps it (on the device for the fused kernel)
+        self.steps = [[torch.zeros((), dtype=torch.float32, device=device if self.fused else "cpu") for _ in g]
+                      for g in self.groups]
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)  # 1 / grad_factor, fused path
-
-    def _add_torch_adamw(self, runs: list[Run]) -> None:
-        """``torch.optim.AdamW`` over parameters that are views of the runs' targets, the moments views
-        of theirs (placed into its state before the first step)."""
-        decay: list[nn.Parameter] = []
-        no_decay: list[nn.Parameter] = []
-        params: list[nn.Parameter] = []
-        for r in runs:
-            p = nn.Parameter(r.target, requires_grad=False)  # a view: updates write through
-            params.append(p)
-            (decay if r.decay else no_decay).append(p)
-        device = runs[0].target.device
-        groups_kw: list[dict[str, Any]] = [dict(params=decay, weight_decay=self.weight_decay),
-                                           dict(params=no_decay, weight_decay=0.0)]
-        opt_kw: dict[str, Any] = dict(lr=0.0, betas=self.betas, eps=self.eps)
-        try:
-            opt = torch.optim.AdamW(groups_kw, fused=True, **opt_kw)
-        except RuntimeError:  # no fused kernel for this device in this torch
-            opt = torch.optim.AdamW(groups_kw, **opt_kw)
-        fused = bool(opt.defaults.get("fused"))
-        for p, r in zip(params, runs):
-            step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
-            opt.state[p] = dict(step=step, exp_avg=r.exp_avg, exp_avg_sq=r.exp_avg_sq)
-        self.optimizers.append(opt)
-        self.params.append(params)
 
     @torch.no_grad()
     def step(self, lr: float, grad_factor: float = 1.0) -> None:
         """One AdamW update of every owned run with gradient ``grad_factor * grad`` (the clipping
         coefficient over the loss scale). Runs with a master: one :func:`adamw_16bit_` each; the
-        others: torch's AdamW (without its fused kernel an fp32 gradient is multiplied by
-        ``grad_factor`` in place). A run without a gradient (an unused parameter) is skipped."""
+        others: torch's AdamW, one call per group and weight-decay setting (without its fused kernel
+        an fp32 gradient is multiplied by ``grad_factor`` in place). A run without a gradient (an
+        unused parameter) is skipped."""
         for i, r in enumerate(self.mixed):
             if r.grad is not None:
                 self.mixed_steps[i] += 1
@@ -115,21 +94,37 @@ class ShardedAdamW:
         scale = None
         if grad_factor != 1.0 and self.fused:
             scale = self._grad_scale.fill_(1.0 / grad_factor)  # the kernel divides by it
-        for runs, params, opt in zip(self.groups, self.params, self.optimizers):
-            for p, r in zip(params, runs):
-                p.grad = r.grad if r.grad is None or r.grad.dtype == p.dtype else r.grad.to(p.dtype)
-                if p.grad is not None and grad_factor != 1.0 and not self.fused:
-                    p.grad.mul_(grad_factor)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.grad_scale = scale  # type: ignore[attr-defined]  # torch's fused AdamW reads it; its stubs omit it
-            opt.step()
-            for p in params:
-                p.grad = None
+        for runs, steps in zip(self.groups, self.steps):
+            for decay in (True, False):  # torch.optim.AdamW's two parameter groups: with and without decay
+                chosen = [(r, s) for r, s in zip(runs, steps) if r.decay == decay and r.grad is not None]
+                if not chosen:
+                    continue
+                grads = []
+                for r, _ in chosen:
+                    assert r.grad is not None
+                    g = r.grad if r.grad.dtype == r.target.dtype else r.grad.to(r.target.dtype)
+                    if grad_factor != 1.0 and not self.fused:
+                        g.mul_(grad_factor)
+                    grads.append(g)
+                adamw([r.target for r, _ in chosen], grads, [r.exp_avg for r, _ in chosen],
+                      [r.exp_avg_sq for r, _ in chosen], [], [s for _, s in chosen],
+                      fused=True if self.fused else None, grad_scale=scale, amsgrad=False, beta1=self.betas[0],
+                      beta2=self.betas[1], lr=lr, weight_decay=self.weight_decay if decay else 0.0, eps=self.eps,
+                      maximize=False)
 
     def set_step(self, step: int) -> None:
         """Adam's step count (bias correction) of every run, e.g. after loading a checkpoint."""
         self.mixed_steps = [int(step)] * len(self.mixed)
-        for opt in self.optimizers:
-            for st in opt.state.values():
-                st["step"].fill_(float(step))
+        for steps in self.steps:
+            for s in steps:
+                s.fill_(float(step))
+
+
+def _fused_kernel_for(t: torch.Tensor) -> bool:
+    """Whether torch has a fused AdamW kernel for this tensor's device and dtype (the check
+    ``torch.optim.AdamW(fused=True)`` makes, which raises where there is none)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without the list: its default implementation
+        return False
+    return t.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(t)

@@ -13,7 +13,7 @@
 * :mod:`tnlg.optim.grad_buffer` — the flat gradient buffer and its bucket hooks;
 * :mod:`tnlg.optim.bucket_comm` — the bucket collectives (reduce-scatter / all-reduce of
   gradients, all-gather of parameters);
-* :mod:`tnlg.optim.sharded_adamw` — ``torch.optim.AdamW`` on views of the owned runs;
+* :mod:`tnlg.optim.sharded_adamw` — torch's AdamW (its functional form) on views of the owned runs;
 * :mod:`tnlg.optim.sharded_backend` — the step (norm, clipping) and the by-parameter
   state exchange shared with FSDP.
 
@@ -229,7 +229,7 @@ class FlatZero(ShardedBackend):
         self.materialized = device.type != "meta"
         self.segments = L.segments(self.rank_in_shards)
         self.shards_views = self._owned_views()
-        # torch.optim.AdamW on the owned runs, one bucket at a time (the fp32 master for 16-bit params)
+        # torch's AdamW on the owned runs, one bucket at a time (the fp32 master for 16-bit params)
         self.optimizer = ShardedAdamW(
             [[Run(target=(v.param if v.master is None else v.master)[a:z], grad=v.grad[a:z],
                   exp_avg=v.exp_avg[a:z], exp_avg_sq=v.exp_avg_sq[a:z], decay=f,
