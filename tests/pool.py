@@ -119,8 +119,10 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
     import torch.distributed as dist
 
     from tnlg.parallel.state import init_parallel
+    from tnlg.runtime.heap import keep_freed_blocks
     from tnlg.runtime.process_exit import leave
     torch.set_num_threads(1)
+    keep_freed_blocks()  # as a command's CPU worker does (tnlg.runtime.launch.join)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # code that sizes thread pools per local rank sees it
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=WORLD_TIMEOUT_S))

@@ -199,14 +199,18 @@ def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], No
 def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     """This process's :class:`tnlg.parallel.state.ParallelState`: the cores shared among the local ranks
     (:func:`local_threads`), then :func:`tnlg.parallel.state.init_parallel` (the launcher's process group,
-    or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``)."""
+    or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``); on a CPU, glibc's heap
+    keeps freed blocks for the next step (:func:`tnlg.runtime.heap.keep_freed_blocks`)."""
     import torch  # (torch-free at import: the command line's --help path imports this module)
 
     from ..parallel.state import init_parallel
     from .failures import watch
     from .hang import make_dump_dir
+    from .heap import keep_freed_blocks
     torch.set_num_threads(local_threads())
     ps = init_parallel(tensor_parallel_size, **kwargs)
+    if ps.device.type == "cpu":
+        keep_freed_blocks()
     watch()  # another rank's failure stops this one at once (tnlg.runtime.failures)
     make_dump_dir()
     return ps

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from ..io import atomic_write
 from ..parallel.state import init_parallel
+from .heap import keep_freed_blocks
 from .process_exit import leave
 
 __all__ = ["run_distributed", "run_tnlg", "checkout_env"]
@@ -64,6 +65,7 @@ def _write_result(path: str, result: tuple) -> None:
 def _worker(rank: int, fn: Callable, world_size: int, tp: int, tmp: str, timeout_s: float,
             threads: int, args: tuple) -> None:
     torch.set_num_threads(threads)
+    keep_freed_blocks()  # as a command's CPU worker does (tnlg.runtime.launch.join)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # code that sizes thread pools per local rank sees it
     result_path = os.path.join(tmp, f"result_{rank}.pkl")
     status = 1

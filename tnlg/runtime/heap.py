@@ -1,0 +1,48 @@
+"""The CPU heap of a worker: glibc's malloc told to keep freed blocks for the next step.
+
+glibc maps each large block afresh (``mmap`` above a threshold that starts at 128 KiB and adapts up to
+32 MiB) and returns the free top of its heap to the system (``M_TRIM_THRESHOLD``, twice the mapping
+threshold). A training step frees and allocates the same large activation and gradient buffers every
+iteration, so by default many of them are mapped, unmapped and faulted in again each step: measured on
+a 2-core AMD EPYC (2026-12-05), the built-in job (4 processes, TP 2 x DP 2) at 200-215 ms per
+iteration with glibc's defaults and 193-199 ms with both thresholds at 1 GiB (system time 7.2-7.4 s
+against 5.8-6.4 s for 60 iterations), and a TP 1 bf16 step 7% slower by default (page faults, the
+same in every kernel). :func:`keep_freed_blocks` sets both thresholds (``mallopt``) in a CPU worker.
+
+What it costs: memory freed between steps stays in the process (its peak is unchanged: the same
+buffers are live at the peak either way). Blocks above :data:`THRESHOLD_BYTES` are still mapped and
+returned when freed. A user's own setting (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
+``GLIBC_TUNABLES`` with a ``glibc.malloc`` tunable in the environment) is left alone, and so is any
+C library that is not glibc. GPU memory is the caching allocator's and is not affected.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["THRESHOLD_BYTES", "keep_freed_blocks", "user_heap_setting"]
+
+THRESHOLD_BYTES = 1 << 30  # mapping and trim thresholds: blocks up to 1 GiB are kept in the heap
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+_USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def user_heap_setting() -> bool:
+    """Whether the environment sets glibc's malloc thresholds itself."""
+    return any(name in os.environ for name in _USER_VARIABLES) or "glibc.malloc" in os.environ.get(
+        "GLIBC_TUNABLES", "")
+
+
+def keep_freed_blocks() -> bool:
+    """Set glibc's mapping and trim thresholds to :data:`THRESHOLD_BYTES` in this process, unless the
+    environment sets them (:func:`user_heap_setting`) or the C library is not glibc. Returns whether
+    it set them. Affects allocations made after the call."""
+    if user_heap_setting():
+        return False
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
