@@ -88,7 +88,7 @@ def test_a_megatron_checkpoint_fine_tunes_as_the_tnlg_checkpoint_it_was_exported
     proc = _tnlg("convert", "--from", ckpt, "--to", "megatron", meg, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     common = ["--sft-data-path", rows, "--train-iters", 3, "--micro-batch-size", 2, "--global-batch-size", 4,
-              "--nproc-per-node", 1, "--eval-interval", 0, "--no-plot", "--lr", "1e-3"]
+              "--nproc-per-node", 1, "--eval-interval", 0, "--no-plot", "--lr", "1e-3", "--peak-tflops", 1]
     for name, load in (("from-tnlg", ckpt), ("from-megatron", meg)):
         extra = ["--tokenizer-model", "builtin"] if name == "from-megatron" else []
         proc = _tnlg("finetune", "--load", load, *extra, *common, "--save", tmp_path / name, cwd=tmp_path)

@@ -143,7 +143,7 @@ def test_sigstopped_worker_ends_the_job_with_one_message(tmp_path):
     save = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "tnlg", "pretrain", "--train-iters", "200", "--save", save,
                              "--distributed-timeout-minutes", "0.1", "--eval-interval", "0", "--log-interval", "2",
-                             "--save-interval", "2", "--no-plot", "--sample-tokens", "0"],
+                             "--save-interval", "2", "--no-plot", "--sample-tokens", "0", "--peak-tflops", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, stopped = [], None
     try:

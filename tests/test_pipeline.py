@@ -245,7 +245,8 @@ def test_a_pipeline_size_that_does_not_divide_the_world_is_refused():
 @pytest.mark.slow
 def test_tnlg_pretrain_with_two_stages_logs_the_losses_of_the_run_without_a_pipeline(tmp_path):
     common = ["pretrain", "--train-iters", "3", "--nproc-per-node", "4", "--tp", "2", "--eval-interval", "0",
-              "--sample-prompt", "", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+              "--sample-prompt", "", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--peak-tflops", "1", "--no-plot"]
     line = r"loss (?:\(mean of \d+\) )?(\S+) \| grad norm (?:\(this iter\) )?(\S+)"
     logs = [re.findall(line, run_tnlg(common + ["--pp", str(pp)], tmp_path)) for pp in (1, 2)]
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # PP 1 (TP 2 x DP 2) and PP 2 (TP 2 x DP 1)

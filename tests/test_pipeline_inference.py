@@ -198,7 +198,7 @@ def _run(tmp_path, name, argv) -> tuple[list, str]:
     out = run_tnlg(["pretrain", "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", "--log-interval",
                     "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "12",
                     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
-                    "--global-batch-size", "16",
+                    "--global-batch-size", "16", "--peak-tflops", "1", "--no-plot",
                     "--metrics-file", str(metrics), *argv], tmp_path)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     valid = [(r["iteration"], r["loss"]) for r in rows if r.get("split") == "valid"]
