@@ -12,10 +12,12 @@ corpus, and reads each rank's peak resident set size (``ru_maxrss``) at the end 
 * ``engine``: the engine alone (built on meta, a few steps on random tokens, no data loader
   or loop), to separate what the engine allocates from what the rest of the process adds.
 
-Figures are the largest rank's peak minus the baseline. The ``mmap`` rows rerun baseline, fp32
-and bf16 with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mapped and
-returned to the system when freed): with glibc's default, freed activation and gradient
-buffers stay in the heap between iterations and the peak RSS grows past what is live. Targets: bf16 <= 0.75x
+Figures are the largest rank's peak minus the baseline. The plain rows run with the workers' own heap
+setting (:mod:`tnlg.runtime.heap`: freed blocks up to 1 GiB kept for the next step, as every ``tnlg``
+worker does); the ``mmap`` rows rerun baseline, fp32 and bf16 with glibc's ``MALLOC_MMAP_THRESHOLD_=65536``
+(allocations above 64 KiB are mapped and returned to the system when freed; a user's setting makes the
+workers leave glibc alone): with freed activation and gradient buffers kept in the heap between iterations,
+the peak RSS grows past what is live. Targets: bf16 <= 0.75x
 fp32; saving and resuming runs <= 1.05x the plain run; memory above baseline within 10% of the
 planner's model states plus activations (``tnlg plan``'s accounting for the same layout).
 
