@@ -704,3 +704,45 @@ def test_an_enum_pickled_as_getattr_loads_inert_and_any_other_getattr_is_refused
     torch.save({"x": _GetattrOnAClass()}, path)
     with pytest.raises(UserError, match="asks to run code"):
         load_pt(str(path), "Megatron checkpoint file")
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_a_full_disk_during_an_export_is_one_paragraph_and_leaves_nothing(tnlg_ckpt, tmp_path, fmt):
+    """`tnlg convert --to megatron` onto a 64 kB tmpfs: the model does not fit. torch's zip writer (each legacy
+    rank file, torch_dist's common.pt) reports a failed write as a RuntimeError without errno; the export
+    raises the OSError (ENOSPC) instead, which the command says in one paragraph, and removes its temporary
+    folder."""
+    from tests.tmpfs import mount_tmpfs, unmount
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "64k")
+    try:
+        r = subprocess.run([sys.executable, "-m", "tnlg", "convert", "--from", tnlg_ckpt, "--to", "megatron",
+                            str(mnt / "out"), "--format", fmt], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        assert r.returncode == 2 and "No space left on device (errno 28)" in r.stderr, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr[-3000:]
+        assert os.listdir(mnt) == []
+    finally:
+        unmount(mnt)
+
+
+def test_torch_files_report_the_write_that_failed(tmp_path):
+    """The writer under both exports, on a tmpfs of 64 kB: the OSError with its path, where torch.save on the
+    same path raises a RuntimeError (the defect this guards against, shown to still be torch's)."""
+    from tests.tmpfs import mount_tmpfs, unmount
+    from tnlg.checkpoint import torch_file
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "64k")
+    state = {"w": torch.zeros(100_000)}
+    try:
+        with pytest.raises(RuntimeError, match="unexpected pos"):
+            torch.save(state, str(mnt / "torch.pt"))
+        os.remove(mnt / "torch.pt")  # torch leaves its partial file
+        with pytest.raises(OSError, match="No space left on device") as info:
+            torch_file.save(state, str(mnt / "ours.pt"))
+        assert info.value.filename == str(mnt / "ours.pt") and os.listdir(mnt) == []  # no partial file left
+        small = {"w": torch.arange(10)}
+        torch_file.save(small, str(mnt / "ours.pt"))  # and a file that fits loads back
+        assert torch.equal(torch.load(str(mnt / "ours.pt"), weights_only=True)["w"], small["w"])
+    finally:
+        unmount(mnt)

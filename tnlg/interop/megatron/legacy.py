@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ...checkpoint import torch_file
 from ...errors import UserError
 from .args import MegatronLayout
 from .names import CORE_LAYER_PREFIX, LEGACY_LAYER_PREFIXES, LOCAL_EXTRA_STATE, Role, qkv_to_current, swiglu_join
@@ -240,7 +241,7 @@ def write_rank_files(iter_dir: str, common: dict, tp: int, pp: int, state_of_ran
             path = os.path.join(iter_dir, rank_dir(t, p, pp), FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             state = dict(common, model=state_of_rank(t, p))
-            torch.save(state, path)
+            torch_file.save(state, path)  # a full disk: its OSError, not torch's RuntimeError
             written.append(path)
             del state
     return written

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ...checkpoint import torch_file
 from ...errors import UserError
 from .args import MegatronLayout
 from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, LOCAL_EXTRA_STATE, Role
@@ -260,6 +261,6 @@ class TorchDistWriter:
         meta = self.M.Metadata(state_dict_metadata=self.tensors, storage_data=self.storage)
         with open(os.path.join(self.iter_dir, ".metadata"), "wb") as f:
             pickle.dump(meta, f)
-        torch.save(common, os.path.join(self.iter_dir, "common.pt"))
+        torch_file.save(common, os.path.join(self.iter_dir, "common.pt"))  # a full disk: its OSError
         with open(os.path.join(self.iter_dir, "metadata.json"), "w") as f:
             json.dump(METADATA_JSON, f)
