@@ -154,6 +154,7 @@ def _materialise(model: nn.Module, order: list, buffer: torch.Tensor, layout, in
     """Each parameter of ``order`` copied (or initialised, from the meta device) into its place in
     ``buffer``, one at a time, and installed in ``model`` as a view of it; returns the views."""
     params = []
+    holders = _holders(model)
     with torch.no_grad():
         _zero_padding(buffer, layout)
         for (name, p), off in zip(order, layout.param_offsets):
@@ -165,7 +166,7 @@ def _materialise(model: nn.Module, order: list, buffer: torch.Tensor, layout, in
                     raise UserError(f"parameter {name!r} is on the meta device and no init_fn was given "
                                     f"to materialise it; build the model on a real device or pass init_fn.")
                 pv.copy_(init_fn(name, p))
-            params.append(_install(model, p, pv))
+            params.append(_install(holders, p, pv))
     return params
 
 
@@ -366,18 +367,28 @@ def _zero_padding(buffer: torch.Tensor, layout: FlatLayout) -> None:
             buffer[b.start + b.numel:b.start + b.padded_numel].zero_()
 
 
-def _install(model: nn.Module, old: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
-    """Replace parameter ``old`` wherever ``model`` registers it by a parameter whose storage is
-    ``value`` (a view of a flat buffer); the attributes tnlg sets on parameters (``tp_sharded``,
-    ``partition_*``) are carried over. Works for meta-device parameters, whose ``.data`` cannot be
-    swapped for a real tensor."""
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every ``(module, name)`` registering each parameter of ``model``, by the parameter's ``id`` (a tied
+    weight has two); one walk of the modules for all the parameters."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, k))
+    return out
+
+
+def _install(holders: dict[int, list[tuple[nn.Module, str]]], old: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
+    """Replace parameter ``old`` wherever it is registered (``holders``: :func:`_holders` of the model) by a
+    parameter whose storage is ``value`` (a view of a flat buffer); the attributes tnlg sets on parameters
+    (``tp_sharded``, ``partition_*``) are carried over. Works for meta-device parameters, whose ``.data``
+    cannot be swapped for a real tensor."""
     new = nn.Parameter(value, requires_grad=old.requires_grad)
     for k, v in vars(old).items():
         if not k.startswith("_"):
             setattr(new, k, v)
-    for m in model.modules():
-        for k, p in m._parameters.items():
-            if p is old:
-                m._parameters[k] = new
+    for m, k in holders.get(id(old), ()):
+        if m._parameters[k] is old:
+            m._parameters[k] = new
     return new
 
