@@ -11,6 +11,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+# what test_default_job checks already (the measured peak, the loss plot, the sample): left out of the shorter runs
+_NO_EXTRAS = ["--peak-tflops", "1", "--no-plot", "--sample-prompt", ""]
+
+
 def _valid_losses(save_dir):
     with open(os.path.join(save_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
@@ -39,7 +43,7 @@ def test_default_job(tmp_path):
 def test_single_process(tmp_path):
     save = tmp_path / "run"
     _run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
-          "--train-iters", "60", "--eval-interval", "30", "--save", str(save)], timeout=300)
+          "--train-iters", "60", "--eval-interval", "30", "--save", str(save), *_NO_EXTRAS], timeout=300)
     valid, _ = _valid_losses(save)
     assert valid[0] - valid[-1] >= 1.5
 
@@ -49,7 +53,7 @@ def test_under_torchrun(tmp_path):
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            "-m", "tnlg", "pretrain", "--train-iters", "60", "--eval-interval", "30",
-                           "--save", str(save)], capture_output=True, text=True, timeout=300, env=env)
+                           "--save", str(save), *_NO_EXTRAS], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     valid, _ = _valid_losses(save)
     assert valid[0] - valid[-1] >= 1.5

@@ -3,11 +3,12 @@
 glibc maps each large block afresh (``mmap`` above a threshold that starts at 128 KiB and adapts up to
 32 MiB) and returns the free top of its heap to the system (``M_TRIM_THRESHOLD``, twice the mapping
 threshold). A training step frees and allocates the same large activation and gradient buffers every
-iteration, so by default many of them are mapped, unmapped and faulted in again each step: measured on
-a 2-core AMD EPYC (2026-12-05), the built-in job (4 processes, TP 2 x DP 2) at 200-215 ms per
-iteration with glibc's defaults and 193-199 ms with both thresholds at 1 GiB (system time 7.2-7.4 s
-against 5.8-6.4 s for 60 iterations), and a TP 1 bf16 step 7% slower by default (page faults, the
-same in every kernel). :func:`keep_freed_blocks` sets both thresholds (``mallopt``) in a CPU worker.
+iteration, so by default many of them are mapped, unmapped and faulted in again each step.
+:func:`keep_freed_blocks` sets both thresholds (``mallopt``) in a CPU worker. Measured on a 2-core AMD EPYC
+(2026-12-05, 60 iterations of the built-in job, three alternated pairs, median ms per iteration): at 4
+processes (TP 2 x DP 2) 212-220 ms with glibc's defaults and 197-200 ms with this setting (system time
+7.2-7.7 s against 6.1-6.3 s), at TP 1 in bf16 98-124 ms against 93-106 ms (page faults, the same in
+every kernel); the peak RSS is unchanged (326.6 vs 326.0 MiB).
 
 What it costs: memory freed between steps stays in the process (its peak is unchanged: the same
 buffers are live at the peak either way). Blocks above :data:`THRESHOLD_BYTES` are still mapped and
