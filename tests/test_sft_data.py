@@ -455,3 +455,36 @@ def test_a_template_that_fails_is_one_paragraph(tmp_path, tok):
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     with pytest.raises(UserError, match="failed on a conversation.*no system turns please"):
         _build(path, load_tokenizer(str(folder)))
+
+
+def test_the_launchers_check_writes_the_tokens_the_workers_read(tmp_path, monkeypatch):
+    """`tnlg finetune` reads and tokenizes every row in the launching process (to refuse bad rows before any
+    worker starts); its workers then read that cache (default $TNLG_CACHE/sft) instead of tokenizing again."""
+    import types
+
+    import tnlg.data.sft as sft
+    from tnlg.commands.pretrain import _check_sft_data
+    from tnlg.training.setup import _sft_datasets
+    monkeypatch.setenv("TNLG_CACHE", str(tmp_path / "cache"))
+    rows = _jsonl(tmp_path / "rows.jsonl", _pc(PAIRS))
+    data = types.SimpleNamespace(sft_data_path=rows, sft_valid_data_path=None, tokenizer_path=lambda: "builtin",
+                                 seed=1234, packing=True, sft_loss_on_prompt=False, data_cache_path=None)
+    o = types.SimpleNamespace(data=data, model=types.SimpleNamespace(seq_length=SEQ))  # what the two read
+    calls = []
+    real = sft.tokenize_segments
+    monkeypatch.setattr(sft, "tokenize_segments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _check_sft_data(o)  # the launching process
+    assert calls == [1] and len(os.listdir(tmp_path / "cache" / "sft")) == 1
+    tok = load_tokenizer("builtin")
+    cfg = types.SimpleNamespace(seq_length=o.model.seq_length)
+    train, _ = _sft_datasets(o, cfg, tok, 4, 0, barrier=lambda: calls.append("barrier"))  # a worker (rank 0)
+    assert calls == [1, "barrier"] and len(train) == 4
+
+
+def test_an_unwritable_cache_tokenizes_in_memory(tmp_path, tok):
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would be")
+    a, _, ra = _build(path, tok, train_samples=6, cache_dir=str(blocked))
+    b, _, rb = _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
+    assert ra.line() == rb.line() and all(_as_lists(a[i]) == _as_lists(b[i]) for i in range(6))

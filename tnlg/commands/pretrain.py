@@ -141,15 +141,16 @@ def _check_data_tokenizer(o) -> list[str]:
 
 
 def _check_sft_data(o) -> None:
-    """The fine-tuning rows read, rendered, tokenized and packed once in the launching process (each worker
-    does it again, or reads the cache): every bad row, template or length is refused before any worker starts."""
+    """The fine-tuning rows read, rendered, tokenized and packed once in the launching process: every bad row,
+    template or length is refused before any worker starts, and the workers read the tokenized rows from the
+    cache this writes (:mod:`tnlg.data.sft`)."""
     from ..data.sft import build_sft_datasets
     from ..data.tokenizer import load_tokenizer
     d = o.data
     assert d.sft_data_path is not None
     build_sft_datasets(d.sft_data_path, d.sft_valid_data_path, load_tokenizer(d.tokenizer_path()),
                        o.model.seq_length, train_samples=1, valid_samples=1, seed=d.seed, packing=d.packing,
-                       loss_on_prompt=d.sft_loss_on_prompt)
+                       loss_on_prompt=d.sft_loss_on_prompt, cache_dir=d.data_cache_path)
 
 
 def _checkpoint_root(path: str) -> str:

@@ -26,11 +26,14 @@ is its own block. So a packed sample's logits are those of the sample alone.
 **Order.** ``__len__`` is the number of sequences the run draws; epoch ``e`` visits every sequence once
 in an order drawn from ``(seed, e)``; every rank builds the same.
 
-**Tokenized once per process**, or with ``cache_dir`` once: an ``.npz`` of the tokenized rows keyed by
-the file (path, size, modification time), the tokenizer's fingerprint, the template and
-``loss_on_prompt``; rank 0 writes it while the others wait at ``barrier`` and then read it. Rows are
-read and checked by every rank first, so bad input is raised alike everywhere before anyone waits.
-No collectives besides ``barrier``.
+**Tokenized once for the run**: an ``.npz`` of the tokenized rows in ``cache_dir`` (``--data-cache-path``;
+by default ``$TNLG_CACHE/sft``, :func:`tnlg.data.paths.default_cache_dir`) keyed by the file (path, size,
+modification time), the tokenizer's fingerprint, the template and ``loss_on_prompt``. The launching
+process's check of the rows writes it (``tnlg finetune`` reads every row before any worker starts), so the
+workers read it rather than tokenize again; in a worker rank 0 writes it when it is missing while the others
+wait at ``barrier``. Where the folder cannot be written, each process tokenizes for itself. Rows are read and
+checked by every rank first, so bad input is raised alike everywhere before anyone waits. No collectives
+besides ``barrier``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ..errors import UserError
 from ..io import atomic_output
 from .chat import ChatTemplate, chat_template_for, segments
 from .fingerprint import fingerprint
+from .paths import default_cache_dir
 from .sft_rows import SFTRow, read_rows
 
 __all__ = ["SFTReport", "SFTSamples", "SFTDataset", "build_sft_datasets", "tokenize_rows", "tokenize_segments", "fit_samples",
@@ -249,21 +253,30 @@ def _rank() -> int:
 
 def _tokenized(path: str, rows: list[SFTRow], tokenizer, template, loss_on_prompt: bool,
                cache_dir: Optional[str], barrier: Optional[Callable[[], None]]) -> SFTSamples:
-    """The rows tokenized, through the ``cache_dir`` cache when one is given (rank 0 writes it). Every rank
-    renders the conversations first, so a template's error is raised alike everywhere."""
+    """The rows tokenized, through the cache in ``cache_dir`` (default ``$TNLG_CACHE/sft``; rank 0 writes it
+    when it is missing). Every rank renders the conversations first, so a template's error is raised alike
+    everywhere. A cache that cannot be written (a read-only or full folder): each process tokenizes."""
     per_row = [_row_segments(r, template) for r in rows]
-    if not cache_dir:
-        return tokenize_segments(per_row, tokenizer, loss_on_prompt)
-    file = os.path.join(cache_dir, f"sft-{_cache_key(path, tokenizer, template, loss_on_prompt)}.npz")
+    folder = cache_dir or os.path.join(default_cache_dir(), "sft")
+    file = os.path.join(folder, f"sft-{_cache_key(path, tokenizer, template, loss_on_prompt)}.npz")
+    samples = None
     if not os.path.isfile(file) and (_rank() == 0 or barrier is None):
         samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
-        os.makedirs(cache_dir, exist_ok=True)
-        with atomic_output(file, "wb", durable=False) as f:
-            np.savez(f, ids=samples.ids, counted=samples.counted, offsets=samples.offsets)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with atomic_output(file, "wb", durable=False) as f:
+                np.savez(f, ids=samples.ids, counted=samples.counted, offsets=samples.offsets)
+        except OSError:  # an unwritable cache: the other ranks find no file and tokenize for themselves
+            pass
     if barrier is not None:
         barrier()
-    with np.load(file) as z:
-        return SFTSamples(z["ids"], z["counted"], z["offsets"])
+    if samples is not None:
+        return samples
+    try:
+        with np.load(file) as z:
+            return SFTSamples(z["ids"], z["counted"], z["offsets"])
+    except FileNotFoundError:
+        return tokenize_segments(per_row, tokenizer, loss_on_prompt)
 
 
 def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: int, packing: bool,

@@ -163,7 +163,8 @@ class DataOptions:
     seed: int = option(1234, help="seed of the sample order, the initial weights and dropout", must_match=True)
     tokenizer_model: Optional[str] = option(None, help="SentencePiece .model or a GPT-2 BPE folder")
     data_cache_path: Optional[str] = option(None, help="where index arrays are cached when the data folder is "
-                                            "read-only")
+                                            "read-only, and the tokenized --sft-data-path rows (default "
+                                            "$TNLG_CACHE/sft)")
     eod_mask_loss: bool = option(False, must_match=True)
     reset_position_ids: bool = option(False, must_match=True)
     reset_attention_mask: bool = option(False, must_match=True)
