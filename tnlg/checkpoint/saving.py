@@ -45,7 +45,6 @@ failed never leaves the others waiting for the process-group timeout.
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import time
@@ -60,6 +59,7 @@ from ..errors import UserError, agreed
 from ..io import atomic_output, atomic_write, file_sha256, fsync_dir, write_failure
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
+from . import torch_file
 from .compat import data_record, options_record
 from .manifest import Layout, Manifest, OptimFile, OptimizerState, RngLayout, Schedule
 from .pieces import OptimPiece
@@ -281,12 +281,8 @@ def _write_pieces(tmp: str, pieces: Sequence[OptimPiece], tp_rank: int, dp_rank:
 def _write_rng(tmp: str, name: str, state) -> dict[str, _Written]:
     """One RNG file, written atomically and durably; returns ``{file: record}``."""
     path = os.path.join(tmp, name)
-    # serialised in memory first (a few kB): writing to a full disk then fails in ``f.write`` with the OSError
-    # (ENOSPC) the save's guard turns into one message, where torch's zip writer raises a RuntimeError
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    with atomic_output(path, "wb") as f:
-        f.write(buf.getbuffer())
+    with atomic_output(path, "wb") as f:  # a full disk: the OSError (ENOSPC) the save's guard turns into one message
+        torch_file.write(state, f, path)
     return {name: _Written(os.path.getsize(path), file_sha256(path))}
 
 
