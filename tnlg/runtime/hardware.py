@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["MatmulProbe", "cpu_bf16", "fast_bf16_cpu", "bf16_skip_reason", "check_bf16", "SLOW_FACTOR",
-           "release_freed_memory"]
+__all__ = ["MatmulProbe", "cpu_bf16", "fast_bf16_cpu", "bf16_skip_reason", "check_bf16", "SLOW_FACTOR"]
 
 SLOW_FACTOR = 4.0  # bf16 slower than fp32 by more than this: refuse (the fast paths are >= 0.5x fp32's rate)
 ALLOW_ENV = "TNLG_ALLOW_SLOW_BF16"
@@ -129,15 +128,3 @@ def check_bf16(device_type: str = "cpu", flag: str = "--bf16") -> None:
             print(f"warning: {text} Continuing because {ALLOW_ENV}=1.", file=sys.stderr, flush=True)
         return
     raise UserError(f"{text} Train in fp32 (drop {flag}), or on a GPU; set {ALLOW_ENV}=1 to run it anyway.")
-
-
-def release_freed_memory() -> None:
-    """Collect garbage, then hand the heap's free pages back to the system (glibc's ``malloc_trim``, where
-    there is one), so that a reading of the process's memory counts what is alive, not what was freed."""
-    import ctypes
-    import gc
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

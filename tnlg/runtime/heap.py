@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["THRESHOLD_BYTES", "keep_freed_blocks", "user_heap_setting"]
+__all__ = ["THRESHOLD_BYTES", "keep_freed_blocks", "release_freed_memory", "user_heap_setting"]
 
 THRESHOLD_BYTES = 1 << 30  # mapping and trim thresholds: blocks up to 1 GiB are kept in the heap
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
@@ -34,16 +34,33 @@ def user_heap_setting() -> bool:
         "GLIBC_TUNABLES", "")
 
 
+def _glibc():
+    """The C library when it is glibc (``mallopt``, ``malloc_trim``), else ``None``."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def keep_freed_blocks() -> bool:
     """Set glibc's mapping and trim thresholds to :data:`THRESHOLD_BYTES` in this process, unless the
     environment sets them (:func:`user_heap_setting`) or the C library is not glibc. Returns whether
     it set them. Affects allocations made after the call."""
-    if user_heap_setting():
+    libc = None if user_heap_setting() else _glibc()
+    if libc is None:
         return False
-    import ctypes
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
+                                                                                        THRESHOLD_BYTES))
+
+
+def release_freed_memory() -> None:
+    """Collect garbage, then hand the heap's free pages back to the system (glibc's ``malloc_trim``, which
+    ignores the trim threshold above), so that a reading of the process's memory counts what is alive, not
+    what was freed."""
+    import gc
+    gc.collect()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
