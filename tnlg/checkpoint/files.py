@@ -165,7 +165,8 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
 
     Without a usable pointer (missing, or naming an incomplete directory) the newest complete
     iteration (manifest sizes checked) is chosen and a line saying so is appended to ``notes``.
-    Raises :class:`UserError` for a missing path or when no iteration is complete.
+    Raises :class:`UserError` for a missing path, when no iteration is complete, and for a Hugging Face
+    folder (``config.json`` and no checkpoint), which is never read as an empty root.
     """
     if not os.path.isdir(path):
         raise UserError(f"{what} {path!r} is not a directory.")
@@ -174,6 +175,11 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     latest = read_latest(path)
     iters = list_iterations(path)
     if latest is None and not iters:
+        if os.path.isfile(os.path.join(path, "config.json")):  # not "no checkpoint yet": a stranger's model
+            raise UserError(f"{what} {path!r} is a Hugging Face model folder (config.json), not a tnlg checkpoint; "
+                            f"reading it as an empty root would start from random weights. Fine-tune from it with "
+                            f"`tnlg finetune --load {path}`, or convert it first: `tnlg convert --from hf {path} "
+                            f"--to DIR`, then give DIR.")
         return None
     d = None if latest is None else os.path.join(path, iter_dir_name(latest))
     if d is not None and os.path.isfile(os.path.join(d, META)):
@@ -181,6 +187,10 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     # No usable pointer: a save crashed between committing its directory and writing the pointer
     # (or the pointer names a directory that is gone). Resume from the newest complete iteration.
     complete = complete_iterations(path)
+    if not complete and d is not None and _megatron_files(d):
+        raise UserError(f"{what} {path!r} is a Megatron-LM checkpoint ({d!r} holds Megatron's files, no {META}), "
+                        f"not a tnlg checkpoint. Fine-tune from it with `tnlg finetune --load {path}`, or convert it "
+                        f"first: `tnlg convert --from megatron {path} --to DIR`, then give DIR.")
     if not complete:
         why = ("is missing" if d is None else
                f"points at iteration {latest}, but {d!r} " +
@@ -195,6 +205,23 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
                      f"resuming from the newest complete iteration, {complete[-1]} ({chosen}).")
     return chosen
 
+
+def _megatron_files(iter_dir: str) -> bool:
+    """Whether an iteration folder holds Megatron-LM's files: legacy ``mp_rank_*`` folders, or torch_dist's
+    ``.metadata``."""
+    try:
+        names = os.listdir(iter_dir)
+    except OSError:
+        return False
+    return ".metadata" in names or any(n.startswith("mp_rank_") for n in names)
+
+def no_weights(path: str, what: str = "--load") -> UserError:
+    """The paragraph for a run that takes only the weights (fine-tuning) from a root holding no checkpoint:
+    refused, where a resume of the run's own ``--save`` starts from scratch."""
+    return UserError(f"{what} {path!r} holds no checkpoint (no {LATEST} and no iter_* directory), and a fine-tuning "
+                     f"run takes its starting weights from there: it would train from random weights instead. Give "
+                     f"the folder of a tnlg checkpoint (or tnlg finetune --load a Hugging Face folder or a Megatron-LM "
+                     f"checkpoint, which it converts).")
 
 def read_meta(iter_dir: str) -> dict:
     """``meta.json`` of an iteration directory as the JSON object it is (its format and file names checked:

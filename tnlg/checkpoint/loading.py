@@ -231,7 +231,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     (:func:`tnlg.checkpoint.compat.check_compatible`). ``weights_only`` (fine-tuning, ``--finetune``): the
     weights alone (a 16-bit run's exact fp32 master where the checkpoint stores one), checked against the
     architecture and tokenizer only; no Adam moments, step count, loss scaler or RNG state; the returned
-    position is iteration 0 with nothing consumed.
+    position is iteration 0 with nothing consumed; a ``load_dir`` holding no checkpoint is then an error, not a
+    start from scratch.
 
     Collective: rank 0 chooses the iteration and every rank checks it sees the same manifest
     (:func:`_agreed_iteration`); one all_gather_object of each rank's outcome (any rank's error is
@@ -239,6 +240,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     keeps its part of the full tensors it read).
     """
     iter_dir, notes = _agreed_iteration(load_dir, origin, ps, missing_ok)
+    if iter_dir is None and weights_only:  # (rank 0's finding, the same on every rank)
+        raise agreed(F.no_weights(load_dir, origin))
     if iter_dir is None:
         if os.path.isdir(load_dir):
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")

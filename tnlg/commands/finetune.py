@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import weakref
 
 from ..errors import UserError
 from ..runtime.launch import under_launcher
@@ -31,7 +32,10 @@ from .pretrain_args import add_arguments as add_pretrain_arguments
 __all__ = ["add_arguments", "run", "preflight", "prepare", "hang_resume"]
 
 hang_resume = pretrain.hang_resume
-_PREPARED: set[int] = set()  # the argument namespaces prepare() turned into pretrain options already
+# the argument namespaces prepare() turned into pretrain options already, by id while each lives (a Namespace is
+# unhashable; an id alone outlives its object, and a new namespace at a freed one's address was once taken for
+# prepared: its run then trained from random weights)
+_PREPARED: "weakref.WeakValueDictionary[int, argparse.Namespace]" = weakref.WeakValueDictionary()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +69,7 @@ def preflight(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace) -> None:
     """Turn ``tnlg finetune``'s arguments into the ``tnlg pretrain`` options of the same run (in place; done once:
     a second call changes nothing). Converts a foreign ``--load`` into ``SAVE/base`` first."""
-    if id(args) in _PREPARED:
+    if _PREPARED.get(id(args)) is args:
         return
     if getattr(args, "load", None) is None:
         raise UserError("tnlg finetune needs --load: the pretrained model to start from (a tnlg checkpoint, a Hugging "
@@ -87,7 +91,7 @@ def prepare(args: argparse.Namespace) -> None:
     args.finetune = True
     if not hasattr(args, "calculate_per_token_loss"):
         args.calculate_per_token_loss = True
-    _PREPARED.add(id(args))
+    _PREPARED[id(args)] = args
 
 
 def _kind(path: str) -> str:

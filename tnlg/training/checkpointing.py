@@ -16,7 +16,7 @@ import signal
 from typing import Callable, Iterator, Optional
 
 from .. import checkpoint as ckpt
-from ..checkpoint.files import check_files, lock_root
+from ..checkpoint.files import check_files, lock_root, no_weights
 from ..checkpoint.signals import StopOnSignal
 from ..errors import UserError, agreed
 from ..options import MUST_MATCH, Options
@@ -44,6 +44,8 @@ def check_resume(o: Options) -> None:
     if not load_dir or (origin == "--save" and not os.path.isdir(load_dir)):
         return
     iter_dir = ckpt.resolve(load_dir, origin)
+    if iter_dir is None and weights_only:
+        raise no_weights(load_dir, origin)
     if iter_dir is None:
         return
     meta = ckpt.read_meta(iter_dir)
