@@ -8,7 +8,6 @@ runs several layouts (``init_parallel`` builds a new PP x DP x TP split of the s
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from tnlg.parallel.pipeline import chunk_layers
 from tnlg.parallel.pipeline_schedule import Pipeline, tie_embedding_grads
 from tnlg.parallel.sharding import full_state_dict, gather_full
 from tnlg.parallel.state import ParallelState, init_parallel
-from tnlg.runtime.spawn import run_tnlg
 from .pool import run_distributed
 from tnlg.training.step import train_step
 
@@ -239,14 +237,3 @@ def test_a_pipeline_size_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide .* Valid pipeline-parallel "
                                          r"sizes at TP 2 on 16 processes: \[1, 2, 4, 8\]"):
         _check_layout(16, 2, 3)
-
-
-# ------------------------------------------------------------ the command
-@pytest.mark.slow
-def test_tnlg_pretrain_with_two_stages_logs_the_losses_of_the_run_without_a_pipeline(tmp_path):
-    common = ["pretrain", "--train-iters", "3", "--nproc-per-node", "4", "--tp", "2", "--eval-interval", "0",
-              "--sample-prompt", "", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-              "--peak-tflops", "1", "--no-plot"]
-    line = r"loss (?:\(mean of \d+\) )?(\S+) \| grad norm (?:\(this iter\) )?(\S+)"
-    logs = [re.findall(line, run_tnlg(common + ["--pp", str(pp)], tmp_path)) for pp in (1, 2)]
-    assert len(logs[0]) == 3 and logs[0] == logs[1]  # PP 1 (TP 2 x DP 2) and PP 2 (TP 2 x DP 1)

@@ -193,7 +193,10 @@ def test_a_pipeline_layout_that_cannot_run_is_one_paragraph_before_any_process_s
 
 
 # ------------------------------------------------------------------- validation and the sample of a run
-def _run(tmp_path, name, argv) -> tuple[list, str]:
+_LOG_LINE = r"loss (?:\(mean of \d+\) )?(\S+) \| grad norm (?:\(this iter\) )?(\S+)"
+
+
+def _run(tmp_path, name, argv) -> tuple[list, str, list]:
     metrics = tmp_path / f"{name}.jsonl"
     out = run_tnlg(["pretrain", "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "2", "--log-interval",
                     "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "12",
@@ -204,15 +207,18 @@ def _run(tmp_path, name, argv) -> tuple[list, str]:
     valid = [(r["iteration"], r["loss"]) for r in rows if r.get("split") == "valid"]
     sample = re.search(r"sample:\n(.*?)\s*(?:tnlg pretrain: finished|\Z)", out, re.S)  # (the last lines)
     assert sample and sample.group(1).strip(), out[-2000:]
-    return valid, sample.group(1)
+    return valid, sample.group(1), re.findall(_LOG_LINE, out)
 
 
 @pytest.mark.slow
-def test_validation_and_the_final_sample_of_a_pipeline_run_are_those_of_the_run_without_one(tmp_path):
-    valid1, sample1 = _run(tmp_path, "pp1", ["--nproc-per-node", "4", "--tp", "2"])  # TP 2 x DP 2
-    assert [i for i, _ in valid1] == [0, 2, 3]
+def test_the_losses_validation_and_final_sample_of_a_pipeline_run_are_those_of_the_run_without_one(tmp_path):
+    """``tnlg pretrain`` at PP 2 (x TP 2, and x DP 2) logs the losses and grad norms, validates and samples as the
+    run without a pipeline (TP 2 x DP 2) does."""
+    valid1, sample1, logs1 = _run(tmp_path, "pp1", ["--nproc-per-node", "4", "--tp", "2"])  # TP 2 x DP 2
+    assert [i for i, _ in valid1] == [0, 2, 3] and len(logs1) == 3
     for name, layout in (("pp2tp2", ["--pp", "2", "--tp", "2"]), ("pp2dp2", ["--pp", "2", "--tp", "1"])):
-        valid, sample = _run(tmp_path, name, ["--nproc-per-node", "4", *layout])
+        valid, sample, logs = _run(tmp_path, name, ["--nproc-per-node", "4", *layout])
+        assert logs == logs1, (name, logs, logs1)  # each iteration's loss and grad norm as printed
         assert [i for i, _ in valid] == [i for i, _ in valid1], name
         for (_, a), (_, b) in zip(valid, valid1):
             assert math.isclose(a, b, rel_tol=1e-5), (name, valid, valid1)
