@@ -105,6 +105,19 @@ def _wait_for(store, keys: list, timeout: float) -> bool:
     return False
 
 
+def _read_it(store, tag: str, rank: int) -> None:
+    """A rank other than 0 says it has read ``told`` and the status (rank 0 may then leave, and the store with it)."""
+    _bounded(lambda: store.set(f"{tag}/read-{rank}", "1"), 2.0)
+
+
+def _let_the_others_read(store, tag: str, world: int) -> None:
+    """Rank 0, after posting ``told``: wait until every other rank read it (:func:`_read_it`), at most ``POLL_S``
+    + 0.5 s (a rank that is gone never says so). The store may live in this process (``torchrun``'s workers
+    by hand, rank 0 hosting it): leaving at once would take the answer away from the ranks still to read it."""
+    wait = POLL_S + 0.5
+    _bounded(lambda: _wait_for(store, [f"{tag}/read-{r}" for r in range(1, world)], wait), wait + 1)
+
+
 def _record(status: int) -> bool:
     """Leave ``status`` in tnlg's launcher's status file; ``False`` when not under it."""
     path = os.environ.get(STATUS_FILE_ENV)
@@ -190,7 +203,9 @@ def watch() -> None:
                     _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S)
                 status = int(store.get(f"{tag}/status")) if store.check([f"{tag}/status"]) else 2
                 if rank == 0:
-                    time.sleep(POLL_S + 0.5)  # the store may live here: let the others read ``told``
+                    _let_the_others_read(store, tag, world)
+                else:
+                    _read_it(store, tag, rank)
             except Exception:  # noqa: BLE001 - leave all the same: the failing rank's message is out
                 pass
             _leave(status)
@@ -208,6 +223,9 @@ def stopped_by_peer() -> Optional[int]:
     store, tag = _store(), _tag()
     _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
     status = _bounded(lambda: int(store.get(f"{tag}/status")), 2.0, 2)
+    group = _group()
+    if group is not None and group[0] != 0:
+        _read_it(store, tag, group[0])
     return final_status(status)
 
 
@@ -265,9 +283,10 @@ def report(command: str, text: str, status: int, agreed: bool) -> int:
     if won and rank == 0:
         print(f"tnlg {command}: error on {_rank_words(0, world, store)}: {text}", file=sys.stderr, flush=True)
         _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)
-        time.sleep(POLL_S + 0.5)  # the store lives here under the elastic launcher: let the others read it
+        _let_the_others_read(store, tag, world)
     elif won:
         told = _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+        _read_it(store, tag, rank)
         if not told:  # rank 0 did not answer: say it here
             print(f"tnlg {command}: error on {_rank_words(rank, world, store)} (rank 0 did not answer): {text}",
                   file=sys.stderr, flush=True)
@@ -283,7 +302,8 @@ def report(command: str, text: str, status: int, agreed: bool) -> int:
                   f"{'' if first is None else f' (rank {first} failed first)'}: {text}", file=sys.stderr, flush=True)
         if rank == 0:
             _bounded(lambda: store.set(f"{tag}/told", "1"), 2.0)
-            time.sleep(POLL_S + 0.5)  # the store may live here: let the others read ``told``
+            _let_the_others_read(store, tag, world)
         else:
             _bounded(lambda: _wait_for(store, [f"{tag}/told"], ANSWER_WAIT_S), ANSWER_WAIT_S + 1)
+            _read_it(store, tag, rank)
     return final_status(status)
