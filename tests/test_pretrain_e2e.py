@@ -28,10 +28,17 @@ def _run(cmd, timeout):
     return proc, time.time() - t
 
 
-def test_default_job(tmp_path):
-    """`tnlg pretrain` with defaults: TP=2 x DP=2, ZeRO-1, 4 processes; loss falls >= 1.5 nats in < 10 min."""
-    save = tmp_path / "run"
+@pytest.fixture(scope="module")
+def default_job(tmp_path_factory):
+    """The README's command 1 verbatim (with a --save folder): its output, wall seconds and save folder."""
+    save = tmp_path_factory.mktemp("default_job") / "run"
     proc, seconds = _run([sys.executable, "-m", "tnlg", "pretrain", "--save", str(save)], timeout=600)
+    return proc, seconds, save
+
+
+def test_default_job(default_job):
+    """`tnlg pretrain` with defaults: TP=2 x DP=2, ZeRO-1, 4 processes; loss falls >= 1.5 nats in < 10 min."""
+    proc, seconds, save = default_job
     valid, train = _valid_losses(save)
     assert valid[0] - valid[-1] >= 1.5, f"validation loss {valid[0]:.3f} -> {valid[-1]:.3f}"
     assert {"iteration", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu"} <= set(train[-1])
@@ -48,12 +55,20 @@ def test_single_process(tmp_path):
     assert valid[0] - valid[-1] >= 1.5
 
 
-def test_under_torchrun(tmp_path):
+def test_under_torchrun(default_job, tmp_path):
+    """The built-in job under torchrun (its own agent and store, not tnlg's launcher), stopped by --exit-interval
+    after 20 of its 300 iterations: the losses and grad norms of the job under tnlg's launcher, a checkpoint of
+    iteration 20, exit 0 and the command that resumes it."""
     save = tmp_path / "run"
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "tnlg", "pretrain", "--train-iters", "60", "--eval-interval", "30",
-                           "--save", str(save), *_NO_EXTRAS], capture_output=True, text=True, timeout=300, env=env)
+                           "-m", "tnlg", "pretrain", "--exit-interval", "20", "--save", str(save), *_NO_EXTRAS],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    valid, _ = _valid_losses(save)
-    assert valid[0] - valid[-1] >= 1.5
+    _, train = _valid_losses(save)
+    _, reference = _valid_losses(default_job[2])
+    assert [r["iteration"] for r in train] == list(range(1, 21))
+    assert [(r["loss"], r["grad_norm"]) for r in train] == [(r["loss"], r["grad_norm"]) for r in reference[:20]]
+    assert f"tnlg pretrain: stopped after iteration 20 of 300 (--exit-interval 20); the last checkpoint is " \
+           f"iteration 20 in {save} (saved now). Resume with: tnlg pretrain --save {save} --use-checkpoint-args" \
+           in proc.stdout, proc.stdout[-3000:]

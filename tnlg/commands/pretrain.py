@@ -115,10 +115,14 @@ def _run(args) -> int:
     if notes and is_rank0():
         print("\n".join(notes), flush=True)
     summary = train(o)
-    stopped = summary.get("interrupted")
+    stopped, exited = summary.get("interrupted"), summary.get("exited")
     if is_rank0():
         if stopped:
             print(_interrupted_message(stopped, o, args), file=sys.stderr, flush=True)
+        elif exited:
+            print(_stop_message(f"tnlg pretrain: stopped after iteration {exited['iteration']} of "
+                                f"{o.schedule.train_iters} (--exit-interval {exited['exit_interval']})", exited, o,
+                                args, "each --exit-interval stop then saves into DIR"), flush=True)
         elif o.checkpoint.save is None:
             metrics_file = o.logging.metrics_file
             print("tnlg pretrain: finished; no checkpoint was saved (no --save)"
@@ -214,15 +218,21 @@ def resume_command(args, o: Options) -> str:
 
 
 def _interrupted_message(info: dict, o: Options, args) -> str:
-    """One paragraph: where the run stopped, the last checkpoint, and how to go on."""
-    from ..checkpoint.files import last_checkpoint
+    """One paragraph: where the run stopped on a signal, the last checkpoint, and how to go on."""
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
-    head = f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of {o.schedule.train_iters}"
+    return _stop_message(f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of "
+                         f"{o.schedule.train_iters}", info, o, args, "Ctrl-C then saves into DIR before stopping")
+
+
+def _stop_message(head: str, info: dict, o: Options, args, then: str) -> str:
+    """``head``, then the last checkpoint and the command that resumes the run (``then``: what a run with a
+    save root would do, said to a run without one)."""
+    from ..checkpoint.files import last_checkpoint
     save = o.checkpoint.save
     if save is None:
         return (f"{head}. This run saved nothing: it has no save root (no --save, and neither the built-in job "
                 f"nor a --load root to save into), so iteration {info['iteration']} was not written. Start it again "
-                f"with --save DIR to keep checkpoints; Ctrl-C then saves into DIR before stopping.")
+                f"with --save DIR to keep checkpoints; {then}.")
     last = last_checkpoint(save)
     where = (f"the last checkpoint is iteration {last} in {save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {save} yet, so a resume starts over")

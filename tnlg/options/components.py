@@ -353,6 +353,10 @@ class CheckpointOptions:
         "saves nothing (and says so at start and at the end)")
     save_interval: Optional[int] = option(None, help="save every N iterations (always at the end and on "
                                           "Ctrl-C or SIGTERM)", every="only at the end")
+    exit_interval: Optional[int] = option(None, help="stop after each iteration divisible by N, saving it when the "
+                                          "run has a save root, and exit 0 (Megatron-LM's --exit-interval: a job "
+                                          "of fixed length in a queue); the same command resumes it",
+                                          every="never")
     load: Optional[str] = option(None, help="resume from this checkpoint (a root: its latest iteration; or an "
                                  "iter_* directory); without --save, later checkpoints go into the same root")
     keep_last: Optional[int] = option(None, help="keep only the last K checkpoints")
@@ -365,7 +369,7 @@ class CheckpointOptions:
                                        "flags given override them, and each override is printed")
 
     def __post_init__(self):
-        optional_positive_int(self, "save_interval", "keep_last")
+        optional_positive_int(self, "save_interval", "keep_last", "exit_interval")
         if self.finetune and self.load is None:
             raise UserError("--finetune starts from the weights of a checkpoint, but no --load is given. Give "
                             "--load DIR (a tnlg checkpoint; `tnlg finetune` also takes a Hugging Face folder or "

@@ -141,14 +141,17 @@ class Checkpointer:
         return iteration, consumed
 
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
-        """Save when due (the interval, the last iteration, a stop signal); return how the run stopped when
-        a signal stops it here, else ``None``. Collective: the signal check and the save. Parameters that
-        are not finite are never saved: :class:`~.step.TrainingDiverged` on every rank alike (the loop then
-        names the last checkpoint, which is finite)."""
+        """Save when due (the interval, the last iteration, a stop signal, ``--exit-interval``); return how the
+        run stops here (a signal: ``signal``; ``--exit-interval``: ``exit_interval``), else ``None``.
+        Collective: the signal check and the save. Parameters that are not finite are never saved:
+        :class:`~.step.TrainingDiverged` on every rank alike (the loop then names the last checkpoint, which is
+        finite)."""
         c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
+        exiting = not last and not signum and bool(c.exit_interval) and iteration % (c.exit_interval or 1) == 0
         save = c.save
-        saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum)
+        saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum
+                                     or exiting)
         if saving and save:
             try:
                 ckpt.save(save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
@@ -158,6 +161,8 @@ class Checkpointer:
                                        "Lower --lr, raise --lr-warmup-iters, or check the data (or the "
                                        "checkpoint this run started from).") from None
             self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
+        if exiting:
+            return dict(exit_interval=c.exit_interval, iteration=iteration, saved=saving)
         if not signum:
             return None
         return dict(signal=signal.Signals(signum).name, iteration=iteration, saved=saving, forced=False)

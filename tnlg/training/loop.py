@@ -58,7 +58,8 @@ class Trainer:
 
     def train(self) -> dict:
         """Returns a summary: per-iteration ``losses`` and ``grad_norms``, the first and last validation loss,
-        and, when a signal stopped the run, ``interrupted`` (``signal``, ``iteration``, ``saved``, ``forced``).
+        and, when a signal stopped the run, ``interrupted`` (``signal``, ``iteration``, ``saved``, ``forced``);
+        when ``--exit-interval`` did, ``exited`` (``exit_interval``, ``iteration``, ``saved``).
 
         SIGINT and SIGTERM only set a flag while it runs (see :mod:`.checkpointing`).
         """
@@ -122,7 +123,7 @@ class Trainer:
                     summary["last_valid_loss"] = metrics.validation(iteration, self.validation.loss())
                 stopped = self.checkpointer.after_step(iteration, consumed, last)  # collective
                 if stopped:
-                    summary["interrupted"] = stopped
+                    summary["exited" if "exit_interval" in stopped else "interrupted"] = stopped
                     break
         except TrainingDiverged as exc:  # the DP-reduced loss: every rank stops here alike; rank 0 says it once
             raise self._diverged(exc) from None
@@ -130,7 +131,7 @@ class Trainer:
             summary["interrupted"] = self.checkpointer.forced_stop(iteration)
         try:
             metrics.close()
-            if "interrupted" not in summary:
+            if "interrupted" not in summary and "exited" not in summary:  # (the sample is the finished run's)
                 self._sample()
         except KeyboardInterrupt:  # a second signal while the plot or the sample is made: skip the rest
             summary.setdefault("interrupted", self.checkpointer.forced_stop(iteration))
