@@ -168,8 +168,11 @@ class _Pool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
+            # not daemonic: a body may start processes of its own (megatron-core's checkpoint writer starts a
+            # multiprocessing Manager), which a daemonic process may not; shutdown_pools ends the pools at exit,
+            # and a worker whose parent is gone ends at its next read of the pipe
             proc = ctx.Process(target=_serve, args=(rank, world_size, os.path.join(self.tmp, "rdzv"), child),
-                               daemon=True, name=f"tnlg-pool{world_size}-rank{rank}")
+                               daemon=False, name=f"tnlg-pool{world_size}-rank{rank}")
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.needs_package("megatron.core")  # the reference: megatron-core itself
 
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402
-from tnlg.runtime.spawn import run_distributed  # noqa: E402
+from .megatron_pool import run_distributed  # noqa: E402
 
 from . import megatron_reference as R  # noqa: E402
 from .test_megatron_checkpoint import _logits_at, _megatron_loads  # noqa: E402

@@ -13,7 +13,7 @@ from tnlg.errors import UserError
 from tnlg.interop.hf import config_from_hf, to_hf
 from tnlg.model import GPT
 from tnlg.plan.counts import parameter_counts
-from tnlg.runtime.spawn import run_distributed
+from .megatron_pool import run_distributed
 
 from .hf_reference import check_against_hf, hf_reference
 

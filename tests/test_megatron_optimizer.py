@@ -24,7 +24,7 @@ from tnlg.config import GPTConfig  # noqa: E402
 from tnlg.errors import UserError  # noqa: E402
 from tnlg.interop.megatron import megatron_to_checkpoint  # noqa: E402
 from tnlg.interop.megatron.names import GLOBAL_ROLES, LAYER_ROLES, tnlg_name  # noqa: E402
-from tnlg.runtime.spawn import run_distributed  # noqa: E402
+from .megatron_pool import run_distributed  # noqa: E402
 
 from . import megatron_reference as R  # noqa: E402
 

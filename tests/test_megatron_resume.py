@@ -19,7 +19,7 @@ from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint
 from tnlg.model import GPT
 from tnlg.parallel.sharding import full_state_dict
 from tnlg.parallel.state import ParallelState
-from tnlg.runtime.spawn import run_distributed
+from .megatron_pool import run_distributed
 
 N, WARMUP, DECAY, MAX_LR, MIN_LR = 6, 2, 10, 3e-3, 3e-4
 
