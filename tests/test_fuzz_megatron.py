@@ -39,18 +39,34 @@ def _limit():
 
 
 def _fuzz(base, work, seed: int, count: int, readers=("legacy", "index", "chunks"), timeout: int = 600):
-    work.mkdir()
+    """Each reader's mutations in a child of its own, side by side (each is one core's work; a case's mutation is
+    seeded by seed, reader and number alone, so the files are the ones one child would make)."""
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_megatron.py"), str(base), str(work), str(seed),
-                        str(count), *readers], capture_output=True, text=True, timeout=timeout, preexec_fn=_limit,
-                       env=env)
-    lines = r.stdout.splitlines()
-    bad = [line for line in lines if line.startswith("BAD")]
-    last = next((line for line in reversed(lines) if line.startswith("BEGIN")), "")
-    assert r.returncode == 0 and not bad, (f"exit {r.returncode}; {len(bad)} bad outcomes:\n" + "\n".join(bad[:5])
-                                           + f"\nlast file: {last}\nstderr: {r.stderr[-3000:]}")
+    children = []
+    try:
+        for reader in readers:
+            (work / reader).mkdir(parents=True)
+            children.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "fuzz_megatron.py"), str(base), str(work / reader), str(seed),
+                 str(count), reader], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_limit,
+                env=env))
+        lines = []
+        for reader, child in zip(readers, children):
+            out, err = child.communicate(timeout=timeout)
+            mine = out.splitlines()
+            bad = [line for line in mine if line.startswith("BAD")]
+            last = next((line for line in reversed(mine) if line.startswith("BEGIN")), "")
+            assert child.returncode == 0 and not bad, (
+                f"{reader}: exit {child.returncode}; {len(bad)} bad outcomes:\n" + "\n".join(bad[:5])
+                + f"\nlast file: {last}\nstderr: {err[-3000:]}")
+            lines += mine
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     done = [line for line in lines if line.startswith("DONE")]
-    assert len(done) == len(readers), r.stdout[-2000:]
+    assert len(done) == len(readers), "\n".join(lines[-20:])
     for line in done:  # both outcomes occur: the mutations reach past the first check, and are refused
         counts = dict(item.split("=") for item in line.split()[2:])
         assert int(counts["ok"]) + int(counts["refused"]) == count and int(counts["refused"]) > count // 4, line
