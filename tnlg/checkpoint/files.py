@@ -215,6 +215,7 @@ def _megatron_files(iter_dir: str) -> bool:
         return False
     return ".metadata" in names or any(n.startswith("mp_rank_") for n in names)
 
+
 def no_weights(path: str, what: str = "--load") -> UserError:
     """The paragraph for a run that takes only the weights (fine-tuning) from a root holding no checkpoint:
     refused, where a resume of the run's own ``--save`` starts from scratch."""
@@ -222,6 +223,7 @@ def no_weights(path: str, what: str = "--load") -> UserError:
                      f"run takes its starting weights from there: it would train from random weights instead. Give "
                      f"the folder of a tnlg checkpoint (or tnlg finetune --load a Hugging Face folder or a Megatron-LM "
                      f"checkpoint, which it converts).")
+
 
 def read_meta(iter_dir: str) -> dict:
     """``meta.json`` of an iteration directory as the JSON object it is (its format and file names checked:
