@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 import pytest
 
@@ -81,11 +82,16 @@ def test_a_fine_tuning_run_whose_load_holds_no_checkpoint_is_refused(base, tmp_p
         load(str(empty), model=None, engine=None, ps=ParallelState.single(), config=None, weights_only=True)
 
 
-def test_pretrain_names_a_megatron_checkpoint_given_as_load(tmp_path, capsys):
+@pytest.mark.parametrize("tracker", [True, False], ids=["with-tracker", "without-tracker"])
+@pytest.mark.parametrize("files", [("mp_rank_00", "model_optim_rng.pt"), (".metadata",)], ids=["legacy", "torch_dist"])
+def test_pretrain_names_a_megatron_checkpoint_given_as_load(tmp_path, capsys, tracker, files):
     root = tmp_path / "megatron"
-    (root / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
-    (root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
-    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    (root / "iter_0000005").mkdir(parents=True)
+    if len(files) == 2:
+        (root / "iter_0000005" / files[0]).mkdir()
+    (root / "iter_0000005" / os.path.join(*files)).write_bytes(b"x")
+    if tracker:
+        (root / "latest_checkpointed_iteration.txt").write_text("5")
     status = main(["pretrain", "--nproc-per-node", "1", "--load", str(root), "--train-iters", "1", "--no-plot",
                    "--save", str(tmp_path / "s")])
     err = capsys.readouterr().err

@@ -187,9 +187,11 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     # No usable pointer: a save crashed between committing its directory and writing the pointer
     # (or the pointer names a directory that is gone). Resume from the newest complete iteration.
     complete = complete_iterations(path)
-    if not complete and d is not None and _megatron_files(d):
-        raise UserError(f"{what} {path!r} is a Megatron-LM checkpoint ({d!r} holds Megatron's files, no {META}), "
-                        f"not a tnlg checkpoint. Fine-tune from it with `tnlg finetune --load {path}`, or convert it "
+    folders = [f for f in [d] + [os.path.join(path, iter_dir_name(i)) for i in iters] if f is not None]
+    megatron = None if complete else next((f for f in folders if _megatron_files(f)), None)
+    if megatron is not None:
+        raise UserError(f"{what} {path!r} is a Megatron-LM checkpoint ({megatron!r} holds Megatron's files, no "
+                        f"{META}), not a tnlg checkpoint. Fine-tune from it with `tnlg finetune --load {path}`, or convert it "
                         f"first: `tnlg convert --from megatron {path} --to DIR`, then give DIR.")
     if not complete:
         why = ("is missing" if d is None else
