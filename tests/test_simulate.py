@@ -191,18 +191,13 @@ def simulated_plans(request):
     selected = [tuple(item.callspec.params[k] for k in _PLAN_ARGS) for item in request.session.items
                 if getattr(item, "originalname", None) == "test_planner_peak_is_the_simulated_peak"]
     if len(selected) < 2:  # (the quick tier's one case: here, without a process to start)
-        yield {case: _Done(_simulated_plan(case)) for case in selected}
+        done = {case: concurrent.futures.Future() for case in selected}
+        for case, future in done.items():
+            future.set_result(_simulated_plan(case))
+        yield done
         return
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield {case: pool.submit(_simulated_plan, case) for case in selected}
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout=None):
-        return self.value
 
 
 _PLAN_ARGS = ("name", "tp", "dp", "precision", "micro", "accum", "recompute")

@@ -187,7 +187,7 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     # No usable pointer: a save crashed between committing its directory and writing the pointer
     # (or the pointer names a directory that is gone). Resume from the newest complete iteration.
     complete = complete_iterations(path)
-    folders = [f for f in [d] + [os.path.join(path, iter_dir_name(i)) for i in iters] if f is not None]
+    folders = (os.path.join(path, iter_dir_name(i)) for i in iters)  # (the pointer's, when it is a folder, too)
     megatron = None if complete else next((f for f in folders if _megatron_files(f)), None)
     if megatron is not None:
         raise UserError(f"{what} {path!r} is a Megatron-LM checkpoint ({megatron!r} holds Megatron's files, no "

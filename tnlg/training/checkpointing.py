@@ -148,7 +148,7 @@ class Checkpointer:
         finite)."""
         c = self.o.checkpoint
         signum = 0 if last else self.stop.agreed(self.ps)
-        exiting = not last and not signum and bool(c.exit_interval) and iteration % (c.exit_interval or 1) == 0
+        exiting = not last and not signum and c.exit_interval is not None and iteration % c.exit_interval == 0
         save = c.save
         saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum
                                      or exiting)
