@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from . import lanes
 import tnlg  # noqa: F401  (before torch: the OpenMP wait setting the command gives, tnlg/__init__.py)
 import torch  # noqa: E402,I001
 
@@ -67,11 +68,18 @@ NOT_QUICK = {"test_bench_peers", "test_checkpoint", "test_compile", "test_deepsp
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (``NOT_QUICK``)."""
+    """Mark the quick tier (``NOT_QUICK``); in an xdist worker, order the tests as the lanes run them."""
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
         if item.get_closest_marker("slow") is None and module not in NOT_QUICK:
             item.add_marker(pytest.mark.quick)
+    if hasattr(config, "workerinput"):
+        lanes.order(items)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n N``: the lanes of tests/lanes.py (a lane of waits beside one of work), not xdist's own."""
+    return lanes.scheduler(config, log)
 
 
 def pytest_addoption(parser):
