@@ -77,6 +77,7 @@ def pytest_collection_modifyitems(config, items):
         lanes.order(items)
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist: without it, never called)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n N``: the lanes of tests/lanes.py (a lane of waits beside one of work), not xdist's own."""
     return lanes.scheduler(config, log)

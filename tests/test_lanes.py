@@ -28,3 +28,13 @@ def test_order_puts_the_waits_first_then_the_longest_and_keeps_each_modules_orde
     items = [SimpleNamespace(nodeid=i) for i in ids]
     lanes.order(items)
     assert [i.nodeid.rpartition("::")[2] for i in items] == ["c", "f", "d", "b", "g", "a", "e"]
+
+
+def test_the_suite_loads_without_pytest_xdist(tmp_path):
+    """The scheduler hook is xdist's: without the plugin (a plain ``pip install pytest``), conftest still loads."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "--collect-only", os.path.join(HERE, "test_lanes.py")],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
