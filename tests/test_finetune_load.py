@@ -86,10 +86,9 @@ def test_a_fine_tuning_run_whose_load_holds_no_checkpoint_is_refused(base, tmp_p
 @pytest.mark.parametrize("files", [("mp_rank_00", "model_optim_rng.pt"), (".metadata",)], ids=["legacy", "torch_dist"])
 def test_pretrain_names_a_megatron_checkpoint_given_as_load(tmp_path, capsys, tracker, files):
     root = tmp_path / "megatron"
-    (root / "iter_0000005").mkdir(parents=True)
-    if len(files) == 2:
-        (root / "iter_0000005" / files[0]).mkdir()
-    (root / "iter_0000005" / os.path.join(*files)).write_bytes(b"x")
+    megatron_file = root / "iter_0000005" / os.path.join(*files)
+    megatron_file.parent.mkdir(parents=True)
+    megatron_file.write_bytes(b"x")
     if tracker:
         (root / "latest_checkpointed_iteration.txt").write_text("5")
     status = main(["pretrain", "--nproc-per-node", "1", "--load", str(root), "--train-iters", "1", "--no-plot",

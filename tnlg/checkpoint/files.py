@@ -191,8 +191,8 @@ def resolve(path: str, what: str = "--load", notes: Optional[list] = None) -> Op
     megatron = None if complete else next((f for f in folders if _megatron_files(f)), None)
     if megatron is not None:
         raise UserError(f"{what} {path!r} is a Megatron-LM checkpoint ({megatron!r} holds Megatron's files, no "
-                        f"{META}), not a tnlg checkpoint. Fine-tune from it with `tnlg finetune --load {path}`, or convert it "
-                        f"first: `tnlg convert --from megatron {path} --to DIR`, then give DIR.")
+                        f"{META}), not a tnlg checkpoint. Fine-tune from it with `tnlg finetune --load {path}`, or "
+                        f"convert it first: `tnlg convert --from megatron {path} --to DIR`, then give DIR.")
     if not complete:
         why = ("is missing" if d is None else
                f"points at iteration {latest}, but {d!r} " +
