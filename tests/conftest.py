@@ -25,22 +25,34 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _cache_in_a_temporary_folder(tmp_path_factory):
-    """Tests write only to temporary folders: the built-in corpus (prepared once per session, about 2 s)
-    and every dataset index cache go to this session's folder, not to ``~/.cache/tnlg``, which they
+def _cache_in_a_temporary_folder(request, tmp_path_factory):
+    """Tests write only to temporary folders: the built-in corpus (prepared once per run, about 2 s)
+    and every dataset index cache go to this run's folder, not to ``~/.cache/tnlg``, which they
     used to fill with index-cache files. Spawned workers inherit the variable."""
     # torch.compile's caches too (default /tmp/torchinductor_<user>): a cache kept between runs would hide
     # a change to a custom operator's fake implementation, which inductor's cache key does not see
     folders = {"TNLG_CACHE": "tnlg_cache", "TORCHINDUCTOR_CACHE_DIR": "inductor_cache"}
     before = {name: os.environ.get(name) for name in folders}
     for name, folder in folders.items():
-        os.environ[name] = str(tmp_path_factory.mktemp(folder))
+        os.environ[name] = str(_run_folder(request.config, tmp_path_factory, folder))
     yield
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def _run_folder(config, tmp_path_factory, name: str):
+    """A folder for this run: under pytest-xdist, one that every worker of the run shares (the parent of the
+    workers' own temporary folders, which is new for each run), so a kernel inductor compiled or the corpus
+    one worker prepared serves the other (both caches take concurrent writers: inductor's compiling ranks,
+    test_preprocess's concurrent prepare); in one process, a folder of its own."""
+    if not hasattr(config, "workerinput"):
+        return tmp_path_factory.mktemp(name)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 # The optional packages a test may need (``@pytest.mark.needs_package("tensorboard", ...)``), each with the

@@ -7,13 +7,23 @@ rank order; a :class:`WorkerError` carrying every failing rank's traceback), and
 pool of ``world_size`` workers started on first use (PyTorch's ``MultiProcContinuousTest`` keeps one
 process group per test class; this keeps one per world size for the session).
 
+The workers are forked from a forkserver (one per test process, multiprocessing's ``forkserver`` start
+method) that imported torch, the torch.distributed modules the bodies use (pipelining, DTensor, FSDP2) and
+tnlg's model and training step once (``_PRELOAD``): a spawned worker paid 2-3 CPU-s to import them, and a
+session starts about 50 workers (one pool per world size and xdist worker, a new pool after each failing
+call), which was a tenth of the suite's CPU on 2 cores. Forking a process that has imported torch, but run
+no parallel region and started no group, is what a DataLoader worker does; the forkserver itself never runs a
+collective or a kernel.
+
 What a body sees is what a fresh worker gives it:
 
 - a fresh :class:`ParallelState` (its TP/DP/PP/CP subgroups are created for the call, with the call's
   ``timeout_s``, and destroyed after it); the world group is the pool's;
-- torch's default generator at the seed a new process starts with, ``threads`` intra-op threads, fp32 as
+- torch's default generator, Python's ``random`` and numpy's global generator as a new process starts them
+  (each worker's own, drawn when it starts; every call starts from them), ``threads`` intra-op threads, fp32 as
   the default dtype, gradients enabled, no compiled code (``torch._dynamo.reset()`` when an earlier call
   compiled), the parent's environment and working directory at the call;
+- the modules of ``_PRELOAD`` already imported (a fresh worker imports them on first use);
 - its own children (writer processes a body leaves behind) terminated when it ends;
 - what it writes to file descriptors 1 and 2 written by the parent to its own once the call ends (rank by
   rank), so ``capfd`` reads it as it read a fresh worker's output.
@@ -50,12 +60,37 @@ __all__ = ["run_distributed", "shutdown_pools"]
 WORLD_TIMEOUT_S = 120.0  # the pool's world group (a body's own subgroups take the call's timeout_s)
 _GRACE_S = 2.0  # after the first failing rank, how long the others' tracebacks are waited for
 
+# What the pool's workers import before they are forked, once per test process (the forkserver's preload):
+# tnlg first (it sets libgomp's wait policy before torch loads libgomp), this module last (the workers'
+# target); a name that cannot be imported is skipped by the forkserver, and then imported by each worker
+_PRELOAD = ["tnlg", "torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.tensor",
+            "torch.distributed.fsdp", "tnlg.model", "tnlg.parallel.state", "tnlg.training.step", __name__]
 
-def _reset(base_seed: int, threads: int, environ: dict, cwd: str) -> None:
-    """The state a fresh worker starts with: the start seed, ``threads``, fp32, gradients on, and the parent's
-    environment and working directory as they are at the call (a spawned worker inherits them)."""
+
+def _start_state() -> dict:
+    """This worker's start: torch's seed and Python's and numpy's random states, each drawn anew from the
+    operating system as a new process draws them (a forked child would keep its forkserver's)."""
+    import random
+
+    import numpy as np
     import torch
-    torch.manual_seed(base_seed)
+    torch.seed()
+    random.seed()
+    np.random.seed()
+    return dict(torch=torch.initial_seed(), random=random.getstate(), numpy=np.random.get_state())
+
+
+def _reset(start: dict, threads: int, environ: dict, cwd: str) -> None:
+    """The state a fresh worker starts with: its start seeds (:func:`_start_state`), ``threads``, fp32,
+    gradients on, and the parent's environment and working directory as they are at the call (a spawned
+    worker inherits them)."""
+    import random
+
+    import numpy as np
+    import torch
+    torch.manual_seed(start["torch"])
+    random.setstate(start["random"])
+    np.random.set_state(start["numpy"])
     torch.set_num_threads(threads)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
@@ -127,13 +162,13 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=WORLD_TIMEOUT_S))
     world = dist.group.WORLD
-    base_seed = torch.initial_seed()
+    start = _start_state()
     while True:
         task = pickle.loads(conn.recv_bytes())
         if task is None:
             break
         fn, tp, args, timeout_s, threads, environ, cwd = task
-        _reset(base_seed, threads, dict(environ, LOCAL_WORLD_SIZE=str(world_size)), cwd)
+        _reset(start, threads, dict(environ, LOCAL_WORLD_SIZE=str(world_size)), cwd)
         groups = set(dist.distributed_c10d._world.pg_map)
         with _captured(os.path.dirname(rdzv), rank) as output:
             try:
@@ -162,7 +197,8 @@ class _Pool:
     """``world_size`` live workers with one process group among them."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix=f"tnlg_pool{world_size}_")
         self.conns, self.procs = [], []

@@ -48,27 +48,29 @@ def test_default_job(default_job):
 
 
 def test_single_process(tmp_path):
+    """The built-in job on one process (TP 1): its loss falls >= 1.5 nats in 30 iterations (8.28 -> 6.06 on the
+    development machine; the full job's 300 are test_default_job's)."""
     save = tmp_path / "run"
     _run([sys.executable, "-m", "tnlg", "pretrain", "--nproc-per-node", "1", "--tensor-model-parallel-size", "1",
-          "--train-iters", "60", "--eval-interval", "30", "--save", str(save), *_NO_EXTRAS], timeout=300)
+          "--train-iters", "30", "--eval-interval", "15", "--save", str(save), *_NO_EXTRAS], timeout=300)
     valid, _ = _valid_losses(save)
     assert valid[0] - valid[-1] >= 1.5
 
 
 def test_under_torchrun(default_job, tmp_path):
     """The built-in job under torchrun (its own agent and store, not tnlg's launcher), stopped by --exit-interval
-    after 20 of its 300 iterations: the losses and grad norms of the job under tnlg's launcher, a checkpoint of
-    iteration 20, exit 0 and the command that resumes it."""
+    after 10 of its 300 iterations: the losses and grad norms of the job under tnlg's launcher, a checkpoint of
+    iteration 10, exit 0 and the command that resumes it."""
     save = tmp_path / "run"
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "tnlg", "pretrain", "--exit-interval", "20", "--save", str(save), *_NO_EXTRAS],
+                           "-m", "tnlg", "pretrain", "--exit-interval", "10", "--save", str(save), *_NO_EXTRAS],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _, train = _valid_losses(save)
     _, reference = _valid_losses(default_job[2])
-    assert [r["iteration"] for r in train] == list(range(1, 21))
-    assert [(r["loss"], r["grad_norm"]) for r in train] == [(r["loss"], r["grad_norm"]) for r in reference[:20]]
-    assert f"tnlg pretrain: stopped after iteration 20 of 300 (--exit-interval 20); the last checkpoint is " \
-           f"iteration 20 in {save} (saved now). Resume with: tnlg pretrain --save {save} --use-checkpoint-args" \
+    assert [r["iteration"] for r in train] == list(range(1, 11))
+    assert [(r["loss"], r["grad_norm"]) for r in train] == [(r["loss"], r["grad_norm"]) for r in reference[:10]]
+    assert f"tnlg pretrain: stopped after iteration 10 of 300 (--exit-interval 10); the last checkpoint is " \
+           f"iteration 10 in {save} (saved now). Resume with: tnlg pretrain --save {save} --use-checkpoint-args" \
            in proc.stdout, proc.stdout[-3000:]
