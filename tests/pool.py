@@ -69,7 +69,8 @@ _PRELOAD = ["tnlg", "torch", "torch.distributed", "torch.distributed.pipelining"
 
 def _start_state() -> dict:
     """This worker's start: torch's seed and Python's and numpy's random states, each drawn anew from the
-    operating system as a new process draws them (a forked child would keep its forkserver's)."""
+    operating system as a new process draws them (a forked child keeps its forkserver's torch and numpy
+    states, where a new process seeds torch's default generator afresh)."""
     import random
 
     import numpy as np
