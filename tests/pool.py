@@ -21,8 +21,8 @@ What a body sees is what a fresh worker gives it:
   ``timeout_s``, and destroyed after it); the world group is the pool's;
 - torch's default generator, Python's ``random`` and numpy's global generator as a new process starts them
   (each worker's own, drawn when it starts; every call starts from them), ``threads`` intra-op threads, fp32 as
-  the default dtype, gradients enabled, no compiled code (``torch._dynamo.reset()`` when an earlier call
-  compiled), the parent's environment and working directory at the call;
+  the default dtype, gradients enabled, no compiled code (``torch._dynamo.reset()`` at every call: dynamo is
+  preloaded, and a reset costs microseconds), the parent's environment and working directory at the call;
 - the modules of ``_PRELOAD`` already imported (a fresh worker imports them on first use);
 - its own children (writer processes a body leaves behind) terminated when it ends;
 - what it writes to file descriptors 1 and 2 written by the parent to its own once the call ends (rank by
