@@ -43,29 +43,6 @@ def _cache_in_a_temporary_folder(request, tmp_path_factory):
             os.environ[name] = value
 
 
-@pytest.hookimpl(trylast=True)  # (after the tmpdir plugin's: the run's temporary folder exists; before xdist's
-def pytest_configure(config):    # workers start, in pytest_sessionstart, so they inherit it)
-    """Where ``PYTHONDONTWRITEBYTECODE`` is set (and no ``PYTHONPYCACHEPREFIX``), every Python process the run
-    starts (the xdist workers, ``python -m tnlg`` launchers and workers, fresh spawned ranks, torchrun, the
-    scripts) compiled tnlg's and the tests' sources anew, about 0.25 CPU-s each: the run gives them a bytecode
-    cache of its own instead, ``PYTHONPYCACHEPREFIX`` in the run's temporary folder (shared by its workers),
-    so nothing is written into the checkout or site-packages, as the setting wants. Measured on a 2-core AMD
-    EPYC (2026-12-05, test_faults + test_checkpoint_args in one process): 98-101 busy core-s without it,
-    97 with it (cold: the cache starts empty each run and fills with every module a process imports, torch's
-    included), 86 with a warm one."""
-    if "PYTHONDONTWRITEBYTECODE" not in os.environ or os.environ.get("PYTHONPYCACHEPREFIX") \
-            or hasattr(config, "workerinput"):
-        return
-    config._tnlg_bytecode = os.environ.pop("PYTHONDONTWRITEBYTECODE")
-    os.environ["PYTHONPYCACHEPREFIX"] = str(config._tmp_path_factory.getbasetemp() / "bytecode")
-
-
-def pytest_unconfigure(config):
-    if hasattr(config, "_tnlg_bytecode"):
-        os.environ["PYTHONDONTWRITEBYTECODE"] = config._tnlg_bytecode
-        os.environ.pop("PYTHONPYCACHEPREFIX", None)
-
-
 def _run_folder(config, tmp_path_factory, name: str):
     """A folder for this run: under pytest-xdist, one that every worker of the run shares (the parent of the
     workers' own temporary folders, which is new for each run), so a kernel inductor compiled or the corpus
