@@ -304,8 +304,8 @@ class Watch:
     def __init__(self, allowed: list[str]):
         self.allowed = [os.path.realpath(a) + os.sep for a in allowed]
         self.imports = [os.path.realpath(p) + os.sep for p in sys.path if p and os.path.isdir(p)]
-        # the interpreter's bytecode cache when it has one apart (PYTHONPYCACHEPREFIX, as the test run sets where
-        # PYTHONDONTWRITEBYTECODE is set): a lazy import reads and writes there (a temporary name, then the .pyc)
+        # the interpreter's bytecode cache when the environment puts it apart (PYTHONPYCACHEPREFIX): a lazy
+        # import reads and writes there (a temporary name, then the .pyc)
         self.bytecode = os.path.realpath(sys.pycache_prefix) + os.sep if sys.pycache_prefix else None
         self.on, self.outside = False, []
         sys.addaudithook(self)
