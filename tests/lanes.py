@@ -20,8 +20,8 @@ WAITS = ("test_bench_peers", "test_bench_user_script", "test_failures", "test_fa
          "test_fuzz_readers", "test_gpu_check", "test_hang", "test_imports", "test_inference_faults",
          "test_interrupt", "test_megatron_bad_input", "test_memory_scale", "test_setup_memory", "test_threads")
 # The modules of work that take longest, longest first (the rest follow in file order).
-LONGEST = ("test_pretrain_e2e", "test_pipeline_inference", "test_pipeline_compile", "test_checkpoint",
-           "test_compile", "test_finetune", "test_simulate", "test_launch", "test_context_parallel_training",
+LONGEST = ("test_pipeline_inference", "test_pipeline_compile", "test_pretrain_e2e", "test_compile", "test_launch",
+           "test_finetune", "test_simulate", "test_checkpoint", "test_context_parallel_training",
            "test_fuzz_megatron", "test_pipeline", "test_resume", "test_attention_training")
 
 
