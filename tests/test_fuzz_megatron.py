@@ -80,3 +80,32 @@ def test_fuzz_quick(base, tmp_path):
 @pytest.mark.slow
 def test_fuzz_more_seeds(base, tmp_path):
     print(_fuzz(base, tmp_path / "work", seed=2, count=400))
+
+
+_AUDIT = """
+import os, sys
+sys.pycache_prefix = sys.argv[1]  # as PYTHONPYCACHEPREFIX sets it
+from tests.fuzz_megatron import Watch
+watch = Watch([sys.argv[2]])
+watch.on = True
+cache = os.path.join(sys.argv[1], "lib", "python3", "encodings")
+os.makedirs(cache)
+for name in ("latin_1.cpython-311.pyc.140449994481440", "latin_1.cpython-311.pyc"):  # a lazy import's write
+    open(os.path.join(cache, name), "w").close()
+open(os.path.join(sys.argv[2], "model_optim_rng.pt"), "w").close()  # the checkpoint's own file
+open(sys.argv[3], "w").close()  # a file outside both: recorded
+print(watch.outside)
+"""
+
+
+def test_the_audit_allows_a_lazy_imports_bytecode_under_the_cache_prefix_and_nothing_else(tmp_path):
+    """The reader's file audit (tests/fuzz_megatron.py's ``Watch``) in a process whose bytecode cache is apart
+    (``PYTHONPYCACHEPREFIX``): a lazy import's bytecode written there (a temporary name, then the ``.pyc``) is no
+    read outside the checkpoint; any other file outside it still is (a user's prefix failed the fuzzer)."""
+    (tmp_path / "ckpt").mkdir()
+    outside = tmp_path / "canary.distcp"
+    proc = subprocess.run([sys.executable, "-c", _AUDIT, str(tmp_path / "bytecode"), str(tmp_path / "ckpt"),
+                           str(outside)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(HERE), env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == repr([str(outside)]), proc.stdout
