@@ -46,7 +46,9 @@ def _live(_ps):
                 cp_ranks=dist.get_process_group_ranks(ps.cp_group),
                 dp_ranks=dist.get_process_group_ranks(ps.dp_group),
                 grad_ranks=dist.get_process_group_ranks(grads.dp_group), grad_dp=(grads.dp_rank, grads.dp_size),
-                grad_rank=grads.rank, grad_group_rank=dist.get_rank(grads.dp_group))
+                grad_rank=grads.rank, grad_group_rank=dist.get_rank(grads.dp_group),
+                by_name={axis: (ps.rank_in(axis), ps.size(axis), dist.get_process_group_ranks(ps.group(axis)))
+                         for axis in ("tp", "cp", "dp", "dp_cp")})
 
 
 @pytest.mark.slow
@@ -58,9 +60,23 @@ def test_a_live_state_at_tp2_cp2_dp2():
         assert (got["tp"], got["cp"], got["dp"]) == (r % 2, r // 2 % 2, r // 4)
         assert got["cp_ranks"] in mega["cp_group"] and got["dp_ranks"] in mega["dp_group"]
         assert got["grad_ranks"] in mega["dp_cp_group"]
+        # the groups by axis name: the same ranks as megatron-core's groups of that name, this rank's place in them
+        for axis, (rank, size, ranks) in got["by_name"].items():
+            assert ranks in mega[axis + "_group"] and len(ranks) == size and ranks[rank] == r, axis
         assert got["grad_dp"] == (got["dp"] * 2 + got["cp"], 4) and got["grad_group_rank"] == got["grad_dp"][0]
 
 
 def test_the_gradient_state_is_the_state_itself_at_cp_1():
     ps = ParallelState(tp_size=2, dp_size=2)
     assert ps.for_gradients() is ps
+
+
+def test_named_axes_of_a_virtual_state_and_the_gradient_kinds():
+    ps = ParallelState.for_virtual_rank(4, 1, dp_size=2, dp_rank=1)
+    assert [(ps.size(a), ps.rank_in(a)) for a in ("tp", "dp", "cp", "pp", "dp_cp")] == \
+        [(4, 1), (2, 1), (1, 0), (1, 0), (2, 1)]
+    assert ps.for_gradients("dense") is ps  # (at CP 1 the dense gradients' group is DP's)
+    with pytest.raises(ValueError, match="no parallel axis 'ep'; valid: tp, cp, dp, pp"):
+        ps.size("ep")
+    with pytest.raises(ValueError, match="kind 'expert'; valid: dense"):
+        ps.for_gradients("expert")

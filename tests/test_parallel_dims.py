@@ -16,7 +16,7 @@ import itertools
 import pytest
 
 from tnlg.errors import UserError
-from tnlg.options.parallel_dims import ParallelDims, World
+from tnlg.layout import ParallelDims, World
 
 
 def test_ranks_count_tp_fastest_then_cp_then_dp_then_pp():
@@ -106,7 +106,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     ("demo", ("tp", "nproc")),
 ])
 def test_every_command_spells_the_layout_flags_as_megatron_with_the_short_alias(command, keys):
-    from tnlg.options.parallel_dims import FLAGS
+    from tnlg.layout import FLAGS
     actions = _parser(command)._option_string_actions
     for key in keys:
         spellings = FLAGS[key]

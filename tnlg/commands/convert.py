@@ -36,7 +36,7 @@ import os
 import sys
 
 from ..errors import UserError
-from ..options.parallel_dims import add_layout_arguments, check_positive
+from ..layout import add_layout_arguments, check_positive
 
 __all__ = ["add_arguments", "run"]
 

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
+from ..layout import ParallelDims, World, add_layout_arguments, check_positive
 from ..runtime.launch import join, launcher_world_size, relaunch
 
 

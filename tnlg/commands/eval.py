@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..errors import UserError
-from ..options.parallel_dims import add_layout_arguments, check_context_sequence, check_positive
+from ..layout import add_layout_arguments, check_context_sequence, check_positive
 from . import eval_generate
 from .inference import add_common_arguments, print_table, run_command, step_note
 

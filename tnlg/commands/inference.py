@@ -16,7 +16,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
+from ..layout import ParallelDims, World, add_layout_arguments, check_positive
 from ..options.pipeline import check_stage_count
 from ..runtime.launch import check_nodes, join, launcher_world_size, relaunch
 

@@ -9,7 +9,7 @@ import sys
 from ..config import PRESETS, GPTConfig, arch_fields, divisors, flag_of
 from ..errors import UserError
 from ..options.fields import add_options, check_declared
-from ..options.parallel_dims import ParallelDims, World, add_layout_arguments, check_positive
+from ..layout import ParallelDims, World, add_layout_arguments, check_positive
 from ..options.pipeline import check_stage_count, interleaved_chunks
 from ..options.recipes import RECIPES
 from ..plan.context import (check_context_parallel, context_plan, format_context, format_context_search,

@@ -21,7 +21,7 @@ from ..options import COMPONENTS, DEFAULT_NPROC, OPTION_NAMES, ModelOptions, Opt
 from ..options.checks import is_int
 from ..options.fields import add_options, option_fields, shown
 from ..options.recipes import RECIPES
-from ..options.parallel_dims import data_parallel_size
+from ..layout import data_parallel_size
 from ..options.recorded import checkpoint_args
 
 __all__ = ["add_arguments", "resolve", "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]

@@ -15,7 +15,7 @@ from ..config import LR_DECAY_STYLES, GPTConfig, pretrain_fields
 from ..errors import UserError
 from .checks import nonnegative_int, optional_positive_int, positive_int
 from .fields import check_declared, flag_of, option
-from .parallel_dims import FLAGS, check_positive
+from ..layout import FLAGS, check_positive
 
 __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
            "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
@@ -104,7 +104,7 @@ class ScheduleOptions:
 @dataclass
 class ParallelOptions:
     """The layout: TP inside groups, ZeRO data parallelism across them, and the local processes (checked
-    against the processes by :class:`~tnlg.options.parallel_dims.ParallelDims`, whose flags these are)."""
+    against the processes by :class:`~tnlg.layout.ParallelDims`, whose flags these are)."""
     tensor_model_parallel_size: int = option(1, flags=FLAGS["tp"],
                                              help="TP size (any size up to the head count)")
     pipeline_model_parallel_size: int = option(1, flags=FLAGS["pp"],

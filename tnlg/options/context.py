@@ -6,7 +6,7 @@ Torch-free (read at option resolution, before any process starts).
 from __future__ import annotations
 
 from ..errors import UserError
-from .parallel_dims import check_context_sequence
+from ..layout import check_context_sequence
 
 __all__ = ["check_context_parallel_options"]
 

@@ -2,7 +2,7 @@
 
 Torch-free (``tnlg pretrain --help`` and option checks import this): the layer split is checked
 with the same arithmetic :mod:`tnlg.parallel.pipeline` uses. The stages against the processes, and the
-micro batches against the stages, are the layout's (:class:`tnlg.options.parallel_dims.ParallelDims`).
+micro batches against the stages, are the layout's (:class:`tnlg.layout.ParallelDims`).
 """
 
 from __future__ import annotations

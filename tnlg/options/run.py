@@ -12,7 +12,7 @@ from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOpti
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
 from .context import check_context_parallel_options
-from .parallel_dims import ParallelDims, World
+from ..layout import ParallelDims, World
 from .pipeline import check_pipeline, virtual_stages
 
 __all__ = ["Options", "OPTION_NAMES", "MUST_MATCH", "option_defaults", "model_config"]

@@ -38,10 +38,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError, agreed
-from ..options.parallel_dims import ParallelDims, World
+from ..layout import AXES, ParallelDims, World
 
 __all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
-           "agree_on_failure", "from_rank0"]
+           "agree_on_failure", "from_rank0", "GRADIENT_AXES"]
+
+# the axis each kind of parameter's gradients are averaged (and ZeRO-partitioned) over: every dense parameter
+# is replicated over DP x CP (expert parameters, with expert parallelism, will name their own)
+GRADIENT_AXES = {"dense": "dp_cp"}
 
 
 @dataclass
@@ -69,9 +73,33 @@ class ParallelState:
     cp_group: Optional[dist.ProcessGroup] = None
     dp_cp_group: Optional[dist.ProcessGroup] = None
 
+    def size(self, axis: str) -> int:
+        """The size of the named axis (:data:`AXES`: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``; or a gradient
+        kind's reduction, :data:`GRADIENT_AXES`: ``"dp_cp"``)."""
+        return self._axis(axis)[1]
+
+    def rank_in(self, axis: str) -> int:
+        """This process's rank along the named axis (see :meth:`size`)."""
+        return self._axis(axis)[0]
+
+    def group(self, axis: str) -> Optional[dist.ProcessGroup]:
+        """The process group of the named axis (see :meth:`size`; also ``"embedding"``, the first and last
+        pipeline stage), ``None`` where it has one member or the state is virtual."""
+        if axis == "embedding":
+            return self.embedding_group
+        return self._axis(axis)[2]
+
+    def _axis(self, axis: str) -> tuple[int, int, Optional[dist.ProcessGroup]]:
+        if axis in AXES:
+            return getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size"), getattr(self, f"{axis}_group")
+        if axis == "dp_cp":  # DP x CP, CP inside (the rank order)
+            group = self.dp_cp_group if self.cp_size > 1 else self.dp_group
+            return self.dp_rank * self.cp_size + self.cp_rank, self.dp_size * self.cp_size, group
+        raise ValueError(f"no parallel axis {axis!r}; valid: {', '.join(AXES)}, dp_cp, embedding.")
+
     @property
     def dims(self) -> ParallelDims:
-        """The layout's sizes (:class:`~tnlg.options.parallel_dims.ParallelDims`)."""
+        """The layout's sizes (:class:`~tnlg.layout.ParallelDims`)."""
         return ParallelDims(tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, pp=self.pp_size)
 
     @property
@@ -83,15 +111,19 @@ class ParallelState:
     def world_size(self) -> int:
         return self.dims.world
 
-    def for_gradients(self) -> "ParallelState":
-        """The state the data-parallel engine reduces gradients over: DP x CP as its "DP" (every CP rank
-        holds the same weights and a part of each sequence, so gradients are averaged over both, and ZeRO
-        partitions over both, as megatron-core's distributed optimizer does); ``self`` at CP 1."""
-        if self.cp_size == 1:
+    def for_gradients(self, kind: str = "dense") -> "ParallelState":
+        """The state the data-parallel engine reduces the gradients of ``kind`` parameters over
+        (:data:`GRADIENT_AXES`), as its "DP": dense parameters over DP x CP (every CP rank holds the same
+        weights and a part of each sequence, so gradients are averaged over both, and ZeRO partitions over
+        both, as megatron-core's distributed optimizer does); ``self`` at CP 1."""
+        if kind not in GRADIENT_AXES:
+            raise ValueError(f"no gradient reduction for parameters of kind {kind!r}; valid: "
+                             f"{', '.join(GRADIENT_AXES)}.")
+        axis = GRADIENT_AXES[kind]
+        if self.size(axis) == self.dp_size:
             return self
-        return dataclasses.replace(self, dp_rank=self.dp_rank * self.cp_size + self.cp_rank,
-                                   dp_size=self.dp_size * self.cp_size, dp_group=self.dp_cp_group,
-                                   cp_rank=0, cp_size=1, cp_group=None, dp_cp_group=None)
+        return dataclasses.replace(self, dp_rank=self.rank_in(axis), dp_size=self.size(axis),
+                                   dp_group=self.group(axis), cp_rank=0, cp_size=1, cp_group=None, dp_cp_group=None)
 
     @property
     def tp_src_rank(self) -> int:

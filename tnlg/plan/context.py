@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims, check_context_sequence, check_positive
+from ..layout import ParallelDims, check_context_sequence, check_positive
 from .counts import parameter_report
 from .flops import flops_per_iteration, iteration_time, rank_flops_imbalance
 from .memory import PRECISIONS, activation_bytes, fsdp_shard_numel, model_state_bytes

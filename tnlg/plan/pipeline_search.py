@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..config import divisors
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims
+from ..layout import ParallelDims
 from .pipeline import parameter_table, pipeline_plan, pipeline_time
 from .planner import Hardware, Model
 from .report import heads_compact

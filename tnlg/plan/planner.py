@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims, check_positive
+from ..layout import ParallelDims, check_positive
 from .counts import abstract_parameter_report, parameter_report, rank_counts_formula
 from .flops import (ABSTRACT_FLOPS_FORMULA, FLOPS_FORMULA, flops_per_iteration, iteration_time,
                     rank_flops_imbalance)

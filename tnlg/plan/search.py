@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims
+from ..layout import ParallelDims
 from .counts import parameter_report
 from .planner import Hardware, Layout, Model, plan_layout
 from .units import GB

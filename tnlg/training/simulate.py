@@ -61,7 +61,7 @@ import torch.distributed as dist
 from ..checkpoint.stream import StreamWriter
 from ..config import GPTConfig
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims
+from ..layout import ParallelDims
 from ..plan.gpus import GPU
 from ..plan.gpus import gpu as lookup_gpu
 from ..plan.tracker import ALLOCATIONS, StepTracker

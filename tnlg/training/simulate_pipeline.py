@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..config import GPTConfig
 from ..errors import UserError
-from ..options.parallel_dims import ParallelDims
+from ..layout import ParallelDims
 from ..plan.tracker import StepTracker
 from .simulate import _DTYPES, _gpu_kernels, _register_engine, _sync_norm_and_step, check_layout, predict_time
 

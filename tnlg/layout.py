@@ -17,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
-from ..config import divisors
-from ..errors import UserError
+from .config import divisors
+from .errors import UserError
 
-__all__ = ["ParallelDims", "World", "FLAGS", "add_layout_arguments", "check_positive", "data_parallel_size",
+__all__ = ["AXES", "ParallelDims", "World", "FLAGS", "add_layout_arguments", "check_positive", "data_parallel_size",
            "check_context_sequence"]
 
+# the axes of the layout, innermost first (the rank order): tensor, context, data and pipeline parallelism
+AXES = ("tp", "cp", "dp", "pp")
 # every layout flag's spellings (Megatron-LM's name first, the one messages use) and keyword argument
 FLAGS = dict(tp=("--tensor-model-parallel-size", "--tp"), pp=("--pipeline-model-parallel-size", "--pp"),
              cp=("--context-parallel-size", "--cp"), dp=("--data-parallel-size", "--dp"),
@@ -160,6 +162,12 @@ class ParallelDims:
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    def size(self, axis: str) -> int:
+        """The size of the named axis (:data:`AXES`)."""
+        if axis not in AXES:
+            raise ValueError(f"no parallel axis {axis!r}; valid: {', '.join(AXES)}.")
+        return getattr(self, axis)
 
     @property
     def gradient_ranks(self) -> int:
