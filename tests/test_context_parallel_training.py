@@ -58,8 +58,8 @@ def _train(ps, cfg: GPTConfig, data: list[dict], compiled: bool = False) -> list
         mine = {k: v[ps.dp_rank * per_dp:(ps.dp_rank + 1) * per_dp] for k, v in batch.items()}
         mine = context_parallel_batch(mine, ps)
         engine.zero_grad()
-        loss = engine.model(mine["tokens"], labels=mine["labels"], loss_mask=mine["loss_mask"],
-                            position_ids=mine.get("position_ids"), attention_mask=mine.get("attention_mask"))
+        loss = engine.model(mine.tokens, labels=mine.labels, loss_mask=mine.loss_mask,
+                            position_ids=mine.position_ids, attention_mask=mine.attention_mask)
         engine.backward(loss)
         mean = all_reduce(loss.detach().reshape(1), ps.dp_group) / ps.dp_size
         losses.append(engine.step(1e-2, loss=mean)["loss"])

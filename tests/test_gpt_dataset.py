@@ -12,7 +12,8 @@ from tnlg.data import gpt_dataset as gd
 from tnlg.data.gpt_dataset import (BlendedDataset, GPTDataset, blending_indices, build_index_arrays,
                                    build_train_valid_test_datasets, parse_data_path, parse_split, split_bounds)
 from tnlg.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from tnlg.data.sampler import MegatronPretrainingSampler, collate
+from tnlg.data.batch import Batch
+from tnlg.data.sampler import MegatronPretrainingSampler
 from tnlg.errors import UserError
 
 EOD = 0
@@ -250,13 +251,13 @@ def test_sampler_order_independent_of_dp_and_resumable(tmp_path):
     # with the dataset: DP=2 reads exactly the samples DP=1 reads, in the same global order
     prefix, _ = make_corpus(tmp_path)
     ds = GPTDataset(IndexedDataset(prefix), "train", 0, 60, seq_length=8, num_samples=40, seed=1)
-    one = [collate([ds[i] for i in b])["tokens"] for b in MegatronPretrainingSampler(len(ds), 0, 4, 0, 1)]
+    one = [Batch.collate([ds[i] for i in b]).tokens for b in MegatronPretrainingSampler(len(ds), 0, 4, 0, 1)]
     loaders = [torch.utils.data.DataLoader(ds, batch_sampler=MegatronPretrainingSampler(len(ds), 0, 2, r, 2),
-                                           collate_fn=collate) for r in range(2)]
-    two = [torch.cat([a["tokens"], b["tokens"]]) for a, b in zip(*loaders)]
+                                           collate_fn=Batch.collate) for r in range(2)]
+    two = [torch.cat([a.tokens, b.tokens]) for a, b in zip(*loaders)]
     assert len(one) == len(two) and all(torch.equal(x, y) for x, y in zip(one, two))
-    batch = collate([ds[0], ds[1]])
-    assert batch["tokens"].shape == (2, 8) and batch["loss_mask"].dtype == torch.float32
+    batch = Batch.collate([ds[0], ds[1]])
+    assert batch.tokens.shape == (2, 8) and batch.loss_mask is not None and batch.loss_mask.dtype == torch.float32
 
 
 def test_ranks_build_once_and_agree(tmp_path, monkeypatch):

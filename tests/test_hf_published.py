@@ -182,10 +182,10 @@ def _cp_losses(_ps, paths: dict, batch: dict) -> dict:
                 mine = {k: v for k, v in batch.items() if docs or k in ("tokens", "labels", "loss_mask")}
                 mine = context_parallel_batch(mine, ps)
                 with torch.no_grad():
-                    out[(name, cp, docs)] = float(model(mine["tokens"], labels=mine["labels"],
-                                                        loss_mask=mine["loss_mask"],
-                                                        position_ids=mine.get("position_ids"),
-                                                        attention_mask=mine.get("attention_mask")))
+                    out[(name, cp, docs)] = float(model(mine.tokens, labels=mine.labels,
+                                                        loss_mask=mine.loss_mask,
+                                                        position_ids=mine.position_ids,
+                                                        attention_mask=mine.attention_mask))
     return out
 
 

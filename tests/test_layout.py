@@ -106,7 +106,7 @@ def test_no_import_cycles():
 # the library's own order, lowest first: a package imports only from those before it (and from itself). The
 # parallel layout's sizes, rank order and checks (tnlg.layout: torch-free, for the commands' flags)
 # sit below parallel, whose process groups follow that rank order; they import only what comes before them.
-LIBRARY_ORDER = ["tnlg.errors", "tnlg.io", "tnlg.config", "tnlg.layout", "tnlg.parallel", "tnlg.model"]
+LIBRARY_ORDER = ["tnlg.errors", "tnlg.io", "tnlg.data", "tnlg.config", "tnlg.layout", "tnlg.parallel", "tnlg.model"]
 
 
 def _package(module: str) -> str:

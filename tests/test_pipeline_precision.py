@@ -55,8 +55,8 @@ class _Inject:
         self.pipeline, self.model, self.engine, self.name, self.at, self.calls = pipeline, pipeline.model, engine, \
             name, at, 0
 
-    def run(self, batches, factor):
-        out = self.pipeline.run(batches, factor)
+    def run(self, batches, factor, normalisation):
+        out = self.pipeline.run(batches, factor, normalisation)
         self.calls += 1
         if self.calls == self.at and self.name in self.engine.param_names:
             self.engine.grad_view(self.name).view(-1)[0] = float("inf")

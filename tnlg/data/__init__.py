@@ -22,7 +22,7 @@ _EXPORTS = {
     "IndexedDataset": "indexed", "IndexedDatasetBuilder": "indexed",
     "GPTDataset": "gpt_dataset", "BlendedDataset": "gpt_dataset",
     "build_train_valid_test_datasets": "gpt_dataset",
-    "MegatronPretrainingSampler": "sampler", "collate": "sampler",
+    "MegatronPretrainingSampler": "sampler", "Batch": "batch",
     "default_dataset": "corpus",
     "build_sft_datasets": "sft", "SFTReport": "sft",
 }

@@ -11,20 +11,19 @@ sample ``k`` exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator
 
-import torch
 
 from ..errors import UserError
 
-__all__ = ["MegatronPretrainingSampler", "collate"]
+__all__ = ["MegatronPretrainingSampler"]
 
 
 class MegatronPretrainingSampler:
     """Yield, for this rank, the list of dataset indices of each micro batch.
 
     Use it as ``batch_sampler`` of a ``torch.utils.data.DataLoader`` (with
-    ``collate_fn=collate``) or iterate it directly. Stops when fewer than a full
+    ``collate_fn=Batch.collate``, :class:`tnlg.data.batch.Batch`) or iterate it directly. Stops when fewer than a full
     global micro step of samples remain before ``total_samples`` (or yields the
     remainder with ``drop_last=False``, possibly an empty list on some ranks).
     """
@@ -62,10 +61,3 @@ class MegatronPretrainingSampler:
         if start < self.total_samples and not self.drop_last:
             yield list(range(min(start + lo, self.total_samples),
                              min(start + lo + self.micro_batch_size, self.total_samples)))
-
-
-def collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:
-    """Stack a list of sample dicts into one dict of batched tensors (keys of the first item)."""
-    if not items:
-        raise ValueError("collate needs at least one sample")
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}

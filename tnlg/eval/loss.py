@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.indexed import IndexedDataset
 from ..errors import UserError
+from ..data.batch import Batch
 from ..parallel.context import context_parallel_batch
 from ..parallel.loss import loss_sum
 from ..parallel.mappings import all_reduce
@@ -77,15 +78,14 @@ def dataset_loss(model, dataset, micro_batch_size: int = 8, max_samples: Optiona
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     with eval_mode(model):
         for chunk in micro_batches(mine, micro_batch_size, progress, "loss"):
-            items = [dataset[j] for j in chunk]
-            batch = {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
+            batch = Batch.collate([dataset[j] for j in chunk]).to(device)
             batch = context_parallel_batch(batch, ps)  # this CP rank's chunks (the batch itself at CP 1)
-            logits = forward_logits(model, batch["tokens"], position_ids=batch.get("position_ids"),
-                                    attention_mask=batch.get("attention_mask"))
+            logits = forward_logits(model, batch.tokens, position_ids=batch.position_ids,
+                                    attention_mask=batch.attention_mask)
             if logits is None:  # a pipeline stage before the last
                 continue
             # (with CP, over every CP rank's chunks of the same samples)
-            total, count = loss_sum(logits, batch["labels"], batch["loss_mask"], ps, model.config.vocab_size,
+            total, count = loss_sum(logits, batch.labels, batch.loss_mask, ps, model.config.vocab_size,
                                     dtype=torch.float64)
             sums += torch.stack([total, count])
     from_last_stage(all_reduce(sums, ps.dp_group), ps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable, Optional, cast
+from typing import Iterable, Optional, Union, cast
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,8 @@ from ..config import GPTConfig, stage_parts
 from ..parallel.context import TokenPositions
 from ..parallel.initialization import InitMethod, SelfInitializing, init_normal
 from ..parallel.layers import VocabParallelEmbedding, column_parallel_linear
-from ..parallel.loss import loss_sum, normalised_loss
+from ..data.batch import Batch
+from ..parallel.loss import LossNormalisation, LossTerms, loss_sum
 from ..parallel.mappings import copy_to_tp, reduce_scatter_to_sequence_parallel, sequence_sizes
 from ..parallel.random import TPRandom
 from ..parallel.rotary import rotary_angles
@@ -222,9 +223,10 @@ class GPT(DecoderBase):
     ``model(tokens, labels=labels)`` returns the mean loss (fp32) through the
     vocab-parallel cross-entropy (:func:`tnlg.parallel.loss.loss_sum`). ``labels`` are aligned with ``tokens``
     (``tokens = sample[:-1]``, ``labels = sample[1:]``); the model does not shift.
-    ``loss_mask`` (same shape, 0/1) excludes targets from the mean; ``loss_divisor`` divides the sum
-    instead of the micro batch's token count (the per-token normalisation,
-    :func:`tnlg.parallel.loss.per_token_divisor`). ``last_only``
+    ``loss_mask`` (same shape, 0/1) excludes targets from the mean. ``model(batch)`` (a
+    :class:`~tnlg.data.batch.Batch`) returns the batch's :class:`~tnlg.parallel.loss.LossTerms` (the sum, the
+    count and the layers' auxiliary terms), which the training step normalises
+    (:class:`~tnlg.parallel.loss.LossNormalisation`: per micro batch or per token). ``last_only``
     computes the logits of the last position only (generation).
 
     ``config.sequence_parallel`` (with TP > 1) splits the activations between the TP regions
@@ -259,10 +261,18 @@ class GPT(DecoderBase):
             if isinstance(m, SelfInitializing):
                 m.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+    def forward(self, tokens: Union[torch.Tensor, Batch], labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
-                last_only: bool = False, loss_divisor: Optional[torch.Tensor] = None):
+                last_only: bool = False):
+        batch = tokens if isinstance(tokens, Batch) else None
+        if batch is not None:  # a typed batch: its loss terms, normalised by the caller
+            if labels is not None or loss_mask is not None or position_ids is not None or \
+                    attention_mask is not None or kv_cache is not None or last_only:
+                raise ValueError("model(batch) takes everything from the Batch; give no other argument.")
+            tokens, labels, loss_mask = batch.tokens, batch.labels, batch.loss_mask
+            position_ids, attention_mask = batch.position_ids, batch.attention_mask
+        tokens = cast(torch.Tensor, tokens)
         if last_only and labels is not None:
             raise ValueError("last_only=True computes one position's logits; it cannot give a loss over labels.")
         logits, ctx = self.run(tokens, range(self.config.num_layers), position_ids=position_ids,
@@ -273,8 +283,8 @@ class GPT(DecoderBase):
             return ctx.batch_first(logits)
         # the loss is computed sequence-first, as the logits come
         mask = None if loss_mask is None else ctx.like_head(loss_mask)
-        total, count = loss_sum(logits, ctx.like_head(labels), mask, self.ps, self.config.vocab_size)
-        return normalised_loss(total, count, loss_divisor)
+        terms = LossTerms(*loss_sum(logits, ctx.like_head(labels), mask, self.ps, self.config.vocab_size), aux=ctx.aux)
+        return terms if batch is not None else LossNormalisation()(terms)
 
 
 @functools.lru_cache(maxsize=32)

@@ -19,7 +19,7 @@ the decoder hands them out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -36,13 +36,16 @@ class ForwardContext:
     ``attention_mask``: ``[b, s, kv]`` / ``[s, kv]`` (True = may attend), or with context parallelism the
     whole sequence's document ids ``[b, s]``, or ``None`` (causal); ``kv_cache``: the
     :class:`~tnlg.model.attention.KVCache` of incremental decoding, or ``None``; ``last_only``: the head
-    computes the last position's logits only."""
+    computes the last position's logits only; ``aux``: named auxiliary losses a layer adds during the forward
+    (a mixture of experts' balance loss, weighted by its coefficient), which the loss adds to the language
+    model's (:class:`tnlg.parallel.loss.LossTerms`)."""
 
     sp: Optional[tuple[int, ...]] = None
     rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     attention_mask: Optional[torch.Tensor] = None
     kv_cache: Optional[Any] = None
     last_only: bool = False
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def sequence_parallel(self) -> bool:

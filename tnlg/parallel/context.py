@@ -64,11 +64,13 @@ backward ``C - 1`` exchanges of the same and ``C`` of the fp32 dK/dV. None at ``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, cast
+from typing import Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..data.batch import Batch
 
 __all__ = ["chunk_positions", "split_for_context_parallel", "gather_from_context_parallel", "document_ids",
            "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_batch",
@@ -447,19 +449,17 @@ class TokenPositions:
 
 
 
-def context_parallel_batch(batch: dict, ps) -> dict:
+def context_parallel_batch(batch: Union[Batch, dict], ps) -> Batch:
     """This CP rank's part of a batch of whole samples (``[b, s]`` each): its two chunks of ``tokens``,
     ``labels``, ``loss_mask`` and ``position_ids`` (given ones, e.g. reset at documents; else the model
     takes the global positions), and for an ``attention_mask`` ``[b, s, s]`` the whole sequence's
     document ids ``[b, s]`` (:func:`document_ids`), which the ring takes. No communication."""
+    batch = Batch.of(batch)
     if ps.cp_size == 1:
         return batch
-    out = {}
-    for key, t in batch.items():
-        if key == "attention_mask":
-            out[key] = document_ids(t)
-        elif t.dim() >= 2:
-            out[key] = split_for_context_parallel(t, ps.cp_size, ps.cp_rank, dim=1)
-        else:
-            out[key] = t
-    return out
+
+    def part(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name == "attention_mask":
+            return document_ids(t)
+        return split_for_context_parallel(t, ps.cp_size, ps.cp_rank, dim=1) if t.dim() >= 2 else t
+    return batch.map(part)

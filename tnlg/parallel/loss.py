@@ -5,14 +5,14 @@ number of tokens counted)`` for a micro batch (the vocab-parallel cross-entropy,
 applied, and with context parallelism both summed over the CP group); the GPT's forward with
 ``labels``, the pipeline schedule's last stage, and evaluation all call it.
 
-:func:`normalised_loss` is the one choice of normalisation (docs/formulas.md, "Loss normalisation"):
+:class:`LossNormalisation` is the one choice of normalisation (docs/formulas.md, "Loss normalisation"):
 
 * **per micro batch** (Megatron's default; ``divisor=None``): ``sum / count``, the mean over the micro
   batch's counted tokens; the engine averages these means over the ``k`` micro batches and over DP;
 * **per token** (Megatron's ``--calculate-per-token-loss``): the whole global batch's sum divided by
   the number of tokens counted in it (``N``, over every micro batch and every DP, CP and PP rank).
-  The count is known from the loss masks before any forward (:func:`per_token_divisor`: one
-  all-reduce over DP x CP per step); each micro batch's loss is ``sum / (N / (k * dp))``, so that the
+  The count is known from the loss masks before any forward (:meth:`LossNormalisation.per_token`:
+  one all-reduce over DP x CP per step); each micro batch's loss is ``sum / (N / (k * dp))``, so that the
   engine's averaging (``1 / k`` over micro batches, ``1 / (dp * cp)`` over DP x CP, with each CP rank's
   gradient being ``cp`` times its local part, below) leaves the gradient of ``sum_all / N``, and the
   logged mean of the micro batches' values over ``k`` and DP is ``sum_all / N`` itself.
@@ -27,15 +27,18 @@ that of the whole sequence's loss (as Megatron scales by the CP size).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..data.batch import Batch
 from .state import ParallelState
 from .vocab import vocab_parallel_cross_entropy
 
-__all__ = ["loss_sum", "normalised_loss", "per_token_divisor", "tokens_counted"]
+__all__ = ["loss_sum", "LossTerms", "LossNormalisation"]
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ps: ParallelState,
@@ -59,29 +62,43 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[tor
     return scaled + (totals[0] - scaled).detach(), totals[1]
 
 
-def normalised_loss(total: torch.Tensor, count: torch.Tensor, divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The micro batch's loss to back-propagate and log: ``total / count`` (its mean over the counted
-    tokens; 0 when none is counted) with ``divisor`` ``None``, else ``total / divisor``
-    (:func:`per_token_divisor`: the per-token normalisation)."""
-    return total / (count.clamp(min=1.0) if divisor is None else divisor)
+class LossTerms(NamedTuple):
+    """What one micro batch's forward gives the loss: ``total`` (the sum of its token losses) and ``counted``
+    (the tokens counted), both fp32 scalars (:func:`loss_sum`), and ``aux``: named auxiliary losses the
+    model's layers added during the forward (:attr:`tnlg.model.forward.ForwardContext.aux`), each a
+    scalar already weighted by its coefficient, added to the language-model loss as they are. (A named
+    tuple, so wrappers that walk a module's outputs for tensors, DeepSpeed's ZeRO-3 hooks, see them.)"""
+
+    total: torch.Tensor
+    counted: torch.Tensor
+    aux: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
-def tokens_counted(batch: dict) -> torch.Tensor:
-    """The tokens a micro batch's loss counts (fp32 scalar): its loss mask's sum, else every label."""
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return torch.tensor(float(batch["labels"].numel()), device=batch["labels"].device)
-    return mask.to(torch.float32).sum()
+@dataclass(frozen=True)
+class LossNormalisation:
+    """The one choice of how a micro batch's :class:`LossTerms` become the loss to back-propagate and log
+    (module docstring): ``divisor`` ``None``: ``total / counted`` (its mean over the counted tokens; 0 when
+    none is counted), else ``total / divisor`` (the per-token normalisation, :meth:`per_token`); then plus
+    every auxiliary term. The training step makes one per iteration, and the same one serves the
+    micro batches with and without a pipeline."""
 
+    divisor: Optional[torch.Tensor] = None
 
-def per_token_divisor(batches: Iterable[dict], ps: ParallelState) -> torch.Tensor:
-    """``N / (k * dp)``: the per-token normalisation's divisor of each of this rank's ``k`` micro batches,
-    ``N`` the tokens counted in the whole global batch (at least 1). ``batches``: this rank's micro
-    batches of the step (this CP rank's chunks at CP > 1; every pipeline stage reads the same ones).
-    Collective: one all-reduce of the count over DP x CP (:meth:`ParallelState.for_gradients`'s group)."""
-    batches = list(batches)
-    count = torch.stack([tokens_counted(b) for b in batches]).sum()
-    group = ps.for_gradients().dp_group
-    if group is not None:
-        dist.all_reduce(count, group=group)
-    return count.clamp(min=1.0) / (len(batches) * ps.dp_size)
+    def __call__(self, terms: LossTerms) -> torch.Tensor:
+        loss = terms.total / (terms.counted.clamp(min=1.0) if self.divisor is None else self.divisor)
+        for value in terms.aux.values():
+            loss = loss + value
+        return loss
+
+    @classmethod
+    def per_token(cls, batches: Iterable[Batch], ps: ParallelState) -> "LossNormalisation":
+        """``N / (k * dp)`` as the divisor of each of this rank's ``k`` micro batches, ``N`` the tokens
+        counted in the whole global batch (at least 1). ``batches``: this rank's micro batches of the step
+        (this CP rank's chunks at CP > 1; every pipeline stage reads the same ones). Collective: one
+        all-reduce of the count over DP x CP (:meth:`ParallelState.for_gradients`'s group)."""
+        batches = list(batches)
+        count = torch.stack([b.tokens_counted() for b in batches]).sum()
+        group = ps.for_gradients().dp_group
+        if group is not None:
+            dist.all_reduce(count, group=group)
+        return cls(count.clamp(min=1.0) / (len(batches) * ps.dp_size))

@@ -35,13 +35,14 @@ FSDP2 modules the engine left in ``model.pipeline_chunks`` (:class:`tnlg.optim.f
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from .loss import loss_sum, normalised_loss
+from ..data.batch import Batch
+from .loss import LossNormalisation, LossTerms, loss_sum
 from .stage_progress import RecordedStage
 
 __all__ = ["Pipeline", "SCHEDULES", "tie_embedding_grads"]
@@ -88,30 +89,30 @@ class Pipeline:
             self.schedule = cls(stages[0], micro_batches, loss_fn=self._loss, scale_grads=False)
         self._factor = 1.0
         self._losses: list[torch.Tensor] = []
-        self._divisor: Optional[torch.Tensor] = None
+        self._normalisation = LossNormalisation()
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A micro batch's loss (``target``: labels and mask stacked) as the GPT's forward gives it
-        (:func:`~tnlg.parallel.loss.loss_sum`, normalised by :func:`~tnlg.parallel.loss.normalised_loss`),
-        times the engine's factor; the unscaled value is kept for :meth:`run`."""
+        """A micro batch's loss (``target``: labels and mask stacked): its :class:`~tnlg.parallel.loss.LossTerms`
+        (:func:`~tnlg.parallel.loss.loss_sum`) through the step's normalisation, as without a pipeline, times
+        the engine's factor; the unscaled value is kept for :meth:`run`."""
         labels, mask = target[:, 0], target[:, 1]
-        loss = normalised_loss(*loss_sum(logits, labels, mask, self.ps, self.model.config.vocab_size), self._divisor)
+        loss = self._normalisation(LossTerms(*loss_sum(logits, labels, mask, self.ps, self.model.config.vocab_size)))
         self._losses.append(loss.detach().float())
         return loss * self._factor
 
-    def run(self, batches: list[dict], factor: float, divisor: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Forward and backward of every micro batch (the loss multiplied by ``factor`` before backward;
-        ``divisor``: the per-token normalisation's, :func:`~tnlg.parallel.loss.per_token_divisor`);
-        the mean micro-batch loss on the last stage, ``None`` on the others."""
+    def run(self, batches: Sequence[Union[Batch, dict]], factor: float,
+            normalisation: LossNormalisation = LossNormalisation()) -> Optional[torch.Tensor]:
+        """Forward and backward of every micro batch (:class:`~tnlg.data.batch.Batch`; the loss multiplied by
+        ``factor`` before backward; ``normalisation``: the step's, per micro batch or per token); the mean
+        micro-batch loss on the last stage, ``None`` on the others."""
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} micro batches, got {len(batches)}.")
-        tokens = torch.cat([b["tokens"] for b in batches])
-        target = torch.cat([torch.stack([b["labels"], b["loss_mask"].long() if "loss_mask" in b
-                                         else torch.ones_like(b["labels"])], dim=1) for b in batches])
-        documents = {k: torch.cat([b[k] for b in batches]) for k in ("position_ids", "attention_mask")
-                     if k in batches[0]}
-        self._factor, self._losses, self._divisor = factor, [], divisor
-        self.schedule.step(tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
+        whole = Batch.cat([Batch.of(b) for b in batches])
+        target = torch.stack([whole.labels, whole.mask_or_ones().long()], dim=1)
+        documents = {k: v for k, v in (("position_ids", whole.position_ids), ("attention_mask", whole.attention_mask))
+                     if v is not None}
+        self._factor, self._losses, self._normalisation = factor, [], normalisation
+        self.schedule.step(whole.tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
         # the last m calls are the micro batches' (torch's first step also calls the loss once on a
         # stand-in output to learn the gradient's metadata)
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None

@@ -17,19 +17,19 @@ the loss (the last stage's mean over micro batches) is summed over the pipeline 
 rank reports the same loss as without a pipeline.
 
 ``--calculate-per-token-loss`` (Megatron's): each micro batch's loss is its sum divided by
-``N / (k * dp)``, ``N`` the global batch's counted tokens (:func:`tnlg.parallel.loss.per_token_divisor`),
+``N / (k * dp)``, ``N`` the global batch's counted tokens (:meth:`tnlg.parallel.loss.LossNormalisation.per_token`),
 so the same averaging over micro batches and DP yields ``sum / N`` as the loss and its gradient.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
-from ..data.sampler import collate
-from ..parallel.loss import per_token_divisor
+from ..data.batch import Batch
+from ..parallel.loss import LossNormalisation
 from ..parallel.mappings import all_reduce
 
 __all__ = ["TrainingDiverged", "autocast_to", "next_batch", "forward_loss", "train_step"]
@@ -40,10 +40,9 @@ class TrainingDiverged(RuntimeError):
     tnlg_status: Optional[int] = None
 
 
-def next_batch(dataset, sampler, device: torch.device) -> dict:
+def next_batch(dataset, sampler, device: torch.device) -> Batch:
     """The next micro batch of this rank (``sampler`` yields its sample indices), on ``device``."""
-    batch = collate([dataset[i] for i in next(sampler)])
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return Batch.collate([dataset[i] for i in next(sampler)]).to(device, non_blocking=True)
 
 
 def autocast_to(dtype: Optional[torch.dtype], device: torch.device):
@@ -51,17 +50,16 @@ def autocast_to(dtype: Optional[torch.dtype], device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def forward_loss(model, batch: dict, autocast: Optional[torch.dtype],
-                 divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The model's loss of the batch under autocast to ``autocast`` (None: fp32): the mean over its loss-mask
-    tokens, or with ``divisor`` (:func:`~tnlg.parallel.loss.per_token_divisor`) its sum divided by it."""
-    extra = {} if divisor is None else dict(loss_divisor=divisor)
-    with autocast_to(autocast, batch["tokens"].device):
-        return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask"),
-                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"), **extra)
+def forward_loss(model, batch: Union[Batch, dict], autocast: Optional[torch.dtype],
+                 normalisation: LossNormalisation = LossNormalisation()) -> torch.Tensor:
+    """The model's loss of the batch under autocast to ``autocast`` (None: fp32): its loss terms
+    (``model(batch)``) through ``normalisation`` (the mean over its loss-mask tokens, or per token)."""
+    batch = Batch.of(batch)
+    with autocast_to(autocast, batch.tokens.device):
+        return normalisation(model(batch))
 
 
-def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autocast: Optional[torch.dtype],
+def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: float, *, autocast: Optional[torch.dtype],
                ps, iteration: int, pipeline=None, per_token_loss: bool = False) -> tuple[float, dict]:
     """Train one iteration (number ``iteration``) on ``micro_batches``; return ``(loss, engine.step's info)``.
 
@@ -75,23 +73,24 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     first and last stage and one all-reduce of the loss over the pipeline group.
     """
     engine.zero_grad()
-    divisor, k = None, 0
+    batches: Iterable[Batch] = (Batch.of(b) for b in micro_batches)  # (read as the steps go, but per token)
+    normalisation, k = LossNormalisation(), 0
     if per_token_loss:  # (every micro batch's loss mask first: the global batch's token count)
-        micro_batches = list(micro_batches)
-        divisor, k = per_token_divisor(micro_batches, ps), len(micro_batches)
+        batches = list(batches)
+        normalisation, k = LossNormalisation.per_token(batches, ps), len(batches)
     if pipeline is None:
         losses = []
-        for batch in micro_batches:
-            loss = forward_loss(model, batch, autocast, divisor)
+        for batch in batches:
+            loss = forward_loss(model, batch, autocast, normalisation)
             engine.backward(loss)
             losses.append(loss.detach().float())
         mean = torch.stack(losses).mean().reshape(1)
     else:
-        mean = _pipeline_backward(pipeline, engine, list(micro_batches), ps, autocast, divisor)
+        mean = _pipeline_backward(pipeline, engine, list(batches), ps, autocast, normalisation)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
-    if divisor is not None:  # (computed before the forward: reading it now costs no wait)
-        info["counted_tokens"] = round(float(divisor) * k * ps.dp_size)
+    if normalisation.divisor is not None:  # (computed before the forward: reading it now costs no wait)
+        info["counted_tokens"] = round(float(normalisation.divisor) * k * ps.dp_size)
     loss = info.pop("loss")
     if not math.isfinite(loss):
         raise TrainingDiverged(f"the training loss is {loss} at iteration {iteration}; stopping without "
@@ -100,19 +99,18 @@ def train_step(model, engine, micro_batches: Iterable[dict], lr: float, *, autoc
     return loss, info
 
 
-def _pipeline_backward(pipeline, engine, batches: list[dict], ps, autocast: Optional[torch.dtype],
-                       divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _pipeline_backward(pipeline, engine, batches: list[Batch], ps, autocast: Optional[torch.dtype],
+                       normalisation: LossNormalisation = LossNormalisation()) -> torch.Tensor:
     """Every micro batch through the pipeline's schedule under autocast to ``autocast`` (the stages'
     forward as without a pipeline: the activations sent between stages come out in the training
-    dtype); the mean micro-batch loss on every stage."""
+    dtype), each micro batch's loss through ``normalisation``; the mean micro-batch loss on every stage."""
     # (imported here: torch's pipelining imports torch._dynamo, 1.3 CPU-s a process without a pipeline skips)
     from ..parallel.pipeline_schedule import tie_embedding_grads
     out: list = [None]
 
     def run(factor: float) -> None:
         with autocast_to(autocast, ps.device):
-            extra = () if divisor is None else (divisor,)  # (the per-token normalisation's divisor)
-            out[0] = pipeline.run(batches, factor, *extra)
+            out[0] = pipeline.run(batches, factor, normalisation)
         tie_embedding_grads(pipeline.model, engine.grad_view)
     engine.backward_all(run)
     mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)
