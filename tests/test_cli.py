@@ -188,10 +188,10 @@ def test_help_describes_each_command_as_the_readmes_capabilities_table():
 def test_convert_help_names_every_hugging_face_class_it_reads_and_writes(capsys):
     """``tnlg convert --help`` names each Hugging Face class the interop reads and writes (it said GPT-2 only,
     while Llama and Qwen2 folders convert both ways)."""
-    from tnlg.interop.hf_mapping import CLASSES as _CLASSES
+    from tnlg.interop.families import FAMILIES
     with pytest.raises(SystemExit):
         main(["convert", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for cls in _CLASSES.values():
-        assert cls in out, cls
+    for family in FAMILIES.values():
+        assert family.model_class in out, family.model_class
     assert "Hugging Face GPT-2 folders" not in out

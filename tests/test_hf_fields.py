@@ -10,7 +10,8 @@ import json
 import pytest
 
 from tnlg.errors import UserError
-from tnlg.interop.hf_fields import HONOURED, IGNORED, REFUSED, check_fields
+from tnlg.interop.families import FAMILIES
+from tnlg.interop.hf_fields import check_fields
 
 from .hf_reference import random_gpt2
 from .llama_reference import random_llama
@@ -18,6 +19,17 @@ from .llama_reference import random_llama
 transformers = pytest.importorskip("transformers")
 CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
            "qwen3": "Qwen3Config"}
+
+
+def test_the_registry_names_transformers_own_classes_of_each_model_type():
+    """Each family's config and model classes are the ones transformers' Auto classes pick for its
+    model_type, and every family tnlg reads is listed here."""
+    assert set(FAMILIES) == set(CONFIGS)
+    for model_type, family in FAMILIES.items():
+        config = transformers.AutoConfig.for_model(model_type)
+        assert type(config).__name__ == family.config_class == CONFIGS[model_type]
+        model_cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        assert model_cls.__name__ == family.model_class, model_type
 
 
 def _declared(kind: str) -> set:
@@ -29,12 +41,13 @@ def _declared(kind: str) -> set:
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_every_declared_field_is_in_exactly_one_list(kind):
-    lists = {"honoured": HONOURED[kind], "ignored": IGNORED[kind], "refused": REFUSED[kind]}
+    family = FAMILIES[kind]
+    lists = {"honoured": family.honoured, "ignored": family.ignored, "refused": family.refused}
     unlisted = sorted(f for f in _declared(kind) if not any(f in fields for fields in lists.values()))
     assert not unlisted, f"{CONFIGS[kind]} fields in no list (docs/hf.md): {unlisted}"
     twice = sorted(f for f in _declared(kind) if sum(f in fields for fields in lists.values()) > 1)
     assert not twice, twice
-    assert all(isinstance(why, str) and why for why in IGNORED[kind].values())
+    assert all(isinstance(why, str) and why for why in family.ignored.values())
 
 
 SMALL = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
@@ -54,10 +67,10 @@ def _config(kind, **fields):
 
 @pytest.mark.parametrize("kind,field,value", REFUSED_VALUES)
 def test_a_refused_field_is_accepted_at_its_default_and_refused_by_name_otherwise(kind, field, value):
-    assert set(f for k, f, _ in REFUSED_VALUES if k == kind) >= set(REFUSED[kind])
-    check_fields(_config(kind), kind, "the model")
+    assert set(f for k, f, _ in REFUSED_VALUES if k == kind) >= set(FAMILIES[kind].refused)
+    check_fields(_config(kind), FAMILIES[kind], "the model")
     with pytest.raises(UserError) as err:
-        check_fields(_config(kind, **{field: value}), kind, "the model")
+        check_fields(_config(kind, **{field: value}), FAMILIES[kind], "the model")
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
@@ -76,6 +89,34 @@ def test_a_round_trip_writes_back_every_honoured_field(tmp_path, kind, n_inner):
     hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "ck"))
     checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "out"), with_tokenizer=False)
     before, after = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("in", "out"))
-    read = sorted(f for f in HONOURED[kind] if f in before)
+    read = sorted(f for f in FAMILIES[kind].honoured if f in before)
     assert len(read) >= 11
     assert {f: after.get(f) for f in read} == {f: before[f] for f in read}
+
+
+def test_a_mistral_without_a_window_comes_back_as_mistral_through_tnlg_convert(tmp_path):
+    """A Mistral folder without a sliding window (Mistral-7B-v0.3's config: sliding_window null) computes what a
+    Llama does; converted to a tnlg checkpoint and back with ``tnlg convert`` it is still a Mistral:
+    config.json's model_type, architectures and every honoured field as they were, and transformers' logits of
+    the exported folder equal to the original model's."""
+    import torch
+    from tnlg.cli import main
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**SMALL, sliding_window=None, rms_norm_eps=1e-6, rope_theta=1e6,
+                                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "in")
+    assert main(["convert", "--from", "hf", str(tmp_path / "in"), "--to", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--from", str(tmp_path / "ck"), "--to", "hf", str(tmp_path / "out"),
+                 "--no-tokenizer"]) == 0
+    before, after = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("in", "out"))
+    assert before["model_type"] == after["model_type"] == "mistral"
+    assert before["architectures"] == after["architectures"] == ["MistralForCausalLM"]
+    read = sorted(f for f in FAMILIES["mistral"].honoured if f in before)
+    assert "sliding_window" in read and "head_dim" in read
+    assert {f: after.get(f) for f in read} == {f: before[f] for f in read}
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "MistralForCausalLM"
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)

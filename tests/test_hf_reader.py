@@ -159,6 +159,38 @@ def test_the_window_does_change_transformers_logits(folders, tmp_path):
     assert (_reference_logits(folder, tokens) - full).abs().max() > 1e-3
 
 
+# ----------------------------------------------------------------------------- rope's pretraining length
+
+# rope_parameters whose original_max_position_embeddings (16) a top-level one (64) overrides, or not (linear)
+TOP_LEVEL_ROPES = {
+    "yarn": (dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16), True),
+    "llama3": (dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16), True),
+    "linear": (dict(rope_type="linear", rope_theta=1e4, factor=4.0), False),
+}
+
+
+@pytest.mark.parametrize("rope", list(TOP_LEVEL_ROPES))
+def test_a_top_level_original_max_position_embeddings_is_read_as_transformers_reads_it(folders, tmp_path, rope):
+    """``config.json``'s top-level ``original_max_position_embeddings`` beside a yarn or llama3 rope (where
+    Phi-3-style configs keep the pretraining length) is what transformers' rope computes with, before the one
+    inside ``rope_parameters``; tnlg loads the folder, and the model object, with transformers' logits. Beside
+    a linear rope, which reads no such length, it changes nothing in either."""
+    from tnlg.interop.hf import from_hf
+    parameters, applies = TOP_LEVEL_ROPES[rope]
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    inner = _copy(folders, "llama", tmp_path, "inner")
+    _edit_config(inner, rope_parameters=parameters)
+    folder = _copy(folders, "llama", tmp_path)
+    _edit_config(folder, rope_parameters=parameters, original_max_position_embeddings=64)
+    want = _reference_logits(folder, tokens)
+    assert ((want - _reference_logits(inner, tokens)).abs().max() > 1e-3) == applies  # not inert where it applies
+    torch.testing.assert_close(_tnlg_logits(folder, tokens), want, rtol=1e-5, atol=1e-5)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(hf)(tokens)[..., :100], want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- refused by name
 
 def test_fields_that_change_the_model_are_refused_by_name(folders, tmp_path, capsys):

@@ -1,12 +1,13 @@
 """Other frameworks' checkpoints: :mod:`tnlg.interop.megatron` (Megatron-LM, both ways). Hugging Face
-GPT-2, Llama, Qwen2, Mistral and Qwen3: :mod:`tnlg.interop.hf` (models and folders), :mod:`tnlg.interop.hf_reader` (reading a
+GPT-2, Llama, Qwen2, Mistral and Qwen3 (one entry each in :mod:`tnlg.interop.families`, what every other
+module here derives from): :mod:`tnlg.interop.hf` (models and folders), :mod:`tnlg.interop.hf_reader` (reading a
 folder: exactly transformers' model, or one paragraph), :mod:`tnlg.interop.hf_files` (its weight files),
 :mod:`tnlg.interop.hf_fields` (every config field's list), :mod:`tnlg.interop.hf_mapping` and
 :mod:`tnlg.interop.hf_llama` (configs and state dicts)."""
 
 import importlib
 
-_PARTS = ("hf", "hf_checkpoint", "hf_fields", "hf_files", "hf_llama", "hf_mapping", "hf_reader", "megatron")
+_PARTS = ("families", "hf", "hf_checkpoint", "hf_fields", "hf_files", "hf_llama", "hf_mapping", "hf_reader", "megatron")
 
 
 def __getattr__(name: str):

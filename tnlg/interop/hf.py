@@ -1,5 +1,6 @@
-"""Hugging Face interop: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` models and
-folders <-> tnlg models. Folders are read by :mod:`tnlg.interop.hf_reader` (exactly the model transformers
+"""Hugging Face interop: models and folders of the families of :mod:`tnlg.interop.families`
+(``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``)
+<-> tnlg models. Folders are read by :mod:`tnlg.interop.hf_reader` (exactly the model transformers
 computes, or one paragraph); configs and state dicts are mapped by :mod:`tnlg.interop.hf_mapping` (GPT-2)
 and :mod:`tnlg.interop.hf_llama` (re-exported here). No network access: give a model object or a local
 folder.
@@ -29,12 +30,11 @@ from ..io import fsync_dir, give_umask_mode, temporary_name
 from ..model.inference import inference_model
 from ..parallel.sharding import full_state_dict, load_full_state_dict
 from ..parallel.state import ParallelState
-from .hf_llama import hf_kind
-from .hf_mapping import (CLASSES, check_model_type, config_from_hf, hf_config_from, hf_to_tnlg_state_dict,
-                         tnlg_to_hf_state_dict)
+from .families import family_named, family_of
+from .hf_mapping import config_from_hf, hf_config_from, hf_to_tnlg_state_dict, tnlg_to_hf_state_dict
 from .hf_reader import read_hf_folder
 
-__all__ = ["from_hf", "to_hf", "config_from_hf", "check_model_type", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
+__all__ = ["from_hf", "to_hf", "config_from_hf", "hf_config_from", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict",
            "build_hf_model", "write_hf_folder"]
 
 def _hf_model_state(model) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -42,7 +42,7 @@ def _hf_model_state(model) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     folder's is); an ``lm_head`` unlike the embedding is read untied, whatever the config says."""
     cfg = config_from_hf(model.config)
     sd = model.state_dict()
-    embed = "transformer.wte.weight" if hf_kind(cfg) == "gpt2" else "model.embed_tokens.weight"
+    embed = family_named(model.config.model_type, "the model").embedding
     if (not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in sd
             and not torch.equal(sd["lm_head.weight"], sd[embed])):
         cfg = config_from_hf(model.config, untie_embeddings_and_output_weights=True)
@@ -50,8 +50,8 @@ def _hf_model_state(model) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
 
 
 def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
-    """A TP-sharded :class:`tnlg.GPT` with the weights of a ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
-    ``Qwen2ForCausalLM`` object or ``save_pretrained`` folder (read by :func:`tnlg.interop.hf_reader.read_hf_folder`:
+    """A TP-sharded :class:`tnlg.GPT` with the weights of a model object or ``save_pretrained`` folder of a
+    family tnlg reads (:data:`~.families.FAMILIES`) (read by :func:`tnlg.interop.hf_reader.read_hf_folder`:
     exactly the model transformers computes from it, or one paragraph); ``overrides``: other
     :class:`~tnlg.config.GPTConfig` fields (how it runs). At ``ps.pp_size > 1`` this pipeline stage's
     :class:`~tnlg.model.stage.StageModel` (its layers, by the GPT's names). Each rank keeps its
@@ -70,24 +70,26 @@ def from_hf(model_or_dir, ps: Optional[ParallelState] = None, **overrides):
     return model
 
 
-def build_hf_model(full: dict, cfg: GPTConfig, eod_id: Optional[int] = None, where: str = "the model"):
-    """The Hugging Face model of ``cfg``'s class (``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
-    ``Qwen2ForCausalLM``) holding the tnlg full state dict ``full``."""
+def build_hf_model(full: dict, cfg: GPTConfig, eod_id: Optional[int] = None, where: str = "the model",
+                   family: Optional[str] = None):
+    """The Hugging Face model of ``cfg``'s class holding the tnlg full state dict ``full``: the class of the
+    family ``family`` (a ``model_type``: the one a checkpoint was converted from) where it computes ``cfg``,
+    else the first family's that does (:func:`~.families.family_of`)."""
     import transformers
-    kind = hf_kind(cfg)
-    hf = getattr(transformers, CLASSES[kind])(hf_config_from(cfg, eod_id))
+    chosen = family_of(cfg, family)
+    hf = getattr(transformers, chosen.model_class)(hf_config_from(cfg, eod_id, chosen))
     missing, unexpected = hf.load_state_dict(tnlg_to_hf_state_dict(full, cfg), strict=False)
     missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))]
-    if kind != "gpt2" and not cfg.untie_embeddings_and_output_weights:
+    if chosen.layout == "llama" and not cfg.untie_embeddings_and_output_weights:
         missing = [m for m in missing if m != "lm_head.weight"]  # tied: the embedding
     if missing or unexpected:
-        raise UserError(f"{where} does not map onto {CLASSES[kind]}: missing {missing[:4]}, unexpected "
+        raise UserError(f"{where} does not map onto {chosen.model_class}: missing {missing[:4]}, unexpected "
                         f"{unexpected[:4]}.")
     return hf
 
 
 def to_hf(model, out_dir: Optional[str] = None, tokenizer=None):
-    """Gather a tnlg model into a ``GPT2LMHeadModel`` (collective over TP); optionally write it
+    """Gather a tnlg model into a Hugging Face model of its class (:func:`build_hf_model`; collective over TP); optionally write it
     to the new folder ``out_dir`` from the first rank only (:func:`write_hf_folder`: safetensors,
     and the tokenizer files when ``tokenizer`` is given - a :class:`tnlg.data.tokenizer.Tokenizer`
     or anything :func:`~tnlg.data.tokenizer.load_tokenizer` takes). An ``out_dir`` that exists

@@ -1,11 +1,20 @@
 """Hugging Face GPT-2, Llama, Qwen2, Mistral and Qwen3 folders <-> tnlg checkpoints, offline (``tnlg convert --from hf`` / ``--to hf``):
 the weights mapped by :mod:`tnlg.interop.hf`, the tokenizer by :mod:`tnlg.data.hf_tokenizer`. No
-collectives; one process."""
+collectives; one process.
+
+The family a folder was read as is part of the architecture transformers sees but not of tnlg's
+(a Mistral without a window computes what a Llama does), so a converted checkpoint records it beside the
+source's path: the manifest's ``converted_from`` is ``{"hf": PATH, "model_type": TYPE}``. Exporting that
+checkpoint writes the recorded family's class where it computes the model, so config.json's
+``model_type`` and ``architectures`` come back as they were read (a checkpoint saved by training or
+resharded since records where it came from instead, and gets the class the architecture picks).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from typing import Optional
 
 import torch
 
@@ -25,12 +34,13 @@ __all__ = ["hf_to_checkpoint", "checkpoint_to_hf"]
 
 
 def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int = 1) -> str:
-    """A ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` folder -> a tnlg checkpoint
+    """A Hugging Face folder of a family tnlg reads -> a tnlg checkpoint
     (iteration 0, weights only) at TP ``tp_size``; the folder is read by
     :func:`tnlg.interop.hf_reader.open_hf_folder` (exactly what transformers computes, or one paragraph).
     Each rank's shard of each tensor is built when written, from only the Hugging Face tensors it is made
     of, and let go: the process holds about one full tnlg tensor and its shard at a time, never the model."""
     cfg, tensors = open_hf_folder(hf_dir)  # every check before anything is written
+    source = dict(hf=os.path.abspath(hf_dir), model_type=tensors.found.family.model_type)
     tok = None
     if tokenizer_model:
         tok = load_tokenizer(tokenizer_model)
@@ -40,7 +50,7 @@ def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int =
     manifest = Manifest(format=FORMAT, iteration=0, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
                         tokenizer=None if tok is None else tok.describe(),
                         layout=Layout(param_dtype=str(TNLG_DTYPE).replace("torch.", "")), optimizer=OptimizerState(),
-                        schedule=None, converted_from=dict(hf=os.path.abspath(hf_dir)), torch=torch.__version__,
+                        schedule=None, converted_from=source, torch=torch.__version__,
                         key_order=CONVERTED_KEYS)
 
     def shard(r, names):
@@ -67,7 +77,8 @@ class _Shard(Mapping):
 
 
 def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenizer: bool = True) -> str:
-    """A tnlg checkpoint -> a new Hugging Face GPT-2 folder (safetensors), written atomically
+    """A tnlg checkpoint -> a new Hugging Face folder (safetensors) of the class the checkpoint's source family
+    or else its architecture picks (module docstring), written atomically
     (:func:`tnlg.interop.hf.write_hf_folder`). With ``with_tokenizer``, the tokenizer ``tokenizer_model``,
     else the checkpoint's recorded one (if any), rides along as ``tokenizer.json`` & co., and its
     end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
@@ -76,8 +87,17 @@ def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenize
     files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
     reader = ShardReader(iter_dir, manifest, F.model_file)
     full = {n: reader.tensor(n, n, t) for n, t in full_targets(manifest).items()}
-    hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}")
+    hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}",
+                        family=_source_family(manifest))
     return write_hf_folder(hf, hf_dir, files)
+
+
+def _source_family(manifest: Manifest) -> Optional[str]:
+    """The ``model_type`` of the Hugging Face folder a checkpoint was converted from, where its manifest records
+    one (a value this tnlg does not know is no family: the architecture picks)."""
+    source = manifest.converted_from or {}
+    family = source.get("model_type") if "hf" in source else None
+    return family if isinstance(family, str) else None
 
 
 def _export_tokenizer(manifest: Manifest, cfg: GPTConfig, tokenizer_model=None):

@@ -17,62 +17,28 @@ rotate-half with ``rope_theta``, scaled by ``rope_parameters``' ``rope_type`` (`
 ``head_dim`` (as Llama's and Qwen2's) is tnlg's ``kv_channels``. ``Qwen3ForCausalLM`` adds ``q_norm`` /
 ``k_norm`` (``attn.q_norm.weight`` / ``attn.k_norm.weight``: ``qk_layernorm``) and, like Qwen2, a window
 on the layers ``layer_types`` marks ``sliding_attention`` (tnlg's ``window_layers``; transformers sets
-the window only with ``use_sliding_window``).
+the window only with ``use_sliding_window``). What each class fixes is its entry's in :mod:`.families`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from .families import FAMILIES, Family
 
-__all__ = ["LLAMA_TYPES", "ROPE_KEYS", "rope_parameters_of", "hf_kind", "config_from_llama", "llama_config_from",
+__all__ = ["ROPE_KEYS", "rope_parameters_in", "rope_parameters_of", "rope_type_of", "config_from_llama", "llama_config_from",
            "llama_recipes", "tnlg_to_llama"]
 
-LLAMA_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
           "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight",
           "self_attn.o_proj.bias": "attn.c_proj.bias", "mlp.down_proj.bias": "mlp.c_proj.bias",
           "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight"}
-
-
-def hf_kind(cfg: GPTConfig) -> str:
-    """The Hugging Face ``model_type`` whose class is this architecture: ``gpt2``, ``llama``, ``qwen2``
-    (QKV biases), ``qwen3`` (QK norm) or ``mistral`` (a sliding window on every layer); a :class:`UserError`
-    for a mix that none of them is."""
-    plain = cfg.kv_channels is None and not cfg.qk_layernorm and cfg.sliding_window is None
-    gpt2 = (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
-            and not cfg.swiglu and cfg.add_bias_linear and cfg.kv_groups == cfg.num_attention_heads)
-    if gpt2 and plain:
-        return "gpt2"
-    gpt2_only = not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx
-    llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
-             and cfg.rotary_percent == 1.0 and not gpt2_only)
-    every_layer = cfg.window_layers is None or all(cfg.window_layers)
-    biased = cfg.attn_out_bias or cfg.mlp_biases  # a Llama's attention_bias / mlp_bias (Llama's class alone)
-    if llama and cfg.qk_layernorm and not cfg.add_qkv_bias and not biased:
-        return "qwen3"
-    if llama and not cfg.qk_layernorm and cfg.add_qkv_bias and not biased:
-        return "qwen2"
-    if llama and not cfg.qk_layernorm and (cfg.sliding_window is None or (every_layer and not biased)):
-        return "llama" if cfg.sliding_window is None else "mistral"
-    raise UserError("this model has no Hugging Face class: GPT2LMHeadModel is learned positions, LayerNorm, GELU, "
-                    "full multi-head attention and biases; LlamaForCausalLM is rope over whole heads, RMSNorm, "
-                    "SwiGLU, no biases or attention_bias / mlp_bias, attention scaled by 1/sqrt(head_dim) "
-                    "(Qwen2ForCausalLM: QKV biases alone; Qwen3ForCausalLM: QK norm; MistralForCausalLM: a sliding "
-                    "window on every layer; per-layer windows: Qwen2's or Qwen3's); this one is "
-                    f"position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
-                    f"swiglu={cfg.swiglu}, add_bias_linear={cfg.add_bias_linear}, add_qkv_bias={cfg.add_qkv_bias}, "
-                    f"add_attn_bias={cfg.add_attn_bias}, add_mlp_bias={cfg.add_mlp_bias}, "
-                    f"qk_layernorm={cfg.qk_layernorm}, rotary_percent={cfg.rotary_percent}, "
-                    f"kv_channels={cfg.kv_channels}, sliding_window={cfg.sliding_window}, "
-                    f"window_layers={cfg.window_layers}, scale_attn_weights={cfg.scale_attn_weights}, "
-                    f"scale_attn_by_inverse_layer_idx={cfg.scale_attn_by_inverse_layer_idx}. Nothing was written.")
 
 
 # transformers' rope_parameters key -> GPTConfig field, per rope_type (what its ROPE_INIT_FUNCTIONS read)
@@ -86,12 +52,36 @@ ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"}, "dynamic": {"factor": 
                       "truncate": "rope_truncate"}}
 
 
-def _rope_fields(hf_config) -> dict:
-    """GPTConfig's rope fields of ``rope_parameters`` (the type checked by :mod:`.hf_fields`). Values
-    transformers reads as ``x or default`` (yarn's betas) take the default; yarn without a factor gets
-    ``max_position_embeddings / original_max_position_embeddings``, as transformers computes it."""
+# the rope types whose pretraining length transformers takes from a top-level original_max_position_embeddings
+# before rope_parameters' own (longrope's too, which tnlg refuses)
+_TOP_LEVEL_ORIGINAL = ("llama3", "yarn", "longrope")
+
+
+def rope_type_of(rope) -> Any:
+    """The ``rope_type`` of a ``rope_parameters`` dict (its old key ``type``; ``default`` when it sets none)."""
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+
+
+def rope_parameters_in(hf_config) -> Any:
+    """The rope parameters transformers' rope computes with for the config object ``hf_config``: its
+    ``rope_parameters`` (or ``rope_scaling``, the old name), with a yarn or llama3 rope's
+    ``original_max_position_embeddings`` taken from the config's top level when it has one there. Every
+    function of ``ROPE_INIT_FUNCTIONS`` first calls ``standardize_rope_params``, which gives that top-level
+    attribute priority over the one inside (a Phi-3-style ``config.json`` keeps the pretraining length
+    there); a key ``config.json`` holds that its class does not declare becomes such an attribute."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type_of(rope) in _TOP_LEVEL_ORIGINAL and hasattr(hf_config, "original_max_position_embeddings"):
+        rope = dict(rope, original_max_position_embeddings=hf_config.original_max_position_embeddings)
+    return rope
+
+
+def _rope_fields(hf_config) -> dict:
+    """GPTConfig's rope fields of the rope parameters transformers computes with (:func:`rope_parameters_in`;
+    the type checked by :mod:`.hf_fields`). Values transformers reads as ``x or default`` (yarn's betas) take
+    the default; yarn without a factor gets ``max_position_embeddings / original_max_position_embeddings``,
+    as transformers computes it."""
+    rope = rope_parameters_in(hf_config)
+    kind = rope_type_of(rope)
     out: dict = dict(rotary_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))))
     if kind in (None, "default"):
         return out
@@ -124,41 +114,42 @@ def rope_parameters_of(cfg: GPTConfig) -> dict:
     return out
 
 
-def config_from_llama(hf_config, **overrides) -> GPTConfig:
-    """The :class:`GPTConfig` of a ``LlamaConfig`` / ``Qwen2Config``."""
+def config_from_llama(hf_config, family: Family, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a config of a Llama-layout ``family`` (what its class fixes: Qwen2's QKV
+    biases, Qwen3's QK norm, Llama's own ``attention_bias`` / ``mlp_bias``, where the window applies)."""
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"the Hugging Face {hf_config.model_type} config has hidden_act "
                         f"{getattr(hf_config, 'hidden_act', None)!r}; tnlg's SwiGLU is silu. Nothing was written.")
-    llama = hf_config.model_type == "llama"  # (Qwen2 and Mistral never read attention_bias or mlp_bias; Qwen3's
-    # attention_bias is refused by .hf_fields)
-    attn_bias = llama and getattr(hf_config, "attention_bias", False) is True
-    mlp_bias = llama and getattr(hf_config, "mlp_bias", False) is True
+    # (the classes without linear_biases never read attention_bias or mlp_bias; Qwen3's attention_bias is
+    # refused by .hf_fields)
+    attn_bias = family.linear_biases and getattr(hf_config, "attention_bias", False) is True
+    mlp_bias = family.linear_biases and getattr(hf_config, "mlp_bias", False) is True
     every = attn_bias and mlp_bias  # biases on every linear layer: Megatron's add_bias_linear
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
                   seq_length=hf_config.max_position_embeddings, vocab_size=hf_config.vocab_size,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=float(hf_config.rms_norm_eps),
                   init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
                   position_embedding_type="rope", normalization="RMSNorm", **_rope_fields(hf_config),
-                  swiglu=True, add_bias_linear=every, add_qkv_bias=hf_config.model_type == "qwen2", add_attn_bias=attn_bias and not every,
+                  swiglu=True, add_bias_linear=every, add_qkv_bias=family.qkv_bias, add_attn_bias=attn_bias and not every,
                   add_mlp_bias=mlp_bias and not every,
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
                   attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  kv_channels=head_dim, qk_layernorm=hf_config.model_type == "qwen3", **_window(hf_config))
+                  kv_channels=head_dim, qk_layernorm=family.qk_norm, **_window(hf_config, family))
     fields.update(overrides)
     return GPTConfig(**fields)
 
 
-def _window(hf_config) -> dict:
+def _window(hf_config, family: Family) -> dict:
     """tnlg's ``sliding_window`` and ``window_layers`` of a config: Mistral's window on every layer; Qwen2's
     and Qwen3's on the layers ``layer_types`` marks ``sliding_attention`` (the window transformers keeps only
-    with ``use_sliding_window``; a sliding layer without one is refused by the field checks)."""
+    with ``use_sliding_window``; a sliding layer without one is refused by the field checks); none for Llama."""
     window = getattr(hf_config, "sliding_window", None)
-    if hf_config.model_type == "mistral" or window is None:
-        return dict(sliding_window=window if hf_config.model_type == "mistral" else None)
+    if family.window != "layer_types" or window is None:
+        return dict(sliding_window=window if family.window == "every_layer" else None)
     kinds = list(getattr(hf_config, "layer_types", None) or [])
     layers = [1 if k == "sliding_attention" else 0 for k in kinds]
     if not any(layers):
@@ -166,9 +157,11 @@ def _window(hf_config) -> dict:
     return dict(sliding_window=window, window_layers=None if all(layers) else layers)
 
 
-def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
-    """The ``LlamaConfig`` / ``Qwen2Config`` of ``cfg`` (``kind``: :func:`hf_kind`)."""
+def llama_config_from(cfg: GPTConfig, family: Union[Family, str], eod_id: Optional[int] = None):
+    """transformers' config of ``cfg`` in the class of the Llama-layout ``family`` (an entry of
+    :data:`~.families.FAMILIES`, or its ``model_type``)."""
     import transformers
+    family = FAMILIES[family] if isinstance(family, str) else family
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -177,18 +170,17 @@ def llama_config_from(cfg: GPTConfig, kind: str, eod_id: Optional[int] = None):
         tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
         bos_token_id=eod_id, eos_token_id=eod_id)
-    if cfg.kv_channels is not None or kind != "qwen2":  # (Qwen2 reads an undeclared head_dim by getattr)
+    if cfg.kv_channels is not None or "head_dim" not in family.undeclared:  # (an undeclared one is read by getattr)
         common.update(head_dim=cfg.head_dim)
-    if kind in ("qwen2", "qwen3"):
+    if family.linear_biases:
+        common.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_biases)
+    if family.window == "layer_types":
         kinds = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.num_layers)]
-        window: dict[str, Any] = dict(use_sliding_window=cfg.sliding_window is not None,
-                                      sliding_window=cfg.sliding_window, layer_types=kinds)
-        if kind == "qwen2":
-            return transformers.Qwen2Config(**window, **common)
-        return transformers.Qwen3Config(attention_bias=False, **window, **common)
-    if kind == "mistral":
-        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **common)
-    return transformers.LlamaConfig(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_biases, **common)
+        common.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                      layer_types=kinds)
+    elif family.window == "every_layer":
+        common.update(sliding_window=cfg.sliding_window)
+    return getattr(transformers, family.config_class)(**common)
 
 
 def _per_head(q, k, v, heads: int) -> torch.Tensor:

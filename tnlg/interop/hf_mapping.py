@@ -1,6 +1,8 @@
-"""Hugging Face configs and state dicts <-> tnlg's: ``GPT2LMHeadModel`` here, ``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` in :mod:`tnlg.interop.hf_llama`. ``config.json``'s ``model_type`` picks the class read
-(:func:`check_model_type`); the architecture picks the class written (:func:`~.hf_llama.hf_kind`).
+"""Hugging Face configs and state dicts <-> tnlg's: ``GPT2LMHeadModel`` here, the Llama layout
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``) in
+:mod:`tnlg.interop.hf_llama`; each family's entry of :mod:`tnlg.interop.families` says which. ``config.json``'s
+``model_type`` picks the class read (:func:`~.families.family_named`); the architecture (and the family a
+checkpoint records) picks the class written (:func:`~.families.family_of`).
 
 GPT-2 stores linear weights as ``Conv1D`` (``[in, out]``, transposed) and its fused QKV as ``[q | k | v]``
 over all heads, where tnlg lays QKV out per head (``[head][q, k, v][head_dim]``) so a contiguous TP split
@@ -17,39 +19,26 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from .families import Family, family_named, family_of
 from .hf_fields import check_fields
-from .hf_llama import (LLAMA_TYPES, config_from_llama, hf_kind, llama_config_from, llama_recipes,
-                       tnlg_to_llama)
+from .hf_llama import config_from_llama, llama_config_from, llama_recipes, tnlg_to_llama
 
-__all__ = ["CLASSES", "TNLG_DTYPE", "Recipe", "check_model_type", "config_from_hf", "hf_config_from", "tnlg_recipes",
-           "build_tensor", "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict"]
+__all__ = ["TNLG_DTYPE", "Recipe", "config_from_hf", "hf_config_from", "tnlg_recipes", "build_tensor",
+           "hf_to_tnlg_state_dict", "tnlg_to_hf_state_dict"]
 
 _TANH_GELU, _EXACT_GELU = ("gelu_new", "gelu_pytorch_tanh"), ("gelu",)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 TNLG_DTYPE = torch.float32  # every tensor a Hugging Face model converts to (a bf16 folder's too)
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def check_model_type(model_type, where: str) -> str:
-    """``model_type`` when tnlg reads it (``gpt2``, ``llama``, ``qwen2``), else one :class:`UserError`."""
-    if not isinstance(model_type, str) or model_type not in CLASSES:
-        raise UserError(f"{where} is a Hugging Face {model_type!r} model (config.json's model_type); tnlg reads "
-                        "and writes GPT2LMHeadModel (model_type 'gpt2'), LlamaForCausalLM ('llama'), "
-                        "Qwen2ForCausalLM ('qwen2', Llama with QKV biases), MistralForCausalLM ('mistral', Llama "
-                        "with a sliding window) and Qwen3ForCausalLM ('qwen3', Llama with QK norm) folders. "
-                        "Nothing was loaded or written.")
-    return model_type
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """The :class:`GPTConfig` of a GPT-2, Llama, Qwen2, Mistral or Qwen3 config (``model_type`` picks)."""
-    kind = check_model_type(getattr(hf_config, "model_type", None), "the model")
-    check_fields(hf_config, kind, "the Hugging Face model")
-    if kind in LLAMA_TYPES:
-        return config_from_llama(hf_config, **overrides)
+    """The :class:`GPTConfig` of a config of a family tnlg reads (``model_type`` picks: :data:`~.families.FAMILIES`)."""
+    family = family_named(getattr(hf_config, "model_type", None), "the model")
+    check_fields(hf_config, family, "the Hugging Face model")
+    if family.layout == "llama":
+        return config_from_llama(hf_config, family, **overrides)
     return _config_from_gpt2(hf_config, **overrides)
 
 
@@ -71,13 +60,13 @@ def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None):
-    """The Hugging Face config of ``cfg``'s class (GPT-2, Llama, Qwen2, Mistral or Qwen3: :func:`~.hf_llama.hf_kind`);
+def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None, family: Optional[Family] = None):
+    """The Hugging Face config of ``cfg`` in ``family``'s class (default :func:`~.families.family_of` ``cfg``);
     ``bos``/``eos`` are the end-of-document id (GPT-2 uses ``<|endoftext|>`` for both), or unset without
     a tokenizer (GPT-2's default 50256 is outside most tnlg vocabularies)."""
-    kind = hf_kind(cfg)
-    if kind != "gpt2":
-        return llama_config_from(cfg, kind, eod_id)
+    family = family or family_of(cfg)
+    if family.layout == "llama":
+        return llama_config_from(cfg, family, eod_id)
     from transformers import GPT2Config
     return GPT2Config(bos_token_id=eod_id, eos_token_id=eod_id,
                       n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
@@ -122,7 +111,7 @@ def tnlg_recipes(hf_names, cfg: GPTConfig) -> dict[str, Recipe]:
     both :func:`hf_to_tnlg_state_dict` (every tensor at hand) and :class:`tnlg.interop.hf_reader.HFTensors`
     (each read from the files when looked up) build with. A tied ``lm_head`` and GPT-2's causal-mask
     buffers are no tnlg tensor."""
-    if hf_kind(cfg) != "gpt2":
+    if family_of(cfg).layout == "llama":
         return {n: Recipe(*r) for n, r in llama_recipes(hf_names, cfg).items()}
     out = {}
     for name in hf_names:
@@ -147,7 +136,7 @@ def hf_to_tnlg_state_dict(hf_sd: dict, cfg: GPTConfig) -> dict[str, torch.Tensor
 
 
 def tnlg_to_hf_state_dict(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    if hf_kind(cfg) != "gpt2":
+    if family_of(cfg).layout == "llama":
         return tnlg_to_llama(full, cfg)
     out = {}
     for name, t in full.items():

@@ -37,29 +37,24 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
-from .hf_mapping import CLASSES as MODEL_CLASSES
-from .hf_mapping import build_tensor, check_model_type, config_from_hf, tnlg_recipes
+from .families import Family, family_named
 from .hf_fields import ROPE_TYPES, check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
+from .hf_llama import rope_type_of
+from .hf_mapping import build_tensor, config_from_hf, tnlg_recipes
 from .megatron.safe_load import reason, shown
 
-__all__ = ["HFFolder", "HFTensors", "check_hf_folder", "open_hf_folder", "read_hf_folder", "CONFIG_CLASSES", "MODEL_CLASSES"]
+__all__ = ["HFFolder", "HFTensors", "check_hf_folder", "open_hf_folder", "read_hf_folder"]
 
-CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                  "qwen3": "Qwen3Config"}
-# MODEL_CLASSES: hf_mapping.CLASSES, the transformers class of each model_type tnlg reads and writes
-_PREFIX = {"gpt2": "transformer", "llama": "model", "qwen2": "model", "mistral": "model", "qwen3": "model"}
-_LAYER_KEYS = {"gpt2": ("n_layer", "num_hidden_layers"), "llama": ("num_hidden_layers",),
-               "qwen2": ("num_hidden_layers",), "mistral": ("num_hidden_layers",), "qwen3": ("num_hidden_layers",)}
 # tensors old files hold that transformers skips (GPT-2's causal-mask buffers, Llama's rope frequencies)
 _SKIPPED = re.compile(r"\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
 _NOTHING = "Nothing was loaded or written."
 
 
 class HFFolder(NamedTuple):
-    """A checked folder: its class (``model_type``), transformers' config, tnlg's config, the weight
+    """A checked folder: its family (``model_type``'s entry), transformers' config, tnlg's config, the weight
     files, and the file name of each tensor under the name transformers' model gives it."""
-    kind: str
+    family: Family
     hf_config: object
     cfg: GPTConfig
     files: WeightFiles
@@ -94,27 +89,27 @@ def _refused_by_name(folder: str, raw: dict) -> None:
                    "weights and their scales are not read by tnlg; give the unquantized model.")
     for key in ("rope_parameters", "rope_scaling"):
         rope = raw.get(key)
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+        kind = rope_type_of(rope) if isinstance(rope, dict) else None
         if kind is not None and kind not in ROPE_TYPES:
             raise _bad(folder, f"config.json's {key} has rope_type {str(kind)[:40]!r}, which tnlg does not compute "
                        f"(longrope and the others are not supported yet); tnlg computes rope_type "
                        f"{', '.join(ROPE_TYPES)}.")
 
 
-def _prefixed(kind: str, names) -> dict:
+def _prefixed(family: Family, names) -> dict:
     """``{transformers' name: file's name}``: names saved without the base model's prefix get it."""
-    prefix = _PREFIX[kind] + "."
+    prefix = family.prefix + "."
     if any(n.startswith(prefix) for n in names):
         return {n: n for n in names}
     return {(n if n == "lm_head.weight" else prefix + n): n for n in names}
 
 
-def _check_layers(folder: str, kind: str, raw: dict, names) -> None:
+def _check_layers(folder: str, family: Family, raw: dict, names) -> None:
     """The layer count ``config.json`` claims (or the class's default) against the layers in the files."""
     import transformers
-    key = next((k for k in _LAYER_KEYS[kind] if k in raw), _LAYER_KEYS[kind][0])
-    claimed = raw.get(key, getattr(getattr(transformers, CONFIG_CLASSES[kind]), key, None))
-    pattern = re.compile(rf"^{_PREFIX[kind]}\.{'h' if kind == 'gpt2' else 'layers'}\.(\d{{1,9}})\.")
+    key = next((k for k in family.layer_keys if k in raw), family.layer_keys[0])
+    claimed = raw.get(key, getattr(getattr(transformers, family.config_class), key, None))
+    pattern = re.compile(rf"^{family.prefix}\.{family.layers}\.(\d{{1,9}})\.")
     held = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
     if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
         raise _bad(folder, f"config.json's {key} is {shown(claimed)}; it must be a positive integer (the "
@@ -126,29 +121,29 @@ def _check_layers(folder: str, kind: str, raw: dict, names) -> None:
                    "at random).")
 
 
-def _hf_config(folder: str, kind: str, raw: dict):
+def _hf_config(folder: str, family: Family, raw: dict):
     """transformers' config object of ``raw`` (its defaults, its own checks), or one paragraph."""
     import transformers
-    cls = getattr(transformers, CONFIG_CLASSES[kind])
+    cls = getattr(transformers, family.config_class)
     try:
         return cls.from_dict(dict(raw))
     except Exception as exc:  # noqa: BLE001 - transformers' checks raise many kinds; each is a bad field
         raise _bad(folder, f"config.json is not a valid {cls.__name__} ({reason(exc)}).") from None
 
 
-def _expected(kind: str, hf_config) -> dict[str, tuple]:
+def _expected(family: Family, hf_config) -> dict[str, tuple]:
     """Every tensor name and shape transformers' class holds for ``hf_config`` (built on ``meta``)."""
     import transformers
     try:
         with torch.device("meta"):
-            model = getattr(transformers, MODEL_CLASSES[kind])(hf_config)
+            model = getattr(transformers, family.model_class)(hf_config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a model of (sizes past 2^63, ...)
-        raise UserError(f"config.json describes a {MODEL_CLASSES[kind]} that transformers cannot build "
+        raise UserError(f"config.json describes a {family.model_class} that transformers cannot build "
                         f"({reason(exc)}). {_NOTHING}") from None
     return {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
 
-def _compare(folder: str, kind: str, cfg: GPTConfig, expected: dict, files: WeightFiles, names: dict) -> None:
+def _compare(folder: str, family: Family, cfg: GPTConfig, expected: dict, files: WeightFiles, names: dict) -> None:
     present = {n for n in names if not _SKIPPED.search(n)}
     optional = {"lm_head.weight"} if not cfg.untie_embeddings_and_output_weights else set()
     missing = sorted(set(expected) - present - optional)
@@ -165,7 +160,7 @@ def _compare(folder: str, kind: str, cfg: GPTConfig, expected: dict, files: Weig
     if wrong:
         told.append(f"{len(wrong)} tensors have another shape: {'; '.join(wrong[:3])}")
     if told:
-        raise _bad(folder, f"its weight files do not match config.json's {MODEL_CLASSES[kind]}: {'; '.join(told)}.")
+        raise _bad(folder, f"its weight files do not match config.json's {family.model_class}: {'; '.join(told)}.")
 
 
 def check_hf_folder(folder: str) -> HFFolder:
@@ -176,21 +171,21 @@ def check_hf_folder(folder: str) -> HFFolder:
         raise UserError(f"Hugging Face model folder {folder!r} does not exist; give a folder written by "
                         "save_pretrained (config.json + model.safetensors).")
     raw = _raw_config(folder)
-    kind = check_model_type(raw.get("model_type"), f"Hugging Face folder {folder!r}")
+    family = family_named(raw.get("model_type"), f"Hugging Face folder {folder!r}")
     _refused_by_name(folder, raw)
     files = weight_files(folder)
-    names = _prefixed(kind, files.entries)
-    _check_layers(folder, kind, raw, names)
+    names = _prefixed(family, files.entries)
+    _check_layers(folder, family, raw, names)
     where = f"Hugging Face folder {folder!r}"
-    check_counts(raw, kind, where)
-    hf_config = _hf_config(folder, kind, raw)
-    check_fields(hf_config, kind, where)
+    check_counts(raw, family, where)
+    hf_config = _hf_config(folder, family, raw)
+    check_fields(hf_config, family, where)
     try:
         cfg = config_from_hf(hf_config)
     except ValueError as exc:  # GPTConfig's checks across fields (heads dividing the width, ...)
         raise _bad(folder, f"config.json describes a model tnlg cannot build: {exc}") from None
-    _compare(folder, kind, cfg, _expected(kind, hf_config), files, names)
-    return HFFolder(kind, hf_config, cfg, files, names)
+    _compare(folder, family, cfg, _expected(family, hf_config), files, names)
+    return HFFolder(family, hf_config, cfg, files, names)
 
 
 class HFTensors(Mapping):
@@ -229,9 +224,8 @@ def open_hf_folder(folder: str) -> tuple[GPTConfig, HFTensors]:
     untied (those two tensors alone are read to tell)."""
     found = check_hf_folder(folder)
     cfg = found.cfg
-    embed = "transformer.wte.weight" if found.kind == "gpt2" else "model.embed_tokens.weight"
     if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in found.names:
-        head, wte = (found.files.tensor(found.names[n]) for n in ("lm_head.weight", embed))
+        head, wte = (found.files.tensor(found.names[n]) for n in ("lm_head.weight", found.family.embedding))
         if not _same_values(head, wte):
             cfg = config_from_hf(found.hf_config, untie_embeddings_and_output_weights=True)
     return cfg, HFTensors(found, cfg)
