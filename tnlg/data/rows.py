@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..errors import UserError
 from .tables import is_table_input, iter_table_rows, table_columns, table_kind
@@ -39,8 +39,7 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 MAX_DEPTH = 100  # containers inside containers: a conversation row is 3 deep, tool calls a few more
 
 
-@dataclass(frozen=True)
-class Where:
+class Where(NamedTuple):
     """Where a row is: a JSON Lines line (counted from 1) or a table's row (counted from 0)."""
 
     path: str
@@ -76,8 +75,9 @@ def rows_kind(path: str) -> str:
 
 
 def _key_path(keys: tuple) -> str:
-    return "the row" if not keys else "the value of " + "".join(
-        repr(k) if i == 0 else f"[{k!r}]" for i, k in enumerate(keys))
+    """``the value of 'messages'[0]['content']`` (the first 8 keys, then ``...``), or ``the row``."""
+    shown = "".join(repr(k) if i == 0 and isinstance(k, str) else f"[{k!r}]" for i, k in enumerate(keys[:8]))
+    return "the row" if not keys else f"the value of {shown}{'...' if len(keys) > 8 else ''}"
 
 
 def _unencodable(text: str) -> Optional[int]:
@@ -89,10 +89,38 @@ def _unencodable(text: str) -> Optional[int]:
     return None
 
 
+def _fault(value: Any, text: bool, depth: int = 0) -> bool:
+    """Whether ``value`` nests deeper than :data:`MAX_DEPTH` or (``text``) holds a string UTF-8 cannot encode:
+    one pass without bookkeeping (an ASCII string is known good without reading it; the recursion stops at
+    :data:`MAX_DEPTH`)."""
+    if isinstance(value, str):
+        return text and not value.isascii() and _unencodable(value) is not None
+    if isinstance(value, dict):
+        if depth >= MAX_DEPTH:
+            return True
+        for k, v in value.items():
+            if isinstance(v, str):
+                if text and not v.isascii() and _unencodable(v) is not None:
+                    return True
+            elif isinstance(v, (dict, list)) and _fault(v, text, depth + 1):
+                return True
+            if text and isinstance(k, str) and not k.isascii() and _unencodable(k) is not None:
+                return True
+    elif isinstance(value, list):
+        if depth >= MAX_DEPTH:
+            return True
+        for v in value:
+            if isinstance(v, (str, dict, list)) and _fault(v, text, depth + 1):
+                return True
+    return False
+
+
 def check_row(value: Any, where: object, fmt: RowFormat, text: bool = True) -> None:
     """Refuse ``value`` nested deeper than :data:`MAX_DEPTH` containers or (``text``) holding a string, key or
     value, that UTF-8 cannot encode; one :meth:`RowFormat.error` naming the place inside the row."""
-    stack: list[tuple[Any, int, tuple]] = [(value, 0, ())]
+    if not _fault(value, text):
+        return
+    stack: list[tuple[Any, int, tuple]] = [(value, 0, ())]  # again, to say where
     while stack:
         item, depth, keys = stack.pop()
         if isinstance(item, str):
@@ -129,11 +157,7 @@ def parse_line(raw: bytes, where: object, fmt: RowFormat) -> Any:
         msg = getattr(err, "msg", None) or str(err)
         col = getattr(err, "colno", None)
         raise fmt.error(where, f"malformed JSON ({msg}{f' at column {col}' if col else ''})") from None
-    if isinstance(value, (dict, list)):
-        # strings with lone surrogates come from \\ud800-style escapes or surrogates encoded in the bytes
-        check_row(value, where, fmt, text=b"\\u" in raw or b"\xed" in raw)
-    elif isinstance(value, str):
-        check_row(value, where, fmt)
+    check_row(value, where, fmt)
     return value
 
 
