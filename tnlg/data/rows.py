@@ -65,8 +65,9 @@ class RowFormat:
         return UserError(f"{where}: {problem}; {self.holds}.{' ' + self.after if self.after else ''}")
 
     def file_error(self, path: str, problem: str) -> UserError:
-        """The same format for a whole input: ``NAME 'PATH' problem; what a valid row holds.``"""
-        return UserError(f"{self.name} {path!r} {problem}; {self.holds}.{' ' + self.after if self.after else ''}")
+        """The same format for a whole input: ``NAME 'PATH' problem; what a valid row holds.`` (the closing
+        sentence is about a row, so it is left out)."""
+        return UserError(f"{self.name} {path!r} {problem}; {self.holds}.")
 
 
 def rows_kind(path: str) -> str:
@@ -167,6 +168,8 @@ def iter_rows(path: str, fmt: RowFormat, columns: Optional[Sequence[str]] = None
     and every refusal of :func:`parse_line` are one :class:`UserError` in ``fmt``'s format."""
     path = os.fspath(path)
     kind = rows_kind(path)
+    if kind == "parquet" and not os.path.isfile(path):
+        raise fmt.file_error(path, "does not exist" if not os.path.exists(path) else "is not a file")
     if kind != "jsonl":
         names = list(columns) if columns is not None else table_columns(path)
         for first, per_column in iter_table_rows(path, names):
