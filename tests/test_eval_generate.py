@@ -276,14 +276,14 @@ def test_bad_input_is_one_paragraph_before_any_work(exported, tmp_path, capfd):
     good = exported["data"]
     _expect_error(capfd, base + [str(tmp_path / "missing.jsonl")], "does not exist")
     (tmp_path / "empty.jsonl").write_text("\n  \n")
-    _expect_error(capfd, base + [str(tmp_path / "empty.jsonl")], "holds no rows")
+    _expect_error(capfd, base + [str(tmp_path / "empty.jsonl")], "has no rows")
     bad = tmp_path / "bad.jsonl"
-    for text, needles in (('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n', ["line 2", '"completion"']),
-                          ('{"completion": "b"}\n', ["line 1", 'no "prompt"']),
-                          ('{"prompt": "a", "response": ["b", 3]}\n', ["line 1", "list of strings"]),
-                          ('{"prompt": "a", "completion": "  "}\n', ["line 1", "empty reference"]),
-                          ('{"prompt": "a", "completion": "b", "response": "c"}\n', ["line 1", "both"]),
-                          ('[1, 2]\n', ["line 1", "not an object"]), ("{oops\n", ["line 1", "not valid JSON"])):
+    for text, needles in (('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n', ["bad.jsonl:2:", '"completion"']),
+                          ('{"completion": "b"}\n', ["bad.jsonl:1:", 'no "prompt"']),
+                          ('{"prompt": "a", "response": ["b", 3]}\n', ["bad.jsonl:1:", "list of strings"]),
+                          ('{"prompt": "a", "completion": "  "}\n', ["bad.jsonl:1:", "empty reference"]),
+                          ('{"prompt": "a", "completion": "b", "response": "c"}\n', ["bad.jsonl:1:", "both"]),
+                          ('[1, 2]\n', ["bad.jsonl:1:", "not an object"]), ("{oops\n", ["bad.jsonl:1:", "malformed JSON"])):
         bad.write_text(text)
         _expect_error(capfd, base + [str(bad)], *needles)
     _expect_error(capfd, base + [good, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1")
@@ -293,3 +293,69 @@ def test_bad_input_is_one_paragraph_before_any_work(exported, tmp_path, capfd):
     long.write_text(json.dumps({"prompt": "word " * 200, "completion": "x"}) + "\n")
     _expect_error(capfd, base + [str(long)], "longer than the model's seq_length")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "empty.jsonl", "long.jsonl"]
+
+
+@pytest.mark.parametrize("line,problem", [
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "completion": "x"}', "nested deeper than"),
+    ('{"prompt": "half \\ud800 a pair", "completion": "x"}', "the value of 'prompt' holds '\\ud800' at character 5"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "x"}]}',
+     "the value of 'messages'[0]['content'] holds '\\udfff'"),
+], ids=["nested", "surrogate", "surrogate_in_a_turn"])
+def test_a_row_no_tokenizer_can_take_is_one_paragraph_before_any_model_loads(exported, tmp_path, capfd, monkeypatch,
+                                                                             line, problem):
+    """A row nested past Python's JSON parser, or holding half a UTF-16 surrogate pair (valid JSON, no
+    character: SentencePiece raises on it): one paragraph naming the file and the line, no model loaded."""
+    import tnlg.generation.loading as loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded for rows that cannot be read")
+    monkeypatch.setattr(loading, "load_model", no_model)
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a fine row", "completion": "x"}\n' + line + "\n")
+    capfd.readouterr()
+    assert main(["eval", "--task", "generate", "--checkpoint", exported["ckpt"], "--data", str(path)]) == 2
+    err = capfd.readouterr().err
+    assert f"{path}:2: " in err and problem in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.needs_package("pyarrow")
+def test_conversation_rows_are_prompted_as_fine_tuning_renders_them(exported, tmp_path, capfd):
+    """`messages` rows (here in a Parquet file): the prompt is the turns before the last assistant turn in the
+    built-in chat template (docs/finetune.md: `<|role|>\\n{content}\\n` per system/user turn, then
+    `<|assistant|>\\n`; an earlier assistant turn's content then the end-of-document id, each text encoded
+    apart), the reference the last assistant turn. The tokens are transformers' greedy continuation of those
+    ids on the exported folder; the predictions file names each row (from 0) and holds the turns asked."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import transformers
+    from tnlg.data.tokenizer import load_tokenizer
+    tok = load_tokenizer("builtin")
+    eod = tok.eod_id
+    chats = [[("user", PROMPTS[0]), ("assistant", "yes")],
+             [("system", "Be brief."), ("user", PROMPTS[2]), ("assistant", "an answer")],
+             [("user", "What"), ("assistant", "Now is"), ("user", PROMPTS[1]), ("assistant", "Juliet")],
+             [("user", ""), ("assistant", "nothing asked")]]
+    want_ids = [tok.encode(f"<|user|>\n{PROMPTS[0]}\n<|assistant|>\n"),
+                tok.encode(f"<|system|>\nBe brief.\n<|user|>\n{PROMPTS[2]}\n<|assistant|>\n"),
+                tok.encode("<|user|>\nWhat\n<|assistant|>\n") + tok.encode("Now is") + [eod]
+                + tok.encode(f"<|user|>\n{PROMPTS[1]}\n<|assistant|>\n"),
+                tok.encode("<|user|>\n\n<|assistant|>\n")]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported["hf"]).eval()
+    want = []
+    with torch.no_grad():
+        for ids in want_ids:
+            new = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=min(NEW, SEQ - len(ids)), do_sample=False, eos_token_id=eod,
+                              pad_token_id=eod)[0, len(ids):].tolist()
+            want.append(new[:new.index(eod) + 1] if eod in new else new)
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat], "id": i} for i, chat in enumerate(chats)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet")
+    preds = tmp_path / "p.jsonl"
+    result = _run(capfd, ["eval", "--task", "generate", "--data", str(tmp_path / "chats.parquet"), "--checkpoint",
+                          exported["ckpt"], "--max-new-tokens", str(NEW), "--predictions-file", str(preds),
+                          "--micro-batch-size", "3", "--json"])
+    got = [json.loads(line) for line in open(preds, encoding="utf-8")]
+    assert [g["tokens"] for g in got] == want and result["count"] == len(chats)
+    assert [g["row"] for g in got] == list(range(len(chats))) and all("line" not in g for g in got)
+    assert [g["reference"] for g in got] == [chat[-1][1] for chat in chats]
+    assert [g["messages"] for g in got] == [r["messages"][:-1] for r in rows]

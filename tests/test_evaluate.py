@@ -428,9 +428,9 @@ def test_cli_bad_inputs(hf_folder, tmp_path, capsys):
     _expect_error(capsys, ["eval", "--task", "lambada", *base[1:], str(empty)], "is empty")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "one two three"}\n{"id": 7}\n')
-    _expect_error(capsys, ["eval", "--task", "lambada", *base[1:], str(bad)], "line 2", "no text")
+    _expect_error(capsys, ["eval", "--task", "lambada", *base[1:], str(bad)], "bad.jsonl:2:", "no text")
     bad.write_text('{"text": "   "}\n')
-    _expect_error(capsys, ["eval", "--task", "lambada", *base[1:], str(bad)], "line 1", "no text")
+    _expect_error(capsys, ["eval", "--task", "lambada", *base[1:], str(bad)], "bad.jsonl:1:", "no text")
     bad.write_text('{"text": "single"}\n')  # one word, one token: nothing to predict from
     _expect_error(capsys, ["eval", "--task", "lambada", "--strict", *base[1:], str(bad)], "no context")
     _expect_error(capsys, ["eval", "--task", "wikitext", *base[1:], str(tmp_path / "missing.txt")],

@@ -111,7 +111,7 @@ def test_malformed_json_names_file_and_line(tmp_path):
     good.write_text(json.dumps({"text": "fine"}) + "\n")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n\n" + '{"text": "unterminated}\n')
-    with pytest.raises(UserError, match=r"bad\.jsonl:3: malformed JSON .*nothing was written"):
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: malformed JSON .*Nothing was written"):
         preprocess([good, bad], tmp_path / "out", "builtin", progress=False)
     assert _nothing_written(tmp_path)
     bad.write_text(json.dumps({"body": "no text key"}) + "\n")

@@ -332,6 +332,44 @@ def test_hf_folder_chat_template(tmp_path, any_tok, template):
     assert report.template == f"the chat template of {folder / 'tokenizer_config.json'}"
 
 
+@pytest.mark.parametrize("template", ["builtin", "turn_by_turn", "generation"])
+def test_a_conversations_prompt_is_what_fine_tuning_saw_before_its_last_turn(tmp_path, any_tok, template):
+    """`tnlg eval --task generate` on a `messages` row: the prompt is the turns before the last assistant turn,
+    rendered as transformers' apply_chat_template(add_generation_prompt=True) renders them, cut and encoded as
+    fine-tuning cuts them (written out below), and the fine-tuning sample of the whole row starts with those
+    very ids, its first counted token right after them."""
+    from tnlg.data.chat import chat_template_for
+    from tnlg.data.sft import tokenize_rows
+    from tnlg.data.sft_rows import read_rows
+    from tnlg.eval.completion_rows import read_completion_rows
+    from tnlg.eval.predictions import rows_prompt_ids
+    if template == "builtin":
+        folder_tok = any_tok
+        segs = [("<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n", 0), ("Hello.", 1), (None, 1),
+                ("<|user|>\nBye?\n<|assistant|>\n", 0)]
+    else:
+        transformers = pytest.importorskip("transformers")
+        folder = _hf_folder(tmp_path, any_tok, CHATML if template == "turn_by_turn" else GENERATION)
+        folder_tok = load_tokenizer(str(folder))
+        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+        if template == "turn_by_turn":
+            segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+                     "<|im_start|>assistant\n", 0), ("Hello.<|im_end|>\n", 1),
+                    ("<|im_start|>user\nBye?<|im_end|>\n<|im_start|>assistant\n", 0)]
+        else:
+            segs = [("[system] Be brief.\n[user] Hi!\n[A] ", 0), ("Hello.", 1), (None, 1), ("[user] Bye?\n[A] ", 0)]
+        rendered = hf.apply_chat_template(CHAT[:-1], add_generation_prompt=True, tokenize=False)
+        assert "".join(hf.eos_token if t is None else t for t, _ in segs) == rendered
+    want = [i for t, _ in segs for i in ([folder_tok.eod_id] if t is None else folder_tok.encode(t))]
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    rows = read_completion_rows(path)
+    assert rows[0].references == ("Goodbye.",)
+    ids = rows_prompt_ids(folder_tok, rows)[0]
+    assert ids == want
+    trained, counted = tokenize_rows(read_rows(path), folder_tok, chat_template_for(folder_tok)).sample(0)
+    assert trained[:len(ids)].tolist() == ids and counted[len(ids)] and not counted[len(ids) - 1]
+
+
 def test_hf_folder_without_a_template_uses_the_builtin(tmp_path, tok):
     folder = _hf_folder(tmp_path, tok, None)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}])

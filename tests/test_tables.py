@@ -93,7 +93,7 @@ def test_bad_tables_are_one_clear_error_and_write_nothing(tmp_path, capsys):
              ([path], ["id"], "column 'id' of Parquet file .* holds int64, not text")]
     nulls = tmp_path / "nulls.parquet"
     pq.write_table(pa.table({"text": ["a", None, "c"]}), nulls)
-    cases.append(([str(nulls)], ["text"], r"row 1 has no value \(null\) in column 'text'"))
+    cases.append(([str(nulls)], ["text"], r"nulls\.parquet:row 1: no value \(null\) in column 'text'"))
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty)
     cases.append(([str(empty)], ["text"], "has no documents"))

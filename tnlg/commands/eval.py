@@ -25,7 +25,8 @@ tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
             file scored with the same overlapping windows, its first token context
             only: val_loss = summed loss / targets of all files, ppl = exp(val_loss);
             each file's figures too. No word-level figure.
-  lambada   last-word accuracy on JSON Lines {"text": ...} (LAMBADA's test file format),
+  lambada   last-word accuracy on JSON Lines {"text": ...} (LAMBADA's test file format; or
+            a Parquet file / `datasets` folder with a text column),
             teacher forcing: correct when the argmax at every target position is right.
             Non-strict: the target is the text's last token. --strict: the target is the
             last word, tokenized as " " + word after the context text[:rfind(word)].strip()
@@ -50,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG.replace("{generate}\n", eval_generate.EPILOG)
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
     p.add_argument("--input", "--valid-data", "--data", dest="input", nargs="+", metavar="FILE",
-                   help="wikitext: a raw text file; lambada: a .jsonl file; loss: a dataset PREFIX (.bin/.idx); "
+                   help="wikitext: a raw text file; lambada: a .jsonl file (or .parquet, or a `datasets` folder); loss: a "
+                        "dataset PREFIX (.bin/.idx); "
                         "text: one or more text files (the files may also follow the options, without --input); "
-                        "generate: a .jsonl file of prompt/completion rows")
+                        "generate: a .jsonl file (or .parquet, or a `datasets` folder) of prompt/completion or messages rows")
     p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
     add_common_arguments(p)
     add_layout_arguments(p, dict(cp=1), metavar=dict(cp="C"), help=dict(

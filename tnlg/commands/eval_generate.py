@@ -13,9 +13,12 @@ from ..errors import UserError
 from .inference import step_note
 
 EPILOG = """\
-  generate  greedy generation for JSON Lines rows {"prompt": ..., "completion": ...} ("response"
-            a synonym; the completion may be a list of references) given with --data: the prompt
-            tokenized as `tnlg preprocess` tokenizes a document, the KV cache, TP and PP as
+  generate  greedy generation for the rows {"prompt": ..., "completion": ...} ("response" a
+            synonym; the completion may be a list of references) or {"messages": [...]} (the last
+            assistant turn the reference) of the JSON Lines, Parquet or `datasets` --data: the
+            prompt tokenized as `tnlg preprocess` tokenizes a document, a conversation's turns
+            before the reference as fine-tuning renders and tokenizes them with the chat
+            template's generation prompt; the KV cache, TP and PP as
             `tnlg generate --greedy`, stopping after the end-of-document id (not part of the
             prediction) or --max-new-tokens. Scores (fractions, means over the rows): ROUGE-1,
             ROUGE-2, ROUGE-L F-measure equal to rouge_score's RougeScorer(use_stemmer=False),
@@ -42,6 +45,7 @@ def precheck_generate(args) -> None:
     """What --task generate can check before any process starts: its flags, the rows, the output path and
     (where the checkpoint's metadata and tokenizer can be read) each prompt's length."""
     from ..eval.completion_rows import read_completion_rows
+    from ..eval.predictions import rows_prompt_ids
     from ..data.tokenizer import load_tokenizer
     from ..generation.loading import precheck_checkpoint, recorded_tokenizer
     from .generate import precheck_prompt_lengths
@@ -64,7 +68,7 @@ def precheck_generate(args) -> None:
     recorded = None if tokenizer is not None else recorded_tokenizer(args.checkpoint)
     if recorded is not None:  # a tnlg checkpoint's own tokenizer (the workers load the same)
         tokenizer = load_tokenizer(recorded)
-    precheck_prompt_lengths(args.checkpoint, tokenizer, [r.prompt for r in rows])
+    precheck_prompt_lengths(args.checkpoint, tokenizer, lambda tok: rows_prompt_ids(tok, rows))
 
 
 def _write_predictions(path: str, objects: list[dict]) -> None:
@@ -87,7 +91,7 @@ def evaluate_generate(args, ps) -> dict:
     import torch.distributed as dist
 
     from ..eval.completion_rows import read_completion_rows
-    from ..eval.predictions import greedy_predictions, scored_rows
+    from ..eval.predictions import greedy_predictions, rows_prompt_ids, scored_rows
     from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
     rows = read_completion_rows(args.input[0])
@@ -98,7 +102,7 @@ def evaluate_generate(args, ps) -> dict:
     step_note("eval", ps, f"loaded in {time.time() - start:.1f} s; generating for {len(rows)} prompt(s)")
     share = -(-len(rows) // ps.dp_size)
     mine = rows[ps.dp_rank * share:(ps.dp_rank + 1) * share]
-    preds = greedy_predictions(model, tokenizer, [r.prompt for r in mine], args.max_new_tokens,
+    preds = greedy_predictions(model, tokenizer, rows_prompt_ids(tokenizer, mine), args.max_new_tokens,
                                args.micro_batch_size) if mine else []
     if ps.dp_size > 1:  # every rank of a group holds its group's predictions: take those of each TP rank 0
         gathered: list = [None] * ps.world_size

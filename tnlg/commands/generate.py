@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable, Union
 
 from ..errors import UserError
 from .inference import add_common_arguments, run_command, step_note
@@ -96,9 +97,10 @@ def _generate_here(args, ps, prompts: list[str]) -> dict:
             "data_parallel_size": ps.dp_size, "seconds": round(time.time() - start, 3)}
 
 
-def precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> None:
+def precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: Union[list[str], Callable]) -> None:
     """Refuse prompts longer than ``seq_length`` before any process starts, where the checkpoint's
-    metadata and tokenizer can be read without the model (the workers check again regardless)."""
+    metadata and tokenizer can be read without the model (the workers check again regardless). ``prompts``:
+    texts, or a function of the tokenizer giving the prompts' ids."""
     from ..data.tokenizer import load_tokenizer
     from ..generation.generator import check_prompts
     from ..generation.loading import checkpoint_seq_length, hf_tokenizer_spec, is_hf_folder
@@ -107,7 +109,8 @@ def precheck_prompt_lengths(checkpoint: str, tokenizer, prompts: list[str]) -> N
         tokenizer = load_tokenizer(checkpoint)
     if seq is None or tokenizer is None:
         return
-    ids = [list(tokenizer.encode(p)) or [tokenizer.eod_id] for p in prompts]
+    ids = prompts(tokenizer) if callable(prompts) else [list(tokenizer.encode(p)) or [tokenizer.eod_id]
+                                                         for p in prompts]
     check_prompts(ids, seq, tokenizer.vocab_size)
 
 

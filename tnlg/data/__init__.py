@@ -5,10 +5,12 @@ Modules: :mod:`~tnlg.data.tokenizer` (SentencePiece, GPT-2 BPE, training),
 :mod:`~tnlg.data.preprocess` (text -> .bin/.idx), :mod:`~tnlg.data.gpt_dataset`
 (samples, splits, blending, cached indices), :mod:`~tnlg.data.sampler`
 (data-parallel micro batches), :mod:`~tnlg.data.corpus` (the built-in corpus),
-:mod:`~tnlg.data.inputs` (reading .jsonl/.txt inputs), :mod:`~tnlg.data.sft` (fine-tuning rows
+:mod:`~tnlg.data.inputs` (reading .jsonl/.txt inputs), :mod:`~tnlg.data.rows` (the one reader of JSON Lines,
+Parquet and ``datasets`` rows, and its error format), :mod:`~tnlg.data.sft` (fine-tuning rows
 packed into sequences; rows in :mod:`~tnlg.data.sft_rows`, chat templates in :mod:`~tnlg.data.chat`), :mod:`~tnlg.data.paths` (where the
 shipped files and the cache live) and :mod:`~tnlg.commands.data` (the data subcommands).
-Imports flow one way: paths, inputs, indexed <- tokenizer <- preprocess <- corpus <- cli;
+Imports flow one way: tables <- rows <- inputs, sft_rows; paths, inputs, indexed <- tokenizer <- preprocess <-
+corpus <- cli;
 gpt_dataset <- indexed, paths.
 The names below are imported on first use, so ``import tnlg.data`` stays cheap.
 """

@@ -21,7 +21,9 @@ fall on segment boundaries, as a prompt/completion sample's prompt and completio
   the assistant's content as another, as a prompt and its completion.
 
 Every sample ends with the end-of-document id (appended, trained on, when the rendering does not end
-with it). No collectives; transformers is imported only for a folder's template.
+with it). **A prompt** (``tnlg eval --task generate`` on ``messages`` rows, :func:`prompt_segments`) is the
+conversation before its last assistant turn, rendered with the generation prompt and cut as in training, so
+the model is prompted with the very tokens it was fine-tuned on before that turn. No collectives; transformers is imported only for a folder's template.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Optional, Sequence
 
 from ..errors import UserError
 
-__all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments"]
+__all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments", "prompt_segments"]
 
 Segment = tuple[Optional[str], bool]  # (text, or None for the end-of-document id; counted)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -200,18 +202,42 @@ def _merge(segs: list[Segment]) -> list[Segment]:
     return out
 
 
+def _pieces(text: str, spans: Sequence[tuple[int, int]], eos: str) -> list[Segment]:
+    """``text`` cut into segments: the character ``spans`` counted, the rest not, each text of ``eos`` the
+    end-of-document id."""
+    out: list[Segment] = []
+    at = 0
+    for a, b in sorted(spans):
+        out += _split_eos(text[at:a], False, eos) + _split_eos(text[max(a, at):b], True, eos)
+        at = max(at, b)
+    return out + _split_eos(text[at:], False, eos)
+
+
 def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
     """The conversation's segments ``(text or None for the end-of-document id, counted)``, ending with the
     end-of-document id."""
     if template.text is None:
         return _merge(_builtin(messages))
     text, spans = _assistant_spans(template, list(messages), where)
-    out: list[Segment] = []
-    at = 0
-    for a, b in sorted(spans):
-        out += _split_eos(text[at:a], False, template.eos_token) + _split_eos(text[max(a, at):b], True, template.eos_token)
-        at = max(at, b)
-    out += _split_eos(text[at:], False, template.eos_token)
+    out = _pieces(text, spans, template.eos_token)
     if not out or out[-1][0] is not None:
         out.append((None, True))
     return _merge(out)
+
+
+def prompt_segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
+    """The segments a model fine-tuned on conversations is prompted with to write the last (assistant) turn of
+    ``messages``: the turns before it rendered with the generation prompt (a template's
+    ``add_generation_prompt``; the built-in template's ``<|assistant|>\\n``), cut as :func:`segments` cuts the
+    whole conversation (the end-of-document ids, earlier assistant turns encoded apart), so their tokens are
+    those the model was fine-tuned on before that turn. Where a template renders that prompt otherwise than
+    the start of the whole conversation, the prompt's rendering is cut at its end-of-document texts alone."""
+    messages = list(messages)
+    if template.text is None:
+        return _merge(_builtin(messages[:-1]))
+    prompt, _ = _render(template, messages[:-1], generation_prompt=True)
+    text, spans = _assistant_spans(template, messages, where)
+    if not text.startswith(prompt):
+        return _merge(_split_eos(prompt, False, template.eos_token))
+    cut = len(prompt)
+    return _merge(_pieces(prompt, [(a, min(b, cut)) for a, b in spans if a < cut], template.eos_token))

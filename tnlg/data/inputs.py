@@ -9,25 +9,26 @@ document, read as-is); Parquet files and ``datasets.save_to_disk`` folders, the 
 columns named by ``json_keys``. :func:`check_inputs` validates every input before anything is
 written; :func:`iter_documents` yields the documents in order.
 
-This module imports only the standard library, :mod:`tnlg.errors` and :mod:`.tables` (which
-imports pyarrow when a table is read).
+A JSON line is parsed by the one rows reader (:mod:`.rows`: its ``FILE:LINE`` error format, its depth bound
+and its refusal of lone surrogates). This module imports only the standard library, :mod:`tnlg.errors`,
+:mod:`.rows` and :mod:`.tables` (which imports pyarrow when a table is read).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence, Union
 
 from ..errors import UserError
+from .rows import JSONL_SUFFIXES, RowFormat, Where, parse_line
 from .tables import check_table, is_table_input, iter_table_rows, table_kind
 
 __all__ = ["InputFile", "check_inputs", "iter_documents", "parse_json_line", "read_txt", "input_kind",
            "JSONL_SUFFIXES", "TXT_SUFFIXES", "TABLE_KINDS"]
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TXT_SUFFIXES = (".txt",)
 TABLE_KINDS = ("parquet", "arrow")  # columnar inputs (tnlg.data.tables): one document per row
 
@@ -56,40 +57,29 @@ def input_kind(path: str) -> str:
                     "(.parquet: one document per row) or a folder written by `datasets` save_to_disk.")
 
 
+@functools.lru_cache(maxsize=16)
+def _document_format(json_keys: tuple) -> RowFormat:
+    """What a document line holds, for the messages of :mod:`.rows` (made once per key list)."""
+    return RowFormat("input", f"a line is one JSON object such as {{\"{json_keys[0]}\": \"document text\"}} (the text "
+                              "under --json-keys)", "Nothing was written.")
+
+
 def parse_json_line(raw: bytes, path: str, lineno: int, json_keys: Sequence[str]) -> list[str]:
-    """The strings under ``json_keys`` of one JSON line, or a :class:`UserError` naming ``path:lineno``."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise UserError(f"{path}:{lineno}: this JSON line is nested deeper than Python's JSON parser goes; a line "
-                        f"is one object such as {{\"{json_keys[0]}\": \"document text\"}}. Nothing was "
-                        f"written.") from None
-    except ValueError as err:
-        msg = getattr(err, "msg", str(err))
-        col = getattr(err, "colno", None)
-        where = f" at column {col}" if col else ""
-        raise UserError(f"{path}:{lineno}: malformed JSON ({msg}{where}). Each line of a JSON Lines file "
-                        f"must be one object such as {{\"{json_keys[0]}\": \"document text\"}}; "
-                        "nothing was written.") from None
+    """The strings under ``json_keys`` of one JSON line, or a :class:`UserError` naming ``path:lineno``
+    (:func:`tnlg.data.rows.parse_line`: malformed JSON, deep nesting and lone surrogates refused)."""
+    fmt = _document_format(tuple(json_keys))
+    where = Where(path, line=lineno)
+    obj = parse_line(raw, where, fmt)
     if not isinstance(obj, dict):
-        raise UserError(f"{path}:{lineno}: expected a JSON object with key(s) {list(json_keys)}, got "
-                        f"{type(obj).__name__}; nothing was written.")
+        raise fmt.error(where, f"expected a JSON object with key(s) {list(json_keys)}, got {type(obj).__name__}")
     out = []
     for key in json_keys:
         if key not in obj:
-            raise UserError(f"{path}:{lineno}: no key {key!r} in this JSON object (its keys: "
-                            f"{sorted(obj)[:10]}); pick the text field with --json-keys. Nothing was written.")
+            raise fmt.error(where, f"no key {key!r} in this JSON object (its keys: {sorted(obj)[:10]}); pick the "
+                                   "text field with --json-keys")
         value = obj[key]
         if not isinstance(value, str):
-            raise UserError(f"{path}:{lineno}: the value of {key!r} is a {type(value).__name__}, not a string; "
-                            "nothing was written.")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:  # a \ud800-\udfff escape without its pair: no character at all
-            raise UserError(f"{path}:{lineno}: the value of {key!r} holds {value[err.start]!r} at character "
-                            f"{err.start}, half of a UTF-16 surrogate pair (an escape \\ud800-\\udfff without "
-                            f"its other half), which is no character and cannot be tokenized; fix the line. "
-                            f"Nothing was written.") from None
+            raise fmt.error(where, f"the value of {key!r} is a {type(value).__name__}, not a string")
         out.append(value)
     return out
 

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 from ..errors import UserError
 from ..io import confined_path
 
-__all__ = ["PARQUET_SUFFIXES", "is_table_input", "table_kind", "check_table", "iter_table_rows"]
+__all__ = ["PARQUET_SUFFIXES", "is_table_input", "table_kind", "table_columns", "check_table", "iter_table_rows"]
 
 PARQUET_SUFFIXES = (".parquet",)
 _MAX_JSON_BYTES = 64 * 2**20  # a datasets folder's state.json / dataset_dict.json: a few KiB
@@ -165,6 +165,11 @@ def _schema(path: str, kind: str):
         return pa.ipc.open_stream(source).schema
 
 
+def table_columns(path: str) -> list[str]:
+    """The column names of a table input (a Parquet file's, or a ``datasets`` folder's first Arrow file's)."""
+    return list(_schema(path, table_kind(path)).names)
+
+
 def check_table(path: str, columns: Sequence[str]) -> int:
     """The number of documents (rows) of a table input whose ``columns`` exist, hold strings and no
     nulls; else one :class:`UserError` naming the input, the column and what it has."""
@@ -192,8 +197,8 @@ def check_table(path: str, columns: Sequence[str]) -> int:
             nulls = batch.column(col).null_count
             if nulls:
                 first = rows + batch.column(col).is_null().to_pylist().index(True)
-                raise UserError(f"{what} {path!r}: row {first} has no value (null) in column {col!r} ({nulls} null "
-                                "rows in that chunk); every document needs a string. Nothing was written.")
+                raise UserError(f"{path}:row {first}: no value (null) in column {col!r} of this {what} ({nulls} null "
+                                "rows in that chunk); every document is a string. Nothing was written.")
         rows += batch.num_rows
     if rows == 0:
         raise UserError(f"input {path!r} has no documents: the table has no rows. Remove it from --input.")

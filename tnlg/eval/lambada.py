@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..data.rows import RowFormat, iter_rows
 from ..errors import UserError
 from ..parallel.mappings import all_reduce
 from ..model.inference import forward_logits, from_last_stage, model_device
@@ -31,32 +32,21 @@ from .batches import eval_mode, micro_batches
 __all__ = ["read_lambada_texts", "lambada_examples", "split_last_word", "lambada_accuracy"]
 
 
+FORMAT = RowFormat("LAMBADA data", 'each row is an object like {"text": "..."} with a non-empty "text" string '
+                   "(the LAMBADA test file format)")
+
+
 def read_lambada_texts(path: str) -> list[str]:
-    """The ``"text"`` of every non-blank line of a JSON Lines file (the public LAMBADA format)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise UserError(f"input file {path!r} does not exist; pass a JSON Lines file with one "
-                        '{"text": ...} object per line (the LAMBADA test file format).') from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read input file {path!r} as UTF-8 text: {err}.") from None
+    """The ``"text"`` of every row of a JSON Lines file (the public LAMBADA format; blank lines skipped), a
+    Parquet file or a ``datasets`` folder (:mod:`tnlg.data.rows`)."""
     texts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"line {number} of {path!r} is not valid JSON ({err.msg}); each line must be an "
-                            'object like {"text": "..."}.') from None
+    for where, obj in iter_rows(path, FORMAT):
         text = obj.get("text") if isinstance(obj, dict) else None
         if not isinstance(text, str) or not text.strip():
-            raise UserError(f'line {number} of {path!r} has no text: each line needs a non-empty "text" '
-                            f"string, got {line[:80]!r}.")
+            raise FORMAT.error(where, f"this row has no text: {json.dumps(obj, ensure_ascii=False, default=str)[:80]}")
         texts.append(text)
     if not texts:
-        raise UserError(f'input file {path!r} is empty: it holds no {{"text": ...}} lines to evaluate.')
+        raise FORMAT.file_error(path, "is empty: it has no rows to evaluate")
     return texts
 
 

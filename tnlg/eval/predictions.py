@@ -2,7 +2,9 @@
 
 A prompt is tokenized as ``tnlg preprocess`` tokenizes a document (``tokenizer.encode``: no end-of-document
 id and no BOS beyond what the tokenizer itself adds); an empty prompt starts from the end-of-document id, as
-``tnlg generate`` starts one. Generation is :func:`tnlg.generation.generate_ids` with ``greedy=True``: the
+``tnlg generate`` starts one. A conversation's prompt is the turns before its last assistant turn, rendered by
+the chat template fine-tuning uses with the generation prompt (:func:`tnlg.data.chat.prompt_segments`) and
+encoded segment by segment as fine-tuning encodes them (:func:`tnlg.data.sft.tokenize_segments`). Generation is :func:`tnlg.generation.generate_ids` with ``greedy=True``: the
 KV cache, left-padded batches of ``micro_batch_size`` prompts, any TP x PP layout, stopping after the
 end-of-document id or ``max_new_tokens``. The prediction is the text the new ids add after the prompt
 (:func:`tnlg.generation.continuation_text`), the end-of-document id not part of it.
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..data.chat import chat_template_for, prompt_segments
+from ..data.sft import tokenize_segments
 from ..generation import check_prompts, continuation_text, generate_ids
 from .completion_rows import CompletionRow
 from .scoring import mean_scores, score_example
 
-__all__ = ["prompt_ids", "greedy_predictions", "scored_rows"]
+__all__ = ["prompt_ids", "rows_prompt_ids", "greedy_predictions", "scored_rows"]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -30,12 +34,29 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt)) or [tokenizer.eod_id]
 
 
-def greedy_predictions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
+def rows_prompt_ids(tokenizer, rows: Sequence[CompletionRow]) -> list[list[int]]:
+    """Each row's prompt ids: :func:`prompt_ids` of a text prompt; for a conversation the ids fine-tuning gives
+    the turns before its last assistant turn (the tokenizer's chat template, :func:`chat_template_for`)."""
+    chats = [r for r in rows if r.messages is not None]
+    template = chat_template_for(tokenizer) if chats else None
+    per_chat = [prompt_segments(r.messages, template, str(r.where)) for r in chats]  # type: ignore[arg-type]
+    samples = tokenize_segments(per_chat, tokenizer)
+    out, k = [], 0
+    for r in rows:
+        if r.messages is None:
+            out.append(prompt_ids(tokenizer, str(r.prompt)))
+        else:
+            out.append([int(i) for i in samples.sample(k)[0]])
+            k += 1
+    return out
+
+
+def greedy_predictions(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        micro_batch_size: int) -> list[dict]:
-    """Per prompt: ``{"tokens": new ids (the end-of-document id last where generation stopped there),
-    "prediction": their text, "cut_by_seq_length": bool}``."""
+    """Per prompt (its ids, :func:`rows_prompt_ids`): ``{"tokens": new ids (the end-of-document id last where
+    generation stopped there), "prediction": their text, "cut_by_seq_length": bool}``."""
     seq = model.config.seq_length
-    ids = check_prompts([prompt_ids(tokenizer, p) for p in prompts], seq, model.config.vocab_size)
+    ids = check_prompts([list(p) for p in prompts], seq, model.config.vocab_size)
     common = dict(greedy=True, eod_id=tokenizer.eod_id, stop_at_eod=True, vocab_size=tokenizer.vocab_size)
     fits = [i for i, p in enumerate(ids) if len(p) + max_new_tokens <= seq]
     new: list = [None] * len(ids)
@@ -52,12 +73,16 @@ def greedy_predictions(model, tokenizer, prompts: Sequence[str], max_new_tokens:
 
 def scored_rows(rows: Sequence[CompletionRow], predictions: Sequence[dict],
                 use_stemmer: bool = False) -> tuple[list[dict], dict]:
-    """The predictions file's objects (prompt, reference, prediction, tokens, the row's scores) and the
+    """The predictions file's objects (``line`` or, for a table, ``row``; ``prompt`` or the ``messages`` before
+    the reference; reference, prediction, tokens, the row's scores) and the
     mean scores with the count of rows (``use_stemmer``: ROUGE's Porter stemming)."""
     out = []
     for row, pred in zip(rows, predictions):
         reference = row.references[0] if len(row.references) == 1 else list(row.references)
-        out.append({"line": row.line, "prompt": row.prompt, "reference": reference,
+        where = {"line": row.where.line} if row.where.row is None else {"row": row.where.row}
+        asked = ({"prompt": row.prompt} if row.messages is None else
+                 {"messages": [{"role": r, "content": c} for r, c in row.messages[:-1]]})
+        out.append({**where, **asked, "reference": reference,
                     "prediction": pred["prediction"], "tokens": pred["tokens"],
                     **score_example(row.references, pred["prediction"], use_stemmer)})
     return out, {**mean_scores(out), "count": len(out)}
