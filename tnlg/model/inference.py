@@ -108,5 +108,5 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
                 raise RuntimeError(f"a stage's hidden state is {x.dtype}, its parameters {p.dtype}.")
             dist.send(x.contiguous(), dst=stage_rank(ps, (c + 1) % ps.pp_size), group=ps.pp_group)
     if kv_cache is not None:
-        kv_cache.length += s
+        kv_cache.advance(s)
     return logits
