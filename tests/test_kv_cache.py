@@ -146,3 +146,41 @@ def test_cache_refuses_what_does_not_fit():
     cache.feed([4, 2])
     with pytest.raises(ValueError, match="cannot add 4"):
         model(torch.zeros(2, 3, dtype=torch.long), kv_cache=cache)
+
+
+def test_a_row_reset_mid_batch_takes_a_new_prompt_beside_decoding_rows():
+    """Continuous batching's step: after a few decode steps row 1 is emptied and given a new prompt in the same
+    forward that feeds rows 0 and 2 their next token (one column each); every row then decodes what its prompt
+    gives alone, greedy (row 1's old keys, still in its slots, are never read)."""
+    model = GPT(GPTConfig(**CONFIGS["llama"]))
+    model.eval()
+    greedy = SamplingOptions(NEW, greedy=True)
+    first, second = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], PROMPTS[3]
+    alone = [generate_tokens(model, [p], greedy)[0] for p in first + [second]]
+    vocab = model.config.vocab_size
+
+    def argmax(logits):
+        return logits[:, :vocab].argmax(-1)
+    cache = KVCache(model, 3, 32)
+    got: list[list[int]] = [[], [], []]
+    with torch.no_grad():
+        nxt = argmax(prefill(model, cache, right_padded(first, max(map(len, first))), [len(p) for p in first]))
+        for _ in range(3):
+            for row, t in zip(got, nxt.tolist()):
+                row.append(t)
+            nxt = argmax(decode(model, cache, nxt))
+        assert got == [a[:3] for a in alone[:3]]
+        cache.reset([1])
+        tokens = torch.zeros(3, len(second), dtype=torch.long)
+        tokens[:, 0] = nxt
+        tokens[1] = torch.tensor(second)
+        got[0].append(int(nxt[0]))
+        got[2].append(int(nxt[2]))
+        got[1] = []
+        nxt = argmax(prefill(model, cache, tokens, [1, len(second), 1]))
+        for _ in range(4):
+            for row, t in zip(got, nxt.tolist()):
+                row.append(t)
+            nxt = argmax(decode(model, cache, nxt))
+    assert cache.lengths.tolist() == [len(first[0]) + 8, len(second) + 4, len(first[2]) + 8]
+    assert got == [alone[0][:8], alone[3][:4], alone[2][:8]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,9 +45,13 @@ class SamplingOptions:
 
     def __post_init__(self) -> None:
         check_sampling(self.max_new_tokens, self.argmax, self.temperature, self.top_k, self.top_p)
-        if isinstance(self.stop_ids, (str, bytes)) or not all(isinstance(t, int) for t in self.stop_ids):
-            raise UserError(f"stop_ids must be token ids (integers), got {self.stop_ids!r}.")
-        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        try:
+            if isinstance(self.stop_ids, (str, bytes)):
+                raise TypeError
+            stop = tuple(operator.index(t) for t in self.stop_ids)
+        except TypeError:
+            raise UserError(f"stop_ids must be a sequence of token ids (integers), got {self.stop_ids!r}.") from None
+        object.__setattr__(self, "stop_ids", stop)
 
     @property
     def argmax(self) -> bool:

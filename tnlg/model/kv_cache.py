@@ -13,7 +13,8 @@ row's length hold whatever an earlier forward left there (padding's keys, zeros)
 the forward :meth:`KVCache.feed` may say how many of the ``s`` columns of each row are real (a right-padded
 prefill: row ``i``'s tokens in columns ``0 .. counts[i] - 1``); the row then advances by that many and its
 next-token logits are those of column ``counts[i] - 1`` (:meth:`KVCache.last_positions`). Without
-:meth:`feed` every row advances by ``s``.
+:meth:`feed` every row advances by ``s``. :meth:`reset` empties rows (a request's row taken by the next one),
+which the next forward refills beside the other rows' decode tokens.
 
 While every row has the same length (``uniform``) the attention takes the same path as a single
 sequence's (no mask for one new token, causality otherwise): only rows at different lengths pay for a
@@ -88,6 +89,16 @@ class KVCache:
                              f"got new-token counts {counts}.")
         self.counts = torch.tensor(counts, dtype=torch.long, device=self.device)
         self._counts_max, self._counts_equal = max(counts), len(set(counts)) == 1
+
+    def reset(self, rows: Sequence[int]) -> None:
+        """Empty rows ``rows`` (a finished request's row, taken by a new one): their lengths back to 0, so
+        the next forward writes their new tokens from slot 0 (with :meth:`feed`, a new prompt beside other
+        rows' single decode tokens). Reads the longest remaining length (one device sync)."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        self.lengths.index_fill_(0, index, 0)
+        self.end = int(self.lengths.max())
+        self.uniform = bool((self.lengths == self.end).all())
+        self._per_forward.clear()
 
     def start(self, s: int) -> int:
         """The first slot a forward of ``s`` columns writes (when the rows are ``uniform``; else a bound),
