@@ -33,7 +33,7 @@ CONFIGS = {
                   add_bias_linear=False, group_query_attention=True, num_query_groups=2, sliding_window=4,
                   window_layers=[1, 0]),
 }
-GARBAGE = 1e4  # what the slots past a row's length are filled with (finite: see test_rows_never_read_their_unused_slots)
+GARBAGE = 1e4  # what fills the slots past a row's length (finite: test_rows_never_read_their_unused_slots)
 
 
 def _teacher_forced(model, prompts, continuations, garbage: bool) -> list[torch.Tensor]:

@@ -152,10 +152,11 @@ class DecoderBase(nn.Module):
         is ``run(tokens, range(L))``; a pipeline chunk runs its layers.
 
         ``position_ids`` ``[b, s]`` and ``attention_mask`` ``[b, s, s]`` (with CP the whole sequence's document
-        ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (with ``kv_cache`` each
-        row's from its length; with CP this rank's chunks'). ``kv_cache``: keys and values of past positions
-        (:mod:`tnlg.model.kv_cache`; its lengths are advanced by the caller, once every layer has run). Sequence parallelism runs when
-        configured and ``sequence_parallel``, except for incremental decoding and sequences shorter than TP;
+        ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (with ``kv_cache``
+        each row's from its length; with CP this rank's chunks'). ``kv_cache``: keys and values of past
+        positions (:mod:`tnlg.model.kv_cache`; its lengths are advanced by the caller, once every layer has
+        run). Sequence parallelism runs when configured and ``sequence_parallel``, except for incremental
+        decoding and sequences shorter than TP;
         between pipeline stages (``first`` false) the sequence is a training sample's (``seq_length``, this
         CP rank's share)."""
         incremental = kv_cache is not None or last_only
