@@ -190,6 +190,11 @@ def test_bad_inputs():
         generate_ids(model, [[1, 50]], 4)
     with pytest.raises(UserError, match="non-empty list"):
         generate_ids(model, [], 4)
+    from tnlg.generation import SamplingOptions
+    for bad in ("ab", (1, 2.5), 7):
+        with pytest.raises(UserError, match="stop_ids must be a sequence of token ids"):
+            SamplingOptions(4, stop_ids=bad)
+    assert SamplingOptions(4, temperature=0.0).argmax and SamplingOptions(4, stop_ids=[3]).stop_ids == (3,)
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def _read_prompts(args) -> list[str]:
 def _generate_here(args, ps, prompts: list[str]) -> dict:
     import torch.distributed as dist
 
-    from ..generation import continuation_text, generate_ids
+    from ..generation import SamplingOptions, continuation_text, generate_tokens
     from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
     step_note("generate", ps, loading_note(args.checkpoint, ps) + " ...")
@@ -79,10 +79,10 @@ def _generate_here(args, ps, prompts: list[str]) -> dict:
     mine = prompts[first:first + share]
     ids = [list(tokenizer.encode(p)) or [tokenizer.eod_id] for p in mine]
     t0 = time.time()
-    new = generate_ids(model, ids, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod_id=tokenizer.eod_id,
-                       stop_at_eod=args.stop_at_eod, use_cache=args.use_cache, vocab_size=tokenizer.vocab_size,
-                       batch_size=args.micro_batch_size, seed_offset=first) if mine else []
+    options = SamplingOptions(args.max_new_tokens, args.greedy, args.temperature, args.top_k, args.top_p, args.seed,
+                              (tokenizer.eod_id,) if args.stop_at_eod else ())
+    new = generate_tokens(model, ids, options, vocab_size=tokenizer.vocab_size, batch_size=args.micro_batch_size,
+                          seed_offset=first, use_cache=args.use_cache) if mine else []
     seconds = time.time() - t0
     results = [{"prompt": p, "text": continuation_text(tokenizer, i, n, args.stop_at_eod), "tokens": n}
                for p, i, n in zip(mine, ids, new)]
@@ -125,7 +125,7 @@ def run(args) -> int:
               f"{f' x PP={pp}' if pp > 1 else ''}",
               file=sys.stderr)
 
-    from ..generation.generator import check_sampling
+    from ..generation import check_sampling
     from ..generation.loading import precheck_checkpoint
     check_sampling(args.max_new_tokens, args.greedy or args.temperature == 0, args.temperature, args.top_k,
                     args.top_p)

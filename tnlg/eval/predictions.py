@@ -4,15 +4,15 @@ A prompt is tokenized as ``tnlg preprocess`` tokenizes a document (``tokenizer.e
 id and no BOS beyond what the tokenizer itself adds); an empty prompt starts from the end-of-document id, as
 ``tnlg generate`` starts one. A conversation's prompt is the turns before its last assistant turn, rendered by
 the chat template fine-tuning uses with the generation prompt (:func:`tnlg.data.chat.prompt_segments`) and
-encoded segment by segment as fine-tuning encodes them (:func:`tnlg.data.sft.tokenize_segments`). Generation is :func:`tnlg.generation.generate_ids` with ``greedy=True``: the
-KV cache, left-padded batches of ``micro_batch_size`` prompts, any TP x PP layout, stopping after the
+encoded segment by segment as fine-tuning encodes them (:func:`tnlg.data.sft.tokenize_segments`). Generation is :func:`tnlg.generation.generate_tokens`, greedy: the
+KV cache, batches of ``micro_batch_size`` prompts (each row at its own length), any TP x PP layout, stopping after the
 end-of-document id or ``max_new_tokens``. The prediction is the text the new ids add after the prompt
 (:func:`tnlg.generation.continuation_text`), the end-of-document id not part of it.
 
 A prompt with fewer than ``max_new_tokens`` positions left before ``seq_length`` is generated alone, up to
 ``seq_length`` (in a batch the longest prompt would cut every row); one that ends there without the
 end-of-document id is counted as cut.
-Collectives: those of :func:`tnlg.generation.generate_ids` (every TP rank and pipeline stage of a group
+Collectives: those of :func:`tnlg.generation.generate_tokens` (every TP rank and pipeline stage of a group
 calls this with the same prompts and gets the same result).
 """
 
@@ -22,7 +22,7 @@ from typing import Sequence
 
 from ..data.chat import chat_template_for, prompt_segments
 from ..data.sft import tokenize_segments
-from ..generation import check_prompts, continuation_text, generate_ids
+from ..generation import SamplingOptions, check_prompts, continuation_text, generate_tokens
 from .completion_rows import CompletionRow
 from .scoring import mean_scores, score_example
 
@@ -57,18 +57,23 @@ def greedy_predictions(model, tokenizer, prompts: Sequence[Sequence[int]], max_n
     generation stopped there), "prediction": their text, "cut_by_seq_length": bool}``."""
     seq = model.config.seq_length
     ids = check_prompts([list(p) for p in prompts], seq, model.config.vocab_size)
-    common = dict(greedy=True, eod_id=tokenizer.eod_id, stop_at_eod=True, vocab_size=tokenizer.vocab_size)
+    vocab = tokenizer.vocab_size
     fits = [i for i, p in enumerate(ids) if len(p) + max_new_tokens <= seq]
     new: list = [None] * len(ids)
     if fits:
-        out = generate_ids(model, [ids[i] for i in fits], max_new_tokens, batch_size=micro_batch_size, **common)
+        out = generate_tokens(model, [ids[i] for i in fits], _greedy(max_new_tokens, tokenizer), vocab_size=vocab,
+                              batch_size=micro_batch_size)
         for i, n in zip(fits, out):
             new[i] = n
     for i in (i for i in range(len(ids)) if new[i] is None):  # alone, up to seq_length
-        new[i] = generate_ids(model, [ids[i]], seq - len(ids[i]), **common)[0]
+        new[i] = generate_tokens(model, [ids[i]], _greedy(seq - len(ids[i]), tokenizer), vocab_size=vocab)[0]
     return [{"tokens": n, "prediction": continuation_text(tokenizer, p, n, True),
              "cut_by_seq_length": len(p) + max_new_tokens > seq and not (n and n[-1] == tokenizer.eod_id)}
             for p, n in zip(ids, new)]
+
+
+def _greedy(max_new_tokens: int, tokenizer) -> SamplingOptions:
+    return SamplingOptions(max_new_tokens, greedy=True, stop_ids=(tokenizer.eod_id,))
 
 
 def scored_rows(rows: Sequence[CompletionRow], predictions: Sequence[dict],

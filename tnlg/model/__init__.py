@@ -54,15 +54,17 @@ attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5
 :meth:`~DecoderBase.run` is the one forward: embedding when it holds the first layer, blocks, head when it
 holds the last), :mod:`.stage` (a pipeline rank's part of it, :class:`StageModel`, and the chunk a schedule
 runs), :mod:`.block`, :mod:`.attention` (with its core in a slot: SDPA locally, the ring under context
-parallelism, chosen when the model is built), :mod:`.norms`, :mod:`.forward` (what one forward's layers
+parallelism, chosen when the model is built), :mod:`.kv_cache` (keys and values of past positions, a length per row),
+:mod:`.norms`, :mod:`.forward` (what one forward's layers
 share: the sequence split, rope's angles, the mask, the KV cache), :mod:`.inference` (forward-only passes
 through a pipeline's stages). The loss is outside the model's layers: :mod:`tnlg.parallel.loss`.
 """
 
-from .attention import KVCache, LocalAttention, ParallelAttention, local_kv_heads
+from .attention import LocalAttention, ParallelAttention
 from .block import Block, ParallelMLP, _dropout
 from .decoder import GPT, DecoderBase
 from .forward import ForwardContext
+from .kv_cache import KVCache, local_kv_heads
 from .norms import LayerNorm, RMSNorm, make_norm, norm_parameters
 from .stage import PipelineChunk, StageModel
 from ..parallel.vocab import gather_logits

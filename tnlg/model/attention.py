@@ -28,42 +28,11 @@ from ..parallel.rotary import rotate_qk
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
+from .kv_cache import KVCache, local_kv_heads
 from .norms import head_norm, norm_parameters
 
 __all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask"]
 
-
-class KVCache:
-    """Keys and values of past positions for incremental decoding, this rank's key/value heads only
-    (its query heads' without grouped-query attention; with it, the rank's KV groups: ``G`` heads in
-    all, not ``H``).
-
-    ``k[layer]``/``v[layer]`` are ``[batch, local_kv_heads, max_len, head_dim]`` (global layer index;
-    ``None`` for the layers of other pipeline stages when ``model`` is a pipeline rank's
-    :class:`~tnlg.model.stage.StageModel`); ``length`` is the number of positions already written.
-    Keys are stored rotated (rope), as transformers stores them.
-    """
-
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int, dtype=None, device=None):
-        cfg, ps = cast(GPTConfig, model.config), cast(ParallelState, model.ps)
-        like = next(model.parameters())  # (the GPT's and a stage's parameters share one dtype and device)
-        shape = (batch_size, local_kv_heads(cfg, ps.tp_size, ps.tp_rank), max_len, cfg.head_dim)
-        ranges = getattr(model, "chunk_ranges", [range(cfg.num_layers)])
-        mine = {i for r in ranges for i in r}
-
-        def cache():
-            return [torch.zeros(shape, dtype=dtype or like.dtype, device=device or like.device) if i in mine
-                    else None for i in range(cfg.num_layers)]
-        self.k, self.v = cache(), cache()
-        self.max_len = max_len
-        self.length = 0
-
-
-def local_kv_heads(cfg: GPTConfig, tp: int, tp_rank: int) -> int:
-    """Key/value heads TP rank ``tp_rank`` computes: its query heads', or its KV groups."""
-    if cfg.kv_groups == cfg.num_attention_heads:
-        return cfg.heads_per_rank(tp)[tp_rank]
-    return len(cfg.kv_groups_per_rank(tp)[tp_rank])
 
 def window_mask(s: int, kv_len: int, window: int, device=None) -> torch.Tensor:
     """``[s, kv_len]`` bool (True = may attend) of sliding-window causal attention for the last ``s`` of
@@ -226,10 +195,14 @@ class ParallelAttention(nn.Module):
             q, k = rotate_qk(q, k, *ctx.rotary)
         if self.score_scale != 1.0:  # the scores q k^T scaled as the config says (GPT-2's fields)
             q = q * self.score_scale
-        if ctx.kv_cache is not None:
-            k, v = self._cached(ctx.kv_cache, k, v)
+        cache = cast(Optional[KVCache], ctx.kv_cache)
+        if cache is not None:  # every row's new keys and values at its own length; every slot up to the longest
+            k, v = cache.update(self.layer_idx, k, v)
         kv_len, attention_mask = k.shape[2], ctx.attention_mask
-        if self.local_window is not None and kv_len > self.local_window:  # (else the window changes nothing)
+        if cache is not None and not cache.uniform:  # rows at their own lengths: each sees its own slots only
+            rows = cache.attention_mask(s, self.local_window)
+            attention_mask = rows if attention_mask is None else attention_mask & rows
+        elif self.local_window is not None and kv_len > self.local_window:  # (else the window changes nothing)
             window = window_mask(s, kv_len, self.local_window, x.device)
             attention_mask = window if attention_mask is None else attention_mask & window
         if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
@@ -250,10 +223,3 @@ class ParallelAttention(nn.Module):
             y = self.core(q, k, v, attention_mask, causal, dropout, gqa)
         return self.c_proj(ctx.tokens_first(y), sequence_parallel=ctx.sequence_parallel, sequence_sizes=ctx.sp,
                            synced_bias=synced_bias)
-
-    def _cached(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new keys and values written into the cache after its ``length`` positions; every position's."""
-        start, s = cache.length, k.shape[2]
-        cache.k[self.layer_idx][:, :, start:start + s] = k
-        cache.v[self.layer_idx][:, :, start:start + s] = v
-        return cache.k[self.layer_idx][:, :, :start + s], cache.v[self.layer_idx][:, :, :start + s]

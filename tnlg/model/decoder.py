@@ -22,9 +22,9 @@ from ..parallel.random import TPRandom
 from ..parallel.rotary import rotary_angles
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import ParallelState
-from .attention import KVCache
 from .block import Block, _dropout
 from .forward import ForwardContext
+from .kv_cache import KVCache
 from .norms import make_norm
 
 __all__ = ["DecoderBase", "GPT", "PositionEmbedding", "OutputLayer"]
@@ -116,9 +116,10 @@ class DecoderBase(nn.Module):
         return cast(SelfInitializing, self.get_submodule(owner)).initial_shard(leaf, param)
 
     def start_position(self, seq_len: int, kv_cache: Optional[KVCache]) -> int:
-        """The position of the first of ``seq_len`` new tokens: the cache's length, or 0 without one;
-        a ``ValueError`` when they would run past ``seq_length``."""
-        offset = kv_cache.length if kv_cache is not None else 0
+        """The position of the first of ``seq_len`` new tokens: the cache's length (its longest row's, rows
+        at their own lengths), or 0 without one; a ``ValueError`` when they would run past ``seq_length``
+        or the cache."""
+        offset = kv_cache.start(seq_len) if kv_cache is not None else 0
         if offset + seq_len > self.config.seq_length:
             raise ValueError(f"sequence of {offset + seq_len} tokens is longer than "
                              f"seq_length={self.config.seq_length}.")
@@ -152,10 +153,11 @@ class DecoderBase(nn.Module):
         is ``run(tokens, range(L))``; a pipeline chunk runs its layers.
 
         ``position_ids`` ``[b, s]`` and ``attention_mask`` ``[b, s, s]`` (with CP the whole sequence's document
-        ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (from the cache's
-        length with ``kv_cache``; with CP this rank's chunks'). ``kv_cache``: keys and values of past positions
-        (its ``length`` is advanced by the caller, once every layer has run). Sequence parallelism runs when
-        configured and ``sequence_parallel``, except for incremental decoding and sequences shorter than TP;
+        ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (with ``kv_cache``
+        each row's from its length; with CP this rank's chunks'). ``kv_cache``: keys and values of past
+        positions (:mod:`tnlg.model.kv_cache`; its lengths are advanced by the caller, once every layer has
+        run). Sequence parallelism runs when configured and ``sequence_parallel``, except for incremental
+        decoding and sequences shorter than TP;
         between pipeline stages (``first`` false) the sequence is a training sample's (``seq_length``, this
         CP rank's share)."""
         incremental = kv_cache is not None or last_only
@@ -164,8 +166,8 @@ class DecoderBase(nn.Module):
         sp = self.sequence_split(n, incremental or not sequence_parallel)
         s = x.shape[1] if first else x.shape[0] if sp is None else sum(sp)  # ([b, s] tokens, [s, b, h], [s_r, b, h])
         offset = self.start_position(s, kv_cache)
-        if position_ids is None:
-            position_ids = self.positions(s, offset, x.device)
+        if position_ids is None:  # (with a cache each row's from its own length)
+            position_ids = self.positions(s, offset, x.device) if kv_cache is None else kv_cache.positions(s)
         ctx = ForwardContext(sp, self.rotary(s, position_ids), attention_mask, kv_cache, last_only)
         if first:
             x = self.embed(x, position_ids, sp)
@@ -207,8 +209,8 @@ class DecoderBase(nn.Module):
         next token's). Collectives: ``f`` (backward: an all-reduce over TP); sequence-parallel an all-gather
         of the sequence instead (backward: a reduce-scatter)."""
         x = self.transformer["ln_f"](x, ctx.sequence_parallel)
-        if ctx.last_only:  # generation needs only the next token's logits
-            x = x[-1:]
+        if ctx.last_only:  # generation needs only the next token's logits (each row's last fed token's)
+            x = x[-1:] if ctx.kv_cache is None else ctx.kv_cache.last_positions(x)
         if not ctx.sequence_parallel:
             return F.linear(copy_to_tp(x, self.ps), self.output_weight)
         return column_parallel_linear(x, self.output_weight, None, self.ps, ctx.sp)
@@ -278,7 +280,7 @@ class GPT(DecoderBase):
         logits, ctx = self.run(tokens, range(self.config.num_layers), position_ids=position_ids,
                                attention_mask=attention_mask, kv_cache=kv_cache, last_only=last_only)
         if kv_cache is not None:
-            kv_cache.length += tokens.shape[1]
+            kv_cache.advance(tokens.shape[1])
         if labels is None:
             return ctx.batch_first(logits)
         # the loss is computed sequence-first, as the logits come

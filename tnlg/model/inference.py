@@ -14,8 +14,8 @@ without a pipeline. A plain :class:`tnlg.GPT` goes through the same calls unchan
 pipeline communication), which is how the evaluation and generation code serves both.
 
 Generation (:mod:`tnlg.generation`): each stage keeps the keys and values of its own layers
-(a :class:`tnlg.model.attention.KVCache` of the stage's model); every new token's hidden state ``[1, b, h]`` goes
-stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
+(a :class:`tnlg.model.kv_cache.KVCache` of the stage's model, a length per row); every new token's
+hidden state ``[1, b, h]`` goes stage to stage, the last stage chooses the token exactly as without a pipeline and broadcasts it to
 every stage, which all feed it next. Per new token: the layers' TP collectives, one send/recv per
 stage boundary, the sampler's TP collectives on the last stage, one broadcast of ``[b]`` ids over PP.
 
@@ -108,5 +108,5 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
                 raise RuntimeError(f"a stage's hidden state is {x.dtype}, its parameters {p.dtype}.")
             dist.send(x.contiguous(), dst=stage_rank(ps, (c + 1) % ps.pp_size), group=ps.pp_group)
     if kv_cache is not None:
-        kv_cache.length += s
+        kv_cache.advance(s)
     return logits

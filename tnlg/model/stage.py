@@ -91,8 +91,8 @@ class PipelineChunk(nn.Module):
         ``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` ``[b, s, s]`` (every stage): a
         micro batch's per-document positions and block-diagonal mask (``--reset-position-ids`` /
         ``--reset-attention-mask``), as the GPT takes them; ``None``: causal, positions from 0 (from
-        the cache's length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its
-        ``length`` is advanced by the caller, once every chunk has run); ``last_only``: the logits of
+        each row's cache length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its
+        lengths are advanced by the caller, once every chunk has run); ``last_only``: the logits of
         the last position only; ``sequence_parallel=False``: every TP rank holds the whole sequence
         ``[s, b, h]`` whatever the config says (the forward-only passes, whose batches vary in length).
         Sequence-parallel training: the activations between stages are this rank's positions
