@@ -83,7 +83,9 @@ def test_eval_docs_generation_snippet_runs_as_written_after_a_plain_import(tmp_p
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     printed = done.stdout.strip().splitlines()
-    assert len(printed) == 2 and printed[0].startswith("[") and printed[1].startswith("[[")
+    # the sampled texts, then the same greedy ids twice (SamplingOptions with generate_tokens, and the keywords)
+    assert len(printed) == 3 and printed[0].startswith("[") and printed[1].startswith("[[")
+    assert printed[1] == printed[2]
 
 
 def test_hf_docs_export_snippet_runs_as_written(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import GPTConfig
-from ..parallel.context import context_parallel_attention
 from ..parallel.layers import ColumnParallelLinear, KVGroupParallelLinear, RowParallelLinear, column_parallel_linears
 from ..parallel.mappings import copy_to_tp_coalesced
 from ..parallel.random import TPRandom
@@ -30,6 +29,7 @@ from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 from .kv_cache import KVCache, local_kv_heads
 from .norms import head_norm, norm_parameters
+from .spec import BlockSpec, block_spec
 
 __all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask"]
 
@@ -51,9 +51,28 @@ class LocalAttention:
     SDPA's ``enable_gqa`` where the index is SDPA's pattern (``native_gqa``; CUDA: flash or math only, so not
     with a mask, which would lose the memory-efficient kernel; the CPU's flash kernel takes masks)."""
 
-    def __init__(self, tp_random: TPRandom, kv_index: Optional[tuple[int, ...]] = None, native_gqa: bool = False):
-        self.tp_random, self.kv_index, self.native_gqa = tp_random, kv_index, native_gqa
+    def __init__(self, tp_random: TPRandom, kv_index: Optional[tuple[int, ...]] = None, native_gqa: bool = False,
+                 window: Optional[int] = None):
+        self.tp_random, self.kv_index, self.native_gqa, self.window = tp_random, kv_index, native_gqa, window
         self._kv_index: dict = {}  # (per device: a meta-built model materialises parameters only)
+
+    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache: Optional[KVCache],
+             device) -> Optional[torch.Tensor]:
+        """The mask SDPA takes for ``s`` queries over ``kv_len`` keys (``None``: causal, or none at all for one
+        new token after a cache): the forward's ``attention_mask`` (``[b, s, kv]`` / ``[s, kv]``, True = may
+        attend) with this core's sliding window, each row's own cache slots when the cache's rows differ in
+        length, and causality after a cache; ``[b, 1, s, kv]`` where it is per row."""
+        if cache is not None and not cache.uniform:  # rows at their own lengths: each sees its own slots only
+            rows = cache.attention_mask(s, self.window)
+            attention_mask = rows if attention_mask is None else attention_mask & rows
+        elif self.window is not None and kv_len > self.window:  # (else the window changes nothing)
+            window = window_mask(s, kv_len, self.window, device)
+            attention_mask = window if attention_mask is None else attention_mask & window
+        if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
+            attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=device).tril(kv_len - s)
+        if attention_mask is not None and attention_mask.dim() == 3:
+            attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
+        return attention_mask
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
                     dropout: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -110,11 +129,12 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
-                 init_key: str = ""):
+                 init_key: str = "", spec: Optional[BlockSpec] = None):
         super().__init__()
         heads = cfg.heads_per_rank(ps.tp_size)
         self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
-        self.window = cfg.layer_window(layer_idx)
+        spec = spec or block_spec(cfg, ps, layer_idx)
+        self.window = spec.window
         self.dropout = cfg.attention_dropout
         # GPT-2's scale_attn_weights / scale_attn_by_inverse_layer_idx: a factor on the queries, so every core
         # (SDPA, the dropout stream, the ring and its backward) applies it with its own 1 / sqrt(d)
@@ -154,9 +174,7 @@ class ParallelAttention(nn.Module):
             self.q_norm = head_norm(cfg, ps, join_key(init_key, "q_norm"), device)
             self.k_norm = head_norm(cfg, ps, join_key(init_key, "k_norm"), device)
         kv_heads = self.kv_index if self.grouped else None
-        ring = context_parallel_attention(ps, kv_heads, self.window)
-        self.core = ring or LocalAttention(tp_random, kv_heads, self.grouped and self.native_gqa)
-        self.local_window = self.window if ring is None else None  # (the ring applies its window itself)
+        self.core = spec.core(ps, tp_random, kv_heads, self.grouped and self.native_gqa, self.window)
 
     def _qkv(self, x: torch.Tensor, ctx: ForwardContext):
         """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
@@ -198,17 +216,8 @@ class ParallelAttention(nn.Module):
         cache = cast(Optional[KVCache], ctx.kv_cache)
         if cache is not None:  # every row's new keys and values at its own length; every slot up to the longest
             k, v = cache.update(self.layer_idx, k, v)
-        kv_len, attention_mask = k.shape[2], ctx.attention_mask
-        if cache is not None and not cache.uniform:  # rows at their own lengths: each sees its own slots only
-            rows = cache.attention_mask(s, self.local_window)
-            attention_mask = rows if attention_mask is None else attention_mask & rows
-        elif self.local_window is not None and kv_len > self.local_window:  # (else the window changes nothing)
-            window = window_mask(s, kv_len, self.local_window, x.device)
-            attention_mask = window if attention_mask is None else attention_mask & window
-        if attention_mask is None and kv_len != s and s > 1:  # causal with an offset (a chunk after a cache)
-            attention_mask = torch.ones(s, kv_len, dtype=torch.bool, device=x.device).tril(kv_len - s)
-        if attention_mask is not None and attention_mask.dim() == 3:
-            attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
+        kv_len = k.shape[2]
+        attention_mask = self.core.mask(ctx.attention_mask, s, kv_len, cache, x.device)  # (the core's window)
         dropout = self.dropout if self.training else 0.0
         k, v, gqa = self.core.keys_values(k, v, attention_mask, dropout)
         # one new token after a cache sees every cached key: neither a mask nor causality applies

@@ -24,6 +24,7 @@ from .attention import ParallelAttention
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 from .norms import make_norm, norm_parameters
+from .spec import BlockSpec, block_spec
 
 __all__ = ["ParallelMLP", "Block"]
 
@@ -71,17 +72,20 @@ def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_sp
 
 class Block(nn.Module):
     """Pre-norm transformer block (LayerNorm or RMSNorm); optional activation checkpointing (recompute in backward).
+    Built from its layer's :class:`~tnlg.model.spec.BlockSpec` (the attention core and the MLP are slots).
 
     ``x`` is sequence-first ``[s, b, h]``, sequence-parallel this rank's positions ``[s_r, b, h]`` (the
     :class:`~tnlg.model.forward.ForwardContext`'s ``sp`` says which)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
-                 init_key: str = ""):
+                 init_key: str = "", spec: Optional[BlockSpec] = None):
         super().__init__()
+        spec = spec or block_spec(cfg, ps, layer_idx)  # (the slots: the attention core, the MLP)
         self.ln_1 = make_norm(cfg, ps, join_key(init_key, "ln_1"), device)
-        self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device, init_key=join_key(init_key, "attn"))
+        self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device, init_key=join_key(init_key, "attn"),
+                                      spec=spec)
         self.ln_2 = make_norm(cfg, ps, join_key(init_key, "ln_2"), device)
-        self.mlp = ParallelMLP(cfg, ps, device=device, init_key=join_key(init_key, "mlp"))
+        self.mlp = spec.mlp(cfg, ps, layer_idx, device, join_key(init_key, "mlp"))
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp_random = tp_random
         self.recompute = cfg.effective_recompute_granularity == "full"
@@ -91,7 +95,7 @@ class Block(nn.Module):
         that meet this rank's positions only) through one coalesced ``f``: ``(ln_1's, ln_2's, attention
         bias, MLP bias)``, ``None`` for a bias the model does not have."""
         n1, n2 = norm_parameters(self.ln_1), norm_parameters(self.ln_2)
-        biases = [self.attn.c_proj.bias, self.mlp.c_proj.bias]
+        biases = [self.attn.c_proj.bias, getattr(getattr(self.mlp, "c_proj", None), "bias", None)]
         synced = copy_to_tp_coalesced([*n1, *n2, *(b for b in biases if b is not None)], self.attn.c_proj.ps)
         ln1, ln2, rest = synced[:len(n1)], synced[len(n1):len(n1) + len(n2)], list(synced[len(n1) + len(n2):])
         attn_bias, mlp_bias = (rest.pop(0) if b is not None else None for b in biases)

@@ -26,6 +26,7 @@ from .block import Block, _dropout
 from .forward import ForwardContext
 from .kv_cache import KVCache
 from .norms import make_norm
+from .spec import block_spec
 
 __all__ = ["DecoderBase", "GPT", "PositionEmbedding", "OutputLayer"]
 
@@ -78,14 +79,18 @@ class DecoderBase(nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.positions = TokenPositions(ps)
 
-    def part(self, name: str, device=None) -> nn.Module:
-        """The module ``transformer.<name>`` (``wte``, ``wpe``, ``drop``, ``h.<layer>``, ``ln_f``) or
-        ``lm_head`` (the untied LM head); ``device`` ``None``: the parallel state's (for a virtual
-        state, the current default device, e.g. ``torch.device("meta")``)."""
+    def part(self, name: str, device=None, *, layer: Optional[int] = None) -> nn.Module:
+        """The module ``transformer.<name>`` (``wte``, ``wpe``, ``drop``, ``h`` with ``layer`` its global index,
+        ``ln_f``) or ``lm_head`` (the untied LM head); ``device`` ``None``: the parallel state's (for a virtual
+        state, the current default device, e.g. ``torch.device("meta")``). A block is built from its layer's
+        :class:`~tnlg.model.spec.BlockSpec`."""
         cfg, ps = self.config, self.ps
         device = device if device is not None else (None if ps.virtual else ps.device)
         init, seed, h = init_normal(cfg.init_method_std), cfg.seed, cfg.hidden_size
-        key = name if name == "lm_head" else f"transformer.{name}"
+        if (name == "h") != (layer is not None):
+            raise ValueError(f"part({name!r}, layer={layer!r}): a block is part('h', layer=i), other parts take "
+                             f"no layer.")
+        key = name if name == "lm_head" else f"transformer.{name}" if layer is None else f"transformer.h.{layer}"
         if name == "wte":
             return VocabParallelEmbedding(cfg.vocab_size, h, ps, self.padded_vocab_size, device=device,
                                           init_method=init, seed=seed, init_key=key)
@@ -93,8 +98,11 @@ class DecoderBase(nn.Module):
             return PositionEmbedding(cfg.seq_length, h, init, seed, key, device)
         if name == "drop":
             return nn.Dropout(cfg.hidden_dropout)
-        if name.startswith("h."):
-            return Block(cfg, ps, int(name[2:]), self.tp_random, device=device, init_key=key)
+        if layer is not None:
+            if not 0 <= layer < cfg.num_layers:
+                raise ValueError(f"the GPT has layers 0..{cfg.num_layers - 1}, not {layer}.")
+            return Block(cfg, ps, layer, self.tp_random, device=device, init_key=key,
+                         spec=block_spec(cfg, ps, layer))
         if name == "ln_f":
             return make_norm(cfg, ps, key, device)
         if name == "lm_head":
@@ -241,7 +249,7 @@ class GPT(DecoderBase):
         self.heads_per_rank = config.heads_per_rank(self.ps.tp_size)
         names = stage_parts(config, first=True, last=True)
         parts = {name: self.part(name, device) for name in names if name not in ("ln_f", "lm_head")}
-        parts["h"] = nn.ModuleList(self.part(f"h.{i}", device) for i in range(config.num_layers))
+        parts["h"] = nn.ModuleList(self.part("h", device, layer=i) for i in range(config.num_layers))
         parts["ln_f"] = self.part("ln_f", device)
         self.transformer = nn.ModuleDict(parts)
         if "lm_head" in names:

@@ -50,7 +50,7 @@ class StageModel(DecoderBase):
         super().__init__(config, ps)
         self.chunk_ranges = list(chunks)
         tied = not config.untie_embeddings_and_output_weights
-        parts: dict = dict(h=nn.ModuleDict({str(i): self.part(f"h.{i}", device)
+        parts: dict = dict(h=nn.ModuleDict({str(i): self.part("h", device, layer=i)
                                             for r in self.chunk_ranges for i in r}))
         names = stage_parts(config, ps.is_first_stage, ps.is_last_stage)
         parts.update((name, self.part(name, device)) for name in names if name != "lm_head")

@@ -407,6 +407,13 @@ class RingAttention:
                  window: Optional[int] = None):
         self.group, self.kv_heads, self.window = group, kv_heads, window
 
+    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache, device) -> Optional[torch.Tensor]:
+        """The mask as the ring takes it: the whole sequence's document ids ``[b, s]`` as given, or ``None``
+        (causal); the window is the ring's own (no KV cache under context parallelism)."""
+        if cache is not None:
+            raise ValueError("the ring attention of context parallelism runs no KV cache.")
+        return attention_mask
+
     def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask, dropout: float):
         """The keys and values as they are (the ring reads the groups itself)."""
         return k, v, False
