@@ -191,3 +191,19 @@ def test_a_fine_tuning_run_logs_about_twenty_lines_unless_told(made):
     assert interval("--config", str(made / "run.toml")) == 3
     words = " ".join(parser._subparsers._group_actions[0].choices["finetune"].format_help().split())
     assert "--train-iters / 20, at least 1: about 20 lines a run" in words, words
+
+
+def test_the_workers_get_a_switch_given_in_its_negative_spelling(made):
+    """The workers parse the arguments again: ``--no-calculate-per-token-loss`` (fine-tuning's default is on)
+    reaches them."""
+    from tnlg.cli import build_parser
+    from tnlg.commands.finetune import add_arguments, options
+    from tnlg.runtime.launch import argv_of
+    parser = build_parser(only="finetune")
+    args = parser.parse_args(["finetune", "--load", str(made / "ckpt"), "--sft-data-path", str(made / "rows.jsonl"),
+                              "--save", str(made / "ft"), "--train-iters", "4", "--no-calculate-per-token-loss"])
+    argv = argv_of(add_arguments, args)
+    assert "--no-calculate-per-token-loss" in argv, argv
+    again = parser.parse_args(["finetune", *argv])
+    assert vars(again) == vars(args)
+    assert not options(again).schedule.calculate_per_token_loss
