@@ -207,3 +207,24 @@ def test_the_workers_get_a_switch_given_in_its_negative_spelling(made):
     again = parser.parse_args(["finetune", *argv])
     assert vars(again) == vars(args)
     assert not options(again).schedule.calculate_per_token_loss
+
+
+def test_a_conversion_killed_midway_is_converted_again(made):
+    """A launch killed while it converted ``--load`` into ``SAVE/base`` leaves its folder in progress there (and
+    the start's record): the next launch with the same ``--load`` converts again, whole."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from tnlg.checkpoint.files import make_save_dir, resolve
+    from tnlg.cli import build_parser
+    from tnlg.commands.finetune import options
+    argv = ["finetune", "--load", str(_hf_folder(made / "a", 0)), "--tokenizer-model", "builtin", "--sft-data-path",
+            str(made / "rows.jsonl"), "--save", str(made / "ft"), "--train-iters", "1"]
+    options(build_parser(only="finetune").parse_args(argv))
+    base = made / "ft" / "base"
+    shutil.rmtree(base)
+    base.mkdir()
+    make_save_dir(str(base / "iter_0000000.tmp"))  # (what the killed conversion left)
+    o = options(build_parser(only="finetune").parse_args(argv))
+    assert o.checkpoint.load == str(base) and resolve(str(base)) == str(base / "iter_0000000")
+    assert sorted(os.listdir(base)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]

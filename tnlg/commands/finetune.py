@@ -185,9 +185,12 @@ class Start:
         convert = kind != "ckpt" and last_checkpoint(base) is None and not own
         if convert and under_launcher():
             raise UserError(f"--load {src!r} is a {KINDS[kind]}: convert it before launching (tnlg convert --from "
-                            f"{kind} {src} --to {base}), or start tnlg finetune with --nproc-per-node instead of "
-                            f"torchrun, which converts it once.")
+                            f"{kind} {src} --to DIR, then --load DIR), or start tnlg finetune with --nproc-per-node "
+                            f"instead of torchrun, which converts it once into {base}.")
         load = base if os.path.isdir(base) or not own else save  # (a resumed run needs no base; it may be gone)
+        if kind != "ckpt" and not convert and load == base:
+            notes.append(f"note: {base} holds --load {src} converted by an earlier launch of this run (the same "
+                         f"files: {source.describe()}); using it.")
         tok = said.get("tokenizer_model")  # else a Hugging Face folder's own, when tnlg reads it; else the record
         if tok is None and kind == "hf" and _loads_as_tokenizer(src):
             tok = src
@@ -219,7 +222,8 @@ class Start:
         """The run's options: the user's, over the model's shape and tokenizer, with ``--finetune``, ``--load``
         (before the conversion: ``--load`` as given, a folder, for the checks), ``--save`` and fine-tuning's
         defaults (:data:`LOG_LINES`, the per-token loss)."""
-        model = {n: v for n, v in _manifest_options(self.meta).items() if n in _model_fields() and n not in self.said}
+        fields = _model_fields()
+        model = {n: v for n, v in _manifest_options(self.meta).items() if n in fields and n not in self.said}
         values = {**self.said, **model, "finetune": True, "save": self.save, "tokenizer_model": self.tokenizer_model,
                   "load": self.said["load"] if self.convert else self.load}
         defaults: dict = {"calculate_per_token_loss": True}
@@ -248,6 +252,7 @@ class Start:
         if not self.convert:
             return
         src, kind = self.said["load"], self.source.kind
+        _remove_unfinished(self.load)
         if kind == "hf":
             from ..interop.hf_checkpoint import hf_to_checkpoint
             from .convert import check_hf_packages
@@ -302,6 +307,15 @@ def _check_record(save: str, src: str, source, notes: list) -> bool:
                         f"Remove {base!r} (it is then converted again from --load), or give another --save. "
                         f"Nothing was written.")
     return True
+
+
+def _remove_unfinished(base: str) -> None:
+    """What a conversion into ``base`` that was killed left (folders its save marked as in progress): the
+    record says ``base`` is this run's, converted from this ``--load``, so it is converted again whole."""
+    from ..checkpoint.files import is_ours, remove_tree
+    for name in os.listdir(base) if os.path.isdir(base) else ():
+        if is_ours(os.path.join(base, name)):
+            remove_tree(os.path.join(base, name))
 
 
 def _manifest(load: str) -> dict:
