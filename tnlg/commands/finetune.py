@@ -110,9 +110,11 @@ def _run(args: argparse.Namespace) -> int:
         check_sft_data(o)  # the rows last: their tokens are the first thing written
     start.commit()
     o = start.options(world)
+    if start.notes and is_rank0():  # (here: the workers are given --save, and find the base converted)
+        print("\n".join(start.notes), flush=True)
     start_flight_recorder(o.checkpoint.save, o.precision.device)
     extra = ["--save", start.save] if not hasattr(args, "save") else []
-    return launch(_command(args), o, nproc, notes=start.notes, extra=extra)
+    return launch(_command(args), o, nproc, extra=extra)
 
 
 def options(args: argparse.Namespace, world_size: Optional[int] = None):
@@ -188,9 +190,9 @@ class Start:
                             f"{kind} {src} --to DIR, then --load DIR), or start tnlg finetune with --nproc-per-node "
                             f"instead of torchrun, which converts it once into {base}.")
         load = base if os.path.isdir(base) or not own else save  # (a resumed run needs no base; it may be gone)
-        if kind != "ckpt" and not convert and load == base:
-            notes.append(f"note: {base} holds --load {src} converted by an earlier launch of this run (the same "
-                         f"files: {source.describe()}); using it.")
+        if kind != "ckpt" and not convert and load == base and not under_launcher():
+            notes.append(f"note: {base} holds --load {src}, converted by an earlier launch of this run from the same "
+                         f"files ({source.describe()}); using it.")
         tok = said.get("tokenizer_model")  # else a Hugging Face folder's own, when tnlg reads it; else the record
         if tok is None and kind == "hf" and _loads_as_tokenizer(src):
             tok = src
