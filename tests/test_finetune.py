@@ -85,15 +85,9 @@ def _train(ps, runs):
 
 
 def _options(args_list, world):
-    from tnlg.commands.finetune import prepare
-    from tnlg.commands.pretrain_args import resolve
+    from tnlg.commands.finetune import options
     from tnlg.cli import build_parser
-    out = []
-    for argv in args_list:
-        args = build_parser(only="finetune").parse_args(["finetune", *argv])
-        prepare(args)
-        out.append(resolve(args, world_size=world))
-    return out
+    return [options(build_parser(only="finetune").parse_args(["finetune", *argv]), world) for argv in args_list]
 
 
 LAYOUTS = {1: [("tp1", [])], 2: [("tp2-sp", ["--tp", "2", "--sequence-parallel"]), ("cp2", ["--cp", "2"]),

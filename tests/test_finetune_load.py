@@ -1,16 +1,14 @@
 """What ``--load`` may not silently become: random weights.
 
-A fine-tuning run's options are prepared once per argument namespace (:func:`tnlg.commands.finetune.prepare`);
-it once remembered the namespaces by ``id`` alone, so a new namespace born at a freed one's address was taken for
-prepared, kept the Hugging Face folder as ``--load`` and no ``--finetune``, and trained from random weights with
-exit 0 (seen as a flaky ``test_finetune``: one layout's losses started at ln(vocab)). And a folder that holds no
-tnlg checkpoint was read as an empty root ("start from scratch") even where it is a Hugging Face folder, or where
-the run takes only its starting weights from it.
+A fine-tuning run's options are built from its arguments (:func:`tnlg.commands.finetune.options`), which stay as
+parsed: no namespace is changed in place, so none can be taken for one already prepared (that once kept a
+Hugging Face folder as ``--load`` without ``--finetune`` and trained from random weights with exit 0). And a
+folder that holds no tnlg checkpoint was read as an empty root ("start from scratch") even where it is a Hugging
+Face folder, or where the run takes only its starting weights from it.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 
@@ -36,24 +34,20 @@ def base(tmp_path_factory):
     return tmp
 
 
-def test_each_new_namespace_is_prepared_even_at_a_freed_ones_address(base, monkeypatch):
-    """Every namespace given the same address (what CPython does, now and then, for a namespace created after
-    another one was freed): each is still prepared, and a prepared one is not prepared twice."""
-    import tnlg.commands.finetune as finetune
+def test_the_options_are_built_from_the_arguments_which_stay_as_parsed(base):
+    """The same arguments give the same fine-tuning options every time (--finetune, the checkpoint's shape), and
+    the namespace is left as the parser made it."""
     from tnlg.cli import build_parser
+    from tnlg.commands.finetune import options
     from tnlg.data.tokenizer import builtin_tokenizer_path
-    monkeypatch.setattr(finetune, "id", lambda obj: 1, raising=False)  # (the module's own lookup of id)
-    for i in range(3):
-        args = build_parser(only="finetune").parse_args(
-            ["finetune", "--load", str(base / "ckpt"), "--sft-data-path", str(base / "rows.jsonl"),
-             "--tokenizer-model", builtin_tokenizer_path(), "--save", str(base / f"run{i}")])
-        finetune.prepare(args)
-        assert getattr(args, "finetune", False) and args.hidden_size == 16, (i, vars(args))
-        args.load = "kept"
-        finetune.prepare(args)  # done once: a second call changes nothing
-        assert args.load == "kept"
-        del args
-        gc.collect()
+    args = build_parser(only="finetune").parse_args(
+        ["finetune", "--load", str(base / "ckpt"), "--sft-data-path", str(base / "rows.jsonl"), "--train-iters", "3",
+         "--tokenizer-model", builtin_tokenizer_path(), "--save", str(base / "run")])
+    parsed = dict(vars(args))
+    first, second = options(args), options(args)
+    assert vars(args) == parsed
+    assert first.checkpoint.finetune and first.model.hidden_size == 16 and first.checkpoint.load == str(base / "ckpt")
+    assert first.flat() == second.flat()
 
 
 def test_pretrain_refuses_a_hugging_face_folder_as_load(base, capsys, tmp_path):

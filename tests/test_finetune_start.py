@@ -51,8 +51,7 @@ def _start(ps, o, ckpt_iter_dir):
 def test_fine_tuning_starts_from_the_master_weights_only_and_resumes_its_own_checkpoint_whole(tmp_path):
     from tnlg.checkpoint.files import resolve as resolve_iter
     from tnlg.cli import build_parser
-    from tnlg.commands.finetune import prepare
-    from tnlg.commands.pretrain_args import resolve
+    from tnlg.commands.finetune import options as finetune_options
     pre = tmp_path / "pre"
     run_distributed(_pretrain, 2, 1, tiny_options(2, bf16=True, train_iters=2, save=str(pre)), timeout_s=180)
     rows = tmp_path / "rows.jsonl"
@@ -64,8 +63,7 @@ def test_fine_tuning_starts_from_the_master_weights_only_and_resumes_its_own_che
             ["finetune", "--load", str(pre), "--sft-data-path", str(rows), "--train-iters", "1", "--bf16",
              "--micro-batch-size", "2", "--global-batch-size", "4", "--save", str(save), "--eval-interval", "0",
              "--no-plot"])
-        prepare(args)
-        return resolve(args, world_size=2)
+        return finetune_options(args, world_size=2)
 
     got = run_distributed(_start, 2, 1, options(tmp_path / "ft"), resolve_iter(str(pre)), timeout_s=180)
     for r in got:

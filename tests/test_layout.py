@@ -151,3 +151,46 @@ def test_checkpoints_take_the_run_options_as_data():
     wrong = sorted(f"{m} imports {t}" for m, ts in GRAPH.items() if m.startswith("tnlg.checkpoint")
                    for t in ts if t == "tnlg.options" or t.startswith("tnlg.options."))
     assert not wrong, wrong
+
+
+def _part(module: str) -> str:
+    """The part of tnlg a module belongs to (``tnlg.options.recorded`` -> ``tnlg.options``; a loose module,
+    ``tnlg.config``, is its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _private_imports(module: str, path: Path) -> list[str]:
+    """``from M import _name`` statements of ``module`` whose ``M`` is in another part of tnlg."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(up + ([base] if base else []))
+        if not base.startswith("tnlg"):
+            continue
+        for a in node.names:
+            target = f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+            if a.name.startswith("_") and not a.name.startswith("__") and _part(target) != _part(module):
+                found.append(f"{module}:{node.lineno} imports {a.name} from {base}")
+    return found
+
+
+def test_no_part_of_the_package_imports_another_parts_private_names():
+    """A name with a leading underscore is its package's own: one that another package needs is made public
+    where it lives (or moved to where it belongs)."""
+    wrong = [line for m, p in MODULES.items() for line in _private_imports(m, p)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_private_import_check_sees_relative_imports(tmp_path):
+    """The check above is only as good as its reading: a relative import of another package's private name."""
+    sample = tmp_path / "finetune.py"
+    sample.write_text("def f():\n    from ..options.recorded import _from_manifest, checkpoint_args\n")
+    assert _private_imports("tnlg.commands.finetune", sample) == [
+        "tnlg.commands.finetune:2 imports _from_manifest from tnlg.options.recorded"]
+    sample.write_text("from .block import Block, _dropout\n")
+    assert _private_imports("tnlg.model.decoder", sample) == []  # (its own package's)

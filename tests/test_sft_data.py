@@ -501,7 +501,7 @@ def test_the_launchers_check_writes_the_tokens_the_workers_read(tmp_path, monkey
     import types
 
     import tnlg.data.sft as sft
-    from tnlg.commands.pretrain import _check_sft_data
+    from tnlg.commands.pretrain import check_sft_data
     from tnlg.training.setup import _sft_datasets
     monkeypatch.setenv("TNLG_CACHE", str(tmp_path / "cache"))
     rows = _jsonl(tmp_path / "rows.jsonl", _pc(PAIRS))
@@ -511,7 +511,7 @@ def test_the_launchers_check_writes_the_tokens_the_workers_read(tmp_path, monkey
     calls = []
     real = sft.tokenize_segments
     monkeypatch.setattr(sft, "tokenize_segments", lambda *a, **k: calls.append(1) or real(*a, **k))
-    _check_sft_data(o)  # the launching process
+    check_sft_data(o)  # the launching process
     assert calls == [1] and len(os.listdir(tmp_path / "cache" / "sft")) == 1
     tok = load_tokenizer("builtin")
     cfg = types.SimpleNamespace(seq_length=o.model.seq_length)

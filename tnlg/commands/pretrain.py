@@ -13,7 +13,8 @@ import shlex
 import signal
 import sys
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 from ..errors import UserError
 from ..options import Options
@@ -21,7 +22,41 @@ from ..options.recorded import describe
 from ..runtime.launch import argv_of, is_rank0, launcher_world_size, relaunch, under_launcher
 from .pretrain_args import DEFAULT_NPROC, add_arguments, resolve
 
-__all__ = ["add_arguments", "preflight", "run", "hang_resume", "resume_command", "default_nproc", "new_run_folder"]
+__all__ = ["add_arguments", "preflight", "run", "hang_resume", "resume_command", "default_nproc", "new_run_folder",
+           "Command", "launch", "processes", "check_hardware", "start_flight_recorder", "check_sft_data"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """The command a training run is: its name (``pretrain``, ``finetune``: what its messages, errors and
+    workers say), its parser and the arguments as the user gave them (what the workers parse again, and what
+    the command that resumes the run repeats). ``checkpoint_args``: whether ``--save DIR
+    --use-checkpoint-args`` resumes it (``tnlg finetune`` refuses that flag); ``keeps_load``: whether the
+    resume command keeps ``--load`` (a fine-tuning run's ``--load`` is its starting point, which it checks
+    against its ``--save``; ``tnlg pretrain`` drops it once ``--save`` holds a newer checkpoint)."""
+
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    args: argparse.Namespace
+    checkpoint_args: bool = True
+    keeps_load: bool = False
+
+    def resume(self, o: Options) -> str:
+        """The command that continues this run: its options, with ``--save`` as chosen (and, for ``tnlg
+        pretrain``, without a ``--load`` that would reload the old starting point once the save root holds a
+        newer checkpoint)."""
+        from ..checkpoint.files import last_checkpoint
+        c, args = o.checkpoint, self.args
+        ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
+        if c.save is not None and not hasattr(args, "save") and (c.load is None or self.keeps_load):
+            ns.save = c.save  # the folder chosen for the run
+        if not self.keeps_load and c.load is not None and last_checkpoint(c.save) is not None:
+            if hasattr(args, "save"):
+                del ns.load  # resumes from --save by itself
+            else:
+                ns.load = c.save  # the root, not the iteration it started from
+        argv = argv_of(self.add_arguments, ns)
+        return f"tnlg {self.name}" + (" " + shlex.join(argv) if argv else "")
 
 
 def run(args) -> int:
@@ -30,11 +65,17 @@ def run(args) -> int:
     The workers get exactly the options in ``args`` (rebuilt from the parsed namespace, never read
     from ``sys.argv``), plus ``--save`` when this process chose the built-in job's folder.
     """
+    return interruptible("pretrain", lambda: _run(args))
+
+
+def interruptible(name: str, body: Callable[[], int]) -> int:
+    """``body()``, or exit status 130 and one line for a Ctrl-C during start-up (before training installs
+    its handlers)."""
     try:
-        return _run(args)
-    except KeyboardInterrupt:  # during start-up, before training installs its handlers
+        return body()
+    except KeyboardInterrupt:
         if is_rank0():
-            print("tnlg pretrain: interrupted during start-up, before the first iteration.", file=sys.stderr)
+            print(f"tnlg {name}: interrupted during start-up, before the first iteration.", file=sys.stderr)
         return 130
 
 
@@ -46,16 +87,25 @@ def preflight(args) -> None:
     recorder is switched on (:mod:`tnlg.runtime.hang`) and rank 0 says where a timeout dumps it.
     """
     if getattr(args, "bf16", False) or getattr(args, "config", None):  # a config file may set bf16
+        check_hardware(resolve(args))  # the options' own errors first, as `run` would report them
+    start_flight_recorder(getattr(args, "save", None), getattr(args, "device", None))
+
+
+def check_hardware(o: Options) -> None:
+    """``--bf16`` refused where bf16 matmuls are far slower than fp32, with the measured figures."""
+    if o.precision.bf16:
         from ..parallel.state import pick_device
-        o = resolve(args)  # the options' own errors first, as `run` would report them
-        if o.precision.bf16:
-            from ..runtime.hardware import check_bf16
-            check_bf16(pick_device(o.precision.device).type)
-    if getattr(args, "device", None) != "cpu":
+        from ..runtime.hardware import check_bf16
+        check_bf16(pick_device(o.precision.device).type)
+
+
+def start_flight_recorder(save: Optional[str], device: Optional[str]) -> None:
+    """On CUDA, torch's NCCL flight recorder, dumping into ``SAVE/comm_trace`` (rank 0 says so)."""
+    if device != "cpu":
         import torch
         if torch.cuda.is_available():
             from ..runtime.hang import enable_flight_recorder
-            prefix = enable_flight_recorder(os.path.join(getattr(args, "save", None) or "runs", "comm_trace"))
+            prefix = enable_flight_recorder(os.path.join(save or "runs", "comm_trace"))
             if is_rank0():
                 print(f"NCCL flight recorder on: a collective timeout dumps each rank's recent collectives to "
                       f"{prefix}<rank> (read with: python -m torch.distributed.flight_recorder.fr_trace)", flush=True)
@@ -64,9 +114,7 @@ def preflight(args) -> None:
 def hang_resume(args):
     """For :func:`tnlg.runtime.hang.report`: ``resume(options)``, the command that resumes the run. A
     command module with this function gets a hang report instead of a traceback on a timed-out collective."""
-    def resume(options):
-        return resume_command(args, options)
-    return resume
+    return Command("pretrain", add_arguments, args).resume
 
 
 def default_nproc(device: Optional[str] = None) -> int:
@@ -80,15 +128,20 @@ def default_nproc(device: Optional[str] = None) -> int:
     return DEFAULT_NPROC
 
 
+def processes(args) -> tuple[int, Optional[int]]:
+    """``(world size, local processes to start)``: the launcher's world (nothing to start), else
+    ``--nproc-per-node`` or :func:`default_nproc`."""
+    world = launcher_world_size()
+    if world is not None:
+        return world, None
+    nproc = getattr(args, "nproc_per_node", None) or default_nproc(getattr(args, "device", None))
+    return nproc, nproc
+
+
 def _run(args) -> int:
     from ..data.corpus import default_dataset
-    from ..training import train
     from ..training.checkpointing import check_resume
-    world = launcher_world_size()
-    nproc = None
-    if world is None:
-        nproc = getattr(args, "nproc_per_node", None) or default_nproc(getattr(args, "device", None))
-        world = nproc
+    world, nproc = processes(args)
     o = resolve(args, world_size=world)  # also refuses --device cuda without a GPU and --fp16 on a CPU
     note = _choose_save(o, args)  # the built-in job's folder, or the --load root; or why nothing is saved
     data_notes: list[str] = []
@@ -97,35 +150,46 @@ def _run(args) -> int:
     elif o.data.sft_data_path is None:  # the built-in corpus: prepared here once, found by the workers
         prefix, tok = default_dataset()
         o.data.data_path, o.data.tokenizer_model = [prefix], o.data.tokenizer_model or tok
-    if nproc is not None and nproc > 1 and not under_launcher():
-        if o.data.sft_data_path is not None:
-            _check_sft_data(o)  # a bad row or template: one paragraph here, before any worker starts
+    extra = []
+    if nproc is not None and nproc > 1:
         check_resume(o)  # a checkpoint that does not match: reported here, before any worker starts
-        extra = []
+        if o.data.sft_data_path is not None:
+            check_sft_data(o)  # a bad row or template: one paragraph here, before any worker starts
         if not hasattr(args, "save") and o.checkpoint.save is not None and o.checkpoint.load is None:
             extra += ["--save", o.checkpoint.save]  # the folder chosen here: every worker, and a restarted group, uses it
             print(note, flush=True)  # the workers see a --save and say nothing of it
-        if not hasattr(args, "nproc_per_node"):
-            extra += ["--nproc-per-node", str(nproc)]  # so that rank 0's resume command keeps the layout
-        status = relaunch("pretrain", add_arguments, args, nproc, extra=extra,
+    notes = ([note] if note else []) + data_notes + describe(o.checkpoint_args)  # (a launcher said none of these)
+    return launch(Command("pretrain", add_arguments, args), o, nproc, notes=notes, extra=extra)
+
+
+def launch(command: Command, o: Options, nproc: Optional[int], notes: Sequence[str] = (),
+           extra: Sequence[str] = ()) -> int:
+    """Run the checked options ``o`` of ``command``: on ``nproc`` new local processes running ``tnlg
+    COMMAND`` with the arguments as given plus ``extra`` (and ``--nproc-per-node``, so that rank 0's resume
+    command keeps the layout), or here (under a launcher, or one process), printing ``notes`` first and,
+    on rank 0, how the run stopped and how to resume it."""
+    from ..training import train
+    if nproc is not None and nproc > 1 and not under_launcher():
+        more = list(extra) + ([] if hasattr(command.args, "nproc_per_node") else ["--nproc-per-node", str(nproc)])
+        status = relaunch(command.name, command.add_arguments, command.args, nproc, extra=more,
                           max_restarts=o.parallel.max_restarts or 0)
         assert status is not None  # (not under a launcher: relaunch starts the workers and returns their status)
         return status
-    notes = ([note] if note else []) + data_notes + describe(o.checkpoint_args)  # (a launcher said none of these)
     if notes and is_rank0():
         print("\n".join(notes), flush=True)
     summary = train(o)
     stopped, exited = summary.get("interrupted"), summary.get("exited")
+    name = f"tnlg {command.name}"
     if is_rank0():
         if stopped:
-            print(_interrupted_message(stopped, o, args), file=sys.stderr, flush=True)
+            print(_interrupted_message(stopped, o, command), file=sys.stderr, flush=True)
         elif exited:
-            print(_stop_message(f"tnlg pretrain: stopped after iteration {exited['iteration']} of "
+            print(_stop_message(f"{name}: stopped after iteration {exited['iteration']} of "
                                 f"{o.schedule.train_iters} (--exit-interval {exited['exit_interval']})", exited, o,
-                                args, "each --exit-interval stop then saves into DIR"), flush=True)
+                                command, "each --exit-interval stop then saves into DIR"), flush=True)
         elif o.checkpoint.save is None:
             metrics_file = o.logging.metrics_file
-            print("tnlg pretrain: finished; no checkpoint was saved (no --save)"
+            print(f"{name}: finished; no checkpoint was saved (no --save)"
                   + (f"; metrics are in {metrics_file}." if metrics_file else ", and no metrics or loss plot.")
                   + " Pass --save DIR to keep a run.", flush=True)
     # a worker that stopped as asked exits 0 (a launcher would count anything else as a failure and restart
@@ -144,7 +208,7 @@ def _check_data_tokenizer(o) -> list[str]:
     return [n for n in notes if n]
 
 
-def _check_sft_data(o) -> None:
+def check_sft_data(o: Options) -> None:
     """The fine-tuning rows read, rendered, tokenized and packed once in the launching process: every bad row,
     template or length is refused before any worker starts, and the workers read the tokenized rows from the
     cache this writes (:mod:`tnlg.data.sft`)."""
@@ -201,30 +265,18 @@ def new_run_folder(kind: str, what: str) -> str:
 
 
 def resume_command(args, o: Options) -> str:
-    """The command that continues this run: its options, with ``--save`` as chosen, and without a
-    ``--load`` that would reload the old starting point once the save root holds a newer checkpoint."""
-    from ..checkpoint.files import last_checkpoint
-    c = o.checkpoint
-    ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
-    if c.save is not None and c.load is None and not hasattr(args, "save"):
-        ns.save = c.save  # the built-in job's folder
-    if c.load is not None and last_checkpoint(c.save) is not None:
-        if hasattr(args, "save"):
-            del ns.load  # resumes from --save by itself
-        else:
-            ns.load = c.save  # the root, not the iteration it started from
-    argv = argv_of(add_arguments, ns)
-    return "tnlg pretrain" + (" " + shlex.join(argv) if argv else "")
+    """The command that continues this ``tnlg pretrain`` run (:meth:`Command.resume`)."""
+    return Command("pretrain", add_arguments, args).resume(o)
 
 
-def _interrupted_message(info: dict, o: Options, args) -> str:
+def _interrupted_message(info: dict, o: Options, command: Command) -> str:
     """One paragraph: where the run stopped on a signal, the last checkpoint, and how to go on."""
     how = f"{info['signal']}, stopped at once" if info["forced"] else info["signal"]
-    return _stop_message(f"tnlg pretrain: interrupted ({how}) at iteration {info['iteration']} of "
-                         f"{o.schedule.train_iters}", info, o, args, "Ctrl-C then saves into DIR before stopping")
+    return _stop_message(f"tnlg {command.name}: interrupted ({how}) at iteration {info['iteration']} of "
+                         f"{o.schedule.train_iters}", info, o, command, "Ctrl-C then saves into DIR before stopping")
 
 
-def _stop_message(head: str, info: dict, o: Options, args, then: str) -> str:
+def _stop_message(head: str, info: dict, o: Options, command: Command, then: str) -> str:
     """``head``, then the last checkpoint and the command that resumes the run (``then``: what a run with a
     save root would do, said to a run without one)."""
     from ..checkpoint.files import last_checkpoint
@@ -236,10 +288,10 @@ def _stop_message(head: str, info: dict, o: Options, args, then: str) -> str:
     last = last_checkpoint(save)
     where = (f"the last checkpoint is iteration {last} in {save}" + (" (saved now)" if info["saved"] else "")
              if last is not None else f"there is no checkpoint in {save} yet, so a resume starts over")
-    torchrun = under_launcher() and not hasattr(args, "nproc_per_node")
-    how = resume_command(args, o)
-    if last is not None:  # the options the checkpoint recorded; the processes are this launch's, not recorded
-        nproc = getattr(args, "nproc_per_node", None)
+    torchrun = under_launcher() and not hasattr(command.args, "nproc_per_node")
+    how = command.resume(o)
+    if last is not None and command.checkpoint_args:  # the options the checkpoint recorded; the processes are
+        nproc = getattr(command.args, "nproc_per_node", None)  # this launch's, not recorded
         short = f"tnlg pretrain --save {shlex.quote(save)} --use-checkpoint-args" + (
             f" --nproc-per-node {nproc}" if nproc is not None else "")
         how = f"{short} (every flag spelled out: {how})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 from ..config import PRESETS
 from ..errors import UserError, closest
@@ -24,7 +25,8 @@ from ..options.recipes import RECIPES
 from ..layout import data_parallel_size
 from ..options.recorded import checkpoint_args
 
-__all__ = ["add_arguments", "resolve", "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
+__all__ = ["add_arguments", "add_option_groups", "resolve", "user_options", "resolve_options", "read_config_file",
+           "model_config", "DEFAULTS", "BUILTIN_JOB", "RECIPES", "DEFAULT_NPROC"]
 
 # Every run's defaults, read from the option dataclasses: Megatron-LM's where Megatron has one (no warmup,
 # decay over --train-iters, linear decay to --min-lr 0, Adam beta2 0.999, dropout 0.1, TP 1, global batch
@@ -91,20 +93,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "start on every rank at once (dense matmuls in the training dtype, best of 5) and printed with the "
         "MFU, unless --peak-tflops gives it. With full recomputation the executed FLOPs are "
         "96 B s l h^2 (1 + s/(6h) + V/(16 l h)) for ffn = 4h.")
+    add_option_groups(p, {**{k: shown(v) for k, v in BUILTIN_JOB.items()}, **_BUILTIN_WORDS})
+
+
+def add_option_groups(p: argparse.ArgumentParser, builtin: dict, defaults: Optional[dict] = None) -> None:
+    """Every declared option's flag (:data:`tnlg.options.COMPONENTS`) with ``--preset`` and ``--config``, in
+    their --help groups. ``builtin``: what --help says of the built-in job's values (by field name);
+    ``defaults``: what it says of a default instead of the declared one (a command's own defaults)."""
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=list(PRESETS), default=argparse.SUPPRESS, help="model shape (and, for "
                    "tnlg-17b / megatron-8.3b, the published training recipe); flags override it")
     g.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                    help="TOML or YAML file of options (flag names); flags override it")
-    builtin = {**{k: shown(v) for k, v in BUILTIN_JOB.items()}, **_BUILTIN_WORDS}
     groups: dict = {"model": g}
     for _, cls, title in COMPONENTS:
         if title not in groups:
             groups[title] = p.add_argument_group(title)
-        add_options(groups[title], cls, builtin)
+        add_options(groups[title], cls, builtin, defaults=defaults)
 
 
-def _read_config_file(path: str) -> dict:
+def read_config_file(path: str) -> dict:
+    """The options of a ``--config`` file (TOML or YAML; keys are flag names with ``_`` or ``-``), by option
+    name; an unknown key is one paragraph with the closest valid ones."""
     if not os.path.isfile(path):
         raise UserError(f"--config {path!r} does not exist.")
     with open(path, "rb") as f:
@@ -141,14 +151,24 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> Options:
     (global batch = micro batch x DP) need it. ``o.builtin_job`` says whether the
     built-in job's defaults applied (no ``--data-path``; no ``--preset``, or one of :data:`BUILTIN_SHAPES`).
     """
+    return resolve_options(user_options(args), world_size)
+
+
+def user_options(args: argparse.Namespace) -> dict:
+    """What the user set, by option name: the ``--config`` file's values, then the flags given over them."""
     given = {k: v for k, v in vars(args).items() if k not in ("command",)}
-    from_file = _read_config_file(given["config"]) if given.get("config") else {}
-    said = {**from_file, **given}  # what the user set, in a file or on the command line
+    from_file = read_config_file(given["config"]) if given.get("config") else {}
+    return {**from_file, **given}
+
+
+def resolve_options(said: dict, world_size: int | None = None, defaults: Optional[dict] = None) -> Options:
+    """:func:`resolve` of the options ``said`` (:func:`user_options`); ``defaults``: a command's own defaults,
+    over every run's (:data:`DEFAULTS`) and under everything else."""
     recorded, info = checkpoint_args(said) if said.get("use_checkpoint_args") else ({}, None)
     preset = said.get("preset")
     builtin = info["builtin_job"] if info else (preset in BUILTIN_SHAPES and said.get("data_path") is None
                                                 and said.get("sft_data_path") is None)
-    opts = dict(DEFAULTS)
+    opts = {**DEFAULTS, **(defaults or {})}
     if builtin:
         opts.update(BUILTIN_JOB)
     if preset:

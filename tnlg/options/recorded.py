@@ -2,7 +2,7 @@
 
 Every checkpoint records its run's options (``meta.json``, ``"options"``; one ``tnlg convert`` wrote records
 none, and its model shape and tokenizer are read from its architecture and tokenizer records instead:
-:func:`_from_manifest`). With the flag, a run takes
+:func:`manifest_options`). With the flag, a run takes
 from the checkpoint that ``--load`` names (else the one ``--save`` holds) what the run is: the model
 shape, the data and tokenizer, the layout (TP, sequence parallelism, PP with its pipeline schedule and
 layer split, ZeRO), the schedule (batch, run
@@ -26,7 +26,7 @@ from ..errors import UserError
 from .components import COMPONENTS
 from .fields import flag_of, option_fields
 
-__all__ = ["TAKEN", "THIS_LAUNCH", "checkpoint_args", "describe"]
+__all__ = ["TAKEN", "THIS_LAUNCH", "checkpoint_args", "manifest_options", "describe"]
 
 # where this launch reads and writes, and how it runs on this machine, whatever the checkpoint's did
 THIS_LAUNCH = ("save", "load", "finetune", "use_checkpoint_args", "metrics_file", "plot", "data_cache_path", "tensorboard_dir",
@@ -57,7 +57,7 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
                         f"checkpoint, but {held}. Give --load DIR (a checkpoint root or an iter_* folder), or a "
                         f"--save DIR that holds a checkpoint; or drop --use-checkpoint-args and give the options.")
     meta = read_meta(iter_dir)
-    recorded = {**_from_manifest(meta), **(meta.get("options") or {})}
+    recorded = {**manifest_options(meta), **(meta.get("options") or {})}
     builtin = bool(recorded.get("builtin_job")) and said.get("data_path") is None and said.get("preset") is None
     skip = {n for group in _TOGETHER if any(n in said for n in group) for n in group}
     if said.get("pipeline_model_parallel_size") == 1:
@@ -69,7 +69,7 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
     return values, dict(path=iter_dir, builtin_job=builtin, taken=sorted(values), overrides=overrides)
 
 
-def _from_manifest(meta: dict) -> dict:
+def manifest_options(meta: dict) -> dict:
     """The options a checkpoint's manifest implies beside its recorded run options: its model shape (the
     architecture record, ``config``) and its tokenizer (``tokenizer``: a SentencePiece model's path, or a
     GPT-2 BPE vocab.json with its merges.txt beside it). A checkpoint ``tnlg convert`` wrote records no

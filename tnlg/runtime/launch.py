@@ -170,11 +170,13 @@ def argv_of(add_arguments: Callable[[argparse.ArgumentParser], None], args: argp
         value = getattr(args, dest)
         if action.default is not argparse.SUPPRESS and value == action.default:
             continue
+        flip = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if flip and value == isinstance(action, argparse._StoreFalseAction):
+            continue  # a switch that says the other value: another spelling of it may say this one (--no-x)
         done.add(dest)
         flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            if value != isinstance(action, argparse._StoreFalseAction):
-                argv.append(flag)
+        if flip:
+            argv.append(flag)
         elif isinstance(action, argparse._AppendAction):
             argv += [f"{flag}={v}" for v in value or []]
         elif isinstance(value, (list, tuple)):  # nargs="+"

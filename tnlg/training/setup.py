@@ -25,7 +25,7 @@ from ..runtime.launch import join
 if TYPE_CHECKING:  # torch's pipelining imports torch._dynamo (1.3 CPU-s): loaded only by a pipeline's run
     from ..parallel.pipeline_schedule import Pipeline
 
-__all__ = ["init_run", "precision", "build_engine", "build_pipeline", "build_datasets"]
+__all__ = ["init_run", "precision", "build_engine", "build_pipeline", "build_datasets", "packing_line"]
 
 
 def init_run(o: Options) -> tuple[ParallelState, int]:
@@ -116,5 +116,14 @@ def _sft_datasets(o: Options, cfg: GPTConfig, tokenizer, train_samples: int, val
         valid_samples=valid_samples, seed=d.seed, packing=d.packing, loss_on_prompt=d.sft_loss_on_prompt,
         cache_dir=d.data_cache_path, barrier=barrier)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(report.line(), flush=True)
+        print(packing_line(report), flush=True)
     return train_ds, valid_ds
+
+
+def packing_line(report) -> str:
+    """What rank 0 says of the fine-tuning rows (:class:`tnlg.data.sft.SFTReport`): how they were packed and,
+    where rows had ``messages``, which chat template rendered them ("no chat template": prompt/completion
+    rows only)."""
+    used = list(dict.fromkeys(r.template for r in (report, report.valid) if r is not None and r.template))
+    return report.line() + ("; conversations rendered with " + " and ".join(used) if used else
+                            "; no chat template (prompt/completion rows)")
