@@ -12,7 +12,8 @@ from tnlg.config import GPTConfig
 from tnlg.data.batch import Batch
 from tnlg.model import GPT
 from tnlg.model import decoder as decoder_module
-from tnlg.model.spec import BlockSpec, attention_core, block_spec, dense_mlp
+from tnlg.model.slots import BlockSpec
+from tnlg.model.spec import attention_core, block_spec, dense_mlp
 from tnlg.parallel.loss import LossNormalisation
 from tnlg.parallel.state import ParallelState
 

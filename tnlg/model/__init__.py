@@ -53,7 +53,7 @@ attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5
 **The modules.** :mod:`.decoder` (:class:`GPT`, the whole decoder, and :class:`DecoderBase`, whose
 :meth:`~DecoderBase.run` is the one forward: embedding when it holds the first layer, blocks, head when it
 holds the last), :mod:`.stage` (a pipeline rank's part of it, :class:`StageModel`, and the chunk a schedule
-runs), :mod:`.spec` (each layer's :class:`~.spec.BlockSpec`, chosen from the config in one place: the attention
+runs), :mod:`.spec` (each layer's :class:`~.slots.BlockSpec`, chosen from the config in one place: the attention
 core and the MLP are slots), :mod:`.block`, :mod:`.attention` (with its core from the spec: SDPA locally, the
 ring under context parallelism, each applying the layer's window), :mod:`.kv_cache` (per-row lengths), :mod:`.kv_cache` (keys and values of past positions, a length per row),
 :mod:`.norms`, :mod:`.forward` (what one forward's layers

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import GPTConfig
-from ..parallel.layers import ColumnParallelLinear, KVGroupParallelLinear, RowParallelLinear, column_parallel_linears
+from ..parallel.layers import ColumnParallelLinear, KVGroupParallelLinear, RowParallelLinear, SharedInput
 from ..parallel.mappings import copy_to_tp_coalesced
 from ..parallel.random import TPRandom
 from ..parallel.rotary import rotate_qk
@@ -29,7 +29,7 @@ from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 from .kv_cache import KVCache, local_kv_heads
 from .norms import head_norm, norm_parameters
-from .spec import BlockSpec, block_spec
+from .slots import BlockSpec
 
 __all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask"]
 
@@ -106,8 +106,8 @@ class ParallelAttention(nn.Module):
     ``[head][q, k, v][head_dim]``), so a contiguous split gives whole heads. Grouped-query attention
     (``cfg.kv_groups < heads``) has the queries ``c_q`` (split by heads as ever) and the keys and values
     ``c_kv`` (:class:`~tnlg.parallel.layers.KVGroupParallelLinear`: the KV groups this rank's heads use,
-    shared groups replicated on their holders), applied after one ``f`` in two matmuls (sequence-parallel:
-    one gathering matmul of the two weights concatenated; :func:`~tnlg.parallel.layers.column_parallel_linears`);
+    shared groups replicated on their holders), both layers called on one
+    :class:`~tnlg.parallel.layers.SharedInput` (one ``f``; sequence-parallel one all-gather, its shard kept);
     each query head then reads its group's keys and values. Rope (``position_embedding_type="rope"``)
     rotates queries and keys at the tokens' positions (the context's ``rotary``: the angles,
     :func:`tnlg.parallel.rotary.rotary_angles`; :func:`~tnlg.parallel.rotary.rotate_qk`) before the cache
@@ -129,11 +129,11 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
-                 init_key: str = "", spec: Optional[BlockSpec] = None):
+                 init_key: str = "", *, spec: BlockSpec):
         super().__init__()
         heads = cfg.heads_per_rank(ps.tp_size)
+        self.ps = ps
         self.local_heads, self.head_dim, self.layer_idx = heads[ps.tp_rank], cfg.head_dim, layer_idx
-        spec = spec or block_spec(cfg, ps, layer_idx)
         self.window = spec.window
         self.dropout = cfg.attention_dropout
         # GPT-2's scale_attn_weights / scale_attn_by_inverse_layer_idx: a factor on the queries, so every core
@@ -178,11 +178,10 @@ class ParallelAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, ctx: ForwardContext):
         """``q`` ``[b, heads_r, s, d]`` and ``k``, ``v`` ``[b, kv_heads_r, s, d]`` of this rank's heads."""
-        if self.grouped:  # the queries and the rank's KV groups from one f (no concatenated weight)
-            q_weight, q_bias = cast(torch.Tensor, self.c_q.weight), cast(Optional[torch.Tensor], self.c_q.bias)
-            q, kv = column_parallel_linears(x, [(q_weight, q_bias),
-                                                self.c_kv.weights()],
-                                            self.c_q.ps, ctx.sp)
+        if self.grouped:  # the queries and the rank's KV groups: both layers called on one f (or one all-gather)
+            shared = SharedInput.of(x, self.ps, ctx.sp)
+            q = self.c_q(shared.tensor, shared_input=shared)
+            kv = self.c_kv(shared.tensor, shared_input=shared)
             lead = q.shape[:2]  # [s, b] (sequence-parallel: all positions, after the all-gather)
             q = q.view(*lead, self.local_heads, self.head_dim)
             k, v = kv.view(*lead, self.local_kv, 2, self.head_dim).unbind(dim=3)
@@ -196,7 +195,7 @@ class ParallelAttention(nn.Module):
         """``qk_layernorm``: every head's queries and keys normalised over ``head_dim`` (the weights through
         one coalesced ``f`` at TP > 1: each rank's gradient holds its own heads' share)."""
         params = [p for norm in (self.q_norm, self.k_norm) for p in norm_parameters(norm)]
-        ps = self.c_proj.ps
+        ps = self.ps
         if ps.tp_size > 1:
             params = list(copy_to_tp_coalesced(params, ps))
         half = len(params) // 2

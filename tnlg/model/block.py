@@ -24,7 +24,7 @@ from .attention import ParallelAttention
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 from .norms import make_norm, norm_parameters
-from .spec import BlockSpec, block_spec
+from .slots import BlockSpec
 
 __all__ = ["ParallelMLP", "Block"]
 
@@ -72,15 +72,14 @@ def _dropout(drop: nn.Dropout, x: torch.Tensor, tp_random: TPRandom, sequence_sp
 
 class Block(nn.Module):
     """Pre-norm transformer block (LayerNorm or RMSNorm); optional activation checkpointing (recompute in backward).
-    Built from its layer's :class:`~tnlg.model.spec.BlockSpec` (the attention core and the MLP are slots).
+    Built from its layer's :class:`~tnlg.model.slots.BlockSpec` (the attention core and the MLP are slots).
 
     ``x`` is sequence-first ``[s, b, h]``, sequence-parallel this rank's positions ``[s_r, b, h]`` (the
     :class:`~tnlg.model.forward.ForwardContext`'s ``sp`` says which)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, tp_random: TPRandom, device=None,
-                 init_key: str = "", spec: Optional[BlockSpec] = None):
+                 init_key: str = "", *, spec: BlockSpec):
         super().__init__()
-        spec = spec or block_spec(cfg, ps, layer_idx)  # (the slots: the attention core, the MLP)
         self.ln_1 = make_norm(cfg, ps, join_key(init_key, "ln_1"), device)
         self.attn = ParallelAttention(cfg, ps, layer_idx, tp_random, device=device, init_key=join_key(init_key, "attn"),
                                       spec=spec)

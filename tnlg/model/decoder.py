@@ -17,7 +17,7 @@ from ..parallel.initialization import InitMethod, SelfInitializing, init_normal
 from ..parallel.layers import VocabParallelEmbedding, column_parallel_linear
 from ..data.batch import Batch
 from ..parallel.loss import LossNormalisation, LossTerms, loss_sum
-from ..parallel.mappings import copy_to_tp, reduce_scatter_to_sequence_parallel, sequence_sizes
+from ..parallel.mappings import reduce_scatter_to_sequence_parallel, sequence_sizes
 from ..parallel.random import TPRandom
 from ..parallel.rotary import rotary_angles
 from ..parallel.sharding import ShardSpec
@@ -58,6 +58,12 @@ class OutputLayer(SelfInitializing, nn.Module):
         self.weight = spec.parameter(ps.tp_rank, device)
         self.set_init(dict(weight=init_method), seed, init_key)
 
+    def forward(self, x: torch.Tensor, sequence_sizes: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits of ``x`` ``[s, b, h]`` (sequence-parallel: this rank's
+        positions ``[s_r, b, h]`` and every rank's ``sequence_sizes``): a column-parallel matmul (``f``:
+        backward an all-reduce over TP; sequence-parallel an all-gather, backward a reduce-scatter)."""
+        return column_parallel_linear(x, self.weight, None, self.ps, sequence_sizes)
+
 
 class DecoderBase(nn.Module):
     """The decoder, whole (:class:`GPT`) or one pipeline rank's part of it (:class:`tnlg.model.stage.StageModel`):
@@ -69,6 +75,7 @@ class DecoderBase(nn.Module):
     (:class:`tnlg.parallel.context.TokenPositions`: with context parallelism, this rank's chunks')."""
 
     transformer: nn.ModuleDict
+    lm_head: nn.Module  # (untied only)
 
     def __init__(self, config: GPTConfig, ps: ParallelState):
         super().__init__()
@@ -219,8 +226,10 @@ class DecoderBase(nn.Module):
         x = self.transformer["ln_f"](x, ctx.sequence_parallel)
         if ctx.last_only:  # generation needs only the next token's logits (each row's last fed token's)
             x = x[-1:] if ctx.kv_cache is None else ctx.kv_cache.last_positions(x)
-        if not ctx.sequence_parallel:
-            return F.linear(copy_to_tp(x, self.ps), self.output_weight)
+        if self.config.untie_embeddings_and_output_weights:  # the output layer, called
+            return self.lm_head(x, ctx.sp)
+        # tied: the word embedding's rows as the output weight (as PEFT's tied head: an adapter on the
+        # embedding's lookup does not change the output projection)
         return column_parallel_linear(x, self.output_weight, None, self.ps, ctx.sp)
 
 

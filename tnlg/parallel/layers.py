@@ -38,7 +38,7 @@ from .sharding import ShardSpec
 from .state import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
-           "column_parallel_linears", "GatedColumnParallelLinear", "KVGroupParallelLinear", "swiglu"]
+           "SharedInput", "local_linear", "GatedColumnParallelLinear", "KVGroupParallelLinear", "swiglu"]
 
 DEFAULT_INIT = init_normal(0.02)
 
@@ -123,25 +123,90 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         return _LinearWithSequenceGather.apply(x, weight, bias, ps, tuple(sequence_sizes))
 
 
-def column_parallel_linears(x: torch.Tensor, layers: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]],
-                            ps: ParallelState, sequence_sizes: Optional[Sequence[int]] = None) -> list[torch.Tensor]:
-    """:func:`column_parallel_linear` of one input with several ``(weight, bias)`` pairs (grouped-query
-    attention's queries and keys/values), with the communication of ONE column layer: one ``f`` (backward:
-    one all-reduce of the summed input gradient), or sequence-parallel one all-gather of the input.
+class SharedInput:
+    """The input of a tensor-parallel region that several column-parallel layers read (grouped-query attention's
+    queries and keys/values), passed through the region's communication ONCE, so each layer is still called
+    (a wrapper on any of them, an adapter, is honoured) and the region costs one column layer's collectives.
 
-    Without sequence parallelism the input is cast once (under autocast) and each weight applied in its own
-    matmul, so no concatenated weight is built each step (its copy forward, the split of its output
-    gradient backward); the backward adds the input gradients before ``f``. Sequence-parallel, the weights
-    are concatenated for the one gathering matmul (:class:`_LinearWithSequenceGather`) and its output split."""
-    if sequence_sizes is None or ps.tp_size == 1:
-        if torch.is_autocast_enabled(x.device.type):  # one cast, not one per matmul
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        x = copy_to_tp(x, ps)
-        return [F.linear(x, w, b) for w, b in layers]
-    weights, biases = [w for w, _ in layers], [b for _, b in layers]
-    bias = None if any(b is None for b in biases) else torch.cat(cast(list, biases))
-    y = column_parallel_linear(x, torch.cat(weights), bias, ps, sequence_sizes)
-    return list(y.split([w.shape[0] for w in weights], dim=-1))
+    :meth:`of` gives it: without sequence parallelism ``tensor`` is ``f(x)`` (identity forward; backward one
+    all-reduce of the summed input gradients); sequence-parallel, ``tensor`` is the all-gathered sequence
+    ``[s, b, in]`` (one all-gather forward; backward one reduce-scatter of the summed input gradients, after
+    the layers' weight gradients, which read the input gathered again ONCE for all of them: only this rank's
+    shard is kept between forward and backward, Korthikanti et al. 2022, section 4.2.2). Under autocast the
+    input is cast first, so the collectives move the autocast dtype. A layer given ``shared_input`` applies
+    its local matmul only (:func:`local_linear`)."""
+
+    def __init__(self, shard: torch.Tensor, ps: ParallelState, sizes: Optional[tuple[int, ...]]):
+        self.ps, self.sizes = ps, sizes
+        self._shard: Optional[torch.Tensor] = shard.detach() if sizes is not None else None
+        self._gathered: Optional[torch.Tensor] = None  # (backward: the input gathered again, shared by the layers)
+        self.tensor = shard
+
+    @classmethod
+    def of(cls, x: torch.Tensor, ps: ParallelState, sequence_sizes: Optional[Sequence[int]] = None) -> "SharedInput":
+        if ps.tp_size > 1 and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # (cast before the collective: half the bytes)
+        sizes = tuple(sequence_sizes) if sequence_sizes is not None and ps.tp_size > 1 else None
+        shared = cls(x, ps, sizes)
+        shared.tensor = copy_to_tp(x, ps) if sizes is None else _GatherShared.apply(x, shared)
+        return shared
+
+    def gathered_again(self) -> torch.Tensor:
+        """Backward: the whole sequence of the input, gathered once for every layer that reads it."""
+        if self._gathered is None:
+            self._gathered = sequence_all_gather(cast(torch.Tensor, self._shard), self.ps, cast(tuple, self.sizes))
+        return self._gathered
+
+    def release(self) -> None:
+        self._shard = self._gathered = None
+
+
+class _GatherShared(torch.autograd.Function):
+    """Sequence-parallel :class:`SharedInput`: all-gather forward; backward the reduce-scatter of the layers'
+    summed input gradients (after every layer's backward has read the input gathered again)."""
+
+    @staticmethod
+    def forward(ctx, x, shared):
+        ctx.shared = shared
+        return sequence_all_gather(x, shared.ps, shared.sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shared, ctx.shared = ctx.shared, None
+        shared.release()
+        return sequence_reduce_scatter(grad, shared.ps, shared.sizes), None
+
+
+class _LinearOnGathered(torch.autograd.Function):
+    """``x W^T + b`` of a sequence-parallel :class:`SharedInput`'s gathered ``x``, keeping only the weight for
+    backward: the weight gradient reads the input gathered again (:meth:`SharedInput.gathered_again`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shared):
+        ctx.shared, ctx.has_bias = shared, bias is not None
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        total = ctx.shared.gathered_again()
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad.matmul(weight), grad_w, grad_b, None
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], shared: SharedInput) -> torch.Tensor:
+    """A column-parallel layer's local matmul on a :class:`SharedInput`'s ``tensor`` ``x`` (no communication of
+    its own); sequence-parallel, without keeping the gathered input for backward."""
+    if shared.sizes is None:
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):  # run the function in the autocast dtype, as F.linear would
+        dt = torch.get_autocast_dtype(x.device.type)
+        weight, bias = weight.to(dt), None if bias is None else bias.to(dt)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return _LinearOnGathered.apply(x, weight, bias, shared)
 
 
 class _ParallelLinear(SelfInitializing, nn.Module):
@@ -208,9 +273,14 @@ class ColumnParallelLinear(_ParallelLinear):
                     bias=ShardSpec((out_features,), 0, sizes) if bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
-                sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                sequence_sizes: Optional[Sequence[int]] = None, *,
+                shared_input: Optional[SharedInput] = None) -> torch.Tensor:
         """``sequence_parallel``: override the layer's setting for this call; ``sequence_sizes``: every
-        rank's positions when sequence-parallel (default: ``x``'s length on every rank)."""
+        rank's positions when sequence-parallel (default: ``x``'s length on every rank); ``shared_input``:
+        ``x`` is that :class:`SharedInput`'s tensor, already through the region's communication (the local
+        matmul only)."""
+        if shared_input is not None:
+            return local_linear(x, self.weight, self.bias, shared_input)
         sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         if sp and self.ps.tp_size > 1:
             sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
@@ -353,12 +423,15 @@ class GatedColumnParallelLinear(ColumnParallelLinear):
                     bias=ShardSpec((2, out_features), 1, sizes) if bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
-                sequence_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                sequence_sizes: Optional[Sequence[int]] = None, *,
+                shared_input: Optional[SharedInput] = None) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.flatten()
+        if shared_input is not None:
+            return swiglu(local_linear(x, self.weight.flatten(0, 1), bias, shared_input))
         sp = (self.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.ps.tp_size > 1
         sizes = None
         if sp:
             sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
-        bias = None if self.bias is None else self.bias.flatten()
         return swiglu(column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes))
 
 
@@ -430,8 +503,8 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
     neither divides, a rank holds the two groups its heads span. The gradient of a shared group is summed
     over its holders (:class:`_SumOverHolders`: one all-reduce over TP of a ``[G, 2, d, h]`` buffer in
     backward, only on layouts that share a group); initialisation draws the full weight and slices it,
-    so every holder starts from the same rows. The attention applies :meth:`weights` beside the queries,
-    after the same ``f`` (:func:`column_parallel_linears`; no communication of its own in forward).
+    so every holder starts from the same rows. The attention calls it beside the queries' layer on
+    one :class:`SharedInput` (one ``f``; no communication of its own in forward).
     """
 
     weight: torch.Tensor  # (set by _build from the layer's description)
@@ -457,6 +530,14 @@ class KVGroupParallelLinear(SelfInitializing, nn.Module):
         offs = offsets if overlap else ()
         return dict(weight=ShardSpec((groups, 2, head_dim, in_features), 0, sizes, offs),
                     bias=ShardSpec((groups, 2, head_dim), 0, sizes, offs) if bias else None)
+
+    def forward(self, x: torch.Tensor, shared_input: Optional[SharedInput] = None) -> torch.Tensor:
+        """The keys and values ``[*, n_r * 2 d]`` of ``x`` (rows as :meth:`weights`): after ``f`` (backward:
+        an all-reduce of the input gradient), or with ``shared_input`` (``x`` its tensor) the local matmul only."""
+        weight, bias = self.weights()
+        if shared_input is not None:
+            return local_linear(x, weight, bias, shared_input)
+        return column_parallel_linear(x, weight, bias, self.ps)
 
     def weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """This rank's ``[n_r * 2 d, in]`` weight and ``[n_r * 2 d]`` bias (rows: group, then k / v, then
