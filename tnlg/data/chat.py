@@ -1,19 +1,22 @@
 """Chat templates for ``messages`` rows: a conversation -> text segments, each trained on or not
 (docs/finetune.md, "Chat templates").
 
-A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is ``None`` for the
-end-of-document id. Each text segment is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries
+A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is a string, a token's id
+(a special or added token cut out of a rendering) or ``None`` for the end-of-document id. Each text segment is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries
 fall on segment boundaries, as a prompt/completion sample's prompt and completion are encoded apart.
 
 * **An HF tokenizer folder's template**: when the folder the tokenizer's files lie in has
   ``chat_template.jinja`` or a ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
   ``{"name", "template"}`` of which ``default`` is taken), the conversation is rendered by transformers'
-  own renderer with ``bos_token``/``eos_token`` from ``tokenizer_config.json`` (else the end-of-document
-  token's text). The assistant spans: a template's ``{% generation %}`` blocks where it has them;
+  own renderer with every named special token of the folder, as ``apply_chat_template`` passes them
+  (:mod:`tnlg.data.special_tokens`: the tokenizer class's defaults, ``tokenizer_config.json``,
+  ``special_tokens_map.json``). The assistant spans: a template's ``{% generation %}`` blocks where it has them;
   otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
   ``< i`` with the generation prompt to the end of the rendering of turns ``<= i`` (whatever the template
-  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on). The text of
-  ``eos_token`` in the rendering becomes the end-of-document id.
+  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on). Every added or
+  special token of the folder in the rendering (``<s>``, ``<|im_start|>``, ``eos_token``...) becomes its
+  single id, as a transformers tokenizer matches them; an ``eos_token`` the vocabulary lacks becomes the
+  end-of-document id.
 * **The built-in template** (every tnlg tokenizer, SentencePiece or GPT-2 BPE, whose folder has no
   template): each turn is ``<|role|>\\n`` then its content, then ``\\n`` after a system or user turn and
   the end-of-document id after an assistant turn; the assistant's content and that id are trained on.
@@ -30,27 +33,43 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ..errors import UserError
+from .special_tokens import folder_tokens
 
 __all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments"]
 
-Segment = tuple[Optional[str], bool]  # (text, or None for the end-of-document id; counted)
+Segment = tuple[Union[str, int, None], bool]  # (text, a token's id, or None for the end-of-document id; counted)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A folder's Jinja template (``source`` its file) or the built-in one (``text`` None)."""
+    """A folder's Jinja template (``source`` its file) or the built-in one (``text`` None), with the folder's
+    special tokens (:mod:`tnlg.data.special_tokens`): ``named`` the template's variables, ``added`` the texts
+    cut out of a rendering as single ids; ``eod_id`` the tokenizer's end-of-document id."""
 
     source: str
     text: Optional[str] = None
-    bos_token: str = ""
-    eos_token: str = ""
+    named: tuple[tuple[str, str], ...] = ()
+    added: tuple[tuple[str, int], ...] = ()
+    eod_id: int = -1
+
+    @property
+    def bos_token(self) -> str:
+        return dict(self.named).get("bos_token", "")
+
+    @property
+    def eos_token(self) -> str:
+        return dict(self.named).get("eos_token", "")
 
     def describe(self) -> str:
         return "the built-in chat template" if self.text is None else f"the chat template of {self.source}"
+
+    def identity(self) -> list:
+        """Everything about the template that decides a conversation's tokens (for cache keys)."""
+        return [self.source, self.text, [list(t) for t in self.named], [list(t) for t in self.added], self.eod_id]
 
 
 BUILTIN = ChatTemplate("builtin")
@@ -60,18 +79,6 @@ def _folder(tokenizer) -> Optional[str]:
     spec = tokenizer.describe() if hasattr(tokenizer, "describe") else {}
     path = spec.get("path") or spec.get("vocab_file")
     return os.path.dirname(os.fspath(path)) if path else None
-
-
-def _eod_text(tokenizer) -> str:
-    if hasattr(tokenizer, "sp"):
-        return str(tokenizer.sp.id_to_piece(tokenizer.eod_id))
-    return str(getattr(tokenizer, "EOD_TOKEN", "") or tokenizer.decode([tokenizer.eod_id]))
-
-
-def _token_text(value, fallback: str) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else fallback
 
 
 def _read_config(path: str) -> dict:
@@ -112,9 +119,13 @@ def chat_template_for(tokenizer) -> ChatTemplate:
     elif config:
         text, source = _pick(config.get("chat_template"), config_path), config_path
     if text:
-        eod = _eod_text(tokenizer)
-        return ChatTemplate(str(source), text, _token_text(config.get("bos_token"), eod),
-                            _token_text(config.get("eos_token"), eod))
+        tokens = folder_tokens(folder, tokenizer)
+        added = dict(tokens.added)
+        eos = tokens.get("eos_token")
+        if eos and eos not in added:  # an eos text the vocabulary lacks: the end-of-document id, as before
+            added[eos] = int(tokenizer.eod_id)
+        return ChatTemplate(str(source), text, tokens.named,
+                            tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))), int(tokenizer.eod_id))
     if getattr(tokenizer, "kind", None) not in ("sentencepiece", "gpt2bpe"):
         raise UserError(f"`messages` rows need a chat template, and tokenizer {tokenizer!r} has none (no "
                         f"chat_template.jinja or chat_template in tokenizer_config.json in {folder!r}) and is not a "
@@ -144,10 +155,11 @@ def _render(template: ChatTemplate, messages, generation_prompt: bool = False, s
         raise UserError(f"{template.describe()} is a Jinja template, rendered by transformers' renderer, which is "
                         "not installed: pip install transformers.") from None
     chat = [{"role": r, "content": c} for r, c in messages]
+    variables: dict = dict(template.named)  # the named special tokens, as apply_chat_template passes them
     try:
         result: tuple = render_jinja_template(  # type: ignore[assignment]  # annotated str, returns a pair
             [chat], chat_template=template.text, return_assistant_tokens_mask=spans,
-            add_generation_prompt=generation_prompt, bos_token=template.bos_token, eos_token=template.eos_token)
+            add_generation_prompt=generation_prompt, **variables)
     except Exception as err:  # noqa: BLE001 - a user's template: its syntax errors and raise_exception()
         raise UserError(f"{template.describe()} failed on a conversation with roles {[r for r, _ in messages]}: "
                         f"{type(err).__name__}: {str(err)[:300]}. Fix the template or the rows.") from None
@@ -177,15 +189,20 @@ def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str,
     return text, spans
 
 
-def _split_eos(text: str, counted: bool, eos: str) -> list[Segment]:
-    if not eos:
+def _split_added(text: str, counted: bool, template: ChatTemplate) -> list[Segment]:
+    """``text`` cut at every added token (longest first, left to right), each becoming its id."""
+    if not template.added or not text:
         return [(text, counted)] if text else []
+    ids = dict(template.added)
     out: list[Segment] = []
-    for k, part in enumerate(text.split(eos)):
-        if k:
-            out.append((None, counted))
-        if part:
-            out.append((part, counted))
+    at = 0
+    for m in re.finditer("|".join(re.escape(t) for t, _ in template.added), text):
+        if m.start() > at:
+            out.append((text[at:m.start()], counted))
+        out.append((ids[m.group()], counted))
+        at = m.end()
+    if at < len(text):
+        out.append((text[at:], counted))
     return out
 
 
@@ -193,7 +210,7 @@ def _merge(segs: list[Segment]) -> list[Segment]:
     """Neighbouring texts of the same kind joined, so they are encoded as one text."""
     out: list[Segment] = []
     for text, counted in segs:
-        if out and text is not None and out[-1][0] is not None and out[-1][1] == counted:
+        if out and isinstance(text, str) and isinstance(out[-1][0], str) and out[-1][1] == counted:
             out[-1] = (str(out[-1][0]) + text, counted)
         else:
             out.append((text, counted))
@@ -209,9 +226,9 @@ def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where:
     out: list[Segment] = []
     at = 0
     for a, b in sorted(spans):
-        out += _split_eos(text[at:a], False, template.eos_token) + _split_eos(text[max(a, at):b], True, template.eos_token)
+        out += _split_added(text[at:a], False, template) + _split_added(text[max(a, at):b], True, template)
         at = max(at, b)
-    out += _split_eos(text[at:], False, template.eos_token)
-    if not out or out[-1][0] is not None:
+    out += _split_added(text[at:], False, template)
+    if not out or out[-1][0] not in (None, template.eod_id):
         out.append((None, True))
     return _merge(out)

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import UserError
 from ..io import atomic_output
-from .chat import ChatTemplate, chat_template_for, segments
+from .chat import ChatTemplate, Segment, chat_template_for, segments
 from .fingerprint import fingerprint
 from .paths import default_cache_dir
 from .sft_rows import SFTRow, read_rows
@@ -98,7 +98,7 @@ class SFTSamples:
 
 # --------------------------------------------------------------------------------------- tokenizing
 
-def _row_segments(row: SFTRow, template: Optional[ChatTemplate]) -> list[tuple[Optional[str], bool]]:
+def _row_segments(row: SFTRow, template: Optional[ChatTemplate]) -> list[Segment]:
     if row.messages is None:
         return [(row.prompt, False), (row.completion, True), (None, True)]
     assert template is not None
@@ -111,10 +111,11 @@ def tokenize_rows(rows: Sequence[SFTRow], tokenizer, template: Optional[ChatTemp
     return tokenize_segments([_row_segments(r, template) for r in rows], tokenizer, loss_on_prompt)
 
 
-def tokenize_segments(per_row: Sequence[Sequence[tuple[Optional[str], bool]]], tokenizer,
-                      loss_on_prompt: bool = False) -> SFTSamples:
-    """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``."""
-    texts = [t for segs in per_row for t, _ in segs if t is not None]
+def tokenize_segments(per_row: Sequence[Sequence[Segment]], tokenizer, loss_on_prompt: bool = False) -> SFTSamples:
+    """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``; a
+    segment that is an id (a special token cut out of a chat rendering) is that id, ``None`` the
+    end-of-document id."""
+    texts = [t for segs in per_row for t, _ in segs if isinstance(t, str)]
     encoded = iter(tokenizer.encode_batch(texts) if texts else [])
     ids: list[int] = []
     counted: list[bool] = []
@@ -122,7 +123,7 @@ def tokenize_segments(per_row: Sequence[Sequence[tuple[Optional[str], bool]]], t
     eod = int(tokenizer.eod_id)
     for segs in per_row:
         for text, count in segs:
-            part = [eod] if text is None else list(next(encoded))
+            part = [eod] if text is None else [int(text)] if isinstance(text, int) else list(next(encoded))
             ids += part
             counted += [count or loss_on_prompt] * len(part)
         offsets.append(len(ids))

@@ -78,6 +78,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def piece_id(self, text: str) -> Optional[int]:
+        """The id of the vocabulary entry whose text is exactly ``text`` (``None``: no such entry)."""
+        return None
+
     @property
     def vocab_size(self) -> int:
         return self._vocab
@@ -131,6 +135,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+    def piece_id(self, text: str) -> Optional[int]:
+        i = int(self.sp.piece_to_id(text))
+        return i if self.sp.id_to_piece(i) == text else None
 
     def model(self) -> "SentencePieceModel":
         """The pieces and settings of the loaded model (see :func:`read_sentencepiece_model`)."""
@@ -204,6 +212,10 @@ class GPT2BPETokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece_id(self, text: str) -> Optional[int]:
+        i = self.tok.token_to_id(text)
+        return None if i is None else int(i)
 
     def describe(self) -> dict:
         if self._sha is None:

@@ -1,0 +1,109 @@
+"""Chat templates of Hugging Face tokenizer folders, against transformers' own ``apply_chat_template`` on tiny
+folders built here offline: the template sees every special token the folder defines (the tokenizer class's
+defaults where the folder names none), each special or added token of the rendering becomes the single id
+transformers gives it, and long conversations render in time linear in their length."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tnlg.data.chat import chat_template_for, segments
+from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+pytest.importorskip("transformers")
+
+CHAT = [("system", "Be brief."), ("user", "Hi there!"), ("assistant", "Hello."), ("user", "Bye and thanks?"),
+        ("assistant", "Goodbye, then.")]
+
+# Llama-2's published template, shortened (the system turn folded into the first user turn; content trimmed)
+LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+          "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}"
+          "{% endif %}{% for message in loop_messages %}{% if loop.index0 == 0 and system_message != false %}"
+          "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}"
+          "{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+          "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+          "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+# every named special token, read by concatenation (an undefined one would raise)
+ALL_SPECIALS = ("{% for m in messages %}{{ bos_token + m['role'] + unk_token + ': ' + m['content'] + pad_token }}"
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ bos_token + 'assistant' + unk_token + ': ' }}{% endif %}")
+
+
+def _llama_folder(path, config: dict):
+    """A SentencePiece Llama folder: the built-in model as tokenizer.model, and ``config`` as tokenizer_config.json."""
+    path.mkdir()
+    shutil.copy(builtin_tokenizer_path(), path / "tokenizer.model")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _gpt2_folder(path, config: dict, extra_vocab=(), merges=(("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"))):
+    """A GPT-2 byte-level BPE folder: the byte alphabet, a few merges, ``extra_vocab`` tokens appended to
+    vocab.json, ``<|endoftext|>`` last; ``config`` as tokenizer_config.json."""
+    from tests.hf_reference import bytes_to_unicode
+    path.mkdir()
+    vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    for t in (*extra_vocab, "<|endoftext|>"):
+        vocab[t] = len(vocab)
+    (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (path / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _tnlg(folder, chat):
+    """tnlg's rendering (segments' texts, each id as its vocabulary entry) and ids of ``chat``."""
+    tok = load_tokenizer(str(folder))
+    segs = segments(chat, chat_template_for(tok))
+    ids = []
+    for text, _ in segs:
+        ids += [tok.eod_id] if text is None else [text] if isinstance(text, int) else tok.encode(text)
+    return segs, ids, tok
+
+
+def _hf(folder, chat):
+    import transformers
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    msgs = [{"role": r, "content": c} for r, c in chat]
+    return hf, hf.apply_chat_template(msgs, tokenize=False), list(hf.apply_chat_template(msgs, tokenize=True,
+                                                                                         return_dict=False))
+
+
+def _rendered(segs, hf, eod_text):
+    return "".join(eod_text if t is None else hf.convert_ids_to_tokens(t) if isinstance(t, int) else t
+                   for t, _ in segs)
+
+
+def test_a_llama_folder_without_bos_token_renders_the_class_default(tmp_path):
+    """A SentencePiece Llama folder whose tokenizer_config.json names no bos_token: the template's
+    ``{{ bos_token }}`` is LlamaTokenizer's default ``<s>``, encoded as its id, as transformers does."""
+    folder = _llama_folder(tmp_path / "llama", {"tokenizer_class": "LlamaTokenizer", "chat_template": LLAMA2})
+    segs, ids, tok = _tnlg(folder, CHAT)
+    hf, text, hf_ids = _hf(folder, CHAT)
+    assert hf.bos_token == "<s>" and text.startswith("<s>[INST] <<SYS>>")
+    assert _rendered(segs, hf, hf.eos_token) == text
+    special = set(hf.all_special_ids)
+    assert [i for i in ids if i in special] == [i for i in hf_ids if i in special]  # ends with eos = tnlg's eod
+    assert ids[-1] == hf.eos_token_id == tok.eod_id
+    assert ids[0] == hf.bos_token_id == 1 and ids.count(hf.bos_token_id) == 2
+
+
+@pytest.mark.parametrize("config", [
+    {"tokenizer_class": "GPT2Tokenizer", "pad_token": "<|endoftext|>"},
+    {"tokenizer_class": "GPT2Tokenizer", "pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>"},
+], ids=["defaults", "own"])
+def test_every_named_special_token_reaches_the_template(tmp_path, config):
+    """``pad_token`` and ``unk_token`` (and the rest) are the template's variables, as transformers passes them;
+    each in the vocabulary becomes its single id, and the ids equal ``apply_chat_template``'s."""
+    folder = _gpt2_folder(tmp_path / "gpt2", {**config, "chat_template": ALL_SPECIALS},
+                          extra_vocab=("<pad>", "<unk>", "<s>") if "unk_token" in config else ())
+    segs, ids, tok = _tnlg(folder, CHAT)
+    hf, text, hf_ids = _hf(folder, CHAT)
+    assert _rendered(segs, hf, "<|endoftext|>") == text
+    assert ids == hf_ids + ([] if hf_ids[-1] == tok.eod_id else [tok.eod_id])  # a sample ends with tnlg's eod
