@@ -107,3 +107,111 @@ def test_every_named_special_token_reaches_the_template(tmp_path, config):
     hf, text, hf_ids = _hf(folder, CHAT)
     assert _rendered(segs, hf, "<|endoftext|>") == text
     assert ids == hf_ids + ([] if hf_ids[-1] == tok.eod_id else [tok.eod_id])  # a sample ends with tnlg's eod
+
+
+# ----------------------------------------------------------------------------------- assistant spans
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Llama-3's published template, shortened (bos once; each turn's header; content trimmed)
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+          "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# Mistral's published v1 template, shortened (no generation prompt; the eos after each answer)
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+           "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ m['content'] + '\n\n' }}"
+           "{% endif %}{% endfor %}")
+# numbers each turn: what precedes an answer differs from turn to turn
+NUMBERED = ("{% for m in messages %}[{{ loop.index }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[{{ messages | length + 1 }}] assistant: {% endif %}")
+TEMPLATES = {"chatml": CHATML, "llama2": LLAMA2, "llama3": LLAMA3, "mistral": MISTRAL, "numbered": NUMBERED,
+             "all_specials": ALL_SPECIALS}
+CHATML_VOCAB = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>")
+
+
+def _chat_folder(tmp_path, template: str):
+    added = {str(i): {"content": t, "special": True} for i, t in enumerate(CHATML_VOCAB, start=260)}
+    return _gpt2_folder(tmp_path / "chat", {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|endoftext|>",
+                                             "added_tokens_decoder": added, "chat_template": template},
+                        extra_vocab=CHATML_VOCAB)
+
+
+def _reference_spans(hf, template: str, chat) -> tuple[str, list[bool]]:
+    """transformers' rendering of ``chat`` and, per character, whether it is trained on: assistant turn ``i``
+    from the end of the rendering of turns ``< i`` with the generation prompt to the end of turns ``<= i``."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(msgs, prompt=False):
+        out, _ = render_jinja_template([[{"role": r, "content": c} for r, c in msgs]], chat_template=template,
+                                       add_generation_prompt=prompt, **hf.special_tokens_map)
+        return out[0]
+
+    text = render(chat)
+    counted = [False] * len(text)
+    for i, (role, _) in enumerate(chat):
+        if role == "assistant":
+            a, b = len(render(chat[:i], True)), len(render(chat[:i + 1]))
+            counted[a:b] = [True] * (b - a)
+    return text, counted
+
+
+def _tnlg_spans(segs, hf) -> tuple[str, list[bool]]:
+    text, counted = "", []
+    for t, c in segs[:-1] if segs[-1][0] is None else segs:  # the appended eod is no part of the rendering
+        piece = hf.convert_ids_to_tokens(t) if isinstance(t, int) else t
+        text += piece
+        counted += [c] * len(piece)
+    return text, counted
+
+
+def _conversation(rng, turns: int, system: bool):
+    words = ["hello", " there", "  spaced ", "\nnew line", "tabs\t", "<|im_start|>", "</s>", "ok", "?", "fine."]
+    chat = [("system", "You are terse. ")] if system else []
+    for _turn in range(turns):
+        chat += [("user", "".join(rng.choice(words) for _ in range(rng.randint(1, 4))) or "q"),
+                 ("assistant", "".join(rng.choice(words) for _ in range(rng.randint(1, 4))).strip() or "a")]
+    return chat
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_assistant_spans_are_the_turn_by_turn_renderings(tmp_path, name):
+    """The counted characters are those between the rendering of turns ``< i`` with the generation prompt and
+    the rendering of turns ``<= i`` (computed here with transformers' renderer, turn by turn), on random
+    conversations with and without a system turn and with contents that start or end with whitespace."""
+    import random
+    import transformers
+    folder = _chat_folder(tmp_path, TEMPLATES[name])
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(str(folder))
+    template = chat_template_for(tok)
+    rng = random.Random(name)
+    for trial in range(12):
+        chat = _conversation(rng, 1 + trial % 5, system=trial % 2 == 0 and name != "mistral")
+        assert _tnlg_spans(segments(chat, template), hf) == _reference_spans(hf, TEMPLATES[name], chat), (name, chat)
+
+
+def test_a_conversation_of_4000_turns_renders_in_linear_time(tmp_path):
+    """A template without generation blocks is not rendered once per assistant turn and prefix: 4,000 turns
+    (about 150 kB) take well under a few seconds, and the spans are those of the turn-by-turn renderings."""
+    import time
+    import transformers
+    folder = _chat_folder(tmp_path, CHATML)
+    tok = load_tokenizer(str(folder))
+    template = chat_template_for(tok)
+    chat = []
+    for k in range(2000):
+        chat += [("user", f"question number {k}: what comes after {k}?"), ("assistant", f"{k + 1} comes after {k}.")]
+    t0 = time.perf_counter()
+    segs = segments(chat, template)
+    took = time.perf_counter() - t0
+    assert took < 3.0, f"{took:.1f} s"
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    text, counted = _tnlg_spans(segs, hf)
+    assert len(text) > 140_000 and text == hf.apply_chat_template([{"role": r, "content": c} for r, c in chat],
+                                                                  tokenize=False)
+    # every assistant turn counted, from its content through its <|im_end|>\n; nothing else
+    want = []
+    for role, content in chat:
+        head = f"<|im_start|>{role}\n"
+        want += [False] * len(head) + [role == "assistant"] * len(content + "<|im_end|>\n")
+    assert counted == want

@@ -168,12 +168,22 @@ def _render(template: ChatTemplate, messages, generation_prompt: bool = False, s
 
 
 def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendering and the character spans trained on (see the module docstring)."""
+    """The rendering and the character spans trained on (see the module docstring): a template's
+    ``{% generation %}`` blocks, else the turn-by-turn spans, found in one rendering where the template allows
+    (:func:`_spans_in_one_rendering`), else by rendering every prefix of the conversation."""
     assert template.text is not None
     if _GENERATION.search(template.text):
         text, spans = _render(template, messages, spans=True)
         return text, [(int(a), int(b)) for a, b in spans]
     text, _ = _render(template, messages)
+    found = _spans_in_one_rendering(template, messages, text)
+    return text, found if found is not None else _spans_turn_by_turn(template, messages, text, where)
+
+
+def _spans_turn_by_turn(template: ChatTemplate, messages, text: str, where: str) -> list[tuple[int, int]]:
+    """Assistant turn ``i`` spans from the end of the rendering of turns ``< i`` with the generation prompt to
+    the end of the rendering of turns ``<= i``: two renderings per assistant turn (time quadratic in the
+    conversation's length)."""
     spans = []
     for i, (role, _) in enumerate(messages):
         if role != "assistant":
@@ -186,7 +196,86 @@ def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str,
                             "found by rendering turn by turn; give the template {% generation %} blocks around "
                             "the assistant text.")
         spans.append((len(before), len(through)))
-    return text, spans
+    return spans
+
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each content in a marked rendering
+_MARKS = re.compile("[\ue000\ue001]")
+
+
+def _marked(messages, trimmed: bool) -> list[tuple[str, str]]:
+    """Each content wrapped in the two marks: the whole content, or (``trimmed``, for a template that trims
+    contents) its text between its leading and trailing whitespace."""
+    if not trimmed:
+        return [(role, _OPEN + content + _CLOSE) for role, content in messages]
+    out = []
+    for role, content in messages:
+        core = content.strip()
+        lead = content[:len(content) - len(content.lstrip())]
+        out.append((role, lead + _OPEN + core + _CLOSE + content[len(lead) + len(core):]))
+    return out
+
+
+def _content_ends(template: ChatTemplate, messages, text: str, generation_prompt: bool = False,
+                  variants: tuple[bool, ...] = (False, True)) -> tuple[Optional[list[int]], bool]:
+    """Where each message's content ends in ``text``, the rendering of ``messages``, and whether the contents
+    were marked trimmed: from a rendering with marked contents, whole or else trimmed (``None`` when the
+    template carries neither through in order and otherwise unchanged)."""
+    for trimmed in variants:
+        marked, _ = _render(template, _marked(messages, trimmed), generation_prompt)
+        if _MARKS.sub("", marked) != text:
+            continue
+        ends, seen = [], 0
+        for k, m in enumerate(_MARKS.finditer(marked)):
+            if m.group() != (_OPEN if k % 2 == 0 else _CLOSE):
+                break
+            if m.group() == _CLOSE:
+                ends.append(m.start() - k)
+            seen = k + 1
+        else:
+            if seen == 2 * len(messages):
+                return ends, trimmed
+    return None, False
+
+
+def _spans_in_one_rendering(template: ChatTemplate, messages, text: str) -> Optional[list[tuple[int, int]]]:
+    """The turn-by-turn spans of :func:`_spans_turn_by_turn` in time linear in the conversation's length, for a
+    template that writes the same text after every assistant content (``after``: through the end of its turn)
+    and the same before it after each role's content (``before``: through the generation prompt). Found in
+    one rendering with marked contents (:func:`_content_ends`); ``after`` is the end of the conversation's
+    rendering, ``before`` the end of the rendering of the turns before the first assistant turn that follows
+    that role, with the generation prompt. Every turn is checked to hold those texts, and the first and last
+    assistant turns against their two turn-by-turn renderings; ``None`` (render turn by turn) otherwise."""
+    if (any(_OPEN in c or _CLOSE in c for _, c in messages) or not messages or messages[0][0] == "assistant"
+            or messages[-1][0] != "assistant"):
+        return None
+    ends, trimmed = _content_ends(template, messages, text)
+    if ends is None:
+        return None
+    after = text[ends[-1]:]
+    before: dict[str, str] = {}
+    spans = []
+    for i, (role, _) in enumerate(messages):
+        if role != "assistant":
+            continue
+        prev = messages[i - 1][0]
+        if prev not in before:
+            head, _ = _render(template, messages[:i], generation_prompt=True)
+            head_ends, _ = _content_ends(template, messages[:i], head, True, (trimmed,))
+            if head_ends is None or head_ends != ends[:i]:
+                return None
+            before[prev] = head[head_ends[-1]:]
+        a, b = ends[i - 1] + len(before[prev]), ends[i] + len(after)
+        if text[ends[i - 1]:a] != before[prev] or text[ends[i]:b] != after:
+            return None
+        spans.append((a, b))
+    assistants = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
+    for i, span in ((assistants[0], spans[0]), (assistants[-1], spans[-1])):
+        head, _ = _render(template, messages[:i], generation_prompt=True)
+        through = text if i == len(messages) - 1 else _render(template, messages[:i + 1])[0]
+        if (len(head), len(through)) != span or not (through.startswith(head) and text.startswith(through)):
+            return None
+    return spans
 
 
 def _split_added(text: str, counted: bool, template: ChatTemplate) -> list[Segment]:
