@@ -488,3 +488,89 @@ def test_an_unwritable_cache_tokenizes_in_memory(tmp_path, tok):
     a, _, ra = _build(path, tok, train_samples=6, cache_dir=str(blocked))
     b, _, rb = _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
     assert ra.line() == rb.line() and all(_as_lists(a[i]) == _as_lists(b[i]) for i in range(6))
+
+
+# ----------------------------------------------------------------------------------- the tokenized cache
+
+BOS_TEMPLATE = ("{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ bos_token }}[assistant] {% endif %}")
+
+
+def _fresh_items(path, tok, count, tmp_path, **kw):
+    return [_as_lists(it) for it in _all_items(_build(path, tok, cache_dir=str(tmp_path / "fresh"),
+                                                      train_samples=count, **kw)[0], count)]
+
+
+def test_the_cache_follows_every_special_token_of_the_folder(tmp_path, tok):
+    """Changing the folder's bos_token (which the template reads) gives the new tokens, not the cached ones."""
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, tok, BOS_TEMPLATE)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    cache = str(tmp_path / "cache")
+    first = _as_lists(_build(path, load_tokenizer(str(folder)), seq=200, cache_dir=cache, packing=False)[0][0])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == "</s>"
+    config["bos_token"] = "<s>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").unlink()  # which transformers would read over tokenizer_config.json
+    assert transformers.AutoTokenizer.from_pretrained(str(folder)).bos_token == "<s>"
+    folder_tok = load_tokenizer(str(folder))
+    again = _as_lists(_build(path, folder_tok, seq=200, cache_dir=cache, packing=False)[0][0])
+    assert again != first and again == _fresh_items(path, folder_tok, 1, tmp_path, seq=200, packing=False)[0]
+    assert again["tokens"][0] == 1 and first["tokens"][0] == tok.eod_id == 2  # <s> is id 1, </s> id 2
+    assert len(os.listdir(cache)) == 2
+
+
+def test_the_cache_follows_the_rows_content_not_the_files_stamp(tmp_path, tok):
+    """Rows rewritten with the same size and modification time are tokenized again."""
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    stat = os.stat(path)
+    cache = str(tmp_path / "cache")
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=cache)[0], 6)]
+    _jsonl(path, _pc([(p, c.replace("a", "b")) for p, c in PAIRS]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=cache)[0], 6)]
+    assert again != first and again == _fresh_items(path, tok, 6, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "not_npz", "wrong_arrays"])
+def test_a_damaged_cache_is_rebuilt_with_a_note_naming_it(tmp_path, tok, capsys, damage):
+    import numpy as np
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    cache = tmp_path / "cache"
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache))[0], 6)]
+    (file,) = cache.iterdir()
+    data = file.read_bytes()
+    if damage == "truncated":
+        file.write_bytes(data[:len(data) // 2])
+    elif damage == "zeroed":
+        file.write_bytes(data[:100] + bytes(len(data) - 200) + data[-100:])
+    elif damage == "not_npz":
+        file.write_text("hello")
+    else:
+        with open(file, "wb") as f:
+            np.savez(f, ids=np.arange(5), counted=np.ones(5, bool), offsets=np.array([0, 5]))
+    capsys.readouterr()
+    for barrier in (None, lambda: None):  # one process; rank 0 of several
+        again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache),
+                                                           barrier=barrier)[0], 6)]
+        assert again == first
+        err = capsys.readouterr().err
+        if barrier is None:
+            assert f"note: the tokenized cache {file} of {path} is unreadable" in err, err
+        else:  # rewritten by the run before: read silently
+            assert err == ""
+    assert file.read_bytes() == data
+
+
+def test_the_cache_is_written_durably(tmp_path, tok, monkeypatch):
+    """The cache file is fsynced before it is renamed into place."""
+    import tnlg.io
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(tnlg.io.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
+    (file,) = (tmp_path / "cache").iterdir()
+    assert any(os.path.dirname(s) == str(tmp_path / "cache") and s != str(file) for s in synced), synced
