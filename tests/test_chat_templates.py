@@ -76,6 +76,8 @@ def _hf(folder, chat):
 
 
 def _rendered(segs, hf, eod_text):
+    """The text of tnlg's segments (an appended end-of-document id is no part of the rendering)."""
+    segs = segs[:-1] if segs[-1][0] is None else segs
     return "".join(eod_text if t is None else hf.convert_ids_to_tokens(t) if isinstance(t, int) else t
                    for t, _ in segs)
 
@@ -215,3 +217,68 @@ def test_a_conversation_of_4000_turns_renders_in_linear_time(tmp_path):
         head = f"<|im_start|>{role}\n"
         want += [False] * len(head) + [role == "assistant"] * len(content + "<|im_end|>\n")
     assert counted == want
+
+
+# ----------------------------------------------------------------------------------- ChatML in a GPT-2 BPE folder
+
+def _smollm_folder(path, declare: str, ids=(0, 1, 2)):
+    """A SmolLM2-style folder: vocab.json starting with ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (at
+    ``ids``), then the byte alphabet and a few merges; ``declare`` says where the folder declares them as added
+    tokens: tokenizer_config.json's added_tokens_decoder, special_tokens_map.json, or tokenizer.json."""
+    from tests.hf_reference import bytes_to_unicode
+    path.mkdir()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]
+    vocab = dict(zip(specials, (0, 1, 2)))
+    for ch in sorted(set(bytes_to_unicode().values())):
+        vocab[ch] = len(vocab)
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (path / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+              "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "chat_template": CHATML}
+    if declare == "tokenizer_config":
+        config["added_tokens_decoder"] = {str(i): {"content": t, "special": True, "normalized": False}
+                                          for t, i in zip(specials, ids)}
+    elif declare == "special_tokens_map":
+        (path / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": specials[1:]}))
+    else:
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+        fast = tokenizers.Tokenizer(models.BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        fast.decoder = decoders.ByteLevel()
+        fast.add_special_tokens(specials)
+        (path / "tokenizer.json").write_text(fast.to_str())
+        del config["tokenizer_class"]  # read as PreTrainedTokenizerFast
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("declare", ["tokenizer_config", "special_tokens_map", "tokenizer_json"])
+def test_chatml_tokens_of_a_gpt2_folder_are_single_ids(tmp_path, declare):
+    """``<|im_start|>`` and ``<|im_end|>`` declared by the folder (in any of the three files transformers reads)
+    encode as their single ids 1 and 2, exactly as ``apply_chat_template`` gives; the sample then ends with
+    the end-of-document id ``<|endoftext|>`` (0)."""
+    folder = _smollm_folder(tmp_path / "smol", declare)
+    segs, ids, tok = _tnlg(folder, CHAT)
+    hf, text, hf_ids = _hf(folder, CHAT)
+    assert _rendered(segs, hf, "<|endoftext|>") == text
+    assert ids == hf_ids + [0] and ids.count(1) == ids.count(2) == len(CHAT)
+    assert tok.eod_id == 0 and (2, True) in segs and (2, False) in segs  # an answer's <|im_end|> is counted
+
+
+def test_a_folder_whose_added_tokens_disagree_with_its_vocabulary_is_refused(tmp_path):
+    from tnlg.errors import UserError
+    folder = _smollm_folder(tmp_path / "smol", "tokenizer_config", ids=(0, 5, 2))
+    with pytest.raises(UserError, match=r"tokenizer_config\.json declares the token '<\|im_start\|>' as id 5, but "
+                                        r"tnlg's id of that piece is 1"):
+        chat_template_for(load_tokenizer(str(folder)))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["300"] = {"content": "<tool>", "special": True}
+    config["added_tokens_decoder"]["1"] = config["added_tokens_decoder"].pop("5")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="'<tool>' as id 300, but tnlg's vocabulary has no such piece") as err:
+        chat_template_for(load_tokenizer(str(folder)))
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
