@@ -282,3 +282,40 @@ def test_a_folder_whose_added_tokens_disagree_with_its_vocabulary_is_refused(tmp
     with pytest.raises(UserError, match="'<tool>' as id 300, but tnlg's vocabulary has no such piece") as err:
         chat_template_for(load_tokenizer(str(folder)))
     assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
+# ----------------------------------------------------------------------------------- ids against transformers
+
+QWEN = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+        "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+                     "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n"
+                     "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("in_vocab", [True, False], ids=["specials_in_vocab", "specials_absent"])
+@pytest.mark.parametrize("name", ["chatml", "chatml_generation", "llama2", "llama3", "mistral", "qwen"])
+def test_ids_equal_apply_chat_template_on_random_conversations(tmp_path, name, in_vocab):
+    """Every template against ``apply_chat_template(tokenize=True)`` on random conversations, with the folder's
+    special tokens in its vocabulary (declared: single ids) or absent from it (plain text on both sides)."""
+    import random
+    import transformers
+    template = {**TEMPLATES, "qwen": QWEN, "chatml_generation": CHATML_GENERATION}[name]
+    if in_vocab:
+        folder = _chat_folder(tmp_path, template)
+    else:
+        folder = _gpt2_folder(tmp_path / "plain", {"tokenizer_class": "GPT2Tokenizer", "chat_template": template})
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(str(folder))
+    chat_template = chat_template_for(tok)
+    rng = random.Random(f"{name}{in_vocab}")
+    for trial in range(10):
+        chat = _conversation(rng, 1 + trial % 4, system=trial % 2 == 1 and name != "mistral")
+        ids = []
+        for text, _ in segments(chat, chat_template):
+            ids += [tok.eod_id] if text is None else [text] if isinstance(text, int) else tok.encode(text)
+        want = list(hf.apply_chat_template([{"role": r, "content": c} for r, c in chat], tokenize=True,
+                                           return_dict=False))
+        assert ids == want + ([] if want[-1] == tok.eod_id else [tok.eod_id]), (name, chat)

@@ -160,3 +160,45 @@ def test_a_model_folder_with_only_tokenizer_json_converts_records_and_exports_it
     for text in PROBES:
         assert out.encode(text, add_special_tokens=False) == tok.encode(text)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == tok.eod_id
+
+
+@pytest.mark.slow
+def test_finetune_load_of_a_tokenizer_json_folder_trains_and_exports(tmp_path, llama3_folder):
+    """``tnlg finetune --load`` of a model folder whose only tokenizer file is tokenizer.json trains on `messages`
+    rows with its chat template, and ``tnlg convert --to hf`` writes a folder whose tokenizer gives the same
+    chat template's ids and whose eos is tnlg's end-of-document id."""
+    import os
+    import subprocess
+    import sys
+
+    from .llama_reference import random_llama
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tmp_path / "model"
+    random_llama("llama", groups=2, vocab=len(SPECIALS) + 400, seq=64).save_pretrained(folder)
+    for f in llama3_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+                            for i in range(8)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TNLG_CACHE=str(tmp_path / "cache"))
+
+    def tnlg(*argv):
+        proc = subprocess.run([sys.executable, "-m", "tnlg", *map(str, argv)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+
+    out = tnlg("finetune", "--load", folder, "--sft-data-path", rows, "--train-iters", 2, "--micro-batch-size", 1,
+               "--global-batch-size", 2, "--nproc-per-node", 1, "--eval-interval", 0, "--no-plot", "--save",
+               tmp_path / "S")
+    assert "saved checkpoint at iteration 2" in out, out
+    tnlg("convert", "--from", tmp_path / "S", "--to", "hf", tmp_path / "out")
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    source = transformers.AutoTokenizer.from_pretrained(str(folder))
+    msgs = [{"role": r, "content": c} for r, c in CHAT]
+    assert exported.apply_chat_template(msgs, tokenize=True, return_dict=False) == \
+        source.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] == exported.eos_token_id == source.convert_tokens_to_ids("<|eot_id|>")

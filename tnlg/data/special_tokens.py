@@ -101,13 +101,16 @@ def _extra(value) -> list[str]:
     return [t for t in map(_text, items) if t]
 
 
-def folder_tokens(folder: Optional[str], tokenizer) -> FolderTokens:
+def folder_tokens(folder: Optional[str], tokenizer, class_defaults: bool = True) -> FolderTokens:
     """The named special tokens and added tokens of the tokenizer folder ``folder`` for tnlg's ``tokenizer``
-    (see the module docstring); the class defaults alone when ``folder`` is ``None``."""
+    (see the module docstring); the class defaults alone when ``folder`` is ``None``. Without
+    ``class_defaults``, only what the folder's files name (transformers is not imported)."""
     kind = getattr(tokenizer, "kind", None)
     config = _read_json(os.path.join(folder, "tokenizer_config.json")) if folder else None
     config = config if isinstance(config, dict) else {}
-    values: dict = dict(_class_defaults(_class_name(folder, config, kind) if folder else _KIND_CLASS.get(kind or "")))
+    values: dict = {}
+    if class_defaults:
+        values.update(_class_defaults(_class_name(folder, config, kind) if folder else _KIND_CLASS.get(kind or "")))
     values.update({k: config[k] for k in NAMED if k in config})
     smap = _read_json(os.path.join(folder, "special_tokens_map.json")) if folder else None
     smap = smap if isinstance(smap, dict) else {}

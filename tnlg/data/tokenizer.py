@@ -257,7 +257,7 @@ class TokenizerJSONTokenizer(Tokenizer):
         self._vocab = int(self.tok.get_vocab_size(with_added_tokens=True))
         folder = os.path.dirname(self.path)
         from .special_tokens import folder_tokens
-        eos = folder_tokens(folder, self).get("eos_token")
+        eos = folder_tokens(folder, self, class_defaults=False).get("eos_token")
         candidates = [t for t in (eos, "<|endoftext|>", "</s>") if t and self.piece_id(t) is not None]
         if not candidates:
             raise UserError(f"tokenizer {self.path!r} has no end-of-document token: its folder names no eos_token "
