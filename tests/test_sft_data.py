@@ -574,3 +574,18 @@ def test_the_cache_is_written_durably(tmp_path, tok, monkeypatch):
     _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
     (file,) = (tmp_path / "cache").iterdir()
     assert any(os.path.dirname(s) == str(tmp_path / "cache") and s != str(file) for s in synced), synced
+
+
+def test_a_damaged_cache_read_by_another_rank_is_tokenized_there_with_a_note(tmp_path, tok, capsys, monkeypatch):
+    """A rank other than 0 that finds the cache damaged after the barrier tokenizes the rows itself."""
+    import tnlg.data.sft as sft
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    cache = tmp_path / "cache"
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache))[0], 6)]
+    (file,) = cache.iterdir()
+    monkeypatch.setattr(sft, "_rank", lambda: 1)
+    capsys.readouterr()
+    again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache),
+                                                       barrier=lambda: file.write_bytes(b"PK\x03\x04"))[0], 6)]
+    assert again == first
+    assert f"note: the tokenized cache {file} of {path} is unreadable" in capsys.readouterr().err
