@@ -2,18 +2,20 @@
 (docs/finetune.md, "Chat templates").
 
 A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is a string, a token's id
-(a special or added token cut out of a rendering) or ``None`` for the end-of-document id. Each text segment is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries
-fall on segment boundaries, as a prompt/completion sample's prompt and completion are encoded apart.
+(a special or added token cut out of a rendering) or ``None`` for the end-of-document id. Each text segment
+is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries fall on segment boundaries, as a
+prompt/completion sample's prompt and completion are encoded apart.
 
 * **An HF tokenizer folder's template**: when the folder the tokenizer's files lie in has
   ``chat_template.jinja`` or a ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
   ``{"name", "template"}`` of which ``default`` is taken), the conversation is rendered by transformers'
   own renderer with every named special token of the folder, as ``apply_chat_template`` passes them
   (:mod:`tnlg.data.special_tokens`: the tokenizer class's defaults, ``tokenizer_config.json``,
-  ``special_tokens_map.json``). The assistant spans: a template's ``{% generation %}`` blocks where it has them;
-  otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
+  ``special_tokens_map.json``). The assistant spans: a template's ``{% generation %}`` blocks where it has
+  them; otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
   ``< i`` with the generation prompt to the end of the rendering of turns ``<= i`` (whatever the template
-  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on). Every added or
+  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on), found in one
+  rendering with marked contents where the checks of :func:`_spans_in_one_rendering` hold. Every added or
   special token of the folder in the rendering (``<s>``, ``<|im_start|>``, ``eos_token``...) becomes its
   single id, as a transformers tokenizer matches them; an ``eos_token`` the vocabulary lacks becomes the
   end-of-document id.
