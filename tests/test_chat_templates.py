@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tnlg.data.chat import chat_template_for, segments
+from tnlg.data.sft import tokenize_segments
 from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,10 +62,7 @@ def _tnlg(folder, chat):
     """tnlg's rendering (segments' texts, each id as its vocabulary entry) and ids of ``chat``."""
     tok = load_tokenizer(str(folder))
     segs = segments(chat, chat_template_for(tok))
-    ids = []
-    for text, _ in segs:
-        ids += [tok.eod_id] if text is None else [text] if isinstance(text, int) else tok.encode(text)
-    return segs, ids, tok
+    return segs, tokenize_segments([segs], tok).ids.tolist(), tok
 
 
 def _hf(folder, chat):
@@ -158,11 +156,16 @@ def _reference_spans(hf, template: str, chat) -> tuple[str, list[bool]]:
 
 
 def _tnlg_spans(segs, hf) -> tuple[str, list[bool]]:
+    """The rendering of tnlg's segments and, per character, whether it is counted (a stretch's counted
+    character ranges; an added token's flag)."""
     text, counted = "", []
     for t, c in segs[:-1] if segs[-1][0] is None else segs:  # the appended eod is no part of the rendering
         piece = hf.convert_ids_to_tokens(t) if isinstance(t, int) else t
+        flags = [False] * len(piece)
+        for a, b in (c if isinstance(c, tuple) else [(0, len(piece))] if c else []):
+            flags[a:b] = [True] * (b - a)
         text += piece
-        counted += [c] * len(piece)
+        counted += flags
     return text, counted
 
 
@@ -313,9 +316,57 @@ def test_ids_equal_apply_chat_template_on_random_conversations(tmp_path, name, i
     rng = random.Random(f"{name}{in_vocab}")
     for trial in range(10):
         chat = _conversation(rng, 1 + trial % 4, system=trial % 2 == 1 and name != "mistral")
-        ids = []
-        for text, _ in segments(chat, chat_template):
-            ids += [tok.eod_id] if text is None else [text] if isinstance(text, int) else tok.encode(text)
+        ids = tokenize_segments([segments(chat, chat_template)], tok).ids.tolist()
         want = list(hf.apply_chat_template([{"role": r, "content": c} for r, c in chat], tokenize=True,
                                            return_dict=False))
         assert ids == want + ([] if want[-1] == tok.eod_id else [tok.eod_id]), (name, chat)
+
+
+def _sentencepiece_folder(tmp_path, how: str, template: str):
+    """A SentencePiece Llama folder of the built-in model: ``model`` tokenizer.model alone (transformers writes the
+    leading ``▁`` only at the start of the text), ``legacy`` the same with ``legacy: true`` (before every
+    stretch between special tokens), ``export`` tnlg's own export (tokenizer.json beside the .model),
+    ``converted`` transformers' conversion saved as tokenizer.json alone (tnlg's tokenizer-json kind)."""
+    if how == "export":
+        from tnlg.data.hf_tokenizer import hf_tokenizer_files
+        folder = tmp_path / "export"
+        folder.mkdir()
+        for name, data in hf_tokenizer_files(load_tokenizer("builtin"), 64).items():
+            (folder / name).write_bytes(data)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(chat_template=template, split_special_tokens=False)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        return folder
+    config = {"tokenizer_class": "LlamaTokenizer", "chat_template": template, **({"legacy": True} if how == "legacy"
+                                                                                 else {})}
+    folder = _llama_folder(tmp_path / how, config)
+    if how == "converted":
+        import transformers
+        out = tmp_path / "converted-out"
+        transformers.AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(out))
+        for extra in out.glob("*.model"):
+            extra.unlink()
+        return out
+    return folder
+
+
+@pytest.mark.parametrize("how", ["model", "legacy", "export", "converted"])
+@pytest.mark.parametrize("name", ["chatml", "llama2", "llama3", "mistral"])
+def test_sentencepiece_folders_give_apply_chat_templates_ids(tmp_path, name, how):
+    """With a SentencePiece model, the leading ``▁`` goes where the folder's transformers tokenizer writes it: at
+    the start of the text only, or at the start of every stretch between special tokens; never at a span's
+    boundary inside a stretch."""
+    import random
+    import transformers
+    folder = _sentencepiece_folder(tmp_path, how, TEMPLATES[name])
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(str(folder))
+    assert tok.kind == ("tokenizer-json" if how == "converted" else "sentencepiece")
+    chat_template = chat_template_for(tok)
+    rng = random.Random(f"{name}{how}")
+    for trial in range(8):
+        chat = _conversation(rng, 1 + trial % 4, system=trial % 2 == 1 and name != "mistral")
+        ids = tokenize_segments([segments(chat, chat_template)], tok).ids.tolist()
+        want = list(hf.apply_chat_template([{"role": r, "content": c} for r, c in chat], tokenize=True,
+                                           return_dict=False))
+        assert ids == want + ([] if want[-1] == tok.eod_id else [tok.eod_id]), (name, how, chat)

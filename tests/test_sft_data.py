@@ -286,6 +286,28 @@ def _check_layout(it, segments, tok, seq):
     assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
 
 
+def _check_layout_as_transformers(it, segments, hf, tok, seq, appended: bool):
+    """``segments`` (text, or None for the eos text; counted) joined and tokenized whole by transformers (special
+    tokens matched, as ``apply_chat_template`` does), the tokens of each counted segment counted as transformers'
+    assistant mask counts a span: from the token of its first character through the token of its last; with
+    ``appended``, the last segment is the eod tnlg appends after the rendering."""
+    text, spans = "", []
+    for t, c in segments[:-1] if appended else segments:
+        piece = hf.eos_token if t is None else t
+        if c:
+            spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    enc = hf(text, add_special_tokens=False)
+    ids = list(enc["input_ids"])
+    counted = [0] * len(ids)
+    for a, b in spans:
+        first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
+        counted[first:last + 1] = [1] * (last + 1 - first)
+    if appended:
+        ids, counted = ids + [tok.eod_id], counted + [int(segments[-1][1])]
+    assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
+
+
 def test_builtin_chat_template(tmp_path, any_tok):
     tok = any_tok
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
@@ -316,7 +338,7 @@ def test_hf_folder_chat_template(tmp_path, any_tok, template):
     assert folder_tok.kind == any_tok.kind
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     it, report = _only_item(path, folder_tok, seq=200)
-    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), split_special_tokens=False)
     rendered = hf.apply_chat_template(CHAT, tokenize=False)
     if template == "turn_by_turn":
         segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -328,7 +350,9 @@ def test_hf_folder_chat_template(tmp_path, any_tok, template):
                 ("[user] Bye?\n[A] ", 0), ("Goodbye.", 1), (None, 1)]
         assert "".join(t or hf.eos_token for t, _ in segs) == rendered
         assert hf.eos_token == ("</s>" if any_tok.kind == "sentencepiece" else "<|endoftext|>")
-    _check_layout(it, segs, folder_tok, 200)
+        out = hf.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert it["loss_mask"].tolist()[:len(out["input_ids"]) - 1] == out["assistant_masks"][1:]
+    _check_layout_as_transformers(it, segs, hf, folder_tok, 200, appended=template == "turn_by_turn")
     assert report.template == f"the chat template of {folder / 'tokenizer_config.json'}"
 
 

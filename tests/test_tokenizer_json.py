@@ -12,6 +12,7 @@ import pytest
 
 from tnlg.data.chat import chat_template_for, segments
 from tnlg.data.fingerprint import fingerprint
+from tnlg.data.sft import tokenize_segments
 from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
 from tnlg.errors import UserError
 
@@ -95,9 +96,7 @@ def test_ids_equal_autotokenizers(request, which):
 def test_the_chat_template_gives_apply_chat_templates_ids(llama3_folder):
     tok = load_tokenizer(str(llama3_folder))
     hf = transformers.AutoTokenizer.from_pretrained(str(llama3_folder))
-    ids = []
-    for text, _ in segments(CHAT, chat_template_for(tok)):
-        ids += [tok.eod_id] if text is None else [text] if isinstance(text, int) else tok.encode(text)
+    ids = tokenize_segments([segments(CHAT, chat_template_for(tok))], tok).ids.tolist()
     want = list(hf.apply_chat_template([{"role": r, "content": c} for r, c in CHAT], tokenize=True,
                                        return_dict=False))
     assert ids == want and ids[0] == hf.bos_token_id and ids[-1] == hf.eos_token_id == tok.eod_id

@@ -1,10 +1,13 @@
-"""Chat templates for ``messages`` rows: a conversation -> text segments, each trained on or not
+"""Chat templates for ``messages`` rows: a conversation -> segments, each trained on or not
 (docs/finetune.md, "Chat templates").
 
-A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is a string, a token's id
-(a special or added token cut out of a rendering) or ``None`` for the end-of-document id. Each text segment
-is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries fall on segment boundaries, as a
-prompt/completion sample's prompt and completion are encoded apart.
+A conversation becomes a list of *segments* ``(text, counted)``: ``text`` a string, a token's id (a special or
+added token cut out of a rendering) or ``None`` for the end-of-document id. The built-in template's texts
+are each encoded on its own (:mod:`tnlg.data.sft`), so token boundaries fall on segment boundaries, as a
+prompt/completion sample's prompt and completion are encoded apart, and ``counted`` is a bool. A folder's
+template gives each stretch of its rendering between added tokens as one text, with ``counted`` the tuple of
+its counted character ranges, encoded whole as transformers encodes it (:class:`Continued` where the folder's
+tokenizer writes no leading-space prefix).
 
 * **An HF tokenizer folder's template**: when the folder the tokenizer's files lie in has
   ``chat_template.jinja`` or a ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
@@ -40,10 +43,17 @@ from typing import Optional, Sequence, Union
 from ..errors import UserError
 from .special_tokens import folder_tokens
 
-__all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments"]
+__all__ = ["ChatTemplate", "BUILTIN", "Continued", "chat_template_for", "segments"]
 
-Segment = tuple[Union[str, int, None], bool]  # (text, a token's id, or None for the end-of-document id; counted)
+# (text, a token's id, or None for the end-of-document id; counted: a bool, or a text's counted character ranges)
+Segment = tuple[Union[str, int, None], Union[bool, tuple[tuple[int, int], ...]]]
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class Continued(str):
+    """A stretch of a rendering before which the folder's tokenizer writes no leading-space prefix
+    (SentencePiece's dummy ``▁``): encoded by :meth:`~tnlg.data.tokenizer.Tokenizer.encode_with_offsets`
+    with ``continued``."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class ChatTemplate:
     named: tuple[tuple[str, str], ...] = ()
     added: tuple[tuple[str, int], ...] = ()
     eod_id: int = -1
+    prepend: str = ""  # the folder tokenizer's leading-space prefix: "first", "always" or "" (special_tokens)
 
     @property
     def bos_token(self) -> str:
@@ -71,7 +82,8 @@ class ChatTemplate:
 
     def identity(self) -> list:
         """Everything about the template that decides a conversation's tokens (for cache keys)."""
-        return [self.source, self.text, [list(t) for t in self.named], [list(t) for t in self.added], self.eod_id]
+        return [self.source, self.text, [list(t) for t in self.named], [list(t) for t in self.added], self.eod_id,
+                self.prepend]
 
 
 BUILTIN = ChatTemplate("builtin")
@@ -127,7 +139,8 @@ def chat_template_for(tokenizer) -> ChatTemplate:
         if eos and eos not in added:  # an eos text the vocabulary lacks: the end-of-document id, as before
             added[eos] = int(tokenizer.eod_id)
         return ChatTemplate(str(source), text, tokens.named,
-                            tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))), int(tokenizer.eod_id))
+                            tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))), int(tokenizer.eod_id),
+                            tokens.prepend)
     if getattr(tokenizer, "kind", None) not in ("sentencepiece", "gpt2bpe"):
         raise UserError(f"`messages` rows need a chat template, and tokenizer {tokenizer!r} has none (no "
                         f"chat_template.jinja or chat_template in tokenizer_config.json in {folder!r}) and is not a "
@@ -309,8 +322,10 @@ def _merge(segs: list[Segment]) -> list[Segment]:
 
 
 def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
-    """The conversation's segments ``(text or None for the end-of-document id, counted)``, ending with the
-    end-of-document id."""
+    """The conversation's segments, ending with the end-of-document id. The built-in template: ``(text or
+    None for the end-of-document id, counted)``, each text encoded on its own. A folder's template: each
+    stretch of the rendering between added tokens as one ``(text, counted character ranges)``, encoded whole
+    (:class:`Continued` where it takes no leading-space prefix), and each added token ``(id, counted)``."""
     if template.text is None:
         return _merge(_builtin(messages))
     text, spans = _assistant_spans(template, list(messages), where)
@@ -322,4 +337,36 @@ def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where:
     out += _split_added(text[at:], False, template)
     if not out or out[-1][0] not in (None, template.eod_id):
         out.append((None, True))
-    return _merge(out)
+    return _continued(_stretches(out), template.prepend)
+
+
+def _stretches(segs: list[Segment]) -> list[Segment]:
+    """Neighbouring texts joined into one ``(text, counted character ranges)``, as a transformers tokenizer
+    encodes each stretch between added tokens whole."""
+    out: list[Segment] = []
+    for text, counted in segs:
+        if isinstance(text, str):
+            if out and isinstance(out[-1][0], str):
+                before, ranges = out[-1]
+                assert isinstance(before, str) and isinstance(ranges, tuple)
+                out[-1] = (before + text, ranges + (((len(before), len(before) + len(text)),) if counted else ()))
+            else:
+                out.append((text, ((0, len(text)),) if counted else ()))
+        else:
+            out.append((text, counted))
+    return out
+
+
+def _continued(segs: list[Segment], prepend: str) -> list[Segment]:
+    """Each stretch that the folder's tokenizer writes without a leading-space prefix marked :class:`Continued`
+    (:func:`tnlg.data.special_tokens.folder_tokens`): the prefix goes before the rendering's first stretch
+    (``first``), or before every stretch (``always``, ``every``), and (``first``, ``always``: a ``Metaspace``)
+    never before a stretch that starts with a space."""
+    if not prepend:
+        return segs
+    out: list[Segment] = []
+    for k, (text, counted) in enumerate(segs):
+        if isinstance(text, str) and ((k > 0 and prepend == "first") or (prepend != "every" and text.startswith(" "))):
+            text = Continued(text)
+        out.append((text, counted))
+    return out

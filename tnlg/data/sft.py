@@ -5,7 +5,9 @@ attention (docs/finetune.md).
 tokenizer's ids of the prompt, then of the completion, then the end-of-document id, each text encoded
 on its own exactly as ``tnlg preprocess`` encodes a document (``Tokenizer.encode_batch``, no BOS); the
 completion's tokens and the end-of-document id are counted (every token with ``loss_on_prompt``).
-``messages``: the segments of :mod:`tnlg.data.chat`, each text encoded on its own.
+``messages``: the segments of :mod:`tnlg.data.chat`: the built-in template's texts each encoded on its
+own; a folder template's stretches between added tokens each encoded whole, a token counted when it covers
+a counted character, and its special tokens their single ids.
 
 **Lengths.** A sequence holds ``seq_length + 1`` tokens (inputs ``[:-1]``, labels ``[1:]``). A longer
 sample is cut to its first ``seq_length + 1`` tokens (*truncated*); one with no counted target left
@@ -53,7 +55,7 @@ import torch
 
 from ..errors import UserError
 from ..io import atomic_output
-from .chat import ChatTemplate, Segment, chat_template_for, segments
+from .chat import ChatTemplate, Continued, Segment, chat_template_for, segments
 from .fingerprint import fingerprint
 from .paths import default_cache_dir
 from .sft_rows import SFTRow, read_rows
@@ -118,21 +120,39 @@ def tokenize_rows(rows: Sequence[SFTRow], tokenizer, template: Optional[ChatTemp
 def tokenize_segments(per_row: Sequence[Sequence[Segment]], tokenizer, loss_on_prompt: bool = False) -> SFTSamples:
     """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``; a
     segment that is an id (a special token cut out of a chat rendering) is that id, ``None`` the
-    end-of-document id."""
-    texts = [t for segs in per_row for t, _ in segs if isinstance(t, str)]
-    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    end-of-document id. A text with counted character ranges (a stretch of a chat template's rendering) is
+    encoded with offsets (:meth:`~tnlg.data.tokenizer.Tokenizer.encode_with_offsets`; without a leading-space
+    prefix where it is :class:`~tnlg.data.chat.Continued`), and a token is counted when it covers a counted
+    character, as transformers' assistant mask counts from the token of a span's first character through the
+    token of its last."""
+    plain = [t for segs in per_row for t, c in segs if isinstance(t, str) and isinstance(c, bool)]
+    stretches = {flag: [t for segs in per_row for t, c in segs if isinstance(t, str) and isinstance(c, tuple)
+                        and isinstance(t, Continued) == flag] for flag in (False, True)}
+    encoded = iter(tokenizer.encode_batch(plain) if plain else [])
+    with_offsets = {flag: iter(tokenizer.encode_with_offsets(texts, continued=flag) if texts else [])
+                    for flag, texts in stretches.items()}
     ids: list[int] = []
     counted: list[bool] = []
     offsets = [0]
     eod = int(tokenizer.eod_id)
     for segs in per_row:
         for text, count in segs:
-            part = [eod] if text is None else [int(text)] if isinstance(text, int) else list(next(encoded))
+            if isinstance(count, tuple):
+                part, spans = next(with_offsets[isinstance(text, Continued)])
+                flags = [loss_on_prompt or _covers(count, a, b) for a, b in spans]
+            else:
+                part = [eod] if text is None else [int(text)] if isinstance(text, int) else list(next(encoded))
+                flags = [bool(count) or loss_on_prompt] * len(part)
             ids += part
-            counted += [count or loss_on_prompt] * len(part)
+            counted += flags
         offsets.append(len(ids))
     return SFTSamples(np.asarray(ids, dtype=np.int64), np.asarray(counted, dtype=bool),
                       np.asarray(offsets, dtype=np.int64))
+
+
+def _covers(ranges: tuple[tuple[int, int], ...], a: int, b: int) -> bool:
+    """Whether a token of characters ``[a, b)`` (at ``a`` when empty) covers a character of ``ranges``."""
+    return any((a < hi and b > lo) if b > a else lo <= a < hi for lo, hi in ranges)
 
 
 def fit_samples(samples: SFTSamples, seq_length: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:

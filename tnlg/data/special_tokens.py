@@ -41,6 +41,7 @@ class FolderTokens:
 
     named: tuple[tuple[str, str], ...] = ()
     added: tuple[tuple[str, int], ...] = ()
+    prepend: str = ""  # "first", "always", "every" or "": where the folder's tokenizer writes a leading ▁
 
     def get(self, name: str) -> str:
         return dict(self.named).get(name, "")
@@ -117,6 +118,7 @@ def folder_tokens(folder: Optional[str], tokenizer, class_defaults: bool = True)
     if "added_tokens_decoder" not in config:  # transformers reads the legacy map only then
         values.update({k: smap[k] for k in NAMED if k in smap})
     named = {k: t for k, t in ((k, _text(v)) for k, v in values.items()) if t}
+    fast = _read_json(os.path.join(folder, "tokenizer.json")) if folder else None
 
     declared: dict[str, tuple[int, str]] = {}  # text -> (id, where it was declared)
 
@@ -128,7 +130,6 @@ def folder_tokens(folder: Optional[str], tokenizer, class_defaults: bool = True)
     if isinstance(decoder, dict):
         for key, value in decoder.items():
             declare(_text(value), int(key) if str(key).isdigit() else None, "tokenizer_config.json")
-    fast = _read_json(os.path.join(folder, "tokenizer.json")) if folder else None
     if isinstance(fast, dict) and isinstance(fast.get("added_tokens"), list):
         for entry in fast["added_tokens"]:
             if isinstance(entry, dict):
@@ -154,7 +155,42 @@ def folder_tokens(folder: Optional[str], tokenizer, class_defaults: bool = True)
         if text not in added and own is not None:
             added[text] = own
     return FolderTokens(tuple(sorted(named.items())),
-                        tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))))
+                        tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))),
+                        _prepend_scheme(fast, config, kind))
+
+
+def _prepend_scheme(fast, config: dict, kind: Optional[str]) -> str:
+    """Where the folder's transformers tokenizer writes a SentencePiece-style leading ``▁``: ``"first"`` (a
+    ``Metaspace`` with ``prepend_scheme`` ``first``, and the LlamaTokenizer transformers builds from a ``.model``
+    unless ``legacy`` is true: only before the text at the start of the input), ``"always"`` (``Metaspace``
+    ``always``: before every stretch of text between added tokens), both never before a text that starts with a
+    space; ``"every"`` (a ``Prepend`` normaliser, tnlg's own export: before every stretch, whatever it starts
+    with); ``""`` (never: byte-level BPE)."""
+    if isinstance(fast, dict):
+        for step in _steps(fast.get("pre_tokenizer")):
+            if step.get("type") == "Metaspace":
+                scheme = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+                return "" if scheme == "never" else str(scheme)
+        for step in _steps(fast.get("normalizer")):
+            pattern = step.get("pattern")
+            regex = str(pattern.get("Regex")) if isinstance(pattern, dict) else ""
+            if step.get("type") == "Prepend" or (step.get("type") == "Replace" and "\\A" in regex
+                                                 and step.get("content") == "\u2581"):
+                return "every"
+        return ""
+    if kind == "sentencepiece":
+        return "always" if config.get("legacy") is True else "first"
+    return ""
+
+
+def _steps(part) -> list[dict]:
+    """The steps of a tokenizer.json normaliser or pre-tokenizer (a ``Sequence``'s, flattened)."""
+    if not isinstance(part, dict):
+        return []
+    inner = part.get("normalizers") or part.get("pretokenizers")
+    if part.get("type") == "Sequence" and isinstance(inner, list):
+        return [s for p in inner for s in _steps(p)]
+    return [part]
 
 
 def _files(tokenizer) -> str:

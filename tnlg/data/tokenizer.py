@@ -78,6 +78,13 @@ class Tokenizer:
         """Encode several texts (one Python call; subclasses may batch)."""
         return [self.encode(t) for t in texts]
 
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and each id's character span ``[start, end)`` in the text (for a chat template's
+        rendering: which tokens a counted span covers). ``continued``: the texts continue a text before them,
+        so no leading-space prefix is written where the tokenizer writes one (SentencePiece's dummy ``▁``)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no character offsets")
+
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
@@ -129,6 +136,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._eod = int(eos)
         self._vocab = int(self.sp.get_piece_size())
         self._sha: Optional[str] = None
+        self._sp_continued: Any = None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -138,6 +146,32 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """From SentencePiece's ``SentencePieceText`` (serialized; read without protobuf: pieces = 2, each
+        id = 2, begin = 4, end = 5, byte offsets into the text). ``continued``: the same model with
+        ``normalizer_spec.add_dummy_prefix`` false."""
+        sp = self.sp
+        if continued:
+            if self._sp_continued is None:
+                import sentencepiece as spm
+                # a second ModelProto field 3 (normalizer_spec) holding only add_dummy_prefix (its field 3) = 0
+                # merges into the first, as protobuf parsing does with a repeated message field
+                proto = self.sp.serialized_model_proto() + b"\x1a\x02\x18\x00"
+                self._sp_continued = spm.SentencePieceProcessor(model_proto=proto)
+            sp = self._sp_continued
+        out = []
+        for text, raw in zip(texts, sp.encode(list(texts), return_type="serialized_proto", num_threads=1)):
+            chars = _char_at_byte(text)
+            ids, spans = [], []
+            for number, value in _proto_fields(raw):
+                if number == 2:
+                    piece = dict(_proto_fields(value))
+                    ids.append(int(piece.get(2, 0)))
+                    spans.append((chars[int(piece.get(4, 0))], chars[int(piece.get(5, 0))]))
+            out.append((ids, spans))
+        return out
 
     def piece_id(self, text: str) -> Optional[int]:
         i = int(self.sp.piece_to_id(text))
@@ -220,6 +254,10 @@ class GPT2BPETokenizer(Tokenizer):
         i = self.tok.token_to_id(text)
         return None if i is None else int(i)
 
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, list(e.offsets)) for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def describe(self) -> dict:
         if self._sha is None:
             self._sha = [file_sha256(self.vocab_file), file_sha256(self.merges_file)]
@@ -268,6 +306,7 @@ class TokenizerJSONTokenizer(Tokenizer):
         config = os.path.join(folder, "tokenizer_config.json")
         self._files = [self.path] + ([config] if os.path.isfile(config) else [])
         self._sha: Optional[list[str]] = None
+        self._continued: Any = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -282,11 +321,50 @@ class TokenizerJSONTokenizer(Tokenizer):
         i = self.tok.token_to_id(text)
         return None if i is None else int(i)
 
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """``continued``: a copy of the pipeline with its ``Metaspace`` prefix off and ``Prepend`` steps dropped."""
+        tok = self.tok
+        if continued:
+            if self._continued is None:
+                import tokenizers
+                spec = json.loads(self.tok.to_str())
+                spec["pre_tokenizer"] = _without_prefix(spec.get("pre_tokenizer"))
+                spec["normalizer"] = _without_prefix(spec.get("normalizer"))
+                self._continued = tokenizers.Tokenizer.from_str(json.dumps(spec))
+                self._continued.encode_special_tokens = True
+            tok = self._continued
+        return [(e.ids, list(e.offsets)) for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def describe(self) -> dict:
         if self._sha is None:
             self._sha = [file_sha256(f) for f in self._files]
         return {"kind": self.kind, "path": self.path, "sha256": self._sha, "vocab_size": self._vocab,
                 "eod_id": self._eod}
+
+
+def _char_at_byte(text: str) -> list[int]:
+    """For each UTF-8 byte offset of ``text`` (and its end), the index of the character it falls in."""
+    out = []
+    for i, ch in enumerate(text):
+        out += [i] * len(ch.encode("utf-8", "surrogatepass"))
+    return out + [len(text)]
+
+
+def _without_prefix(part):
+    """A tokenizer.json normaliser or pre-tokenizer that writes no leading ``▁``: a ``Metaspace``'s
+    ``prepend_scheme`` ``never``, a ``Prepend`` step dropped."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") == "Metaspace":
+        return {**part, "prepend_scheme": "never"}
+    if part.get("type") == "Prepend":
+        return None
+    for key in ("normalizers", "pretokenizers"):
+        if part.get("type") == "Sequence" and isinstance(part.get(key), list):
+            steps = [s for s in (_without_prefix(p) for p in part[key]) if s is not None]
+            return {**part, key: steps}
+    return part
 
 
 _SPEC_HELP = ("a SentencePiece .model file, a Hugging Face tokenizer.json, a directory holding vocab.json + "
