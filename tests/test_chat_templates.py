@@ -326,7 +326,9 @@ def _sentencepiece_folder(tmp_path, how: str, template: str):
     """A SentencePiece Llama folder of the built-in model: ``model`` tokenizer.model alone (transformers writes the
     leading ``▁`` only at the start of the text), ``legacy`` the same with ``legacy: true`` (before every
     stretch between special tokens), ``export`` tnlg's own export (tokenizer.json beside the .model),
-    ``converted`` transformers' conversion saved as tokenizer.json alone (tnlg's tokenizer-json kind)."""
+    ``converted`` transformers' conversion saved as tokenizer.json alone (tnlg's tokenizer-json kind),
+    ``llama_json`` a LlamaTokenizer folder whose tokenizer.json (saved with ``legacy: true``) says ``always``
+    beside ``legacy: false`` (transformers rebuilds the prefix from ``legacy``: only at the start)."""
     if how == "export":
         from tnlg.data.hf_tokenizer import hf_tokenizer_files
         folder = tmp_path / "export"
@@ -340,6 +342,14 @@ def _sentencepiece_folder(tmp_path, how: str, template: str):
     config = {"tokenizer_class": "LlamaTokenizer", "chat_template": template, **({"legacy": True} if how == "legacy"
                                                                                  else {})}
     folder = _llama_folder(tmp_path / how, config)
+    if how == "llama_json":
+        import transformers
+        legacy = _llama_folder(tmp_path / "legacy-source", {**config, "legacy": True})
+        transformers.AutoTokenizer.from_pretrained(str(legacy)).save_pretrained(str(folder))
+        saved = json.loads((folder / "tokenizer.json").read_text())
+        assert saved["pre_tokenizer"]["prepend_scheme"] == "always"
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": False}))
+        return folder
     if how == "converted":
         import transformers
         out = tmp_path / "converted-out"
@@ -350,7 +360,7 @@ def _sentencepiece_folder(tmp_path, how: str, template: str):
     return folder
 
 
-@pytest.mark.parametrize("how", ["model", "legacy", "export", "converted"])
+@pytest.mark.parametrize("how", ["model", "legacy", "export", "converted", "llama_json"])
 @pytest.mark.parametrize("name", ["chatml", "llama2", "llama3", "mistral"])
 def test_sentencepiece_folders_give_apply_chat_templates_ids(tmp_path, name, how):
     """With a SentencePiece model, the leading ``▁`` goes where the folder's transformers tokenizer writes it: at

@@ -160,12 +160,17 @@ def folder_tokens(folder: Optional[str], tokenizer, class_defaults: bool = True)
 
 
 def _prepend_scheme(fast, config: dict, kind: Optional[str]) -> str:
-    """Where the folder's transformers tokenizer writes a SentencePiece-style leading ``▁``: ``"first"`` (a
-    ``Metaspace`` with ``prepend_scheme`` ``first``, and the LlamaTokenizer transformers builds from a ``.model``
-    unless ``legacy`` is true: only before the text at the start of the input), ``"always"`` (``Metaspace``
-    ``always``: before every stretch of text between added tokens), both never before a text that starts with a
-    space; ``"every"`` (a ``Prepend`` normaliser, tnlg's own export: before every stretch, whatever it starts
-    with); ``""`` (never: byte-level BPE)."""
+    """Where the folder's transformers tokenizer writes a SentencePiece-style leading ``▁``: ``"first"`` (only
+    before the text at the start of the input), ``"always"`` (before every stretch of text between added
+    tokens), both never before a text that starts with a space (a ``Metaspace``); ``"every"`` (a ``Prepend``
+    normaliser, tnlg's own export: before every stretch, whatever it starts with); ``""`` (never: byte-level
+    BPE). transformers builds a LlamaTokenizer's ``Metaspace`` itself, whatever tokenizer.json says: ``never``
+    with ``add_prefix_space`` false, ``always`` with ``legacy`` true, else ``first`` (as for a SentencePiece
+    model without tokenizer.json); any other class uses tokenizer.json's."""
+    if config.get("tokenizer_class") in _LLAMA_CLASSES or (not isinstance(fast, dict) and kind == "sentencepiece"):
+        if config.get("add_prefix_space") is False:
+            return ""
+        return "always" if config.get("legacy") else "first"
     if isinstance(fast, dict):
         for step in _steps(fast.get("pre_tokenizer")):
             if step.get("type") == "Metaspace":
@@ -177,10 +182,10 @@ def _prepend_scheme(fast, config: dict, kind: Optional[str]) -> str:
             if step.get("type") == "Prepend" or (step.get("type") == "Replace" and "\\A" in regex
                                                  and step.get("content") == "\u2581"):
                 return "every"
-        return ""
-    if kind == "sentencepiece":
-        return "always" if config.get("legacy") is True else "first"
     return ""
+
+
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast")
 
 
 def _steps(part) -> list[dict]:
