@@ -286,6 +286,28 @@ def _check_layout(it, segments, tok, seq):
     assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
 
 
+def _check_layout_as_transformers(it, segments, hf, tok, seq, appended: bool):
+    """``segments`` (text, or None for the eos text; counted) joined and tokenized whole by transformers (special
+    tokens matched, as ``apply_chat_template`` does), the tokens of each counted segment counted as transformers'
+    assistant mask counts a span: from the token of its first character through the token of its last; with
+    ``appended``, the last segment is the eod tnlg appends after the rendering."""
+    text, spans = "", []
+    for t, c in segments[:-1] if appended else segments:
+        piece = hf.eos_token if t is None else t
+        if c:
+            spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    enc = hf(text, add_special_tokens=False)
+    ids = list(enc["input_ids"])
+    counted = [0] * len(ids)
+    for a, b in spans:
+        first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
+        counted[first:last + 1] = [1] * (last + 1 - first)
+    if appended:
+        ids, counted = ids + [tok.eod_id], counted + [int(segments[-1][1])]
+    assert _as_lists(it) == _expected_item([(ids, counted)], seq, tok.eod_id)
+
+
 def test_builtin_chat_template(tmp_path, any_tok):
     tok = any_tok
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
@@ -316,7 +338,7 @@ def test_hf_folder_chat_template(tmp_path, any_tok, template):
     assert folder_tok.kind == any_tok.kind
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     it, report = _only_item(path, folder_tok, seq=200)
-    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), split_special_tokens=False)
     rendered = hf.apply_chat_template(CHAT, tokenize=False)
     if template == "turn_by_turn":
         segs = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -328,16 +350,18 @@ def test_hf_folder_chat_template(tmp_path, any_tok, template):
                 ("[user] Bye?\n[A] ", 0), ("Goodbye.", 1), (None, 1)]
         assert "".join(t or hf.eos_token for t, _ in segs) == rendered
         assert hf.eos_token == ("</s>" if any_tok.kind == "sentencepiece" else "<|endoftext|>")
-    _check_layout(it, segs, folder_tok, 200)
+        out = hf.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert it["loss_mask"].tolist()[:len(out["input_ids"]) - 1] == out["assistant_masks"][1:]
+    _check_layout_as_transformers(it, segs, hf, folder_tok, 200, appended=template == "turn_by_turn")
     assert report.template == f"the chat template of {folder / 'tokenizer_config.json'}"
 
 
 @pytest.mark.parametrize("template", ["builtin", "turn_by_turn", "generation"])
 def test_a_conversations_prompt_is_what_fine_tuning_saw_before_its_last_turn(tmp_path, any_tok, template):
     """`tnlg eval --task generate` on a `messages` row: the prompt is the turns before the last assistant turn,
-    rendered as transformers' apply_chat_template(add_generation_prompt=True) renders them, cut and encoded as
-    fine-tuning cuts them (written out below), and the fine-tuning sample of the whole row starts with those
-    very ids, its first counted token right after them."""
+    rendered as transformers' apply_chat_template(add_generation_prompt=True) renders them (written out below),
+    with a folder's template the very ids apply_chat_template gives, and the fine-tuning sample of the whole row
+    starts with those ids, its first counted token right after them."""
     from tnlg.data.chat import chat_template_for
     from tnlg.data.sft import tokenize_rows
     from tnlg.data.sft_rows import read_rows
@@ -360,13 +384,35 @@ def test_a_conversations_prompt_is_what_fine_tuning_saw_before_its_last_turn(tmp
             segs = [("[system] Be brief.\n[user] Hi!\n[A] ", 0), ("Hello.", 1), (None, 1), ("[user] Bye?\n[A] ", 0)]
         rendered = hf.apply_chat_template(CHAT[:-1], add_generation_prompt=True, tokenize=False)
         assert "".join(hf.eos_token if t is None else t for t, _ in segs) == rendered
-    want = [i for t, _ in segs for i in ([folder_tok.eod_id] if t is None else folder_tok.encode(t))]
+    if template == "builtin":  # the built-in template: each text encoded on its own (docs/finetune.md)
+        want = [i for t, _ in segs for i in ([folder_tok.eod_id] if t is None else folder_tok.encode(t))]
+    elif template == "turn_by_turn":  # a folder's template: transformers' own ids of the prompt
+        want = list(hf.apply_chat_template(CHAT[:-1], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+    elif folder_tok.kind == "gpt2-bpe":  # the template writes eos_token's text, which fine-tuning turns into the
+        # end-of-document id (this folder's vocabulary does not hold it as one token): transformers' ids of each
+        # stretch between them
+        pieces = rendered.split(hf.eos_token)
+        want = [i for k, piece in enumerate(pieces)
+                for i in ([folder_tok.eod_id] if k else []) + (hf(piece, add_special_tokens=False)["input_ids"]
+                                                               if piece else [])]
+    else:  # (SentencePiece: a stretch after that id takes no dummy prefix, which transformers cannot be asked
+        # for piece by piece; the fine-tuning sample below is the reference, its ids checked against
+        # apply_chat_template in tests/test_chat_templates.py)
+        want = None
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     rows = read_completion_rows(path)
     assert rows[0].references == ("Goodbye.",)
     ids = rows_prompt_ids(folder_tok, rows)[0]
-    assert ids == want
+    assert want is None or ids == want
     trained, counted = tokenize_rows(read_rows(path), folder_tok, chat_template_for(folder_tok)).sample(0)
+    if template == "generation" and folder_tok.kind == "sentencepiece":
+        # the prompt ends inside a stretch the whole row encodes at once ("[A] " then "Goodbye."): SentencePiece
+        # gives the prompt's last space a token of its own where the row has "▁Goodbye", as transformers' own
+        # prompt does; the ids before that stretch are the row's
+        start = len(ids) - len(folder_tok.encode("[A] "))
+        assert trained[:start].tolist() == ids[:start]
+        return
     assert trained[:len(ids)].tolist() == ids and counted[len(ids)] and not counted[len(ids) - 1]
 
 
@@ -526,3 +572,104 @@ def test_an_unwritable_cache_tokenizes_in_memory(tmp_path, tok):
     a, _, ra = _build(path, tok, train_samples=6, cache_dir=str(blocked))
     b, _, rb = _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
     assert ra.line() == rb.line() and all(_as_lists(a[i]) == _as_lists(b[i]) for i in range(6))
+
+
+# ----------------------------------------------------------------------------------- the tokenized cache
+
+BOS_TEMPLATE = ("{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ bos_token }}[assistant] {% endif %}")
+
+
+def _fresh_items(path, tok, count, tmp_path, **kw):
+    return [_as_lists(it) for it in _all_items(_build(path, tok, cache_dir=str(tmp_path / "fresh"),
+                                                      train_samples=count, **kw)[0], count)]
+
+
+def test_the_cache_follows_every_special_token_of_the_folder(tmp_path, tok):
+    """Changing the folder's bos_token (which the template reads) gives the new tokens, not the cached ones."""
+    transformers = pytest.importorskip("transformers")
+    folder = _hf_folder(tmp_path, tok, BOS_TEMPLATE)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    cache = str(tmp_path / "cache")
+    first = _as_lists(_build(path, load_tokenizer(str(folder)), seq=200, cache_dir=cache, packing=False)[0][0])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == "</s>"
+    config["bos_token"] = "<s>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").unlink()  # which transformers would read over tokenizer_config.json
+    assert transformers.AutoTokenizer.from_pretrained(str(folder)).bos_token == "<s>"
+    folder_tok = load_tokenizer(str(folder))
+    again = _as_lists(_build(path, folder_tok, seq=200, cache_dir=cache, packing=False)[0][0])
+    assert again != first and again == _fresh_items(path, folder_tok, 1, tmp_path, seq=200, packing=False)[0]
+    assert again["tokens"][0] == 1 and first["tokens"][0] == tok.eod_id == 2  # <s> is id 1, </s> id 2
+    assert len(os.listdir(cache)) == 2
+
+
+def test_the_cache_follows_the_rows_content_not_the_files_stamp(tmp_path, tok):
+    """Rows rewritten with the same size and modification time are tokenized again."""
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    stat = os.stat(path)
+    cache = str(tmp_path / "cache")
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=cache)[0], 6)]
+    _jsonl(path, _pc([(p, c.replace("a", "b")) for p, c in PAIRS]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=cache)[0], 6)]
+    assert again != first and again == _fresh_items(path, tok, 6, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "not_npz", "wrong_arrays"])
+def test_a_damaged_cache_is_rebuilt_with_a_note_naming_it(tmp_path, tok, capsys, damage):
+    import numpy as np
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    cache = tmp_path / "cache"
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache))[0], 6)]
+    (file,) = cache.iterdir()
+    data = file.read_bytes()
+    if damage == "truncated":
+        file.write_bytes(data[:len(data) // 2])
+    elif damage == "zeroed":
+        file.write_bytes(data[:100] + bytes(len(data) - 200) + data[-100:])
+    elif damage == "not_npz":
+        file.write_text("hello")
+    else:
+        with open(file, "wb") as f:
+            np.savez(f, ids=np.arange(5), counted=np.ones(5, bool), offsets=np.array([0, 5]))
+    capsys.readouterr()
+    for barrier in (None, lambda: None):  # one process; rank 0 of several
+        again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache),
+                                                           barrier=barrier)[0], 6)]
+        assert again == first
+        err = capsys.readouterr().err
+        if barrier is None:
+            assert f"note: the tokenized cache {file} of {path} is unreadable" in err, err
+        else:  # rewritten by the run before: read silently
+            assert err == ""
+    assert file.read_bytes() == data
+
+
+def test_the_cache_is_written_durably(tmp_path, tok, monkeypatch):
+    """The cache file is fsynced before it is renamed into place."""
+    import tnlg.io
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(tnlg.io.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    _build(path, tok, train_samples=6, cache_dir=str(tmp_path / "cache"))
+    (file,) = (tmp_path / "cache").iterdir()
+    assert any(os.path.dirname(s) == str(tmp_path / "cache") and s != str(file) for s in synced), synced
+
+
+def test_a_damaged_cache_read_by_another_rank_is_tokenized_there_with_a_note(tmp_path, tok, capsys, monkeypatch):
+    """A rank other than 0 that finds the cache damaged after the barrier tokenizes the rows itself."""
+    import tnlg.data.sft as sft
+    path = _jsonl(tmp_path / "a.jsonl", _pc(PAIRS))
+    cache = tmp_path / "cache"
+    first = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache))[0], 6)]
+    (file,) = cache.iterdir()
+    monkeypatch.setattr(sft, "_rank", lambda: 1)
+    capsys.readouterr()
+    again = [_as_lists(it) for it in _all_items(_build(path, tok, train_samples=6, cache_dir=str(cache),
+                                                       barrier=lambda: file.write_bytes(b"PK\x03\x04"))[0], 6)]
+    assert again == first
+    assert f"note: the tokenized cache {file} of {path} is unreadable" in capsys.readouterr().err

@@ -1,19 +1,27 @@
-"""Chat templates for ``messages`` rows: a conversation -> text segments, each trained on or not
+"""Chat templates for ``messages`` rows: a conversation -> segments, each trained on or not
 (docs/finetune.md, "Chat templates").
 
-A conversation becomes a list of *segments* ``(text, counted)``, where ``text`` is ``None`` for the
-end-of-document id. Each text segment is encoded on its own (:mod:`tnlg.data.sft`), so token boundaries
-fall on segment boundaries, as a prompt/completion sample's prompt and completion are encoded apart.
+A conversation becomes a list of *segments* ``(text, counted)``: ``text`` a string, a token's id (a special or
+added token cut out of a rendering) or ``None`` for the end-of-document id. The built-in template's texts
+are each encoded on its own (:mod:`tnlg.data.sft`), so token boundaries fall on segment boundaries, as a
+prompt/completion sample's prompt and completion are encoded apart, and ``counted`` is a bool. A folder's
+template gives each stretch of its rendering between added tokens as one text, with ``counted`` the tuple of
+its counted character ranges, encoded whole as transformers encodes it (:class:`Continued` where the folder's
+tokenizer writes no leading-space prefix).
 
 * **An HF tokenizer folder's template**: when the folder the tokenizer's files lie in has
   ``chat_template.jinja`` or a ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
   ``{"name", "template"}`` of which ``default`` is taken), the conversation is rendered by transformers'
-  own renderer with ``bos_token``/``eos_token`` from ``tokenizer_config.json`` (else the end-of-document
-  token's text). The assistant spans: a template's ``{% generation %}`` blocks where it has them;
-  otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
+  own renderer with every named special token of the folder, as ``apply_chat_template`` passes them
+  (:mod:`tnlg.data.special_tokens`: the tokenizer class's defaults, ``tokenizer_config.json``,
+  ``special_tokens_map.json``). The assistant spans: a template's ``{% generation %}`` blocks where it has
+  them; otherwise turn by turn, assistant turn ``i`` spanning from the end of the rendering of turns
   ``< i`` with the generation prompt to the end of the rendering of turns ``<= i`` (whatever the template
-  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on). The text of
-  ``eos_token`` in the rendering becomes the end-of-document id.
+  writes after the content before the next turn, e.g. ``<|im_end|>``, is trained on), found in one
+  rendering with marked contents where the checks of :func:`_spans_in_one_rendering` hold. Every added or
+  special token of the folder in the rendering (``<s>``, ``<|im_start|>``, ``eos_token``...) becomes its
+  single id, as a transformers tokenizer matches them; an ``eos_token`` the vocabulary lacks becomes the
+  end-of-document id.
 * **The built-in template** (every tnlg tokenizer, SentencePiece or GPT-2 BPE, whose folder has no
   template): each turn is ``<|role|>\\n`` then its content, then ``\\n`` after a system or user turn and
   the end-of-document id after an assistant turn; the assistant's content and that id are trained on.
@@ -32,27 +40,52 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ..errors import UserError
+from .special_tokens import folder_tokens
 
-__all__ = ["ChatTemplate", "BUILTIN", "chat_template_for", "segments", "prompt_segments"]
+__all__ = ["ChatTemplate", "BUILTIN", "Continued", "chat_template_for", "segments", "prompt_segments"]
 
-Segment = tuple[Optional[str], bool]  # (text, or None for the end-of-document id; counted)
+# (text, a token's id, or None for the end-of-document id; counted: a bool, or a text's counted character ranges)
+Segment = tuple[Union[str, int, None], Union[bool, tuple[tuple[int, int], ...]]]
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class Continued(str):
+    """A stretch of a rendering before which the folder's tokenizer writes no leading-space prefix
+    (SentencePiece's dummy ``▁``): encoded by :meth:`~tnlg.data.tokenizer.Tokenizer.encode_with_offsets`
+    with ``continued``."""
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A folder's Jinja template (``source`` its file) or the built-in one (``text`` None)."""
+    """A folder's Jinja template (``source`` its file) or the built-in one (``text`` None), with the folder's
+    special tokens (:mod:`tnlg.data.special_tokens`): ``named`` the template's variables, ``added`` the texts
+    cut out of a rendering as single ids; ``eod_id`` the tokenizer's end-of-document id."""
 
     source: str
     text: Optional[str] = None
-    bos_token: str = ""
-    eos_token: str = ""
+    named: tuple[tuple[str, str], ...] = ()
+    added: tuple[tuple[str, int], ...] = ()
+    eod_id: int = -1
+    prepend: str = ""  # the folder tokenizer's leading-space prefix: "first", "always" or "" (special_tokens)
+
+    @property
+    def bos_token(self) -> str:
+        return dict(self.named).get("bos_token", "")
+
+    @property
+    def eos_token(self) -> str:
+        return dict(self.named).get("eos_token", "")
 
     def describe(self) -> str:
         return "the built-in chat template" if self.text is None else f"the chat template of {self.source}"
+
+    def identity(self) -> list:
+        """Everything about the template that decides a conversation's tokens (for cache keys)."""
+        return [self.source, self.text, [list(t) for t in self.named], [list(t) for t in self.added], self.eod_id,
+                self.prepend]
 
 
 BUILTIN = ChatTemplate("builtin")
@@ -62,18 +95,6 @@ def _folder(tokenizer) -> Optional[str]:
     spec = tokenizer.describe() if hasattr(tokenizer, "describe") else {}
     path = spec.get("path") or spec.get("vocab_file")
     return os.path.dirname(os.fspath(path)) if path else None
-
-
-def _eod_text(tokenizer) -> str:
-    if hasattr(tokenizer, "sp"):
-        return str(tokenizer.sp.id_to_piece(tokenizer.eod_id))
-    return str(getattr(tokenizer, "EOD_TOKEN", "") or tokenizer.decode([tokenizer.eod_id]))
-
-
-def _token_text(value, fallback: str) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else fallback
 
 
 def _read_config(path: str) -> dict:
@@ -114,9 +135,14 @@ def chat_template_for(tokenizer) -> ChatTemplate:
     elif config:
         text, source = _pick(config.get("chat_template"), config_path), config_path
     if text:
-        eod = _eod_text(tokenizer)
-        return ChatTemplate(str(source), text, _token_text(config.get("bos_token"), eod),
-                            _token_text(config.get("eos_token"), eod))
+        tokens = folder_tokens(folder, tokenizer)
+        added = dict(tokens.added)
+        eos = tokens.get("eos_token")
+        if eos and eos not in added:  # an eos text the vocabulary lacks: the end-of-document id, as before
+            added[eos] = int(tokenizer.eod_id)
+        return ChatTemplate(str(source), text, tokens.named,
+                            tuple(sorted(added.items(), key=lambda kv: (-len(kv[0]), kv[0]))), int(tokenizer.eod_id),
+                            tokens.prepend)
     if getattr(tokenizer, "kind", None) not in ("sentencepiece", "gpt2bpe"):
         raise UserError(f"`messages` rows need a chat template, and tokenizer {tokenizer!r} has none (no "
                         f"chat_template.jinja or chat_template in tokenizer_config.json in {folder!r}) and is not a "
@@ -146,10 +172,11 @@ def _render(template: ChatTemplate, messages, generation_prompt: bool = False, s
         raise UserError(f"{template.describe()} is a Jinja template, rendered by transformers' renderer, which is "
                         "not installed: pip install transformers.") from None
     chat = [{"role": r, "content": c} for r, c in messages]
+    variables: dict = dict(template.named)  # the named special tokens, as apply_chat_template passes them
     try:
         result: tuple = render_jinja_template(  # type: ignore[assignment]  # annotated str, returns a pair
             [chat], chat_template=template.text, return_assistant_tokens_mask=spans,
-            add_generation_prompt=generation_prompt, bos_token=template.bos_token, eos_token=template.eos_token)
+            add_generation_prompt=generation_prompt, **variables)
     except Exception as err:  # noqa: BLE001 - a user's template: its syntax errors and raise_exception()
         raise UserError(f"{template.describe()} failed on a conversation with roles {[r for r, _ in messages]}: "
                         f"{type(err).__name__}: {str(err)[:300]}. Fix the template or the rows.") from None
@@ -158,12 +185,22 @@ def _render(template: ChatTemplate, messages, generation_prompt: bool = False, s
 
 
 def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendering and the character spans trained on (see the module docstring)."""
+    """The rendering and the character spans trained on (see the module docstring): a template's
+    ``{% generation %}`` blocks, else the turn-by-turn spans, found in one rendering where the template allows
+    (:func:`_spans_in_one_rendering`), else by rendering every prefix of the conversation."""
     assert template.text is not None
     if _GENERATION.search(template.text):
         text, spans = _render(template, messages, spans=True)
         return text, [(int(a), int(b)) for a, b in spans]
     text, _ = _render(template, messages)
+    found = _spans_in_one_rendering(template, messages, text)
+    return text, found if found is not None else _spans_turn_by_turn(template, messages, text, where)
+
+
+def _spans_turn_by_turn(template: ChatTemplate, messages, text: str, where: str) -> list[tuple[int, int]]:
+    """Assistant turn ``i`` spans from the end of the rendering of turns ``< i`` with the generation prompt to
+    the end of the rendering of turns ``<= i``: two renderings per assistant turn (time quadratic in the
+    conversation's length)."""
     spans = []
     for i, (role, _) in enumerate(messages):
         if role != "assistant":
@@ -176,18 +213,102 @@ def _assistant_spans(template: ChatTemplate, messages, where: str) -> tuple[str,
                             "found by rendering turn by turn; give the template {% generation %} blocks around "
                             "the assistant text.")
         spans.append((len(before), len(through)))
-    return text, spans
+    return spans
 
 
-def _split_eos(text: str, counted: bool, eos: str) -> list[Segment]:
-    if not eos:
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each content in a marked rendering
+_MARKS = re.compile("[\ue000\ue001]")
+
+
+def _marked(messages, trimmed: bool) -> list[tuple[str, str]]:
+    """Each content wrapped in the two marks: the whole content, or (``trimmed``, for a template that trims
+    contents) its text between its leading and trailing whitespace."""
+    if not trimmed:
+        return [(role, _OPEN + content + _CLOSE) for role, content in messages]
+    out = []
+    for role, content in messages:
+        core = content.strip()
+        lead = content[:len(content) - len(content.lstrip())]
+        out.append((role, lead + _OPEN + core + _CLOSE + content[len(lead) + len(core):]))
+    return out
+
+
+def _content_ends(template: ChatTemplate, messages, text: str, generation_prompt: bool = False,
+                  variants: tuple[bool, ...] = (False, True)) -> tuple[Optional[list[int]], bool]:
+    """Where each message's content ends in ``text``, the rendering of ``messages``, and whether the contents
+    were marked trimmed: from a rendering with marked contents, whole or else trimmed (``None`` when the
+    template carries neither through in order and otherwise unchanged)."""
+    for trimmed in variants:
+        marked, _ = _render(template, _marked(messages, trimmed), generation_prompt)
+        if _MARKS.sub("", marked) != text:
+            continue
+        ends, seen = [], 0
+        for k, m in enumerate(_MARKS.finditer(marked)):
+            if m.group() != (_OPEN if k % 2 == 0 else _CLOSE):
+                break
+            if m.group() == _CLOSE:
+                ends.append(m.start() - k)
+            seen = k + 1
+        else:
+            if seen == 2 * len(messages):
+                return ends, trimmed
+    return None, False
+
+
+def _spans_in_one_rendering(template: ChatTemplate, messages, text: str) -> Optional[list[tuple[int, int]]]:
+    """The turn-by-turn spans of :func:`_spans_turn_by_turn` in time linear in the conversation's length, for a
+    template that writes the same text after every assistant content (``after``: through the end of its turn)
+    and the same before it after each role's content (``before``: through the generation prompt). Found in
+    one rendering with marked contents (:func:`_content_ends`); ``after`` is the end of the conversation's
+    rendering, ``before`` the end of the rendering of the turns before the first assistant turn that follows
+    that role, with the generation prompt. Every turn is checked to hold those texts, and the first and last
+    assistant turns against their two turn-by-turn renderings; ``None`` (render turn by turn) otherwise."""
+    if (any(_OPEN in c or _CLOSE in c for _, c in messages) or not messages or messages[0][0] == "assistant"
+            or messages[-1][0] != "assistant"):
+        return None
+    ends, trimmed = _content_ends(template, messages, text)
+    if ends is None:
+        return None
+    after = text[ends[-1]:]
+    before: dict[str, str] = {}
+    spans = []
+    for i, (role, _) in enumerate(messages):
+        if role != "assistant":
+            continue
+        prev = messages[i - 1][0]
+        if prev not in before:
+            head, _ = _render(template, messages[:i], generation_prompt=True)
+            head_ends, _ = _content_ends(template, messages[:i], head, True, (trimmed,))
+            if head_ends is None or head_ends != ends[:i]:
+                return None
+            before[prev] = head[head_ends[-1]:]
+        a, b = ends[i - 1] + len(before[prev]), ends[i] + len(after)
+        if text[ends[i - 1]:a] != before[prev] or text[ends[i]:b] != after:
+            return None
+        spans.append((a, b))
+    assistants = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
+    for i, span in ((assistants[0], spans[0]), (assistants[-1], spans[-1])):
+        head, _ = _render(template, messages[:i], generation_prompt=True)
+        through = text if i == len(messages) - 1 else _render(template, messages[:i + 1])[0]
+        if (len(head), len(through)) != span or not (through.startswith(head) and text.startswith(through)):
+            return None
+    return spans
+
+
+def _split_added(text: str, counted: bool, template: ChatTemplate) -> list[Segment]:
+    """``text`` cut at every added token (longest first, left to right), each becoming its id."""
+    if not template.added or not text:
         return [(text, counted)] if text else []
+    ids = dict(template.added)
     out: list[Segment] = []
-    for k, part in enumerate(text.split(eos)):
-        if k:
-            out.append((None, counted))
-        if part:
-            out.append((part, counted))
+    at = 0
+    for m in re.finditer("|".join(re.escape(t) for t, _ in template.added), text):
+        if m.start() > at:
+            out.append((text[at:m.start()], counted))
+        out.append((ids[m.group()], counted))
+        at = m.end()
+    if at < len(text):
+        out.append((text[at:], counted))
     return out
 
 
@@ -195,49 +316,83 @@ def _merge(segs: list[Segment]) -> list[Segment]:
     """Neighbouring texts of the same kind joined, so they are encoded as one text."""
     out: list[Segment] = []
     for text, counted in segs:
-        if out and text is not None and out[-1][0] is not None and out[-1][1] == counted:
+        if out and isinstance(text, str) and isinstance(out[-1][0], str) and out[-1][1] == counted:
             out[-1] = (str(out[-1][0]) + text, counted)
         else:
             out.append((text, counted))
     return out
 
 
-def _pieces(text: str, spans: Sequence[tuple[int, int]], eos: str) -> list[Segment]:
-    """``text`` cut into segments: the character ``spans`` counted, the rest not, each text of ``eos`` the
-    end-of-document id."""
-    out: list[Segment] = []
-    at = 0
-    for a, b in sorted(spans):
-        out += _split_eos(text[at:a], False, eos) + _split_eos(text[max(a, at):b], True, eos)
-        at = max(at, b)
-    return out + _split_eos(text[at:], False, eos)
-
-
 def segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
-    """The conversation's segments ``(text or None for the end-of-document id, counted)``, ending with the
-    end-of-document id."""
+    """The conversation's segments, ending with the end-of-document id. The built-in template: ``(text or
+    None for the end-of-document id, counted)``, each text encoded on its own. A folder's template: each
+    stretch of the rendering between added tokens as one ``(text, counted character ranges)``, encoded whole
+    (:class:`Continued` where it takes no leading-space prefix), and each added token ``(id, counted)``."""
     if template.text is None:
         return _merge(_builtin(messages))
     text, spans = _assistant_spans(template, list(messages), where)
-    out = _pieces(text, spans, template.eos_token)
-    if not out or out[-1][0] is not None:
+    out = _cut(text, spans, template)
+    if not out or out[-1][0] not in (None, template.eod_id):
         out.append((None, True))
-    return _merge(out)
+    return _continued(_stretches(out), template.prepend)
 
 
 def prompt_segments(messages: Sequence[tuple[str, str]], template: ChatTemplate, where: str = "") -> list[Segment]:
     """The segments a model fine-tuned on conversations is prompted with to write the last (assistant) turn of
     ``messages``: the turns before it rendered with the generation prompt (a template's
     ``add_generation_prompt``; the built-in template's ``<|assistant|>\\n``), cut as :func:`segments` cuts the
-    whole conversation (the end-of-document ids, earlier assistant turns encoded apart), so their tokens are
+    whole conversation (its added tokens as their ids, its stretches encoded whole), so their tokens are
     those the model was fine-tuned on before that turn. Where a template renders that prompt otherwise than
-    the start of the whole conversation, the prompt's rendering is cut at its end-of-document texts alone."""
+    the start of the whole conversation, the prompt's rendering is cut on its own."""
     messages = list(messages)
     if template.text is None:
         return _merge(_builtin(messages[:-1]))
     prompt, _ = _render(template, messages[:-1], generation_prompt=True)
     text, spans = _assistant_spans(template, messages, where)
     if not text.startswith(prompt):
-        return _merge(_split_eos(prompt, False, template.eos_token))
+        return _continued(_stretches(_split_added(prompt, False, template)), template.prepend)
     cut = len(prompt)
-    return _merge(_pieces(prompt, [(a, min(b, cut)) for a, b in spans if a < cut], template.eos_token))
+    return _continued(_stretches(_cut(prompt, [(a, min(b, cut)) for a, b in spans if a < cut], template)),
+                      template.prepend)
+
+
+def _cut(text: str, spans: Sequence[tuple[int, int]], template: ChatTemplate) -> list[Segment]:
+    """``text`` cut into segments: the character ``spans`` counted, the rest not, each added token its id."""
+    out: list[Segment] = []
+    at = 0
+    for a, b in sorted(spans):
+        out += _split_added(text[at:a], False, template) + _split_added(text[max(a, at):b], True, template)
+        at = max(at, b)
+    return out + _split_added(text[at:], False, template)
+
+
+def _stretches(segs: list[Segment]) -> list[Segment]:
+    """Neighbouring texts joined into one ``(text, counted character ranges)``, as a transformers tokenizer
+    encodes each stretch between added tokens whole."""
+    out: list[Segment] = []
+    for text, counted in segs:
+        if isinstance(text, str):
+            if out and isinstance(out[-1][0], str):
+                before, ranges = out[-1]
+                assert isinstance(before, str) and isinstance(ranges, tuple)
+                out[-1] = (before + text, ranges + (((len(before), len(before) + len(text)),) if counted else ()))
+            else:
+                out.append((text, ((0, len(text)),) if counted else ()))
+        else:
+            out.append((text, counted))
+    return out
+
+
+def _continued(segs: list[Segment], prepend: str) -> list[Segment]:
+    """Each stretch that the folder's tokenizer writes without a leading-space prefix marked :class:`Continued`
+    (:func:`tnlg.data.special_tokens.folder_tokens`): the prefix goes before the rendering's first stretch
+    (``first``), or before every stretch (``always``, ``every``), and (``first``, ``always``: a ``Metaspace``)
+    never before a stretch that starts with a space."""
+    if not prepend:
+        return segs
+    out: list[Segment] = []
+    for k, (text, counted) in enumerate(segs):
+        if isinstance(text, str) and ((k > 0 and prepend == "first") or (prepend != "every" and text.startswith(" "))):
+            text = Continued(text)
+        out.append((text, counted))
+    return out

@@ -1,5 +1,9 @@
 """tnlg's tokenizers as Hugging Face ``tokenizers`` objects and the files of an exported folder.
 
+A ``tokenizer.json`` tokenizer (:class:`~tnlg.data.tokenizer.TokenizerJSONTokenizer`) is exported as its
+folder's own files (``tokenizer.json``, ``tokenizer_config.json`` with its special tokens and chat
+template, ``special_tokens_map.json``, ``added_tokens.json``, ``chat_template.jinja`` where present).
+
 :func:`hf_tokenizer` builds a ``tokenizers.Tokenizer`` that gives exactly tnlg's ids (GPT-2 BPE:
 tnlg's own pipeline; SentencePiece BPE: rebuilt from the model file: normaliser, pieces, byte
 fallback, decoder), checked on fixed probe texts and on the whole vocabulary before it is
@@ -14,7 +18,7 @@ import json
 from typing import Optional
 
 from ..errors import UserError
-from .tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
+from .tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, TokenizerJSONTokenizer, load_tokenizer
 
 __all__ = ["hf_tokenizer", "hf_tokenizer_files"]
 
@@ -36,6 +40,9 @@ def hf_tokenizer(tok):
     ``</s>`` or ``<|endoftext|>`` is ordinary characters. Checked on fixed probe texts and
     the whole vocabulary before it is returned.
     """
+    if isinstance(tok, TokenizerJSONTokenizer):
+        import tokenizers
+        return tokenizers.Tokenizer.from_str(tok.tok.to_str())  # itself (special tokens' text ordinary characters)
     if isinstance(tok, GPT2BPETokenizer):
         backend = _gpt2_bpe(tok)
     elif isinstance(tok, SentencePieceTokenizer):
@@ -172,6 +179,8 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
     (``tokenizer.model``, or ``vocab.json`` + ``merges.txt``), so tnlg and SentencePiece
     can load the folder too."""
     tok = load_tokenizer(tok)
+    if isinstance(tok, TokenizerJSONTokenizer):
+        return _tokenizer_json_files(tok, model_max_length)
     backend = hf_tokenizer(tok)
     eod = backend.id_to_token(tok.eod_id)
     special = {"bos_token": eod, "eos_token": eod}
@@ -194,4 +203,33 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
     for name, path in sources.items():
         with open(path, "rb") as f:
             files[name] = f.read()
+    return files
+
+
+# the files of a tokenizer.json folder that carry its tokens, special tokens and chat template
+_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja")
+
+
+def _tokenizer_json_files(tok: TokenizerJSONTokenizer, model_max_length: Optional[int]) -> dict[str, bytes]:
+    """A ``tokenizer.json`` folder's own files, as they are (its special tokens and chat template kept as
+    transformers reads them), with ``model_max_length`` added to ``tokenizer_config.json`` where it has none
+    (and ``eos_token`` where the folder names none: the end-of-document token tnlg used)."""
+    import os
+    folder = os.path.dirname(tok.path)
+    files = {}
+    for name in _FOLDER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {
+        "tokenizer_class": "PreTrainedTokenizerFast"}
+    if not isinstance(config, dict):
+        raise UserError(f"{os.path.join(folder, 'tokenizer_config.json')} holds a JSON {type(config).__name__}, not "
+                        "an object; fix or remove the file.")
+    config.setdefault("eos_token", tok.eod_token)
+    if model_max_length and "model_max_length" not in config:
+        config["model_max_length"] = int(model_max_length)
+    files["tokenizer_config.json"] = json.dumps(config, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
     return files

@@ -5,7 +5,9 @@ attention (docs/finetune.md).
 tokenizer's ids of the prompt, then of the completion, then the end-of-document id, each text encoded
 on its own exactly as ``tnlg preprocess`` encodes a document (``Tokenizer.encode_batch``, no BOS); the
 completion's tokens and the end-of-document id are counted (every token with ``loss_on_prompt``).
-``messages``: the segments of :mod:`tnlg.data.chat`, each text encoded on its own.
+``messages``: the segments of :mod:`tnlg.data.chat`: the built-in template's texts each encoded on its
+own; a folder template's stretches between added tokens each encoded whole, a token counted when it covers
+a counted character, and its special tokens their single ids.
 
 **Lengths.** A sequence holds ``seq_length + 1`` tokens (inputs ``[:-1]``, labels ``[1:]``). A longer
 sample is cut to its first ``seq_length + 1`` tokens (*truncated*); one with no counted target left
@@ -27,8 +29,11 @@ is its own block. So a packed sample's logits are those of the sample alone.
 in an order drawn from ``(seed, e)``; every rank builds the same.
 
 **Tokenized once for the run**: an ``.npz`` of the tokenized rows in ``cache_dir`` (``--data-cache-path``;
-by default ``$TNLG_CACHE/sft``, :func:`tnlg.data.paths.default_cache_dir`) keyed by the file (path, size,
-modification time), the tokenizer's fingerprint, the template and ``loss_on_prompt``. The launching
+by default ``$TNLG_CACHE/sft``, :func:`tnlg.data.paths.default_cache_dir`) keyed by everything that decides
+the tokens: every row's segments (the rows' content, rendered by the template with its special tokens), the
+tokenizer's fingerprint, the template and its special tokens, and ``loss_on_prompt``. It is written durably
+and atomically (a temporary file, fsync, rename) and checked when read: a truncated or damaged file is
+rebuilt, with a note naming it. The launching
 process's check of the rows writes it (``tnlg finetune`` reads every row before any worker starts), so the
 workers read it rather than tokenize again; in a worker rank 0 writes it when it is missing while the others
 wait at ``barrier``. Where the folder cannot be written, each process tokenizes for itself. Rows are read and
@@ -41,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -49,7 +55,7 @@ import torch
 
 from ..errors import UserError
 from ..io import atomic_output
-from .chat import ChatTemplate, chat_template_for, segments
+from .chat import ChatTemplate, Continued, Segment, chat_template_for, segments
 from .fingerprint import fingerprint
 from .paths import default_cache_dir
 from .sft_rows import SFTRow, read_rows
@@ -57,7 +63,7 @@ from .sft_rows import SFTRow, read_rows
 __all__ = ["SFTReport", "SFTSamples", "SFTDataset", "build_sft_datasets", "tokenize_rows", "tokenize_segments", "fit_samples",
            "pack", "sequence_item", "CACHE_VERSION"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -98,7 +104,7 @@ class SFTSamples:
 
 # --------------------------------------------------------------------------------------- tokenizing
 
-def _row_segments(row: SFTRow, template: Optional[ChatTemplate]) -> list[tuple[Optional[str], bool]]:
+def _row_segments(row: SFTRow, template: Optional[ChatTemplate]) -> list[Segment]:
     if row.messages is None:
         return [(row.prompt, False), (row.completion, True), (None, True)]
     assert template is not None
@@ -111,23 +117,42 @@ def tokenize_rows(rows: Sequence[SFTRow], tokenizer, template: Optional[ChatTemp
     return tokenize_segments([_row_segments(r, template) for r in rows], tokenizer, loss_on_prompt)
 
 
-def tokenize_segments(per_row: Sequence[Sequence[tuple[Optional[str], bool]]], tokenizer,
-                      loss_on_prompt: bool = False) -> SFTSamples:
-    """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``."""
-    texts = [t for segs in per_row for t, _ in segs if t is not None]
-    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+def tokenize_segments(per_row: Sequence[Sequence[Segment]], tokenizer, loss_on_prompt: bool = False) -> SFTSamples:
+    """The samples of each row's segments; every text encoded on its own, all in one ``encode_batch``; a
+    segment that is an id (a special token cut out of a chat rendering) is that id, ``None`` the
+    end-of-document id. A text with counted character ranges (a stretch of a chat template's rendering) is
+    encoded with offsets (:meth:`~tnlg.data.tokenizer.Tokenizer.encode_with_offsets`; without a leading-space
+    prefix where it is :class:`~tnlg.data.chat.Continued`), and a token is counted when it covers a counted
+    character, as transformers' assistant mask counts from the token of a span's first character through the
+    token of its last."""
+    plain = [t for segs in per_row for t, c in segs if isinstance(t, str) and isinstance(c, bool)]
+    stretches = {flag: [t for segs in per_row for t, c in segs if isinstance(t, str) and isinstance(c, tuple)
+                        and isinstance(t, Continued) == flag] for flag in (False, True)}
+    encoded = iter(tokenizer.encode_batch(plain) if plain else [])
+    with_offsets = {flag: iter(tokenizer.encode_with_offsets(texts, continued=flag) if texts else [])
+                    for flag, texts in stretches.items()}
     ids: list[int] = []
     counted: list[bool] = []
     offsets = [0]
     eod = int(tokenizer.eod_id)
     for segs in per_row:
         for text, count in segs:
-            part = [eod] if text is None else list(next(encoded))
+            if isinstance(count, tuple):
+                part, spans = next(with_offsets[isinstance(text, Continued)])
+                flags = [loss_on_prompt or _covers(count, a, b) for a, b in spans]
+            else:
+                part = [eod] if text is None else [int(text)] if isinstance(text, int) else list(next(encoded))
+                flags = [bool(count) or loss_on_prompt] * len(part)
             ids += part
-            counted += [count or loss_on_prompt] * len(part)
+            counted += flags
         offsets.append(len(ids))
     return SFTSamples(np.asarray(ids, dtype=np.int64), np.asarray(counted, dtype=bool),
                       np.asarray(offsets, dtype=np.int64))
+
+
+def _covers(ranges: tuple[tuple[int, int], ...], a: int, b: int) -> bool:
+    """Whether a token of characters ``[a, b)`` (at ``a`` when empty) covers a character of ``ranges``."""
+    return any((a < hi and b > lo) if b > a else lo <= a < hi for lo, hi in ranges)
 
 
 def fit_samples(samples: SFTSamples, seq_length: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:
@@ -233,17 +258,19 @@ class SFTDataset(torch.utils.data.Dataset):
 
 # --------------------------------------------------------------------------------------- building
 
-def _stamp(path: str) -> list:
-    """``[name, size, modification time]`` of the file, or of every file of a folder."""
-    files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-    return [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
-
-
-def _cache_key(path: str, tokenizer, template: Optional[ChatTemplate], loss_on_prompt: bool) -> str:
-    what = {"version": CACHE_VERSION, "files": _stamp(path),
-            "tokenizer": fingerprint(tokenizer), "loss_on_prompt": loss_on_prompt,
-            "template": None if template is None else [template.source, template.text, template.eos_token]}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+def _cache_key(per_row: Sequence[Sequence[Segment]], tokenizer, template: Optional[ChatTemplate],
+               loss_on_prompt: bool) -> str:
+    """A digest of everything that decides the tokens: every row's segments (the rows' content as rendered,
+    special tokens already ids), the tokenizer's fingerprint, the template with its special tokens, and
+    ``loss_on_prompt``."""
+    h = hashlib.sha256()
+    head = {"version": CACHE_VERSION, "tokenizer": fingerprint(tokenizer), "loss_on_prompt": bool(loss_on_prompt),
+            "eod_id": int(tokenizer.eod_id), "template": None if template is None else template.identity()}
+    h.update(json.dumps(head, sort_keys=True, default=str).encode())
+    for segs in per_row:
+        h.update(json.dumps(segs, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        h.update(b"\n")
+    return h.hexdigest()[:32]
 
 
 def _rank() -> int:
@@ -251,32 +278,61 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _read_cache(file: str, rows: int, vocab_size: int) -> tuple[Optional[SFTSamples], Optional[str]]:
+    """The samples of a cache file and ``None``, or ``None`` and why the file is not a cache of ``rows`` rows
+    (``None`` and ``None`` when there is no file)."""
+    if not os.path.isfile(file):
+        return None, None
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            ids, counted, offsets = z["ids"], z["counted"], z["offsets"]
+        if ids.dtype != np.int64 or counted.dtype != np.bool_ or offsets.dtype != np.int64:
+            return None, f"arrays of types {ids.dtype}/{counted.dtype}/{offsets.dtype}, not int64/bool/int64"
+        if ids.ndim != 1 or counted.shape != ids.shape or offsets.shape != (rows + 1,):
+            return None, f"{len(offsets) - 1} samples of {ids.shape} ids and {counted.shape} flags for {rows} rows"
+        if offsets[0] != 0 or offsets[-1] != len(ids) or (np.diff(offsets) < 0).any():
+            return None, "sample offsets out of order"
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            return None, f"ids outside the vocabulary of {vocab_size}"
+        return SFTSamples(ids, counted, offsets), None
+    except Exception as err:  # noqa: BLE001 - a truncated or damaged file: zipfile, zlib, numpy and OS errors
+        return None, f"{type(err).__name__}: {str(err)[:120]}"
+
+
 def _tokenized(path: str, rows: list[SFTRow], tokenizer, template, loss_on_prompt: bool,
                cache_dir: Optional[str], barrier: Optional[Callable[[], None]]) -> SFTSamples:
-    """The rows tokenized, through the cache in ``cache_dir`` (default ``$TNLG_CACHE/sft``; rank 0 writes it
-    when it is missing). Every rank renders the conversations first, so a template's error is raised alike
-    everywhere. A cache that cannot be written (a read-only or full folder): each process tokenizes."""
+    """The rows tokenized, through the cache in ``cache_dir`` (default ``$TNLG_CACHE/sft``; rank 0 writes it,
+    durably and atomically, when it is missing or unreadable). Every rank renders the conversations first, so a
+    template's error is raised alike everywhere. A cache file that is truncated or damaged is rebuilt with a
+    note naming it; one that cannot be written (a read-only or full folder): each process tokenizes."""
     per_row = [_row_segments(r, template) for r in rows]
     folder = cache_dir or os.path.join(default_cache_dir(), "sft")
-    file = os.path.join(folder, f"sft-{_cache_key(path, tokenizer, template, loss_on_prompt)}.npz")
+    file = os.path.join(folder, f"sft-{_cache_key(per_row, tokenizer, template, loss_on_prompt)}.npz")
     samples = None
-    if not os.path.isfile(file) and (_rank() == 0 or barrier is None):
-        samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with atomic_output(file, "wb", durable=False) as f:
-                np.savez(f, ids=samples.ids, counted=samples.counted, offsets=samples.offsets)
-        except OSError:  # an unwritable cache: the other ranks find no file and tokenize for themselves
-            pass
+    if _rank() == 0 or barrier is None:
+        samples, why = _read_cache(file, len(rows), tokenizer.vocab_size)
+        if samples is None:
+            if why:
+                print(f"note: the tokenized cache {file} of {path} is unreadable ({why}); tokenizing the rows "
+                      "again and rewriting it.", file=sys.stderr, flush=True)
+            samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with atomic_output(file, "wb") as f:
+                    np.savez(f, ids=samples.ids, counted=samples.counted, offsets=samples.offsets)
+            except OSError:  # an unwritable cache: the other ranks find no file and tokenize for themselves
+                pass
     if barrier is not None:
         barrier()
     if samples is not None:
         return samples
-    try:
-        with np.load(file) as z:
-            return SFTSamples(z["ids"], z["counted"], z["offsets"])
-    except FileNotFoundError:
-        return tokenize_segments(per_row, tokenizer, loss_on_prompt)
+    samples, why = _read_cache(file, len(rows), tokenizer.vocab_size)
+    if samples is None:
+        if why:
+            print(f"note: the tokenized cache {file} of {path} is unreadable ({why}); tokenizing the rows in this "
+                  "process.", file=sys.stderr, flush=True)
+        samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
+    return samples
 
 
 def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: int, packing: bool,

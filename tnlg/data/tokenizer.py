@@ -1,6 +1,6 @@
 """Tokenizers behind one small interface: ``encode``, ``decode``, ``vocab_size``, ``eod_id``.
 
-Two kinds, both local files only (nothing is ever downloaded):
+Three kinds, all local files only (nothing is ever downloaded):
 
 * :class:`SentencePieceTokenizer` - a SentencePiece ``.model`` file. The end-of-document
   token is the model's ``eos`` piece (id 2 with SentencePiece's defaults), as in
@@ -9,6 +9,9 @@ Two kinds, both local files only (nothing is ever downloaded):
   and T-NLG) from local ``vocab.json`` + ``merges.txt``, through the optional
   ``tokenizers`` library (``pip install 'tnlg[gpt2bpe]'``). The end-of-document token
   is ``<|endoftext|>``.
+* :class:`TokenizerJSONTokenizer` - a Hugging Face ``tokenizer.json`` (a folder that has no
+  ``vocab.json`` + ``merges.txt`` nor a ``.model`` file), read with ``tokenizers``, as
+  transformers' fast tokenizers read it; the end-of-document token is the folder's ``eos_token``.
 
 :func:`load_tokenizer` accepts a path or the :meth:`Tokenizer.describe` dict that a
 checkpoint stores, so a run can reload exactly the tokenizer it trained with.
@@ -34,7 +37,7 @@ from .inputs import check_inputs, iter_documents
 from .paths import TOKENIZER_MODEL
 
 __all__ = [
-    "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "load_tokenizer",
+    "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "TokenizerJSONTokenizer", "load_tokenizer",
     "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path", "space_piece_share",
     "SentencePieceModel", "read_sentencepiece_model",
 ]
@@ -75,8 +78,19 @@ class Tokenizer:
         """Encode several texts (one Python call; subclasses may batch)."""
         return [self.encode(t) for t in texts]
 
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and each id's character span ``[start, end)`` in the text (for a chat template's
+        rendering: which tokens a counted span covers). ``continued``: the texts continue a text before them,
+        so no leading-space prefix is written where the tokenizer writes one (SentencePiece's dummy ``▁``)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no character offsets")
+
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
+
+    def piece_id(self, text: str) -> Optional[int]:
+        """The id of the vocabulary entry whose text is exactly ``text`` (``None``: no such entry)."""
+        return None
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +136,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._eod = int(eos)
         self._vocab = int(self.sp.get_piece_size())
         self._sha: Optional[str] = None
+        self._sp_continued: Any = None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -131,6 +146,36 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """From SentencePiece's ``SentencePieceText`` (serialized; read without protobuf: pieces = 2, each
+        id = 2, begin = 4, end = 5, byte offsets into the text). ``continued``: the same model with
+        ``normalizer_spec.add_dummy_prefix`` false."""
+        sp = self.sp
+        if continued:
+            if self._sp_continued is None:
+                import sentencepiece as spm
+                # a second ModelProto field 3 (normalizer_spec) holding only add_dummy_prefix (its field 3) = 0
+                # merges into the first, as protobuf parsing does with a repeated message field
+                proto = self.sp.serialized_model_proto() + b"\x1a\x02\x18\x00"
+                self._sp_continued = spm.SentencePieceProcessor(model_proto=proto)
+            sp = self._sp_continued
+        out = []
+        for text, raw in zip(texts, sp.encode(list(texts), return_type="serialized_proto", num_threads=1)):
+            chars = _char_at_byte(text)
+            ids, spans = [], []
+            for number, value in _proto_fields(raw):
+                if number == 2:
+                    piece = dict(_proto_fields(value))
+                    ids.append(int(piece.get(2, 0)))
+                    spans.append((chars[int(piece.get(4, 0))], chars[int(piece.get(5, 0))]))
+            out.append((ids, spans))
+        return out
+
+    def piece_id(self, text: str) -> Optional[int]:
+        i = int(self.sp.piece_to_id(text))
+        return i if self.sp.id_to_piece(i) == text else None
 
     def model(self) -> "SentencePieceModel":
         """The pieces and settings of the loaded model (see :func:`read_sentencepiece_model`)."""
@@ -205,6 +250,14 @@ class GPT2BPETokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def piece_id(self, text: str) -> Optional[int]:
+        i = self.tok.token_to_id(text)
+        return None if i is None else int(i)
+
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, list(e.offsets)) for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def describe(self) -> dict:
         if self._sha is None:
             self._sha = [file_sha256(self.vocab_file), file_sha256(self.merges_file)]
@@ -212,8 +265,110 @@ class GPT2BPETokenizer(Tokenizer):
                 "sha256": self._sha, "vocab_size": self._vocab, "eod_id": self._eod}
 
 
-_SPEC_HELP = ("a SentencePiece .model file, a directory holding vocab.json + merges.txt (GPT-2 BPE) "
-              "or one .model file, the word 'builtin' (the model shipped with the built-in corpus), "
+class TokenizerJSONTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (what transformers' fast tokenizers read: Llama 3, Mistral's newer
+    folders, SmolLM, a SentencePiece model converted by transformers), read with the ``tokenizers`` library.
+
+    Texts are encoded without the post-processor's additions (no BOS), and the text of a *special* added token
+    inside a document is ordinary characters, as with the other kinds (``encode_special_tokens``); a chat
+    template's rendering has its special tokens cut out first (:mod:`tnlg.data.chat`). The end-of-document id
+    is the folder's ``eos_token`` (:mod:`tnlg.data.special_tokens`: ``tokenizer_config.json``,
+    ``special_tokens_map.json``), else ``<|endoftext|>`` or ``</s>`` where the vocabulary has it. The
+    fingerprint covers ``tokenizer.json`` and, where present, ``tokenizer_config.json`` (which names the eos).
+    """
+
+    kind = "tokenizer-json"
+
+    def __init__(self, path: Union[str, Path]):
+        tokenizers = _import_tokenizers()
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"tokenizer file {str(p)!r} does not exist; pass a Hugging Face folder's tokenizer.json "
+                            "or the folder.")
+        self.path = str(p.resolve())
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as err:  # noqa: BLE001 - a malformed user file
+            raise UserError(f"{self.path!r} is not a tokenizer.json the `tokenizers` library can read "
+                            f"({str(err)[:200]}).") from None
+        self.tok.encode_special_tokens = True
+        self._vocab = int(self.tok.get_vocab_size(with_added_tokens=True))
+        folder = os.path.dirname(self.path)
+        from .special_tokens import folder_tokens
+        eos = folder_tokens(folder, self, class_defaults=False).get("eos_token")
+        candidates = [t for t in (eos, "<|endoftext|>", "</s>") if t and self.piece_id(t) is not None]
+        if not candidates:
+            raise UserError(f"tokenizer {self.path!r} has no end-of-document token: its folder names no eos_token "
+                            "(tokenizer_config.json or special_tokens_map.json) that its vocabulary holds, and it "
+                            "has neither <|endoftext|> nor </s>. Add the eos_token to tokenizer_config.json.")
+        self.eod_token = candidates[0]
+        self._eod = int(self.piece_id(self.eod_token))  # type: ignore[arg-type]
+        config = os.path.join(folder, "tokenizer_config.json")
+        self._files = [self.path] + ([config] if os.path.isfile(config) else [])
+        self._sha: Optional[list[str]] = None
+        self._continued: Any = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece_id(self, text: str) -> Optional[int]:
+        i = self.tok.token_to_id(text)
+        return None if i is None else int(i)
+
+    def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """``continued``: a copy of the pipeline with its ``Metaspace`` prefix off and ``Prepend`` steps dropped."""
+        tok = self.tok
+        if continued:
+            if self._continued is None:
+                import tokenizers
+                spec = json.loads(self.tok.to_str())
+                spec["pre_tokenizer"] = _without_prefix(spec.get("pre_tokenizer"))
+                spec["normalizer"] = _without_prefix(spec.get("normalizer"))
+                self._continued = tokenizers.Tokenizer.from_str(json.dumps(spec))
+                self._continued.encode_special_tokens = True
+            tok = self._continued
+        return [(e.ids, list(e.offsets)) for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def describe(self) -> dict:
+        if self._sha is None:
+            self._sha = [file_sha256(f) for f in self._files]
+        return {"kind": self.kind, "path": self.path, "sha256": self._sha, "vocab_size": self._vocab,
+                "eod_id": self._eod}
+
+
+def _char_at_byte(text: str) -> list[int]:
+    """For each UTF-8 byte offset of ``text`` (and its end), the index of the character it falls in."""
+    out = []
+    for i, ch in enumerate(text):
+        out += [i] * len(ch.encode("utf-8", "surrogatepass"))
+    return out + [len(text)]
+
+
+def _without_prefix(part):
+    """A tokenizer.json normaliser or pre-tokenizer that writes no leading ``▁``: a ``Metaspace``'s
+    ``prepend_scheme`` ``never``, a ``Prepend`` step dropped."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") == "Metaspace":
+        return {**part, "prepend_scheme": "never"}
+    if part.get("type") == "Prepend":
+        return None
+    for key in ("normalizers", "pretokenizers"):
+        if part.get("type") == "Sequence" and isinstance(part.get(key), list):
+            steps = [s for s in (_without_prefix(p) for p in part[key]) if s is not None]
+            return {**part, key: steps}
+    return part
+
+
+_SPEC_HELP = ("a SentencePiece .model file, a Hugging Face tokenizer.json, a directory holding vocab.json + "
+              "merges.txt (GPT-2 BPE), one .model file or a tokenizer.json, the word 'builtin' (the model shipped with the built-in corpus), "
               "or a dict from Tokenizer.describe()")
 
 
@@ -221,10 +376,11 @@ def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
                    check_sha256: bool = True) -> Tokenizer:
     """Load a tokenizer from a path or a :meth:`Tokenizer.describe` dict.
 
-    Accepts: a ``.model`` file; a directory with ``vocab.json`` + ``merges.txt`` (or a
-    single ``.model``); a ``vocab.json`` path with ``merges.txt`` beside it; ``"builtin"``;
-    a spec dict (``{"kind": "sentencepiece", "path": ...}`` or ``{"kind": "gpt2bpe",
-    "vocab_file": ..., "merges_file": ...}``). With a spec that records ``sha256``
+    Accepts: a ``.model`` file; a ``tokenizer.json``; a directory with ``vocab.json`` +
+    ``merges.txt`` (else a single ``.model``, else a ``tokenizer.json``); a ``vocab.json`` path
+    with ``merges.txt`` beside it; ``"builtin"``; a spec dict (``{"kind": "sentencepiece",
+    "path": ...}``, ``{"kind": "gpt2bpe", "vocab_file": ..., "merges_file": ...}`` or
+    ``{"kind": "tokenizer-json", "path": ...}``). With a spec that records ``sha256``
     and ``check_sha256``, files whose contents changed are refused.
     """
     if isinstance(path_or_spec, Tokenizer):
@@ -243,8 +399,12 @@ def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
         models = sorted(p.glob("*.model"))
         if len(models) == 1:
             return SentencePieceTokenizer(models[0])
-        raise UserError(f"tokenizer directory {text!r} holds neither vocab.json + merges.txt nor exactly "
-                        f"one .model file (found {[m.name for m in models]}); pass {_SPEC_HELP}.")
+        if not models and (p / "tokenizer.json").is_file():
+            return TokenizerJSONTokenizer(p / "tokenizer.json")
+        raise UserError(f"tokenizer directory {text!r} holds neither vocab.json + merges.txt, nor exactly "
+                        f"one .model file (found {[m.name for m in models]}), nor a tokenizer.json; pass {_SPEC_HELP}.")
+    if p.name == "tokenizer.json" and p.is_file():
+        return TokenizerJSONTokenizer(p)
     if p.name.endswith(".json") and p.is_file():
         merges = p.with_name("merges.txt")
         return GPT2BPETokenizer(p, merges)
@@ -262,9 +422,11 @@ def _from_spec(spec: dict, check_sha256: bool) -> Tokenizer:
         tok: Tokenizer = SentencePieceTokenizer(path)
     elif kind == "gpt2bpe":
         tok = GPT2BPETokenizer(spec["vocab_file"], spec["merges_file"])
+    elif kind == TokenizerJSONTokenizer.kind:
+        tok = TokenizerJSONTokenizer(spec["path"])
     else:
         raise UserError(f"unknown tokenizer kind {kind!r} in spec {spec!r}; valid kinds are "
-                        "'sentencepiece' and 'gpt2bpe'.")
+                        f"'sentencepiece', 'gpt2bpe' and '{TokenizerJSONTokenizer.kind}'.")
     want = spec.get("sha256")
     if check_sha256 and want is not None:
         have = tok.describe()["sha256"]

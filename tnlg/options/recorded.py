@@ -72,7 +72,7 @@ def checkpoint_args(said: dict) -> tuple[dict, dict]:
 def manifest_options(meta: dict) -> dict:
     """The options a checkpoint's manifest implies beside its recorded run options: its model shape (the
     architecture record, ``config``) and its tokenizer (``tokenizer``: a SentencePiece model's path, or a
-    GPT-2 BPE vocab.json with its merges.txt beside it). A checkpoint ``tnlg convert`` wrote records no
+    GPT-2 BPE vocab.json with its merges.txt beside it, or a tokenizer.json). A checkpoint ``tnlg convert`` wrote records no
     run options (no run made it): these are what ``--use-checkpoint-args`` takes from it; a trained
     checkpoint's recorded options say the same and take precedence."""
     config, tok = meta.get("config"), meta.get("tokenizer")
@@ -84,6 +84,8 @@ def manifest_options(meta: dict) -> dict:
             tok.get("merges_file"), str) and os.path.join(os.path.dirname(tok["vocab_file"]), "merges.txt") == \
             tok["merges_file"]:
         out["tokenizer_model"] = tok["vocab_file"]  # (vocab.json with merges.txt beside it)
+    elif tok.get("kind") == "tokenizer-json" and isinstance(tok.get("path"), str):
+        out["tokenizer_model"] = tok["path"]  # (a Hugging Face tokenizer.json)
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -279,6 +280,8 @@ def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
     """Megatron's tokenizer arguments for a tnlg checkpoint's recorded tokenizer (``describe()``)."""
     if not tokenizer:
         return dict(tokenizer_type=None)
+    if tokenizer.get("kind") == "tokenizer-json" and isinstance(tokenizer.get("path"), str):
+        return dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.dirname(tokenizer["path"]))
     if tokenizer.get("kind") == "gpt2bpe":
         return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=tokenizer.get("vocab_file"),
                     merge_file=tokenizer.get("merges_file"))
