@@ -43,7 +43,7 @@ def _rank_report(ps, cfg):
     tokens = _tokens(cfg)
     lines = [f"[{ps.describe()}]"]
     for name, p in list(model.named_parameters())[:6]:
-        lines.append(f"  {name:34s} {str(tuple(p.shape)):>14s}  {'split' if p.tp_sharded else 'replicated'}")
+        lines.append(f"  {name:34s} {str(tuple(p.shape)):>14s}  {'split' if getattr(p, 'tp_sharded', False) else 'replicated'}")
     logits = gather_logits(model(tokens), ps, cfg.vocab_size)
     loss = model(tokens, labels=tokens.roll(-1, 1))
     loss.backward()

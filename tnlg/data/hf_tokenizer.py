@@ -145,7 +145,7 @@ def _sentencepiece_decoder(m, unk):
     """``<unk>`` -> its surface, ``▁`` -> space, byte pieces -> UTF-8, the dummy prefix's space dropped."""
     from tokenizers import decoders
 
-    steps = [decoders.Replace(unk, m.unk_surface)] if unk is not None else []
+    steps: list = [decoders.Replace(unk, m.unk_surface)] if unk is not None else []
     steps += [decoders.Replace("▁", " ")] if m.escape_whitespaces else []
     steps += [decoders.ByteFallback()] if m.byte_fallback else []
     steps += [decoders.Fuse()] + ([decoders.Strip(" ", 1, 0)] if m.add_dummy_prefix else [])

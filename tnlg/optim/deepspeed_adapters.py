@@ -117,7 +117,7 @@ class DeepSpeedModel(nn.Module):
     def named_modules(self, *args, **kwargs):
         return self.module.named_modules(*args, **kwargs)
 
-    def modules(self):
+    def modules(self):  # type: ignore[override]  # (the wrapped module's, as every other walk here)
         return self.module.modules()
 
     def children(self):

@@ -98,7 +98,8 @@ class ScheduleOptions:
         count of optimizer steps taken, decaying until ``--lr-decay-iters``, else ``--train-iters``."""
         from ..optim.schedule import LRSchedule  # (torch: not imported for --help)
         return LRSchedule(max_lr=self.lr, min_lr=self.min_lr, warmup_iters=self.lr_warmup_iters,
-                          decay_iters=self.lr_decay_iters or self.train_iters, decay_style=self.lr_decay_style)
+                          decay_iters=int(self.lr_decay_iters or self.train_iters or 0),
+                          decay_style=self.lr_decay_style)
 
 
 @dataclass

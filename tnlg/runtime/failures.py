@@ -186,7 +186,7 @@ def watch() -> None:
         while True:
             time.sleep(POLL_S)
             try:
-                if _watching.get("store") is not store:  # the process moved on to another group
+                if id(_watching.get("store")) != id(store):  # the process moved on to another group
                     return
                 if _handling.is_set() or not store.check([f"{tag}/first"]):
                     continue

@@ -158,7 +158,7 @@ def _gpu_kernels():
             return torch.native_dropout(x, p, True)[0]
         return dropout(x, p, training, inplace)
 
-    F.scaled_dot_product_attention, F.dropout = flash_where_a_gpu_would, fused_dropout
+    F.scaled_dot_product_attention, F.dropout = flash_where_a_gpu_would, fused_dropout  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -36,7 +36,9 @@ class DcpBuckets:
     """The ``dp_reshardable`` bucket tensors of a ``torch_dist`` store, by model-parallel rank."""
 
     def __init__(self, source):
-        self.source, self.keys, self.buffers = source, {}, {}
+        self.source = source
+        self.keys: dict = {}
+        self.buffers: dict = {}
         for key in source.meta.state_dict_metadata:
             m = _BUCKET_KEY.match(key)
             if m:
