@@ -308,14 +308,21 @@ def _tokenized(path: str, rows: list[SFTRow], tokenizer, template, loss_on_promp
     per_row = [_row_segments(r, template) for r in rows]
     folder = cache_dir or os.path.join(default_cache_dir(), "sft")
     file = os.path.join(folder, f"sft-{_cache_key(per_row, tokenizer, template, loss_on_prompt)}.npz")
+    def cached_or_tokenized(then: str) -> tuple[SFTSamples, bool]:
+        """The cache's samples, or (with a note when the file is there but unreadable) the rows tokenized;
+        whether they were tokenized."""
+        found, why = _read_cache(file, len(rows), tokenizer.vocab_size)
+        if found is not None:
+            return found, False
+        if why:
+            print(f"note: the tokenized cache {file} of {path} is unreadable ({why}); tokenizing the rows "
+                  f"{then}.", file=sys.stderr, flush=True)
+        return tokenize_segments(per_row, tokenizer, loss_on_prompt), True
+
     samples = None
     if _rank() == 0 or barrier is None:
-        samples, why = _read_cache(file, len(rows), tokenizer.vocab_size)
-        if samples is None:
-            if why:
-                print(f"note: the tokenized cache {file} of {path} is unreadable ({why}); tokenizing the rows "
-                      "again and rewriting it.", file=sys.stderr, flush=True)
-            samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
+        samples, made = cached_or_tokenized("again and rewriting it")
+        if made:
             try:
                 os.makedirs(folder, exist_ok=True)
                 with atomic_output(file, "wb") as f:
@@ -324,15 +331,7 @@ def _tokenized(path: str, rows: list[SFTRow], tokenizer, template, loss_on_promp
                 pass
     if barrier is not None:
         barrier()
-    if samples is not None:
-        return samples
-    samples, why = _read_cache(file, len(rows), tokenizer.vocab_size)
-    if samples is None:
-        if why:
-            print(f"note: the tokenized cache {file} of {path} is unreadable ({why}); tokenizing the rows in this "
-                  "process.", file=sys.stderr, flush=True)
-        samples = tokenize_segments(per_row, tokenizer, loss_on_prompt)
-    return samples
+    return samples if samples is not None else cached_or_tokenized("in this process")[0]
 
 
 def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: int, packing: bool,

@@ -201,7 +201,27 @@ def _import_tokenizers():
     return tokenizers
 
 
-class GPT2BPETokenizer(Tokenizer):
+class _TokenizersBacked(Tokenizer):
+    """What the kinds read by the ``tokenizers`` library share: ``self.tok`` (a ``tokenizers.Tokenizer``)
+    encodes without special tokens added, decodes keeping them, and looks a piece up."""
+
+    tok: Any
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece_id(self, text: str) -> Optional[int]:
+        i = self.tok.token_to_id(text)
+        return None if i is None else int(i)
+
+
+class GPT2BPETokenizer(_TokenizersBacked):
     """GPT-2 byte-level BPE from local ``vocab.json`` and ``merges.txt``.
 
     Exactly GPT-2's scheme (its pre-tokenisation regex, byte-to-unicode table, no
@@ -241,19 +261,6 @@ class GPT2BPETokenizer(Tokenizer):
         self._eod = int(vocab[self.EOD_TOKEN])
         self._sha: Optional[list[str]] = None
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def piece_id(self, text: str) -> Optional[int]:
-        i = self.tok.token_to_id(text)
-        return None if i is None else int(i)
-
     def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         return [(e.ids, list(e.offsets)) for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -265,7 +272,7 @@ class GPT2BPETokenizer(Tokenizer):
                 "sha256": self._sha, "vocab_size": self._vocab, "eod_id": self._eod}
 
 
-class TokenizerJSONTokenizer(Tokenizer):
+class TokenizerJSONTokenizer(_TokenizersBacked):
     """A Hugging Face ``tokenizer.json`` (what transformers' fast tokenizers read: Llama 3, Mistral's newer
     folders, SmolLM, a SentencePiece model converted by transformers), read with the ``tokenizers`` library.
 
@@ -307,19 +314,6 @@ class TokenizerJSONTokenizer(Tokenizer):
         self._files = [self.path] + ([config] if os.path.isfile(config) else [])
         self._sha: Optional[list[str]] = None
         self._continued: Any = None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def piece_id(self, text: str) -> Optional[int]:
-        i = self.tok.token_to_id(text)
-        return None if i is None else int(i)
 
     def encode_with_offsets(self, texts: Sequence[str], continued: bool = False
                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
