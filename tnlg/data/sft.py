@@ -349,7 +349,7 @@ def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: 
     counted = sum(int(c[1:].sum()) for _, c in kept)
     report = SFTReport(len(rows), len(sequences), counted, truncated, skipped,
                        None if template is None else template.describe())
-    return SFTDataset(kept, sequences, seq_length, tokenizer.eod_id, num_samples, seed), report
+    return SFTDataset(kept, sequences, seq_length, tokenizer.eod_id, num_samples or len(sequences), seed), report
 
 
 def build_sft_datasets(train_path: str, valid_path: Optional[str], tokenizer, seq_length: int, *,
@@ -357,8 +357,8 @@ def build_sft_datasets(train_path: str, valid_path: Optional[str], tokenizer, se
                        loss_on_prompt: bool = False, cache_dir: Optional[str] = None,
                        barrier: Optional[Callable[[], None]] = None
                        ) -> tuple[SFTDataset, Optional[SFTDataset], SFTReport]:
-    """The training and (with ``valid_path``) validation datasets of fine-tuning rows, and the report of what
-    the rows became (its :meth:`SFTReport.line`; the validation split's in ``report.valid``). Every rank
+    """The training and (with ``valid_path``) validation datasets of fine-tuning rows (``train_samples`` and
+    ``valid_samples`` items; 0: every sequence once), and the report of what the rows became (its :meth:`SFTReport.line`; the validation split's in ``report.valid``). Every rank
     builds the same; bad rows are one :class:`UserError` naming file and line."""
     if seq_length < 1:
         raise UserError(f"--seq-length {seq_length} must be at least 1.")
