@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         cp="--task loss only (default 1); TP x CP x PP must divide the processes"))
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
-                        "sample (loss); default the model's seq_length")
+                        "sample (loss); default the model's seq_length, at most its max_position_embeddings")
     g = p.add_argument_group("wikitext and text")
     g.add_argument("--overlapping-eval", type=int, default=32, metavar="STRIDE",
                    help="a new window every STRIDE tokens (default 32; = seq length: no overlap)")
@@ -182,8 +182,10 @@ def evaluate(args, ps) -> dict:
     seq = args.seq_length or model.config.seq_length
     if ps.cp_size > 1:
         check_context_sequence(ps.cp_size, seq, "each sample")
-    if seq > model.config.seq_length:
-        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
+    if seq > model.config.max_position_embeddings:
+        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.max_position_embeddings} "
+                        f"positions (max_position_embeddings); give --seq-length "
+                        f"{model.config.max_position_embeddings} or less.")
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
     path = args.input[0]

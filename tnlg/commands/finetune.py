@@ -8,7 +8,7 @@ fine-tuning run here; the user's argument namespace is never changed:
   converted once, before any worker starts, into ``SAVE/base`` (a tnlg checkpoint at TP 1, weights only: any
   layout loads it), which the run then loads.
 * The model's shape and its tokenizer are the checkpoint's (a model flag that says otherwise is refused, in one
-  paragraph listing each difference); ``--finetune``: the weights only, iteration 0, a new optimizer and LR
+  paragraph listing each difference; ``--seq-length`` is the run's, up to the model's ``max_position_embeddings``); ``--finetune``: the weights only, iteration 0, a new optimizer and LR
   schedule, the RNGs seeded (a ``--save`` that already holds this run's checkpoint is resumed whole instead).
 * ``--sft-data-path`` gives the rows (:mod:`tnlg.data.sft`); ``--calculate-per-token-loss`` is on, a line is
   logged every ``--train-iters / 20`` iterations and validation reads the whole ``--sft-valid-data-path`` set
@@ -213,7 +213,8 @@ class Start:
     def _check_model_flags(self) -> None:
         """A model option given (flag or config file) that differs from the model's: one paragraph for all."""
         from ..options.fields import flag_of
-        recorded, model = _manifest_options(self.meta), _model_fields()
+        from ..config import arch_fields
+        recorded, model = _manifest_options(self.meta), _model_fields() & set(arch_fields())  # (not --seq-length)
         wrong = [f"{flag_of(n)} {self.said[n]!r} given, the checkpoint's is {v!r}" for n, v in recorded.items()
                  if n in model and n in self.said and self.said[n] != v
                  and n not in ("hidden_dropout", "attention_dropout")]
