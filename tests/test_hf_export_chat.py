@@ -71,6 +71,9 @@ def test_an_exported_folder_keeps_the_builtin_template_and_one_end_of_text_id(tm
     assert hf.apply_chat_template(CHAT, tokenize=False) == _builtin_text(CHAT, eos)
     out = hf.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert out["input_ids"].count(tok.eod_id) == 2
+    # tnlg reading the exported folder again fine-tunes with the built-in template itself (the same tokens)
+    from tnlg.data.chat import chat_template_for
+    assert chat_template_for(load_tokenizer(str(tmp_path / "out"))) is BUILTIN
     if kind == "gpt2bpe":  # byte-level BPE splits at the segments' edges alike: the very ids and counted tokens
         messages = tuple((m["role"], m["content"]) for m in CHAT)
         sample = tokenize_rows([SFTRow("row", None, None, messages)], tok, BUILTIN)

@@ -123,7 +123,8 @@ def _pick(value, path: str) -> Optional[str]:
 
 def chat_template_for(tokenizer) -> ChatTemplate:
     """The folder's template of ``tokenizer`` (a tnlg :class:`~tnlg.data.tokenizer.Tokenizer`), else the
-    built-in one; a :class:`UserError` for a tokenizer tnlg has no built-in template for."""
+    built-in one (also for a folder whose template is the built-in one's Jinja, :data:`BUILTIN_JINJA`: a folder
+    tnlg exported); a :class:`UserError` for a tokenizer tnlg has no built-in template for."""
     folder = _folder(tokenizer)
     config_path = os.path.join(folder, "tokenizer_config.json") if folder else ""
     config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
@@ -134,6 +135,8 @@ def chat_template_for(tokenizer) -> ChatTemplate:
             text, source = f.read(), jinja
     elif config:
         text, source = _pick(config.get("chat_template"), config_path), config_path
+    if text and text == BUILTIN_JINJA and getattr(tokenizer, "kind", None) in ("sentencepiece", "gpt2bpe"):
+        return BUILTIN  # (a folder tnlg exported: its own template, each text encoded as fine-tuning encoded it)
     if text:
         tokens = folder_tokens(folder, tokenizer)
         added = dict(tokens.added)
