@@ -169,8 +169,8 @@ def test_text_api_and_stop_at_eod():
     full = generate_ids(model, [[1, 2]] * 6, 20, temperature=3.0, seed=0, eod_id=tok.eod_id, stop_at_eod=False)
     assert all(len(r) == 20 for r in full)
     assert [f[:len(s)] for f, s in zip(full, stopped)] == stopped
-    # the end of seq_length ends generation (with a warning)
-    with pytest.warns(UserWarning, match="seq_length"):
+    # the end of the model's positions ends generation (with a warning)
+    with pytest.warns(UserWarning, match="max_position_embeddings=32"):
         long = generate_ids(model, [[1] * 30], 10, greedy=True)
     assert len(long[0]) == 2
 

@@ -208,8 +208,10 @@ def test_eod_mask_and_document_resets(tmp_path, reset_pos, reset_att):
         item = ds[i]
         assert torch.equal(item["loss_mask"], (item["labels"] != EOD).float())
         att, pos = megatron_masks(item["tokens"], EOD, reset_pos, reset_att)
-        assert item["attention_mask"].dtype == torch.bool and item["position_ids"].dtype == torch.int64
-        assert torch.equal(item["attention_mask"], att) and torch.equal(item["position_ids"], pos)
+        docs = item["attention_mask"]  # per-position document ids (O(s)): the mask is theirs, made causal
+        assert docs.dtype == torch.int64 and docs.shape == (24,) and item["position_ids"].dtype == torch.int64
+        mask = (docs[:, None] == docs[None, :]) & torch.ones(24, 24, dtype=torch.bool).tril()
+        assert torch.equal(mask, att) and torch.equal(item["position_ids"], pos)
     with pytest.raises(UserError, match="eod_id"):
         GPTDataset(IndexedDataset(prefix), "train", 0, 60, seq_length=24, num_samples=20, seed=3,
                    reset_position_ids=True)

@@ -48,12 +48,14 @@ def texts():
 
 
 def _export_tokenizer(tok, folder, seq=64):
+    """The exported folder's tokenizer with special tokens' text split into characters, as tnlg encodes text
+    (``split_special_tokens=True``; the folder's default matches them as single ids, as transformers does)."""
     from tnlg.data.hf_tokenizer import hf_tokenizer_files
     os.makedirs(folder)
     for name, data in hf_tokenizer_files(tok, seq).items():
         with open(os.path.join(folder, name), "wb") as f:
             f.write(data)
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return transformers.AutoTokenizer.from_pretrained(str(folder), split_special_tokens=True)
 
 
 def _assert_same(tok, hf_tok, texts, decode=True):
@@ -76,7 +78,9 @@ def test_sentencepiece_folder_encodes_like_tnlg(model, texts, tmp_path):
     _assert_same(tok, hf_tok, texts)
     assert (hf_tok.eos_token_id, hf_tok.bos_token_id, hf_tok.eos_token) == (tok.eod_id, tok.eod_id, "</s>")
     assert hf_tok.unk_token_id == 0 and len(hf_tok) == tok.vocab_size
-    assert hf_tok("</s>")["input_ids"] == tok.encode("</s>") != [tok.eod_id]  # text is text, as in tnlg
+    assert hf_tok("</s>")["input_ids"] == tok.encode("</s>") != [tok.eod_id]  # split: text is text, as in tnlg
+    default = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert default("</s>")["input_ids"] == [tok.eod_id]  # transformers' default: the special token's one id
     assert hf_tok.model_max_length == 64
     # the source model rides along: tnlg (and SentencePiece) load the folder too
     assert load_tokenizer(tmp_path / "tok").encode("Hello there") == tok.encode("Hello there")
@@ -147,6 +151,8 @@ def test_gpt2_bpe_folder_encodes_like_tnlg(texts, tmp_path):
     _assert_same(tok, hf_tok, texts)
     assert (hf_tok.eos_token, hf_tok.eos_token_id, hf_tok.bos_token_id) == ("<|endoftext|>", tok.eod_id, tok.eod_id)
     assert hf_tok("<|endoftext|>")["input_ids"] == tok.encode("<|endoftext|>") != [tok.eod_id]
+    default = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert default("<|endoftext|>")["input_ids"] == [tok.eod_id]
     assert {"vocab.json", "merges.txt"} <= set(os.listdir(tmp_path / "tok"))  # what tnlg eval/generate read
 
 

@@ -70,7 +70,8 @@ def test_config_file_keys_are_the_fields(tmp_path):
 def test_resume_check_reads_the_data_defining_fields():
     from tnlg.options import MUST_MATCH
     assert set(MUST_MATCH) == {"split", "seed", "eod_mask_loss", "reset_position_ids", "reset_attention_mask",
-                               "sft_data_path", "sft_valid_data_path", "packing", "sft_loss_on_prompt"}
+                               "sft_data_path", "sft_valid_data_path", "packing", "sft_loss_on_prompt",
+                               "seq_length"}  # (the samples' length; the model's positions are architecture)
 
 
 def test_config_file_and_flag_precedence(tmp_path):

@@ -98,7 +98,13 @@ def _expected_item(samples, seq, pad):
 
 
 def _as_lists(item):
-    return {k: v.tolist() for k, v in item.items()}
+    """An item's fields as lists, its document ids ``[s]`` (O(s)) as the block-causal mask they stand for."""
+    out = {k: v.tolist() for k, v in item.items()}
+    docs = item["attention_mask"]
+    assert docs.dtype == torch.int64 and docs.dim() == 1
+    out["attention_mask"] = ((docs[:, None] == docs[None, :]) & torch.ones(len(docs), len(docs), dtype=torch.bool)
+                             .tril()).tolist()
+    return out
 
 
 def _all_items(ds, count):

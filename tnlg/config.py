@@ -219,7 +219,9 @@ class GPTConfig:
     biases; ``add_qkv_bias``: Qwen2's biases on QKV alone) and ``untie_embeddings_and_output_weights``.
 
     ``ffn_hidden_size`` defaults to ``4 * hidden_size`` (with ``swiglu``: Megatron's
-    ``int(8 h / 3 / 64) * 64``); ``seq_length`` is also the number of learned positions. ``init_method_std``
+    ``int(8 h / 3 / 64) * 64``); ``max_position_embeddings`` (default ``seq_length``) is the number of
+    positions, part of the architecture, while ``seq_length`` (at most that) is how long the samples are, a
+    training choice (Megatron's ``--max-position-embeddings`` and ``--seq-length``). ``init_method_std``
     initialises every matrix; the two residual output projections use ``std / sqrt(2 * num_layers)``
     (GPT-2 / Megatron scaled init).
 
@@ -234,8 +236,13 @@ class GPTConfig:
     num_layers: int = option(2, check=positive_int, pretrain_default=4, **MODEL)
     hidden_size: int = option(64, check=positive_int, pretrain_default=128, **MODEL)
     num_attention_heads: int = option(4, check=positive_int, pretrain_default=4, **MODEL)
-    seq_length: int = option(64, check=positive_int, pretrain_default=128, megatron="max_position_embeddings",
-                             **MODEL)
+    seq_length: int = option(64, check=positive_int, pretrain_default=128, must_match=True, pretrain=True,
+                             help="tokens per sample: how the model is trained or evaluated, at most "
+                             "--max-position-embeddings (a resumed run keeps it: it defines the samples)")
+    max_position_embeddings: int = option(  # (given as None: seq_length's, set by __post_init__)
+        None, check=optional_positive_int, every="--seq-length", help="the positions the model has: the rows of "
+        "learned position embeddings, rope's max_position (transformers' max_position_embeddings, GPT-2's "
+        "n_positions); any --seq-length up to it trains or evaluates the same model", **MODEL)
     vocab_size: int = option(256, check=positive_int, **ARCH)
     ffn_hidden_size: Optional[int] = option(None, check=optional_positive_int,
                                             every="4 x hidden size; with --swiglu int(8/3 x hidden / 64) x 64",
@@ -275,7 +282,7 @@ class GPTConfig:
     rope_high_freq_factor: float = option(4.0, check=positive, help="llama3 rope: high_freq_factor", **MODEL,
                                           **NO_MEGATRON)
     rope_original_max_position: Optional[int] = option(
-        None, check=optional_positive_int, every="the sequence length", help="llama3 and yarn rope: the "
+        None, check=optional_positive_int, every="--max-position-embeddings", help="llama3 and yarn rope: the "
         "pretraining length (original_max_position_embeddings)", **MODEL, **NO_MEGATRON)
     rope_beta_fast: float = option(32.0, check=positive, help="yarn rope: beta_fast", **MODEL, **NO_MEGATRON)
     rope_beta_slow: float = option(1.0, check=positive, help="yarn rope: beta_slow", **MODEL, **NO_MEGATRON)
@@ -343,6 +350,8 @@ class GPTConfig:
             wrong = check(getattr(self, f.name)) if check else None
             if wrong:
                 raise ValueError(f"GPTConfig.{f.name} must {wrong}, got {getattr(self, f.name)!r}.")
+        if self.max_position_embeddings is None and isinstance(self.seq_length, int):
+            self.max_position_embeddings = self.seq_length
         self._check_shape()
         self._check_window()
         if isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int) and \
@@ -354,7 +363,14 @@ class GPTConfig:
                              "of them.")
 
     def _check_shape(self) -> None:
-        """The checks across fields: heads divide the width, groups divide the heads, rope's share."""
+        """The checks across fields: the samples fit the positions, heads divide the width, groups divide the
+        heads, rope's share."""
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(f"seq_length={self.seq_length} (--seq-length) is longer than the model's "
+                             f"max_position_embeddings={self.max_position_embeddings} positions "
+                             f"(--max-position-embeddings): a sample must fit the positions the model has. Give "
+                             f"--seq-length {self.max_position_embeddings} or less (or, for a new model, a larger "
+                             f"--max-position-embeddings).")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             near = sorted(divisors(self.hidden_size), key=lambda d: abs(d - self.num_attention_heads))[:4]
             raise ValueError(
@@ -409,16 +425,16 @@ class GPTConfig:
     @property
     def rope_scaling(self) -> Optional[dict]:
         """The rope scaling :mod:`tnlg.parallel.rotary` computes (``None``: unscaled): its ``type`` and
-        parameters, the original length resolved (default ``seq_length``, as transformers'), and
-        ``max_position`` (``seq_length``, transformers' ``max_position_embeddings``)."""
+        parameters, the original length resolved (default ``max_position_embeddings``, as transformers'),
+        and ``max_position`` (``max_position_embeddings``, transformers' own)."""
         if self.position_embedding_type != "rope" or self.rope_scaling_type == "none":
             return None
         return dict(type=self.rope_scaling_type, factor=self.rope_scaling_factor,
                     low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
-                    original_max_position=self.rope_original_max_position or self.seq_length,
+                    original_max_position=self.rope_original_max_position or self.max_position_embeddings,
                     beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow, mscale=self.rope_mscale,
                     mscale_all_dim=self.rope_mscale_all_dim, attention_factor=self.rope_attention_factor,
-                    truncate=self.rope_truncate, max_position=self.seq_length)
+                    truncate=self.rope_truncate, max_position=self.max_position_embeddings)
 
     def attention_score_scale(self, layer: int) -> float:
         """What layer ``layer`` (0-based) multiplies its attention scores by on top of ``1 / sqrt(head_dim)``:
@@ -551,9 +567,9 @@ class GPTConfig:
     def replicated_parameters(self) -> int:
         """Parameters every TP rank holds in full: per layer two norms and (with biases) the two row-parallel
         biases, the query and key norms of ``head_dim`` (``qk_layernorm``), the learned position embedding
-        ``s h`` (if any) and the final norm. GPT-2:
+        ``s h`` (if any; ``s`` the positions, ``max_position_embeddings``) and the final norm. GPT-2:
         ``l (2h + h + 2h + h) + s h + 2h``."""
-        l, h, s = self.num_layers, self.hidden_size, self.seq_length
+        l, h, s = self.num_layers, self.hidden_size, self.max_position_embeddings
         per_layer = (2 * self.norm_parameters() + (h if self.attn_out_bias else 0) + (h if self.mlp_biases else 0)
                      + self.qk_norm_parameters())
         positions = s * h if self.position_embedding_type == "learned_absolute" else 0

@@ -3,7 +3,7 @@
 Must match the checkpoint (else a :class:`UserError` naming every difference):
 
 * the architecture: ``num_layers``, ``hidden_size``, ``num_attention_heads``,
-  ``seq_length``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
+  ``max_position_embeddings``, ``ffn_hidden_size``, ``vocab_size`` (from the tokenizer),
   ``layernorm_epsilon``, the dropout rates (training settings, not the shape, named as such in the
   error: a resume keeps them), the GELU form, whether the output layer is untied, and the
   Llama family's choices (positions, normalisation, SwiGLU, KV groups, biases): every field
@@ -12,7 +12,7 @@ Must match the checkpoint (else a :class:`UserError` naming every difference):
   the same ``.bin``/``.idx`` sizes when the files were moved; ``X.bin``, ``X.idx``
   and ``X`` are the same prefix, also in checkpoints saved before paths were
   normalised) and weights,
-  ``--split``, ``--seed``, ``--eod-mask-loss``, ``--reset-position-ids``,
+  ``--split``, ``--seed``, ``--seq-length``, ``--eod-mask-loss``, ``--reset-position-ids``,
   ``--reset-attention-mask``, and the tokenizer (same file contents, by SHA-256).
 
 Free to change: the run length (``--train-iters``), the layout (TP, DP,
@@ -133,6 +133,8 @@ def check_compatible(meta, where: str, config: GPTConfig, options,
     trained (dropout, :data:`TRAINING_FIELDS`) and its data may differ."""
     manifest = Manifest.of(meta)
     saved_cfg = {**_LATER_FIELDS, **(manifest.config or {})}
+    if saved_cfg.get("max_position_embeddings") is None:  # (written before the positions had a field of their own)
+        saved_cfg["max_position_embeddings"] = saved_cfg.get("seq_length")
     have = config.to_dict()
     changed = [k for k in ARCH_FIELDS if k in saved_cfg and saved_cfg[k] != have[k]
                and not (weights_only and k in TRAINING_FIELDS)]

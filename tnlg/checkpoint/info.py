@@ -11,19 +11,22 @@ import sys
 
 from ..config import GPTConfig, arch_fields
 from ..errors import UserError
+from ..io import file_sha256
 from . import files as F
 from .manifest import Manifest, OptimizerState, Schedule
 from .stages import describe_stages
 
-__all__ = ["info"]
+__all__ = ["info", "verify_files"]
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def info(path: str, as_json: bool = False, out=None) -> int:
-    """Print a checkpoint's iteration, layout, config, tokenizer and file sizes."""
+def info(path: str, as_json: bool = False, out=None, verify: bool = False) -> int:
+    """Print a checkpoint's iteration, layout, config, tokenizer and file sizes; with ``verify`` also check
+    every file against the SHA-256 its manifest records (:func:`verify_files`): a file that differs is one
+    :class:`UserError` naming it (a non-zero exit)."""
     out = out or sys.stdout
     iter_dir = F.resolve(path, "checkpoint")
     if iter_dir is None:
@@ -34,8 +37,9 @@ def info(path: str, as_json: bool = False, out=None) -> int:
     sizes = {name: os.path.getsize(os.path.join(iter_dir, name)) if os.path.isfile(os.path.join(iter_dir, name))
              else None for name in m.files}
     if as_json:
-        print(json.dumps(dict(m.to_dict(), path=iter_dir, iterations=iterations, sizes_on_disk=sizes), indent=1),
-              file=out)
+        verified = verify_files(iter_dir, m) if verify else None
+        print(json.dumps(dict(m.to_dict(), path=iter_dir, iterations=iterations, sizes_on_disk=sizes,
+                              **({} if verified is None else {"verified_files": verified})), indent=1), file=out)
         return 0
     n_params = sum(math.prod(r.get("shape") or []) for r in m.params.values())  # (shapes checked on reading)
     by_kind: dict[str, int] = {}
@@ -64,8 +68,32 @@ def info(path: str, as_json: bool = False, out=None) -> int:
                  + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_kind.items())))
     if bad:
         lines.append(f"DAMAGED      {len(bad)} file(s) missing or of the wrong size: {bad[:4]}")
+    elif verify:
+        n = verify_files(iter_dir, m)
+        lines.append(f"verified     {n} file(s) match the SHA-256 recorded when they were written" if n else
+                     "verified     nothing: this checkpoint (format 1) records no checksums")
     print("\n".join(lines), file=out)
     return 1 if bad else 0
+
+
+def verify_files(iter_dir: str, m: Manifest) -> int:
+    """How many of the checkpoint's files were checked against the SHA-256 its manifest records (each read once,
+    in chunks); a file that is missing, of another size or of other contents: one :class:`UserError` naming every
+    such file and what to do."""
+    sums = m.sha256 or {}
+    wrong = []
+    for name in sorted(m.files):
+        path = os.path.join(iter_dir, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != m.files[name]:
+            wrong.append(f"{path!r} (missing, or not of its recorded {m.files[name]:,} bytes)")
+        elif name in sums and file_sha256(path) != sums[name]:
+            wrong.append(f"{path!r} (its contents differ from the SHA-256 recorded when it was written: a bit flip, "
+                         f"or a partial copy of the right size)")
+    if wrong:
+        raise UserError(f"checkpoint {iter_dir!r} is damaged: {'; '.join(wrong)}. It cannot be trusted: copy "
+                        f"the file{'s' if len(wrong) > 1 else ''} again from where the checkpoint was written, or "
+                        f"use an earlier iteration." + F.earlier_iterations(iter_dir))
+    return sum(1 for name in m.files if name in sums)
 
 
 def _architecture(config: dict) -> str:

@@ -21,7 +21,8 @@
 * ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M]``: a
   checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md), from a tnlg
   checkpoint saved at any TP x PP.
-* ``tnlg checkpoint info CKPT [--json]``: iteration, layout, config, sizes.
+* ``tnlg checkpoint info CKPT [--json] [--verify]``: iteration, layout, config, sizes (``--verify``: every file
+  against its recorded SHA-256).
 
 All of it runs in one process, reading only the slices it needs. The work is the library's
 (:mod:`tnlg.interop.hf_checkpoint`, :mod:`tnlg.interop.megatron`, :mod:`tnlg.checkpoint.offline`,
@@ -53,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "latest iteration) or one iter_* directory.")
         p.add_argument("path", metavar="CKPT")
         p.add_argument("--json", action="store_true", help="print meta.json plus file sizes as JSON")
+        p.add_argument("--verify", action="store_true", help="also read every file and check it against the "
+                       "SHA-256 recorded when it was written (a damaged one: an error naming it, exit status 2)")
         return
     parser.description = (
         "Convert between Hugging Face folders (GPT-2, Llama, Qwen2, Mistral and Qwen3: GPT2LMHeadModel, "
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "checkpoint_command", None) != "info":
             raise UserError("tnlg checkpoint needs an action: tnlg checkpoint info CKPT.")
         from ..checkpoint.info import info
-        return info(args.path, as_json=args.json)
+        return info(args.path, as_json=args.json, verify=args.verify)
     src_kind, src = _endpoint(args.src, "--from")
     dst_kind, dst = _endpoint(args.dst, "--to")
     if args.tp is not None:

@@ -35,7 +35,10 @@ tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
             target as the tokens covering the last word in the tokenization of the
             whole text, and the context as the tokens before them.
   loss      token-mean loss over the samples of a PREFIX.bin/.idx dataset, built like
-            pretraining builds them (--split, --eval-split, --seed).
+            pretraining builds them (--split, --eval-split, --seed); or of fine-tuning rows
+            (a .jsonl or .parquet file or a `datasets` folder of prompt/completion or
+            messages rows): the counted tokens of every row once, as tnlg finetune's
+            validation (packed or not, the same figure).
 {generate}
 examples:
   tnlg eval --task wikitext --checkpoint gpt2/ --input wiki.test.raw --detokenize wikitext
@@ -52,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
     p.add_argument("--input", "--valid-data", "--data", dest="input", nargs="+", metavar="FILE",
                    help="wikitext: a raw text file; lambada: a .jsonl file (or .parquet, or a `datasets` folder); loss: a "
-                        "dataset PREFIX (.bin/.idx); "
+                        "dataset PREFIX (.bin/.idx) or fine-tuning rows (.jsonl, .parquet, a `datasets` folder); "
                         "text: one or more text files (the files may also follow the options, without --input); "
                         "generate: a .jsonl file (or .parquet, or a `datasets` folder) of prompt/completion or messages rows")
     p.add_argument("files", nargs="*", metavar="FILE", help="input file(s), the same as --input FILE")
@@ -61,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         cp="--task loss only (default 1); TP x CP x PP must divide the processes"))
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help="tokens per window (wikitext), per example (lambada, contexts cut on the left) or per "
-                        "sample (loss); default the model's seq_length")
+                        "sample (loss); default the model's seq_length, at most its max_position_embeddings")
     g = p.add_argument_group("wikitext and text")
     g.add_argument("--overlapping-eval", type=int, default=32, metavar="STRIDE",
                    help="a new window every STRIDE tokens (default 32; = seq length: no overlap)")
@@ -126,17 +129,30 @@ def _precheck(args) -> None:
         check_text_file(path)
     elif args.task == "lambada":
         read_lambada_texts(path)
+    elif is_rows_input(path):
+        from ..data.sft_rows import read_rows
+        read_rows(path)  # every row checked: a bad one is one paragraph naming its line
     else:
         args.input = [dataset_prefix(path)]  # X.bin, X.idx and X all mean the dataset X
         if not IndexedDataset.exists(args.input[0]):
             raise UserError(f"dataset {args.input[0]!r} not found: --task loss needs the prefix of a PREFIX.bin + "
-                            "PREFIX.idx pair written by `tnlg preprocess`.")
+                            "PREFIX.idx pair written by `tnlg preprocess`, or a file (or `datasets` folder) of "
+                            "fine-tuning rows.")
     _precheck_checkpoint(args)
+
+
+def is_rows_input(path: str) -> bool:
+    """Whether ``--task loss --input PATH`` names fine-tuning rows (a file or a `datasets` folder that is no
+    ``.bin/.idx`` dataset) rather than a dataset prefix."""
+    import os
+    from ..data.indexed import IndexedDataset, dataset_prefix
+    from ..data.tables import is_table_input
+    return not IndexedDataset.exists(dataset_prefix(path)) and (os.path.isfile(path) or is_table_input(path))
 
 
 def _precheck_checkpoint(args) -> None:
     needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
-        args.reset_attention_mask
+        args.reset_attention_mask or is_rows_input(args.input[0])
     from ..generation.loading import precheck_checkpoint
     precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer)
 
@@ -153,11 +169,12 @@ def evaluate(args, ps) -> dict:
     model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
     step_note("eval", ps, f"loaded in {time.time() - start:.1f} s; evaluating --task {args.task}")
     tokenizer = None
-    if args.task != "loss" or args.tokenizer_model or spec is not None or args.eod_mask_loss or \
-            args.reset_position_ids or args.reset_attention_mask:  # the loss task needs it for eod only
+    rows = args.task == "loss" and is_rows_input(args.input[0])
+    if args.task != "loss" or rows or args.tokenizer_model or spec is not None or args.eod_mask_loss or \
+            args.reset_position_ids or args.reset_attention_mask:  # a dataset's loss needs it for eod only
         tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
         check_tokenizer_fits(tokenizer, model)
-        if args.task == "loss":
+        if args.task == "loss" and not rows:
             from ..data.fingerprint import check_sidecar
             note = check_sidecar(args.input[0], tokenizer, "the checkpoint's tokenizer (or --tokenizer-model)")
             if note and ps.rank == 0:
@@ -165,8 +182,10 @@ def evaluate(args, ps) -> dict:
     seq = args.seq_length or model.config.seq_length
     if ps.cp_size > 1:
         check_context_sequence(ps.cp_size, seq, "each sample")
-    if seq > model.config.seq_length:
-        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
+    if seq > model.config.max_position_embeddings:
+        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.max_position_embeddings} "
+                        f"positions (max_position_embeddings); give --seq-length "
+                        f"{model.config.max_position_embeddings} or less.")
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
     path = args.input[0]
@@ -186,6 +205,8 @@ def evaluate(args, ps) -> dict:
         examples, truncated = lambada_examples(read_lambada_texts(path), tokenizer, args.strict, seq, path=path)
         out = lambada_accuracy(model, examples, pad_id=tokenizer.eod_id, strict=args.strict, **common)
         out["truncated_contexts"] = truncated
+    elif rows:
+        out = rows_loss(model, path, tokenizer, seq, args, common)
     else:
         ds = build_eval_dataset(path, seq, split=args.split, eval_split=args.eval_split, seed=args.seed,
                                 num_samples=args.eval_samples,
@@ -202,11 +223,27 @@ def evaluate(args, ps) -> dict:
             "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size, "seconds": round(time.time() - start, 3)}
 
 
+def rows_loss(model, path: str, tokenizer, seq: int, args, common: dict) -> dict:
+    """The loss of fine-tuning rows ``path`` as ``tnlg finetune`` validates them: every row tokenized and
+    packed as fine-tuning does (the completions counted; ``messages`` by the tokenizer's chat template), every
+    sequence scored once, the sum of the counted tokens' losses over their number."""
+    import torch.distributed as dist
+    from ..data.sft import build_sft_datasets
+    from ..eval.loss import dataset_loss
+    barrier = dist.barrier if dist.is_initialized() else None
+    ds, _, report = build_sft_datasets(path, None, tokenizer, seq, train_samples=0, valid_samples=0, seed=args.seed,
+                                       cache_dir=args.data_cache_path, barrier=barrier)
+    out = dataset_loss(model, ds, max_samples=args.eval_samples or None, **common)
+    out.update(rows=report.samples, truncated=report.truncated, skipped=report.skipped, seq_length=seq)
+    return out
+
+
 _LABELS = {
     "wikitext": ["val_loss", "ppl", "adjusted_ppl", "total_loss", "num_tokenized_tokens", "num_original_tokens",
                  "token_ratio", "seq_length", "stride", "windows", "detokenize"],
     "lambada": ["accuracy", "correct", "num_examples", "strict", "truncated_contexts"],
-    "loss": ["loss", "ppl", "num_tokens", "num_samples", "eval_split", "split", "seq_length"],
+    "loss": ["loss", "ppl", "num_tokens", "num_samples", "rows", "truncated", "skipped", "eval_split", "split",
+             "seq_length"],
     "generate": eval_generate.LABELS,
     "text": ["val_loss", "ppl", "total_loss", "num_targets", "num_tokenized_tokens", "num_files", "seq_length",
              "stride", "windows"],

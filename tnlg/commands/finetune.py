@@ -8,10 +8,11 @@ fine-tuning run here; the user's argument namespace is never changed:
   converted once, before any worker starts, into ``SAVE/base`` (a tnlg checkpoint at TP 1, weights only: any
   layout loads it), which the run then loads.
 * The model's shape and its tokenizer are the checkpoint's (a model flag that says otherwise is refused, in one
-  paragraph listing each difference); ``--finetune``: the weights only, iteration 0, a new optimizer and LR
+  paragraph listing each difference; ``--seq-length`` is the run's, up to the model's ``max_position_embeddings``); ``--finetune``: the weights only, iteration 0, a new optimizer and LR
   schedule, the RNGs seeded (a ``--save`` that already holds this run's checkpoint is resumed whole instead).
-* ``--sft-data-path`` gives the rows (:mod:`tnlg.data.sft`); ``--calculate-per-token-loss`` is on and a line is
-  logged every ``--train-iters / 20`` iterations unless given.
+* ``--sft-data-path`` gives the rows (:mod:`tnlg.data.sft`); ``--calculate-per-token-loss`` is on, a line is
+  logged every ``--train-iters / 20`` iterations and validation reads the whole ``--sft-valid-data-path`` set
+  once (per token, as TRL's evaluation), unless given.
 * Without ``--save``, a new folder ``runs/finetune-DATE-TIME``: a fine-tuning run never writes into the
   checkpoint root it started from.
 
@@ -54,7 +55,8 @@ __all__ = ["add_arguments", "run", "options", "hang_resume", "Start", "default_l
 LOG_LINES = 20
 # the file in SAVE that records what the run starts from (the identity of --load)
 RECORD = "finetune_from.json"
-_DEFAULT_WORDS = {"log_interval": f"--train-iters / {LOG_LINES}, at least 1: about {LOG_LINES} lines a run"}
+_DEFAULT_WORDS = {"log_interval": f"--train-iters / {LOG_LINES}, at least 1: about {LOG_LINES} lines a run",
+                  "eval_iters": "the whole validation set, each sequence once"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,7 +213,8 @@ class Start:
     def _check_model_flags(self) -> None:
         """A model option given (flag or config file) that differs from the model's: one paragraph for all."""
         from ..options.fields import flag_of
-        recorded, model = _manifest_options(self.meta), _model_fields()
+        from ..config import arch_fields
+        recorded, model = _manifest_options(self.meta), _model_fields() & set(arch_fields())  # (not --seq-length)
         wrong = [f"{flag_of(n)} {self.said[n]!r} given, the checkpoint's is {v!r}" for n, v in recorded.items()
                  if n in model and n in self.said and self.said[n] != v
                  and n not in ("hidden_dropout", "attention_dropout")]
@@ -228,7 +231,7 @@ class Start:
         model = {n: v for n, v in _manifest_options(self.meta).items() if n in fields and n not in self.said}
         values = {**self.said, **model, "finetune": True, "save": self.save, "tokenizer_model": self.tokenizer_model,
                   "load": self.said["load"] if self.convert else self.load}
-        defaults: dict = {"calculate_per_token_loss": True}
+        defaults: dict = {"calculate_per_token_loss": True, "eval_iters": None}  # (None: the whole set once)
         interval = default_log_interval(self.said.get("train_iters"))
         if interval is not None:
             defaults["log_interval"] = interval

@@ -122,7 +122,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                                     f"{' and '.join(RECIPES)} also bring their published layout and batch "
                                     f"(tnlg-17b: TP 4 x DP 64 = 256 GPUs, ZeRO 1, micro batch 1, global batch "
                                     f"512, fp16); layout flags override those")
-    add_options(m, GPTConfig, {}, names=arch_fields(), defaults=_MODEL_DEFAULTS)
+    add_options(m, GPTConfig, {}, names=_shape_names(), defaults=_MODEL_DEFAULTS)
     m.add_argument("--params", help="abstract model of N parameters as in the ZeRO paper (7.5e9, 1.28e+11, "
                                     "1000000): model states and 6N FLOPs per token only")
 
@@ -169,9 +169,17 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
+def _shape_names() -> tuple[str, ...]:
+    """The model flags a plan reads: every architecture field and the sequence length (a training choice that
+    sizes activations and FLOPs)."""
+    names = arch_fields()
+    at = names.index("max_position_embeddings")
+    return names[:at] + ("seq_length",) + names[at:]
+
+
 def _model_fields(args) -> dict:
     """The architecture fields given as flags (by field name), each checked by its declaration."""
-    fields = {name: getattr(args, name) for name in arch_fields() if hasattr(args, name)}
+    fields = {name: getattr(args, name) for name in _shape_names() if hasattr(args, name)}
     check_declared(GPTConfig, fields)
     return fields
 

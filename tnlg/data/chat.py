@@ -45,7 +45,7 @@ from typing import Optional, Sequence, Union
 from ..errors import UserError
 from .special_tokens import folder_tokens
 
-__all__ = ["ChatTemplate", "BUILTIN", "Continued", "chat_template_for", "segments", "prompt_segments"]
+__all__ = ["ChatTemplate", "BUILTIN", "BUILTIN_JINJA", "Continued", "chat_template_for", "segments", "prompt_segments"]
 
 # (text, a token's id, or None for the end-of-document id; counted: a bool, or a text's counted character ranges)
 Segment = tuple[Union[str, int, None], Union[bool, tuple[tuple[int, int], ...]]]
@@ -123,7 +123,8 @@ def _pick(value, path: str) -> Optional[str]:
 
 def chat_template_for(tokenizer) -> ChatTemplate:
     """The folder's template of ``tokenizer`` (a tnlg :class:`~tnlg.data.tokenizer.Tokenizer`), else the
-    built-in one; a :class:`UserError` for a tokenizer tnlg has no built-in template for."""
+    built-in one (also for a folder whose template is the built-in one's Jinja, :data:`BUILTIN_JINJA`: a folder
+    tnlg exported); a :class:`UserError` for a tokenizer tnlg has no built-in template for."""
     folder = _folder(tokenizer)
     config_path = os.path.join(folder, "tokenizer_config.json") if folder else ""
     config = _read_config(config_path) if config_path and os.path.isfile(config_path) else {}
@@ -134,6 +135,8 @@ def chat_template_for(tokenizer) -> ChatTemplate:
             text, source = f.read(), jinja
     elif config:
         text, source = _pick(config.get("chat_template"), config_path), config_path
+    if text and text == BUILTIN_JINJA and getattr(tokenizer, "kind", None) in ("sentencepiece", "gpt2bpe"):
+        return BUILTIN  # (a folder tnlg exported: its own template, each text encoded as fine-tuning encoded it)
     if text:
         tokens = folder_tokens(folder, tokenizer)
         added = dict(tokens.added)
@@ -149,6 +152,16 @@ def chat_template_for(tokenizer) -> ChatTemplate:
                         "SentencePiece or GPT-2 BPE tokenizer, for which tnlg has a built-in one. Add a template "
                         "to the tokenizer folder or write the rows as prompt/completion.")
     return BUILTIN
+
+
+# The built-in template as Jinja, for exported folders (``apply_chat_template``): the same text as
+# :func:`_builtin` with ``eos_token`` the end-of-document token, its assistant turns in ``{% generation %}``
+# blocks (transformers' assistant mask). ``<|assistant|>\n`` follows every user turn already, so the
+# generation prompt adds nothing.
+BUILTIN_JINJA = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{% generation %}"
+                 "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %}"
+                 "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+                 "{% if message['role'] == 'user' %}{{ '<|assistant|>\n' }}{% endif %}{% endif %}{% endfor %}")
 
 
 def _builtin(messages: Sequence[tuple[str, str]]) -> list[Segment]:

@@ -276,8 +276,9 @@ class GPTDataset(torch.utils.data.Dataset):
     (0 where the target is the end-of-document id with ``eod_mask_loss``), and with
     ``reset_position_ids``/``reset_attention_mask`` also ``"position_ids"`` int64
     ``[seq]`` (restarting at 0 after every end-of-document token when resetting) and
-    ``"attention_mask"`` bool ``[seq, seq]`` (True = may attend: causal, and within
-    one document when resetting). Use :func:`build_train_valid_test_datasets`.
+    ``"attention_mask"`` int64 ``[seq]``: each position's document (the position where it starts when
+    resetting, else 0: one document), from which attention builds the causal mask within documents
+    (:func:`tnlg.model.attention.document_mask`). Use :func:`build_train_valid_test_datasets`.
     """
 
     def __init__(self, indexed: IndexedDataset, name: str, doc_begin: int, doc_end: int, seq_length: int,
@@ -511,10 +512,10 @@ def _make_item(sample: torch.Tensor, eod_id: Optional[int], eod_mask_loss: bool,
             item["position_ids"] = arange - seg_start[seg]
         else:
             item["position_ids"] = arange
-        mask = torch.ones(seq, seq, dtype=torch.bool).tril_()
-        if reset_attention_mask:
-            mask &= seg[:, None] == seg[None, :]
-        item["attention_mask"] = mask
+        # the documents as ids (one document when not resetting): attention builds the block-causal mask
+        starts = torch.zeros(int(seg[-1]) + 1, dtype=torch.int64)  # (a document's id: where it starts)
+        starts[1:] = torch.nonzero(is_eod[:-1]).flatten()[: int(seg[-1])] + 1
+        item["attention_mask"] = starts[seg] if reset_attention_mask else torch.zeros(seq, dtype=torch.int64)
     return item
 
 

@@ -36,9 +36,9 @@ def hf_tokenizer(tok):
     GPT-2 BPE: tnlg's own pipeline. SentencePiece BPE: built from the model file
     (:func:`_sentencepiece_bpe`). The end-of-document and other control tokens are special
     tokens, matched in text only when ``encode_special_tokens`` is off: it is on here (and
-    ``split_special_tokens`` in ``tokenizer_config.json``), as in tnlg, where the text
-    ``</s>`` or ``<|endoftext|>`` is ordinary characters. Checked on fixed probe texts and
-    the whole vocabulary before it is returned.
+    as in tnlg, where the text ``</s>`` or ``<|endoftext|>`` is ordinary characters (an exported
+    folder leaves it off: transformers matches them, :func:`hf_tokenizer_files`). Checked on fixed
+    probe texts and the whole vocabulary before it is returned.
     """
     if isinstance(tok, TokenizerJSONTokenizer):
         import tokenizers
@@ -177,7 +177,14 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
     (:func:`hf_tokenizer`), ``tokenizer_config.json``, ``special_tokens_map.json`` (the
     end-of-document token as ``bos_token`` and ``eos_token``) and the source files
     (``tokenizer.model``, or ``vocab.json`` + ``merges.txt``), so tnlg and SentencePiece
-    can load the folder too."""
+    can load the folder too.
+
+    ``tokenizer_config.json`` holds the chat template tnlg renders ``messages`` rows with for this tokenizer
+    (:func:`tnlg.data.chat.chat_template_for`: the folder's own, with its named special tokens and its added
+    tokens declared in ``tokenizer.json`` at their ids; else the built-in one as Jinja,
+    :data:`~tnlg.data.chat.BUILTIN_JINJA`), and special tokens as transformers expects them: the text of a
+    special token (an appended ``eos_token``, a template's ``<|im_start|>``) is that token's single id
+    (``split_special_tokens`` false, transformers' default), as TRL appends and counts the end-of-text."""
     tok = load_tokenizer(tok)
     if isinstance(tok, TokenizerJSONTokenizer):
         return _tokenizer_json_files(tok, model_max_length)
@@ -189,8 +196,9 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
         unk = [p for p, _, t in m.pieces if t == m.UNKNOWN]
         if unk:
             special["unk_token"] = unk[0]
+    template = _chat_template(tok, backend, special)
     config = dict(tokenizer_class="PreTrainedTokenizerFast", **special, add_bos_token=False, add_eos_token=False,
-                  split_special_tokens=True, clean_up_tokenization_spaces=False)
+                  clean_up_tokenization_spaces=False, chat_template=template)
     if model_max_length:
         config["model_max_length"] = int(model_max_length)
     files = {"tokenizer.json": backend.to_str(pretty=True).encode("utf-8"),
@@ -204,6 +212,24 @@ def hf_tokenizer_files(tok, model_max_length: Optional[int] = None) -> dict[str,
         with open(path, "rb") as f:
             files[name] = f.read()
     return files
+
+
+def _chat_template(tok, backend, special: dict) -> str:
+    """The Jinja chat template of ``tok`` as fine-tuning renders ``messages`` rows with it: a folder's own
+    (its named special tokens into ``special``, its added tokens declared special in ``backend`` at the ids the
+    template cut them out as, so transformers matches them alike), else the built-in one's Jinja."""
+    import tokenizers
+    from .chat import BUILTIN_JINJA, chat_template_for
+    template = chat_template_for(tok)
+    if template.text is None:
+        return BUILTIN_JINJA
+    for name, text in template.named:
+        if text and name in ("bos_token", "eos_token", "unk_token", "pad_token") and \
+                backend.token_to_id(text) is not None:  # (one the vocabulary lacks: transformers would add it)
+            special[name] = text
+    declared = [text for text, i in template.added if backend.token_to_id(text) == i]
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in declared])
+    return template.text
 
 
 # the files of a tokenizer.json folder that carry its tokens, special tokens and chat template

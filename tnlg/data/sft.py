@@ -22,8 +22,10 @@ padding (the end-of-document id).
 --reset-attention-mask``: ``tokens``/``labels`` (the stream shifted by one), ``loss_mask`` 1 where the
 label is a counted token of the same sample (so a sample's last token never predicts the next sample's
 first, and padding never counts), ``position_ids`` restarting at 0 at each sample (and at the padding),
-``attention_mask`` ``[s, s]`` block-causal, True where attention is allowed: each sample and the padding
-is its own block. So a packed sample's logits are those of the sample alone.
+``attention_mask`` the document id of each position ``[s]`` (int64: where its sample, or the padding, starts,
+as :func:`tnlg.parallel.context.document_ids` reads a mask): each sample and the padding is its own block of the block-causal mask attention builds
+from them (:func:`tnlg.model.attention.document_mask`). So a packed sample's logits are those of the sample
+alone, and an item costs O(s).
 
 **Order.** ``__len__`` is the number of sequences the run draws; epoch ``e`` visits every sequence once
 in an order drawn from ``(seed, e)``; every rank builds the same.
@@ -205,24 +207,23 @@ def sequence_item(samples: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: 
     """One sequence of packed samples as a training item (the layout of the module docstring)."""
     stream = np.full(seq_length + 1, pad_id, dtype=np.int64)
     target = np.zeros(seq_length + 1, dtype=np.float32)  # target[p]: the token at p is a counted label
-    block = np.full(seq_length + 1, len(samples), dtype=np.int64)
+    block = np.zeros(seq_length + 1, dtype=np.int64)
     position = np.zeros(seq_length + 1, dtype=np.int64)
     at = 0
-    for k, (ids, counted) in enumerate(samples):
+    for ids, counted in samples:
         n = len(ids)
         stream[at:at + n] = ids
         target[at + 1:at + n] = counted[1:]  # a sample's first token is no target of the one before it
-        block[at:at + n] = k
+        block[at:at + n] = at  # (a document's id: the position where it starts)
         position[at:at + n] = np.arange(n)
         at += n
     if at > seq_length + 1:
         raise ValueError(f"samples of {at} tokens do not fit a sequence of {seq_length + 1}")
     position[at:] = np.arange(seq_length + 1 - at)
-    blocks = torch.from_numpy(block[:-1])
-    mask = torch.ones(seq_length, seq_length, dtype=torch.bool).tril_() & (blocks[:, None] == blocks[None, :])
+    block[at:] = at
     return {"tokens": torch.from_numpy(stream[:-1].copy()), "labels": torch.from_numpy(stream[1:].copy()),
             "loss_mask": torch.from_numpy(target[1:].copy()), "position_ids": torch.from_numpy(position[:-1].copy()),
-            "attention_mask": mask}
+            "attention_mask": torch.from_numpy(block[:-1].copy())}
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -348,7 +349,7 @@ def _build_split(path: str, tokenizer, seq_length: int, num_samples: int, seed: 
     counted = sum(int(c[1:].sum()) for _, c in kept)
     report = SFTReport(len(rows), len(sequences), counted, truncated, skipped,
                        None if template is None else template.describe())
-    return SFTDataset(kept, sequences, seq_length, tokenizer.eod_id, num_samples, seed), report
+    return SFTDataset(kept, sequences, seq_length, tokenizer.eod_id, num_samples or len(sequences), seed), report
 
 
 def build_sft_datasets(train_path: str, valid_path: Optional[str], tokenizer, seq_length: int, *,
@@ -356,8 +357,8 @@ def build_sft_datasets(train_path: str, valid_path: Optional[str], tokenizer, se
                        loss_on_prompt: bool = False, cache_dir: Optional[str] = None,
                        barrier: Optional[Callable[[], None]] = None
                        ) -> tuple[SFTDataset, Optional[SFTDataset], SFTReport]:
-    """The training and (with ``valid_path``) validation datasets of fine-tuning rows, and the report of what
-    the rows became (its :meth:`SFTReport.line`; the validation split's in ``report.valid``). Every rank
+    """The training and (with ``valid_path``) validation datasets of fine-tuning rows (``train_samples`` and
+    ``valid_samples`` items; 0: every sequence once), and the report of what the rows became (its :meth:`SFTReport.line`; the validation split's in ``report.valid``). Every rank
     builds the same; bad rows are one :class:`UserError` naming file and line."""
     if seq_length < 1:
         raise UserError(f"--seq-length {seq_length} must be at least 1.")

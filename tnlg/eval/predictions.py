@@ -55,7 +55,7 @@ def greedy_predictions(model, tokenizer, prompts: Sequence[Sequence[int]], max_n
                        micro_batch_size: int) -> list[dict]:
     """Per prompt (its ids, :func:`rows_prompt_ids`): ``{"tokens": new ids (the end-of-document id last where
     generation stopped there), "prediction": their text, "cut_by_seq_length": bool}``."""
-    seq = model.config.seq_length
+    seq = model.config.max_position_embeddings  # (the longest sequence the model reads)
     ids = check_prompts([list(p) for p in prompts], seq, model.config.vocab_size)
     vocab = tokenizer.vocab_size
     fits = [i for i, p in enumerate(ids) if len(p) + max_new_tokens <= seq]

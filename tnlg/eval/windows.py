@@ -48,8 +48,10 @@ def window_loss_sums(model, streams: Sequence[Sequence[int]], seq: int, stride: 
     last stage. Every rank returns the same figures.
     """
     ps = model.ps
-    if seq > model.config.seq_length:
-        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.seq_length} positions.")
+    if seq > model.config.max_position_embeddings:
+        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.max_position_embeddings} "
+                        f"positions (max_position_embeddings); give --seq-length "
+                        f"{model.config.max_position_embeddings} or less.")
     windows = [(i, s, first) for i, toks in enumerate(streams) for s, first in eval_windows(len(toks), seq, stride)]
     mine = windows[ps.dp_rank::ps.dp_size]
     device = model_device(model)

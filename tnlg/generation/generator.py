@@ -46,6 +46,8 @@ __all__ = ["generate", "generate_tokens", "generate_ids", "continuation_text", "
 
 
 def check_prompts(prompts, seq_length: int, vocab_size: int) -> list[list[int]]:
+    """``prompts`` as lists of ints, each at most ``seq_length`` tokens (the model's positions) of ids below
+    ``vocab_size``; else one paragraph."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise UserError("prompts must be a non-empty list of token-id lists.")
     out = []
@@ -56,7 +58,8 @@ def check_prompts(prompts, seq_length: int, vocab_size: int) -> list[list[int]]:
                             "from the end-of-document token).")
         if len(p) > seq_length:
             raise UserError(f"prompt {i} is {len(p)} tokens long, longer than the model's seq_length="
-                            f"{seq_length}; shorten it to at most {seq_length} tokens.")
+                            f"{seq_length} (its max_position_embeddings); shorten it to at most {seq_length} "
+                            f"tokens.")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise UserError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size}).")
@@ -70,14 +73,14 @@ def generate_tokens(model, prompts: Sequence[Sequence[int]], options: SamplingOp
                     use_cache: bool = True) -> list[list[int]]:
     """New token ids for each prompt (a list of token ids), in prompt order, chosen as ``options`` says
     (:class:`~tnlg.generation.options.SamplingOptions`; prompt ``i`` draws from ``seed + seed_offset + i``).
-    Generation stops where prompt + new tokens would exceed the model's ``seq_length`` (the longest prompt
+    Generation stops where prompt + new tokens would exceed the model's positions (``max_position_embeddings``; the longest prompt
     of a batch decides; a warning says so). ``vocab_size`` limits the ids that can be chosen (default the
     model's); ``batch_size`` prompts run together (default all); ``use_cache=False`` recomputes every
     sequence at each step. Every TP rank and pipeline stage of a group must call this with the same
     arguments; all get the same result."""
     cfg = model.config
     vocab = min(vocab_size or cfg.vocab_size, cfg.vocab_size)
-    prompts = check_prompts(prompts, cfg.seq_length, cfg.vocab_size)
+    prompts = check_prompts(prompts, cfg.max_position_embeddings, cfg.vocab_size)
     if batch_size is not None and batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size!r}.")
     step = batch_size or len(prompts)
@@ -119,9 +122,10 @@ def _generate_batch(model, prompts: list[list[int]], options: SamplingOptions, g
     device = model_device(model)
     b, lengths = len(prompts), [len(p) for p in prompts]
     longest, max_new = max(lengths), options.max_new_tokens
-    if longest + max_new > cfg.seq_length:
-        room = cfg.seq_length - longest
-        warnings.warn(f"prompt of {longest} tokens + {max_new} new tokens exceeds seq_length={cfg.seq_length}; "
+    if longest + max_new > cfg.max_position_embeddings:
+        room = cfg.max_position_embeddings - longest
+        warnings.warn(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
+                      f"max_position_embeddings={cfg.max_position_embeddings} positions; "
                       f"generating {room} new tokens.", stacklevel=3)
         max_new = room
     if max_new == 0:

@@ -99,16 +99,18 @@ def loading_note(checkpoint: str, ps: ParallelState) -> str:
 
 
 def checkpoint_seq_length(checkpoint: str) -> Optional[int]:
-    """The model's ``seq_length`` read from the checkpoint's metadata (no weights), or ``None``."""
-    return _checkpoint_size(checkpoint, ("n_positions", "max_position_embeddings"), "seq_length")
+    """The model's positions (``max_position_embeddings``: the longest sequence it reads) from the checkpoint's
+    metadata (no weights), or ``None``."""
+    return _checkpoint_size(checkpoint, ("n_positions", "max_position_embeddings"),
+                            ("max_position_embeddings", "seq_length"))
 
 
 def checkpoint_num_layers(checkpoint: str) -> Optional[int]:
     """The model's layer count read from the checkpoint's metadata (no weights), or ``None``."""
-    return _checkpoint_size(checkpoint, ("n_layer", "num_hidden_layers"), "num_layers")
+    return _checkpoint_size(checkpoint, ("n_layer", "num_hidden_layers"), ("num_layers",))
 
 
-def _checkpoint_size(checkpoint: str, hf_keys: tuple, key: str) -> Optional[int]:
+def _checkpoint_size(checkpoint: str, hf_keys: tuple, keys: tuple) -> Optional[int]:
     try:
         if is_hf_folder(checkpoint):
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
@@ -116,7 +118,7 @@ def _checkpoint_size(checkpoint: str, hf_keys: tuple, key: str) -> Optional[int]
             return int(next(config[k] for k in hf_keys if k in config))
         iter_dir = resolve(checkpoint, "checkpoint")
         config = Manifest.read(iter_dir).config if iter_dir is not None else None
-        return None if config is None else int(config[key])
+        return None if config is None else int(next(config[k] for k in keys if config.get(k) is not None))
     except Exception:  # noqa: BLE001 - best effort: the workers check again with the model
         return None
 

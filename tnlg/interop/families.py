@@ -57,7 +57,7 @@ _LLAMA_HONOURED = {
     "intermediate_size": "ffn_hidden_size", "num_hidden_layers": "num_layers",
     "num_attention_heads": "num_attention_heads",
     "num_key_value_heads": "num_query_groups (grouped-query attention when fewer than the heads)",
-    "max_position_embeddings": "seq_length", "rms_norm_eps": "layernorm_epsilon (RMSNorm)",
+    "max_position_embeddings": "max_position_embeddings (and the default seq_length)", "rms_norm_eps": "layernorm_epsilon (RMSNorm)",
     "rope_parameters": "rotary_base (rope_theta) and the rope_* fields of rope_type linear, dynamic, yarn or "
                        "llama3 (docs/llama.md); another rope_type (longrope, ...) is refused by name",
     "tie_word_embeddings": _TIED,
@@ -170,8 +170,8 @@ GPT2 = Family(
     aliases=_frozen({"max_position_embeddings": "n_positions", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
                      "num_attention_heads": "n_head"}),
     honoured=_frozen({
-        "model_type": "picks GPT2LMHeadModel", "vocab_size": "vocab_size", "n_positions": "seq_length",
-        "max_position_embeddings": "seq_length (n_positions' other name)", "n_embd": "hidden_size",
+        "model_type": "picks GPT2LMHeadModel", "vocab_size": "vocab_size", "n_positions": "max_position_embeddings (and the default seq_length)",
+        "max_position_embeddings": "max_position_embeddings (n_positions' other name)", "n_embd": "hidden_size",
         "hidden_size": "hidden_size (n_embd's other name)", "n_layer": "num_layers",
         "num_hidden_layers": "num_layers (n_layer's other name)", "n_head": "num_attention_heads",
         "num_attention_heads": "num_attention_heads (n_head's other name)",

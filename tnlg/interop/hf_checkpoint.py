@@ -84,7 +84,7 @@ def checkpoint_to_hf(path: str, hf_dir: str, tokenizer_model=None, with_tokenize
     end-of-document id is the config's ``bos_token_id``/``eos_token_id``."""
     iter_dir, manifest, cfg = open_source(path)
     tok = _export_tokenizer(manifest, cfg, tokenizer_model) if with_tokenizer else None
-    files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)  # checked before reading weights
+    files = None if tok is None else hf_tokenizer_files(tok, cfg.max_position_embeddings)  # checked before reading weights
     reader = ShardReader(iter_dir, manifest, F.model_file)
     full = {n: reader.tensor(n, n, t) for n, t in full_targets(manifest).items()}
     hf = build_hf_model(full, cfg, None if tok is None else tok.eod_id, where=f"checkpoint {iter_dir!r}",

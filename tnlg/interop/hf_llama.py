@@ -106,7 +106,7 @@ def rope_parameters_of(cfg: GPTConfig) -> dict:
     for key, field in ROPE_KEYS.get(cfg.rope_scaling_type, {}).items():
         value = getattr(cfg, field)
         if key == "original_max_position_embeddings":
-            value = value or cfg.seq_length
+            value = value or cfg.max_position_embeddings
         elif value is None or (key not in ("factor", "low_freq_factor", "high_freq_factor")
                                and value == defaults[field]):
             continue
@@ -129,7 +129,8 @@ def config_from_llama(hf_config, family: Family, **overrides) -> GPTConfig:
     mlp_bias = family.linear_biases and getattr(hf_config, "mlp_bias", False) is True
     every = attn_bias and mlp_bias  # biases on every linear layer: Megatron's add_bias_linear
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
-                  seq_length=hf_config.max_position_embeddings, vocab_size=hf_config.vocab_size,
+                  seq_length=hf_config.max_position_embeddings,
+                  max_position_embeddings=hf_config.max_position_embeddings, vocab_size=hf_config.vocab_size,
                   ffn_hidden_size=hf_config.intermediate_size, layernorm_epsilon=float(hf_config.rms_norm_eps),
                   init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
                   position_embedding_type="rope", normalization="RMSNorm", **_rope_fields(hf_config),
@@ -165,7 +166,7 @@ def llama_config_from(cfg: GPTConfig, family: Union[Family, str], eod_id: Option
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.seq_length,
+        num_key_value_heads=cfg.kv_groups, max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.layernorm_epsilon, rope_parameters=rope_parameters_of(cfg), hidden_act="silu",
         tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,

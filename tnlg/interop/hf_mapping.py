@@ -51,6 +51,7 @@ def _config_from_gpt2(hf_config, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
                   num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
                   num_attention_heads=hf_config.n_head, seq_length=hf_config.n_positions,
+                  max_position_embeddings=hf_config.n_positions,
                   vocab_size=hf_config.vocab_size, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
                   hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
                   layernorm_epsilon=hf_config.layer_norm_epsilon, init_method_std=hf_config.initializer_range,
@@ -70,7 +71,7 @@ def hf_config_from(cfg: GPTConfig, eod_id: Optional[int] = None, family: Optiona
     from transformers import GPT2Config
     return GPT2Config(bos_token_id=eod_id, eos_token_id=eod_id,
                       n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
-                      n_positions=cfg.seq_length, vocab_size=cfg.vocab_size,
+                      n_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
                       n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
                       resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
                       attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,

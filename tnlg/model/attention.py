@@ -31,7 +31,17 @@ from .kv_cache import KVCache, local_kv_heads
 from .norms import head_norm, norm_parameters
 from .slots import BlockSpec
 
-__all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask"]
+__all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask", "document_mask"]
+
+
+def document_mask(doc_ids: torch.Tensor, s: int, kv_len: int) -> torch.Tensor:
+    """``[b, s, kv_len]`` bool (True = may attend) of the last ``s`` of ``kv_len`` positions from the per-position
+    document ids ``doc_ids`` ``[b, >= kv_len]`` (integers; equal ids: one document, each a contiguous stretch):
+    causal, and within the query's document (the block-causal mask of packed documents). Built where attention
+    runs, so a batch carries O(s) per sample, never an ``[s, s]`` matrix."""
+    q, k = doc_ids[:, kv_len - s:kv_len], doc_ids[:, :kv_len]
+    causal = torch.ones(s, kv_len, dtype=torch.bool, device=doc_ids.device).tril(kv_len - s)
+    return (q[:, :, None] == k[:, None, :]) & causal
 
 
 def window_mask(s: int, kv_len: int, window: int, device=None) -> torch.Tensor:
@@ -60,8 +70,12 @@ class LocalAttention:
              device) -> Optional[torch.Tensor]:
         """The mask SDPA takes for ``s`` queries over ``kv_len`` keys (``None``: causal, or none at all for one
         new token after a cache): the forward's ``attention_mask`` (``[b, s, kv]`` / ``[s, kv]``, True = may
-        attend) with this core's sliding window, each row's own cache slots when the cache's rows differ in
-        length, and causality after a cache; ``[b, 1, s, kv]`` where it is per row."""
+        attend; or the documents' ids ``[b, kv]``, integers, turned into their block-causal mask here,
+        :func:`document_mask`) with this core's sliding window, each row's own cache slots when the cache's
+        rows differ in length, and causality after a cache; ``[b, 1, s, kv]`` where it is per row."""
+        if attention_mask is not None and not attention_mask.dtype.is_floating_point and \
+                attention_mask.dtype != torch.bool:
+            attention_mask = document_mask(attention_mask, s, kv_len)
         if cache is not None and not cache.uniform:  # rows at their own lengths: each sees its own slots only
             rows = cache.attention_mask(s, self.window)
             attention_mask = rows if attention_mask is None else attention_mask & rows

@@ -32,7 +32,7 @@ __all__ = ["DecoderBase", "GPT", "PositionEmbedding", "OutputLayer"]
 
 
 class PositionEmbedding(SelfInitializing, nn.Module):
-    """Learned position embeddings ``[seq_length, hidden]``, replicated over TP; no communication."""
+    """Learned position embeddings ``[max_position_embeddings, hidden]``, replicated over TP; no communication."""
 
     def __init__(self, num_positions: int, dim: int, init_method: InitMethod, seed: int = 0, init_key: str = "",
                  device=None):
@@ -102,7 +102,7 @@ class DecoderBase(nn.Module):
             return VocabParallelEmbedding(cfg.vocab_size, h, ps, self.padded_vocab_size, device=device,
                                           init_method=init, seed=seed, init_key=key)
         if name == "wpe" and cfg.position_embedding_type == "learned_absolute":
-            return PositionEmbedding(cfg.seq_length, h, init, seed, key, device)
+            return PositionEmbedding(cfg.max_position_embeddings, h, init, seed, key, device)
         if name == "drop":
             return nn.Dropout(cfg.hidden_dropout)
         if layer is not None:
@@ -132,12 +132,12 @@ class DecoderBase(nn.Module):
 
     def start_position(self, seq_len: int, kv_cache: Optional[KVCache]) -> int:
         """The position of the first of ``seq_len`` new tokens: the cache's length (its longest row's, rows
-        at their own lengths), or 0 without one; a ``ValueError`` when they would run past ``seq_length``
-        or the cache."""
+        at their own lengths), or 0 without one; a ``ValueError`` when they would run past the model's
+        positions (``max_position_embeddings``) or the cache."""
         offset = kv_cache.start(seq_len) if kv_cache is not None else 0
-        if offset + seq_len > self.config.seq_length:
-            raise ValueError(f"sequence of {offset + seq_len} tokens is longer than "
-                             f"seq_length={self.config.seq_length}.")
+        if offset + seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {offset + seq_len} tokens is longer than the model's "
+                             f"max_position_embeddings={self.config.max_position_embeddings} positions.")
         return offset
 
     def sequence_split(self, seq_len: int, incremental: bool = False) -> Optional[tuple[int, ...]]:
@@ -167,7 +167,7 @@ class DecoderBase(nn.Module):
         sequence-first ``[s, b, h]`` (sequence-parallel this rank's positions ``[s_r, b, h]``). The whole GPT
         is ``run(tokens, range(L))``; a pipeline chunk runs its layers.
 
-        ``position_ids`` ``[b, s]`` and ``attention_mask`` ``[b, s, s]`` (with CP the whole sequence's document
+        ``position_ids`` ``[b, s]`` and ``attention_mask`` (document ids ``[b, s]``, or ``[b, s, s]`` bool; with CP the whole sequence's document
         ids ``[b, s]``): per-document positions and mask; ``None``: causal, positions from 0 (with ``kv_cache``
         each row's from its length; with CP this rank's chunks'). ``kv_cache``: keys and values of past
         positions (:mod:`tnlg.model.kv_cache`; its lengths are advanced by the caller, once every layer has

@@ -33,7 +33,7 @@ class ForwardContext:
 
     ``sp``: every TP rank's positions when this forward runs sequence-parallel, else ``None``;
     ``rotary``: rope's ``(cos, sin)`` of the tokens' positions (fp32 ``[b, 1, s, rotary_dim]``), or ``None``;
-    ``attention_mask``: ``[b, s, kv]`` / ``[s, kv]`` (True = may attend), or with context parallelism the
+    ``attention_mask``: ``[b, s, kv]`` / ``[s, kv]`` (True = may attend), the documents' ids ``[b, s]`` (int), or with context parallelism the
     whole sequence's document ids ``[b, s]``, or ``None`` (causal); ``kv_cache``: the
     :class:`~tnlg.model.attention.KVCache` of incremental decoding, or ``None``; ``last_only``: the head
     computes the last position's logits only; ``aux``: named auxiliary losses a layer adds during the forward

@@ -88,7 +88,7 @@ class PipelineChunk(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
                 last_only: bool = False, sequence_parallel: bool = True) -> torch.Tensor:
         """The stage's part of the decoder's one forward (:meth:`~tnlg.model.decoder.DecoderBase.run`).
-        ``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` ``[b, s, s]`` (every stage): a
+        ``position_ids`` ``[b, s]`` (first stage) and ``attention_mask`` (document ids ``[b, s]`` or a mask ``[b, s, s]``; every stage): a
         micro batch's per-document positions and block-diagonal mask (``--reset-position-ids`` /
         ``--reset-attention-mask``), as the GPT takes them; ``None``: causal, positions from 0 (from
         each row's cache length with ``kv_cache``). ``kv_cache``: the stage's keys and values (its

@@ -281,7 +281,8 @@ class LoggingOptions:
     """The log, validation, metrics and the sample at the end."""
     log_interval: int = option(100)
     eval_interval: int = option(1000, help="validation every N iterations (and before the first; 0: off)")
-    eval_iters: int = option(100, help="global batches per validation (0: no validation)")
+    eval_iters: Optional[int] = option(100, help="global batches per validation (0: no validation; none in a "
+                                       "config file: the whole validation set once)")
     metrics_file: Optional[str] = option(None, help="JSON Lines metrics (default SAVE/metrics.jsonl)")
     plot: bool = option(True, negative="--no-plot", help="no loss-curve PNG at the end")
     peak_tflops: Optional[float] = option(None, help="per-rank peak for MFU (default: measured at start)")
@@ -300,7 +301,9 @@ class LoggingOptions:
 
     def __post_init__(self):
         positive_int(self, "log_interval", "tensorboard_log_interval")
-        nonnegative_int(self, "eval_interval", "eval_iters")
+        nonnegative_int(self, "eval_interval")
+        if self.eval_iters is not None:  # None: the whole validation set once (tnlg finetune's default)
+            nonnegative_int(self, "eval_iters")
 
     def check_loggers(self) -> None:
         """The logging backends asked for can run: their package is installed and their folders can be

@@ -118,8 +118,10 @@ def gather_from_context_parallel(t: torch.Tensor, group: Optional[dist.ProcessGr
 
 def document_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-position document ids ``[b, s]`` from a causal document mask ``[b, s, s]`` or ``[s, s]`` (True = may
-    attend, as :class:`tnlg.data.gpt_dataset.GPTDataset` gives): the first position each row may see, i.e.
-    where its document starts."""
+    attend): the first position each row may see, i.e. where its document starts; document ids already
+    (integers ``[b, s]`` or ``[s]``, as the datasets give them: the same starts) as they are."""
+    if attention_mask.dtype != torch.bool:
+        return attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
     m = attention_mask if attention_mask.dim() == 3 else attention_mask.unsqueeze(0)
     return m.to(torch.uint8).argmax(dim=-1)
 
@@ -459,8 +461,9 @@ class TokenPositions:
 def context_parallel_batch(batch: Union[Batch, dict], ps) -> Batch:
     """This CP rank's part of a batch of whole samples (``[b, s]`` each): its two chunks of ``tokens``,
     ``labels``, ``loss_mask`` and ``position_ids`` (given ones, e.g. reset at documents; else the model
-    takes the global positions), and for an ``attention_mask`` ``[b, s, s]`` the whole sequence's
-    document ids ``[b, s]`` (:func:`document_ids`), which the ring takes. No communication."""
+    takes the global positions), and for an ``attention_mask`` (document ids ``[b, s]``, or a mask
+    ``[b, s, s]``) the whole sequence's document ids ``[b, s]`` (:func:`document_ids`), which the ring takes. No
+    communication."""
     batch = Batch.of(batch)
     if ps.cp_size == 1:
         return batch

@@ -15,7 +15,7 @@ transformers' ``ROPE_INIT_FUNCTIONS`` do, in fp32 (docs/llama.md gives each form
 it by the factor; ``llama3`` divides the low frequencies by the factor and interpolates the middle ones;
 ``yarn`` blends interpolated and extrapolated frequencies over a ramp and multiplies cos and sin by its
 attention factor; ``dynamic`` (NTK) raises the base once a sequence is longer than ``max_position``,
-which no tnlg forward is (positions stay below ``seq_length``), so its frequencies are the default's.
+which no tnlg forward is (positions stay below ``max_position_embeddings``), so its frequencies are the default's.
 
 Positions are explicit: :func:`apply_rotary` takes the (global) position of every token, so
 ``--reset-position-ids`` (positions restarting per document), a KV cache's offset and a sequence split

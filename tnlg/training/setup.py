@@ -91,13 +91,15 @@ def build_datasets(o: Options, cfg: GPTConfig, tokenizer) -> tuple:
     files; the others wait at a barrier), sized for the run's batches and validations."""
     d, gbs, iters, log = o.data, o.schedule.global_batch_size, o.schedule.train_iters, o.logging
     assert gbs is not None and iters is not None  # (init_run; required)
-    evals = (iters // log.eval_interval + 1) * log.eval_iters * gbs if log.eval_interval else 0
+    # --eval-iters unset: the whole validation split once (a count of 0 builds one pass)
+    per_eval = 0 if log.eval_iters is None else log.eval_iters * gbs
+    evals = (iters // log.eval_interval + 1) * per_eval if log.eval_interval else 0
     barrier = (lambda: dist.barrier()) if dist.is_initialized() else None
-    if d.sft_data_path is not None:
-        return _sft_datasets(o, cfg, tokenizer, iters * gbs, log.eval_iters * gbs, barrier)
+    if d.sft_data_path is not None:  # (its validation set: one pass, the most a validation reads)
+        return _sft_datasets(o, cfg, tokenizer, iters * gbs, 0, barrier)
     assert d.data_path is not None  # (pretrain)
     train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(
-        d.data_path, d.split, cfg.seq_length, (iters * gbs, evals, log.eval_iters * gbs), d.seed,
+        d.data_path, d.split, cfg.seq_length, (iters * gbs, evals, per_eval), d.seed,
         cache_dir=d.data_cache_path, eod_id=tokenizer.eod_id, eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         vocab_size=tokenizer.vocab_size, barrier=barrier)

@@ -3,7 +3,9 @@
 The validation loss is token-weighted over the loss-mask tokens of the first
 ``--eval-iters`` global batches of the validation split (the same samples every
 time), as ``tnlg eval --task loss`` computes it (:func:`tnlg.eval.loss.dataset_loss`), with or
-without a pipeline.
+without a pipeline. ``--eval-iters`` unset (``None``, ``tnlg finetune``'s default) is the whole validation
+set exactly once, as TRL's evaluation reads it: the sum of every counted token's loss over the number of
+counted tokens, so packed and unpacked sequences of the same rows give the same figure.
 Without ``--eod-mask-loss`` every batch holds the same number of tokens, so this
 is also the mean of the batch means.
 """
@@ -24,7 +26,10 @@ __all__ = ["evaluate", "validation_samples", "Validation"]
 
 def validation_samples(dataset, log: LoggingOptions, sch: ScheduleOptions, ps: ParallelState) -> int:
     """How many samples a validation reads: the first ``--eval-iters`` global batches, whole micro batches
-    on every DP rank (0: fewer than one micro batch per rank)."""
+    on every DP rank (0: fewer than one micro batch per rank); every sample once when ``--eval-iters`` is
+    unset (the last micro batches may be short, and one DP rank may read one more than another)."""
+    if log.eval_iters is None:
+        return len(dataset)
     need, gbs = sch.micro_batch_size * ps.dp_size, sch.global_batch_size
     assert gbs is not None  # (set once the layout is known: resolve, init_run)
     return min(len(dataset), log.eval_iters * gbs) // need * need

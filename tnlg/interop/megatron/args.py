@@ -6,7 +6,7 @@ declarations: every architecture field is the Megatron argument its declaration 
 default the field's name: ``position_embedding_type``, ``rotary_base``, ``rotary_percent``,
 ``normalization``, ``norm_epsilon``, ``swiglu``, ``group_query_attention``, ``num_query_groups``,
 ``add_bias_linear``, ``add_qkv_bias``, ``untie_embeddings_and_output_weights``, ``max_position_embeddings``
-for tnlg's ``seq_length``, ...); an argument a run did not save has Megatron-LM's default
+and ``seq_length`` by the same names, ...); an argument a run did not save has Megatron-LM's default
 (:data:`_MEGATRON_DEFAULTS` where it differs from tnlg's). Arguments that describe an architecture tnlg
 does not model (experts, multi-latent attention, squared ReLU, QK norms, scaled or interleaved rope,
 ...: :data:`.core_fields.REFUSED`) are refused, one clear error naming the argument.
@@ -40,7 +40,7 @@ _CHOICES = (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("normalizati
 _MEGATRON_DEFAULTS = dict(openai_gelu=False, hidden_dropout=0.1, attention_dropout=0.1)
 # GPTConfig's architecture fields read otherwise than by their declared argument (config_from_args)
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
-_DERIVED = ("vocab_size", "ffn_hidden_size", "seq_length", "num_query_groups", "layernorm_epsilon", "sliding_window",
+_DERIVED = ("vocab_size", "ffn_hidden_size", "max_position_embeddings", "num_query_groups", "layernorm_epsilon", "sliding_window",
             "window_layers")
 
 # tokenizers whose size Megatron computes from a fixed vocabulary
@@ -265,7 +265,7 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
         return GPTConfig(
             **_declared(args, where), vocab_size=int(vocab),
             ffn_hidden_size=int(ffn) if isinstance(ffn := _arg(args, "ffn_hidden_size"), (int, float)) and ffn else None,
-            seq_length=int(_arg(args, "max_position_embeddings") or _required(args, "seq_length", where)),
+            **_lengths(args, where),
             num_query_groups=int(_required(args, "num_query_groups", where)) if gqa else None,
             layernorm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
             init_method_std=float(_arg(args, "init_method_std", 0.02)),
@@ -274,6 +274,16 @@ def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTC
     except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
         raise UserError(f"{where}: the saved args do not describe a valid model: {str(exc)[:300]} Nothing was "
                         "written.") from None
+
+
+def _lengths(args, where: str) -> dict:
+    """``seq_length`` (Megatron's ``--seq-length``, the run's samples) and ``max_position_embeddings`` (the
+    model's positions; Megatron's default: the sequence length). A rope run may train on sequences longer than
+    its ``--max-position-embeddings`` (megatron-core's rope reads no table): then the positions are the
+    sequence length."""
+    seq = _arg(args, "seq_length") or _arg(args, "max_position_embeddings") or _required(args, "seq_length", where)
+    positions = _arg(args, "max_position_embeddings") or seq
+    return dict(seq_length=int(seq), max_position_embeddings=max(int(positions), int(seq)))
 
 
 def _tokenizer_args(tokenizer: Optional[dict]) -> dict:
