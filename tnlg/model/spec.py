@@ -1,8 +1,8 @@
 """What each transformer block is built from: a :class:`BlockSpec` per layer, chosen from the config and the
 parallel layout in one place (:func:`block_spec`), with slots (megatron-core's ``ModuleSpec`` /
 ``TransformerLayerSubmodules``): the attention core (SDPA over the local sequence, or the ring over the
-context-parallel group; each applies the layer's sliding window itself), the MLP (the dense one today; a
-mixture of experts drops into the same slot), and the norms (LayerNorm or RMSNorm, :func:`make_norm`).
+context-parallel group; each applies the layer's sliding window itself), the MLP (the dense one, or a
+mixture of experts on the layers ``--num-experts`` / ``--moe-layer-freq`` name), and the norms (LayerNorm or RMSNorm, :func:`make_norm`).
 
 A slot is a constructor. The MLP slot's signature is :class:`MLPBuilder`: ``(cfg, ps, layer_idx, device,
 init_key)`` -> a module whose ``forward(x, ctx, synced_bias=None)`` maps ``[s, b, h]`` (sequence-parallel
@@ -25,7 +25,7 @@ from ..parallel.context import context_parallel_attention
 from ..parallel.random import TPRandom
 from ..parallel.state import ParallelState
 
-__all__ = ["BlockSpec", "MLPBuilder", "CoreBuilder", "AttentionCore", "block_spec", "dense_mlp", "attention_core"]
+__all__ = ["BlockSpec", "MLPBuilder", "CoreBuilder", "AttentionCore", "block_spec", "dense_mlp", "moe_mlp", "attention_core"]
 
 
 class MLPBuilder(Protocol):
@@ -59,6 +59,13 @@ def dense_mlp(cfg: GPTConfig, ps: ParallelState, layer_idx: int, device: Any, in
     return ParallelMLP(cfg, ps, device=device, init_key=init_key)
 
 
+def moe_mlp(cfg: GPTConfig, ps: ParallelState, layer_idx: int, device: Any, init_key: str) -> nn.Module:
+    """The mixture-of-experts slot (``--num-experts``, on the layers ``--moe-layer-freq`` names):
+    :class:`~tnlg.model.moe.MoELayer`."""
+    from .moe import MoELayer
+    return MoELayer(cfg, ps, layer_idx, device=device, init_key=init_key)
+
+
 def attention_core(ps: ParallelState, tp_random: TPRandom, kv_index: Optional[tuple[int, ...]], native_gqa: bool,
                    window: Optional[int]) -> AttentionCore:
     """The attention core of the layout: with context parallelism the ring over the CP group
@@ -81,4 +88,5 @@ class BlockSpec:
 
 def block_spec(cfg: GPTConfig, ps: ParallelState, layer_idx: int) -> BlockSpec:
     """Layer ``layer_idx``'s spec: the one place the config and the layout choose a block's parts."""
-    return BlockSpec(core=attention_core, mlp=dense_mlp, window=cfg.layer_window(layer_idx))
+    mlp = moe_mlp if cfg.is_moe_layer(layer_idx) else dense_mlp
+    return BlockSpec(core=attention_core, mlp=mlp, window=cfg.layer_window(layer_idx))
