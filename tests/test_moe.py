@@ -167,3 +167,39 @@ def test_the_moe_presets_have_the_published_total_and_active_counts(name, total,
     model = GPT(cfg, device="meta")
     padding = 2 * (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size  # (embedding and output rows)
     assert sum(p.numel() for p in model.parameters()) == n + padding
+
+
+@pytest.mark.parametrize("over,words", [
+    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
+    (dict(context_parallel_size=2), "--context-parallel-size 2"),
+])
+def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
+    from tests.tiny import tiny_options
+    from tnlg.errors import UserError
+    moe = dict(num_experts=4, add_bias_linear=False, train_iters=5, attention_dropout=0.0)
+    with pytest.raises(UserError) as e:
+        tiny_options(2, **moe, **over)
+    assert words in str(e.value) and "--num-experts 4" in str(e.value)
+    tiny_options(2, **moe)  # (TP x DP runs)
+
+
+def test_moe_models_are_refused_by_the_hf_and_megatron_writers_by_name():
+    from tnlg.errors import UserError
+    from tnlg.interop.families import family_of
+    from tnlg.interop.megatron.args import args_for
+    cfg = _moe_config()
+    with pytest.raises(UserError, match="mixture of experts .* Hugging Face MoE folders"):
+        family_of(cfg)
+    with pytest.raises(UserError, match="Megatron-LM MoE checkpoints"):
+        args_for(cfg, 1, 1, 0)
+
+
+def test_the_engine_refuses_expert_parallel_training_by_name():
+    from tnlg.errors import UserError
+    from tnlg.model import GPT
+    from tnlg.optim.engine import build_engine
+    from tnlg.parallel.state import ParallelState
+    ps = ParallelState(dp_size=2, ep_size=2, virtual=True)
+    model = GPT(_moe_config(), ParallelState.single())
+    with pytest.raises(UserError, match="EP 2"):
+        build_engine(model, ps, zero_stage=0)

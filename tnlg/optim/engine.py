@@ -337,6 +337,11 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     """
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    if ps.ep_size > 1 and any(getattr(p, "gradient_kind", "dense") != "dense" for p in model.parameters()):
+        raise UserError(f"expert parallelism (EP {ps.ep_size}) is not yet trained by tnlg's engine: it reduces every "
+                        "gradient over DP x CP, and an expert's gradient must be reduced over the expert-data-parallel "
+                        "ranks that hold the same expert (ParallelState.for_gradients('expert')). Train with EP 1 (the "
+                        "experts replicated over DP); docs/moe.md says what runs.")
     check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
     if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise UserError(f"param_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {param_dtype!r}.")

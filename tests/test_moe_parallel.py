@@ -1,0 +1,83 @@
+"""Layout invariance of a mixture of experts: a tiny MoE (E 4, top-2, balancing and z losses on, router weights
+sharpened so that no top-k choice is a near tie) trained a few steps gives the same losses, the same expert
+loads and the same weights at EP 1, EP 2 and EP 2 x TP 2 with sequence parallelism (DP 2 in each: the
+balancing loss is each DP rank's micro batch's, as megatron-core's). The reference of every layout is the
+same plain recipe: gradients of dense parameters averaged over DP, of expert parameters over the
+expert-data-parallel ranks (:meth:`ParallelState.for_gradients`), then SGD."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.pool import run_distributed
+
+STEPS = 3
+
+
+def _config(sp: bool):
+    from tnlg.config import LLAMA, GPTConfig
+    return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64, num_experts=4,
+                     moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3,
+                     moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, sequence_parallel=sp,
+                     **LLAMA)
+
+
+def _train(ps, ep: int, sp: bool):
+    import torch.distributed as dist
+
+    from tnlg.model import GPT
+    from tnlg.model.moe import MoELayer, is_expert_parameter
+    from tnlg.parallel.sharding import full_state_dict
+    from tnlg.parallel.state import init_expert_parallel
+    ps = init_expert_parallel(ps, ep)
+    model = GPT(_config(sp), ps)
+    with torch.no_grad():  # sharpen the routers: top-k choices far from ties
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.router.weight.mul_(40.0)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 64, (STEPS, 2, 2, 9), generator=g)  # step, DP rank, batch, tokens
+    dense, expert = ps.for_gradients("dense"), ps.for_gradients("expert")
+    out = []
+    for step in range(STEPS):
+        batch = data[step, ps.dp_rank]
+        loss = model(batch[:, :-1], labels=batch[:, 1:])
+        model.zero_grad()
+        loss.backward()
+        loads = [m.last_load.clone() for m in model.modules() if isinstance(m, MoELayer)]
+        with torch.no_grad():
+            for p in model.parameters():
+                gps = expert if is_expert_parameter(p) else dense
+                if gps.dp_group is not None:
+                    dist.all_reduce(p.grad, group=gps.dp_group)
+                p -= 0.5 * p.grad / gps.dp_size
+        out.append((loss.item(), [x.tolist() for x in loads]))
+    full = full_state_dict(model, ps)
+    experts = {}
+    for name, value in full.items():
+        if name.endswith(("experts.fc1", "experts.fc2")):  # every EP rank's experts, in order
+            parts = [torch.zeros_like(value) for _ in range(ep)]
+            dist.all_gather(parts, value.contiguous(), group=ps.group("ep")) if ep > 1 else parts.__setitem__(0, value)
+            experts[name] = torch.cat(parts)
+    return out, {k: v for k, v in full.items() if k not in experts}, experts, ps.dp_rank, ps.tp_rank
+
+
+def _by_dp(results):
+    return {dp: (out, dense, experts) for out, dense, experts, dp, tp in results if tp == 0}
+
+
+@pytest.mark.parametrize("world,tp,ep,sp", [(2, 1, 2, False), (4, 2, 2, True), (4, 2, 1, False)])
+def test_expert_parallel_layouts_train_as_one_expert_parallel_rank(world, tp, ep, sp):
+    want = _by_dp(run_distributed(_train, 2, 1, 1, False))
+    got = _by_dp(run_distributed(_train, world, tp, ep, sp))
+    assert set(got) == set(want) == {0, 1}
+    for dp in (0, 1):
+        (w_out, w_dense, w_exp), (g_out, g_dense, g_exp) = want[dp], got[dp]
+        for (wl, wloads), (gl, gloads) in zip(w_out, g_out):
+            assert gl == pytest.approx(wl, rel=1e-5, abs=1e-6)
+            assert gloads == wloads
+        for k in w_dense:
+            torch.testing.assert_close(g_dense[k], w_dense[k], rtol=1e-5, atol=1e-6)
+        for k in w_exp:
+            torch.testing.assert_close(g_exp[k], w_exp[k], rtol=1e-5, atol=1e-6)
