@@ -183,23 +183,46 @@ def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
     tiny_options(2, **moe)  # (TP x DP runs)
 
 
-def test_moe_models_are_refused_by_the_hf_and_megatron_writers_by_name():
+def test_moe_models_no_hf_class_computes_and_every_megatron_export_are_refused_by_name():
     from tnlg.errors import UserError
     from tnlg.interop.families import family_of
     from tnlg.interop.megatron.args import args_for
+    with pytest.raises(UserError, match="mixture of experts .* has no Hugging Face class.*capacity factor"):
+        family_of(_moe_config(moe_expert_capacity_factor=1.0))
+    assert family_of(_moe_config(moe_ffn_hidden_size=None)).model_class == "MixtralForCausalLM"
     cfg = _moe_config()
-    with pytest.raises(UserError, match="mixture of experts .* Hugging Face MoE folders"):
-        family_of(cfg)
     with pytest.raises(UserError, match="Megatron-LM MoE checkpoints"):
         args_for(cfg, 1, 1, 0)
 
 
-def test_the_engine_refuses_expert_parallel_training_by_name():
+def test_the_engine_refuses_expert_parallelism_with_fsdp_by_name():
     from tnlg.errors import UserError
     from tnlg.model import GPT
     from tnlg.optim.engine import build_engine
     from tnlg.parallel.state import ParallelState
     ps = ParallelState(dp_size=2, ep_size=2, virtual=True)
     model = GPT(_moe_config(), ParallelState.single())
-    with pytest.raises(UserError, match="EP 2"):
-        build_engine(model, ps, zero_stage=0)
+    with pytest.raises(UserError, match=r"EP 2\) trains with --zero-stage 0 or 1"):
+        build_engine(model, ps, zero_stage=2)
+
+
+def test_the_expert_bias_moves_towards_the_less_loaded_experts_outside_the_gradient():
+    """DeepSeek-V3's rule on one process: after a training forward, b += rate * sign(mean(n) - n) for the
+    tokens n each expert got (the routing map's column sums, read here from the layer's load), then the
+    counts restart; the bias is not a parameter (no gradient) and is saved with the model."""
+    from tnlg.model import GPT
+    from tnlg.model.moe import update_expert_bias
+    from tnlg.parallel.state import ParallelState
+    cfg = _moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_bias_update_rate=0.01)
+    model = GPT(cfg).train()
+    tok = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(tok, labels=tok).backward()
+    layer = model.transformer.h[0].mlp
+    n = layer.last_load.float()
+    update_expert_bias(model, ParallelState.single())
+    want = torch.where(n < n.mean(), 0.01, torch.where(n > n.mean(), -0.01, 0.0))
+    torch.testing.assert_close(layer.router.expert_bias, want)
+    assert not layer.router.local_tokens_per_expert.any()
+    assert "transformer.h.0.mlp.router.expert_bias" in model.state_dict()
+    assert all("expert_bias" not in name for name, _ in model.named_parameters())

@@ -81,3 +81,41 @@ def test_expert_parallel_layouts_train_as_one_expert_parallel_rank(world, tp, ep
             torch.testing.assert_close(g_dense[k], w_dense[k], rtol=1e-5, atol=1e-6)
         for k in w_exp:
             torch.testing.assert_close(g_exp[k], w_exp[k], rtol=1e-5, atol=1e-6)
+
+
+def _engine_steps(ps, ep: int, sp: bool, zero: int):
+    from tnlg.model import GPT
+    from tnlg.model.moe import MoELayer
+    from tnlg.optim.engine import build_engine
+    from tnlg.parallel.state import init_expert_parallel
+    ps = init_expert_parallel(ps, ep)
+    model = GPT(_config(sp), ps)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.router.weight.mul_(40.0)
+    engine = build_engine(model, ps.for_gradients(), zero_stage=zero, lr=1e-2, clip_grad=0.05)
+    data = torch.randint(0, 64, (STEPS, 2, 2, 9), generator=torch.Generator().manual_seed(7))
+    out = []
+    for step in range(STEPS):
+        batch = data[step, ps.dp_rank]
+        engine.zero_grad()
+        loss = engine.model(batch[:, :-1], labels=batch[:, 1:])
+        engine.backward(loss)
+        info = engine.step(loss=loss.detach())
+        loads = [m.last_load.tolist() for m in engine.model.modules() if isinstance(m, MoELayer)]
+        out.append((info["loss"], info["grad_norm"], info["clip_coeff"], loads))
+    return out, ps.dp_rank, ps.tp_rank
+
+
+@pytest.mark.parametrize("world,tp,ep,sp,zero", [(2, 1, 2, False, 0), (2, 1, 2, False, 1), (4, 2, 2, True, 1)])
+def test_the_engine_trains_expert_parallel_layouts_alike(world, tp, ep, sp, zero):
+    """Through the engine (AdamW, global-norm clipping that binds: clip_coeff < 1), EP 2 at ZeRO 0 and 1 and
+    EP 2 x TP 2 with sequence parallelism give EP 1's losses, gradient norms and expert loads."""
+    want = {dp: out for out, dp, tp_rank in run_distributed(_engine_steps, 2, 1, 1, False, 0) if tp_rank == 0}
+    got = {dp: out for out, dp, tp_rank in run_distributed(_engine_steps, world, tp, ep, sp, zero) if tp_rank == 0}
+    for dp in (0, 1):
+        for (wl, wn, wc, wloads), (gl, gn, gc, gloads) in zip(want[dp], got[dp]):
+            assert gl == pytest.approx(wl, rel=1e-5) and gn == pytest.approx(wn, rel=1e-5)
+            assert gc == pytest.approx(wc, rel=1e-5) and wc < 1.0
+            assert gloads == wloads

@@ -147,6 +147,7 @@ class Router(SelfInitializing, nn.Module):
         self.weight = ShardSpec((cfg.num_experts, cfg.hidden_size)).parameter(ps.tp_rank, device)
         self.expert_bias: Optional[torch.Tensor]
         self.local_tokens_per_expert: Optional[torch.Tensor]
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
         if cfg.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device=device))
             self.register_buffer("local_tokens_per_expert", torch.zeros(cfg.num_experts, device=device),
@@ -324,15 +325,17 @@ class _Gate(SelfInitializing, nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, ps: ParallelState, rate: float) -> None:
+def update_expert_bias(model: nn.Module, ps: ParallelState) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing (megatron-core's ``get_updated_expert_bias``), after a
-    step: every router's expert bias moves by ``rate`` towards the experts that got fewer tokens than the
-    mean (the counts summed over DP x CP: one all-reduce per router), and the counts restart."""
+    step: every router's expert bias moves by its ``--moe-router-bias-update-rate`` towards the experts that got
+    fewer tokens than the mean, ``b += rate * sign(mean - n)`` (the counts ``n`` since the last update summed
+    over DP x CP: one all-reduce per router; every TP rank counts the same tokens), and the counts restart.
+    Nothing for a model without expert biases."""
     import torch.distributed as dist
     for m in model.modules():
         if isinstance(m, Router) and m.expert_bias is not None and m.local_tokens_per_expert is not None:
             counts = m.local_tokens_per_expert
             if ps.group("dp_cp") is not None:
                 dist.all_reduce(counts, group=ps.group("dp_cp"))
-            m.expert_bias += torch.sign(counts.mean() - counts) * rate
+            m.expert_bias += torch.sign(counts.mean() - counts) * m.bias_update_rate
             counts.zero_()

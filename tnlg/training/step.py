@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..data.batch import Batch
+from ..model.moe import update_expert_bias
 from ..parallel.loss import LossNormalisation
 from ..parallel.mappings import all_reduce
 
@@ -89,6 +90,8 @@ def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: f
         mean = _pipeline_backward(pipeline, engine, list(batches), ps, autocast, normalisation)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
+    if not info["skipped"]:
+        update_expert_bias(engine.model, ps)  # (DeepSeek-V3's balancing; nothing without expert biases)
     if normalisation.divisor is not None:  # (computed before the forward: reading it now costs no wait)
         info["counted_tokens"] = round(float(normalisation.divisor) * k * ps.dp_size)
     loss = info.pop("loss")
