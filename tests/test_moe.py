@@ -226,3 +226,14 @@ def test_the_expert_bias_moves_towards_the_less_loaded_experts_outside_the_gradi
     assert not layer.router.local_tokens_per_expert.any()
     assert "transformer.h.0.mlp.router.expert_bias" in model.state_dict()
     assert all("expert_bias" not in name for name, _ in model.named_parameters())
+
+
+def test_the_flops_of_a_mixture_of_experts_count_its_active_experts_and_router():
+    """A MoE layer's FLOPs are a dense MLP's of width top-k x expert width, plus the router's 2 s h E per
+    sequence and layer (x 3 for forward and backward)."""
+    from tnlg.plan.flops import flops_per_iteration
+    moe = _moe_config(num_layers=2, moe_ffn_hidden_size=16, moe_router_topk=2)
+    dense = GPTConfig(**{**{f: getattr(moe, f) for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                                          "seq_length", "vocab_size")}, **LLAMA, "ffn_hidden_size": 32})
+    router = 3 * 2 * moe.seq_length * moe.hidden_size * moe.num_experts * moe.num_layers
+    assert flops_per_iteration(moe, 8, None, 100) == flops_per_iteration(dense, 8, None, 100) + 8 * router

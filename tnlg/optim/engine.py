@@ -48,7 +48,7 @@ from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import DataParallelBackend, PipelineBackend
 from .fsdp import FSDPZero
-from .kinds import KindsBackend
+from .kinds import KindsBackend, needs_kinds
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
@@ -338,12 +338,7 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     """
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
-    experts = ps.ep_size > 1 and any(getattr(p, "gradient_kind", "dense") != "dense" for p in model.parameters())
-    if experts and zero_stage >= 2 and ps.dp_size > 1:
-        raise UserError(f"expert parallelism (EP {ps.ep_size}) trains with --zero-stage 0 or 1 (tnlg's flat buffers, "
-                        "one per gradient kind: the experts' gradients reduced and partitioned over the "
-                        "expert-data-parallel ranks); FSDP2's stages 2 and 3 with a second gradient group are not "
-                        "built yet. Use --zero-stage 1, or EP 1.")
+    experts = needs_kinds(model, ps, zero_stage)
     check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
     if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise UserError(f"param_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {param_dtype!r}.")

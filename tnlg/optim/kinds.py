@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import StepResult
 from torch._subclasses.fake_tensor import is_fake
@@ -31,12 +32,24 @@ from torch._subclasses.fake_tensor import is_fake
 from .clip import SIMULATED_NORM, _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
 from .zero import FlatZero
 
-__all__ = ["KindsBackend", "is_expert"]
+__all__ = ["KindsBackend", "is_expert", "needs_kinds"]
 
 
 def is_expert(name: str, param: torch.Tensor) -> bool:
     """Whether ``param`` is of gradient kind ``"expert"`` (a routed expert's, split over EP)."""
     return getattr(param, "gradient_kind", "dense") == "expert"
+
+
+def needs_kinds(model: nn.Module, ps: ParallelState, zero_stage: int) -> bool:
+    """Whether ``model`` needs a backend per gradient kind: expert parameters split over EP > 1 ranks. One
+    :class:`UserError` for ZeRO 2 / 3 (FSDP2) then, which reduces every gradient over one group."""
+    experts = ps.ep_size > 1 and any(is_expert(n, p) for n, p in model.named_parameters())
+    if experts and zero_stage >= 2 and ps.dp_size > 1:
+        raise UserError(f"expert parallelism (EP {ps.ep_size}) trains with --zero-stage 0 or 1 (tnlg's flat buffers, "
+                        "one per gradient kind: the experts' gradients reduced and partitioned over the "
+                        "expert-data-parallel ranks); FSDP2's stages 2 and 3 with a second gradient group are not "
+                        "built yet. Use --zero-stage 1, or EP 1.")
+    return experts
 
 
 class KindsBackend:

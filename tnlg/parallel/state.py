@@ -12,13 +12,18 @@ PP group (Megatron's): the tied word embedding's gradient is all-reduced over it
 At PP 1 every rank, group and size is what it was before pipelines existed.
 
 Context parallelism (CP, :mod:`tnlg.parallel.context`) sits between TP and DP, as in megatron-core's
-default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``; no expert parallelism
-here): world = TP x CP x DP x PP, ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
+default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``): world = TP x CP x DP x PP,
+``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
 The CP group is every rank with the same ``(pp_rank, dp_rank, tp_rank)`` (``tp`` apart); the DP group
 then holds the ranks with the same ``(pp_rank, cp_rank, tp_rank)`` (they read different samples), and
 the gradient reduction spans DP x CP (``dp_cp_group``, megatron-core's ``DATA_PARALLEL_GROUP_WITH_CP``:
 every rank of a stage with the same TP rank): :meth:`ParallelState.for_gradients` is the state the
 data-parallel engine takes. At CP 1 every rank, group and size is what it was before CP existed.
+
+Expert parallelism (EP, :func:`init_expert_parallel`) is carved from DP x CP as megatron-core folds it: an EP
+group is EP consecutive DP x CP ranks of one TP rank and stage (they hold different experts), the
+expert-data-parallel group the ranks holding the same experts (``ps.group("ep")``, ``ps.group("edp")``; the
+experts' gradients are reduced over the latter, ``for_gradients("expert")``). At EP 1 nothing changes.
 
 There are no module globals: a :class:`ParallelState` object is passed to
 every layer that communicates. A *virtual* state (no processes, no groups)
@@ -38,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError, agreed
-from ..layout import AXES, ParallelDims, World
+from ..layout import AXES, EXPERT_AXES, ParallelDims, World
 
 __all__ = ["ParallelState", "init_parallel", "init_expert_parallel", "expert_group_ranks", "EXPERT_AXES", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
            "agree_on_failure", "from_rank0", "GRADIENT_AXES"]
@@ -47,9 +52,7 @@ __all__ = ["ParallelState", "init_parallel", "init_expert_parallel", "expert_gro
 # is replicated over DP x CP; an expert's parameters over the expert-data-parallel ranks (DP x CP / EP: the ranks
 # that hold the same experts, megatron-core's "MoE parallel folding"; tnlg.parallel.experts)
 GRADIENT_AXES = {"dense": "dp_cp", "expert": "edp"}
-# the expert axes, carved from DP x CP (EP innermost: an EP group is EP consecutive DP x CP ranks of the same
-# TP rank and pipeline stage; the expert-DP group the ranks of the same EP rank)
-EXPERT_AXES = ("ep", "edp")
+
 
 
 @dataclass
