@@ -129,3 +129,32 @@ def test_a_moe_config_with_a_bad_expert_count_is_refused_in_one_paragraph(folder
     with pytest.raises(UserError) as e:
         from_hf(str(tmp_path / "bad"))
     assert "moe_router_topk=9" in str(e.value) and "\n" not in str(e.value)
+
+
+def _ep_logits(ps, ep: int, paths: dict, tokens: torch.Tensor, out_dir: str):
+    from tnlg.interop.hf import from_hf, to_hf
+    from tnlg.parallel.state import init_expert_parallel
+    from tnlg.parallel.vocab import gather_logits
+    ps = init_expert_parallel(ps, ep)
+    out = {}
+    for kind, folder in paths.items():
+        model = from_hf(folder, ps).eval()
+        assert model.transformer.h[0].mlp.experts.fc1.shape[0] == 4 // ep  # (this rank's experts only)
+        with torch.no_grad():
+            out[kind] = gather_logits(model(tokens), ps, VOCAB)
+        to_hf(model, f"{out_dir}/{kind}" if ps.rank == 0 else None)  # (the experts gathered over EP)
+    return out
+
+
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
+def test_moe_folders_load_split_over_expert_parallel_ranks_with_transformers_logits(folders, tmp_path, world, tp):
+    """EP 2 (and EP 2 x TP 2): each rank holds half the experts; the logits are transformers', and the model
+    gathered back (over TP and EP) writes a folder transformers computes the same logits from."""
+    paths = {kind: folder for kind, (folder, _, _) in folders.items()}
+    got = run_distributed(_ep_logits, world, tp, 2, paths, _tokens(), str(tmp_path))
+    for kind, (_, ref, _) in folders.items():
+        for rank_out in got:
+            torch.testing.assert_close(rank_out[kind], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=kind: f"{k}: {m}")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(back(_tokens()).logits, ref, rtol=1e-5, atol=1e-5)

@@ -53,13 +53,9 @@ def _train(ps, ep: int, sp: bool):
                     dist.all_reduce(p.grad, group=gps.dp_group)
                 p -= 0.5 * p.grad / gps.dp_size
         out.append((loss.item(), [x.tolist() for x in loads]))
-    full = full_state_dict(model, ps)
-    experts = {}
-    for name, value in full.items():
-        if name.endswith(("experts.fc1", "experts.fc2")):  # every EP rank's experts, in order
-            parts = [torch.zeros_like(value) for _ in range(ep)]
-            dist.all_gather(parts, value.contiguous(), group=ps.group("ep")) if ep > 1 else parts.__setitem__(0, value)
-            experts[name] = torch.cat(parts)
+    full = full_state_dict(model, ps)  # (every expert: gathered over TP and EP)
+    experts = {k: v for k, v in full.items() if k.endswith(("experts.fc1", "experts.fc2"))}
+    assert all(v.shape[0] == 4 for v in experts.values())
     return out, {k: v for k, v in full.items() if k not in experts}, experts, ps.dp_rank, ps.tp_rank
 
 

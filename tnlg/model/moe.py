@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig, partition_sizes
 from ..parallel import experts as ep_comm
-from ..parallel.initialization import InitMethod, SelfInitializing, param_generator
+from ..parallel.initialization import SelfInitializing
 from ..parallel.layers import swiglu
 from ..parallel.mappings import (copy_to_tp, gather_from_sequence_parallel, gather_sequence_replicated,
                                  reduce_from_tp, reduce_scatter_to_sequence_parallel)
-from ..parallel.sharding import ShardSpec, full_shape, shard_of
+from ..parallel.sharding import ShardSpec
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
@@ -182,7 +182,7 @@ class GroupedExperts(SelfInitializing, nn.Module):
 
     Initialisation is TP- and EP-invariant: each weight of all ``E`` experts is drawn in full from its
     generator (:func:`tnlg.parallel.initialization.param_generator`), then this EP rank's experts and this
-    TP rank's columns are kept (:meth:`initial_shard`)."""
+    TP rank's columns are kept (the ``expert_split`` mark, :func:`tnlg.parallel.sharding.shard_of`)."""
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None, init_key: str = ""):
         super().__init__()
@@ -197,16 +197,9 @@ class GroupedExperts(SelfInitializing, nn.Module):
         self.fc2 = ShardSpec((self.local, h, f), 2, sizes).parameter(ps.tp_rank, device)
         for p in (self.fc1, self.fc2):
             p.gradient_kind = "expert"  # type: ignore[attr-defined]
+            p.expert_split = (self.ep_rank, self.ep)  # type: ignore[attr-defined]
         init, scaled = init_methods(cfg)
         self.set_init({"fc1": init, "fc2": scaled}, cfg.seed, init_key)
-
-    def initial_shard(self, name: str, param: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This TP and EP rank's initial value of ``fc1`` / ``fc2``: all experts drawn, this rank's kept."""
-        param = getattr(self, name) if param is None else param
-        shape = (self.num_experts,) + full_shape(param)[1:]
-        method: InitMethod = self.init_methods[name]
-        full = method(shape, param_generator(self.init_seed, self.param_key(name)))
-        return shard_of(full.narrow(0, self.ep_rank * self.local, self.local), param, self.ps.tp_rank)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [N, h]`` grouped by local expert (``counts [E_local]``) -> this TP rank's partial outputs ``[N, h]``."""
