@@ -237,3 +237,25 @@ def test_the_flops_of_a_mixture_of_experts_count_its_active_experts_and_router()
                                                           "seq_length", "vocab_size")}, **LLAMA, "ffn_hidden_size": 32})
     router = 3 * 2 * moe.seq_length * moe.hidden_size * moe.num_experts * moe.num_layers
     assert flops_per_iteration(moe, 8, None, 100) == flops_per_iteration(dense, 8, None, 100) + 8 * router
+
+
+def test_the_training_step_logs_the_moe_losses_apart_from_the_language_model_loss():
+    """The step's loss is the LM loss plus the logged auxiliary terms: the LM loss alone is what the same
+    weights give with the coefficients 0 (before the update)."""
+    import dataclasses
+    from tnlg.model import GPT
+    from tnlg.optim.engine import build_engine
+    from tnlg.parallel.state import ParallelState
+    from tnlg.training.step import train_step
+    cfg = _moe_config(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+    model = GPT(cfg)
+    plain = GPT(dataclasses.replace(cfg, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None))
+    plain.load_state_dict(model.state_dict())
+    tok = torch.randint(0, 100, (2, 2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        lm = sum(plain(t, labels=t).item() for t in tok) / 2
+    engine = build_engine(model, ParallelState.single(), zero_stage=0, lr=1e-3, grad_accum_steps=2)
+    batches = [dict(tokens=t, labels=t) for t in tok]
+    loss, info = train_step(engine.model, engine, batches, 1e-3, autocast=None, ps=ParallelState.single(), iteration=1)
+    assert set(info["aux"]) == {"load_balancing_loss", "z_loss"}
+    assert loss == pytest.approx(lm + sum(info["aux"].values()), rel=1e-6)
