@@ -4,6 +4,8 @@ the layer's output; its configuration's bad values; the published parameter coun
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -271,3 +273,17 @@ def test_checkpoints_of_expert_parallel_models_are_refused_by_name(tmp_path):
         save(str(tmp_path), iteration=1, consumed_samples=0, model=None, engine=None, ps=ps, config=_moe_config())
     with pytest.raises(UserError, match=r"expert-parallel model \(EP 2\) is not built yet"):
         load(str(tmp_path), model=None, engine=None, ps=ps, config=_moe_config())
+
+
+def test_the_layer_spec_puts_experts_in_the_mlp_slot_of_the_layers_moe_layer_freq_names():
+    from tnlg.model.spec import block_spec, dense_mlp, moe_mlp
+    from tnlg.parallel.state import ParallelState
+    cfg = _moe_config(num_layers=3, moe_layer_freq=[0, 1, 1])
+    assert [block_spec(cfg, ParallelState.single(), i).mlp for i in range(3)] == [dense_mlp, moe_mlp, moe_mlp]
+
+
+def test_tnlg_plan_reports_the_active_parameters_of_a_mixture_of_experts(capsys):
+    from tnlg.cli import main
+    main(["plan", "--preset", "mixtral-8x7b", "--world-size", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["parameters"]["total"] == 46_702_792_704 and out["parameters"]["active"] == 12_879_925_248
