@@ -115,3 +115,45 @@ def test_the_engine_trains_expert_parallel_layouts_alike(world, tp, ep, sp, zero
             assert gl == pytest.approx(wl, rel=1e-5) and gn == pytest.approx(wn, rel=1e-5)
             assert gc == pytest.approx(wc, rel=1e-5) and wc < 1.0
             assert gloads == wloads
+
+
+def _cp_steps(_ps, cp: int):
+    from tnlg.model import GPT
+    from tnlg.model.moe import MoELayer
+    from tnlg.optim.engine import build_engine
+    from tnlg.parallel.context import context_parallel_batch
+    from tnlg.parallel.state import ParallelState, init_parallel
+    import torch.distributed as dist
+    ps = init_parallel(context_parallel_size=cp) if cp > 1 else ParallelState.single()
+    if cp == 1 and dist.get_rank() != 0:
+        return None
+    model = GPT(_config(False), ps)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.router.weight.mul_(40.0)
+    engine = build_engine(model, ps.for_gradients(), zero_stage=1, lr=1e-2, clip_grad=0.05)
+    data = torch.randint(0, 64, (STEPS, 2, 9), generator=torch.Generator().manual_seed(11))
+    out = []
+    for step in range(STEPS):
+        batch = context_parallel_batch(dict(tokens=data[step, :, :-1], labels=data[step, :, 1:]), ps)
+        engine.zero_grad()
+        loss = engine.model(batch.tokens, labels=batch.labels, position_ids=batch.position_ids)
+        engine.backward(loss)
+        info = engine.step(loss=loss.detach())
+        loads = [m.last_load.clone() for m in engine.model.modules() if isinstance(m, MoELayer)]
+        if cp > 1:
+            for x in loads:
+                dist.all_reduce(x, group=ps.cp_group)
+        out.append((info["loss"], info["grad_norm"], [x.tolist() for x in loads]))
+    return out
+
+
+def test_context_parallel_moe_trains_as_cp_1():
+    """CP 2 (each rank two chunks of every sequence): the balancing and z losses are the whole micro batch's
+    (counts summed over CP), so the losses, gradient norms and expert loads (summed over CP) are CP 1's."""
+    want = run_distributed(_cp_steps, 2, 1, 1)[0]
+    got = run_distributed(_cp_steps, 2, 1, 2)[0]
+    for (wl, wn, wloads), (gl, gn, gloads) in zip(want, got):
+        assert gl == pytest.approx(wl, rel=1e-5) and gn == pytest.approx(wn, rel=1e-5)
+        assert gloads == wloads

@@ -17,8 +17,9 @@ with gradients, as megatron-core): the Switch load-balancing loss ``E coeff / (k
 (:func:`load_balancing_loss`; ``P_e`` the summed softmax scores of expert ``e``, ``n_e`` its tokens in the
 top-k of the scores), per sequence and averaged with ``seq_aux_loss``, and the z-loss ``coeff mean_t
 logsumexp(logits_t)^2`` (:func:`z_loss`). Megatron-core computes them on each TP (and CP) rank's positions and
-divides the z-loss coefficient by TP x CP; here every TP rank routes the whole sequence (below), so the
-loss is the whole micro batch's, the value megatron-core's ranks add up to.
+divides the z-loss coefficient by TP x CP; here every TP rank routes the whole sequence (below) and the CP
+ranks' parts are summed (:meth:`MoELayer._losses`), so the loss is the whole micro batch's, the value
+megatron-core's ranks add up to.
 
 **Tensor parallelism.** The experts' widths split over TP as the dense MLP's (megatron-core's default expert
 TP = TP): every TP rank routes all the tokens of its micro batch and runs its slice of every expert on
@@ -43,10 +44,12 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import GPTConfig, partition_sizes
+from ..errors import UserError
 from ..parallel import experts as ep_comm
 from ..parallel.initialization import SelfInitializing
 from ..parallel.layers import swiglu
@@ -219,6 +222,11 @@ class MoELayer(nn.Module):
         from .block import ParallelMLP  # (the block module builds blocks from specs, which name this module)
         assert cfg.num_experts is not None
         cfg.check_expert_parallel(ps.size("ep"))
+        if ps.cp_size > 1 and cfg.moe_expert_capacity_factor is not None:
+            raise UserError(f"--moe-expert-capacity-factor {cfg.moe_expert_capacity_factor:g} with context parallelism "
+                            f"(CP {ps.cp_size}): an expert's capacity is over the micro batch's tokens, which the CP "
+                            "ranks hold in parts (dropping them alike is not built); drop the factor (dropless) or "
+                            "use CP 1.")
         self.cfg, self.ps, self.layer_idx = cfg, ps, layer_idx
         self.router = Router(cfg, ps, device, join_key(init_key, "router"))
         self.experts = GroupedExperts(cfg, ps, device, join_key(init_key, "experts"))
@@ -249,20 +257,27 @@ class MoELayer(nn.Module):
         return weights, rmap
 
     def _losses(self, flat: torch.Tensor, s: int, b: int, ctx: ForwardContext) -> None:
+        """The balancing and z losses of the micro batch (module docstring). With context parallelism this rank
+        holds ``s`` of each sequence's ``s x CP`` positions: the expert counts are summed over the CP group and
+        each loss is the whole micro batch's (its value all-reduced; its gradient ``CP`` times this rank's
+        part, which the engine's average over DP x CP divides back, as :func:`tnlg.parallel.loss.loss_sum`)."""
         cfg, k, E = self.cfg, self.cfg.moe_router_topk, flat.shape[1]
+        cp, group = self.ps.cp_size, self.ps.cp_group
         terms = {}
-        if cfg.moe_z_loss_coeff:
-            terms["z_loss"] = z_loss(flat, cfg.moe_z_loss_coeff)
+        if cfg.moe_z_loss_coeff:  # (z_loss over the whole micro batch: the sum over the CP ranks' positions)
+            terms["z_loss"] = z_loss(flat, cfg.moe_z_loss_coeff) / cp
         kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
         if coeff and kind != "none":
             rmap, scores = aux_loss_scores(flat, k, cfg.moe_router_score_function)
             if kind == "aux_loss":
-                terms["load_balancing_loss"] = load_balancing_loss(scores, rmap.sum(0), s * b, k, E, coeff)
+                counts = _summed(rmap.sum(0), group)
+                terms["load_balancing_loss"] = load_balancing_loss(scores, counts, s * b * cp, k, E, coeff)
             else:  # seq_aux_loss: each sequence's loss (experts x sequences as megatron-core reshapes), averaged
-                per_seq = rmap.reshape(s, b * E)
+                counts = _summed(rmap.reshape(s, b * E).sum(0), group)
                 terms["seq_load_balancing_loss"] = load_balancing_loss(
-                    scores.reshape(s, b * E), per_seq.sum(0), s, k, E, coeff) / b
+                    scores.reshape(s, b * E), counts, s * cp, k, E, coeff) / b
         for name, value in terms.items():
+            value = _whole(value, cp, group)
             ctx.aux[name] = ctx.aux[name] + value if name in ctx.aux else value
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, synced_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -301,6 +316,26 @@ class MoELayer(nn.Module):
         y = self.experts(received.index_select(0, perm), local_counts)
         y = y.index_select(0, torch.argsort(perm))  # back to the arrival order
         return ep_comm.combine(y, counts, got, ep, group)
+
+
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """Expert token counts summed over the context-parallel ``group`` (no gradient; unchanged without one)."""
+    if group is None:
+        return counts
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
+def _whole(partial: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """A loss summed over the CP ranks' parts: its value the sum (one all-reduce), its gradient ``cp`` times this
+    rank's part (:meth:`MoELayer._losses`)."""
+    if group is None:
+        return partial
+    total = partial.detach().clone()
+    dist.all_reduce(total, group=group)
+    scaled = partial * cp
+    return scaled + (total - scaled).detach()
 
 
 class _Gate(SelfInitializing, nn.Module):
