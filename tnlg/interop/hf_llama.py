@@ -39,7 +39,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
-from .families import FAMILIES, Family
+from .families import FAMILIES, MIXTRAL, QWEN3_MOE, Family
 
 __all__ = ["ROPE_KEYS", "rope_parameters_in", "rope_parameters_of", "rope_type_of", "config_from_llama", "llama_config_from",
            "llama_recipes", "tnlg_to_llama", "expert_names", "saved_spelling"]
@@ -317,7 +317,6 @@ def _expert_recipes(pre: str, hf: str, names: set, cfg: GPTConfig) -> dict:
     (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` ``[E, 2 f, h]``, ``mlp.experts.down_proj``) or the
     published per-expert ones (:func:`expert_names`: Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen's
     ``mlp.experts.N.gate_proj/up_proj/down_proj``); the shared expert and its gate (Qwen2-MoE)."""
-    from .families import MIXTRAL, QWEN3_MOE
     out: dict = {}
     if hf + "mlp.experts.gate_up_proj" in names:
         out[pre + "mlp.router.weight"] = ((hf + "mlp.gate.weight",), _same)
