@@ -1,4 +1,5 @@
-"""Every field of transformers' GPT2Config, LlamaConfig, Qwen2Config, MistralConfig and Qwen3Config, as the
+"""Every field of transformers' GPT2Config, LlamaConfig, Qwen2Config, MistralConfig and Qwen3Config (and the
+mixtures of experts' MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig), as the
 installed transformers
 declares it, is honoured, ignored (it does not change the logits) or refused at the values that change
 the model; a round trip through a tnlg checkpoint writes back the honoured fields unchanged."""
@@ -18,7 +19,8 @@ from .llama_reference import random_llama
 
 transformers = pytest.importorskip("transformers")
 CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-           "qwen3": "Qwen3Config"}
+           "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+           "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def test_the_registry_names_transformers_own_classes_of_each_model_type():

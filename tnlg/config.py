@@ -94,6 +94,15 @@ def optional_positive(v) -> Optional[str]:
     return None if v is None or positive(v) is None else "be a positive number (or unset)"
 
 
+def non_negative(v) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+    return None if ok else "be a number >= 0"
+
+
+def optional_non_negative(v) -> Optional[str]:
+    return None if v is None or non_negative(v) is None else "be a number >= 0 (or unset)"
+
+
 def boolean(v) -> Optional[str]:
     return None if isinstance(v, bool) else "be True or False"
 
@@ -163,6 +172,9 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
 NO_MEGATRON: dict[str, Any] = dict(megatron="")  # a field no Megatron-LM argument carries (export: default only)
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_DROP_POLICIES = ("probs", "position")
 
 
 def group_ranges(heads_per_rank: list[int], heads: int, groups: int) -> list[range]:
@@ -337,10 +349,73 @@ class GPTConfig:
         else "be a list of 0 / 1 per layer (or unset)", every="every layer", metavar="0|1",
         help="with --sliding-window: 1 for each layer that slides, 0 for one that attends to every earlier "
         "position (Megatron's --window-attn-skip-freq list)", **MODEL)
+    # ---- mixture of experts (megatron-core's names and semantics; docs/moe.md). Megatron-LM's arguments carry
+    # them, but tnlg writes and reads no Megatron-LM MoE checkpoint yet (refused by name), hence megatron=""
+    num_experts: Optional[int] = option(None, check=optional_positive_int, every="none: every MLP is dense",
+                                        help="routed experts of each mixture-of-experts layer (a decoder with "
+                                        "experts: Mixtral, Qwen-MoE)", **MODEL, **NO_MEGATRON)
+    moe_router_topk: int = option(2, check=positive_int, help="with --num-experts: experts each token is sent to",
+                                  **MODEL, **NO_MEGATRON)
+    moe_ffn_hidden_size: Optional[int] = option(None, check=optional_positive_int, every="--ffn-hidden-size",
+                                                help="with --num-experts: each routed expert's MLP width", **MODEL,
+                                                **NO_MEGATRON)
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        None, check=optional_positive_int, every="none", help="with --num-experts: the width of the always-on "
+        "shared expert (the shared experts' widths summed), run on every token beside the routed ones", **MODEL,
+        **NO_MEGATRON)
+    moe_shared_expert_gate: bool = option(False, check=boolean, help="with a shared expert: scale its output by "
+                                          "sigmoid(x w) per token (Qwen2-MoE's shared_expert_gate)", **MODEL,
+                                          **NO_MEGATRON)
+    moe_layer_freq: Optional[list[int]] = option(
+        None, check=lambda v: None if v is None or (_is_int(v) and v > 0) or (isinstance(v, list) and v and all(
+            _is_int(x) and x >= 0 for x in v)) else "be a positive integer N (every N-th layer, from the first, is "
+        "a mixture of experts) or a list of 0 / 1 per layer (or unset)", every="1: every layer", metavar="N|0|1",
+        help="with --num-experts: which layers are mixtures of experts: one number N, every N-th layer from the "
+        "first; or one 0 (dense) / 1 (experts) per layer (Megatron's list form; DeepSeek's first_k_dense_replace, "
+        "Qwen's mlp_only_layers)", **MODEL, **NO_MEGATRON)
+    moe_router_pre_softmax: bool = option(False, check=boolean, help="softmax over all experts before the top-k "
+                                          "(the k weights are then not renormalised: Qwen2-MoE's norm_topk_prob "
+                                          "false); default: top-k of the logits, then softmax over the k (the "
+                                          "weights sum to 1: Mixtral, Qwen3-MoE)", **MODEL, **NO_MEGATRON)
+    moe_router_score_function: str = option("softmax", check=one_of(*MOE_SCORE_FUNCTIONS),
+                                            choices=list(MOE_SCORE_FUNCTIONS), help="the router's score: softmax, "
+                                            "or sigmoid (DeepSeek-V3; the top-k scores renormalised)", **MODEL,
+                                            **NO_MEGATRON)
+    moe_router_topk_scaling_factor: Optional[float] = option(
+        None, check=optional_positive, every="none (1)", help="multiplies the k routing weights", **MODEL,
+        **NO_MEGATRON)
+    moe_router_enable_expert_bias: bool = option(
+        False, check=boolean, help="with the sigmoid score: a per-expert bias added to the scores for the top-k "
+        "choice only, updated outside the gradient towards balanced loads (DeepSeek-V3's auxiliary-loss-free "
+        "balancing)", **MODEL, **NO_MEGATRON)
+    moe_router_bias_update_rate: float = option(1e-3, check=positive, help="with --moe-router-enable-expert-bias: "
+                                                "the bias's step per update", **MODEL, **NO_MEGATRON)
+    moe_router_load_balancing_type: str = option(
+        "aux_loss", check=one_of(*MOE_BALANCING_TYPES), choices=list(MOE_BALANCING_TYPES),
+        help="the load-balancing loss: aux_loss (Switch Transformer's, over the micro batch), seq_aux_loss (per "
+        "sequence, averaged), none", **MODEL, **NO_MEGATRON)
+    moe_aux_loss_coeff: float = option(0.0, check=non_negative, help="the load-balancing loss's coefficient (0: "
+                                       "off)", **MODEL, **NO_MEGATRON)
+    moe_z_loss_coeff: Optional[float] = option(None, check=optional_non_negative, every="none: off",
+                                               help="the router z-loss's coefficient (ST-MoE)", **MODEL,
+                                               **NO_MEGATRON)
+    moe_expert_capacity_factor: Optional[float] = option(
+        None, check=optional_positive, every="none: dropless", help="each expert takes at most ceil(tokens x top-k "
+        "/ experts x factor) tokens of a micro batch; the rest of its tokens are dropped (megatron-core's rule)",
+        **MODEL, **NO_MEGATRON)
+    moe_pad_expert_input_to_capacity: bool = option(False, check=boolean, help="with a capacity factor: every "
+                                                    "expert runs exactly its capacity of tokens", **MODEL,
+                                                    **NO_MEGATRON)
+    moe_token_drop_policy: str = option("probs", check=one_of(*MOE_DROP_POLICIES), choices=list(MOE_DROP_POLICIES),
+                                        help="with a capacity factor: which tokens an expert keeps: those of the "
+                                        "highest routing weight (probs) or the first ones (position)", **MODEL,
+                                        **NO_MEGATRON)
 
     def __post_init__(self):
         if isinstance(self.window_layers, tuple):  # (GPT.describe keys its cache by a tuple of the fields)
             self.window_layers = list(self.window_layers)
+        if isinstance(self.moe_layer_freq, tuple):
+            self.moe_layer_freq = list(self.moe_layer_freq)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
                                     and isinstance(self.hidden_size, int) and self.hidden_size >= 48
@@ -354,6 +429,7 @@ class GPTConfig:
             self.max_position_embeddings = self.seq_length
         self._check_shape()
         self._check_window()
+        self._check_experts()
         if isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int) and \
                 self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
             self.kv_channels = None  # the default width, written one way (configs that compute alike compare equal)
@@ -462,6 +538,115 @@ class GPTConfig:
             raise ValueError(f"window_layers (--window-layers) has {len(layers)} entries for num_layers={self.num_layers}: give one "
                              "0 (full attention) or 1 (sliding) per layer.")
 
+    _MOE_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                   "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function",
+                   "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_aux_loss_coeff",
+                   "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: they need ``num_experts``; top-k at most the experts; a layer list
+        of one 0 / 1 per layer; the gate needs a shared expert; padding needs a capacity; the expert bias
+        needs the sigmoid score (as megatron-core's ``TransformerConfig`` checks)."""
+        if isinstance(self.moe_layer_freq, int) and not isinstance(self.moe_layer_freq, bool):
+            self.moe_layer_freq = [self.moe_layer_freq]
+        E, k = self.num_experts, self.moe_router_topk
+        if E is None:
+            given = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                     if f.name in self._MOE_FIELDS and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} configure mixture-of-experts layers, but num_experts "
+                                 "(--num-experts E) is not set, so every MLP is dense; give --num-experts, or drop "
+                                 "them.")
+            return
+        if k > E:
+            raise ValueError(f"moe_router_topk={k} (--moe-router-topk) is more than num_experts={E} "
+                             f"(--num-experts): each token is sent to k different experts. Valid top-k: 1 to {E}.")
+        if self.mlp_biases:
+            raise ValueError("num_experts (--num-experts) with biases in the MLP (add_bias_linear or add_mlp_bias): "
+                             "tnlg's experts have no biases (Mixtral, Qwen-MoE and OLMoE have none); give "
+                             "--disable-bias-linear (and no --add-mlp-bias) with --num-experts.")
+        freq = self.moe_layer_freq
+        if freq is not None and len(freq) == 1 and freq[0] < 1:
+            raise ValueError(f"moe_layer_freq={freq[0]} (--moe-layer-freq): one number N makes every N-th layer a "
+                             "mixture of experts and must be at least 1; give one 0 / 1 per layer for a pattern.")
+        if freq is not None and len(freq) > 1 and (len(freq) != self.num_layers or any(x not in (0, 1) for x in freq)):
+            raise ValueError(f"moe_layer_freq={freq} (--moe-layer-freq) has {len(freq)} entries for num_layers="
+                             f"{self.num_layers}: a pattern gives one 0 (dense MLP) or 1 (experts) per layer; or give "
+                             "one number N (every N-th layer).")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ValueError("moe_shared_expert_gate (--moe-shared-expert-gate) gates the shared expert, but "
+                             "moe_shared_expert_intermediate_size (--moe-shared-expert-intermediate-size) is not "
+                             "set: give the shared expert's width, or drop the gate.")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity (--moe-pad-expert-input-to-capacity) pads every "
+                             "expert to its capacity, but there is no moe_expert_capacity_factor "
+                             "(--moe-expert-capacity-factor C): give the factor, or drop the padding.")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("moe_router_enable_expert_bias (--moe-router-enable-expert-bias) is DeepSeek-V3's "
+                             "balancing of sigmoid scores; give --moe-router-score-function sigmoid with it (as "
+                             "megatron-core requires), or drop it.")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) is a mixture of experts (``num_experts`` and ``moe_layer_freq``:
+        every N-th layer from the first, or the 0 / 1 pattern)."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq or [1]
+        return layer % freq[0] == 0 if len(freq) == 1 else bool(freq[layer])
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are mixtures of experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed expert's width: ``moe_ffn_hidden_size``, else ``ffn_hidden_size``."""
+        assert self.ffn_hidden_size is not None  # __post_init__ sets it
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """A ``ValueError`` naming the valid sizes unless ``ep`` experts-parallel ranks split the experts evenly."""
+        E = self.num_experts
+        if ep == 1:
+            return
+        if E is None:
+            raise ValueError(f"expert-parallel size {ep} (--expert-model-parallel-size) splits the experts of a "
+                             "mixture of experts, but the model has none (--num-experts is not set); use 1.")
+        if E % ep:
+            raise ValueError(f"expert-parallel size {ep} (--expert-model-parallel-size) does not divide num_experts="
+                             f"{E}: every expert-parallel rank holds the same number of experts. Valid sizes: "
+                             f"{divisors(E)}.")
+
+    def moe_mlp_parameters(self, tp: int = 1, tp_rank: int = 0, ep: int = 1, active: bool = False) -> int:
+        """One MoE layer's experts on TP rank ``tp_rank`` of ``tp`` and an EP rank of ``ep``: the ``E / ep``
+        routed experts (or, ``active``, the top-k a token runs) and the shared expert, each an MLP of
+        ``mats f h + f h`` with ``f`` split over TP (the router and the gate are replicated:
+        :meth:`moe_replicated_parameters`)."""
+        assert self.num_experts is not None
+        h, mats = self.hidden_size, (2 if self.swiglu else 1)
+
+        def mlp(f: int) -> int:
+            return (mats + 1) * partition_sizes(f, tp)[tp_rank] * h
+        experts = self.moe_router_topk if active else self.num_experts // ep
+        shared = self.moe_shared_expert_intermediate_size
+        return experts * mlp(self.expert_ffn_hidden_size) + (mlp(shared) if shared else 0)
+
+    def moe_replicated_parameters(self) -> int:
+        """One MoE layer's parameters every TP and EP rank holds: the router ``E h`` and the shared expert's
+        gate ``h``."""
+        if self.num_experts is None:
+            return 0
+        return (self.num_experts + (1 if self.moe_shared_expert_gate else 0)) * self.hidden_size
+
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: every dense part, and in each MoE layer the router, the shared
+        expert and top-k routed experts (Mixtral 8x7B: 12.9B of 46.7B; without experts, every parameter)."""
+        total = self.num_parameters_formula()
+        if self.num_experts is None:
+            return total
+        return total - self.num_moe_layers * (self.moe_mlp_parameters() - self.moe_mlp_parameters(active=True))
+
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of layer ``layer`` (0-based): ``sliding_window`` where it slides, else ``None``
         (every earlier position)."""
@@ -567,13 +752,15 @@ class GPTConfig:
     def replicated_parameters(self) -> int:
         """Parameters every TP rank holds in full: per layer two norms and (with biases) the two row-parallel
         biases, the query and key norms of ``head_dim`` (``qk_layernorm``), the learned position embedding
-        ``s h`` (if any; ``s`` the positions, ``max_position_embeddings``) and the final norm. GPT-2:
+        ``s h`` (if any; ``s`` the positions, ``max_position_embeddings``), each MoE layer's router and shared-expert
+        gate, and the final norm. GPT-2:
         ``l (2h + h + 2h + h) + s h + 2h``."""
         l, h, s = self.num_layers, self.hidden_size, self.max_position_embeddings
         per_layer = (2 * self.norm_parameters() + (h if self.attn_out_bias else 0) + (h if self.mlp_biases else 0)
                      + self.qk_norm_parameters())
         positions = s * h if self.position_embedding_type == "learned_absolute" else 0
-        return l * per_layer + positions + self.norm_parameters()
+        return l * per_layer + self.num_moe_layers * self.moe_replicated_parameters() + positions + \
+            self.norm_parameters()
 
     def parameters_per_rank(self, tp: int, vocab_size: Optional[int] = None) -> list[dict]:
         """Closed-form parameter count of each TP rank's shard (the one parameter-count formula).
@@ -582,7 +769,8 @@ class GPTConfig:
         and ``replicated`` (:meth:`replicated_parameters`). Split over TP: the queries (whole heads per
         rank), the keys and values (the rank's heads', or with grouped-query attention the rank's KV groups,
         :meth:`kv_groups_per_rank`: a group shared by several ranks is counted on each), their biases, the
-        attention output weight, the MLP's fc (two matrices with SwiGLU; its bias) and proj weight, and the
+        attention output weight, the MLP's fc (two matrices with SwiGLU; its bias) and proj weight (a
+        mixture-of-experts layer's experts instead, :meth:`moe_mlp_parameters`, all ``E`` of them), and the
         word embedding (vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``, split
         evenly; an untied output layer splits the same way and doubles that term). Summed over ranks,
         ``params_unpadded`` is :meth:`num_parameters_formula` plus ``replicated * (tp - 1)`` (plus the
@@ -602,7 +790,8 @@ class GPTConfig:
                                 else 2 * len(groups) * d)  # (width: heads x head_dim, not always h / tp)
             attn = qkv_rows * h + (qkv_rows if self.qkv_bias else 0) + width * h
             mlp = mats * ffn * h + bias * mats * ffn + ffn * h
-            sharded = l * (attn + mlp)
+            moe = self.num_moe_layers
+            sharded = l * attn + (l - moe) * mlp + (moe * self.moe_mlp_parameters(tp, r) if moe else 0)
             real_rows = min(max(vocab - r * shard_rows, 0), shard_rows)
             out.append({"params": sharded + tables * shard_rows * h + replicated,
                         "params_unpadded": sharded + tables * real_rows * h + replicated,
@@ -653,4 +842,13 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=8192,
                       vocab_size=128256, ffn_hidden_size=14336, group_query_attention=True, num_query_groups=8,
                       **{**LLAMA, "rotary_base": 500000.0}),
+    # mixtures of experts (docs/moe.md): Mistral's and Qwen's published configurations (46.7B total, 12.9B
+    # active; 30.5B total, 3.3B active)
+    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=32768, vocab_size=32000,
+                         ffn_hidden_size=14336, group_query_attention=True, num_query_groups=8, num_experts=8,
+                         moe_router_topk=2, **{**LLAMA, "rotary_base": 1000000.0}),
+    "qwen3-30b-a3b": dict(num_layers=48, hidden_size=2048, num_attention_heads=32, kv_channels=128, qk_layernorm=True,
+                          seq_length=40960, vocab_size=151936, ffn_hidden_size=6144, moe_ffn_hidden_size=768,
+                          group_query_attention=True, num_query_groups=4, num_experts=128, moe_router_topk=8,
+                          layernorm_epsilon=1e-6, **{**LLAMA, "rotary_base": 1000000.0}),
 }

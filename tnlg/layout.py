@@ -20,11 +20,15 @@ from typing import Callable, Iterable, Iterator, Optional
 from .config import divisors
 from .errors import UserError
 
-__all__ = ["AXES", "ParallelDims", "World", "FLAGS", "add_layout_arguments", "check_positive", "data_parallel_size",
+__all__ = ["AXES", "EXPERT_AXES", "ParallelDims", "World", "FLAGS", "add_layout_arguments", "check_positive", "data_parallel_size",
            "check_context_sequence"]
 
 # the axes of the layout, innermost first (the rank order): tensor, context, data and pipeline parallelism
 AXES = ("tp", "cp", "dp", "pp")
+# the expert axes, carved from DP x CP (megatron-core's "MoE parallel folding"; docs/moe.md): expert parallelism
+# (EP consecutive DP x CP ranks of one TP rank and stage hold different experts) and expert data parallelism
+# (the ranks that hold the same experts)
+EXPERT_AXES = ("ep", "edp")
 # every layout flag's spellings (Megatron-LM's name first, the one messages use) and keyword argument
 FLAGS = dict(tp=("--tensor-model-parallel-size", "--tp"), pp=("--pipeline-model-parallel-size", "--pp"),
              cp=("--context-parallel-size", "--cp"), dp=("--data-parallel-size", "--dp"),

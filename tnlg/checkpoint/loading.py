@@ -239,6 +239,9 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     raised on every rank, naming the rank and the file); ZeRO-3 loading scatters nothing (each rank
     keeps its part of the full tensors it read).
     """
+    if ps.ep_size > 1:
+        raise UserError(f"loading a checkpoint into an expert-parallel model (EP {ps.ep_size}) is not built yet "
+                        "(resharding across EP; docs/moe.md); load at EP 1.")
     iter_dir, notes = _agreed_iteration(load_dir, origin, ps, missing_ok)
     if iter_dir is None and weights_only:  # (rank 0's finding, the same on every rank)
         raise agreed(F.no_weights(load_dir, origin))

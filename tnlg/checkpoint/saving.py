@@ -91,6 +91,11 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     commit protocol). ``keep_last`` keeps only the newest K iterations. ``schedule_steps``: the LR
     schedule's position (the manifest's ``schedule.num_steps``; default the optimizer's step count).
     """
+    if ps.ep_size > 1:
+        raise UserError(f"a checkpoint of an expert-parallel run (EP {ps.ep_size}) is not written yet: its format "
+                        "records every parameter's TP split, and each EP rank holds other experts under the same "
+                        "names (saving and resharding across EP are not built; docs/moe.md). Gather the model "
+                        "(tnlg.parallel.sharding.full_state_dict gathers the experts over EP) or train at EP 1.")
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))

@@ -179,13 +179,7 @@ def evaluate(args, ps) -> dict:
             note = check_sidecar(args.input[0], tokenizer, "the checkpoint's tokenizer (or --tokenizer-model)")
             if note and ps.rank == 0:
                 print(note, file=sys.stderr, flush=True)  # stdout may be --json
-    seq = args.seq_length or model.config.seq_length
-    if ps.cp_size > 1:
-        check_context_sequence(ps.cp_size, seq, "each sample")
-    if seq > model.config.max_position_embeddings:
-        raise UserError(f"--seq-length {seq} is longer than the model's {model.config.max_position_embeddings} "
-                        f"positions (max_position_embeddings); give --seq-length "
-                        f"{model.config.max_position_embeddings} or less.")
+    seq = _sequence_length(args, model.config, ps)
     progress = ps.rank == 0 and not args.json and sys.stderr.isatty()
     common = dict(micro_batch_size=args.micro_batch_size, progress=progress)
     path = args.input[0]
@@ -221,6 +215,19 @@ def evaluate(args, ps) -> dict:
             "input": args.input if args.task == "text" else path,
             "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
             "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size, "seconds": round(time.time() - start, 3)}
+
+
+def _sequence_length(args, config, ps) -> int:
+    """The evaluated length: ``--seq-length``, else the model's training length; at most its positions and, with
+    context parallelism, cut into 2 x CP chunks."""
+    seq = args.seq_length or config.seq_length
+    if ps.cp_size > 1:
+        check_context_sequence(ps.cp_size, seq, "each sample")
+    if seq > config.max_position_embeddings:
+        raise UserError(f"--seq-length {seq} is longer than the model's {config.max_position_embeddings} "
+                        f"positions (max_position_embeddings); give --seq-length {config.max_position_embeddings} "
+                        f"or less.")
+    return seq
 
 
 def rows_loss(model, path: str, tokenizer, seq: int, args, common: dict) -> dict:

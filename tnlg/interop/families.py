@@ -1,5 +1,5 @@
 """The Hugging Face model families tnlg reads and writes, one :class:`Family` entry each (:data:`FAMILIES`):
-GPT-2, Llama, Qwen2, Mistral and Qwen3.
+GPT-2, Llama, Qwen2, Mistral and Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 An entry holds everything that differs between families: ``config.json``'s ``model_type``, transformers'
 model and config classes, the weight names' base-model prefix and layer list, the keys of the layer count,
@@ -108,7 +108,11 @@ class Family:
     other names of fields (the config class's ``attribute_map``). What the class fixes: ``qkv_bias`` (biases
     on q/k/v and nowhere else, always), ``qk_norm`` (``q_norm`` / ``k_norm``, always), ``linear_biases``
     (Llama's ``attention_bias`` / ``mlp_bias``), ``window`` (``none``; ``every_layer``: one
-    ``sliding_window`` or none; ``layer_types``: per layer). The audit: ``honoured`` (field -> the
+    ``sliding_window`` or none; ``layer_types``: per layer), ``window_off`` (a ``sliding_window`` value the
+    config class writes for "none": Qwen2-MoE's 0). A mixture of experts: ``experts`` (the published
+    per-expert names: the module holding ``gate`` and ``experts.N``, and the gate, up and down projections'
+    names), ``shared_expert`` (Qwen2-MoE's sigmoid-gated one), ``qkv_bias_field`` (a ``qkv_bias`` field
+    sets the biases). The audit: ``honoured`` (field -> the
     :class:`~tnlg.config.GPTConfig` field it sets), ``ignored`` (field -> why the logits do not depend on
     it), ``refused`` (field -> (accepts(config) -> bool, why other values are refused)), ``undeclared``
     (keys the class does not declare that transformers reads all the same -> what tnlg does)."""
@@ -131,9 +135,15 @@ class Family:
     qk_norm: bool = False
     linear_biases: bool = False
     window: str = "none"
+    experts: tuple[str, ...] = ()
+    shared_expert: bool = False
+    qkv_bias_field: bool = False
+    window_off: Optional[int] = None
 
     def computes(self, cfg: GPTConfig) -> bool:
         """Whether this family's class computes ``cfg``'s architecture (the same logits, weights mapped)."""
+        if (cfg.num_experts is not None) != bool(self.experts) or (self.experts and not self._computes_experts(cfg)):
+            return False
         if self.layout == "gpt2":
             return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
                     and not cfg.swiglu and cfg.add_bias_linear and cfg.kv_groups == cfg.num_attention_heads
@@ -145,11 +155,25 @@ class Family:
         if self.linear_biases:  # attention_bias: q, k, v and o together; mlp_bias: gate, up, down
             biases = cfg.qkv_bias == cfg.attn_out_bias
         else:
-            biases = cfg.qkv_bias == self.qkv_bias and not cfg.attn_out_bias and not cfg.mlp_biases
+            qkv = self.qkv_bias_field or cfg.qkv_bias == self.qkv_bias  # (Qwen2-MoE's qkv_bias: either)
+            biases = qkv and not cfg.attn_out_bias and not cfg.mlp_biases
         every_layer = cfg.window_layers is None or all(cfg.window_layers)
         window = {"none": cfg.sliding_window is None, "every_layer": cfg.sliding_window is None or every_layer,
                   "layer_types": True}[self.window]
         return biases and window
+
+    def _computes_experts(self, cfg: GPTConfig) -> bool:
+        """What a mixture-of-experts class computes: softmax routing (the k weights renormalised for Mixtral;
+        either for Qwen, ``norm_topk_prob``), no scaling, no capacity (transformers drops no token), Qwen2-MoE's
+        gated shared expert or none; Mixtral's experts on every layer, its width the MLP's."""
+        shared = cfg.moe_shared_expert_intermediate_size is not None
+        plain = (cfg.moe_router_score_function == "softmax" and cfg.moe_router_topk_scaling_factor is None
+                 and cfg.moe_expert_capacity_factor is None and not cfg.moe_router_enable_expert_bias
+                 and shared == self.shared_expert and cfg.moe_shared_expert_gate == self.shared_expert)
+        if self.model_type == "mixtral":
+            return plain and not cfg.moe_router_pre_softmax and cfg.num_moe_layers == cfg.num_layers and \
+                cfg.moe_ffn_hidden_size in (None, cfg.ffn_hidden_size)
+        return plain
 
 
 # --------------------------------------------------------------------------- the families
@@ -221,8 +245,59 @@ QWEN3 = _llama_layout(
     refused={"attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported "
                                 "yet (tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)")})
 
+# the mixtures of experts (docs/moe.md): transformers' router, experts and shared expert as tnlg's MoE layer
+_TOPK = "moe_router_topk (each token's experts)"
+_AUX = ("training only: transformers adds its load-balancing loss (over every layer's router logits at once, not "
+        "megatron-core's per-layer loss) to the loss only with output_router_logits; tnlg's balancing loss is the "
+        "run's --moe-aux-loss-coeff")
+_MOE_IGNORED = {"router_aux_loss_coef": _AUX,
+                "output_router_logits": "what forward returns besides the logits (and whether its auxiliary loss is "
+                                        "added in training)"}
+_QWEN_MOE = {"moe_intermediate_size": "moe_ffn_hidden_size (each routed expert's width)",
+             "norm_topk_prob": "moe_router_pre_softmax false (the k weights renormalised) when true, else true",
+             "num_experts_per_tok": _TOPK,
+             "decoder_sparse_step": "moe_layer_freq: layer i has experts when (i + 1) % step == 0 and i is not in "
+                                    "mlp_only_layers",
+             "mlp_only_layers": "moe_layer_freq: these layers keep the dense MLP (intermediate_size)",
+             "intermediate_size": "ffn_hidden_size (the dense layers' MLP)"}
+
+MIXTRAL = _llama_layout(
+    "mixtral", "MixtralForCausalLM", "MixtralConfig", "a mixture of experts", window="every_layer",
+    experts=("block_sparse_moe", "w1", "w3", "w2"),
+    honoured={"model_type": "picks MixtralForCausalLM (experts on every layer, renormalised top-k)",
+              "num_local_experts": "num_experts", "num_experts": "num_experts (num_local_experts' other name)",
+              "num_experts_per_tok": _TOPK,
+              "intermediate_size": "ffn_hidden_size (each expert's width)",
+              "sliding_window": "sliding_window w on every layer; null: none"},
+    ignored={**_MOE_IGNORED, "router_jitter_noise": "training only (multiplies the hidden states by uniform noise "
+                                                    "in training, not in the forward tnlg compares); tnlg has none"},
+    refused={})
+
+QWEN2_MOE = _llama_layout(
+    "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", "a mixture of experts with a gated shared expert",
+    window="layer_types", experts=("mlp", "gate_proj", "up_proj", "down_proj"), shared_expert=True,
+    qkv_bias_field=True, window_off=0,
+    honoured={"model_type": "picks Qwen2MoeForCausalLM", "num_experts": "num_experts", **_QWEN_MOE,
+              "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size, gated by sigmoid(x w) "
+                                                 "(moe_shared_expert_gate)",
+              "qkv_bias": "add_qkv_bias (biases on q, k, v)", **_LAYER_WINDOWS},
+    ignored={**_MOE_IGNORED, "max_window_layers": _MAX_WINDOW_LAYERS}, refused={})
+
+QWEN3_MOE = _llama_layout(
+    "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "a mixture of experts with QK norm", qk_norm=True,
+    window="every_layer", experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+    honoured={"model_type": "picks Qwen3MoeForCausalLM (q_norm, k_norm: qk_layernorm)",
+              "num_local_experts": "num_experts", "num_experts": "num_experts (num_local_experts' other name)",
+              **_QWEN_MOE,
+              "use_sliding_window": "without it transformers drops sliding_window (no window)",
+              "sliding_window": "sliding_window w on every layer (with use_sliding_window)"},
+    ignored=_MOE_IGNORED,
+    refused={"attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported "
+                                "yet (tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)")})
+
 # in the order a class is chosen for an architecture several compute (a Llama without a window: Llama's)
-FAMILIES: Mapping[str, Family] = _frozen({f.model_type: f for f in (GPT2, LLAMA, QWEN2, MISTRAL, QWEN3)})
+FAMILIES: Mapping[str, Family] = _frozen({f.model_type: f for f in (GPT2, LLAMA, QWEN2, MISTRAL, QWEN3, MIXTRAL,
+                                                                    QWEN2_MOE, QWEN3_MOE)})
 
 
 # --------------------------------------------------------------------------- choosing one
@@ -251,6 +326,12 @@ def family_of(cfg: GPTConfig, recorded: Optional[str] = None) -> Family:
     for family in FAMILIES.values():
         if family.computes(cfg):
             return family
+    if cfg.num_experts is not None:
+        raise UserError(f"this mixture of experts (num_experts={cfg.num_experts}) has no Hugging Face class: "
+                        "MixtralForCausalLM routes a softmax's top-k renormalised on every layer, Qwen2MoeForCausalLM "
+                        "and Qwen3MoeForCausalLM a softmax's top-k (renormalised with norm_topk_prob), Qwen2-MoE with "
+                        "a sigmoid-gated shared expert; none has a capacity factor, sigmoid scores, an expert bias or "
+                        "a scaling factor. Nothing was written.")
     shown = ("position_embedding_type", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias", "add_attn_bias",
              "add_mlp_bias", "qk_layernorm", "rotary_percent", "kv_channels", "sliding_window", "window_layers",
              "scale_attn_weights", "scale_attn_by_inverse_layer_idx")

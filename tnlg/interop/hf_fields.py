@@ -100,7 +100,8 @@ def check_counts(raw: dict, family: Family, where: str) -> None:
     wrong = []
     for key, value in raw.items():
         name = family.aliases.get(key, key)
-        must = checks[name](value) if name in checks else None
+        off = name == "sliding_window" and value is not None and value == family.window_off
+        must = checks[name](value) if name in checks and not off else None
         if must:
             wrong.append(f"{key} {_shown(value)} must {must}")
     if wrong:
@@ -111,8 +112,11 @@ def check_fields(c, family: Family, where: str) -> None:
     """Refuse, in one paragraph naming every offending field and value, a config (transformers' object of
     ``family``'s class) with an honoured field whose value is invalid, a quantization, or a refused field at
     a value tnlg does not compute. ``where`` names the folder or model."""
+    def value(name):  # (a class's own "no window" value reads as none)
+        v = getattr(c, name, None)
+        return None if name == "sliding_window" and v is not None and v == family.window_off else v
     wrong = [f"{name} {_shown(getattr(c, name, None))} must {must}" for name, check in _counts(family).items()
-             if (must := check(getattr(c, name, None)))]
+             if (must := check(value(name)))]
     rope_layout = family.layout == "llama"
     if rope_layout and not wrong and c.num_attention_heads % c.num_key_value_heads:
         wrong.append(f"num_key_value_heads {c.num_key_value_heads} must divide num_attention_heads "

@@ -18,6 +18,15 @@ rotate-half with ``rope_theta``, scaled by ``rope_parameters``' ``rope_type`` (`
 ``k_norm`` (``attn.q_norm.weight`` / ``attn.k_norm.weight``: ``qk_layernorm``) and, like Qwen2, a window
 on the layers ``layer_types`` marks ``sliding_attention`` (tnlg's ``window_layers``; transformers sets
 the window only with ``use_sliding_window``). What each class fixes is its entry's in :mod:`.families`.
+
+The mixtures of experts (docs/moe.md): ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
+``Qwen3MoeForCausalLM``'s router ``gate`` is tnlg's ``mlp.router.weight`` ``[E, h]``; their experts, fused 3-D
+in memory (``mlp.experts.gate_up_proj`` ``[E, 2 f, h]``, gate rows first; ``mlp.experts.down_proj``
+``[E, h, f]``) and written per expert by ``save_pretrained`` (Mixtral ``block_sparse_moe.experts.N.w1`` gate,
+``w3`` up, ``w2`` down; Qwen ``mlp.experts.N.gate_proj/up_proj/down_proj``), are ``mlp.experts.fc1``
+``[E, 2, f, h]`` and ``mlp.experts.fc2``; Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate`` are
+``mlp.shared_expert`` (a dense MLP) and ``mlp.shared_expert_gate.weight``. Both spellings are read; the
+in-memory one is written (``save_pretrained`` converts).
 """
 
 from __future__ import annotations
@@ -30,10 +39,10 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
-from .families import FAMILIES, Family
+from .families import FAMILIES, MIXTRAL, QWEN3_MOE, Family
 
 __all__ = ["ROPE_KEYS", "rope_parameters_in", "rope_parameters_of", "rope_type_of", "config_from_llama", "llama_config_from",
-           "llama_recipes", "tnlg_to_llama"]
+           "llama_recipes", "tnlg_to_llama", "expert_names", "saved_spelling"]
 
 _LAYER = {"input_layernorm.weight": "ln_1.weight", "post_attention_layernorm.weight": "ln_2.weight",
           "self_attn.o_proj.weight": "attn.c_proj.weight", "mlp.down_proj.weight": "mlp.c_proj.weight",
@@ -139,9 +148,49 @@ def config_from_llama(hf_config, family: Family, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
                   attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  kv_channels=head_dim, qk_layernorm=family.qk_norm, **_window(hf_config, family))
+                  kv_channels=head_dim, qk_layernorm=family.qk_norm, **_window(hf_config, family),
+                  **_experts(hf_config, family))
+    if family.qkv_bias_field:
+        fields["add_qkv_bias"] = getattr(hf_config, "qkv_bias", False) is True
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def _experts(hf_config, family: Family) -> dict:
+    """tnlg's mixture-of-experts fields of a MoE family's config (none for a dense one): the experts, top-k,
+    widths, renormalisation (``norm_topk_prob``; Mixtral always), the shared expert and its gate, and which
+    layers have experts (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``)."""
+    if not family.experts:
+        return {}
+    out: dict = dict(num_experts=getattr(hf_config, "num_local_experts", None) or hf_config.num_experts,
+                     moe_router_topk=hf_config.num_experts_per_tok)
+    if family.model_type == "mixtral":
+        return out
+    out.update(moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+               moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False))
+    if family.shared_expert:
+        out.update(moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                   moe_shared_expert_gate=True)
+    step, dense = hf_config.decoder_sparse_step, set(getattr(hf_config, "mlp_only_layers", None) or [])
+    layers = [0 if i in dense or (i + 1) % step else 1 for i in range(hf_config.num_hidden_layers)]
+    if not all(layers):
+        out["moe_layer_freq"] = layers if len(layers) > 1 else [layers[0] or 1]
+    return out
+
+
+def _experts_config(cfg: GPTConfig, family: Family) -> dict:
+    """transformers' mixture-of-experts fields of ``cfg`` (the inverse of :func:`_experts`)."""
+    if not family.experts:
+        return {}
+    E, k = cfg.num_experts, cfg.moe_router_topk
+    if family.model_type == "mixtral":
+        return dict(num_local_experts=E, num_experts_per_tok=k, intermediate_size=cfg.expert_ffn_hidden_size)
+    out: dict = dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=cfg.expert_ffn_hidden_size,
+                     norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+                     mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])
+    if family.shared_expert:
+        out.update(shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+    return out
 
 
 def _window(hf_config, family: Family) -> dict:
@@ -175,12 +224,17 @@ def llama_config_from(cfg: GPTConfig, family: Union[Family, str], eod_id: Option
         common.update(head_dim=cfg.head_dim)
     if family.linear_biases:
         common.update(attention_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_biases)
+    if family.qkv_bias_field:
+        common.update(qkv_bias=cfg.add_qkv_bias)
+    common.update(_experts_config(cfg, family))
     if family.window == "layer_types":
         kinds = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.num_layers)]
         common.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                       layer_types=kinds)
     elif family.window == "every_layer":
         common.update(sliding_window=cfg.sliding_window)
+        if "use_sliding_window" in family.honoured:
+            common.update(use_sliding_window=cfg.sliding_window is not None)
     return getattr(transformers, family.config_class)(**common)
 
 
@@ -222,9 +276,13 @@ def llama_recipes(hf_names, cfg: GPTConfig) -> dict[str, tuple[tuple[str, ...], 
             elif i not in fused:
                 fused.append(i)
     heads, groups = cfg.num_attention_heads, cfg.kv_groups
+    names = set(hf_names)
     for i in fused:
         pre, hf = f"transformer.h.{i}.", f"model.layers.{i}."
-        for kind in ("weight", "bias") if cfg.mlp_biases else ("weight",):
+        moe = cfg.is_moe_layer(int(i))
+        if moe:
+            out.update(_expert_recipes(pre, hf, names, cfg))
+        for kind in () if moe else ("weight", "bias") if cfg.mlp_biases else ("weight",):
             out[pre + f"mlp.c_fc.{kind}"] = ((hf + f"mlp.gate_proj.{kind}", hf + f"mlp.up_proj.{kind}"), _stacked)
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = (hf + f"self_attn.{x}_proj.{kind}" for x in "qkv")
@@ -233,6 +291,71 @@ def llama_recipes(hf_names, cfg: GPTConfig) -> dict[str, tuple[tuple[str, ...], 
             else:
                 out[pre + f"attn.c_q.{kind}"] = ((q,), _same)
                 out[pre + f"attn.c_kv.{kind}"] = ((k, v), functools.partial(_grouped_kv, groups=groups))
+    return out
+
+
+def _pairs(*ts: torch.Tensor) -> torch.Tensor:
+    """Per-expert gate and up weights ``(g0, u0, g1, u1, ...)`` -> tnlg's ``experts.fc1`` ``[E, 2, f, h]``."""
+    return torch.stack([torch.stack(ts[j:j + 2]) for j in range(0, len(ts), 2)])
+
+
+def _fused_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """transformers' in-memory ``experts.gate_up_proj`` ``[E, 2 f, h]`` (gate rows first) -> ``[E, 2, f, h]``."""
+    return t.view(t.shape[0], 2, -1, t.shape[-1])
+
+
+def expert_names(family: Family, layer: int, E: int) -> dict[str, list[str]]:
+    """The published per-expert names of layer ``layer``'s routed experts (what ``save_pretrained`` writes):
+    ``{"gate": [...], "up": [...], "down": [...]}`` one per expert, and ``"router"``."""
+    module, gate, up, down = family.experts
+    base = f"model.layers.{layer}.{module}."
+    return dict(router=[base + "gate.weight"], **{k: [f"{base}experts.{e}.{w}.weight" for e in range(E)]
+                                                 for k, w in (("gate", gate), ("up", up), ("down", down))})
+
+
+def _expert_recipes(pre: str, hf: str, names: set, cfg: GPTConfig) -> dict:
+    """A MoE layer's tensors, from either spelling: transformers' in-memory fused parameters
+    (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` ``[E, 2 f, h]``, ``mlp.experts.down_proj``) or the
+    published per-expert ones (:func:`expert_names`: Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen's
+    ``mlp.experts.N.gate_proj/up_proj/down_proj``); the shared expert and its gate (Qwen2-MoE)."""
+    out: dict = {}
+    if hf + "mlp.experts.gate_up_proj" in names:
+        out[pre + "mlp.router.weight"] = ((hf + "mlp.gate.weight",), _same)
+        out[pre + "mlp.experts.fc1"] = ((hf + "mlp.experts.gate_up_proj",), _fused_gate_up)
+        out[pre + "mlp.experts.fc2"] = ((hf + "mlp.experts.down_proj",), _same)
+    else:
+        spelling = MIXTRAL if hf + "block_sparse_moe.gate.weight" in names else QWEN3_MOE  # (Qwen's names)
+        per = expert_names(spelling, int(hf.split(".")[2]), cfg.num_experts or 0)
+        out[pre + "mlp.router.weight"] = (tuple(per["router"]), _same)
+        out[pre + "mlp.experts.fc1"] = (tuple(n for pair in zip(per["gate"], per["up"]) for n in pair), _pairs)
+        out[pre + "mlp.experts.fc2"] = (tuple(per["down"]), _stacked)
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        s = hf + "mlp.shared_expert."
+        out[pre + "mlp.shared_expert.c_fc.weight"] = ((s + "gate_proj.weight", s + "up_proj.weight"), _stacked)
+        out[pre + "mlp.shared_expert.c_proj.weight"] = ((s + "down_proj.weight",), _same)
+        out[pre + "mlp.shared_expert_gate.weight"] = ((hf + "mlp.shared_expert_gate.weight",), _same)
+    return out
+
+
+def saved_spelling(expected: dict[str, tuple], family: Family, present) -> dict[str, tuple]:
+    """transformers' in-memory names and shapes ``expected`` (a MoE class's fused experts) in the spelling the
+    files use: where a layer's ``mlp.experts.gate_up_proj`` is not in ``present``, its published per-expert
+    names and shapes (:func:`expert_names`)."""
+    if not family.experts:
+        return expected
+    out = {}
+    for name, shape in expected.items():
+        if name.endswith(".mlp.gate.weight") and name.replace(".gate.weight", ".experts.gate_up_proj") not in present:
+            out[expert_names(family, int(name.split(".")[2]), 0)["router"][0]] = shape
+        elif name.endswith(".mlp.experts.gate_up_proj") and name not in present:
+            E, two_f, h = shape
+            per = expert_names(family, int(name.split(".")[2]), E)
+            out.update({n: (two_f // 2, h) for n in per["gate"] + per["up"]})
+        elif name.endswith(".mlp.experts.down_proj") and name.replace("down_proj", "gate_up_proj") not in present:
+            E, h, f = shape
+            out.update({n: (h, f) for n in expert_names(family, int(name.split(".")[2]), E)["down"]})
+        else:
+            out[name] = shape
     return out
 
 
@@ -252,6 +375,18 @@ def tnlg_to_llama(full: dict, cfg: GPTConfig) -> dict[str, torch.Tensor]:
             out[pre + back[rest]] = t
         elif rest.startswith("mlp.c_fc."):
             out[pre + f"mlp.gate_proj.{kind}"], out[pre + f"mlp.up_proj.{kind}"] = t[0], t[1]
+        elif rest == "mlp.router.weight":  # (a MoE layer: transformers' in-memory names, save_pretrained converts)
+            out[pre + "mlp.gate.weight"] = t
+        elif rest == "mlp.experts.fc1":
+            out[pre + "mlp.experts.gate_up_proj"] = t.flatten(1, 2)
+        elif rest == "mlp.experts.fc2":
+            out[pre + "mlp.experts.down_proj"] = t
+        elif rest == "mlp.shared_expert.c_fc.weight":
+            out[pre + "mlp.shared_expert.gate_proj.weight"], out[pre + "mlp.shared_expert.up_proj.weight"] = t[0], t[1]
+        elif rest == "mlp.shared_expert.c_proj.weight":
+            out[pre + "mlp.shared_expert.down_proj.weight"] = t
+        elif rest == "mlp.shared_expert_gate.weight":
+            out[pre + "mlp.shared_expert_gate.weight"] = t
         elif rest.startswith("attn.c_attn."):
             q, k, v = t.reshape(heads, 3, -1, *t.shape[1:]).unbind(1)
             for x, y in zip("qkv", (q, k, v)):

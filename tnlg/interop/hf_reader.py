@@ -40,7 +40,7 @@ from ..errors import UserError
 from .families import Family, family_named
 from .hf_fields import ROPE_TYPES, check_counts, check_fields
 from .hf_files import WeightFiles, inside, weight_files
-from .hf_llama import rope_type_of
+from .hf_llama import rope_type_of, saved_spelling
 from .hf_mapping import build_tensor, config_from_hf, tnlg_recipes
 from .megatron.safe_load import reason, shown
 
@@ -184,7 +184,7 @@ def check_hf_folder(folder: str) -> HFFolder:
         cfg = config_from_hf(hf_config)
     except ValueError as exc:  # GPTConfig's checks across fields (heads dividing the width, ...)
         raise _bad(folder, f"config.json describes a model tnlg cannot build: {exc}") from None
-    _compare(folder, family, cfg, _expected(family, hf_config), files, names)
+    _compare(folder, family, cfg, saved_spelling(_expected(family, hf_config), family, names), files, names)
     return HFFolder(family, hf_config, cfg, files, names)
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import GPTConfig
+from ..config import GPTConfig, partition_sizes
 from ..parallel.layers import ColumnParallelLinear, GatedColumnParallelLinear, RowParallelLinear
 from ..parallel.mappings import copy_to_tp_coalesced
 from ..parallel.random import TPRandom
@@ -39,12 +39,14 @@ class ParallelMLP(nn.Module):
     (backward: all-gather, all-gather again, reduce-scatter).
     """
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None, init_key: str = ""):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, device=None, init_key: str = "",
+                 ffn_hidden_size: Optional[int] = None):
+        """``ffn_hidden_size``: another width than the config's (a mixture of experts' shared expert)."""
         super().__init__()
-        sizes = cfg.ffn_per_rank(ps.tp_size)
-        sp, (init, scaled_init) = cfg.sequence_parallel, init_methods(cfg)
-        ffn = cfg.ffn_hidden_size
+        ffn = ffn_hidden_size or cfg.ffn_hidden_size
         assert ffn is not None  # (GPTConfig sets the default width)
+        sizes = cfg.ffn_per_rank(ps.tp_size) if ffn_hidden_size is None else partition_sizes(ffn, ps.tp_size)
+        sp, (init, scaled_init) = cfg.sequence_parallel, init_methods(cfg)
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.swiglu = cfg.swiglu
         fc = GatedColumnParallelLinear if cfg.swiglu else ColumnParallelLinear

@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..parallel.sharding import uncounted_elements
 from ..parallel.state import ParallelState
 
-__all__ = ["squared_sums", "global_norm", "global_norm_and", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
+__all__ = ["squared_sums", "global_norm", "global_norm_and", "global_sum_of_squares", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
 
 # What global_norm reports for fake tensors (no values): a large finite norm, so that a simulated
 # step takes the costliest path (clipping and the update both run).
@@ -134,11 +134,10 @@ def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[flo
     return global_norm_and(sharded_sq, replicated_sq, ps, over_dp, None, device)[0]
 
 
-def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
-                    ps: ParallelState, over_dp: bool, also: Optional[torch.Tensor],
-                    device: Optional[torch.device] = None) -> tuple[float, Optional[float]]:
-    """:func:`global_norm`, and the value of the 0-dim (or one-element) tensor ``also`` read in the
-    same host synchronisation (the step's loss: one device -> host read per iteration)."""
+def global_sum_of_squares(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
+                          ps: ParallelState, over_dp: bool, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The whole model's sum of squares (a 0-dim fp64 tensor on the device, not read) from this rank's squared
+    sums: :func:`global_norm`'s collectives, without the square root and the host read."""
     device = torch.device(device or ps.device)
     sums = torch.stack([_as_device_scalar(sharded_sq, device), _as_device_scalar(replicated_sq, device)])
     if over_dp and ps.dp_size > 1:
@@ -150,6 +149,15 @@ def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union
     total = sums.sum()
     if ps.pp_size > 1:  # each pipeline stage holds different parameters
         dist.all_reduce(total, group=ps.pp_group)
+    return total
+
+
+def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
+                    ps: ParallelState, over_dp: bool, also: Optional[torch.Tensor],
+                    device: Optional[torch.device] = None) -> tuple[float, Optional[float]]:
+    """:func:`global_norm`, and the value of the 0-dim (or one-element) tensor ``also`` read in the
+    same host synchronisation (the step's loss: one device -> host read per iteration)."""
+    total = global_sum_of_squares(sharded_sq, replicated_sq, ps, over_dp, device)
     if is_fake(total):  # a fake-tensor simulation (tnlg.training.simulate) has no values to read
         return SIMULATED_NORM, None if also is None else 0.0
     if also is None:

@@ -48,6 +48,7 @@ from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import DataParallelBackend, PipelineBackend
 from .fsdp import FSDPZero
+from .kinds import KindsBackend, needs_kinds
 from .scaler import DynamicLossScaler
 from .zero import FlatZero, default_decay
 
@@ -337,6 +338,7 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
     """
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    experts = needs_kinds(model, ps, zero_stage)
     check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb)
     if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise UserError(f"param_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {param_dtype!r}.")
@@ -357,8 +359,10 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
         backend = FSDPZero(model, ps, zero_stage, **kw)
     else:
         stage = zero_stage if zero_stage <= 1 else 0  # one DP rank: nothing to shard
-        backend = FlatZero(model, ps, stage, bucket_size_mb=bucket_size_mb, collectives=collectives,
-                           grad_dtype=torch.float32 if accumulate_grads_in_fp32 else None, **kw)
+        flat = dict(bucket_size_mb=bucket_size_mb, collectives=collectives,
+                    grad_dtype=torch.float32 if accumulate_grads_in_fp32 else None, **kw)
+        # with expert parallelism, one flat backend per gradient kind (tnlg.optim.kinds)
+        backend = KindsBackend(model, ps, stage, **flat) if experts else FlatZero(model, ps, stage, **flat)
     return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler,
                   betas=betas, eps=eps, weight_decay=weight_decay)
 

@@ -134,9 +134,12 @@ class _BucketShard:
 
 
 # --------------------------------------------------------------------------- the backend
-def _trainable(model: nn.Module, ps: ParallelState, param_dtype: Optional[torch.dtype]):
-    """The trainable parameters, the buffers' dtype and device; a clear error for what flat buffers cannot hold."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
+def _trainable(model: nn.Module, ps: ParallelState, param_dtype: Optional[torch.dtype],
+               select: Optional[Callable[[str, torch.Tensor], bool]] = None):
+    """The trainable parameters (``select``: those it picks), the buffers' dtype and device; a clear error for
+    what flat buffers cannot hold."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0
+             and (select is None or select(n, p))]
     if not named:
         raise UserError("the model has no trainable parameters: nothing to optimise.")
     dtypes = {p.dtype for _, p in named}
@@ -174,7 +177,8 @@ class FlatZero(ShardedBackend):
     """Stage 0 (all-reduce, full Adam) or stage 1 (reduce-scatter, partitioned Adam, all-gather).
 
     Built by :func:`tnlg.optim.engine.build_engine`; see the module docstring for
-    layout and collectives. Parameters become views of ``param_buffer``; their
+    layout and collectives. ``select(name, param)``: the parameters this backend holds (default: every
+    trainable one; :class:`tnlg.optim.kinds.KindsBackend` builds one per gradient kind). Parameters become views of ``param_buffer``; their
     ``.grad`` are views of ``grad_buffer`` (after a stage-1 step only the owned
     slice of ``grad_buffer`` holds the averaged gradient).
     """
@@ -185,10 +189,11 @@ class FlatZero(ShardedBackend):
                  weight_decay: float = 0.0, bucket_size_mb: float = 25.0,
                  decay_fn: Callable[[str, torch.Tensor], bool] = default_decay, collectives: str = "auto",
                  param_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None,
-                 init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
+                 init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
+                 select: Optional[Callable[[str, torch.Tensor], bool]] = None):
         if stage not in (0, 1):
             raise ValueError(f"FlatZero implements ZeRO stages 0 and 1, got {stage}.")
-        named, dtype, device = _trainable(model, ps, param_dtype)
+        named, dtype, device = _trainable(model, ps, param_dtype, select)
         grad_dtype = grad_dtype or dtype
         self.model, self.ps, self.stage = model, ps, stage
         self.dtype, self.grad_dtype, self.device = dtype, grad_dtype, device

@@ -12,6 +12,7 @@ from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOpti
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
 from .context import check_context_parallel_options
+from .experts import check_expert_options
 from ..layout import ParallelDims, World
 from .pipeline import check_pipeline, virtual_stages
 
@@ -86,6 +87,7 @@ class Options:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         check_context_parallel_options(self)
+        check_expert_options(self)
         self.check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()

@@ -62,7 +62,7 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "all_gather_flat", "reduce_scatter_flat", "all_reduce", "all_gather_uneven",
            "SEQ_DIM", "sequence_sizes", "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
            "scatter_to_sequence_parallel", "sequence_all_gather", "sequence_reduce_scatter",
-           "copy_to_tp_coalesced"]
+           "copy_to_tp_coalesced", "gather_sequence_replicated"]
 
 SEQ_DIM = 0  # sequence-parallel activations are [seq, batch, hidden]
 
@@ -402,6 +402,29 @@ def gather_from_sequence_parallel(x: torch.Tensor, ps: ParallelState, sizes: Opt
         return x
     sizes = tuple(sizes) if sizes is not None else (x.shape[dim],) * ps.tp_size
     return _GatherFromSequence.apply(x, ps, sizes, dim)
+
+
+class _GatherReplicatedSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps, sizes, dim):
+        ctx.ps, ctx.sizes, ctx.dim = ps, sizes, dim
+        return sequence_all_gather(x.contiguous(), ps, sizes, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_sequence(grad, ctx.ps, ctx.sizes, ctx.dim).contiguous(), None, None, None
+
+
+def gather_sequence_replicated(x: torch.Tensor, ps: ParallelState, sizes: Optional[Sequence[int]] = None,
+                               dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sequence shard -> full sequence, for a tensor every TP rank then uses alike (a router's logits): the
+    gathered tensor's gradient is the same on every rank, so backward keeps this rank's positions of it (no
+    communication), where :func:`gather_from_sequence_parallel` sums partial gradients. Forward: all-gather
+    along ``dim`` over TP."""
+    if ps.tp_size == 1:
+        return x
+    sizes = tuple(sizes) if sizes is not None else (x.shape[dim],) * ps.tp_size
+    return _GatherReplicatedSequence.apply(x, ps, sizes, dim)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, ps: ParallelState,

@@ -10,7 +10,11 @@ Every parameter of a TP model carries the attributes named in :data:`TP_ATTRS`:
   (key/value groups that several TP ranks hold, :func:`tnlg.config.group_ranges`): such a *shared*
   slice is replicated on the ranks that hold it (its gradient is summed over exactly them by the
   layer), and the gradient norm counts its rows once, on the lowest rank holding them
-  (:func:`counted_rows`).
+  (:func:`counted_rows`);
+* ``expert_split``: a mixture of experts' expert parameter, ``(ep_rank, ep_size)``: its dim 0 (the experts)
+  holds this expert-parallel rank's ``1 / ep_size`` of them, consecutive (:mod:`tnlg.parallel.experts`).
+  :func:`full_shape`, :func:`shard_of` and :func:`gather_full` (so the full state dict) include the EP split;
+  a :class:`ShardSpec` describes the TP split alone (checkpoints of expert-parallel runs are not built yet).
 
 Layers set them (:func:`mark_sharded`, :func:`mark_replicated`); initialisation,
 checkpoints, resharding, the data-parallel engines and the planner read them through
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import UserError
@@ -42,7 +47,7 @@ from .state import ParallelState
 __all__ = ["TP_ATTRS", "ShardSpec", "mark_replicated", "mark_sharded", "is_tp_sharded", "copy_tp_attributes",
            "full_shape", "shard_of", "counted_rows", "uncounted_elements", "gather_full", "full_state_dict", "load_full_state_dict"]
 
-TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size", "partition_offsets")
+TP_ATTRS = ("tp_sharded", "partition_dim", "partition_sizes", "full_size", "partition_offsets", "expert_split")
 """The attributes that describe a parameter's split (the module docstring explains each)."""
 
 
@@ -199,17 +204,28 @@ def copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+def _expert_split(param: torch.Tensor) -> tuple[int, int]:
+    """The ``expert_split`` mark, ``(ep_rank, ep_size)`` (``(0, 1)``: not split over EP)."""
+    rank, size = getattr(param, "expert_split", (0, 1))
+    return int(rank), int(size)
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the full (unsplit, unpadded) tensor this parameter is a shard of."""
+    """Shape of the full (unsplit, unpadded) tensor this parameter is a shard of (over TP, and EP for experts)."""
     shape = list(param.shape)
     if _sharded(param):
         shape[_dim(param)] = _full_size(param)
+    if shape:
+        shape[0] *= _expert_split(param)[1]
     return tuple(shape)
 
 
 def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """This rank's shard of a full tensor: slice along ``partition_dim``, zero-padding if needed.
-    No communication."""
+    """This rank's shard of a full tensor: this EP rank's experts (``expert_split``), then the slice along
+    ``partition_dim``, zero-padding if needed. No communication."""
+    ep_rank, ep = _expert_split(param)
+    if ep > 1:
+        full = full.narrow(0, ep_rank * (full.shape[0] // ep), full.shape[0] // ep)
     if not _sharded(param):
         return full
     dim, sizes, starts = _dim(param), _sizes(param), _starts(param)
@@ -223,7 +239,13 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Ten
 
 def gather_full(shard: torch.Tensor, param: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """The full tensor of a (possibly split) parameter: all-gather over TP along its
-    ``partition_dim`` (uneven sizes allowed), padding removed. Collective over TP."""
+    ``partition_dim`` (uneven sizes allowed), padding removed; an expert parameter's EP ranks' experts
+    concatenated (an all-gather over the EP group). Collective over TP (and EP)."""
+    ep = _expert_split(param)[1]
+    if ep > 1 and ps.group("ep") is not None:
+        parts = [torch.empty_like(shard) for _ in range(ep)]
+        dist.all_gather(parts, shard.contiguous(), group=ps.group("ep"))
+        shard = torch.cat(parts)
     if not _sharded(param):
         return shard
     dim = _dim(param)

@@ -12,13 +12,18 @@ PP group (Megatron's): the tied word embedding's gradient is all-reduced over it
 At PP 1 every rank, group and size is what it was before pipelines existed.
 
 Context parallelism (CP, :mod:`tnlg.parallel.context`) sits between TP and DP, as in megatron-core's
-default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``; no expert parallelism
-here): world = TP x CP x DP x PP, ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
+default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``): world = TP x CP x DP x PP,
+``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
 The CP group is every rank with the same ``(pp_rank, dp_rank, tp_rank)`` (``tp`` apart); the DP group
 then holds the ranks with the same ``(pp_rank, cp_rank, tp_rank)`` (they read different samples), and
 the gradient reduction spans DP x CP (``dp_cp_group``, megatron-core's ``DATA_PARALLEL_GROUP_WITH_CP``:
 every rank of a stage with the same TP rank): :meth:`ParallelState.for_gradients` is the state the
 data-parallel engine takes. At CP 1 every rank, group and size is what it was before CP existed.
+
+Expert parallelism (EP, :func:`init_expert_parallel`) is carved from DP x CP as megatron-core folds it: an EP
+group is EP consecutive DP x CP ranks of one TP rank and stage (they hold different experts), the
+expert-data-parallel group the ranks holding the same experts (``ps.group("ep")``, ``ps.group("edp")``; the
+experts' gradients are reduced over the latter, ``for_gradients("expert")``). At EP 1 nothing changes.
 
 There are no module globals: a :class:`ParallelState` object is passed to
 every layer that communicates. A *virtual* state (no processes, no groups)
@@ -38,14 +43,16 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError, agreed
-from ..layout import AXES, ParallelDims, World
+from ..layout import AXES, EXPERT_AXES, ParallelDims, World
 
-__all__ = ["ParallelState", "init_parallel", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
+__all__ = ["ParallelState", "init_parallel", "init_expert_parallel", "expert_group_ranks", "EXPERT_AXES", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
            "agree_on_failure", "from_rank0", "GRADIENT_AXES"]
 
 # the axis each kind of parameter's gradients are averaged (and ZeRO-partitioned) over: every dense parameter
-# is replicated over DP x CP (expert parameters, with expert parallelism, will name their own)
-GRADIENT_AXES = {"dense": "dp_cp"}
+# is replicated over DP x CP; an expert's parameters over the expert-data-parallel ranks (DP x CP / EP: the ranks
+# that hold the same experts, megatron-core's "MoE parallel folding"; tnlg.parallel.experts)
+GRADIENT_AXES = {"dense": "dp_cp", "expert": "edp"}
+
 
 
 @dataclass
@@ -72,6 +79,9 @@ class ParallelState:
     cp_size: int = 1
     cp_group: Optional[dist.ProcessGroup] = None
     dp_cp_group: Optional[dist.ProcessGroup] = None
+    ep_size: int = 1
+    ep_group: Optional[dist.ProcessGroup] = None
+    edp_group: Optional[dist.ProcessGroup] = None
 
     def size(self, axis: str) -> int:
         """The size of the named axis (:data:`AXES`: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``; or a gradient
@@ -95,7 +105,13 @@ class ParallelState:
         if axis == "dp_cp":  # DP x CP, CP inside (the rank order)
             group = self.dp_cp_group if self.cp_size > 1 else self.dp_group
             return self.dp_rank * self.cp_size + self.cp_rank, self.dp_size * self.cp_size, group
-        raise ValueError(f"no parallel axis {axis!r}; valid: {', '.join(AXES)}, dp_cp, embedding.")
+        if axis in EXPERT_AXES:  # carved from DP x CP, EP innermost
+            rank, size = self.dp_rank * self.cp_size + self.cp_rank, self.dp_size * self.cp_size
+            if axis == "ep":
+                return rank % self.ep_size, self.ep_size, self.ep_group
+            edp = self.edp_group if self.ep_size > 1 else self._axis("dp_cp")[2]
+            return rank // self.ep_size, size // self.ep_size, edp
+        raise ValueError(f"no parallel axis {axis!r}; valid: {', '.join(AXES)}, dp_cp, ep, edp, embedding.")
 
     @property
     def dims(self) -> ParallelDims:
@@ -115,12 +131,13 @@ class ParallelState:
         """The state the data-parallel engine reduces the gradients of ``kind`` parameters over
         (:data:`GRADIENT_AXES`), as its "DP": dense parameters over DP x CP (every CP rank holds the same
         weights and a part of each sequence, so gradients are averaged over both, and ZeRO partitions over
-        both, as megatron-core's distributed optimizer does); ``self`` at CP 1."""
+        both, as megatron-core's distributed optimizer does); ``self`` at CP 1. Expert parameters (``"expert"``)
+        over the expert-data-parallel ranks (DP x CP / EP), which hold the same experts."""
         if kind not in GRADIENT_AXES:
             raise ValueError(f"no gradient reduction for parameters of kind {kind!r}; valid: "
                              f"{', '.join(GRADIENT_AXES)}.")
         axis = GRADIENT_AXES[kind]
-        if self.size(axis) == self.dp_size:
+        if self.size(axis) == self.dp_size and (kind == "dense" or self.ep_size == 1):
             return self
         return dataclasses.replace(self, dp_rank=self.rank_in(axis), dp_size=self.size(axis),
                                    dp_group=self.group(axis), cp_rank=0, cp_size=1, cp_group=None, dp_cp_group=None)
@@ -289,6 +306,44 @@ def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> list[tuple[str, int, 
                     ("dp_cp_group", dp * cp, [[at(p, d, t, c) for d in range(dp) for c in range(cp)]
                                               for p in range(pp) for t in range(tp)])]
     return layouts
+
+
+def expert_group_ranks(tp: int, cp: int, dp: int, pp: int, ep: int) -> list[tuple[str, int, list[list[int]]]]:
+    """``(group name, size, every group's ranks)`` of the expert axes (:data:`EXPERT_AXES`) in creation order:
+    per pipeline stage and TP rank, the DP x CP ranks (CP inside) cut into EP groups of ``ep`` consecutive ones,
+    and the expert-DP groups of the ranks with the same EP rank."""
+    dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=pp)
+    n = dp * cp
+    eps, edps = [], []
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [dims.rank(tp=t, cp=i % cp, dp=i // cp, pp=p) for i in range(n)]
+            eps += [ranks[g * ep:(g + 1) * ep] for g in range(n // ep)]
+            edps += [ranks[e::ep] for e in range(ep)]
+    return [("ep_group", ep, eps), ("edp_group", n // ep, edps)]
+
+
+def init_expert_parallel(ps: ParallelState, expert_parallel_size: int,
+                         timeout: timedelta = timedelta(minutes=10)) -> ParallelState:
+    """``ps`` with the expert-parallel and expert-data-parallel groups of ``expert_parallel_size`` (EP
+    carved from DP x CP, :func:`expert_group_ranks`). Collective over the world (``new_group``) when EP > 1
+    or expert-DP > 1; one :class:`UserError` when EP does not divide DP x CP."""
+    ep, n = expert_parallel_size, ps.dp_size * ps.cp_size
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or n % ep:
+        from ..config import divisors
+        raise UserError(f"--expert-model-parallel-size {ep!r} does not divide the data-parallel x context-parallel "
+                        f"size {n}: the experts are split over EP ranks carved from DP x CP (megatron-core's MoE "
+                        f"parallel folding). Valid expert-parallel sizes: {divisors(n)}.")
+    if ep == 1:
+        return dataclasses.replace(ps, ep_size=1, ep_group=None, edp_group=None)
+    mine: dict = dict(ep_group=None, edp_group=None)
+    if not ps.virtual:
+        for key, size, all_ranks in expert_group_ranks(ps.tp_size, ps.cp_size, ps.dp_size, ps.pp_size, ep):
+            for ranks in all_ranks:
+                g = dist.new_group(ranks, timeout=timeout) if size > 1 else None
+                if ps.rank in ranks:
+                    mine[key] = g
+    return dataclasses.replace(ps, ep_size=ep, **mine)
 
 
 def _launcher_store(timeout: timedelta):

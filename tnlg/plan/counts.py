@@ -103,6 +103,7 @@ def parameter_report(config: GPTConfig, tp: int, use_meta: bool = True) -> dict:
         "source": source,
         "total": total,
         "total_formula": config.num_parameters_formula(),
+        "active": config.active_parameters() if config.num_experts is not None else None,
         "total_padded": total_padded,
         "padded_vocab_size": config.padded_vocab_size(tp),
         "replicated_per_rank": per_rank[0]["replicated"],

@@ -74,9 +74,24 @@ def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, N
     core_fwd = round(4 * s * seen * width / l)
     kv = config.kv_groups * config.head_dim  # the key (and the value) width: h without grouped queries
     mats = 3 if config.swiglu else 2        # SwiGLU: gate, up and down
-    layer_fwd = 4 * s * h * width + 4 * s * h * kv + 2 * mats * s * h * f + core_fwd
+    layer_fwd = 4 * s * h * width + 4 * s * h * kv + _mlp_forward(config, s, mats) + core_fwd
     extra = {None: 0, "full": layer_fwd, "selective": core_fwd}[recompute_granularity(recompute)]
     return 3 * layer_fwd + extra, 3 * 2 * s * h * vocab
+
+
+def _mlp_forward(config: GPTConfig, s: int, mats: int) -> int:
+    """One sequence's MLP forward FLOPs per layer (the mean over the layers): ``2 mats s h f`` for a dense MLP;
+    a mixture of experts' active part, the top-k experts and the shared expert (``2 mats s h (k f_e + S)``) and
+    the router (``2 s h E``), on the layers ``--moe-layer-freq`` names (docs/moe.md)."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    assert f is not None
+    dense = 2 * mats * s * h * f
+    if config.num_experts is None:
+        return dense
+    moe = config.num_moe_layers
+    active = config.moe_router_topk * config.expert_ffn_hidden_size + (config.moe_shared_expert_intermediate_size or 0)
+    per_moe = 2 * mats * s * h * active + 2 * s * h * config.num_experts
+    return round(((config.num_layers - moe) * dense + moe * per_moe) / config.num_layers)
 
 
 def reference_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool) -> float:

@@ -29,6 +29,9 @@ def _heads_split(heads: list[int]) -> str:
 def _parameters(p: dict, tp: int) -> list[str]:
     lines = [f"Parameters ({p['source']})",
              f"  total                {p['total']:>16,}   formula {p['total_formula']:,}"]
+    if p.get("active") is not None:  # a mixture of experts: what a token runs through (FLOPs count these)
+        lines.append(f"  active per token     {p['active']:>16,}   (every dense part, the router, the shared expert "
+                     f"and the top-k experts)")
     if p["padded_vocab_size"] is not None:
         lines.append(f"  with padding         {p['total_padded']:>16,}   (vocab padded to {p['padded_vocab_size']})")
         lines.append(f"  replicated per rank  {p['replicated_per_rank']:>16,}   (LayerNorms, row-parallel biases, "

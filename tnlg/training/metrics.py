@@ -98,6 +98,8 @@ class Metrics:
             rec["loss_scale"] = info["loss_scale"]
         if info.get("counted_tokens") is not None:  # (--calculate-per-token-loss: the loss's denominator)
             rec["counted_tokens"] = info["counted_tokens"]
+        aux = info.get("aux") or {}  # a mixture of experts' losses (in ``loss`` already), apart
+        rec.update(aux)
         first = iteration == self.resumed_at + 1
         if first and self.resumed_at > 0:
             rec["resumed_from"] = self.resumed_at
@@ -112,8 +114,9 @@ class Metrics:
         mfu = self._tflops(self.flops * n, span) / self.peak
         hfu = self._tflops(self.hw_flops * n, span) / self.peak
         self.log(f"iter {iteration:6d}/{self.train_iters} | samples {consumed:8d} | lr {lr:.3e} | "
-                 f"loss {'' if n == 1 else f'(mean of {n}) '}{summed / n:.4f} | "
-                 f"grad norm {'' if n == 1 else '(this iter) '}{info['grad_norm']:.3f} | "
+                 f"loss {'' if n == 1 else f'(mean of {n}) '}{summed / n:.4f}"
+                 + "".join(f" ({name} {value:.4f}, this iter)" for name, value in aux.items())
+                 + f" | grad norm {'' if n == 1 else '(this iter) '}{info['grad_norm']:.3f} | "
                  f"{span / n * 1e3:7.1f} ms/iter | {self.tokens_per_iter * n / span:8.0f} tok/s | "
                  f"{self._tflops(self.flops * n, span):.3f} model TFLOP/s/rank | MFU {mfu:.1%}"
                  + (f" HFU {hfu:.1%}" if self.hw_flops != self.flops else "")

@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..data.batch import Batch
+from ..model.moe import update_expert_bias
 from ..parallel.loss import LossNormalisation
 from ..parallel.mappings import all_reduce
 
@@ -54,9 +55,17 @@ def forward_loss(model, batch: Union[Batch, dict], autocast: Optional[torch.dtyp
                  normalisation: LossNormalisation = LossNormalisation()) -> torch.Tensor:
     """The model's loss of the batch under autocast to ``autocast`` (None: fp32): its loss terms
     (``model(batch)``) through ``normalisation`` (the mean over its loss-mask tokens, or per token)."""
+    return forward_terms(model, batch, autocast, normalisation)[0]
+
+
+def forward_terms(model, batch: Union[Batch, dict], autocast: Optional[torch.dtype],
+                  normalisation: LossNormalisation = LossNormalisation()) -> tuple[torch.Tensor, dict]:
+    """:func:`forward_loss`, and its auxiliary terms (a mixture of experts' losses, already in the loss)
+    detached, by name, to be logged apart."""
     batch = Batch.of(batch)
     with autocast_to(autocast, batch.tokens.device):
-        return normalisation(model(batch))
+        terms = model(batch)
+        return normalisation(terms), {k: v.detach().float().reshape(1) for k, v in terms.aux.items()}
 
 
 def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: float, *, autocast: Optional[torch.dtype],
@@ -78,17 +87,24 @@ def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: f
     if per_token_loss:  # (every micro batch's loss mask first: the global batch's token count)
         batches = list(batches)
         normalisation, k = LossNormalisation.per_token(batches, ps), len(batches)
+    aux: dict[str, torch.Tensor] = {}
     if pipeline is None:
         losses = []
         for batch in batches:
-            loss = forward_loss(model, batch, autocast, normalisation)
+            loss, terms = forward_terms(model, batch, autocast, normalisation)
             engine.backward(loss)
             losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean().reshape(1)
+            aux = {k: aux[k] + v if k in aux else v for k, v in terms.items()}
+        mean = torch.cat([torch.stack(losses).mean().reshape(1), *aux.values()])  # (one all-reduce for all)
+        mean[1:] /= max(1, len(losses))
     else:
         mean = _pipeline_backward(pipeline, engine, list(batches), ps, autocast, normalisation)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
-    info = engine.step(lr, loss=mean)  # reads the loss with the gradient norm: one host synchronisation
+    info = engine.step(lr, loss=mean[:1])  # reads the loss with the gradient norm: one host synchronisation
+    if aux:  # the auxiliary terms' means (in the loss already), logged apart: read after the step's read
+        info["aux"] = dict(zip(aux, mean[1:].tolist()))
+    if not info["skipped"]:
+        update_expert_bias(engine.model, ps)  # (DeepSeek-V3's balancing; nothing without expert biases)
     if normalisation.divisor is not None:  # (computed before the forward: reading it now costs no wait)
         info["counted_tokens"] = round(float(normalisation.divisor) * k * ps.dp_size)
     loss = info.pop("loss")

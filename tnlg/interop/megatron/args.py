@@ -208,6 +208,11 @@ def check_megatron_expressible(cfg: GPTConfig) -> None:
     """One :class:`UserError` when Megatron-LM's arguments cannot carry ``cfg``: a field no Megatron argument
     carries (``megatron=""`` in its declaration) away from its default, except Llama 3.1's rope scaling
     with megatron-core's fixed frequency factors and length (``--use-rope-scaling``)."""
+    if cfg.num_experts is not None:
+        raise UserError(f"the model is a mixture of experts (num_experts={cfg.num_experts}); tnlg does not write "
+                        "Megatron-LM MoE checkpoints yet (their expert weights per EP rank, grouped-GEMM and "
+                        "sequential layouts), and writing the dense layout would lose the experts. Nothing was "
+                        "written.")
     llama3 = cfg.rope_scaling_type == "llama3" and all(getattr(cfg, k) == v for k, v in MEGATRON_LLAMA3.items())
     rope = set(MEGATRON_LLAMA3) | {"rope_scaling_type", "rope_scaling_factor"}
     off = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(GPTConfig)

@@ -1,0 +1,166 @@
+"""One data-parallel backend per kind of parameter, stepped as one: the dense parameters reduced (and ZeRO-1
+partitioned) over DP x CP, a mixture of experts' parameters over the expert-data-parallel ranks
+(:data:`tnlg.parallel.state.GRADIENT_AXES`, megatron-core's expert-DP group), with expert parallelism.
+
+:class:`KindsBackend` holds a :class:`~tnlg.optim.zero.FlatZero` per kind (stage 0 or 1), each over its own
+group (:meth:`ParallelState.for_gradients`), and steps them together: both reductions finish, then one global
+gradient norm, one clipping coefficient and both AdamW updates. The norm's sum of squares is the dense one's
+(as :func:`tnlg.optim.clip.global_norm` sums it: over DP where partitioned, the split parameters over TP)
+plus the experts' (every expert parameter is split over TP, and over EP: summed over the expert-DP ranks
+where partitioned, then over TP and EP), so it equals the norm of one process holding the whole model.
+Collectives of the step: each kind's bucket reductions; three fp64 scalars' all-reduces (DP, TP) for the
+dense norm and three (expert-DP, TP, EP) for the experts'; stage 1's parameter all-gathers per kind.
+
+At EP 1 the expert-DP ranks are the DP x CP ranks and the engine uses one :class:`FlatZero` (nothing
+changes); ZeRO 2 and 3 (FSDP2) with EP > 1 are refused by name (:func:`tnlg.optim.engine.build_engine`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import UserError
+from ..parallel.state import ParallelState
+from .backend import StepResult
+from torch._subclasses.fake_tensor import is_fake
+
+from .clip import SIMULATED_NORM, _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
+from .zero import FlatZero
+
+__all__ = ["KindsBackend", "is_expert", "needs_kinds"]
+
+
+def is_expert(name: str, param: torch.Tensor) -> bool:
+    """Whether ``param`` is of gradient kind ``"expert"`` (a routed expert's, split over EP)."""
+    return getattr(param, "gradient_kind", "dense") == "expert"
+
+
+def needs_kinds(model: nn.Module, ps: ParallelState, zero_stage: int) -> bool:
+    """Whether ``model`` needs a backend per gradient kind: expert parameters split over EP > 1 ranks. One
+    :class:`UserError` for ZeRO 2 / 3 (FSDP2) then, which reduces every gradient over one group."""
+    experts = ps.ep_size > 1 and any(is_expert(n, p) for n, p in model.named_parameters())
+    if experts and zero_stage >= 2 and ps.dp_size > 1:
+        raise UserError(f"expert parallelism (EP {ps.ep_size}) trains with --zero-stage 0 or 1 (tnlg's flat buffers, "
+                        "one per gradient kind: the experts' gradients reduced and partitioned over the "
+                        "expert-data-parallel ranks); FSDP2's stages 2 and 3 with a second gradient group are not "
+                        "built yet. Use --zero-stage 1, or EP 1.")
+    return experts
+
+
+class KindsBackend:
+    """The dense and the expert parameters' :class:`FlatZero` backends, stepped as one (module docstring)."""
+
+    impl = "flat"
+
+    def __init__(self, model: nn.Module, ps: ParallelState, stage: int, **kw):
+        self.ps, self.stage = ps, stage
+        self.dense = FlatZero(model, ps.for_gradients("dense"), stage, select=lambda n, p: not is_expert(n, p), **kw)
+        self.expert = FlatZero(model, ps.for_gradients("expert"), stage, select=is_expert, **kw)
+        self.parts = (self.dense, self.expert)
+        self.names = self.dense.names + self.expert.names
+        self.dtype = self.dense.dtype
+        self.pieces_sharded_over_dp = self.dense.pieces_sharded_over_dp
+
+    @property
+    def model(self) -> nn.Module:
+        return self.dense.model
+
+    # ----------------------------------------------------------------- training
+    def set_sync(self, is_last: bool) -> None:
+        for b in self.parts:
+            b.set_sync(is_last)
+
+    def backward(self, loss: torch.Tensor, factor: float, is_last: bool) -> None:
+        self.set_sync(is_last)
+        (loss if factor == 1.0 else loss * factor).backward()
+
+    def _expert_sq(self) -> torch.Tensor:
+        """The experts' sum of squares over the whole model (expert-DP where partitioned, TP, EP)."""
+        sh, rep = squared_sums(self.expert.grad_pieces())
+        total = (_as_device_scalar(sh, self.ps.device) + _as_device_scalar(rep, self.ps.device)).reshape(1)
+        eps = self.expert.ps
+        groups = ([eps.dp_group] if self.expert.grads_sharded_over_dp else []) + [self.ps.tp_group, self.ps.ep_group]
+        for g in groups:
+            if g is not None:
+                dist.all_reduce(total, group=g)
+        return total[0]
+
+    def step(self, lr: float, clip_grad: float, loss_scale: float,
+             loss: Optional[torch.Tensor] = None) -> StepResult:
+        """Both reductions, one norm (unscaled by ``loss_scale``; ``loss`` read with it), clipping, both
+        AdamW updates unless the norm or the loss is inf/NaN."""
+        for b in self.parts:
+            b.finish_grad_sync()
+        dense_sq = global_sum_of_squares(*squared_sums(self.dense.grad_pieces()), self.dense.ps,
+                                         self.dense.grads_sharded_over_dp)
+        total = dense_sq + self._expert_sq().to(dense_sq)
+        if is_fake(total):
+            norm, loss_value = SIMULATED_NORM, None if loss is None else 0.0
+        else:
+            values = [total.item()] if loss is None else torch.stack([total, loss.detach().reshape(()).to(total)]).tolist()
+            norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
+            loss_value = None if loss is None else values[1]
+        norm = norm / loss_scale if loss_scale != 1.0 else norm
+        skipped = (loss_value is not None and not math.isfinite(loss_value)) or not math.isfinite(norm)
+        coeff = clip_coefficient(norm, clip_grad)
+        if not skipped:
+            for b in self.parts:
+                b.adam_step(lr, coeff / loss_scale)
+        return StepResult(norm, skipped, coeff, loss_value)
+
+    def zero_grad(self) -> None:
+        for b in self.parts:
+            b.zero_grad()
+
+    def set_step(self, step: int) -> None:
+        for b in self.parts:
+            b.set_step(step)
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        return self._owner(name).grad_view(name)
+
+    def _owner(self, name: str) -> FlatZero:
+        return self.dense if name in self.dense._index else self.expert
+
+    # ----------------------------------------------------------------- state (checkpoints refuse EP > 1)
+    def param_shapes(self) -> dict[str, tuple]:
+        return {**self.dense.param_shapes(), **self.expert.param_shapes()}
+
+    def owned_pieces(self) -> list[dict]:
+        return self.dense.owned_pieces() + self.expert.owned_pieces()
+
+    def optimizer_state_by_param(self) -> dict[str, dict]:
+        return {**self.dense.optimizer_state_by_param(), **self.expert.optimizer_state_by_param()}
+
+    def load_optimizer_state_by_param(self, states: dict) -> None:
+        for b in self.parts:
+            b.load_optimizer_state_by_param({n: states[n] for n in b.names})
+
+    def param_tensors(self, names):
+        wanted = set(names)
+        for b in self.parts:
+            yield from b.param_tensors([n for n in b.names if n in wanted])
+
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        self._owner(name).load_param(name, value)
+
+    def gather_params(self) -> None:
+        for b in self.parts:
+            b.gather_params()
+
+    def refresh_master(self) -> None:
+        for b in self.parts:
+            b.refresh_master()
+
+    def memory_report(self) -> dict:
+        a, b = self.dense.memory_report(), self.expert.memory_report()
+        return {k: a[k] + b[k] if isinstance(a[k], int) else a[k] for k in a}
+
+    def close(self) -> None:
+        for b in self.parts:
+            b.close()
