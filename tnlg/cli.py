@@ -52,6 +52,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                    "perplexity of text files (text), generation scored with ROUGE, exact "
                                    "match and F1 (generate)"),
     "generate": ("tnlg.commands.generate", "TP x PP text generation with a KV cache (greedy, top-k, top-p)"),
+    "serve": ("tnlg.commands.serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) and a chat "
+                                     "page, at any TP x PP"),
 }
 
 
