@@ -10,25 +10,21 @@ the queue and the request checks also run in-process on the app alone (no model:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.hf_reference import random_gpt2
+from tests.served import Server
 from tnlg.cli import main
 
 pytestmark = pytest.mark.needs_package("fastapi", "uvicorn", "openai")
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ = 64
 PROMPTS = ["To be, or not to be", "Of man's first disobedience, and the fruit", "Sing"]
 
@@ -47,44 +43,6 @@ def hf_folder(tmp_path_factory, tokenizer):
     hf = random_gpt2(4096, SEQ, 3, n_embd=32, n_head=4, n_layer=2, bos_token_id=eod, eos_token_id=eod, pad_token_id=0)
     hf.save_pretrained(folder)
     return folder, hf
-
-
-class Server:
-    """``tnlg serve`` in a process of its own, until :meth:`stop`."""
-
-    def __init__(self, folder, *extra: str, timeout: float = 180.0):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "tnlg", "serve", "--checkpoint", str(folder),
-                                      "--tokenizer-model", "builtin", "--port", "0", "--served-model-name", "served",
-                                      *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        self.url = None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if " on http://" in line:
-                self.url = line.split(" on ")[1].split(" ")[0]
-                break
-        if self.url is None:
-            self.proc.kill()
-            raise AssertionError(f"the server did not start: {self.lines} {self.proc.stderr.read()}")
-
-    def client(self, **kw):
-        import openai
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
-
-    def stop(self, sig=signal.SIGTERM) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        try:
-            _, err = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        return self.proc.returncode, err
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +150,11 @@ def test_served_tokens_equal_transformers_and_tnlg_generate(server, hf_folder, t
 
 
 @pytest.mark.slow
-def test_served_tokens_equal_the_references_at_tp2(hf_folder, tokenizer):
-    s = Server(hf_folder[0], "--tp", "2")
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")])
+def test_served_tokens_equal_the_references_at_tp2_and_pp2(hf_folder, tokenizer, layout):
+    s = Server(hf_folder[0], *layout)
     try:
-        assert "TP 2 x PP 1" in s.lines[-1]
+        assert ("TP 2 x PP 1" if layout[0] == "--tp" else "TP 1 x PP 2") in s.lines[-1]
         _check_against_references(s, hf_folder, tokenizer)
     finally:
         code, err = s.stop()
