@@ -74,7 +74,8 @@ def test_package_names_still_resolve():
                                        "--workers?"),
     # a mistyped subcommand or choice: the closest valid ones
     (["pretrian"], "tnlg: error: argument COMMAND: invalid choice: 'pretrian' (choose from 'pretrain', 'finetune', 'demo', "
-                   "'plan', 'train-tokenizer', 'preprocess', 'data', 'convert', 'checkpoint', 'eval', 'generate'); "
+                   "'plan', 'train-tokenizer', 'preprocess', 'data', 'convert', 'checkpoint', 'eval', 'generate', "
+                   "'serve'); "
                    "did you mean pretrain?"),
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "
                          "'info'); did you mean prepare?"),
