@@ -310,3 +310,22 @@ def test_ctrl_c_stops_the_server_cleanly(hf_folder):
     done.set()
     assert code == 0 and "stopped (SIGINT); served 1 requests" in err, err
     assert "Traceback" not in err
+
+
+def test_a_llama_folder_is_served_as_transformers_generates(tmp_path, tokenizer):
+    """Grouped-query attention and rope through the per-row cache: served greedy tokens of a random Llama equal
+    transformers' greedy ``generate``, streamed and not, requests sharing the batch."""
+    from tests.llama_reference import random_llama
+    eod = tokenizer.eod_id
+    hf = random_llama(vocab=4096, seq=SEQ, seed=1, bos_token_id=eod, eos_token_id=eod)
+    hf.save_pretrained(tmp_path / "llama")
+    s = Server(tmp_path / "llama")
+    try:
+        client = s.client()
+        want = [hf_greedy(hf, tokenizer.encode(p), 8, eod) for p in PROMPTS]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda a: completion_ids(client, a[0], a[1], max_tokens=8, temperature=0)[0],
+                                [(p, stream) for p in PROMPTS for stream in (False, True)]))
+        assert got == [w for w in want for _ in (0, 1)]
+    finally:
+        s.stop()
