@@ -98,7 +98,7 @@ def setup(tmp_path_factory):
             k = len(words) // 2
             wrong = [" ".join(lines[(i + j) % len(lines)].split()[k:]) for j in (7, 13, 29)]
             f.write(json.dumps({"question": " ".join(words[:k]), "choices": [" ".join(words[k:])] + wrong,
-                                "answer": i % 4 and 0}) + "\n")
+                                "answer": 0}) + "\n")
     with open(data / "gen.jsonl", "w") as f:
         for line in lines[20:30]:
             words = line.split()
