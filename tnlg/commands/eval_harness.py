@@ -38,10 +38,13 @@ def precheck_harness(args) -> None:
     if args.input:
         raise UserError(f"--task lm-eval reads its data through lm-eval's tasks (--tasks, --include-path), not "
                         f"--input; got {args.input}.")
+    args.input = None  # (the launched processes' command line then has no empty --input)
     if not args.tasks:
         raise UserError("--task lm-eval needs --tasks NAME ... (lm-eval's task names, or those of --include-path DIR).")
     if args.include_path and not os.path.isdir(args.include_path):
         raise UserError(f"--include-path {args.include_path!r} is not a folder of task YAML files.")
+    if args.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}.")
     if args.limit is not None and args.limit <= 0:
@@ -67,8 +70,8 @@ def _task_manager(args):
 
 
 def evaluate_harness(args, ps) -> dict:
-    """lm-eval's ``simple_evaluate`` with a :class:`~tnlg.eval.harness.TnlgLM` on every rank (the same figures on
-    each); rank 0 writes ``--output-path``."""
+    """lm-eval's ``simple_evaluate`` with a :class:`~tnlg.eval.harness.TnlgLM` on every rank, in lockstep; lm-eval
+    returns its result on rank 0 alone, which writes ``--output-path``."""
     import lm_eval
     from lm_eval.utils import make_table
 
@@ -83,6 +86,8 @@ def evaluate_harness(args, ps) -> dict:
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     out = lm_eval.simple_evaluate(model=lm, tasks=list(args.tasks), num_fewshot=args.num_fewshot, limit=limit,
                                   task_manager=_task_manager(args), log_samples=False, bootstrap_iters=0)
+    if out is None:  # lm-eval builds its result on the launcher's LOCAL_RANK 0 only (rank 0 here), which prints it
+        return {"task": "lm-eval", "results": None}
     results = json.loads(json.dumps({k: out[k] for k in ("results", "versions", "n-shot", "configs")
                                      if k in out}, default=str))
     if ps.rank == 0 and args.output_path:

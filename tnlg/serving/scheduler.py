@@ -156,7 +156,7 @@ class Scheduler:
                 self.cond.wait(idle_s)
                 self._free_rows()
             if self.stopping:
-                self._abort_all()
+                self.abort_all()
                 return Plan(stop=True)
             plan = Plan()
             self._admit(plan)
@@ -261,7 +261,8 @@ class Scheduler:
             return ""
         return str(self.tokenizer.decode([token]))
 
-    def _abort_all(self) -> None:
+    def abort_all(self) -> None:
+        """Every request not finished gets an error event; the rows and the queue are emptied (call under the lock)."""
         tickets = {id(s.ticket): s.ticket for s in self._active()}
         tickets.update({id(t): t for t in self.waiting})
         for ticket in tickets.values():

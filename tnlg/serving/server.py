@@ -154,7 +154,7 @@ def serve_loop(model, tokenizer, ps, options: ServeOptions) -> dict:
         if scheduler is not None:
             scheduler.stop()
             with scheduler.cond:
-                scheduler._abort_all()
+                scheduler.abort_all()
         if server is not None and thread is not None:
             server.should_exit = True
             thread.join(timeout=5)
