@@ -80,7 +80,8 @@ def test_package_names_still_resolve():
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "
                          "'info'); did you mean prepare?"),
     (["eval", "--task", "wikitxt"], "tnlg eval: error: argument --task: invalid choice: 'wikitxt' (choose from "
-                                    "'wikitext', 'lambada', 'loss', 'text', 'generate'); did you mean wikitext?"),
+                                    "'wikitext', 'lambada', 'loss', 'text', 'generate', 'lm-eval'); "
+                                    "did you mean wikitext?"),
     # other parse errors: the same two lines, no usage block
     (["pretrain", "--hidden-size", "abc"], "tnlg pretrain: error: argument --hidden-size: invalid int value: "
                                            "'abc'"),
