@@ -329,3 +329,42 @@ def test_a_llama_folder_is_served_as_transformers_generates(tmp_path, tokenizer)
         assert got == [w for w in want for _ in (0, 1)]
     finally:
         s.stop()
+
+
+def test_a_long_prompt_joining_rows_near_the_end_is_prefilled_in_chunks(hf_folder, tokenizer):
+    """In-process, the scheduler and the engine stepped by hand: a 40-token prompt arrives while another row is 50
+    positions in (of 64), so only the positions that row has left fit in a step; the prompt is fed over several
+    steps beside that row's decode tokens, and both sequences are what they are alone (transformers' greedy)."""
+    from tnlg.interop.hf import from_hf
+    from tnlg.serving.engine import StepEngine
+    from tnlg.serving.protocol import ModelLimits, parse_completion
+    from tnlg.serving.scheduler import Scheduler
+    folder, hf = hf_folder
+    model = from_hf(str(folder)).eval()
+    limits = ModelLimits("m", SEQ, tokenizer.vocab_size, 2)
+    scheduler, engine = Scheduler(tokenizer, 2, 4, SEQ), StepEngine(model, 2, tokenizer.vocab_size)
+    events: dict[str, list] = {"a": [], "b": []}
+    a = list(range(100, 110))
+    b = list(range(200, 240))
+    scheduler.submit(parse_completion({"prompt": a, "max_tokens": 54, "temperature": 0}, limits, tokenizer),
+                     events["a"].append)
+    widths = []
+
+    def step():
+        plan = scheduler.next_plan(idle_s=0.01)
+        widths.append(max(map(len, plan.feeds)) if plan.feeds else 0)
+        if plan.feeds:
+            scheduler.deliver(engine.step(plan))
+    while len(events["a"]) < 41:  # row a at 10 + 40 positions
+        step()
+    scheduler.submit(parse_completion({"prompt": b, "max_tokens": 6, "temperature": 0}, limits, tokenizer),
+                     events["b"].append)
+    for _ in range(200):
+        if all(any(e.kind == "done" for e in ev) for ev in events.values()):
+            break
+        step()
+    got = {k: [t for e in ev for t in e.token_ids] for k, ev in events.items()}
+    assert got["a"] == hf_greedy(hf, a, 54, tokenizer.eod_id)
+    assert got["b"] == hf_greedy(hf, b, 6, tokenizer.eod_id)
+    chunks = [w for w in widths[42:] if w > 1]
+    assert len(chunks) > 1 and max(chunks) < len(b), widths  # fed over several steps, none the whole prompt

@@ -88,8 +88,10 @@ class StepEngine:
     def step(self, plan: Plan) -> StepResult:
         for row, seed in plan.seeds.items():
             self.generators[row].manual_seed(int(seed))
-        if plan.resets:
-            self.cache.reset(plan.resets)
+        # every step, rows emptied or not: after a forward of rows fed different counts the cache's `end` is a
+        # bound (it grew by the widest row's count), and a reset makes it the longest row's length again, so
+        # the room the scheduler computed from each row's length is the room the cache checks
+        self.cache.reset(plan.resets)
         counts = [len(f) for f in plan.feeds]
         width = max(counts)
         tokens = right_padded(plan.feeds, width, device=self.device)
