@@ -66,6 +66,11 @@ OPTIONAL_PACKAGES = {
     "rouge_score": 'pip install -e ".[eval]"',
     "megatron.core": "pip install --no-deps megatron-core==0.16.1 && pip install numpy packaging psutil",
     "deepspeed": 'pip install --no-build-isolation "deepspeed>=0.14"',
+    "lm_eval": 'pip install -e ".[harness]"',
+    "fastapi": 'pip install -e ".[serve]"',
+    "uvicorn": 'pip install -e ".[serve]"',
+    "openai": 'pip install -e ".[test-serve]"',
+    "selenium": 'pip install -e ".[test-serve]" (and apt-get install -y chromium chromium-driver)',
 }
 
 
@@ -76,7 +81,8 @@ NOT_QUICK = {"test_bench_peers", "test_checkpoint", "test_compile", "test_deepsp
              "test_fuzz_megatron", "test_fuzz_readers", "test_gpu_check", "test_hang", "test_imports",
              "test_megatron_attention", "test_megatron_bad_input", "test_megatron_checkpoint", "test_megatron_llama",
              "test_megatron_model_options", "test_megatron_optimizer", "test_megatron_resume", "test_memory_scale",
-             "test_pipeline_compile", "test_pipeline_precision", "test_stop_signals"}
+             "test_pipeline_compile", "test_pipeline_precision", "test_eval_harness", "test_serve", "test_serve_browser",
+             "test_stop_signals"}
 
 
 def pytest_collection_modifyitems(config, items):

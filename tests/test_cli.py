@@ -74,12 +74,14 @@ def test_package_names_still_resolve():
                                        "--workers?"),
     # a mistyped subcommand or choice: the closest valid ones
     (["pretrian"], "tnlg: error: argument COMMAND: invalid choice: 'pretrian' (choose from 'pretrain', 'finetune', 'demo', "
-                   "'plan', 'train-tokenizer', 'preprocess', 'data', 'convert', 'checkpoint', 'eval', 'generate'); "
+                   "'plan', 'train-tokenizer', 'preprocess', 'data', 'convert', 'checkpoint', 'eval', 'generate', "
+                   "'serve'); "
                    "did you mean pretrain?"),
     (["data", "prepar"], "tnlg data: error: argument ACTION: invalid choice: 'prepar' (choose from 'prepare', "
                          "'info'); did you mean prepare?"),
     (["eval", "--task", "wikitxt"], "tnlg eval: error: argument --task: invalid choice: 'wikitxt' (choose from "
-                                    "'wikitext', 'lambada', 'loss', 'text', 'generate'); did you mean wikitext?"),
+                                    "'wikitext', 'lambada', 'loss', 'text', 'generate', 'lm-eval'); "
+                                    "did you mean wikitext?"),
     # other parse errors: the same two lines, no usage block
     (["pretrain", "--hidden-size", "abc"], "tnlg pretrain: error: argument --hidden-size: invalid int value: "
                                            "'abc'"),

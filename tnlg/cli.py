@@ -50,8 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("tnlg.commands.convert", "checkpoint tools: info (iteration, layout, config, sizes)"),
     "eval": ("tnlg.commands.eval", "zero-shot evaluation: WikiText perplexity, LAMBADA accuracy, dataset loss, "
                                    "perplexity of text files (text), generation scored with ROUGE, exact "
-                                   "match and F1 (generate)"),
+                                   "match and F1 (generate), lm-evaluation-harness tasks (lm-eval)"),
     "generate": ("tnlg.commands.generate", "TP x PP text generation with a KV cache (greedy, top-k, top-p)"),
+    "serve": ("tnlg.commands.serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) and a chat "
+                                     "page, at any TP x PP"),
 }
 
 

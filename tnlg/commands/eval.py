@@ -9,10 +9,10 @@ import time
 
 from ..errors import UserError
 from ..layout import add_layout_arguments, check_context_sequence, check_positive
-from . import eval_generate
+from . import eval_generate, eval_harness
 from .inference import add_common_arguments, print_table, run_command, step_note
 
-TASKS = ("wikitext", "lambada", "loss", "text", "generate")
+TASKS = ("wikitext", "lambada", "loss", "text", "generate", "lm-eval")
 
 EPILOG = """\
 tasks (definitions of Megatron's zero-shot evaluation, see docs/eval.md):
@@ -51,7 +51,7 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = EPILOG.replace("{generate}\n", eval_generate.EPILOG)
+    p.epilog = EPILOG.replace("{generate}\n", eval_generate.EPILOG + eval_harness.EPILOG)
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (see below)")
     p.add_argument("--input", "--valid-data", "--data", dest="input", nargs="+", metavar="FILE",
                    help="wikitext: a raw text file; lambada: a .jsonl file (or .parquet, or a `datasets` folder); loss: a "
@@ -72,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="apply Megatron's WikiText detokenizer before tokenizing (default none; Megatron "
                         "applies it when the file name contains 'wiki')")
     eval_generate.add_generate_arguments(p)
+    eval_harness.add_harness_arguments(p)
     g = p.add_argument_group("lambada")
     g.add_argument("--strict", action="store_true",
                    help="strict last-word targets (whole last word, possibly several tokens; see below)")
@@ -98,6 +99,8 @@ def _precheck(args) -> None:
     from ..eval.wikitext import check_text_file
     args.input = list(args.input or []) + list(getattr(args, "files", None) or [])  # --input F, or F alone
     args.files = []  # (the launched processes get them as --input)
+    if args.task == "lm-eval":
+        return eval_harness.precheck_harness(args)
     if not args.input:
         raise UserError(f"--task {args.task} needs an input: --input FILE (or the file names after the options; "
                         "see tnlg eval --help).")
@@ -283,11 +286,15 @@ def _rows(result: dict) -> list[tuple[str, object]]:
 
 def run(args) -> int:
     def show(result: dict) -> None:
+        if result["task"] == "lm-eval":
+            print(result["table"])
+            return
         inputs = " ".join(args.input)
         print_table(f"tnlg eval --task {args.task}: {inputs}", _rows(result))
         if result.get("caveat"):
             print(f"note: {result['caveat']}")
 
     _precheck(args)
-    work = eval_generate.evaluate_generate if args.task == "generate" else evaluate
+    work = {"generate": eval_generate.evaluate_generate, "lm-eval": eval_harness.evaluate_harness}.get(args.task,
+                                                                                                    evaluate)
     return run_command("eval", add_arguments, args, lambda ps: work(args, ps), show)
