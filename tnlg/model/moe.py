@@ -41,7 +41,7 @@ else a loop over the local experts. Both give the same numbers up to the kernels
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -215,11 +215,13 @@ class GroupedExperts(SelfInitializing, nn.Module):
 class MoELayer(nn.Module):
     """The MLP slot's mixture of experts (module docstring): ``forward(x, ctx)`` maps ``[s, b, h]`` (sequence-
     parallel ``[s_r, b, h]``) to the same layout and adds its losses to ``ctx.aux``. ``last_load``: the
-    tokens each expert got in the last forward (this rank's micro batch, ``[E]``, after any dropping)."""
+    tokens each expert got in the last forward (this rank's micro batch, ``[E]``, after any dropping).
+    ``shared_mlp``: the shared expert's constructor, ``(cfg, ps, device=, init_key=, ffn_hidden_size=)`` (the
+    layer spec passes the dense MLP, :func:`tnlg.model.spec.moe_mlp`)."""
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, device=None, init_key: str = ""):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, device=None, init_key: str = "",
+                 shared_mlp: Optional[Callable[..., nn.Module]] = None):
         super().__init__()
-        from .block import ParallelMLP  # (the block module builds blocks from specs, which name this module)
         assert cfg.num_experts is not None
         cfg.check_expert_parallel(ps.size("ep"))
         if ps.cp_size > 1 and cfg.moe_expert_capacity_factor is not None:
@@ -231,7 +233,9 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, ps, device, join_key(init_key, "router"))
         self.experts = GroupedExperts(cfg, ps, device, join_key(init_key, "experts"))
         shared = cfg.moe_shared_expert_intermediate_size
-        self.shared_expert = None if shared is None else ParallelMLP(
+        if shared is not None and shared_mlp is None:
+            raise ValueError("a shared expert (moe_shared_expert_intermediate_size) needs its constructor, shared_mlp")
+        self.shared_expert = None if shared is None or shared_mlp is None else shared_mlp(
             cfg, ps, device=device, init_key=join_key(init_key, "shared_expert"), ffn_hidden_size=shared)
         self.shared_expert_gate: Optional[nn.Module] = None
         if cfg.moe_shared_expert_gate:
