@@ -167,8 +167,13 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x [N, in]`` (rows grouped by expert, ``counts [E]`` per expert) times each group's ``w[e] [out, in]``
-    transposed: ``[N, out]``. One ``torch._grouped_mm`` where it runs (module docstring), else a loop."""
+    transposed: ``[N, out]``. One ``torch._grouped_mm`` where it runs (module docstring), else a loop; under
+    autocast in the autocast dtype."""
     grouped = getattr(torch, "_grouped_mm", None)
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):  # (not an autocast op: run it in the autocast dtype, as F.linear would)
+        dtype = torch.get_autocast_dtype(kind)
+        x, w = x.to(dtype), w.to(dtype)
     bytes_in, bytes_out = x.shape[1] * x.element_size(), w.shape[1] * w.element_size()
     if (grouped is not None and x.shape[0] > 0 and x.dtype in (torch.float32, torch.bfloat16)
             and bytes_in % 16 == 0 and bytes_out % 16 == 0):
@@ -302,7 +307,8 @@ class MoELayer(nn.Module):
         self.last_load = counts.detach()
         flat = tokens.reshape(-1, h)
         routed = self._run_experts(flat.index_select(0, token_idx), counts)
-        out = torch.zeros_like(flat).index_add(0, token_idx, routed * weights[token_idx, expert_idx].unsqueeze(-1))
+        contrib = routed * weights[token_idx, expert_idx].unsqueeze(-1).to(routed.dtype)  # (autocast: its dtype)
+        out = torch.zeros_like(flat, dtype=routed.dtype).index_add(0, token_idx, contrib)
         out = out.view(s, b, h)
         out = reduce_scatter_to_sequence_parallel(out, ps, ctx.sp) if sp else reduce_from_tp(out, ps)
         if self.shared_expert is not None:
