@@ -76,7 +76,10 @@ def test_named_axes_of_a_virtual_state_and_the_gradient_kinds():
     assert [(ps.size(a), ps.rank_in(a)) for a in ("tp", "dp", "cp", "pp", "dp_cp")] == \
         [(4, 1), (2, 1), (1, 0), (1, 0), (2, 1)]
     assert ps.for_gradients("dense") is ps  # (at CP 1 the dense gradients' group is DP's)
-    with pytest.raises(ValueError, match="no parallel axis 'ep'; valid: tp, cp, dp, pp"):
-        ps.size("ep")
-    with pytest.raises(ValueError, match="kind 'expert'; valid: dense"):
-        ps.for_gradients("expert")
+    # without expert parallelism the expert axes are EP 1 inside DP x CP, and the experts' gradients go over DP
+    assert [(ps.size(a), ps.rank_in(a)) for a in ("ep", "edp")] == [(1, 0), (2, 1)]
+    assert ps.for_gradients("expert") is ps
+    with pytest.raises(ValueError, match="no parallel axis 'xp'; valid: tp, cp, dp, pp"):
+        ps.size("xp")
+    with pytest.raises(ValueError, match="kind 'adapter'; valid: dense, expert"):
+        ps.for_gradients("adapter")

@@ -288,3 +288,19 @@ def test_tnlg_plan_reports_the_active_parameters_of_a_mixture_of_experts(capsys)
     main(["plan", "--preset", "mixtral-8x7b", "--world-size", "64", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["parameters"]["total"] == 46_702_792_704 and out["parameters"]["active"] == 12_879_925_248
+
+
+def test_under_bf16_autocast_the_experts_run_in_bf16_and_the_loss_stays_near_fp32():
+    from tnlg.model import GPT
+    from tnlg.model.moe import grouped_matmul
+    x, w = torch.randn(10, 16), torch.randn(3, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_matmul(x, w, torch.tensor([3, 0, 7])).dtype == torch.bfloat16
+    model = GPT(_moe_config(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                            moe_aux_loss_coeff=0.01))
+    tok = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    want = model(tok, labels=tok).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tok, labels=tok)
+    loss.backward()
+    assert loss.item() == pytest.approx(want, rel=2e-2)

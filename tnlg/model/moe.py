@@ -41,7 +41,7 @@ else a loop over the local experts. Both give the same numbers up to the kernels
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -167,8 +167,13 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x [N, in]`` (rows grouped by expert, ``counts [E]`` per expert) times each group's ``w[e] [out, in]``
-    transposed: ``[N, out]``. One ``torch._grouped_mm`` where it runs (module docstring), else a loop."""
+    transposed: ``[N, out]``. One ``torch._grouped_mm`` where it runs (module docstring), else a loop; under
+    autocast in the autocast dtype."""
     grouped = getattr(torch, "_grouped_mm", None)
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):  # (not an autocast op: run it in the autocast dtype, as F.linear would)
+        dtype = torch.get_autocast_dtype(kind)
+        x, w = x.to(dtype), w.to(dtype)
     bytes_in, bytes_out = x.shape[1] * x.element_size(), w.shape[1] * w.element_size()
     if (grouped is not None and x.shape[0] > 0 and x.dtype in (torch.float32, torch.bfloat16)
             and bytes_in % 16 == 0 and bytes_out % 16 == 0):
@@ -215,11 +220,13 @@ class GroupedExperts(SelfInitializing, nn.Module):
 class MoELayer(nn.Module):
     """The MLP slot's mixture of experts (module docstring): ``forward(x, ctx)`` maps ``[s, b, h]`` (sequence-
     parallel ``[s_r, b, h]``) to the same layout and adds its losses to ``ctx.aux``. ``last_load``: the
-    tokens each expert got in the last forward (this rank's micro batch, ``[E]``, after any dropping)."""
+    tokens each expert got in the last forward (this rank's micro batch, ``[E]``, after any dropping).
+    ``shared_mlp``: the shared expert's constructor, ``(cfg, ps, device=, init_key=, ffn_hidden_size=)`` (the
+    layer spec passes the dense MLP, :func:`tnlg.model.spec.moe_mlp`)."""
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, device=None, init_key: str = ""):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, layer_idx: int, device=None, init_key: str = "",
+                 shared_mlp: Optional[Callable[..., nn.Module]] = None):
         super().__init__()
-        from .block import ParallelMLP  # (the block module builds blocks from specs, which name this module)
         assert cfg.num_experts is not None
         cfg.check_expert_parallel(ps.size("ep"))
         if ps.cp_size > 1 and cfg.moe_expert_capacity_factor is not None:
@@ -231,7 +238,9 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, ps, device, join_key(init_key, "router"))
         self.experts = GroupedExperts(cfg, ps, device, join_key(init_key, "experts"))
         shared = cfg.moe_shared_expert_intermediate_size
-        self.shared_expert = None if shared is None else ParallelMLP(
+        if shared is not None and shared_mlp is None:
+            raise ValueError("a shared expert (moe_shared_expert_intermediate_size) needs its constructor, shared_mlp")
+        self.shared_expert = None if shared is None or shared_mlp is None else shared_mlp(
             cfg, ps, device=device, init_key=join_key(init_key, "shared_expert"), ffn_hidden_size=shared)
         self.shared_expert_gate: Optional[nn.Module] = None
         if cfg.moe_shared_expert_gate:
@@ -298,7 +307,8 @@ class MoELayer(nn.Module):
         self.last_load = counts.detach()
         flat = tokens.reshape(-1, h)
         routed = self._run_experts(flat.index_select(0, token_idx), counts)
-        out = torch.zeros_like(flat).index_add(0, token_idx, routed * weights[token_idx, expert_idx].unsqueeze(-1))
+        contrib = routed * weights[token_idx, expert_idx].unsqueeze(-1).to(routed.dtype)  # (autocast: its dtype)
+        out = torch.zeros_like(flat, dtype=routed.dtype).index_add(0, token_idx, contrib)
         out = out.view(s, b, h)
         out = reduce_scatter_to_sequence_parallel(out, ps, ctx.sp) if sp else reduce_from_tp(out, ps)
         if self.shared_expert is not None:

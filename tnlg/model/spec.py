@@ -32,7 +32,7 @@ def dense_mlp(cfg: GPTConfig, ps: ParallelState, layer_idx: int, device: Any, in
 def moe_mlp(cfg: GPTConfig, ps: ParallelState, layer_idx: int, device: Any, init_key: str) -> nn.Module:
     """The mixture-of-experts slot (``--num-experts``, on the layers ``--moe-layer-freq`` names):
     :class:`~tnlg.model.moe.MoELayer`."""
-    return MoELayer(cfg, ps, layer_idx, device=device, init_key=init_key)
+    return MoELayer(cfg, ps, layer_idx, device=device, init_key=init_key, shared_mlp=ParallelMLP)
 
 
 def attention_core(ps: ParallelState, tp_random: TPRandom, kv_index: Optional[tuple[int, ...]], native_gqa: bool,
