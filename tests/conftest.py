@@ -66,6 +66,7 @@ OPTIONAL_PACKAGES = {
     "rouge_score": 'pip install -e ".[eval]"',
     "megatron.core": "pip install --no-deps megatron-core==0.16.1 && pip install numpy packaging psutil",
     "deepspeed": 'pip install --no-build-isolation "deepspeed>=0.14"',
+    "peft": "pip install --no-deps peft==0.21.2 accelerate && pip install pyyaml psutil",
 }
 
 

@@ -1,0 +1,245 @@
+"""PEFT's LoRA names for the families tnlg reads, and PEFT's adapter folder in and out.
+
+PEFT names an adapted module by transformers' module name; tnlg's layer holding it, and which *part* of a
+fused layer it is (:class:`tnlg.adapters.lora.LoraLinear`), per family layout:
+
+=============  =====================================  ====================================================
+layout         PEFT module (per layer)                tnlg layer (part)
+=============  =====================================  ====================================================
+``gpt2``       ``attn.c_attn``, ``attn.c_proj``,      the same names (GPT-2's ``c_attn`` is one adapter on the
+               ``mlp.c_fc``, ``mlp.c_proj``           fused QKV; its ``B`` rows ``[q|k|v]`` are tnlg's per head)
+``llama``      ``self_attn.q_proj``                   ``attn.c_q``; full multi-head: ``attn.c_attn`` (q)
+               ``self_attn.k_proj`` / ``v_proj``      ``attn.c_kv`` (k / v); full multi-head: ``attn.c_attn``
+               ``self_attn.o_proj``                   ``attn.c_proj``
+               ``mlp.gate_proj`` / ``up_proj``        ``mlp.c_fc`` (gate / up)
+               ``mlp.down_proj``                      ``mlp.c_proj``
+=============  =====================================  ====================================================
+
+``target_modules`` are matched as PEFT matches a list: a module whose name ends with a target (so GPT-2's
+``c_proj`` is both the attention's and the MLP's); ``all-linear`` is every one of them (PEFT's, less the LM
+head). The default is PEFT's for the family (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``:
+``c_attn`` for GPT-2, ``q_proj, v_proj`` for the Llama layout).
+
+The folder (PEFT's ``save_pretrained``): ``adapter_config.json`` (``peft_type`` ``LORA``, ``r``,
+``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules``, ``fan_in_fan_out`` for GPT-2's
+``Conv1D``, ``bias`` ``none``) and ``adapter_model.safetensors`` with
+``base_model.model.<module>.lora_A.weight`` ``[r, in]`` / ``lora_B.weight`` ``[out, r]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..config import GPTConfig
+from ..errors import UserError
+
+__all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
+           "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
+           "WEIGHTS_NAME"]
+
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+
+# PEFT's module names per layout, in a layer's order
+PEFT_MODULES = {"gpt2": ("c_attn", "c_proj", "c_fc"),
+                "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+DEFAULT_TARGETS = {"gpt2": ("c_attn",), "llama": ("q_proj", "v_proj")}
+_HF_PATH = {"gpt2": {"attn.c_attn": "attn.c_attn", "attn.c_proj": "attn.c_proj", "mlp.c_fc": "mlp.c_fc",
+                     "mlp.c_proj": "mlp.c_proj"},
+            "llama": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                      "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                      "down_proj": "mlp.down_proj"}}
+_LAYER_PREFIX = {"gpt2": "transformer.h", "llama": "model.layers"}
+
+
+def _layer_slots(cfg: GPTConfig, layout: str) -> dict[str, tuple[str, int, int]]:
+    """PEFT module (layer-relative HF path) -> (tnlg layer path in a block, part index, part count)."""
+    if layout == "gpt2":
+        return {"attn.c_attn": ("attn.c_attn", 0, 1), "attn.c_proj": ("attn.c_proj", 0, 1),
+                "mlp.c_fc": ("mlp.c_fc", 0, 1), "mlp.c_proj": ("mlp.c_proj", 0, 1)}
+    grouped = cfg.kv_groups != cfg.num_attention_heads
+    attn = ({"q_proj": ("attn.c_q", 0, 1), "k_proj": ("attn.c_kv", 0, 2), "v_proj": ("attn.c_kv", 1, 2)} if grouped
+            else {"q_proj": ("attn.c_attn", 0, 3), "k_proj": ("attn.c_attn", 1, 3), "v_proj": ("attn.c_attn", 2, 3)})
+    return {**attn, "o_proj": ("attn.c_proj", 0, 1), "gate_proj": ("mlp.c_fc", 0, 2), "up_proj": ("mlp.c_fc", 1, 2),
+            "down_proj": ("mlp.c_proj", 0, 1)}
+
+
+def _matches(module: str, targets: Sequence[str]) -> bool:
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def resolve_targets(targets: Optional[Sequence[str]], layout: str, what: str = "--lora-target-modules") -> tuple[str, ...]:
+    """The target names checked against the family's (PEFT's default when ``targets`` is empty or ``None``;
+    ``all-linear``: every one); a :class:`UserError` naming an unknown one and those the family has."""
+    names = PEFT_MODULES[layout]
+    if not targets:
+        return DEFAULT_TARGETS[layout]
+    targets = tuple(t for item in targets for t in str(item).split(",") if t)
+    if targets == ("all-linear",):
+        return names
+    unknown = [t for t in targets if not any(_matches(m, [t]) or m == t for m in _HF_PATH[layout].values())
+               and t not in names]
+    if unknown:
+        raise UserError(f"{what} names {', '.join(map(repr, unknown))}, which this model does not have: its "
+                        f"{'GPT-2' if layout == 'gpt2' else 'Llama-layout'} linear layers are "
+                        f"{', '.join(names)} (PEFT's names; or all-linear for every one). Nothing was run.")
+    return targets
+
+
+def lora_sites(layer_names: Iterable[str], cfg: GPTConfig, layout: str,
+               targets: Sequence[str]) -> dict[str, tuple[Optional[str], ...]]:
+    """Every adapted tnlg layer of the blocks ``layer_names`` (``transformer.h.N``: a pipeline stage's own) ->
+    its parts' PEFT names (``None``: a part not adapted), for :func:`tnlg.adapters.lora.apply_lora`."""
+    slots = _layer_slots(cfg, layout)
+    sites: dict[str, list] = {}
+    for block in layer_names:
+        for hf_path, (path, index, count) in slots.items():
+            if _matches(_HF_PATH[layout].get(hf_path, hf_path), targets) or _matches(hf_path, targets):
+                parts = sites.setdefault(f"{block}.{path}", [None] * count)
+                parts[index] = hf_path.rsplit(".", 1)[-1]
+    return {k: tuple(v) for k, v in sites.items()}
+
+
+def check_lora_rank(rank, cfg: GPTConfig, targets: Sequence[str], layout: str, flag: str = "--lora-rank") -> None:
+    """A rank of at least 1 and at most the narrowest adapted layer's width (``min(in, out)`` of each part:
+    above it the low-rank update is no longer low rank, and PEFT's would not be either); one paragraph."""
+    if not isinstance(rank, int) or rank < 1:
+        raise UserError(f"{flag} must be a positive integer (the adapters' rank), got {rank!r}. Nothing was run.")
+    widths = _part_widths(cfg, layout)
+    chosen = {t: w for t, w in widths.items() if _matches(_HF_PATH[layout].get(t, t), targets) or _matches(t, targets)}
+    narrow = min(chosen.items(), key=lambda kv: kv[1])
+    if rank > narrow[1]:
+        raise UserError(f"{flag} {rank} is above the width of {narrow[0]} ({narrow[1]}: the smaller of its input "
+                        f"and output features); a rank of 1 to {narrow[1]} is a low-rank update of every targeted "
+                        f"layer ({', '.join(chosen)}). Nothing was run.")
+
+
+def _part_widths(cfg: GPTConfig, layout: str) -> dict[str, int]:
+    h, d, ffn = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    heads, groups = cfg.num_attention_heads, cfg.kv_groups
+    if layout == "gpt2":
+        return {"attn.c_attn": min(h, 3 * heads * d), "attn.c_proj": min(heads * d, h), "mlp.c_fc": min(h, ffn),
+                "mlp.c_proj": min(ffn, h)}
+    return {"q_proj": min(h, heads * d), "k_proj": min(h, groups * d), "v_proj": min(h, groups * d),
+            "o_proj": min(heads * d, h), "gate_proj": min(h, ffn), "up_proj": min(h, ffn), "down_proj": min(ffn, h)}
+
+
+# --------------------------------------------------------------------------- PEFT's folder
+
+_TNLG_FACTOR = re.compile(r"^transformer\.h\.(\d+)\.(.+)\.lora_([AB])_(\w+)$")
+
+
+def _qkv_rows(t: torch.Tensor, heads: int, to_per_head: bool) -> torch.Tensor:
+    """GPT-2's fused QKV rows: ``[q|k|v]`` (transformers) <-> ``[head][q, k, v][d]`` (tnlg)."""
+    rest = t.shape[1:]
+    if to_per_head:
+        return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape)
+    return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def peft_adapter_state(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str) -> dict[str, torch.Tensor]:
+    """PEFT's keys and tensors of tnlg's full (unsplit) adapter factors ``full`` (``...lora_A_<part>``)."""
+    out = {}
+    for name, t in full.items():
+        m = _TNLG_FACTOR.match(name)
+        if m is None:
+            raise ValueError(f"not an adapter factor: {name}")
+        layer, path, factor, part = m.groups()
+        module = part if layout == "llama" else path
+        if layout == "gpt2" and path == "attn.c_attn" and factor == "B":
+            t = _qkv_rows(t, cfg.num_attention_heads, to_per_head=False)
+        hf = f"{_LAYER_PREFIX[layout]}.{layer}.{_HF_PATH[layout][module]}"
+        out[f"base_model.model.{hf}.lora_{factor}.weight"] = t.contiguous()
+    return out
+
+
+def tnlg_adapter_state(peft_sd: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
+                       where: str) -> dict[str, torch.Tensor]:
+    """tnlg's full adapter factors of PEFT's keys (the inverse of :func:`peft_adapter_state`)."""
+    slots = _layer_slots(cfg, layout)
+    by_hf = {_HF_PATH[layout][k]: k for k in _HF_PATH[layout]}
+    pattern = re.compile(r"^base_model\.model\." + re.escape(_LAYER_PREFIX[layout]) + r"\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+    out = {}
+    for key, t in peft_sd.items():
+        m = pattern.match(key)
+        if m is None or m.group(2) not in by_hf:
+            raise UserError(f"{where} holds {key!r}, which is no LoRA factor of a linear layer of this model "
+                            f"({_LAYER_PREFIX[layout]}.N.<{', '.join(_HF_PATH[layout].values())}>.lora_A/B.weight). "
+                            "Nothing was loaded.")
+        layer, hf_path, factor = m.groups()
+        module = by_hf[hf_path]
+        path, _, _ = slots[module]
+        part = module.rsplit(".", 1)[-1]
+        if layout == "gpt2" and path == "attn.c_attn" and factor == "B":
+            t = _qkv_rows(t, cfg.num_attention_heads, to_per_head=True)
+        out[f"transformer.h.{layer}.{path}.lora_{factor}_{part}"] = t.detach().float().contiguous()
+    return out
+
+
+def write_peft_folder(out_dir: str, full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str, *, rank: int,
+                      alpha: float, dropout: float, use_rslora: bool, base_model: Optional[str] = None) -> None:
+    """PEFT's ``save_pretrained`` folder of tnlg's full adapter factors ``full``."""
+    from safetensors.torch import save_file
+    state = peft_adapter_state(full, cfg, layout)
+    modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                  use_rslora=use_rslora, target_modules=modules, fan_in_fan_out=layout == "gpt2", bias="none",
+                  base_model_name_or_path=base_model, inference_mode=True, init_lora_weights=True,
+                  modules_to_save=None, use_dora=False, rank_pattern={}, alpha_pattern={}, layers_to_transform=None)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(state, os.path.join(out_dir, WEIGHTS_NAME))
+
+
+# PEFT's LoraConfig fields whose non-default values change what the adapter computes, and tnlg does not build
+_REFUSED: dict[str, tuple] = {
+    "use_dora": (False, None), "modules_to_save": (None, []), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
+    "bias": ("none",), "layers_to_transform": (None,), "lora_bias": (False,), "fan_in_fan_out": (),
+    "use_qalora": (False, None), "trainable_token_indices": (None,), "layer_replication": (None,),
+    "exclude_modules": (None,)}
+
+
+def read_peft_folder(path: str, cfg: GPTConfig, layout: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(settings, full factors)`` of PEFT's adapter folder ``path``: ``settings`` holds ``rank``, ``alpha``,
+    ``dropout``, ``use_rslora`` and ``targets``; a field PEFT uses that tnlg does not build (DoRA,
+    ``modules_to_save``, per-layer ranks, biases) refused by name, in one paragraph."""
+    where = f"the adapter folder {path}"
+    cfg_file, weights = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
+    if not (os.path.isfile(cfg_file) and os.path.isfile(weights)):
+        raise UserError(f"{where} needs {CONFIG_NAME} and {WEIGHTS_NAME} (PEFT's save_pretrained). Nothing was loaded.")
+    with open(cfg_file) as f:
+        conf = json.load(f)
+    if conf.get("peft_type") != "LORA":
+        raise UserError(f"{where} is a {conf.get('peft_type')!r} adapter; tnlg reads LORA adapters. Nothing was loaded.")
+    for field, accepted in _REFUSED.items():
+        if field not in conf:
+            continue
+        value = conf[field]
+        if field == "fan_in_fan_out":
+            if value != (layout == "gpt2"):
+                raise UserError(f"{where} sets fan_in_fan_out {value}, which this model's layers are not "
+                                f"({'Conv1D' if layout == 'gpt2' else 'nn.Linear'}). Nothing was loaded.")
+            continue
+        if value not in accepted:
+            raise UserError(f"{where} sets {field}={value!r}: tnlg builds plain LoRA adapters (no DoRA, no "
+                            "modules_to_save, one rank and alpha for every layer, no biases, every layer); "
+                            f"{field} must be {accepted[0]!r}. Nothing was loaded.")
+    from safetensors.torch import load_file
+    full = tnlg_adapter_state(load_file(weights), cfg, layout, where)
+    ranks = {t.shape[0] for n, t in full.items() if "lora_A_" in n}
+    if ranks != {conf.get("r")}:
+        raise UserError(f"{where}: its factors have ranks {sorted(ranks)}, its config r={conf.get('r')}. "
+                        "Nothing was loaded.")
+    targets = conf.get("target_modules") or []
+    if isinstance(targets, str):
+        raise UserError(f"{where}: target_modules is the pattern {targets!r}; tnlg reads a list of module names. "
+                        "Nothing was loaded.")
+    settings = dict(rank=int(conf["r"]), alpha=float(conf.get("lora_alpha", 8)),
+                    dropout=float(conf.get("lora_dropout", 0.0)), use_rslora=bool(conf.get("use_rslora", False)),
+                    targets=tuple(targets))
+    return settings, full
