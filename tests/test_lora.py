@@ -148,3 +148,101 @@ def test_lora_with_tp_2_by_dp_2_and_zero_matches_peft(zero_stage):
     four = run_distributed(_train_tnlg, 4, 2, "llama", targets, True, False, zero_stage)[0]
     assert four["same_base"]
     torch.testing.assert_close(torch.tensor(four["losses"]), torch.tensor(ref), rtol=0, atol=1e-5)
+
+
+def _logits(model, tokens):
+    from tnlg.parallel.vocab import gather_logits
+    with torch.no_grad():
+        return gather_logits(model.eval()(tokens), model.ps, model.config.vocab_size)
+
+
+def _export_peft(ps, family: str, targets, out_dir: str):
+    """tnlg's model with adapters (random B) written as PEFT's folder; its full base and logits."""
+    from tnlg.adapters import LoraSettings
+    from tnlg.config import GPTConfig
+    from tnlg.interop.peft import add_lora, save_peft_adapter
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import full_state_dict
+    fields, _ = FAMILIES[family]
+    cfg = GPTConfig(**fields)
+    model = GPT(cfg, ps)
+    base = full_state_dict(model, ps)
+    settings = LoraSettings(RANK, ALPHA, random_b=True, seed=7)
+    add_lora(model, settings, targets)
+    save_peft_adapter(model, out_dir, settings)
+    tokens, _ = _tokens(cfg.vocab_size)
+    return base, _logits(model, tokens), cfg
+
+
+def _import_peft(ps, cfg, base: dict, peft_dir: str):
+    """tnlg's logits of the base with PEFT's adapter folder loaded."""
+    from tnlg.interop.peft import load_peft_adapter
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import load_full_state_dict
+    model = GPT(cfg, ps)
+    load_full_state_dict(model, base, ps)
+    load_peft_adapter(model, peft_dir)
+    tokens, _ = _tokens(cfg.vocab_size)
+    return _logits(model, tokens)
+
+
+@pytest.mark.needs_package("peft")
+@pytest.mark.parametrize("family,targets", [("gpt2", ("c_attn", "mlp.c_proj")),
+                                            ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj")),
+                                            ("llama_mha", ("q_proj", "v_proj"))])
+def test_peft_folders_out_and_in_give_peft_logits(tmp_path, family, targets):
+    """tnlg's adapters written at TP 2 load into peft.PeftModel on the exported base with tnlg's logits; an adapter
+    peft made itself (random factors) loaded by tnlg at TP 1 and 2 gives peft's logits."""
+    import peft
+    from tnlg.interop.hf import build_hf_model
+    out = str(tmp_path / "adapter")
+    base, logits, cfg = run_distributed(_export_peft, 2, 2, family, targets, out)[0]
+    hf = build_hf_model(base, cfg).float().eval()
+    model = peft.PeftModel.from_pretrained(hf, out)
+    tokens, _ = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=tokens).logits
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
+    with torch.no_grad(), model.disable_adapter():
+        assert (ref - model(input_ids=tokens).logits).abs().max() > 1e-3  # (the adapters act)
+
+    conf = peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=list(targets), fan_in_fan_out=family == "gpt2",
+                           init_lora_weights=False)
+    torch.manual_seed(4)
+    made = peft.get_peft_model(build_hf_model(base, cfg).float().eval(), conf)
+    made.save_pretrained(str(tmp_path / "made"))
+    with torch.no_grad():
+        expected = made(input_ids=tokens).logits
+    for world in (1, 2):
+        got = run_distributed(_import_peft, world, world, cfg, base, str(tmp_path / "made"))[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_bad_targets_ranks_and_folders_are_refused_in_one_paragraph(tmp_path):
+    import json
+
+    from tnlg.adapters import LoraSettings
+    from tnlg.config import GPTConfig
+    from tnlg.errors import UserError
+    from tnlg.interop.peft import add_lora, load_peft_adapter, save_peft_adapter
+    from tnlg.model import GPT
+    from tnlg.parallel.state import ParallelState
+    cfg = GPTConfig(**LLAMA)
+    with pytest.raises(UserError, match=r"'qkv_proj'.*q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"):
+        add_lora(GPT(cfg, ParallelState.single()), LoraSettings(4), ["q_proj", "qkv_proj"])
+    with pytest.raises(UserError, match="above the width of k_proj \\(16"):  # 2 groups of 8: k is 16 wide
+        add_lora(GPT(cfg, ParallelState.single()), LoraSettings(17), ["q_proj", "k_proj"])
+    with pytest.raises(ValueError, match="positive integer"):
+        LoraSettings(0)
+    model = GPT(cfg, ParallelState.single())
+    add_lora(model, LoraSettings(4, random_b=True), ["q_proj"])
+    save_peft_adapter(model, str(tmp_path / "a"), LoraSettings(4))
+    with pytest.raises(UserError, match=r"transformer.h.0.attn.c_q.lora_A_q_proj is \(4, 48\).*takes \(4, 32\)"):
+        load_peft_adapter(GPT(GPTConfig(**dict(LLAMA, hidden_size=32, num_attention_heads=4)),
+                              ParallelState.single()), str(tmp_path / "a"))
+    conf_file = tmp_path / "a" / "adapter_config.json"
+    conf = json.loads(conf_file.read_text())
+    conf_file.write_text(json.dumps(dict(conf, use_dora=True)))
+    with pytest.raises(UserError, match="use_dora=True.*no DoRA"):
+        load_peft_adapter(GPT(cfg, ParallelState.single()), str(tmp_path / "a"))

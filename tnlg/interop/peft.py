@@ -40,7 +40,7 @@ from ..errors import UserError
 
 __all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
            "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
-           "WEIGHTS_NAME"]
+           "WEIGHTS_NAME", "layout_of", "add_lora", "save_peft_adapter", "load_peft_adapter"]
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -243,3 +243,66 @@ def read_peft_folder(path: str, cfg: GPTConfig, layout: str) -> tuple[dict, dict
                     dropout=float(conf.get("lora_dropout", 0.0)), use_rslora=bool(conf.get("use_rslora", False)),
                     targets=tuple(targets))
     return settings, full
+
+
+# --------------------------------------------------------------------------- a model's adapters in and out
+
+def layout_of(cfg: GPTConfig, recorded: Optional[str] = None) -> str:
+    """The PEFT naming of ``cfg``'s Hugging Face family (``gpt2`` or ``llama``: :mod:`.families`)."""
+    from .families import family_of
+    return family_of(cfg, recorded).layout
+
+
+def add_lora(model, settings, targets: Optional[Sequence[str]] = None, recorded: Optional[str] = None) -> list[str]:
+    """Freeze ``model`` (a :class:`tnlg.GPT` or a pipeline stage) and add adapters on PEFT's ``targets`` (checked;
+    default: PEFT's for the family) of its own layers; the rank checked against every targeted layer's width.
+    Returns the wrapped layers' names."""
+    from ..adapters.lora import apply_lora
+    cfg = model.config
+    layout = layout_of(cfg, recorded)
+    chosen = resolve_targets(targets, layout)
+    check_lora_rank(settings.rank, cfg, chosen, layout)
+    blocks = sorted({n.rsplit(".", 1)[0] for n, _ in model.named_modules() if re.fullmatch(r"transformer\.h\.\d+\.attn", n)})
+    return apply_lora(model, settings, lora_sites(blocks, cfg, layout, chosen), head_dim=cfg.head_dim)
+
+
+def save_peft_adapter(model, out_dir: str, settings, recorded: Optional[str] = None,
+                      base_model: Optional[str] = None) -> None:
+    """PEFT's adapter folder of ``model``'s adapters (gathered over TP: collective; the first rank writes)."""
+    from ..adapters.lora import adapter_parameters
+    from ..parallel.sharding import gather_full
+    ps = model.ps
+    full = {n: gather_full(p.detach(), p, ps).float() for n, p in adapter_parameters(model).items()}
+    if ps.rank == 0:
+        write_peft_folder(out_dir, full, model.config, layout_of(model.config, recorded), rank=settings.rank,
+                          alpha=settings.alpha, dropout=settings.dropout, use_rslora=settings.use_rslora,
+                          base_model=base_model)
+
+
+@torch.no_grad()
+def load_peft_adapter(model, path: str, recorded: Optional[str] = None):
+    """Add the adapters of PEFT's folder ``path`` to ``model`` (frozen) with its factors (this rank's slices);
+    returns their :class:`~tnlg.adapters.lora.LoraSettings`. A factor whose shape differs from the model's
+    layer is refused in one paragraph."""
+    from ..adapters.lora import LoraSettings, adapter_parameters
+    from ..parallel.sharding import ShardSpec, shard_of
+    cfg = model.config
+    layout = layout_of(cfg, recorded)
+    conf, full = read_peft_folder(path, cfg, layout)
+    settings = LoraSettings(conf["rank"], conf["alpha"], conf["dropout"], conf["use_rslora"])
+    # PEFT's module names of the folder's factors (GPT-2's by layer path: attn.c_proj is not mlp.c_proj)
+    targets = sorted({_TNLG_FACTOR.match(n).group(4) if layout == "llama"  # type: ignore[union-attr]
+                      else _TNLG_FACTOR.match(n).group(2) for n in full})  # type: ignore[union-attr]
+    add_lora(model, settings, targets, recorded)
+    params = adapter_parameters(model)
+    for name, p in params.items():
+        if name not in full:  # a layer or part the folder does not adapt: zeros, it adds nothing
+            p.zero_()
+            continue
+        spec = ShardSpec.of(p)
+        if tuple(full[name].shape) != tuple(spec.shape):
+            raise UserError(f"the adapter folder {path}: {name} is {tuple(full[name].shape)}, this model's layer takes "
+                            f"{tuple(spec.shape)} (another base model?). Nothing was loaded.")
+        p.copy_(shard_of(full[name], p, model.ps.tp_rank))
+    return settings
+
