@@ -40,7 +40,7 @@ from ..errors import UserError
 
 __all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
            "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
-           "WEIGHTS_NAME", "layout_of", "add_lora", "save_peft_adapter", "load_peft_adapter"]
+           "WEIGHTS_NAME", "layout_of", "check_adapter_options", "add_lora", "save_peft_adapter", "load_peft_adapter"]
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -248,9 +248,22 @@ def read_peft_folder(path: str, cfg: GPTConfig, layout: str) -> tuple[dict, dict
 # --------------------------------------------------------------------------- a model's adapters in and out
 
 def layout_of(cfg: GPTConfig, recorded: Optional[str] = None) -> str:
-    """The PEFT naming of ``cfg``'s Hugging Face family (``gpt2`` or ``llama``: :mod:`.families`)."""
+    """The PEFT naming of ``cfg``'s Hugging Face family (``gpt2`` or ``llama``: :mod:`.families`); an architecture
+    no family computes is named as the layout its layers have (``llama``: SwiGLU or grouped-query attention)."""
     from .families import family_of
-    return family_of(cfg, recorded).layout
+    try:
+        return family_of(cfg, recorded).layout
+    except UserError:
+        return "llama" if cfg.swiglu or cfg.kv_groups != cfg.num_attention_heads else "gpt2"
+
+
+def check_adapter_options(a, cfg: GPTConfig) -> None:
+    """``--lora-target-modules`` the model has and a ``--lora-rank`` each targeted layer can take (``a``: the run's
+    :class:`~tnlg.options.components.AdapterOptions`); one paragraph, before any process starts."""
+    if a.lora_rank is None:
+        return
+    layout = layout_of(cfg)
+    check_lora_rank(a.lora_rank, cfg, resolve_targets(a.lora_target_modules, layout), layout)
 
 
 def add_lora(model, settings, targets: Optional[Sequence[str]] = None, recorded: Optional[str] = None) -> list[str]:

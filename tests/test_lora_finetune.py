@@ -1,0 +1,108 @@
+"""``tnlg finetune`` with LoRA adapters against PEFT + transformers + torch's AdamW, and its bad input.
+
+The reference fine-tunes PEFT's adapter (made by peft, random factors) on the same Hugging Face model with plain
+torch: each step the whole global batch, the per-token mean over the completions' tokens, AdamW. tnlg loads the
+same folder (``--load HF_DIR``) and PEFT's adapter (``--load-adapter``), trains at TP 1 and TP 2 + SP, and writes
+``SAVE/adapter``, which peft loads onto the base with the reference's trained logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .pool import run_distributed
+from .test_finetune import ROWS, _hf_model, _options, _samples, _train
+
+ITERS, LR = 5, 5e-3
+
+
+def _reference(hf_dir: str, adapter_dir: str, samples):
+    import peft
+    import transformers
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for _ in range(ITERS):
+        opt.zero_grad()
+        total, count = torch.zeros(()), 0
+        for ids, labels in samples:
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            target = torch.tensor(labels[1:])
+            total = total + torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+            count += int((target != -100).sum())
+        loss = total / count
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.needs_package("peft")
+@pytest.mark.parametrize("kind,targets", [("gpt2", ["c_attn", "mlp.c_fc"]), ("llama", ["q_proj", "v_proj", "down_proj"])])
+def test_finetune_with_adapters_matches_peft(tmp_path, kind, targets):
+    import peft
+    from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
+    tok_path = builtin_tokenizer_path()
+    samples = _samples(load_tokenizer(tok_path))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=p, completion=c)) + "\n" for p, c in ROWS))
+    hf_dir, made = tmp_path / "hf", tmp_path / "made"
+    hf = _hf_model(kind)
+    hf.save_pretrained(hf_dir)
+    torch.manual_seed(3)
+    peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets, init_lora_weights=False,
+                                            fan_in_fan_out=kind == "gpt2")).save_pretrained(made)
+    ref, trained = _reference(str(hf_dir), str(made), samples)
+    common = ["--load", str(hf_dir), "--tokenizer-model", tok_path, "--sft-data-path", str(rows), "--load-adapter",
+              str(made), "--train-iters", str(ITERS), "--lr", str(LR), "--lr-decay-style", "constant",
+              "--clip-grad", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
+              "--no-plot", "--micro-batch-size", "1", "--log-interval", "100", "--global-batch-size", str(len(ROWS)),
+              "--no-packing", "--weight-decay", "0.01", "--adam-beta2", "0.999"]
+    for world, flags in ((1, []), (2, ["--tp", "2", "--sequence-parallel"])):
+        save = tmp_path / f"run{world}"
+        (o,) = _options([common + flags + ["--save", str(save)]], world)
+        (losses,) = run_distributed(_train, world, 1, [o], timeout_s=300)[0]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=0, atol=1e-5)
+        # the saved adapter on the base gives the reference's trained logits
+        import transformers
+        again = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), save / "adapter")
+        ids = torch.tensor([samples[0][0]])
+        with torch.no_grad():
+            torch.testing.assert_close(again(input_ids=ids).logits, trained.eval()(input_ids=ids).logits,
+                                       rtol=0, atol=1e-5)
+
+
+def _refusal(argv):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "tnlg", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_lora_flags_refused_before_any_process_starts(tmp_path):
+    from tnlg.data.tokenizer import builtin_tokenizer_path
+    hf_dir = tmp_path / "hf"
+    _hf_model("llama").save_pretrained(hf_dir)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=p, completion=c)) + "\n" for p, c in ROWS))
+    common = ["finetune", "--load", str(hf_dir), "--tokenizer-model", builtin_tokenizer_path(), "--sft-data-path",
+              str(rows), "--train-iters", "2", "--nproc-per-node", "1", "--save", str(tmp_path / "s")]
+    cases = [(common + ["--lora-rank", "4", "--lora-target-modules", "q_proj", "qkv"],
+              "'qkv', which this model does not have"),
+             (common + ["--lora-rank", "17", "--lora-target-modules", "k_proj"], "above the width of k_proj (16"),
+             (common + ["--lora-rank", "0"], "--lora-rank must be a positive integer"),
+             (common + ["--lora-alpha", "16"], "no --lora-rank R"),
+             (common + ["--lora-rank", "4", "--pp", "2", "--nproc-per-node", "2"],
+              "not built yet with --pipeline-model-parallel-size 2"),
+             (["pretrain", "--lora-rank", "4", "--train-iters", "2", "--nproc-per-node", "1"],
+              "that is tnlg finetune")]
+    for argv, words in cases:
+        done = _refusal(argv)
+        assert done.returncode != 0 and words in done.stderr, (argv, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "s").exists()  # nothing written
