@@ -386,17 +386,16 @@ class AdapterOptions:
     (:mod:`tnlg.adapters.lora`, :mod:`tnlg.interop.peft`)."""
     lora_rank: Optional[int] = option(None, help="train rank-R adapters (LoRA, PEFT's r) on the targeted linear "
                                       "layers of a frozen base instead of every weight (tnlg finetune)",
-                                      every="no adapters: every weight trains", metavar="R", must_match=True)
+                                      every="no adapters: every weight trains", metavar="R")
     lora_alpha: float = option(8.0, help="the adapters' scale alpha: each adds (alpha / R) B A x (PEFT's "
-                               "lora_alpha)", must_match=True)
+                               "lora_alpha)")
     lora_dropout: float = option(0.0, help="dropout on the adapters' input (PEFT's lora_dropout)")
     lora_target_modules: Optional[list[str]] = option(
         None, help="the layers that get adapters, by PEFT's names: GPT-2 c_attn, c_proj, c_fc (attn.c_proj / "
         "mlp.c_proj: one of the two); the Llama layout q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
         "down_proj; all-linear: every one", every="PEFT's for the family: c_attn (GPT-2), q_proj v_proj (Llama)",
-        metavar="MODULE", must_match=True)
-    use_rslora: bool = option(False, help="scale by alpha / sqrt(R) (rank-stabilised LoRA) instead of alpha / R",
-                              must_match=True)
+        metavar="MODULE")
+    use_rslora: bool = option(False, help="scale by alpha / sqrt(R) (rank-stabilised LoRA) instead of alpha / R")
     load_adapter: Optional[str] = option(None, help="start from the adapters of PEFT's folder DIR "
                                          "(adapter_config.json + adapter_model.safetensors; its rank, alpha, "
                                          "dropout and targets), on the base of --load", metavar="DIR")
