@@ -246,3 +246,43 @@ def test_bad_targets_ranks_and_folders_are_refused_in_one_paragraph(tmp_path):
     conf_file.write_text(json.dumps(dict(conf, use_dora=True)))
     with pytest.raises(UserError, match="use_dora=True.*no DoRA"):
         load_peft_adapter(GPT(cfg, ParallelState.single()), str(tmp_path / "a"))
+
+
+@pytest.mark.needs_package("peft")
+@pytest.mark.parametrize("family,targets", [("gpt2", ("c_attn", "c_proj", "c_fc")),
+                                            ("llama", ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")),
+                                            ("llama_mha", ("k_proj", "up_proj"))])
+def test_merged_adapter_gives_peft_logits(tmp_path, family, targets):
+    """``tnlg convert --from CKPT --merge-lora ADAPTER``: the merged tnlg checkpoint (at TP 2) and the merged
+    Hugging Face folder give the logits of peft's model with the adapter."""
+    import peft
+    import transformers
+    from tnlg.checkpoint import load_for_inference
+    from tnlg.cli import main
+    from tnlg.config import GPTConfig
+    from tnlg.interop.hf import build_hf_model
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import full_state_dict
+    from tnlg.parallel.state import ParallelState
+    fields, layout = FAMILIES[family]
+    cfg = GPTConfig(**fields)
+    base = full_state_dict(GPT(cfg, ParallelState.single()), ParallelState.single())
+    build_hf_model(base, cfg).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt")]) == 0
+    torch.manual_seed(2)
+    conf = peft.LoraConfig(r=3, lora_alpha=6.0, target_modules=list(targets), fan_in_fan_out=layout == "gpt2",
+                           init_lora_weights=False, use_rslora=True)
+    made = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), conf)
+    made.save_pretrained(tmp_path / "adapter")
+    tokens, _ = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        expected = made(input_ids=tokens).logits
+    assert main(["convert", "--from", str(tmp_path / "ckpt"), "--merge-lora", str(tmp_path / "adapter"), "--to", "hf",
+                 str(tmp_path / "merged-hf"), "--no-tokenizer"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged-hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits, expected, rtol=0, atol=1e-5)
+    assert main(["convert", "--from", str(tmp_path / "ckpt"), "--merge-lora", str(tmp_path / "adapter"), "--to",
+                 str(tmp_path / "merged"), "--tp", "2"]) == 0
+    model, _ = load_for_inference(str(tmp_path / "merged"))
+    torch.testing.assert_close(_logits(model, tokens), expected, rtol=0, atol=1e-5)

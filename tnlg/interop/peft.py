@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterable, Optional, Sequence
+from collections.abc import Mapping
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -40,7 +41,8 @@ from ..errors import UserError
 
 __all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
            "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
-           "WEIGHTS_NAME", "layout_of", "check_adapter_options", "add_lora", "save_peft_adapter", "load_peft_adapter"]
+           "WEIGHTS_NAME", "layout_of", "check_adapter_options", "add_lora", "save_peft_adapter", "load_peft_adapter",
+           "merged_weights", "merge_lora_checkpoint"]
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -319,3 +321,110 @@ def load_peft_adapter(model, path: str, recorded: Optional[str] = None):
         p.copy_(shard_of(full[name], p, model.ps.tp_rank))
     return settings
 
+
+
+# --------------------------------------------------------------------------- merging
+
+def merged_weights(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
+                   scaling: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each weight the adapters ``full`` (tnlg's full factors) change: a function of the base's full weight
+    giving ``W + scaling * B A`` in tnlg's layout (the fused QKV's parts per head, key/value per group, the
+    gate/up pair stacked; a part without an adapter adds nothing)."""
+    slots = _layer_slots(cfg, layout)
+    layers: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    counts: dict[str, int] = {}
+    for name in full:
+        m = _TNLG_FACTOR.match(name)
+        if m is None or m.group(3) != "A":
+            continue
+        layer, path, _, part = m.groups()
+        key = next(k for k, (p, _, _) in slots.items() if p == path and k.rsplit(".", 1)[-1] == part)
+        _, index, count = slots[key]
+        site = f"transformer.h.{layer}.{path}.weight"
+        layers.setdefault(site, {})[index] = (full[name], full[name[:-len(f"lora_A_{part}")] + f"lora_B_{part}"])
+        counts[site] = count
+
+    def merge(site: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        parts, count = layers[site], counts[site]
+
+        def apply(w: torch.Tensor) -> torch.Tensor:
+            deltas = {i: scaling * (b.double() @ a.double()) for i, (a, b) in parts.items()}
+            if count == 1:
+                return (w.double() + deltas[0].reshape(w.shape)).to(w.dtype)
+            rows = w.shape[1] if site.endswith("mlp.c_fc.weight") else None
+            if rows is not None:  # [2, f, in]: gate, up
+                delta = torch.stack([deltas.get(i, torch.zeros_like(w[0], dtype=torch.float64)) for i in range(2)])
+            elif w.dim() == 4:  # [G, 2, d, in]: key, value per group
+                g, _, d, n = w.shape
+                delta = torch.stack([deltas.get(i, torch.zeros(g * d, n, dtype=torch.float64)).view(g, d, n)
+                                     for i in range(2)], dim=1)
+            else:  # [H 3 d, in]: q, k, v per head
+                d = cfg.head_dim
+                n = w.shape[1]
+                delta = torch.stack([deltas.get(i, torch.zeros(w.shape[0] // 3, n, dtype=torch.float64)).view(-1, d, n)
+                                     for i in range(3)], dim=1).reshape(w.shape)
+            return (w.double() + delta.reshape(w.shape)).to(w.dtype)
+        return apply
+
+    return {site: merge(site) for site in layers}
+
+
+def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = "ckpt", tp_size: int = 1,
+                          tokenizer_model=None, with_tokenizer: bool = True) -> str:
+    """A tnlg checkpoint ``src`` with PEFT's adapter ``adapter_dir`` merged into its weights: a new tnlg checkpoint
+    (iteration 0, weights only) at TP ``tp_size`` (``dst_kind`` ``ckpt``: each merged weight built when written,
+    one at a time) or a Hugging Face folder (``hf``; with ``with_tokenizer``, the checkpoint's tokenizer or
+    ``tokenizer_model`` beside it, as ``tnlg convert --to hf`` writes it)."""
+    from ..checkpoint import files as F
+    from ..checkpoint.manifest import Layout, OptimizerState
+    from ..checkpoint.offline import open_source, write_converted
+    from ..checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
+    iter_dir, manifest, cfg = open_source(src)
+    recorded = (manifest.converted_from or {}).get("model_type")
+    layout = layout_of(cfg, recorded if isinstance(recorded, str) else None)
+    conf, full = read_peft_folder(adapter_dir, cfg, layout)
+    scaling = conf["alpha"] / (conf["rank"] ** 0.5 if conf["use_rslora"] else conf["rank"])
+    merges = merged_weights(full, cfg, layout, scaling)
+    reader = ShardReader(iter_dir, manifest, F.model_file)
+    wanted = full_targets(manifest)
+    for site in merges:
+        if site not in wanted:
+            raise UserError(f"the adapter folder {adapter_dir} adapts {site}, which checkpoint {iter_dir!r} does not "
+                            "have (another base model?). Nothing was written.")
+        shape = tuple(wanted[site]["shape"])
+        a_shape = next(t.shape for n, t in full.items() if n.startswith(site[:-len("weight")]) and "lora_A_" in n)
+        if a_shape[1] != shape[-1]:
+            raise UserError(f"the adapter folder {adapter_dir}: the factors of {site} take {a_shape[1]} input features, "
+                            f"the checkpoint's layer {shape[-1]} (another base model?). Nothing was written.")
+
+    def tensor(name: str) -> torch.Tensor:
+        t = reader.tensor(name, name, wanted[name])
+        return merges[name](t) if name in merges else t
+
+    if dst_kind == "hf":
+        from .hf import build_hf_model, write_hf_folder
+        from .hf_checkpoint import _export_tokenizer
+        from ..data.hf_tokenizer import hf_tokenizer_files
+        tok = _export_tokenizer(manifest, cfg, tokenizer_model) if with_tokenizer else None
+        files = None if tok is None else hf_tokenizer_files(tok, cfg.seq_length)
+        hf = build_hf_model({n: tensor(n) for n in wanted}, cfg, None if tok is None else tok.eod_id,
+                            where=f"checkpoint {iter_dir!r}", family=recorded if isinstance(recorded, str) else None)
+        return write_hf_folder(hf, dst, files)
+    merged = manifest.replace(iteration=0, consumed_samples=0, optimizer=OptimizerState(), schedule=None, options={},
+                              layout=Layout(param_dtype=manifest.layout.param_dtype),
+                              converted_from=dict(manifest.converted_from or {}, merged_lora=os.path.abspath(adapter_dir)))
+
+    class _Merged(Mapping):
+        def __init__(self, targets):
+            self.targets = targets
+
+        def __getitem__(self, name):
+            return slice_full(tensor(name), self.targets[name])
+
+        def __iter__(self):
+            return iter(self.targets)
+
+        def __len__(self):
+            return len(self.targets)
+
+    return write_converted(dst, merged, cfg, tp_size, lambda r, names: (_Merged(targets_for(cfg, tp_size, r)), None))
