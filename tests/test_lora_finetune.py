@@ -63,8 +63,9 @@ def test_finetune_with_adapters_matches_peft(tmp_path, kind, targets):
               "--clip-grad", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
               "--no-plot", "--micro-batch-size", "1", "--log-interval", "100", "--global-batch-size", str(len(ROWS)),
               "--no-packing", "--weight-decay", "0.01", "--adam-beta2", "0.999"]
-    for world, flags in ((1, []), (2, ["--tp", "2", "--sequence-parallel"])):
-        save = tmp_path / f"run{world}"
+    for world, flags in ((1, []), (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--cp", "2"]),
+                         (4, ["--tp", "2", "--zero-stage", "3"])):
+        save = tmp_path / f"run{world}{'-'.join(flags)}"
         (o,) = _options([common + flags + ["--save", str(save)]], world)
         (losses,) = run_distributed(_train, world, 1, [o], timeout_s=300)[0]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=0, atol=1e-5)

@@ -283,11 +283,17 @@ def add_lora(model, settings, targets: Optional[Sequence[str]] = None, recorded:
 
 def save_peft_adapter(model, out_dir: str, settings, recorded: Optional[str] = None,
                       base_model: Optional[str] = None) -> None:
-    """PEFT's adapter folder of ``model``'s adapters (gathered over TP: collective; the first rank writes)."""
+    """PEFT's adapter folder of ``model``'s adapters (gathered over TP, and over DP under ZeRO 3: collective; the
+    first rank writes)."""
     from ..adapters.lora import adapter_parameters
     from ..parallel.sharding import gather_full
     ps = model.ps
-    full = {n: gather_full(p.detach(), p, ps).float() for n, p in adapter_parameters(model).items()}
+    full = {}
+    for n, p in adapter_parameters(model).items():
+        local = p.detach()
+        if hasattr(local, "full_tensor"):  # ZeRO 3 (FSDP2): this TP rank's shard, gathered over DP first
+            local = local.full_tensor()
+        full[n] = gather_full(local, p, ps).float()
     if ps.rank == 0:
         write_peft_folder(out_dir, full, model.config, layout_of(model.config, recorded), rank=settings.rank,
                           alpha=settings.alpha, dropout=settings.dropout, use_rslora=settings.use_rslora,
