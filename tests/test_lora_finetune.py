@@ -107,3 +107,23 @@ def test_lora_flags_refused_before_any_process_starts(tmp_path):
         assert done.returncode != 0 and words in done.stderr, (argv, done.stderr[-2000:])
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "s").exists()  # nothing written
+
+
+@pytest.mark.needs_package("peft")
+def test_an_adapter_of_another_base_is_refused_before_any_process_starts(tmp_path):
+    import peft
+    from tnlg.data.tokenizer import builtin_tokenizer_path
+    hf_dir = tmp_path / "hf"
+    _hf_model("llama").save_pretrained(hf_dir)
+    other = _hf_model("gpt2")
+    peft.get_peft_model(other, peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)).save_pretrained(
+        tmp_path / "gpt2-adapter")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=p, completion=c)) + "\n" for p, c in ROWS))
+    common = ["finetune", "--load", str(hf_dir), "--tokenizer-model", builtin_tokenizer_path(), "--sft-data-path",
+              str(rows), "--train-iters", "2", "--nproc-per-node", "1", "--save", str(tmp_path / "s")]
+    done = _refusal(common + ["--load-adapter", str(tmp_path / "gpt2-adapter")])
+    assert done.returncode != 0 and "fan_in_fan_out True" in done.stderr, done.stderr[-2000:]
+    done = _refusal(common + ["--load-adapter", str(tmp_path / "gpt2-adapter"), "--lora-alpha", "4"])
+    assert done.returncode != 0 and "brings its own rank" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "s").exists()

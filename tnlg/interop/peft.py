@@ -262,6 +262,10 @@ def layout_of(cfg: GPTConfig, recorded: Optional[str] = None) -> str:
 def check_adapter_options(a, cfg: GPTConfig) -> None:
     """``--lora-target-modules`` the model has and a ``--lora-rank`` each targeted layer can take (``a``: the run's
     :class:`~tnlg.options.components.AdapterOptions`); one paragraph, before any process starts."""
+    if a.load_adapter is not None:  # the folder read and checked against the model's layers (built on meta)
+        from ..model import GPT
+        from ..parallel.state import ParallelState
+        load_peft_adapter(GPT(cfg, ParallelState.single(), device="meta"), a.load_adapter)
     if a.lora_rank is None:
         return
     layout = layout_of(cfg)

@@ -409,7 +409,10 @@ class AdapterOptions:
         given = [flag_of(n) for n, default in (("lora_alpha", 8.0), ("lora_dropout", 0.0),
                                                ("lora_target_modules", None), ("use_rslora", False))
                  if getattr(self, n) != default]
-        if given and self.lora_rank is None and self.load_adapter is None:
+        if given and self.load_adapter is not None:
+            raise UserError(f"--load-adapter {self.load_adapter!r} brings its own rank, alpha, dropout and targets "
+                            f"(adapter_config.json); drop {', '.join(given)}.")
+        if given and self.lora_rank is None:
             raise UserError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up adapters, but no "
                             "--lora-rank R (or --load-adapter DIR) asks for them. Add --lora-rank R (16 is "
                             "common) or drop the flag.")
