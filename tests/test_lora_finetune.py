@@ -2,8 +2,9 @@
 
 The reference fine-tunes PEFT's adapter (made by peft, random factors) on the same Hugging Face model with plain
 torch: each step the whole global batch, the per-token mean over the completions' tokens, AdamW. tnlg loads the
-same folder (``--load HF_DIR``) and PEFT's adapter (``--load-adapter``), trains at TP 1 and TP 2 + SP, and writes
-``SAVE/adapter``, which peft loads onto the base with the reference's trained logits.
+same folder (``--load HF_DIR``) and PEFT's adapter (``--load-adapter``), trains, and writes
+``SAVE/adapter``, which peft loads onto the base with the reference's trained logits; at TP 1, TP 2 + SP, CP 2,
+PP 2 and TP 2 x DP 2 with ZeRO 3.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_finetune_with_adapters_matches_peft(tmp_path, kind, targets):
               "--clip-grad", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
               "--no-plot", "--micro-batch-size", "1", "--log-interval", "100", "--global-batch-size", str(len(ROWS)),
               "--no-packing", "--weight-decay", "0.01", "--adam-beta2", "0.999"]
-    for world, flags in ((1, []), (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--cp", "2"]),
+    for world, flags in ((1, []), (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--cp", "2"]), (2, ["--pp", "2"]),
                          (4, ["--tp", "2", "--zero-stage", "3"])):
         save = tmp_path / f"run{world}{'-'.join(flags)}"
         (o,) = _options([common + flags + ["--save", str(save)]], world)
@@ -98,8 +99,7 @@ def test_lora_flags_refused_before_any_process_starts(tmp_path):
              (common + ["--lora-rank", "17", "--lora-target-modules", "k_proj"], "above the width of k_proj (16"),
              (common + ["--lora-rank", "0"], "--lora-rank must be a positive integer"),
              (common + ["--lora-alpha", "16"], "no --lora-rank R"),
-             (common + ["--lora-rank", "4", "--pp", "2", "--nproc-per-node", "2"],
-              "not built yet with --pipeline-model-parallel-size 2"),
+             (common + ["--lora-rank", "4", "--bf16"], "not built yet with --bf16/--fp16"),
              (["pretrain", "--lora-rank", "4", "--train-iters", "2", "--nproc-per-node", "1"],
               "that is tnlg finetune")]
     for argv, words in cases:

@@ -287,8 +287,8 @@ def add_lora(model, settings, targets: Optional[Sequence[str]] = None, recorded:
 
 def save_peft_adapter(model, out_dir: str, settings, recorded: Optional[str] = None,
                       base_model: Optional[str] = None) -> None:
-    """PEFT's adapter folder of ``model``'s adapters (gathered over TP, and over DP under ZeRO 3: collective; the
-    first rank writes)."""
+    """PEFT's adapter folder of ``model``'s adapters (gathered over TP, over DP under ZeRO 3 and over the pipeline's
+    stages: collective; the first rank writes)."""
     from ..adapters.lora import adapter_parameters
     from ..parallel.sharding import gather_full
     ps = model.ps
@@ -298,6 +298,11 @@ def save_peft_adapter(model, out_dir: str, settings, recorded: Optional[str] = N
         if hasattr(local, "full_tensor"):  # ZeRO 3 (FSDP2): this TP rank's shard, gathered over DP first
             local = local.full_tensor()
         full[n] = gather_full(local, p, ps).float()
+    if ps.pp_size > 1:  # every pipeline stage's layers (small: the adapters alone), to the first rank
+        import torch.distributed as dist
+        stages: list = [None] * ps.pp_size
+        dist.all_gather_object(stages, full, group=ps.pp_group)
+        full = {n: t for stage in stages for n, t in stage.items()}
     if ps.rank == 0:
         write_peft_folder(out_dir, full, model.config, layout_of(model.config, recorded), rank=settings.rank,
                           alpha=settings.alpha, dropout=settings.dropout, use_rslora=settings.use_rslora,

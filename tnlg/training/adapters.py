@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import torch
+
 from ..adapters.lora import LoraSettings
 from ..checkpoint.loading import load_weights_into
 from ..config import GPTConfig
@@ -39,7 +41,13 @@ def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState):
     load = o.checkpoint.load
     if load is None:
         raise UserError("adapters train on the weights of --load; give --load DIR.")
-    model = GPT(cfg, ps, device=ps.device)
+    model: torch.nn.Module
+    if ps.pp_size > 1:  # this pipeline rank's layers, by the GPT's names
+        from ..model.stage import StageModel
+        from .setup import stage_chunks
+        model = StageModel(cfg, ps, stage_chunks(o.parallel, cfg, ps), device=ps.device)
+    else:
+        model = GPT(cfg, ps, device=ps.device)
     load_weights_into(load, model, ps)
     if o.adapters.load_adapter is not None:
         return model, load_peft_adapter(model, o.adapters.load_adapter)  # (its own rank, alpha, dropout, targets)
