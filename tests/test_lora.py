@@ -286,3 +286,25 @@ def test_merged_adapter_gives_peft_logits(tmp_path, family, targets):
                  str(tmp_path / "merged"), "--tp", "2"]) == 0
     model, _ = load_for_inference(str(tmp_path / "merged"))
     torch.testing.assert_close(_logits(model, tokens), expected, rtol=0, atol=1e-5)
+
+
+def test_plan_counts_a_frozen_base_and_the_adapters():
+    """``tnlg plan --lora-rank``: Llama-3-8B at TP 2, rank 16 on q_proj and v_proj, counted by hand; 2 bytes per
+    frozen parameter and 16 per adapter parameter (fp16, ZeRO 0), the frozen ones the planner's own per-rank count."""
+    import json
+    import subprocess
+    import sys
+
+    from tnlg.config import PRESETS, GPTConfig
+    from tnlg.plan.counts import parameter_report
+    layers, h, d, heads, groups, r = 32, 4096, 128, 32, 8, 16
+    adapters = layers * ((r * h + r * heads * d // 2) + (r * h + r * groups * d // 2))
+    frozen = parameter_report(GPTConfig(**PRESETS["llama3-8b"]), 2)["per_rank"][0]["params"]
+    done = subprocess.run([sys.executable, "-m", "tnlg", "plan", "--preset", "llama3-8b", "--tp", "2", "--world-size",
+                           "2", "--zero-stage", "0", "--precision", "fp16", "--lora-rank", "16", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lora = json.loads(done.stdout)["lora"]
+    assert (lora["adapter_params"], lora["frozen_params"]) == (adapters, frozen)
+    assert lora["total"] == 2 * frozen + 16 * adapters
+    assert lora["full_finetuning_total"] == 16 * frozen

@@ -36,16 +36,16 @@ def settings_of(o: Options, cfg: GPTConfig) -> LoraSettings:
     return LoraSettings(a.lora_rank, a.lora_alpha, a.lora_dropout, a.use_rslora, seed=cfg.seed)
 
 
-def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState):
-    """``(model, settings)``: the base of ``--load`` with its weights, frozen, and the run's adapters."""
+def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState, chunks: list[range]):
+    """``(model, settings)``: the base of ``--load`` with its weights, frozen, and the run's adapters; at PP > 1 this
+    pipeline rank's layers (``chunks``: its model chunks' layers)."""
     load = o.checkpoint.load
     if load is None:
         raise UserError("adapters train on the weights of --load; give --load DIR.")
     model: torch.nn.Module
     if ps.pp_size > 1:  # this pipeline rank's layers, by the GPT's names
         from ..model.stage import StageModel
-        from .setup import stage_chunks
-        model = StageModel(cfg, ps, stage_chunks(o.parallel, cfg, ps), device=ps.device)
+        model = StageModel(cfg, ps, chunks, device=ps.device)
     else:
         model = GPT(cfg, ps, device=ps.device)
     load_weights_into(load, model, ps)

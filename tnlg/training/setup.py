@@ -58,7 +58,7 @@ def build_engine(o: Options, cfg: GPTConfig, ps: ParallelState, accum: int):
     extra: dict[str, Any]
     if o.adapters.enabled:  # a frozen base read from --load, the adapters alone in the engine (fp32)
         from .adapters import adapted_model
-        build, (model, _) = build_tnlg_engine, adapted_model(o, cfg, ps)
+        build, (model, _) = build_tnlg_engine, adapted_model(o, cfg, ps, stage_chunks(par, cfg, ps))
         extra = {}
     elif par.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups (fp32 params)
         from ..optim.deepspeed_engine import build_deepspeed_engine as build
