@@ -9,6 +9,8 @@ within 1e-5, every adapter gradient is the same at every layout, and the base we
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,9 +40,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train_tnlg(ps, family: str, targets, sequence_parallel: bool, use_rslora: bool = False, zero_stage: int = 0):
+def _train_tnlg(ps, family: str, targets, sequence_parallel: bool, use_rslora: bool = False, zero_stage: int = 0,
+                recompute: Optional[str] = None):
     """tnlg with adapters: the full initial factors, the first step's full adapter gradients, the losses, and
-    whether the base weights ended bit-identical."""
+    whether the base weights ended bit-identical (``recompute``: the config's recompute_granularity)."""
     from tnlg.adapters import LoraSettings, adapter_parameters, apply_lora
     from tnlg.config import GPTConfig
     from tnlg.interop.peft import lora_sites
@@ -48,7 +51,7 @@ def _train_tnlg(ps, family: str, targets, sequence_parallel: bool, use_rslora: b
     from tnlg.optim.engine import build_engine
     from tnlg.parallel.sharding import full_state_dict, gather_full
     fields, layout = FAMILIES[family]
-    cfg = GPTConfig(**fields, sequence_parallel=sequence_parallel)
+    cfg = GPTConfig(**fields, sequence_parallel=sequence_parallel, recompute_granularity=recompute)
     model = GPT(cfg, ps)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     full_base = full_state_dict(model, ps) if ps.tp_size == 1 else None
@@ -183,7 +186,16 @@ def _import_peft(ps, cfg, base: dict, peft_dir: str):
     load_full_state_dict(model, base, ps)
     load_peft_adapter(model, peft_dir)
     tokens, _ = _tokens(cfg.vocab_size)
-    return _logits(model, tokens)
+    logits = _logits(model, tokens)
+    # incremental decoding (the KV cache, one token at a time) calls the adapters too: the same last logits
+    from tnlg.model.kv_cache import KVCache
+    from tnlg.parallel.vocab import gather_logits
+    cache = KVCache(model, tokens.shape[0], tokens.shape[1])
+    with torch.no_grad():
+        model(tokens[:, :-1], kv_cache=cache, last_only=True)
+        last = gather_logits(model(tokens[:, -1:], kv_cache=cache, last_only=True), model.ps, cfg.vocab_size)
+    torch.testing.assert_close(last[:, -1], logits[:, -1], rtol=0, atol=1e-5)
+    return logits
 
 
 @pytest.mark.needs_package("peft")
@@ -308,3 +320,14 @@ def test_plan_counts_a_frozen_base_and_the_adapters():
     assert (lora["adapter_params"], lora["frozen_params"]) == (adapters, frozen)
     assert lora["total"] == 2 * frozen + 16 * adapters
     assert lora["full_finetuning_total"] == 16 * frozen
+
+
+@pytest.mark.needs_package("peft")
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_lora_with_recomputation_matches_peft(recompute):
+    """Activation recomputation runs the adapters again in backward: the same steps."""
+    targets = ("q_proj", "k_proj", "o_proj", "up_proj")
+    one = _run("llama", targets, 1, False)
+    ref = _reference(one["cfg"], "llama", one["base"], one["init"], targets)
+    two = run_distributed(_train_tnlg, 2, 2, "llama", targets, True, False, 0, recompute)[0]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(ref), rtol=0, atol=1e-5)
