@@ -99,7 +99,7 @@ def test_lora_flags_refused_before_any_process_starts(tmp_path):
              (common + ["--lora-rank", "17", "--lora-target-modules", "k_proj"], "above the width of k_proj (16"),
              (common + ["--lora-rank", "0"], "--lora-rank must be a positive integer"),
              (common + ["--lora-alpha", "16"], "no --lora-rank R"),
-             (common + ["--lora-rank", "4", "--bf16"], "not built yet with --bf16/--fp16"),
+             (common + ["--lora-rank", "4", "--zero-impl", "deepspeed"], "deepspeed"),
              (["pretrain", "--lora-rank", "4", "--train-iters", "2", "--nproc-per-node", "1"],
               "that is tnlg finetune")]
     for argv, words in cases:
@@ -127,3 +127,30 @@ def test_an_adapter_of_another_base_is_refused_before_any_process_starts(tmp_pat
     done = _refusal(common + ["--load-adapter", str(tmp_path / "gpt2-adapter"), "--lora-alpha", "4"])
     assert done.returncode != 0 and "brings its own rank" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.needs_package("peft")
+def test_bf16_adapters_on_a_16_bit_base_track_peft(tmp_path):
+    """--bf16: the frozen base in bf16, the adapters with fp32 master weights; the losses track PEFT's fp32 run."""
+    import peft
+    from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
+    tok_path = builtin_tokenizer_path()
+    samples = _samples(load_tokenizer(tok_path))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(prompt=p, completion=c)) + "\n" for p, c in ROWS))
+    hf = _hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    torch.manual_seed(3)
+    peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+                        ).save_pretrained(tmp_path / "made")
+    ref, _ = _reference(str(tmp_path / "hf"), str(tmp_path / "made"), samples)
+    argv = ["--load", str(tmp_path / "hf"), "--tokenizer-model", tok_path, "--sft-data-path", str(rows),
+            "--load-adapter", str(tmp_path / "made"), "--train-iters", str(ITERS), "--lr", str(LR),
+            "--lr-decay-style", "constant", "--clip-grad", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--eval-interval", "0", "--no-plot", "--micro-batch-size", "1", "--log-interval", "100",
+            "--global-batch-size", str(len(ROWS)), "--no-packing", "--weight-decay", "0.01", "--adam-beta2", "0.999",
+            "--bf16", "--save", str(tmp_path / "run")]
+    (o,) = _options([argv], 1)
+    (losses,) = run_distributed(_train, 1, 1, [o], timeout_s=300)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=0, atol=2e-2)
+    assert losses[-1] < losses[0] - 0.05

@@ -104,13 +104,12 @@ class Options:
                             "tnlg pretrain --load DIR --finetune); a pretraining run trains every weight. Drop the "
                             "--lora-* flags or run tnlg finetune.")
         unbuilt = [(what, value) for what, value, on in (
-            ("--zero-impl", par.zero_impl, par.zero_impl == "deepspeed"),
-            ("--bf16/--fp16", "", self.precision.bf16 or self.precision.fp16)) if on]
+            ("--zero-impl", par.zero_impl, par.zero_impl == "deepspeed"),) if on]
         if unbuilt:
             named = ", ".join(f"{w} {v}".strip() for w, v in unbuilt)
             raise UserError(f"{flag} is not built yet with {named}: LoRA runs at any tensor-parallel (with or "
                             "without --sequence-parallel), context-parallel, pipeline-parallel and data-parallel size "
-                            "with ZeRO 0-3, in fp32. Drop "
+                            "with ZeRO 0-3, in fp32, bf16 or fp16 (a 16-bit frozen base). Drop "
                             f"{named} or the adapters.")
         # (the targets and the rank against the model: tnlg.interop.peft.check_adapter_options, by the command)
 

@@ -2,7 +2,8 @@
 ``--load``, the adapters added (or PEFT's folder read), and the adapters written as PEFT's folder at each save.
 
 The base is built on the run's device and read from its checkpoint parameter by parameter
-(:func:`tnlg.checkpoint.loading.load_weights_into`); the engine then holds the adapters alone (ZeRO over them).
+(:func:`tnlg.checkpoint.loading.load_weights_into`), in 16-bit under ``--bf16`` / ``--fp16``; the engine then holds
+the adapters alone (ZeRO over them; 16-bit, with fp32 master weights and moments, as any trained parameter).
 A save writes ``SAVE/adapter`` (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``, replaced
 whole: written beside it, then renamed), which ``peft.PeftModel.from_pretrained`` loads onto the base's
 Hugging Face export and ``tnlg finetune --load-adapter`` reads. Resuming a stopped adapter run (the optimizer's
@@ -49,6 +50,9 @@ def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState, chunks: list[ra
     else:
         model = GPT(cfg, ps, device=ps.device)
     load_weights_into(load, model, ps)
+    prec = o.precision
+    if prec.bf16 or prec.fp16:  # the frozen base in 16-bit (2 bytes a parameter); the engine keeps the adapters'
+        model.to(torch.bfloat16 if prec.bf16 else torch.float16)  # fp32 master weights and moments
     if o.adapters.load_adapter is not None:
         return model, load_peft_adapter(model, o.adapters.load_adapter)  # (its own rank, alpha, dropout, targets)
     settings = settings_of(o, cfg)
