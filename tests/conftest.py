@@ -71,6 +71,7 @@ OPTIONAL_PACKAGES = {
     "uvicorn": 'pip install -e ".[serve]"',
     "openai": 'pip install -e ".[test-serve]"',
     "selenium": 'pip install -e ".[test-serve]" (and apt-get install -y chromium chromium-driver)',
+    "peft": "pip install --no-deps peft==0.21.2 accelerate && pip install pyyaml psutil",
 }
 
 

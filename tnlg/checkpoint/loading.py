@@ -34,7 +34,7 @@ from .reshard import OptimReader, ShardReader, check_same_params, source_tp_rank
 from .rng import restore
 from .stages import chunk_layers_of, saved_stage
 
-__all__ = ["load", "load_for_inference", "read_states"]
+__all__ = ["load", "load_for_inference", "load_weights_into", "read_states"]
 
 
 def _log(ps: ParallelState, msg: str) -> None:
@@ -422,9 +422,27 @@ def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_
     for note in notes:
         _log(ps, note)
     model = inference_model(plan.config, ps)  # at PP > 1 this stage's layers, under the GPT's names
+    _read_weights(iter_dir, plan, model)
+    model.eval()
+    return model, plan.tokenizer
+
+
+def _read_weights(iter_dir: str, plan: _InferencePlan, model) -> None:
     reader = ShardReader(iter_dir, plan.manifest, F.model_file)
     with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():
             p.copy_(reader.tensor(name, name, plan.targets[name]).to(p.dtype))
-    model.eval()
-    return model, plan.tokenizer
+
+
+def load_weights_into(path: str, model, ps: ParallelState) -> str:
+    """The weights of checkpoint ``path`` (a root or an ``iter_*`` directory) read into ``model`` (built at this TP
+    size with the checkpoint's parameters: a frozen base under adapters, say), one parameter at a time, checked
+    and agreed on as :func:`load_for_inference`; returns the iteration directory read. Collective."""
+    iter_dir, notes = _agreed_iteration(path, "checkpoint", ps, missing_ok=False)
+    if iter_dir is None:
+        raise agreed(UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory)."))
+    plan = _agreed_plan(lambda: _inference_plan(iter_dir, ps, None), iter_dir)
+    for note in notes:
+        _log(ps, note)
+    _read_weights(iter_dir, plan, model)
+    return iter_dir

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n"
         "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] "
         "[--with-optimizer]\n"
-        "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M]\n\n"
+        "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M]\n"
+        "  tnlg convert --from CKPT --merge-lora ADAPTER_DIR --to CKPT2 [--tp N] | --to hf HF_DIR\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
     parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
@@ -97,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, help="with --from megatron: the tokenizer's real vocabulary size, "
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
+    parser.add_argument("--merge-lora", metavar="ADAPTER_DIR", help="with --from CKPT (the base): merge PEFT's LoRA "
+                        "adapter folder (a tnlg finetune --lora-rank run's SAVE/adapter, or peft's save_pretrained) "
+                        "into its weights, W + (alpha / r) B A, and write the merged model (--to a new tnlg "
+                        "checkpoint, or --to hf DIR)")
     parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
                         "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed or "
                         "the distributed optimizer (torch_dist, also in its default dp_reshardable bucket layout, "
@@ -144,7 +149,22 @@ def run(args: argparse.Namespace) -> int:
                         "only.")
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
+    merge = getattr(args, "merge_lora", None)
+    if merge is not None and (src_kind != "ckpt" or dst_kind not in ("ckpt", "hf")):
+        raise UserError(f"--merge-lora merges an adapter into a tnlg checkpoint: --from CKPT, --to CKPT2 or --to hf "
+                        f"DIR (not --from {src_kind} --to {dst_kind}); convert the base to a tnlg checkpoint first.")
+    if merge is not None and not os.path.isdir(merge):
+        raise UserError(f"--merge-lora {merge!r} is not a folder (PEFT's adapter_config.json + "
+                        "adapter_model.safetensors).")
     _fresh_destination(dst)
+    if merge is not None:
+        if dst_kind == "hf":
+            check_hf_packages("tnlg convert --merge-lora --to hf")
+        from ..interop.peft import merge_lora_checkpoint
+        out = merge_lora_checkpoint(src, merge, dst, dst_kind, args.tp or 1, args.tokenizer_model,
+                                    not getattr(args, "no_tokenizer", False))
+        print(f"wrote {out}")
+        return 0
     if "hf" in (src_kind, dst_kind):
         check_hf_packages(f"tnlg convert --from {src_kind if src_kind != 'ckpt' else 'CKPT'} --to "
                           f"{dst_kind if dst_kind != 'ckpt' else 'CKPT'}")

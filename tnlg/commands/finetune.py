@@ -235,7 +235,11 @@ class Start:
         interval = default_log_interval(self.said.get("train_iters"))
         if interval is not None:
             defaults["log_interval"] = interval
-        return resolve_options(values, world_size, defaults=defaults)
+        o = resolve_options(values, world_size, defaults=defaults)
+        from ..interop.peft import check_adapter_options
+        from ..options import model_config
+        check_adapter_options(o.adapters, model_config(o, vocab_size=1))  # (targets and rank: the model's)
+        return o
 
     def check_save(self, o) -> None:
         """``--save``: no other job holds it, and a checkpoint it holds (this run's own) fits these options."""

@@ -103,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lay.add_argument("--accumulate-allreduce-grads-in-fp32", dest="grads_fp32", action="store_true",
                      help="fp32 gradient buffer with 16-bit parameters (4-byte gradients; ZeRO stages 0 and 1)")
     _add_hardware_arguments(parser)
+    lora = parser.add_argument_group("low-rank adapters (as tnlg finetune --lora-rank)")
+    lora.add_argument("--lora-rank", type=int, help="also the model states with a frozen base and rank-R adapters "
+                      "(LoRA) beside full fine-tuning's")
+    lora.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                      help="with --lora-rank: the adapted layers by PEFT's names (default PEFT's for the family)")
     out = parser.add_argument_group("output")
     out.add_argument("--search", action="store_true",
                      help="list every (tp, dp, ZeRO stage, recomputation, micro batch) that fits on --world-size "
@@ -438,6 +443,27 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     return flat, text
 
 
+def _lora(args, model, result: dict) -> tuple[dict, str]:
+    """``--lora-rank``: the planned layout's model states with a frozen base and adapters (:mod:`tnlg.plan.lora`)."""
+    from ..interop.peft import check_lora_rank, layout_of, resolve_targets
+    from ..plan.lora import lora_model_states
+    if args.search or model.abstract:
+        raise UserError("--lora-rank plans one layout of a model tnlg builds: give --preset or the shape flags (not "
+                        "--params) and no --search.")
+    cfg, lay = model.config, result["layout"]
+    layout = layout_of(cfg)
+    targets = resolve_targets(args.lora_target_modules, layout)
+    check_lora_rank(args.lora_rank, cfg, targets, layout)
+    lora = lora_model_states(cfg, lay["tp"], lay["dp"], lay["zero_stage"], lay["precision"], args.lora_rank, targets)
+    gib = 2 ** 30
+    text = (f"LoRA rank {args.lora_rank} on {', '.join(targets)} (TP rank {lora['tp_rank']}): "
+            f"{lora['adapter_params']:,} adapter parameters beside {lora['frozen_params']:,} frozen; model states "
+            f"{lora['total'] / gib:.2f} GiB (base {lora['base_bytes'] / gib:.2f}, adapters "
+            f"{lora['adapter_bytes']['total'] / gib:.3f}) against {lora['full_finetuning_total'] / gib:.2f} GiB for "
+            f"full fine-tuning ({lora['ratio']:.3f}x)")
+    return lora, text
+
+
 def run(args) -> int:
     """Plan one layout (or search all layouts) and print a table or one JSON object."""
     model = _model(args)
@@ -484,6 +510,9 @@ def run(args) -> int:
         elif args.simulate:
             result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1)
             text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])
+    if getattr(args, "lora_rank", None) is not None:
+        result["lora"], more = _lora(args, model, result)
+        text += "\n\n" + more
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:

@@ -18,7 +18,7 @@ from .fields import check_declared, flag_of, option
 from ..layout import FLAGS, check_positive
 
 __all__ = ["ModelOptions", "ScheduleOptions", "ParallelOptions", "DataOptions", "PrecisionOptions",
-           "LoggingOptions", "CheckpointOptions", "DEFAULT_NPROC", "COMPONENTS"]
+           "LoggingOptions", "CheckpointOptions", "AdapterOptions", "DEFAULT_NPROC", "COMPONENTS"]
 
 DEFAULT_NPROC = 4  # local processes when not under torchrun and --nproc-per-node is not given
 
@@ -384,9 +384,55 @@ class CheckpointOptions:
             raise UserError(f"--load {self.load!r} is not a directory.")
 
 
+@dataclass
+class AdapterOptions:
+    """Low-rank adapters (LoRA) on a frozen base, ``tnlg finetune`` only: PEFT's ``LoraConfig`` fields
+    (:mod:`tnlg.adapters.lora`, :mod:`tnlg.interop.peft`)."""
+    lora_rank: Optional[int] = option(None, help="train rank-R adapters (LoRA, PEFT's r) on the targeted linear "
+                                      "layers of a frozen base instead of every weight (tnlg finetune)",
+                                      every="no adapters: every weight trains", metavar="R")
+    lora_alpha: float = option(8.0, help="the adapters' scale alpha: each adds (alpha / R) B A x (PEFT's "
+                               "lora_alpha)")
+    lora_dropout: float = option(0.0, help="dropout on the adapters' input (PEFT's lora_dropout)")
+    lora_target_modules: Optional[list[str]] = option(
+        None, help="the layers that get adapters, by PEFT's names: GPT-2 c_attn, c_proj, c_fc (attn.c_proj / "
+        "mlp.c_proj: one of the two); the Llama layout q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj; all-linear: every one", every="PEFT's for the family: c_attn (GPT-2), q_proj v_proj (Llama)",
+        metavar="MODULE")
+    use_rslora: bool = option(False, help="scale by alpha / sqrt(R) (rank-stabilised LoRA) instead of alpha / R")
+    load_adapter: Optional[str] = option(None, help="start from the adapters of PEFT's folder DIR "
+                                         "(adapter_config.json + adapter_model.safetensors; its rank, alpha, "
+                                         "dropout and targets), on the base of --load", metavar="DIR")
+
+    def __post_init__(self):
+        optional_positive_int(self, "lora_rank")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}.")
+        if self.lora_alpha <= 0:
+            raise UserError(f"--lora-alpha must be positive, got {self.lora_alpha!r}.")
+        given = [flag_of(n) for n, default in (("lora_alpha", 8.0), ("lora_dropout", 0.0),
+                                               ("lora_target_modules", None), ("use_rslora", False))
+                 if getattr(self, n) != default]
+        if given and self.load_adapter is not None:
+            raise UserError(f"--load-adapter {self.load_adapter!r} brings its own rank, alpha, dropout and targets "
+                            f"(adapter_config.json); drop {', '.join(given)}.")
+        if given and self.lora_rank is None:
+            raise UserError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up adapters, but no "
+                            "--lora-rank R (or --load-adapter DIR) asks for them. Add --lora-rank R (16 is "
+                            "common) or drop the flag.")
+        if self.load_adapter is not None and self.lora_rank is not None:
+            raise UserError(f"--load-adapter {self.load_adapter!r} brings its own rank, alpha and targets "
+                            f"(adapter_config.json); drop --lora-rank {self.lora_rank}.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank is not None or self.load_adapter is not None
+
+
 # (attribute of the composed options, class, --help group), in --help order
 COMPONENTS = (("model", ModelOptions, "model"), ("schedule", ScheduleOptions, "batch and schedule"),
               ("parallel", ParallelOptions, "parallelism"), ("data", DataOptions, "data"),
               ("precision", PrecisionOptions, "precision and memory"),
               ("logging", LoggingOptions, "logging, evaluation, checkpoints"),
-              ("checkpoint", CheckpointOptions, "logging, evaluation, checkpoints"))
+              ("checkpoint", CheckpointOptions, "logging, evaluation, checkpoints"),
+              ("adapters", AdapterOptions, "low-rank adapters (tnlg finetune)"))

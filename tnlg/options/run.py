@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from ..config import GPTConfig
 from ..errors import UserError
-from .components import (COMPONENTS, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
+from .components import (COMPONENTS, AdapterOptions, CheckpointOptions, DataOptions, LoggingOptions, ModelOptions,
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
 from .context import check_context_parallel_options
@@ -50,6 +50,7 @@ class Options:
     precision: PrecisionOptions
     logging: LoggingOptions
     checkpoint: CheckpointOptions
+    adapters: AdapterOptions = dataclasses.field(default_factory=AdapterOptions)
     preset: Optional[str] = None
     config: Optional[str] = None
     builtin_job: bool = False
@@ -88,10 +89,33 @@ class Options:
             raise UserError(str(exc)) from None
         check_context_parallel_options(self)
         check_expert_options(self)
+        self.check_adapters()
         self.check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()
         self.logging.check_loggers()
+
+    def check_adapters(self) -> None:
+        """LoRA: fine-tuning only (``tnlg finetune``, or ``--finetune``), on the layouts built so far."""
+        a, par = self.adapters, self.parallel
+        if not a.enabled:
+            return
+        flag = "--lora-rank" if a.lora_rank is not None else "--load-adapter"
+        if not self.checkpoint.finetune:
+            raise UserError(f"{flag} trains adapters on a frozen pretrained model: that is tnlg finetune (or "
+                            "tnlg pretrain --load DIR --finetune); a pretraining run trains every weight. Drop the "
+                            "--lora-* flags or run tnlg finetune.")
+        unbuilt = [(what, value) for what, value, on in (
+            ("--zero-impl", par.zero_impl, par.zero_impl == "deepspeed"),
+            ("--num-experts", self.model.num_experts, self.model.num_experts is not None)) if on]
+        if unbuilt:
+            named = ", ".join(f"{w} {v}".strip() for w, v in unbuilt)
+            raise UserError(f"{flag} is not built yet with {named}: LoRA runs at any tensor-parallel (with or "
+                            "without --sequence-parallel), context-parallel, pipeline-parallel and data-parallel size "
+                            "with ZeRO 0-3, in fp32, bf16 or fp16 (a 16-bit frozen base), on dense models (adapters on "
+                            "a mixture of experts' routed experts are not built). Drop "
+                            f"{named} or the adapters.")
+        # (the targets and the rank against the model: tnlg.interop.peft.check_adapter_options, by the command)
 
     def check_layout(self, world_size: Optional[int]) -> Optional[ParallelDims]:
         """The pipeline's layout and, on ``world_size`` processes (when known), the parallel sizes and the

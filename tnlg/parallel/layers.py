@@ -38,7 +38,8 @@ from .sharding import ShardSpec
 from .state import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
-           "SharedInput", "local_linear", "GatedColumnParallelLinear", "KVGroupParallelLinear", "swiglu"]
+           "SharedInput", "local_linear", "GatedColumnParallelLinear", "KVGroupParallelLinear", "swiglu",
+           "sum_over_holders"]
 
 DEFAULT_INIT = init_normal(0.02)
 
@@ -425,14 +426,21 @@ class GatedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
                 sequence_sizes: Optional[Sequence[int]] = None, *,
                 shared_input: Optional[SharedInput] = None) -> torch.Tensor:
+        return swiglu(self.pre_activation(x, sequence_parallel, sequence_sizes, shared_input=shared_input))
+
+    def pre_activation(self, x: torch.Tensor, sequence_parallel: Optional[bool] = None,
+                       sequence_sizes: Optional[Sequence[int]] = None, *,
+                       shared_input: Optional[SharedInput] = None) -> torch.Tensor:
+        """The fused matmul's output ``[..., 2 out_r]`` (this rank's gate rows, then its up rows) before
+        :func:`swiglu`: what a wrapper that adds to the projections (an adapter) adds to."""
         bias = None if self.bias is None else self.bias.flatten()
         if shared_input is not None:
-            return swiglu(local_linear(x, self.weight.flatten(0, 1), bias, shared_input))
+            return local_linear(x, self.weight.flatten(0, 1), bias, shared_input)
         sp = (self.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.ps.tp_size > 1
         sizes = None
         if sp:
             sizes = tuple(sequence_sizes) if sequence_sizes is not None else _even_sequence(x, self.ps.tp_size)
-        return swiglu(column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes))
+        return column_parallel_linear(x, self.weight.flatten(0, 1), bias, self.ps, sizes)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -491,6 +499,13 @@ class _SumOverHolders(torch.autograd.Function):
         full[ctx.start:ctx.start + grad.shape[0]] = grad
         torch.distributed.all_reduce(full, group=ctx.ps.tp_group)
         return full[ctx.start:ctx.start + grad.shape[0]].clone(), None, None, None
+
+
+def sum_over_holders(t: torch.Tensor, groups: int, start: int, ps: ParallelState) -> torch.Tensor:
+    """``t`` (this rank's groups ``start ..`` of ``groups`` along dim 0), whose gradient is summed over the TP
+    ranks that hold each group (:class:`_SumOverHolders`): for a slice replicated on several ranks that each
+    use it for their own heads (key/value groups, and anything laid out by them, e.g. an adapter's rows)."""
+    return _SumOverHolders.apply(t, groups, start, ps)
 
 
 class KVGroupParallelLinear(SelfInitializing, nn.Module):

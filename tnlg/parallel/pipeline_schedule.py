@@ -121,9 +121,10 @@ class Pipeline:
 def tie_embedding_grads(model, grad_of: Callable[[str], torch.Tensor]) -> None:
     """Sum the word embedding's gradient of the first and the last stage on both (one all-reduce over
     the embedding group, Megatron's), so that the tied copies take the same update; nothing for untied
-    embeddings, at PP 1 or on the middle stages. ``grad_of(name)``: the gradient the engine steps."""
+    or frozen embeddings, at PP 1 or on the middle stages. ``grad_of(name)``: the gradient the engine steps."""
     ps = model.ps
     if ps.embedding_group is None or model.config.untie_embeddings_and_output_weights:
         return
-    if ps.is_first_stage or ps.is_last_stage:
+    holds = ps.is_first_stage or ps.is_last_stage
+    if holds and model.transformer["wte"].weight.requires_grad:  # (frozen under adapters: nothing to tie)
         dist.all_reduce(grad_of("transformer.wte.weight"), group=ps.embedding_group)

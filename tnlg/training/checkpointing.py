@@ -127,6 +127,8 @@ class Checkpointer:
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         load_dir, origin, weights_only = source(self.o)
+        if self.o.adapters.enabled:  # the base was read into the model when it was built
+            return self._resume_adapters(load_dir, weights_only)
         state = ckpt.load(load_dir, origin=origin, missing_ok=origin == "--save", must_match=MUST_MATCH,
                           weights_only=weights_only, **self._state) if load_dir else None
         self.claim_save_root()
@@ -140,6 +142,26 @@ class Checkpointer:
         self.log(f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
         return iteration, consumed
 
+    def _resume_adapters(self, load_dir: Optional[str], weights_only: bool) -> tuple[int, int]:
+        if not weights_only:
+            raise agreed(UserError(f"{load_dir!r} holds a checkpoint of this run, and resuming an adapter run (its "
+                                   "optimizer moments and data position) is not built yet. Start again with a new "
+                                   "--save; the adapters saved so far are in SAVE/adapter (--load-adapter reads "
+                                   "them)."))
+        self.claim_save_root()
+        self.log(f"fine-tuning adapters on the frozen weights of {load_dir}: iteration 0, a new optimizer")
+        return 0, 0
+
+    def _save_adapters(self, save: str) -> str:
+        from .adapters import save_adapters, settings_of
+        model, config = self._state["model"], self._state["config"]
+        settings = getattr(self, "_adapter_settings", None)
+        if settings is None:  # (the folder's own with --load-adapter)
+            wrapped = [m for m in model.modules() if hasattr(m, "base_layer")]
+            settings = wrapped[0].settings if self.o.adapters.lora_rank is None else settings_of(self.o, config)
+            self._adapter_settings = settings
+        return save_adapters(model, save, settings, self.o.checkpoint.load)
+
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
         """Save when due (the interval, the last iteration, a stop signal, ``--exit-interval``); return how the
         run stops here (a signal: ``signal``; ``--exit-interval``: ``exit_interval``), else ``None``.
@@ -152,7 +174,9 @@ class Checkpointer:
         save = c.save
         saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum
                                      or exiting)
-        if saving and save:
+        if saving and save and self.o.adapters.enabled:
+            self.log(f"saved the adapters at iteration {iteration} to {self._save_adapters(save)}")
+        elif saving and save:
             try:
                 ckpt.save(save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
                           schedule_steps=self.schedule_steps, **self._state)

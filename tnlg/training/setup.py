@@ -56,7 +56,11 @@ def build_engine(o: Options, cfg: GPTConfig, ps: ParallelState, accum: int):
     build: Callable[..., Any]
     model: torch.nn.Module
     extra: dict[str, Any]
-    if par.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups (fp32 params)
+    if o.adapters.enabled:  # a frozen base read from --load, the adapters alone in the engine
+        from .adapters import adapted_model
+        build, (model, _) = build_tnlg_engine, adapted_model(o, cfg, ps, stage_chunks(par, cfg, ps))
+        extra = dict(param_dtype=autocast)
+    elif par.zero_impl == "deepspeed":  # optional engine: DeepSpeed's ZeRO over our TP/DP groups (fp32 params)
         from ..optim.deepspeed_engine import build_deepspeed_engine as build
         model, extra = GPT(cfg, ps), dict(micro_batch_size=sch.micro_batch_size)
     else:
