@@ -48,16 +48,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tnlg convert`` or ``tnlg checkpoint`` (told apart by ``parser.prog``)."""
     if parser.prog.split()[-1] == "checkpoint":
-        parser.description = "Inspect tnlg checkpoints."
-        sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION")
-        p = sub.add_parser("info", help="iteration, layout, config, tokenizer and file sizes of a checkpoint",
-                           description="Print what a checkpoint holds. CKPT is a checkpoint root (its "
-                                       "latest iteration) or one iter_* directory.")
-        p.add_argument("path", metavar="CKPT")
-        p.add_argument("--json", action="store_true", help="print meta.json plus file sizes as JSON")
-        p.add_argument("--verify", action="store_true", help="also read every file and check it against the "
-                       "SHA-256 recorded when it was written (a damaged one: an error naming it, exit status 2)")
-        return
+        return _add_checkpoint_arguments(parser)
     parser.description = (
         "Convert between Hugging Face folders (GPT-2, Llama, Qwen2, Mistral and Qwen3: GPT2LMHeadModel, "
         "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM; the mixtures of experts "
@@ -107,6 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the distributed optimizer (torch_dist, also in its default dp_reshardable bucket layout, "
                         "or legacy, also distrib_optim.pt); without it training starts fresh Adam moments, the "
                         "LR schedule at the checkpoint's position")
+
+
+def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """``tnlg checkpoint``'s actions: ``info``."""
+    parser.description = "Inspect tnlg checkpoints."
+    sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    p = sub.add_parser("info", help="iteration, layout, config, tokenizer and file sizes of a checkpoint",
+                       description="Print what a checkpoint holds. CKPT is a checkpoint root (its "
+                                   "latest iteration) or one iter_* directory.")
+    p.add_argument("path", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="print meta.json plus file sizes as JSON")
+    p.add_argument("--verify", action="store_true", help="also read every file and check it against the "
+                   "SHA-256 recorded when it was written (a damaged one: an error naming it, exit status 2)")
 
 
 _FOREIGN = ("hf", "megatron")
