@@ -16,5 +16,7 @@ def fresh_checkpoint(path: str, cfg, iteration: int = 3) -> str:
     full = full_state_dict(GPT(cfg), ParallelState.single())
     meta = dict(format=FORMAT, iteration=iteration, consumed_samples=0, config=cfg.to_dict(), options={}, data=None,
                 tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
-    targets = targets_for(cfg, 1, 0)
-    return write_offline(path, meta, 1, lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None))
+    layout = GPT.describe(cfg, 1)
+    targets = targets_for(layout, 0)
+    return write_offline(path, meta, 1, lambda r, names: ({n: slice_full(full[n], targets[n]) for n in names}, None),
+                         layout=layout)

@@ -24,6 +24,8 @@ from tnlg import checkpoint as ck
 from tnlg.checkpoint import files as F
 from tnlg.config import GPTConfig
 from tnlg.errors import UserError
+from tnlg.generation.loading import load_for_inference
+from tnlg.model import GPT
 from tnlg.runtime.hardware import bf16_skip_reason, fast_bf16_cpu
 from tnlg.runtime.spawn import WorkerError
 from .pool import run_distributed
@@ -55,7 +57,7 @@ def _valid_loss(ps_world, o, path, tp):
     from tnlg.parallel.state import init_parallel
     from tnlg.training.validation import evaluate
     ps = init_parallel(tp) if tp != ps_world.tp_size else ps_world
-    model, tok = ck.load_for_inference(path, ps)
+    model, tok = load_for_inference(path, ps)
     barrier = dist.barrier if dist.is_initialized() else None
     _, valid, _ = build_train_valid_test_datasets(
         o.data.data_path, o.data.split, o.model.seq_length,
@@ -69,7 +71,7 @@ def _hf_logits(ps_world, path, tp, out_dir, tokens):
     from tnlg.parallel.state import init_parallel
     from tnlg.parallel.vocab import gather_logits
     ps = init_parallel(tp)
-    model, _ = ck.load_for_inference(path, ps)
+    model, _ = load_for_inference(path, ps)
     to_hf(model, out_dir)  # collective over TP; the first rank writes
     with torch.no_grad():
         return gather_logits(model(tokens), ps, model.config.vocab_size)
@@ -317,7 +319,6 @@ def test_hf_round_trip_bit_identical_and_logits(world2, hf_model, tmp_path):
 # --------------------------------------------------------------------------- single process: protocol
 
 def _tiny(steps=2, heads=4, hidden=32, layers=2, vocab=100):
-    from tnlg.model import GPT
     from tnlg.optim import build_engine
     from tnlg.parallel.state import ParallelState
     ps = ParallelState.single()
@@ -444,14 +445,14 @@ def test_uneven_reshard_28_heads(tmp_path):
     ck.save(src, iteration=2, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = engine.optimizer_state_by_param()
-    tp8 = reshard_checkpoint(src, str(tmp_path / "tp8"), 8)
+    tp8 = reshard_checkpoint(src, str(tmp_path / "tp8"), 8, describe=GPT.describe)
     meta8 = ck.read_meta(tp8)
     assert meta8["params"]["transformer.h.0.attn.c_attn.weight"]["sizes"] == [3 * 2 * n for n in
                                                                                [4, 4, 4, 4, 3, 3, 3, 3]]
     for tp in (3, 4, 8):
         for r in range(tp):
-            params, states = ck.read_states(tp8, meta8, cfg, tp, r)
-            for n, t in targets_for(cfg, tp, r).items():
+            params, states = ck.read_states(tp8, meta8, GPT.describe(cfg, tp), r)
+            for n, t in targets_for(GPT.describe(cfg, tp), r).items():
                 assert torch.equal(params[n], slice_full(full[n][:cfg.vocab_size] if "wte" in n else full[n], t)), n
                 want = slice_full(moments[n]["exp_avg_sq"][:cfg.vocab_size] if "wte" in n
                                   else moments[n]["exp_avg_sq"], t)
@@ -555,13 +556,13 @@ def test_damaged_checkpoint_is_clear_error(trained, tmp_path, damage, match):
 
 def test_inference_load_errors(tmp_path):
     with pytest.raises(UserError, match="holds no checkpoint"):
-        ck.load_for_inference(str(tmp_path))
+        load_for_inference(str(tmp_path))
     cfg, model, engine, ps = _tiny()
     ck.save(str(tmp_path), iteration=1, consumed_samples=0, model=model, engine=engine, ps=ps, config=cfg)
     from tnlg.parallel.state import ParallelState
     with pytest.raises(UserError, match="largest valid tensor-parallel size for attention is 4"):
-        ck.load_for_inference(str(tmp_path), ParallelState.for_virtual_rank(5, 0))
-    m, tok = ck.load_for_inference(os.path.join(str(tmp_path), "iter_0000001"))
+        load_for_inference(str(tmp_path), ParallelState.for_virtual_rank(5, 0))
+    m, tok = load_for_inference(os.path.join(str(tmp_path), "iter_0000001"))
     assert tok is None and not m.training
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
 
@@ -604,5 +605,5 @@ def test_convert_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "n").exists() or not os.listdir(tmp_path / "n")
     # resharding to the same TP is a plain copy that loads identically
     assert main(["convert", "--from", str(tmp_path / "c"), "--to", str(tmp_path / "same")]) == 0
-    m, _ = ck.load_for_inference(str(tmp_path / "same"))
+    m, _ = load_for_inference(str(tmp_path / "same"))
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))

@@ -26,6 +26,7 @@ def _start(ps, o, ckpt_iter_dir):
     """The pieces this rank's engine holds after the checkpointer's start, against the checkpoint's states."""
     from tnlg.checkpoint.files import read_meta
     from tnlg.checkpoint.loading import read_states
+    from tnlg.model import GPT
     from tnlg.training.checkpointing import stop_on_signals
     from tnlg.training.loop import Trainer
     t = Trainer(o)
@@ -34,7 +35,7 @@ def _start(ps, o, ckpt_iter_dir):
         where = t.checkpointer.resume()
         t.checkpointer.release()
     meta = read_meta(ckpt_iter_dir)
-    _, states = read_states(ckpt_iter_dir, meta, t.config, 1, 0)
+    _, states = read_states(ckpt_iter_dir, meta, GPT.describe(t.config, 1), 0)
     out = dict(where=where, steps=t.engine.num_steps, master_equal=True, moments_zero=True, stored_moments=0.0)
     for pc in t.engine.owned_pieces():
         if pc["length"] == 0:

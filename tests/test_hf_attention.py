@@ -137,7 +137,7 @@ def test_a_round_trip_keeps_the_architectural_fields(tmp_path, folders, name):
     """hf -> tnlg checkpoint (TP 2) -> hf: the same model_type (a Mistral without a window is Llama, written
     as LlamaForCausalLM), every other honoured field of config.json equal, tnlg's config equal, and the
     written folder gives the reference's logits in transformers."""
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     from tnlg.interop.hf_reader import read_hf_folder
     from tnlg.parallel.state import ParallelState

@@ -18,7 +18,7 @@ from .llama_reference import random_llama
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_llama_folder_converts_with_its_logits_and_back(tmp_path, kind):
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     from tnlg.parallel.state import ParallelState
     import transformers
@@ -56,8 +56,9 @@ def test_an_hf_folder_of_another_model_type_is_refused_before_anything_is_writte
 def test_shared_kv_groups_reshard_from_tp_4_to_3_and_load_at_tp_1(tmp_path):
     """A checkpoint whose KV groups are shared by TP ranks (TP 4 over 2 groups) reshards to TP 3 (a rank
     holding both groups) and loads at TP 1 with the reference's logits."""
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.checkpoint.offline import reshard_checkpoint
+    from tnlg.model import GPT
     from tnlg.interop.hf_checkpoint import hf_to_checkpoint
     from tnlg.parallel.state import ParallelState
     hf = random_llama("llama")
@@ -68,7 +69,7 @@ def test_shared_kv_groups_reshard_from_tp_4_to_3_and_load_at_tp_1(tmp_path):
     hf_to_checkpoint(str(tmp_path / "in"), str(tmp_path / "tp4"), tp_size=4)
     meta = json.load(open(next((tmp_path / "tp4").glob("iter_*")) / "meta.json"))
     assert meta["params"]["transformer.h.0.attn.c_kv.weight"]["offsets"] == [0, 0, 1, 1]
-    reshard_checkpoint(str(tmp_path / "tp4"), str(tmp_path / "tp3"), tp_size=3)
+    reshard_checkpoint(str(tmp_path / "tp4"), str(tmp_path / "tp3"), tp_size=3, describe=GPT.describe)
     model, _ = load_for_inference(str(tmp_path / "tp3"), ParallelState.single())
     with torch.no_grad():
         torch.testing.assert_close(model(tokens)[..., :hf.config.vocab_size], ref, rtol=1e-5, atol=1e-5)

@@ -96,7 +96,7 @@ def test_moe_folders_give_transformers_logits_at_tp_1_and_2(folders):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_in_memory_model_converts_to_a_checkpoint_and_back_out(folders, tmp_path, kind):
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.interop.hf import from_hf, to_hf
     from tnlg.interop.hf_checkpoint import checkpoint_to_hf, hf_to_checkpoint
     from tnlg.parallel.state import ParallelState

@@ -153,6 +153,15 @@ def test_checkpoints_take_the_run_options_as_data():
     assert not wrong, wrong
 
 
+def test_checkpoints_take_the_parameter_layout_as_data():
+    """The checkpoint package builds no model: the parameters' TP layout (what ``GPT.describe`` returns) is
+    handed to it by its callers, so no module of ``tnlg.checkpoint`` imports ``tnlg.model``."""
+    wrong = sorted(f"{m} imports {t}" for m, ts in GRAPH.items() if m == "tnlg.checkpoint" or
+                   m.startswith("tnlg.checkpoint.") for t in ts if t == "tnlg.model" or t.startswith("tnlg.model."))
+    assert not wrong, wrong
+    assert any(t.startswith("tnlg.checkpoint") for t in GRAPH["tnlg.generation.loading"])  # (the graph sees them)
+
+
 def _part(module: str) -> str:
     """The part of tnlg a module belongs to (``tnlg.options.recorded`` -> ``tnlg.options``; a loose module,
     ``tnlg.config``, is its own)."""

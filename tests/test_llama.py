@@ -72,7 +72,7 @@ def _check_case(ps, case, what: str):
     model = GPT(cfg, ps)
     load_full_state_dict(model, case["weights"], ps)
     # what checkpoints record of every shard (offsets of shared KV groups included) is what the rank holds
-    targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
+    targets = targets_for(model.layout(), ps.tp_rank)
     for name, p in model.named_parameters():
         assert torch.equal(slice_full(case["weights"][name], targets[name]), p.detach()), f"{what}: {name}'s record"
     logits = model(case["tokens"])
@@ -216,7 +216,7 @@ def _logits(path: str, tp: int) -> torch.Tensor:
     when it has several processes)."""
     import torch.distributed as dist
 
-    from tnlg.checkpoint import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.parallel.state import ParallelState, init_parallel
     from tnlg.parallel.vocab import gather_logits
     ps = init_parallel(tp) if dist.is_initialized() else ParallelState.single()
@@ -287,6 +287,7 @@ def test_checkpoints_with_shared_kv_groups_reshard(llama_reference_run, llama_ru
     from tnlg import checkpoint as ck
     from tnlg.checkpoint import files as F
     from tnlg.checkpoint.offline import reshard_checkpoint
+    from tnlg.model import GPT
     from tnlg.checkpoint.reshard import OptimReader, ShardReader
     from tnlg.training import train
     runs = llama_runs(4)
@@ -313,7 +314,8 @@ def test_checkpoints_with_shared_kv_groups_reshard(llama_reference_run, llama_ru
                 for r, w, m in copies[1:]:
                     assert torch.equal(w, copies[0][1]) and torch.equal(m, copies[0][2]), (name, key, g, r)
         want = ref["model"](TOKENS).detach()
-        tp4 = reshard_checkpoint(path, str(root / f"{name}_tp4"), 4)  # offline: the shared copies re-sliced
+        # offline: the shared copies re-sliced
+        tp4 = reshard_checkpoint(path, str(root / f"{name}_tp4"), 4, describe=GPT.describe)
         for what, logits in (("TP 1", _logits(path, 1)), ("TP 4", runs[(name, "logits at TP 4")]),
                              ("offline TP 4 at TP 1", _logits(tp4, 1))):
             torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m, w=f"{name} {what}": f"{w}: {m}")

@@ -269,7 +269,7 @@ def test_merged_adapter_gives_peft_logits(tmp_path, family, targets):
     Hugging Face folder give the logits of peft's model with the adapter."""
     import peft
     import transformers
-    from tnlg.checkpoint import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.cli import main
     from tnlg.config import GPTConfig
     from tnlg.interop.hf import build_hf_model

@@ -106,7 +106,8 @@ def write_pipeline(tmp: str) -> str:
 def write_resharded(tmp: str) -> str:
     """``tnlg convert --from plain --to resharded --tensor-model-parallel-size 2``."""
     from tnlg.checkpoint.offline import reshard_checkpoint
-    return reshard_checkpoint(os.path.join(tmp, "plain"), os.path.join(tmp, "resharded"), 2)
+    from tnlg.model import GPT
+    return reshard_checkpoint(os.path.join(tmp, "plain"), os.path.join(tmp, "resharded"), 2, describe=GPT.describe)
 
 
 def write_hf(tmp: str) -> str:

@@ -43,7 +43,7 @@ def run(tmp_path_factory):
 
 
 def test_import_reads_the_head_width_qk_norm_and_window_with_megatrons_logits(run):
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     _, ref, converted = run
     cfg = load_for_inference(converted["torch_dist"])[0].config
     assert (cfg.kv_channels, cfg.qk_layernorm, cfg.sliding_window, cfg.window_layers) == (12, True, 5, [1, 0])

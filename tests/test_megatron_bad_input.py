@@ -57,7 +57,7 @@ def test_round_trip_of_the_fixture_is_valid(tnlg_ckpt, megatron_ckpts, tmp_path)
     """The inputs of the refusals below are valid before they are damaged: exported and imported
     again, the same weights, vocabulary (the exported args' vocab_size drops the padding rows of
     TP 2) and iteration."""
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     from tnlg.checkpoint.files import read_meta
     original = dict(load_for_inference(tnlg_ckpt)[0].named_parameters())
     for fmt in ("legacy", "torch_dist"):
@@ -178,7 +178,7 @@ def test_cli_errors_are_one_paragraph(megatron_ckpts, tmp_path):
 
 def test_rank_files_of_torch_before_1_6_are_read(megatron_ckpts, tmp_path):
     """Older Megatron runs wrote non-zip pickles (no memory map): read whole, with the same results."""
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     src = _copy(megatron_ckpts / "legacy", tmp_path / "src")
     for rank in ("mp_rank_00", "mp_rank_01"):
         path = src / "iter_0000003" / rank / "model_optim_rng.pt"
@@ -381,7 +381,7 @@ def test_overlapping_chunks_count_as_their_union(megatron_ckpts, tmp_path):
     _refused(src, tmp_path, "chunks of 'decoder.final_layernorm.weight' leave part of its \\[32\\] elements uncovered")
     src, d = _dist(megatron_ckpts, tmp_path, "overlap")
     _set_chunks(d, _LN_F, [((0,), (20,), full[:20].clone()), ((12,), (20,), full[12:].clone())])
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     model = load_for_inference(megatron_to_checkpoint(str(src), str(tmp_path / "out")))[0]
     assert torch.equal(dict(model.named_parameters())["transformer.ln_f.weight"], full)
 

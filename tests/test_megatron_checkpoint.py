@@ -19,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.needs_package("megatron.core")  # the reference: megatron-core itself
 
-from tnlg.checkpoint.loading import load_for_inference  # noqa: E402
+from tnlg.generation.loading import load_for_inference  # noqa: E402
 from tnlg.interop.megatron import checkpoint_to_megatron, megatron_to_checkpoint  # noqa: E402
 from tnlg.parallel.vocab import gather_logits  # noqa: E402
 from .megatron_pool import run_distributed  # noqa: E402

@@ -85,7 +85,7 @@ def test_import_gives_megatrons_logits(runs, imported):
 
 
 def test_import_reads_the_llama_config(runs):
-    from tnlg.checkpoint.loading import load_for_inference
+    from tnlg.generation.loading import load_for_inference
     model, _ = load_for_inference(runs["qwen-tp1"][3]["torch_dist"])
     cfg = model.config
     assert (cfg.position_embedding_type, cfg.rotary_base, cfg.rotary_percent, cfg.normalization, cfg.layernorm_epsilon,

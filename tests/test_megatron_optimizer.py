@@ -23,6 +23,7 @@ from tnlg.checkpoint.loading import read_states  # noqa: E402
 from tnlg.config import GPTConfig  # noqa: E402
 from tnlg.errors import UserError  # noqa: E402
 from tnlg.interop.megatron import megatron_to_checkpoint  # noqa: E402
+from tnlg.model import GPT  # noqa: E402
 from tnlg.interop.megatron.names import GLOBAL_ROLES, LAYER_ROLES, tnlg_name  # noqa: E402
 from .megatron_pool import run_distributed  # noqa: E402
 
@@ -81,7 +82,7 @@ def _key_rows(rows: int) -> torch.Tensor:
 
 def _imported(path):
     meta = read_meta(path)
-    return meta, read_states(path, meta, GPTConfig.from_dict(meta["config"]), 1, 0)
+    return meta, read_states(path, meta, GPT.describe(GPTConfig.from_dict(meta["config"]), 1), 0)
 
 
 MOMENTS = (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))

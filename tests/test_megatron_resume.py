@@ -59,9 +59,9 @@ def _megatron_checkpoint(tmp, o):
     full = full_state_dict(GPT(cfg), ParallelState.single())
     meta = dict(format=FORMAT, iteration=N, consumed_samples=2 * N, config=cfg.to_dict(), options={}, data=None,
                 tokenizer=None, layout=dict(param_dtype="float32"), optimizer=dict(present=False), schedule=None)
-    targets = targets_for(cfg, 1, 0)
+    targets = targets_for(GPT.describe(cfg, 1), 0)
     ckpt = write_offline(str(tmp / "tnlg"), meta, 1, lambda r, names: (
-        {n: slice_full(full[n], targets[n]) for n in names}, None))
+        {n: slice_full(full[n], targets[n]) for n in names}, None), layout=GPT.describe(cfg, 1))
     checkpoint_to_megatron(ckpt, str(tmp / "megatron"))
     return str(tmp / "megatron")
 

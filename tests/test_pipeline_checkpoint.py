@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tnlg import checkpoint as ck
+from tnlg.generation.loading import load_for_inference
 from tnlg.model import GPT
 from tnlg.optim import build_engine
 from tnlg.model.stage import StageModel
@@ -220,15 +221,15 @@ def test_checkpoint_info_shows_the_pipeline_layout(pipeline_checkpoints):
 def test_a_pipeline_checkpoint_builds_the_plain_gpt_and_converts_to_pp1(pipeline_checkpoints, tmp_path):
     root, results = pipeline_checkpoints
     saved = _merged([r["states"][(2, 2, 0)] for r in results])
-    model, _ = ck.load_for_inference(_dir(root, (2, 2, 0)))  # one process, the whole GPT at TP 1
+    model, _ = load_for_inference(_dir(root, (2, 2, 0)))  # one process, the whole GPT at TP 1
     for name, p in model.named_parameters():  # (the vocabulary padding dropped)
         assert torch.equal(gather_full(p.detach(), p, ParallelState.single()), saved[name][0]), name
     from tnlg.checkpoint.offline import reshard_checkpoint
-    out = reshard_checkpoint(_dir(root, (2, 2, 0)), str(tmp_path / "tp1"), tp_size=1)
+    out = reshard_checkpoint(_dir(root, (2, 2, 0)), str(tmp_path / "tp1"), tp_size=1, describe=GPT.describe)
     meta = ck.read_meta(out)
     assert "pipeline" not in meta and sorted(n for n in meta["files"] if n.startswith("model")) == [
         "model_tp00.safetensors"]
-    states = ck.read_states(out, meta, model.config, 1, 0)[1]
+    states = ck.read_states(out, meta, GPT.describe(model.config, 1), 0)[1]
     for name, p in model.named_parameters():
         for i, kind in ((1, "exp_avg"), (2, "exp_avg_sq")):
             assert torch.equal(gather_full(states[name][kind], p, ParallelState.single()), saved[name][i]), name

@@ -15,7 +15,11 @@
   optimizer pieces into the engine's buffers and restores step count, loss
   scaler and RNG streams: a resumed run (fp32, or bf16 with its fp32 master) logs
   the same losses as an uninterrupted one.
-* :func:`load_for_inference` builds a :class:`tnlg.GPT` at any TP size from a checkpoint.
+* :func:`inference_plan` and :func:`read_weights` read a checkpoint's weights into a model built at any TP
+  size (:func:`tnlg.generation.loading.load_for_inference` builds it).
+* The checkpoint builds no model: every function takes the parameters' TP layout (name ->
+  :class:`~tnlg.parallel.sharding.ShardSpec`, what :meth:`tnlg.model.GPT.describe` returns) from its caller,
+  and ``save``/``load`` ask the model they are given for it (``model.layout()``).
 * :class:`StopOnSignal`: Ctrl-C, SIGTERM, SIGHUP -> save, then exit.
 
 Nothing here executes code from a checkpoint: ``meta.json`` is JSON, tensors
@@ -23,11 +27,11 @@ are safetensors, RNG files are read with ``torch.load(weights_only=True)``.
 """
 
 from .files import FORMAT, LATEST, has_checkpoint, iter_dir_name, list_iterations, read_latest, read_meta, resolve
-from .loading import load, load_for_inference, read_states
+from .loading import inference_plan, load, read_states, read_weights
 from .manifest import Manifest
 from .saving import NonFiniteParameters, save, write_offline
 from .signals import StopOnSignal
 
-__all__ = ["save", "load", "load_for_inference", "write_offline", "read_states", "has_checkpoint", "Manifest",
+__all__ = ["save", "load", "inference_plan", "read_weights", "write_offline", "read_states", "has_checkpoint", "Manifest",
            "read_meta", "resolve", "read_latest", "list_iterations", "iter_dir_name", "StopOnSignal",
            "FORMAT", "LATEST", "NonFiniteParameters"]

@@ -1,4 +1,4 @@
-"""``load`` (resume training at any layout) and ``load_for_inference`` (build a model at this TP).
+"""``load`` (resume training at any layout) and ``inference_plan`` / ``read_weights`` (a model's weights at this TP).
 
 ``load`` validates everything before it changes anything: the pointer, the
 manifest (every file present at its recorded size), the architecture and the
@@ -7,7 +7,7 @@ shapes, the SHA-256 of every file this rank reads; then it reads this rank's ten
 (re-sliced for this TP size; at PP > 1 those of its pipeline stage, found by name in whichever
 stage's files hold them) and only then copies them into the model and optimizer.
 Rank 0 alone chooses the iteration and every rank checks it sees the same manifest
-(``load_for_inference`` too).
+(``inference_plan`` too).
 A failure on any rank is gathered to all ranks (one ``all_gather_object`` of the
 messages), so every rank raises the same clear error, naming the failing ranks and
 their files, instead of some waiting for the others.
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from ..config import GPTConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError, agreed
-from ..model.inference import inference_model
+from ..parallel.sharding import ShardSpec
 from ..parallel.state import ParallelState, agree_on_failure, from_rank0
 from . import files as F
 from .compat import check_compatible
@@ -34,7 +34,9 @@ from .reshard import OptimReader, ShardReader, check_same_params, source_tp_rank
 from .rng import restore
 from .stages import chunk_layers_of, saved_stage
 
-__all__ = ["load", "load_for_inference", "load_weights_into", "read_states"]
+__all__ = ["load", "inference_plan", "read_weights", "load_weights_into", "read_states", "InferencePlan"]
+
+LayoutOf = Callable[[GPTConfig], Mapping[str, ShardSpec]]  # a model configuration -> its parameters' TP layout
 
 
 def _log(ps: ParallelState, msg: str) -> None:
@@ -42,14 +44,15 @@ def _log(ps: ParallelState, msg: str) -> None:
         print(msg, flush=True)
 
 
-def read_states(iter_dir: str, meta, config: GPTConfig, tp_size: int, tp_rank: int,
+def read_states(iter_dir: str, meta, layout: Mapping[str, ShardSpec], tp_rank: int,
                 names=None, optimizer: bool = True) -> tuple[dict, Optional[dict]]:
     """This TP rank's parameters (and optimizer states, if stored and wanted: ``exp_avg``,
     ``exp_avg_sq``, ``master`` when stored, ``step``), whole TP shards re-sliced from the stored
     ones (``meta``: the checkpoint's :class:`~.manifest.Manifest` or dict). No communication. Holds every
-    tensor at once: for offline tools (``tnlg convert``); training loads stream (:func:`load`)."""
+    tensor at once: for offline tools (``tnlg convert``); training loads stream (:func:`load`). ``layout``: how
+    the model splits over the TP size read for (:meth:`tnlg.model.GPT.describe`)."""
     manifest = Manifest.of(meta)
-    targets = targets_for(config, tp_size, tp_rank)
+    targets = targets_for(layout, tp_rank)
     names = list(targets) if names is None else list(names)
     model = ShardReader(iter_dir, manifest, F.model_file)
     params = {n: model.tensor(n, n, targets[n]) for n in names}
@@ -183,14 +186,15 @@ class _LoadPlan:
     """What :func:`load` checked and read before it changes anything (:func:`_plan`)."""
     iter_dir: str
     manifest: Manifest
+    layout: Mapping[str, ShardSpec]      # the whole model's parameters at this TP size (the model's description)
     targets: dict                        # this rank's parameters: their shards at this layout (targets_for)
     pieces: Optional[list[OptimPiece]]   # what this rank owns of the optimizer state (None: no views)
     rng: _RngPlan
     rng_states: dict                     # RNG file name -> its states, read
 
 
-def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, tokenizer, origin: str,
-          must_match: tuple[str, ...], weights_only: bool = False) -> _LoadPlan:
+def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, layout: Mapping[str, ShardSpec], options,
+          tokenizer, origin: str, must_match: tuple[str, ...], weights_only: bool = False) -> _LoadPlan:
     """Everything checked before anything is changed: the manifest, every file at its size and checksum
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
@@ -203,7 +207,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
     F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
     check_compatible(manifest, iter_dir, config, None if weights_only else options, tokenizer, origin,
                      () if weights_only else must_match, weights_only=weights_only)
-    targets = targets_for(config, ps.tp_size, ps.tp_rank)
+    targets = targets_for(layout, ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
     targets = {n: t for n, t in targets.items() if n in mine}
@@ -214,7 +218,7 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, options, 
     F.verify_checksums(iter_dir, manifest, needed | rng.files)  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
                   for name in rng.files}
-    return _LoadPlan(iter_dir, manifest, targets, pieces, rng, rng_states)
+    return _LoadPlan(iter_dir, manifest, layout, targets, pieces, rng, rng_states)
 
 
 def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, options=None, tokenizer=None,
@@ -249,11 +253,12 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
         if os.path.isdir(load_dir):
             _log(ps, f"note: {origin} {load_dir!r} holds no checkpoint yet; starting from scratch.")
         return None
-    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, options, tokenizer, origin, must_match,
+    layout = model.layout()  # the model hands its parameters' TP layout to the checkpoint
+    plan = _agreed_plan(lambda: _plan(iter_dir, engine, ps, config, layout, options, tokenizer, origin, must_match,
                                       weights_only), iter_dir)
     for note in notes:
         _log(ps, note)
-    _load_tensors(engine, plan, config, ps, weights_only)
+    _load_tensors(engine, plan, ps, weights_only)
     if weights_only:
         _note_resharding(plan.manifest.layout, ps)
         return dict(iteration=0, consumed_samples=0, path=iter_dir, schedule_steps=0)
@@ -265,14 +270,14 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
                 schedule_steps=manifest.schedule_steps)
 
 
-def _load_tensors(engine, plan: _LoadPlan, config: GPTConfig, ps: ParallelState, weights_only: bool = False) -> None:
+def _load_tensors(engine, plan: _LoadPlan, ps: ParallelState, weights_only: bool = False) -> None:
     """The weights and optimizer states into the engine: streamed into its buffers (:func:`_stream_into`), or
     for an engine without the piece API (DeepSpeed) as whole per-parameter states. ``weights_only``: the
     weights (from the fp32 master where stored), no moments."""
     if plan.pieces is not None:
         _stream_into(engine, plan, weights_only)
         return
-    params, states = read_states(plan.iter_dir, plan.manifest, config, ps.tp_size, ps.tp_rank, engine.param_names)
+    params, states = read_states(plan.iter_dir, plan.manifest, plan.layout, ps.tp_rank, engine.param_names)
     if states is not None and all("master" in st for st in states.values()):
         params = {n: states[n]["master"] for n in params}  # a 16-bit run's exact fp32 weights
     engine.load_model_state_by_param(params)
@@ -366,15 +371,17 @@ def _load_piece(opt: OptimReader, pc: OptimPiece, target: dict, stored_master: b
 
 
 @dataclass
-class _InferencePlan:
-    """What :func:`load_for_inference` checked before building the model (:func:`_inference_plan`)."""
+class InferencePlan:
+    """What :func:`inference_plan` checked before a model is built: the iteration read, its manifest, the model
+    configuration, this rank's targets and the tokenizer."""
+    iter_dir: str
     manifest: Manifest
     config: GPTConfig
     targets: dict
     tokenizer: object  # or None
 
 
-def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _InferencePlan:
+def _inference_plan(iter_dir: str, ps: ParallelState, layout_of: LayoutOf, tokenizer_override) -> InferencePlan:
     """Everything checked: the manifest, the files at their sizes, the TP size, the parameters, the SHA-256 of
     the files this rank reads, the tokenizer. No communication."""
     manifest = Manifest.read(iter_dir)
@@ -384,7 +391,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _In
         cfg.check_tensor_parallel(ps.tp_size)
     except ValueError as exc:
         raise UserError(f"checkpoint {iter_dir!r} cannot run at this tensor-parallel size: {exc}") from None
-    targets = targets_for(cfg, ps.tp_size, ps.tp_rank)
+    targets = targets_for(layout_of(cfg), ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
     F.verify_checksums(iter_dir, manifest, _files_to_read(manifest, targets, None, False))
     if tokenizer_override is not None:
@@ -397,38 +404,32 @@ def _inference_plan(iter_dir: str, ps: ParallelState, tokenizer_override) -> _In
                             f"tokenizer explicitly (--tokenizer-model).") from None
     else:
         tokenizer = None
-    return _InferencePlan(manifest, cfg, targets, tokenizer)
+    return InferencePlan(iter_dir, manifest, cfg, targets, tokenizer)
 
 
-def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
-    """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
-    process) with the checkpoint's weights, in eval mode; at ``ps.pp_size > 1`` this pipeline stage's
-    :class:`~tnlg.model.stage.StageModel` (its layers, loaded by the GPT's names).
+def inference_plan(path: str, ps: ParallelState, layout_of: LayoutOf, tokenizer_override=None) -> InferencePlan:
+    """The checked plan of reading checkpoint ``path``'s weights at this TP size (``tnlg.generation.loading.
+    load_for_inference`` builds the model from it). ``layout_of(config)``: how the model of the checkpoint's
+    configuration splits over ``ps.tp_size`` (:meth:`tnlg.model.GPT.describe`). ``path`` is a checkpoint root (its
+    ``latest`` iteration, else the newest complete one) or an ``iter_*`` directory; the tokenizer is
+    ``tokenizer_override`` (a path or tokenizer) if given, else the one recorded in the checkpoint (its files must
+    be unchanged), else ``None``.
 
-    ``path`` is a checkpoint root (its ``latest`` iteration, else the newest complete one) or an
-    ``iter_*`` directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if given, else
-    the one recorded in the checkpoint (its files must be unchanged), else ``None``.
-
-    Collective, as :func:`load`: rank 0 chooses the iteration and every rank checks it sees the same
-    manifest (one broadcast, one all_gather_object); every rank verifies the files it reads, and a
-    failure on any rank is raised on every rank (one all_gather_object). Then every rank reads its
-    own slices.
-    """
-    ps = ps or ParallelState.single()
+    Collective, as :func:`load`: rank 0 chooses the iteration and every rank checks it sees the same manifest
+    (one broadcast, one all_gather_object); every rank verifies the files it reads, and a failure on any rank is
+    raised on every rank (one all_gather_object)."""
     iter_dir, notes = _agreed_iteration(path, "checkpoint", ps, missing_ok=False)
     if iter_dir is None:
         raise agreed(UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory)."))
-    plan = _agreed_plan(lambda: _inference_plan(iter_dir, ps, tokenizer_override), iter_dir)
+    plan = _agreed_plan(lambda: _inference_plan(iter_dir, ps, layout_of, tokenizer_override), iter_dir)
     for note in notes:
         _log(ps, note)
-    model = inference_model(plan.config, ps)  # at PP > 1 this stage's layers, under the GPT's names
-    _read_weights(iter_dir, plan, model)
-    model.eval()
-    return model, plan.tokenizer
+    return plan
 
 
-def _read_weights(iter_dir: str, plan: _InferencePlan, model) -> None:
-    reader = ShardReader(iter_dir, plan.manifest, F.model_file)
+def read_weights(plan: InferencePlan, model) -> None:
+    """The weights :func:`inference_plan` planned, read into ``model`` one parameter at a time (by name)."""
+    reader = ShardReader(plan.iter_dir, plan.manifest, F.model_file)
     with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():
             p.copy_(reader.tensor(name, name, plan.targets[name]).to(p.dtype))
@@ -437,12 +438,7 @@ def _read_weights(iter_dir: str, plan: _InferencePlan, model) -> None:
 def load_weights_into(path: str, model, ps: ParallelState) -> str:
     """The weights of checkpoint ``path`` (a root or an ``iter_*`` directory) read into ``model`` (built at this TP
     size with the checkpoint's parameters: a frozen base under adapters, say), one parameter at a time, checked
-    and agreed on as :func:`load_for_inference`; returns the iteration directory read. Collective."""
-    iter_dir, notes = _agreed_iteration(path, "checkpoint", ps, missing_ok=False)
-    if iter_dir is None:
-        raise agreed(UserError(f"checkpoint {path!r} holds no checkpoint (no {F.LATEST} and no iter_* directory)."))
-    plan = _agreed_plan(lambda: _inference_plan(iter_dir, ps, None), iter_dir)
-    for note in notes:
-        _log(ps, note)
-    _read_weights(iter_dir, plan, model)
-    return iter_dir
+    and agreed on as :func:`inference_plan`; returns the iteration directory read. Collective."""
+    plan = inference_plan(path, ps, lambda cfg: model.layout())
+    read_weights(plan, model)
+    return plan.iter_dir

@@ -6,11 +6,13 @@ written here, one slice at a time."""
 from __future__ import annotations
 
 import os
+from typing import Callable, Mapping
 
 import torch
 
 from ..config import GPTConfig
 from ..errors import UserError
+from ..parallel.sharding import ShardSpec
 from . import files as F
 from .loading import read_states
 from .manifest import Manifest, need
@@ -18,12 +20,15 @@ from .saving import write_offline
 
 __all__ = ["open_source", "reshard_checkpoint", "write_converted"]
 
+Describe = Callable[[GPTConfig, int], Mapping[str, ShardSpec]]  # (config, TP size) -> the parameters' TP layout
+
 
 def write_converted(dst: str, manifest: Manifest, cfg: GPTConfig, tp_size: int, shard_of_rank,
-                    rng_of_rank=None) -> str:
+                    rng_of_rank=None, *, layout: Mapping[str, ShardSpec]) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1): see
-    :func:`tnlg.checkpoint.saving.write_offline`."""
-    return write_offline(dst, manifest.replace(config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank)
+    :func:`tnlg.checkpoint.saving.write_offline` (``layout``: ``cfg``'s at ``tp_size``)."""
+    return write_offline(dst, manifest.replace(config=cfg.to_dict()), tp_size, shard_of_rank, rng_of_rank,
+                         layout=layout)
 
 
 def open_source(path: str) -> tuple[str, Manifest, GPTConfig]:
@@ -37,8 +42,9 @@ def open_source(path: str) -> tuple[str, Manifest, GPTConfig]:
     return iter_dir, manifest, GPTConfig.from_dict(need(manifest.config, "config"))
 
 
-def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
-    """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0)."""
+def reshard_checkpoint(path: str, dst: str, tp_size=None, *, describe: Describe) -> str:
+    """Rewrite a checkpoint's shards for TP ``tp_size`` (weights, optimizer, RNG of DP rank 0). ``describe(config,
+    tp_size)``: how the model of a configuration splits over a TP size (:meth:`tnlg.model.GPT.describe`)."""
     iter_dir, manifest, cfg = open_source(path)
     src_tp = int(need(manifest.layout.tp, "layout.tp"))
     tp_size = tp_size or src_tp
@@ -46,9 +52,10 @@ def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
         cfg.check_tensor_parallel(tp_size)
     except ValueError as exc:
         raise UserError(f"--tensor-model-parallel-size {tp_size}: {exc}") from None
+    layout = describe(cfg, tp_size)
 
     def shard(r, names):
-        return read_states(iter_dir, manifest, cfg, tp_size, r, names=names)
+        return read_states(iter_dir, manifest, layout, r, names=names)
 
     rng_of_rank = None
     if manifest.rng:
@@ -61,4 +68,4 @@ def reshard_checkpoint(path: str, dst: str, tp_size=None) -> str:
             return dict(base, tp=None, tp_device=None)  # reseeded on load
 
     manifest = manifest.replace(converted_from=dict(checkpoint=os.path.abspath(iter_dir), tp=src_tp))
-    return write_converted(dst, manifest, cfg, tp_size, shard, rng_of_rank)
+    return write_converted(dst, manifest, cfg, tp_size, shard, rng_of_rank, layout=layout)

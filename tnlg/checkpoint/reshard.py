@@ -19,15 +19,13 @@ rank finds each of its parameters by the GPT's name, whatever stages either side
 
 from __future__ import annotations
 
-import json
 import os
-from functools import lru_cache
+from typing import Mapping
 
 import torch
 
-from ..config import GPTConfig
 from ..errors import UserError
-from ..model import GPT
+from ..parallel.sharding import ShardSpec
 from .files import earlier_iterations
 from .manifest import Manifest, need
 from .stream import SafetensorsReader
@@ -36,28 +34,18 @@ __all__ = ["partition_info", "source_tp_ranks", "targets_for", "full_targets", "
            "check_same_params", "slice_full", "ShardReader", "OptimReader"]
 
 
-@lru_cache(maxsize=64)
-def _partition_info(config_json: str, tp_size: int, tp_rank: int) -> dict:
-    cfg = GPTConfig.from_dict(json.loads(config_json))
-    return {name: spec.record(tp_rank) for name, spec in GPT.describe(cfg, tp_size).items()}
-
-
-def partition_info(config: GPTConfig, tp_size: int, tp_rank: int) -> dict[str, dict]:
+def partition_info(layout: Mapping[str, ShardSpec], tp_rank: int) -> dict[str, dict]:
     """Per parameter of the TP rank's shard: ``shape`` (full, unpadded), ``local`` (this shard),
     ``sharded``, and for split ones ``dim``, ``sizes`` (every rank's, padded) and ``full_size``.
-    From :meth:`tnlg.model.GPT.describe`, the layers' own description of their splits (no model
-    is built)."""
-    try:
-        config.check_tensor_parallel(tp_size)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    return _partition_info(json.dumps(config.to_dict(), sort_keys=True), tp_size, tp_rank)
+    ``layout``: how every parameter splits over the TP size, by name (the model's own description,
+    :meth:`tnlg.model.GPT.describe`, handed in by the caller: the checkpoint builds no model)."""
+    return {name: spec.record(tp_rank) for name, spec in layout.items()}
 
 
-def param_records(config: GPTConfig, tp_size: int) -> dict[str, dict]:
-    """The ``params`` section of ``meta.json`` for a checkpoint written at TP size ``tp_size``."""
+def param_records(layout: Mapping[str, ShardSpec]) -> dict[str, dict]:
+    """The ``params`` section of ``meta.json`` for a checkpoint written at the TP size of ``layout``."""
     return {name: {k: v for k, v in rec.items() if k != "local"}
-            for name, rec in partition_info(config, tp_size, 0).items()}
+            for name, rec in partition_info(layout, 0).items()}
 
 
 def starts(rec: dict) -> list[int]:
@@ -154,9 +142,9 @@ class ShardReader:
         return out
 
 
-def targets_for(config: GPTConfig, tp_size: int, tp_rank: int) -> dict[str, dict]:
+def targets_for(layout: Mapping[str, ShardSpec], tp_rank: int) -> dict[str, dict]:
     """:func:`partition_info` records tagged with ``tp_rank`` (what :meth:`ShardReader.tensor` wants)."""
-    return {n: dict(r, tp_rank=tp_rank) for n, r in partition_info(config, tp_size, tp_rank).items()}
+    return {n: dict(r, tp_rank=tp_rank) for n, r in partition_info(layout, tp_rank).items()}
 
 
 def check_same_params(meta, targets: dict[str, dict], where: str) -> None:

@@ -49,7 +49,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from ..config import GPTConfig
 from ..errors import UserError, agreed
 from ..io import atomic_output, atomic_write, file_sha256, fsync_dir, write_failure
+from ..parallel.sharding import ShardSpec
 from ..parallel.state import ParallelState, agree_on_failure, is_distributed
 from . import files as F
 from . import torch_file
@@ -99,7 +100,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
-    records = param_records(config, ps.tp_size)
+    records = param_records(model.layout())  # the whole GPT's parameters at this TP size, from the model
     if ps.pp_size == 1 and set(engine.param_names) != set(records):
         raise RuntimeError(f"engine parameters {sorted(set(engine.param_names) ^ set(records))[:4]} do not match "
                            f"the model's partition records; cannot save.")
@@ -317,14 +318,16 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps:
     failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
 
 
-def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None) -> str:
+def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None, *,
+                  layout: Mapping[str, ShardSpec]) -> str:
     """Write a checkpoint for ``tp_size`` virtual TP ranks (DP 1) from ``shard_of_rank(r, names) ->
     (params, states or None)``, ``states[name]`` holding full TP-shard ``exp_avg``/``exp_avg_sq``
     (and optionally ``master``), and commit it like :func:`save` (``tnlg convert``). ``meta``: the
     :class:`~.manifest.Manifest` (or its dict) to complete with the parameters and files. ``params`` is
     any mapping whose values have the manifest's ``layout.param_dtype``; each is looked up once, when
     written, so a mapping that computes its values holds one tensor at a time (so are the states:
-    ``states[name]`` may be such a mapping too)."""
+    ``states[name]`` may be such a mapping too). ``layout``: how the model of ``meta``'s configuration splits
+    over ``tp_size`` ranks (:meth:`tnlg.model.GPT.describe`)."""
     root = os.path.abspath(root)
     manifest = Manifest.of(meta).without("pipeline")  # one stage: a pipeline checkpoint's stages are not kept
     iteration = int(manifest.iteration)
@@ -333,13 +336,12 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
     new_root = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     F.make_save_dir(tmp)
-    cfg = GPTConfig.from_dict(manifest.config)
-    records = param_records(cfg, tp_size)
+    records = param_records(layout)
     dtype = getattr(torch, manifest.layout.param_dtype)
     files: dict[str, _Written] = {}
     try:
         for r in range(tp_size):
-            files.update(_write_offline_rank(tmp, cfg, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
+            files.update(_write_offline_rank(tmp, layout, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
         manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
             format=F.FORMAT, params=records, **_file_sections(files),
             layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
@@ -353,15 +355,15 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
     return final
 
 
-def _write_offline_rank(tmp: str, cfg: GPTConfig, tp_size: int, r: int, iteration: int, dtype: torch.dtype,
+def _write_offline_rank(tmp: str, layout: Mapping[str, ShardSpec], tp_size: int, r: int, iteration: int, dtype: torch.dtype,
                         shard_of_rank, rng_of_rank) -> dict[str, _Written]:
     """The files of virtual TP rank ``r`` (:func:`write_offline`): its weights, its optimizer states as one
     whole-shard piece per parameter, its RNG states."""
-    records = param_records(cfg, tp_size)
+    records = param_records(layout)
     names = names_for_rank(records, r)
     params, states = shard_of_rank(r, names)  # params may compute each tensor when it is looked up
     tag = dict(format=F.FORMAT, iteration=iteration, tp_rank=r, tp_size=tp_size)
-    local = partition_info(cfg, tp_size, r)
+    local = partition_info(layout, r)
     stream = StreamWriter(os.path.join(tmp, F.model_file(r)),
                           [(n, tuple(local[n]["local"]), dtype) for n in names], tag)
     for n in names:

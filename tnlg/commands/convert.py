@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: the checkpoint records no tokenizer, so {out!r} holds none and AutoTokenizer cannot load "
                   "it; pass --tokenizer-model to add one.", file=sys.stderr)
     else:
-        out = reshard_checkpoint(src, dst, args.tp)
+        from ..model import GPT
+        out = reshard_checkpoint(src, dst, args.tp, describe=GPT.describe)
     print(f"wrote {out}")
     return 0
 

@@ -21,7 +21,7 @@ so every TP rank feeds the same token. Collectives per new token: the model's TP
 all-reduces, one all-gather of candidates, one broadcast of ``[b]`` ids.
 
 Pipeline parallelism (``model`` a :class:`~tnlg.model.stage.StageModel`, e.g. from
-:func:`tnlg.checkpoint.load_for_inference` at ``PP > 1``): each stage keeps the KV cache of its
+:func:`tnlg.generation.loading.load_for_inference` at ``PP > 1``): each stage keeps the KV cache of its
 own layers, the hidden state of each new position goes stage to stage, the last stage chooses
 the token as above and broadcasts it to every stage (:mod:`tnlg.model.inference`);
 every rank of the job returns the same ids, the same as without a pipeline.

@@ -2,8 +2,10 @@
 
 * :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
   with :func:`tnlg.interop.hf.from_hf`) or a tnlg checkpoint (through
-  ``tnlg.checkpoint.load_for_inference``), sharded for this rank's TP layout; at ``--pp P``
+  :func:`load_for_inference`), sharded for this rank's TP layout; at ``--pp P``
   this stage's layers only (:func:`tnlg.model.inference.inference_model`).
+* :func:`load_for_inference` - a tnlg checkpoint's model built at this rank's TP size (and pipeline stage), its
+  weights read by :func:`tnlg.checkpoint.inference_plan` / :func:`~tnlg.checkpoint.read_weights`.
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
 * :func:`precheck_checkpoint` (a ``--tokenizer-model`` against the checkpoint's recorded tokenizer too,
   :func:`tnlg.data.fingerprint.check_recorded`), :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the
@@ -18,21 +20,46 @@ import json
 import os
 from typing import Optional
 
-from ..checkpoint import load_for_inference, resolve
+from ..checkpoint import inference_plan, read_weights, resolve
 from ..checkpoint.manifest import Manifest
 from ..data.fingerprint import check_recorded
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
 from ..interop.hf_reader import check_hf_folder
+from ..model import GPT
+from ..model.inference import inference_model
 from ..parallel.state import ParallelState
 
-__all__ = ["is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
+__all__ = ["load_for_inference", "is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
            "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
                  "given. Pass --tokenizer-model with a SentencePiece .model file, a folder holding GPT-2's "
                  "vocab.json + merges.txt, or 'builtin'.")
+
+
+def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
+    """``(model, tokenizer or None)``: a :class:`tnlg.GPT` built at this TP size (``ps``, default one
+    process) with the checkpoint's weights, in eval mode; at ``ps.pp_size > 1`` this pipeline stage's
+    :class:`~tnlg.model.stage.StageModel` (its layers, loaded by the GPT's names).
+
+    ``path`` is a checkpoint root (its ``latest`` iteration, else the newest complete one) or an
+    ``iter_*`` directory. The tokenizer is ``tokenizer_override`` (a path or tokenizer) if given, else
+    the one recorded in the checkpoint (its files must be unchanged), else ``None``.
+
+    Collective, as :func:`tnlg.checkpoint.load`: rank 0 chooses the iteration and every rank checks it sees the
+    same manifest (one broadcast, one all_gather_object); every rank verifies the files it reads, and a
+    failure on any rank is raised on every rank (one all_gather_object). Then every rank reads its
+    own slices.
+    """
+    ps = ps or ParallelState.single()
+    tp_size = ps.tp_size
+    plan = inference_plan(path, ps, lambda cfg: GPT.describe(cfg, tp_size), tokenizer_override)
+    model = inference_model(plan.config, ps)  # at PP > 1 this stage's layers, under the GPT's names
+    read_weights(plan, model)
+    model.eval()
+    return model, plan.tokenizer
 
 
 def is_hf_folder(path: str) -> bool:
@@ -128,7 +155,7 @@ def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
     eval mode, and the tokenizer it names (``tokenizer_model`` replaces a tnlg checkpoint's
     recorded one, which then need not exist any more). A Hugging Face folder: no collectives
     (every rank reads its own shard); a tnlg checkpoint: the ranks agree on the iteration and on
-    the outcome of the checks (:func:`tnlg.checkpoint.load_for_inference`).
+    the outcome of the checks (:func:`load_for_inference`).
     """
     if is_hf_folder(checkpoint):
         model, spec = from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)

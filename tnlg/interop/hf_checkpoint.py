@@ -26,6 +26,7 @@ from ..config import GPTConfig
 from ..data.hf_tokenizer import hf_tokenizer_files
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
+from ..model import GPT
 from .hf import build_hf_model, write_hf_folder
 from .hf_mapping import TNLG_DTYPE
 from .hf_reader import HFTensors, open_hf_folder
@@ -53,10 +54,12 @@ def hf_to_checkpoint(hf_dir: str, dst: str, tokenizer_model=None, tp_size: int =
                         schedule=None, converted_from=source, torch=torch.__version__,
                         key_order=CONVERTED_KEYS)
 
-    def shard(r, names):
-        return _Shard(tensors, targets_for(cfg, tp_size, r)), None
+    layout = GPT.describe(cfg, tp_size)
 
-    return write_converted(dst, manifest, cfg, tp_size, shard)
+    def shard(r, names):
+        return _Shard(tensors, targets_for(layout, r)), None
+
+    return write_converted(dst, manifest, cfg, tp_size, shard, layout=layout)
 
 
 class _Shard(Mapping):

@@ -392,8 +392,8 @@ def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = 
     ``tokenizer_model`` beside it, as ``tnlg convert --to hf`` writes it)."""
     from ..checkpoint import files as F
     from ..checkpoint.manifest import Layout, OptimizerState
-    from ..checkpoint.offline import open_source, write_converted
-    from ..checkpoint.reshard import ShardReader, full_targets, slice_full, targets_for
+    from ..checkpoint.offline import open_source
+    from ..checkpoint.reshard import ShardReader, full_targets
     iter_dir, manifest, cfg = open_source(src)
     recorded = (manifest.converted_from or {}).get("model_type")
     layout = layout_of(cfg, recorded if isinstance(recorded, str) else None)
@@ -428,6 +428,16 @@ def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = 
     merged = manifest.replace(iteration=0, consumed_samples=0, optimizer=OptimizerState(), schedule=None, options={},
                               layout=Layout(param_dtype=manifest.layout.param_dtype),
                               converted_from=dict(manifest.converted_from or {}, merged_lora=os.path.abspath(adapter_dir)))
+    return _write_merged(dst, merged, cfg, tp_size, tensor)
+
+
+def _write_merged(dst: str, manifest, cfg: GPTConfig, tp_size: int, tensor: Callable[[str], torch.Tensor]) -> str:
+    """The merged weights (``tensor(name)``: one full merged weight, built when looked up) written as a tnlg
+    checkpoint at TP ``tp_size`` (:func:`merge_lora_checkpoint`), each TP rank's shard sliced when written."""
+    from ..checkpoint.offline import write_converted
+    from ..checkpoint.reshard import slice_full, targets_for
+    from ..model import GPT
+    tp_layout = GPT.describe(cfg, tp_size)
 
     class _Merged(Mapping):
         def __init__(self, targets):
@@ -442,4 +452,5 @@ def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = 
         def __len__(self):
             return len(self.targets)
 
-    return write_converted(dst, merged, cfg, tp_size, lambda r, names: (_Merged(targets_for(cfg, tp_size, r)), None))
+    return write_converted(dst, manifest, cfg, tp_size, lambda r, names: (_Merged(targets_for(tp_layout, r)), None),
+                           layout=tp_layout)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import GPTConfig, stage_parts
+from ..errors import UserError
 from ..parallel.context import TokenPositions
 from ..parallel.initialization import InitMethod, SelfInitializing, init_normal
 from ..parallel.layers import VocabParallelEmbedding, column_parallel_linear
@@ -85,6 +86,11 @@ class DecoderBase(nn.Module):
         self.tp_random = TPRandom(config.seed, ps.tp_rank, ps.device)
         self.sequence_parallel = config.sequence_parallel
         self.positions = TokenPositions(ps)
+
+    def layout(self) -> dict[str, ShardSpec]:
+        """How every parameter of the whole GPT this model (or pipeline stage) belongs to splits over its TP
+        size, by name: :meth:`GPT.describe` of its configuration, what checkpoints save and load by."""
+        return GPT.describe(self.config, self.ps.tp_size)
 
     def part(self, name: str, device=None, *, layer: Optional[int] = None) -> nn.Module:
         """The module ``transformer.<name>`` (``wte``, ``wpe``, ``drop``, ``h`` with ``layer`` its global index,
@@ -269,7 +275,12 @@ class GPT(DecoderBase):
         """How every parameter splits over ``tp_size`` ranks, by name, in the model's order (checkpoints
         reshard from it, the planner counts from it): read from the layers themselves, built for a
         virtual TP rank on the meta device (nothing allocated; each parameter's mark holds every rank's
-        size), once per configuration and TP size."""
+        size), once per configuration and TP size. A TP size the configuration cannot split over: a
+        :class:`~tnlg.errors.UserError` naming it."""
+        try:
+            config.check_tensor_parallel(tp_size)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         fields = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(config))  # (hashable)
         return dict(_shard_specs(fields, tp_size))
 

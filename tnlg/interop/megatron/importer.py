@@ -122,7 +122,8 @@ class _Tensors(Mapping):
 
     def __init__(self, source, cfg: GPTConfig, tp: int, rank: int, dtype: torch.dtype, prefix: str = ""):
         self.source, self.cfg, self.dtype, self.prefix = source, cfg, dtype, prefix
-        self.targets = targets_for(cfg, tp, rank)
+        from ...model import GPT
+        self.targets = targets_for(GPT.describe(cfg, tp), rank)
         self.where = {tnlg_name(r, layer): (r, layer, stage) for r, layer, stage in _roles(cfg, source.layout.pp - 1)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -226,4 +227,5 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
         by_kind = {k: _Tensors(states, cfg, tp_size, r, torch.float32, prefix) for k, prefix in opt.prefixes.items()}
         return _Tensors(source, cfg, tp_size, r, dtype), {n: _StatesOf(n, by_kind) for n in names}
 
-    return write_offline(dst, manifest, tp_size, shard)
+    from ...model import GPT
+    return write_offline(dst, manifest, tp_size, shard, layout=GPT.describe(cfg, tp_size))
