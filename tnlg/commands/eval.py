@@ -157,7 +157,7 @@ def _precheck_checkpoint(args) -> None:
     needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
         args.reset_attention_mask or is_rows_input(args.input[0])
     from ..generation.loading import precheck_checkpoint
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer)
+    precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer, args.load_adapter)
 
 
 def evaluate(args, ps) -> dict:
@@ -169,7 +169,7 @@ def evaluate(args, ps) -> dict:
     from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
     step_note("eval", ps, loading_note(args.checkpoint, ps) + " ...")
-    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model, args.load_adapter)
     step_note("eval", ps, f"loaded in {time.time() - start:.1f} s; evaluating --task {args.task}")
     tokenizer = None
     rows = args.task == "loss" and is_rows_input(args.input[0])

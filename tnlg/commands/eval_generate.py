@@ -64,7 +64,7 @@ def precheck_generate(args) -> None:
             raise UserError(f"--predictions-file {out!r}: "
                             + ("that is a folder" if os.path.isdir(out) else f"its folder {folder!r} does not exist")
                             + "; give the path of a file to write in an existing folder.")
-    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model)
+    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
     recorded = None if tokenizer is not None else recorded_tokenizer(args.checkpoint)
     if recorded is not None:  # a tnlg checkpoint's own tokenizer (the workers load the same)
         tokenizer = load_tokenizer(recorded)
@@ -96,7 +96,7 @@ def evaluate_generate(args, ps) -> dict:
     start = time.time()
     rows = read_completion_rows(args.input[0])
     step_note("eval", ps, loading_note(args.checkpoint, ps) + " ...")
-    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model, args.load_adapter)
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
     check_tokenizer_fits(tokenizer, model)
     step_note("eval", ps, f"loaded in {time.time() - start:.1f} s; generating for {len(rows)} prompt(s)")

@@ -51,7 +51,7 @@ def precheck_harness(args) -> None:
         raise UserError(f"--limit must be > 0, got {args.limit}.")
     _task_manager(args)
     from ..generation.loading import precheck_checkpoint
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model)
+    precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
 
 
 def _task_manager(args):
@@ -79,7 +79,7 @@ def evaluate_harness(args, ps) -> dict:
     from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
     step_note("eval", ps, loading_note(args.checkpoint, ps) + " ...")
-    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model, args.load_adapter)
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
     check_tokenizer_fits(tokenizer, model)
     lm = TnlgLM(model, tokenizer, batch_size=args.micro_batch_size, max_length=args.seq_length)

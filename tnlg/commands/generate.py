@@ -69,7 +69,7 @@ def _generate_here(args, ps, prompts: list[str]) -> dict:
     from ..generation.loading import check_tokenizer_fits, load_model, loading_note, resolve_tokenizer
     start = time.time()
     step_note("generate", ps, loading_note(args.checkpoint, ps) + " ...")
-    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model, args.load_adapter)
     step_note("generate", ps, f"loaded in {time.time() - start:.1f} s; generating for {len(prompts)} prompt(s)")
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
     check_tokenizer_fits(tokenizer, model)
@@ -132,6 +132,6 @@ def run(args) -> int:
     if args.micro_batch_size < 1:
         raise UserError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
     prompts = _read_prompts(args)
-    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model)
+    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
     precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
     return run_command("generate", add_arguments, args, lambda ps: _generate_here(args, ps, prompts), show)

@@ -1,6 +1,6 @@
 """What ``tnlg eval`` and ``tnlg generate`` share: their common flags and their processes.
 
-* :func:`add_common_arguments` - checkpoint, tokenizer, layout and launch flags (torch-free, for ``--help``).
+* :func:`add_common_arguments` - checkpoint, tokenizer, adapter (:func:`add_adapter_argument`, serve's too), layout and launch flags (torch-free, for ``--help``).
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
   relaunch the same command on N local processes (:func:`tnlg.runtime.launch.relaunch`);
   else run in this process.
@@ -23,6 +23,14 @@ from ..runtime.launch import check_nodes, join, launcher_world_size, relaunch
 if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
+def add_adapter_argument(p: argparse.ArgumentParser) -> None:
+    """``--load-adapter DIR``, which generate, eval and serve share."""
+    p.add_argument("--load-adapter", metavar="DIR",
+                   help="PEFT's LoRA adapter folder (adapter_config.json + adapter_model.safetensors: peft's "
+                        "save_pretrained, or SAVE/adapter of tnlg finetune --lora-rank) of the checkpoint's model, "
+                        "merged into its weights at load (W + alpha/r B A, each rank its shard)")
+
+
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
                    help="a Hugging Face GPT-2 folder (config.json + weights; vocab.json + merges.txt give the "
@@ -30,6 +38,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-model", metavar="M",
                    help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
                         "GPT-2 vocab.json + merges.txt, or 'builtin'")
+    add_adapter_argument(p)
     add_layout_arguments(p, dict(tp=1, pp=1, nproc=None), metavar=dict(tp="N", pp="P", nproc="N"), help=dict(
         tp="default 1; must divide the number of processes",
         pp="default 1; the layers split as evenly as possible over P stages, each holding its layers' weights "

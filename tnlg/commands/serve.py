@@ -13,7 +13,7 @@ import time
 from ..errors import UserError
 from ..layout import add_layout_arguments
 from ..runtime.launch import under_launcher
-from .inference import run_command, step_note
+from .inference import add_adapter_argument, run_command, step_note
 
 EPILOG = """\
 Rank 0 listens on --host:--port; every rank runs each decode step in lockstep. Endpoints as OpenAI's:
@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-model", metavar="M",
                    help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
                         "GPT-2 vocab.json + merges.txt, or 'builtin'")
+    add_adapter_argument(p)
     add_layout_arguments(p, dict(tp=1, pp=1), metavar=dict(tp="N", pp="P"), help=dict(
         tp="default 1; one process per TP x PP rank", pp="default 1; the layers split over P stages"))
     p.add_argument("--host", default="127.0.0.1",
@@ -76,7 +77,7 @@ def _serve_here(args, ps) -> dict:
     from ..serving.server import ServeOptions, serve_loop
     start = time.time()
     step_note("serve", ps, loading_note(args.checkpoint, ps) + " ...")
-    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model)
+    model, spec = load_model(args.checkpoint, ps, args.tokenizer_model, args.load_adapter)
     tokenizer = resolve_tokenizer(args.tokenizer_model, spec, args.checkpoint)
     check_tokenizer_fits(tokenizer, model)
     step_note("serve", ps, f"loaded in {time.time() - start:.1f} s")
@@ -98,5 +99,5 @@ def run(args) -> int:
                         '(or pip install fastapi uvicorn).') from None
     from ..generation.loading import precheck_checkpoint
     _check(args)
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model)
+    precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
     return run_command("serve", add_arguments, args, lambda ps: _serve_here(args, ps), show)

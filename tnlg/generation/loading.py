@@ -3,7 +3,9 @@
 * :func:`load_model` - a Hugging Face GPT-2 folder (``config.json`` + weights, loaded
   with :func:`tnlg.interop.hf.from_hf`) or a tnlg checkpoint (through
   :func:`load_for_inference`), sharded for this rank's TP layout; at ``--pp P``
-  this stage's layers only (:func:`tnlg.model.inference.inference_model`).
+  this stage's layers only (:func:`tnlg.model.inference.inference_model`). With ``adapter``
+  (``--load-adapter``): PEFT's LoRA folder merged into the weights at load, each rank its shard
+  (:func:`tnlg.interop.peft.merge_peft_adapter`).
 * :func:`load_for_inference` - a tnlg checkpoint's model built at this rank's TP size (and pipeline stage), its
   weights read by :func:`tnlg.checkpoint.inference_plan` / :func:`~tnlg.checkpoint.read_weights`.
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
@@ -22,16 +24,19 @@ from typing import Optional
 
 from ..checkpoint import inference_plan, read_weights, resolve
 from ..checkpoint.manifest import Manifest
+from ..config import GPTConfig
 from ..data.fingerprint import check_recorded
 from ..data.tokenizer import load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
 from ..interop.hf_reader import check_hf_folder
+from ..interop.peft import merge_peft_adapter
 from ..model import GPT
 from ..model.inference import inference_model
 from ..parallel.state import ParallelState
 
-__all__ = ["load_for_inference", "is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note", "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load",
+__all__ = ["load_for_inference", "is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note",
+           "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load", "check_adapter_folder",
            "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
@@ -73,16 +78,21 @@ def hf_tokenizer_spec(path: str) -> Optional[str]:
     return path if has else None
 
 
-def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True):
+def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True,
+                        adapter: Optional[str] = None):
     """Checks that need no model, run before any process starts: the checkpoint exists, a Hugging Face
-    folder is one tnlg reads exactly (:func:`tnlg.interop.hf_reader.check_hf_folder`), and
-    (``needs_tokenizer``) a tokenizer can be found. Returns the loaded ``--tokenizer-model``
-    tokenizer, or ``None``."""
+    folder is one tnlg reads exactly (:func:`tnlg.interop.hf_reader.check_hf_folder`), an ``adapter`` folder
+    (``--load-adapter``) fits the checkpoint's model (:func:`tnlg.interop.peft.check_adapter_fits`: its
+    metadata, no weights), and (``needs_tokenizer``) a tokenizer can be found. Returns the loaded
+    ``--tokenizer-model`` tokenizer, or ``None``."""
     if not os.path.exists(checkpoint):
         raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama, Qwen2, Mistral or Qwen3 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
+    cfg = None
     if is_hf_folder(checkpoint):  # config.json and the weight files' headers: exactly what transformers
-        check_hf_folder(checkpoint)  # computes, or one paragraph (no tensor data read, no worker started)
+        cfg = check_hf_folder(checkpoint).cfg  # computes, or one paragraph (no tensor data read, no worker started)
+    if adapter is not None:
+        check_adapter_folder(checkpoint, adapter, cfg)
     if tokenizer_model:
         tokenizer = load_tokenizer(tokenizer_model)
         check_recorded(recorded_tokenizer(checkpoint), tokenizer, f"checkpoint {checkpoint!r}")
@@ -91,6 +101,28 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
         raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=" (a Hugging Face folder needs vocab.json "
                                                                    "+ merges.txt beside config.json)"))
     return None
+
+
+def check_adapter_folder(checkpoint: str, adapter: str, cfg: Optional[GPTConfig] = None) -> None:
+    """``--load-adapter`` names PEFT's LoRA folder of the checkpoint's model (``cfg``: the model's config when
+    already read); one paragraph otherwise. A tnlg checkpoint whose metadata cannot be read here is left to the
+    workers (which check again with the model)."""
+    from ..interop.peft import CONFIG_NAME, WEIGHTS_NAME, check_adapter_fits
+    if not os.path.isdir(adapter):
+        raise UserError(f"--load-adapter {adapter!r} is not a folder; pass PEFT's adapter folder ({CONFIG_NAME} + "
+                        f"{WEIGHTS_NAME}: peft's save_pretrained, or SAVE/adapter of `tnlg finetune --lora-rank`).")
+    recorded = None
+    if cfg is None:
+        try:
+            iter_dir = resolve(checkpoint, "checkpoint")
+            manifest = Manifest.read(iter_dir) if iter_dir is not None else None
+        except (UserError, OSError, ValueError):
+            manifest = None
+        if manifest is None or manifest.config is None:
+            return
+        cfg = GPTConfig.from_dict(manifest.config)
+        recorded = (manifest.converted_from or {}).get("model_type")
+    check_adapter_fits(cfg, adapter, recorded if isinstance(recorded, str) else None)
 
 
 def recorded_tokenizer(checkpoint: str) -> Optional[dict]:
@@ -150,17 +182,25 @@ def _checkpoint_size(checkpoint: str, hf_keys: tuple, keys: tuple) -> Optional[i
         return None
 
 
-def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None):
+def load_model(checkpoint: str, ps: ParallelState, tokenizer_model=None, adapter: Optional[str] = None):
     """``(model, tokenizer or its spec, or None)``: the checkpoint's model sharded for ``ps``, in
     eval mode, and the tokenizer it names (``tokenizer_model`` replaces a tnlg checkpoint's
-    recorded one, which then need not exist any more). A Hugging Face folder: no collectives
+    recorded one, which then need not exist any more); with ``adapter`` (PEFT's LoRA folder) the
+    adapter merged into its weights, ``W + scaling * B A``, each rank its shard
+    (:func:`tnlg.interop.peft.merge_peft_adapter`). A Hugging Face folder: no collectives
     (every rank reads its own shard); a tnlg checkpoint: the ranks agree on the iteration and on
     the outcome of the checks (:func:`load_for_inference`).
     """
+    recorded = None
     if is_hf_folder(checkpoint):
         model, spec = from_hf(checkpoint, ps), hf_tokenizer_spec(checkpoint)
     else:
         model, spec = load_for_inference(checkpoint, ps, tokenizer_override=tokenizer_model)
+        iter_dir = resolve(checkpoint, "checkpoint") if adapter is not None else None
+        if iter_dir is not None:  # the family it was converted from names PEFT's modules (Mistral's: Llama's)
+            recorded = (Manifest.read(iter_dir).converted_from or {}).get("model_type")
+    if adapter is not None:
+        merge_peft_adapter(model, adapter, recorded if isinstance(recorded, str) else None)
     model.eval()
     return model, spec
 

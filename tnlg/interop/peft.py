@@ -42,7 +42,7 @@ from ..errors import UserError
 __all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
            "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
            "WEIGHTS_NAME", "layout_of", "check_adapter_options", "add_lora", "save_peft_adapter", "load_peft_adapter",
-           "merged_weights", "merge_lora_checkpoint"]
+           "weight_deltas", "merged_weights", "check_adapter_fits", "merge_peft_adapter", "merge_lora_checkpoint"]
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -340,11 +340,12 @@ def load_peft_adapter(model, path: str, recorded: Optional[str] = None):
 
 # --------------------------------------------------------------------------- merging
 
-def merged_weights(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
-                   scaling: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """For each weight the adapters ``full`` (tnlg's full factors) change: a function of the base's full weight
-    giving ``W + scaling * B A`` in tnlg's layout (the fused QKV's parts per head, key/value per group, the
-    gate/up pair stacked; a part without an adapter adds nothing)."""
+def weight_deltas(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
+                  scaling: float) -> dict[str, Callable[[tuple], torch.Tensor]]:
+    """For each weight the adapters ``full`` (tnlg's full factors) change: a function of the weight's full shape
+    giving ``scaling * B A`` (float64) in tnlg's layout (the fused QKV's parts per head, key/value per group, the
+    gate/up pair stacked; a part without an adapter adds nothing). What :func:`merged_weights` (a checkpoint's full
+    weights) and :func:`merge_peft_adapter` (a loaded model's shards) add."""
     slots = _layer_slots(cfg, layout)
     layers: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
@@ -359,29 +360,81 @@ def merged_weights(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
         layers.setdefault(site, {})[index] = (full[name], full[name[:-len(f"lora_A_{part}")] + f"lora_B_{part}"])
         counts[site] = count
 
-    def merge(site: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def delta_of(site: str) -> Callable[[tuple], torch.Tensor]:
         parts, count = layers[site], counts[site]
 
-        def apply(w: torch.Tensor) -> torch.Tensor:
+        def delta(shape: tuple) -> torch.Tensor:
+            shape = tuple(shape)
             deltas = {i: scaling * (b.double() @ a.double()) for i, (a, b) in parts.items()}
             if count == 1:
-                return (w.double() + deltas[0].reshape(w.shape)).to(w.dtype)
-            rows = w.shape[1] if site.endswith("mlp.c_fc.weight") else None
-            if rows is not None:  # [2, f, in]: gate, up
-                delta = torch.stack([deltas.get(i, torch.zeros_like(w[0], dtype=torch.float64)) for i in range(2)])
-            elif w.dim() == 4:  # [G, 2, d, in]: key, value per group
-                g, _, d, n = w.shape
-                delta = torch.stack([deltas.get(i, torch.zeros(g * d, n, dtype=torch.float64)).view(g, d, n)
-                                     for i in range(2)], dim=1)
-            else:  # [H 3 d, in]: q, k, v per head
-                d = cfg.head_dim
-                n = w.shape[1]
-                delta = torch.stack([deltas.get(i, torch.zeros(w.shape[0] // 3, n, dtype=torch.float64)).view(-1, d, n)
-                                     for i in range(3)], dim=1).reshape(w.shape)
-            return (w.double() + delta.reshape(w.shape)).to(w.dtype)
-        return apply
+                return deltas[0].reshape(shape)
+            if site.endswith("mlp.c_fc.weight"):  # [2, f, in]: gate, up
+                zero = torch.zeros(shape[1:], dtype=torch.float64)
+                return torch.stack([deltas.get(i, zero) for i in range(2)])
+            if len(shape) == 4:  # [G, 2, d, in]: key, value per group
+                g, _, d, n = shape
+                return torch.stack([deltas.get(i, torch.zeros(g * d, n, dtype=torch.float64)).view(g, d, n)
+                                    for i in range(2)], dim=1)
+            d, n = cfg.head_dim, shape[1]  # [H 3 d, in]: q, k, v per head
+            return torch.stack([deltas.get(i, torch.zeros(shape[0] // 3, n, dtype=torch.float64)).view(-1, d, n)
+                                for i in range(3)], dim=1).reshape(shape)
+        return delta
 
-    return {site: merge(site) for site in layers}
+    return {site: delta_of(site) for site in layers}
+
+
+def merged_weights(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
+                   scaling: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each weight the adapters ``full`` change: a function of the base's full weight giving
+    ``W + scaling * B A`` in tnlg's layout (:func:`weight_deltas`), in the weight's dtype."""
+    deltas = weight_deltas(full, cfg, layout, scaling)
+
+    def merge(delta: Callable[[tuple], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda w: (w.double() + delta(tuple(w.shape))).to(w.dtype)
+    return {site: merge(delta) for site, delta in deltas.items()}
+
+
+def _scaling(conf: dict) -> float:
+    """PEFT's ``lora_alpha / r`` (``/ sqrt(r)`` under rsLoRA) of :func:`read_peft_folder`'s settings."""
+    return conf["alpha"] / (conf["rank"] ** 0.5 if conf["use_rslora"] else conf["rank"])
+
+
+def check_adapter_fits(cfg: GPTConfig, path: str, recorded: Optional[str] = None) -> None:
+    """PEFT's folder ``path`` is an adapter of a model of ``cfg``: its settings tnlg builds, its target modules and
+    layers ones the model has, every factor the shape of the model's layer (checked on a model built on meta: no
+    weights); one paragraph, before any process does work."""
+    from ..adapters.lora import adapter_parameters
+    from ..model import GPT
+    from ..parallel.state import ParallelState
+    model = GPT(cfg, ParallelState.single(), device="meta")
+    load_peft_adapter(model, path, recorded)
+    _, full = read_peft_folder(path, cfg, layout_of(cfg, recorded))
+    extra = sorted(set(full) - set(adapter_parameters(model)))
+    if extra:
+        raise UserError(f"the adapter folder {path} adapts {extra[0]}, a layer this model ({cfg.num_layers} layers) "
+                        "does not have (another base model?). Nothing was loaded.")
+
+
+@torch.no_grad()
+def merge_peft_adapter(model, path: str, recorded: Optional[str] = None) -> dict:
+    """Merge PEFT's adapter folder ``path`` into ``model``'s weights in place (a :class:`tnlg.GPT` or a pipeline
+    stage at any TP: each rank adds its shard of ``scaling * B A`` to its shard of each adapted weight, in float64,
+    then back to the weight's dtype; a stage the layers it holds). No collectives. Returns the folder's settings
+    (:func:`read_peft_folder`). A folder that does not fit the model is refused in one paragraph
+    (:func:`check_adapter_fits`; the launching process runs it first)."""
+    from ..parallel.sharding import ShardSpec, shard_of
+    cfg = model.config
+    check_adapter_fits(cfg, path, recorded)
+    conf, full = read_peft_folder(path, cfg, layout_of(cfg, recorded))
+    deltas = weight_deltas(full, cfg, layout_of(cfg, recorded), _scaling(conf))
+    params = dict(model.named_parameters())
+    for site, delta in deltas.items():
+        p = params.get(site)
+        if p is None:  # another pipeline stage's layer
+            continue
+        local = shard_of(delta(ShardSpec.of(p).shape), p, model.ps.tp_rank).to(p.device)
+        p.copy_((p.double() + local).to(p.dtype))
+    return conf
 
 
 def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = "ckpt", tp_size: int = 1,
@@ -398,8 +451,7 @@ def merge_lora_checkpoint(src: str, adapter_dir: str, dst: str, dst_kind: str = 
     recorded = (manifest.converted_from or {}).get("model_type")
     layout = layout_of(cfg, recorded if isinstance(recorded, str) else None)
     conf, full = read_peft_folder(adapter_dir, cfg, layout)
-    scaling = conf["alpha"] / (conf["rank"] ** 0.5 if conf["use_rslora"] else conf["rank"])
-    merges = merged_weights(full, cfg, layout, scaling)
+    merges = merged_weights(full, cfg, layout, _scaling(conf))
     reader = ShardReader(iter_dir, manifest, F.model_file)
     wanted = full_targets(manifest)
     for site in merges:
