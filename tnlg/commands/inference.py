@@ -1,6 +1,6 @@
 """What ``tnlg eval`` and ``tnlg generate`` share: their common flags and their processes.
 
-* :func:`add_common_arguments` - checkpoint, tokenizer, adapter (:func:`add_adapter_argument`, serve's too), layout and launch flags (torch-free, for ``--help``).
+* :func:`add_common_arguments` - checkpoint, tokenizer, adapter (:func:`add_model_arguments`, serve's too), layout and launch flags (torch-free, for ``--help``).
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
   relaunch the same command on N local processes (:func:`tnlg.runtime.launch.relaunch`);
   else run in this process.
@@ -23,8 +23,15 @@ from ..runtime.launch import check_nodes, join, launcher_world_size, relaunch
 if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
-def add_adapter_argument(p: argparse.ArgumentParser) -> None:
-    """``--load-adapter DIR``, which generate, eval and serve share."""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What generate, eval and serve load: ``--checkpoint`` (``--load``), ``--tokenizer-model`` and ``--load-adapter``."""
+    p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
+                   help="a Hugging Face folder tnlg reads (GPT-2, Llama, Qwen2, Mistral, Qwen3 and their mixtures of "
+                        "experts; its tokenizer files give the tokenizer) or a tnlg checkpoint folder; resharded to "
+                        "the TP x PP asked for")
+    p.add_argument("--tokenizer-model", metavar="M",
+                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
+                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
     p.add_argument("--load-adapter", metavar="DIR",
                    help="PEFT's LoRA adapter folder (adapter_config.json + adapter_model.safetensors: peft's "
                         "save_pretrained, or SAVE/adapter of tnlg finetune --lora-rank) of the checkpoint's model, "
@@ -32,13 +39,7 @@ def add_adapter_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
-                   help="a Hugging Face GPT-2 folder (config.json + weights; vocab.json + merges.txt give the "
-                        "tokenizer) or a tnlg checkpoint folder; resharded to the TP size asked for")
-    p.add_argument("--tokenizer-model", metavar="M",
-                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
-                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
-    add_adapter_argument(p)
+    add_model_arguments(p)
     add_layout_arguments(p, dict(tp=1, pp=1, nproc=None), metavar=dict(tp="N", pp="P", nproc="N"), help=dict(
         tp="default 1; must divide the number of processes",
         pp="default 1; the layers split as evenly as possible over P stages, each holding its layers' weights "

@@ -13,7 +13,7 @@ import time
 from ..errors import UserError
 from ..layout import add_layout_arguments
 from ..runtime.launch import under_launcher
-from .inference import add_adapter_argument, run_command, step_note
+from .inference import add_model_arguments, run_command, step_note
 
 EPILOG = """\
 Rank 0 listens on --host:--port; every rank runs each decode step in lockstep. Endpoints as OpenAI's:
@@ -31,13 +31,7 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("--checkpoint", "--load", dest="checkpoint", required=True, metavar="CKPT",
-                   help="a Hugging Face folder tnlg reads (GPT-2, Llama, Qwen2, Mistral, Qwen3) or a tnlg checkpoint "
-                        "folder; resharded to the TP x PP asked for")
-    p.add_argument("--tokenizer-model", metavar="M",
-                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
-                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
-    add_adapter_argument(p)
+    add_model_arguments(p)
     add_layout_arguments(p, dict(tp=1, pp=1), metavar=dict(tp="N", pp="P"), help=dict(
         tp="default 1; one process per TP x PP rank", pp="default 1; the layers split over P stages"))
     p.add_argument("--host", default="127.0.0.1",
