@@ -1,6 +1,6 @@
 """``--compile`` at PP > 1: a pipeline stage's compiled blocks, run by torch's pipeline schedules, train exactly as
-its eager blocks (fp32, dropout 0 and 0.1): PP 2 with 1F1B, and PP 2 x TP 2 with sequence parallelism and the
-interleaved schedule (2 chunks per rank).
+its eager blocks (fp32): PP 2 with 1F1B (dropout 0 and 0.1), and PP 2 x TP 2 with sequence parallelism and the
+interleaved schedule (2 chunks per rank; dropout 0.1).
 
 The reference is the eager run of the same stage from the same seed, through the same schedule: four optimizer
 steps of 4 micro batches each, losses and gradient norms equal within 1e-5 relative on every rank. With dropout
@@ -11,6 +11,8 @@ break graphs with dropout or without, as at PP 1).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -54,9 +56,11 @@ def _run(tp: int, virtual: int, dropout: float, compiled: bool) -> list[float]:
 
 
 def _compare(_ps, tp: int, virtual: int):
+    """Eager and compiled runs side by side: with dropout 0 and 0.1 at TP 1; at TP 2 (four processes on the
+    suite's two cores) with dropout 0.1 only, the harder case (the masks of this TP rank's generator)."""
     from torch._dynamo.utils import counters
     out = []
-    for dropout in (0.0, 0.1):
+    for dropout in (0.0, 0.1) if tp == 1 else (0.1,):
         eager = _run(tp, virtual, dropout, False)
         counters.clear()
         compiled = _run(tp, virtual, dropout, True)
@@ -72,7 +76,9 @@ def test_compiled_stage_blocks_under_the_pipeline_schedule_give_eager_losses_and
             assert graphs >= 1, (rank, dropout, graphs)
             if tp == 1:
                 assert not breaks, (rank, dropout, breaks)
-        _, (_, _, _, _, breaks) = results  # with dropout: no graph broke at this rank's generator
-        assert not any(word in reason for reason in breaks for word in ("rng_state", "Generator", "seed")), breaks
-        (_, no_dropout, _, _, _), (_, with_dropout, _, _, _) = results
-        assert no_dropout != with_dropout  # dropout drew masks (and the compiled run drew the same)
+        _, _, _, _, breaks = results[-1]  # with dropout: no graph broke at this rank's generator (torch's
+        # Generator, its state or seed; contextlib's _GeneratorContextManager, which SP's collectives break in, is not it)
+        assert not any(re.search(r"rng_state|(?<![_A-Za-z])Generator\b|seed", reason) for reason in breaks), breaks
+        if len(results) == 2:
+            (_, no_dropout, _, _, _), (_, with_dropout, _, _, _) = results
+            assert no_dropout != with_dropout  # dropout drew masks (and the compiled run drew the same)
