@@ -2,7 +2,7 @@
 log-likelihoods of the same requests within 1e-4 (and the same greedy flags), the rolling log-likelihood of
 documents, greedy generations equal; whole local tasks (a multiple-choice, a generation and a perplexity task
 over JSON Lines made from the repo's corpus, offline) give the same accuracies, exact match and perplexities
-at TP 1, TP 2 and PP 2."""
+at TP 1 and TP 2 x PP 2."""
 
 from __future__ import annotations
 
@@ -188,9 +188,9 @@ def test_local_tasks_give_the_hf_backends_results(setup, hf_results, tmp_path, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")])
-def test_local_tasks_at_tp2_and_pp2(setup, hf_results, tmp_path, capfd, layout):
-    assert main(_argv(setup, tmp_path / "r.json") + ["--nproc-per-node", "2", *layout]) == 0
+def test_local_tasks_at_tp2_x_pp2(setup, hf_results, tmp_path, capfd):
+    """Both splits in one run (four processes): the heads and the layers over ranks at once."""
+    assert main(_argv(setup, tmp_path / "r.json") + ["--nproc-per-node", "4", "--tp", "2", "--pp", "2"]) == 0
     capfd.readouterr()
     _check(json.loads((tmp_path / "r.json").read_text())["results"], hf_results)
 
