@@ -192,7 +192,8 @@ class _LinearOnGathered(torch.autograd.Function):
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         total = ctx.shared.gathered_again()
-        g2 = grad.reshape(-1, grad.shape[-1])
+        grad = grad.contiguous()  # (a view of the heads' layout: one copy here, not one per matmul below)
+        g2 = grad.view(-1, grad.shape[-1])
         grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad.matmul(weight), grad_w, grad_b, None
