@@ -42,21 +42,11 @@ def _hf_folder(path, seed: int):
 def made(tmp_path, monkeypatch):
     """A tnlg checkpoint that records the built-in tokenizer, two Hugging Face folders of other weights, rows, and
     the tokenized rows' cache in the test's folder."""
-    from tests.fresh_checkpoint import fresh_checkpoint
-    from tnlg.checkpoint.files import read_meta
-    from tnlg.config import GPTConfig
-    from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
+    from tests.fresh_checkpoint import builtin_tokenizer_checkpoint, question_rows
     monkeypatch.setenv("TNLG_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    tok = load_tokenizer(builtin_tokenizer_path())
-    iter_dir = fresh_checkpoint(str(tmp_path / "ckpt"), GPTConfig(**CFG, vocab_size=tok.vocab_size))
-    meta = read_meta(iter_dir)
-    meta["tokenizer"] = tok.describe()
-    with open(os.path.join(iter_dir, "meta.json"), "w") as f:
-        json.dump(meta, f)
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps(dict(prompt=f"Question {i}?", completion=f" Answer {i}.")) + "\n"
-                            for i in range(4)))
+    builtin_tokenizer_checkpoint(str(tmp_path / "ckpt"), **CFG)
+    question_rows(tmp_path / "rows.jsonl", 4)
     return tmp_path
 
 

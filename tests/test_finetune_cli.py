@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from tnlg.config import GPTConfig
-from .fresh_checkpoint import fresh_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
@@ -26,18 +24,9 @@ def _tnlg(*argv, cwd):
 @pytest.fixture()
 def base(tmp_path):
     """A tnlg checkpoint of the built-in tokenizer's vocabulary that records the tokenizer, and fine-tuning rows."""
-    from tnlg.checkpoint.files import read_meta
-    from tnlg.data.tokenizer import builtin_tokenizer_path
-    from tnlg.data.tokenizer import load_tokenizer
-    tok = load_tokenizer(builtin_tokenizer_path())
-    iter_dir = fresh_checkpoint(str(tmp_path / "base"), GPTConfig(**CFG, vocab_size=tok.vocab_size))
-    meta = read_meta(iter_dir)
-    meta["tokenizer"] = tok.describe()
-    with open(os.path.join(iter_dir, "meta.json"), "w") as f:
-        json.dump(meta, f)
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps(dict(prompt=f"Question {i}?", completion=f" Answer {i}.")) + "\n"
-                            for i in range(8)))
+    from tests.fresh_checkpoint import builtin_tokenizer_checkpoint, question_rows
+    builtin_tokenizer_checkpoint(str(tmp_path / "base"), **CFG)
+    rows = question_rows(tmp_path / "rows.jsonl", 8)
     return tmp_path / "base", rows
 
 
