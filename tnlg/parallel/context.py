@@ -41,6 +41,13 @@ computed and masked: its K/V are only passed on (and, in backward, its dK/dV acc
 position of the whole sequence (``b * s`` integers, which every rank of the group holds); a block
 then gets the mask ``pos_q >= pos_k and doc_q == doc_k``. A query row that sees no key of a block
 gets LSE ``-inf`` there (it always sees itself in its own block, so the merge stays finite).
+What it costs: the ids are O(b s) and are all that is saved for backward; each step builds its block's mask
+``[b, 1, n, m]`` bool (``n, m`` each ``c`` or ``2c``: at most ``b (s / C)^2`` elements) from them when it
+runs, drops it after, and builds it again in backward; on CPU the kernel takes an additive copy in the
+queries' dtype (2-4 bytes an element), elsewhere the fp32 block maths hold the scores ``[b, H, n, m]``
+anyway. So a mask is never kept per layer, but one step's is quadratic in the local length ``s / C``
+(local attention cuts its queries into chunks above :data:`tnlg.model.masks.MASK_BUDGET`; the ring's
+blocks are not cut yet: at ``s = 131072`` a CP 2 block's bool mask is 4 GiB per row).
 
 **Kernels.** On CPU a block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (it returns the
 output and an fp32 LSE; its backward takes the output and LSE) and its backward op; elsewhere a
@@ -409,12 +416,14 @@ class RingAttention:
                  window: Optional[int] = None):
         self.group, self.kv_heads, self.window = group, kv_heads, window
 
-    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache, device) -> Optional[torch.Tensor]:
-        """The mask as the ring takes it: the whole sequence's document ids ``[b, s]`` as given, or ``None``
-        (causal); the window is the ring's own (no KV cache under context parallelism)."""
-        if cache is not None:
+    def mask(self, ctx, s: int, kv_len: int, device) -> Optional[torch.Tensor]:
+        """The mask as the ring takes it: the forward's (``ctx``, a :class:`tnlg.model.forward.ForwardContext`)
+        whole sequence's document ids ``[b, s]`` as given, or ``None`` (causal); the window is the ring's own
+        (no KV cache under context parallelism). Each step builds its block's mask from them (module
+        docstring: what it costs)."""
+        if ctx.kv_cache is not None:
             raise ValueError("the ring attention of context parallelism runs no KV cache.")
-        return attention_mask
+        return ctx.attention_mask
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask, dropout: float):
         """The keys and values as they are (the ring reads the groups itself)."""
