@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tnlg.config import GPTConfig
-from tnlg.model import masks
+from tnlg.parallel import masks
 
 from .pool import run_distributed
 
@@ -284,3 +284,44 @@ def test_a_packed_fine_tuning_batch_at_a_long_seq_length_needs_no_whole_mask(mon
             alone = model(batch["tokens"][:, at:at + n])
             torch.testing.assert_close(packed[:, at:at + n], alone, rtol=0, atol=1e-5)
             at += n
+
+
+def _ring_in_parts(_ps) -> dict:
+    """Worker (world 4): the ring at CP 2 and CP 4 (6 heads over 2 KV groups, documents) under the default
+    budget and one that cuts every block into parts of a few query rows; how many parts the largest block
+    took."""
+    import torch.distributed as dist
+
+    from tnlg.parallel import context
+
+    from .test_context_parallel import _groups, _ring_case
+    saved_budget, saved_parts = masks.MASK_BUDGET, context.query_parts
+    most = [0]
+
+    def counted(*a):
+        parts = saved_parts(*a)
+        most[0] = max(most[0], len(parts))
+        return parts
+    results: dict = {}
+    try:
+        context.query_parts = counted
+        for cp in (2, 4):
+            group = _groups(dist.get_world_size(), cp)
+            for name, budget in (("whole", saved_budget), ("parts", 2 * 16 * 3)):
+                masks.MASK_BUDGET, most[0] = budget, 0
+                results[(cp, name)] = _ring_case(group, cp, dist.get_rank(group), 6, 2, True), most[0]
+    finally:
+        masks.MASK_BUDGET, context.query_parts = saved_budget, saved_parts
+    return results
+
+
+def test_the_ring_runs_a_block_whose_mask_exceeds_the_budget_in_parts_of_its_queries():
+    for results in run_distributed(_ring_in_parts, 4, 1, timeout_s=120):
+        for cp in (2, 4):
+            (got, want, full, full_ref), parts = results[(cp, "parts")]
+            (whole, _, _, _), one = results[(cp, "whole")]
+            assert one == 1 and parts >= 2, (one, parts)
+            for a, e, w in zip(got, want, whole):
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)  # (fp32 against fp64)
+                torch.testing.assert_close(a, w, **TOL)
+            torch.testing.assert_close(full, full_ref, rtol=1e-5, atol=1e-5)

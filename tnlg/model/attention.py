@@ -27,9 +27,9 @@ from ..parallel.rotary import rotate_qk
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
-from . import masks as _masks
+from ..parallel import masks as _masks
 from .kv_cache import KVCache, local_kv_heads
-from .masks import Mask, QueryChunks, document_mask, mask_elements, window_mask
+from ..parallel.masks import Mask, QueryChunks, document_mask, mask_elements, window_mask
 from .norms import head_norm, norm_parameters
 from .slots import BlockSpec
 
@@ -54,9 +54,9 @@ class LocalAttention:
         after a cache), from the forward's ``attention_mask`` (``[b, s, kv]`` / ``[s, kv]``, True = may attend;
         or the documents' ids ``[b, kv]``, integers) and this core's sliding window. Without a KV cache it is
         built once per forward and window (``ctx.shared``: every layer takes the same): whole
-        (:meth:`whole`) up to :data:`tnlg.model.masks.MASK_BUDGET` elements, else kept as the ids and the window,
-        a :class:`~tnlg.model.masks.QueryChunks` that :meth:`__call__` runs chunk by chunk (O(s) memory, not
-        O(s^2); :mod:`tnlg.model.masks`). With a cache, :meth:`whole` as the cache's rows need."""
+        (:meth:`whole`) up to :data:`tnlg.parallel.masks.MASK_BUDGET` elements, else kept as the ids and the window,
+        a :class:`~tnlg.parallel.masks.QueryChunks` that :meth:`__call__` runs chunk by chunk (O(s) memory, not
+        O(s^2); :mod:`tnlg.parallel.masks`). With a cache, :meth:`whole` as the cache's rows need."""
         if ctx.kv_cache is not None:
             return self.whole(ctx.attention_mask, s, kv_len, cast(KVCache, ctx.kv_cache), device)
         return ctx.shared(("mask", s, kv_len, self.window),
@@ -106,7 +106,7 @@ class LocalAttention:
 
     def __call__(self, q, k, v, attention_mask: Optional[Mask], causal: bool, dropout: float, gqa: bool = False,
                  tp_rng_state=None) -> torch.Tensor:
-        """``tp_rng_state`` replays a recomputation's dropout masks; a :class:`~tnlg.model.masks.QueryChunks`
+        """``tp_rng_state`` replays a recomputation's dropout masks; a :class:`~tnlg.parallel.masks.QueryChunks`
         mask runs chunk by chunk (:meth:`chunked`)."""
         if isinstance(attention_mask, QueryChunks):
             return self.chunked(q, k, v, attention_mask, dropout, gqa)
@@ -123,7 +123,7 @@ class LocalAttention:
             return self.tp_random.attention(q, k, v, attention_mask, dropout, causal)
 
     def chunked(self, q, k, v, chunks: QueryChunks, dropout: float, gqa: bool) -> torch.Tensor:
-        """Attention chunk of queries by chunk of queries (:mod:`tnlg.model.masks`): each over the keys it can
+        """Attention chunk of queries by chunk of queries (:mod:`tnlg.parallel.masks`): each over the keys it can
         see, with its own mask built from the documents' ids; with gradients each chunk under
         ``torch.utils.checkpoint`` (backward rebuilds its mask and recomputes it, replaying its dropout draws),
         so no chunk's mask or probabilities are kept. Eager under ``torch.compile`` (its key ranges are

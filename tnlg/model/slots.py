@@ -21,7 +21,7 @@ from ..config import GPTConfig
 from ..parallel.random import TPRandom
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
-from .masks import Mask
+from ..parallel.masks import Mask
 
 __all__ = ["BlockSpec", "MLPBuilder", "CoreBuilder", "AttentionCore"]
 

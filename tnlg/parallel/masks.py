@@ -1,4 +1,6 @@
-"""The masks of local attention, from what a batch carries to what SDPA takes, and what each costs.
+"""The masks of attention over packed documents and sliding windows, from what a batch carries to what the
+kernels take, and what each costs (local attention, :mod:`tnlg.model.attention`; the ring of context
+parallelism, :mod:`tnlg.parallel.context`).
 
 A packed batch carries its documents as per-position ids ``[b, s]`` (O(s) per sample; equal ids: one
 document, each a contiguous stretch, as the datasets give them: the position where it starts). Attention
@@ -32,8 +34,12 @@ same keys; outputs and gradients agree to rounding (tests/test_packed_mask.py: 1
 dropout draws per chunk from the TP rank's generator (other masks than one dense draw, as any other
 kernel order would), and each chunk's recomputation replays its own draws.
 
-The KV cache of incremental decoding keeps its own masks (:meth:`tnlg.model.kv_cache.KVCache.attention_mask`),
-and context parallelism's ring builds one block's mask per step (:mod:`tnlg.parallel.context`).
+**The ring** (context parallelism, :mod:`tnlg.parallel.context`) keeps the whole sequence's ids (O(b s), all
+it saves for backward) and builds each step's block mask from them when it runs, by the same budget: a block
+of ``n x m`` (``n, m <= s / C``) whose mask would exceed :data:`MASK_BUDGET` is run in parts of
+``MASK_BUDGET // (b m)`` query rows, each part's mask built, used and dropped (forward, and again in
+backward), so one step holds at most :data:`MASK_BUDGET` mask elements. The KV cache of incremental decoding
+keeps its own masks (:meth:`tnlg.model.kv_cache.KVCache.attention_mask`).
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["MASK_BUDGET", "Mask", "document_mask", "window_mask", "document_starts", "mask_elements", "QueryChunks"]
+__all__ = ["MASK_BUDGET", "Mask", "document_mask", "window_mask", "document_starts", "mask_elements", "QueryChunks",
+           "query_parts"]
 
 # The most elements of an attention mask built at once (b * s * kv_len; 64 MiB of bool): above it attention runs
-# per chunk of queries (QueryChunks). Read when a forward decides, so tests may set it smaller.
+# per chunk of queries (QueryChunks; the ring per part of a block). Read when a forward runs, so tests may set it smaller.
 MASK_BUDGET = 1 << 26
 
 
@@ -95,7 +102,7 @@ class QueryChunks:
         self.doc_ids, self.s, self.kv_len, self.window = doc_ids, s, kv_len, window
         self.device = device if doc_ids is None else doc_ids.device
         self.offset = kv_len - s
-        self.size = max(1, budget // mask_elements(doc_ids, 1, kv_len))  # queries per chunk
+        self.parts = query_parts(0, s, mask_elements(doc_ids, 1, 1), kv_len, budget)
         self._spans: Optional[list[tuple[int, int, int, int]]] = None
 
     def spans(self) -> list[tuple[int, int, int, int]]:
@@ -103,8 +110,7 @@ class QueryChunks:
         (position ``kv_len - s``), keys from position 0. Worked out once (one host read of the documents'
         starts) and kept."""
         if self._spans is None:
-            starts = list(range(0, self.s, self.size))
-            ends = starts[1:] + [self.s]
+            starts, ends = [p.start for p in self.parts], [p.stop for p in self.parts]
             firsts = [self.offset + a for a in starts]  # the position of each chunk's first query
             lows = [0] * len(starts) if self.window is None else [max(0, p - self.window + 1) for p in firsts]
             if self.doc_ids is not None:  # the start of the first query's document: no query of the chunk sees before
@@ -129,6 +135,13 @@ class QueryChunks:
         ids = self.doc_ids
         same = ids[:, self.offset + start:self.offset + stop, None] == ids[:, None, lo:hi]
         return (same & allowed).unsqueeze(1)
+
+
+def query_parts(start: int, stop: int, rows: int, keys: int, budget: int) -> list[slice]:
+    """Queries ``start .. stop - 1`` in parts of at most ``budget // (rows * keys)`` (at least one), each part's
+    mask of ``rows`` x part x ``keys`` elements within ``budget``: one part where the whole fits."""
+    size = max(1, budget // max(1, rows * keys))
+    return [slice(a, min(a + size, stop)) for a in range(start, stop, size)]
 
 
 Mask = Union[torch.Tensor, QueryChunks]  # what an attention core takes: a whole mask, or one kept per query chunk
