@@ -8,7 +8,8 @@ same model under the whole mask (losses and every gradient, fp32, 1e-6) at TP 1 
 (6 heads over 2 KV groups: uneven heads, sequence parallelism). Memory is read by a dispatch mode that counts
 the bytes of live storages (tnlg.plan.tracker.StepTracker), at a sequence whose whole mask alone exceeds the
 bound the chunks keep to; a fine-tuning batch (the SFT dataset's packed items) at a long ``seq_length`` runs
-forward and backward within it too.
+forward and backward within it too. The ring of context parallelism runs a block whose mask exceeds the budget
+in parts of its query rows, exact against fp64 attention at CP 2 and 4.
 """
 
 from __future__ import annotations
