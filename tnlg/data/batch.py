@@ -4,7 +4,7 @@ A :class:`Batch` holds a micro batch's ``tokens`` and ``labels`` (``[b, s]``, al
 next tokens, the model does not shift), and the optional ``loss_mask`` (``[b, s]``, 1 = the target counts),
 ``position_ids`` (``[b, s]``, positions restarting at each document of a packed sequence) and
 ``attention_mask``: the documents of a packed sequence as per-position ids ``[b, s]`` (int64; equal ids, one
-document; the block-causal mask is built where attention runs, :func:`tnlg.model.attention.document_mask`, so a
+document; the block-causal mask is built where attention runs, :func:`tnlg.parallel.masks.document_mask`, so a
 sample costs O(s), not O(s^2)), or a mask ``[b, s, s]`` bool (True = may attend) from a user's own loop.
 Datasets yield one sample as a dict of these names (:data:`FIELDS`, unbatched ``[s]``); :meth:`Batch.collate`
 stacks them; from there to the loss (the training step, the pipeline schedule, evaluation) the batch is this

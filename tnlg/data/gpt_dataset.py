@@ -278,7 +278,7 @@ class GPTDataset(torch.utils.data.Dataset):
     ``[seq]`` (restarting at 0 after every end-of-document token when resetting) and
     ``"attention_mask"`` int64 ``[seq]``: each position's document (the position where it starts when
     resetting, else 0: one document), from which attention builds the causal mask within documents
-    (:func:`tnlg.model.attention.document_mask`). Use :func:`build_train_valid_test_datasets`.
+    (:func:`tnlg.parallel.masks.document_mask`). Use :func:`build_train_valid_test_datasets`.
     """
 
     def __init__(self, indexed: IndexedDataset, name: str, doc_begin: int, doc_end: int, seq_length: int,

@@ -24,7 +24,7 @@ label is a counted token of the same sample (so a sample's last token never pred
 first, and padding never counts), ``position_ids`` restarting at 0 at each sample (and at the padding),
 ``attention_mask`` the document id of each position ``[s]`` (int64: where its sample, or the padding, starts,
 as :func:`tnlg.parallel.context.document_ids` reads a mask): each sample and the padding is its own block of the block-causal mask attention builds
-from them (:func:`tnlg.model.attention.document_mask`). So a packed sample's logits are those of the sample
+from them (:func:`tnlg.parallel.masks.document_mask`). So a packed sample's logits are those of the sample
 alone, and an item costs O(s).
 
 **Order.** ``__len__`` is the number of sequences the run draws; epoch ``e`` visits every sequence once

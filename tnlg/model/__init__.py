@@ -55,7 +55,7 @@ attention core (softmax and dropout over ``a s^2``, Korthikanti et al. section 5
 holds the last), :mod:`.stage` (a pipeline rank's part of it, :class:`StageModel`, and the chunk a schedule
 runs), :mod:`.spec` (each layer's :class:`~.slots.BlockSpec`, chosen from the config in one place: the attention
 core and the MLP are slots), :mod:`.block`, :mod:`.attention` (with its core from the spec: SDPA locally, the
-ring under context parallelism, each applying the layer's window), :mod:`.kv_cache` (per-row lengths), :mod:`.kv_cache` (keys and values of past positions, a length per row),
+ring under context parallelism, each applying the layer's window; their masks: :mod:`tnlg.parallel.masks`), :mod:`.kv_cache` (per-row lengths), :mod:`.kv_cache` (keys and values of past positions, a length per row),
 :mod:`.norms`, :mod:`.forward` (what one forward's layers
 share: the sequence split, rope's angles, the mask, the KV cache), :mod:`.inference` (forward-only passes
 through a pipeline's stages). The loss is outside the model's layers: :mod:`tnlg.parallel.loss`.

@@ -27,30 +27,13 @@ from ..parallel.rotary import rotate_qk
 from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
+from ..parallel import masks as _masks
 from .kv_cache import KVCache, local_kv_heads
+from ..parallel.masks import Mask, QueryChunks, document_mask, mask_elements, window_mask
 from .norms import head_norm, norm_parameters
 from .slots import BlockSpec
 
 __all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask", "document_mask"]
-
-
-def document_mask(doc_ids: torch.Tensor, s: int, kv_len: int) -> torch.Tensor:
-    """``[b, s, kv_len]`` bool (True = may attend) of the last ``s`` of ``kv_len`` positions from the per-position
-    document ids ``doc_ids`` ``[b, >= kv_len]`` (integers; equal ids: one document, each a contiguous stretch):
-    causal, and within the query's document (the block-causal mask of packed documents). Built where attention
-    runs, so a batch carries O(s) per sample, never an ``[s, s]`` matrix."""
-    q, k = doc_ids[:, kv_len - s:kv_len], doc_ids[:, :kv_len]
-    causal = torch.ones(s, kv_len, dtype=torch.bool, device=doc_ids.device).tril(kv_len - s)
-    return (q[:, :, None] == k[:, None, :]) & causal
-
-
-def window_mask(s: int, kv_len: int, window: int, device=None) -> torch.Tensor:
-    """``[s, kv_len]`` bool (True = may attend) of sliding-window causal attention for the last ``s`` of
-    ``kv_len`` positions: the query at position ``p`` sees the keys ``p - window + 1 .. p`` (transformers'
-    ``sliding_window``; Megatron-core's ``window_size=(window - 1, 0)``)."""
-    q = torch.arange(kv_len - s, kv_len, device=device)[:, None]
-    k = torch.arange(kv_len, device=device)[None, :]
-    return (k <= q) & (k > q - window)
 
 
 class LocalAttention:
@@ -66,16 +49,36 @@ class LocalAttention:
         self.tp_random, self.kv_index, self.native_gqa, self.window = tp_random, kv_index, native_gqa, window
         self._kv_index: dict = {}  # (per device: a meta-built model materialises parameters only)
 
-    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache: Optional[KVCache],
-             device) -> Optional[torch.Tensor]:
-        """The mask SDPA takes for ``s`` queries over ``kv_len`` keys (``None``: causal, or none at all for one
-        new token after a cache): the forward's ``attention_mask`` (``[b, s, kv]`` / ``[s, kv]``, True = may
-        attend; or the documents' ids ``[b, kv]``, integers, turned into their block-causal mask here,
-        :func:`document_mask`) with this core's sliding window, each row's own cache slots when the cache's
-        rows differ in length, and causality after a cache; ``[b, 1, s, kv]`` where it is per row."""
-        if attention_mask is not None and not attention_mask.dtype.is_floating_point and \
-                attention_mask.dtype != torch.bool:
-            attention_mask = document_mask(attention_mask, s, kv_len)
+    def mask(self, ctx: ForwardContext, s: int, kv_len: int, device) -> Optional[Mask]:
+        """The mask for ``s`` queries over ``kv_len`` keys (``None``: causal, or none at all for one new token
+        after a cache), from the forward's ``attention_mask`` (``[b, s, kv]`` / ``[s, kv]``, True = may attend;
+        or the documents' ids ``[b, kv]``, integers) and this core's sliding window. Without a KV cache it is
+        built once per forward and window (``ctx.shared``: every layer takes the same): whole
+        (:meth:`whole`) up to :data:`tnlg.parallel.masks.MASK_BUDGET` elements, else kept as the ids and the window,
+        a :class:`~tnlg.parallel.masks.QueryChunks` that :meth:`__call__` runs chunk by chunk (O(s) memory, not
+        O(s^2); :mod:`tnlg.parallel.masks`). With a cache, :meth:`whole` as the cache's rows need."""
+        if ctx.kv_cache is not None:
+            return self.whole(ctx.attention_mask, s, kv_len, cast(KVCache, ctx.kv_cache), device)
+        return ctx.shared(("mask", s, kv_len, self.window),
+                          lambda: self._whole_or_chunks(ctx.attention_mask, s, kv_len, device))
+
+    def _whole_or_chunks(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, device) -> Optional[Mask]:
+        """:meth:`whole`, or above the budget the mask of documents' ids and a window kept per query chunk."""
+        ids = attention_mask if _document_ids(attention_mask) else None
+        window = self.window if self.window is not None and kv_len > self.window else None
+        described = ids is not None or (attention_mask is None and window is not None)
+        if described and mask_elements(ids, s, kv_len) > _masks.MASK_BUDGET:
+            return QueryChunks(ids, s, kv_len, window, _masks.MASK_BUDGET, device)
+        return self.whole(attention_mask, s, kv_len, None, device)
+
+    def whole(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache: Optional[KVCache],
+              device) -> Optional[torch.Tensor]:
+        """The whole mask SDPA takes (``None``: causal, or none for one new token after a cache): the forward's
+        ``attention_mask`` (documents' ids turned into their block-causal mask, :func:`document_mask`) with this
+        core's sliding window, each row's own cache slots when the cache's rows differ in length, and
+        causality after a cache; ``[b, 1, s, kv]`` where it is per row."""
+        if _document_ids(attention_mask):
+            attention_mask = document_mask(cast(torch.Tensor, attention_mask), s, kv_len)
         if cache is not None and not cache.uniform:  # rows at their own lengths: each sees its own slots only
             rows = cache.attention_mask(s, self.window)
             attention_mask = rows if attention_mask is None else attention_mask & rows
@@ -88,7 +91,7 @@ class LocalAttention:
             attention_mask = attention_mask.unsqueeze(1)  # [b, s, kv] -> [b, 1, s, kv]
         return attention_mask
 
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[Mask],
                     dropout: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """``k``, ``v`` as the kernel takes them, and whether it reads the groups itself (``enable_gqa``)."""
         if self.kv_index is None:
@@ -101,9 +104,16 @@ class LocalAttention:
             index = self._kv_index[k.device] = torch.tensor(self.kv_index, dtype=torch.long, device=k.device)
         return k.index_select(1, index), v.index_select(1, index), False
 
-    def __call__(self, q, k, v, attention_mask, causal: bool, dropout: float, gqa: bool = False,
+    def __call__(self, q, k, v, attention_mask: Optional[Mask], causal: bool, dropout: float, gqa: bool = False,
                  tp_rng_state=None) -> torch.Tensor:
-        """``tp_rng_state`` replays a recomputation's dropout masks."""
+        """``tp_rng_state`` replays a recomputation's dropout masks; a :class:`~tnlg.parallel.masks.QueryChunks`
+        mask runs chunk by chunk (:meth:`chunked`)."""
+        if isinstance(attention_mask, QueryChunks):
+            return self.chunked(q, k, v, attention_mask, dropout, gqa)
+        return self._attend(q, k, v, attention_mask, causal, dropout, gqa, tp_rng_state)
+
+    def _attend(self, q, k, v, attention_mask: Optional[torch.Tensor], causal: bool, dropout: float, gqa: bool,
+                tp_rng_state) -> torch.Tensor:
         if dropout == 0.0:
             if gqa:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal,
@@ -111,6 +121,35 @@ class LocalAttention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal)
         with self.tp_random.replay(tp_rng_state):
             return self.tp_random.attention(q, k, v, attention_mask, dropout, causal)
+
+    def chunked(self, q, k, v, chunks: QueryChunks, dropout: float, gqa: bool) -> torch.Tensor:
+        """Attention chunk of queries by chunk of queries (:mod:`tnlg.parallel.masks`): each over the keys it can
+        see, with its own mask built from the documents' ids; with gradients each chunk under
+        ``torch.utils.checkpoint`` (backward rebuilds its mask and recomputes it, replaying its dropout draws),
+        so no chunk's mask or probabilities are kept. Eager under ``torch.compile`` (its key ranges are
+        read from the ids: one graph break)."""
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self.chunked, reason="key ranges read from the documents' ids")(
+                q, k, v, chunks, dropout, gqa)
+        keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        out = []
+        for span in chunks.spans():
+            first, end, lo, hi = span
+            state = self.tp_random.snapshot() if dropout else None
+            args = (q[:, :, first:end], k[:, :, lo:hi], v[:, :, lo:hi], chunks, span, dropout, gqa, state)
+            out.append(checkpoint(self._chunk, *args, use_reentrant=False, preserve_rng_state=False) if keep
+                       else self._chunk(*args))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+    def _chunk(self, q, k, v, chunks: QueryChunks, span: tuple[int, int, int, int], dropout: float, gqa: bool,
+               tp_rng_state) -> torch.Tensor:
+        return self._attend(q, k, v, chunks.rows(*span), False, dropout, gqa, tp_rng_state)
+
+
+def _document_ids(attention_mask: Optional[torch.Tensor]) -> bool:
+    """Whether a forward's ``attention_mask`` is the documents' ids (integers), not a mask (bool or additive)."""
+    return attention_mask is not None and not attention_mask.dtype.is_floating_point and \
+        attention_mask.dtype != torch.bool
 
 
 class ParallelAttention(nn.Module):
@@ -230,12 +269,14 @@ class ParallelAttention(nn.Module):
         if cache is not None:  # every row's new keys and values at its own length; every slot up to the longest
             k, v = cache.update(self.layer_idx, k, v)
         kv_len = k.shape[2]
-        attention_mask = self.core.mask(ctx.attention_mask, s, kv_len, cache, x.device)  # (the core's window)
+        attention_mask = self.core.mask(ctx, s, kv_len, x.device)  # (the core's window; once per forward)
         dropout = self.dropout if self.training else 0.0
         k, v, gqa = self.core.keys_values(k, v, attention_mask, dropout)
         # one new token after a cache sees every cached key: neither a mask nor causality applies
         causal = attention_mask is None and kv_len == s
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        # (a mask per query chunk recomputes each chunk itself: the same as selective recomputation, chunk by chunk)
+        if self.recompute_core and self.training and torch.is_grad_enabled() and \
+                not isinstance(attention_mask, QueryChunks):
             # selective recomputation: keep q, k, v; softmax/dropout/A.V run again in backward
             # (the core replays the dropout stream itself, so checkpoint need not stash RNG states)
             state = self.tp_random.snapshot() if dropout else None

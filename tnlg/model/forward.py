@@ -20,7 +20,7 @@ the decoder hands them out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -38,7 +38,8 @@ class ForwardContext:
     :class:`~tnlg.model.attention.KVCache` of incremental decoding, or ``None``; ``last_only``: the head
     computes the last position's logits only; ``aux``: named auxiliary losses a layer adds during the forward
     (a mixture of experts' balance loss, weighted by its coefficient), which the loss adds to the language
-    model's (:class:`tnlg.parallel.loss.LossTerms`)."""
+    model's (:class:`tnlg.parallel.loss.LossTerms`); ``masks``: what the layers share of the mask, built once
+    per forward (:meth:`shared`)."""
 
     sp: Optional[tuple[int, ...]] = None
     rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -46,6 +47,22 @@ class ForwardContext:
     kv_cache: Optional[Any] = None
     last_only: bool = False
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    masks: dict[Hashable, tuple[Any, Any]] = field(default_factory=dict, repr=False)
+
+    def shared(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value ``build()`` gives for ``key`` (e.g. ``(s, kv_len, window)``), built by the first layer that
+        asks and handed to every later one: a forward's attention mask is built once, not once per layer (and,
+        saved for backward, held once). Kept with the ``attention_mask`` it was built from, so a context whose
+        mask is replaced builds anew. Inside ``torch.compile`` built every time (a compiled block's graph
+        then does not depend on what an earlier block left here)."""
+        if torch.compiler.is_compiling():
+            return build()
+        entry = self.masks.get(key)
+        if entry is not None and entry[0] is self.attention_mask:
+            return entry[1]
+        value = build()
+        self.masks[key] = (self.attention_mask, value)
+        return value
 
     @property
     def sequence_parallel(self) -> bool:

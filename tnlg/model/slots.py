@@ -20,6 +20,8 @@ import torch.nn as nn
 from ..config import GPTConfig
 from ..parallel.random import TPRandom
 from ..parallel.state import ParallelState
+from .forward import ForwardContext
+from ..parallel.masks import Mask
 
 __all__ = ["BlockSpec", "MLPBuilder", "CoreBuilder", "AttentionCore"]
 
@@ -30,17 +32,17 @@ class MLPBuilder(Protocol):
 
 
 class AttentionCore(Protocol):
-    """What an attention core does for its layer: the mask it takes (:meth:`mask`, its window applied), the
+    """What an attention core does for its layer: the mask it takes (:meth:`mask`, its window applied, from the
+    forward's :class:`~tnlg.model.forward.ForwardContext`: its ``attention_mask`` and ``kv_cache``), the
     keys and values as its kernel reads them (:meth:`keys_values`: ``(k, v, reads the groups itself)``), and
     the attention itself (``__call__``: ``[b, heads_r, s, d]`` out)."""
 
-    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache: Any,
-             device: Any) -> Optional[torch.Tensor]: ...
+    def mask(self, ctx: ForwardContext, s: int, kv_len: int, device: Any) -> Optional[Mask]: ...
 
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[Mask],
                     dropout: float) -> tuple[torch.Tensor, torch.Tensor, bool]: ...
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[Mask],
                  causal: bool, dropout: float, gqa: bool = False, tp_rng_state: Any = None) -> torch.Tensor: ...
 
 

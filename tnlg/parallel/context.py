@@ -41,6 +41,14 @@ computed and masked: its K/V are only passed on (and, in backward, its dK/dV acc
 position of the whole sequence (``b * s`` integers, which every rank of the group holds); a block
 then gets the mask ``pos_q >= pos_k and doc_q == doc_k``. A query row that sees no key of a block
 gets LSE ``-inf`` there (it always sees itself in its own block, so the merge stays finite).
+What it costs: the ids are O(b s) and are all that is saved for backward; each step builds its block's mask
+(``[b, 1, n, m]`` bool, ``n, m`` each ``c`` or ``2c``: up to ``b (s / C)^2`` elements) from them when it runs
+and drops it after, and builds it again in backward. A block whose mask would exceed
+:data:`tnlg.parallel.masks.MASK_BUDGET` runs in parts of its query rows (each row's output and LSE are its
+own, so the parts are exact; their dK/dV are summed), each part's mask built, used and dropped: one step
+holds at most the budget's elements of mask (on CPU plus the kernel's additive copy in the queries' dtype,
+2-4 bytes an element; elsewhere the fp32 block maths hold a part's scores ``[b, H, n_part, m]``), never a
+mask per layer and never one quadratic in ``s``.
 
 **Kernels.** On CPU a block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (it returns the
 output and an fp32 LSE; its backward takes the output and LSE) and its backward op; elsewhere a
@@ -71,6 +79,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data.batch import Batch
+from . import masks
+from .masks import query_parts
 
 __all__ = ["chunk_positions", "split_for_context_parallel", "gather_from_context_parallel", "document_ids",
            "ring_attention", "check_context_parallel_length", "context_positions", "context_parallel_batch",
@@ -264,6 +274,16 @@ def _outside(mask: Optional[torch.Tensor]) -> bool:
     return mask is not None and not bool(mask.any())
 
 
+def _parts(ring: _Ring, rows: slice, cols: slice, doc_ids: Optional[torch.Tensor]) -> list[slice]:
+    """The block's query rows: whole where causality alone applies (no mask), else in parts whose masks keep to
+    :data:`tnlg.parallel.masks.MASK_BUDGET` (module docstring: what it costs)."""
+    if doc_ids is None and ring.window is None:
+        return [rows]
+    start, stop, _ = rows.indices(2 * ring.c)
+    keys = len(range(2 * ring.c)[cols])
+    return query_parts(start, stop, 1 if doc_ids is None else doc_ids.shape[0], keys, masks.MASK_BUDGET)
+
+
 def _ring_forward(ring: _Ring, q, k, v, doc_ids, index):
     """Merged output (q's dtype) and fp32 LSE ``[b, H, 2c]`` over every K/V block of the group."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -272,18 +292,18 @@ def _ring_forward(ring: _Ring, q, k, v, doc_ids, index):
     for step in range(ring.size):
         pending = ring.exchange(kv) if step + 1 < ring.size else None
         j, rows, cols, causal = ring.block(step)
-        mask = _mask_for(ring, j, rows, cols, doc_ids)
-        if _outside(mask):
-            if pending is not None:
-                _wait(pending[1])
-                kv = pending[0]
-            continue
-        kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
-        o, l_blk = _block_forward(q[:, :, rows].contiguous(), kb, vb, causal and mask is None, mask)
-        new = torch.logaddexp(lse[:, :, rows], l_blk)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
-                           + o.float() * torch.exp(l_blk - new)[..., None])
-        lse[:, :, rows] = new
+        kb = vb = None
+        for part in _parts(ring, rows, cols, doc_ids):
+            mask = _mask_for(ring, j, part, cols, doc_ids)
+            if _outside(mask):
+                continue
+            if kb is None:
+                kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
+            o, l_blk = _block_forward(q[:, :, part].contiguous(), kb, vb, causal and mask is None, mask)
+            new = torch.logaddexp(lse[:, :, part], l_blk)
+            out[:, :, part] = (out[:, :, part] * torch.exp(lse[:, :, part] - new)[..., None]
+                               + o.float() * torch.exp(l_blk - new)[..., None])
+            lse[:, :, part] = new
         if pending is not None:
             _wait(pending[1])
             kv = pending[0]
@@ -299,19 +319,23 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, doc_ids, index):
     for step in range(ring.size):
         pending = ring.exchange(kv) if step + 1 < ring.size else None
         j, rows, cols, causal = ring.block(step)
-        mask = _mask_for(ring, j, rows, cols, doc_ids)
-        grads = None
-        if not _outside(mask):
-            kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
-            gq, gk, gv = _block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb, vb, out[:, :, rows],
-                                         lse[:, :, rows], causal and mask is None, mask)
-            dq[:, :, rows] += gq.float()
-            grads = (gk, gv)
+        grads: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        kb = vb = None
+        for part in _parts(ring, rows, cols, doc_ids):
+            mask = _mask_for(ring, j, part, cols, doc_ids)
+            if _outside(mask):
+                continue
+            if kb is None:
+                kb, vb = (_expand(t[:, :, cols], index).contiguous() for t in kv.unbind(0))
+            gq, gk, gv = _block_backward(dout[:, :, part], q[:, :, part].contiguous(), kb, vb, out[:, :, part],
+                                         lse[:, :, part], causal and mask is None, mask)
+            dq[:, :, part] += gq.float()
+            grads = (gk.float(), gv.float()) if grads is None else (grads[0] + gk.float(), grads[1] + gv.float())
         if dkv_pending is not None:  # the accumulator of block j, from the previous rank
             _wait(dkv_pending[1])
             dkv = dkv_pending[0]
         for slot, g in enumerate(grads or ()):
-            _add_heads(dkv[slot][:, :, cols], g.float(), index)
+            _add_heads(dkv[slot][:, :, cols], g, index)
         dkv_pending = ring.exchange(dkv)
         if pending is not None:
             _wait(pending[1])
@@ -409,12 +433,14 @@ class RingAttention:
                  window: Optional[int] = None):
         self.group, self.kv_heads, self.window = group, kv_heads, window
 
-    def mask(self, attention_mask: Optional[torch.Tensor], s: int, kv_len: int, cache, device) -> Optional[torch.Tensor]:
-        """The mask as the ring takes it: the whole sequence's document ids ``[b, s]`` as given, or ``None``
-        (causal); the window is the ring's own (no KV cache under context parallelism)."""
-        if cache is not None:
+    def mask(self, ctx, s: int, kv_len: int, device) -> Optional[torch.Tensor]:
+        """The mask as the ring takes it: the forward's (``ctx``, a :class:`tnlg.model.forward.ForwardContext`)
+        whole sequence's document ids ``[b, s]`` as given, or ``None`` (causal); the window is the ring's own
+        (no KV cache under context parallelism). Each step builds its block's mask from them (module
+        docstring: what it costs)."""
+        if ctx.kv_cache is not None:
             raise ValueError("the ring attention of context parallelism runs no KV cache.")
-        return attention_mask
+        return ctx.attention_mask
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor, attention_mask, dropout: float):
         """The keys and values as they are (the ring reads the groups itself)."""
