@@ -114,6 +114,11 @@ def test_the_in_memory_model_converts_to_a_checkpoint_and_back_out(folders, tmp_
         torch.testing.assert_close(model(_tokens())[..., :VOCAB], ref, rtol=1e-5, atol=1e-5)
     checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "out"), with_tokenizer=False)
     to_hf(from_hf(folder), str(tmp_path / "out2"))
+    if kind == "olmoe":  # (every honoured field written back as it was read)
+        from tnlg.interop.families import FAMILIES
+        before, after = (json.load(open(f"{d}/config.json")) for d in (folder, tmp_path / "out"))
+        read = sorted(f for f in FAMILIES[kind].honoured if f in before)
+        assert len(read) >= 15 and {f: after.get(f) for f in read} == {f: before[f] for f in read}
     for out in ("out", "out2"):
         assert json.load(open(tmp_path / out / "config.json"))["model_type"] == kind
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()

@@ -187,6 +187,8 @@ class ParallelAttention(nn.Module):
                                         partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
         # the attention core: the ring over the CP group with context parallelism, else SDPA over the local sequence
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
         if cfg.qk_layernorm_across_heads:  # one norm over all the heads' queries, one over the keys (OLMoE)
             first = sum(heads[:ps.tp_rank])
             q_units = range(first, first + self.local_heads)

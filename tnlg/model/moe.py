@@ -289,7 +289,7 @@ class MoELayer(nn.Module):
         terms, coeff = {}, cfg.moe_aux_loss_coeff
         for name in aux_loss_names(cfg):
             if name == "z_loss":  # (over the whole micro batch: the sum over the CP ranks' positions)
-                terms[name] = z_loss(flat, cfg.moe_z_loss_coeff) / cp
+                terms[name] = z_loss(flat, float(cfg.moe_z_loss_coeff or 0.0)) / cp
                 continue
             rmap, scores = aux_loss_scores(flat, k, cfg.moe_router_score_function)
             if name == "load_balancing_loss":
