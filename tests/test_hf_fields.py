@@ -1,5 +1,5 @@
 """Every field of transformers' GPT2Config, LlamaConfig, Qwen2Config, MistralConfig and Qwen3Config (and the
-mixtures of experts' MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig), as the
+mixtures of experts' MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig and OlmoeConfig), as the
 installed transformers
 declares it, is honoured, ignored (it does not change the logits) or refused at the values that change
 the model; a round trip through a tnlg checkpoint writes back the honoured fields unchanged."""
@@ -20,7 +20,7 @@ from .llama_reference import random_llama
 transformers = pytest.importorskip("transformers")
 CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
            "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
-           "qwen3_moe": "Qwen3MoeConfig"}
+           "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig"}
 
 
 def test_the_registry_names_transformers_own_classes_of_each_model_type():
@@ -57,7 +57,9 @@ SMALL = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_la
 REFUSED_VALUES = [("gpt2", "add_cross_attention", True), ("llama", "hidden_act", "gelu"),
                   ("qwen2", "hidden_act", "relu"), ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
                   ("mistral", "hidden_act", "gelu"), ("qwen3", "hidden_act", "gelu"), ("qwen3", "attention_bias", True),
-                  ("qwen3", "layer_types", ["full_attention", "sliding_attention"])]
+                  ("qwen3", "layer_types", ["full_attention", "sliding_attention"]),
+                  ("olmoe", "hidden_act", "gelu"), ("olmoe", "attention_bias", True), ("olmoe", "clip_qkv", 8.0),
+                  ("olmoe", "head_dim", 16)]
 
 
 def _config(kind, **fields):

@@ -172,7 +172,6 @@ def test_the_moe_presets_have_the_published_total_and_active_counts(name, total,
 
 
 @pytest.mark.parametrize("over,words", [
-    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
     (dict(context_parallel_size=2, moe_expert_capacity_factor=1.0), "--context-parallel-size 2 and --moe-expert"),
 ])
 def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
@@ -182,8 +181,9 @@ def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
     with pytest.raises(UserError) as e:
         tiny_options(2, **moe, **over)
     assert words in str(e.value) and "--num-experts 4" in str(e.value)
-    tiny_options(2, **moe)  # (TP x DP runs, and CP when dropless)
+    tiny_options(2, **moe)  # (TP x DP runs, CP when dropless, and pipelines)
     tiny_options(2, **moe, context_parallel_size=2)
+    tiny_options(2, **moe, pipeline_model_parallel_size=2)
 
 
 def test_moe_models_no_hf_class_computes_and_every_megatron_export_are_refused_by_name():

@@ -340,6 +340,10 @@ class GPTConfig:
     qk_layernorm: bool = option(False, check=boolean, help="normalise each head's queries and keys (the "
                                 "--normalization kind over kv-channels, one weight shared by the heads) before "
                                 "rope (Qwen3)", **MODEL)
+    qk_layernorm_across_heads: bool = option(False, check=boolean, help="with --qk-layernorm: normalise the queries "
+                                             "and the keys over every head at once (RMSNorm over the whole q and k "
+                                             "projections, heads x kv-channels wide, one weight element each: OLMo 2, "
+                                             "OLMoE) instead of each head", **MODEL, **NO_MEGATRON)
     sliding_window: Optional[int] = option(None, check=optional_positive_int, every="none: every earlier position",
                                            help="sliding-window attention: a query at position p attends to the "
                                            "keys p - w + 1 .. p (transformers' sliding_window w; Megatron's "
@@ -428,6 +432,7 @@ class GPTConfig:
         if self.max_position_embeddings is None and isinstance(self.seq_length, int):
             self.max_position_embeddings = self.seq_length
         self._check_shape()
+        self._check_qk_norm()
         self._check_window()
         self._check_experts()
         if isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int) and \
@@ -528,6 +533,14 @@ class GPTConfig:
     def mlp_biases(self) -> bool:
         """Whether the MLP's projections have biases."""
         return self.add_bias_linear or self.add_mlp_bias
+    def _check_qk_norm(self) -> None:
+        """The QK norm over every head at once needs the QK norm, and is an RMSNorm."""
+        if self.qk_layernorm_across_heads and not (self.qk_layernorm and self.normalization == "RMSNorm"):
+            raise ValueError(f"qk_layernorm_across_heads (--qk-layernorm-across-heads) normalises the queries and "
+                             f"keys over every head with an RMSNorm, but qk_layernorm={self.qk_layernorm} and "
+                             f"normalization={self.normalization!r}: give --qk-layernorm --normalization RMSNorm with "
+                             "it, or drop it.")
+
     def _check_window(self) -> None:
         """The sliding window's layers: one entry per layer, and only with a window."""
         layers = self.window_layers
@@ -744,14 +757,17 @@ class GPTConfig:
         return (1 if self.normalization == "RMSNorm" else 2) * self.hidden_size
 
     def qk_norm_parameters(self) -> int:
-        """Parameters of one layer's query and key norms (``qk_layernorm``): two norms of ``head_dim``."""
+        """Parameters of one layer's query and key norms (``qk_layernorm``): two norms of ``head_dim``, or with
+        ``qk_layernorm_across_heads`` the whole projections' (``heads x head_dim`` and ``groups x head_dim``)."""
         if not self.qk_layernorm:
             return 0
+        if self.qk_layernorm_across_heads:
+            return (self.num_attention_heads + self.kv_groups) * self.head_dim
         return 2 * (1 if self.normalization == "RMSNorm" else 2) * self.head_dim
 
     def replicated_parameters(self) -> int:
         """Parameters every TP rank holds in full: per layer two norms and (with biases) the two row-parallel
-        biases, the query and key norms of ``head_dim`` (``qk_layernorm``), the learned position embedding
+        biases, the query and key norms (``qk_layernorm``: :meth:`qk_norm_parameters`), the learned position embedding
         ``s h`` (if any; ``s`` the positions, ``max_position_embeddings``), each MoE layer's router and shared-expert
         gate, and the final norm. GPT-2:
         ``l (2h + h + 2h + h) + s h + 2h``."""

@@ -2,7 +2,7 @@
 
 * ``tnlg convert --from hf DIR --to CKPT [--tokenizer-model M] [--tensor-model-parallel-size N]``:
   a ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` or ``Qwen3ForCausalLM`` folder,
-  or a mixture of experts' ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` (``save_pretrained``; read as
+  or a mixture of experts' ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` or ``OlmoeForCausalLM`` (``save_pretrained``; read as
   :mod:`tnlg.interop.hf_reader` reads it: exactly the model transformers computes, or one paragraph before
   anything is written) -> a tnlg checkpoint at
   iteration 0 with no optimizer state (training from it starts a fresh
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Convert between Hugging Face folders (GPT-2, Llama, Qwen2, Mistral and Qwen3: GPT2LMHeadModel, "
         "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM; the mixtures of experts "
-        "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM) or Megatron-LM checkpoints and tnlg checkpoints, or reshard a checkpoint offline. "
+        "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM) or Megatron-LM checkpoints and tnlg checkpoints, or reshard a checkpoint offline. "
         "--to hf writes the checkpoint's own family (a Llama-family checkpoint: Llama, or Qwen2 when its QKV "
         "projections have biases).\n\n"
         "  tnlg convert --from hf HF_DIR --to CKPT [--tokenizer-model M]\n"
@@ -66,12 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "destination must not exist or be empty: nothing is overwritten.")
     parser.add_argument("--from", dest="src", nargs="+", required=True, metavar="SRC",
                         help="'hf DIR' (a save_pretrained folder of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-                        "MistralForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or "
-                        "Qwen3MoeForCausalLM), 'megatron DIR' (a Megatron-LM "
+                        "MistralForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+                        "Qwen3MoeForCausalLM or OlmoeForCausalLM), 'megatron DIR' (a Megatron-LM "
                         "checkpoint root or iter_* folder, torch_dist or legacy) or a tnlg checkpoint")
     parser.add_argument("--to", dest="dst", nargs="+", required=True, metavar="DST",
-                        help="'hf DIR' (the model's Hugging Face format: GPT-2, Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen2-MoE or "
-                        "Qwen3-MoE; safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
+                        help="'hf DIR' (the model's Hugging Face format: GPT-2, Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen2-MoE, "
+                        "Qwen3-MoE or OLMoE; safetensors), 'megatron DIR' (a new Megatron-LM checkpoint "
                         "root) or a new tnlg checkpoint directory")
     parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
                         "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "

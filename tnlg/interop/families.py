@@ -1,11 +1,11 @@
 """The Hugging Face model families tnlg reads and writes, one :class:`Family` entry each (:data:`FAMILIES`):
-GPT-2, Llama, Qwen2, Mistral and Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+GPT-2, Llama, Qwen2, Mistral and Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 An entry holds everything that differs between families: ``config.json``'s ``model_type``, transformers'
 model and config classes, the weight names' base-model prefix and layer list, the keys of the layer count,
 which weight and config mapping it uses (``layout``: ``gpt2`` in :mod:`.hf_mapping`, ``llama`` in
 :mod:`.hf_llama`), what its class fixes of the architecture (Qwen2's QKV biases, Qwen3's QK norm, Llama's
-optional ``attention_bias`` / ``mlp_bias``, where a window applies) and the audit of every field its config
+optional ``attention_bias`` / ``mlp_bias``, where a window applies, OLMoE's QK norm over every head at once) and the audit of every field its config
 class declares (:attr:`Family.honoured`, :attr:`Family.ignored`, :attr:`Family.refused`,
 :attr:`Family.undeclared`; checked by :mod:`.hf_fields`). Each entry's audit is built once, here, from
 parts shared by name (:data:`COMMON_IGNORED`, the Llama family's honoured fields, the windows'); nothing
@@ -106,7 +106,8 @@ class Family:
     (``model.layers.3....``); ``embedding``: the word embedding's weight name (a tied ``lm_head`` is it);
     ``layer_keys``: ``config.json``'s keys of the layer count, the class's own first; ``aliases``: its
     other names of fields (the config class's ``attribute_map``). What the class fixes: ``qkv_bias`` (biases
-    on q/k/v and nowhere else, always), ``qk_norm`` (``q_norm`` / ``k_norm``, always), ``linear_biases``
+    on q/k/v and nowhere else, always), ``qk_norm`` (``q_norm`` / ``k_norm``, always; ``qk_norm_across_heads``:
+    each over the whole projection, OLMoE's, so the heads are ``hidden_size / num_attention_heads`` wide), ``linear_biases``
     (Llama's ``attention_bias`` / ``mlp_bias``), ``window`` (``none``; ``every_layer``: one
     ``sliding_window`` or none; ``layer_types``: per layer), ``window_off`` (a ``sliding_window`` value the
     config class writes for "none": Qwen2-MoE's 0). A mixture of experts: ``experts`` (the published
@@ -133,6 +134,7 @@ class Family:
     aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_across_heads: bool = False
     linear_biases: bool = False
     window: str = "none"
     experts: tuple[str, ...] = ()
@@ -150,7 +152,10 @@ class Family:
                     and cfg.kv_channels is None and not cfg.qk_layernorm and cfg.sliding_window is None)
         gpt2_only = not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx
         if not (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
-                and cfg.rotary_percent == 1.0 and not gpt2_only and cfg.qk_layernorm == self.qk_norm):
+                and cfg.rotary_percent == 1.0 and not gpt2_only and cfg.qk_layernorm == self.qk_norm
+                and cfg.qk_layernorm_across_heads == self.qk_norm_across_heads):
+            return False
+        if self.qk_norm_across_heads and cfg.kv_channels is not None:  # (its q_norm is hidden_size wide)
             return False
         if self.linear_biases:  # attention_bias: q, k, v and o together; mlp_bias: gate, up, down
             biases = cfg.qkv_bias == cfg.attn_out_bias
@@ -165,14 +170,15 @@ class Family:
     def _computes_experts(self, cfg: GPTConfig) -> bool:
         """What a mixture-of-experts class computes: softmax routing (the k weights renormalised for Mixtral;
         either for Qwen, ``norm_topk_prob``), no scaling, no capacity (transformers drops no token), Qwen2-MoE's
-        gated shared expert or none; Mixtral's experts on every layer, its width the MLP's."""
+        gated shared expert or none; Mixtral's and OLMoE's experts on every layer, their width the MLP's
+        (OLMoE's k weights renormalised or not, ``norm_topk_prob``)."""
         shared = cfg.moe_shared_expert_intermediate_size is not None
         plain = (cfg.moe_router_score_function == "softmax" and cfg.moe_router_topk_scaling_factor is None
                  and cfg.moe_expert_capacity_factor is None and not cfg.moe_router_enable_expert_bias
                  and shared == self.shared_expert and cfg.moe_shared_expert_gate == self.shared_expert)
-        if self.model_type == "mixtral":
-            return plain and not cfg.moe_router_pre_softmax and cfg.num_moe_layers == cfg.num_layers and \
-                cfg.moe_ffn_hidden_size in (None, cfg.ffn_hidden_size)
+        if self.model_type in ("mixtral", "olmoe"):
+            return plain and cfg.num_moe_layers == cfg.num_layers and cfg.moe_ffn_hidden_size in (
+                None, cfg.ffn_hidden_size) and (self.model_type == "olmoe" or not cfg.moe_router_pre_softmax)
         return plain
 
 
@@ -180,10 +186,12 @@ class Family:
 
 def _llama_layout(model_type: str, model_class: str, config_class: str, what: str, *, honoured: Mapping,
                   ignored: Mapping, refused: Mapping, undeclared: Mapping = MappingProxyType({}), **fixed) -> Family:
-    """An entry of the Llama layout: its own fields on top of what every such class declares."""
+    """An entry of the Llama layout: its own fields on top of what every such class declares (less those it
+    refuses)."""
+    read = {"model_type": f"picks {model_class}", **_LLAMA_HONOURED, **honoured}
     return Family(model_type, model_class, config_class, what, layout="llama", prefix="model", layers="layers",
                   embedding="model.embed_tokens.weight", layer_keys=("num_hidden_layers",),
-                  honoured=_frozen({"model_type": f"picks {model_class}", **_LLAMA_HONOURED, **honoured}),
+                  honoured=_frozen({k: v for k, v in read.items() if k not in refused}),
                   ignored=_frozen({**COMMON_IGNORED, **ignored}), refused=_frozen({"hidden_act": _SILU, **refused}),
                   undeclared=_frozen({**_UNDECLARED, **_ROPE_UNDECLARED, **undeclared}), **fixed)
 
@@ -295,9 +303,28 @@ QWEN3_MOE = _llama_layout(
     refused={"attention_bias": (lambda c: c.attention_bias is False, "biases on q/k/v and o_proj are not supported "
                                 "yet (tnlg has biases on Q, K, V alone, Qwen2's, or on every linear layer)")})
 
+OLMOE = _llama_layout(
+    "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "a mixture of experts with QK norm over every head at once",
+    qk_norm=True, qk_norm_across_heads=True, experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+    honoured={"model_type": "picks OlmoeForCausalLM (q_norm over all the heads' queries, k_norm over all the keys: "
+                            "qk_layernorm_across_heads; experts on every layer)",
+              "num_local_experts": "num_experts", "num_experts": "num_experts (num_local_experts' other name)",
+              "num_experts_per_tok": _TOPK, "intermediate_size": "ffn_hidden_size (each expert's width)",
+              "norm_topk_prob": _QWEN_MOE["norm_topk_prob"]},
+    ignored=_MOE_IGNORED,
+    refused={"attention_bias": (lambda c: c.attention_bias is False, "OLMoE's biases on q/k/v and o_proj are not "
+                                "mapped yet"),
+             "clip_qkv": (lambda c: c.clip_qkv is None, "clipping q, k and v (after the QK norm) is not computed by "
+                          "tnlg yet"),
+             "head_dim": (lambda c: getattr(c, "head_dim", None) in (None, c.hidden_size // c.num_attention_heads),
+                          "OlmoeConfig does not declare it, and its q_norm is hidden_size wide: the heads must be "
+                          "hidden_size / num_attention_heads wide")},
+    undeclared={"head_dim": "read by OLMoE's attention by getattr: refused unless hidden_size / num_attention_heads "
+                            "(its q_norm is hidden_size wide)"})
+
 # in the order a class is chosen for an architecture several compute (a Llama without a window: Llama's)
 FAMILIES: Mapping[str, Family] = _frozen({f.model_type: f for f in (GPT2, LLAMA, QWEN2, MISTRAL, QWEN3, MIXTRAL,
-                                                                    QWEN2_MOE, QWEN3_MOE)})
+                                                                    QWEN2_MOE, QWEN3_MOE, OLMOE)})
 
 
 # --------------------------------------------------------------------------- choosing one
@@ -330,10 +357,11 @@ def family_of(cfg: GPTConfig, recorded: Optional[str] = None) -> Family:
         raise UserError(f"this mixture of experts (num_experts={cfg.num_experts}) has no Hugging Face class: "
                         "MixtralForCausalLM routes a softmax's top-k renormalised on every layer, Qwen2MoeForCausalLM "
                         "and Qwen3MoeForCausalLM a softmax's top-k (renormalised with norm_topk_prob), Qwen2-MoE with "
-                        "a sigmoid-gated shared expert; none has a capacity factor, sigmoid scores, an expert bias or "
+                        "a sigmoid-gated shared expert, OlmoeForCausalLM as Qwen3-MoE on every layer with its QK norm "
+                        "over every head at once; none has a capacity factor, sigmoid scores, an expert bias or "
                         "a scaling factor. Nothing was written.")
     shown = ("position_embedding_type", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias", "add_attn_bias",
-             "add_mlp_bias", "qk_layernorm", "rotary_percent", "kv_channels", "sliding_window", "window_layers",
+             "add_mlp_bias", "qk_layernorm", "qk_layernorm_across_heads", "rotary_percent", "kv_channels", "sliding_window", "window_layers",
              "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
     raise UserError("this model has no Hugging Face class: GPT2LMHeadModel is learned positions, LayerNorm, GELU, "
                     "full multi-head attention and biases; LlamaForCausalLM is rope over whole heads, RMSNorm, "

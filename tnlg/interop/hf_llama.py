@@ -15,15 +15,16 @@ rotate-half with ``rope_theta``, scaled by ``rope_parameters``' ``rope_type`` (`
 
 ``MistralForCausalLM`` is Llama with a sliding window on every layer (``sliding_window``: tnlg's); its
 ``head_dim`` (as Llama's and Qwen2's) is tnlg's ``kv_channels``. ``Qwen3ForCausalLM`` adds ``q_norm`` /
-``k_norm`` (``attn.q_norm.weight`` / ``attn.k_norm.weight``: ``qk_layernorm``) and, like Qwen2, a window
+``k_norm`` (``attn.q_norm.weight`` / ``attn.k_norm.weight``: ``qk_layernorm``; ``OlmoeForCausalLM``'s are over
+the whole projections, ``[H d]`` and ``[G d]``: ``qk_layernorm_across_heads``) and, like Qwen2, a window
 on the layers ``layer_types`` marks ``sliding_attention`` (tnlg's ``window_layers``; transformers sets
 the window only with ``use_sliding_window``). What each class fixes is its entry's in :mod:`.families`.
 
-The mixtures of experts (docs/moe.md): ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
-``Qwen3MoeForCausalLM``'s router ``gate`` is tnlg's ``mlp.router.weight`` ``[E, h]``; their experts, fused 3-D
+The mixtures of experts (docs/moe.md): ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``OlmoeForCausalLM``'s router ``gate`` is tnlg's ``mlp.router.weight`` ``[E, h]``; their experts, fused 3-D
 in memory (``mlp.experts.gate_up_proj`` ``[E, 2 f, h]``, gate rows first; ``mlp.experts.down_proj``
 ``[E, h, f]``) and written per expert by ``save_pretrained`` (Mixtral ``block_sparse_moe.experts.N.w1`` gate,
-``w3`` up, ``w2`` down; Qwen ``mlp.experts.N.gate_proj/up_proj/down_proj``), are ``mlp.experts.fc1``
+``w3`` up, ``w2`` down; Qwen and OLMoE ``mlp.experts.N.gate_proj/up_proj/down_proj``), are ``mlp.experts.fc1``
 ``[E, 2, f, h]`` and ``mlp.experts.fc2``; Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate`` are
 ``mlp.shared_expert`` (a dense MLP) and ``mlp.shared_expert_gate.weight``. Both spellings are read; the
 in-memory one is written (``save_pretrained`` converts).
@@ -148,7 +149,8 @@ def config_from_llama(hf_config, family: Family, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
                   group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
                   attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-                  kv_channels=head_dim, qk_layernorm=family.qk_norm, **_window(hf_config, family),
+                  kv_channels=head_dim, qk_layernorm=family.qk_norm,
+                  qk_layernorm_across_heads=family.qk_norm_across_heads, **_window(hf_config, family),
                   **_experts(hf_config, family))
     if family.qkv_bias_field:
         fields["add_qkv_bias"] = getattr(hf_config, "qkv_bias", False) is True
@@ -166,6 +168,8 @@ def _experts(hf_config, family: Family) -> dict:
                      moe_router_topk=hf_config.num_experts_per_tok)
     if family.model_type == "mixtral":
         return out
+    if family.model_type == "olmoe":  # (every layer's experts as wide as intermediate_size, as Mixtral's)
+        return dict(out, moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False))
     out.update(moe_ffn_hidden_size=hf_config.moe_intermediate_size,
                moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False))
     if family.shared_expert:
@@ -185,6 +189,9 @@ def _experts_config(cfg: GPTConfig, family: Family) -> dict:
     E, k = cfg.num_experts, cfg.moe_router_topk
     if family.model_type == "mixtral":
         return dict(num_local_experts=E, num_experts_per_tok=k, intermediate_size=cfg.expert_ffn_hidden_size)
+    if family.model_type == "olmoe":
+        return dict(num_experts=E, num_experts_per_tok=k, intermediate_size=cfg.expert_ffn_hidden_size,
+                    norm_topk_prob=not cfg.moe_router_pre_softmax)
     out: dict = dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=cfg.expert_ffn_hidden_size,
                      norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
                      mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])

@@ -30,7 +30,7 @@ from .init_methods import init_methods, join_key
 from ..parallel import masks as _masks
 from .kv_cache import KVCache, local_kv_heads
 from ..parallel.masks import Mask, QueryChunks, document_mask, mask_elements, window_mask
-from .norms import head_norm, norm_parameters
+from .norms import AcrossHeadsRMSNorm, head_norm, norm_parameters
 from .slots import BlockSpec
 
 __all__ = ["KVCache", "local_kv_heads", "LocalAttention", "ParallelAttention", "window_mask", "document_mask"]
@@ -168,7 +168,10 @@ class ParallelAttention(nn.Module):
     projection's input are ``heads x head_dim``, which need not be the hidden size. ``qk_layernorm``
     normalises each head's queries and keys over ``head_dim`` before rope (``q_norm``, ``k_norm``: one
     weight shared by every head, replicated over TP; each rank normalises its own heads, so the weights
-    enter through ``f``: one coalesced all-reduce of their gradients over TP in backward). A layer with a
+    enter through ``f``: one coalesced all-reduce of their gradients over TP in backward);
+    ``qk_layernorm_across_heads`` normalises the queries over all heads at once and the keys over all groups
+    (:class:`~tnlg.model.norms.AcrossHeadsRMSNorm`, OLMoE's: one all-reduce of each token's sum of squares over
+    TP in forward and in backward, per norm). A layer with a
     sliding window (:meth:`~tnlg.config.GPTConfig.layer_window`) adds :func:`window_mask` to its mask
     (with context parallelism the ring applies the window itself and skips the blocks outside it).
 
@@ -223,7 +226,20 @@ class ParallelAttention(nn.Module):
                                         partition_sizes=[d * n for n in heads], sequence_parallel=sp, device=device,
                                         init_method=scaled_init, seed=cfg.seed, init_key=join_key(init_key, "c_proj"))
         # the attention core: the ring over the CP group with context parallelism, else SDPA over the local sequence
-        if cfg.qk_layernorm:  # one norm of head_dim each for every head's queries and keys
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
+        if cfg.qk_layernorm_across_heads:  # one norm over all the heads' queries, one over the keys (OLMoE)
+            first = sum(heads[:ps.tp_rank])
+            q_units = range(first, first + self.local_heads)
+            kv_ranges = cfg.kv_groups_per_rank(ps.tp_size) if self.grouped else None
+            k_units = kv_ranges[ps.tp_rank] if kv_ranges is not None else q_units
+            holders = None if kv_ranges is None else [sum(g in r for r in kv_ranges) for g in k_units]
+            eps = cfg.layernorm_epsilon
+            self.q_norm = AcrossHeadsRMSNorm(cfg.num_attention_heads, d, eps, ps, q_units, device=device,
+                                             init_key=join_key(init_key, "q_norm"))
+            self.k_norm = AcrossHeadsRMSNorm(cfg.kv_groups, d, eps, ps, k_units, holders, device=device,
+                                             init_key=join_key(init_key, "k_norm"))
+        elif cfg.qk_layernorm:  # one norm of head_dim each for every head's queries and keys
             self.q_norm = head_norm(cfg, ps, join_key(init_key, "q_norm"), device)
             self.k_norm = head_norm(cfg, ps, join_key(init_key, "k_norm"), device)
         kv_heads = self.kv_index if self.grouped else None

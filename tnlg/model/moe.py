@@ -60,7 +60,7 @@ from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 
-__all__ = ["topk_routing", "drop_to_capacity", "aux_loss_scores", "load_balancing_loss", "z_loss", "Router",
+__all__ = ["topk_routing", "drop_to_capacity", "aux_loss_scores", "load_balancing_loss", "z_loss", "aux_loss_names", "Router",
            "GroupedExperts", "MoELayer", "grouped_matmul", "is_expert_parameter", "update_expert_bias"]
 
 
@@ -135,6 +135,20 @@ def load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, t
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     """ST-MoE's router z-loss: ``coeff mean_t logsumexp(logits_t)^2``."""
     return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+def aux_loss_names(cfg: GPTConfig) -> tuple[str, ...]:
+    """The auxiliary losses a model of ``cfg`` adds in training (:attr:`~tnlg.model.forward.ForwardContext.aux`),
+    by the names the log shows, in order: ``z_loss`` (``--moe-z-loss-coeff``), then ``load_balancing_loss``
+    (``aux_loss``) or ``seq_load_balancing_loss`` (``seq_aux_loss``) with ``--moe-aux-loss-coeff``; none for a
+    dense model."""
+    if cfg.num_experts is None or not cfg.num_moe_layers:
+        return ()
+    names = ["z_loss"] if cfg.moe_z_loss_coeff else []
+    kind = cfg.moe_router_load_balancing_type
+    if cfg.moe_aux_loss_coeff and kind != "none":
+        names.append("load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss")
+    return tuple(names)
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -272,19 +286,18 @@ class MoELayer(nn.Module):
         part, which the engine's average over DP x CP divides back, as :func:`tnlg.parallel.loss.loss_sum`)."""
         cfg, k, E = self.cfg, self.cfg.moe_router_topk, flat.shape[1]
         cp, group = self.ps.cp_size, self.ps.cp_group
-        terms = {}
-        if cfg.moe_z_loss_coeff:  # (z_loss over the whole micro batch: the sum over the CP ranks' positions)
-            terms["z_loss"] = z_loss(flat, cfg.moe_z_loss_coeff) / cp
-        kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
-        if coeff and kind != "none":
+        terms, coeff = {}, cfg.moe_aux_loss_coeff
+        for name in aux_loss_names(cfg):
+            if name == "z_loss":  # (over the whole micro batch: the sum over the CP ranks' positions)
+                terms[name] = z_loss(flat, float(cfg.moe_z_loss_coeff or 0.0)) / cp
+                continue
             rmap, scores = aux_loss_scores(flat, k, cfg.moe_router_score_function)
-            if kind == "aux_loss":
+            if name == "load_balancing_loss":
                 counts = _summed(rmap.sum(0), group)
-                terms["load_balancing_loss"] = load_balancing_loss(scores, counts, s * b * cp, k, E, coeff)
+                terms[name] = load_balancing_loss(scores, counts, s * b * cp, k, E, coeff)
             else:  # seq_aux_loss: each sequence's loss (experts x sequences as megatron-core reshapes), averaged
                 counts = _summed(rmap.reshape(s, b * E).sum(0), group)
-                terms["seq_load_balancing_loss"] = load_balancing_loss(
-                    scores.reshape(s, b * E), counts, s * cp, k, E, coeff) / b
+                terms[name] = load_balancing_loss(scores.reshape(s, b * E), counts, s * cp, k, E, coeff) / b
         for name, value in terms.items():
             value = _whole(value, cp, group)
             ctx.aux[name] = ctx.aux[name] + value if name in ctx.aux else value

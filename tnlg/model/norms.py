@@ -1,6 +1,7 @@
 """The normalisations of the decoder: LayerNorm and RMSNorm in fp32, keeping 16-bit inputs for backward.
 
-Both are replicated over TP. Sequence-parallel (the input is this rank's positions), their parameters
+Both are replicated over TP. :class:`AcrossHeadsRMSNorm` is the RMSNorm of a projection whose heads are split
+over TP (the query and key norms of OLMo 2 and OLMoE), its statistics summed over the TP group. Sequence-parallel (the input is this rank's positions), their parameters
 enter through ``f`` (:func:`tnlg.parallel.mappings.copy_to_tp_coalesced`: one coalesced all-reduce of
 their gradients in backward), or the caller passes them already through one (``synced=``, a block's
 coalesced ``f``, :class:`tnlg.model.block.Block`).
@@ -8,7 +9,7 @@ coalesced ``f``, :class:`tnlg.model.block.Block`).
 
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -16,11 +17,11 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..parallel.initialization import SelfInitializing, init_ones, init_zeros
-from ..parallel.mappings import copy_to_tp_coalesced
+from ..parallel.mappings import copy_to_tp, copy_to_tp_coalesced, reduce_from_tp
 from ..parallel.sharding import mark_replicated
 from ..parallel.state import ParallelState
 
-__all__ = ["LayerNorm", "RMSNorm", "make_norm", "head_norm", "norm_parameters"]
+__all__ = ["LayerNorm", "RMSNorm", "AcrossHeadsRMSNorm", "make_norm", "head_norm", "norm_parameters"]
 
 
 def _layer_norm_in_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -139,6 +140,43 @@ class RMSNorm(SelfInitializing, nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             y = _RMSNorm.apply(x, w, self.eps)
         return y if out_dtype is None else y.to(out_dtype)
+
+
+class AcrossHeadsRMSNorm(SelfInitializing, nn.Module):
+    """RMSNorm over a whole projection of ``units`` heads of width ``d`` at once (OLMo 2's and OLMoE's ``q_norm``
+    / ``k_norm``, ``qk_layernorm_across_heads``): ``x / sqrt(mean(x^2) + eps) * weight``, the mean over all
+    ``units x d`` values of a token, ``weight`` ``[units x d]``, computed in fp32.
+
+    Under TP each rank holds some of the heads, ``local`` (global unit indices, consecutive): its share of the
+    sum of squares is summed over the TP group (an all-reduce whose backward is an all-reduce too, ``g`` then
+    ``f``: every rank's heads depend on the sum, so its gradient is the sum of theirs). A unit that several ranks
+    hold (a key/value group shared by ranks under grouped-query attention at any TP) counts ``1 / holders`` on
+    each (``holders``: per local unit). The weight is replicated (the whole on every rank, each using its units'
+    rows): the caller passes it through ``f`` (``synced=``, as the per-head norms'), so its gradient, each
+    rank's rows, is summed over TP."""
+
+    def __init__(self, units: int, d: int, eps: float, ps: ParallelState, local: range,
+                 holders: Optional[Sequence[int]] = None, device=None, init_key: str = ""):
+        super().__init__()
+        self.ps, self.eps, self.units, self.d, self.local = ps, eps, units, d, local
+        self.share = None if holders is None or all(n == 1 for n in holders) else tuple(1.0 / n for n in holders)
+        self.weight = mark_replicated(nn.Parameter(torch.empty(units * d, device=device)))
+        self.set_init(dict(weight=init_ones), 0, init_key)
+
+    def forward(self, x: torch.Tensor, synced=None) -> torch.Tensor:
+        """``x`` ``[b, local units, s, d]`` (the attention core's layout) -> the same, fp32."""
+        w: torch.Tensor = self.weight if synced is None else synced[0]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xf = x.float()
+            sq = xf.pow(2).sum(-1)  # [b, n, s]
+            if self.share is not None:
+                sq = sq * torch.tensor(self.share, dtype=sq.dtype, device=sq.device).view(1, -1, 1)
+            total = sq.sum(1)  # [b, s]
+            if self.ps.tp_size > 1:
+                total = copy_to_tp(reduce_from_tp(total, self.ps), self.ps)
+            rstd = torch.rsqrt(total / (self.units * self.d) + self.eps)
+            rows = w.float().view(self.units, self.d)[self.local.start:self.local.stop]
+            return xf * rstd[:, None, :, None] * rows[None, :, None, :]
 
 
 def make_norm(cfg: GPTConfig, ps: ParallelState, init_key: str, device=None) -> nn.Module:

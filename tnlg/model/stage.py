@@ -23,6 +23,11 @@ keyword arguments of ``schedule.step`` to every stage, split into micro batches 
 are, while only the activation travels between stages; every pipeline rank reads the same batch,
 so each stage gets its micro batch's mask from its own copy: no extra send per boundary, and no
 second stage output (the tokens) from which every stage would rebuild the mask.
+
+Auxiliary losses (a mixture of experts' balancing and z losses, which its layers add to the forward's
+:attr:`~tnlg.model.forward.ForwardContext.aux`): a chunk's output carries its layers' terms into the stage's
+backward (:class:`tnlg.parallel.loss.StageAuxLosses`, ``StageModel.aux_losses``), since only the last stage's
+loss is back-propagated; the pipeline reads their values for the log.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..config import GPTConfig, stage_parts
+from ..parallel.loss import StageAuxLosses
 from ..parallel.state import ParallelState
 from .attention import KVCache
 from .decoder import DecoderBase
@@ -44,11 +50,13 @@ class StageModel(DecoderBase):
     """The layers of one pipeline rank's chunks (``chunks``: their global layer indices, this rank's
     in order), with the embeddings on the first stage and ``ln_f`` + LM head on the last.
 
-    Parameter names are the GPT's; :meth:`chunk` gives the module each pipeline stage runs."""
+    Parameter names are the GPT's; :meth:`chunk` gives the module each pipeline stage runs. ``aux_losses``: the
+    auxiliary losses its chunks' forwards carry into their backward (module docstring)."""
 
     def __init__(self, config: GPTConfig, ps: ParallelState, chunks: list[range], device=None):
         super().__init__(config, ps)
         self.chunk_ranges = list(chunks)
+        self.aux_losses = StageAuxLosses()
         tied = not config.untie_embeddings_and_output_weights
         parts: dict = dict(h=nn.ModuleDict({str(i): self.part("h", device, layer=i)
                                             for r in self.chunk_ranges for i in r}))
@@ -96,8 +104,10 @@ class PipelineChunk(nn.Module):
         the last position only; ``sequence_parallel=False``: every TP rank holds the whole sequence
         ``[s, b, h]`` whatever the config says (the forward-only passes, whose batches vary in length).
         Sequence-parallel training: the activations between stages are this rank's positions
-        ``[s_r, b, h]``, as between the GPT's TP regions."""
+        ``[s_r, b, h]``, as between the GPT's TP regions. The layers' auxiliary losses ride on the output into
+        the backward (:class:`~tnlg.parallel.loss.StageAuxLosses`)."""
         out, ctx = self.stage.run(x, self.layers, self.first, self.last, position_ids=position_ids,
                                   attention_mask=attention_mask, kv_cache=kv_cache, last_only=last_only,
                                   sequence_parallel=sequence_parallel)
+        out = self.stage.aux_losses.carry(out, ctx.aux)
         return ctx.batch_first(out) if self.last else out

@@ -135,9 +135,11 @@ def global_norm(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[flo
 
 
 def global_sum_of_squares(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union[float, torch.Tensor],
-                          ps: ParallelState, over_dp: bool, device: Optional[torch.device] = None) -> torch.Tensor:
+                          ps: ParallelState, over_dp: bool, device: Optional[torch.device] = None,
+                          over_pp: bool = True) -> torch.Tensor:
     """The whole model's sum of squares (a 0-dim fp64 tensor on the device, not read) from this rank's squared
-    sums: :func:`global_norm`'s collectives, without the square root and the host read."""
+    sums: :func:`global_norm`'s collectives, without the square root and the host read. ``over_pp=False``: this
+    pipeline stage's only (the caller adds more before summing over the stages)."""
     device = torch.device(device or ps.device)
     sums = torch.stack([_as_device_scalar(sharded_sq, device), _as_device_scalar(replicated_sq, device)])
     if over_dp and ps.dp_size > 1:
@@ -147,7 +149,7 @@ def global_sum_of_squares(sharded_sq: Union[float, torch.Tensor], replicated_sq:
         dist.all_reduce(sharded, group=ps.tp_group)
         sums[0] = sharded[0]
     total = sums.sum()
-    if ps.pp_size > 1:  # each pipeline stage holds different parameters
+    if over_pp and ps.pp_size > 1:  # each pipeline stage holds different parameters
         dist.all_reduce(total, group=ps.pp_group)
     return total
 

@@ -7,9 +7,11 @@ group (:meth:`ParallelState.for_gradients`), and steps them together: both reduc
 gradient norm, one clipping coefficient and both AdamW updates. The norm's sum of squares is the dense one's
 (as :func:`tnlg.optim.clip.global_norm` sums it: over DP where partitioned, the split parameters over TP)
 plus the experts' (every expert parameter is split over TP, and over EP: summed over the expert-DP ranks
-where partitioned, then over TP and EP), so it equals the norm of one process holding the whole model.
-Collectives of the step: each kind's bucket reductions; three fp64 scalars' all-reduces (DP, TP) for the
-dense norm and three (expert-DP, TP, EP) for the experts'; stage 1's parameter all-gathers per kind.
+where partitioned, then over TP and EP), then summed over the pipeline stages once (a stage without experts,
+whose engine has one :class:`FlatZero`, takes part in that one sum as well), so it equals the norm of one
+process holding the whole model. Collectives of the step: each kind's bucket reductions; fp64 scalars'
+all-reduces: DP and TP for the dense sum, expert-DP, TP and EP for the experts', PP for the total; stage 1's
+parameter all-gathers per kind.
 
 At EP 1 the expert-DP ranks are the DP x CP ranks and the engine uses one :class:`FlatZero` (nothing
 changes); ZeRO 2 and 3 (FSDP2) with EP > 1 are refused by name (:func:`tnlg.optim.engine.build_engine`).
@@ -97,8 +99,10 @@ class KindsBackend:
         for b in self.parts:
             b.finish_grad_sync()
         dense_sq = global_sum_of_squares(*squared_sums(self.dense.grad_pieces()), self.dense.ps,
-                                         self.dense.grads_sharded_over_dp)
+                                         self.dense.grads_sharded_over_dp, over_pp=False)
         total = dense_sq + self._expert_sq().to(dense_sq)
+        if self.ps.pp_size > 1:  # (each stage holds different layers)
+            dist.all_reduce(total, group=self.ps.pp_group)
         if is_fake(total):
             norm, loss_value = SIMULATED_NORM, None if loss is None else 0.0
         else:

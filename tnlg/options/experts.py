@@ -1,8 +1,10 @@
 """The mixture-of-experts checks of ``tnlg pretrain``: the layouts an MoE model runs with, and what it refuses.
 
 Torch-free (read at option resolution, before any process starts). What runs: TP (with or without sequence
-parallelism) x CP (dropless) x DP at ZeRO 0-3, the experts replicated over DP (expert parallelism is the library's,
-:func:`tnlg.parallel.state.init_expert_parallel`, not yet a ``tnlg pretrain`` option: docs/moe.md).
+parallelism) x CP (dropless) x PP x DP at ZeRO 0-3, the experts replicated over DP (expert parallelism is the
+library's, :func:`tnlg.parallel.state.init_expert_parallel`, not yet a ``tnlg pretrain`` option: docs/moe.md).
+With a pipeline each stage back-propagates its own layers' auxiliary losses
+(:class:`tnlg.parallel.loss.StageAuxLosses`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,7 @@ def check_expert_options(o) -> None:
     if E is None:
         return
     par = o.parallel
-    refused = [(par.pipeline_model_parallel_size > 1,
-                f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} (the routers' auxiliary losses "
-                "of the earlier stages do not reach the last stage's loss yet); use PP 1"),
-               (par.context_parallel_size > 1 and o.model.moe_expert_capacity_factor is not None,
+    refused = [(par.context_parallel_size > 1 and o.model.moe_expert_capacity_factor is not None,
                 f"--context-parallel-size {par.context_parallel_size} and --moe-expert-capacity-factor "
                 f"{o.model.moe_expert_capacity_factor} (the capacity is over the micro batch's tokens, which the CP "
                 "ranks hold in parts); drop the factor (dropless) or use CP 1"),

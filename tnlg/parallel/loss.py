@@ -23,6 +23,15 @@ on every CP rank; its gradient is that of ``cp * local_sum`` (what a differentia
 backward sums every rank's equal upstream gradient gives, without the backward collective). The
 engine averages gradients over DP x CP, which divides by ``cp`` again, so the reduced gradient is
 that of the whole sequence's loss (as Megatron scales by the CP size).
+
+**Auxiliary losses in a pipeline.** Without a pipeline a micro batch's auxiliary terms (a mixture of experts'
+balancing and z losses, :attr:`LossTerms.aux`) are added to its loss, whose backward reaches every layer. With
+one, each stage's layers add theirs during the stage's own forward, which the last stage's loss does not see:
+:class:`StageAuxLosses` makes them part of the stage's backward instead (megatron-core's
+``MoEAuxLossAutoScaler``): the stage's output activation passes through an identity whose backward also gives
+every auxiliary term the gradient ``scale`` (the engine's factor, loss scale / micro batches, the one the LM
+loss is multiplied by), which is the gradient the term gets as part of the loss without a pipeline. Its values
+are kept (detached, summed over the step's micro batches) for the log.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from ..data.batch import Batch
 from .state import ParallelState
 from .vocab import vocab_parallel_cross_entropy
 
-__all__ = ["loss_sum", "LossTerms", "LossNormalisation"]
+__all__ = ["loss_sum", "LossTerms", "LossNormalisation", "StageAuxLosses"]
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ps: ParallelState,
@@ -102,3 +111,43 @@ class LossNormalisation:
         if group is not None:
             dist.all_reduce(count, group=group)
         return cls(count.clamp(min=1.0) / (len(batches) * ps.dp_size))
+
+
+class _CarryAux(torch.autograd.Function):
+    """Identity on ``activation``; its backward also gives each auxiliary term the gradient ``holder.scale``
+    (megatron-core's ``MoEAuxLossAutoScaler``; read at backward time, so the schedule's scale applies)."""
+
+    @staticmethod
+    def forward(ctx, activation, holder, *aux):
+        ctx.holder = holder
+        ctx.save_for_backward(*aux)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = ctx.holder.scale
+        return (grad, None, *(torch.full_like(t, scale) for t in ctx.saved_tensors))
+
+
+class StageAuxLosses:
+    """One pipeline rank's auxiliary losses (module docstring, "Auxiliary losses in a pipeline"). ``scale``: the
+    gradient each term gets in backward (the pipeline sets the engine's factor before its schedule runs);
+    ``recorded``: every term's value summed over the forwards since :meth:`begin` (detached fp32 ``[1]``)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.recorded: dict[str, torch.Tensor] = {}
+
+    def carry(self, activation: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``activation`` (a stage's output), carrying the terms ``aux`` into its backward; the values recorded.
+        Unchanged without terms or gradients (evaluation, generation)."""
+        if not aux or not torch.is_grad_enabled():
+            return activation
+        for name, value in aux.items():
+            value = value.detach().float().reshape(1)
+            self.recorded[name] = self.recorded[name] + value if name in self.recorded else value
+        return _CarryAux.apply(activation, self, *aux.values())
+
+    def begin(self, scale: float) -> None:
+        """Start a step: terms recorded from now on, their gradient ``scale``."""
+        self.scale, self.recorded = scale, {}

@@ -20,6 +20,12 @@ between stages are its chunks' (``pp_group`` holds one CP rank's stages), and a 
 over the whole sequence (:func:`~tnlg.parallel.loss.loss_sum`: one ``[sum, tokens]`` all-reduce over the
 CP group per micro batch, on the last stage).
 
+Auxiliary losses (a mixture of experts'): each stage's chunks carry their layers' terms into the stage's own
+backward with the gradient ``factor`` (:class:`~tnlg.parallel.loss.StageAuxLosses`, the model's
+``aux_losses``), so the gradients are those of the micro batches' losses with their terms, as without a
+pipeline; :attr:`Pipeline.aux` holds this rank's terms' means over the micro batches after :meth:`Pipeline.run`
+(the training step sums them over the stages for the log).
+
 Collectives per iteration, beyond the chunks' TP collectives: the schedule's send/recv of one
 ``[s, b, h]`` activation (the decoder's sequence-first layout) per micro batch and stage boundary in forward and of its gradient in
 backward; then :func:`tie_embedding_grads`, one all-reduce of the word embedding's gradient over
@@ -57,14 +63,25 @@ class _Stage(RecordedStage):
     On a schedule's first step torch learns the activations' shapes by running each stage's forward
     once (``_compute_outputs``, used for nothing else); with dropout that forward would draw from
     torch's default generator and the chunk's TP generator, so a resumed run (a new schedule, whose
-    first step is then not the run's first) would draw other masks than the uninterrupted one."""
+    first step is then not the run's first) would draw other masks than the uninterrupted one. Nor does it
+    change the stage's buffers (a router's token counts, :mod:`tnlg.model.moe`) or its recorded auxiliary
+    losses: that forward is not a micro batch's."""
 
     def _compute_outputs(self, *args, module, **kwargs):
-        tp_random, devices = module.stage.tp_random, [] if self.device.type == "cpu" else [self.device]
+        stage = module.stage
+        tp_random, devices = stage.tp_random, [] if self.device.type == "cpu" else [self.device]
         saved = tp_random.state
+        buffers = [(b, b.clone()) for b in stage.buffers()]
+        aux = getattr(stage, "aux_losses", None)
+        recorded = {} if aux is None else dict(aux.recorded)
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
             out = super()._compute_outputs(*args, module=module, **kwargs)
         tp_random.state = saved
+        with torch.no_grad():
+            for b, before in buffers:
+                b.copy_(before)
+        if aux is not None:
+            aux.recorded = recorded
         return out
 
 
@@ -90,6 +107,7 @@ class Pipeline:
         self._factor = 1.0
         self._losses: list[torch.Tensor] = []
         self._normalisation = LossNormalisation()
+        self.aux: dict[str, torch.Tensor] = {}
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro batch's loss (``target``: labels and mask stacked): its :class:`~tnlg.parallel.loss.LossTerms`
@@ -104,7 +122,8 @@ class Pipeline:
             normalisation: LossNormalisation = LossNormalisation()) -> Optional[torch.Tensor]:
         """Forward and backward of every micro batch (:class:`~tnlg.data.batch.Batch`; the loss multiplied by
         ``factor`` before backward; ``normalisation``: the step's, per micro batch or per token); the mean
-        micro-batch loss on the last stage, ``None`` on the others."""
+        micro-batch loss on the last stage, ``None`` on the others (without the auxiliary terms: this rank's
+        are in :attr:`aux`, each its mean over the micro batches, fp32 ``[1]``)."""
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was built for {self.micro_batches} micro batches, got {len(batches)}.")
         whole = Batch.cat([Batch.of(b) for b in batches])
@@ -112,7 +131,11 @@ class Pipeline:
         documents = {k: v for k, v in (("position_ids", whole.position_ids), ("attention_mask", whole.attention_mask))
                      if v is not None}
         self._factor, self._losses, self._normalisation = factor, [], normalisation
+        aux = getattr(self.model, "aux_losses", None)
+        if aux is not None:
+            aux.begin(factor)
         self.schedule.step(whole.tokens, target=target, return_outputs=False, **documents)  # (kwargs reach every stage)
+        self.aux = {} if aux is None else {k: v / self.micro_batches for k, v in aux.recorded.items()}
         # the last m calls are the micro batches' (torch's first step also calls the loss once on a
         # stand-in output to learn the gradient's metadata)
         return torch.stack(self._losses[-self.micro_batches:]).mean() if self.ps.is_last_stage else None

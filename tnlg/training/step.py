@@ -13,8 +13,9 @@ the run then stops, so no checkpoint is ever written from the bad state.
 With a pipeline (``pipeline``: :class:`tnlg.parallel.pipeline_schedule.Pipeline`) the ``k``
 micro batches go through its schedule in one ``engine.backward_all`` (gradients reduced over DP
 once, at the step), the tied embedding's gradient is summed over the first and last stage, and
-the loss (the last stage's mean over micro batches) is summed over the pipeline group, so every
-rank reports the same loss as without a pipeline.
+the loss (the last stage's mean over micro batches, plus every stage's auxiliary terms' means: a mixture of
+experts' losses, which each stage back-propagates itself) is summed over the pipeline group, so every
+rank reports the same loss, and the same auxiliary terms, as without a pipeline.
 
 ``--calculate-per-token-loss`` (Megatron's): each micro batch's loss is its sum divided by
 ``N / (k * dp)``, ``N`` the global batch's counted tokens (:meth:`tnlg.parallel.loss.LossNormalisation.per_token`),
@@ -29,7 +30,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..data.batch import Batch
-from ..model.moe import update_expert_bias
+from ..model.moe import aux_loss_names, update_expert_bias
 from ..parallel.loss import LossNormalisation
 from ..parallel.mappings import all_reduce
 
@@ -97,12 +98,13 @@ def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: f
             aux = {k: aux[k] + v if k in aux else v for k, v in terms.items()}
         mean = torch.cat([torch.stack(losses).mean().reshape(1), *aux.values()])  # (one all-reduce for all)
         mean[1:] /= max(1, len(losses))
+        names = list(aux)
     else:
-        mean = _pipeline_backward(pipeline, engine, list(batches), ps, autocast, normalisation)
+        mean, names = _pipeline_backward(pipeline, engine, list(batches), ps, autocast, normalisation)
     mean = all_reduce(mean, ps.dp_group) / ps.dp_size
     info = engine.step(lr, loss=mean[:1])  # reads the loss with the gradient norm: one host synchronisation
-    if aux:  # the auxiliary terms' means (in the loss already), logged apart: read after the step's read
-        info["aux"] = dict(zip(aux, mean[1:].tolist()))
+    if names:  # the auxiliary terms' means (in the loss already), logged apart: read after the step's read
+        info["aux"] = dict(zip(names, mean[1:].tolist()))
     if not info["skipped"]:
         update_expert_bias(engine.model, ps)  # (DeepSeek-V3's balancing; nothing without expert biases)
     if normalisation.divisor is not None:  # (computed before the forward: reading it now costs no wait)
@@ -116,10 +118,13 @@ def train_step(model, engine, micro_batches: Iterable[Union[Batch, dict]], lr: f
 
 
 def _pipeline_backward(pipeline, engine, batches: list[Batch], ps, autocast: Optional[torch.dtype],
-                       normalisation: LossNormalisation = LossNormalisation()) -> torch.Tensor:
+                       normalisation: LossNormalisation = LossNormalisation()) -> tuple[torch.Tensor, list[str]]:
     """Every micro batch through the pipeline's schedule under autocast to ``autocast`` (the stages'
     forward as without a pipeline: the activations sent between stages come out in the training
-    dtype), each micro batch's loss through ``normalisation``; the mean micro-batch loss on every stage."""
+    dtype), each micro batch's loss through ``normalisation``. On every stage: ``[the mean micro-batch loss,
+    then each auxiliary term's mean]`` (the terms summed over the stages, which hold different layers, and
+    included in the loss) and the terms' names (:func:`~tnlg.model.moe.aux_loss_names`, the same on every
+    stage, whether or not its layers add them). Collective: one all-reduce over the pipeline group."""
     # (imported here: torch's pipelining imports torch._dynamo, 1.3 CPU-s a process without a pipeline skips)
     from ..parallel.pipeline_schedule import tie_embedding_grads
     out: list = [None]
@@ -130,4 +135,6 @@ def _pipeline_backward(pipeline, engine, batches: list[Batch], ps, autocast: Opt
         tie_embedding_grads(pipeline.model, engine.grad_view)
     engine.backward_all(run)
     mean = out[0].reshape(1) if out[0] is not None else torch.zeros(1, device=ps.device)
-    return all_reduce(mean, ps.pp_group)
+    names = list(aux_loss_names(pipeline.model.config))
+    terms = [pipeline.aux[n].to(mean) if n in pipeline.aux else torch.zeros_like(mean) for n in names]
+    return all_reduce(torch.cat([mean + sum(terms), *terms]), ps.pp_group), names
