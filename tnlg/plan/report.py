@@ -113,11 +113,12 @@ def _experts(e: dict, lay: dict) -> list[str]:
     ep, states, acts, a2a = e["ep"], e["expert_states"], e["moe_mlp_activations"], e["all_to_all"]
     edp = e["expert_data_parallel_ranks"]
     lines = [f"Experts: {e['num_experts']} per MoE layer x {e['moe_layers']} layers, top-{e['topk']}; EP {ep}: "
-             f"{e['experts_per_rank']} experts per rank, their gradients and optimizer states over {edp} "
+             f"{e['experts_per_rank']} expert{'s' if e['experts_per_rank'] > 1 else ''} per rank, their gradients and optimizer states over {edp} "
              f"expert-data-parallel rank{'s' if edp > 1 else ''} (DP{' x CP' if lay.get('cp', 1) > 1 else ''} / EP)",
              f"  {e['formula']}",
-             f"  expert parameters per rank {e['expert_params']:>16,}   their model states {_gb(states['total'])} GB "
-             f"(included above)"]
+             f"  parameters per rank at EP {ep} {e['parameters']['largest_rank']['params']:>14,}   (dense "
+             f"{e['parameters']['largest_rank']['dense']:,} + experts {e['expert_params']:,}; the experts' model "
+             f"states {_gb(states['total'])} GB, included above)"]
     if acts is not None:
         lines.append(f"  MoE MLP activations per layer and micro batch {_gb(acts['total'])} GB: {acts['copies']:,} routed "
                      f"copies {_gb(acts['routed'])} GB, router {_gb(acts['router'])} GB, shared expert "
