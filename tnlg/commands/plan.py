@@ -65,6 +65,8 @@ Examples:
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
   tnlg plan --preset tnlg-17b --tp 4 --pp 4 --zero-stage 1   # per pipeline stage, on the recipe's 256 GPUs
   tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
+  tnlg plan --preset mixtral-8x7b --seq-length 4096 --tp 2 --world-size 64 --ep 8 --zero-stage 1 --bf16 \
+      --gpu-memory 80GB                       # experts over EP 8: their memory per rank, the all-to-all
 """
 
 
