@@ -11,6 +11,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from tnlg.config import LLAMA, GPTConfig
 from tnlg.errors import UserError
@@ -139,29 +140,32 @@ def test_bad_expert_layouts_are_one_paragraph(argv, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-# (preset, its fields changed, tp, dp, ep, micro batch, accumulation steps, full recomputation): the published MoE
+# (preset, its fields changed, tp, cp, dp, ep, micro batch, accumulation steps, full recomputation): the published MoE
 # shapes cut to a few layers (a fake-tensor step takes seconds per layer), Qwen3's vocabulary cut so that its
 # logits do not outweigh four layers
 SIM_CASES = [
-    pytest.param("mixtral-8x7b", dict(num_layers=4, seq_length=4096), 1, 8, 8, 1, 2, False, id="mixtral-ep8"),
-    pytest.param("qwen3-30b-a3b", dict(num_layers=4, seq_length=4096, vocab_size=32000), 2, 4, 4, 1, 1, False,
+    pytest.param("mixtral-8x7b", dict(num_layers=4, seq_length=4096), 1, 1, 8, 8, 1, 2, False, id="mixtral-ep8"),
+    pytest.param("qwen3-30b-a3b", dict(num_layers=4, seq_length=4096, vocab_size=32000), 2, 1, 4, 4, 1, 1, False,
                  id="qwen3-tp2-ep4"),
+    pytest.param("mixtral-8x7b", dict(num_layers=2, seq_length=4096), 1, 2, 2, 4, 1, 1, False, id="mixtral-cp2-ep4"),
     pytest.param("mixtral-8x7b", dict(num_layers=3, seq_length=2048, moe_layer_freq=[0, 1, 1],
                                       moe_shared_expert_intermediate_size=2048, moe_shared_expert_gate=True,
-                                      moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001), 1, 4, 2, 2, 1, True,
+                                      moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001), 1, 1, 4, 2, 2, 1, True,
                  id="mixtral-dense-first-shared-aux-recompute-ep2"),
 ]
 
 
-@pytest.mark.parametrize("preset,over,tp,dp,ep,micro,accum,recompute", SIM_CASES)
-def test_planner_agrees_with_the_simulated_moe_step_phase_by_phase(preset, over, tp, dp, ep, micro, accum, recompute):
+@pytest.mark.parametrize("preset,over,tp,cp,dp,ep,micro,accum,recompute", SIM_CASES)
+def test_planner_agrees_with_the_simulated_moe_step_phase_by_phase(preset, over, tp, cp, dp, ep, micro, accum,
+                                                                    recompute):
     """`tnlg plan --simulate` of a MoE step (bf16, ZeRO 1): in every phase the simulated peak is the planner's
     (model states in setup, grad sync, norm and optimizer; states + activations in forward and backward) within
     5%, and so are the activations kept for backward; with full recomputation the planner's total is the
     backward's peak (a layer recomputed whole) and the forward, which keeps only each layer's input, peaks below
     it. The all-to-all bytes of each forward and backward are the planner's exactly, and the forward's FLOPs
     are the planner's (from the active parameters)."""
-    argv = ["--preset", preset, *_flags(over), "--tp", str(tp), "--dp", str(dp), "--ep", str(ep), "--zero-stage", "1",
+    argv = ["--preset", preset, *_flags(over), "--tp", str(tp), "--cp", str(cp), "--dp", str(dp), "--ep", str(ep),
+            "--zero-stage", "1",
             "--bf16", "--micro-batch-size", str(micro), "--global-batch-size", str(micro * dp * accum), "--simulate",
             "--gpu", "h100", "--gpu-memory", "80GB"] + (["--recompute-activations"] if recompute else [])
     plan = _plan(argv)
@@ -186,8 +190,32 @@ def test_planner_agrees_with_the_simulated_moe_step_phase_by_phase(preset, over,
         passes = 2 if name == "forward" else a2a["all_to_alls_per_layer"] - 2
         assert sent == pytest.approx(a2a["bytes_per_iteration"] / accum * passes / a2a["all_to_alls_per_layer"],
                                      rel=1e-9), name
-    if tp == 1:
+    if tp == cp == 1:
         from tnlg.plan.flops import flops_per_iteration
         cfg = GPTConfig.preset(preset, **over)
         model = flops_per_iteration(cfg, micro, None, cfg.padded_vocab_size(1))
         assert phases["forward"]["flops"] == pytest.approx(model / 3, rel=1e-12)
+
+
+def test_the_even_routing_simulation_counts_what_a_real_run_counts():
+    """The simulation of a MoE step on fake tensors (even routing, counts as the fake mode's constants) counts
+    what the same step on real CPU tensors counts when they are routed evenly as well: phase by phase the same
+    bytes live at the start and at the peak, by kind, and the same operators with the same FLOPs and bytes."""
+    from tnlg.parallel.state import ParallelState
+    from tnlg.training.simulate import even_routing, simulate, tracked_iteration
+    cfg = GPTConfig(**{**MOE, "seq_length": 64})
+    torch.manual_seed(0)
+    with even_routing(real_tensors=True):
+        tracker, _ = tracked_iteration(cfg, ParallelState.single(), zero_stage=1, precision="bf16", micro_batch=2,
+                                       accum=1)
+    sim = simulate(cfg, 1, 1, zero_stage=1, precision="bf16", micro_batch=2, accum=1, gpu="h100", gpu_kernels=False)
+    fake = {ph["name"]: (ph, ops) for ph, ops in zip(sim["phases"], sim["ops"])}
+    assert [ph.name for ph in tracker.phases] == ["setup", "forward", "backward", "grad sync", "norm", "optimizer"]
+    assert any(o.name == "_grouped_mm" and o.flops for o in tracker.phases[1].ops)  # (the experts ran, grouped)
+    host_reads = {"aminmax", "_local_scalar_dense"}  # what only real tensors read back
+    for ph in tracker.phases:
+        real, (faked, fake_ops) = ph.as_dict(), fake[ph.name]
+        for f in ("live_start", "peak_bytes", "peak_by_kind"):
+            assert real[f] == faked[f], (ph.name, f, real[f], faked[f])
+        assert [(o.name, o.flops, o.bytes) for o in ph.ops if o.name not in host_reads] == \
+            [(o.name, o.flops, o.bytes) for o in fake_ops if o.name not in host_reads], ph.name

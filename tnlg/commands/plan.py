@@ -503,7 +503,7 @@ def run(args) -> int:
         if args.pp < 1:
             raise UserError(f"--pipeline-model-parallel-size must be a positive integer, got {args.pp}.")
         layout = _layout(args, model)
-        result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts)
+        result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts, cp=args.cp or 1)
         if taken is not None:
             result["layout"]["source"] = _recipe_note(args.preset, taken)
         if not model.abstract:

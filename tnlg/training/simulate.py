@@ -130,7 +130,7 @@ def _fake_world(tp: int, dp: int, cp: int = 1, ep: int = 1):
 
 
 @contextlib.contextmanager
-def even_routing():
+def even_routing(real_tensors: bool = False):
     """For the duration, a mixture of experts routes evenly on fake tensors (module docstring). The layer reads
     the routing's values in two places, which are replaced: its assignment of the routed copies to experts
     (:meth:`tnlg.model.moe.MoELayer.assignment`, the ``nonzero`` of the routing map, whose size is data) is that
@@ -140,7 +140,8 @@ def even_routing():
     routing sends this rank: every rank routes alike, so each sends this rank's experts the counts this rank
     has for them. The counts (``E`` integers) are fake tensors that hold their values (``FakeTensorMode``'s
     constants, allowed up to ``E`` elements for the duration), so the split sizes and the regrouping by local
-    expert that the layer computes from them run as written."""
+    expert that the layer computes from them run as written. ``real_tensors``: real tensors route evenly too (a
+    real run to check the simulation against); else they route as the router says."""
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import maybe_get_fake_mode, unset_fake_temporarily
 
@@ -153,7 +154,7 @@ def even_routing():
 
     def assignment(self, routing_map):
         mode = maybe_get_fake_mode(routing_map)
-        if mode is None:  # (real tensors: the layer's own routing)
+        if mode is None and not real_tensors:  # (real tensors: the layer's own routing)
             return real_assignment(routing_map)
         cfg = self.cfg
         fake_tensor.CONSTANT_NUMEL_LIMIT = max(real_limit, cfg.num_experts)
@@ -162,6 +163,8 @@ def even_routing():
                                         cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity,
                                         device=routing_map.device)
             expert_idx, token_idx, counts = real_assignment(even)
+        if mode is None:
+            return expert_idx, token_idx, counts
         return expert_idx, token_idx, mode.fake_tensor_converter.from_real_tensor(mode, counts, make_constant=True)
 
     def exchange_counts(counts, ep, group):
