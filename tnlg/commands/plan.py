@@ -178,7 +178,8 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
                           "engine, forward and backward of the micro batches, gradient reduction, norm, AdamW) "
                           "on fake tensors with a fake process group: per phase the bytes live and at the peak by "
                           "kind, FLOPs, bytes read and written, collective bytes per group, and the predicted step "
-                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; about a minute at 17B)")
+                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; a mixture "
+                          "of experts routed evenly, with --ep its all-to-alls; about a minute at 17B)")
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
