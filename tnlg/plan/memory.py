@@ -211,13 +211,16 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     (= ``"full"``). ``sequence_parallel``: activations between the TP regions split over the
     sequence (ignored at ``tp == 1`` and when the sequence is shorter than ``tp``, as the model).
     ``attention``: ``"math"`` (the paper's materialised softmax) or ``"fused"`` (flash-style kernel).
+    ``ep``: a mixture of experts' expert-parallel ranks (the dispatch's moment, :func:`.experts.moe_dispatch_bytes`).
 
     Returns ``layers`` (all transformer layers, what they keep for backward),
     ``recompute_working`` (what one layer's recomputation holds during its backward: the whole
     layer for full, the attention core for selective, 0 without recomputation), ``outside``
     (embedding mask, final LayerNorm, fp32 logits) and ``total``; ``per_layer`` is one layer
-    without recomputation, ``attention_core`` its ``5 a_r s^2 b`` part; ``seq_per_rank`` the
-    positions the largest rank holds between the TP regions.
+    without recomputation (a dense one), ``attention_core`` its ``5 a_r s^2 b`` part; ``seq_per_rank`` the
+    positions the largest rank holds between the TP regions. With experts also ``moe_layer`` (one MoE layer),
+    ``moe_mlp`` (its MLP slot, :func:`.experts.moe_activation_bytes`) and ``moe_working`` (the dispatch's
+    moment, in ``total`` where it exceeds the logits, or on top of the recomputed layer); ``None`` / 0 without.
     """
     granularity = recompute_granularity(recompute)
     s, b, h, a, l = config.seq_length, micro_batch, config.hidden_size, config.num_attention_heads, config.num_layers
