@@ -638,12 +638,20 @@ class GPTConfig:
         :meth:`moe_replicated_parameters`)."""
         assert self.num_experts is not None
         h, mats = self.hidden_size, (2 if self.swiglu else 1)
-
-        def mlp(f: int) -> int:
-            return (mats + 1) * partition_sizes(f, tp)[tp_rank] * h
-        experts = self.moe_router_topk if active else self.num_experts // ep
         shared = self.moe_shared_expert_intermediate_size
-        return experts * mlp(self.expert_ffn_hidden_size) + (mlp(shared) if shared else 0)
+        routed = self.routed_expert_parameters(tp, tp_rank, ep)
+        if active:
+            routed = routed * ep // self.num_experts * self.moe_router_topk
+        return routed + ((mats + 1) * partition_sizes(shared, tp)[tp_rank] * h if shared else 0)
+
+    def routed_expert_parameters(self, tp: int = 1, tp_rank: int = 0, ep: int = 1) -> int:
+        """One MoE layer's routed experts on TP rank ``tp_rank`` of ``tp`` and an EP rank of ``ep``: ``E / ep``
+        MLPs of ``mats f_r h + f_r h`` (``f_r`` this rank's columns of ``--moe-ffn-hidden-size``), the parameters
+        of gradient kind ``"expert"`` (reduced over the expert-data-parallel ranks)."""
+        assert self.num_experts is not None
+        mats = 2 if self.swiglu else 1
+        return self.num_experts // ep * (mats + 1) * partition_sizes(self.expert_ffn_hidden_size, tp)[tp_rank] * \
+            self.hidden_size
 
     def moe_replicated_parameters(self) -> int:
         """One MoE layer's parameters every TP and EP rank holds: the router ``E h`` and the shared expert's

@@ -14,6 +14,7 @@ from ..options.pipeline import check_stage_count, interleaved_chunks
 from ..options.recipes import RECIPES
 from ..plan.context import (check_context_parallel, context_plan, format_context, format_context_search,
                             search_context_parallel)
+from ..plan.experts import check_expert_layout
 from ..plan.flops import FLOPS_FORMULA
 from ..plan.gpus import GPUS
 from ..plan.gpus import gpu as lookup_gpu
@@ -64,6 +65,8 @@ Examples:
   tnlg plan --preset tnlg-17b --search --world-size 256 --gpu-memory 32GB --global-batch-size 512
   tnlg plan --preset tnlg-17b --tp 4 --pp 4 --zero-stage 1   # per pipeline stage, on the recipe's 256 GPUs
   tnlg plan --preset tnlg-17b --simulate --gpu h200   # + the step itself on fake tensors: peaks, traffic, time
+  tnlg plan --preset mixtral-8x7b --seq-length 4096 --tp 2 --world-size 64 --ep 8 --zero-stage 1 --bf16 \
+      --gpu-memory 80GB                       # experts over EP 8: their memory per rank, the all-to-all
 """
 
 
@@ -86,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "stage with --pp), the ring's traffic and time; with --simulate a CP rank on fake tensors; with --search "
            "only this CP (default: --search adds the fastest layout of every CP > 1 and lays CP with the "
            "pipelines)"))
+    lay.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int,
+                     help="with a mixture of experts (--num-experts, or a MoE preset): the experts split over EP ranks "
+                          "carved from DP x CP (EP must divide the experts and DP x CP; ZeRO 0 or 1 when EP > 1): the "
+                          "experts' memory per rank, their gradients and optimizer states over DP x CP / EP, the "
+                          "all-to-all traffic (default 1; with --search: only this EP, else every EP that divides)")
     lay.add_argument("--zero-stage", type=int,
                      help="0 plain DP, 1 optimizer states, 2 + gradients, 3 + parameters partitioned (default: the "
                           "preset's recipe, else 0)")
@@ -170,7 +178,8 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
                           "engine, forward and backward of the micro batches, gradient reduction, norm, AdamW) "
                           "on fake tensors with a fake process group: per phase the bytes live and at the peak by "
                           "kind, FLOPs, bytes read and written, collective bytes per group, and the predicted step "
-                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; about a minute at 17B)")
+                          "time and MFU on --gpu (ZeRO stages 0 and 1; with --pp also 2 and 3; with --cp a CP rank; a mixture "
+                          "of experts routed evenly, with --ep its all-to-alls; about a minute at 17B)")
     sim.add_argument("--gpu", help=f"the GPU of --simulate's time prediction: {', '.join(GPUS)} (default h100)")
 
 
@@ -285,9 +294,14 @@ def _layout(args, model: Model) -> Layout:
     if args.grads_fp32 and (args.precision == "fp32" or args.zero_stage >= 2):
         raise UserError("--accumulate-allreduce-grads-in-fp32 applies to --precision fp16/bf16 at ZeRO stages 0 "
                         "and 1 (as in tnlg pretrain).")
+    ep = 1 if args.ep is None else args.ep
+    check_expert_layout(model.config, ep, dims.dp * dims.cp, args.zero_stage)
+    if ep > 1 and dims.pp > 1:
+        raise UserError(f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {dims.pp}: the per-stage "
+                        "plan does not split the experts over EP yet. Plan the layout with --pp 1, or with EP 1.")
     return Layout(tp=dims.tp, dp=dims.dp, zero_stage=args.zero_stage, micro_batch=args.micro_batch_size,
                   global_batch=args.global_batch_size, recompute=args.recompute_activations,
-                  precision=args.precision, grads_fp32=args.grads_fp32)
+                  precision=args.precision, grads_fp32=args.grads_fp32, ep=ep)
 
 
 def _dims(args, model: Model) -> ParallelDims:
@@ -350,7 +364,8 @@ def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dic
                      recompute_activations=False)
     accum = layout.batch // (layout.micro_batch * layout.dp)
     sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
-                   micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name, cp=cp)
+                   micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name, cp=cp,
+                   ep=layout.ep)
     sim.pop("ops")
     return sim
 
@@ -411,7 +426,10 @@ def _search(args, model: Model, hw: Hardware, batch: int, train_tokens, source) 
     """``--search``: the TP x DP table (PP 1) and the pipeline table (PP > 1); ``--pp P`` keeps one of them."""
     if args.pp is not None and args.pp < 1:
         raise UserError(f"--pipeline-model-parallel-size must be a positive integer, got {args.pp}.")
-    flat = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens)  # checks model, world
+    if args.ep is not None:
+        check_expert_layout(model.config, args.ep, args.world_size, 0)
+    flat = search_layouts(model, args.world_size, hw, batch, args.precision, train_tokens,  # checks model, world
+                          [args.ep] if args.ep is not None else None)
     if source is not None:
         flat["source"] = source
     if args.cp is not None:
@@ -486,7 +504,7 @@ def run(args) -> int:
         if args.pp < 1:
             raise UserError(f"--pipeline-model-parallel-size must be a positive integer, got {args.pp}.")
         layout = _layout(args, model)
-        result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts)
+        result = plan_layout(model, layout, hw, train_tokens, use_meta=not args.formula_counts, cp=args.cp or 1)
         if taken is not None:
             result["layout"]["source"] = _recipe_note(args.preset, taken)
         if not model.abstract:

@@ -91,6 +91,22 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False, sco
     return weights, routing_map
 
 
+def even_routing_map(tokens: int, topk: int, num_experts: int, capacity_factor: Optional[float] = None,
+                     pad: bool = False, device=None) -> torch.Tensor:
+    """The routing map ``[tokens, E]`` (bool) of even routing, what the planner assumes and the fake-tensor
+    simulation runs: token ``t``'s ``j``-th copy goes to expert ``(t k + j) mod E`` (``k`` different experts per
+    token), so every expert gets ``T k / E`` copies (the first ``T k mod E`` experts one more). With a capacity
+    factor each expert keeps its first :func:`capacity` tokens (``pad``: exactly that many, as
+    :func:`drop_to_capacity` pads)."""
+    cols = (torch.arange(tokens, device=device)[:, None] * topk + torch.arange(topk, device=device)) % num_experts
+    rmap = torch.zeros(tokens, num_experts, dtype=torch.bool, device=device).scatter(1, cols, True)
+    if capacity_factor is not None:
+        cap = capacity(tokens, topk, num_experts, capacity_factor)
+        first = torch.arange(tokens, device=device)[:, None] < cap
+        rmap = first.expand_as(rmap) if pad else rmap & (rmap.cumsum(0) <= cap)
+    return rmap
+
+
 def capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
     """Each expert's capacity: ``ceil(tokens x topk / experts x factor)`` (megatron-core's ``get_capacity``)."""
     return math.ceil(tokens * topk / num_experts * factor)
@@ -315,8 +331,7 @@ class MoELayer(nn.Module):
         s, b = logits.shape[:2]
         weights, rmap = self._route(logits, ctx)
         weights = copy_to_tp(weights, ps)  # (their gradient is a partial sum on each TP rank)
-        expert_idx, token_idx = rmap.t().nonzero(as_tuple=True)  # by expert, tokens in order within one
-        counts = rmap.sum(0)
+        expert_idx, token_idx, counts = self.assignment(rmap)
         self.last_load = counts.detach()
         flat = tokens.reshape(-1, h)
         routed = self._run_experts(flat.index_select(0, token_idx), counts)
@@ -330,6 +345,15 @@ class MoELayer(nn.Module):
                 shared = shared * self.shared_expert_gate(x, sp)
             out = out + shared
         return out
+
+    @staticmethod
+    def assignment(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed copies of ``routing_map [T, E]``: ``(expert index, token index)`` of each, sorted by expert
+        (tokens in order within one), and the copies per expert ``[E]``: where the routing's values become sizes
+        (``nonzero``), so the fake-tensor simulation, which has no values, replaces it with
+        :func:`even_routing_map`'s assignment (:func:`tnlg.training.simulate.even_routing`)."""
+        expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)
+        return expert_idx, token_idx, routing_map.sum(0)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert (``counts [E]``) through their experts, wherever they live (EP)."""

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "dispatch", "combine", "regroup", "scale_grad"]
+__all__ = ["all_to_all", "dispatch", "exchange_counts", "combine", "regroup", "scale_grad"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,12 +62,19 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, ep: int, group: Optional[dis
     if group is None:
         return x, counts.view(1, -1)
     local = counts.numel() // ep
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=group)
-    received = received.view(ep, local)
+    received = exchange_counts(counts, ep, group)
     in_splits = counts.view(ep, local).sum(1).tolist()
     out_splits = received.sum(1).tolist()
     return all_to_all(x, out_splits, in_splits, group), received
+
+
+def exchange_counts(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """What every EP rank sends each of this rank's experts, ``[EP, E / EP]``, from each rank's ``counts [E]``
+    (one all-to-all). The fake-tensor simulation, whose process group moves no data, replaces it with even
+    routing's counts (:func:`tnlg.training.simulate.even_routing`)."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received.view(ep, counts.numel() // ep)
 
 
 def combine(y: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, ep: int,

@@ -31,8 +31,9 @@ from ..errors import UserError
 from ..layout import ParallelDims, check_context_sequence, check_positive
 from .counts import parameter_report
 from .flops import flops_per_iteration, iteration_time, rank_flops_imbalance
-from .memory import PRECISIONS, activation_bytes, fsdp_shard_numel, model_state_bytes
-from .planner import Hardware, Layout, Model, check_layout, plan_layout
+from .memory import PRECISIONS, activation_bytes
+from .planner import (Hardware, Layout, Model, add_expert_time, check_layout, expert_plan, layout_psi, layout_states,
+                      plan_layout)
 from .search import _divisors_desc, _row, _why_not
 
 __all__ = ["check_context_parallel", "context_activation_bytes", "ring_traffic", "context_plan",
@@ -58,13 +59,13 @@ def _kv_heads_per_rank(config: GPTConfig, tp: int) -> int:
 
 
 def context_activation_bytes(config: GPTConfig, tp: int, cp: int, micro_batch: int, recompute,
-                             precision: str = "fp16", *, sequence_parallel: bool = False) -> dict:
+                             precision: str = "fp16", *, sequence_parallel: bool = False, ep: int = 1) -> dict:
     """:func:`tnlg.plan.memory.activation_bytes` of one CP rank (``s / cp`` positions, fused core) plus the
     one-layer ring buffers (``ring_working``, in ``total``)."""
     check_context_parallel(config, cp)
     local = dataclasses.replace(config, seq_length=config.seq_length // cp)
     out = activation_bytes(local, tp, micro_batch, recompute, precision, sequence_parallel=sequence_parallel,
-                           attention="fused")
+                           attention="fused", ep=ep)
     n, d, b = config.seq_length // cp, config.head_dim, micro_batch
     elem = 4 if precision == "fp32" else 2
     kv = 2 * n * b * _kv_heads_per_rank(config, tp) * d
@@ -104,24 +105,24 @@ def context_plan(model: Model, layout: Layout, hw: Hardware, cp: int, train_toke
                         "and the ring's traffic depend on the sequence, heads and hidden size.")
     c = model.shape
     check_context_parallel(c, cp)
-    check_layout(model, layout)
+    check_layout(model, layout, cp)
     params = params if params is not None else parameter_report(c, layout.tp, use_meta=False)
-    plan = plan_layout(model, layout, hw, train_tokens, params=params)
+    plan = plan_layout(model, layout, hw, train_tokens, params=params, cp=cp)
     if cp == 1:
         return plan
-    psi, grads_dp = params["largest_rank"]["params"], layout.dp * cp
+    grads_dp = layout.dp * cp
     plan["layout"].update(cp=cp, world_size=layout.world_size * cp, gradient_reduction_ranks=grads_dp)
-    plan["memory"].update(_memory(c, layout, cp, psi, hw))
-    plan["compute"].update(_compute(c, layout, cp, psi, hw, train_tokens))
+    plan["memory"].update(_memory(model, layout, cp, params, hw))
+    plan["compute"].update(_compute(model, layout, cp, params, hw, train_tokens))
+    if "experts" in plan:
+        plan["experts"] = expert_plan(model, layout, params, plan["memory"], plan["compute"]["time"], grads_dp)
     return plan
 
 
-def _memory(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware) -> dict:
-    dp = layout.dp * cp
-    shard = fsdp_shard_numel(c, layout.tp, dp) if layout.zero_stage >= 2 else None
-    states = model_state_bytes(psi, dp, layout.zero_stage, layout.precision, grads_fp32=layout.grads_fp32,
-                               engine=True, shard_psi=shard)
-    acts = {rc: context_activation_bytes(c, layout.tp, cp, layout.micro_batch, rc, layout.precision)
+def _memory(model: Model, layout: Layout, cp: int, params: dict, hw: Hardware) -> dict:
+    c = model.shape
+    states = layout_states(model, layout, params, layout.dp * cp)
+    acts = {rc: context_activation_bytes(c, layout.tp, cp, layout.micro_batch, rc, layout.precision, ep=layout.ep)
             for rc in (False, True)}
     total = states["total"] + acts[layout.recompute]["total"]
     return {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
@@ -132,8 +133,12 @@ def _memory(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware) -> di
             "total": total, "fits": total <= hw.gpu_memory, "headroom": hw.gpu_memory - total}
 
 
-def _compute(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware, train_tokens: Optional[int]) -> dict:
+def _compute(model: Model, layout: Layout, cp: int, params: dict, hw: Hardware, train_tokens: Optional[int]) -> dict:
+    c = model.shape
     B, s, world = layout.batch, c.seq_length, layout.world_size * cp
+    psi = layout_psi(model, layout, params)
+    if layout.ep > 1:  # the experts' gradient traffic is added apart (add_expert_time)
+        psi -= layout_states(model, layout, params, layout.dp * cp)["experts"]["psi"]
     vocab = c.padded_vocab_size(layout.tp)
     flops = flops_per_iteration(c, B, layout.recompute, vocab)
     model_flops = flops_per_iteration(c, B, False, vocab)
@@ -143,6 +148,8 @@ def _compute(c: GPTConfig, layout: Layout, cp: int, psi: int, hw: Hardware, trai
                        hidden=c.hidden_size, layers=c.num_layers, recompute=layout.recompute,
                        act_bytes=4 if layout.precision == "fp32" else 2, grad_bytes=PRECISIONS[layout.precision][1],
                        gpus_per_node=hw.gpus_per_node, intra_gbps=hw.intra_node_gbps, inter_gbps=hw.inter_node_gbps)
+    if c.num_experts is not None:
+        add_expert_time(t, model, layout, params, layout.dp * cp, cp, hw)
     ring = ring_traffic(c, layout.tp, cp, layout.micro_batch, layout.precision, layout.recompute,
                         B // (layout.micro_batch * layout.dp), hw)
     t.update(ring_s=ring["time_s"], ring_exposed_s=ring["exposed_s"], total_s=t["total_s"] + ring["exposed_s"])

@@ -81,8 +81,9 @@ def training_flops_per_sequence(config: GPTConfig, recompute: Union[bool, str, N
 
 def _mlp_forward(config: GPTConfig, s: int, mats: int) -> int:
     """One sequence's MLP forward FLOPs per layer (the mean over the layers): ``2 mats s h f`` for a dense MLP;
-    a mixture of experts' active part, the top-k experts and the shared expert (``2 mats s h (k f_e + S)``) and
-    the router (``2 s h E``), on the layers ``--moe-layer-freq`` names (docs/moe.md)."""
+    a mixture of experts' active part, the top-k experts and the shared expert (``2 mats s h (k f_e + S)``), the
+    router (``2 s h E``) and the shared expert's gate (``2 s h``), on the layers ``--moe-layer-freq`` names
+    (docs/moe.md)."""
     h, f = config.hidden_size, config.ffn_hidden_size
     assert f is not None
     dense = 2 * mats * s * h * f
@@ -90,7 +91,7 @@ def _mlp_forward(config: GPTConfig, s: int, mats: int) -> int:
         return dense
     moe = config.num_moe_layers
     active = config.moe_router_topk * config.expert_ffn_hidden_size + (config.moe_shared_expert_intermediate_size or 0)
-    per_moe = 2 * mats * s * h * active + 2 * s * h * config.num_experts
+    per_moe = 2 * mats * s * h * active + 2 * s * h * (config.num_experts + (1 if config.moe_shared_expert_gate else 0))
     return round(((config.num_layers - moe) * dense + moe * per_moe) / config.num_layers)
 
 

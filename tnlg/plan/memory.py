@@ -75,6 +75,11 @@ Outside the layers (section 4.3): the embedding dropout mask ``s b h``, the fina
 LayerNorm input ``2 s b h`` (both ``s_r`` with SP) and the fp32 logits of the
 vocabulary shard for the cross-entropy, ``4 s b V_p / t``. fp32 training doubles
 everything (masks counted at 2 bytes too).
+
+A mixture of experts (:mod:`.experts`): a MoE layer counts its MLP slot's activations
+(:func:`.experts.moe_activation_bytes`: the routed token copies under even routing, the router, the shared
+expert) in place of the dense MLP's ``8 s b f_r`` (SwiGLU) or ``4 s b f_r``; the model states of expert
+parallelism split by gradient kind (:func:`model_state_bytes_by_kind`).
 """
 
 from __future__ import annotations
@@ -84,8 +89,10 @@ from typing import Optional, Union
 
 from ..config import GPTConfig
 from ..errors import UserError
+from .experts import moe_activation_bytes, moe_dispatch_bytes
 
-__all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "activation_bytes", "fsdp_shard_numel",
+__all__ = ["PRECISIONS", "check_zero_and_precision", "model_state_bytes", "model_state_bytes_by_kind",
+           "activation_bytes", "fsdp_shard_numel",
            "recompute_granularity", "gpu_attention",
            "ACTIVATION_FORMULA", "MODEL_STATE_FORMULA"]
 
@@ -137,6 +144,20 @@ def model_state_bytes(psi: int, dp: int, zero_stage: int, precision: str = "fp16
             "total": round(params + grads + optim), "k": k}
 
 
+def model_state_bytes_by_kind(dense_psi: int, expert_psi: int, gradient_ranks: int, ep: int, zero_stage: int,
+                              precision: str = "fp16", *, grads_fp32: bool = False) -> dict:
+    """:func:`model_state_bytes` of tnlg's engine with expert parallelism (ZeRO 0/1, one flat backend per gradient
+    kind, :mod:`tnlg.optim.kinds`): ``dense_psi`` parameters partitioned over the ``gradient_ranks`` (DP x CP),
+    ``expert_psi`` over the expert-data-parallel ranks ``gradient_ranks / ep``. The totals, and ``dense`` and
+    ``experts`` apart."""
+    dense = model_state_bytes(dense_psi, gradient_ranks, zero_stage, precision, grads_fp32=grads_fp32, engine=True)
+    experts = model_state_bytes(expert_psi, gradient_ranks // ep, zero_stage, precision, grads_fp32=grads_fp32,
+                                engine=True)
+    out = {key: dense[key] + experts[key] for key in ("params", "grads", "optimizer", "total")}
+    out.update(k=dense["k"], dense=dense, experts=dict(experts, psi=expert_psi, ranks=gradient_ranks // ep))
+    return out
+
+
 def fsdp_shard_numel(config: GPTConfig, tp: int, dp: int) -> int:
     """Elements of TP rank 0's shard that DP rank 0 holds when every parameter is split along dim 0
     over ``dp`` ranks as FSDP2 does (``ceil(rows / dp)`` rows each); built on the meta device."""
@@ -182,20 +203,24 @@ def recompute_granularity(recompute: Union[bool, str, None]) -> Optional[str]:
 
 
 def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Union[bool, str, None],
-                     precision: str = "fp16", *, sequence_parallel: bool = False, attention: str = "math") -> dict:
+                     precision: str = "fp16", *, sequence_parallel: bool = False, attention: str = "math",
+                     ep: int = 1) -> dict:
     """Activation bytes of the largest TP rank for one micro batch (see the module docstring).
 
     ``recompute``: ``False``/``None`` (keep everything), ``"selective"``, ``"full"`` or ``True``
     (= ``"full"``). ``sequence_parallel``: activations between the TP regions split over the
     sequence (ignored at ``tp == 1`` and when the sequence is shorter than ``tp``, as the model).
     ``attention``: ``"math"`` (the paper's materialised softmax) or ``"fused"`` (flash-style kernel).
+    ``ep``: a mixture of experts' expert-parallel ranks (the dispatch's moment, :func:`.experts.moe_dispatch_bytes`).
 
     Returns ``layers`` (all transformer layers, what they keep for backward),
     ``recompute_working`` (what one layer's recomputation holds during its backward: the whole
     layer for full, the attention core for selective, 0 without recomputation), ``outside``
     (embedding mask, final LayerNorm, fp32 logits) and ``total``; ``per_layer`` is one layer
-    without recomputation, ``attention_core`` its ``5 a_r s^2 b`` part; ``seq_per_rank`` the
-    positions the largest rank holds between the TP regions.
+    without recomputation (a dense one), ``attention_core`` its ``5 a_r s^2 b`` part; ``seq_per_rank`` the
+    positions the largest rank holds between the TP regions. With experts also ``moe_layer`` (one MoE layer),
+    ``moe_mlp`` (its MLP slot, :func:`.experts.moe_activation_bytes`) and ``moe_working`` (the dispatch's
+    moment, in ``total`` where it exceeds the logits, or on top of the recomputed layer); ``None`` / 0 without.
     """
     granularity = recompute_granularity(recompute)
     s, b, h, a, l = config.seq_length, micro_batch, config.hidden_size, config.num_attention_heads, config.num_layers
@@ -218,16 +243,29 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     else:  # the kernel's output and its fp32 log-sum-exp
         core = (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
     per_layer = replicated + split + core
+    # a mixture of experts' layer: its MLP slot (routed copies, router, shared expert) for the dense MLP's
+    moe, moe_slot = config.num_moe_layers, None
+    swap = 0.0
+    if moe:
+        moe_slot = moe_activation_bytes(config, tp, s * b, precision)
+        swap = moe_slot["total"] - (8 if config.swiglu else 4) * s * b * ffn_r * scale
+    heaviest = per_layer + (swap if moe == l else max(swap, 0.0) if moe else 0.0)  # the largest layer
     layers: float
     working: float
     if granularity == "full":  # (+ SP: the gathered input of a column layer and its gradient, full length)
-        layers, working = 2 * s_r * b * h * l * scale, per_layer + (4 * s * b * h * scale if s_r != s else 0)
+        layers, working = 2 * s_r * b * h * l * scale, heaviest + (4 * s * b * h * scale if s_r != s else 0)
     elif granularity == "selective":
-        layers, working = (replicated + split) * l, core
+        layers, working = (replicated + split) * l + swap * moe, core
     else:
-        layers, working = per_layer * l, 0.0
+        layers, working = per_layer * l + swap * moe, 0.0
     outside = (3 if hidden_masks else 2) * s_r * b * h * scale + 4 * s * b * config.padded_vocab_size(tp) / tp
+    # a MoE layer's dispatch holds its tokens' copies a moment (.experts.moe_dispatch_bytes): beyond the logits
+    # outside the layers (the forward's last peak), or on top of the layer a full recomputation runs again
+    moe_working = moe_dispatch_bytes(config, s * b, ep) if moe else 0
+    transient = moe_working if granularity == "full" else max(moe_working - outside, 0)
     return {"per_layer": round(per_layer), "attention_core": round(core), "layers": round(layers),
             "recompute_working": round(working), "outside": round(outside),
-            "total": round(layers + working + outside), "seq_per_rank": s_r, "granularity": granularity,
+            "moe_layer": None if moe_slot is None else round(per_layer + swap), "moe_mlp": moe_slot,
+            "moe_working": moe_working, "total": round(layers + working + outside + transient), "seq_per_rank": s_r,
+            "granularity": granularity,
             "sequence_parallel": s_r != s, "attention": attention}

@@ -65,7 +65,9 @@ def _memory(m: dict, lay: dict) -> list[str]:
 
     def row(label: str, value: float, note: str = "") -> str:
         return f"  {label:<26}{_gb(value):>10}  {note}".rstrip()
-    lines = ["Memory per GPU, largest rank (GB = 1e9 bytes)",
+    lines = ["Memory per GPU, largest rank (GB = 1e9 bytes)" + (f"; EP {lay['ep']}: dense parameters over the "
+                                                                 f"DP ranks, the experts' over DP / EP"
+                                                                 if lay.get("ep", 1) > 1 else ""),
              f"  model states: {m['model_states_formula']}",
              row(f"parameters ({lay['precision']})", m["params"], split(stage >= 3)),
              row("gradients", m["grads"], split(stage >= 2)),
@@ -95,12 +97,38 @@ def _compute(c: dict, lay: dict) -> list[str]:
              f"  time per iteration   {c['time_per_iteration_s']:.3f} s at {c['gpu_tflops']:g} TFLOP/s x "
              f"{c['mfu_assumed']:.2f} per GPU: compute {t['compute_s']:.3f} s"
              + (f" (slowest rank x{c['rank_imbalance_factor']:.3f})" if c["rank_imbalance_factor"] > 1 else "")
-             + f" + TP comm {t['tp_comm_s']:.3f} s + DP comm {t['dp_comm_s']:.3f} s (no overlap assumed)",
+             + f" + TP comm {t['tp_comm_s']:.3f} s + DP comm {t['dp_comm_s']:.3f} s"
+             + (f" + all-to-all {t['ep_comm_s']:.3f} s" if t.get("ep_comm_s") else "") + " (no overlap assumed)",
              f"  throughput           {c['tokens_per_s']:,.0f} tokens/s; {c['model_tflops_per_gpu']:.1f} model "
              f"TFLOP/s per GPU (MFU {100 * c['model_flops_utilization']:.1f}%)"]
     if c["train_days"] is not None:
         lines.append(f"  training             {c['train_days']:.1f} days for {c['train_tokens']:.3g} tokens "
                      f"on {_gpus(lay['world_size'])}")
+    return lines
+
+
+def _experts(e: dict, lay: dict) -> list[str]:
+    """The mixture-of-experts lines: the experts per rank at EP and their states, the MoE layers' activations
+    (even routing) and the all-to-all of a step."""
+    ep, states, acts, a2a = e["ep"], e["expert_states"], e["moe_mlp_activations"], e["all_to_all"]
+    edp = e["expert_data_parallel_ranks"]
+    lines = [f"Experts: {e['num_experts']} per MoE layer x {e['moe_layers']} layers, top-{e['topk']}; EP {ep}: "
+             f"{e['experts_per_rank']} expert{'s' if e['experts_per_rank'] > 1 else ''} per rank, their gradients and optimizer states over {edp} "
+             f"expert-data-parallel rank{'s' if edp > 1 else ''} (DP{' x CP' if lay.get('cp', 1) > 1 else ''} / EP)",
+             f"  {e['formula']}",
+             f"  parameters per rank at EP {ep} {e['parameters']['largest_rank']['params']:>14,}   (dense "
+             f"{e['parameters']['largest_rank']['dense']:,} + experts {e['expert_params']:,}; the experts' model "
+             f"states {_gb(states['total'])} GB, included above)"]
+    if acts is not None:
+        lines.append(f"  MoE MLP activations per layer and micro batch {_gb(acts['total'])} GB: {acts['copies']:,} routed "
+                     f"copies {_gb(acts['routed'])} GB, router {_gb(acts['router'])} GB, shared expert "
+                     f"{_gb(acts['shared'])} GB")
+    lines.append(f"  routing: {e['routing']}")
+    if a2a is not None and ep > 1:
+        lines.append(f"  all-to-all per iteration {_gb(a2a['bytes_per_iteration'])} GB sent to other EP ranks "
+                     f"({a2a['all_to_alls_per_layer']} all-to-alls per MoE layer and micro batch: dispatch "
+                     f"{a2a['dispatch_bytes'] / 1e6:,.1f} MB, combine {a2a['combine_bytes'] / 1e6:,.1f} MB) = "
+                     f"{a2a['time_s']:.3f} s at {a2a['bandwidth_gbps']:g} GB/s")
     return lines
 
 
@@ -158,6 +186,8 @@ def format_plan(plan: dict) -> str:
     head.append("")
     body = _parameters(plan["parameters"], lay["tp"]) + [""] + _memory(plan["memory"], lay) + [""]
     body += _compute(plan["compute"], lay)
+    if plan.get("experts"):
+        body += [""] + _experts(plan["experts"], lay)
     if plan.get("tp_needed"):
         body += [""] + _tp_needed(plan["tp_needed"], lay, plan["model"]["num_attention_heads"],
                                   plan["memory"]["gpu_memory"])
@@ -177,6 +207,8 @@ SEARCH_HEADER = (f"{'tp':>3} {'dp':>5} {'heads':>8} {'zero':>4} {'recomp':>6} {'
 def _search_row(r: dict) -> str:
     """One row of the search table; a row with a ``reason`` does not fit and has no time."""
     uneven = f"uneven ({r['imbalance_percent']:.1f}% imbalance; not in Megatron)" if r["uneven"] else ""
+    if r.get("ep", 1) > 1:  # expert parallelism (a mixture of experts)
+        uneven = "; ".join(filter(None, [f"EP {r['ep']}", uneven]))
     if "reason" in r:
         timing, note = f"{'-':>7} {'-':>9} {'-':>7} {'-':>6}", "; ".join(filter(None, [
             f"does NOT fit: {r['reason']}", uneven]))
@@ -222,7 +254,8 @@ def format_search(result: dict) -> str:
                       f"ZeRO {b['zero_stage']}, recomputation {'on' if b['recompute'] else 'off'}, micro batch "
                       f"{b['micro_batch']} ({b['tokens_per_s']:,.0f} tokens/s)"]
     for s in result["skipped"]:
-        lines.append(f"skipped TP {s['tp']} x DP {s['dp']}: {s['reason']}")
+        lines.append(f"skipped TP {s['tp']} x DP {s['dp']}{' x EP ' + str(s['ep']) if 'ep' in s else ''}: "
+                     f"{s['reason']}")
     return "\n".join(lines)
 
 

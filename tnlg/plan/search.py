@@ -10,6 +10,10 @@ throughput. A ZeRO stage that fits at no micro batch of a TP is reported under
 ``not_fitting`` at its smallest footprint (micro batch 1, recomputation on) with the
 reason, so every (TP, stage) is accounted for. Per-rank counts come from the formula,
 which the tests check against meta-device builds.
+
+A mixture of experts adds expert parallelism: at each (tp, dp) every EP that divides both the experts and DP
+(or the one EP asked for) is searched, EP > 1 at ZeRO stages 0 and 1 (what tnlg's engine runs with EP); the rows
+carry ``ep`` and the table notes it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import replace
 from ..errors import UserError
 from ..layout import ParallelDims
 from .counts import parameter_report
+from .experts import expert_parallel_sizes
 from .planner import Hardware, Layout, Model, plan_layout
 from .units import GB
 
@@ -30,8 +35,9 @@ def _divisors_desc(n: int) -> list[int]:
 
 
 def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, precision: str = "fp16",
-                   train_tokens: int | None = None) -> dict:
-    """The layouts of ``model`` on ``gpus`` GPUs of ``hw`` that fit, as a JSON-ready dict."""
+                   train_tokens: int | None = None, eps: list[int] | None = None) -> dict:
+    """The layouts of ``model`` on ``gpus`` GPUs of ``hw`` that fit, as a JSON-ready dict. ``eps``: the
+    expert-parallel sizes to try (default: every one that divides the experts and DP; 1 for a dense model)."""
     if model.abstract:
         raise UserError("--search needs a model shape (--preset or --num-layers/--hidden-size/"
                         "--num-attention-heads): with --params alone the heads, and so the valid "
@@ -45,12 +51,15 @@ def search_layouts(model: Model, gpus: int, hw: Hardware, global_batch: int, pre
         if global_batch % dp:
             skipped.append({"tp": tp, "dp": dp, "reason": f"DP {dp} does not divide the global batch {global_batch}"})
             continue
-        base = Layout(tp=tp, dp=dp, global_batch=global_batch, precision=precision)
-        fit, unfit = _search_tp(model, base, hw, train_tokens, parameter_report(c, tp, use_meta=False))
-        rows += fit
-        not_fitting += unfit
-        if not fit:
-            skipped.append({"tp": tp, "dp": dp, "reason": "no ZeRO stage, recomputation or micro batch fits"})
+        params = parameter_report(c, tp, use_meta=False)
+        for ep in [n for n in (eps or expert_parallel_sizes(c, dp)) if n in expert_parallel_sizes(c, dp)]:
+            base = Layout(tp=tp, dp=dp, global_batch=global_batch, precision=precision, ep=ep)
+            fit, unfit = _search_tp(model, base, hw, train_tokens, params)
+            rows += fit
+            not_fitting += unfit
+            if not fit:
+                skipped.append({"tp": tp, "dp": dp, **({"ep": ep} if ep > 1 else {}),
+                                "reason": "no ZeRO stage, recomputation or micro batch fits"})
     rows.sort(key=lambda r: (r["tp"], -r["tokens_per_s"]))
     best = max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
     return {"model": model.describe(), "gpus": gpus, "global_batch": global_batch, "precision": precision,
@@ -65,7 +74,7 @@ def _search_tp(model: Model, base: Layout, hw: Hardware, train_tokens: int | Non
     with the reason."""
     fit, unfit = [], []
     local = base.batch // base.dp
-    for stage in range(4):
+    for stage in range(4) if base.ep == 1 else range(2):  # (expert parallelism: tnlg's flat ZeRO 0/1 buffers)
         found = False
         for recompute in (False, True):
             for mb in _divisors_desc(local):
@@ -89,7 +98,8 @@ def _why_not(mem: dict) -> str:
 
 def _row(plan: dict, params: dict) -> dict:
     lay, mem, comp = plan["layout"], plan["memory"], plan["compute"]
-    return {"tp": lay["tp"], "dp": lay["dp"], "zero_stage": lay["zero_stage"], "recompute": lay["recompute"],
+    return {"tp": lay["tp"], "dp": lay["dp"], "ep": lay.get("ep", 1), "zero_stage": lay["zero_stage"],
+            "recompute": lay["recompute"],
             "micro_batch": lay["micro_batch"], "grad_accumulation_steps": lay["grad_accumulation_steps"],
             "uneven": params["uneven"], "heads_per_rank": params["heads_per_rank"], "megatron_can_run": lay["megatron_can_run"],
             "imbalance_percent": params["imbalance_percent"],

@@ -15,7 +15,8 @@ tensors or on fake ones (``FakeTensorMode``: shapes without memory, which is how
 * the largest new storage per dtype (``largest_new``: how wide temporaries get);
 * bytes read (its tensor inputs) and written (its outputs, or for an in-place operator the
   arguments its schema marks written; nothing for views and for ``empty``), FLOPs
-  (``torch.utils.flop_counter``'s formulas: matmuls, convolutions, attention), and for collectives (``c10d`` operators) the payload bytes per process group.
+  (``torch.utils.flop_counter``'s formulas: matmuls, convolutions, attention; and ``torch._grouped_mm``'s, a
+  mixture of experts' matmuls), and for collectives (``c10d`` operators) the payload bytes per process group.
 
 A storage resized in place (FSDP2 frees an unsharded parameter with ``untyped_storage().resize_(0)``
 and grows it again before the all-gather's copy-out writes it; the resize itself dispatches no operator)
@@ -216,7 +217,8 @@ class StepTracker(TorchDispatchMode):
                 entry = self.live.get(StorageWeakRef(t.untyped_storage()).cdata)
                 if entry is not None and entry[2] == "temporaries" and not isinstance(t, FakeTensor):
                     self._in_flight.add(StorageWeakRef(t.untyped_storage()).cdata)
-            payload = sum(_nbytes(t) for t in inputs)
+            # an all-to-all's payload is what it sends, its input (its output buffer is an argument too)
+            payload = _nbytes(inputs[1]) if name.startswith("alltoall") else sum(_nbytes(t) for t in inputs)
             group = self._group_of(args)
             ph.comm[group] = ph.comm.get(group, 0) + payload
             ph.ops.append(OpCost(name, 0, 0, payload, group))
@@ -272,9 +274,22 @@ _CPU_ALIASES = {_aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled
                     _aten._scaled_dot_product_flash_attention_backward}
 
 
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """``torch._grouped_mm``'s FLOPs (a mixture of experts' matmuls; ``flop_counter`` has no formula): ``2 x``
+    the output's elements ``x`` the contracted size, which for two 2-D operands (groups along the contracted
+    dimension: the weight gradient, ``[G, m, n]`` out) is split over the ``G`` groups."""
+    assert out_val is not None
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * out_val.numel() * a.shape[1] // out_val.shape[0]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+_EXTRA_FLOPS: dict = {_aten._grouped_mm: _grouped_mm_flops}
+
+
 def _flops(func, args, kwargs, out) -> int:
     packet = func._overloadpacket
-    fn: Optional[Callable] = flop_registry.get(_CPU_ALIASES.get(packet, packet))
+    fn: Optional[Callable] = flop_registry.get(_CPU_ALIASES.get(packet, packet)) or _EXTRA_FLOPS.get(packet)
     if fn is None:
         return 0
     return int(fn(*args, **kwargs, out_val=out))

@@ -29,6 +29,15 @@ two chunks of each sequence (``s / C`` positions, global positions from the mode
 sends and receives go to the fake group (each hop counted under ``cp``; a hop's time is its send at NVLink's
 bandwidth when TP x CP fits in a node), and the engine reduces over DP x CP (``ps.for_gradients()``).
 
+A mixture of experts (``config.num_experts``; ``ep`` expert-parallel ranks carved from DP x CP): routing is data
+dependent (which expert gets how many tokens is in the router's values, which fake tensors do not have), so the
+simulation routes evenly (:func:`even_routing`): the router runs as written (logits, top-k, its losses), and the
+assignment of the tokens to experts is :func:`tnlg.model.moe.even_routing_map`'s, every expert ``T k / E`` of the
+``T k`` routed copies, the assumption of the planner's MoE terms (:mod:`tnlg.plan.experts`). The dispatch and
+combine all-to-alls run on the fake group (counted under ``ep``), the engine keeps one flat backend per gradient
+kind (the experts' over ``edp``); the checkpoint save is not simulated with EP > 1 (tnlg does not save EP > 1
+checkpoints yet).
+
 The model runs on the CPU code path (this torch need not have CUDA), with two exceptions
 that matter for memory (:func:`_gpu_kernels`): ``F.scaled_dot_product_attention`` on 16-bit
 inputs without a mask runs as CUDA's flash attention kernel does (its fake implementation:
@@ -50,6 +59,7 @@ eq. 3, :mod:`tnlg.plan.flops`) / (step time x peak).
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import time
 import warnings
@@ -66,11 +76,12 @@ from ..plan.gpus import GPU
 from ..plan.gpus import gpu as lookup_gpu
 from ..plan.tracker import ALLOCATIONS, StepTracker
 
-__all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout"]
+__all__ = ["simulate", "tracked_iteration", "predict_time", "check_layout", "even_routing"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 _RING = {"allreduce": lambda n: 2 * (n - 1) / n, "reducescatter": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a hop: its send
+         "allgather": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n,
+         "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a hop: its send
 
 
 def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision: str, gpu_name: str,
@@ -102,20 +113,73 @@ def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision
 
 
 @contextlib.contextmanager
-def _fake_world(tp: int, dp: int, cp: int = 1):
+def _fake_world(tp: int, dp: int, cp: int = 1, ep: int = 1):
     """Rank 0 of a ``tp x cp x dp`` world whose collectives (and point-to-point sends, the ring's) do nothing:
-    its :class:`ParallelState`."""
+    its :class:`ParallelState` (with ``ep`` expert-parallel ranks)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..parallel.state import init_parallel
+    from ..parallel.state import init_expert_parallel, init_parallel
     if dist.is_initialized():
         raise UserError("--simulate runs in a process without a process group (it creates a fake one); "
                         "this process already has one.")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ParallelDims(tp=tp, cp=cp, dp=dp).world)
     try:
-        yield init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
+        yield init_expert_parallel(init_parallel(tensor_parallel_size=tp, context_parallel_size=cp), ep)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def even_routing(real_tensors: bool = False):
+    """For the duration, a mixture of experts routes evenly on fake tensors (module docstring). The layer reads
+    the routing's values in two places, which are replaced: its assignment of the routed copies to experts
+    (:meth:`tnlg.model.moe.MoELayer.assignment`, the ``nonzero`` of the routing map, whose size is data) is that
+    of :func:`tnlg.model.moe.even_routing_map` (the same ``T``, ``k``, ``E`` and capacity), computed on real
+    tensors (the indices, as a GPU holds them: the tracker counts them); and the counts the EP ranks exchange
+    (:func:`tnlg.parallel.experts.exchange_counts`, which a fake process group would not deliver) are what even
+    routing sends this rank: every rank routes alike, so each sends this rank's experts the counts this rank
+    has for them. The counts (``E`` integers) are fake tensors that hold their values (``FakeTensorMode``'s
+    constants, allowed up to ``E`` elements for the duration), so the split sizes and the regrouping by local
+    expert that the layer computes from them run as written. ``real_tensors``: real tensors route evenly too (a
+    real run to check the simulation against); else they route as the router says."""
+    from torch._subclasses import fake_tensor
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode, unset_fake_temporarily
+
+    from ..model import moe
+    from ..parallel import experts
+
+    declared = moe.MoELayer.__dict__["assignment"]  # (a staticmethod: restored as declared)
+    real_assignment, real_exchange = moe.MoELayer.assignment, experts.exchange_counts
+    real_limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+
+    def assignment(self, routing_map):
+        mode = maybe_get_fake_mode(routing_map)
+        if mode is None and not real_tensors:  # (real tensors: the layer's own routing)
+            return real_assignment(routing_map)
+        cfg = self.cfg
+        fake_tensor.CONSTANT_NUMEL_LIMIT = max(real_limit, cfg.num_experts)
+        with unset_fake_temporarily():
+            even = moe.even_routing_map(routing_map.shape[0], cfg.moe_router_topk, cfg.num_experts,
+                                        cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity,
+                                        device=routing_map.device)
+            expert_idx, token_idx, counts = real_assignment(even)
+        if mode is None:
+            return expert_idx, token_idx, counts
+        return expert_idx, token_idx, mode.fake_tensor_converter.from_real_tensor(mode, counts, make_constant=True)
+
+    def exchange_counts(counts, ep, group):
+        if maybe_get_fake_mode(counts) is None:
+            return real_exchange(counts, ep, group)
+        return counts.view(ep, -1)[dist.get_rank(group)].repeat(ep, 1)
+
+    moe.MoELayer.assignment = assignment  # type: ignore[method-assign,assignment]
+    experts.exchange_counts = exchange_counts
+    try:
+        yield
+    finally:
+        moe.MoELayer.assignment = declared  # type: ignore[method-assign]
+        experts.exchange_counts = real_exchange
+        fake_tensor.CONSTANT_NUMEL_LIMIT = real_limit
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -205,7 +269,11 @@ def _save_on_fake_tensors(host_copies: list):
 
 
 def _register_engine(tracker: StepTracker, engine) -> None:
-    b = engine.backend
+    for b in getattr(engine.backend, "parts", (engine.backend,)):  # (expert parallelism: a backend per kind)
+        _register_backend(tracker, b)
+
+
+def _register_backend(tracker: StepTracker, b) -> None:
     if not hasattr(b, "param_buffer"):  # FSDP2 (ZeRO 2/3): the local shards; gradients appear in backward
         tracker.register([p.to_local() for p in b.params], "parameters")
         tracker.register([m for m in b.master if m is not None], "master")
@@ -219,38 +287,54 @@ def _register_engine(tracker: StepTracker, engine) -> None:
 
 def _sync_norm_and_step(tracker, engine, ps, clip_grad: float) -> None:
     """The step's phases after the last backward, as the trainer runs them: grad sync, norm, optimizer."""
-    from ..optim.clip import clip_coefficient, global_norm, squared_sums
+    from torch._subclasses.fake_tensor import is_fake
+
+    from ..optim.clip import SIMULATED_NORM, clip_coefficient, global_norm, global_sum_of_squares, squared_sums
     b = engine.backend
+    parts = getattr(b, "parts", (b,))  # (expert parallelism: the dense and the experts' backends, one norm)
     with tracker.phase("grad sync"):
-        b.finish_grad_sync()
+        for part in parts:
+            part.finish_grad_sync()
     with tracker.phase("norm"):
-        sh, rep = squared_sums(b.grad_pieces())
-        norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
+        if len(parts) > 1:  # (the dense and the experts' sums of squares, added as KindsBackend.step adds them)
+            dense_sq = global_sum_of_squares(*squared_sums(b.dense.grad_pieces()), b.dense.ps,
+                                             b.dense.grads_sharded_over_dp)
+            total = dense_sq + b._expert_sq().to(dense_sq)
+            norm = SIMULATED_NORM if is_fake(total) else math.sqrt(max(total.item(), 0.0))
+        else:
+            sh, rep = squared_sums(b.grad_pieces())
+            norm = global_norm(sh, rep, ps, over_dp=b.grads_sharded_over_dp)
     with tracker.phase("optimizer"):
-        b.adam_step(1e-4, clip_coefficient(norm, clip_grad))
+        for part in parts:
+            part.adam_step(1e-4, clip_coefficient(norm, clip_grad))
 
 
 def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
              micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
-             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True, cp: int = 1) -> dict:
+             bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True, cp: int = 1,
+             ep: int = 1) -> dict:
     """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction.
     ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run).
     ``cp``: context-parallel ranks; rank 0 runs its two chunks of each sequence (``s / cp`` positions)
-    through the ring attention, whose sends and receives go to the fake group (counted as ``cp`` traffic)."""
+    through the ring attention, whose sends and receives go to the fake group (counted as ``cp`` traffic).
+    ``ep``: expert-parallel ranks of a mixture of experts, routed evenly (:func:`even_routing`); no save at EP > 1."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum, cp=cp)
+    from ..plan.experts import check_expert_layout
+    check_expert_layout(config, ep, dp * cp, zero_stage)
     layout = dict(tp=tp, cp=cp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
-                  grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb)
+                  grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb, ep=ep)
     started = time.perf_counter()
     host_copies: list[int] = []
-    with _fake_world(tp, dp, cp) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
-            _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), \
+    with _fake_world(tp, dp, cp, ep) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
+            _gpu_kernels() if gpu_kernels else contextlib.nullcontext(), even_routing(), \
             _save_on_fake_tensors(host_copies), tempfile.TemporaryDirectory(prefix="tnlg-simulate-") as save_dir, \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker, memory = tracked_iteration(config, ps, zero_stage=zero_stage, precision=precision,
                                             micro_batch=micro_batch, accum=accum, grads_fp32=grads_fp32,
-                                            bucket_size_mb=bucket_size_mb, clip_grad=clip_grad, save_dir=save_dir)
+                                            bucket_size_mb=bucket_size_mb, clip_grad=clip_grad,
+                                            save_dir=save_dir if ep == 1 else None)
     return _report(config, tracker, g, layout, memory, time.perf_counter() - started, host_copies)
 
 
@@ -267,7 +351,8 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
     from .step import forward_loss
     dtype, micro_steps = _DTYPES[precision], min(accum, 2)
     grad_ps = ps.for_gradients()
-    tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.cp_group: "cp"})
+    tracker = StepTracker({ps.tp_group: "tp", grad_ps.dp_group: "dp", ps.cp_group: "cp", ps.ep_group: "ep",
+                           ps.edp_group: "edp"})
     with tracker:
         with tracker.phase("setup"):
             engine = build_engine(GPT(config, ps, device="meta"), grad_ps, zero_stage, grad_accum_steps=micro_steps,
@@ -301,20 +386,22 @@ def _comm_time(op, group_size: int, gbps: float) -> float:
     return op.comm_bytes * _RING.get(kind, _RING["allreduce"])(max(group_size, 2)) / (gbps * 1e9)
 
 
-def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8, cp: int = 1) -> dict:
+def predict_time(phases, g: GPU, tp: int, dp: int, gpus_per_node: int = 8, cp: int = 1, ep: int = 1) -> dict:
     """Seconds per phase on GPU ``g`` (module docstring): compute, memory-bound, communication. ``dp``: the
     gradient group's size (DP x CP with context parallelism); the CP ring's sends at NVLink's bandwidth when
-    TP x CP fits in a node, else the network's (not overlapped with compute here)."""
+    TP x CP fits in a node, else the network's (not overlapped with compute here); expert parallelism's
+    all-to-alls (``ep``) likewise when TP x EP fits in a node, the experts' gradients over DP x CP / EP."""
     flops_s, bytes_s = g.flops_16bit * g.matmul_efficiency, g.memory_bps * g.memory_efficiency
     dp_gbps = g.nvlink_gbps if tp * dp <= gpus_per_node else g.network_gbps
     cp_gbps = g.nvlink_gbps if tp * cp <= gpus_per_node else g.network_gbps
+    ep_gbps = g.nvlink_gbps if tp * ep <= gpus_per_node else g.network_gbps
+    groups = {"tp": (tp, g.nvlink_gbps), "cp": (cp, cp_gbps), "ep": (ep, ep_gbps), "edp": (max(dp // ep, 1), dp_gbps)}
     out = {}
     for ph in phases:
         compute = comm = 0.0
         for op in ph.ops:
             if op.comm_bytes:
-                size, gbps = ((tp, g.nvlink_gbps) if op.group == "tp" else (cp, cp_gbps) if op.group == "cp"
-                              else (dp, dp_gbps))
+                size, gbps = groups.get(op.group, (dp, dp_gbps))
                 comm += _comm_time(op, size, gbps)
             elif op.name not in ALLOCATIONS:  # an allocation launches no kernel
                 compute += max(op.flops / flops_s, op.bytes / bytes_s, g.kernel_floor_s)
@@ -335,7 +422,7 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
             host_copies: list[int]) -> dict:
     from ..plan.flops import flops_per_iteration
     cp = layout.get("cp", 1)
-    times = predict_time(tracker.phases, g, layout["tp"], layout["dp"] * cp, cp=cp)
+    times = predict_time(tracker.phases, g, layout["tp"], layout["dp"] * cp, cp=cp, ep=layout.get("ep", 1))
     accum = layout["accum"]
     step = sum(t["total_s"] * (accum - 1 if name.endswith("(accumulation)") else 1)
                for name, t in times.items() if name not in ("setup", "save"))
@@ -350,6 +437,13 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
             _save_phase(d, g, host_copies)
         phases.append(d)
     peak = max(p["peak_bytes"] for p in phases if p["name"] != "setup")
+    notes = []
+    if config.num_experts is not None:
+        notes.append("mixture of experts routed evenly (the assignment of tokens to experts is data; every expert "
+                     "gets T k / E of the routed copies; real routing is uneven)")
+        if layout.get("ep", 1) > 1:
+            notes.append(f"EP {layout['ep']}: the checkpoint save is not simulated (tnlg does not save EP > 1 "
+                         "checkpoints yet); the all-to-all counts' exchange is not run (even routing knows them)")
     return dict(layout=layout, gpu=g.name, phases=phases, peak_bytes=peak, ops=[ph.ops for ph in tracker.phases],
                 peak_phase=max((p for p in phases if p["name"] != "setup"), key=lambda p: p["peak_bytes"])["name"],
                 model_states=memory, step_time_s=step, tokens_per_rank=tokens,
@@ -360,4 +454,4 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
                        "time: per op max(FLOPs at 78% of the 16-bit spec, bytes at 85% of HBM, 4 us) + "
                        "collectives at link bandwidth, no overlap",
                        "save: a checkpoint of the iteration by tnlg's save path, tensor data copied to the host "
-                       "(comm 'host', at the PCIe spec) and not written; not part of the iteration's time"])
+                       "(comm 'host', at the PCIe spec) and not written; not part of the iteration's time"] + notes)
