@@ -6,14 +6,15 @@ The base is built on the run's device and read from its checkpoint parameter by 
 the adapters alone (ZeRO over them; 16-bit, with fp32 master weights and moments, as any trained parameter).
 A save writes ``SAVE/adapter`` (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``, replaced
 whole: written beside it, then renamed), which ``peft.PeftModel.from_pretrained`` loads onto the base's
-Hugging Face export and ``tnlg finetune --load-adapter`` reads. Resuming a stopped adapter run (the optimizer's
-moments, the data position) is not built yet: refused by name.
+Hugging Face export and ``tnlg finetune --load-adapter`` reads; beside it, the run's checkpoint holds the adapters
+and the run's state for an exact resume (:mod:`.adapter_checkpoint`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Callable, Optional
 
 import torch
 
@@ -26,7 +27,7 @@ from ..model import GPT
 from ..options import Options
 from ..parallel.state import ParallelState
 
-__all__ = ["adapted_model", "save_adapters", "ADAPTER_DIR", "settings_of"]
+__all__ = ["adapted_model", "frozen_base", "save_adapters", "ADAPTER_DIR", "settings_of"]
 
 ADAPTER_DIR = "adapter"  # under --save
 
@@ -37,22 +38,51 @@ def settings_of(o: Options, cfg: GPTConfig) -> LoraSettings:
     return LoraSettings(a.lora_rank, a.lora_alpha, a.lora_dropout, a.use_rslora, seed=cfg.seed)
 
 
-def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState, chunks: list[range]):
-    """``(model, settings)``: the base of ``--load`` with its weights, frozen, and the run's adapters; at PP > 1 this
-    pipeline rank's layers (``chunks``: its model chunks' layers)."""
-    load = o.checkpoint.load
-    if load is None:
-        raise UserError("adapters train on the weights of --load; give --load DIR.")
+def frozen_base(cfg: GPTConfig, ps: ParallelState, chunks: list[range], dtype: Optional[torch.dtype],
+                read: Optional[Callable[[torch.nn.Module], object]] = None) -> torch.nn.Module:
+    """The base model an adapter run freezes, on the run's device: at PP > 1 this pipeline rank's layers (``chunks``:
+    its model chunks' layers), its weights read by ``read(model)`` (``None``: its initial ones, as ``tnlg plan
+    --simulate --lora-rank`` runs it on fake tensors), then held in ``dtype`` (``None``: fp32; 16-bit under
+    ``--bf16`` / ``--fp16``: 2 bytes a parameter, rounded once)."""
     model: torch.nn.Module
     if ps.pp_size > 1:  # this pipeline rank's layers, by the GPT's names
         from ..model.stage import StageModel
         model = StageModel(cfg, ps, chunks, device=ps.device)
     else:
         model = GPT(cfg, ps, device=ps.device)
-    load_weights_into(load, model, ps)
+    if read is not None:
+        read(model)
+    if dtype is not None:  # the engine keeps the adapters' fp32 master weights and moments
+        _hold_in(model, dtype)
+    return model
+
+
+@torch.no_grad()
+def _hold_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``. On fake tensors (a simulation), which ``Module.to`` cannot swap, every floating parameter's
+    ``.data`` and floating buffer replaced as ``Module.to`` replaces a real tensor's."""
+    from torch._subclasses.fake_tensor import is_fake
+    if not any(is_fake(p) for p in model.parameters()):
+        model.to(dtype)
+        return
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+
+
+def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState, chunks: list[range]):
+    """``(model, settings)``: the base of ``--load`` with its weights, frozen, and the run's adapters; at PP > 1 this
+    pipeline rank's layers (``chunks``: its model chunks' layers)."""
+    load = o.checkpoint.load
+    if load is None:
+        raise UserError("adapters train on the weights of --load; give --load DIR.")
     prec = o.precision
-    if prec.bf16 or prec.fp16:  # the frozen base in 16-bit (2 bytes a parameter); the engine keeps the adapters'
-        model.to(torch.bfloat16 if prec.bf16 else torch.float16)  # fp32 master weights and moments
+    dtype = torch.bfloat16 if prec.bf16 else torch.float16 if prec.fp16 else None
+    model = frozen_base(cfg, ps, chunks, dtype, lambda m: load_weights_into(load, m, ps))
     if o.adapters.load_adapter is not None:
         return model, load_peft_adapter(model, o.adapters.load_adapter)  # (its own rank, alpha, dropout, targets)
     settings = settings_of(o, cfg)
