@@ -128,3 +128,22 @@ def test_a_resume_on_another_base_or_with_other_adapters_is_refused_in_one_parag
     from tnlg.generation.loading import load_for_inference
     with pytest.raises(UserError, match="is the checkpoint of a LoRA run: it holds rank-4 adapters"):
         load_for_inference(str(save))
+
+
+def test_tnlg_finetune_resumes_its_adapter_run_with_the_command_it_prints(made, tmp_path, capsys, monkeypatch):
+    """The launching process checks the base and the adapters of the checkpoint it resumes, and goes on."""
+    import shlex
+
+    from tnlg.cli import main
+    monkeypatch.setenv("TNLG_CACHE", str(tmp_path / "cache"))
+    _, common = made
+    argv = ["finetune", *common, "--train-iters", "2", "--lr-warmup-iters", "0", "--exit-interval", "1",
+            "--nproc-per-node", "1", "--peak-tflops", "1", "--sample-prompt", "", "--save", str(tmp_path / "ft")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tnlg finetune: stopped after iteration 1 of 2 (--exit-interval 1)" in out, out
+    resume = out.split("Resume with: ", 1)[1].splitlines()[0]
+    assert main(shlex.split(resume)[1:]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at iteration 1" in out, out
+    assert "saved checkpoint at iteration 2" in out and "saved the adapters at iteration 2" in out, out
