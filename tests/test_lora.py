@@ -363,9 +363,9 @@ def test_a_ranks_merge_builds_its_own_shard_of_each_delta_only(tmp_path, family)
 def test_planned_lora_model_states_are_the_simulated_ones():
     """``tnlg plan --lora-rank 16 --simulate``: Llama-3-8B at TP 2 (rank 0; ZeRO 1 over DP 2, bf16), rank 16 on PEFT's
     default q_proj and v_proj. The planner's model states per rank are what the LoRA step, run on fake tensors at full
-    size by the code of ``tnlg finetune`` (the base built on the device in bf16 and frozen, the adapters added, the
-    engine over them), holds live when its first forward starts, within 5%; the frozen base is 2 bytes a parameter
-    there."""
+    size by the code of ``tnlg finetune`` (the base allocated on the device in bf16 and frozen, the adapters added,
+    the engine over them), holds live when its first forward starts, within 5%; the frozen base is 2 bytes a
+    parameter there, at setup too."""
     import argparse
     import contextlib
     import io
@@ -386,6 +386,13 @@ def test_planned_lora_model_states_are_the_simulated_ones():
     assert lora["total"] == pytest.approx(sim["model_state_bytes"], rel=0.05), (lora["total"], sim["model_state_bytes"])
     assert sim["model_states"]["frozen_bytes"] == 2 * lora["frozen_params"]
     assert lora["simulated_total"] == sim["model_state_bytes"]
+    # setup holds the 16-bit base and one weight's fp32 initial value at a time (the largest: the embedding), never
+    # an fp32 copy of the base
+    from tnlg.config import PRESETS, GPTConfig
+    cfg = GPTConfig(**PRESETS["llama3-8b"])
+    setup = next(p for p in sim["phases"] if p["name"] == "setup")
+    assert setup["peak_bytes"] <= 1.01 * (sim["model_state_bytes"] + 4 * cfg.padded_vocab_size(1) * cfg.hidden_size), \
+        (setup["peak_bytes"], sim["model_state_bytes"])
 
 
 @pytest.mark.needs_package("peft")

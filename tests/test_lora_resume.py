@@ -87,7 +87,7 @@ def test_a_resume_on_another_base_or_with_other_adapters_is_refused_in_one_parag
     from tnlg.data.tokenizer import builtin_tokenizer_path
     tmp, common = made
     save = tmp / "refusals"
-    (o,) = finetune_options([common + ["--train-iters", "1", "--save", str(save)]], 1)
+    (o,) = finetune_options([common + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", str(save)]], 1)
     run_distributed(_train, 1, 1, o, timeout_s=300)
     # other weights of the same shape, as another base checkpoint
     hf_model("llama", seed=1).save_pretrained(tmp / "hf-other")

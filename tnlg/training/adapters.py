@@ -25,6 +25,7 @@ from ..errors import UserError
 from ..interop.peft import add_lora, load_peft_adapter, save_peft_adapter
 from ..model import GPT
 from ..options import Options
+from ..parallel.initialization import SelfInitializing
 from ..parallel.state import ParallelState
 
 __all__ = ["adapted_model", "frozen_base", "save_adapters", "ADAPTER_DIR", "settings_of"]
@@ -42,36 +43,47 @@ def frozen_base(cfg: GPTConfig, ps: ParallelState, chunks: list[range], dtype: O
                 read: Optional[Callable[[torch.nn.Module], object]] = None) -> torch.nn.Module:
     """The base model an adapter run freezes, on the run's device: at PP > 1 this pipeline rank's layers (``chunks``:
     its model chunks' layers), its weights read by ``read(model)`` (``None``: its initial ones, as ``tnlg plan
-    --simulate --lora-rank`` runs it on fake tensors), then held in ``dtype`` (``None``: fp32; 16-bit under
-    ``--bf16`` / ``--fp16``: 2 bytes a parameter, rounded once)."""
-    model: torch.nn.Module
-    if ps.pp_size > 1:  # this pipeline rank's layers, by the GPT's names
-        from ..model.stage import StageModel
-        model = StageModel(cfg, ps, chunks, device=ps.device)
-    else:
-        model = GPT(cfg, ps, device=ps.device)
+    --simulate --lora-rank`` runs it on fake tensors), held in ``dtype`` (``None``: fp32; 16-bit under ``--bf16`` /
+    ``--fp16``: 2 bytes a parameter). A 16-bit base is built on the meta device and its parameters allocated in
+    16-bit, then read (each value rounded once, as ``Module.to`` rounds it): no fp32 copy of the model (4 bytes a
+    parameter) at setup."""
+    def build(device) -> torch.nn.Module:
+        if ps.pp_size > 1:  # this pipeline rank's layers, by the GPT's names
+            from ..model.stage import StageModel
+            return StageModel(cfg, ps, chunks, device=device)
+        return GPT(cfg, ps, device=device)
+
+    model = build(ps.device if dtype is None else "meta")
+    if dtype is not None:
+        _allocate(model, ps.device, dtype)
     if read is not None:
         read(model)
-    if dtype is not None:  # the engine keeps the adapters' fp32 master weights and moments
-        _hold_in(model, dtype)
+    elif dtype is not None:  # the initial weights, rounded once
+        for m in model.modules():
+            if isinstance(m, SelfInitializing):
+                m.reset_parameters()
     return model
 
 
-@torch.no_grad()
-def _hold_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)``. On fake tensors (a simulation), which ``Module.to`` cannot swap, every floating parameter's
-    ``.data`` and floating buffer replaced as ``Module.to`` replaces a real tensor's."""
-    from torch._subclasses.fake_tensor import is_fake
-    if not any(is_fake(p) for p in model.parameters()):
-        model.to(dtype)
-        return
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
+def _allocate(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
+    """Every parameter of ``model`` (built on the meta device) allocated on ``device``, floating ones in ``dtype``,
+    wherever it is registered (a tied weight stays one parameter), with the attributes tnlg sets on it (its TP
+    split, ``pipeline_duplicate``); values unset."""
+    places: dict[int, tuple[torch.nn.Parameter, list]] = {}
     for m in model.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point():
-                m._buffers[name] = b.to(dtype)
+        for k, p in m._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), (p, []))[1].append((m, k))
+        if any(b is not None for b in m._buffers.values()):
+            raise ValueError(f"{type(m).__name__} holds buffers, which a frozen base does not allocate")
+    for p, holders in places.values():
+        new = torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype if p.is_floating_point() else p.dtype),
+                                 requires_grad=p.requires_grad)
+        for k, v in vars(p).items():
+            if not k.startswith("_"):
+                setattr(new, k, v)
+        for m, k in holders:
+            m._parameters[k] = new
 
 
 def adapted_model(o: Options, cfg: GPTConfig, ps: ParallelState, chunks: list[range]):
