@@ -31,7 +31,7 @@ from tnlg.errors import UserError  # noqa: E402
 from tnlg.io import atomic_write  # noqa: E402
 
 __all__ = ["ROOT", "USER_WAIT_ENV", "user_wait_environment", "package_version", "cpu_name", "cpu_flags", "machine_info", "write_json", "add_shape_arguments",
-           "run"]
+           "run", "alternating_times"]
 
 
 def package_version(package: str) -> Optional[str]:
@@ -87,6 +87,20 @@ def add_shape_arguments(p: argparse.ArgumentParser, *, layers: int, hidden: int,
     p.add_argument("--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})")
     p.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
     p.add_argument(seq_flag, type=int, default=seq, help=f"sequence length (default {seq})")
+
+
+def alternating_times(steps: dict[str, Callable[[int], Any]], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each step of ``steps`` (name -> ``step(round)``), the steps alternating within each of ``warmup +
+    rounds`` rounds (so a slow moment of the machine hits every kind alike); the warm-up rounds not kept."""
+    import time
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(warmup + rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(r)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def user_wait_environment() -> None:

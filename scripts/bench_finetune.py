@@ -22,7 +22,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 
 import _bench
 
@@ -70,14 +69,11 @@ def _step_times(args, batches: dict) -> dict:
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
     engine = build_engine(GPT(cfg, ps), ps, 1)
-    times: dict = {name: [] for name in batches}
-    for r in range(args.warmup + args.rounds):
-        for name, batch in batches.items():
-            t0 = time.perf_counter()
-            train_step(engine.model, engine, [batch], 1e-5, autocast=None, ps=ps, iteration=r + 1, per_token_loss=True)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
+
+    def step(batch):
+        return lambda r: train_step(engine.model, engine, [batch], 1e-5, autocast=None, ps=ps, iteration=r + 1,
+                                    per_token_loss=True)
+    return _bench.alternating_times({name: step(batch) for name, batch in batches.items()}, args.rounds, args.warmup)
 
 
 def main() -> int:

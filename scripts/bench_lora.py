@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import _bench
 
@@ -85,13 +84,8 @@ def main() -> int:
     batch = dict(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(tokens.shape))
     engines = {"full fine-tuning": _model(args, False), f"LoRA r={args.rank}": _model(args, True)}
     peaks = {name: _peak(e, ps, batch) for name, (e, ps) in engines.items()}
-    times: dict = {name: [] for name in engines}
-    for r in range(args.warmup + args.rounds):
-        for name, (engine, ps) in engines.items():
-            t0 = time.perf_counter()
-            _step(engine, ps, batch, r + 3)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = _bench.alternating_times({name: (lambda r, e=e, ps=ps: _step(e, ps, batch, r + 3))
+                                      for name, (e, ps) in engines.items()}, args.rounds, args.warmup)
     trainable = {name: sum(p.numel() for p in e.model.parameters() if p.requires_grad) for name, (e, _) in engines.items()}
     print(f"{'step':<20}{'trainable':>12}{'median ms':>11}{'peak MiB':>10}{'  model states MiB (params/grads/adam)'}")
     for name in engines:

@@ -16,78 +16,21 @@ import pytest
 import torch
 
 from .pool import run_distributed
+from .sft_reference import ROWS, SEQ, finetune_options as _options, hf_model as _hf_model, reference_losses
+from .sft_reference import samples as _samples, train as _train
 
-
-ROWS = [("The king said:", " Long live the queen of all the land."), ("Q: what is two and two?", " Four."),
-        ("Translate: good night", " Gute Nacht, mein Freund, gute Nacht."), ("Name a colour.", " Red."),
-        ("Who wrote Hamlet?", " William Shakespeare, in about sixteen hundred."), ("Say yes.", " Yes."),
-        ("Count to five:", " one two three four five"), ("The sea is", " wide and deep and full of fish.")]
-SEQ, ITERS, LR = 64, 5, 2e-3
-
-
-def _hf_model(kind: str, seed: int = 0):
-    import transformers
-    torch.manual_seed(seed)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=SEQ, vocab_size=4096,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                       rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
-        model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # norms and biases off their initial 1 and 0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _samples(tok):
-    """(ids, labels) per row as the definition says: prompt ids + completion ids + eod; the prompt not counted."""
-    out = []
-    for prompt, completion in ROWS:
-        p, c = tok.encode_batch([prompt])[0], tok.encode_batch([completion])[0]
-        ids = p + c + [tok.eod_id]
-        out.append((ids, [-100] * len(p) + c + [tok.eod_id]))
-    return out
+ITERS, LR = 5, 2e-3
 
 
 def _reference(hf_dir: str, samples) -> list[float]:
-    """Plain transformers + torch AdamW: ITERS steps, each on every sample, the per-token mean."""
+    """Plain transformers + torch AdamW (decay on matrices only): ITERS steps, each on every sample."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
     params = list(model.parameters())
     opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.01),
                              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
                             lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    losses = []
-    for _ in range(ITERS):
-        opt.zero_grad()
-        total, count = torch.zeros(()), 0
-        for ids, labels in samples:
-            logits = model(torch.tensor([ids])).logits[0, :-1]
-            target = torch.tensor(labels[1:])
-            total = total + torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-            count += int((target != -100).sum())
-        loss = total / count
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
-def _train(ps, runs):
-    """Each option set trained in this process group (one pool launch per world size)."""
-    from tnlg.training import train
-    return [train(o)["losses"] for o in runs]
-
-
-def _options(args_list, world):
-    from tnlg.commands.finetune import options
-    from tnlg.cli import build_parser
-    return [options(build_parser(only="finetune").parse_args(["finetune", *argv]), world) for argv in args_list]
+    return reference_losses(model, opt, samples, ITERS)
 
 
 LAYOUTS = {1: [("tp1", [])], 2: [("tp2-sp", ["--tp", "2", "--sequence-parallel"]), ("cp2", ["--cp", "2"]),

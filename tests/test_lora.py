@@ -322,6 +322,79 @@ def test_plan_counts_a_frozen_base_and_the_adapters():
     assert lora["full_finetuning_total"] == 16 * frozen
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama_mha"])
+def test_a_ranks_merge_builds_its_own_shard_of_each_delta_only(tmp_path, family):
+    """``merge_peft_adapter`` at TP 2: each rank's merged shards are the slices of the TP 1 merge (``W + s B A`` in
+    float64), and no float64 tensor it makes is larger than the rank's largest weight shard (never a whole
+    weight's ``B A``)."""
+    from tnlg.adapters import LoraSettings, adapter_parameters
+    from tnlg.config import GPTConfig
+    from tnlg.interop.peft import add_lora, merge_peft_adapter, write_peft_folder
+    from tnlg.model import GPT
+    from tnlg.parallel.sharding import ShardSpec, shard_of
+    from tnlg.parallel.state import ParallelState
+    from tnlg.plan.tracker import StepTracker
+    fields, layout = FAMILIES[family]
+    cfg = GPTConfig(**fields)
+    targets = ["all-linear"] if family != "gpt2" else ["c_attn", "c_proj", "c_fc"]
+    shapes = GPT(cfg, ParallelState.single(), device="meta")
+    add_lora(shapes, LoraSettings(RANK), targets)
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(ShardSpec.of(p).shape, generator=g) for n, p in adapter_parameters(shapes).items()}
+    write_peft_folder(str(tmp_path), full, cfg, layout, rank=RANK, alpha=ALPHA, dropout=0.0, use_rslora=False)
+    whole = GPT(cfg, ParallelState.single(), device="cpu")  # TP 1: every weight's whole delta (peft's logits:
+    merge_peft_adapter(whole, str(tmp_path))                  # tests/test_lora_inference.py)
+    merged = dict(whole.named_parameters())
+    for r in range(2):
+        model = GPT(cfg, ParallelState.for_virtual_rank(2, r), device="cpu")
+        tracker = StepTracker()
+        with tracker:
+            merge_peft_adapter(model, str(tmp_path))
+        largest = max(p.numel() for n, p in model.named_parameters() if n.endswith(".weight"))
+        assert 0 < tracker.largest_new.get(torch.float64, 0) <= largest, (tracker.largest_new, largest)
+        adapted = {f.split(".lora_")[0] + ".weight" for f in full}
+        assert adapted <= set(merged)
+        for n in adapted:
+            p = dict(model.named_parameters())[n]
+            assert torch.equal(p.detach(), shard_of(merged[n].detach(), p, r)), n
+
+
+@pytest.mark.slow  # (as the dense llama3-8b simulation: 10 CPU-s)
+def test_planned_lora_model_states_are_the_simulated_ones():
+    """``tnlg plan --lora-rank 16 --simulate``: Llama-3-8B at TP 2 (rank 0; ZeRO 1 over DP 2, bf16), rank 16 on PEFT's
+    default q_proj and v_proj. The planner's model states per rank are what the LoRA step, run on fake tensors at full
+    size by the code of ``tnlg finetune`` (the base allocated on the device in bf16 and frozen, the adapters added,
+    the engine over them), holds live when its first forward starts, within 5%; the frozen base is 2 bytes a
+    parameter there, at setup too."""
+    import argparse
+    import contextlib
+    import io
+    import json
+
+    from tnlg.commands.plan import add_arguments, run
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--preset", "llama3-8b", "--seq-length", "512", "--tp", "2", "--dp", "2", "--zero-stage", "1",
+            "--precision", "bf16", "--micro-batch-size", "1", "--global-batch-size", "2", "--lora-rank", "16",
+            "--simulate", "--json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run(parser.parse_args(argv)) == 0
+    plan = json.loads(out.getvalue())
+    lora, sim = plan["lora"], plan["simulation"]
+    assert sim["layout"]["lora_rank"] == 16 and lora["targets"] == ["q_proj", "v_proj"]
+    assert lora["total"] == pytest.approx(sim["model_state_bytes"], rel=0.05), (lora["total"], sim["model_state_bytes"])
+    assert sim["model_states"]["frozen_bytes"] == 2 * lora["frozen_params"]
+    assert lora["simulated_total"] == sim["model_state_bytes"]
+    # setup holds the 16-bit base and one weight's fp32 initial value at a time (the largest: the embedding), never
+    # an fp32 copy of the base
+    from tnlg.config import PRESETS, GPTConfig
+    cfg = GPTConfig(**PRESETS["llama3-8b"])
+    setup = next(p for p in sim["phases"] if p["name"] == "setup")
+    assert setup["peak_bytes"] <= 1.01 * (sim["model_state_bytes"] + 4 * cfg.padded_vocab_size(1) * cfg.hidden_size), \
+        (setup["peak_bytes"], sim["model_state_bytes"])
+
+
 @pytest.mark.needs_package("peft")
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_lora_with_recomputation_matches_peft(recompute):

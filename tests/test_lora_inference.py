@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tnlg.cli import main
 
-from .test_finetune import SEQ, _hf_model
+from .sft_reference import SEQ, hf_model as _hf_model
 from .test_lora_finetune import _refusal
 
 pytestmark = pytest.mark.needs_package("peft")

@@ -199,6 +199,8 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, layout: M
     (each rank the files it reads), the architecture and flags, the parameters (the whole model's; this
     rank reads its pipeline stage's); the RNG states read. No communication."""
     manifest = Manifest.read(iter_dir)
+    if weights_only:
+        manifest.check_holds_weights(f"{origin} {iter_dir!r}")
     rng = _RngPlan() if weights_only else _rng_plan(manifest, ps, chunk_layers_of(engine.model, config.num_layers))
     F.check_files(iter_dir, manifest, ("model",) + (("optim",) if manifest.has_optimizer else ()))
     for name in rng.files:
@@ -385,6 +387,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, layout_of: LayoutOf, token
     """Everything checked: the manifest, the files at their sizes, the TP size, the parameters, the SHA-256 of
     the files this rank reads, the tokenizer. No communication."""
     manifest = Manifest.read(iter_dir)
+    manifest.check_holds_weights(f"checkpoint {iter_dir!r}")
     F.check_files(iter_dir, manifest, ("model",))
     cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     try:

@@ -243,6 +243,7 @@ class Manifest(_Record):
     created: Optional[str] = None
     torch: Optional[str] = None
     converted_from: Optional[dict] = None       # where tnlg convert read it (a checkpoint, hf, megatron)
+    adapters: Optional[dict] = None             # a LoRA run's: its adapters' settings and its frozen base (params: the adapters)
 
     # ----------------------------------------------------------------------- reading and writing
 
@@ -287,6 +288,19 @@ class Manifest(_Record):
         if self.schedule is not None and self.schedule.num_steps is not None:
             return int(self.schedule.num_steps)
         return int(need(self.optimizer.num_steps, "optimizer.num_steps")) if self.has_optimizer else 0
+
+    def check_holds_weights(self, where: str) -> None:
+        """A :class:`UserError` when this is a LoRA run's checkpoint (``adapters``): its parameters are the adapters
+        alone, not a model's weights to load, convert or fine-tune."""
+        a = self.adapters
+        if a is None:
+            return
+        base = (a.get("base") or {}).get("path") if isinstance(a.get("base"), dict) else None
+        raise UserError(f"{where} is the checkpoint of a LoRA run: it holds rank-{a.get('rank')} adapters and their "
+                        f"optimizer state, not the model's weights (its frozen base is {base!r}). Give the base as the "
+                        "model, with the adapters as --load-adapter SAVE/adapter (PEFT's folder the run wrote beside "
+                        "it), or merge them first: tnlg convert --from BASE --merge-lora SAVE/adapter --to DIR. "
+                        "Nothing was loaded.")
 
     def stage_of(self, name: str) -> Optional[int]:
         """The pipeline stage whose files hold parameter ``name`` (``None``: a checkpoint saved at PP 1)."""
@@ -351,7 +365,7 @@ _WORDS.update({_DICT: "a mapping", _STR: "a string", _LIST: "a list", _BOOL: "tr
 # per section (None: the top level) the type of each value, where present and not null
 _TYPES = {None: dict(iteration=_whole, consumed_samples=_whole, config=_DICT, options=_DICT, data=_DICT,
                      tokenizer=_DICT, params=_DICT, files=_DICT, sha256=_DICT, created=_STR, torch=_STR,
-                     converted_from=_DICT),
+                     converted_from=_DICT, adapters=_DICT),
           "layout": dict(tp=_positive, dp=_positive, world=_positive, pp=_positive, param_dtype=_STR),
           "optimizer": dict(present=_BOOL, num_steps=_whole, zero_stage=_whole, betas=_LIST, eps=_number,
                             weight_decay=_number, loss_scaler=_DICT, converted=_BOOL),

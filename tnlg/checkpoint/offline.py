@@ -38,6 +38,7 @@ def open_source(path: str) -> tuple[str, Manifest, GPTConfig]:
     if iter_dir is None:
         raise UserError(f"--from {path!r} holds no tnlg checkpoint (no {F.LATEST} and no iter_* directory).")
     manifest = Manifest.read(iter_dir)
+    manifest.check_holds_weights(f"--from {iter_dir!r}")
     F.check_files(iter_dir, manifest)
     return iter_dir, manifest, GPTConfig.from_dict(need(manifest.config, "config"))
 

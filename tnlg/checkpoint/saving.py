@@ -85,12 +85,14 @@ def _tmp_name(iteration: int) -> str:
 
 def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine, ps: ParallelState,
          config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None,
-         schedule_steps: Optional[int] = None) -> str:
+         schedule_steps: Optional[int] = None, adapters: Optional[dict] = None) -> str:
     """Write a checkpoint of iteration ``iteration`` under ``save_dir``; returns its directory.
 
     Collective over all ranks (see the module docstring for what each rank writes and the
     commit protocol). ``keep_last`` keeps only the newest K iterations. ``schedule_steps``: the LR
     schedule's position (the manifest's ``schedule.num_steps``; default the optimizer's step count).
+    ``adapters``: a LoRA run's record (the manifest's ``adapters``: its settings and frozen base), whose
+    ``model.layout()`` then names the adapters alone (:mod:`tnlg.training.adapter_checkpoint`).
     """
     if ps.ep_size > 1:
         raise UserError(f"a checkpoint of an expert-parallel run (EP {ps.ep_size}) is not written yet: its format "
@@ -131,7 +133,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         layout=Layout(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
                       param_dtype=str(engine.param_dtype).replace("torch.", ""), pp=pp_size),
         params=records, optimizer=optimizer, rng=RngLayout(tp=ps.tp_size, dp=ps.dp_size, pp=pp_size),
-        schedule=_schedule(options, optimizer, schedule_steps))
+        schedule=_schedule(options, optimizer, schedule_steps), adapters=adapters)
     _finish(root, tmp, final, iteration, (written, stage), ps, manifest, keep_last, failure)
     return final
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 from ..config import PRESETS, GPTConfig, arch_fields, divisors, flag_of
 from ..errors import UserError
@@ -355,8 +356,9 @@ def _check_simulate_flags(args, model: Model) -> None:
                         "--params), and no --search.")
 
 
-def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dict:
-    """:func:`tnlg.training.simulate.simulate` for this layout (rank 0), without the per-operator lists."""
+def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1, lora: Optional[tuple] = None) -> dict:
+    """:func:`tnlg.training.simulate.simulate` for this layout (rank 0), without the per-operator lists; ``lora``:
+    ``(rank, targets)``, a LoRA fine-tuning step."""
     from dataclasses import replace
 
     from ..training.simulate import simulate
@@ -365,7 +367,7 @@ def _simulation(model: Model, layout: Layout, gpu_name: str, cp: int = 1) -> dic
     accum = layout.batch // (layout.micro_batch * layout.dp)
     sim = simulate(config, layout.tp, layout.dp, zero_stage=layout.zero_stage, precision=layout.precision,
                    micro_batch=layout.micro_batch, accum=accum, grads_fp32=layout.grads_fp32, gpu=gpu_name, cp=cp,
-                   ep=layout.ep)
+                   ep=layout.ep, lora=lora)
     sim.pop("ops")
     return sim
 
@@ -468,11 +470,15 @@ def _lora(args, model, result: dict) -> tuple[dict, str]:
     if args.search or model.abstract:
         raise UserError("--lora-rank plans one layout of a model tnlg builds: give --preset or the shape flags (not "
                         "--params) and no --search.")
+    if args.simulate and (args.pp > 1 or (args.cp or 1) > 1):
+        raise UserError("--simulate with --lora-rank runs the LoRA step at PP 1 and CP 1; drop --simulate, or "
+                        "--pipeline-model-parallel-size / --context-parallel-size.")
     cfg, lay = model.config, result["layout"]
     layout = layout_of(cfg)
     targets = resolve_targets(args.lora_target_modules, layout)
     check_lora_rank(args.lora_rank, cfg, targets, layout)
     lora = lora_model_states(cfg, lay["tp"], lay["dp"], lay["zero_stage"], lay["precision"], args.lora_rank, targets)
+    lora["targets"] = list(targets)
     gib = 2 ** 30
     text = (f"LoRA rank {args.lora_rank} on {', '.join(targets)} (TP rank {lora['tp_rank']}): "
             f"{lora['adapter_params']:,} adapter parameters beside {lora['frozen_params']:,} frozen; model states "
@@ -496,6 +502,8 @@ def run(args) -> int:
         batch = args.global_batch_size or 512
         if batch < 1:
             raise UserError(f"--global-batch-size must be a positive integer, got {batch}.")
+        if getattr(args, "lora_rank", None) is not None:
+            _lora(args, model, {})  # (refused: one layout only)
         source = None if taken is None else _recipe_note(args.preset, {
             k: v for k, v in taken.items() if k in ("world_size", "global_batch_size", "precision")})
         result, text = _search(args, model, hw, batch, train_tokens, source)
@@ -523,14 +531,24 @@ def run(args) -> int:
         elif args.pipeline_schedule != "1f1b" or args.layers_per_chunk is not None:
             raise UserError("--pipeline-schedule and --num-layers-per-virtual-pipeline-stage describe a pipeline: "
                             "give --pipeline-model-parallel-size P > 1 with them, or drop them.")
+        lora = _lora(args, model, result) if getattr(args, "lora_rank", None) is not None else None
         if args.simulate and args.pp > 1:
             text += "\n\n" + format_stage_simulations(result["pipeline"])
         elif args.simulate:
-            result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1)
-            text += "\n\n" + format_simulation(result["simulation"], result["memory"]["total"])
-    if getattr(args, "lora_rank", None) is not None:
-        result["lora"], more = _lora(args, model, result)
-        text += "\n\n" + more
+            planned = result["memory"]["total"]
+            if lora is not None:  # the LoRA step: its model states in place of full training's
+                planned += lora[0]["total"] - result["memory"]["model_states"]
+            result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1,
+                                               None if lora is None else (args.lora_rank, lora[0]["targets"]))
+            text += "\n\n" + format_simulation(result["simulation"], planned)
+        if lora is not None:
+            result["lora"], more = lora
+            if "simulation" in result:
+                sim = result["simulation"]["model_state_bytes"]
+                result["lora"]["simulated_total"] = sim
+                more += (f"; simulated (fake tensors, the states live at the first forward): {sim / 2**30:.2f} GiB "
+                         f"(planner {(lora[0]['total'] - sim) / sim:+.1%})")
+            text += "\n\n" + more
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:

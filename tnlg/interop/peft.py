@@ -42,7 +42,8 @@ from ..errors import UserError
 __all__ = ["PEFT_MODULES", "DEFAULT_TARGETS", "lora_sites", "resolve_targets", "check_lora_rank",
            "peft_adapter_state", "write_peft_folder", "read_peft_folder", "tnlg_adapter_state", "CONFIG_NAME",
            "WEIGHTS_NAME", "layout_of", "check_adapter_options", "add_lora", "save_peft_adapter", "load_peft_adapter",
-           "weight_deltas", "merged_weights", "check_adapter_fits", "merge_peft_adapter", "merge_lora_checkpoint"]
+           "weight_deltas", "merged_weights", "check_adapter_fits", "merge_peft_adapter", "merge_lora_checkpoint",
+           "factor_targets"]
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -157,6 +158,19 @@ def peft_adapter_state(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: st
         hf = f"{_LAYER_PREFIX[layout]}.{layer}.{_HF_PATH[layout][module]}"
         out[f"base_model.model.{hf}.lora_{factor}.weight"] = t.contiguous()
     return out
+
+
+def factor_targets(names: Iterable[str], layout: str) -> tuple[str, ...]:
+    """PEFT's module names of the adapters whose tnlg factor names are ``names`` (``...lora_A_<part>``), as
+    :func:`add_lora` takes them: the Llama layout's parts (``q_proj``), GPT-2's layer paths (``attn.c_proj``: not
+    ``mlp.c_proj``)."""
+    out = set()
+    for n in names:
+        m = _TNLG_FACTOR.match(n)
+        if m is None:
+            raise ValueError(f"not an adapter factor: {n}")
+        out.add(m.group(4) if layout == "llama" else m.group(2))
+    return tuple(sorted(out))
 
 
 def tnlg_adapter_state(peft_sd: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
@@ -320,10 +334,7 @@ def load_peft_adapter(model, path: str, recorded: Optional[str] = None):
     layout = layout_of(cfg, recorded)
     conf, full = read_peft_folder(path, cfg, layout)
     settings = LoraSettings(conf["rank"], conf["alpha"], conf["dropout"], conf["use_rslora"])
-    # PEFT's module names of the folder's factors (GPT-2's by layer path: attn.c_proj is not mlp.c_proj)
-    targets = sorted({_TNLG_FACTOR.match(n).group(4) if layout == "llama"  # type: ignore[union-attr]
-                      else _TNLG_FACTOR.match(n).group(2) for n in full})  # type: ignore[union-attr]
-    add_lora(model, settings, targets, recorded)
+    add_lora(model, settings, factor_targets(full, layout), recorded)  # (the folder's factors' modules)
     params = adapter_parameters(model)
     for name, p in params.items():
         if name not in full:  # a layer or part the folder does not adapt: zeros, it adds nothing
@@ -341,11 +352,18 @@ def load_peft_adapter(model, path: str, recorded: Optional[str] = None):
 # --------------------------------------------------------------------------- merging
 
 def weight_deltas(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
-                  scaling: float) -> dict[str, Callable[[tuple], torch.Tensor]]:
-    """For each weight the adapters ``full`` (tnlg's full factors) change: a function of the weight's full shape
-    giving ``scaling * B A`` (float64) in tnlg's layout (the fused QKV's parts per head, key/value per group, the
-    gate/up pair stacked; a part without an adapter adds nothing). What :func:`merged_weights` (a checkpoint's full
-    weights) and :func:`merge_peft_adapter` (a loaded model's shards) add."""
+                  scaling: float) -> dict[str, Callable[..., torch.Tensor]]:
+    """For each weight the adapters ``full`` (tnlg's full factors) change: a function ``delta(shape, spec=None,
+    tp_rank=0)`` of the weight's full shape giving ``scaling * B A`` (float64) in tnlg's layout (the fused QKV's
+    parts per head, key/value per group, the gate/up pair stacked; a part without an adapter adds nothing); with
+    ``spec`` (the weight's :class:`~tnlg.parallel.sharding.ShardSpec`) only TP rank ``tp_rank``'s shard of it,
+    computed from that rank's rows of ``B`` (or, split by input columns, its columns of ``A``), never the whole
+    delta. What :func:`merged_weights` (a checkpoint's full weights) and :func:`merge_peft_adapter` (a loaded
+    model's shards) add.
+
+    Every layout is one product: the parts' ``A`` stacked ``[P r, in]``, and ``B`` laid out as the weight's rows
+    ``[*shape[:-1], P r]``, part ``i``'s rows holding its ``B`` in columns ``i r .. (i + 1) r`` and zeros elsewhere
+    (exact zeros: each row is its own part's ``B A``)."""
     slots = _layer_slots(cfg, layout)
     layers: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
@@ -360,24 +378,36 @@ def weight_deltas(full: dict[str, torch.Tensor], cfg: GPTConfig, layout: str,
         layers.setdefault(site, {})[index] = (full[name], full[name[:-len(f"lora_A_{part}")] + f"lora_B_{part}"])
         counts[site] = count
 
-    def delta_of(site: str) -> Callable[[tuple], torch.Tensor]:
+    def b_rows(site: str, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B laid out as the weight's rows [*shape[:-1], P r], A stacked [P r, in])``, float64."""
         parts, count = layers[site], counts[site]
-
-        def delta(shape: tuple) -> torch.Tensor:
-            shape = tuple(shape)
-            deltas = {i: scaling * (b.double() @ a.double()) for i, (a, b) in parts.items()}
-            if count == 1:
-                return deltas[0].reshape(shape)
+        present = sorted(parts)
+        r = parts[present[0]][0].shape[0]
+        a = torch.cat([parts[i][0].double() for i in present])
+        if count == 1:
+            return parts[0][1].double().reshape(*shape[:-1], r), a
+        rows = torch.zeros(*shape[:-1], len(present) * r, dtype=torch.float64)
+        for j, i in enumerate(present):
+            b, cols = parts[i][1].double(), slice(j * r, (j + 1) * r)
             if site.endswith("mlp.c_fc.weight"):  # [2, f, in]: gate, up
-                zero = torch.zeros(shape[1:], dtype=torch.float64)
-                return torch.stack([deltas.get(i, zero) for i in range(2)])
-            if len(shape) == 4:  # [G, 2, d, in]: key, value per group
-                g, _, d, n = shape
-                return torch.stack([deltas.get(i, torch.zeros(g * d, n, dtype=torch.float64)).view(g, d, n)
-                                    for i in range(2)], dim=1)
-            d, n = cfg.head_dim, shape[1]  # [H 3 d, in]: q, k, v per head
-            return torch.stack([deltas.get(i, torch.zeros(shape[0] // 3, n, dtype=torch.float64)).view(-1, d, n)
-                                for i in range(3)], dim=1).reshape(shape)
+                rows[i, :, cols] = b
+            elif len(shape) == 4:  # [G, 2, d, in]: key, value per group
+                rows[:, i, :, cols] = b.view(shape[0], shape[2], r)
+            else:  # [H 3 d, in]: q, k, v per head
+                rows.view(-1, 3, cfg.head_dim, len(present) * r)[:, i, :, cols] = b.view(-1, cfg.head_dim, r)
+        return rows, a
+
+    def delta_of(site: str) -> Callable[..., torch.Tensor]:
+        def delta(shape: tuple, spec=None, tp_rank: int = 0) -> torch.Tensor:
+            shape = tuple(shape)
+            rows, a = b_rows(site, shape)
+            if spec is not None and spec.dim is not None:  # this rank's rows of B, or its input columns of A
+                start, size = spec.start(tp_rank), spec.sizes[tp_rank]
+                if spec.dim == len(shape) - 1:
+                    a = a.narrow(1, start, size)
+                else:
+                    rows = rows.narrow(spec.dim, start, size)
+            return scaling * (rows @ a)
         return delta
 
     return {site: delta_of(site) for site in layers}
@@ -418,11 +448,12 @@ def check_adapter_fits(cfg: GPTConfig, path: str, recorded: Optional[str] = None
 @torch.no_grad()
 def merge_peft_adapter(model, path: str, recorded: Optional[str] = None) -> dict:
     """Merge PEFT's adapter folder ``path`` into ``model``'s weights in place (a :class:`tnlg.GPT` or a pipeline
-    stage at any TP: each rank adds its shard of ``scaling * B A`` to its shard of each adapted weight, in float64,
-    then back to the weight's dtype; a stage the layers it holds). No collectives. Returns the folder's settings
+    stage at any TP: each rank adds its shard of ``scaling * B A``, computed from its slice of the factors alone, to
+    its shard of each adapted weight, in float64, then back to the weight's dtype; a stage the layers it holds). No
+    collectives. Returns the folder's settings
     (:func:`read_peft_folder`). A folder that does not fit the model is refused in one paragraph
     (:func:`check_adapter_fits`; the launching process runs it first)."""
-    from ..parallel.sharding import ShardSpec, shard_of
+    from ..parallel.sharding import ShardSpec
     cfg = model.config
     check_adapter_fits(cfg, path, recorded)
     conf, full = read_peft_folder(path, cfg, layout_of(cfg, recorded))
@@ -432,7 +463,8 @@ def merge_peft_adapter(model, path: str, recorded: Optional[str] = None) -> dict
         p = params.get(site)
         if p is None:  # another pipeline stage's layer
             continue
-        local = shard_of(delta(ShardSpec.of(p).shape), p, model.ps.tp_rank).to(p.device)
+        spec = ShardSpec.of(p)  # this rank's shard of the delta only (B's rows or A's columns it needs)
+        local = delta(spec.shape, spec, model.ps.tp_rank).to(p.device)
         p.copy_((p.double() + local).to(p.dtype))
     return conf
 

@@ -75,6 +75,7 @@ class Options:
         """The checks across components, the layout on ``world_size`` processes (when known), and the
         files the run will read."""
         par, prec = self.parallel, self.precision
+        self.check_adapters()  # (first: LoRA with DeepSpeed is refused by name, installed or not)
         if par.zero_impl == "deepspeed":
             from ..optim.deepspeed_engine import check_deepspeed_options
             check_deepspeed_options(par.zero_stage, fp16=prec.fp16)  # installed, stage 1-3, no --fp16
@@ -89,7 +90,6 @@ class Options:
             raise UserError(str(exc)) from None
         check_context_parallel_options(self)
         check_expert_options(self)
-        self.check_adapters()
         self.check_layout(world_size)
         self.data.check_files()
         self.checkpoint.check_load()

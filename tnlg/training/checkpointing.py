@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .. import checkpoint as ckpt
 from ..checkpoint.files import check_files, lock_root, no_weights
@@ -50,7 +50,14 @@ def check_resume(o: Options) -> None:
         return
     meta = ckpt.read_meta(iter_dir)
     tokenizer = load_tokenizer(o.data.tokenizer_path())
-    check_compatible(meta, iter_dir, model_config(o, tokenizer.vocab_size), None if weights_only else o, tokenizer,
+    cfg = model_config(o, tokenizer.vocab_size)
+    if weights_only:
+        ckpt.Manifest.of(meta).check_holds_weights(f"{origin} {iter_dir!r}")
+    else:  # an adapter run resumed as one, on its own base (its identity), with its settings
+        from .adapter_checkpoint import check_adapter_resume, planned_record
+        check_adapter_resume(ckpt.Manifest.of(meta), iter_dir, planned_record(o, cfg) if o.adapters.enabled else None,
+                             cfg)
+    check_compatible(meta, iter_dir, cfg, None if weights_only else o, tokenizer,
                      origin, () if weights_only else MUST_MATCH, weights_only=weights_only)
     check_files(iter_dir, meta, ("model",) if weights_only else ("model", "optim", "rng"))
 
@@ -88,6 +95,7 @@ class Checkpointer:
         self._state = dict(model=model, engine=engine, ps=ps, config=config, options=o, tokenizer=tokenizer)
         self._lock = None
         self._steps_before_moments = 0  # LR schedule steps taken before Adam's moments began (a converted model)
+        self._adapters: Optional[Any] = None  # an adapter run's AdapterRun (.adapter_checkpoint), once needed
 
     @property
     def schedule_steps(self) -> int:
@@ -122,15 +130,22 @@ class Checkpointer:
 
     def resume(self) -> tuple[int, int]:
         """``(iteration, consumed samples)`` of the checkpoint loaded into the model and engine: ``--load``,
-        else ``--save`` when it holds one (elastic restarts rely on it); ``(0, 0)`` from scratch.
+        else ``--save`` when it holds one (elastic restarts rely on it); ``(0, 0)`` from scratch. An adapter
+        run reads its base when its model is built: it loads its own checkpoint only (the adapters and the run's
+        state, :mod:`.adapter_checkpoint`), after checking its base and settings are the checkpoint's.
 
         Collective on every rank alike: rank 0 decides whether and what to load (no rank looks at the
         folder on its own first, see :func:`tnlg.checkpoint.load`)."""
         load_dir, origin, weights_only = source(self.o)
-        if self.o.adapters.enabled:  # the base was read into the model when it was built
-            return self._resume_adapters(load_dir, weights_only)
+        if self.o.adapters.enabled and weights_only:  # a new adapter run: its base was read into the model
+            self._adapter_run()  # (the base's identity, as the run read it)
+            self.claim_save_root()
+            self.log(f"fine-tuning adapters on the frozen weights of {load_dir}: iteration 0, a new optimizer")
+            return 0, 0
+        if load_dir and not weights_only:
+            self._check_adapters(load_dir, origin)
         state = ckpt.load(load_dir, origin=origin, missing_ok=origin == "--save", must_match=MUST_MATCH,
-                          weights_only=weights_only, **self._state) if load_dir else None
+                          weights_only=weights_only, **self._states()) if load_dir else None
         self.claim_save_root()
         if state is None:
             return 0, 0
@@ -142,25 +157,42 @@ class Checkpointer:
         self.log(f"resumed from {state['path']} at iteration {iteration} ({consumed} samples consumed)")
         return iteration, consumed
 
-    def _resume_adapters(self, load_dir: Optional[str], weights_only: bool) -> tuple[int, int]:
-        if not weights_only:
-            raise agreed(UserError(f"{load_dir!r} holds a checkpoint of this run, and resuming an adapter run (its "
-                                   "optimizer moments and data position) is not built yet. Start again with a new "
-                                   "--save; the adapters saved so far are in SAVE/adapter (--load-adapter reads "
-                                   "them)."))
-        self.claim_save_root()
-        self.log(f"fine-tuning adapters on the frozen weights of {load_dir}: iteration 0, a new optimizer")
-        return 0, 0
+    def _adapter_run(self):
+        """The adapters' view of the model, their record and settings (an adapter run's; built once)."""
+        from .adapter_checkpoint import AdapterRun
+        if self._adapters is None:
+            self._adapters = AdapterRun.of(self._state["model"], self.o, self._state["config"])
+        return self._adapters
+
+    def _states(self) -> dict:
+        """What :func:`tnlg.checkpoint.save` and :func:`~tnlg.checkpoint.load` are given: the run's model, engine
+        and options; an adapter run's model as its adapters' view (the checkpoint's parameters are the adapters)."""
+        if not self.o.adapters.enabled:
+            return self._state
+        return dict(self._state, model=self._adapter_run().view)
+
+    def _check_adapters(self, load_dir: str, origin: str) -> None:
+        """Rank 0 checks that the checkpoint a resume loads is of this kind of run, and for an adapter run of its
+        base and settings (:func:`.adapter_checkpoint.check_adapter_resume`); every rank raises its finding.
+        Collective (one broadcast)."""
+        from .adapter_checkpoint import check_adapter_resume
+        error = None
+        if self.ps.rank == 0:
+            try:
+                iter_dir = ckpt.resolve(load_dir, origin) if os.path.isdir(load_dir) else None
+                if iter_dir is not None:  # (a broken folder: the load's own checks say what is wrong)
+                    planned = self._adapter_run().record if self.o.adapters.enabled else None
+                    check_adapter_resume(ckpt.Manifest.read(iter_dir), iter_dir, planned, self._state["config"])
+            except UserError as exc:
+                error = str(exc)
+        error = from_rank0(error)
+        if error is not None:
+            raise agreed(UserError(error))
 
     def _save_adapters(self, save: str) -> str:
-        from .adapters import save_adapters, settings_of
-        model, config = self._state["model"], self._state["config"]
-        settings = getattr(self, "_adapter_settings", None)
-        if settings is None:  # (the folder's own with --load-adapter)
-            wrapped = [m for m in model.modules() if hasattr(m, "base_layer")]
-            settings = wrapped[0].settings if self.o.adapters.lora_rank is None else settings_of(self.o, config)
-            self._adapter_settings = settings
-        return save_adapters(model, save, settings, self.o.checkpoint.load)
+        """PEFT's folder of the adapters as ``SAVE/adapter`` (:func:`.adapters.save_adapters`); collective."""
+        from .adapters import save_adapters
+        return save_adapters(self._state["model"], save, self._adapter_run().settings, self.o.checkpoint.load)
 
     def after_step(self, iteration: int, consumed: int, last: bool) -> Optional[dict]:
         """Save when due (the interval, the last iteration, a stop signal, ``--exit-interval``); return how the
@@ -174,17 +206,19 @@ class Checkpointer:
         save = c.save
         saving = bool(save) and bool((c.save_interval and iteration % c.save_interval == 0) or last or signum
                                      or exiting)
-        if saving and save and self.o.adapters.enabled:
-            self.log(f"saved the adapters at iteration {iteration} to {self._save_adapters(save)}")
-        elif saving and save:
-            try:
+        adapters = self.o.adapters.enabled
+        if saving and save:
+            try:  # (an adapter run: the adapters and the run's state, its base named by the record)
                 ckpt.save(save, iteration=iteration, consumed_samples=consumed, keep_last=c.keep_last,
-                          schedule_steps=self.schedule_steps, **self._state)
+                          schedule_steps=self.schedule_steps, adapters=self._adapter_run().record if adapters else None,
+                          **self._states())
             except ckpt.NonFiniteParameters as exc:  # every rank alike: the loop stops as on a NaN loss
                 raise TrainingDiverged(f"the model's parameters are not finite after iteration {iteration}: {exc}. "
                                        "Lower --lr, raise --lr-warmup-iters, or check the data (or the "
                                        "checkpoint this run started from).") from None
             self.log(f"saved checkpoint at iteration {iteration} to {c.save}")
+            if adapters:
+                self.log(f"saved the adapters at iteration {iteration} to {self._save_adapters(save)}")
         if exiting:
             return dict(exit_interval=c.exit_interval, iteration=iteration, saved=saving)
         if not signum:

@@ -82,6 +82,7 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 _RING = {"allreduce": lambda n: 2 * (n - 1) / n, "reducescatter": lambda n: (n - 1) / n,
          "allgather": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n,
          "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a hop: its send
+Lora = tuple  # (rank, targets): a LoRA run's adapters, targets by PEFT's names (None: the family's default)
 
 
 def check_layout(config: GPTConfig, tp: int, dp: int, zero_stage: int, precision: str, gpu_name: str,
@@ -312,18 +313,21 @@ def _sync_norm_and_step(tracker, engine, ps, clip_grad: float) -> None:
 def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precision: str = "bf16",
              micro_batch: int = 1, accum: int = 1, grads_fp32: bool = False, gpu: str = "h100",
              bucket_size_mb: float = 25.0, clip_grad: float = 1.0, gpu_kernels: bool = True, cp: int = 1,
-             ep: int = 1) -> dict:
+             ep: int = 1, lora: Optional[Lora] = None) -> dict:
     """Simulate one iteration of rank 0 (see the module docstring); a dict of phases and the prediction.
     ``gpu_kernels=False`` keeps the CPU's attention and dropout kernels (to compare with a real CPU run).
     ``cp``: context-parallel ranks; rank 0 runs its two chunks of each sequence (``s / cp`` positions)
     through the ring attention, whose sends and receives go to the fake group (counted as ``cp`` traffic).
-    ``ep``: expert-parallel ranks of a mixture of experts, routed evenly (:func:`even_routing`); no save at EP > 1."""
+    ``ep``: expert-parallel ranks of a mixture of experts, routed evenly (:func:`even_routing`); no save at EP > 1.
+    ``lora``: ``(rank, targets)``, the step of a LoRA fine-tuning run (:func:`tracked_iteration`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     g = check_layout(config, tp, dp, zero_stage, precision, gpu, micro_batch, accum, cp=cp)
     from ..plan.experts import check_expert_layout
     check_expert_layout(config, ep, dp * cp, zero_stage)
     layout = dict(tp=tp, cp=cp, dp=dp, zero_stage=zero_stage, precision=precision, micro_batch=micro_batch, accum=accum,
                   grads_fp32=grads_fp32, bucket_size_mb=bucket_size_mb, ep=ep)
+    if lora is not None:
+        layout.update(lora_rank=lora[0], lora_targets=list(lora[1] or ()))
     started = time.perf_counter()
     host_copies: list[int] = []
     with _fake_world(tp, dp, cp, ep) as ps, FakeTensorMode(allow_non_fake_inputs=True), \
@@ -334,18 +338,23 @@ def simulate(config: GPTConfig, tp: int, dp: int, *, zero_stage: int = 1, precis
         tracker, memory = tracked_iteration(config, ps, zero_stage=zero_stage, precision=precision,
                                             micro_batch=micro_batch, accum=accum, grads_fp32=grads_fp32,
                                             bucket_size_mb=bucket_size_mb, clip_grad=clip_grad,
-                                            save_dir=save_dir if ep == 1 else None)
+                                            save_dir=save_dir if ep == 1 else None, lora=lora)
     return _report(config, tracker, g, layout, memory, time.perf_counter() - started, host_copies)
 
 
 def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str, micro_batch: int, accum: int,
                       grads_fp32: bool = False, bucket_size_mb: float = 25.0,
-                      clip_grad: float = 1.0, save_dir: Optional[str] = None) -> tuple[StepTracker, dict]:
+                      clip_grad: float = 1.0, save_dir: Optional[str] = None,
+                      lora: Optional[Lora] = None) -> tuple[StepTracker, dict]:
     """One iteration of tnlg's code on ``ps`` under a :class:`StepTracker`, phase by phase (module
     docstring), and with ``save_dir`` a checkpoint of it saved there; real or fake tensors alike.
     Returns the tracker and the engine's memory report. With context parallelism (``ps.cp_size > 1``) the
     micro batches are this CP rank's ``s / C`` positions and the engine reduces over DP x CP
-    (``ps.for_gradients()``), as ``tnlg pretrain`` builds it."""
+    (``ps.for_gradients()``), as ``tnlg pretrain`` builds it. ``lora``: ``(rank, targets)`` (PEFT's names;
+    ``None`` targets: PEFT's default for the family): the base built as ``tnlg finetune --lora-rank`` builds it
+    (:func:`tnlg.training.adapters.frozen_base`: on the device, in the 16-bit dtype; its initial weights stand for
+    the checkpoint's), frozen, with rank-``rank`` adapters, the engine holding the adapters alone; the frozen
+    weights are counted as ``parameters`` and in the report's ``frozen_bytes``."""
     from ..model import GPT
     from ..optim import build_engine
     from .step import forward_loss
@@ -355,10 +364,13 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
                            ps.edp_group: "edp"})
     with tracker:
         with tracker.phase("setup"):
-            engine = build_engine(GPT(config, ps, device="meta"), grad_ps, zero_stage, grad_accum_steps=micro_steps,
+            model = GPT(config, ps, device="meta") if lora is None else _adapted(config, ps, dtype, lora)
+            engine = build_engine(model, grad_ps, zero_stage, grad_accum_steps=micro_steps,
                                   param_dtype=dtype, accumulate_grads_in_fp32=grads_fp32,
                                   bucket_size_mb=bucket_size_mb, clip_grad=clip_grad)
         _register_engine(tracker, engine)
+        frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+        tracker.register(frozen, "parameters")
         engine.zero_grad()
         for i in range(micro_steps):
             tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length // ps.cp_size),
@@ -374,11 +386,31 @@ def tracked_iteration(config: GPTConfig, ps, *, zero_stage: int, precision: str,
         if save_dir is not None:
             from ..checkpoint.saving import save
             with tracker.phase("save"):
-                save(save_dir, iteration=1, consumed_samples=micro_batch * accum * ps.dp_size, model=engine.model,
+                save(save_dir, iteration=1, consumed_samples=micro_batch * accum * ps.dp_size,
+                     model=engine.model if lora is None else _adapter_view(engine.model, config, ps, lora),
                      engine=engine, ps=grad_ps, config=config)
         memory = engine.memory_report()
+        if lora is not None:
+            memory["frozen_bytes"] = sum(p.numel() * p.element_size() for p in frozen)
+        del frozen
         engine.close()
     return tracker, memory
+
+
+def _adapted(config: GPTConfig, ps, dtype, lora: Lora):
+    """The frozen base and its adapters, as an adapter run builds them (:func:`tracked_iteration`)."""
+    from ..adapters.lora import LoraSettings
+    from ..interop.peft import add_lora
+    from .adapters import frozen_base
+    model = frozen_base(config, ps, [range(config.num_layers)], dtype)
+    add_lora(model, LoraSettings(lora[0]), lora[1])
+    return model
+
+
+def _adapter_view(model, config: GPTConfig, ps, lora: Lora):
+    """The model as an adapter run's checkpoint sees it (its adapters alone)."""
+    from .adapter_checkpoint import CheckpointView, adapter_layout, targets_of
+    return CheckpointView(model, adapter_layout(config, ps.tp_size, lora[0], targets_of(model)))
 
 
 def _comm_time(op, group_size: int, gbps: float) -> float:
@@ -444,7 +476,14 @@ def _report(config: GPTConfig, tracker: StepTracker, g: GPU, layout: dict, memor
         if layout.get("ep", 1) > 1:
             notes.append(f"EP {layout['ep']}: the checkpoint save is not simulated (tnlg does not save EP > 1 "
                          "checkpoints yet); the all-to-all counts' exchange is not run (even routing knows them)")
-    return dict(layout=layout, gpu=g.name, phases=phases, peak_bytes=peak, ops=[ph.ops for ph in tracker.phases],
+    if "lora_rank" in layout:
+        notes.append("LoRA: a frozen base (its initial weights standing for the checkpoint's) and the adapters in "
+                     "the engine; MFU counts full training's model FLOPs")
+    # the model states as allocated: what lives when the first forward starts (a frozen base's weights included)
+    first = next(p for p in phases if p["name"].startswith("forward"))
+    states = sum(first["live_start"].get(k, 0) for k in ("parameters", "gradients", "master", "adam"))
+    return dict(layout=layout, gpu=g.name, phases=phases, peak_bytes=peak, model_state_bytes=states,
+                ops=[ph.ops for ph in tracker.phases],
                 peak_phase=max((p for p in phases if p["name"] != "setup"), key=lambda p: p["peak_bytes"])["name"],
                 model_states=memory, step_time_s=step, tokens_per_rank=tokens,
                 model_flops_per_rank=model_flops, mfu=model_flops / (step * g.flops_16bit) if step else None,
