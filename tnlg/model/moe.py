@@ -323,11 +323,14 @@ class MoELayer(nn.Module):
         sp = ctx.sequence_parallel and ps.tp_size > 1
         weight = copy_to_tp(self.router.weight, ps) if sp else self.router.weight
         logits = F.linear(x, weight)
+        # the tokens in the dtype the experts compute in (under autocast its 16-bit one, as the dense MLP's
+        # column layer casts before its collective): the gather and the all-to-all move half an fp32's bytes
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         if sp:
             logits = gather_sequence_replicated(logits, ps, ctx.sp)
-            tokens = gather_from_sequence_parallel(x, ps, ctx.sp)
+            tokens = gather_from_sequence_parallel(x.to(dt), ps, ctx.sp)
         else:
-            tokens = copy_to_tp(x, ps)
+            tokens = copy_to_tp(x.to(dt), ps)
         s, b = logits.shape[:2]
         weights, rmap = self._route(logits, ctx)
         weights = copy_to_tp(weights, ps)  # (their gradient is a partial sum on each TP rank)

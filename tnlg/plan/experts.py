@@ -25,17 +25,16 @@ the largest TP rank holds ``f_r``, ``mats`` 2 with SwiGLU and 1 with GELU, ``L_m
   Per token the router's top-k indices and the softmax of the top-k logits (``12 k``, fp32); with the
   load-balancing loss the fp32 scores of every expert (``4 E``), with the z-loss the logits (``2 E``); the shared
   expert as a dense MLP of its width (and its gate's output). fp32 activations double the 2-byte terms. For a
-  moment the dispatch also holds the copies of the tokens as the norm returns them (fp32 under autocast) before
-  and after the all-to-all (one tensor at EP 1) and regrouped by expert, ``12 h`` bytes per copy (``8 h`` at EP
-  1; :func:`moe_dispatch_bytes`): the forward's peak is the larger of that and the logits outside the layers;
+  moment the dispatch also holds the copies of the tokens (in the autocast dtype, which the layer casts them to
+  first) before and after the all-to-all (one tensor at EP 1) and regrouped by expert, ``6 h`` bytes per copy
+  in 16-bit training (``4 h`` at EP 1; fp32 twice that; :func:`moe_dispatch_bytes`): the forward's peak is the larger of that and the logits outside the layers;
   with full recomputation it adds to the recomputed layer.
 * **All-to-all** (EP > 1; :func:`all_to_all_traffic`): per MoE layer and micro batch the dispatch and the combine
   each send ``T k h`` elements from a rank, ``(EP - 1) / EP`` of them to other ranks (even routing), once in
   forward and once (their gradients) in backward; full recomputation runs the forward's two again. ``T = s b /
-  CP``. tnlg dispatches the normalised tokens as the norm returns them, in fp32 under autocast (the experts cast
-  them to 16-bit after the all-to-all), and combines the experts' 16-bit outputs: ``(4 + 2) T k h`` bytes each
-  way in 16-bit training (:data:`DISPATCH_BYTES`; megatron-core dispatches 16-bit tokens: ``(2 + 2) T k h``),
-  ``(4 + 4) T k h`` in fp32. The time is these bytes at the intra-node bandwidth when the EP group (``TP x EP``
+  CP``. tnlg dispatches the tokens in the autocast dtype (cast before the TP gather, as the dense MLP's column
+  layer) and combines the experts' outputs in it: ``(2 + 2) T k h`` bytes each way in 16-bit training
+  (:data:`DISPATCH_BYTES`; as megatron-core), ``(4 + 4) T k h`` in fp32. The time is these bytes at the intra-node bandwidth when the EP group (``TP x EP``
   consecutive ranks) fits in a node, else the inter-node one, not overlapped. The counts' own all-to-all (``E``
   integers) is not counted.
 """
@@ -54,12 +53,12 @@ __all__ = ["check_expert_layout", "expert_split", "routed_copies", "moe_activati
 
 EXPERT_FORMULA = ("experts: Psi_expert = L_moe (E/EP) (mats+1) f_r h per rank, gradients and optimizer states "
                   "partitioned over the expert-data-parallel ranks DP x CP / EP; the dense rest over DP x CP")
-ALL_TO_ALL_FORMULA = ("all-to-all per MoE layer and micro batch: dispatch (fp32 tokens, as the norm returns them "
-                      "under autocast) + combine (16-bit outputs), forward and backward (+ forward again with full "
+ALL_TO_ALL_FORMULA = ("all-to-all per MoE layer and micro batch: dispatch (the tokens in the autocast dtype) + combine "
+                      "(the experts' outputs in it), forward and backward (+ forward again with full "
                       "recomputation), T k h x bytes x (EP-1)/EP each, T = s b / CP; even routing")
-# bytes per element of what a rank sends, by precision: (dispatch: the tokens as the norm returns them, fp32 under
-# autocast; combine: the experts' outputs, in the autocast dtype)
-DISPATCH_BYTES = {"fp16": (4, 2), "bf16": (4, 2), "fp32": (4, 4)}
+# bytes per element of what a rank sends, by precision: (dispatch: the tokens, cast to the autocast dtype before
+# the TP gather; combine: the experts' outputs, in the autocast dtype)
+DISPATCH_BYTES = {"fp16": (2, 2), "bf16": (2, 2), "fp32": (4, 4)}
 
 
 def check_expert_layout(config: Optional[GPTConfig], ep: int, gradient_ranks: int, zero_stage: int) -> None:
@@ -148,11 +147,11 @@ def moe_activation_bytes(config: GPTConfig, tp: int, tokens: int, precision: str
     return {"copies": copies, "routed": routed, "router": router, "shared": shared, "total": routed + router + shared}
 
 
-def moe_dispatch_bytes(config: GPTConfig, tokens: int, ep: int) -> int:
+def moe_dispatch_bytes(config: GPTConfig, tokens: int, ep: int, precision: str = "bf16") -> int:
     """What a MoE layer's dispatch holds for a moment in forward beyond what it keeps (module docstring): the
-    routed copies of the tokens as the norm returns them (fp32 under autocast, :data:`DISPATCH_BYTES`) before the
-    all-to-all, after it (EP > 1) and regrouped by local expert, ``4 h`` bytes each per copy."""
-    return routed_copies(config, tokens) * config.hidden_size * DISPATCH_BYTES["bf16"][0] * (3 if ep > 1 else 2)
+    routed copies of the tokens (in the autocast dtype, :data:`DISPATCH_BYTES`) before the all-to-all, after it
+    (EP > 1) and regrouped by local expert, ``2 h`` bytes each per copy in 16-bit training, ``4 h`` in fp32."""
+    return routed_copies(config, tokens) * config.hidden_size * DISPATCH_BYTES[precision][0] * (3 if ep > 1 else 2)
 
 
 def all_to_all_traffic(config: GPTConfig, tp: int, ep: int, cp: int, micro_batch: int, micro_batches: int,

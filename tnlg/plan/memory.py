@@ -261,7 +261,7 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     outside = (3 if hidden_masks else 2) * s_r * b * h * scale + 4 * s * b * config.padded_vocab_size(tp) / tp
     # a MoE layer's dispatch holds its tokens' copies a moment (.experts.moe_dispatch_bytes): beyond the logits
     # outside the layers (the forward's last peak), or on top of the layer a full recomputation runs again
-    moe_working = moe_dispatch_bytes(config, s * b, ep) if moe else 0
+    moe_working = moe_dispatch_bytes(config, s * b, ep, precision) if moe else 0
     transient = moe_working if granularity == "full" else max(moe_working - outside, 0)
     return {"per_layer": round(per_layer), "attention_core": round(core), "layers": round(layers),
             "recompute_working": round(working), "outside": round(outside),
