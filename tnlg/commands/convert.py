@@ -19,7 +19,7 @@
   a Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
   iteration and LR-schedule position, and with ``--with-optimizer`` its Adam state
   (:mod:`tnlg.interop.megatron.importer`); written at PP 1, it loads at any ``--pp`` by name.
-* ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M]``: a
+* ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M] [--ep E]``: a
   checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md), from a tnlg
   checkpoint saved at any TP x PP.
 * ``tnlg checkpoint info CKPT [--json] [--verify]``: iteration, layout, config, sizes (``--verify``: every file
@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  tnlg convert --from CKPT --to CKPT2 --tensor-model-parallel-size N\n"
         "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] "
         "[--with-optimizer]\n"
-        "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M]\n"
+        "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M] "
+        "[--ep E]\n"
         "  tnlg convert --from CKPT --merge-lora ADAPTER_DIR --to CKPT2 [--tp N] | --to hf HF_DIR\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")

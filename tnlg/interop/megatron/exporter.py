@@ -7,7 +7,9 @@ reads them) and no optimizer or RNG state (load with ``--no-load-optim --no-load
 ``--finetune``). Names are megatron-core's: the local spec's in legacy files, the ``torch_dist``
 keys (valid for the local and Transformer Engine specs) in ``torch_dist``. The vocabulary is
 padded as Megatron pads it at ``tp`` (a multiple of ``make_vocab_size_divisible_by * tp``), the
-padded rows zeros. The source may be saved at any TP x PP: each tensor is read by name from the files
+padded rows zeros. A mixture of experts is written as legacy files only, its experts split over ``ep``
+expert-parallel ranks (``mp_rank_TT[_PPP]_EEE``, megatron-core's ``SequentialMLP`` names). The source may be saved
+at any TP x PP: each tensor is read by name from the files
 the manifest names for it (a pipeline run's stage files; the last stage's tied copy of the embedding
 is not stored, and a tied head is written from the embedding).
 

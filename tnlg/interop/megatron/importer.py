@@ -2,7 +2,8 @@
 
 The source is a checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``; ``release``
 too) or one iteration folder, in ``torch_dist`` (:mod:`.torch_dist`) or legacy per-rank
-(:mod:`.legacy`) format, at any TP x PP. The architecture comes from the saved args
+(:mod:`.legacy`) format, at any TP x PP (a mixture of experts: legacy files at any TP x PP x EP, the experts
+joined into tnlg's ``[E, ...]`` tensors; :mod:`.names`). The architecture comes from the saved args
 (:mod:`.args`); everything is validated (args, every rank file, every tensor's presence and
 shape) before the destination is created. Then each tnlg TP rank's file is streamed one tensor
 at a time: a tensor is assembled from the Megatron shards or chunks that hold it, its padded
