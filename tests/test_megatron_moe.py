@@ -79,8 +79,9 @@ def test_import_reads_the_experts_config(runs):
     cfg = model.config
     assert (cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size,
             cfg.moe_shared_expert_gate, cfg.moe_layer_freq, cfg.moe_aux_loss_coeff) == (4, 2, 48, 40, True, [1, 0], 0.01)
-    assert runs["gpt-tp2"][3]["sequential"] and load_for_inference(runs["gpt-tp2"][3]["sequential"])[0] \
-        .config.moe_router_pre_softmax
+    gpt = load_for_inference(runs["gpt-tp2"][3]["sequential"])[0].config
+    assert (gpt.moe_router_pre_softmax, gpt.normalization, gpt.swiglu, gpt.moe_layer_freq) == (True, "LayerNorm", False,
+                                                                                              None)
 
 
 # (run, Megatron TP, EP of the export): each at another layout than the one it was saved at
