@@ -107,7 +107,7 @@ def test_missing_args(megatron_ckpts, fmt, tmp_path):
     _refused(src, tmp_path, "no 'num_layers'")
 
 
-@pytest.mark.parametrize("name,value", [("num_experts", 8), ("multi_latent_attention", True), ("squared_relu", True),
+@pytest.mark.parametrize("name,value", [("moe_router_num_groups", 8), ("multi_latent_attention", True), ("squared_relu", True),
                                         ("position_embedding_type", "yarn"), ("normalization", "LayerNorm1p"),
                                         ("rotary_seq_len_interpolation_factor", 4.0)])
 def test_unsupported_architecture_names_the_argument(megatron_ckpts, name, value, tmp_path):

@@ -10,7 +10,7 @@ GPTModel and give the same logits, with the args a Megatron run of those flags s
 (``--with-optimizer``): the Llama run trained by megatron-core's two optimizers at TP 2 and saved in
 every layout tnlg reads imports Megatron's moments bit for bit, and a tnlg step from it is Megatron's
 next step. Bad input: a Megatron export at a TP that does not divide the groups, ``--with-optimizer``
-on a checkpoint without Adam state, and an architecture still unsupported (experts).
+on a checkpoint without Adam state, and a mixture of experts in torch_dist (not read yet).
 """
 
 import os
@@ -230,13 +230,14 @@ def test_a_llama_checkpoint_without_adam_state_is_refused_with_optimizer(runs, t
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_mixture_of_experts_is_refused(runs, tmp_path):
+def test_a_torch_dist_mixture_of_experts_is_refused(runs, tmp_path):
     src = tmp_path / "moe"
     shutil.copytree(runs["tp2"][1] / "torch_dist", src)
     common = src / "iter_0000007" / "common.pt"
     state = torch.load(common, weights_only=False)
     state["args"].num_experts = 4
     torch.save(state, common)
-    with pytest.raises(UserError, match=r"num_experts=4 \(megatron-core's num_moe_experts\), a mixture of experts, which tnlg does not model"):
+    with pytest.raises(UserError, match=r"is a mixture of experts \(num_experts=4\) in the torch_dist format, which "
+                                        r"tnlg does not read yet .* --ckpt-format torch"):
         megatron_to_checkpoint(str(src), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")

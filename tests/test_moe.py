@@ -186,16 +186,17 @@ def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
     tiny_options(2, **moe, pipeline_model_parallel_size=2)
 
 
-def test_moe_models_no_hf_class_computes_and_every_megatron_export_are_refused_by_name():
+def test_moe_models_no_hf_class_computes_and_megatron_exports_without_the_expert_bias_are_refused_by_name():
     from tnlg.errors import UserError
     from tnlg.interop.families import family_of
     from tnlg.interop.megatron.args import args_for
     with pytest.raises(UserError, match="mixture of experts .* has no Hugging Face class.*capacity factor"):
         family_of(_moe_config(moe_expert_capacity_factor=1.0))
     assert family_of(_moe_config(moe_ffn_hidden_size=None)).model_class == "MixtralForCausalLM"
-    cfg = _moe_config()
-    with pytest.raises(UserError, match="Megatron-LM MoE checkpoints"):
-        args_for(cfg, 1, 1, 0)
+    args = args_for(_moe_config(moe_layer_freq=[1, 0]), 1, 1, 0)  # Megatron-LM's arguments of the same names
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_layer_freq) == (4, 2, 16, [1, 0])
+    with pytest.raises(UserError, match="expert bias .* which tnlg checkpoints do not hold yet"):
+        args_for(_moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), 1, 1, 0)
 
 
 def test_the_engine_refuses_expert_parallelism_with_fsdp_by_name():

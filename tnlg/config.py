@@ -353,67 +353,59 @@ class GPTConfig:
         else "be a list of 0 / 1 per layer (or unset)", every="every layer", metavar="0|1",
         help="with --sliding-window: 1 for each layer that slides, 0 for one that attends to every earlier "
         "position (Megatron's --window-attn-skip-freq list)", **MODEL)
-    # ---- mixture of experts (megatron-core's names and semantics; docs/moe.md). Megatron-LM's arguments carry
-    # them, but tnlg writes and reads no Megatron-LM MoE checkpoint yet (refused by name), hence megatron=""
+    # ---- mixture of experts (megatron-core's names and semantics; docs/moe.md): Megatron-LM's arguments of the same
+    # names carry them (tnlg.interop.megatron reads and writes them)
     num_experts: Optional[int] = option(None, check=optional_positive_int, every="none: every MLP is dense",
                                         help="routed experts of each mixture-of-experts layer (a decoder with "
-                                        "experts: Mixtral, Qwen-MoE)", **MODEL, **NO_MEGATRON)
+                                        "experts: Mixtral, Qwen-MoE)", **MODEL)
     moe_router_topk: int = option(2, check=positive_int, help="with --num-experts: experts each token is sent to",
-                                  **MODEL, **NO_MEGATRON)
+                                  **MODEL)
     moe_ffn_hidden_size: Optional[int] = option(None, check=optional_positive_int, every="--ffn-hidden-size",
-                                                help="with --num-experts: each routed expert's MLP width", **MODEL,
-                                                **NO_MEGATRON)
+                                                help="with --num-experts: each routed expert's MLP width", **MODEL)
     moe_shared_expert_intermediate_size: Optional[int] = option(
         None, check=optional_positive_int, every="none", help="with --num-experts: the width of the always-on "
-        "shared expert (the shared experts' widths summed), run on every token beside the routed ones", **MODEL,
-        **NO_MEGATRON)
+        "shared expert (the shared experts' widths summed), run on every token beside the routed ones", **MODEL)
     moe_shared_expert_gate: bool = option(False, check=boolean, help="with a shared expert: scale its output by "
-                                          "sigmoid(x w) per token (Qwen2-MoE's shared_expert_gate)", **MODEL,
-                                          **NO_MEGATRON)
+                                          "sigmoid(x w) per token (Qwen2-MoE's shared_expert_gate)", **MODEL)
     moe_layer_freq: Optional[list[int]] = option(
         None, check=lambda v: None if v is None or (_is_int(v) and v > 0) or (isinstance(v, list) and v and all(
             _is_int(x) and x >= 0 for x in v)) else "be a positive integer N (every N-th layer, from the first, is "
         "a mixture of experts) or a list of 0 / 1 per layer (or unset)", every="1: every layer", metavar="N|0|1",
         help="with --num-experts: which layers are mixtures of experts: one number N, every N-th layer from the "
         "first; or one 0 (dense) / 1 (experts) per layer (Megatron's list form; DeepSeek's first_k_dense_replace, "
-        "Qwen's mlp_only_layers)", **MODEL, **NO_MEGATRON)
+        "Qwen's mlp_only_layers)", **MODEL)
     moe_router_pre_softmax: bool = option(False, check=boolean, help="softmax over all experts before the top-k "
                                           "(the k weights are then not renormalised: Qwen2-MoE's norm_topk_prob "
                                           "false); default: top-k of the logits, then softmax over the k (the "
-                                          "weights sum to 1: Mixtral, Qwen3-MoE)", **MODEL, **NO_MEGATRON)
+                                          "weights sum to 1: Mixtral, Qwen3-MoE)", **MODEL)
     moe_router_score_function: str = option("softmax", check=one_of(*MOE_SCORE_FUNCTIONS),
                                             choices=list(MOE_SCORE_FUNCTIONS), help="the router's score: softmax, "
-                                            "or sigmoid (DeepSeek-V3; the top-k scores renormalised)", **MODEL,
-                                            **NO_MEGATRON)
+                                            "or sigmoid (DeepSeek-V3; the top-k scores renormalised)", **MODEL)
     moe_router_topk_scaling_factor: Optional[float] = option(
-        None, check=optional_positive, every="none (1)", help="multiplies the k routing weights", **MODEL,
-        **NO_MEGATRON)
+        None, check=optional_positive, every="none (1)", help="multiplies the k routing weights", **MODEL)
     moe_router_enable_expert_bias: bool = option(
         False, check=boolean, help="with the sigmoid score: a per-expert bias added to the scores for the top-k "
         "choice only, updated outside the gradient towards balanced loads (DeepSeek-V3's auxiliary-loss-free "
-        "balancing)", **MODEL, **NO_MEGATRON)
+        "balancing)", **MODEL)
     moe_router_bias_update_rate: float = option(1e-3, check=positive, help="with --moe-router-enable-expert-bias: "
-                                                "the bias's step per update", **MODEL, **NO_MEGATRON)
+                                                "the bias's step per update", **MODEL)
     moe_router_load_balancing_type: str = option(
         "aux_loss", check=one_of(*MOE_BALANCING_TYPES), choices=list(MOE_BALANCING_TYPES),
         help="the load-balancing loss: aux_loss (Switch Transformer's, over the micro batch), seq_aux_loss (per "
-        "sequence, averaged), none", **MODEL, **NO_MEGATRON)
+        "sequence, averaged), none", **MODEL)
     moe_aux_loss_coeff: float = option(0.0, check=non_negative, help="the load-balancing loss's coefficient (0: "
-                                       "off)", **MODEL, **NO_MEGATRON)
+                                       "off)", **MODEL)
     moe_z_loss_coeff: Optional[float] = option(None, check=optional_non_negative, every="none: off",
-                                               help="the router z-loss's coefficient (ST-MoE)", **MODEL,
-                                               **NO_MEGATRON)
+                                               help="the router z-loss's coefficient (ST-MoE)", **MODEL)
     moe_expert_capacity_factor: Optional[float] = option(
         None, check=optional_positive, every="none: dropless", help="each expert takes at most ceil(tokens x top-k "
         "/ experts x factor) tokens of a micro batch; the rest of its tokens are dropped (megatron-core's rule)",
-        **MODEL, **NO_MEGATRON)
+        **MODEL)
     moe_pad_expert_input_to_capacity: bool = option(False, check=boolean, help="with a capacity factor: every "
-                                                    "expert runs exactly its capacity of tokens", **MODEL,
-                                                    **NO_MEGATRON)
+                                                    "expert runs exactly its capacity of tokens", **MODEL)
     moe_token_drop_policy: str = option("probs", check=one_of(*MOE_DROP_POLICIES), choices=list(MOE_DROP_POLICIES),
                                         help="with a capacity factor: which tokens an expert keeps: those of the "
-                                        "highest routing weight (probs) or the first ones (position)", **MODEL,
-                                        **NO_MEGATRON)
+                                        "highest routing weight (probs) or the first ones (position)", **MODEL)
 
     def __post_init__(self):
         if isinstance(self.window_layers, tuple):  # (GPT.describe keys its cache by a tuple of the fields)

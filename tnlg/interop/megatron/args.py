@@ -41,7 +41,9 @@ _MEGATRON_DEFAULTS = dict(openai_gelu=False, hidden_dropout=0.1, attention_dropo
 # GPTConfig's architecture fields read otherwise than by their declared argument (config_from_args)
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 _DERIVED = ("vocab_size", "ffn_hidden_size", "max_position_embeddings", "num_query_groups", "layernorm_epsilon", "sliding_window",
-            "window_layers")
+            "window_layers", "moe_layer_freq")
+# GPTConfig's mixture-of-experts fields (read only with num_experts: a dense run saves Megatron's defaults of them)
+_MOE_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name.startswith("moe_"))
 
 # tokenizers whose size Megatron computes from a fixed vocabulary
 _TOKENIZER_SIZES = {"GPT2BPETokenizer": 50257}
@@ -55,6 +57,7 @@ class MegatronLayout:
     padded_vocab_size: int
     iteration: int
     checkpoint_version: float
+    ep: int = 1  # expert_model_parallel_size: the legacy files' split of the experts (mp_rank_TT[_PPP]_EEE)
 
 
 # the saved args' sizes: each a whole number in [1, limit] (a limit no model reaches, which keeps every
@@ -184,7 +187,49 @@ def _declared(args, where: str) -> dict:
         out[f.name] = value
     out["position_embedding_type"] = _position_type(args, where)
     out.update(_rope_scaling(args, where))
+    out.update(_experts(args, where, out))
     return out
+
+
+def _experts(args, where: str, declared: dict) -> dict:
+    """The mixture-of-experts fields of the saved args (docs/moe.md): with ``num_experts`` unset (or 0) a dense
+    model, whose saved MoE arguments (Megatron's defaults) are dropped; else ``moe_layer_freq`` (an integer or a
+    list of 0 / 1 per layer) read here, and the MoE choices tnlg does not compute refused by name. megatron-core's
+    own field ``num_moe_experts``, where saved, must agree with Megatron-LM's ``num_experts``."""
+    core = _arg(args, "num_moe_experts")
+    if core is not None and core != (declared.get("num_experts") or None):
+        raise UserError(f"{where}: the checkpoint's args set num_moe_experts={shown(core)} (megatron-core's field of "
+                        f"a mixture of experts) but num_experts={shown(declared.get('num_experts'))} (Megatron-LM's "
+                        "argument that sets it): the args contradict themselves, which tnlg does not model. Nothing "
+                        "was written.")
+    if not declared.get("num_experts"):
+        return dict({name: dataclasses.fields(GPTConfig)[_FIELD_INDEX[name]].default for name in _MOE_FIELDS},
+                    num_experts=None)
+    kind = declared.get("moe_router_load_balancing_type")
+    if kind not in (None, "aux_loss", "seq_aux_loss", "none"):
+        raise UserError(f"{where}: the checkpoint's args set moe_router_load_balancing_type={shown(kind)}; tnlg "
+                        "computes the aux_loss, seq_aux_loss or none balancing (not sinkhorn, global_aux_loss or "
+                        "a list of several): converted, a training run would balance the experts otherwise. "
+                        "Nothing was written.")
+    if declared.get("moe_router_enable_expert_bias"):
+        raise UserError(f"{where}: the checkpoint's args set moe_router_enable_expert_bias=True: its routers' "
+                        "expert_bias picks each token's experts, and tnlg checkpoints do not hold that bias yet "
+                        "(a converted model would route from a zero bias, another model). Nothing was written.")
+    etp, tp = _arg(args, "expert_tensor_parallel_size"), or_default(_arg(args, "tensor_model_parallel_size"), 1)
+    if etp is not None and etp != tp:
+        raise UserError(f"{where}: the checkpoint's args set expert_tensor_parallel_size={shown(etp)} with "
+                        f"tensor_model_parallel_size={shown(tp)}: tnlg reads experts split over TP as the dense "
+                        "layers (expert_tensor_parallel_size unset or equal to TP). Nothing was written.")
+    freq = _arg(args, "moe_layer_freq")
+    if isinstance(freq, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in freq):
+        return dict(moe_layer_freq=[int(x) for x in freq])
+    if freq is None or (isinstance(freq, int) and not isinstance(freq, bool)):
+        return dict(moe_layer_freq=None if freq in (None, 1) else [freq])
+    raise UserError(f"{where}: the checkpoint's args set moe_layer_freq={shown(freq)}, neither a positive integer "
+                    "nor a list of 0 / 1 per layer. Nothing was written.")
+
+
+_FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(GPTConfig))}
 
 
 # megatron-core's RotaryEmbedding._apply_scaling: Llama 3.1's scaling with these fixed (only the factor is an argument)
@@ -208,11 +253,10 @@ def check_megatron_expressible(cfg: GPTConfig) -> None:
     """One :class:`UserError` when Megatron-LM's arguments cannot carry ``cfg``: a field no Megatron argument
     carries (``megatron=""`` in its declaration) away from its default, except Llama 3.1's rope scaling
     with megatron-core's fixed frequency factors and length (``--use-rope-scaling``)."""
-    if cfg.num_experts is not None:
-        raise UserError(f"the model is a mixture of experts (num_experts={cfg.num_experts}); tnlg does not write "
-                        "Megatron-LM MoE checkpoints yet (their expert weights per EP rank, grouped-GEMM and "
-                        "sequential layouts), and writing the dense layout would lose the experts. Nothing was "
-                        "written.")
+    if cfg.moe_router_enable_expert_bias:
+        raise UserError("the model routes with an expert bias (moe_router_enable_expert_bias), which tnlg checkpoints "
+                        "do not hold yet; a Megatron-LM model loaded from the export would route from a zero bias. "
+                        "Nothing was written.")
     llama3 = cfg.rope_scaling_type == "llama3" and all(getattr(cfg, k) == v for k, v in MEGATRON_LLAMA3.items())
     rope = set(MEGATRON_LLAMA3) | {"rope_scaling_type", "rope_scaling_factor"}
     off = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(GPTConfig)
@@ -248,7 +292,8 @@ def layout_of(args, where: str, checkpoint: dict) -> MegatronLayout:
         raise UserError(f"{where}: checkpoint_version is {shown(version)}, not a number (Megatron-LM writes 0 "
                         "to 3.0); the checkpoint is damaged. Nothing was written.")
     iteration = whole(or_default(checkpoint.get("iteration"), 0), "iteration", where, 0)
-    return MegatronLayout(tp, pp, padded, iteration, float(version))
+    ep = whole(or_default(_arg(args, "expert_model_parallel_size"), 1), "expert_model_parallel_size", where, 1, 1 << 16)
+    return MegatronLayout(tp, pp, padded, iteration, float(version), ep)
 
 
 def config_from_args(args, where: str, vocab_size: Optional[int] = None) -> GPTConfig:
@@ -316,15 +361,19 @@ def _declared_args(cfg: GPTConfig) -> dict:
     out.update(kv_channels=cfg.head_dim, window_size=window, window_attn_skip_freq=cfg.window_layers,
                layernorm_epsilon=cfg.layernorm_epsilon, num_query_groups=cfg.kv_groups,
                use_rotary_position_embeddings=cfg.position_embedding_type == "rope",
-               add_position_embedding=cfg.position_embedding_type == "learned_absolute")
+               add_position_embedding=cfg.position_embedding_type == "learned_absolute",
+               moe_layer_freq=cfg.moe_layer_freq if cfg.moe_layer_freq and len(cfg.moe_layer_freq) > 1 else
+               (cfg.moe_layer_freq or [1])[0])
     return out
 
 
 def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
-             fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None) -> argparse.Namespace:
+             fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None,
+             ep: int = 1) -> argparse.Namespace:
     """The ``args`` a Megatron-LM run needs to rebuild ``cfg`` at TP ``tp`` x PP ``pp`` (what
     ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
-    checkpoint's recorded one, named in Megatron's tokenizer arguments."""
+    checkpoint's recorded one, named in Megatron's tokenizer arguments; ``ep``: the experts' split over EP
+    (``expert_model_parallel_size``)."""
     import torch
     check_megatron_expressible(cfg)
     divisible = cfg.make_vocab_size_divisible_by
@@ -334,7 +383,7 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
         padded_vocab_size=padded_vocab_size(cfg.vocab_size, tp, divisible),
         init_method_std=cfg.init_method_std, seed=cfg.seed,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=1, context_parallel_size=1,
-        num_experts=None, iteration=iteration, consumed_train_samples=consumed_samples, consumed_valid_samples=0,
+        num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=ep, context_parallel_size=1,
+        iteration=iteration, consumed_train_samples=consumed_samples, consumed_valid_samples=0,
         ckpt_format=fmt, use_dist_ckpt=fmt == "torch_dist", params_dtype=params_dtype or torch.float32,
         fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16))

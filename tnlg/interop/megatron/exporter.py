@@ -7,7 +7,9 @@ reads them) and no optimizer or RNG state (load with ``--no-load-optim --no-load
 ``--finetune``). Names are megatron-core's: the local spec's in legacy files, the ``torch_dist``
 keys (valid for the local and Transformer Engine specs) in ``torch_dist``. The vocabulary is
 padded as Megatron pads it at ``tp`` (a multiple of ``make_vocab_size_divisible_by * tp``), the
-padded rows zeros. The source may be saved at any TP x PP: each tensor is read by name from the files
+padded rows zeros. A mixture of experts is written as legacy files only, its experts split over ``ep``
+expert-parallel ranks (``mp_rank_TT[_PPP]_EEE``, megatron-core's ``SequentialMLP`` names). The source may be saved
+at any TP x PP: each tensor is read by name from the files
 the manifest names for it (a pipeline run's stage files; the last stage's tied copy of the embedding
 is not stored, and a tied head is written from the embedding).
 
@@ -32,8 +34,8 @@ from ...errors import UserError
 from ...io import fsync_dir, temporary_name
 from .args import args_for
 from .legacy import local_extra_state, write_rank_files
-from .names import (CORE_LAYER_PREFIX, GLOBAL_ROLES, VOCAB_PARAMS, Role, global_roles, layer_roles, qkv_from_tnlg,
-                    swiglu_shard, tnlg_name)
+from .names import (CORE_LAYER_PREFIX, EXPERT_TAKES, GLOBAL_ROLES, LOCAL_EXTRA_STATE, VOCAB_PARAMS, Role,
+                    global_roles, layer_roles, local_expert_names, qkv_from_tnlg, swiglu_shard, tnlg_name)
 from .torch_dist import TorchDistWriter
 
 __all__ = ["checkpoint_to_megatron", "check_megatron_layout", "FORMATS"]
@@ -68,6 +70,26 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
                         f"sizes: {valid}. Nothing was written.")
 
 
+def _check_experts(cfg: GPTConfig, fmt: str, ep: int) -> None:
+    """A mixture of experts is written in the legacy format, its experts split evenly over ``ep`` ranks; a dense
+    model at EP 1."""
+    if not isinstance(ep, int) or ep < 1:
+        raise UserError(f"--ep must be a positive integer, got {ep!r}.")
+    if cfg.num_experts is None:
+        if ep != 1:
+            raise UserError(f"--ep {ep}: the model has no experts (a dense model is written at EP 1). Nothing was "
+                            "written.")
+        return
+    if fmt != "legacy":
+        raise UserError(f"the model is a mixture of experts (num_experts={cfg.num_experts}); tnlg writes Megatron-LM "
+                        "MoE checkpoints in the legacy per-rank format only (--format legacy; torch_dist's stacked "
+                        "expert tensors are not written yet). Nothing was written.")
+    if cfg.num_experts % ep:
+        valid = divisors(cfg.num_experts)
+        raise UserError(f"--ep {ep}: Megatron-LM splits the {cfg.num_experts} experts evenly over the expert-parallel "
+                        f"ranks; valid sizes: {valid}. Nothing was written.")
+
+
 class _Full:
     """The tnlg checkpoint's full tensors in Megatron's layout, one at a time."""
 
@@ -80,6 +102,8 @@ class _Full:
             q = tnlg_name(role, layer).replace(".c_kv.", ".c_q.")
             return qkv_from_tnlg(self._read(q), self._read(q.replace(".c_q.", ".c_kv.")), self.cfg)
         t = self._read(tnlg_name(role, layer))
+        if role.take == "experts_fc1" and t.dim() == 4:  # SwiGLU experts [E, 2, f, h] -> [E, 2 f, h]
+            return t.flatten(1, 2)
         return t.flatten(0, 1) if role.take == "swiglu" else t  # [2, f, h] -> [gate; up]
 
     def _read(self, name: str) -> torch.Tensor:
@@ -91,8 +115,9 @@ class _Full:
         return t
 
 
-def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -> dict:
-    """One legacy rank's ``model``: the local spec's state dict of TP rank ``t``'s shard of stage ``p``."""
+def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int, e: int = 0, ep: int = 1) -> dict:
+    """One legacy rank's ``model``: the local spec's state dict of TP rank ``t``'s shard of stage ``p`` (with
+    experts: EP rank ``e``'s experts, megatron-core's ``SequentialMLP`` names, :mod:`.names`)."""
     per_stage = cfg.num_layers // pp
 
     def shard(x: torch.Tensor, role: Role) -> torch.Tensor:
@@ -105,10 +130,16 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -
     if p == 0:
         for role in first:
             out[role.core[0]] = shard(full(role, None), role)
+    extra: dict = {}
     for j in range(per_stage):
-        for role in _megatron_layer_roles(cfg):
-            out[f"{CORE_LAYER_PREFIX}{j}.{role.core[0]}"] = shard(full(role, p * per_stage + j), role)
-    out.update(local_extra_state(range(per_stage)))
+        layer = p * per_stage + j
+        for role in _megatron_layer_roles(cfg, layer):
+            if role.take in EXPERT_TAKES:
+                out.update(_expert_state(full(role, layer), role, cfg, j, t, tp, e, ep))
+            else:
+                out[f"{CORE_LAYER_PREFIX}{j}.{role.core[0]}"] = shard(full(role, layer), role)
+        extra.update(local_extra_state([j], _extra_state_names(cfg, layer, ep)))
+    out.update(extra)
     if p == pp - 1:
         for role in last[:(1 if cfg.normalization == "RMSNorm" else 2)]:
             out[role.core[0]] = shard(full(role, None), role)
@@ -116,6 +147,35 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int) -
             out[GLOBAL_ROLES[4].core[0]] = shard(full(GLOBAL_ROLES[4], None), GLOBAL_ROLES[4])
         out["output_layer._extra_state"] = None
     return out
+
+
+def _expert_state(experts: torch.Tensor, role: Role, cfg: GPTConfig, j: int, t: int, tp: int, e: int,
+                  ep: int) -> dict:
+    """EP rank ``e``'s experts of one layer (``experts``: Megatron's full ``[E, 2 f, h]`` / ``[E, h, f]``), TP
+    shard ``t`` of each, under their local indices (``local_experts.<i>``)."""
+    local = experts.shape[0] // ep
+    names = local_expert_names(role, local)
+    out = {}
+    for i, name in enumerate(names):
+        x = experts[e * local + i]
+        if role.take == "experts_fc1":
+            x = swiglu_shard(x, tp, t) if cfg.swiglu else x.chunk(tp, dim=0)[t].clone()
+        else:
+            x = x.chunk(tp, dim=1)[t].clone()
+        out[f"{CORE_LAYER_PREFIX}{j}.{name}"] = x
+    return out
+
+
+def _extra_state_names(cfg: GPTConfig, layer: int, ep: int) -> tuple[str, ...]:
+    """The linear layers of ``layer`` whose ``_extra_state`` the local spec keeps (a mixture of experts: its
+    local experts' and its shared expert's instead of the dense MLP's)."""
+    if not cfg.is_moe_layer(layer):
+        return LOCAL_EXTRA_STATE
+    assert cfg.num_experts is not None
+    experts = tuple(f"mlp.experts.local_experts.{i}.linear_fc{k}" for i in range(cfg.num_experts // ep) for k in (1, 2))
+    shared = (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+              if cfg.moe_shared_expert_intermediate_size is not None else ())
+    return LOCAL_EXTRA_STATE[:2] + experts + shared
 
 
 def _write_torch_dist(iter_dir: str, full: _Full, cfg: GPTConfig, common: dict) -> None:
@@ -132,14 +192,15 @@ def _write_torch_dist(iter_dir: str, full: _Full, cfg: GPTConfig, common: dict) 
     writer.close(common)
 
 
-def _megatron_layer_roles(cfg: GPTConfig) -> list[Role]:
-    """One role per Megatron tensor of a layer (grouped-query attention's c_q and c_kv are one linear_qkv)."""
-    return [r for r in layer_roles(cfg) if r.take != "kv"]
+def _megatron_layer_roles(cfg: GPTConfig, layer: Optional[int] = None) -> list[Role]:
+    """One role per Megatron tensor of ``layer`` (grouped-query attention's c_q and c_kv are one linear_qkv)."""
+    return [r for r in layer_roles(cfg, layer) if r.take != "kv"]
 
 
-def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1) -> str:
+def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1, ep: int = 1) -> str:
     """Write the tnlg checkpoint at ``path`` as a new Megatron-LM checkpoint root ``dst`` (module
-    docstring); returns its iteration folder."""
+    docstring); returns its iteration folder. ``ep``: a mixture of experts' experts split over that many
+    expert-parallel ranks' files (legacy format only)."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: Megatron checkpoints are written as {' or '.join(FORMATS)}.")
     iter_dir = F.resolve(path, "--from")
@@ -150,10 +211,11 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
     F.verify_checksums(iter_dir, manifest, {n for n in manifest.files if n.startswith("model")})
     cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     check_megatron_layout(cfg, tp, pp)
+    _check_experts(cfg, fmt, ep)
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
     dtype = getattr(torch, need(manifest.layout.param_dtype, "layout.param_dtype"))
     iteration = int(need(manifest.iteration, "iteration"))
-    args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer)
+    args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer, ep)
     common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
     full = _Full(iter_dir, manifest, cfg, padded)
     root = os.path.abspath(dst)
@@ -168,7 +230,7 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
             _write_torch_dist(os.path.join(tmp, name), full, cfg, common)
         else:
             write_rank_files(os.path.join(tmp, name), common, tp, pp,
-                             lambda t, p: _rank_state(full, cfg, t, tp, p, pp))
+                             lambda t, p, e: _rank_state(full, cfg, t, tp, p, pp, e, ep), ep)
         with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
         if os.path.isdir(root):

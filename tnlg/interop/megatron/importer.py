@@ -2,7 +2,8 @@
 
 The source is a checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``; ``release``
 too) or one iteration folder, in ``torch_dist`` (:mod:`.torch_dist`) or legacy per-rank
-(:mod:`.legacy`) format, at any TP x PP. The architecture comes from the saved args
+(:mod:`.legacy`) format, at any TP x PP (a mixture of experts: legacy files at any TP x PP x EP, the experts
+joined into tnlg's ``[E, ...]`` tensors; :mod:`.names`). The architecture comes from the saved args
 (:mod:`.args`); everything is validated (args, every rank file, every tensor's presence and
 shape) before the destination is created. Then each tnlg TP rank's file is streamed one tensor
 at a time: a tensor is assembled from the Megatron shards or chunks that hold it, its padded
@@ -86,10 +87,17 @@ def open_megatron(path: str, vocab_size: Optional[int] = None):
     cfg = config_from_args(common["args"], where, vocab_size)
     layout = layout_of(common["args"], where, common)
     source: TorchDistSource | LegacySource
+    if is_torch_dist(iter_dir) and cfg.num_experts is not None:
+        raise UserError(f"{where} is a mixture of experts (num_experts={cfg.num_experts}) in the torch_dist format, "
+                        "which tnlg does not read yet (its experts are stacked per layer under "
+                        "decoder.layers.mlp.experts.experts.*); save it with Megatron-LM's --ckpt-format torch (the "
+                        "legacy per-rank files, which tnlg reads at any TP x PP x EP) and convert that. Nothing was "
+                        "written.")
     if is_torch_dist(iter_dir):
         source = TorchDistSource(iter_dir, layout)
     else:
-        source = LegacySource(iter_dir, common, layout, cfg.num_layers, cfg.num_attention_heads)
+        source = LegacySource(iter_dir, common, layout, cfg.num_layers, cfg.num_attention_heads, cfg.num_experts,
+                              cfg.swiglu)
     stored = source.layers()  # before anything is built for the args' layers
     if stored != cfg.num_layers:
         raise UserError(f"{where}: its args give num_layers={cfg.num_layers} but its files hold {stored or 'no'} "
@@ -104,7 +112,7 @@ def _roles(cfg: GPTConfig, last_stage: int):
     for role in first:
         yield role, None, 0
     for i in range(cfg.num_layers):
-        for role in layer_roles(cfg):
+        for role in layer_roles(cfg, i):
             yield role, i, None
     for role in last:
         yield role, None, last_stage
@@ -195,6 +203,10 @@ def megatron_to_checkpoint(path: str, dst: str, tp_size: int = 1, vocab_size: Op
     size); ``tokenizer`` (a tnlg tokenizer) is recorded in the checkpoint; ``with_optimizer``: also
     the Adam state (:mod:`.optimizer`; refused, naming why, where the checkpoint's layout is not read)."""
     source, cfg, common = open_megatron(path, vocab_size or (tokenizer.vocab_size if tokenizer else None))
+    if with_optimizer and cfg.num_experts is not None:
+        raise UserError(f"--with-optimizer: the Megatron checkpoint {source.iter_dir!r} is a mixture of experts, whose "
+                        "Adam state tnlg does not read yet (the expert parameters' states per EP rank); convert "
+                        "without --with-optimizer (fresh Adam moments). Nothing was written.")
     try:
         cfg.check_tensor_parallel(tp_size)
     except ValueError as exc:

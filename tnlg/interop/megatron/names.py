@@ -29,6 +29,19 @@ kept with ``--add-qkv-bias``). Grouped-query attention (``G`` groups of ``q = H 
 tnlg's ``mlp.c_fc.weight`` ``[2, f, h]`` flattened (``take="swiglu"``); the legacy files' per-rank
 halves are paired by :func:`swiglu_join` / :func:`swiglu_shard`.
 
+Mixtures of experts (megatron-core only; a layer :meth:`~tnlg.config.GPTConfig.is_moe_layer` names): the MLP
+slot holds ``mlp.router.weight`` ``[E, h]`` (replicated), the routed experts and, with a shared expert,
+``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` (split as the dense MLP's) and its gate
+``mlp.shared_experts.gate_weight`` ``[1, h]`` (replicated). A legacy file of TP rank ``t`` and EP rank ``r``
+holds the ``E_l = E / EP`` experts ``r E_l .. (r + 1) E_l - 1`` (TP shard ``t`` of each), in one of two layouts:
+``SequentialMLP`` ``mlp.experts.local_experts.<j>.linear_fc1.weight`` ``[2 f_t, h]`` (SwiGLU: ``[gate_t; up_t]``)
+and ``linear_fc2.weight`` ``[h, f_t]``; the legacy ``GroupedMLP`` ``mlp.experts.weight1`` ``[h, E_l 2 f_t]`` and
+``weight2`` ``[E_l f_t, h]``, whose memory is ``[E_l, h, 2 f_t]`` and ``[E_l, f_t, h]`` (its forward views them so):
+expert ``j``'s ``linear_fc1`` is ``weight1.view(E_l, h, -1)[j].T``, its ``linear_fc2`` ``weight2.view(E_l, -1,
+h)[j].T``. The full Megatron tensors of the roles ``take="experts_fc1"`` / ``"experts_fc2"`` are ``[E, 2 f, h]``
+(``[gate; up]`` per expert) and ``[E, h, f]``: tnlg's ``mlp.experts.fc1`` ``[E, 2, f, h]`` flattened and
+``mlp.experts.fc2`` as they are.
+
 QKV rows (``checkpoint_version`` of the legacy checkpoint; ``megatron/training/checkpointing.py``,
 ``fix_query_key_value_ordering``), per TP rank with ``np`` heads of ``hn`` rows:
 version 0 ``[3, np, hn]``, version 1.0 ``[np, hn, 3]``, version >= 2.0 ``[np, 3, hn]``. megatron-core
@@ -43,7 +56,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Role", "LAYER_ROLES", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
+__all__ = ["Role", "LAYER_ROLES", "MOE_ROLES", "EXPERT_TAKES", "local_expert_names", "expert_rank_shards", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
            "VOCAB_PARAMS", "tnlg_name", "qkv_to_current", "layer_roles", "global_roles", "megatron_shape",
            "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard"]
 
@@ -102,6 +115,20 @@ GLOBAL_ROLES: tuple[Role, ...] = (
     Role("lm_head.weight", 0, ("output_layer.weight",), ("language_model.output_layer.weight",)),
 )
 
+# the roles of a mixture-of-experts MLP slot (names relative to the layer's prefix; the experts' names are of local
+# expert <j> in a SequentialMLP, then the GroupedMLP tensor that holds them all)
+MOE_ROLES: tuple[Role, ...] = (
+    Role("mlp.router.weight", None, ("mlp.router.weight",), ()),
+    Role("mlp.experts.fc1", 0, ("mlp.experts.local_experts.<j>.linear_fc1.weight", "mlp.experts.weight1"), (),
+         "experts_fc1"),
+    Role("mlp.experts.fc2", 1, ("mlp.experts.local_experts.<j>.linear_fc2.weight", "mlp.experts.weight2"), (),
+         "experts_fc2"),
+    Role("mlp.shared_expert.c_fc.weight", 0, ("mlp.shared_experts.linear_fc1.weight",), ()),
+    Role("mlp.shared_expert.c_proj.weight", 1, ("mlp.shared_experts.linear_fc2.weight",), ()),
+    Role("mlp.shared_expert_gate.weight", None, ("mlp.shared_experts.gate_weight",), ()),
+)
+EXPERT_TAKES = ("experts_fc1", "experts_fc2")
+
 # the parameters with a row per vocabulary entry (Megatron pads them, tnlg stores the real rows)
 VOCAB_PARAMS = ("transformer.wte.weight", "lm_head.weight")
 
@@ -146,11 +173,32 @@ def _has(role: Role, cfg) -> bool:
     return True
 
 
-def layer_roles(cfg) -> tuple[Role, ...]:
-    """The roles of one transformer layer of ``cfg`` (a :class:`~tnlg.config.GPTConfig`), in tnlg's order;
-    grouped-query attention gives two roles (``c_q``, ``c_kv``) per Megatron ``linear_qkv`` tensor."""
+def _moe_roles(cfg) -> list[Role]:
+    """The roles of a mixture-of-experts MLP slot of ``cfg`` (the shared expert and its gate where it has them)."""
+    out = []
+    for role in MOE_ROLES:
+        if role.tnlg.startswith("mlp.shared_expert.") and cfg.moe_shared_expert_intermediate_size is None:
+            continue
+        if role.tnlg.startswith("mlp.shared_expert_gate") and not cfg.moe_shared_expert_gate:
+            continue
+        swiglu = role.tnlg == "mlp.shared_expert.c_fc.weight" and cfg.swiglu
+        out.append(Role(role.tnlg, role.split, role.core, role.legacy, "swiglu") if swiglu else role)
+    return out
+
+
+def layer_roles(cfg, layer: Optional[int] = None) -> tuple[Role, ...]:
+    """The roles of transformer layer ``layer`` of ``cfg`` (a :class:`~tnlg.config.GPTConfig`; ``None``: a dense
+    layer's), in tnlg's order; grouped-query attention gives two roles (``c_q``, ``c_kv``) per Megatron
+    ``linear_qkv`` tensor; a mixture of experts its MLP slot's roles (:data:`MOE_ROLES`)."""
     out: list[Role] = []
+    moe = layer is not None and cfg.is_moe_layer(layer)
     for role in LAYER_ROLES:
+        if moe and role.tnlg.startswith("mlp.c_proj"):
+            continue
+        if moe and role.tnlg.startswith("mlp.c_fc"):
+            if role.tnlg.endswith(".weight"):
+                out += _moe_roles(cfg)
+            continue
         if not _has(role, cfg):
             continue
         if role.tnlg.startswith("attn.c_attn") and cfg.kv_groups != cfg.num_attention_heads:
@@ -177,6 +225,8 @@ def megatron_shape(role: Role, cfg, shape: tuple) -> tuple:
         return (rows, *shape[(1 if role.take == "q" else 3):])
     if role.take == "swiglu":
         return (2 * shape[1], *shape[2:])
+    if role.take == "experts_fc1" and len(shape) == 4:  # SwiGLU experts [E, 2, f, h] -> [E, 2 f, h]
+        return (shape[0], 2 * shape[2], shape[3])
     return tuple(shape)
 
 
@@ -193,6 +243,8 @@ def to_tnlg(role: Role, t: torch.Tensor, cfg) -> torch.Tensor:
         return _grouped(t, cfg)[:, -2:].clone()
     if role.take == "swiglu":  # [gate; up] -> [2, f, ...]
         return t.reshape(2, -1, *t.shape[1:])
+    if role.take == "experts_fc1" and cfg.swiglu:  # [E, 2 f, h] ([gate; up] per expert) -> [E, 2, f, h]
+        return t.reshape(t.shape[0], 2, -1, t.shape[-1])
     return t
 
 
@@ -212,3 +264,17 @@ def swiglu_join(shards: list) -> torch.Tensor:
 def swiglu_shard(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """TP rank ``rank``'s ``[gate_r; up_r]`` of a SwiGLU ``linear_fc1`` ``[gate; up]`` (:func:`swiglu_join`'s inverse)."""
     return t.reshape(2, -1, *t.shape[1:]).chunk(tp, dim=1)[rank].flatten(0, 1).clone()
+
+
+def local_expert_names(role: Role, local: int) -> list[str]:
+    """A ``SequentialMLP``'s names of ``role`` (an expert role) for its ``local`` experts, in order."""
+    return [role.core[0].replace("<j>", str(j)) for j in range(local)]
+
+
+def expert_rank_shards(role: Role, grouped: torch.Tensor, local: int, hidden: int) -> list[torch.Tensor]:
+    """One rank's ``GroupedMLP`` tensor (``weight1`` ``[h, E_l 2 f_t]`` or ``weight2`` ``[E_l f_t, h]``) as its
+    ``local`` experts' ``linear_fc1`` ``[2 f_t, h]`` / ``linear_fc2`` ``[h, f_t]`` (module docstring)."""
+    if role.take == "experts_fc1":
+        return list(grouped.reshape(local, hidden, -1).transpose(1, 2))
+    return list(grouped.reshape(local, -1, hidden).transpose(1, 2))
+
