@@ -60,8 +60,9 @@ from ..parallel.state import ParallelState
 from .forward import ForwardContext
 from .init_methods import init_methods, join_key
 
-__all__ = ["topk_routing", "drop_to_capacity", "aux_loss_scores", "load_balancing_loss", "z_loss", "aux_loss_names", "Router",
-           "GroupedExperts", "MoELayer", "grouped_matmul", "is_expert_parameter", "update_expert_bias"]
+__all__ = ["topk_routing", "drop_to_capacity", "aux_loss_scores", "load_balancing_loss", "z_loss", "aux_loss_names",
+           "even_routing_map", "Router", "GroupedExperts", "MoELayer", "grouped_matmul", "is_expert_parameter",
+           "update_expert_bias"]
 
 
 # ----------------------------------------------------------------------------------------------- routing
