@@ -264,18 +264,6 @@ def test_the_training_step_logs_the_moe_losses_apart_from_the_language_model_los
     assert loss == pytest.approx(lm + sum(info["aux"].values()), rel=1e-6)
 
 
-def test_checkpoints_of_expert_parallel_models_are_refused_by_name(tmp_path):
-    from tnlg.checkpoint.loading import load
-    from tnlg.checkpoint.saving import save
-    from tnlg.errors import UserError
-    from tnlg.parallel.state import ParallelState
-    ps = ParallelState(dp_size=2, ep_size=2, virtual=True)
-    with pytest.raises(UserError, match=r"expert-parallel run \(EP 2\) is not written yet"):
-        save(str(tmp_path), iteration=1, consumed_samples=0, model=None, engine=None, ps=ps, config=_moe_config())
-    with pytest.raises(UserError, match=r"expert-parallel model \(EP 2\) is not built yet"):
-        load(str(tmp_path), model=None, engine=None, ps=ps, config=_moe_config())
-
-
 def test_the_layer_spec_puts_experts_in_the_mlp_slot_of_the_layers_moe_layer_freq_names():
     from tnlg.model.spec import block_spec, dense_mlp, moe_mlp
     from tnlg.parallel.state import ParallelState

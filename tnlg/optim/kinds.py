@@ -127,12 +127,16 @@ class KindsBackend:
     def _owner(self, name: str) -> FlatZero:
         return self.dense if name in self.dense._index else self.expert
 
-    # ----------------------------------------------------------------- state (checkpoints refuse EP > 1)
+    # ----------------------------------------------------------------- state (what checkpoints save and load)
     def param_shapes(self) -> dict[str, tuple]:
         return {**self.dense.param_shapes(), **self.expert.param_shapes()}
 
     def owned_pieces(self) -> list[dict]:
-        return self.dense.owned_pieces() + self.expert.owned_pieces()
+        """Both kinds' pieces (``FlatZero.owned_pieces``), each tagged with its gradient ``kind`` and whether that
+        kind's pieces are ``sharded`` over its gradient ranks (the expert-DP ranks may be one where DP x CP is
+        not, so each kind says it: a checkpoint writes an unsharded kind from its group's rank 0)."""
+        return [dict(pc, kind=kind, sharded=part.pieces_sharded_over_dp)
+                for kind, part in (("dense", self.dense), ("expert", self.expert)) for pc in part.owned_pieces()]
 
     def optimizer_state_by_param(self) -> dict[str, dict]:
         return {**self.dense.optimizer_state_by_param(), **self.expert.optimizer_state_by_param()}

@@ -1,23 +1,35 @@
 """The mixture-of-experts checks of ``tnlg pretrain``: the layouts an MoE model runs with, and what it refuses.
 
 Torch-free (read at option resolution, before any process starts). What runs: TP (with or without sequence
-parallelism) x CP (dropless) x DP at ZeRO 0-3, the experts replicated over DP (expert parallelism is the library's,
-:func:`tnlg.parallel.state.init_expert_parallel`, not yet a ``tnlg pretrain`` option: docs/moe.md).
+parallelism) x CP (dropless) x DP at ZeRO 0-3, and expert parallelism ``--expert-model-parallel-size EP``
+(EP carved from DP x CP, :func:`tnlg.parallel.state.init_expert_parallel`) at ZeRO 0 and 1; checkpoints of
+any of them (docs/moe.md). That EP divides DP x CP is checked with the layout, once the world is known
+(:func:`tnlg.layout.check_expert_parallel_size`, from :meth:`tnlg.options.Options.check_layout`).
 """
 
 from __future__ import annotations
 
+from ..config import divisors
 from ..errors import UserError
+from ..layout import FLAGS
 
 __all__ = ["check_expert_options"]
 
 
 def check_expert_options(o) -> None:
     """One paragraph for an MoE run this version cannot run (``o``: the run's :class:`~tnlg.options.Options`)."""
-    E = o.model.num_experts
+    E, par = o.model.num_experts, o.parallel
+    ep, flag = par.expert_model_parallel_size, FLAGS["ep"][0]
     if E is None:
+        if ep > 1:
+            raise UserError(f"{flag} {ep} splits the experts of a mixture of experts over {ep} ranks, but the model "
+                            "has none (--num-experts is not set). Give --num-experts E (a multiple of the EP size), or "
+                            f"drop {flag} (1: every rank holds the whole model).")
         return
-    par = o.parallel
+    if E % ep:
+        raise UserError(f"{flag} {ep} does not divide --num-experts {E}: every expert-parallel rank holds the same "
+                        f"number of experts. Valid expert-parallel sizes for {E} experts: {divisors(E)} (each also "
+                        "dividing DP x CP).")
     refused = [(par.pipeline_model_parallel_size > 1,
                 f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} (the routers' auxiliary losses "
                 "of the earlier stages do not reach the last stage's loss yet); use PP 1"),
@@ -26,7 +38,11 @@ def check_expert_options(o) -> None:
                 f"{o.model.moe_expert_capacity_factor} (the capacity is over the micro batch's tokens, which the CP "
                 "ranks hold in parts); drop the factor (dropless) or use CP 1"),
                (par.zero_impl == "deepspeed", "--zero-impl deepspeed (DeepSpeed's engine does not know the expert "
-                "parameters); use --zero-impl tnlg")]
+                "parameters); use --zero-impl tnlg"),
+               (ep > 1 and par.zero_stage >= 2,
+                f"{flag} {ep} and --zero-stage {par.zero_stage} (FSDP2 reduces every gradient over one group; the "
+                "experts' gradients are reduced and partitioned over the expert-data-parallel ranks by tnlg's flat "
+                "buffers, one per gradient kind); use --zero-stage 0 or 1, or EP 1")]
     for on, what in refused:
         if on:
             raise UserError(f"--num-experts {E} (a mixture of experts) does not run with {what}.")
