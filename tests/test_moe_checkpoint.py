@@ -10,8 +10,8 @@ does not compute:
   states partitioned over 2 expert-DP ranks, EP 2 at ZeRO 0 -> EP 1 at ZeRO 1), the state a loading rank holds
   is bit for bit the saving run's in memory: every parameter's full weight and Adam moments (gathered over TP
   and EP by the model's own ``gather_full``), every router's expert bias and the step count;
-* a model loaded at EP 1 x TP 1 gives the logits of a plain one-process GPT holding the saving run's weights
-  (gathered in memory);
+* a model loaded at EP 1 x TP 1 (for training, and by generation's loader) gives the logits of a plain
+  one-process GPT holding the saving run's weights and expert biases (gathered in memory);
 * through ``tnlg pretrain``'s options: a run at ``--expert-model-parallel-size 2`` stopped and resumed (``--exit-
   interval``) logs the uninterrupted run's losses; bad EP sizes are one paragraph before any process starts;
   ``tnlg checkpoint info`` names the expert layout.
@@ -163,8 +163,14 @@ RESUMES_2 = [((1, 2, 0), (1, 2, 0)), ((1, 2, 0), (1, 1, 1))]
 
 
 def test_expert_parallel_checkpoints_resume_exactly_and_reshard_across_ep_and_tp(tmp_path):
+    from tnlg.generation.loading import load_for_inference
     results = run_distributed(_body, 4, 1, str(tmp_path), SOURCES_4, RESUMES_4, timeout_s=120)
     _check(results, SOURCES_4, RESUMES_4)
+    model, _ = load_for_inference(_dir(str(tmp_path), (2, 2, 1)))  # (generation's load: one process, EP 1 x TP 1)
+    tokens = _data()[0, :2, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), _reference_logits(results[0]["states"][(2, 2, 1)], tokens),
+                                   rtol=1e-6, atol=1e-6)
     m = ck.Manifest.read(os.path.join(_dir(str(tmp_path), (2, 2, 1)), ck.iter_dir_name(SAVED_AT)))
     assert m.layout.ep == 2 and set(m.buffers) == {f"transformer.h.{i}.mlp.router.expert_bias" for i in range(2)}
     assert {"model_tp00_ep00.safetensors", "model_tp01_ep01.safetensors"} <= set(m.files)
