@@ -192,23 +192,29 @@ def _train(ps, o):
     return s["losses"], s.get("exited")
 
 
-def test_pretrain_at_expert_parallel_size_2_stops_saves_and_resumes_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("world,layout,experts", [
+    (2, dict(expert_model_parallel_size=2), "saved at EP 2: experts 0-1, 2-3"),
+    (4, dict(expert_model_parallel_size=4, context_parallel_size=2, attention_dropout=0.0),  # (EP over DP x CP)
+     "saved at EP 4: experts 0, 1, 2, 3"),
+])
+def test_pretrain_with_expert_parallelism_stops_saves_and_resumes_exactly(tmp_path, capsys, world, layout, experts):
     from tnlg.cli import main
-    common = dict(LLAMA_TINY, num_experts=4, expert_model_parallel_size=2, moe_aux_loss_coeff=0.01,
-                  moe_ffn_hidden_size=64, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                  lr=3e-3, lr_warmup_iters=1)
-    reference = run_distributed(_train, 2, 1, tiny_options(2, **common), timeout_s=120)[0][0]
-    o = tiny_options(2, exit_interval=2, save=str(tmp_path / "run"), **common)
+    common = dict(LLAMA_TINY, num_experts=4, moe_aux_loss_coeff=0.01, moe_ffn_hidden_size=64,
+                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, lr=3e-3,
+                  lr_warmup_iters=1, **layout)
+    reference = run_distributed(_train, world, 1, tiny_options(world, **common), timeout_s=120)[0][0]
+    o = tiny_options(world, exit_interval=2, save=str(tmp_path / "run"), **common)
     pieces = []
     for stop in (2, None):
-        losses, exited = run_distributed(_train, 2, 1, o, timeout_s=120)[0]
+        losses, exited = run_distributed(_train, world, 1, o, timeout_s=120)[0]
         assert (exited and exited["iteration"]) == stop
         pieces += losses
     assert len(pieces) == 4 and pieces == reference
     capsys.readouterr()
     assert main(["checkpoint", "info", str(tmp_path / "run" / ck.iter_dir_name(2))]) == 0
     text = capsys.readouterr().out
-    assert "(EP=2)" in text and "experts      4 routed per MoE layer" in text and "saved at EP 2: experts 0-1, 2-3" in text
+    ep = layout["expert_model_parallel_size"]
+    assert f"(EP={ep})" in text and "experts      4 routed per MoE layer" in text and experts in text
     assert "expert bias(es) saved" in text
 
 
