@@ -12,6 +12,9 @@ does not compute:
   and EP by the model's own ``gather_full``), every router's expert bias and the step count;
 * a model loaded at EP 1 x TP 1 (for training, and by generation's loader) gives the logits of a plain
   one-process GPT holding the saving run's weights and expert biases (gathered in memory);
+* ZeRO 3 (FSDP2, the experts sharded over their expert-DP ranks) at EP 2 trains as ZeRO 1 at EP 1 within 1e-5
+  (every MoE layer's balancing loss in the loss: FSDP2 copies the arguments it hands a block), and its checkpoints
+  resume exactly and load at ZeRO 1; an EP 2 x TP 2 checkpoint loads at ZeRO 2;
 * through ``tnlg pretrain``'s options: a run at ``--expert-model-parallel-size 2`` stopped and resumed (``--exit-
   interval``) logs the uninterrupted run's losses; bad EP sizes are one paragraph before any process starts;
   ``tnlg checkpoint info`` names the expert layout.
@@ -76,9 +79,10 @@ def _state(ps, engine) -> dict:
     """The full state of the model this rank belongs to: every parameter's weight and Adam moments as TP=1, EP=1
     tensors (gathered over TP and EP by the model's ``gather_full``), every buffer, the step count."""
     from tnlg.parallel.sharding import gather_full
-    params = dict(engine.model.named_parameters())
+    params = dict(engine.model.named_parameters())  # (their split marks; FSDP2's are sharded tensors)
+    weights = engine.model_state_by_param()  # (this rank's TP shards, whole over DP: collective)
     states = engine.optimizer_state_by_param()  # (collective over each kind's gradient ranks)
-    full = {n: [gather_full(t.detach().clone(), p, ps) for t in (p, states[n]["exp_avg"], states[n]["exp_avg_sq"])]
+    full = {n: [gather_full(t, p, ps) for t in (weights[n], states[n]["exp_avg"], states[n]["exp_avg_sq"])]
             for n, p in params.items()}
     return dict(step=engine.num_steps, tensors=full,
                 buffers={n: b.clone() for n, b in engine.model.state_dict().items() if n not in params})
@@ -153,10 +157,12 @@ def _check(results: list, sources: list, resumes: list) -> None:
 
 
 # (TP, EP, ZeRO) on 4 processes. EP 2 x TP 2 (DP 2): each EP rank's experts in its own files; loaded at the same
-# layout, at EP 1 x TP 1 and at EP 4. EP 1 (DP 4): loaded at EP 4 and at EP 2 (2 expert-DP ranks, ZeRO 1).
-SOURCES_4 = [(2, 2, 1), (1, 1, 1)]
+# layout, at EP 1 x TP 1, at EP 4 and at EP 2 x DP 4 with ZeRO 2 (FSDP2: the experts sharded over their 2 expert-DP
+# ranks). EP 1 (DP 4): loaded at EP 4 and at EP 2 (2 expert-DP ranks, ZeRO 1). EP 2 x DP 4 at ZeRO 3: resumed, and
+# loaded at EP 1 with ZeRO 1.
+SOURCES_4 = [(2, 2, 1), (1, 1, 1), (1, 2, 3)]
 RESUMES_4 = [((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (1, 1, 0)), ((2, 2, 1), (1, 4, 1)), ((1, 1, 1), (1, 4, 1)),
-             ((1, 1, 1), (1, 2, 1))]
+             ((1, 1, 1), (1, 2, 1)), ((1, 2, 3), (1, 2, 3)), ((1, 2, 3), (1, 1, 1)), ((2, 2, 1), (1, 2, 2))]
 # on 2 processes: EP 2 at ZeRO 0 (the dense states written by DP rank 0 alone, each EP rank's experts' by itself)
 SOURCES_2 = [(1, 2, 0)]
 RESUMES_2 = [((1, 2, 0), (1, 2, 0)), ((1, 2, 0), (1, 1, 1))]
@@ -166,6 +172,8 @@ def test_expert_parallel_checkpoints_resume_exactly_and_reshard_across_ep_and_tp
     from tnlg.generation.loading import load_for_inference
     results = run_distributed(_body, 4, 1, str(tmp_path), SOURCES_4, RESUMES_4, timeout_s=120)
     _check(results, SOURCES_4, RESUMES_4)
+    for got, want in zip(*(results[0]["runs"][layout] for layout in ((1, 2, 3), (1, 1, 1)))):  # FSDP2 at EP 2
+        assert got == pytest.approx(want, rel=1e-5)  # trains as ZeRO 1 at EP 1 (the same 4 DP ranks' batches)
     model, _ = load_for_inference(_dir(str(tmp_path), (2, 2, 1)))  # (generation's load: one process, EP 1 x TP 1)
     tokens = _data()[0, :2, :-1]
     with torch.no_grad():
@@ -223,7 +231,8 @@ def test_pretrain_with_expert_parallelism_stops_saves_and_resumes_exactly(tmp_pa
     (dict(num_experts=6, expert_model_parallel_size=4), "--expert-model-parallel-size 4 does not divide --num-experts 6"),
     (dict(num_experts=4, expert_model_parallel_size=4), "--expert-model-parallel-size 4 does not divide the "
                                                         "data-parallel x context-parallel size (DP 2"),
-    (dict(num_experts=4, expert_model_parallel_size=2, zero_stage=2), "--expert-model-parallel-size 2 and --zero-stage 2"),
+    (dict(num_experts=4, expert_model_parallel_size=2, zero_stage=2), "--expert-model-parallel-size 2 with --zero-stage 2: "
+                                                                      "EP 2 = DP x CP"),
 ])
 def test_bad_expert_parallel_sizes_are_one_paragraph_before_any_process_starts(over, words):
     from tnlg.errors import UserError
@@ -231,3 +240,5 @@ def test_bad_expert_parallel_sizes_are_one_paragraph_before_any_process_starts(o
         tiny_options(2, **LLAMA_TINY, **over)
     assert words in str(e.value) and "\n" not in str(e.value)
     tiny_options(2, **LLAMA_TINY, num_experts=4, expert_model_parallel_size=2)  # (valid: EP 2 of DP 2)
+    tiny_options(4, **LLAMA_TINY, num_experts=4, expert_model_parallel_size=2, zero_stage=3,
+                 global_batch_size=8)  # (FSDP2: the experts over their 2 expert-DP ranks)

@@ -12,7 +12,7 @@ Collectives of the step: each kind's bucket reductions; three fp64 scalars' all-
 dense norm and three (expert-DP, TP, EP) for the experts'; stage 1's parameter all-gathers per kind.
 
 At EP 1 the expert-DP ranks are the DP x CP ranks and the engine uses one :class:`FlatZero` (nothing
-changes); ZeRO 2 and 3 (FSDP2) with EP > 1 are refused by name (:func:`tnlg.optim.engine.build_engine`).
+changes); ZeRO 2 and 3 with EP > 1 are FSDP2's, the experts sharded over their own mesh (:mod:`tnlg.optim.fsdp`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import StepResult
 from torch._subclasses.fake_tensor import is_fake
@@ -41,15 +40,10 @@ def is_expert(name: str, param: torch.Tensor) -> bool:
 
 
 def needs_kinds(model: nn.Module, ps: ParallelState, zero_stage: int) -> bool:
-    """Whether ``model`` needs a backend per gradient kind: expert parameters split over EP > 1 ranks. One
-    :class:`UserError` for ZeRO 2 / 3 (FSDP2) then, which reduces every gradient over one group."""
+    """Whether ``model`` needs a flat backend per gradient kind: expert parameters split over EP > 1 ranks, at
+    ZeRO 0 or 1 (at 2 and 3 FSDP2 shards the experts over their own mesh: :mod:`tnlg.optim.fsdp`)."""
     experts = ps.ep_size > 1 and any(is_expert(n, p) for n, p in model.named_parameters())
-    if experts and zero_stage >= 2 and ps.dp_size > 1:
-        raise UserError(f"expert parallelism (EP {ps.ep_size}) trains with --zero-stage 0 or 1 (tnlg's flat buffers, "
-                        "one per gradient kind: the experts' gradients reduced and partitioned over the "
-                        "expert-data-parallel ranks); FSDP2's stages 2 and 3 with a second gradient group are not "
-                        "built yet. Use --zero-stage 1, or EP 1.")
-    return experts
+    return experts and not (zero_stage >= 2 and ps.dp_size > 1)
 
 
 class KindsBackend:

@@ -2,8 +2,8 @@
 
 Torch-free (read at option resolution, before any process starts). What runs: TP (with or without sequence
 parallelism) x CP (dropless) x DP at ZeRO 0-3, and expert parallelism ``--expert-model-parallel-size EP``
-(EP carved from DP x CP, :func:`tnlg.parallel.state.init_expert_parallel`) at ZeRO 0 and 1; checkpoints of
-any of them (docs/moe.md). That EP divides DP x CP is checked with the layout, once the world is known
+(EP carved from DP x CP, :func:`tnlg.parallel.state.init_expert_parallel`) at ZeRO 0-3 (at 2 and 3 with an
+expert-DP group of two ranks or more); checkpoints of any of them (docs/moe.md). That EP divides DP x CP is checked with the layout, once the world is known
 (:func:`tnlg.layout.check_expert_parallel_size`, from :meth:`tnlg.options.Options.check_layout`).
 """
 
@@ -13,7 +13,7 @@ from ..config import divisors
 from ..errors import UserError
 from ..layout import FLAGS
 
-__all__ = ["check_expert_options"]
+__all__ = ["check_expert_options", "check_expert_sharding"]
 
 
 def check_expert_options(o) -> None:
@@ -39,10 +39,19 @@ def check_expert_options(o) -> None:
                 "ranks hold in parts); drop the factor (dropless) or use CP 1"),
                (par.zero_impl == "deepspeed", "--zero-impl deepspeed (DeepSpeed's engine does not know the expert "
                 "parameters); use --zero-impl tnlg"),
-               (ep > 1 and par.zero_stage >= 2,
-                f"{flag} {ep} and --zero-stage {par.zero_stage} (FSDP2 reduces every gradient over one group; the "
-                "experts' gradients are reduced and partitioned over the expert-data-parallel ranks by tnlg's flat "
-                "buffers, one per gradient kind); use --zero-stage 0 or 1, or EP 1")]
+]
     for on, what in refused:
         if on:
             raise UserError(f"--num-experts {E} (a mixture of experts) does not run with {what}.")
+
+
+def check_expert_sharding(o, dp: int, cp: int) -> None:
+    """ZeRO 2/3 (FSDP2) shards the experts over the expert-data-parallel ranks (DP x CP / EP): one paragraph where
+    there is one (EP = DP x CP), which has nothing to shard (``o``: the run's options; its layout's DP and CP)."""
+    par = o.parallel
+    ep = par.expert_model_parallel_size
+    if ep > 1 and par.zero_stage >= 2 and ep == dp * cp:
+        raise UserError(f"{FLAGS['ep'][0]} {ep} with --zero-stage {par.zero_stage}: EP {ep} = DP x CP leaves each "
+                        "expert on one rank (an expert-data-parallel group of one), so FSDP2 has nothing to shard of "
+                        "the experts. Use --zero-stage 1 (the same memory for the experts, the dense parameters' "
+                        f"optimizer states partitioned), or an EP below {dp * cp} (a divisor of DP x CP).")
