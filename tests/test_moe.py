@@ -198,15 +198,15 @@ def test_moe_models_no_hf_class_computes_and_every_megatron_export_are_refused_b
         args_for(cfg, 1, 1, 0)
 
 
-def test_the_engine_refuses_expert_parallelism_with_fsdp_by_name():
+def test_the_engine_refuses_fsdp_of_experts_held_by_one_rank_each_by_name():
     from tnlg.errors import UserError
     from tnlg.model import GPT
     from tnlg.optim.engine import build_engine
     from tnlg.parallel.state import ParallelState
     ps = ParallelState(dp_size=2, ep_size=2, virtual=True)
     model = GPT(_moe_config(), ParallelState.single())
-    with pytest.raises(UserError, match=r"EP 2\) trains with --zero-stage 0 or 1"):
-        build_engine(model, ps, zero_stage=2)
+    with pytest.raises(UserError, match=r"--zero-stage 2 with expert parallelism EP 2 = DP x CP: .* nothing to shard"):
+        build_engine(model, ps, zero_stage=2)  # (EP 2 of DP 2: an expert-DP group of one rank)
 
 
 def test_the_expert_bias_moves_towards_the_less_loaded_experts_outside_the_gradient():

@@ -140,20 +140,20 @@ class FSDPZero(ShardedBackend):
                  init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
         if stage not in (2, 3):
             raise ValueError(f"FSDPZero implements ZeRO stages 2 and 3, got {stage}.")
-        if ps.dp_size < 2 or ps.dp_group is None:
-            raise ValueError("FSDP sharding needs a data-parallel group of at least 2 ranks.")
-        self.ps, self.stage = ps, stage
-
         before = [(n, p) for n, p in model.named_parameters()]
-        flags = {n: is_tp_sharded(n, p, ps) for n, p in before}
-        duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
-        decay = {n: bool(decay_fn(n, p)) for n, p in before}
-        self.full_numel = {n: p.numel() for n, p in before}
         experts = {n for n, p in before if getattr(p, "gradient_kind", "dense") == "expert"} if ps.ep_size > 1 else set()
         if experts and ps.size("edp") < 2:
             raise UserError(f"--zero-stage {stage} with expert parallelism EP {ps.ep_size} = DP x CP: each expert is "
                             "held by one rank (an expert-data-parallel group of one), so FSDP has nothing to shard of "
                             "the experts; use --zero-stage 1 (the same memory for the experts), or an EP below DP x CP.")
+        if ps.dp_size < 2 or ps.dp_group is None:
+            raise ValueError("FSDP sharding needs a data-parallel group of at least 2 ranks.")
+        self.ps, self.stage = ps, stage
+
+        flags = {n: is_tp_sharded(n, p, ps) for n, p in before}
+        duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
+        decay = {n: bool(decay_fn(n, p)) for n, p in before}
+        self.full_numel = {n: p.numel() for n, p in before}
         # a shared key/value group's rows are counted in the norm once, on the lowest TP rank holding them:
         # (rows this rank leaves out, rows of its TP slice) per parameter, read before FSDP shards dim 0
         skip = {n: (counted_rows(p, ps.tp_rank)[0] if getattr(p, "partition_offsets", ()) else 0, p.shape[0] if p.dim()
