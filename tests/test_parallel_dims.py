@@ -101,7 +101,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 @pytest.mark.parametrize("command,keys", [
-    ("pretrain", ("tp", "pp", "cp", "nproc")), ("eval", ("tp", "pp", "cp", "nproc")),
+    ("pretrain", ("tp", "pp", "cp", "ep", "nproc")), ("eval", ("tp", "pp", "cp", "nproc")),
     ("generate", ("tp", "pp", "nproc")), ("plan", ("tp", "pp", "cp", "dp")), ("convert", ("tp", "pp")),
     ("demo", ("tp", "nproc")),
 ])

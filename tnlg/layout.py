@@ -21,7 +21,7 @@ from .config import divisors
 from .errors import UserError
 
 __all__ = ["AXES", "EXPERT_AXES", "ParallelDims", "World", "FLAGS", "add_layout_arguments", "check_positive", "data_parallel_size",
-           "check_context_sequence"]
+           "check_context_sequence", "check_expert_parallel_size"]
 
 # the axes of the layout, innermost first (the rank order): tensor, context, data and pipeline parallelism
 AXES = ("tp", "cp", "dp", "pp")
@@ -32,9 +32,10 @@ EXPERT_AXES = ("ep", "edp")
 # every layout flag's spellings (Megatron-LM's name first, the one messages use) and keyword argument
 FLAGS = dict(tp=("--tensor-model-parallel-size", "--tp"), pp=("--pipeline-model-parallel-size", "--pp"),
              cp=("--context-parallel-size", "--cp"), dp=("--data-parallel-size", "--dp"),
-             nproc=("--nproc-per-node",))
+             ep=("--expert-model-parallel-size", "--ep"), nproc=("--nproc-per-node",))
 KEYWORDS = dict(tp="tensor_parallel_size", pp="pipeline_parallel_size", cp="context_parallel_size",
-                dp="data_parallel_size", vp="virtual_pipeline_stages", nproc="nproc_per_node")
+                dp="data_parallel_size", vp="virtual_pipeline_stages", ep="expert_parallel_size",
+                nproc="nproc_per_node")
 _KIND = dict(tp="tensor-parallel", pp="pipeline-parallel", cp="context-parallel")
 _GROUP = dict(tp="every tensor-parallel group", pp="every pipeline", cp="every context-parallel group")
 
@@ -96,6 +97,20 @@ def check_context_sequence(cp: int, seq_length: int, what: str = "each sequence"
                         f"holds chunks r and {2 * cp - 1}-r), so 2 x CP must divide --seq-length {seq_length}. Valid "
                         f"CP sizes for {seq_length} tokens: {valid}{' ...' if len(valid) == 12 else ''}; or a "
                         f"--seq-length that is a multiple of {2 * cp}.")
+
+
+def check_expert_parallel_size(ep, dp: int, cp: int = 1, where: str = "") -> None:
+    """Expert parallelism carves its EP ranks from the DP x CP ranks (megatron-core's MoE parallel folding:
+    an EP group is EP consecutive DP x CP ranks of one TP rank and stage), so EP must divide DP x CP; one
+    message naming the valid sizes otherwise (``where``: the layout in words, e.g. ``" (TP 2 x CP 1 x DP 2 x
+    PP 1 = 4)"``)."""
+    n = dp * cp
+    if not _is_int(ep) or ep < 1 or n % ep:
+        split = f"DP {dp} x CP {cp} = {n}" if cp > 1 else f"DP {dp}"
+        raise UserError(f"{FLAGS['ep'][0]} {ep!r} does not divide the data-parallel x context-parallel size "
+                        f"({split}{where}): the experts are split over EP ranks carved from the DP x CP ranks "
+                        f"(megatron-core's MoE parallel folding), every EP group complete. Valid expert-parallel "
+                        f"sizes here: {divisors(n)}; or more processes.")
 
 
 @dataclass(frozen=True)
@@ -229,6 +244,7 @@ _HELP = dict(
     cp="context-parallel ranks: each sequence split into 2 x CP chunks, attention by a ring "
        "(docs/context_parallel.md)",
     dp="data-parallel size",
+    ep="expert-parallel size: a mixture of experts' experts split over this many of the DP x CP ranks",
     nproc="local processes to launch unless already under torchrun (which sets the world)",
 )
 

@@ -55,9 +55,12 @@ def _pp(pp_rank: Optional[int]) -> str:
     return "" if pp_rank is None else f"pp{pp_rank:02d}_"
 
 
-def model_file(tp_rank: int, pp_rank: Optional[int] = None) -> str:
-    """``model_tpXX`` (PP 1) or ``model_ppYY_tpXX`` (the weights pipeline stage YY stores)."""
-    return f"model_{_pp(pp_rank)}tp{tp_rank:02d}.safetensors"
+def model_file(tp_rank: int, pp_rank: Optional[int] = None, ep_rank: Optional[int] = None) -> str:
+    """``model_tpXX`` (PP 1) or ``model_ppYY_tpXX`` (the weights pipeline stage YY stores); with ``ep_rank``
+    (a checkpoint saved at EP > 1) ``model_[ppYY_]tpXX_epZZ``: the routed experts expert-parallel rank ZZ
+    holds."""
+    ep = "" if ep_rank is None else f"_ep{ep_rank:02d}"
+    return f"model_{_pp(pp_rank)}tp{tp_rank:02d}{ep}.safetensors"
 
 
 def optim_file(tp_rank: int, dp_rank: Optional[int] = None, pp_rank: Optional[int] = None) -> str:

@@ -57,6 +57,8 @@ def info(path: str, as_json: bool = False, out=None, verify: bool = False) -> in
     ]
     if m.pipeline:
         lines.insert(4, f"pipeline     {_stages(m, iter_dir)}")
+    if (m.config or {}).get("num_experts"):
+        lines.insert(lines.index(next(x for x in lines if x.startswith("model "))) + 1, f"experts      {_experts(m)}")
     if m.data:
         options = m.options or {}
         files = m.data.get("files")
@@ -116,8 +118,23 @@ def _stages(m: Manifest, iter_dir: str) -> str:
 
 def _layout(m: Manifest) -> str:
     lay = m.layout
-    return (f"{'PP=' + str(lay.pp) + ' x ' if lay.pp else ''}TP={lay.tp} x DP={lay.dp} ({lay.world} processes), "
+    return (f"{'PP=' + str(lay.pp) + ' x ' if lay.pp else ''}TP={lay.tp} x DP={lay.dp}"
+            f"{' (EP=' + str(lay.ep) + ')' if lay.ep else ''} ({lay.world} processes), "
             f"parameters {lay.param_dtype}" + (f"; converted from {m.converted_from}" if m.converted_from else ""))
+
+
+def _experts(m: Manifest) -> str:
+    """A mixture of experts' layout: the experts per MoE layer, the EP size it was saved at (each EP rank's experts
+    in its own files) and the saved expert biases."""
+    cfg = m.config or {}
+    E, ep = int(cfg["num_experts"]), m.layout.ep_size
+    layers = sum(1 for r in m.params if r.endswith("experts.fc1"))
+    spans = [(r * E // ep, (r + 1) * E // ep - 1) for r in range(ep)]
+    where = (f"saved at EP {ep}: experts {', '.join(f'{a}-{b}' if b > a else f'{a}' for a, b in spans)} "
+             f"in model_*_ep00..ep{ep - 1:02d}" if ep > 1 else "saved at EP 1 (every expert in the model_* files)")
+    biases = sum(1 for b in (m.buffers or {}) if b.endswith("expert_bias"))
+    return (f"{E} routed per MoE layer ({layers} MoE layer(s)), top-{cfg.get('moe_router_topk')}; {where}; resharded "
+            "to any EP size that divides them at load" + (f"; {biases} expert bias(es) saved" if biases else ""))
 
 
 def _optimizer(opt: OptimizerState) -> str:

@@ -30,7 +30,9 @@ from . import files as F
 from .compat import check_compatible
 from .manifest import Layout, Manifest, need
 from .pieces import OptimPiece
-from .reshard import OptimReader, ShardReader, check_same_params, source_tp_ranks, targets_for
+from .buffers import buffer_files, load_buffers
+from .reshard import (OptimReader, ShardReader, check_same_params, flat_offset, source_files, source_tp_ranks,
+                      targets_for)
 from .rng import restore
 from .stages import chunk_layers_of, saved_stage
 
@@ -71,12 +73,15 @@ def _files_to_read(manifest: Manifest, targets: dict, pieces: Optional[list[Opti
     pipeline stage that stored it; of the optimizer files (format 2) those holding a piece that overlaps one
     of ``pieces`` (``None``: another TP size, where whole source shards are assembled)."""
     ranks = {name: source_tp_ranks(manifest.params[name], t) for name, t in targets.items()}
-    out = {F.model_file(r, manifest.stage_of(name)) for name, rs in ranks.items() for r in rs}
+    out = {f for name, t in targets.items() for f in source_files(manifest, name, t, F.model_file)}
     if not (optimizer and manifest.has_optimizer):
         return out
     if not manifest.optim_files:  # format 1 (PP 1 only)
         return out | {F.optim_file(r) for rs in ranks.values() for r in rs}
-    wanted = None if pieces is None else {(pc.name, pc.lo, pc.hi) for pc in pieces}
+    # (pieces in the stored coordinates: a routed expert's shifted to its EP rank's experts, reshard.flat_offset)
+    wanted = None if pieces is None else {(pc.name, pc.lo + flat_offset(targets[pc.name]),
+                                           pc.hi + flat_offset(targets[pc.name])) for pc in pieces
+                                          if pc.name in targets}
     for fname, f in manifest.optim_files.items():
         for name, (lo, length) in f.pieces.items():
             if name not in ranks or int(f.tp_rank) not in ranks[name]:
@@ -209,14 +214,14 @@ def _plan(iter_dir: str, engine, ps: ParallelState, config: GPTConfig, layout: M
     F.check_files(iter_dir, Manifest(files={k: v for k, v in manifest.files.items() if k in rng.files}), ("rng",))
     check_compatible(manifest, iter_dir, config, None if weights_only else options, tokenizer, origin,
                      () if weights_only else must_match, weights_only=weights_only)
-    targets = targets_for(layout, ps.tp_rank)
+    targets = targets_for(layout, ps.tp_rank, ps.rank_in("ep"), ps.size("ep"))
     check_same_params(manifest, targets, iter_dir)
     mine = set(engine.param_names)  # the model's, or this pipeline stage's
     targets = {n: t for n, t in targets.items() if n in mine}
     owned = engine.owned_pieces()
     pieces = None if owned is None else [OptimPiece.of(pc) for pc in owned]
     same_tp = int(need(manifest.layout.tp, "layout.tp")) == ps.tp_size
-    needed = _files_to_read(manifest, targets, pieces if same_tp else None, True)
+    needed = _files_to_read(manifest, targets, pieces if same_tp else None, True) | buffer_files(manifest, engine.model)
     F.verify_checksums(iter_dir, manifest, needed | rng.files)  # every file this rank reads
     rng_states = {name: torch.load(os.path.join(iter_dir, name), weights_only=True, map_location="cpu")
                   for name in rng.files}
@@ -245,9 +250,6 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     raised on every rank, naming the rank and the file); ZeRO-3 loading scatters nothing (each rank
     keeps its part of the full tensors it read).
     """
-    if ps.ep_size > 1:
-        raise UserError(f"loading a checkpoint into an expert-parallel model (EP {ps.ep_size}) is not built yet "
-                        "(resharding across EP; docs/moe.md); load at EP 1.")
     iter_dir, notes = _agreed_iteration(load_dir, origin, ps, missing_ok)
     if iter_dir is None and weights_only:  # (rank 0's finding, the same on every rank)
         raise agreed(F.no_weights(load_dir, origin))
@@ -261,6 +263,8 @@ def load(load_dir: str, *, model, engine, ps: ParallelState, config: GPTConfig, 
     for note in notes:
         _log(ps, note)
     _load_tensors(engine, plan, ps, weights_only)
+    for note in load_buffers(plan.iter_dir, plan.manifest, model):
+        _log(ps, note)
     if weights_only:
         _note_resharding(plan.manifest.layout, ps)
         return dict(iteration=0, consumed_samples=0, path=iter_dir, schedule_steps=0)
@@ -301,13 +305,15 @@ def _load_optimizer_counters(engine, plan: _LoadPlan, ps: ParallelState) -> None
 
 def _note_resharding(saved: Layout, ps: ParallelState) -> None:
     """Rank 0 says so when the checkpoint was saved at another layout."""
-    pp = saved.pp_size
-    if (pp, saved.tp, saved.dp) == (ps.pp_size, ps.tp_size, ps.dp_size):
+    pp, ep = saved.pp_size, saved.ep_size
+    if (pp, saved.tp, saved.dp, ep) == (ps.pp_size, ps.tp_size, ps.dp_size, ps.size("ep")):
         return
 
-    def name(p, t, d):
-        return (f"PP={p} x " if max(pp, ps.pp_size) > 1 else "") + f"TP={t} x DP={d}"
-    _log(ps, f"note: resharded from {name(pp, saved.tp, saved.dp)} to {name(ps.pp_size, ps.tp_size, ps.dp_size)}.")
+    def name(p, t, d, e):
+        return ((f"PP={p} x " if max(pp, ps.pp_size) > 1 else "") + f"TP={t} x DP={d}"
+                + (f" (EP={e})" if max(ep, ps.size("ep")) > 1 else ""))
+    _log(ps, f"note: resharded from {name(pp, saved.tp, saved.dp, ep)} to "
+             f"{name(ps.pp_size, ps.tp_size, ps.dp_size, ps.size('ep'))}.")
 
 
 def _restore_rng(model, ps: ParallelState, config: GPTConfig, plan: _LoadPlan) -> None:
@@ -396,7 +402,7 @@ def _inference_plan(iter_dir: str, ps: ParallelState, layout_of: LayoutOf, token
         raise UserError(f"checkpoint {iter_dir!r} cannot run at this tensor-parallel size: {exc}") from None
     targets = targets_for(layout_of(cfg), ps.tp_rank)
     check_same_params(manifest, targets, iter_dir)
-    F.verify_checksums(iter_dir, manifest, _files_to_read(manifest, targets, None, False))
+    F.verify_checksums(iter_dir, manifest, _files_to_read(manifest, targets, None, False) | buffer_files(manifest))
     if tokenizer_override is not None:
         tokenizer = load_tokenizer(tokenizer_override)
     elif manifest.tokenizer:
@@ -436,6 +442,7 @@ def read_weights(plan: InferencePlan, model) -> None:
     with torch.no_grad():  # one parameter at a time
         for name, p in model.named_parameters():
             p.copy_(reader.tensor(name, name, plan.targets[name]).to(p.dtype))
+    load_buffers(plan.iter_dir, plan.manifest, model)  # (a router's expert bias: its routing)
 
 
 def load_weights_into(path: str, model, ps: ParallelState) -> str:

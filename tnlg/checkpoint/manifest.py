@@ -138,16 +138,22 @@ def _encode(value):
 @dataclass
 class Layout(_Record):
     """``layout``: the sizes the checkpoint was saved at and the weights' dtype (``"float32"``, ``"bfloat16"``);
-    ``pp`` only at PP > 1. A converter's manifest has ``param_dtype`` alone until it is written."""
+    ``pp`` only at PP > 1, ``ep`` (the expert-parallel size: the files ``model_..._epYY`` hold EP rank YY's
+    experts) only at EP > 1. A converter's manifest has ``param_dtype`` alone until it is written."""
     tp: Optional[int] = None
     dp: Optional[int] = None
     world: Optional[int] = None
     param_dtype: Optional[str] = None
     pp: Optional[int] = None
+    ep: Optional[int] = None
 
     @property
     def pp_size(self) -> int:
         return int(self.pp or 1)
+
+    @property
+    def ep_size(self) -> int:
+        return int(self.ep or 1)
 
 
 @dataclass
@@ -233,6 +239,7 @@ class Manifest(_Record):
     tokenizer: Optional[dict] = None          # the tokenizer's describe(), what load_tokenizer reads
     layout: Layout = field(default_factory=Layout)
     params: dict = field(default_factory=dict)  # name -> partition record (+ pp_rank at PP > 1)
+    buffers: Optional[dict] = None              # name -> {shape, dtype[, pp_rank]}: the model's saved buffers
     optimizer: OptimizerState = field(default_factory=OptimizerState)
     rng: Optional[RngLayout] = None
     schedule: Optional[Schedule] = None
@@ -364,16 +371,17 @@ _DICT, _STR, _LIST, _BOOL = _of(dict), _of(str), _of(list), _of(bool)
 _WORDS.update({_DICT: "a mapping", _STR: "a string", _LIST: "a list", _BOOL: "true or false"})
 # per section (None: the top level) the type of each value, where present and not null
 _TYPES = {None: dict(iteration=_whole, consumed_samples=_whole, config=_DICT, options=_DICT, data=_DICT,
-                     tokenizer=_DICT, params=_DICT, files=_DICT, sha256=_DICT, created=_STR, torch=_STR,
+                     tokenizer=_DICT, params=_DICT, buffers=_DICT, files=_DICT, sha256=_DICT, created=_STR, torch=_STR,
                      converted_from=_DICT, adapters=_DICT),
-          "layout": dict(tp=_positive, dp=_positive, world=_positive, pp=_positive, param_dtype=_STR),
+          "layout": dict(tp=_positive, dp=_positive, world=_positive, pp=_positive, ep=_positive, param_dtype=_STR),
           "optimizer": dict(present=_BOOL, num_steps=_whole, zero_stage=_whole, betas=_LIST, eps=_number,
                             weight_decay=_number, loss_scaler=_DICT, converted=_BOOL),
           "schedule": dict(num_steps=_whole, max_lr=_number, min_lr=_number, warmup_iters=_whole,
                            decay_iters=_whole, decay_style=_STR),
           "rng": dict(tp=_positive, dp=_positive, pp=_positive),
           "pipeline": dict(pp=_positive, stages=_LIST)}
-_PARAM = dict(shape=_LIST, sharded=_BOOL, dim=_whole, sizes=_LIST, full_size=_whole, pp_rank=_whole)
+_PARAM = dict(shape=_LIST, sharded=_BOOL, dim=_whole, sizes=_LIST, full_size=_whole, pp_rank=_whole, experts=_BOOL)
+_BUFFER = dict(shape=_LIST, dtype=_STR, pp_rank=_whole)
 _OPTIM_FILE = dict(tp_rank=_whole, dp_rank=_whole, pp_rank=_whole, kinds=_LIST, pieces=_DICT)
 
 
@@ -418,6 +426,15 @@ def _check_values(meta: dict, path: str) -> None:
             raise UserError(f"{path!r} is corrupt: the parameter {name!r} has sizes {_shown(sizes)}, not a list of "
                             f"each tensor-parallel rank's part (at most 65536 whole numbers); the checkpoint cannot "
                             f"be used.")
+    for name, rec in (meta.get("buffers") or {}).items():
+        if not isinstance(rec, dict):
+            raise UserError(f"{path!r} is corrupt: the buffer {name!r} is {_shown(rec)}, not a mapping; the "
+                            f"checkpoint cannot be used.")
+        _check_record(rec, _BUFFER, f"the buffer {name!r}: ", path)
+        shape = rec.get("shape") or []
+        if not all(_whole(d) and d < 2**40 for d in shape) or len(shape) > 8 or math.prod(shape) >= 2**40:
+            raise UserError(f"{path!r} is corrupt: the buffer {name!r} has shape {_shown(shape)}, not a tensor's; "
+                            f"the checkpoint cannot be used.")
     for name, rec in (meta.get("optim_files") or {}).items():
         if isinstance(rec, dict):
             _check_record(rec, _OPTIM_FILE, f"the optimizer file {name!r}: ", path)

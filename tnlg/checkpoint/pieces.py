@@ -4,7 +4,10 @@ A piece is the range ``[lo, lo + length)`` of a parameter's flattened TP shard (
 Megatron-core's distributed optimizer uses for its checkpoints, "flattened-range" sharded tensors),
 with 1-D views of that range of the parameter, its Adam moments and its fp32 master weights (``None``
 for fp32 parameters). Views, not copies: a save writes from them and a load copies into them. The
-engines hand their pieces over as dicts (``owned_pieces()``); :meth:`OptimPiece.of` types them.
+engines hand their pieces over as dicts (``owned_pieces()``); :meth:`OptimPiece.of` types them. An engine
+with a backend per gradient kind (:class:`tnlg.optim.kinds.KindsBackend`) tags each piece with its ``kind``
+(``"dense"``, ``"expert"``) and whether that kind's pieces are ``sharded`` over its gradient ranks (ZeRO 1);
+others leave both to the engine-wide ``pieces_sharded_over_dp``.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ class OptimPiece:
     exp_avg_sq: Optional[torch.Tensor] = None
     master: Optional[torch.Tensor] = None
     param: Optional[torch.Tensor] = None
+    kind: str = "dense"
+    sharded: Optional[bool] = None
 
     @classmethod
     def of(cls, piece: Mapping) -> "OptimPiece":
-        """A piece from an engine's ``owned_pieces()`` entry (``name``, ``lo``, ``length``, the views)."""
+        """A piece from an engine's ``owned_pieces()`` entry (``name``, ``lo``, ``length``, the views; ``kind`` and
+        ``sharded`` where the engine tags them)."""
         return cls(name=piece["name"], lo=int(piece["lo"]), length=int(piece["length"]),
                    exp_avg=piece.get("exp_avg"), exp_avg_sq=piece.get("exp_avg_sq"), master=piece.get("master"),
-                   param=piece.get("param"))
+                   param=piece.get("param"), kind=piece.get("kind", "dense"), sharded=piece.get("sharded"))
 
     @property
     def hi(self) -> int:

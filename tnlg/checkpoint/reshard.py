@@ -11,6 +11,15 @@ past the real size (new vocabulary padding) are zero. Replicated parameters
 TP-rank-0 file. Uneven splits (28 heads over 8 ranks) need nothing special:
 the sizes come from the same :func:`tnlg.config.partition_sizes` the layers use.
 
+Expert parallelism: a mixture of experts' routed-expert parameters (records marked ``experts``) have all
+``E`` experts along dim 0 in the manifest, whatever the EP size. A run at EP > 1 stores each EP rank's
+consecutive ``E / EP`` experts (its TP shard of them) in its own file, ``model_..._epYY`` (``layout.ep``
+records the EP size), and its optimizer pieces in the coordinates of the flattened TP shard of *all* the
+experts (an EP rank's flattened shard is the contiguous range starting at :func:`flat_offset`, dim 0 being the
+outermost), so the optimizer files of any EP size tile the same ranges as the ZeRO pieces of any DP size
+do. A rank loading at any EP size reads the experts it holds (:func:`expert_span`) from the files whose
+experts overlap them, each re-sliced over TP as any parameter.
+
 Pipeline stages change nothing in the tensors: a checkpoint saved at PP > 1 records, per
 parameter, the stage whose files hold it (``pp_rank``, :meth:`.Manifest.stage_of`); every parameter is
 stored once (the last stage's tied copy of the word embedding is not written), so a loading
@@ -19,8 +28,9 @@ rank finds each of its parameters by the GPT's name, whatever stages either side
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -30,8 +40,9 @@ from .files import earlier_iterations
 from .manifest import Manifest, need
 from .stream import SafetensorsReader
 
-__all__ = ["partition_info", "source_tp_ranks", "targets_for", "full_targets", "param_records", "names_for_rank",
-           "check_same_params", "slice_full", "ShardReader", "OptimReader"]
+__all__ = ["partition_info", "source_tp_ranks", "source_files", "targets_for", "full_targets", "param_records",
+           "names_for_rank", "check_same_params", "slice_full", "expert_span", "flat_offset", "ShardReader",
+           "OptimReader"]
 
 
 def partition_info(layout: Mapping[str, ShardSpec], tp_rank: int) -> dict[str, dict]:
@@ -54,6 +65,47 @@ def starts(rec: dict) -> list[int]:
     if rec.get("offsets"):
         return [int(o) for o in rec["offsets"]]
     return [sum(rec["sizes"][:r]) for r in range(len(rec["sizes"]))]
+
+
+def expert_span(target: dict) -> Optional[tuple[int, int]]:
+    """The experts ``[a, b)`` a target of a routed-expert parameter holds (EP rank ``ep_rank`` of ``ep_size``:
+    its consecutive ``E / ep_size``; all ``E`` without them); ``None`` for every other parameter."""
+    if not target.get("experts"):
+        return None
+    n = int(target["shape"][0]) // int(target.get("ep_size", 1))
+    first = int(target.get("ep_rank", 0)) * n
+    return first, first + n
+
+
+def flat_offset(target: dict) -> int:
+    """Where a target's flattened shard starts in the flattened TP shard of all the experts (0 for every other
+    parameter, and at EP 1): optimizer pieces are stored in these coordinates (module docstring)."""
+    span = expert_span(target)
+    return 0 if span is None else span[0] * math.prod(int(d) for d in target["local"][1:])
+
+
+def expert_blocks(meta: Manifest, name: str) -> list[tuple[Optional[int], int, int]]:
+    """How the checkpoint's files hold parameter ``name`` along dim 0: ``(EP rank of the file, first expert,
+    end)`` per file, ``(None, 0, rows)`` where one file per TP rank holds it all (every parameter but the
+    routed experts of a checkpoint saved at EP > 1)."""
+    rec, ep = meta.params[name], meta.layout.ep_size
+    rows = int(rec["shape"][0]) if rec.get("shape") else 1
+    if not rec.get("experts") or ep == 1:
+        return [(None, 0, rows)]
+    n = rows // ep
+    return [(s, s * n, (s + 1) * n) for s in range(ep)]
+
+
+def source_files(meta, name: str, target: dict, file_of) -> set[str]:
+    """The model files a target of parameter ``name`` reads from (``file_of(tp_rank, stage[, ep_rank])``): those
+    of the stored TP shards it overlaps, and of a routed-expert parameter saved at EP > 1 only the EP ranks'
+    whose experts it holds."""
+    m = Manifest.of(meta)
+    span = expert_span(target) or (0, 1 << 62)
+    stage = m.stage_of(name)
+    eps = [s for s, a, b in expert_blocks(m, name) if a < span[1] and span[0] < b]
+    return {file_of(r, stage) if s is None else file_of(r, stage, s)
+            for r in source_tp_ranks(m.params[name], target) for s in eps}
 
 
 def source_tp_ranks(src: dict, target: dict) -> list[int]:
@@ -83,10 +135,12 @@ class ShardReader:
         self.src_tp = int(need(self.meta.layout.tp, "layout.tp"))
         self._open: dict[str, object] = {}
 
-    def _file(self, tp_rank: int, name: str):
+    def _file(self, tp_rank: int, name: str, ep_rank: Optional[int] = None):
         """The open file of TP rank ``tp_rank`` holding parameter ``name`` (``file_of(tp_rank, pipeline
-        stage)``: the stage the manifest records for it, ``None`` at PP 1) and its name."""
-        fname = self.file_of(tp_rank, self.meta.stage_of(name))
+        stage)``: the stage the manifest records for it, ``None`` at PP 1; ``file_of(tp_rank, stage, ep_rank)``
+        for EP rank ``ep_rank``'s experts) and its name."""
+        stage = self.meta.stage_of(name)
+        fname = self.file_of(tp_rank, stage) if ep_rank is None else self.file_of(tp_rank, stage, ep_rank)
         if fname not in self._open:
             path = os.path.join(self.iter_dir, fname)
             try:
@@ -96,28 +150,57 @@ class ShardReader:
                                 f"truncated. Nothing was loaded." + earlier_iterations(self.iter_dir)) from None
         return self._open[fname], fname
 
-    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str) -> torch.Tensor:
-        f, fname = self._file(tp_rank, name)
+    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str,
+               rows: Optional[tuple] = None) -> torch.Tensor:
+        """``[lo, hi)`` along ``dim`` of the stored tensor ``key`` of TP rank ``tp_rank``; ``rows``: ``(EP rank
+        of the file or None, first, end)``, only those rows of dim 0 (read alone)."""
+        f, fname = self._file(tp_rank, name, None if rows is None else rows[0])
         try:
             sl = f.get_slice(key)
+            if rows is not None:
+                if dim == 0:
+                    raise ValueError("an expert parameter is split over TP along dim 0, which holds the experts")
+                return sl[rows[1]:rows[2]].narrow(dim, lo, hi - lo)
             idx = tuple(slice(None) for _ in range(dim)) + (slice(lo, hi),)
             return sl[idx]
         except Exception as exc:  # noqa: BLE001
             raise UserError(f"checkpoint file {os.path.join(self.iter_dir, fname)!r} has no "
                             f"readable tensor {key!r} ({exc}); it is damaged or from another model.") from None
 
-    def _whole(self, tp_rank: int, key: str, name: str) -> torch.Tensor:
-        f, fname = self._file(tp_rank, name)
+    def _whole(self, tp_rank: int, key: str, name: str, rows: Optional[tuple] = None) -> torch.Tensor:
+        f, fname = self._file(tp_rank, name, None if rows is None else rows[0])
         try:
-            return f.get_tensor(key)
+            return f.get_tensor(key) if rows is None else f.get_slice(key)[rows[1]:rows[2]]
         except Exception as exc:  # noqa: BLE001
             raise UserError(f"checkpoint file {os.path.join(self.iter_dir, fname)!r} has no "
                             f"readable tensor {key!r} ({exc}); it is damaged or from another model.") from None
 
+    def _blocks(self, name: str) -> list[tuple[Optional[int], int, int]]:
+        """:func:`expert_blocks` of this checkpoint (the files' experts)."""
+        return expert_blocks(self.meta, name)
+
     def tensor(self, key: str, name: str, target: dict) -> torch.Tensor:
+        """The shard ``target`` describes of stored tensor ``key`` of parameter ``name``: for a routed-expert
+        parameter its experts (:func:`expert_span`) from the files holding them, each part re-sliced over TP."""
+        span = expert_span(target)
+        if span is None:
+            return self._tensor(key, name, target, None)
+        parts = []
+        for ep_rank, a, b in self._blocks(name):
+            lo, hi = max(a, span[0]), min(b, span[1])
+            if lo < hi:
+                local = [hi - lo] + list(target["local"][1:])
+                parts.append(self._tensor(key, name, dict(target, local=local), (ep_rank, lo - a, hi - a)))
+        if sum(p.shape[0] for p in parts) != span[1] - span[0]:
+            raise UserError(f"checkpoint {self.iter_dir!r} holds {sum(p.shape[0] for p in parts)} of the experts "
+                            f"{span[0]}..{span[1] - 1} of {name!r}; it is damaged or from another model.")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _tensor(self, key: str, name: str, target: dict, rows: Optional[tuple]) -> torch.Tensor:
+        """:meth:`tensor` of one block of rows (``rows``: ``(EP rank of the file, first, end)``; ``None``: all)."""
         src = self.meta.params[name]
         if not src["sharded"]:
-            t = self._whole(0, key, name)
+            t = self._whole(0, key, name, rows)
             if list(t.shape) != list(target["local"]):
                 raise UserError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, expected "
                                 f"{tuple(target['local'])}.")
@@ -133,7 +216,7 @@ class ShardReader:
             b = a + size
             lo, hi = max(start, a), min(stop, b, full)
             if lo < hi:
-                piece = self._slice(s, key, dim, lo - a, hi - a, name)
+                piece = self._slice(s, key, dim, lo - a, hi - a, name, rows)
                 if out is None:
                     out = piece.new_zeros(target["local"])
                 out.narrow(dim, lo - start, hi - lo).copy_(piece)
@@ -142,9 +225,15 @@ class ShardReader:
         return out
 
 
-def targets_for(layout: Mapping[str, ShardSpec], tp_rank: int) -> dict[str, dict]:
-    """:func:`partition_info` records tagged with ``tp_rank`` (what :meth:`ShardReader.tensor` wants)."""
-    return {n: dict(r, tp_rank=tp_rank) for n, r in partition_info(layout, tp_rank).items()}
+def targets_for(layout: Mapping[str, ShardSpec], tp_rank: int, ep_rank: int = 0, ep_size: int = 1) -> dict[str, dict]:
+    """:func:`partition_info` records tagged with ``tp_rank`` (what :meth:`ShardReader.tensor` wants); a routed-expert
+    parameter's also with ``ep_rank`` and ``ep_size``, its ``local`` shape this EP rank's ``E / ep_size`` experts."""
+    out = {}
+    for n, r in partition_info(layout, tp_rank).items():
+        out[n] = dict(r, tp_rank=tp_rank)
+        if r.get("experts") and ep_size > 1:
+            out[n].update(ep_rank=ep_rank, ep_size=ep_size, local=[r["local"][0] // ep_size] + r["local"][1:])
+    return out
 
 
 def check_same_params(meta, targets: dict[str, dict], where: str) -> None:
@@ -278,22 +367,33 @@ class OptimReader(ShardReader):
         return out
 
     # ShardReader's hooks, for re-slicing whole source shards after a TP change
-    def _whole(self, tp_rank: int, key: str, name: str) -> torch.Tensor:
+    def _blocks(self, name: str) -> list[tuple[Optional[int], int, int]]:
+        """One block: the pieces of every EP rank are stored in the coordinates of all the experts."""
+        rec = self.meta.params[name]
+        return [(None, 0, int(rec["shape"][0]) if rec.get("shape") else 1)]
+
+    def _whole(self, tp_rank: int, key: str, name: str, rows: Optional[tuple] = None) -> torch.Tensor:
         kind = key.rsplit(".", 1)[1]
         rec = self.meta.params[name]
         shape = list(rec["shape"])
         if rec["sharded"]:
             shape[rec["dim"]] = rec["sizes"][tp_rank]
-        return self._flat(tp_rank, name, kind, 0, self._src_numel(tp_rank, name)).view(shape)
+        if rows is None:
+            return self._flat(tp_rank, name, kind, 0, self._src_numel(tp_rank, name)).view(shape)
+        inner = math.prod(shape[1:])  # (dim 0 outermost: rows a..b are one flat range)
+        return self._flat(tp_rank, name, kind, rows[1] * inner, rows[2] * inner).view([rows[2] - rows[1]] + shape[1:])
 
-    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str) -> torch.Tensor:
-        return self._whole(tp_rank, key, name).narrow(dim, lo, hi - lo)
+    def _slice(self, tp_rank: int, key: str, dim: int, lo: int, hi: int, name: str,
+               rows: Optional[tuple] = None) -> torch.Tensor:
+        return self._whole(tp_rank, key, name, rows).narrow(dim, lo, hi - lo)
 
     def piece(self, name: str, kind: str, target: dict, lo: int, length: int) -> torch.Tensor:
-        """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind``."""
+        """Elements ``[lo, lo + length)`` of the flattened target TP shard of ``name``'s ``kind`` (for a routed-expert
+        parameter, of this EP rank's experts: stored at :func:`flat_offset`)."""
         src = self.meta.params[name]
         same = not src["sharded"] or (list(src["sizes"]) == list(target.get("sizes", [])) and
                                      src["dim"] == target["dim"] and starts(src) == starts(target))
         if same:
-            return self._flat(int(target["tp_rank"]) if src["sharded"] else 0, name, kind, lo, lo + length)
+            at = flat_offset(target) + lo
+            return self._flat(int(target["tp_rank"]) if src["sharded"] else 0, name, kind, at, at + length)
         return self.tensor(f"{name}.{kind}", name, target).reshape(-1)[lo:lo + length].clone()

@@ -45,6 +45,7 @@ failed never leaves the others waiting for the process-group timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -64,7 +65,8 @@ from . import torch_file
 from .compat import data_record, options_record
 from .manifest import Layout, Manifest, OptimFile, OptimizerState, RngLayout, Schedule
 from .pieces import OptimPiece
-from .reshard import names_for_rank, param_records, partition_info
+from . import buffers as B
+from .reshard import flat_offset, names_for_rank, param_records, partition_info, targets_for
 from .rng import capture
 from .stages import assign_stages, chunk_layers_of, stage_record, stored_names
 from .stream import StreamWriter
@@ -94,15 +96,13 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
     ``adapters``: a LoRA run's record (the manifest's ``adapters``: its settings and frozen base), whose
     ``model.layout()`` then names the adapters alone (:mod:`tnlg.training.adapter_checkpoint`).
     """
-    if ps.ep_size > 1:
-        raise UserError(f"a checkpoint of an expert-parallel run (EP {ps.ep_size}) is not written yet: its format "
-                        "records every parameter's TP split, and each EP rank holds other experts under the same "
-                        "names (saving and resharding across EP are not built; docs/moe.md). Gather the model "
-                        "(tnlg.parallel.sharding.full_state_dict gathers the experts over EP) or train at EP 1.")
     root = os.path.abspath(save_dir)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
-    records = param_records(model.layout())  # the whole GPT's parameters at this TP size, from the model
+    layout = model.layout()  # the whole GPT's parameters at this TP size, from the model
+    records = param_records(layout)
+    ep, ep_rank = ps.size("ep"), ps.rank_in("ep")
+    targets = targets_for(layout, ps.tp_rank, ep_rank, ep)
     if ps.pp_size == 1 and set(engine.param_names) != set(records):
         raise RuntimeError(f"engine parameters {sorted(set(engine.param_names) ^ set(records))[:4]} do not match "
                            f"the model's partition records; cannot save.")
@@ -114,10 +114,18 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
                **({} if pp is None else dict(pp_rank=ps.pp_rank, pp_size=ps.pp_size)))
     written: dict[str, _Written] = {}
     failure = _SaveFailure(root, iteration, ps)
-    written.update(_write_model(tmp, engine, names, ps, tag, failure))  # collective with ZeRO-3: never skipped
+    # at EP > 1 each EP rank's routed experts go to its own file (reshard's module docstring), the rest as before
+    experts = {n for n in names if records[n].get("experts")} if ep > 1 else set()
+    bufs = B.persistent_buffers(model) if ps.tp_rank == 0 and ps.dp_rank == 0 else []
+    written.update(_write_model(tmp, engine, [n for n in names if n not in experts], ps, tag, failure,
+                                F.model_file(ps.tp_rank, pp), ps.dp_rank == 0, bufs))  # collective with ZeRO-3
+    if experts:
+        written.update(_write_model(tmp, engine, [n for n in names if n in experts], ps,
+                                    dict(tag, ep_rank=ep_rank, ep_size=ep), failure,
+                                    F.model_file(ps.tp_rank, pp, ep_rank), ps.rank_in("edp") == 0))
     if failure.ok:
         with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank, pp))):
-            written.update(_write_optimizer(tmp, engine, set(names), ps, tag))
+            written.update(_write_optimizer(tmp, engine, set(names), ps, tag, targets))
     rng_name = F.rng_file(ps.dp_rank, ps.tp_rank, pp)
     if failure.ok:
         with failure.guard(os.path.join(tmp, rng_name)):
@@ -131,10 +139,12 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         options=options_record(options), data=data_record(options),
         tokenizer=tokenizer.describe() if tokenizer else None,
         layout=Layout(tp=ps.tp_size, dp=ps.dp_size, world=ps.world_size,
-                      param_dtype=str(engine.param_dtype).replace("torch.", ""), pp=pp_size),
+                      param_dtype=str(engine.param_dtype).replace("torch.", ""), pp=pp_size,
+                      ep=ep if ep > 1 else None),
         params=records, optimizer=optimizer, rng=RngLayout(tp=ps.tp_size, dp=ps.dp_size, pp=pp_size),
         schedule=_schedule(options, optimizer, schedule_steps), adapters=adapters)
-    _finish(root, tmp, final, iteration, (written, stage), ps, manifest, keep_last, failure)
+    _finish(root, tmp, final, iteration, (written, stage, B.records(model, pp) if bufs else {}), ps, manifest,
+            keep_last, failure)
     return final
 
 
@@ -228,15 +238,16 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
-def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict, failure: _SaveFailure) -> dict:
-    """DP rank 0 of each TP rank streams its TP shard of the weights (stage 3: every DP rank joins
-    each parameter's all-gather, also after a write failed). Returns ``{file: record}`` for the files
-    this rank wrote."""
-    fname = F.model_file(ps.tp_rank, tag.get("pp_rank"))
+def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dict, failure: _SaveFailure,
+                 fname: str, writes: bool, buffers=()) -> dict:
+    """The rank that ``writes`` (DP rank 0 of each TP rank; for an EP rank's experts, its expert-DP rank 0) streams
+    its TP shard of the weights ``names`` into ``fname``, then ``buffers`` (``(name, tensor)``, the model's saved
+    buffers: :mod:`.buffers`) (stage 3: every DP rank joins each parameter's all-gather, also after a write
+    failed). Returns ``{file: record}`` for the files this rank wrote."""
     path = os.path.join(tmp, fname)
-    writes = ps.dp_rank == 0
     stream = None
     out = {}
+    specs = _param_specs(engine, names) + [(n, tuple(b.shape), b.dtype) for n, b in buffers]
     for name, tensor in engine.param_tensors(names):
         if writes and failure.ok and not all_finite(tensor):  # one parameter at a time: its min and max
             stage = "" if tag.get("pp_rank") is None else f", pipeline stage {tag['pp_rank']}"
@@ -244,12 +255,14 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
         if writes and failure.ok:
             with failure.guard(path):
                 if stream is None:
-                    stream = StreamWriter(path, _param_specs(engine, names), tag)
+                    stream = StreamWriter(path, specs, tag)
                 stream.write(name, tensor)
     if writes and failure.ok:
         with failure.guard(path):
             if stream is None:
-                stream = StreamWriter(path, [], tag)
+                stream = StreamWriter(path, specs, tag)
+            for name, b in buffers:
+                stream.write(name, b)
             size, sha = stream.close()
             out[fname] = _Written(size, sha)
     if writes and not failure.ok and stream is not None:
@@ -258,13 +271,20 @@ def _write_model(tmp: str, engine, names: list[str], ps: ParallelState, tag: dic
     return out
 
 
-def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict) -> dict:
-    """Every rank owning optimizer state streams exactly what it owns, as flat pieces."""
+def _write_optimizer(tmp: str, engine, names: set, ps: ParallelState, tag: dict, targets: dict) -> dict:
+    """Every rank owning optimizer state streams exactly what it owns, as flat pieces: where a kind's pieces are
+    not partitioned (ZeRO 0), only the rank 0 of its gradient group writes them (DP rank 0; for the routed
+    experts, each EP rank's expert-DP rank 0, its pieces shifted to its experts: :func:`.reshard.flat_offset`)."""
     pieces, sharded = _owned_pieces(engine)
-    if not sharded and ps.dp_rank != 0:
+    mine = []
+    for pc in pieces:
+        kind_sharded = sharded if pc.sharded is None else pc.sharded
+        first = ps.rank_in("edp") == 0 if pc.kind == "expert" else ps.dp_rank == 0
+        if pc.name in names and pc.length > 0 and (kind_sharded or first):
+            mine.append(dataclasses.replace(pc, lo=pc.lo + flat_offset(targets[pc.name])))
+    if not mine and not sharded and ps.dp_rank != 0:
         return {}
-    pieces = [pc for pc in pieces if pc.name in names and pc.length > 0]
-    return _write_pieces(tmp, pieces, ps.tp_rank, ps.dp_rank, tag)
+    return _write_pieces(tmp, mine, ps.tp_rank, ps.dp_rank, tag)
 
 
 def _write_pieces(tmp: str, pieces: Sequence[OptimPiece], tp_rank: int, dp_rank: int, tag: dict,
@@ -302,7 +322,8 @@ def _file_sections(files: dict[str, _Written]) -> dict:
 
 def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps: ParallelState,
             manifest: Manifest, keep_last: Optional[int], failure: _SaveFailure) -> None:
-    """Share what every rank wrote (``written``: its files and its :func:`.stages.stage_record`); rank 0
+    """Share what every rank wrote (``written``: its files, its :func:`.stages.stage_record` and the manifest
+    records of the buffers it wrote); rank 0
     completes the manifest (each parameter's stage, the files) and commits; every rank learns whether the
     commit worked."""
     if is_distributed():
@@ -311,10 +332,12 @@ def _finish(root: str, tmp: str, final: str, iteration: int, written: tuple, ps:
     else:
         gathered = [written]
     if ps.rank == 0:
-        files = {k: v for d, _ in gathered for k, v in d.items()}
+        files = {k: v for d, _, _ in gathered for k, v in d.items()}
+        buffers = {k: v for _, _, b in gathered for k, v in b.items()}
         with failure.guard(os.path.join(tmp, F.META)):
-            params, pipeline = assign_stages(manifest.params, [stage for _, stage in gathered])
-            manifest = manifest.replace(params=params, pipeline=pipeline, **_file_sections(files),
+            params, pipeline = assign_stages(manifest.params, [stage for _, stage, _ in gathered])
+            manifest = manifest.replace(params=params, pipeline=pipeline, buffers=buffers or None,
+                                        **_file_sections(files),
                                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
             commit(root, tmp, final, iteration, manifest, keep_last)
     failure.agree(tmp if failure.error is not None and os.path.isdir(tmp) else None)
@@ -331,7 +354,9 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
     ``states[name]`` may be such a mapping too). ``layout``: how the model of ``meta``'s configuration splits
     over ``tp_size`` ranks (:meth:`tnlg.model.GPT.describe`)."""
     root = os.path.abspath(root)
-    manifest = Manifest.of(meta).without("pipeline")  # one stage: a pipeline checkpoint's stages are not kept
+    # one stage: a pipeline checkpoint's stages are not kept; nor its buffers (a router's expert bias: not carried by
+    # a conversion yet, and a load of the result says so)
+    manifest = Manifest.of(meta).without("pipeline", "buffers")
     iteration = int(manifest.iteration)
     final = os.path.join(root, F.iter_dir_name(iteration))
     tmp = os.path.join(root, _tmp_name(iteration))
@@ -346,7 +371,7 @@ def write_offline(root: str, meta, tp_size: int, shard_of_rank, rng_of_rank=None
             files.update(_write_offline_rank(tmp, layout, tp_size, r, iteration, dtype, shard_of_rank, rng_of_rank))
         manifest = manifest.extended(  # (the keys it has keep their places: the files of before)
             format=F.FORMAT, params=records, **_file_sections(files),
-            layout=manifest.layout.without("pp").extended(tp=tp_size, dp=1, world=tp_size),
+            layout=manifest.layout.without("pp", "ep").extended(tp=tp_size, dp=1, world=tp_size),
             rng=RngLayout(tp=tp_size, dp=1) if rng_of_rank is not None else None)
         commit(root, tmp, final, iteration, manifest, None)
     except BaseException:  # a source that fails while it is read (a damaged file): no debris, a rerun works

@@ -19,12 +19,42 @@ the decoder hands them out.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-__all__ = ["ForwardContext"]
+__all__ = ["ForwardContext", "AuxLosses"]
+
+
+class AuxLosses(MutableMapping):
+    """The named auxiliary losses of one forward (:attr:`ForwardContext.aux`): a mapping that is deliberately no
+    ``dict``. FSDP2's hooks pass a unit's arguments through ``torch.distributed.utils._apply_to_tensors``, which
+    rebuilds every dict and dataclass it meets; a ``dict`` of losses would then be a fresh copy in each block, and
+    the terms the later blocks add would be lost. This object is passed through as it is (the context around it
+    may be copied: the copies share it)."""
+
+    def __init__(self) -> None:
+        self._terms: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._terms[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._terms[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._terms[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._terms)
+
+    def __len__(self) -> int:
+        return len(self._terms)
+
+    def __repr__(self) -> str:
+        return f"AuxLosses({self._terms!r})"
 
 
 @dataclass
@@ -46,7 +76,7 @@ class ForwardContext:
     attention_mask: Optional[torch.Tensor] = None
     kv_cache: Optional[Any] = None
     last_only: bool = False
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux: AuxLosses = field(default_factory=AuxLosses)
     masks: dict[Hashable, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     def shared(self, key: Hashable, build: Callable[[], Any]) -> Any:

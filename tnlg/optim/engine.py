@@ -352,6 +352,7 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
                         f"buffers), not for stage {zero_stage} (FSDP2 reduces and keeps gradients in the "
                         f"parameters' 16-bit dtype). Drop the flag or use --zero-stage 1.")
     init_fn = init_fn or getattr(model, "initial_shard", None)
+    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     kw = dict(betas=betas, eps=eps, weight_decay=weight_decay, decay_fn=decay_fn, param_dtype=param_dtype,
               init_fn=init_fn)
     backend: DataParallelBackend
@@ -363,8 +364,23 @@ def build_engine(model: nn.Module, ps: ParallelState, zero_stage: int = 1, lr: f
                     grad_dtype=torch.float32 if accumulate_grads_in_fp32 else None, **kw)
         # with expert parallelism, one flat backend per gradient kind (tnlg.optim.kinds)
         backend = KindsBackend(model, ps, stage, **flat) if experts else FlatZero(model, ps, stage, **flat)
+    _materialise_buffers(backend.model, meta_buffers, ps.device)
     return Engine(backend, ps, zero_stage, float(lr), float(clip_grad), grad_accum_steps, loss_scaler,
                   betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _materialise_buffers(model: nn.Module, names: list[str], device: torch.device) -> None:
+    """The buffers ``names`` of a model built on the meta device, created on ``device`` at zero (after the backend
+    materialised the parameters; FSDP's ``to_empty`` leaves them uninitialised): every buffer a tnlg model has
+    starts at zero (a router's expert bias and its token counts, :class:`tnlg.model.moe.Router`)."""
+    if device.type == "meta":
+        return
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        old = module._buffers[leaf]
+        assert old is not None  # (named_buffers lists set buffers only)
+        module._buffers[leaf] = torch.zeros(old.shape, dtype=old.dtype, device=device)
 
 
 def check_optimizer_args(lr, weight_decay, betas, eps, clip_grad, grad_accum_steps, bucket_size_mb) -> None:

@@ -34,6 +34,14 @@ Collectives (DP group) per training step:
 
 The ``tp_sharded`` (and ``partition_*``) attributes of the original
 parameters are copied onto FSDP's sharded parameters, which FSDP creates anew.
+
+Expert parallelism (a mixture of experts at EP > 1): each routed-experts module (the parameters of gradient kind
+``"expert"``, :class:`tnlg.model.moe.GroupedExperts`) is its own FSDP unit over a second mesh, the
+expert-data-parallel group (the ranks holding the same experts, ``ps.group("edp")``; torchtitan shards its
+experts so), sharded before the block around it: its gradients are reduce-scattered (averaged) over expert-DP
+and its parameters all-gathered over it, the dense ones over DP x CP as before. The gradient norm adds the
+experts' sum of squares all-reduced over expert-DP, TP and EP to the dense one's. An expert-DP group of one
+rank (EP = DP x CP) has nothing to shard: refused by name (ZeRO 1 is the same there).
 """
 
 from __future__ import annotations
@@ -132,11 +140,16 @@ class FSDPZero(ShardedBackend):
                  init_fn: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None):
         if stage not in (2, 3):
             raise ValueError(f"FSDPZero implements ZeRO stages 2 and 3, got {stage}.")
+        before = [(n, p) for n, p in model.named_parameters()]
+        experts = {n for n, p in before if getattr(p, "gradient_kind", "dense") == "expert"} if ps.ep_size > 1 else set()
+        if experts and ps.size("edp") < 2:
+            raise UserError(f"--zero-stage {stage} with expert parallelism EP {ps.ep_size} = DP x CP: each expert is "
+                            "held by one rank (an expert-data-parallel group of one), so FSDP has nothing to shard of "
+                            "the experts; use --zero-stage 1 (the same memory for the experts), or an EP below DP x CP.")
         if ps.dp_size < 2 or ps.dp_group is None:
             raise ValueError("FSDP sharding needs a data-parallel group of at least 2 ranks.")
         self.ps, self.stage = ps, stage
 
-        before = [(n, p) for n, p in model.named_parameters()]
         flags = {n: is_tp_sharded(n, p, ps) for n, p in before}
         duplicate = {n for n, p in before if getattr(p, "pipeline_duplicate", False)}
         decay = {n: bool(decay_fn(n, p)) for n, p in before}
@@ -164,6 +177,7 @@ class FSDPZero(ShardedBackend):
         self.counted = [n not in duplicate for n in self.names]
         self.norm_skip = [skip[n] for n in self.names]
         self.decay = [decay[n] for n in self.names]
+        self.expert = [n in experts for n in self.names]  # (sharded over expert-DP: module docstring)
         self._build_optimizer(betas, eps, weight_decay)
 
     def _shard(self, model: nn.Module, reshard: bool, before: list, init_fn) -> None:
@@ -176,9 +190,14 @@ class FSDPZero(ShardedBackend):
         mesh_device = "cpu" if ps.device.type == "meta" else ps.device.type
         assert ps.dp_group is not None  # (__init__ refuses a DP of one rank)
         self.mesh = DeviceMesh.from_group(ps.dp_group, device_type=mesh_device)
+        edp = ps.group("edp") if ps.ep_size > 1 else None
+        expert_mesh = None if edp is None else DeviceMesh.from_group(edp, device_type=mesh_device)
         self.roots = fsdp_roots(model)
         for root in self.roots:
             for unit in fsdp_units(root):
+                for m in unit.modules() if expert_mesh is not None else ():  # the experts first, over expert-DP
+                    if any(getattr(p, "gradient_kind", "dense") == "expert" for p in m.parameters(recurse=False)):
+                        fully_shard(m, mesh=expert_mesh, reshard_after_forward=reshard)
                 fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
             fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
         if self.roots[0] is not model:
@@ -235,14 +254,53 @@ class FSDPZero(ShardedBackend):
         for p in self.params:
             yield None if p.grad is None else _dt(p.grad).to_local()
 
-    def grad_pieces(self):
+    def grad_pieces(self, expert: bool = False):
+        """``(gradient shard, tp_sharded)`` the norm counts, of the dense parameters (``expert``: of the experts)."""
         dp, rank = self.ps.dp_size, self.ps.dp_rank
-        for g, f, counted, (skip, rows) in zip(self._local_grads(), self.tp_sharded, self.counted, self.norm_skip):
-            if g is not None and counted:
+        for g, f, counted, (skip, rows), kind in zip(self._local_grads(), self.tp_sharded, self.counted,
+                                                      self.norm_skip, self.expert):
+            if g is not None and counted and kind == expert:
                 if skip:  # FSDP2 holds rows [rank * ceil(rows / dp), ...) of the TP slice
                     start = rank * -(-rows // dp)
                     g = g[min(max(skip - start, 0), g.shape[0]):]
                 yield g, f
+
+    def step(self, lr: float, clip_grad: float, loss_scale: float, loss: Optional[torch.Tensor] = None):
+        """:meth:`ShardedBackend.step`; with experts sharded over expert-DP (module docstring) the norm is the dense
+        parameters' plus the experts' (summed over expert-DP, TP and EP), as :class:`tnlg.optim.kinds.KindsBackend`
+        computes it at ZeRO 1."""
+        if not any(self.expert):
+            return super().step(lr, clip_grad, loss_scale, loss)
+        import math
+
+        import torch.distributed as dist
+
+        from .backend import StepResult
+        from .clip import _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
+        dense = global_sum_of_squares(*squared_sums(self.grad_pieces()), self.ps, True)
+        sh, rep = squared_sums(self.grad_pieces(expert=True))
+        experts = (_as_device_scalar(sh, self.ps.device) + _as_device_scalar(rep, self.ps.device)).reshape(1)
+        for g in (self.ps.group("edp"), self.ps.tp_group, self.ps.group("ep")):
+            if g is not None:
+                dist.all_reduce(experts, group=g)
+        total = dense + experts[0].to(dense)
+        from torch._subclasses.fake_tensor import is_fake
+        if is_fake(total):  # (plan --simulate: no values to read)
+            from .clip import SIMULATED_NORM
+            return StepResult(SIMULATED_NORM, False, 1.0, None if loss is None else 0.0)
+        values = [total.item()] if loss is None else torch.stack([total, loss.detach().reshape(()).to(total)]).tolist()
+        norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
+        loss_value = None if loss is None else values[1]
+        norm = norm / loss_scale if loss_scale != 1.0 else norm
+        skipped = (loss_value is not None and not math.isfinite(loss_value)) or not math.isfinite(norm)
+        coeff = clip_coefficient(norm, clip_grad)
+        if not skipped:
+            self.adam_step(lr, coeff / loss_scale)
+        return StepResult(norm, skipped, coeff, loss_value)
+
+    def state_group(self, name: str):
+        """The expert-DP group for a routed expert's parameter (module docstring), else DP (x CP)."""
+        return self.ps.group("edp") if self.expert[self._index[name]] else self.ps.dp_group
 
     def grad_view(self, name: str) -> torch.Tensor:
         """This rank's shard of parameter ``name``'s gradient (after the reduce-scatter), a view."""
@@ -297,7 +355,8 @@ class FSDPZero(ShardedBackend):
             row = p.numel() // p.shape[0]
             out.append(dict(name=n, lo=int(offset[0]) * row, length=local.numel(), param=local.view(-1),
                             exp_avg=m.view(-1), exp_avg_sq=v.view(-1),
-                            master=None if mst is None else mst.view(-1)))
+                            master=None if mst is None else mst.view(-1),
+                            **(dict(kind="expert", sharded=True) if self.expert[self._index[n]] else {})))
         return out
 
     def param_tensors(self, names):

@@ -14,7 +14,7 @@ all-reduces: DP and TP for the dense sum, expert-DP, TP and EP for the experts',
 parameter all-gathers per kind.
 
 At EP 1 the expert-DP ranks are the DP x CP ranks and the engine uses one :class:`FlatZero` (nothing
-changes); ZeRO 2 and 3 (FSDP2) with EP > 1 are refused by name (:func:`tnlg.optim.engine.build_engine`).
+changes); ZeRO 2 and 3 with EP > 1 are FSDP2's, the experts sharded over their own mesh (:mod:`tnlg.optim.fsdp`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import UserError
 from ..parallel.state import ParallelState
 from .backend import StepResult
 from torch._subclasses.fake_tensor import is_fake
@@ -43,15 +42,10 @@ def is_expert(name: str, param: torch.Tensor) -> bool:
 
 
 def needs_kinds(model: nn.Module, ps: ParallelState, zero_stage: int) -> bool:
-    """Whether ``model`` needs a backend per gradient kind: expert parameters split over EP > 1 ranks. One
-    :class:`UserError` for ZeRO 2 / 3 (FSDP2) then, which reduces every gradient over one group."""
+    """Whether ``model`` needs a flat backend per gradient kind: expert parameters split over EP > 1 ranks, at
+    ZeRO 0 or 1 (at 2 and 3 FSDP2 shards the experts over their own mesh: :mod:`tnlg.optim.fsdp`)."""
     experts = ps.ep_size > 1 and any(is_expert(n, p) for n, p in model.named_parameters())
-    if experts and zero_stage >= 2 and ps.dp_size > 1:
-        raise UserError(f"expert parallelism (EP {ps.ep_size}) trains with --zero-stage 0 or 1 (tnlg's flat buffers, "
-                        "one per gradient kind: the experts' gradients reduced and partitioned over the "
-                        "expert-data-parallel ranks); FSDP2's stages 2 and 3 with a second gradient group are not "
-                        "built yet. Use --zero-stage 1, or EP 1.")
-    return experts
+    return experts and not (zero_stage >= 2 and ps.dp_size > 1)
 
 
 class KindsBackend:
@@ -131,12 +125,16 @@ class KindsBackend:
     def _owner(self, name: str) -> FlatZero:
         return self.dense if name in self.dense._index else self.expert
 
-    # ----------------------------------------------------------------- state (checkpoints refuse EP > 1)
+    # ----------------------------------------------------------------- state (what checkpoints save and load)
     def param_shapes(self) -> dict[str, tuple]:
         return {**self.dense.param_shapes(), **self.expert.param_shapes()}
 
     def owned_pieces(self) -> list[dict]:
-        return self.dense.owned_pieces() + self.expert.owned_pieces()
+        """Both kinds' pieces (``FlatZero.owned_pieces``), each tagged with its gradient ``kind`` and whether that
+        kind's pieces are ``sharded`` over its gradient ranks (the expert-DP ranks may be one where DP x CP is
+        not, so each kind says it: a checkpoint writes an unsharded kind from its group's rank 0)."""
+        return [dict(pc, kind=kind, sharded=part.pieces_sharded_over_dp)
+                for kind, part in (("dense", self.dense), ("expert", self.expert)) for pc in part.owned_pieces()]
 
     def optimizer_state_by_param(self) -> dict[str, dict]:
         return {**self.dense.optimizer_state_by_param(), **self.expert.optimizer_state_by_param()}

@@ -103,11 +103,17 @@ class ShardedBackend:
         for pc in self.owned_pieces():
             for k in ("exp_avg", "exp_avg_sq"):
                 out[pc["name"]][k].view(-1)[pc["lo"]:pc["lo"] + pc["length"]].copy_(pc[k])
-        if self.pieces_sharded_over_dp and self.ps.dp_group is not None:
+        if self.pieces_sharded_over_dp:
             for n in self.names:
-                for k in ("exp_avg", "exp_avg_sq"):
-                    dist.all_reduce(out[n][k], group=self.ps.dp_group)
+                group = self.state_group(n)
+                for k in ("exp_avg", "exp_avg_sq") if group is not None else ():
+                    dist.all_reduce(out[n][k], group=group)
         return out
+
+    def state_group(self, name: str):
+        """The ranks parameter ``name``'s optimizer state is partitioned over: DP (x CP) (FSDP2 shards a mixture of
+        experts' routed experts over their expert-DP ranks instead: :mod:`tnlg.optim.fsdp`)."""
+        return self.ps.dp_group
 
     @torch.no_grad()
     def load_optimizer_state_by_param(self, states: dict) -> None:

@@ -114,6 +114,10 @@ class ParallelOptions:
     context_parallel_size: int = option(1, flags=FLAGS["cp"],
                                         help="context-parallel ranks: each sequence split into 2 x CP chunks, "
                                         "attention by a ring (world = TP x CP x DP; docs/context_parallel.md)")
+    expert_model_parallel_size: int = option(1, flags=FLAGS["ep"],
+                                             help="with --num-experts: expert-parallel size, the experts split over "
+                                             "this many ranks carved from DP x CP (megatron-core's MoE parallel "
+                                             "folding; docs/moe.md)")
     pipeline_schedule: str = option("1f1b", choices=["1f1b", "gpipe", "interleaved"],
                                     help="with --pp > 1: torch's Schedule1F1B, ScheduleGPipe or "
                                     "ScheduleInterleaved1F1B")
@@ -141,7 +145,7 @@ class ParallelOptions:
 
     def __post_init__(self):
         check_positive(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
-                       cp=self.context_parallel_size)
+                       cp=self.context_parallel_size, ep=self.expert_model_parallel_size)
         optional_positive_int(self, "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                               "decoder_last_pipeline_num_layers")
         if self.pipeline_schedule not in ("1f1b", "gpipe", "interleaved"):

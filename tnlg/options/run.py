@@ -12,8 +12,8 @@ from .components import (COMPONENTS, AdapterOptions, CheckpointOptions, DataOpti
                          ParallelOptions, PrecisionOptions, ScheduleOptions)
 from .fields import option_fields
 from .context import check_context_parallel_options
-from .experts import check_expert_options
-from ..layout import ParallelDims, World
+from .experts import check_expert_options, check_expert_sharding
+from ..layout import ParallelDims, World, check_expert_parallel_size
 from .pipeline import check_pipeline, virtual_stages
 
 __all__ = ["Options", "OPTION_NAMES", "MUST_MATCH", "option_defaults", "model_config"]
@@ -125,6 +125,10 @@ class Options:
         if world_size is None:
             return None
         dims = self.dims(world_size)
+        if self.parallel.expert_model_parallel_size > 1:  # (EP 1: no experts split, whatever the model)
+            check_expert_parallel_size(self.parallel.expert_model_parallel_size, dims.dp, dims.cp,
+                                       f" of {dims.describe()}")
+            check_expert_sharding(self, dims.dp, dims.cp)
         micro, gbs = self.schedule.micro_batch_size, self.schedule.global_batch_size
         assert gbs is not None  # (the default, micro batch x DP, is set once the layout is known)
         if dims.pp > 1:

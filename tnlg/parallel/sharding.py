@@ -14,7 +14,8 @@ Every parameter of a TP model carries the attributes named in :data:`TP_ATTRS`:
 * ``expert_split``: a mixture of experts' expert parameter, ``(ep_rank, ep_size)``: its dim 0 (the experts)
   holds this expert-parallel rank's ``1 / ep_size`` of them, consecutive (:mod:`tnlg.parallel.experts`).
   :func:`full_shape`, :func:`shard_of` and :func:`gather_full` (so the full state dict) include the EP split;
-  a :class:`ShardSpec` describes the TP split alone (checkpoints of expert-parallel runs are not built yet).
+  a :class:`ShardSpec` describes the TP split and says whether dim 0 holds the experts (``experts``), which
+  checkpoints split over the EP ranks of a run (:mod:`tnlg.checkpoint.reshard`).
 
 Layers set them (:func:`mark_sharded`, :func:`mark_replicated`); initialisation,
 checkpoints, resharding, the data-parallel engines and the planner read them through
@@ -58,13 +59,15 @@ class ShardSpec:
     ``shape``: the full (unsplit, unpadded) shape; ``dim``: the split dimension (``None``:
     replicated); ``sizes``: every rank's size along ``dim`` (their sum may exceed
     ``shape[dim]`` by padding, e.g. vocabulary rows); ``offsets``: where each rank's slice starts,
-    given only for slices that may overlap (default: back to back).
+    given only for slices that may overlap (default: back to back); ``experts``: dim 0 holds a mixture of
+    experts' routed experts (``shape[0]`` all of them), which expert parallelism splits over its EP ranks.
     """
 
     shape: tuple[int, ...]
     dim: Optional[int] = None
     sizes: tuple[int, ...] = ()
     offsets: tuple[int, ...] = ()
+    experts: bool = False
 
     def start(self, tp_rank: int) -> int:
         """Where TP rank ``tp_rank``'s slice starts along ``dim``."""
@@ -94,18 +97,21 @@ class ShardSpec:
     @classmethod
     def of(cls, param: torch.Tensor) -> "ShardSpec":
         """The spec a marked parameter carries."""
+        experts = hasattr(param, "expert_split")
         if not _sharded(param):
-            return cls(tuple(param.shape))
-        return cls(full_shape(param), _dim(param), _sizes(param), _offsets(param))
+            return cls(full_shape(param), experts=experts)
+        return cls(full_shape(param), _dim(param), _sizes(param), _offsets(param), experts)
 
     def record(self, tp_rank: int) -> dict:
         """The JSON record checkpoints keep (``shape``, ``local``, ``sharded``; for a split parameter
-        ``dim``, ``sizes`` and ``full_size``)."""
+        ``dim``, ``sizes`` and ``full_size``; ``experts`` for a mixture of experts' routed experts)."""
         rec = dict(shape=list(self.shape), local=list(self.local_shape(tp_rank)), sharded=self.sharded)
         if self.dim is not None:
             rec.update(dim=self.dim, sizes=list(self.sizes), full_size=self.shape[self.dim])
             if self.offsets:
                 rec["offsets"] = list(self.offsets)
+        if self.experts:
+            rec["experts"] = True
         return rec
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError, agreed
-from ..layout import AXES, EXPERT_AXES, ParallelDims, World
+from ..layout import AXES, EXPERT_AXES, ParallelDims, World, check_expert_parallel_size
 
 __all__ = ["ParallelState", "init_parallel", "init_expert_parallel", "expert_group_ranks", "EXPERT_AXES", "destroy_parallel", "pick_device", "is_distributed", "max_over_world",
            "agree_on_failure", "from_rank0", "GRADIENT_AXES"]
@@ -328,12 +328,8 @@ def init_expert_parallel(ps: ParallelState, expert_parallel_size: int,
     """``ps`` with the expert-parallel and expert-data-parallel groups of ``expert_parallel_size`` (EP
     carved from DP x CP, :func:`expert_group_ranks`). Collective over the world (``new_group``) when EP > 1
     or expert-DP > 1; one :class:`UserError` when EP does not divide DP x CP."""
-    ep, n = expert_parallel_size, ps.dp_size * ps.cp_size
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or n % ep:
-        from ..config import divisors
-        raise UserError(f"--expert-model-parallel-size {ep!r} does not divide the data-parallel x context-parallel "
-                        f"size {n}: the experts are split over EP ranks carved from DP x CP (megatron-core's MoE "
-                        f"parallel folding). Valid expert-parallel sizes: {divisors(n)}.")
+    ep = expert_parallel_size
+    check_expert_parallel_size(ep, ps.dp_size, ps.cp_size)
     if ep == 1:
         return dataclasses.replace(ps, ep_size=1, ep_group=None, edp_group=None)
     mine: dict = dict(ep_group=None, edp_group=None)

@@ -164,7 +164,7 @@ class Trainer:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # (DeepSpeed ZeRO-3)
         prec, pipeline = o.precision, f"PP={ps.pp_size} ({o.parallel.pipeline_schedule}) x " if ps.pp_size > 1 else ""
         self._log(f"tnlg {'finetune' if self.o.checkpoint.finetune else 'pretrain'}: {n_params:,} parameters on this rank "
-                  f"({pipeline}TP={ps.tp_size} x {f'CP={ps.cp_size} x ' if ps.cp_size > 1 else ''}DP={ps.dp_size}, ZeRO stage {o.parallel.zero_stage}, {self.accum} "
+                  f"({pipeline}TP={ps.tp_size} x {f'CP={ps.cp_size} x ' if ps.cp_size > 1 else ''}DP={ps.dp_size}{f' (EP={ps.ep_size})' if ps.ep_size > 1 else ''}, ZeRO stage {o.parallel.zero_stage}, {self.accum} "
                   f"accumulation step(s), {'bf16' if prec.bf16 else 'fp16' if prec.fp16 else 'fp32'}); "
                   f"{sch.train_iters} iterations of {gbs} x {cfg.seq_length} tokens; peak {self.peak:.3f} TFLOP/s "
                   f"per rank ({'--peak-tflops' if o.logging.peak_tflops else _MEASURED}); attention kernel "

@@ -19,7 +19,7 @@ from ..options import Options, ParallelOptions, PrecisionOptions
 from ..options.pipeline import virtual_stages
 from ..model.stage import StageModel
 from ..parallel.pipeline import chunk_layers
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, init_expert_parallel
 from ..runtime.launch import join
 
 if TYPE_CHECKING:  # torch's pipelining imports torch._dynamo (1.3 CPU-s): loaded only by a pipeline's run
@@ -35,6 +35,7 @@ def init_run(o: Options) -> tuple[ParallelState, int]:
     ps = join(par.tensor_model_parallel_size, timeout=timedelta(minutes=par.distributed_timeout_minutes),
               device=o.precision.device, pipeline_parallel_size=par.pipeline_model_parallel_size,
               context_parallel_size=par.context_parallel_size)
+    ps = init_expert_parallel(ps, par.expert_model_parallel_size)  # (EP 1: ps as it was)
     if sch.global_batch_size is None:  # Megatron's default, when resolve did not know the layout
         sch.global_batch_size = sch.micro_batch_size * ps.dp_size
     dims = o.check_layout(ps.world_size)  # the global batch and the stages' micro batches, now that DP is known
