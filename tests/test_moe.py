@@ -173,6 +173,7 @@ def test_the_moe_presets_have_the_published_total_and_active_counts(name, total,
 
 @pytest.mark.parametrize("over,words", [
     (dict(context_parallel_size=2, moe_expert_capacity_factor=1.0), "--context-parallel-size 2 and --moe-expert"),
+    (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "--expert-tensor-parallel-size 1: tnlg splits"),
 ])
 def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
     from tests.tiny import tiny_options
@@ -184,6 +185,7 @@ def test_pretrain_refuses_the_moe_layouts_not_built_yet(over, words):
     tiny_options(2, **moe)  # (TP x DP runs, CP when dropless, and pipelines)
     tiny_options(2, **moe, context_parallel_size=2)
     tiny_options(2, **moe, pipeline_model_parallel_size=2)
+    tiny_options(2, **moe, tensor_model_parallel_size=2, expert_tensor_parallel_size=2)  # (expert TP = TP)
 
 
 def test_moe_models_no_hf_class_computes_and_megatron_exports_without_the_expert_bias_are_refused_by_name():

@@ -118,6 +118,9 @@ class ParallelOptions:
                                              help="with --num-experts: expert-parallel size, the experts split over "
                                              "this many ranks carved from DP x CP (megatron-core's MoE parallel "
                                              "folding; docs/moe.md)")
+    expert_tensor_parallel_size: Optional[int] = option(
+        None, help="with --num-experts: the TP size of the experts' weights (megatron-core's flag); tnlg splits "
+        "them over TP as the dense MLP, so only that size runs", every="the TP size")
     pipeline_schedule: str = option("1f1b", choices=["1f1b", "gpipe", "interleaved"],
                                     help="with --pp > 1: torch's Schedule1F1B, ScheduleGPipe or "
                                     "ScheduleInterleaved1F1B")

@@ -28,6 +28,12 @@ def check_expert_options(o) -> None:
                             "has none (--num-experts is not set). Give --num-experts E (a multiple of the EP size), or "
                             f"drop {flag} (1: every rank holds the whole model).")
         return
+    etp, tp = par.expert_tensor_parallel_size, par.tensor_model_parallel_size
+    if etp is not None and etp != tp:
+        raise UserError(f"--num-experts {E} with --expert-tensor-parallel-size {etp}: tnlg splits the experts' weights over TP as the dense "
+                        f"MLP's (megatron-core's default, expert TP = TP), so the experts' TP size is --tensor-model-"
+                        f"parallel-size {tp}; a separate expert TP size (megatron-core's expert-TP x EP folding) is not "
+                        f"built. Drop --expert-tensor-parallel-size or give {tp}.")
     if E % ep:
         raise UserError(f"{flag} {ep} does not divide --num-experts {E}: every expert-parallel rank holds the same "
                         f"number of experts. Valid expert-parallel sizes for {E} experts: {divisors(E)} (each also "
