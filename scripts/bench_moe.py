@@ -23,7 +23,9 @@ experts; its grouped GEMM needs CUDA), with :mod:`tests.megatron_moe_reference`'
 The collective share: tnlg's all-to-all, megatron-core's gathers and reduce-scatter (forward and backward).
 megatron-core's rows are skipped, with the reason printed, when it is not installed or ``--without-megatron``.
 
-The median of the timed steps after the warm-up ones; the slower rank's.
+The rows are timed in groups, their steps alternating (all the model rows; each EP's layer rows): a busy
+moment of a shared machine then slows every row of a group alike. The median of the timed steps after the
+warm-up ones; the slower rank's.
 """
 
 from __future__ import annotations
@@ -180,8 +182,18 @@ def _layer_step(ps, shape: dict, ep: int, framework: str, batch: int):
     return step, sum(p.numel() for p in layer.parameters()), None, cleanup
 
 
+def _groups(rows: list) -> list[list]:
+    """The rows timed together, their steps alternating (so that a busy moment of the shared machine hits each
+    alike): the model rows, then each EP's layer rows (megatron-core holds one EP at a time, in its globals)."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(("model",) if row[1] == "model" else ("layer", row[2]), []).append(row)
+    return list(groups.values())
+
+
 def _worker(ps, shape: dict, rows: list, warmup: int, iters: int, batch: int):
-    """Every row in turn in these two processes (megatron-core's last: its patches are process-wide)."""
+    """Every row in these two processes, group by group (:func:`_groups`); megatron-core's patches (process-wide)
+    made before its first layer, after every tnlg model row."""
     import warnings
 
     import torch.distributed as dist
@@ -190,28 +202,34 @@ def _worker(ps, shape: dict, rows: list, warmup: int, iters: int, batch: int):
     _time_tnlg_all_to_all(clock)
     patched = False
     results = {}
-    for name, what, ep, framework in rows:
-        if framework == "megatron" and not patched:
-            from tests import megatron_moe_reference
-            megatron_moe_reference._patch()
-            _time_megatron_collectives(clock)
-            patched = True
-        step, params, active, cleanup = (_model_step if what == "model" else _layer_step)(ps, shape, ep, framework,
-                                                                                         batch)
-        times, shares = [], []
+    for group in _groups(rows):
+        steps = {}
+        for name, what, ep, framework in group:
+            if framework == "megatron" and not patched:
+                from tests import megatron_moe_reference
+                megatron_moe_reference._patch()
+                _time_megatron_collectives(clock)
+                patched = True
+            build = _model_step if what == "model" else _layer_step
+            steps[name] = build(ps, shape, ep, framework, batch)
+        times: dict = {name: [] for name in steps}
+        shares: dict = {name: [] for name in steps}
         dist.barrier()
         for i in range(warmup + iters):
-            clock.reset()
-            t = time.perf_counter()
-            step(i)
-            dt = time.perf_counter() - t
-            if i >= warmup:
-                times.append(dt)
-                shares.append(clock.seconds / dt)
-        cleanup()
-        med = statistics.median(times)
-        results[name] = dict(step_s=med, tokens_per_s=batch * shape["seq"] / med,
-                             collective_share=statistics.median(shares), params=params, active=active, times=times)
+            for name, (step, *_) in steps.items():
+                clock.reset()
+                t = time.perf_counter()
+                step(i)
+                dt = time.perf_counter() - t
+                if i >= warmup:
+                    times[name].append(dt)
+                    shares[name].append(clock.seconds / dt)
+        for name, (_, params, active, cleanup) in steps.items():
+            cleanup()
+            med = statistics.median(times[name])
+            results[name] = dict(step_s=med, tokens_per_s=batch * shape["seq"] / med,
+                                 collective_share=statistics.median(shares[name]), params=params, active=active,
+                                 times=times[name])
     return results
 
 
