@@ -91,9 +91,9 @@ def _logits(ps, paths: dict, tokens: torch.Tensor) -> dict:
     return out
 
 
-def test_moe_folders_give_transformers_logits_at_tp_1_and_2(folders):
+def test_moe_folders_give_transformers_logits_at_tp_1_2_and_4(folders):
     paths = {kind: folder for kind, (folder, _, _) in folders.items()}
-    for tp in (1, 2):
+    for tp in (1, 2, 4):
         got = run_distributed(_logits, tp, tp, paths, _tokens())[0]
         for kind, (_, ref, _) in folders.items():
             torch.testing.assert_close(got[kind], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=(kind, tp): f"{k}: {m}")
@@ -156,12 +156,12 @@ def _ep_logits(ps, ep: int, paths: dict, tokens: torch.Tensor, out_dir: str):
     return out
 
 
-@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
-def test_moe_folders_load_split_over_expert_parallel_ranks_with_transformers_logits(folders, tmp_path, world, tp):
-    """EP 2 (and EP 2 x TP 2): each rank holds half the experts; the logits are transformers', and the model
-    gathered back (over TP and EP) writes a folder transformers computes the same logits from."""
+@pytest.mark.parametrize("world,tp,ep", [(2, 1, 2), (4, 2, 2), (4, 1, 4)])
+def test_moe_folders_load_split_over_expert_parallel_ranks_with_transformers_logits(folders, tmp_path, world, tp, ep):
+    """EP 2, EP 2 x TP 2 and EP 4: each rank holds its share of the experts; the logits are transformers', and the
+    model gathered back (over TP and EP) writes a folder transformers computes the same logits from."""
     paths = {kind: folder for kind, (folder, _, _) in folders.items()}
-    got = run_distributed(_ep_logits, world, tp, 2, paths, _tokens(), str(tmp_path))
+    got = run_distributed(_ep_logits, world, tp, ep, paths, _tokens(), str(tmp_path))
     for kind, (_, ref, _) in folders.items():
         for rank_out in got:
             torch.testing.assert_close(rank_out[kind], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=kind: f"{k}: {m}")
