@@ -209,8 +209,9 @@ def test_an_moe_option_tnlg_does_not_compute_is_refused_by_name(runs, tmp_path, 
 def test_a_missing_expert_parallel_rank_and_the_optimizer_are_refused(runs, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(runs["llama-ep2"][1] / "sequential", src)
-    with pytest.raises(UserError, match="--with-optimizer: .* mixture of experts, whose Adam state"):
-        megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+    for which in (src, runs["llama-ep2"][1] / "torch_dist"):
+        with pytest.raises(UserError, match="--with-optimizer: .* mixture of experts, whose Adam state"):
+            megatron_to_checkpoint(str(which), str(tmp_path / "out"), with_optimizer=True)
     shutil.rmtree(src / "iter_0000007" / "mp_rank_00_001")
     with pytest.raises(UserError, match=r"TP=1 x PP=1 x EP=2 \(its args\) but .*mp_rank_00_001/model_optim_rng.pt' is missing"):
         megatron_to_checkpoint(str(src), str(tmp_path / "out"))
