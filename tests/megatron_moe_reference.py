@@ -37,6 +37,14 @@ def _patch() -> None:
     gg.assert_grouped_gemm_is_available = lambda: None
 
 
+def _leave() -> None:
+    """:func:`megatron_reference._leave` (dist_checkpointing's writer processes ended), and the queue of the Manager
+    process its torch_dist writer started forgotten, so that a later save in the same call starts a new one."""
+    R._leave()
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as writer
+    writer._results_queue = None
+
+
 def moe_args(spec: dict) -> argparse.Namespace:
     """The saved args of a Megatron-LM MoE run of ``spec`` (:func:`megatron_reference.megatron_args` plus
     ``--num-experts --moe-router-topk --moe-ffn-hidden-size ...`` and ``--expert-model-parallel-size``)."""
@@ -138,31 +146,61 @@ def save_reference(ps, spec: dict, root: str, tokens: torch.Tensor):
     _perturb(model, *_ranks())
     logits = R.logits_of(model, spec, tokens)
     _save_legacy(model, spec, os.path.join(root, "sequential"), grouped=False)
-    dist_dir = os.path.join(root, "dist")
-    if dist.get_rank() == 0:
-        os.makedirs(dist_dir, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(dict(model=model.sharded_state_dict()), dist_dir)
-    dist.barrier()
+    for fmt, metadata in (("torch_dist", None), ("torch_dist_singleton", dict(singleton_local_shards=True))):
+        folder = os.path.join(root, fmt, "iter_0000007")
+        if dist.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(dict(args=moe_args(spec), checkpoint_version=3.0, iteration=7,
+                                     model=model.sharded_state_dict(metadata=metadata)), folder)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(root, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("7")
+    dist_dir = os.path.join(root, "torch_dist", "iter_0000007")
     grouped = build_model(spec, grouped=True)
     loaded = dist_checkpointing.load(dict(model=grouped.sharded_state_dict()), dist_dir)
     grouped.load_state_dict(loaded["model"], strict=True)
     _save_legacy(grouped, spec, os.path.join(root, "grouped"), grouped=True)
-    R._leave()
+    _leave()
     weights = [n for n in grouped.state_dict() if n.endswith(("experts.weight1", "experts.weight2"))]
     return dict(logits=logits, grouped_tensors=len(weights))
 
 
-def load_and_run(ps, spec: dict, root: str, tokens: torch.Tensor):
-    """Worker (world = TP x EP): a tnlg export's legacy files loaded into GPTModel (``load_state_dict``,
-    strict) per TP x EP rank; returns the logits and the saved args' MoE fields."""
+def load_and_run(ps, spec: dict, root: str, tokens: torch.Tensor, fmt: str = "legacy", grouped: bool = False):
+    """Worker (world = TP x EP): a tnlg export loaded into GPTModel per TP x EP rank, by ``load_state_dict``
+    (strict) of its legacy files or by ``dist_checkpointing.load`` of its ``torch_dist`` store; returns the logits
+    and the saved args' MoE fields. ``grouped``: the legacy files hold ``GroupedMLP`` weights, loaded (strict) into
+    a ``GroupedMLP`` model, which cannot run here: megatron-core converts it to the ``SequentialMLP`` model that
+    gives the logits (``dist_checkpointing.save`` of the one, ``load`` into the other's ``sharded_state_dict``)."""
     _init(spec)
+    from megatron.core import dist_checkpointing
     t, e = _ranks()
-    model = build_model(spec)
-    name = "mp_rank_%02d" % t + ("_%03d" % e if spec["ep"] > 1 else "")
-    state = torch.load(os.path.join(root, "iter_0000007", name, "model_optim_rng.pt"), weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
-    args = vars(state["args"])
+    it_dir = os.path.join(root, "iter_0000007")
+    if fmt == "torch_dist":
+        model = build_model(spec)
+        loaded = dist_checkpointing.load(dict(model=model.sharded_state_dict()), it_dir)
+        model.load_state_dict(loaded["model"], strict=True)
+        common = dist_checkpointing.load_common_state_dict(it_dir)
+        _leave()
+    else:
+        name = "mp_rank_%02d" % t + ("_%03d" % e if spec["ep"] > 1 else "")
+        common = torch.load(os.path.join(it_dir, name, "model_optim_rng.pt"), weights_only=False)
+        model = build_model(spec, grouped=grouped)
+        model.load_state_dict(common["model"], strict=True)
+        if grouped:
+            via = os.path.join(root + "_via_torch_dist")
+            if dist.get_rank() == 0:
+                os.makedirs(via, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(dict(model=model.sharded_state_dict()), via)
+            dist.barrier()
+            model = build_model(spec)
+            model.load_state_dict(dist_checkpointing.load(dict(model=model.sharded_state_dict()), via)["model"],
+                                  strict=True)
+            _leave()
+    args = vars(common["args"])
     keys = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-            "moe_shared_expert_gate", "moe_layer_freq", "moe_router_pre_softmax", "expert_model_parallel_size")
+            "moe_shared_expert_gate", "moe_layer_freq", "moe_router_pre_softmax", "expert_model_parallel_size",
+            "moe_grouped_gemm", "moe_use_legacy_grouped_gemm")
     return dict(logits=R.logits_of(model, spec, tokens), args={k: args.get(k) for k in keys})

@@ -154,6 +154,8 @@ def test_export_at_a_layout_megatron_cannot_take(tnlg_ckpt, tmp_path):
         checkpoint_to_megatron(tnlg_ckpt, str(dst), pp=3)
     with pytest.raises(UserError, match="--format 'zarr'"):
         checkpoint_to_megatron(tnlg_ckpt, str(dst), fmt="zarr")
+    with pytest.raises(UserError, match="--moe-grouped-gemm: the model has no experts"):
+        checkpoint_to_megatron(tnlg_ckpt, str(dst), fmt="legacy", grouped_gemm=True)
     assert not dst.exists()
     (dst / "x").mkdir(parents=True)
     with pytest.raises(UserError, match="already exists and is not empty"):

@@ -4,12 +4,17 @@ Two megatron-core MoE runs (E 4, top-2, routers sharpened so that no top-k is a 
 in Megatron-LM's legacy per-rank layout by megatron-core's own state dicts: a Llama-style one (RMSNorm, SwiGLU
 experts, grouped-query attention, rope, a gated shared expert, its second layer dense by ``moe_layer_freq``) at
 TP 1 x EP 2 (``mp_rank_00_000`` and ``mp_rank_00_001``, two experts each), and a GPT-style one (LayerNorm, GELU
-experts, learned positions, softmax before the top-k) at TP 2 x EP 1. Each in both expert layouts: ``SequentialMLP``
-(``local_experts.<j>``) and the legacy ``GroupedMLP`` (``weight1`` / ``weight2``, filled by megatron-core from the
-first's ``torch_dist`` save). The converted tnlg checkpoints give megatron-core's logits at tnlg TP 1 and 2; tnlg's
-exports at another TP x EP load strictly into megatron-core's GPTModel with the same logits. Bad input: each MoE
-option tnlg does not compute, a missing EP rank's file, a ``torch_dist`` MoE, and exports it cannot write, refused
-in one paragraph naming the value.
+experts, learned positions, softmax before the top-k) at TP 2 x EP 1. Each in both legacy expert layouts:
+``SequentialMLP`` (``local_experts.<j>``) and the legacy ``GroupedMLP`` (``weight1`` / ``weight2``, filled by
+megatron-core from the first's ``torch_dist`` save), and in megatron-core's own ``torch_dist`` save (``dist_checkpointing``:
+the experts stacked, per layer for the Llama run's mix of dense and MoE layers; and with its ``singleton_local_shards``
+metadata, one key per expert). The converted tnlg checkpoints
+give megatron-core's logits at tnlg TP 1 and 2; tnlg's exports at another TP x EP, legacy (both expert layouts) and
+``torch_dist``, load into megatron-core's GPTModel (``load_state_dict`` strict, ``dist_checkpointing.load``) with the
+same logits; a ``GroupedMLP`` export, which megatron-core cannot run on the CPU, is loaded strictly into its
+``GroupedMLP`` model and converted by megatron-core to the ``SequentialMLP`` model that runs, and at the saved
+layout its tensors are megatron-core's own. Bad input: each MoE option tnlg does not compute, a missing EP rank's
+file, and exports it cannot write, refused in one paragraph naming the value.
 """
 
 import os
@@ -35,7 +40,7 @@ SPECS = {
                       moe=dict(experts=4, topk=2, ffn=48, shared=40, gate=True, freq=[1, 0])),
     "gpt-tp2": dict(BASE, untie=False, tp=2, ep=1, moe=dict(experts=4, topk=2, ffn=48, pre_softmax=True)),
 }
-LAYOUTS = ("sequential", "grouped")
+LAYOUTS = ("sequential", "grouped", "torch_dist", "torch_dist_singleton")
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +89,11 @@ def test_import_reads_the_experts_config(runs):
                                                                                               None)
 
 
-# (run, Megatron TP, EP of the export): each at another layout than the one it was saved at
-EXPORTS = [("llama-ep2", 2, 1), ("gpt-tp2", 1, 2)]
+# (run, Megatron TP, EP of the export, its format, GroupedMLP weights): each at another layout than the one it was
+# saved at
+EXPORTS = [("llama-ep2", 2, 1, "legacy", False), ("gpt-tp2", 1, 2, "legacy", False),
+           ("llama-ep2", 2, 1, "torch_dist", False), ("gpt-tp2", 1, 2, "torch_dist", False),
+           ("llama-ep2", 2, 1, "legacy", True), ("gpt-tp2", 1, 2, "legacy", True)]
 
 
 def _megatron_loads(_ps, loads):
@@ -100,24 +108,69 @@ def _megatron_loads(_ps, loads):
 def test_export_loads_into_megatron_core_with_the_same_logits(runs, tmp_path):
     from tnlg.cli import main
     loads = []
-    for name, tp, ep in EXPORTS:
+    for name, tp, ep, fmt, grouped in EXPORTS:
         spec, _, _, converted = runs[name]
-        dst = tmp_path / f"{name}_tp{tp}_ep{ep}"
+        src = converted["torch_dist" if fmt == "torch_dist" else "grouped"]
+        dst = tmp_path / f"{name}_tp{tp}_ep{ep}_{fmt}{'_grouped' if grouped else ''}"
         if ep == 1:
-            checkpoint_to_megatron(converted["grouped"], str(dst), fmt="legacy", tp=tp, ep=ep)
+            checkpoint_to_megatron(src, str(dst), fmt=fmt, tp=tp, ep=ep, grouped_gemm=grouped)
         else:  # the command line
-            assert main(["convert", "--from", converted["grouped"], "--to", "megatron", str(dst), "--format", "legacy",
-                         "--tp", str(tp), "--ep", str(ep)]) == 0
+            assert main(["convert", "--from", src, "--to", "megatron", str(dst), "--format", fmt, "--tp", str(tp),
+                         "--ep", str(ep)] + (["--moe-grouped-gemm"] if grouped else [])) == 0
         want = ["mp_rank_%02d" % t + ("_%03d" % e if ep > 1 else "") for t in range(tp) for e in range(ep)]
+        if fmt == "torch_dist":  # one store for every TP x EP
+            want = [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
         assert sorted(os.listdir(dst / "iter_0000007")) == sorted(want)
-        loads.append((dict(spec, tp=tp, ep=ep), str(dst), _tokens(spec)))
+        loads.append((dict(spec, tp=tp, ep=ep), str(dst), _tokens(spec), fmt, grouped))
     results = run_distributed(_megatron_loads, 2, 1, loads, timeout_s=300)[0]
-    for (name, tp, ep), got in zip(EXPORTS, results):
-        torch.testing.assert_close(got["logits"], runs[name][2], **TOL, msg=lambda m, k=(name, tp, ep): f"{k}: {m}")
+    for (name, tp, ep, fmt, grouped), got in zip(EXPORTS, results):
+        where = (name, tp, ep, fmt, grouped)
+        torch.testing.assert_close(got["logits"], runs[name][2], **TOL, msg=lambda m, k=where: f"{k}: {m}")
         moe = SPECS[name]["moe"]
-        assert got["args"]["num_experts"] == 4 and got["args"]["expert_model_parallel_size"] == ep
-        assert got["args"]["moe_layer_freq"] == moe.get("freq", 1)
-        assert got["args"]["moe_router_pre_softmax"] == moe.get("pre_softmax", False)
+        assert got["args"]["num_experts"] == 4 and got["args"]["expert_model_parallel_size"] == ep, where
+        assert got["args"]["moe_layer_freq"] == moe.get("freq", 1), where
+        assert got["args"]["moe_router_pre_softmax"] == moe.get("pre_softmax", False), where
+        assert got["args"]["moe_grouped_gemm"] is grouped and got["args"]["moe_use_legacy_grouped_gemm"] is grouped
+
+
+def test_a_grouped_gemm_export_holds_megatron_cores_own_grouped_tensors(runs, tmp_path):
+    """At the layout megatron-core saved its GroupedMLP model (TP 1 x EP 2), the export's rank files hold the same
+    tensors under the same names as megatron-core's own (each rank's experts.weight1 / weight2 included)."""
+    spec, root, _, converted = runs["llama-ep2"]
+    dst = tmp_path / "grouped"
+    checkpoint_to_megatron(converted["sequential"], str(dst), fmt="legacy", tp=1, ep=2, grouped_gemm=True)
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        ours = torch.load(dst / "iter_0000007" / rank / "model_optim_rng.pt", weights_only=False)["model"]
+        theirs = torch.load(root / "grouped" / "iter_0000007" / rank / "model_optim_rng.pt", weights_only=False)["model"]
+        assert sorted(ours) == sorted(theirs)
+        assert "decoder.layers.0.mlp.experts.weight2" in ours
+        for key, value in theirs.items():
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # Megatron's padding rows
+                assert not ours[key][spec["vocab"]:].any()  # tnlg's: zeros; megatron-core's random
+                ours[key], value = ours[key][:spec["vocab"]], value[:spec["vocab"]]
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(ours[key], value, atol=0, rtol=0, msg=lambda m, k=(rank, key): f"{k}: {m}")
+            else:
+                assert ours[key] is None and value is None, key
+
+
+def test_a_torch_dist_export_has_megatron_cores_own_index(runs, tmp_path):
+    """The exported store's keys and global shapes are those of megatron-core's own save of the model (the Llama run's
+    per layer, the GPT run's stacked over the layers), its objects (``_extra_state``) included."""
+    from tnlg.interop.megatron.safe_load import load_dcp_metadata
+    experts = {"llama-ep2": ("decoder.layers.0.mlp.experts.experts.linear_fc1.weight", (4, 96, 32)),
+               "gpt-tp2": ("decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 4, 32, 48))}
+    for name, (spec, root, _, converted) in runs.items():
+        dst = tmp_path / name
+        checkpoint_to_megatron(converted["torch_dist"], str(dst), fmt="torch_dist", tp=spec["tp"], ep=spec["ep"])
+        index = {}
+        for which in ("theirs", "ours"):
+            folder = root / "torch_dist" if which == "theirs" else dst
+            meta = load_dcp_metadata(str(folder / "iter_0000007" / ".metadata")).state_dict_metadata
+            index[which] = {k: tuple(getattr(md, "size", ())) for k, md in meta.items()}
+        assert index["ours"] == index["theirs"], name
+        key, shape = experts[name]
+        assert index["ours"][key] == shape
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -156,18 +209,23 @@ def test_an_moe_option_tnlg_does_not_compute_is_refused_by_name(runs, tmp_path, 
 def test_a_missing_expert_parallel_rank_and_the_optimizer_are_refused(runs, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(runs["llama-ep2"][1] / "sequential", src)
-    with pytest.raises(UserError, match="--with-optimizer: .* mixture of experts, whose Adam state"):
-        megatron_to_checkpoint(str(src), str(tmp_path / "out"), with_optimizer=True)
+    for which in (src, runs["llama-ep2"][1] / "torch_dist"):
+        with pytest.raises(UserError, match="--with-optimizer: .* mixture of experts, whose Adam state"):
+            megatron_to_checkpoint(str(which), str(tmp_path / "out"), with_optimizer=True)
     shutil.rmtree(src / "iter_0000007" / "mp_rank_00_001")
     with pytest.raises(UserError, match=r"TP=1 x PP=1 x EP=2 \(its args\) but .*mp_rank_00_001/model_optim_rng.pt' is missing"):
         megatron_to_checkpoint(str(src), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_exports_tnlg_cannot_write_are_refused(runs, tmp_path):
+def test_exports_tnlg_cannot_write_are_refused(runs, tmp_path, capsys):
+    from tnlg.cli import main
+    assert main(["convert", "--from", runs["llama-ep2"][3]["sequential"], "--to", str(tmp_path / "c"),
+                 "--moe-grouped-gemm"]) == 2
+    assert "--moe-grouped-gemm applies to --to megatron only" in capsys.readouterr().err
     ckpt = runs["llama-ep2"][3]["sequential"]
-    with pytest.raises(UserError, match="legacy per-rank format only"):
-        checkpoint_to_megatron(ckpt, str(tmp_path / "a"), fmt="torch_dist")
+    with pytest.raises(UserError, match="--moe-grouped-gemm with --format torch_dist: .*GroupedMLP alike.*--format legacy"):
+        checkpoint_to_megatron(ckpt, str(tmp_path / "a"), fmt="torch_dist", grouped_gemm=True)
     with pytest.raises(UserError, match=r"--ep 3: .* 4 experts evenly .* valid sizes: \[1, 2, 4\]"):
         checkpoint_to_megatron(ckpt, str(tmp_path / "b"), fmt="legacy", ep=3)
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")

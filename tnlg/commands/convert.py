@@ -19,7 +19,8 @@
   a Megatron-LM GPT checkpoint (``torch_dist`` or legacy, any TP x PP) -> a tnlg checkpoint with its
   iteration and LR-schedule position, and with ``--with-optimizer`` its Adam state
   (:mod:`tnlg.interop.megatron.importer`); written at PP 1, it loads at any ``--pp`` by name.
-* ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M] [--ep E]``: a
+* ``tnlg convert --from CKPT --to megatron DIR [--format torch_dist|legacy] [--tp N] [--pp M] [--ep E]
+  [--moe-grouped-gemm]``: a
   checkpoint Megatron-LM loads (:mod:`tnlg.interop.megatron.exporter`; docs/megatron.md), from a tnlg
   checkpoint saved at any TP x PP.
 * ``tnlg checkpoint info CKPT [--json] [--verify]``: iteration, layout, config, sizes (``--verify``: every file
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  tnlg convert --from megatron MEGATRON_DIR --to CKPT [--tp N] [--vocab-size V | --tokenizer-model M] "
         "[--with-optimizer]\n"
         "  tnlg convert --from CKPT --to megatron MEGATRON_DIR [--format torch_dist|legacy] [--tp N] [--pp M] "
-        "[--ep E]\n"
+        "[--ep E] [--moe-grouped-gemm]\n"
         "  tnlg convert --from CKPT --merge-lora ADAPTER_DIR --to CKPT2 [--tp N] | --to hf HF_DIR\n\n"
         "CKPT may be a checkpoint root (its latest iteration is used) or one iter_* directory. The "
         "destination must not exist or be empty: nothing is overwritten.")
@@ -88,8 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --to megatron: Megatron's --ckpt-format torch_dist (default) or the legacy "
                         "per-rank files (--ckpt-format torch)")
     parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, help="with --to megatron "
-                        "--format legacy of a mixture of experts: the expert-parallel ranks whose files "
-                        "(mp_rank_TT[_PPP]_EEE) split the experts (default 1)")
+                        "of a mixture of experts: the expert-parallel ranks whose legacy files "
+                        "(mp_rank_TT[_PPP]_EEE) split the experts (default 1; torch_dist records it in the args)")
+    parser.add_argument("--moe-grouped-gemm", action="store_true", help="with --to megatron --format legacy of a "
+                        "mixture of experts: write each rank's experts as the legacy GroupedMLP's experts.weight1 / "
+                        "weight2 (Megatron's --moe-grouped-gemm) instead of SequentialMLP's local_experts.<j>.*")
     parser.add_argument("--vocab-size", type=int, help="with --from megatron: the tokenizer's real vocabulary size, "
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
@@ -222,6 +226,7 @@ def _check_megatron_flags(args: argparse.Namespace, src_kind: str, dst_kind: str
     for name, flag, which, kind in (("pp", "--pipeline-model-parallel-size", "--to megatron", dst_kind),
                                     ("ckpt_format", "--format", "--to megatron", dst_kind),
                                     ("ep", "--expert-model-parallel-size", "--to megatron", dst_kind),
+                                    ("moe_grouped_gemm", "--moe-grouped-gemm", "--to megatron", dst_kind),
                                     ("vocab_size", "--vocab-size", "--from megatron", src_kind),
                                     ("with_optimizer", "--with-optimizer", "--from megatron", src_kind)):
         if given(name) and kind != "megatron":
@@ -244,4 +249,5 @@ def _megatron(args: argparse.Namespace, src_kind: str, src: str, dst: str) -> st
                                       tokenizer=tok, with_optimizer=bool(getattr(args, "with_optimizer", False)))
     return checkpoint_to_megatron(src, dst, fmt=getattr(args, "ckpt_format", None) or "torch_dist",
                                   tp=args.tp or 1, pp=getattr(args, "pp", None) or 1,
-                                  ep=getattr(args, "ep", None) or 1)
+                                  ep=getattr(args, "ep", None) or 1,
+                                  grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))

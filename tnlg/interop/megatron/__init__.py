@@ -2,10 +2,11 @@
 
 * :func:`megatron_to_checkpoint`: a Megatron-LM checkpoint (``torch_dist`` or legacy per-rank files,
   any TP x PP, megatron-core or legacy names; GPT-2-style models and the Llama family: rope, RMSNorm,
-  SwiGLU, grouped-query attention, bias flags; mixtures of experts in the legacy files, any EP) -> a tnlg
+  SwiGLU, grouped-query attention, bias flags; mixtures of experts in either format, any EP) -> a tnlg
   checkpoint (:mod:`.importer`);
 * :func:`checkpoint_to_megatron`: a tnlg checkpoint -> a Megatron-LM checkpoint root (:mod:`.exporter`; a
-  mixture of experts as legacy files, its experts per EP rank).
+  mixture of experts in ``torch_dist``, or as legacy files with its experts per EP rank, ``SequentialMLP`` or
+  ``GroupedMLP`` names).
 
 Modules: :mod:`.safe_load` (unpickling without running code), :mod:`.args` (saved args <->
 :class:`~tnlg.config.GPTConfig`), :mod:`.names` (names, QKV, grouped-query and SwiGLU layouts), :mod:`.legacy` and

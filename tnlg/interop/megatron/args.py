@@ -369,11 +369,12 @@ def _declared_args(cfg: GPTConfig) -> dict:
 
 def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples: int = 0,
              fmt: str = "torch_dist", params_dtype=None, tokenizer: Optional[dict] = None,
-             ep: int = 1) -> argparse.Namespace:
+             ep: int = 1, grouped_gemm: bool = False) -> argparse.Namespace:
     """The ``args`` a Megatron-LM run needs to rebuild ``cfg`` at TP ``tp`` x PP ``pp`` (what
     ``--use-checkpoint-args`` reads and ``check_checkpoint_args`` compares); ``tokenizer``: the tnlg
     checkpoint's recorded one, named in Megatron's tokenizer arguments; ``ep``: the experts' split over EP
-    (``expert_model_parallel_size``)."""
+    (``expert_model_parallel_size``); ``grouped_gemm``: the experts in the legacy ``GroupedMLP``'s layout
+    (``moe_grouped_gemm`` and ``moe_use_legacy_grouped_gemm``, which a MoE run is then built with)."""
     import torch
     check_megatron_expressible(cfg)
     divisible = cfg.make_vocab_size_divisible_by
@@ -386,4 +387,5 @@ def args_for(cfg: GPTConfig, tp: int, pp: int, iteration: int, consumed_samples:
         num_layers_per_virtual_pipeline_stage=None, expert_model_parallel_size=ep, context_parallel_size=1,
         iteration=iteration, consumed_train_samples=consumed_samples, consumed_valid_samples=0,
         ckpt_format=fmt, use_dist_ckpt=fmt == "torch_dist", params_dtype=params_dtype or torch.float32,
-        fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16))
+        fp16=params_dtype == torch.float16, bf16=params_dtype == torch.bfloat16,
+        **(dict(moe_grouped_gemm=grouped_gemm, moe_use_legacy_grouped_gemm=grouped_gemm) if cfg.num_experts else {})))

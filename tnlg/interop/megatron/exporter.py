@@ -7,8 +7,10 @@ reads them) and no optimizer or RNG state (load with ``--no-load-optim --no-load
 ``--finetune``). Names are megatron-core's: the local spec's in legacy files, the ``torch_dist``
 keys (valid for the local and Transformer Engine specs) in ``torch_dist``. The vocabulary is
 padded as Megatron pads it at ``tp`` (a multiple of ``make_vocab_size_divisible_by * tp``), the
-padded rows zeros. A mixture of experts is written as legacy files only, its experts split over ``ep``
-expert-parallel ranks (``mp_rank_TT[_PPP]_EEE``, megatron-core's ``SequentialMLP`` names). The source may be saved
+padded rows zeros. A mixture of experts: in ``torch_dist`` its experts stacked per layer (EP-independent;
+``ep`` only recorded in the args), in legacy files split over ``ep`` expert-parallel ranks
+(``mp_rank_TT[_PPP]_EEE``) under megatron-core's ``SequentialMLP`` names, or with ``grouped_gemm`` the legacy
+``GroupedMLP``'s (``experts.weight1`` / ``weight2``, Megatron's ``--moe-grouped-gemm``; :mod:`.names`). The source may be saved
 at any TP x PP: each tensor is read by name from the files
 the manifest names for it (a pipeline run's stage files; the last stage's tied copy of the embedding
 is not stored, and a tied head is written from the embedding).
@@ -35,7 +37,8 @@ from ...io import fsync_dir, temporary_name
 from .args import args_for
 from .legacy import local_extra_state, write_rank_files
 from .names import (CORE_LAYER_PREFIX, EXPERT_TAKES, GLOBAL_ROLES, LOCAL_EXTRA_STATE, VOCAB_PARAMS, Role,
-                    global_roles, layer_roles, local_expert_names, qkv_from_tnlg, swiglu_shard, tnlg_name)
+                    global_roles, grouped_expert_tensor, layer_roles, local_expert_names, per_layer_keys, qkv_from_tnlg,
+                    swiglu_shard, tnlg_name)
 from .torch_dist import TorchDistWriter
 
 __all__ = ["checkpoint_to_megatron", "check_megatron_layout", "FORMATS"]
@@ -70,20 +73,24 @@ def check_megatron_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
                         f"sizes: {valid}. Nothing was written.")
 
 
-def _check_experts(cfg: GPTConfig, fmt: str, ep: int) -> None:
-    """A mixture of experts is written in the legacy format, its experts split evenly over ``ep`` ranks; a dense
-    model at EP 1."""
+def _check_experts(cfg: GPTConfig, fmt: str, ep: int, grouped_gemm: bool = False) -> None:
+    """A mixture of experts' experts split evenly over ``ep`` ranks (``grouped_gemm``: in legacy files); a dense
+    model at EP 1, without grouped experts."""
     if not isinstance(ep, int) or ep < 1:
         raise UserError(f"--ep must be a positive integer, got {ep!r}.")
     if cfg.num_experts is None:
         if ep != 1:
             raise UserError(f"--ep {ep}: the model has no experts (a dense model is written at EP 1). Nothing was "
                             "written.")
+        if grouped_gemm:
+            raise UserError("--moe-grouped-gemm: the model has no experts (a dense model), so there are no grouped "
+                            "expert weights to write. Nothing was written.")
         return
-    if fmt != "legacy":
-        raise UserError(f"the model is a mixture of experts (num_experts={cfg.num_experts}); tnlg writes Megatron-LM "
-                        "MoE checkpoints in the legacy per-rank format only (--format legacy; torch_dist's stacked "
-                        "expert tensors are not written yet). Nothing was written.")
+    if grouped_gemm and fmt != "legacy":
+        raise UserError(f"--moe-grouped-gemm with --format {fmt}: torch_dist stores the experts in one layout that "
+                        "megatron-core loads into SequentialMLP and GroupedMLP alike (so the flag changes nothing "
+                        "there); it names the legacy files' GroupedMLP weights (--format legacy). Nothing was "
+                        "written.")
     if cfg.num_experts % ep:
         valid = divisors(cfg.num_experts)
         raise UserError(f"--ep {ep}: Megatron-LM splits the {cfg.num_experts} experts evenly over the expert-parallel "
@@ -115,9 +122,11 @@ class _Full:
         return t
 
 
-def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int, e: int = 0, ep: int = 1) -> dict:
+def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int, e: int = 0, ep: int = 1,
+                grouped_gemm: bool = False) -> dict:
     """One legacy rank's ``model``: the local spec's state dict of TP rank ``t``'s shard of stage ``p`` (with
-    experts: EP rank ``e``'s experts, megatron-core's ``SequentialMLP`` names, :mod:`.names`)."""
+    experts: EP rank ``e``'s experts, megatron-core's ``SequentialMLP`` names or, ``grouped_gemm``, the legacy
+    ``GroupedMLP``'s; :mod:`.names`)."""
     per_stage = cfg.num_layers // pp
 
     def shard(x: torch.Tensor, role: Role) -> torch.Tensor:
@@ -135,10 +144,10 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int, e
         layer = p * per_stage + j
         for role in _megatron_layer_roles(cfg, layer):
             if role.take in EXPERT_TAKES:
-                out.update(_expert_state(full(role, layer), role, cfg, j, t, tp, e, ep))
+                out.update(_expert_state(full(role, layer), role, cfg, j, t, tp, e, ep, grouped_gemm))
             else:
                 out[f"{CORE_LAYER_PREFIX}{j}.{role.core[0]}"] = shard(full(role, layer), role)
-        extra.update(local_extra_state([j], _extra_state_names(cfg, layer, ep)))
+        extra.update(local_extra_state([j], _extra_state_names(cfg, layer, ep, grouped_gemm)))
     out.update(extra)
     if p == pp - 1:
         for role in last[:(1 if cfg.normalization == "RMSNorm" else 2)]:
@@ -150,43 +159,56 @@ def _rank_state(full: _Full, cfg: GPTConfig, t: int, tp: int, p: int, pp: int, e
 
 
 def _expert_state(experts: torch.Tensor, role: Role, cfg: GPTConfig, j: int, t: int, tp: int, e: int,
-                  ep: int) -> dict:
+                  ep: int, grouped_gemm: bool = False) -> dict:
     """EP rank ``e``'s experts of one layer (``experts``: Megatron's full ``[E, 2 f, h]`` / ``[E, h, f]``), TP
-    shard ``t`` of each, under their local indices (``local_experts.<i>``)."""
+    shard ``t`` of each, under their local indices (``local_experts.<i>``), or with ``grouped_gemm`` as the one
+    ``GroupedMLP`` tensor that holds them (``experts.weight1`` / ``weight2``)."""
     local = experts.shape[0] // ep
-    names = local_expert_names(role, local)
-    out = {}
-    for i, name in enumerate(names):
+    shards = []
+    for i in range(local):
         x = experts[e * local + i]
         if role.take == "experts_fc1":
             x = swiglu_shard(x, tp, t) if cfg.swiglu else x.chunk(tp, dim=0)[t].clone()
         else:
             x = x.chunk(tp, dim=1)[t].clone()
-        out[f"{CORE_LAYER_PREFIX}{j}.{name}"] = x
-    return out
+        shards.append(x)
+    if grouped_gemm:
+        return {f"{CORE_LAYER_PREFIX}{j}.{role.core[1]}": grouped_expert_tensor(role, shards)}
+    return {f"{CORE_LAYER_PREFIX}{j}.{name}": x for name, x in zip(local_expert_names(role, local), shards)}
 
 
-def _extra_state_names(cfg: GPTConfig, layer: int, ep: int) -> tuple[str, ...]:
+def _shared_extra_state(cfg: GPTConfig) -> tuple[str, ...]:
+    return (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+            if cfg.moe_shared_expert_intermediate_size is not None else ())
+
+
+def _extra_state_names(cfg: GPTConfig, layer: int, ep: int, grouped_gemm: bool = False) -> tuple[str, ...]:
     """The linear layers of ``layer`` whose ``_extra_state`` the local spec keeps (a mixture of experts: its
-    local experts' and its shared expert's instead of the dense MLP's)."""
+    local experts' (none for the legacy ``GroupedMLP``) and its shared expert's instead of the dense MLP's)."""
     if not cfg.is_moe_layer(layer):
         return LOCAL_EXTRA_STATE
     assert cfg.num_experts is not None
-    experts = tuple(f"mlp.experts.local_experts.{i}.linear_fc{k}" for i in range(cfg.num_experts // ep) for k in (1, 2))
-    shared = (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-              if cfg.moe_shared_expert_intermediate_size is not None else ())
-    return LOCAL_EXTRA_STATE[:2] + experts + shared
+    experts = () if grouped_gemm else tuple(f"mlp.experts.local_experts.{i}.linear_fc{k}"
+                                            for i in range(cfg.num_experts // ep) for k in (1, 2))
+    return LOCAL_EXTRA_STATE[:2] + experts + _shared_extra_state(cfg)
 
 
 def _write_torch_dist(iter_dir: str, full: _Full, cfg: GPTConfig, common: dict) -> None:
-    writer = TorchDistWriter(iter_dir, cfg.num_layers)
+    """The ``torch_dist`` store: stacked layer keys, or per layer where megatron-core saves this model so
+    (:func:`.names.per_layer_keys` of the args' ``moe_layer_freq``)."""
+    writer = TorchDistWriter(iter_dir, cfg.num_layers, per_layer_keys(getattr(common["args"], "moe_layer_freq", 1)))
     first, last = global_roles(cfg)
     for role in first:
         writer.add(role, None, full(role, None))
     for i in range(cfg.num_layers):
-        for role in _megatron_layer_roles(cfg):
+        for role in _megatron_layer_roles(cfg, i):
             writer.add(role, i, full(role, i))
-        writer.add_extra_states(i)
+        if cfg.is_moe_layer(i):
+            assert cfg.num_experts is not None
+            writer.add_extra_states(i, LOCAL_EXTRA_STATE[:2] + _shared_extra_state(cfg), cfg.num_experts,
+                                    ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"))
+        else:
+            writer.add_extra_states(i)
     for role in last:
         writer.add(role, None, full(role, None))
     writer.close(common)
@@ -197,10 +219,12 @@ def _megatron_layer_roles(cfg: GPTConfig, layer: Optional[int] = None) -> list[R
     return [r for r in layer_roles(cfg, layer) if r.take != "kv"]
 
 
-def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1, ep: int = 1) -> str:
+def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int = 1, pp: int = 1, ep: int = 1,
+                           grouped_gemm: bool = False) -> str:
     """Write the tnlg checkpoint at ``path`` as a new Megatron-LM checkpoint root ``dst`` (module
     docstring); returns its iteration folder. ``ep``: a mixture of experts' experts split over that many
-    expert-parallel ranks' files (legacy format only)."""
+    expert-parallel ranks' files (legacy; ``torch_dist`` records it in the args); ``grouped_gemm``: the legacy
+    files' experts as ``GroupedMLP`` weights (Megatron's ``--moe-grouped-gemm``)."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: Megatron checkpoints are written as {' or '.join(FORMATS)}.")
     iter_dir = F.resolve(path, "--from")
@@ -211,11 +235,12 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
     F.verify_checksums(iter_dir, manifest, {n for n in manifest.files if n.startswith("model")})
     cfg = GPTConfig.from_dict(need(manifest.config, "config"))
     check_megatron_layout(cfg, tp, pp)
-    _check_experts(cfg, fmt, ep)
+    _check_experts(cfg, fmt, ep, grouped_gemm)
     padded = padded_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
     dtype = getattr(torch, need(manifest.layout.param_dtype, "layout.param_dtype"))
     iteration = int(need(manifest.iteration, "iteration"))
-    args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer, ep)
+    args = args_for(cfg, tp, pp, iteration, int(manifest.consumed_samples), fmt, dtype, manifest.tokenizer, ep,
+                    grouped_gemm)
     common = dict(args=args, checkpoint_version=3.0, iteration=iteration, num_floating_point_operations_so_far=0)
     full = _Full(iter_dir, manifest, cfg, padded)
     root = os.path.abspath(dst)
@@ -230,7 +255,7 @@ def checkpoint_to_megatron(path: str, dst: str, fmt: str = "torch_dist", tp: int
             _write_torch_dist(os.path.join(tmp, name), full, cfg, common)
         else:
             write_rank_files(os.path.join(tmp, name), common, tp, pp,
-                             lambda t, p, e: _rank_state(full, cfg, t, tp, p, pp, e, ep), ep)
+                             lambda t, p, e: _rank_state(full, cfg, t, tp, p, pp, e, ep, grouped_gemm), ep)
         with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
         if os.path.isdir(root):

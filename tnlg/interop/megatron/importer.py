@@ -3,7 +3,7 @@
 The source is a checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``; ``release``
 too) or one iteration folder, in ``torch_dist`` (:mod:`.torch_dist`) or legacy per-rank
 (:mod:`.legacy`) format, at any TP x PP (a mixture of experts: legacy files at any TP x PP x EP, the experts
-joined into tnlg's ``[E, ...]`` tensors; :mod:`.names`). The architecture comes from the saved args
+joined into tnlg's ``[E, ...]`` tensors; ``torch_dist`` holds them whole; :mod:`.names`). The architecture comes from the saved args
 (:mod:`.args`); everything is validated (args, every rank file, every tensor's presence and
 shape) before the destination is created. Then each tnlg TP rank's file is streamed one tensor
 at a time: a tensor is assembled from the Megatron shards or chunks that hold it, its padded
@@ -87,12 +87,6 @@ def open_megatron(path: str, vocab_size: Optional[int] = None):
     cfg = config_from_args(common["args"], where, vocab_size)
     layout = layout_of(common["args"], where, common)
     source: TorchDistSource | LegacySource
-    if is_torch_dist(iter_dir) and cfg.num_experts is not None:
-        raise UserError(f"{where} is a mixture of experts (num_experts={cfg.num_experts}) in the torch_dist format, "
-                        "which tnlg does not read yet (its experts are stacked per layer under "
-                        "decoder.layers.mlp.experts.experts.*); save it with Megatron-LM's --ckpt-format torch (the "
-                        "legacy per-rank files, which tnlg reads at any TP x PP x EP) and convert that. Nothing was "
-                        "written.")
     if is_torch_dist(iter_dir):
         source = TorchDistSource(iter_dir, layout)
     else:

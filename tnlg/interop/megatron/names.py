@@ -40,7 +40,11 @@ and ``linear_fc2.weight`` ``[h, f_t]``; the legacy ``GroupedMLP`` ``mlp.experts.
 expert ``j``'s ``linear_fc1`` is ``weight1.view(E_l, h, -1)[j].T``, its ``linear_fc2`` ``weight2.view(E_l, -1,
 h)[j].T``. The full Megatron tensors of the roles ``take="experts_fc1"`` / ``"experts_fc2"`` are ``[E, 2 f, h]``
 (``[gate; up]`` per expert) and ``[E, h, f]``: tnlg's ``mlp.experts.fc1`` ``[E, 2, f, h]`` flattened and
-``mlp.experts.fc2`` as they are.
+``mlp.experts.fc2`` as they are. ``torch_dist`` stores exactly these, EP- and TP-independent (``SequentialMLP``'s
+and ``GroupedMLP``'s ``sharded_state_dict`` alike), under ``mlp.experts.experts.linear_fc1.weight`` /
+``linear_fc2.weight`` (the roles' last core name): stacked over the layers ``[L, E, ...]``, or per layer
+``decoder.layers.<l>.mlp.experts.experts.*`` ``[E, ...]`` where megatron-core saves every tensor per layer
+(:func:`per_layer_keys`: a ``moe_layer_freq`` that mixes dense and MoE layers).
 
 QKV rows (``checkpoint_version`` of the legacy checkpoint; ``megatron/training/checkpointing.py``,
 ``fix_query_key_value_ordering``), per TP rank with ``np`` heads of ``hn`` rows:
@@ -56,9 +60,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Role", "LAYER_ROLES", "MOE_ROLES", "EXPERT_TAKES", "local_expert_names", "expert_rank_shards", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES", "LOCAL_EXTRA_STATE",
-           "VOCAB_PARAMS", "tnlg_name", "qkv_to_current", "layer_roles", "global_roles", "megatron_shape",
-           "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard"]
+__all__ = ["Role", "LAYER_ROLES", "MOE_ROLES", "EXPERT_TAKES", "local_expert_names", "expert_rank_shards",
+           "grouped_expert_tensor", "per_layer_keys", "GLOBAL_ROLES", "CORE_LAYER_PREFIX", "LEGACY_LAYER_PREFIXES",
+           "LOCAL_EXTRA_STATE", "VOCAB_PARAMS", "tnlg_name", "qkv_to_current", "layer_roles", "global_roles",
+           "megatron_shape", "to_tnlg", "qkv_from_tnlg", "swiglu_join", "swiglu_shard"]
 
 
 @dataclass(frozen=True)
@@ -119,10 +124,10 @@ GLOBAL_ROLES: tuple[Role, ...] = (
 # expert <j> in a SequentialMLP, then the GroupedMLP tensor that holds them all)
 MOE_ROLES: tuple[Role, ...] = (
     Role("mlp.router.weight", None, ("mlp.router.weight",), ()),
-    Role("mlp.experts.fc1", 0, ("mlp.experts.local_experts.<j>.linear_fc1.weight", "mlp.experts.weight1"), (),
-         "experts_fc1"),
-    Role("mlp.experts.fc2", 1, ("mlp.experts.local_experts.<j>.linear_fc2.weight", "mlp.experts.weight2"), (),
-         "experts_fc2"),
+    Role("mlp.experts.fc1", 0, ("mlp.experts.local_experts.<j>.linear_fc1.weight", "mlp.experts.weight1",
+                                "mlp.experts.experts.linear_fc1.weight"), (), "experts_fc1"),
+    Role("mlp.experts.fc2", 1, ("mlp.experts.local_experts.<j>.linear_fc2.weight", "mlp.experts.weight2",
+                                "mlp.experts.experts.linear_fc2.weight"), (), "experts_fc2"),
     Role("mlp.shared_expert.c_fc.weight", 0, ("mlp.shared_experts.linear_fc1.weight",), ()),
     Role("mlp.shared_expert.c_proj.weight", 1, ("mlp.shared_experts.linear_fc2.weight",), ()),
     Role("mlp.shared_expert_gate.weight", None, ("mlp.shared_experts.gate_weight",), ()),
@@ -264,6 +269,22 @@ def swiglu_join(shards: list) -> torch.Tensor:
 def swiglu_shard(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """TP rank ``rank``'s ``[gate_r; up_r]`` of a SwiGLU ``linear_fc1`` ``[gate; up]`` (:func:`swiglu_join`'s inverse)."""
     return t.reshape(2, -1, *t.shape[1:]).chunk(tp, dim=1)[rank].flatten(0, 1).clone()
+
+
+def per_layer_keys(moe_layer_freq) -> bool:
+    """Whether megatron-core's ``torch_dist`` save keys every layer's tensors per layer
+    (``decoder.layers.<l>.<name>``) rather than stacked over the layers (``decoder.layers.<name>``
+    ``[L, ...]``): for a Megatron ``moe_layer_freq`` (the saved args') that is a list or an integer above 1, as
+    ``TransformerBlock.sharded_state_dict`` decides (``non_homogeneous_layers``)."""
+    return isinstance(moe_layer_freq, list) or (isinstance(moe_layer_freq, int) and moe_layer_freq > 1)
+
+
+def grouped_expert_tensor(role: Role, experts: list[torch.Tensor]) -> torch.Tensor:
+    """One rank's ``GroupedMLP`` tensor (``weight1`` ``[h, E_l 2 f_t]`` / ``weight2`` ``[E_l f_t, h]``) of its local
+    experts' ``linear_fc1`` ``[2 f_t, h]`` / ``linear_fc2`` ``[h, f_t]`` (:func:`expert_rank_shards`' inverse)."""
+    stacked = torch.stack([x.t() for x in experts]).contiguous()  # [E_l, h, 2 f_t] / [E_l, f_t, h]
+    hidden = experts[0].shape[1 if role.take == "experts_fc1" else 0]
+    return stacked.view(hidden, -1) if role.take == "experts_fc1" else stacked.view(-1, hidden)
 
 
 def local_expert_names(role: Role, local: int) -> list[str]:

@@ -13,6 +13,14 @@ Transformer Engine names for both specs, ``_extra_state`` as byte objects
 (``<key>/shard_<layer>_<L>``). Reading assembles any region from the chunks that overlap it, one
 chunk at a time (the index is read through a restricted unpickler: :mod:`.safe_load`); writing
 stores one chunk per layer and tensor, unsplit, which megatron-core re-slices for any TP x PP on load.
+
+A mixture of experts (:mod:`.names`): the router, the shared expert and its gate are layer tensors as the
+others; the routed experts are ``mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2 f, h]`` and
+``linear_fc2.weight`` ``[L, E, h, f]`` (EP- and TP-independent: megatron-core re-slices them for any EP x TP).
+Where the model mixes dense and MoE layers (``moe_layer_freq``), megatron-core keys every layer's tensors
+per layer, ``decoder.layers.<l>.<name>`` (its ``non_homogeneous_layers``): both are read, and written as
+megatron-core would save the model. A save with ``singleton_local_shards`` keys each expert apart
+(``decoder.layers.<l>.mlp.experts.experts.<e>.linear_fc1.weight``, SwiGLU's as ``_w`` / ``_v``): read too.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 from ...checkpoint import torch_file
 from ...errors import UserError
 from .args import MegatronLayout
-from .names import CORE_LAYER_PREFIX, GLOBAL_ROLES, LAYER_ROLES, LOCAL_EXTRA_STATE, Role
+from .names import CORE_LAYER_PREFIX, EXPERT_TAKES, GLOBAL_ROLES, LAYER_ROLES, LOCAL_EXTRA_STATE, Role
 from .safe_load import load_chunk, load_dcp_metadata
 
 __all__ = ["is_torch_dist", "TorchDistSource", "TorchDistWriter", "METADATA_JSON", "FLOAT_DTYPES"]
@@ -119,10 +127,32 @@ class TorchDistSource:
                     return [(key + "_w", stacked), (key + "_v", stacked)]
         return None
 
+    def _per_expert(self, role: Role, layer: Optional[int], prefix: str = "") -> Optional[list[Role]]:
+        """An expert role saved one key per expert (``singleton_local_shards``:
+        ``decoder.layers.<l>.mlp.experts.experts.<e>.linear_fc1.weight``, SwiGLU's as ``<key>_w`` and ``<key>_v``):
+        a role per expert ``0, 1, ...`` that the index holds; ``None`` where it holds none."""
+        if role.take not in EXPERT_TAKES or layer is None:
+            return None
+        out: list[Role] = []
+        while True:
+            key = role.dist_key.replace("mlp.experts.experts.", f"mlp.experts.experts.{len(out)}.")
+            one = Role(role.tnlg, role.split, (key,), (), "swiglu" if role.take == "experts_fc1" else None)
+            if self._parts(one, layer, prefix) is None:
+                return out or None
+            out.append(one)
+
     def shape(self, role: Role, layer: Optional[int], stage: Optional[int] = None,
               prefix: str = "") -> Optional[tuple[int, ...]]:
         """The full shape of ``role`` (from the index); ``None`` where the checkpoint has none."""
         parts = self._parts(role, layer, prefix)
+        experts = self._per_expert(role, layer, prefix) if parts is None else None
+        if experts is not None:
+            shapes = [self.shape(one, layer, prefix=prefix) for one in experts]  # each found: not None
+            if any(s != shapes[0] for s in shapes) or shapes[0] is None:
+                raise UserError(f"{self.iter_dir!r}: the experts' {role.dist_key!r} of layer {layer} have the shapes "
+                                f"{shapes[:4]}; every expert's must be the same. The checkpoint is damaged. "
+                                "Nothing was written.")
+            return (len(experts), *shapes[0])
         if parts is None:
             return None
         sizes = [list(self.meta.state_dict_metadata[k].size[1 if stacked else 0:]) for k, stacked in parts]
@@ -144,6 +174,10 @@ class TorchDistSource:
         """The full tensor of ``role`` (of ``layer``; with ``prefix``, an optimizer state of it);
         ``None`` where the checkpoint has none."""
         parts = self._parts(role, layer, prefix)
+        experts = self._per_expert(role, layer, prefix) if parts is None else None
+        if experts is not None:
+            found = [self.tensor(one, layer, prefix=prefix) for one in experts]
+            return torch.stack([t for t in found if t is not None])  # (each found by _per_expert)
         if parts is None:
             return None
         out = []
@@ -215,9 +249,9 @@ class TorchDistWriter:
 
     DATA = "__0_0.distcp"
 
-    def __init__(self, iter_dir: str, num_layers: int):
+    def __init__(self, iter_dir: str, num_layers: int, per_layer: bool = False):
         from torch.distributed.checkpoint import metadata as M
-        self.M, self.iter_dir, self.num_layers = M, iter_dir, num_layers
+        self.M, self.iter_dir, self.num_layers, self.per_layer = M, iter_dir, num_layers, per_layer
         os.makedirs(iter_dir, exist_ok=True)
         self.f = open(os.path.join(iter_dir, self.DATA), "wb")
         self.tensors: dict = {}
@@ -231,7 +265,12 @@ class TorchDistWriter:
         self.storage[index] = _StorageInfo(relative_path=self.DATA, offset=start, length=len(payload))
 
     def add(self, role: Role, layer: Optional[int], tensor: torch.Tensor) -> None:
-        key = _key(role, layer)
+        """``tensor``: ``role``'s full tensor (of ``layer``), a slice of the stacked key or, with ``per_layer``
+        (megatron-core's ``non_homogeneous_layers``), the layer's own key ``decoder.layers.<l>.<name>``."""
+        if layer is not None and self.per_layer:
+            key, layer = f"{CORE_LAYER_PREFIX}{layer}.{role.dist_key}", None
+        else:
+            key = _key(role, layer)
         tensor = tensor.detach().contiguous().cpu()
         shape = list(tensor.shape) if layer is None else [self.num_layers, *tensor.shape]
         offset = [0] * len(shape) if layer is None else [layer] + [0] * tensor.dim()
@@ -245,12 +284,23 @@ class TorchDistWriter:
         torch.save(tensor.reshape(sizes), buf)
         self._store(key, offset, buf.getvalue())
 
-    def add_extra_states(self, layer: int) -> None:
-        """The (empty) ``_extra_state`` objects megatron-core's linear layers of ``layer`` expect."""
+    def add_extra_states(self, layer: int, names: tuple[str, ...] = LOCAL_EXTRA_STATE, experts: int = 0,
+                         expert_names: tuple[str, ...] = ()) -> None:
+        """The (empty) ``_extra_state`` objects megatron-core's linear layers ``names`` of ``layer`` expect, and
+        of each of the ``experts`` experts' ``expert_names`` (``mlp.experts.experts.linear_fc1``): stacked,
+        ``<name>._extra_state/shard_<layer>_<L>`` (an expert's ``shard_<layer>.<e>_<L>.<E>``); per layer,
+        ``decoder.layers.<layer>.<name>._extra_state/shard_0_1`` (``shard_<e>_<E>``)."""
         buf = io.BytesIO()
         torch.save([None], buf)  # megatron-core stores the list of its sharded objects' data
-        for name in LOCAL_EXTRA_STATE:
-            fqn = f"{CORE_LAYER_PREFIX}{name}._extra_state/shard_{layer}_{self.num_layers}"
+        fqns = []
+        for name in names:
+            fqns.append(f"{CORE_LAYER_PREFIX}{layer}.{name}._extra_state/shard_0_1" if self.per_layer else
+                        f"{CORE_LAYER_PREFIX}{name}._extra_state/shard_{layer}_{self.num_layers}")
+        for name in expert_names:
+            for e in range(experts):
+                fqns.append(f"{CORE_LAYER_PREFIX}{layer}.{name}._extra_state/shard_{e}_{experts}" if self.per_layer
+                            else f"{CORE_LAYER_PREFIX}{name}._extra_state/shard_{layer}.{e}_{self.num_layers}.{experts}")
+        for fqn in fqns:
             self.tensors[fqn] = self.M.BytesStorageMetadata()
             self._store(fqn, None, buf.getvalue())
 
