@@ -534,14 +534,14 @@ def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
     # the table names every file's perplexity; the files may follow the options without --input
     capsys.readouterr()
     assert main(["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                 *paths]) == 0
+                 "--allow-other-tokenizer", *paths]) == 0
     out = capsys.readouterr().out
     assert all(p in out for p in paths) and "adjusted_ppl" not in out
     # bad input: a one-token file, several files for a one-file task
     one = tmp_path / "one.txt"
     one.write_text("a")
     _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                           "--input", paths[0], str(one)], "one.txt", "needs at least 2")
+                           "--allow-other-tokenizer", "--input", paths[0], str(one)], "one.txt", "needs at least 2")
     _expect_error(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", *paths],
                   "--task wikitext evaluates one --input, got 3", "--task text takes several files")
     _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder)], "--task text needs an input")
