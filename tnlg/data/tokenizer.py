@@ -414,16 +414,16 @@ def folder_tokenizers(folder: Union[str, os.PathLike]) -> list[Tokenizer]:
     p = Path(folder).expanduser()
     if not p.is_dir():
         return []
-    forms: list[Callable[[], Tokenizer]] = []
+    forms: list[tuple[Callable[..., Tokenizer], tuple]] = []
     if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-        forms.append(lambda: GPT2BPETokenizer(p / "vocab.json", p / "merges.txt"))
-    forms += [lambda m=m: SentencePieceTokenizer(m) for m in sorted(p.glob("*.model"))]
+        forms.append((GPT2BPETokenizer, (p / "vocab.json", p / "merges.txt")))
+    forms += [(SentencePieceTokenizer, (m,)) for m in sorted(p.glob("*.model"))]
     if (p / "tokenizer.json").is_file():
-        forms.append(lambda: TokenizerJSONTokenizer(p / "tokenizer.json"))
+        forms.append((TokenizerJSONTokenizer, (p / "tokenizer.json",)))
     found = []
-    for form in forms:
+    for kind, files in forms:
         try:
-            found.append(form())
+            found.append(kind(*files))
         except UserError:
             continue
     return found
