@@ -24,6 +24,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _threads_given_back():
+    """``tnlg.init_parallel`` gives the process a command worker's threads (all the cores, alone): a test that
+    calls it in this process gives the next test back the threads it found."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _cache_in_a_temporary_folder(request, tmp_path_factory):
     """Tests write only to temporary folders: the built-in corpus (prepared once per run, about 2 s)

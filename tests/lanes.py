@@ -18,7 +18,8 @@ from __future__ import annotations
 # The modules that mostly wait (measured alone: 0.6 to 1.4 of 2 cores busy, ~1.1 on average), in file order.
 WAITS = ("test_bench_peers", "test_bench_user_script", "test_failures", "test_faults", "test_finetune_cli",
          "test_fuzz_readers", "test_gpu_check", "test_hang", "test_imports", "test_inference_faults",
-         "test_interrupt", "test_megatron_bad_input", "test_memory_scale", "test_setup_memory", "test_threads")
+         "test_interrupt", "test_megatron_bad_input", "test_memory_scale", "test_process_settings", "test_setup_memory",
+         "test_threads")
 # The modules of work that take longest, longest first (the rest follow in file order).
 LONGEST = ("test_pipeline_inference", "test_pipeline_compile", "test_pretrain_e2e", "test_compile", "test_launch",
            "test_finetune", "test_simulate", "test_checkpoint", "test_context_parallel_training",

@@ -402,7 +402,8 @@ def test_cli_wikitext_and_lambada(hf_folder, tmp_path, capsys):
     pairs = [ref_split(bpe, t, True) for t in texts]
     assert res["num_examples"] == 4 and res["correct"] == ref_lambada(hf, pairs) and res["strict"] is True
     res = _run_json(capsys, ["eval", "--task", "lambada", "--strict", "--checkpoint", str(folder), "--input",
-                             str(lam), "--tokenizer-model", "builtin", "--json", "--micro-batch-size", "3"])
+                             str(lam), "--tokenizer-model", "builtin", "--allow-other-tokenizer", "--json",
+                             "--micro-batch-size", "3"])
     pairs = [ref_split_sentencepiece(sp.sp, t) for t in texts]
     assert pairs[-1][1] == sp.encode(" " + word[1:])[-1:] or len(pairs[-1][1]) == 1
     want = ref_lambada(hf, pairs)
@@ -468,13 +469,14 @@ def test_cli_tnlg_checkpoint(hf_folder, tmp_path, capsys):
     lam = tmp_path / "lambada.jsonl"
     lam.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["The king said to his army", "and then the river"]))
     args = ["eval", "--task", "lambada", "--input", str(lam), "--json"]
-    from_hf = _run_json(capsys, args + ["--checkpoint", str(folder), "--tokenizer-model", "builtin"])
+    from_hf = _run_json(capsys, args + ["--checkpoint", str(folder), "--tokenizer-model", "builtin",
+                                        "--allow-other-tokenizer"])  # (not the folder's byte BPE: on purpose)
     from_ckpt = _run_json(capsys, args + ["--checkpoint", str(ckpt)])  # its own tokenizer
     assert from_ckpt["correct"] == from_hf["correct"] and from_ckpt["num_examples"] == 2
     raw = tmp_path / "w.txt"
     raw.write_text(_wikitext_raw(n_lines=2, seed=9))
     args = ["eval", "--task", "wikitext", "--input", str(raw), "--json", "--tokenizer-model", "builtin"]
-    a = _run_json(capsys, args + ["--checkpoint", str(folder)])
+    a = _run_json(capsys, args + ["--checkpoint", str(folder), "--allow-other-tokenizer"])
     b = _run_json(capsys, args + ["--checkpoint", str(ckpt)])
     _close(b["val_loss"], a["val_loss"], rel=1e-5)
 
@@ -518,7 +520,8 @@ def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
     streams = [sp.encode(t) for t in texts]
     assert len(streams[0]) > 64 + 1 >= len(streams[1])  # one file needs several windows
     res = _run_json(capsys, ["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                             "--input", *paths, "--overlapping-eval", "16", "--micro-batch-size", "3", "--json"])
+                             "--allow-other-tokenizer", "--input", *paths, "--overlapping-eval", "16",
+                             "--micro-batch-size", "3", "--json"])
     totals = [ref_text_total(hf, s, 64, 16) for s in streams]
     targets = sum(len(s) - 1 for s in streams)
     _close(res["val_loss"], sum(totals) / targets)
@@ -531,14 +534,14 @@ def test_cli_text_perplexity_of_several_files(hf_folder, tmp_path, capsys):
     # the table names every file's perplexity; the files may follow the options without --input
     capsys.readouterr()
     assert main(["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                 *paths]) == 0
+                 "--allow-other-tokenizer", *paths]) == 0
     out = capsys.readouterr().out
     assert all(p in out for p in paths) and "adjusted_ppl" not in out
     # bad input: a one-token file, several files for a one-file task
     one = tmp_path / "one.txt"
     one.write_text("a")
     _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder), "--tokenizer-model", "builtin",
-                           "--input", paths[0], str(one)], "one.txt", "needs at least 2")
+                           "--allow-other-tokenizer", "--input", paths[0], str(one)], "one.txt", "needs at least 2")
     _expect_error(capsys, ["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", *paths],
                   "--task wikitext evaluates one --input, got 3", "--task text takes several files")
     _expect_error(capsys, ["eval", "--task", "text", "--checkpoint", str(folder)], "--task text needs an input")

@@ -91,6 +91,33 @@ def test_micro_batches_per_step_and_the_pipeline_needs_one_per_stage():
         dims.pipeline_micro_batches(8, 2, "1f1b")
 
 
+def test_a_global_batch_a_layout_cannot_run_offers_the_micro_batch_that_keeps_it():
+    """A recipe's global batch (its loss curve) survives a change of layout where a smaller micro batch fits:
+    each message offers the largest one (worked out by hand below), and none where no micro batch fits."""
+    pp2 = ParallelDims(tp=1, dp=2, pp=2)  # the fine-tuning recipe (4 processes, global batch 16) at --pp 2
+    with pytest.raises(UserError, match=r"1 micro batch\(es\) per step .* fewer than the 2 pipeline stages; .* Give "
+                                        r"--global-batch-size 32 or more, or keep the global batch 16 with "
+                                        r"--micro-batch-size 4 \(2 micro batches per step and DP rank\)\.$"):
+        pp2.pipeline_micro_batches(16, 8, "1f1b")
+    assert pp2.pipeline_micro_batches(16, 4, "1f1b") == 2  # (what the message offers runs)
+    with pytest.raises(UserError, match=r"--global-batch-size 12 is not divisible by --micro-batch-size 4 x "
+                                        r"data-parallel size 4 .*, or keep the global batch 12 with "
+                                        r"--micro-batch-size 3 \(1 micro batch per step"):
+        ParallelDims(tp=1, dp=4).micro_batches(12, 4)  # 12 / 4 ranks = 3 samples each: micro batch 3
+    # interleaved, 4 stages, DP 1: global 20, micro 2: 10 micro batches, 10 // 4 = 2 rounds, 10 % 2 == 0 runs;
+    # global 18, micro 2: 9 % 2 refused, micro 1: 18 % (18 // 4 = 4) = 2 refused too: no micro batch keeps 18
+    inter = ParallelDims(tp=1, dp=1, pp=4)
+    assert inter.pipeline_micro_batches(20, 2, "interleaved") == 10
+    with pytest.raises(UserError, match=r"multiple of 2 .*give --global-batch-size 16 or 24\.$"):
+        inter.pipeline_micro_batches(18, 2, "interleaved")
+    # global 24, micro 5 on DP 1: 24 % 5; micro 4 gives 6 micro batches, 6 % (6 // 4 = 1) == 0: runs
+    with pytest.raises(UserError, match=r"--micro-batch-size 4 \(6 micro batches"):
+        inter.pipeline_micro_batches(24, 5, "interleaved")
+    with pytest.raises(UserError) as refused:  # 2 samples cannot fill 4 stages whatever the micro batch
+        inter.pipeline_micro_batches(2, 1, "1f1b")
+    assert "keep the global batch" not in str(refused.value)
+
+
 def _parser(command: str) -> argparse.ArgumentParser:
     import importlib
     module = {"pretrain": "pretrain_args", "eval": "eval", "generate": "generate", "plan": "plan",

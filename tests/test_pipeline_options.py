@@ -42,6 +42,9 @@ def test_a_runnable_pipeline_layout_resolves():
                                             r"layers; .* valid sizes are 1 to 2"),
     (["--pp", "4", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
      r"2 micro batch\(es\) per step .* fewer than the 4 pipeline stages; .* --global-batch-size 4 or more"),
+    (["--pp", "2", "--global-batch-size", "16"], 4,  # the README's fine-tuning recipe at --pp 2: DP 2, micro 8
+     r"1 micro batch\(es\) per step .* Give --global-batch-size 32 or more, or keep the global batch 16 with "
+     r"--micro-batch-size 4 \(2 micro batches per step and DP rank\)\.$"),
     (["--pp", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 4,
      r"--num-layers-per-virtual-pipeline-stage 2 does not divide the 3 layers per stage .* valid: \[1, 3\]"),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "4"], 4, r"every pipeline stage needs at least one"),

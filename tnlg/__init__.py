@@ -8,6 +8,10 @@ gives them (``GOMP_SPINCOUNT=1000`` unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOU
 it once, when torch loads it, and with its default spin-wait a step is several times slower on a busy
 machine (:mod:`tnlg.runtime.threads` has the measurements). Imported after torch, tnlg cannot change it
 any more and says so in one warning.
+
+``tnlg.init_parallel`` then gives the process the rest of what a ``tnlg`` command's worker runs with: its
+intra-op threads (the cores shared among the local processes) and a CPU heap that keeps freed blocks
+(:mod:`tnlg.runtime.process_settings`).
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ _EXPORTS = {
     "GPT": "model", "KVCache": "model", "gather_logits": "parallel", "parameter_counts": "plan.counts",
     "generate": "generation", "generate_ids": "generation", "load": "generation.loading",
     "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
-    "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel", "init_parallel": "parallel",
+    "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel",
+    "init_parallel": "runtime.process_settings",  # the groups, then the settings a command's worker has
     "vocab_parallel_cross_entropy": "parallel",
 }
 
@@ -108,5 +113,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .generation.loading import load
     from .model import GPT, KVCache
     from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                           destroy_parallel, gather_logits, init_parallel, vocab_parallel_cross_entropy)
+                           destroy_parallel, gather_logits, vocab_parallel_cross_entropy)
+    from .runtime.process_settings import init_parallel
     from .plan.counts import parameter_counts

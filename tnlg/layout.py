@@ -203,34 +203,63 @@ class ParallelDims:
         return dict(tp_rank=rank % self.tp, cp_rank=rank // self.tp % self.cp,
                     dp_rank=rank // (self.tp * self.cp) % self.dp, pp_rank=rank // (self.tp * self.cp * self.dp))
 
-    def micro_batches(self, global_batch: int, micro_batch: int) -> int:
+    def micro_batches(self, global_batch: int, micro_batch: int, schedule: Optional[str] = None) -> int:
         """Micro batches per step and DP rank, ``global / (micro x DP)``; one message when it is not whole (CP
-        ranks read the same samples)."""
+        ranks read the same samples), offering the micro batch that keeps the global batch (``schedule``: the
+        pipeline's, whose own needs that micro batch must meet too; :meth:`micro_batch_keeping`)."""
         per_step = micro_batch * self.dp
         if global_batch % per_step:
             raise UserError(
                 f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro_batch} x "
                 f"data-parallel size {self.dp} (= {per_step}); the global batch is micro batch x DP x accumulation "
                 f"steps. Valid global batch sizes: {per_step}, {2 * per_step}, {3 * per_step}, ... (try "
-                f"--global-batch-size {max(1, global_batch // per_step) * per_step}).")
+                f"--global-batch-size {max(1, global_batch // per_step) * per_step})"
+                + self._keeping(global_batch, micro_batch, schedule) + ".")
         return global_batch // per_step
 
     def pipeline_micro_batches(self, global_batch: int, micro_batch: int, schedule: str) -> int:
         """:meth:`micro_batches`, and one message where the pipeline schedule cannot run them: at least one
         per stage; the interleaved schedule a multiple of ``micro batches // stages`` (torch's
-        ``ScheduleInterleaved1F1B``)."""
-        m, pp, per_step = self.micro_batches(global_batch, micro_batch), self.pp, micro_batch * self.dp
+        ``ScheduleInterleaved1F1B``). Each message offers the micro batch that keeps the global batch."""
+        m, pp = self.micro_batches(global_batch, micro_batch, schedule), self.pp
+        per_step = micro_batch * self.dp
+        keep = self._keeping(global_batch, micro_batch, schedule)
         if m < pp:
             raise UserError(f"{m} micro batch(es) per step (--global-batch-size {global_batch} / (--micro-batch-size "
                             f"{micro_batch} x data-parallel size {self.dp})) is fewer than the {pp} pipeline stages; "
                             f"the schedule needs at least one micro batch per stage. Give --global-batch-size "
-                            f"{pp * per_step} or more.")
+                            f"{pp * per_step} or more{keep}.")
         rounds = max(1, m // pp)
         if schedule == "interleaved" and m % rounds:
             raise UserError(f"the interleaved schedule needs the {m} micro batches per step to be a multiple of "
                             f"{rounds} (micro batches // stages, torch's ScheduleInterleaved1F1B); give "
-                            f"--global-batch-size {rounds * pp * per_step} or {(rounds + 1) * pp * per_step}.")
+                            f"--global-batch-size {rounds * pp * per_step} or {(rounds + 1) * pp * per_step}{keep}.")
         return m
+
+    def micro_batch_keeping(self, global_batch: int, micro_batch: int, schedule: Optional[str] = None
+                            ) -> Optional[int]:
+        """The largest micro batch below ``micro_batch`` with which ``global_batch`` runs on this layout (whole
+        micro batches per DP rank; with a pipeline ``schedule`` at least one per stage, and the interleaved
+        schedule's multiple), or ``None``: what keeps a recipe's global batch (and so its loss curve) when
+        the layout changes."""
+        for b in range(micro_batch - 1, 0, -1):
+            if global_batch % (b * self.dp):
+                continue
+            m = global_batch // (b * self.dp)
+            if schedule is not None and self.pp > 1 and (m < self.pp or (schedule == "interleaved"
+                                                                         and m % max(1, m // self.pp))):
+                continue
+            return b
+        return None
+
+    def _keeping(self, global_batch: int, micro_batch: int, schedule: Optional[str]) -> str:
+        """``, or keep the global batch 16 with --micro-batch-size 4 (2 micro batches per step)`` (or nothing)."""
+        b = self.micro_batch_keeping(global_batch, micro_batch, schedule)
+        if b is None:
+            return ""
+        m = global_batch // (b * self.dp)
+        return (f", or keep the global batch {global_batch} with --micro-batch-size {b} ({m} micro "
+                f"batch{'es' if m != 1 else ''} per step and DP rank)")
 
     def describe(self) -> str:
         """``TP 2 x CP 1 x DP 2 x PP 1 = 4`` (with virtual stages: ``PP 2 (x 2 chunks)``)."""

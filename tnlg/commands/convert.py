@@ -6,7 +6,8 @@
   :mod:`tnlg.interop.hf_reader` reads it: exactly the model transformers computes, or one paragraph before
   anything is written) -> a tnlg checkpoint at
   iteration 0 with no optimizer state (training from it starts a fresh
-  optimizer); ``M`` is recorded as the checkpoint's tokenizer.
+  optimizer); ``M`` is recorded as the checkpoint's tokenizer (one that is not the folder's own, by its
+  tokenizer files' fingerprint, only with ``--allow-other-tokenizer``).
 * ``tnlg convert --from CKPT --to hf DIR [--tokenizer-model M | --no-tokenizer]``: the model's
   Hugging Face class (GPT-2, or Llama / Qwen2 for a Llama-family checkpoint: ``config.json`` +
   ``model.safetensors``), loadable with ``AutoModelForCausalLM.from_pretrained``, plus the checkpoint's tokenizer (or ``M``) in the
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-model", help="with --from hf: the tokenizer to record in the checkpoint; with "
                         "--to hf: the tokenizer to write into the folder instead of the checkpoint's recorded one "
                         "(SentencePiece .model, a folder with GPT-2 vocab.json + merges.txt, or 'builtin')")
+    parser.add_argument("--allow-other-tokenizer", action="store_true", help="with --from hf: record "
+                        "--tokenizer-model although it is not the folder's own tokenizer (its tokenizer files): a "
+                        "vocabulary mapped onto the model's on purpose; a note says so")
     parser.add_argument("--no-tokenizer", action="store_true", help="with --to hf: write the weights and config "
                         "only, without the checkpoint's tokenizer")
     add_layout_arguments(parser, dict(tp=None, pp=None), help=dict(
@@ -156,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer_model and src_kind not in _FOREIGN and dst_kind != "hf":
         raise UserError("--tokenizer-model is for --from hf, --from megatron or --to hf; a tnlg checkpoint already "
                         "records its tokenizer, and resharding keeps it.")
+    if getattr(args, "allow_other_tokenizer", False) and (src_kind != "hf" or not args.tokenizer_model):
+        raise UserError("--allow-other-tokenizer is for --from hf DIR with --tokenizer-model: it records that "
+                        "tokenizer although the folder ships another. Drop it, or name the tokenizer.")
     if getattr(args, "no_tokenizer", False) and (dst_kind != "hf" or args.tokenizer_model):
         raise UserError("--no-tokenizer is for --to hf, without --tokenizer-model: it writes the weights and config "
                         "only.")
@@ -185,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     if "megatron" in (src_kind, dst_kind):
         out = _megatron(args, src_kind, src, dst)
     elif src_kind == "hf":
+        if args.tokenizer_model:
+            _check_other_tokenizer(src, args.tokenizer_model, getattr(args, "allow_other_tokenizer", False))
         out = hf_to_checkpoint(src, dst, tokenizer_model=args.tokenizer_model, tp_size=args.tp or 1)
     elif dst_kind == "hf":
         out = checkpoint_to_hf(src, dst, tokenizer_model=args.tokenizer_model,
@@ -197,6 +206,19 @@ def run(args: argparse.Namespace) -> int:
         out = reshard_checkpoint(src, dst, args.tp, describe=GPT.describe)
     print(f"wrote {out}")
     return 0
+
+
+def _check_other_tokenizer(src: str, tokenizer_model: str, allow: bool) -> None:
+    """``--tokenizer-model`` against the tokenizer files of the Hugging Face folder ``src``: another one is
+    refused before anything is written, or with ``--allow-other-tokenizer`` noted on stderr."""
+    from ..data.fingerprint import check_recorded
+    from ..data.tokenizer import load_tokenizer
+    from ..generation.loading import model_tokenizers
+    own, whose = model_tokenizers(src)
+    note = check_recorded(own, load_tokenizer(tokenizer_model), f"--from hf {src!r}", allow=allow, whose=whose,
+                          after="Nothing was written.")
+    if note:
+        print(note, file=sys.stderr)
 
 
 HF_PACKAGES = ("transformers", "tokenizers")

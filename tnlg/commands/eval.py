@@ -156,8 +156,8 @@ def is_rows_input(path: str) -> bool:
 def _precheck_checkpoint(args) -> None:
     needs_tokenizer = args.task != "loss" or args.eod_mask_loss or args.reset_position_ids or \
         args.reset_attention_mask or is_rows_input(args.input[0])
-    from ..generation.loading import precheck_checkpoint
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer, args.load_adapter)
+    from .inference import precheck_model
+    precheck_model(args, needs_tokenizer)
 
 
 def evaluate(args, ps) -> dict:

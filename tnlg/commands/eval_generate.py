@@ -47,7 +47,8 @@ def precheck_generate(args) -> None:
     from ..eval.completion_rows import read_completion_rows
     from ..eval.predictions import rows_prompt_ids
     from ..data.tokenizer import load_tokenizer
-    from ..generation.loading import precheck_checkpoint, recorded_tokenizer
+    from ..generation.loading import recorded_tokenizer
+    from .inference import precheck_model
     from .generate import precheck_prompt_lengths
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
@@ -64,7 +65,7 @@ def precheck_generate(args) -> None:
             raise UserError(f"--predictions-file {out!r}: "
                             + ("that is a folder" if os.path.isdir(out) else f"its folder {folder!r} does not exist")
                             + "; give the path of a file to write in an existing folder.")
-    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
+    tokenizer = precheck_model(args)
     recorded = None if tokenizer is not None else recorded_tokenizer(args.checkpoint)
     if recorded is not None:  # a tnlg checkpoint's own tokenizer (the workers load the same)
         tokenizer = load_tokenizer(recorded)

@@ -50,8 +50,8 @@ def precheck_harness(args) -> None:
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be > 0, got {args.limit}.")
     _task_manager(args)
-    from ..generation.loading import precheck_checkpoint
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
+    from .inference import precheck_model
+    precheck_model(args)
 
 
 def _task_manager(args):

@@ -10,6 +10,8 @@ fine-tuning run here; the user's argument namespace is never changed:
 * The model's shape and its tokenizer are the checkpoint's (a model flag that says otherwise is refused, in one
   paragraph listing each difference; ``--seq-length`` is the run's, up to the model's ``max_position_embeddings``); ``--finetune``: the weights only, iteration 0, a new optimizer and LR
   schedule, the RNGs seeded (a ``--save`` that already holds this run's checkpoint is resumed whole instead).
+  A ``--tokenizer-model`` that is not the model's own (a Hugging Face folder's tokenizer files, a tnlg
+  checkpoint's record: compared by fingerprint) is refused unless ``--allow-other-tokenizer`` (then noted).
 * ``--sft-data-path`` gives the rows (:mod:`tnlg.data.sft`); ``--calculate-per-token-loss`` is on, a line is
   logged every ``--train-iters / 20`` iterations and validation reads the whole ``--sft-valid-data-path`` set
   once (per token, as TRL's evaluation), unless given.
@@ -64,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-calculate-per-token-loss", dest="calculate_per_token_loss", action="store_false",
                    default=argparse.SUPPRESS, help="the loss of an iteration is the mean of its micro batches' "
                    "means (tnlg pretrain's default) instead of the per-token mean over the global batch")
+    p.add_argument("--allow-other-tokenizer", action="store_true", default=argparse.SUPPRESS,
+                   help="train with --tokenizer-model although it is not the model's own tokenizer (the tokenizer "
+                   "files of a Hugging Face --load, or the one a tnlg checkpoint records): a vocabulary mapped onto "
+                   "the model's on purpose; a note says so. Without it another tokenizer is refused, before "
+                   "anything is written")
     p.description = (
         "Fine-tune a pretrained model on prompt/completion or chat rows (docs/finetune.md): --load a tnlg "
         "checkpoint, a Hugging Face folder (GPT-2, Llama, Qwen2, Mistral, Qwen3) or a Megatron-LM checkpoint, and give "
@@ -160,6 +167,7 @@ class Start:
         from ..checkpoint.files import last_checkpoint
         from ..interop.sources import KINDS, identify, source_kind
         said = user_options(args)
+        allow_other = bool(said.pop("allow_other_tokenizer", False))  # (a check of the start, no run option)
         if said.get("load") is None:
             raise UserError("tnlg finetune needs --load: the pretrained model to start from (a tnlg checkpoint, a "
                             "Hugging Face folder, or a Megatron-LM checkpoint).")
@@ -196,6 +204,8 @@ class Start:
             notes.append(f"note: {base} holds --load {src}, converted by an earlier launch of this run from the same "
                          f"files ({source.describe()}); using it.")
         tok = said.get("tokenizer_model")  # else a Hugging Face folder's own, when tnlg reads it; else the record
+        if tok is not None or allow_other:
+            _check_other_tokenizer(src, kind, tok, allow_other, notes)
         if tok is None and kind == "hf" and _loads_as_tokenizer(src):
             tok = src
         if convert:
@@ -273,6 +283,27 @@ class Start:
             out = megatron_to_checkpoint(src, self.load, tokenizer=load_tokenizer(self.tokenizer_model))
         print(f"converted --load {src} ({kind}) into {out}", flush=True)
         self.convert, self.meta = False, _manifest(self.load)
+
+
+def _check_other_tokenizer(src: str, kind: str, tok: Optional[str], allow: bool, notes: list) -> None:
+    """``--tokenizer-model`` against the model's own tokenizer (a Hugging Face folder's tokenizer files, a tnlg
+    checkpoint's record: :func:`tnlg.generation.loading.model_tokenizers`); another one is refused in one
+    paragraph, or with ``--allow-other-tokenizer`` noted (once for the job). Nothing is written either way."""
+    from ..data.fingerprint import ALLOW_FLAG, check_recorded
+    from ..data.tokenizer import load_tokenizer
+    from ..generation.loading import model_tokenizers
+    from ..runtime.launch import speaks_for_job
+    if tok is None:
+        raise UserError(f"{ALLOW_FLAG} goes with --tokenizer-model (the other tokenizer to train with); without "
+                        f"it the model's own tokenizer is used. Drop {ALLOW_FLAG}, or name the tokenizer. Nothing "
+                        f"was written.")
+    if kind not in ("hf", "ckpt"):
+        return  # (a Megatron-LM checkpoint holds no tokenizer files to compare with: --tokenizer-model is its own)
+    own, whose = model_tokenizers(src)
+    note = check_recorded(own, load_tokenizer(tok), f"--load {src!r}", allow=allow, whose=whose,
+                          after="Nothing was written.")
+    if note and speaks_for_job():
+        notes.append(note)
 
 
 def _check_record(save: str, src: str, source, notes: list) -> bool:

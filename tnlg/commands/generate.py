@@ -11,7 +11,7 @@ import time
 from typing import Callable, Union
 
 from ..errors import UserError
-from .inference import add_common_arguments, run_command, step_note
+from .inference import add_common_arguments, precheck_model, run_command, step_note
 
 EPILOG = """\
 Prompts are left-padded into batches (--micro-batch-size) with an attention mask and
@@ -126,12 +126,11 @@ def run(args) -> int:
               file=sys.stderr)
 
     from ..generation import check_sampling
-    from ..generation.loading import precheck_checkpoint
     check_sampling(args.max_new_tokens, args.greedy or args.temperature == 0, args.temperature, args.top_k,
                     args.top_p)
     if args.micro_batch_size < 1:
         raise UserError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
     prompts = _read_prompts(args)
-    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
+    tokenizer = precheck_model(args)
     precheck_prompt_lengths(args.checkpoint, tokenizer, prompts)
     return run_command("generate", add_arguments, args, lambda ps: _generate_here(args, ps, prompts), show)

@@ -1,6 +1,8 @@
 """What ``tnlg eval`` and ``tnlg generate`` share: their common flags and their processes.
 
 * :func:`add_common_arguments` - checkpoint, tokenizer, adapter (:func:`add_model_arguments`, serve's too), layout and launch flags (torch-free, for ``--help``).
+* :func:`precheck_model` - what those flags name, checked before any process starts (the note of
+  ``--allow-other-tokenizer`` said once).
 * :func:`launch_or_init` - under ``torchrun`` join the job; with ``--nproc-per-node N``
   relaunch the same command on N local processes (:func:`tnlg.runtime.launch.relaunch`);
   else run in this process.
@@ -30,12 +32,31 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "experts; its tokenizer files give the tokenizer) or a tnlg checkpoint folder; resharded to "
                         "the TP x PP asked for")
     p.add_argument("--tokenizer-model", metavar="M",
-                   help="tokenizer to use instead of the checkpoint's: a SentencePiece .model, a folder with "
-                        "GPT-2 vocab.json + merges.txt, or 'builtin'")
+                   help="the tokenizer when the checkpoint names none (a SentencePiece .model, a folder with "
+                        "GPT-2 vocab.json + merges.txt, a tokenizer.json, or 'builtin'); one that is not the model's "
+                        "own (a checkpoint's record, a Hugging Face folder's files) is refused unless "
+                        "--allow-other-tokenizer")
+    p.add_argument("--allow-other-tokenizer", action="store_true",
+                   help="use --tokenizer-model although it is not the model's own tokenizer (a vocabulary mapped "
+                        "onto the model's on purpose); a note says so")
     p.add_argument("--load-adapter", metavar="DIR",
                    help="PEFT's LoRA adapter folder (adapter_config.json + adapter_model.safetensors: peft's "
                         "save_pretrained, or SAVE/adapter of tnlg finetune --lora-rank) of the checkpoint's model, "
                         "merged into its weights at load (W + alpha/r B A, each rank its shard)")
+
+
+def precheck_model(args, needs_tokenizer: bool = True):
+    """:func:`tnlg.generation.loading.precheck_checkpoint` of what :func:`add_model_arguments` declares, its
+    note (a tokenizer other than the model's, allowed) printed once for the job, on stderr (stdout may be
+    ``--json``). Returns the loaded ``--tokenizer-model``, or ``None``."""
+    from ..generation.loading import precheck_checkpoint
+    from ..runtime.launch import speaks_for_job
+    notes: list = []
+    tokenizer = precheck_checkpoint(args.checkpoint, args.tokenizer_model, needs_tokenizer, args.load_adapter,
+                                    allow_other_tokenizer=getattr(args, "allow_other_tokenizer", False), notes=notes)
+    if notes and speaks_for_job():
+        print("\n".join(notes), file=sys.stderr, flush=True)
+    return tokenizer
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:

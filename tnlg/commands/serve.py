@@ -91,7 +91,7 @@ def run(args) -> int:
     except ImportError:
         raise UserError('tnlg serve needs FastAPI and uvicorn, an optional extra: pip install -e ".[serve]" '
                         '(or pip install fastapi uvicorn).') from None
-    from ..generation.loading import precheck_checkpoint
+    from .inference import precheck_model
     _check(args)
-    precheck_checkpoint(args.checkpoint, args.tokenizer_model, adapter=args.load_adapter)
+    precheck_model(args)
     return run_command("serve", add_arguments, args, lambda ps: _serve_here(args, ps), show)

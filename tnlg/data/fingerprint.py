@@ -6,8 +6,10 @@ its model file(s) (their contents, not their paths). ``tnlg pretrain`` and ``tnl
 compare it with the tokenizer they were given and refuse a mismatch, naming both: two tokenizers
 with the same vocabulary size would otherwise train on ids that mean other words, silently.
 Data without a sidecar (written by Megatron, or by an older tnlg) is accepted with a one-line note.
-A checkpoint records its tokenizer's :meth:`Tokenizer.describe` in ``meta.json``: ``tnlg eval`` and
-``tnlg generate`` compare a ``--tokenizer-model`` with it the same way (:func:`check_recorded`).
+A checkpoint records its tokenizer's :meth:`Tokenizer.describe` in ``meta.json``, and a Hugging Face folder
+ships its tokenizer's files: ``tnlg finetune``, ``eval``, ``generate``, ``serve`` and ``convert --from hf``
+compare a ``--tokenizer-model`` with the model's own the same way and refuse another one, naming both, unless
+``--allow-other-tokenizer`` says so (then they note it) (:func:`check_recorded`).
 No collectives.
 """
 
@@ -20,10 +22,13 @@ from typing import Optional
 from ..errors import UserError
 from ..io import atomic_write
 
-__all__ = ["SIDECAR_SUFFIX", "sidecar_path", "fingerprint", "write_sidecar", "check_sidecar", "check_recorded"]
+__all__ = ["SIDECAR_SUFFIX", "ALLOW_FLAG", "sidecar_path", "fingerprint", "write_sidecar", "check_sidecar",
+           "check_recorded"]
 
 SIDECAR_SUFFIX = ".tnlg-tokenizer.json"
 _KEYS = ("kind", "vocab_size", "sha256")
+# the flag that lets a command use a tokenizer other than the model's own (check_recorded)
+ALLOW_FLAG = "--allow-other-tokenizer"
 
 
 def sidecar_path(prefix: str) -> str:
@@ -88,20 +93,42 @@ def check_sidecar(prefix: str, tokenizer, flag: str = "--tokenizer-model") -> Op
     return None
 
 
-def check_recorded(recorded: Optional[dict], tokenizer, where: str, flag: str = "--tokenizer-model") -> None:
-    """A :class:`UserError` naming both when ``tokenizer`` is not the one ``recorded`` (a checkpoint's
-    record of the tokenizer it was trained with: a :meth:`Tokenizer.describe`) by kind, vocabulary size or
-    file contents; nothing when they agree or when there is no record with a checksum to compare."""
-    if not recorded or not recorded.get("sha256"):
-        return
-    saved = {"kind": recorded.get("kind"), "vocab_size": recorded.get("vocab_size"), "sha256": recorded["sha256"]}
+def check_recorded(recorded, tokenizer, where: str, flag: str = "--tokenizer-model", allow: bool = False,
+                   whose: str = "recorded in the checkpoint", after: str = "") -> Optional[str]:
+    """``tokenizer`` (a ``--tokenizer-model``) against the model's own tokenizer: ``recorded`` is one
+    :meth:`Tokenizer.describe` record or a list of them (a checkpoint's record in ``meta.json``; the tokenizer
+    files a Hugging Face folder ships, where one tokenizer may come in several forms), ``whose`` says where
+    they come from. ``None`` when it is one of them by kind, vocabulary size and file contents, or when there
+    is no record with a checksum to compare; otherwise a :class:`UserError` naming both (``after``: a last
+    sentence), or with ``allow`` (:data:`ALLOW_FLAG`) a one-line note to print instead."""
+    records = [r for r in ([recorded] if isinstance(recorded, dict) else recorded or []) if r and r.get("sha256")]
+    if not records:
+        return None
     given = fingerprint(tokenizer)
-    if saved["vocab_size"] is None:  # an older record without the size: compare what it has
-        given["vocab_size"] = None
-    if saved == given:
-        return
-    name = recorded.get("path") or recorded.get("vocab_file") or "?"
-    raise UserError(f"{where} was trained with another tokenizer ({_describe(saved)}: {name!r}, recorded in the "
-                    f"checkpoint) than {flag} {tokenizer.describe().get('path') or tokenizer.describe().get('vocab_file')!r} "
+    if any(_same(r, given) for r in records):
+        return None
+    theirs = " or ".join(f"{_describe(_fingerprint_of(r))}: {_path_of(r)!r}" for r in records)
+    name = _path_of(tokenizer.describe())
+    if allow:
+        return (f"note: {flag} {name!r} ({_describe(given)}) is not the tokenizer of {where} ({theirs}, {whose}); "
+                f"using it, as {ALLOW_FLAG} says: its token ids mean what the model learned only where its "
+                f"vocabulary was mapped onto the model's.")
+    raise UserError(f"{where} was trained with another tokenizer ({theirs}, {whose}) than {flag} {name!r} "
                     f"({_describe(given)}): its token ids would mean other words. Leave out {flag} to use the "
-                    f"checkpoint's own tokenizer, or pass a copy of that file.")
+                    f"model's own tokenizer, or pass a copy of its files; to use this one on purpose (a vocabulary "
+                    f"mapped onto the model's), add {ALLOW_FLAG}." + (f" {after}" if after else ""))
+
+
+def _fingerprint_of(recorded: dict) -> dict:
+    return {"kind": recorded.get("kind"), "vocab_size": recorded.get("vocab_size"), "sha256": recorded["sha256"]}
+
+
+def _same(recorded: dict, given: dict) -> bool:
+    """Whether a record names the tokenizer ``given`` (a :func:`fingerprint`); an older record without the
+    vocabulary size is compared by what it has."""
+    saved = _fingerprint_of(recorded)
+    return saved == ({**given, "vocab_size": None} if saved["vocab_size"] is None else given)
+
+
+def _path_of(spec: dict) -> str:
+    return spec.get("path") or spec.get("vocab_file") or "?"

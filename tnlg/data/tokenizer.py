@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from ..errors import UserError
 from ..io import atomic_write, file_sha256
@@ -38,7 +38,7 @@ from .paths import TOKENIZER_MODEL
 
 __all__ = [
     "Tokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "TokenizerJSONTokenizer", "load_tokenizer",
-    "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path", "space_piece_share",
+    "folder_tokenizers", "train_sentencepiece", "ROUND_TRIP_TRAINER_OPTIONS", "builtin_tokenizer_path", "space_piece_share",
     "SentencePieceModel", "read_sentencepiece_model",
 ]
 
@@ -405,6 +405,28 @@ def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
     if not p.exists():
         raise UserError(f"tokenizer {text!r} does not exist; pass {_SPEC_HELP}.")
     return SentencePieceTokenizer(p)
+
+
+def folder_tokenizers(folder: Union[str, os.PathLike]) -> list[Tokenizer]:
+    """Every tokenizer a model folder ships that tnlg reads, in each form it is published in: GPT-2's
+    ``vocab.json`` + ``merges.txt``, each ``.model`` file, a ``tokenizer.json`` (a GPT-2 folder holds both
+    forms of one tokenizer). A form that does not load is left out; a folder with none gives ``[]``."""
+    p = Path(folder).expanduser()
+    if not p.is_dir():
+        return []
+    forms: list[tuple[Callable[..., Tokenizer], tuple]] = []
+    if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+        forms.append((GPT2BPETokenizer, (p / "vocab.json", p / "merges.txt")))
+    forms += [(SentencePieceTokenizer, (m,)) for m in sorted(p.glob("*.model"))]
+    if (p / "tokenizer.json").is_file():
+        forms.append((TokenizerJSONTokenizer, (p / "tokenizer.json",)))
+    found = []
+    for kind, files in forms:
+        try:
+            found.append(kind(*files))
+        except UserError:
+            continue
+    return found
 
 
 def _from_spec(spec: dict, check_sha256: bool) -> Tokenizer:

@@ -9,8 +9,8 @@
 * :func:`load_for_inference` - a tnlg checkpoint's model built at this rank's TP size (and pipeline stage), its
   weights read by :func:`tnlg.checkpoint.inference_plan` / :func:`~tnlg.checkpoint.read_weights`.
 * :func:`resolve_tokenizer` - ``--tokenizer-model`` wins; else the checkpoint's.
-* :func:`precheck_checkpoint` (a ``--tokenizer-model`` against the checkpoint's recorded tokenizer too,
-  :func:`tnlg.data.fingerprint.check_recorded`), :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the
+* :func:`precheck_checkpoint` (a ``--tokenizer-model`` against the model's own tokenizer too: a checkpoint's
+  record, a Hugging Face folder's files, :func:`model_tokenizers`, :func:`tnlg.data.fingerprint.check_recorded`), :func:`checkpoint_seq_length`, :func:`checkpoint_num_layers` - what the
   launching process checks from the checkpoint's metadata before any worker starts.
 
 Starting the processes is the commands' part (:mod:`tnlg.commands.inference`).
@@ -25,8 +25,8 @@ from typing import Optional
 from ..checkpoint import inference_plan, read_weights, resolve
 from ..checkpoint.manifest import Manifest
 from ..config import GPTConfig
-from ..data.fingerprint import check_recorded
-from ..data.tokenizer import load_tokenizer
+from ..data.fingerprint import ALLOW_FLAG, check_recorded
+from ..data.tokenizer import folder_tokenizers, load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
 from ..interop.hf_reader import check_hf_folder
@@ -37,7 +37,7 @@ from ..parallel.state import ParallelState
 
 __all__ = ["load_for_inference", "is_hf_folder", "hf_tokenizer_spec", "recorded_tokenizer", "loading_note",
            "checkpoint_seq_length", "checkpoint_num_layers", "load_model", "load", "check_adapter_folder",
-           "resolve_tokenizer", "precheck_checkpoint", "check_tokenizer_fits"]
+           "resolve_tokenizer", "precheck_checkpoint", "model_tokenizers", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
                  "given. Pass --tokenizer-model with a SentencePiece .model file, a folder holding GPT-2's "
@@ -79,15 +79,21 @@ def hf_tokenizer_spec(path: str) -> Optional[str]:
 
 
 def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True,
-                        adapter: Optional[str] = None):
+                        adapter: Optional[str] = None, allow_other_tokenizer: bool = False,
+                        notes: Optional[list] = None):
     """Checks that need no model, run before any process starts: the checkpoint exists, a Hugging Face
     folder is one tnlg reads exactly (:func:`tnlg.interop.hf_reader.check_hf_folder`), an ``adapter`` folder
     (``--load-adapter``) fits the checkpoint's model (:func:`tnlg.interop.peft.check_adapter_fits`: its
-    metadata, no weights), and (``needs_tokenizer``) a tokenizer can be found. Returns the loaded
-    ``--tokenizer-model`` tokenizer, or ``None``."""
+    metadata, no weights), and (``needs_tokenizer``) a tokenizer can be found. A ``--tokenizer-model`` that is
+    not the model's own (:func:`model_tokenizers`) is refused in one paragraph, or with
+    ``allow_other_tokenizer`` noted (the line appended to ``notes``). Returns the loaded ``--tokenizer-model``
+    tokenizer, or ``None``."""
     if not os.path.exists(checkpoint):
         raise UserError(f"checkpoint {checkpoint!r} does not exist; pass a Hugging Face GPT-2, Llama, Qwen2, Mistral or Qwen3 folder "
                         "(config.json + model.safetensors) or a folder written by `tnlg pretrain --save`.")
+    if allow_other_tokenizer and not tokenizer_model:
+        raise UserError(f"{ALLOW_FLAG} goes with --tokenizer-model (the other tokenizer to use); without it the "
+                        f"checkpoint's own tokenizer is used. Drop {ALLOW_FLAG}, or name the tokenizer.")
     cfg = None
     if is_hf_folder(checkpoint):  # config.json and the weight files' headers: exactly what transformers
         cfg = check_hf_folder(checkpoint).cfg  # computes, or one paragraph (no tensor data read, no worker started)
@@ -95,12 +101,26 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
         check_adapter_folder(checkpoint, adapter, cfg)
     if tokenizer_model:
         tokenizer = load_tokenizer(tokenizer_model)
-        check_recorded(recorded_tokenizer(checkpoint), tokenizer, f"checkpoint {checkpoint!r}")
+        own, whose = model_tokenizers(checkpoint)
+        note = check_recorded(own, tokenizer, f"checkpoint {checkpoint!r}", allow=allow_other_tokenizer, whose=whose)
+        if note and notes is not None:
+            notes.append(note)
         return tokenizer
     if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:
         raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=" (a Hugging Face folder needs vocab.json "
                                                                    "+ merges.txt beside config.json)"))
     return None
+
+
+def model_tokenizers(checkpoint: str) -> tuple[list[dict], str]:
+    """The model's own tokenizer, as :meth:`~tnlg.data.tokenizer.Tokenizer.describe` records, and where they
+    come from in words: a Hugging Face folder's tokenizer files (each form tnlg reads,
+    :func:`~tnlg.data.tokenizer.folder_tokenizers`), or a tnlg checkpoint's record (:func:`recorded_tokenizer`);
+    ``[]`` when there is none to compare with."""
+    if is_hf_folder(checkpoint):
+        return [t.describe() for t in folder_tokenizers(checkpoint)], "its tokenizer files"
+    recorded = recorded_tokenizer(checkpoint)
+    return ([recorded] if recorded else []), "recorded in the checkpoint"
 
 
 def check_adapter_folder(checkpoint: str, adapter: str, cfg: Optional[GPTConfig] = None) -> None:

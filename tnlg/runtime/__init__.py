@@ -1,6 +1,7 @@
 """The process runtime: what a tnlg job's processes need around the library.
 
 Modules: :mod:`.launch` (torchrun-style local and multi-node launching, joining a launched job),
+:mod:`.process_settings` (what every process that runs a model is given: threads, heap; ``tnlg.init_parallel``),
 :mod:`.failures` (one report per failed job, peers stopped at once), :mod:`.hang` (hung collectives
 reported by rank and pipeline stage, the NCCL flight recorder), :mod:`.process_exit` (leaving a
 worker cleanly), :mod:`.hardware` (the bf16 matmul probe), :mod:`.spawn` (gloo processes for tests,

@@ -54,14 +54,15 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from .failures import STATUS_FILE_ENV
 from .interfaces import GLOO_IFNAME_ENV, gloo_interface
 from .orphans import LAUNCHER_PID_ENV
+from .process_settings import local_threads
 
 STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
 if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
-__all__ = ["under_launcher", "is_rank0", "launcher_world_size", "maybe_launch", "relaunch", "join", "local_threads",
-           "argv_of"]
+__all__ = ["under_launcher", "is_rank0", "speaks_for_job", "launcher_world_size", "maybe_launch", "relaunch", "join",
+           "local_threads", "argv_of"]
 
 
 def under_launcher() -> bool:
@@ -74,14 +75,16 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def speaks_for_job() -> bool:
+    """Whether this process says what is said once for a whole job (a note about its settings): the process
+    the user started (it launches the workers, or runs alone), or global rank 0 under a launcher that is not
+    tnlg's own (``torchrun``, where no tnlg process ran before the workers). tnlg's own workers find
+    :data:`STORE_ENV` set by the process that launched them, which spoke already."""
+    return not under_launcher() or (is_rank0() and STORE_ENV not in os.environ)
+
+
 def launcher_world_size() -> Optional[int]:
     return int(os.environ["WORLD_SIZE"]) if under_launcher() else None
-
-
-def local_threads() -> int:
-    """Intra-op threads per rank: the cores shared evenly among the local processes."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)
 
 
 def _serve_store(listener: socket.socket):
@@ -199,20 +202,15 @@ def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], No
 
 
 def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
-    """This process's :class:`tnlg.parallel.state.ParallelState`: the cores shared among the local ranks
-    (:func:`local_threads`), then :func:`tnlg.parallel.state.init_parallel` (the launcher's process group,
-    or a world of one without a launcher; ``kwargs``: its ``timeout``, ``device``); on a CPU, glibc's heap
-    keeps freed blocks for the next step (:func:`tnlg.runtime.heap.keep_freed_blocks`)."""
-    import torch  # (torch-free at import: the command line's --help path imports this module)
-
-    from ..parallel.state import init_parallel
+    """This process's :class:`tnlg.parallel.state.ParallelState` as a worker of a command: ``tnlg.init_parallel``
+    (:func:`tnlg.runtime.process_settings.init_parallel`: the launcher's process group, or a world of one
+    without a launcher, ``kwargs`` its ``timeout``, ``device``, ...; then the cores shared among the local ranks
+    and, on a CPU, glibc's heap keeping freed blocks: the settings a user's script gets alike), then the
+    watcher of the other ranks' failures and the flight recorder's folder."""
     from .failures import watch
     from .hang import make_dump_dir
-    from .heap import keep_freed_blocks
-    torch.set_num_threads(local_threads())
+    from .process_settings import init_parallel
     ps = init_parallel(tensor_parallel_size, **kwargs)
-    if ps.device.type == "cpu":
-        keep_freed_blocks()
     watch()  # another rank's failure stops this one at once (tnlg.runtime.failures)
     make_dump_dir()
     return ps
