@@ -201,3 +201,31 @@ def test_finetune_load_of_a_tokenizer_json_folder_trains_and_exports(tmp_path, l
         source.apply_chat_template(msgs, tokenize=True, return_dict=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["eos_token_id"] == exported.eos_token_id == source.convert_tokens_to_ids("<|eot_id|>")
+
+
+def test_generate_and_eval_read_a_tokenizer_json_folder_without_tokenizer_model(tmp_path, llama3_folder, capsys):
+    """``tnlg generate`` / ``tnlg eval`` of a model folder whose only tokenizer file is tokenizer.json find the
+    folder's own tokenizer (no --tokenizer-model): the greedy tokens are transformers' for the same prompt ids."""
+    import torch
+
+    from tnlg.cli import main
+
+    from .llama_reference import random_llama
+    hf_model = random_llama("llama", groups=2, vocab=len(SPECIALS) + 400, seq=64).eval()
+    folder = tmp_path / "model"
+    hf_model.save_pretrained(folder)
+    for f in llama3_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    tok = load_tokenizer(str(folder))
+    ids = tok.encode("it's we'll")
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=tok.eod_id)
+    want = out[0, len(ids):].tolist()
+    want = want[:want.index(tok.eod_id) + 1] if tok.eod_id in want else want
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "it's we'll", "--greedy", "--max-new-tokens",
+                 "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["tokens"] == want
+    (tmp_path / "wiki.txt").write_text(" = Title = \n\n it's we'll , digits 0123456789 .\n")
+    assert main(["eval", "--task", "wikitext", "--checkpoint", str(folder), "--input", str(tmp_path / "wiki.txt")]) == 0

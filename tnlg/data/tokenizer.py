@@ -388,13 +388,11 @@ def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
         return SentencePieceTokenizer(builtin_tokenizer_path())
     p = Path(text).expanduser()
     if p.is_dir():
-        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            return GPT2BPETokenizer(p / "vocab.json", p / "merges.txt")
+        form = _folder_form(p)
+        if form is not None:
+            kind, files = form
+            return kind(*files)
         models = sorted(p.glob("*.model"))
-        if len(models) == 1:
-            return SentencePieceTokenizer(models[0])
-        if not models and (p / "tokenizer.json").is_file():
-            return TokenizerJSONTokenizer(p / "tokenizer.json")
         raise UserError(f"tokenizer directory {text!r} holds neither vocab.json + merges.txt, nor exactly "
                         f"one .model file (found {[m.name for m in models]}), nor a tokenizer.json; pass {_SPEC_HELP}.")
     if p.name == "tokenizer.json" and p.is_file():
@@ -405,6 +403,25 @@ def load_tokenizer(path_or_spec: Union[str, os.PathLike, Mapping, Tokenizer],
     if not p.exists():
         raise UserError(f"tokenizer {text!r} does not exist; pass {_SPEC_HELP}.")
     return SentencePieceTokenizer(p)
+
+
+def _folder_form(p: Path) -> Optional[tuple[Callable[..., Tokenizer], tuple]]:
+    """The tokenizer :func:`load_tokenizer` reads from folder ``p`` and its files: GPT-2's ``vocab.json`` +
+    ``merges.txt``, else exactly one ``.model`` file, else (no ``.model``) a ``tokenizer.json``; ``None``."""
+    if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+        return GPT2BPETokenizer, (p / "vocab.json", p / "merges.txt")
+    models = sorted(p.glob("*.model"))
+    if len(models) == 1:
+        return SentencePieceTokenizer, (models[0],)
+    if not models and (p / "tokenizer.json").is_file():
+        return TokenizerJSONTokenizer, (p / "tokenizer.json",)
+    return None
+
+
+def holds_tokenizer(folder: Union[str, os.PathLike]) -> bool:
+    """Whether :func:`load_tokenizer` of ``folder`` finds a tokenizer's files there (a model folder's own)."""
+    p = Path(folder).expanduser()
+    return p.is_dir() and _folder_form(p) is not None
 
 
 def folder_tokenizers(folder: Union[str, os.PathLike]) -> list[Tokenizer]:

@@ -26,7 +26,7 @@ from ..checkpoint import inference_plan, read_weights, resolve
 from ..checkpoint.manifest import Manifest
 from ..config import GPTConfig
 from ..data.fingerprint import ALLOW_FLAG, check_recorded
-from ..data.tokenizer import folder_tokenizers, load_tokenizer
+from ..data.tokenizer import folder_tokenizers, holds_tokenizer, load_tokenizer
 from ..errors import UserError
 from ..interop.hf import from_hf
 from ..interop.hf_reader import check_hf_folder
@@ -40,8 +40,8 @@ __all__ = ["load_for_inference", "is_hf_folder", "hf_tokenizer_spec", "recorded_
            "resolve_tokenizer", "precheck_checkpoint", "model_tokenizers", "check_tokenizer_fits"]
 
 _NO_TOKENIZER = ("no tokenizer: checkpoint {ckpt!r} does not name one{why}, and --tokenizer-model was not "
-                 "given. Pass --tokenizer-model with a SentencePiece .model file, a folder holding GPT-2's "
-                 "vocab.json + merges.txt, or 'builtin'.")
+                 "given. Pass --tokenizer-model with a SentencePiece .model file, a tokenizer.json, a folder "
+                 "holding GPT-2's vocab.json + merges.txt, or 'builtin'.")
 
 
 def load_for_inference(path: str, ps: Optional[ParallelState] = None, tokenizer_override=None):
@@ -73,9 +73,9 @@ def is_hf_folder(path: str) -> bool:
 
 
 def hf_tokenizer_spec(path: str) -> Optional[str]:
-    """The folder itself when it holds GPT-2's ``vocab.json`` + ``merges.txt``, else ``None``."""
-    has = all(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt"))
-    return path if has else None
+    """The folder itself when it holds a tokenizer's files (GPT-2's ``vocab.json`` + ``merges.txt``, one
+    SentencePiece ``.model``, or a ``tokenizer.json``: :func:`tnlg.data.tokenizer.holds_tokenizer`), else ``None``."""
+    return path if holds_tokenizer(path) else None
 
 
 def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_tokenizer: bool = True,
@@ -108,7 +108,8 @@ def precheck_checkpoint(checkpoint: str, tokenizer_model: Optional[str], needs_t
         return tokenizer
     if needs_tokenizer and is_hf_folder(checkpoint) and hf_tokenizer_spec(checkpoint) is None:
         raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=" (a Hugging Face folder needs vocab.json "
-                                                                   "+ merges.txt beside config.json)"))
+                                                                   "+ merges.txt, one .model file or a tokenizer.json "
+                                                                   "beside config.json)"))
     return None
 
 
@@ -238,7 +239,8 @@ def resolve_tokenizer(tokenizer_model, spec, checkpoint: str):
     if tokenizer_model is not None:
         return load_tokenizer(tokenizer_model)
     if spec is None:
-        why = " (a Hugging Face folder needs vocab.json + merges.txt)" if is_hf_folder(checkpoint) else ""
+        why = (" (a Hugging Face folder needs vocab.json + merges.txt, one .model file or a tokenizer.json)"
+               if is_hf_folder(checkpoint) else "")
         raise UserError(_NO_TOKENIZER.format(ckpt=checkpoint, why=why))
     return load_tokenizer(spec)
 
