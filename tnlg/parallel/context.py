@@ -330,12 +330,13 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, doc_ids, index):
             gq, gk, gv = _block_backward(dout[:, :, part], q[:, :, part].contiguous(), kb, vb, out[:, :, part],
                                          lse[:, :, part], causal and mask is None, mask)
             dq[:, :, part] += gq.float()
-            grads = (gk.float(), gv.float()) if grads is None else (grads[0] + gk.float(), grads[1] + gv.float())
+            # (one part, as without a mask: kept in the block's dtype until added; parts summed in fp32)
+            grads = (gk, gv) if grads is None else (grads[0].float() + gk.float(), grads[1].float() + gv.float())
         if dkv_pending is not None:  # the accumulator of block j, from the previous rank
             _wait(dkv_pending[1])
             dkv = dkv_pending[0]
         for slot, g in enumerate(grads or ()):
-            _add_heads(dkv[slot][:, :, cols], g, index)
+            _add_heads(dkv[slot][:, :, cols], g.float(), index)
         dkv_pending = ring.exchange(dkv)
         if pending is not None:
             _wait(pending[1])
