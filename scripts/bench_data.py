@@ -321,7 +321,7 @@ def _probe(kind: str, prefix: str, cache: str) -> dict:
 
     from tnlg.data import gpt_dataset as gd
     from tnlg.data.indexed import IndexedDataset
-    from tnlg.runtime.heap import release_freed_memory
+    from tnlg.parallel.heap import release_freed_memory
     release_freed_memory()
     before = _smaps()
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ corpus, and reads each rank's peak resident set size (``ru_maxrss``) at the end 
   or loop), to separate what the engine allocates from what the rest of the process adds.
 
 Figures are the largest rank's peak minus the baseline. The plain rows run with the workers' own heap
-setting (:mod:`tnlg.runtime.heap`: freed blocks up to 1 GiB kept for the next step, as every ``tnlg``
+setting (:mod:`tnlg.parallel.heap`: freed blocks up to 1 GiB kept for the next step, as every ``tnlg``
 worker does); the ``mmap`` rows rerun baseline, fp32 and bf16 with glibc's ``MALLOC_MMAP_THRESHOLD_=65536``
 (allocations above 64 KiB are mapped and returned to the system when freed; a user's setting makes the
 workers leave glibc alone): with freed activation and gradient buffers kept in the heap between iterations,

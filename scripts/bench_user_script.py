@@ -5,7 +5,7 @@ under load.
 The README's Python snippets import tnlg first (``import tnlg, torch``): tnlg then sets the OpenMP wait policy
 the command sets (``GOMP_SPINCOUNT=1000``, :mod:`tnlg.runtime.threads`) before torch loads libgomp, and
 ``tnlg.init_parallel`` gives the process the intra-op threads and the CPU heap a command's worker gets
-(:mod:`tnlg.runtime.process_settings`). A script that imports torch first gets libgomp's default spin-wait,
+(:mod:`tnlg.parallel.process_settings`). A script that imports torch first gets libgomp's default spin-wait,
 which tnlg can no longer change (it warns). Three ways to
 train the same GPT (one process, 2 threads, forward + loss + backward + AdamW; fp32 or ``--precision bf16``):
 

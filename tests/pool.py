@@ -155,7 +155,7 @@ def _serve(rank: int, world_size: int, rdzv: str, conn) -> None:
     import torch.distributed as dist
 
     from tnlg.parallel.state import init_parallel
-    from tnlg.runtime.heap import keep_freed_blocks
+    from tnlg.parallel.heap import keep_freed_blocks
     from tnlg.runtime.process_exit import leave
     torch.set_num_threads(1)
     keep_freed_blocks()  # as a command's CPU worker does (tnlg.runtime.launch.join)

@@ -1,4 +1,4 @@
-"""A CPU worker's heap keeps freed blocks (tnlg.runtime.heap): a 64 MiB buffer freed and allocated again is
+"""A CPU worker's heap keeps freed blocks (tnlg.parallel.heap): a 64 MiB buffer freed and allocated again is
 not handed back to the system and faulted in again, as glibc's default does for a block above its mapping
 threshold; a user's own malloc setting is left alone."""
 
@@ -14,7 +14,7 @@ from tnlg.runtime.spawn import checkout_env
 
 _BODY = """
 import os, sys
-from tnlg.runtime.heap import keep_freed_blocks
+from tnlg.parallel.heap import keep_freed_blocks
 
 def resident() -> int:
     with open("/proc/self/statm") as f:

@@ -234,7 +234,7 @@ def test_index_is_memory_mapped_not_read(tmp_path, copy):
     prefix = str(tmp_path / "big")
     _write_synthetic(prefix, n)
     idx_bytes = os.path.getsize(f"{prefix}.idx")  # 40 MB
-    from tnlg.runtime.heap import release_freed_memory
+    from tnlg.parallel.heap import release_freed_memory
     release_freed_memory()
     before = _anonymous_bytes()
     big = IndexedDataset(prefix)

@@ -11,7 +11,7 @@ any more and says so in one warning.
 
 ``tnlg.init_parallel`` then gives the process the rest of what a ``tnlg`` command's worker runs with: its
 intra-op threads (the cores shared among the local processes) and a CPU heap that keeps freed blocks
-(:mod:`tnlg.runtime.process_settings`).
+(:mod:`tnlg.parallel.process_settings`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _EXPORTS = {
     "generate": "generation", "generate_ids": "generation", "load": "generation.loading",
     "ColumnParallelLinear": "parallel", "ParallelState": "parallel", "RowParallelLinear": "parallel",
     "VocabParallelEmbedding": "parallel", "destroy_parallel": "parallel",
-    "init_parallel": "runtime.process_settings",  # the groups, then the settings a command's worker has
+    "init_parallel": "parallel.process_settings",  # the groups, then the settings a command's worker has
     "vocab_parallel_cross_entropy": "parallel",
 }
 
@@ -114,5 +114,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .model import GPT, KVCache
     from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
                            destroy_parallel, gather_logits, vocab_parallel_cross_entropy)
-    from .runtime.process_settings import init_parallel
+    from .parallel.process_settings import init_parallel
     from .plan.counts import parameter_counts

@@ -85,6 +85,20 @@ def _tmp_name(iteration: int) -> str:
     return F.iter_dir_name(iteration) + ".tmp"
 
 
+def _write_states(tmp: str, engine, model, names: set, ps: ParallelState, tag: dict, targets, pp,
+                  failure: "_SaveFailure") -> dict:
+    """This rank's optimizer shard and RNG states, each under ``failure``'s guard (none once a write failed)."""
+    written: dict = {}
+    if failure.ok:
+        with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank, pp))):
+            written.update(_write_optimizer(tmp, engine, names, ps, tag, targets))
+    rng_name = F.rng_file(ps.dp_rank, ps.tp_rank, pp)
+    if failure.ok:
+        with failure.guard(os.path.join(tmp, rng_name)):
+            written.update(_write_rng(tmp, rng_name, capture(model.tp_random)))
+    return written
+
+
 def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine, ps: ParallelState,
          config: GPTConfig, options=None, tokenizer=None, keep_last: Optional[int] = None,
          schedule_steps: Optional[int] = None, adapters: Optional[dict] = None) -> str:
@@ -123,13 +137,7 @@ def save(save_dir: str, *, iteration: int, consumed_samples: int, model, engine,
         written.update(_write_model(tmp, engine, [n for n in names if n in experts], ps,
                                     dict(tag, ep_rank=ep_rank, ep_size=ep), failure,
                                     F.model_file(ps.tp_rank, pp, ep_rank), ps.rank_in("edp") == 0))
-    if failure.ok:
-        with failure.guard(os.path.join(tmp, F.optim_file(ps.tp_rank, ps.dp_rank, pp))):
-            written.update(_write_optimizer(tmp, engine, set(names), ps, tag, targets))
-    rng_name = F.rng_file(ps.dp_rank, ps.tp_rank, pp)
-    if failure.ok:
-        with failure.guard(os.path.join(tmp, rng_name)):
-            written.update(_write_rng(tmp, rng_name, capture(model.tp_random)))
+    written.update(_write_states(tmp, engine, model, set(names), ps, tag, targets, pp, failure))
     failure.agree(tmp)  # every rank raises the same error when any rank's write failed; tmp removed
     optimizer = OptimizerState.from_dict(dict(present=True, **engine.hyperparameters()))
     pp_size = None if pp is None else ps.pp_size  # recorded at PP > 1 only

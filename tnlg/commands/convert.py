@@ -89,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "Megatron's TP, which sets its vocabulary padding)",
         pp="with --to megatron: of the written checkpoint (default 1); a tnlg checkpoint needs none (it loads "
            "at any --pp)"))
+    _add_megatron_arguments(parser)
+    parser.add_argument("--merge-lora", metavar="ADAPTER_DIR", help="with --from CKPT (the base): merge PEFT's LoRA "
+                        "adapter folder (a tnlg finetune --lora-rank run's SAVE/adapter, or peft's save_pretrained) "
+                        "into its weights, W + (alpha / r) B A, and write the merged model (--to a new tnlg "
+                        "checkpoint, or --to hf DIR)")
+
+
+def _add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tnlg convert`` that only a Megatron-LM source or destination reads."""
     parser.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "legacy"],
                         help="with --to megatron: Megatron's --ckpt-format torch_dist (default) or the legacy "
                         "per-rank files (--ckpt-format torch)")
@@ -101,10 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, help="with --from megatron: the tokenizer's real vocabulary size, "
                         "to drop Megatron's padding rows (default: from the saved args' tokenizer when they say, "
                         "else the padded size)")
-    parser.add_argument("--merge-lora", metavar="ADAPTER_DIR", help="with --from CKPT (the base): merge PEFT's LoRA "
-                        "adapter folder (a tnlg finetune --lora-rank run's SAVE/adapter, or peft's save_pretrained) "
-                        "into its weights, W + (alpha / r) B A, and write the merged model (--to a new tnlg "
-                        "checkpoint, or --to hf DIR)")
     parser.add_argument("--with-optimizer", action="store_true", help="with --from megatron: also convert the "
                         "Adam state (moments, fp32 master of a 16-bit run, step count) of the non-distributed or "
                         "the distributed optimizer (torch_dist, also in its default dp_reshardable bucket layout, "
@@ -160,12 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer_model and src_kind not in _FOREIGN and dst_kind != "hf":
         raise UserError("--tokenizer-model is for --from hf, --from megatron or --to hf; a tnlg checkpoint already "
                         "records its tokenizer, and resharding keeps it.")
-    if getattr(args, "allow_other_tokenizer", False) and (src_kind != "hf" or not args.tokenizer_model):
-        raise UserError("--allow-other-tokenizer is for --from hf DIR with --tokenizer-model: it records that "
-                        "tokenizer although the folder ships another. Drop it, or name the tokenizer.")
-    if getattr(args, "no_tokenizer", False) and (dst_kind != "hf" or args.tokenizer_model):
-        raise UserError("--no-tokenizer is for --to hf, without --tokenizer-model: it writes the weights and config "
-                        "only.")
+    _check_tokenizer_flags(args, src_kind, dst_kind)
     if dst_kind == "hf" and args.tp is not None:
         raise UserError("--tensor-model-parallel-size applies to a tnlg or Megatron destination, not to --to hf.")
     merge = getattr(args, "merge_lora", None)
@@ -206,6 +206,16 @@ def run(args: argparse.Namespace) -> int:
         out = reshard_checkpoint(src, dst, args.tp, describe=GPT.describe)
     print(f"wrote {out}")
     return 0
+
+
+def _check_tokenizer_flags(args: argparse.Namespace, src_kind: str, dst_kind: str) -> None:
+    """One paragraph for ``--allow-other-tokenizer`` or ``--no-tokenizer`` where the conversion has no use for it."""
+    if getattr(args, "allow_other_tokenizer", False) and (src_kind != "hf" or not args.tokenizer_model):
+        raise UserError("--allow-other-tokenizer is for --from hf DIR with --tokenizer-model: it records that "
+                        "tokenizer although the folder ships another. Drop it, or name the tokenizer.")
+    if getattr(args, "no_tokenizer", False) and (dst_kind != "hf" or args.tokenizer_model):
+        raise UserError("--no-tokenizer is for --to hf, without --tokenizer-model: it writes the weights and config "
+                        "only.")
 
 
 def _check_other_tokenizer(src: str, tokenizer_model: str, allow: bool) -> None:

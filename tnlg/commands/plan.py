@@ -488,6 +488,30 @@ def _lora(args, model, result: dict) -> tuple[dict, str]:
     return lora, text
 
 
+def _simulated_and_lora(args, model: Model, layout: Layout, result: dict, text: str) -> str:
+    """One layout's ``--simulate`` (the whole step, or each pipeline stage's) and ``--lora-rank`` parts, added to
+    ``result`` and to ``text``; the text."""
+    lora = _lora(args, model, result) if getattr(args, "lora_rank", None) is not None else None
+    if args.simulate and args.pp > 1:
+        text += "\n\n" + format_stage_simulations(result["pipeline"])
+    elif args.simulate:
+        planned = result["memory"]["total"]
+        if lora is not None:  # the LoRA step: its model states in place of full training's
+            planned += lora[0]["total"] - result["memory"]["model_states"]
+        result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1,
+                                           None if lora is None else (args.lora_rank, lora[0]["targets"]))
+        text += "\n\n" + format_simulation(result["simulation"], planned)
+    if lora is not None:
+        result["lora"], more = lora
+        if "simulation" in result:
+            sim = result["simulation"]["model_state_bytes"]
+            result["lora"]["simulated_total"] = sim
+            more += (f"; simulated (fake tensors, the states live at the first forward): {sim / 2**30:.2f} GiB "
+                     f"(planner {(lora[0]['total'] - sim) / sim:+.1%})")
+        text += "\n\n" + more
+    return text
+
+
 def run(args) -> int:
     """Plan one layout (or search all layouts) and print a table or one JSON object."""
     model = _model(args)
@@ -531,24 +555,7 @@ def run(args) -> int:
         elif args.pipeline_schedule != "1f1b" or args.layers_per_chunk is not None:
             raise UserError("--pipeline-schedule and --num-layers-per-virtual-pipeline-stage describe a pipeline: "
                             "give --pipeline-model-parallel-size P > 1 with them, or drop them.")
-        lora = _lora(args, model, result) if getattr(args, "lora_rank", None) is not None else None
-        if args.simulate and args.pp > 1:
-            text += "\n\n" + format_stage_simulations(result["pipeline"])
-        elif args.simulate:
-            planned = result["memory"]["total"]
-            if lora is not None:  # the LoRA step: its model states in place of full training's
-                planned += lora[0]["total"] - result["memory"]["model_states"]
-            result["simulation"] = _simulation(model, layout, args.gpu or "h100", args.cp or 1,
-                                               None if lora is None else (args.lora_rank, lora[0]["targets"]))
-            text += "\n\n" + format_simulation(result["simulation"], planned)
-        if lora is not None:
-            result["lora"], more = lora
-            if "simulation" in result:
-                sim = result["simulation"]["model_state_bytes"]
-                result["lora"]["simulated_total"] = sim
-                more += (f"; simulated (fake tensors, the states live at the first forward): {sim / 2**30:.2f} GiB "
-                         f"(planner {(lora[0]['total'] - sim) / sim:+.1%})")
-            text += "\n\n" + more
+        text = _simulated_and_lora(args, model, layout, result, text)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     else:

@@ -202,6 +202,16 @@ def recompute_granularity(recompute: Union[bool, str, None]) -> Optional[str]:
     raise UserError(f"recompute granularity {recompute!r} is not one of full, selective (or none).")
 
 
+def _attention_core_bytes(config: GPTConfig, heads_r: int, s: int, b: int, attention: str, scale: int) -> float:
+    """What one layer's attention core keeps for backward on the largest TP rank (``heads_r`` heads)."""
+    if attention == "math":  # softmax output (2), dropout mask (1) and dropout output (2) per score
+        return (5 if config.attention_dropout > 0 else 2) * heads_r * s * s * b * scale
+    if attention == "fused":  # the kernel's output and its fp32 log-sum-exp
+        h, a = config.hidden_size, config.num_attention_heads
+        return (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
+    raise UserError(f"attention kernel {attention!r} is not one of math, fused.")
+
+
 def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Union[bool, str, None],
                      precision: str = "fp16", *, sequence_parallel: bool = False, attention: str = "math",
                      ep: int = 1) -> dict:
@@ -227,8 +237,6 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     heads_r = max(config.heads_per_rank(tp))
     ffn_r = max(config.ffn_per_rank(tp))
     scale = 2 if precision == "fp32" else 1
-    if attention not in ("math", "fused"):
-        raise UserError(f"attention kernel {attention!r} is not one of math, fused.")
     s_r = -(-s // tp) if sequence_parallel and 1 < tp <= s else s  # largest rank: ceil(s / t) positions
     hidden_masks = config.hidden_dropout > 0
     # LayerNorm / QKV / fc inputs (8), two dropout masks (2)
@@ -237,18 +245,12 @@ def activation_bytes(config: GPTConfig, tp: int, micro_batch: int, recompute: Un
     # projection input; the MLP's fc and GeLU outputs (4 bytes per column), SwiGLU's gate and up, silu
     # and product (8)
     split = (s * b * h * 8 * heads_r / a + (8 if config.swiglu else 4) * s * b * ffn_r) * scale
-    core: float
-    if attention == "math":  # softmax output (2), dropout mask (1) and dropout output (2) per score
-        core = (5 if config.attention_dropout > 0 else 2) * heads_r * s * s * b * scale
-    else:  # the kernel's output and its fp32 log-sum-exp
-        core = (2 * s * b * h * heads_r / a) * scale + 4 * heads_r * s * b
+    core = _attention_core_bytes(config, heads_r, s, b, attention, scale)
     per_layer = replicated + split + core
     # a mixture of experts' layer: its MLP slot (routed copies, router, shared expert) for the dense MLP's
-    moe, moe_slot = config.num_moe_layers, None
-    swap = 0.0
-    if moe:
-        moe_slot = moe_activation_bytes(config, tp, s * b, precision)
-        swap = moe_slot["total"] - (8 if config.swiglu else 4) * s * b * ffn_r * scale
+    moe = config.num_moe_layers
+    moe_slot = moe_activation_bytes(config, tp, s * b, precision) if moe else None
+    swap = 0.0 if moe_slot is None else moe_slot["total"] - (8 if config.swiglu else 4) * s * b * ffn_r * scale
     heaviest = per_layer + (swap if moe == l else max(swap, 0.0) if moe else 0.0)  # the largest layer
     layers: float
     working: float

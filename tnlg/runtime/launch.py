@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from .failures import STATUS_FILE_ENV
 from .interfaces import GLOO_IFNAME_ENV, gloo_interface
 from .orphans import LAUNCHER_PID_ENV
-from .process_settings import local_threads
 
 STORE_ENV = "TNLG_STORE"  # host:port of the launcher's loopback store, for its workers (tnlg.parallel.state)
 
@@ -62,7 +61,7 @@ if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
 __all__ = ["under_launcher", "is_rank0", "speaks_for_job", "launcher_world_size", "maybe_launch", "relaunch", "join",
-           "local_threads", "argv_of"]
+           "argv_of"]
 
 
 def under_launcher() -> bool:
@@ -203,13 +202,13 @@ def relaunch(command: str, add_arguments: Callable[[argparse.ArgumentParser], No
 
 def join(tensor_parallel_size: int, **kwargs) -> "ParallelState":
     """This process's :class:`tnlg.parallel.state.ParallelState` as a worker of a command: ``tnlg.init_parallel``
-    (:func:`tnlg.runtime.process_settings.init_parallel`: the launcher's process group, or a world of one
+    (:func:`tnlg.parallel.process_settings.init_parallel`: the launcher's process group, or a world of one
     without a launcher, ``kwargs`` its ``timeout``, ``device``, ...; then the cores shared among the local ranks
     and, on a CPU, glibc's heap keeping freed blocks: the settings a user's script gets alike), then the
     watcher of the other ranks' failures and the flight recorder's folder."""
     from .failures import watch
     from .hang import make_dump_dir
-    from .process_settings import init_parallel
+    from ..parallel.process_settings import init_parallel
     ps = init_parallel(tensor_parallel_size, **kwargs)
     watch()  # another rank's failure stops this one at once (tnlg.runtime.failures)
     make_dump_dir()

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from ..io import atomic_write
 from ..parallel.state import init_parallel
-from .heap import keep_freed_blocks
+from ..parallel.heap import keep_freed_blocks
 from .process_exit import leave
 
 __all__ = ["run_distributed", "run_tnlg", "checkout_env"]

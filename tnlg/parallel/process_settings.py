@@ -6,7 +6,7 @@ user's own process alike.
   inherit it.
 * **Intra-op threads** (:func:`local_threads`): this machine's cores shared evenly among its local processes
   (``LOCAL_WORLD_SIZE``, which ``torchrun`` and tnlg's launcher set), whatever ``OMP_NUM_THREADS`` said.
-* **The CPU heap** (:mod:`tnlg.runtime.heap`): glibc's malloc keeps freed blocks for the next step, unless the
+* **The CPU heap** (:mod:`tnlg.parallel.heap`): glibc's malloc keeps freed blocks for the next step, unless the
   environment sets its thresholds itself.
 
 A command's worker gets the last two from :func:`tnlg.runtime.launch.join`; a user's script gets them from
@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from ..parallel.state import ParallelState
+    from .state import ParallelState
 
 __all__ = ["local_threads", "apply_process_settings", "init_parallel"]
 
@@ -38,7 +38,7 @@ def local_threads() -> int:
 
 def apply_process_settings(device_type: str) -> None:
     """Give this process tnlg's settings: :func:`local_threads` intra-op threads and, on a CPU (``device_type``
-    ``"cpu"``), a heap that keeps freed blocks (:func:`tnlg.runtime.heap.keep_freed_blocks`)."""
+    ``"cpu"``), a heap that keeps freed blocks (:func:`tnlg.parallel.heap.keep_freed_blocks`)."""
     import torch
 
     from .heap import keep_freed_blocks
@@ -56,7 +56,7 @@ def init_parallel(tensor_parallel_size: int = 1, backend: Optional[str] = None,
     exists already, or a plain process of its own), then the settings a ``tnlg`` command's worker runs with
     (:func:`apply_process_settings`: its intra-op threads, its CPU heap). Every rank must call it (``new_group``
     is collective). To run with another number of threads, call ``torch.set_num_threads`` after it."""
-    from ..parallel.state import init_parallel as make_groups
+    from .state import init_parallel as make_groups
     ps = make_groups(tensor_parallel_size, backend=backend, timeout=timeout, init_method=init_method, device=device,
                      pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size)
     apply_process_settings(ps.device.type)
