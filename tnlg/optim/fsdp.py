@@ -277,13 +277,15 @@ class FSDPZero(ShardedBackend):
 
         from .backend import StepResult
         from .clip import _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
-        dense = global_sum_of_squares(*squared_sums(self.grad_pieces()), self.ps, True)
+        dense = global_sum_of_squares(*squared_sums(self.grad_pieces()), self.ps, True, over_pp=False)
         sh, rep = squared_sums(self.grad_pieces(expert=True))
         experts = (_as_device_scalar(sh, self.ps.device) + _as_device_scalar(rep, self.ps.device)).reshape(1)
         for g in (self.ps.group("edp"), self.ps.tp_group, self.ps.group("ep")):
             if g is not None:
                 dist.all_reduce(experts, group=g)
         total = dense + experts[0].to(dense)
+        if self.ps.pp_size > 1:  # (each stage holds different layers, experts included)
+            dist.all_reduce(total, group=self.ps.pp_group)
         from torch._subclasses.fake_tensor import is_fake
         if is_fake(total):  # (plan --simulate: no values to read)
             from .clip import SIMULATED_NORM
