@@ -21,12 +21,15 @@ over whole per-parameter states instead (``optimizer_state_by_param``).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Optional, Protocol, runtime_checkable
+import math
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 
-__all__ = ["DataParallelBackend", "StepResult"]
+from .clip import clip_coefficient
+
+__all__ = ["DataParallelBackend", "StepResult", "clipped_step"]
 
 
 class StepResult(NamedTuple):
@@ -36,6 +39,20 @@ class StepResult(NamedTuple):
     skipped: bool        # inf/NaN gradients: no update was made
     clip_coeff: float    # min(1, clip_grad / (grad_norm + 1e-6))
     loss: Optional[float] = None  # the loss handed to step(), read with the norm; not finite: no update
+
+
+def clipped_step(norm: float, loss_value: Optional[float], loss_scale: float, clip_grad: float,
+                 update: Callable[[float], None]) -> StepResult:
+    """A step once its norm and loss are read: the norm unscaled by ``loss_scale``, the step skipped when it or the
+    loss is inf/NaN, else ``update(coefficient / loss_scale)`` (the AdamW step of each part, the clipping
+    coefficient folded into its unscaling)."""
+    if loss_scale != 1.0:
+        norm = norm / loss_scale
+    skipped = (loss_value is not None and not math.isfinite(loss_value)) or not math.isfinite(norm)
+    coeff = clip_coefficient(norm, clip_grad)
+    if not skipped:
+        update(coeff / loss_scale)
+    return StepResult(norm, skipped, coeff, loss_value)
 
 
 @runtime_checkable

@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import is_fake
 from ..parallel.sharding import uncounted_elements
 from ..parallel.state import ParallelState
 
-__all__ = ["squared_sums", "global_norm", "global_norm_and", "global_sum_of_squares", "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
+__all__ = ["squared_sums", "global_norm", "global_norm_and", "norm_and", "global_sum_of_squares", "summed_sum_of_squares",
+           "clip_coefficient", "clip_grad_norm_", "SIMULATED_NORM"]
 
 # What global_norm reports for fake tensors (no values): a large finite norm, so that a simulated
 # step takes the costliest path (clipping and the update both run).
@@ -159,15 +160,32 @@ def global_norm_and(sharded_sq: Union[float, torch.Tensor], replicated_sq: Union
                     device: Optional[torch.device] = None) -> tuple[float, Optional[float]]:
     """:func:`global_norm`, and the value of the 0-dim (or one-element) tensor ``also`` read in the
     same host synchronisation (the step's loss: one device -> host read per iteration)."""
-    total = global_sum_of_squares(sharded_sq, replicated_sq, ps, over_dp, device)
+    return norm_and(global_sum_of_squares(sharded_sq, replicated_sq, ps, over_dp, device), also)
+
+
+def norm_and(total: torch.Tensor, also: Optional[torch.Tensor]) -> tuple[float, Optional[float]]:
+    """The norm of the whole model's sum of squares ``total`` (a 0-dim tensor on the device) and the value of the
+    0-dim (or one-element) tensor ``also``, read in one host synchronisation (the step's one device -> host read)."""
     if is_fake(total):  # a fake-tensor simulation (tnlg.training.simulate) has no values to read
         return SIMULATED_NORM, None if also is None else 0.0
     if also is None:
-        values = [total.item()]  # the one device -> host read per step
+        values = [total.item()]
     else:
         values = torch.stack([total, also.detach().reshape(()).to(total)]).tolist()
     norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
     return norm, None if also is None else values[1]
+
+
+def summed_sum_of_squares(pieces: Iterable[tuple[torch.Tensor, bool]], device: torch.device,
+                          groups: Iterable[Optional[dist.ProcessGroup]]) -> torch.Tensor:
+    """The sum of squares of gradient ``pieces`` (as :func:`squared_sums` takes them) all-reduced over each of
+    ``groups`` (``None`` skipped): the experts' part of the norm, over the ranks that split them. A 0-dim tensor."""
+    sh, rep = squared_sums(pieces)
+    total = (_as_device_scalar(sh, device) + _as_device_scalar(rep, device)).reshape(1)
+    for g in groups:
+        if g is not None:
+            dist.all_reduce(total, group=g)
+    return total[0]
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -271,34 +271,18 @@ class FSDPZero(ShardedBackend):
         computes it at ZeRO 1."""
         if not any(self.expert):
             return super().step(lr, clip_grad, loss_scale, loss)
-        import math
-
         import torch.distributed as dist
 
-        from .backend import StepResult
-        from .clip import _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
+        from .backend import clipped_step
+        from .clip import global_sum_of_squares, norm_and, squared_sums, summed_sum_of_squares
         dense = global_sum_of_squares(*squared_sums(self.grad_pieces()), self.ps, True, over_pp=False)
-        sh, rep = squared_sums(self.grad_pieces(expert=True))
-        experts = (_as_device_scalar(sh, self.ps.device) + _as_device_scalar(rep, self.ps.device)).reshape(1)
-        for g in (self.ps.group("edp"), self.ps.tp_group, self.ps.group("ep")):
-            if g is not None:
-                dist.all_reduce(experts, group=g)
-        total = dense + experts[0].to(dense)
+        experts = summed_sum_of_squares(self.grad_pieces(expert=True), self.ps.device,
+                                        (self.ps.group("edp"), self.ps.tp_group, self.ps.group("ep")))
+        total = dense + experts.to(dense)
         if self.ps.pp_size > 1:  # (each stage holds different layers, experts included)
             dist.all_reduce(total, group=self.ps.pp_group)
-        from torch._subclasses.fake_tensor import is_fake
-        if is_fake(total):  # (plan --simulate: no values to read)
-            from .clip import SIMULATED_NORM
-            return StepResult(SIMULATED_NORM, False, 1.0, None if loss is None else 0.0)
-        values = [total.item()] if loss is None else torch.stack([total, loss.detach().reshape(()).to(total)]).tolist()
-        norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
-        loss_value = None if loss is None else values[1]
-        norm = norm / loss_scale if loss_scale != 1.0 else norm
-        skipped = (loss_value is not None and not math.isfinite(loss_value)) or not math.isfinite(norm)
-        coeff = clip_coefficient(norm, clip_grad)
-        if not skipped:
-            self.adam_step(lr, coeff / loss_scale)
-        return StepResult(norm, skipped, coeff, loss_value)
+        norm, loss_value = norm_and(total, loss)
+        return clipped_step(norm, loss_value, loss_scale, clip_grad, lambda factor: self.adam_step(lr, factor))
 
     def state_group(self, name: str):
         """The expert-DP group for a routed expert's parameter (module docstring), else DP (x CP)."""

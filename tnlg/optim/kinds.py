@@ -19,7 +19,6 @@ changes); ZeRO 2 and 3 with EP > 1 are FSDP2's, the experts sharded over their o
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -27,10 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..parallel.state import ParallelState
-from .backend import StepResult
-from torch._subclasses.fake_tensor import is_fake
+from .backend import StepResult, clipped_step
 
-from .clip import SIMULATED_NORM, _as_device_scalar, clip_coefficient, global_sum_of_squares, squared_sums
+from .clip import global_sum_of_squares, norm_and, squared_sums, summed_sum_of_squares
 from .zero import FlatZero
 
 __all__ = ["KindsBackend", "is_expert", "needs_kinds"]
@@ -77,14 +75,9 @@ class KindsBackend:
 
     def _expert_sq(self) -> torch.Tensor:
         """The experts' sum of squares over the whole model (expert-DP where partitioned, TP, EP)."""
-        sh, rep = squared_sums(self.expert.grad_pieces())
-        total = (_as_device_scalar(sh, self.ps.device) + _as_device_scalar(rep, self.ps.device)).reshape(1)
         eps = self.expert.ps
         groups = ([eps.dp_group] if self.expert.grads_sharded_over_dp else []) + [self.ps.tp_group, self.ps.ep_group]
-        for g in groups:
-            if g is not None:
-                dist.all_reduce(total, group=g)
-        return total[0]
+        return summed_sum_of_squares(self.expert.grad_pieces(), self.ps.device, groups)
 
     def step(self, lr: float, clip_grad: float, loss_scale: float,
              loss: Optional[torch.Tensor] = None) -> StepResult:
@@ -97,19 +90,12 @@ class KindsBackend:
         total = dense_sq + self._expert_sq().to(dense_sq)
         if self.ps.pp_size > 1:  # (each stage holds different layers)
             dist.all_reduce(total, group=self.ps.pp_group)
-        if is_fake(total):
-            norm, loss_value = SIMULATED_NORM, None if loss is None else 0.0
-        else:
-            values = [total.item()] if loss is None else torch.stack([total, loss.detach().reshape(()).to(total)]).tolist()
-            norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
-            loss_value = None if loss is None else values[1]
-        norm = norm / loss_scale if loss_scale != 1.0 else norm
-        skipped = (loss_value is not None and not math.isfinite(loss_value)) or not math.isfinite(norm)
-        coeff = clip_coefficient(norm, clip_grad)
-        if not skipped:
+        norm, loss_value = norm_and(total, loss)
+
+        def update(factor: float) -> None:
             for b in self.parts:
-                b.adam_step(lr, coeff / loss_scale)
-        return StepResult(norm, skipped, coeff, loss_value)
+                b.adam_step(lr, factor)
+        return clipped_step(norm, loss_value, loss_scale, clip_grad, update)
 
     def zero_grad(self) -> None:
         for b in self.parts:

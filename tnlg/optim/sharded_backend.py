@@ -19,7 +19,6 @@ gradients are sharded, one over TP of the sharded sum; the one host read of the 
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -27,8 +26,8 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..parallel.state import ParallelState
-from .backend import StepResult
-from .clip import clip_coefficient, global_norm_and, squared_sums
+from .backend import StepResult, clipped_step
+from .clip import global_norm_and, squared_sums
 
 __all__ = ["ShardedBackend", "check_shape"]
 
@@ -71,14 +70,7 @@ class ShardedBackend:
         self.finish_grad_sync()
         sh, rep = squared_sums(self.grad_pieces())
         norm, loss_value = global_norm_and(sh, rep, self.ps, self.grads_sharded_over_dp, loss)
-        if loss_scale != 1.0:
-            norm = norm / loss_scale
-        diverged = loss_value is not None and not math.isfinite(loss_value)
-        skipped = diverged or not math.isfinite(norm)
-        coeff = clip_coefficient(norm, clip_grad)
-        if not skipped:
-            self.adam_step(lr, coeff / loss_scale)
-        return StepResult(norm, skipped, coeff, loss_value)
+        return clipped_step(norm, loss_value, loss_scale, clip_grad, lambda factor: self.adam_step(lr, factor))
 
     def param_shapes(self) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
