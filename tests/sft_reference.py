@@ -67,6 +67,18 @@ def reference_losses(model, opt, samples_, iters: int) -> list[float]:
     return losses
 
 
+def folder_losses(folder, samples_, iters: int, lr: float) -> list[float]:
+    """The Hugging Face folder's model (fp32) trained by :func:`reference_losses` with ``torch.optim.AdamW``: decay
+    0.01 on matrices only, betas (0.9, 0.999), eps 1e-8, learning rate ``lr`` held."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.01),
+                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
+                            lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    return reference_losses(model, opt, samples_, iters)
+
+
 def train(ps, runs):
     """Each option set trained in this process group (one pool launch per world size): the losses of each."""
     from tnlg.training import train as train_run

@@ -13,24 +13,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from .pool import run_distributed
-from .sft_reference import ROWS, SEQ, finetune_options as _options, hf_model as _hf_model, reference_losses
+from .sft_reference import ROWS, SEQ, finetune_options as _options, folder_losses, hf_model as _hf_model
 from .sft_reference import samples as _samples, train as _train
 
 ITERS, LR = 5, 2e-3
-
-
-def _reference(hf_dir: str, samples) -> list[float]:
-    """Plain transformers + torch AdamW (decay on matrices only): ITERS steps, each on every sample."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.01),
-                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
-                            lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    return reference_losses(model, opt, samples, ITERS)
 
 
 LAYOUTS = {1: [("tp1", [])], 2: [("tp2-sp", ["--tp", "2", "--sequence-parallel"]), ("cp2", ["--cp", "2"]),
@@ -53,7 +41,7 @@ def runs(tmp_path_factory):
     for kind in ("gpt2", "llama"):
         hf_dir = tmp / f"hf-{kind}"
         _hf_model(kind).save_pretrained(hf_dir)
-        ref = _reference(str(hf_dir), samples)
+        ref = folder_losses(str(hf_dir), samples, ITERS, LR)  # plain transformers + torch's AdamW
         common = ["--load", str(hf_dir), "--tokenizer-model", tok_path, "--sft-data-path", str(rows),
                   "--train-iters", str(ITERS), "--lr", str(LR), "--lr-decay-style", "constant", "--clip-grad", "0",
                   "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0", "--no-plot",

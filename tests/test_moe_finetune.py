@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from .pool import run_distributed
-from .sft_reference import ROWS, SEQ, finetune_options, reference_losses, samples, train
+from .sft_reference import ROWS, SEQ, finetune_options, folder_losses, samples, train
 
 
 ITERS, LR = 5, 2e-3
@@ -52,21 +52,11 @@ def folder(tmp_path_factory):
     return path
 
 
-def _reference(folder, samples_) -> list[float]:
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.01),
-                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
-                            lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    return reference_losses(model, opt, samples_, ITERS)
-
-
 @pytest.mark.slow
 def test_fine_tuning_a_mixtral_folder_equals_transformers_at_tp_and_ep(folder, tmp_path):
     from tnlg.data.tokenizer import builtin_tokenizer_path, load_tokenizer
     tok_path = builtin_tokenizer_path()
-    ref = _reference(folder, samples(load_tokenizer(tok_path)))
+    ref = folder_losses(folder, samples(load_tokenizer(tok_path)), ITERS, LR)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(dict(prompt=p, completion=c)) + "\n" for p, c in ROWS))
     common = ["--load", str(folder), "--tokenizer-model", tok_path, "--sft-data-path", str(rows),
