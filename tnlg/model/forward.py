@@ -25,36 +25,40 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-__all__ = ["ForwardContext", "AuxLosses"]
+__all__ = ["ForwardContext", "AuxLosses", "SharedMapping"]
 
 
-class AuxLosses(MutableMapping):
-    """The named auxiliary losses of one forward (:attr:`ForwardContext.aux`): a mapping that is deliberately no
-    ``dict``. FSDP2's hooks pass a unit's arguments through ``torch.distributed.utils._apply_to_tensors``, which
-    rebuilds every dict and dataclass it meets; a ``dict`` of losses would then be a fresh copy in each block, and
-    the terms the later blocks add would be lost. This object is passed through as it is (the context around it
-    may be copied: the copies share it)."""
+class SharedMapping(MutableMapping):
+    """A mapping that is deliberately no ``dict``, for what every block of one forward shares. FSDP2's hooks pass a
+    unit's arguments through ``torch.distributed.utils._apply_to_tensors``, which rebuilds every dict and dataclass
+    it meets; a ``dict`` would then be a fresh copy in each block, and what the later blocks add (or read of what
+    the earlier ones added) would be lost. This object is passed through as it is (the context around it may be
+    copied: the copies share it)."""
 
     def __init__(self) -> None:
-        self._terms: dict[str, torch.Tensor] = {}
+        self._items: dict = {}
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._terms[key]
+    def __getitem__(self, key):
+        return self._items[key]
 
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        self._terms[key] = value
+    def __setitem__(self, key, value) -> None:
+        self._items[key] = value
 
-    def __delitem__(self, key: str) -> None:
-        del self._terms[key]
+    def __delitem__(self, key) -> None:
+        del self._items[key]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._terms)
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
 
     def __len__(self) -> int:
-        return len(self._terms)
+        return len(self._items)
 
     def __repr__(self) -> str:
-        return f"AuxLosses({self._terms!r})"
+        return f"{type(self).__name__}({self._items!r})"
+
+
+class AuxLosses(SharedMapping):
+    """The named auxiliary losses of one forward (:attr:`ForwardContext.aux`), name -> loss tensor."""
 
 
 @dataclass
@@ -77,7 +81,7 @@ class ForwardContext:
     kv_cache: Optional[Any] = None
     last_only: bool = False
     aux: AuxLosses = field(default_factory=AuxLosses)
-    masks: dict[Hashable, tuple[Any, Any]] = field(default_factory=dict, repr=False)
+    masks: SharedMapping = field(default_factory=SharedMapping, repr=False)  # key -> (attention_mask, value)
 
     def shared(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The value ``build()`` gives for ``key`` (e.g. ``(s, kv_len, window)``), built by the first layer that
